@@ -1,0 +1,20 @@
+# Two entry points a fresh machine needs: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/loraplex: pyproject.toml requirements.lock
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+.PHONY: setup demo test
+setup: $(BIN)/loraplex
+
+demo: setup
+	$(BIN)/loraplex demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
