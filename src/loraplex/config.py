@@ -1,0 +1,67 @@
+"""Engine configuration and size parsing; importable by every package."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `512MiB`, `4GiB`, `1.5GB` or a plain integer."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match[2].lower() not in _UNITS:
+        raise ValueError(f"bad size {text!r}: use a number with an optional unit such as 512MiB or 4GiB")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = "auto"
+    """auto (the model's own dtype), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    max_loras: int = 4
+    """Adapter slots on the device: at most this many distinct adapters run in one batch."""
+    max_lora_rank: int = 64
+    """Slots are padded to this rank; adapters above it are refused."""
+    max_num_seqs: int = 64
+    """Sequences in the running batch."""
+    max_model_len: int | None = None
+    """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
+    max_num_batched_tokens: int = 4096
+    """Tokens one step may process (prefill tokens plus one per decoding sequence)."""
+    kv_cache_bytes: int = 256 * 2**20
+    """Memory for the paged KV cache."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_lora_bytes_per_step: int | None = None
+    """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None: no cap)."""
+    max_cpu_loras: int | None = None
+    """Host-memory adapter copies kept ready for a slot (count)."""
+    cpu_cache_bytes: int = 2 * 2**30
+    """Host-memory adapter copies kept ready for a slot (bytes)."""
+    eviction_policy: str = "score"
+    """score (default) or lru."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
+        if self.max_num_seqs < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs and block_size must be at least 1")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r}: use auto, cpu or cuda")
+        if self.eviction_policy not in ("score", "lru"):
+            raise ValueError(f"eviction_policy {self.eviction_policy!r}: use score or lru")
+        object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -1,0 +1,232 @@
+"""The engine: one base model, many adapters, continuous batching. `step()` is the whole serving loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from loraplex.cache.cache import AdapterCache, AdapterUnavailable
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import LRUPolicy
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.loader import load_model, resolve_device, resolve_dtype
+from loraplex.engine.lora import LoRASlotPool, pack_adapter
+from loraplex.engine.runner import ModelRunner, kv_bytes_per_token
+from loraplex.engine.sampler import sample
+from loraplex.engine.scheduler import ScheduledBatch, Scheduler
+from loraplex.engine.sequence import InvalidRequest, RequestOutput, SamplingParams, Sequence, Status
+from loraplex.engine.tokenizer import Tokenizer
+from loraplex.lora_format import AdapterRejected, AdapterSpec, read_adapter
+from loraplex.model_config import ModelConfig, base_model_digest
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, policy=None):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.device = resolve_device(config.device)
+        self.model = load_model(config.model_dir, self.dtype, self.device)
+        self.base_model_digest = base_model_digest(config.model_dir)
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        self.eos_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.pool = LoRASlotPool(self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        self.model.attach_lora(self.pool)
+        self.adapters = AdapterCache(
+            self.pool,
+            self._load_adapter,
+            cpu_bytes=config.cpu_cache_bytes,
+            max_cpu_loras=config.max_cpu_loras,
+            policy=policy or LRUPolicy(),
+        )
+        num_blocks = config.kv_cache_bytes // (config.block_size * kv_bytes_per_token(self.model, self.dtype))
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_bytes {config.kv_cache_bytes} holds {num_blocks * config.block_size} tokens, "
+                f"fewer than max_model_len {self.max_model_len}"
+            )
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.blocks, self.adapters)
+        self.runner = ModelRunner(self.model, self.pool, self.blocks, self.dtype, self.device)
+        self.requests: dict[str, Sequence] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._inbox_lock = threading.Lock()
+        self._failed: list[RequestOutput] = []
+
+    # -- adapters --------------------------------------------------------------------------------
+    def validate_adapter(self, path: str | Path) -> AdapterSpec:
+        """Check a PEFT directory against the base model; raises AdapterRejected naming the field."""
+        return read_adapter(path, self.model_config, self.config.max_lora_rank)
+
+    def adapter_ref(self, name: str, path: str | Path, revision: str = "local", digest: str | None = None,
+                    **kwargs) -> AdapterRef:
+        """A reference for a local adapter directory (validated now, so a bad one fails here)."""
+        spec = self.validate_adapter(path)
+        if digest is None:
+            from loraplex.registry.store import canonical_digest
+
+            digest = canonical_digest(Path(path))
+        key = AdapterKey(self.base_model_digest, name, revision, digest)
+        return AdapterRef(key, Path(spec.path), **kwargs)
+
+    def _load_adapter(self, ref: AdapterRef):
+        try:
+            spec = self.validate_adapter(ref.path)
+            return pack_adapter(spec, self.model_config, self.dtype, pin=self.device.type == "cuda")
+        except (AdapterRejected, OSError) as exc:
+            raise AdapterUnavailable(f"adapter {ref.key}: {exc}") from exc
+
+    # -- requests (any thread) -------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
+                    request_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise InvalidRequest("prompt", "prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}",
+            )
+        if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
+            raise InvalidRequest("prompt", f"token ids must be in [0, {self.model_config.vocab_size})")
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.cache_tier = self.adapters.tier_of(adapter.key) if adapter else "gpu"
+        with self._inbox_lock:
+            self._inbox.append(("add", seq))
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.scheduler.has_work() or self._failed)
+
+    # -- the loop (one thread) -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._take_inbox()
+        self._fail_unavailable(self.adapters.poll())
+        outputs, self._failed = self._failed, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        seqs, logits = self.runner.run(batch)
+        tokens, logprobs = sample(logits, seqs, self.eos_ids)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            outputs.append(self._append(seq, token, logprob))
+        return outputs
+
+    def _take_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif item in self.requests:
+                seq = self.requests.pop(item)
+                self.scheduler.finish(seq, "abort")
+
+    def _fail_unavailable(self, failures: list[tuple[AdapterKey, Exception]]) -> None:
+        """A failed load fails only the requests waiting for that adapter."""
+        for key, error in failures:
+            for seq in [s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key]:
+                self.scheduler.finish(seq, "error")
+                self.requests.pop(seq.request_id, None)
+                self._failed.append(self._output(seq, [], "", [], error=error))
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:
+        seq.first_token_at = seq.first_token_at or time.monotonic()
+        seq.output_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        reason = self._finish_reason(seq, token)
+        text = self.tokenizer.decode(seq.output_ids)
+        if seq.params.stop:
+            hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+            if hits:
+                text, reason = text[: min(hits)], "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        seq.text = text
+        # Hold back what could still become a stop string, or half of a multi-byte character.
+        hold = 0 if reason else max((len(s) - 1 for s in seq.params.stop), default=0)
+        ready = len(text) - hold
+        if not reason and text.endswith("\ufffd"):
+            ready = min(ready, len(text) - 1)
+        delta = text[seq.sent_chars : max(ready, seq.sent_chars)]
+        seq.sent_chars += len(delta)
+        new_ids = seq.output_ids[seq.sent_tokens :]
+        new_logprobs = seq.output_logprobs[seq.sent_tokens :]
+        seq.sent_tokens = len(seq.output_ids)
+        return self._output(seq, new_ids, delta, new_logprobs)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+                return "stop"
+        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq, ids, text, logprobs, error=None) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, ids, text, logprobs, seq.status is Status.FINISHED, seq.finish_reason,
+            len(seq.prompt_ids), len(seq.output_ids), error,
+        )
+
+    # -- convenience -----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapters: list[AdapterRef | None] | None = None) -> list[list[int]]:
+        """Run requests to completion in one continuous batch; the output token ids per prompt."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        adapters = adapters or [None] * len(prompts)
+        ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, params_list, adapters)]
+        done: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_work():
+            for out in self.step():
+                if out.error is not None:
+                    raise out.error
+                done[out.request_id] += out.token_ids
+            if not self.scheduler.running and self.adapters.loading:
+                time.sleep(0.001)  # everything waits on a load: do not spin
+        return [done[i] for i in ids]
+
+    def score(self, prompts: list[list[int]], adapters: list[AdapterRef | None]) -> list[torch.Tensor]:
+        """Logits [len, vocab] of every prompt position, all prompts in one mixed-adapter prefill step."""
+        seqs = [Sequence(f"score-{i}", list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+        pending = list(seqs)
+        while pending:  # make every adapter resident first (a step of its own, like any waiting request)
+            self._fail_unavailable(self.adapters.poll())
+            for seq in list(pending):
+                if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
+                    pending.remove(seq)
+            if pending:
+                time.sleep(0.001)
+        try:
+            for seq in seqs:
+                if not self.blocks.can_allocate(seq):
+                    raise InvalidRequest("prompt", "prompts do not fit in the KV cache together")
+                self.blocks.allocate(seq)
+            ordered, logits = self.runner.run(ScheduledBatch(prefills=seqs), all_tokens=True)
+        finally:
+            for seq in seqs:
+                self.scheduler.release(seq)
+        spans = torch.tensor([len(s) for s in ordered]).cumsum(0).tolist()
+        by_id = {s.request_id: logits[end - len(s) : end] for s, end in zip(ordered, spans)}
+        return [by_id[s.request_id] for s in seqs]
+
+    def close(self) -> None:
+        self.adapters.close()

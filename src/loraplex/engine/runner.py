@@ -1,0 +1,74 @@
+"""Turns a scheduled batch into tensors, runs the model, returns each sequence's next-token logits."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.lora import LoRASlotPool, build_lora_groups
+from loraplex.engine.model import AttentionMeta, CausalLM
+from loraplex.engine.scheduler import ScheduledBatch
+from loraplex.engine.sequence import Sequence
+
+
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: LoRASlotPool, blocks: BlockManager, dtype, device):
+        self.model = model
+        self.pool = pool
+        self.blocks = blocks
+        self.device = device
+        cfg = model.config
+        positions = blocks.num_blocks * blocks.block_size
+        shape = (positions, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> tuple[list[Sequence], torch.Tensor]:
+        """The batch's sequences, ordered by adapter slot, and their next-token logits [B, V].
+
+        With all_tokens, the logits of every token of the step instead ([T, V], sequences in the returned order).
+        """
+        # Tokens of one adapter sit together so the LoRA ops see long segments.
+        prefills = sorted(batch.prefills, key=lambda s: s.lora_slot)
+        decodes = sorted(batch.decodes, key=lambda s: s.lora_slot)
+        ids, positions, slots, token_slots, prefill_spans, last = [], [], [], [], [], []
+        for seq in prefills:
+            n = len(seq)
+            prefill_spans.append((len(ids), n))
+            ids += seq.all_ids
+            positions += range(n)
+            slots += [self.blocks.position(seq, i) for i in range(n)]
+            token_slots += [seq.lora_slot] * n
+            last.append(len(ids) - 1)
+        decode_start = len(ids)
+        for seq in decodes:
+            n = len(seq)
+            ids.append(seq.all_ids[-1])
+            positions.append(n - 1)
+            slots.append(self.blocks.position(seq, n - 1))
+            token_slots.append(seq.lora_slot)
+            last.append(len(ids) - 1)
+        dev = self.device
+        attn = AttentionMeta(
+            slot_mapping=torch.tensor(slots, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            prefills=prefill_spans,
+        )
+        if decodes:
+            attn.decode_tokens = torch.arange(decode_start, len(ids), device=dev)
+            attn.decode_lens = torch.tensor([len(s) for s in decodes], device=dev)
+            width = max(len(s) for s in decodes)
+            table = [[self.blocks.position(s, i) for i in range(len(s))] + [0] * (width - len(s)) for s in decodes]
+            attn.decode_kv = torch.tensor(table, device=dev)
+        lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
+        hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
+        logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])
+        return prefills + decodes, logits

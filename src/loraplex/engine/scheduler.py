@@ -1,0 +1,115 @@
+"""Iteration-level scheduling: who decodes, who joins, who is preempted, in each step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraplex.cache.cache import AdapterCache
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.prefills + self.decodes
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterCache):
+        self.config = config
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted a moment ago to make room for an earlier sequence
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]  # the latest admitted gives way
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.append(seq)
+                batch.decodes.append(seq)
+        self._admit(batch)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch) -> None:
+        budget = self.config.max_num_batched_tokens - len(batch.decodes)
+        lora_bytes = self._lora_bytes(self.running)
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or len(seq) > budget:
+                break
+            if not self.blocks.can_allocate(seq):
+                break  # first come, first served for memory: later requests do not overtake
+            if seq.adapter is not None and not self.take_adapter(seq, lora_bytes):
+                continue  # its adapter is loading or over the step's LoRA budget: others go ahead
+            self.waiting.remove(seq)
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            seq.admitted_at = seq.admitted_at or time.monotonic()
+            self.running.append(seq)
+            batch.prefills.append(seq)
+            budget -= len(seq)
+            lora_bytes = self._lora_bytes(self.running)
+
+    def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
+        key = seq.adapter.key
+        limit = self.config.max_lora_bytes_per_step
+        in_batch = any(s.adapter is not None and s.adapter.key == key for s in self.running)
+        if limit is not None and not in_batch and lora_bytes and lora_bytes + self.adapters.nbytes_of(key) > limit:
+            return False
+        slot = self.adapters.acquire(seq.adapter)
+        if slot is None:
+            return False
+        seq.lora_slot, seq.holds_adapter = slot, True
+        return True
+
+    def _lora_bytes(self, seqs: list[Sequence]) -> int:
+        keys = {s.adapter.key for s in seqs if s.adapter is not None}
+        return sum(self.adapters.nbytes_of(k) for k in keys)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's memory; it waits at the front and recomputes its tokens when readmitted."""
+        self.running.remove(seq)
+        self.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if seq.holds_adapter:
+            self.adapters.release(seq.adapter.key)
+            seq.holds_adapter, seq.lora_slot = False, -1

@@ -1,0 +1,115 @@
+"""A request's life in the engine: its sampling parameters and its sequence state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1: no top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    """None: no logprobs; N: the chosen token's logprob and the N most likely alternatives."""
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 or positive"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise InvalidRequest(name, f"{name} {why}")
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(
+            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
+        )
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: object | None = None  # an AdapterRef, or None for the base model
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    lora_slot: int = -1
+    holds_adapter: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    generator: torch.Generator | None = None
+    first_token_at: float | None = None
+    admitted_at: float | None = None
+    cache_tier: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas since the last output)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: Exception | None = None

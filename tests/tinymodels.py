@@ -1,0 +1,97 @@
+"""Tiny random models (transformers) and adapters (peft) built locally for the tests; nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def save_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    text = ["the quick brown fox jumps over the lazy dog " * 4, "hello world, adapters and slots " * 4]
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "chat_template": '
+        '"{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}assistant:{% endif %}"}'
+    )
+
+
+def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
+    """Save a tiny random model of one architecture with its tokenizer; returns the directory."""
+    import transformers
+
+    common = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=1, bos_token_id=0,
+    )
+    common.update(overrides)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **common),
+        "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 8, **common}),
+    }[kind]()
+    torch.manual_seed(0)
+    model = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[kind](config)
+    with torch.no_grad():  # make biases and norms non-trivial so they are really checked
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
+# name -> LoraConfig arguments; covers ranks 4/8/16, alpha != r, rslora, attention-only, MLP-only, patterns.
+ADAPTERS = {
+    "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp-r4": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all-r16-rslora": dict(
+        r=16, lora_alpha=8, use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "pattern": dict(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"v_proj": 4}, alpha_pattern={"down_proj": 3}, layers_to_transform=[1],
+    ),
+    "regex-r4": dict(r=4, lora_alpha=6, target_modules=r".*\.(k_proj|up_proj)"),
+}
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int = 0, **lora_args) -> Path:
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **lora_args))
+    with torch.no_grad():  # init_lora_weights=False gives non-zero B; make the effect clearly visible
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    return {
+        name: make_adapter(model_dir, root / name, seed=i, **args) for i, (name, args) in enumerate(ADAPTERS.items())
+    }
