@@ -76,12 +76,14 @@ ADAPTERS = {
 }
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int = 0, **lora_args) -> Path:
+def make_adapter(model_dir: Path, out: Path, seed: int = 0, base=None, **lora_args) -> Path:
+    import copy
+
     import transformers
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    base = copy.deepcopy(base) if base is not None else transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **lora_args))
     with torch.no_grad():  # init_lora_weights=False gives non-zero B; make the effect clearly visible
         for name, p in peft_model.named_parameters():
@@ -92,6 +94,41 @@ def make_adapter(model_dir: Path, out: Path, seed: int = 0, **lora_args) -> Path
 
 
 def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     return {
-        name: make_adapter(model_dir, root / name, seed=i, **args) for i, (name, args) in enumerate(ADAPTERS.items())
+        name: make_adapter(model_dir, root / name, seed=i, base=base, **args)
+        for i, (name, args) in enumerate(ADAPTERS.items())
     }
+
+
+def peft_reference(model_dir: Path, adapters: dict[str, Path]):
+    """HF transformers + PEFT with every adapter loaded: the reference our numbers are checked against."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_logits(model, prompt: list[int], adapter: str | None) -> torch.Tensor:
+    return model(torch.tensor([prompt]), adapter_names=[adapter or "__base__"]).logits[0]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if adapter is None:
+        with model.disable_adapter():
+            out = model.generate(ids, **kwargs)
+    else:
+        model.set_adapter(adapter)
+        out = model.generate(ids, **kwargs)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,160 @@
+"""Fixtures: real PEFT adapters on the tiny Llama (tests/tinymodels.py), registries on SQLite files and on a
+throwaway PostgreSQL cluster when the machine has one."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from tinymodels import make_adapter, make_model
+
+from loraplex.registry import ArtifactStore, Registry
+
+ATTN = ["q_proj", "v_proj"]
+
+
+@pytest.fixture(scope="session")
+def adapter_factory(llama_dir, tmp_path_factory):
+    """make(key, **lora_args) -> directory of a real PEFT adapter on `llama_dir`, built once per key."""
+    root = tmp_path_factory.mktemp("registry-adapters")
+    made: dict[str, Path] = {}
+
+    def make(key: str, base: Path | None = None, seed: int = 0, **lora_args) -> Path:
+        if key not in made:
+            lora_args.setdefault("r", 4)
+            lora_args.setdefault("lora_alpha", 8)
+            lora_args.setdefault("target_modules", ATTN)
+            made[key] = make_adapter(base or llama_dir, root / key, seed=seed, **lora_args)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def adapter_v1(adapter_factory):
+    return adapter_factory("v1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def adapter_v2(adapter_factory):
+    return adapter_factory("v2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def adapter_v3(adapter_factory):
+    return adapter_factory("v3", seed=3, r=8, target_modules=["q_proj", "k_proj", "down_proj"])
+
+
+@pytest.fixture(scope="session")
+def other_base_dir(tmp_path_factory):
+    """Same shapes as the tiny Llama, another name: adapters made on it belong to another base model."""
+    return make_model(tmp_path_factory.mktemp("other-base"), "llama")
+
+
+@pytest.fixture(scope="session")
+def wide_base_dir(tmp_path_factory):
+    """Hidden size 32: adapters made on it do not fit the tiny Llama's shapes."""
+    return make_model(tmp_path_factory.mktemp("wide"), "llama", hidden_size=32, intermediate_size=64)
+
+
+# ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists -----------------------
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return found[-1].parent if found else None
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """(socket dir, run-as prefix) of a running throwaway cluster, or skip saying why there is none."""
+    bin_dir = _pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg is not installed")
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses to run as root
+        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True).returncode:
+            pytest.skip("running as root without a postgres user and runuser to start a cluster")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    work = Path(tempfile.mkdtemp(prefix="loraplex-pg-"))
+    work.chmod(0o755)
+    if as_user:
+        shutil.chown(work, "postgres")
+    data = work / "data"
+    run = lambda *args: subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)  # noqa: E731
+    init = run(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+    if init.returncode:
+        shutil.rmtree(work, ignore_errors=True)
+        pytest.skip(f"initdb failed: {init.stderr.strip()[-300:]}")
+    options = f"-k {work} -c listen_addresses='' -c fsync=off -c max_connections=60"
+    start = run(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(work / "log"), "-w", "start")
+    if start.returncode:
+        shutil.rmtree(work, ignore_errors=True)
+        pytest.skip(f"pg_ctl start failed: {start.stderr.strip()[-300:]}")
+    try:
+        yield work
+    finally:
+        run(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_db_numbers = itertools.count()
+
+
+def _new_pg_database(socket_dir: Path) -> str:
+    import psycopg
+
+    name = f"registry_{os.getpid()}_{next(_db_numbers)}"
+    with psycopg.connect(host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"postgresql://postgres@/{name}?host={socket_dir}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A fresh, empty database: a SQLite file, and (second run) a PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/registry.db"
+    return _new_pg_database(request.getfixturevalue("postgres_server"))
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    return f"sqlite:///{tmp_path}/registry.db"
+
+
+@pytest.fixture
+def make_registry(tmp_path, llama_dir):
+    """make(url, **kwargs) -> an initialized Registry with a store in tmp_path; closed at the end."""
+    opened: list[Registry] = []
+
+    def make(url: str, **kwargs) -> Registry:
+        kwargs.setdefault("store", ArtifactStore(tmp_path / "store"))
+        kwargs.setdefault("base_model_dir", llama_dir)
+        registry = Registry(url, **kwargs)
+        registry.init()
+        opened.append(registry)
+        return registry
+
+    yield make
+    for registry in opened:
+        registry.close()
+
+
+@pytest.fixture
+def registry(make_registry, db_url):
+    return make_registry(db_url)
+
+
+@pytest.fixture
+def sqlite_registry(make_registry, sqlite_url):
+    return make_registry(sqlite_url)
