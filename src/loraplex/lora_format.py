@@ -184,3 +184,22 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
         estimated_bytes=estimated,
         actual_bytes=actual,
     )
+
+
+def check_base_model(spec: AdapterSpec, base_name: str) -> None:
+    """Refuse an adapter whose config names another base model than `base_name`.
+
+    Names compare by their last path component, case-insensitively, so that a hub id `org/Model` and a
+    local directory `/models/Model` match. An adapter that names no base model is accepted.
+    """
+    if not spec.base_model_name:
+        return
+    if _model_stem(spec.base_model_name) != _model_stem(base_name):
+        raise AdapterRejected(
+            "base_model_name_or_path",
+            f"the adapter was trained on {spec.base_model_name!r}, not on the base model {base_name!r}",
+        )
+
+
+def _model_stem(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()

@@ -145,6 +145,16 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
                 self._failed.append(self._output(seq, [], "", [], error=error))
 
+    def fail_all(self, error: Exception) -> list[RequestOutput]:
+        """End every request with the error (after a failed step) so that no client waits forever."""
+        self._take_inbox()
+        outputs = []
+        for seq in list(self.requests.values()):
+            self.scheduler.finish(seq, "error")
+            outputs.append(self._output(seq, [], "", [], error=error))
+        self.requests.clear()
+        return outputs
+
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:
         seq.first_token_at = seq.first_token_at or time.monotonic()
         seq.output_ids.append(token)

@@ -1,0 +1,76 @@
+"""The engine's step loop on its own thread, with an async iterator of outputs per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from loraplex.cache.key import AdapterRef
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug: fail what is in flight rather than hang every client
+                log.exception("engine step failed")
+                outputs = self.engine.fail_all(exc)
+            for out in outputs:
+                self._deliver(out)
+            if not self.engine.scheduler.running and self.engine.adapters.loading:
+                time.sleep(0.001)  # every request waits on a load: do not spin
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs as the request advances; leaving the loop early (a client gone) aborts it at once."""
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.engine.add_request(prompt_ids, params, adapter, request_id)
+            self._wake.set()
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                if out.error is not None:
+                    raise out.error
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self.engine.close()

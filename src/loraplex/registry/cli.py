@@ -1,0 +1,393 @@
+"""`loraplex registry ...`: the operator's commands over the registry (a typer sub-app)."""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loraplex.model_config import ModelConfigError
+from loraplex.registry.db import SCHEMA_VERSION
+from loraplex.registry.errors import AdapterRejected, RegistryError
+from loraplex.registry.records import AdapterRecord
+from loraplex.registry.registry import Registry, default_store_for
+from loraplex.registry.signing import generate_keypair, load_private_key, load_public_key, sign_digest
+from loraplex.registry.stats import revision_stats
+from loraplex.registry.store import ArtifactStore, canonical_digest
+
+app = typer.Typer(name="registry", help="Adapters, revisions, rollouts, tenants and keys.", no_args_is_help=True,
+                  add_completion=False)
+tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
+key_app = typer.Typer(help="API keys (stored hashed; a new key is printed once).", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "loraplex"
+
+
+@dataclass(frozen=True)
+class CliOptions:
+    url: str
+    store: Path
+    storage_base: str | None
+    trusted_keys: tuple[Path, ...]
+    max_lora_rank: int
+
+    def open(self) -> Registry:
+        keys = tuple(load_public_key(p) for p in self.trusted_keys)
+        return Registry(self.url, ArtifactStore(self.store), max_lora_rank=self.max_lora_rank, trusted_keys=keys,
+                        storage_base=self.storage_base, actor=getpass.getuser())
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    registry: Annotated[str | None, typer.Option(help="Database URL [default: sqlite:///<data-dir>/registry.db]")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="[default: ~/.local/share/loraplex]")] = None,
+    store: Annotated[Path | None, typer.Option(help="Artifact store directory [default: <db dir>/artifacts]")] = None,
+    storage_base: Annotated[str | None, typer.Option(help="URL the store is served under (http store)")] = None,
+    trusted_key: Annotated[list[Path] | None, typer.Option(help="ed25519 public key (PEM); repeat; "
+                                                                 "with any, unsigned revisions are refused")] = None,
+    max_lora_rank: Annotated[int, typer.Option(help="Refuse adapters of a higher rank")] = 64,
+):
+    data = data_dir or default_data_dir()
+    url = registry or f"sqlite:///{data / 'registry.db'}"
+    default_store = default_store_for(url)
+    store_dir = store or (default_store.root if default_store else data / "artifacts")
+    ctx.obj = CliOptions(url, store_dir, storage_base, tuple(trusted_key or ()), max_lora_rank)
+
+
+def _errors(command):
+    """Print registry errors as one line on stderr and exit 1, instead of a traceback."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (RegistryError, AdapterRejected, ModelConfigError, OSError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+    return run
+
+
+def _open(ctx: typer.Context) -> Registry:
+    registry = ctx.obj.open()
+    ctx.call_on_close(registry.close)
+    return registry
+
+
+def _print_json(value) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _short(digest: str) -> str:
+    return digest.removeprefix("sha256:")[:12]
+
+
+def _revisions_table(adapter: AdapterRecord) -> Table:
+    table = Table(title=f"{adapter.name}: revisions")
+    for column in ("revision", "status", "traffic %", "digest", "rank", "modules", "est. bytes", "created"):
+        table.add_column(column)
+    for r in adapter.revisions:
+        status = f"{r.status} ({r.status_reason})" if r.status_reason else r.status
+        table.add_row(r.revision, status, str(r.traffic_weight or ""), _short(r.digest), str(r.rank),
+                      ",".join(r.target_modules), f"{r.estimated_bytes:,}", r.created_at.strftime("%Y-%m-%d %H:%M"))
+    return table
+
+
+@app.command()
+@_errors
+def init(ctx: typer.Context):
+    """Create the registry database (idempotent)."""
+    registry = _open(ctx)
+    registry.init()
+    typer.echo(f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in {ctx.obj.store}")
+
+
+@app.command()
+@_errors
+def add(
+    ctx: typer.Context,
+    directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
+    name: Annotated[str, typer.Option(help="Adapter name")],
+    revision: Annotated[str | None, typer.Option(help="[default: r<N>]")] = None,
+    tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
+    shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")] = False,
+    base_model: Annotated[Path | None, typer.Option(help="Base model directory to validate against")] = None,
+    warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
+    priority: Annotated[int | None, typer.Option()] = None,
+    stable: Annotated[bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")] = False,
+    eval_set: Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")] = None,
+    signature: Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")] = None,
+    signing_key: Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")] = None,
+    digest: Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")] = None,
+    json_out: JsonFlag = False,
+):
+    """Validate an adapter against the base model and register it as a new revision."""
+    if signing_key is not None:
+        signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
+    record = _open(ctx).add_revision(
+        directory, name, revision=revision, tenant=tenant, shared=True if shared else None,
+        base_model_dir=base_model, warm_policy=warm, priority=priority, status="stable" if stable else "staging",
+        eval_set=eval_set, signature=signature, digest=digest,
+    )
+    if json_out:
+        _print_json(record.to_dict())
+        return
+    typer.echo(f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} bytes, "
+               f"{record.status})")
+
+
+@app.command("list")
+@_errors
+def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+          json_out: JsonFlag = False):
+    """Adapters, their traffic split and owners."""
+    adapters = _open(ctx).list_adapters(tenant)
+    if json_out:
+        _print_json([a.to_dict() for a in adapters])
+        return
+    table = Table(title="adapters")
+    for column in ("name", "traffic", "revisions", "owner", "access", "warm", "priority", "pinned"):
+        table.add_column(column)
+    for a in adapters:
+        traffic = " ".join(f"{rev}:{w}%" for rev, w in a.traffic) or "-"
+        access = "shared" if a.shared else ",".join(a.allowed_tenants)
+        table.add_row(a.name, traffic, str(len(a.revisions)), a.owner_tenant or "-", access, a.warm_policy,
+                      str(a.priority), "yes" if a.pinned else "")
+    Console().print(table)
+
+
+@app.command()
+@_errors
+def show(
+    ctx: typer.Context,
+    name: str,
+    audit_log: Annotated[Path | None, typer.Option(help="Server audit log (JSONL) for per-revision request stats")] = None,
+    json_out: JsonFlag = False,
+):
+    """One adapter: its revisions, and with --audit-log, requests, errors and TTFT/TPOT per revision."""
+    adapter = _open(ctx).show(name)
+    stats = revision_stats(audit_log, name) if audit_log else []
+    if json_out:
+        _print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
+        return
+    console = Console()
+    access = "shared with every tenant" if adapter.shared else f"tenants {', '.join(adapter.allowed_tenants)}"
+    console.print(f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
+                  f"{adapter.warm_policy}, priority {adapter.priority}{', pinned' if adapter.pinned else ''}")
+    console.print(_revisions_table(adapter))
+    if audit_log:
+        console.print(_stats_table(name, stats))
+
+
+def _stats_table(name: str, stats) -> Table:
+    table = Table(title=f"{name}: requests by revision (audit log)")
+    for column in ("revision", "requests", "error rate", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
+        table.add_column(column)
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for s in stats:
+        table.add_row(s.revision, str(s.requests), f"{s.error_rate:.1%}", fmt(s.ttft_p50_ms), fmt(s.ttft_p99_ms),
+                      fmt(s.tpot_p50_ms), fmt(s.tpot_p99_ms))
+    return table
+
+
+def _traffic_line(adapter: AdapterRecord) -> str:
+    return f"{adapter.name}: " + (" ".join(f"{rev} {w}%" for rev, w in adapter.traffic) or "no traffic")
+
+
+@app.command()
+@_errors
+def promote(
+    ctx: typer.Context,
+    name: str,
+    revision: str,
+    weight: Annotated[int, typer.Option(help="Percent of traffic; 100 makes it stable")] = 100,
+    force: Annotated[bool, typer.Option("--force", help="Promote a revision with an eval set without running it")] = False,
+):
+    """Give a revision a share of the traffic (canary) or all of it (stable)."""
+    typer.echo(_traffic_line(_open(ctx).promote(name, revision, weight, force=force)))
+
+
+@app.command()
+@_errors
+def traffic(ctx: typer.Context, name: str,
+            weights: Annotated[list[str], typer.Argument(help="REV=PERCENT ..., summing to 100")]):
+    """Set the whole traffic split of a name at once."""
+    try:
+        plan = {rev: int(w) for rev, _, w in (item.partition("=") for item in weights)}
+    except ValueError:
+        raise RegistryError(f"weights must be REV=PERCENT, got {' '.join(weights)}") from None
+    typer.echo(_traffic_line(_open(ctx).set_traffic(name, plan)))
+
+
+@app.command()
+@_errors
+def rollback(ctx: typer.Context, name: str):
+    """Drop the canary, or go back to the previous stable revision."""
+    typer.echo(_traffic_line(_open(ctx).rollback(name)))
+
+
+@app.command()
+@_errors
+def deprecate(ctx: typer.Context, name: str, revision: Annotated[str | None, typer.Argument()] = None):
+    """Deprecate a revision that serves no traffic, or without REVISION the whole name."""
+    typer.echo(_traffic_line(_open(ctx).deprecate(name, revision)))
+
+
+@app.command()
+@_errors
+def quarantine(ctx: typer.Context, name: str, revision: str,
+               reason: Annotated[str, typer.Option(help="Why (kept with the revision)")] = "quarantined by operator"):
+    """Never serve a revision again; its traffic goes back to the stable revision."""
+    typer.echo(_traffic_line(_open(ctx).quarantine(name, revision, reason)))
+
+
+@app.command()
+@_errors
+def pin(ctx: typer.Context, name: str):
+    """Keep an adapter resident in the caches."""
+    _open(ctx).pin(name)
+    typer.echo(f"{name}: pinned")
+
+
+@app.command()
+@_errors
+def unpin(ctx: typer.Context, name: str):
+    _open(ctx).unpin(name)
+    typer.echo(f"{name}: unpinned")
+
+
+@app.command()
+@_errors
+def grant(ctx: typer.Context, name: str, tenant: str):
+    """Let another tenant use an adapter."""
+    _open(ctx).grant(name, tenant)
+    typer.echo(f"{name}: granted to {tenant}")
+
+
+@app.command()
+@_errors
+def ungrant(ctx: typer.Context, name: str, tenant: str):
+    _open(ctx).revoke_grant(name, tenant)
+    typer.echo(f"{name}: grant to {tenant} revoked")
+
+
+@app.command()
+@_errors
+def audit(ctx: typer.Context, name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
+          limit: Annotated[int, typer.Option()] = 50, json_out: JsonFlag = False):
+    """Who changed what, when (newest first)."""
+    events = _open(ctx).audit_events(limit, target=name)
+    if json_out:
+        _print_json([e.to_dict() for e in events])
+        return
+    table = Table(title="audit events")
+    for column in ("id", "at", "actor", "action", "target", "detail"):
+        table.add_column(column)
+    for e in events:
+        table.add_row(str(e.id), e.at.strftime("%Y-%m-%d %H:%M:%S"), e.actor, e.action, e.target,
+                      json.dumps(e.detail, sort_keys=True))
+    Console().print(table)
+
+
+@app.command()
+@_errors
+def digest(directory: Path):
+    """Print the canonical digest of an adapter directory."""
+    typer.echo(canonical_digest(directory))
+
+
+@app.command()
+@_errors
+def sign(directory: Path, key: Annotated[Path, typer.Option(help="ed25519 private key (PEM)")]):
+    """Print the signature of an adapter directory's digest, for `add --signature`."""
+    typer.echo(sign_digest(canonical_digest(directory), load_private_key(key)))
+
+
+@app.command()
+@_errors
+def keygen(private_out: Path, public_out: Path):
+    """Write a new ed25519 key pair (PEM) for signing revisions."""
+    private, public = generate_keypair()
+    private_out.touch(mode=0o600)
+    private_out.write_bytes(private)
+    public_out.write_bytes(public)
+    typer.echo(f"wrote {private_out} (keep it secret) and {public_out} (give it to --trusted-key)")
+
+
+@app.command()
+@_errors
+def gc(ctx: typer.Context, min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600):
+    """Delete artifacts that no revision refers to (left by refused or interrupted registrations)."""
+    removed = _open(ctx).gc_artifacts(min_age_s)
+    typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
+
+
+@tenant_app.command("add")
+@_errors
+def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0):
+    """Create a tenant (or set its priority)."""
+    tenant = _open(ctx).add_tenant(name, priority)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority})")
+
+
+@tenant_app.command("list")
+@_errors
+def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
+    tenants = _open(ctx).list_tenants()
+    if json_out:
+        _print_json([{"name": t.name, "priority": t.priority, "created_at": t.created_at.isoformat()} for t in tenants])
+        return
+    table = Table(title="tenants")
+    for column in ("name", "priority", "created"):
+        table.add_column(column)
+    for t in tenants:
+        table.add_row(t.name, str(t.priority), t.created_at.strftime("%Y-%m-%d %H:%M"))
+    Console().print(table)
+
+
+@key_app.command("create")
+@_errors
+def key_create(ctx: typer.Context, tenant: str):
+    """Create an API key for a tenant; it is printed once and only its hash is kept."""
+    typer.echo(_open(ctx).create_key(tenant))
+
+
+@key_app.command("revoke")
+@_errors
+def key_revoke(ctx: typer.Context, key_id: Annotated[str, typer.Argument(help="Key id (its first 12 characters)")]):
+    typer.echo(f"revoked {_open(ctx).revoke_key(key_id)}")
+
+
+@key_app.command("list")
+@_errors
+def key_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Option()] = None, json_out: JsonFlag = False):
+    keys = _open(ctx).list_keys(tenant)
+    rows = [{"key_id": k.key_id, "tenant": k.tenant, "created_at": k.created_at.isoformat(),
+             "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None} for k in keys]
+    if json_out:
+        _print_json(rows)
+        return
+    table = Table(title="API keys")
+    for column in ("key id", "tenant", "created", "revoked"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["key_id"], row["tenant"], row["created_at"][:16], (row["revoked_at"] or "")[:16])
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,195 @@
+"""The registry's tables (SQLAlchemy 2), the schema version check, and engine setup for SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    inspect,
+    select,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from loraplex.registry.errors import RegistryError, SchemaTooNew
+
+# Bump when the tables change, and add the step that upgrades the previous version in `create_schema`.
+SCHEMA_VERSION = 1
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every time the registry stores is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaVersion(Base):
+    __tablename__ = "schema_version"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.name"), nullable=True)
+    shared: Mapped[bool] = mapped_column(Boolean, default=False)
+    task_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    warm_policy: Mapped[str] = mapped_column(String(16), default="on_demand")
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Revision(Base):
+    """Immutable once written, except for status and the life-cycle timestamps."""
+
+    __tablename__ = "revisions"
+    __table_args__ = (UniqueConstraint("adapter_name", "revision"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), index=True)
+    revision: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(71), index=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    base_model_digest: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    dtype: Mapped[str] = mapped_column(String(16))
+    target_modules: Mapped[str] = mapped_column(Text)  # comma-separated, sorted
+    estimated_bytes: Mapped[int] = mapped_column(BigInteger)
+    actual_bytes: Mapped[int] = mapped_column(BigInteger)
+    storage_uri: Mapped[str] = mapped_column(Text)
+    signature: Mapped[str | None] = mapped_column(Text, nullable=True)
+    eval_set: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSONL, checked at registration
+    status: Mapped[str] = mapped_column(String(16))
+    status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    stable_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Traffic(Base):
+    __tablename__ = "traffic"
+    adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)
+    revision_id: Mapped[int] = mapped_column(ForeignKey("revisions.id"), primary_key=True)
+    weight: Mapped[int] = mapped_column(Integer)
+
+
+class Grant(Base):
+    __tablename__ = "grants"
+    adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), primary_key=True)
+
+
+class ApiKey(Base):
+    """Only the sha256 of a key is stored; `key_id` (the key's first characters) names it for revocation."""
+
+    __tablename__ = "api_keys"
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class AuditEvent(Base):
+    __tablename__ = "audit_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(160))
+    detail: Mapped[str] = mapped_column(Text, default="{}")  # JSON object
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `sqlite:///FILE` (WAL) or `postgresql://...` (driver psycopg 3)."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            url = "postgresql+psycopg://" + url.removeprefix(prefix)
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # transactions are begun explicitly below
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        # A writer takes the write lock when it begins, so that two writers queue on busy_timeout
+        # instead of one failing at its first write after both have read (SQLITE_BUSY on upgrade).
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("write") else "BEGIN")
+
+    return engine
+
+
+def writer(engine: Engine) -> Engine:
+    """The same engine, marked so that SQLite transactions on it begin IMMEDIATE."""
+    return engine.execution_options(write=True)
+
+
+def schema_version(engine: Engine) -> int | None:
+    """The version stored in the database, or None when it has no registry tables yet."""
+    if not inspect(engine).has_table(SchemaVersion.__tablename__):
+        return None
+    with Session(engine) as session:
+        return session.scalar(select(SchemaVersion.version).where(SchemaVersion.id == 1))
+
+
+def check_schema(engine: Engine) -> bool:
+    """True when the tables are current, False when there are none; refuses a newer or older schema."""
+    version = schema_version(engine)
+    if version is None:
+        return False
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            f"the registry database has schema version {version}, newer than this loraplex understands "
+            f"({SCHEMA_VERSION}); upgrade loraplex, or point --registry at another database"
+        )
+    if version < SCHEMA_VERSION:
+        raise RegistryError(f"registry schema version {version} is old: run `loraplex registry init` to upgrade it")
+    return True
+
+
+def create_schema(engine: Engine) -> None:
+    """Create the tables and record the schema version (idempotent)."""
+    if schema_version(engine) is not None:
+        check_schema(engine)
+        return
+    Base.metadata.create_all(engine)
+    with Session(writer(engine)) as session, session.begin():
+        if session.get(SchemaVersion, 1) is None:
+            session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))

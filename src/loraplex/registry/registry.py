@@ -1,0 +1,759 @@
+"""The registry's Python API: register, resolve, roll out and roll back adapter revisions, tenants and keys.
+
+Every change is one database transaction that also writes its audit event; reads see one committed state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import bindparam, delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from loraplex.lora_format import CONFIG_FILE, check_base_model, read_adapter
+from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
+from loraplex.registry import db
+from loraplex.registry.db import Adapter, ApiKey, AuditEvent, Grant, Revision, Tenant, Traffic, as_utc, utcnow
+from loraplex.registry.errors import (
+    AdapterNotFound,
+    AdapterRejected,
+    LifecycleError,
+    RegistryError,
+    RevisionUnavailable,
+)
+from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
+from loraplex.registry.release import ReleaseChecks, parse_eval_set
+from loraplex.registry.signing import verify_digest
+from loraplex.registry.store import AllowList, ArtifactStore, artifact_files, canonical_digest
+from loraplex.registry.traffic import pick
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+WARM_POLICIES = ("gpu", "cpu", "on_demand")
+STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
+KEY_PREFIX = "lpx-"
+
+
+def _hash_key(key: str) -> str:
+    # Keys are 256-bit random strings, so a plain sha256 is enough (no password-style stretching needed).
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def default_store_for(url: str) -> ArtifactStore | None:
+    """`<db dir>/artifacts` for a SQLite file; None for a server database (the operator names a store)."""
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        return ArtifactStore(Path(url.removeprefix("sqlite:///")).parent / "artifacts")
+    return None
+
+
+class Registry:
+    def __init__(
+        self,
+        url: str,
+        store: ArtifactStore | None = None,
+        *,
+        base_model_dir: str | Path | None = None,
+        max_lora_rank: int = 64,
+        trusted_keys: tuple = (),
+        allowed: AllowList | None = None,
+        storage_base: str | None = None,
+        grace_period_s: float = 600.0,
+        actor: str = "loraplex",
+    ):
+        """`storage_base`: URL under which the store's `<hex>` directories are served (else file:// URIs).
+
+        `allowed`: when set, `add_revision` only reads adapter directories under its roots.
+        `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are refused.
+        """
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.url = url
+        self.engine = db.make_engine(url)
+        self._writer = db.writer(self.engine)
+        self.store = store if store is not None else default_store_for(url)
+        self.base_model_dir = Path(base_model_dir) if base_model_dir else None
+        self.max_lora_rank = max_lora_rank
+        self.trusted_keys = tuple(trusted_keys)
+        self.allowed = allowed
+        self.storage_base = storage_base.rstrip("/") if storage_base else None
+        self.grace_period = timedelta(seconds=grace_period_s)
+        self.actor = actor
+        self._rng = random.Random()
+        self._ready = db.check_schema(self.engine)  # a newer schema refuses here, before any work
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def init(self) -> None:
+        """Create the tables (idempotent)."""
+        db.create_schema(self.engine)
+        self._ready = True
+
+    # ---- sessions -------------------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if not self._ready:
+            self._ready = db.check_schema(self.engine)
+        if not self._ready:
+            raise RegistryError(f"the registry at {self.url} is not initialized: run `loraplex registry init`")
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Session]:
+        self._check_ready()
+        with Session(self.engine) as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        self._check_ready()
+        try:
+            with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                yield session
+        except IntegrityError as exc:
+            raise LifecycleError(f"a concurrent change conflicted with this one; retry ({exc.orig})") from None
+
+    def _audit(self, session: Session, action: str, target: str, **detail) -> None:
+        session.add(AuditEvent(at=utcnow(), actor=self.actor, action=action, target=target,
+                               detail=json.dumps(detail, sort_keys=True, default=str)))
+
+    # ---- registration ---------------------------------------------------------------------------------
+
+    def add_revision(
+        self,
+        src_dir: str | Path,
+        name: str,
+        revision: str | None = None,
+        tenant: str | None = None,
+        shared: bool | None = None,
+        base_model_dir: str | Path | None = None,
+        warm_policy: str | None = None,
+        priority: int | None = None,
+        status: str = "staging",
+        eval_set: str | Path | None = None,
+        signature: str | None = None,
+        digest: str | None = None,
+        base_model: str | None = None,
+    ) -> RevisionRecord:
+        """Validate an adapter directory, put it into the store and record it, in one transaction.
+
+        `tenant` owns the adapter (None: shared by all); `shared=True` with a tenant makes an owned adapter
+        usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no traffic yet)
+        or "stable" (100% of the name's traffic at once, as `serve --lora-modules` does).
+        Registering the same bytes again under the same name returns the existing revision.
+        """
+        _check_names(name, revision, warm_policy, status)
+        src = Path(src_dir)
+        if self.allowed is not None:
+            self._check_source_allowed(src)
+        spec, base_name, base_digest = self._validate(src, base_model_dir, base_model)
+        cases_text = Path(eval_set).read_text() if eval_set is not None else None
+        if cases_text is not None:
+            parse_eval_set(cases_text)
+        actual = canonical_digest(src)
+        if digest is not None and digest != actual:
+            raise AdapterRejected("digest", f"the files hash to {actual}, not to the expected {digest}")
+        if self.trusted_keys:
+            verify_digest(actual, signature, self.trusted_keys)
+        if self.store is None:
+            raise RegistryError("no artifact store configured for this registry (pass store=ArtifactStore(DIR))")
+        if self.store.put(src) != actual:
+            raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
+        with self._write() as session:
+            adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
+            existing = _find_revision(session, name, revision, actual)
+            if existing is not None:
+                return self._record(session, adapter, existing)
+            row = Revision(
+                adapter_name=name,
+                revision=revision or _next_revision(session, name),
+                digest=actual,
+                base_model=base_name,
+                base_model_digest=base_digest,
+                rank=spec.rank,
+                lora_alpha=spec.lora_alpha,
+                dtype=spec.dtype,
+                target_modules=",".join(spec.target_modules),
+                estimated_bytes=spec.estimated_bytes,
+                actual_bytes=spec.actual_bytes,
+                storage_uri=self._storage_uri(actual),
+                signature=signature,
+                eval_set=cases_text,
+                status="staging",
+                created_at=utcnow(),
+            )
+            session.add(row)
+            session.flush()
+            self._audit(session, "add", f"{name}@{row.revision}", digest=actual, status=status,
+                        owner=adapter.owner_tenant, shared=adapter.shared, estimated_bytes=spec.estimated_bytes)
+            if status == "stable":
+                self._apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
+            return self._record(session, adapter, row)
+
+    def _check_source_allowed(self, src: Path) -> None:
+        root = self.allowed.root_for(src.resolve().as_uri())
+        for name in artifact_files(src):
+            if not (src / name).resolve().is_relative_to(root):
+                raise AdapterRejected("path", f"{src / name} is a symlink out of the allowed root {root}")
+
+    def _validate(self, src: Path, base_model_dir, base_model: str | None):
+        """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and reason."""
+        base_dir = Path(base_model_dir) if base_model_dir else self.base_model_dir or _base_dir_named_by(src)
+        if base_dir is None:
+            raise AdapterRejected("base_model", "no base model to validate against: pass --base-model DIR")
+        try:
+            model = ModelConfig.from_dir(base_dir)
+        except (ModelConfigError, OSError, ValueError) as exc:
+            raise AdapterRejected("base_model", f"{base_dir}: {exc}") from None
+        spec = read_adapter(src, model, self.max_lora_rank)
+        base_name = base_model or base_dir.resolve().name
+        check_base_model(spec, base_name)
+        return spec, base_name, base_model_digest(base_dir)
+
+    def _adapter_for_add(self, session, name, tenant, shared, task_type, warm_policy, priority) -> Adapter:
+        if tenant is not None and session.get(Tenant, tenant) is None:
+            raise AdapterRejected("tenant", f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
+        adapter = _locked_adapter(session, name)
+        if adapter is None:
+            adapter = Adapter(name=name, owner_tenant=tenant, shared=tenant is None if shared is None else shared,
+                              task_type=task_type, priority=priority or 0, warm_policy=warm_policy or "on_demand",
+                              pinned=False, created_at=utcnow())
+            session.add(adapter)
+            session.flush()
+            return adapter
+        if tenant is not None and tenant != adapter.owner_tenant:
+            raise AdapterRejected("tenant", f"{name} is not owned by tenant {tenant!r}; pick another name")
+        if shared is not None:
+            adapter.shared = shared
+        if warm_policy is not None:
+            adapter.warm_policy = warm_policy
+        if priority is not None:
+            adapter.priority = priority
+        return adapter
+
+    def _storage_uri(self, digest: str) -> str:
+        if self.storage_base:
+            return f"{self.storage_base}/{digest.removeprefix('sha256:')}"
+        return self.store.uri(digest)
+
+    # ---- resolution -----------------------------------------------------------------------------------
+
+    def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:
+        """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets.
+
+        Weighted by the traffic split, sticky per `user` when given. A name the tenant may not use raises
+        exactly the same AdapterNotFound as a name that does not exist.
+        """
+        name, _, revision = model.partition("@")
+        if not NAME_RE.match(name):
+            raise AdapterNotFound(model)
+        self._check_ready()
+        # Plain SQL statements on one connection: this is the per-request path, and ORM sessions cost
+        # several times more. The reads share one transaction, so they see one committed state.
+        with self.engine.connect() as conn:
+            adapter = conn.execute(_ADAPTER_BY_NAME, {"name": name}).first()
+            grants = tuple(conn.execute(_GRANTS_OF, {"name": name}).scalars())
+            if adapter is None or not _may_use(adapter, grants, tenant):
+                raise AdapterNotFound(model)
+            if revision:
+                row = conn.execute(_REVISION_BY_NAME, {"name": name, "revision": revision}).first()
+                if row is None:
+                    raise AdapterNotFound(model)
+                if row.status == "quarantined":
+                    raise RevisionUnavailable(f"{model} is quarantined ({row.status_reason}); it is never served")
+                weight = conn.execute(_WEIGHT_OF, {"id": row.id}).scalar() or 0
+                return self._record(None, adapter, row, grants, {row.id: weight})
+            rows = conn.execute(_SERVING, {"name": name}).all()
+        if not rows:
+            raise RevisionUnavailable(f"{name} has no revision in service (all deprecated or quarantined)")
+        # Canaries first, newest first: raising a canary's weight keeps every user it already had.
+        rows.sort(key=lambda r: (r.status == "stable", -r.id))
+        chosen = pick(name, [(r.revision, r.weight) for r in rows], user, self._rng)
+        row = next(r for r in rows if r.revision == chosen)
+        return self._record(None, adapter, row, grants, {r.id: r.weight for r in rows})
+
+    def tenant_may_use(self, tenant: str, name: str) -> bool:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            return adapter is not None and _may_use(adapter, _grants(session, name), tenant)
+
+    # ---- reading --------------------------------------------------------------------------------------
+
+    def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
+        """Every adapter, or only those `tenant` may use."""
+        with self._read() as session:
+            grants = _all_grants(session)
+            adapters = session.scalars(select(Adapter).order_by(Adapter.name)).all()
+            visible = [a for a in adapters if tenant is None or _may_use(a, grants.get(a.name, ()), tenant)]
+            return [self._adapter_record(session, a, grants.get(a.name, ())) for a in visible]
+
+    def show(self, name: str) -> AdapterRecord:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            if adapter is None:
+                raise AdapterNotFound(name)
+            return self._adapter_record(session, adapter, _grants(session, name))
+
+    def get_revision(self, name: str, revision: str) -> RevisionRecord:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            row = _find_revision(session, name, revision, None) if adapter else None
+            if row is None:
+                raise AdapterNotFound(f"{name}@{revision}")
+            return self._record(session, adapter, row)
+
+    def grace_revisions(self) -> list[RevisionRecord]:
+        """Revisions that left traffic less than the grace period ago: keep them warm, do not evict yet."""
+        cutoff = utcnow() - self.grace_period
+        with self._read() as session:
+            rows = session.scalars(
+                select(Revision).where(Revision.retired_at >= cutoff, Revision.status != "quarantined")
+            ).all()
+            return [self._record(session, session.get(Adapter, r.adapter_name), r) for r in rows]
+
+    def audit_events(self, limit: int = 100, target: str | None = None) -> list[AuditRecord]:
+        """Newest first; `target` filters to one adapter (its name and every `name@revision`)."""
+        query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+        if target is not None:
+            query = query.where((AuditEvent.target == target) | AuditEvent.target.startswith(f"{target}@", autoescape=True))
+        with self._read() as session:
+            return [
+                AuditRecord(e.id, as_utc(e.at), e.actor, e.action, e.target, json.loads(e.detail))
+                for e in session.scalars(query)
+            ]
+
+    def _adapter_record(self, session: Session, adapter: Adapter, grants) -> AdapterRecord:
+        rows = session.scalars(select(Revision).where(Revision.adapter_name == adapter.name).order_by(Revision.id))
+        weights = _weights(session, adapter.name)
+        revisions = tuple(self._record(session, adapter, r, grants, weights) for r in rows)
+        serving = sorted((r for r in revisions if r.traffic_weight),
+                         key=lambda r: (r.status == "stable", -revisions.index(r)))
+        return AdapterRecord(
+            name=adapter.name, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
+            allowed_tenants=_allowed(adapter, grants), task_type=adapter.task_type, priority=adapter.priority,
+            warm_policy=adapter.warm_policy, pinned=adapter.pinned, created_at=as_utc(adapter.created_at),
+            traffic=tuple((r.revision, r.traffic_weight) for r in serving), revisions=revisions,
+        )
+
+    def _record(self, session: Session | None, adapter, row, grants=None, weights=None) -> RevisionRecord:
+        """From ORM objects, or plain rows of the same tables (then `grants` and `weights` are given)."""
+        grants = _grants(session, adapter.name) if grants is None else grants
+        weights = _weights(session, adapter.name) if weights is None else weights
+        return RevisionRecord(
+            name=adapter.name, revision=row.revision, digest=row.digest, base_model=row.base_model,
+            base_model_digest=row.base_model_digest, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
+            allowed_tenants=_allowed(adapter, grants), task_type=adapter.task_type, rank=row.rank,
+            lora_alpha=row.lora_alpha, dtype=row.dtype, target_modules=tuple(row.target_modules.split(",")),
+            estimated_bytes=row.estimated_bytes, actual_bytes=row.actual_bytes, priority=adapter.priority,
+            warm_policy=adapter.warm_policy, status=row.status, storage_uri=row.storage_uri,
+            signature=row.signature, created_at=as_utc(row.created_at), pinned=adapter.pinned,
+            traffic_weight=weights.get(row.id, 0), status_reason=row.status_reason,
+            stable_since=as_utc(row.stable_since), retired_at=as_utc(row.retired_at),
+            has_eval_set=row.eval_set is not None,
+        )
+
+    # ---- life cycle -----------------------------------------------------------------------------------
+
+    def promote(self, name: str, revision: str, weight: int = 100, checks: ReleaseChecks | None = None,
+                force: bool = False) -> AdapterRecord:
+        """Give `revision` `weight`% of the traffic (100: it becomes stable; less: a canary beside the stable).
+
+        A revision that has no traffic yet first passes the release checks; with no checks given, one that
+        has an eval set is refused unless `force`.
+        """
+        if not 1 <= weight <= 100:
+            raise LifecycleError(f"weight must be between 1 and 100, got {weight}")
+        summary = self._release_checks(name, revision, checks, force)
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            row = _revision_or_404(session, name, revision)
+            _refuse_quarantined(row)
+            stable = _current_stable(session, name)
+            if weight == 100:
+                plan, new_stable = {revision: 100}, revision
+            else:
+                plan, new_stable = self._canary_plan(session, name, revision, weight, stable)
+            self._apply_traffic(session, name, plan, stable=new_stable)
+            self._audit(session, "promote", f"{name}@{revision}", weight=weight, traffic=plan, checks=summary)
+        return self.show(name)
+
+    def _canary_plan(self, session, name, revision, weight, stable) -> tuple[dict[str, int], str]:
+        if stable is None or stable.revision == revision:
+            raise LifecycleError(
+                f"{name}@{revision} cannot be a {weight}% canary: "
+                + ("it is the stable revision" if stable else f"{name} has no stable revision; promote with weight 100")
+            )
+        others = [r.revision for r in _serving(session, name) if r.revision not in (revision, stable.revision)]
+        if others:
+            raise LifecycleError(f"{name}@{others[0]} is already in canary; promote it to 100 or roll back first")
+        return {revision: weight, stable.revision: 100 - weight}, stable.revision
+
+    def _release_checks(self, name: str, revision: str, checks: ReleaseChecks | None, force: bool) -> dict | str:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            row = _find_revision(session, name, revision, None) if adapter else None
+            if row is None:
+                raise AdapterNotFound(f"{name}@{revision}")
+            _refuse_quarantined(row)
+            if _weights(session, name).get(row.id):
+                return "already in traffic"
+            record, eval_text = self._record(session, adapter, row), row.eval_set
+        cases = parse_eval_set(eval_text) if eval_text else ()
+        if checks is None:
+            if cases and not force:
+                raise LifecycleError(
+                    f"{record.model_id} has an eval set but no release checks were given to run it "
+                    "(promote through a running server's admin API, or force it)"
+                )
+            return "skipped (forced)" if cases else "none configured"
+        return checks.run(record, cases)
+
+    def set_traffic(self, name: str, weights: dict[str, int], checks: ReleaseChecks | None = None,
+                    force: bool = False) -> AdapterRecord:
+        """Set the whole split at once (weights in percent, summing to 100; 0 removes a revision)."""
+        plan = {rev: int(w) for rev, w in weights.items() if int(w) != 0}
+        if any(w < 0 for w in plan.values()) or sum(plan.values()) != 100:
+            raise LifecycleError(f"traffic weights must be non-negative and sum to 100, got {weights}")
+        summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            rows = {rev: _revision_or_404(session, name, rev) for rev in plan}
+            for row in rows.values():
+                _refuse_quarantined(row)
+            stable = _current_stable(session, name)
+            new_stable = stable.revision if stable and stable.revision in plan else max(
+                plan, key=lambda rev: (plan[rev], rows[rev].id))
+            self._apply_traffic(session, name, plan, stable=new_stable)
+            self._audit(session, "set_traffic", name, traffic=plan, checks=summaries)
+        return self.show(name)
+
+    def rollback(self, name: str) -> AdapterRecord:
+        """One call back: drop the canary if there is one, else return to the previous stable revision."""
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            stable = _current_stable(session, name)
+            canaries = [r for r in _serving(session, name) if stable is None or r.id != stable.id]
+            if stable is not None and canaries:
+                target, dropped = stable, canaries
+            else:
+                target, dropped = _previous_stable(session, name, stable), [stable] if stable else []
+            self._apply_traffic(session, name, {target.revision: 100}, stable=target.revision)
+            for row in dropped:
+                row.status, row.status_reason = "deprecated", f"rolled back to {target.revision}"
+            self._audit(session, "rollback", name, to=target.revision, dropped=[r.revision for r in dropped])
+        return self.show(name)
+
+    def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
+        """Deprecate one revision (it must not serve traffic), or with no revision the whole name."""
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            if revision is None:
+                self._apply_traffic(session, name, {}, stable=None)
+                rows = session.scalars(select(Revision).where(Revision.adapter_name == name,
+                                                              Revision.status != "quarantined")).all()
+            else:
+                rows = [_revision_or_404(session, name, revision)]
+                if _weights(session, name).get(rows[0].id):
+                    raise LifecycleError(f"{name}@{revision} serves traffic; promote another revision or roll back first")
+                _refuse_quarantined(rows[0])
+            for row in rows:
+                row.status, row.status_reason = "deprecated", "deprecated by operator"
+            self._audit(session, "deprecate", f"{name}@{revision}" if revision else name)
+        return self.show(name)
+
+    def quarantine(self, name: str, revision: str, reason: str) -> AdapterRecord:
+        """Never serve this revision again; its traffic goes back to the stable (or the previous stable)."""
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            row = _revision_or_404(session, name, revision)
+            serving = {r.revision: w for r, w in _serving_weights(session, name)}
+            weight = serving.pop(revision, 0)
+            stable = _current_stable(session, name)
+            if stable is not None and stable.id != row.id:
+                heir = stable
+            else:
+                heir = _previous_stable(session, name, row, required=False)
+            if weight and heir is not None:
+                serving[heir.revision] = serving.get(heir.revision, 0) + weight
+            self._apply_traffic(session, name, serving, stable=heir.revision if heir and serving else None)
+            row.status, row.status_reason = "quarantined", reason
+            self._audit(session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving)
+        return self.show(name)
+
+    def pin(self, name: str, pinned: bool = True) -> AdapterRecord:
+        """A pinned adapter is kept resident by the cache (never chosen for eviction)."""
+        with self._write() as session:
+            adapter = _locked_adapter_or_404(session, name)
+            adapter.pinned = pinned
+            self._audit(session, "pin" if pinned else "unpin", name)
+        return self.show(name)
+
+    def unpin(self, name: str) -> AdapterRecord:
+        return self.pin(name, pinned=False)
+
+    def _apply_traffic(self, session: Session, name: str, plan: dict[str, int], stable: str | None) -> None:
+        """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's transaction."""
+        now = utcnow()
+        for row, _ in _serving_weights(session, name):
+            if row.revision not in plan:
+                row.retired_at = now  # its grace period starts
+                row.status = "deprecated" if row.status == "stable" else "staging"
+        session.execute(delete(Traffic).where(Traffic.adapter_name == name))
+        for revision, weight in plan.items():
+            row = _find_revision(session, name, revision, None)
+            session.add(Traffic(adapter_name=name, revision_id=row.id, weight=weight))
+            row.retired_at = None
+            if revision == stable and row.status != "stable":
+                row.status, row.stable_since, row.status_reason = "stable", now, None
+            elif revision != stable:
+                row.status, row.status_reason = "canary", None
+
+    def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
+        """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
+        interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
+        with self._read() as session:
+            used = set(session.scalars(select(Revision.digest)))
+        cutoff = time.time() - min_age_s
+        removed = [d for d in self.store.digests() if d not in used and self.store.path(d).stat().st_mtime < cutoff]
+        for digest in removed:
+            self.store.remove(digest)
+        if removed:
+            with self._write() as session:
+                self._audit(session, "gc", "artifacts", removed=removed)
+        return removed
+
+    # ---- tenants, grants, keys --------------------------------------------------------------------------
+
+    def add_tenant(self, name: str, priority: int = 0) -> TenantRecord:
+        """Create a tenant, or set the priority of an existing one."""
+        if not TENANT_RE.match(name):
+            raise RegistryError(f"tenant name {name!r} must match {TENANT_RE.pattern}")
+        with self._write() as session:
+            tenant = session.get(Tenant, name)
+            if tenant is None:
+                tenant = Tenant(name=name, priority=priority, created_at=utcnow())
+                session.add(tenant)
+                self._audit(session, "tenant_add", name, priority=priority)
+            elif tenant.priority != priority:
+                tenant.priority = priority
+                self._audit(session, "tenant_priority", name, priority=priority)
+            return TenantRecord(tenant.name, tenant.priority, as_utc(tenant.created_at))
+
+    def list_tenants(self) -> list[TenantRecord]:
+        with self._read() as session:
+            rows = session.scalars(select(Tenant).order_by(Tenant.name))
+            return [TenantRecord(t.name, t.priority, as_utc(t.created_at)) for t in rows]
+
+    def grant(self, name: str, tenant: str) -> None:
+        with self._write() as session:
+            _locked_adapter_or_404(session, name)
+            _tenant_or_error(session, tenant)
+            if session.get(Grant, (name, tenant)) is None:
+                session.add(Grant(adapter_name=name, tenant=tenant))
+                self._audit(session, "grant", name, tenant=tenant)
+
+    def revoke_grant(self, name: str, tenant: str) -> None:
+        with self._write() as session:
+            grant = session.get(Grant, (name, tenant))
+            if grant is not None:
+                session.delete(grant)
+                self._audit(session, "revoke_grant", name, tenant=tenant)
+
+    def create_key(self, tenant: str) -> str:
+        """A new API key for `tenant`, returned in clear this once; only its sha256 is stored."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        self.add_key(tenant, key)
+        return key
+
+    def add_key(self, tenant: str, key: str) -> str:
+        """Record an existing key (e.g. from an --api-keys file); returns its id (its first 12 characters)."""
+        if len(key) < 16:
+            raise RegistryError("an API key must be at least 16 characters long")
+        key_id = key[:12]
+        with self._write() as session:
+            _tenant_or_error(session, tenant)
+            if session.get(ApiKey, key_id) is not None:
+                raise RegistryError(f"a key with id {key_id} exists already; use another key")
+            session.add(ApiKey(key_id=key_id, tenant=tenant, key_hash=_hash_key(key), created_at=utcnow()))
+            self._audit(session, "key_create", tenant, key_id=key_id)
+        return key_id
+
+    def revoke_key(self, key_or_id: str) -> str:
+        """Revoke by key id (or the whole key); returns the id."""
+        with self._write() as session:
+            row = session.get(ApiKey, key_or_id[:12])
+            if row is None or (len(key_or_id) > 12 and row.key_hash != _hash_key(key_or_id)):
+                raise RegistryError(f"no API key with id {key_or_id[:12]!r}")
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()
+                self._audit(session, "key_revoke", row.tenant, key_id=row.key_id)
+            return row.key_id
+
+    def tenant_for_key(self, key: str) -> str | None:
+        """The tenant of a valid, unrevoked key; None otherwise."""
+        with self._read() as session:
+            row = session.scalar(select(ApiKey).where(ApiKey.key_hash == _hash_key(key)))
+            return row.tenant if row is not None and row.revoked_at is None else None
+
+    def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
+        query = select(ApiKey).order_by(ApiKey.created_at)
+        if tenant is not None:
+            query = query.where(ApiKey.tenant == tenant)
+        with self._read() as session:
+            return [KeyRecord(k.key_id, k.tenant, as_utc(k.created_at), as_utc(k.revoked_at))
+                    for k in session.scalars(query)]
+
+
+# ---- statements of the per-request path (plain SQL, compiled once) --------------------------------------
+
+_ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (m.__table__ for m in (Adapter, Revision, Traffic, Grant))
+_ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
+_GRANTS_OF = select(_GRANTS.c.tenant).where(_GRANTS.c.adapter_name == bindparam("name")).order_by(_GRANTS.c.tenant)
+_REVISION_BY_NAME = select(_REVISIONS).where(
+    _REVISIONS.c.adapter_name == bindparam("name"), _REVISIONS.c.revision == bindparam("revision")
+)
+_WEIGHT_OF = select(_TRAFFIC.c.weight).where(_TRAFFIC.c.revision_id == bindparam("id"))
+_SERVING = (
+    select(_REVISIONS, _TRAFFIC.c.weight)
+    .join(_TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id)
+    .where(_TRAFFIC.c.adapter_name == bindparam("name"), _TRAFFIC.c.weight > 0, _REVISIONS.c.status != "quarantined")
+)
+
+
+# ---- helpers over one session ---------------------------------------------------------------------------
+
+
+def _check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
+    if not NAME_RE.match(name):
+        raise AdapterRejected("name", f"{name!r} must match {NAME_RE.pattern}")
+    if revision is not None and not REVISION_RE.match(revision):
+        raise AdapterRejected("revision", f"{revision!r} must match {REVISION_RE.pattern}")
+    if warm_policy is not None and warm_policy not in WARM_POLICIES:
+        raise AdapterRejected("warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}")
+    if status not in ("staging", "stable"):
+        raise AdapterRejected("status", f"a new revision starts as staging or stable, not {status!r}")
+
+
+def _base_dir_named_by(src: Path) -> Path | None:
+    """The base model directory the adapter's config names, when it is a local directory."""
+    try:
+        named = json.loads((src / CONFIG_FILE).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    path = Path(named) if named else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def _locked_adapter(session: Session, name: str) -> Adapter | None:
+    """The adapter row, locked for the rest of the transaction (PostgreSQL; SQLite writers hold the db lock)."""
+    return session.scalar(select(Adapter).where(Adapter.name == name).with_for_update())
+
+
+def _locked_adapter_or_404(session: Session, name: str) -> Adapter:
+    adapter = _locked_adapter(session, name)
+    if adapter is None:
+        raise AdapterNotFound(name)
+    return adapter
+
+
+def _tenant_or_error(session: Session, tenant: str) -> Tenant:
+    row = session.get(Tenant, tenant)
+    if row is None:
+        raise RegistryError(f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
+    return row
+
+
+def _find_revision(session: Session, name: str, revision: str | None, digest: str | None) -> Revision | None:
+    """By revision when given (refusing a different digest under it), else the one holding `digest`."""
+    if revision is not None:
+        row = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.revision == revision))
+        if row is not None and digest is not None and row.digest != digest:
+            raise AdapterRejected(
+                "revision", f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one"
+            )
+        return row
+    if digest is None:
+        return None
+    return session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
+                          .order_by(Revision.id).limit(1))
+
+
+def _revision_or_404(session: Session, name: str, revision: str) -> Revision:
+    row = _find_revision(session, name, revision, None)
+    if row is None:
+        raise AdapterNotFound(f"{name}@{revision}")
+    return row
+
+
+def _refuse_quarantined(row: Revision) -> None:
+    if row.status == "quarantined":
+        raise LifecycleError(f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never served")
+
+
+def _next_revision(session: Session, name: str) -> str:
+    existing = set(session.scalars(select(Revision.revision).where(Revision.adapter_name == name)))
+    number = len(existing) + 1
+    while f"r{number}" in existing:
+        number += 1
+    return f"r{number}"
+
+
+def _weights(session: Session, name: str) -> dict[int, int]:
+    rows = session.execute(select(Traffic.revision_id, Traffic.weight).where(Traffic.adapter_name == name))
+    return {rid: w for rid, w in rows}
+
+
+def _serving_weights(session: Session, name: str) -> list[tuple[Revision, int]]:
+    rows = session.execute(
+        select(Revision, Traffic.weight).join(Traffic, Traffic.revision_id == Revision.id)
+        .where(Traffic.adapter_name == name).order_by(Revision.id)
+    )
+    return [(r, w) for r, w in rows]
+
+
+def _serving(session: Session, name: str) -> list[Revision]:
+    return [r for r, _ in _serving_weights(session, name)]
+
+
+def _current_stable(session: Session, name: str) -> Revision | None:
+    return next((r for r in _serving(session, name) if r.status == "stable"), None)
+
+
+def _previous_stable(session: Session, name: str, current: Revision | None, required: bool = True) -> Revision | None:
+    """The most recently promoted stable revision other than `current` that may still be served."""
+    query = (select(Revision).where(Revision.adapter_name == name, Revision.stable_since.is_not(None),
+                                    Revision.status != "quarantined").order_by(Revision.stable_since.desc()))
+    row = next((r for r in session.scalars(query) if current is None or r.id != current.id), None)
+    if row is None and required:
+        raise LifecycleError(f"{name} has no earlier stable revision to roll back to")
+    return row
+
+
+def _grants(session: Session, name: str) -> tuple[str, ...]:
+    return tuple(session.scalars(select(Grant.tenant).where(Grant.adapter_name == name).order_by(Grant.tenant)))
+
+
+def _all_grants(session: Session) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for name, tenant in session.execute(select(Grant.adapter_name, Grant.tenant).order_by(Grant.tenant)):
+        out.setdefault(name, []).append(tenant)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _allowed(adapter: Adapter, grants) -> tuple[str, ...]:
+    owner = (adapter.owner_tenant,) if adapter.owner_tenant else ()
+    return owner + tuple(t for t in grants if t != adapter.owner_tenant)
+
+
+def _may_use(adapter: Adapter, grants, tenant: str) -> bool:
+    return adapter.shared or tenant == adapter.owner_tenant or tenant in grants

@@ -1,0 +1,394 @@
+"""Content-addressed artifact store, and fetchers that bring an artifact in from file://, http(s):// or s3://.
+
+Layout under the root (the same tree serves as an http store, see `serve_store`):
+
+    <root>/sha256/<hex>/adapter_config.json
+    <root>/sha256/<hex>/adapter_model.safetensors
+    <root>/sha256/<hex>/index.json        # {"digest", "files": [{"name", "size"}]}; not part of the digest
+    <root>/tmp/                           # work dirs; an entry becomes visible only by one rename
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.server
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from loraplex.lora_format import CONFIG_FILE, PICKLE_SUFFIXES
+from loraplex.registry.errors import (
+    AdapterRejected,
+    ArtifactUnavailable,
+    DigestMismatch,
+    UnsafeLocation,
+)
+
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# The only files an artifact may hold; a name that does not match never becomes a path.
+ARTIFACT_NAME_RE = re.compile(r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors)$")
+INDEX_FILE = "index.json"
+STALE_TEMP_S = 3600
+_CHUNK = 1 << 20
+
+
+def check_digest(digest: str) -> str:
+    """The digest itself, or UnsafeLocation when it is not `sha256:` and 64 lowercase hex digits."""
+    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+        raise UnsafeLocation(f"{digest!r} is not a digest (expected sha256:<64 hex digits>)")
+    return digest
+
+
+def is_artifact_name(name: str) -> bool:
+    return bool(ARTIFACT_NAME_RE.match(name)) and ".." not in name
+
+
+def artifact_files(directory: Path) -> list[str]:
+    """Names of the files that make up the artifact in `directory`, sorted (they are ASCII)."""
+    return sorted(p.name for p in Path(directory).iterdir() if is_artifact_name(p.name) and p.is_file())
+
+
+def canonical_digest(directory: str | Path) -> str:
+    """sha256 over, for each artifact file in name order: b"<name>\\n<size>\\n" then the file's bytes."""
+    directory = Path(directory)
+    h = hashlib.sha256()
+    for name in artifact_files(directory):
+        path = directory / name
+        h.update(f"{name}\n{path.stat().st_size}\n".encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_synced(src: Path, dst: Path) -> None:
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        shutil.copyfileobj(fin, fout, _CHUNK)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+class ArtifactStore:
+    """Adapter artifacts on local disk, addressed by their canonical digest."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path(self, digest: str) -> Path:
+        return self.root / "sha256" / check_digest(digest).removeprefix("sha256:")
+
+    def uri(self, digest: str) -> str:
+        return self.path(digest).absolute().as_uri()
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_dir()
+
+    def get(self, digest: str) -> Path:
+        """The artifact's directory, after checking that its bytes still hash to `digest`."""
+        path = self.path(digest)
+        if not path.is_dir():
+            raise ArtifactUnavailable(f"{digest} is not in the artifact store {self.root}")
+        actual = canonical_digest(path)
+        if actual != digest:
+            raise DigestMismatch(digest, actual, str(path))
+        return path
+
+    def size(self, digest: str) -> int:
+        path = self.path(digest)
+        if not path.is_dir():
+            raise ArtifactUnavailable(f"{digest} is not in the artifact store {self.root}")
+        return sum((path / name).stat().st_size for name in artifact_files(path))
+
+    def digests(self) -> list[str]:
+        base = self.root / "sha256"
+        return sorted("sha256:" + p.name for p in base.iterdir()) if base.is_dir() else []
+
+    def put(self, src_dir: str | Path) -> str:
+        """Copy an adapter directory in (adapter_config.json and *.safetensors only); returns its digest."""
+        src = Path(src_dir)
+        names = _source_files(src)
+        work = self.temp_dir()
+        try:
+            for name in names:
+                _copy_synced(src / name, work / name)
+            digest = canonical_digest(work)
+            self.adopt(work, digest)
+            return digest
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def remove(self, digest: str) -> bool:
+        path = self.path(digest)
+        if not path.is_dir():
+            return False
+        trash = self.temp_dir()
+        os.rename(path, trash / "gone")  # disappears in one step; deleting the bytes may take longer
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    def temp_dir(self) -> Path:
+        """A fresh work directory on the store's file system (so that adopting it is one rename)."""
+        base = self.root / "tmp"
+        base.mkdir(parents=True, exist_ok=True)
+        self._clean_stale(base)
+        path = Path(tempfile.mkdtemp(prefix="work-", dir=base))
+        path.chmod(0o755)
+        return path
+
+    def adopt(self, work: Path, digest: str) -> Path:
+        """Move a verified work directory into place as `digest`; the caller has checked the digest."""
+        target = self.path(digest)
+        if target.is_dir():
+            if canonical_digest(target) == digest:
+                return target
+            self.remove(digest)  # a damaged copy is replaced, never trusted
+        files = [{"name": n, "size": (work / n).stat().st_size} for n in artifact_files(work)]
+        index = work / INDEX_FILE
+        index.write_text(json.dumps({"digest": digest, "files": files}, indent=1))
+        with index.open("rb+") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(work)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(work, target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent put of the same bytes: a real failure
+                raise
+        _fsync_dir(target.parent)
+        return target
+
+    @staticmethod
+    def _clean_stale(base: Path) -> None:
+        cutoff = time.time() - STALE_TEMP_S
+        for entry in base.iterdir():
+            with contextlib.suppress(OSError):
+                if entry.stat().st_mtime < cutoff:
+                    shutil.rmtree(entry)
+
+
+def _source_files(src: Path) -> list[str]:
+    if not src.is_dir():
+        raise AdapterRejected("path", f"{src} is not a directory")
+    entries = sorted(p.name for p in src.iterdir() if p.is_file())
+    pickles = [n for n in entries if n.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise AdapterRejected(
+            "weights", f"{pickles[0]} is a pickle file, which can run code when loaded; only *.safetensors is accepted"
+        )
+    names = [n for n in entries if is_artifact_name(n)]
+    if CONFIG_FILE not in names:
+        raise AdapterRejected("config", f"missing {CONFIG_FILE} in {src}")
+    if not any(n.endswith(".safetensors") for n in names):
+        raise AdapterRejected("weights", f"no *.safetensors file in {src}")
+    return names
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s):// and s3://."""
+
+    roots: tuple[Path, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, items: list[str] | tuple[str, ...]) -> "AllowList":
+        """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or `s3://bucket/p`."""
+        roots, prefixes = [], []
+        for item in items:
+            if item.startswith(("http://", "https://", "s3://")):
+                prefixes.append(item.rstrip("/"))
+            else:
+                path = unquote(urlsplit(item).path) if item.startswith("file://") else item
+                roots.append(Path(path).resolve())
+        return cls(roots=tuple(roots), prefixes=tuple(prefixes))
+
+    def root_for(self, uri: str) -> Path:
+        """The allowed root a file:// URI lies in (after following symlinks)."""
+        parts = _split_checked(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise UnsafeLocation(f"{uri}: file:// URIs must be local")
+        path = Path(unquote(parts.path))
+        if not path.is_absolute():
+            raise UnsafeLocation(f"{uri}: a file:// URI needs an absolute path")
+        real = path.resolve()
+        for root in self.roots:
+            if real.is_relative_to(root.resolve()):
+                return root.resolve()
+        raise UnsafeLocation(f"{uri} is outside the allowed roots ({', '.join(map(str, self.roots)) or 'none set'})")
+
+    def check(self, uri: str) -> None:
+        """Raise UnsafeLocation unless `uri` lies under an allowed root or URL prefix."""
+        parts = _split_checked(uri)
+        if parts.scheme == "file":
+            self.root_for(uri)
+            return
+        for prefix in self.prefixes:
+            allowed = urlsplit(prefix)
+            same_place = (allowed.scheme, allowed.hostname, allowed.port) == (parts.scheme, parts.hostname, parts.port)
+            base = allowed.path.rstrip("/")
+            if same_place and (parts.path == base or parts.path.startswith(base + "/")):
+                return
+        raise UnsafeLocation(f"{uri} is not under an allowed storage prefix ({', '.join(self.prefixes) or 'none set'})")
+
+
+def _split_checked(uri: str):
+    parts = urlsplit(uri)
+    if parts.scheme not in ("file", "http", "https", "s3"):
+        raise UnsafeLocation(f"{uri}: unsupported scheme {parts.scheme!r} (file, http, https, s3)")
+    if parts.username or parts.password:
+        raise UnsafeLocation(f"{uri}: credentials in a storage URI are refused")
+    path = unquote(parts.path)
+    if "\\" in path or "\0" in path or any(seg in ("..", ".") for seg in path.split("/")):
+        raise UnsafeLocation(f"{uri}: '..', '.' and backslashes are refused in storage paths")
+    return parts
+
+
+def fetch_artifact(
+    storage_uri: str,
+    digest: str,
+    dest: ArtifactStore,
+    allowed: AllowList,
+    timeout_s: float = 30.0,
+    s3_client=None,
+) -> Path:
+    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory."""
+    check_digest(digest)
+    if dest.has(digest):
+        try:
+            return dest.get(digest)
+        except DigestMismatch:
+            dest.remove(digest)  # a damaged local copy is replaced by a fresh download
+    allowed.check(storage_uri)
+    scheme = urlsplit(storage_uri).scheme
+    work = dest.temp_dir()
+    try:
+        if scheme == "file":
+            _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
+        elif scheme in ("http", "https"):
+            _fetch_http(storage_uri, work, timeout_s)
+        else:
+            _fetch_s3(storage_uri, work, timeout_s, s3_client)
+        actual = canonical_digest(work)
+        if actual != digest:
+            raise DigestMismatch(digest, actual, storage_uri)
+        return dest.adopt(work, digest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fetch_file(uri: str, work: Path, root: Path) -> None:
+    src = Path(unquote(urlsplit(uri).path))
+    if not src.is_dir():
+        raise ArtifactUnavailable(f"{uri}: no such artifact directory")
+    for name in artifact_files(src):
+        if not (src / name).resolve().is_relative_to(root):
+            raise UnsafeLocation(f"{uri}: {name} is a symlink out of the allowed root {root}")
+        try:
+            _copy_synced(src / name, work / name)
+        except OSError as exc:
+            raise ArtifactUnavailable(f"{uri}: cannot read {name} ({exc})") from None
+
+
+def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
+    try:
+        files = json.loads(raw)["files"]
+        entries = [(str(f["name"]), int(f["size"])) for f in files]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactUnavailable(f"{uri}/{INDEX_FILE} is not a valid index ({exc})") from None
+    for name, size in entries:
+        if not is_artifact_name(name) or size < 0:
+            raise UnsafeLocation(f"{uri}/{INDEX_FILE} lists {name!r}, which is not an artifact file name")
+    return entries
+
+
+def _fetch_http(uri: str, work: Path, timeout_s: float) -> None:
+    base = uri.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
+            index = client.get(f"{base}/{INDEX_FILE}")
+            index.raise_for_status()
+            for name, size in _checked_index(index.content, base):
+                with client.stream("GET", f"{base}/{name}") as response, (work / name).open("wb") as out:
+                    response.raise_for_status()
+                    _write_bounded(response.iter_bytes(_CHUNK), out, size, f"{base}/{name}")
+    except httpx.HTTPError as exc:
+        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+
+
+def _write_bounded(chunks, out, size: int, where: str) -> None:
+    written = 0
+    for chunk in chunks:
+        written += len(chunk)
+        if written > size:
+            raise ArtifactUnavailable(f"{where} sent more than the {size} bytes its index lists")
+        out.write(chunk)
+    out.flush()
+    os.fsync(out.fileno())
+
+
+def _fetch_s3(uri: str, work: Path, timeout_s: float, client) -> None:
+    parts = urlsplit(uri)
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if client is None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ArtifactUnavailable("s3:// storage needs boto3: pip install 'loraplex[s3]'") from None
+        client = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s))
+    try:
+        index = client.get_object(Bucket=bucket, Key=f"{prefix}/{INDEX_FILE}")["Body"].read()
+        for name, size in _checked_index(index, uri):
+            body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
+            with (work / name).open("wb") as out:
+                _write_bounded(iter(lambda: body.read(_CHUNK), b""), out, size, f"{uri}/{name}")
+    except (UnsafeLocation, ArtifactUnavailable):
+        raise
+    except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"
+        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+
+
+@contextlib.contextmanager
+def serve_store(store: ArtifactStore, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve the store read-only over http in a thread; yields the base URL (`<base>/<hex>` is an artifact).
+
+    The same as `python -m http.server --directory <root>/sha256 --bind 127.0.0.1 PORT`.
+    """
+    directory = store.root / "sha256"
+    directory.mkdir(parents=True, exist_ok=True)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(directory), **kwargs)
+
+        def log_message(self, format, *args):  # keep test and server output clean
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="artifact-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

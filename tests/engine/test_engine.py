@@ -1,0 +1,205 @@
+"""Engine behaviour: refusals, memory pressure, sampling options, streaming and abort."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import InvalidRequest, SamplingParams
+from loraplex.lora_format import AdapterRejected
+from tinymodels import make_adapter, peft_reference, reference_greedy
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    eng = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=2, kv_cache_bytes=2 * 2**20,
+                                 max_lora_rank=16))
+    yield eng
+    eng.close()
+
+
+def _copy(src, dst, edit_config=None, edit_tensors=None):
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        edit_config(cfg)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        tensors = load_file(dst / "adapter_model.safetensors")
+        save_file(edit_tensors(tensors), dst / "adapter_model.safetensors")
+    return dst
+
+
+def _rename_first(tensors, old, new):
+    key = next(k for k in tensors if old in k)
+    tensors[key.replace(old, new)] = tensors.pop(key)
+    return tensors
+
+
+REFUSALS = {
+    "dora": (dict(edit_config=lambda c: c.update(use_dora=True)), "use_dora"),
+    "bias": (dict(edit_config=lambda c: c.update(bias="all")), "bias"),
+    "modules_to_save": (dict(edit_config=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
+    "lm_head": (dict(edit_tensors=lambda t: _rename_first(t, "self_attn.q_proj", "lm_head")), "lm_head"),
+    "embedding": (dict(edit_tensors=lambda t: _rename_first(t, "layers.0.self_attn.q_proj", "embed_tokens")),
+                  "embedding"),
+    "shape": (dict(edit_tensors=lambda t: {k: (v[:, :-1].contiguous() if "lora_A" in k else v) for k, v in t.items()}),
+              "do not fit"),
+    "missing-layer": (dict(edit_tensors=lambda t: _rename_first(t, "layers.0.", "layers.9.")), "layer 9"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_refused_adapter_kinds_get_their_error_and_serving_goes_on(kind, engine, llama_adapters, tmp_path):
+    edits, expected = REFUSALS[kind]
+    bad = _copy(llama_adapters["attn-r8"], tmp_path / kind, **edits)
+    with pytest.raises(AdapterRejected, match=expected):
+        engine.adapter_ref("bad", bad)
+    good = engine.adapter_ref("good", llama_adapters["mlp-r4"])
+    assert len(engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0), [good])[0]) == 4
+
+
+def test_pickle_weights_are_refused_with_the_reason(engine, llama_adapters, tmp_path):
+    bad = _copy(llama_adapters["attn-r8"], tmp_path / "pickled")
+    torch.save(load_file(bad / "adapter_model.safetensors"), bad / "adapter_model.bin")
+    (bad / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterRejected, match="pickle"):
+        engine.adapter_ref("bad", bad)
+
+
+def test_rank_above_max_lora_rank_is_refused(llama_dir, llama_adapters):
+    eng = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_lora_rank=8, kv_cache_bytes=2**20))
+    with pytest.raises(AdapterRejected, match="max_lora_rank 8"):
+        eng.adapter_ref("big", llama_adapters["all-r16-rslora"])
+    eng.close()
+
+
+def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_adapters, tmp_path):
+    bad_dir = _copy(llama_adapters["attn-r8"], tmp_path / "later-broken")
+    bad = engine.adapter_ref("later-broken", bad_dir, digest="sha256:" + "1" * 64)
+    (bad_dir / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    good = engine.adapter_ref("good2", llama_adapters["mlp-r4"])
+    ok_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0), good)
+    bad_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0), bad)
+    tokens, errors = {ok_id: [], bad_id: []}, {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            if out.error:
+                errors[out.request_id] = out.error
+    assert len(tokens[ok_id]) == 5 and ok_id not in errors
+    assert "later-broken" in str(errors[bad_id]) and tokens[bad_id] == []
+    assert all(e.refcount == 0 for e in engine.adapters.entries.values())
+
+
+def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir, llama_adapters):
+    # 12 blocks of 4 tokens: 8 sequences of 20 tokens cannot all fit, so some must wait or be preempted.
+    cfg = EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=48,
+                       kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4)
+    eng = LLMEngine(cfg)
+    assert eng.blocks.num_blocks == 12
+    ref = eng.adapter_ref("attn-r8", llama_adapters["attn-r8"])
+    prompts = [[10 + i, 11 + i, 12 + i, 13 + i, 14 + i] for i in range(8)]
+    adapters = [ref if i % 2 else None for i in range(8)]
+    out = eng.generate(prompts, SamplingParams(max_tokens=15, temperature=0), adapters)
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.blocks.num_free == 12
+    model = peft_reference(llama_dir, {"attn-r8": llama_adapters["attn-r8"]})
+    for prompt, adapter, tokens in zip(prompts, adapters, out):
+        assert tokens == reference_greedy(model, prompt, "attn-r8" if adapter else None, 15)
+    eng.close()
+
+
+def test_invalid_requests_are_refused_with_the_field(engine):
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request([1] * 300, SamplingParams(max_tokens=10))
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(top_p=0)
+    assert err.value.param == "top_p"
+    with pytest.raises(InvalidRequest):
+        engine.add_request([100000], SamplingParams())
+
+
+def test_seeded_sampling_is_reproducible_and_options_apply(engine):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    a, b = engine.generate([[3, 4, 5], [3, 4, 5]], p)
+    assert a == b
+    c = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=12, temperature=1.0, seed=8))[0]
+    assert c != a
+    # top_k=1 is greedy whatever the temperature.
+    greedy = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=2.0, top_k=1, seed=1))[0] == greedy
+    # A strong logit bias wins every step; a stop token id ends the sequence on it.
+    biased = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0, logit_bias=((77, 100.0),)))[0]
+    assert biased == [77] * 5
+    stopped = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(greedy[2],)))
+    assert stopped[0] == greedy[:3]
+    # repetition penalty changes a greedy run that repeats tokens; min_tokens bans eos early.
+    penalised = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=5.0))
+    assert len(set(penalised[0])) >= len(set(greedy))
+    eos = engine.eos_ids[0]
+    forced = engine.generate([[3]], SamplingParams(max_tokens=6, temperature=0, min_tokens=4,
+                                                   logit_bias=((eos, 100.0),)))[0]
+    assert forced[:4].count(eos) == 0 and forced[4] == eos and len(forced) == 5
+
+
+def test_logprobs_of_chosen_and_top_tokens(engine):
+    rid = engine.add_request([3, 4, 5], SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    outs = []
+    while engine.has_work():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == 3
+    for lp in lps:
+        assert lp["top"][0][0] == lp["token"] and lp["logprob"] == pytest.approx(lp["top"][0][1])
+        assert lp["top"][0][1] >= lp["top"][1][1] and lp["logprob"] <= 0
+
+
+def test_stop_strings_truncate_the_text(engine):
+    full = engine.tokenizer.decode(engine.generate([[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0))[0])
+    stop = full[3:5]
+    assert stop
+    rid = engine.add_request([3, 4, 5], SamplingParams(max_tokens=10, temperature=0, stop=(stop,)))
+    text, reason = "", None
+    while engine.has_work():
+        for o in engine.step():
+            text += o.text
+            reason = o.finish_reason or reason
+    assert text == full[: full.find(stop)] and reason == "stop"
+
+
+def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
+    aeng = AsyncEngine(engine)
+    ref = engine.adapter_ref("attn-r8", llama_adapters["attn-r8"])
+    free_before = engine.blocks.num_free
+
+    async def main():
+        tokens = []
+        async for out in aeng.generate([3, 4, 5], SamplingParams(max_tokens=6, temperature=0), ref):
+            tokens += out.token_ids
+        assert len(tokens) == 6
+        gen = aeng.generate([3, 4, 5], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), ref)
+        async for _ in gen:
+            break  # the client goes away after the first token
+        await gen.aclose()
+        for _ in range(200):
+            if not engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert engine.blocks.num_free == free_before
+        assert engine.adapters.entries[ref.key].refcount == 0
+        assert not engine.requests
+    finally:
+        aeng._stopping = True
+        aeng._wake.set()
+        aeng._thread.join(5)
