@@ -49,6 +49,14 @@ class EngineConfig:
     """Host-memory adapter copies kept ready for a slot (bytes)."""
     eviction_policy: str = "score"
     """score (default) or lru."""
+    disk_cache_dir: Path | None = None
+    """Local content-addressed cache of artifacts fetched from remote stores (None: no disk tier)."""
+    disk_cache_bytes: int = 20 * 2**30
+    """Byte budget of the disk tier."""
+    allowed_roots: tuple[str, ...] = ()
+    """Directories and URL prefixes that adapter storage URIs may point into."""
+    tenant_share: float = 1.0
+    """Largest share of gpu slots one tenant may hold while others need slots."""
     seed: int = 0
 
     def __post_init__(self):

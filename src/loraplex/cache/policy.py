@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Decayed request counts stand in for rolling windows of 5 minutes, 1 hour and 24 hours.
+DEMAND_WINDOWS_S = (300.0, 3600.0, 86400.0)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """An evictable resident adapter (not in flight, not pinned) as a policy sees it."""
+    """A resident adapter (or one that wants to be) as a policy sees it."""
 
     key: object
     nbytes: int
     last_access: float
     loaded_at: float
-    hits: int
+    demand: float = 0.0
+    """Decayed request count over the short (5 min) window."""
     tenant: str = "default"
     priority: int = 0
     reload_cost: float = 0.0
+    """Seconds its last load took: what evicting it would cost again."""
+    preferred: bool = False
+    """Promoted by its demand to the tier it is resident in (tier A for gpu, tier B for cpu)."""
+
+
+class DemandTracker:
+    """Exponentially decayed request counts per key, one per window."""
+
+    def __init__(self):
+        self._counts: dict[object, tuple[float, list[float]]] = {}
+
+    def record(self, key, now: float) -> None:
+        counts = self.counts(key, now)
+        self._counts[key] = (now, [c + 1 for c in counts])
+
+    def counts(self, key, now: float) -> list[float]:
+        at, counts = self._counts.get(key, (now, [0.0] * len(DEMAND_WINDOWS_S)))
+        return [c * math.exp(-(now - at) / w) for c, w in zip(counts, DEMAND_WINDOWS_S)]
+
+    def short(self, key, now: float) -> float:
+        return self.counts(key, now)[0]
 
 
 class LRUPolicy:
@@ -24,7 +50,55 @@ class LRUPolicy:
 
     name = "lru"
 
-    def choose_victim(self, candidates: list[Candidate], now: float):
+    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
         if not candidates:
             return None
         return min(candidates, key=lambda c: c.last_access).key
+
+
+@dataclass(frozen=True)
+class ScorePolicy:
+    """keep_score = recency + frequency + tenant priority + reload cost − size, with protections.
+
+    A newly loaded adapter is protected for `min_residency_s` against newcomers with less demand than it,
+    so a one-off request cannot push out an adapter that is proving hot; frequency dominates recency, so
+    a burst of one-off adapters cycles through the lowest-value slot instead of the hot adapters' slots.
+    """
+
+    recency_s: float = 60.0
+    w_recency: float = 1.0
+    w_frequency: float = 2.0
+    w_priority: float = 0.5
+    w_cost: float = 1.0
+    w_size_per_gib: float = 0.1
+    w_preferred: float = 2.0
+    min_residency_s: float = 5.0
+    name: str = "score"
+
+    def keep_score(self, c: Candidate, now: float) -> float:
+        recency = math.exp(-max(0.0, now - c.last_access) / self.recency_s)
+        return (
+            self.w_recency * recency
+            + self.w_frequency * math.log1p(c.demand)
+            + self.w_priority * c.priority
+            + self.w_cost * c.reload_cost
+            - self.w_size_per_gib * c.nbytes / 2**30
+            + self.w_preferred * c.preferred
+        )
+
+    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+        if incoming is not None:
+            candidates = [
+                c for c in candidates if not (now - c.loaded_at < self.min_residency_s and c.demand > incoming.demand)
+            ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: (self.keep_score(c, now), c.last_access)).key
+
+
+def make_policy(name: str):
+    if name == "lru":
+        return LRUPolicy()
+    if name == "score":
+        return ScorePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}: use lru or score")

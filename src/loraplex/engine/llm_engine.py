@@ -9,9 +9,12 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cache.cache import AdapterCache, AdapterUnavailable
+from loraplex.cache.cache import AdapterCache
+from loraplex.cache.disk import DiskTier
+from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy
+from loraplex.cache.policy import make_policy
+from loraplex.registry.store import AllowList, canonical_digest
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.loader import load_model, resolve_device, resolve_dtype
@@ -40,12 +43,18 @@ class LLMEngine:
         )
         self.pool = LoRASlotPool(self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.model.attach_lora(self.pool)
+        disk = None
+        if config.disk_cache_dir is not None:
+            allowed = AllowList.parse(list(config.allowed_roots))
+            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
         self.adapters = AdapterCache(
             self.pool,
-            self._load_adapter,
+            self._pack_adapter,
             cpu_bytes=config.cpu_cache_bytes,
             max_cpu_loras=config.max_cpu_loras,
-            policy=policy or LRUPolicy(),
+            disk=disk,
+            policy=policy or make_policy(config.eviction_policy),
+            tenant_share=config.tenant_share,
         )
         num_blocks = config.kv_cache_bytes // (config.block_size * kv_bytes_per_token(self.model, self.dtype))
         if num_blocks * config.block_size < self.max_model_len:
@@ -70,19 +79,16 @@ class LLMEngine:
                     **kwargs) -> AdapterRef:
         """A reference for a local adapter directory (validated now, so a bad one fails here)."""
         spec = self.validate_adapter(path)
-        if digest is None:
-            from loraplex.registry.store import canonical_digest
-
-            digest = canonical_digest(Path(path))
-        key = AdapterKey(self.base_model_digest, name, revision, digest)
+        key = AdapterKey(self.base_model_digest, name, revision, digest or canonical_digest(Path(path)))
         return AdapterRef(key, Path(spec.path), **kwargs)
 
-    def _load_adapter(self, ref: AdapterRef):
+    def _pack_adapter(self, path: Path):
+        """Cache worker thread: validate the (digest-checked) files again and pack them for a slot."""
         try:
-            spec = self.validate_adapter(ref.path)
-            return pack_adapter(spec, self.model_config, self.dtype, pin=self.device.type == "cuda")
-        except (AdapterRejected, OSError) as exc:
-            raise AdapterUnavailable(f"adapter {ref.key}: {exc}") from exc
+            spec = self.validate_adapter(path)
+        except AdapterRejected as exc:
+            raise AdapterUnavailable(f"adapter files at {path} are not servable: {exc}") from exc
+        return pack_adapter(spec, self.model_config, self.dtype, pin=self.device.type == "cuda")
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
@@ -100,7 +106,7 @@ class LLMEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq.cache_tier = self.adapters.tier_of(adapter.key) if adapter else "gpu"
+        seq.cache_tier = self.adapters.record_request(adapter) if adapter else "gpu"
         with self._inbox_lock:
             self._inbox.append(("add", seq))
         return seq.request_id

@@ -1,0 +1,13 @@
+"""The cache's errors; the server maps them to HTTP codes in one place."""
+
+
+class AdapterUnavailable(RuntimeError):
+    """The adapter could not be made resident (bad file, digest mismatch, store down); the message says why."""
+
+
+class AdapterInFlight(RuntimeError):
+    """The adapter has running or admitted requests, so it cannot be evicted now."""
+
+
+class CapacityExceeded(RuntimeError):
+    """A pin or prewarm asks for more than the tier holds."""
