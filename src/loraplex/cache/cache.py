@@ -79,7 +79,7 @@ class AdapterCache:
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.tenant_share = tenant_share
-        self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else max(1, pool.num_slots // 2)
+        self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
         self.clock = clock
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
         self.cpu: dict[AdapterKey, object] = {}
@@ -181,6 +181,8 @@ class AdapterCache:
             entry = self.entries[key]
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
+            if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
+                self._restore_preferred(self.clock())
 
     def poll(self) -> list[tuple[AdapterKey, Exception]]:
         """Take finished loads into the cpu tier; return the keys whose load failed, with the error."""
@@ -355,6 +357,27 @@ class AdapterCache:
         self.num_evictions += 1
         self.recent_evictions.append(now)
         self.on_event("eviction", {"tier": "gpu"})
+
+    def _restore_preferred(self, now: float) -> None:
+        """Put tier-A adapters pushed out by one-offs back into a slot as soon as the one-off is done,
+        so the next request for a hot adapter finds it on the device (a host-to-device copy, off its path)."""
+        preferred = self._gpu_preferred(now)
+        for key in sorted(preferred - set(self.slots), key=lambda k: -self.demand.short(k, now)):
+            if key not in self.cpu:
+                continue
+            holders = [
+                k for k in self.slots
+                if k is not None and k not in preferred and self.entries[k].refcount == 0
+                and self.entries[k].pinned != "gpu" and k not in self.loading
+            ]
+            if None not in self.slots and not holders:
+                return
+            if None not in self.slots:
+                victim = min(holders, key=lambda k: self.demand.short(k, now))
+                if self.demand.short(victim, now) >= self.demand.short(key, now):
+                    return
+                self._clear(self.slots.index(victim), now)
+            self._activate(key, now)
 
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier A: the adapters with the most short-window demand, up to the cap."""

@@ -73,6 +73,8 @@ class ScorePolicy:
     w_size_per_gib: float = 0.1
     w_preferred: float = 2.0
     min_residency_s: float = 5.0
+    restores_preferred: bool = True
+    """Put adapters promoted by demand (tier A) back in a slot once the one-off that displaced them is done."""
     name: str = "score"
 
     def keep_score(self, c: Candidate, now: float) -> float:

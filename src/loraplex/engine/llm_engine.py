@@ -198,9 +198,10 @@ class LLMEngine:
         return None
 
     def _output(self, seq, ids, text, logprobs, error=None) -> RequestOutput:
+        wait = seq.admitted_at - seq.arrival if seq.admitted_at is not None else None
         return RequestOutput(
             seq.request_id, ids, text, logprobs, seq.status is Status.FINISHED, seq.finish_reason,
-            len(seq.prompt_ids), len(seq.output_ids), error,
+            len(seq.prompt_ids), len(seq.output_ids), error, seq.cache_tier, wait,
         )
 
     # -- convenience -----------------------------------------------------------------------------

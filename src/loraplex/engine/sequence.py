@@ -113,3 +113,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: Exception | None = None
+    cache_tier: str | None = None
+    """The tier the request's adapter was in when the request arrived (gpu, cpu, disk or remote)."""
+    queue_wait_s: float | None = None
+    """Arrival to admission into the running batch."""

@@ -1,0 +1,121 @@
+"""The cache inside the real engine: remote store over real HTTP, corrupted artifacts, the seed scenario."""
+
+import pytest
+
+from loraplex.cache.errors import AdapterUnavailable
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import LRUPolicy, ScorePolicy
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+from loraplex.registry.store import ArtifactStore, serve_store
+
+GREEDY = SamplingParams(max_tokens=2, temperature=0)
+
+
+def run_one(engine, ref):
+    """One request to completion; its reported tier and error."""
+    engine.add_request([3, 4, 5], GREEDY, ref)
+    tier, error, tokens = None, None, []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.token_ids
+            error = out.error or error
+            tier = out.cache_tier
+    return tier, error, tokens
+
+
+@pytest.fixture()
+def remote(llama_adapters, tmp_path):
+    store = ArtifactStore(tmp_path / "remote")
+    digests = {name: store.put(path) for name, path in llama_adapters.items()}
+    return store, digests
+
+
+def make_engine(llama_dir, tmp_path, allowed, policy=None, max_loras=2, disk_bytes=10 * 2**20):
+    return LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=max_loras, max_lora_rank=16,
+                                  kv_cache_bytes=2**20, disk_cache_dir=tmp_path / "disk",
+                                  disk_cache_bytes=disk_bytes, allowed_roots=(allowed,)), policy=policy)
+
+
+def remote_ref(engine, base, name, digest):
+    key = AdapterKey(engine.base_model_digest, name, "1", digest)
+    return AdapterRef(key, storage_uri=f"{base}/{digest.removeprefix('sha256:')}")
+
+
+def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_dir, remote, tmp_path):
+    store, digests = remote
+    with serve_store(store) as base:
+        engine = make_engine(llama_dir, tmp_path, base)
+        warm = remote_ref(engine, base, "warm", digests["attn-r8"])
+        cold = remote_ref(engine, base, "cold", digests["mlp-r4"])
+        tier, error, tokens = run_one(engine, warm)
+        assert (tier, error, len(tokens)) == ("remote", None, 2)
+        assert run_one(engine, warm)[0] == "gpu"
+    # The store is stopped now.
+    tier, error, tokens = run_one(engine, cold)
+    assert tier == "remote" and isinstance(error, AdapterUnavailable) and tokens == []
+    assert run_one(engine, warm)[:2] == ("gpu", None)
+    assert engine.adapters.slots.count(None) == 1  # the failed load took nothing
+    with serve_store(store, port=int(base.rsplit(":", 1)[1])):
+        # The same key is tried again on the next request and recovers.
+        assert run_one(engine, cold)[1:] == (None, run_one(engine, cold)[2])
+    engine.close()
+
+
+def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, remote, tmp_path):
+    store, digests = remote
+    path = store.path(digests["all-r16-rslora"]) / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    path.write_bytes(bytes(data))
+    with serve_store(store) as base:
+        engine = make_engine(llama_dir, tmp_path, base)
+        good = remote_ref(engine, base, "good", digests["attn-r8"])
+        bad = remote_ref(engine, base, "bad", digests["all-r16-rslora"])
+        assert run_one(engine, good)[1] is None
+        slots, cpu = list(engine.adapters.slots), set(engine.adapters.cpu)
+        tier, error, tokens = run_one(engine, bad)
+        assert "digest" in str(error).lower() and tokens == []
+        assert (list(engine.adapters.slots), set(engine.adapters.cpu)) == (slots, cpu)
+        assert not engine.adapters.disk.has(digests["all-r16-rslora"])
+        assert run_one(engine, good)[:2] == ("gpu", None)
+        engine.close()
+
+
+def test_disk_budget_filled_evicts_instead_of_failing(llama_dir, remote, tmp_path):
+    store, digests = remote
+    with serve_store(store) as base:
+        one = store.size(digests["attn-r8"])
+        engine = make_engine(llama_dir, tmp_path, base, disk_bytes=int(one * 1.5), max_loras=1)
+        for name, digest in digests.items():
+            assert run_one(engine, remote_ref(engine, base, name, digest))[1] is None
+        assert engine.adapters.disk.used_bytes() <= int(one * 1.5) or len(engine.adapters.disk.store.digests()) == 1
+        engine.close()
+
+
+def seed_scenario(engine, refs_hot, refs_cold):
+    """4 hot adapters with steady traffic, then a burst sweeping cold adapters once each."""
+    for _ in range(3):
+        for ref in refs_hot:
+            run_one(engine, ref)
+    tiers = []
+    for i, cold in enumerate(refs_cold):
+        run_one(engine, cold)
+        tiers.append(run_one(engine, refs_hot[i % len(refs_hot)])[0])
+        tiers.append(run_one(engine, refs_hot[(i + 2) % len(refs_hot)])[0])
+    return tiers
+
+
+def test_seed_scenario_score_keeps_hot_adapters_resident_and_lru_does_not(llama_dir, llama_adapters, tmp_path):
+    results = {}
+    for policy in (ScorePolicy(min_residency_s=0.0), LRUPolicy()):
+        engine = make_engine(llama_dir, tmp_path / policy.name, str(tmp_path), policy=policy, max_loras=4)
+        paths = list(llama_adapters.values())
+        hot = [engine.adapter_ref(f"hot{i}", paths[i % len(paths)]) for i in range(4)]
+        cold = [engine.adapter_ref(f"cold{i}", paths[i % len(paths)]) for i in range(20)]
+        tiers = seed_scenario(engine, hot, cold)
+        results[policy.name] = tiers.count("gpu") / len(tiers)
+        engine.close()
+    assert results["score"] >= 0.9, results
+    assert results["lru"] <= 0.5, results
