@@ -6,7 +6,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -70,6 +70,7 @@ class AdapterCache:
         tenant_share: float = 1.0,
         max_gpu_preferred: int | None = None,
         load_threads: int = 2,
+        executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.pool = pool
@@ -90,7 +91,8 @@ class AdapterCache:
         self.reloads_after_eviction = 0
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
-        self._executor = ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
+        # A simulator passes an executor that runs loads inline, on its simulated clock.
+        self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
         self._lock = threading.RLock()
 
     # -- queries (any thread) --------------------------------------------------------------------

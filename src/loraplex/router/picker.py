@@ -1,0 +1,167 @@
+"""The router's picker: LoRA affinity until saturated, bounded-load consistent hashing for cold adapters.
+
+Pure functions over plain data, so the simulator and the tests use the very code the router runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
+AFFINITY = {"gpu": 1.0, "cpu": 0.9, "free-slot": 0.8, "loading": 0.6, "none": 0.0}
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows of one worker: its last polled state plus its own optimistic counts."""
+
+    url: str
+    healthy: bool = True
+    fresh: bool = True
+    """False when the last state is older than the staleness limit: its load and residency are unknown."""
+    waiting: int = 0
+    running: int = 0
+    active_tokens: int = 0
+    kv_usage: float = 0.0
+    recent_evictions: int = 0
+    free_slots: int = 0
+    gpu: frozenset[str] = frozenset()
+    cpu: frozenset[str] = frozenset()
+    loading: frozenset[str] = frozenset()
+    in_flight: int = 0
+    """Requests the router sent since the state was polled (added at once, so a burst spreads)."""
+
+    @property
+    def load(self) -> int:
+        return (self.waiting + self.running if self.fresh else 0) + self.in_flight
+
+    def affinity(self, adapter: str | None) -> str:
+        if adapter is None or not self.fresh:
+            return "none"
+        if adapter in self.gpu:
+            return "gpu"
+        if adapter in self.cpu:
+            return "cpu"
+        if adapter in self.loading:
+            return "loading"
+        return "free-slot" if self.free_slots > 0 else "none"
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    max_waiting: int = 5
+    max_kv_usage: float = 0.8
+    w_affinity: float = 1.0
+    w_queue: float = 0.5
+    w_tokens: float = 0.2
+    w_evictions: float = 0.2
+    load_factor: float = 1.25
+    near_equal: float = 0.05
+    shed_priority_below: int = 0
+    """When every worker is saturated, tenants with a priority below this get 429 instead of a worker."""
+    virtual_nodes: int = 64
+
+
+@dataclass(frozen=True)
+class Pick:
+    ranking: tuple[str, ...]
+    """Worker URLs, best first; the router retries on the second if the first fails before its first byte."""
+    reason: str
+
+    @property
+    def url(self) -> str | None:
+        return self.ranking[0] if self.ranking else None
+
+
+@dataclass
+class Picker:
+    policy: str = "affinity"
+    config: PickerConfig = field(default_factory=PickerConfig)
+    rng: random.Random = field(default_factory=random.Random)
+    _next: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown router policy {self.policy!r}: use {', '.join(POLICIES)}")
+
+    def pick(self, workers: list[WorkerView], adapter: str | None, priority: int = 0) -> Pick:
+        healthy = [w for w in workers if w.healthy]
+        if not healthy:
+            return Pick((), "no-healthy-worker")
+        if self.policy == "round-robin":
+            self._next += 1
+            order = healthy[self._next % len(healthy):] + healthy[: self._next % len(healthy)]
+            return Pick(tuple(w.url for w in order), "round-robin")
+        if self.policy == "least-loaded":
+            order = sorted(healthy, key=lambda w: (w.load, w.active_tokens, self.rng.random()))
+            return Pick(tuple(w.url for w in order), "least-loaded")
+        if self.policy == "pure-affinity":
+            order = sorted(healthy, key=lambda w: (-AFFINITY[w.affinity(adapter)], w.load, self.rng.random()))
+            return Pick(tuple(w.url for w in order), f"affinity-{order[0].affinity(adapter)}")
+        return self._pick_affinity(healthy, adapter, priority)
+
+    def _saturated(self, w: WorkerView) -> bool:
+        c = self.config
+        return w.fresh and (w.waiting + w.in_flight > c.max_waiting or w.kv_usage > c.max_kv_usage)
+
+    def _pick_affinity(self, healthy: list[WorkerView], adapter: str | None, priority: int) -> Pick:
+        candidates = [w for w in healthy if not self._saturated(w)]
+        fallback = not candidates
+        if fallback:
+            if priority < self.config.shed_priority_below:
+                return Pick((), "saturated-shed")
+            candidates = healthy
+        scores = self._scores(candidates, adapter)
+        best_affinity = max(candidates, key=lambda w: AFFINITY[w.affinity(adapter)]).affinity(adapter)
+        if adapter is not None and best_affinity in ("none", "free-slot"):
+            order = self._bounded_hash(candidates, adapter)
+            reason = "cold-hash"
+        else:
+            order = sorted(candidates, key=lambda w: (-scores[w.url], self.rng.random()))
+            top = [w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal]
+            if priority > 0 and len(top) > 1:  # a higher-priority tenant takes the less-loaded of near-equals
+                first = min(top, key=lambda w: (w.load, w.active_tokens))
+                order = [first] + [w for w in order if w is not first]
+            reason = f"affinity-{order[0].affinity(adapter)}" if adapter else "least-loaded"
+        if fallback:
+            reason = "saturated-fallback"
+        rest = [w for w in healthy if w not in order]
+        return Pick(tuple(w.url for w in order + rest), reason)
+
+    def _scores(self, workers: list[WorkerView], adapter: str | None) -> dict[str, float]:
+        c = self.config
+
+        def norm(values):
+            top = max(values) or 1
+            return [v / top for v in values]
+
+        queue = norm([w.load for w in workers])
+        tokens = norm([w.active_tokens if w.fresh else 0 for w in workers])
+        evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
+        return {
+            w.url: c.w_affinity * AFFINITY[w.affinity(adapter)] - c.w_queue * q - c.w_tokens * t - c.w_evictions * e
+            for w, q, t, e in zip(workers, queue, tokens, evictions)
+        }
+
+    def _bounded_hash(self, workers: list[WorkerView], adapter: str) -> list[WorkerView]:
+        """Consistent hashing with bounded load: walk the ring from the adapter's point, skipping workers
+        above load_factor × the mean load, so one cold adapter keeps landing on the same one or two workers."""
+        ring = sorted((_hash(f"{w.url}#{i}"), w.url) for w in workers for i in range(self.config.virtual_nodes))
+        by_url = {w.url: w for w in workers}
+        mean = (sum(w.load for w in workers) + 1) / len(workers)
+        cap = max(1.0, self.config.load_factor * mean)
+        start = bisect.bisect(ring, (_hash(adapter), ""))
+        seen: list[WorkerView] = []
+        for i in range(len(ring)):
+            url = ring[(start + i) % len(ring)][1]
+            if url not in {w.url for w in seen}:
+                seen.append(by_url[url])
+        within = [w for w in seen if w.load + 1 <= cap]
+        return within + [w for w in seen if w not in within]
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
