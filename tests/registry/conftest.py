@@ -119,12 +119,18 @@ def _new_pg_database(socket_dir: Path) -> str:
     return f"postgresql://postgres@/{name}?host={socket_dir}"
 
 
+@pytest.fixture
+def pg_url(postgres_server):
+    """A fresh, empty PostgreSQL database (skips when no cluster could start)."""
+    return _new_pg_database(postgres_server)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
     """A fresh, empty database: a SQLite file, and (second run) a PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/registry.db"
-    return _new_pg_database(request.getfixturevalue("postgres_server"))
+    return request.getfixturevalue("pg_url")
 
 
 @pytest.fixture

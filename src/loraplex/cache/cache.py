@@ -71,6 +71,7 @@ class AdapterCache:
         max_gpu_preferred: int | None = None,
         load_threads: int = 2,
         executor: Executor | None = None,
+        loader: Callable[[AdapterRef], Loaded] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.pool = pool
@@ -91,7 +92,8 @@ class AdapterCache:
         self.reloads_after_eviction = 0
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
-        # A simulator passes an executor that runs loads inline, on its simulated clock.
+        # A simulator passes its own executor and loader, to run loads on its simulated clock.
+        self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
         self._lock = threading.RLock()
 
@@ -280,7 +282,7 @@ class AdapterCache:
     # -- internals -------------------------------------------------------------------------------
     def _start_load(self, ref: AdapterRef) -> None:
         if ref.key not in self.loading:
-            self.loading[ref.key] = self._executor.submit(self._load, ref)
+            self.loading[ref.key] = self._executor.submit(self._loader, ref)
 
     def _load(self, ref: AdapterRef) -> Loaded:
         """Worker thread: bytes from disk or the remote store, digest checked, packed into a host buffer."""

@@ -53,9 +53,9 @@ class CliOptions:
 @app.callback()
 def main(
     ctx: typer.Context,
-    registry: Annotated[str | None, typer.Option(help="Database URL [default: sqlite:///<data-dir>/registry.db]")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="[default: ~/.local/share/loraplex]")] = None,
-    store: Annotated[Path | None, typer.Option(help="Artifact store directory [default: <db dir>/artifacts]")] = None,
+    registry: Annotated[str | None, typer.Option(help="Database URL (default: sqlite:///DATA_DIR/registry.db)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Data directory (default: ~/.local/share/loraplex)")] = None,
+    store: Annotated[Path | None, typer.Option(help="Artifact store directory (default: the database's directory/artifacts)")] = None,
     storage_base: Annotated[str | None, typer.Option(help="URL the store is served under (http store)")] = None,
     trusted_key: Annotated[list[Path] | None, typer.Option(help="ed25519 public key (PEM); repeat; "
                                                                  "with any, unsigned revisions are refused")] = None,
@@ -122,7 +122,7 @@ def add(
     ctx: typer.Context,
     directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
     name: Annotated[str, typer.Option(help="Adapter name")],
-    revision: Annotated[str | None, typer.Option(help="[default: r<N>]")] = None,
+    revision: Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")] = None,
     tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")] = False,
     base_model: Annotated[Path | None, typer.Option(help="Base model directory to validate against")] = None,

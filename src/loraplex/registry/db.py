@@ -49,6 +49,14 @@ class SchemaVersion(Base):
     version: Mapped[int] = mapped_column(Integer)
 
 
+class Generation(Base):
+    """Bumped by every change; a reader that keeps what it read compares it to know it is still current."""
+
+    __tablename__ = "generation"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
 class Tenant(Base):
     __tablename__ = "tenants"
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -151,7 +159,9 @@ def make_engine(url: str) -> Engine:
     def _on_begin(conn):
         # A writer takes the write lock when it begins, so that two writers queue on busy_timeout
         # instead of one failing at its first write after both have read (SQLITE_BUSY on upgrade).
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("write") else "BEGIN")
+        options = conn.get_execution_options()
+        if not options.get("single_statement"):  # alone, a statement is its own transaction
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if options.get("write") else "BEGIN")
 
     return engine
 
@@ -159,6 +169,13 @@ def make_engine(url: str) -> Engine:
 def writer(engine: Engine) -> Engine:
     """The same engine, marked so that SQLite transactions on it begin IMMEDIATE."""
     return engine.execution_options(write=True)
+
+
+def single_statement_reader(engine: Engine) -> Engine:
+    """For reads whose statements each stand alone: no BEGIN/ROLLBACK (round trips on PostgreSQL)."""
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(isolation_level="AUTOCOMMIT")
+    return engine.execution_options(single_statement=True)
 
 
 def schema_version(engine: Engine) -> int | None:
@@ -191,5 +208,7 @@ def create_schema(engine: Engine) -> None:
         return
     Base.metadata.create_all(engine)
     with Session(writer(engine)) as session, session.begin():
+        if session.get(Generation, 1) is None:
+            session.add(Generation(id=1, value=0))
         if session.get(SchemaVersion, 1) is None:
             session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))

@@ -13,17 +13,29 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import bindparam, delete, select
+from sqlalchemy import Row, bindparam, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.lora_format import CONFIG_FILE, check_base_model, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import db
-from loraplex.registry.db import Adapter, ApiKey, AuditEvent, Grant, Revision, Tenant, Traffic, as_utc, utcnow
+from loraplex.registry.db import (
+    Adapter,
+    ApiKey,
+    AuditEvent,
+    Generation,
+    Grant,
+    Revision,
+    Tenant,
+    Traffic,
+    as_utc,
+    utcnow,
+)
 from loraplex.registry.errors import (
     AdapterNotFound,
     AdapterRejected,
@@ -43,6 +55,7 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WARM_POLICIES = ("gpu", "cpu", "on_demand")
 STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
 KEY_PREFIX = "lpx-"
+MAX_CACHED_NAMES = 100_000
 
 
 def _hash_key(key: str) -> str:
@@ -81,6 +94,7 @@ class Registry:
         self.url = url
         self.engine = db.make_engine(url)
         self._writer = db.writer(self.engine)
+        self._reader = db.single_statement_reader(self.engine)
         self.store = store if store is not None else default_store_for(url)
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
         self.max_lora_rank = max_lora_rank
@@ -90,6 +104,7 @@ class Registry:
         self.grace_period = timedelta(seconds=grace_period_s)
         self.actor = actor
         self._rng = random.Random()
+        self._snapshots: dict[str, _Snapshot] = {}  # name -> what resolve last read about it
         self._ready = db.check_schema(self.engine)  # a newer schema refuses here, before any work
 
     def close(self) -> None:
@@ -116,9 +131,11 @@ class Registry:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        """One transaction; it first bumps the generation, which also queues writers one at a time."""
         self._check_ready()
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                session.execute(update(Generation).where(Generation.id == 1).values(value=Generation.value + 1))
                 yield session
         except IntegrityError as exc:
             raise LifecycleError(f"a concurrent change conflicted with this one; retry ({exc.orig})") from None
@@ -255,32 +272,44 @@ class Registry:
         exactly the same AdapterNotFound as a name that does not exist.
         """
         name, _, revision = model.partition("@")
-        if not NAME_RE.match(name):
+        snapshot = self._snapshot(name) if NAME_RE.match(name) else None
+        if snapshot is None or not _may_use(snapshot.adapter, snapshot.grants, tenant):
             raise AdapterNotFound(model)
-        self._check_ready()
-        # Plain SQL statements on one connection: this is the per-request path, and ORM sessions cost
-        # several times more. The reads share one transaction, so they see one committed state.
-        with self.engine.connect() as conn:
-            adapter = conn.execute(_ADAPTER_BY_NAME, {"name": name}).first()
-            grants = tuple(conn.execute(_GRANTS_OF, {"name": name}).scalars())
-            if adapter is None or not _may_use(adapter, grants, tenant):
+        if revision:
+            row = snapshot.revisions.get(revision)
+            if row is None:
                 raise AdapterNotFound(model)
-            if revision:
-                row = conn.execute(_REVISION_BY_NAME, {"name": name, "revision": revision}).first()
-                if row is None:
-                    raise AdapterNotFound(model)
-                if row.status == "quarantined":
-                    raise RevisionUnavailable(f"{model} is quarantined ({row.status_reason}); it is never served")
-                weight = conn.execute(_WEIGHT_OF, {"id": row.id}).scalar() or 0
-                return self._record(None, adapter, row, grants, {row.id: weight})
-            rows = conn.execute(_SERVING, {"name": name}).all()
-        if not rows:
+            if row.status == "quarantined":
+                raise RevisionUnavailable(f"{model} is quarantined ({row.status_reason}); it is never served")
+            return self._record(None, snapshot.adapter, row, snapshot.grants, snapshot.weights)
+        serving = [r for r in snapshot.revisions.values() if snapshot.weights.get(r.id) and r.status != "quarantined"]
+        if not serving:
             raise RevisionUnavailable(f"{name} has no revision in service (all deprecated or quarantined)")
         # Canaries first, newest first: raising a canary's weight keeps every user it already had.
-        rows.sort(key=lambda r: (r.status == "stable", -r.id))
-        chosen = pick(name, [(r.revision, r.weight) for r in rows], user, self._rng)
-        row = next(r for r in rows if r.revision == chosen)
-        return self._record(None, adapter, row, grants, {r.id: r.weight for r in rows})
+        serving.sort(key=lambda r: (r.status == "stable", -r.id))
+        chosen = pick(name, [(r.revision, snapshot.weights[r.id]) for r in serving], user, self._rng)
+        return self._record(None, snapshot.adapter, snapshot.revisions[chosen], snapshot.grants, snapshot.weights)
+
+    def _snapshot(self, name: str) -> _Snapshot | None:
+        """What resolution needs about `name`, read again only when the registry changed since (one query)."""
+        self._check_ready()
+        with self._reader.connect() as conn:
+            generation = conn.execute(_GENERATION).scalar_one()
+            cached = self._snapshots.get(name)
+            if cached is not None and cached.generation == generation:
+                return cached
+            adapter = conn.execute(_ADAPTER_BY_NAME, {"name": name}).first()
+            if adapter is None:
+                return None
+            grants = tuple(conn.execute(_GRANTS_OF, {"name": name}).scalars())
+            # One statement for revisions and weights, so that statuses and the split come from one commit.
+            rows = conn.execute(_REVISIONS_WITH_WEIGHT, {"name": name}).all()
+        snapshot = _Snapshot(generation, adapter, grants, {r.revision: r for r in rows},
+                             {r.id: r.weight for r in rows if r.weight})
+        if len(self._snapshots) >= MAX_CACHED_NAMES:
+            self._snapshots.clear()
+        self._snapshots[name] = snapshot
+        return snapshot
 
     def tenant_may_use(self, tenant: str, name: str) -> bool:
         with self._read() as session:
@@ -617,17 +646,24 @@ class Registry:
 # ---- statements of the per-request path (plain SQL, compiled once) --------------------------------------
 
 _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (m.__table__ for m in (Adapter, Revision, Traffic, Grant))
+_GENERATION = select(Generation.__table__.c.value).where(Generation.__table__.c.id == 1)
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
 _GRANTS_OF = select(_GRANTS.c.tenant).where(_GRANTS.c.adapter_name == bindparam("name")).order_by(_GRANTS.c.tenant)
-_REVISION_BY_NAME = select(_REVISIONS).where(
-    _REVISIONS.c.adapter_name == bindparam("name"), _REVISIONS.c.revision == bindparam("revision")
-)
-_WEIGHT_OF = select(_TRAFFIC.c.weight).where(_TRAFFIC.c.revision_id == bindparam("id"))
-_SERVING = (
+_REVISIONS_WITH_WEIGHT = (
     select(_REVISIONS, _TRAFFIC.c.weight)
-    .join(_TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id)
-    .where(_TRAFFIC.c.adapter_name == bindparam("name"), _TRAFFIC.c.weight > 0, _REVISIONS.c.status != "quarantined")
+    .outerjoin(_TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id)
+    .where(_REVISIONS.c.adapter_name == bindparam("name"))
+    .order_by(_REVISIONS.c.id)
 )
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    generation: int
+    adapter: Row
+    grants: tuple[str, ...]
+    revisions: dict[str, Row]  # by revision label, oldest first
+    weights: dict[int, int]  # revision id -> traffic weight, only those with traffic
 
 
 # ---- helpers over one session ---------------------------------------------------------------------------
