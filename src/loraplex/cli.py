@@ -8,9 +8,11 @@ from typing import Optional
 import typer
 
 from loraplex.registry.cli import app as registry_app
+from loraplex.server.cli import serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve one base LLM with many LoRA adapters.")
 app.add_typer(registry_app, name="registry")
+app.command()(serve)
 
 
 @app.command()
@@ -22,6 +24,23 @@ def demo(
     from loraplex.demo.run import run_demo
 
     raise typer.Exit(run_demo(dir, max_loras=max_loras))
+
+
+@app.command()
+def router(
+    worker: list[str] = typer.Option(..., "--worker", help="A worker's base URL; repeat for each worker."),
+    policy: str = typer.Option("affinity", "--policy", help="affinity | round-robin | least-loaded | pure-affinity"),
+    admin_token_file: Optional[Path] = typer.Option(None, "--admin-token-file",
+                                                   help="Admin token: reads workers' /admin/state, guards /admin."),
+    registry: Optional[str] = typer.Option(None, "--registry", help="Registry URL for tenant priorities."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8080, "--port", help="0 picks a free port and prints it."),
+) -> None:
+    """Route requests to the worker that has their adapter, until it is saturated."""
+    from loraplex.router.serve import serve_router
+
+    token = admin_token_file.read_text().splitlines()[0].strip() if admin_token_file else None
+    raise typer.Exit(serve_router(worker, policy, token, registry, host, port))
 
 
 def main() -> None:

@@ -1,0 +1,220 @@
+"""The gateway in front of several workers: pick a worker per request, proxy it (streaming too), retry once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from loraplex.router.fleet import Fleet
+from loraplex.router.picker import Picker, PickerConfig
+
+log = logging.getLogger("loraplex.router")
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...]
+    policy: str = "affinity"
+    admin_token: str | None = None
+    stale_s: float = 2.0
+    poll_s: float = 0.5
+    request_timeout_s: float = 300.0
+    priority_of: Callable[[str], int] = lambda key: 0
+    """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has one)."""
+    picker: PickerConfig = field(default_factory=PickerConfig)
+    seed: int | None = None
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.picks = Counter("loraplex_router_picks_total", "Routing decisions by reason", ["reason"],
+                             registry=self.registry)
+        self.retries = Counter("loraplex_router_retries_total", "Requests retried on another worker",
+                               registry=self.registry)
+        self.healthy = Gauge("loraplex_router_worker_healthy", "1 while the worker passes its health checks",
+                             ["worker"], registry=self.registry)
+        self.in_flight = Gauge("loraplex_router_worker_in_flight", "Requests proxied to the worker and not done",
+                               ["worker"], registry=self.registry)
+
+
+def _error(status: int, message: str, code: str, type_: str = "invalid_request_error", headers=None):
+    body = {"error": {"message": message, "type": type_, "code": code, "param": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
+    picker = Picker(config.policy, config.picker, random.Random(config.seed))
+    metrics = RouterMetrics()
+    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0))
+    in_flight: dict[str, int] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await fleet.poll_once()
+        fleet.start()
+        try:
+            yield
+        finally:
+            await fleet.stop()
+            await proxy.aclose()
+
+    app = FastAPI(title="loraplex router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fleet, app.state.picker = fleet, picker
+
+    def admin_ok(request: Request) -> bool:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        return bool(config.admin_token) and secrets.compare_digest(given, config.admin_token)
+
+    async def forward(request: Request, path: str):
+        body = await request.body()
+        try:
+            payload = json.loads(body or b"{}")
+        except json.JSONDecodeError:
+            return _error(400, "request body is not valid JSON", "invalid_json")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        adapter = model if isinstance(model, str) else None
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        pick = picker.pick(fleet.views(), adapter, config.priority_of(key))
+        metrics.picks.labels(pick.reason).inc()
+        if pick.url is None:
+            status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
+            return _error(status, f"no worker can take the request now ({pick.reason})", code,
+                          "server_error", {"Retry-After": "1"})
+        log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        for attempt, url in enumerate(pick.ranking[:2]):
+            worker = fleet.workers.get(url)
+            if worker is not None:
+                worker.in_flight += 1
+            in_flight[url] = in_flight.get(url, 0) + 1
+            metrics.in_flight.labels(url).set(in_flight[url])
+            upstream = proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)
+            try:
+                response = await proxy.send(upstream, stream=True)
+            except httpx.HTTPError as exc:
+                done(url)
+                log.warning("worker %s failed before the first byte: %s", url, exc)
+                if worker is not None:
+                    worker.healthy = False
+                if attempt == 0 and len(pick.ranking) > 1:
+                    metrics.retries.inc()
+                    continue
+                return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
+            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+            out_headers["x-loraplex-worker"] = url
+            out_headers["x-loraplex-route"] = pick.reason
+
+            async def relay(response=response, url=url):
+                try:
+                    async for chunk in response.aiter_raw():
+                        yield chunk
+                finally:
+                    await response.aclose()
+                    done(url)
+
+            return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+        return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+    def done(url: str) -> None:
+        in_flight[url] = max(0, in_flight.get(url, 0) - 1)
+        metrics.in_flight.labels(url).set(in_flight[url])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        for worker in fleet.workers.values():
+            if worker.healthy:
+                try:
+                    r = await proxy.get(f"{worker.url}/v1/models", headers=headers)
+                    return Response(r.content, r.status_code, media_type="application/json")
+                except httpx.HTTPError:
+                    continue
+        return _error(503, "no healthy worker", "no_worker", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if any(w.healthy for w in fleet.workers.values()):
+            return {"status": "ready"}
+        return _error(503, "no healthy worker", "no_worker", "server_error")
+
+    @app.get("/metrics")
+    async def metrics_page():
+        for worker in fleet.workers.values():
+            metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/workers")
+    async def list_workers(request: Request):
+        if not admin_ok(request):
+            return _error(401, "admin token required", "unauthorized", "authentication_error")
+        return {"workers": [{"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": w.waiting,
+                             "running": w.running, "gpu": sorted(w.gpu), "in_flight": in_flight.get(w.url, 0)}
+                            for w in fleet.workers.values()]}
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request):
+        if not admin_ok(request):
+            return _error(401, "admin token required", "unauthorized", "authentication_error")
+        url = (await request.json()).get("url", "")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
+        fleet.add(url)
+        await fleet.poll_once()
+        return {"added": url.rstrip("/")}
+
+    @app.delete("/admin/workers")
+    async def remove_worker(request: Request):
+        if not admin_ok(request):
+            return _error(401, "admin token required", "unauthorized", "authentication_error")
+        url = (await request.json()).get("url", "")
+        if not fleet.remove(str(url)):
+            return _error(404, f"no worker {url}", "not_found")
+        return {"removed": url}
+
+    return app
+
+
+def registry_priorities(url: str) -> Callable[[str], int]:
+    """Bearer key -> tenant priority, read from the registry (remembered per key for a minute)."""
+    import time
+
+    from loraplex.registry import Registry
+
+    registry = Registry(url)
+    memo: dict[str, tuple[float, int]] = {}
+
+    def priority_of(key: str) -> int:
+        now = time.monotonic()
+        if key in memo and now - memo[key][0] < 60:
+            return memo[key][1]
+        tenant = registry.tenant_for_key(key) if key else None
+        priorities = {t.name: t.priority for t in registry.list_tenants()}
+        memo[key] = (now, priorities.get(tenant, 0))
+        return memo[key][1]
+
+    return priority_of

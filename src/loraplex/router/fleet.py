@@ -1,0 +1,145 @@
+"""The router's view of its workers: polled state, health, and optimistic in-flight counts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loraplex.router.picker import WorkerView
+
+log = logging.getLogger("loraplex.router")
+_VLLM_LINE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$')
+_LABEL = re.compile(r'([a-z_]+)="([^"]*)"')
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    polled_at: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    active_tokens: int = 0
+    kv_usage: float = 0.0
+    recent_evictions: int = 0
+    free_slots: int = 0
+    gpu: frozenset[str] = frozenset()
+    cpu: frozenset[str] = frozenset()
+    loading: frozenset[str] = frozenset()
+    in_flight: int = 0
+    kind: str = "loraplex"
+    failures: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def view(self, now: float, stale_s: float) -> WorkerView:
+        return WorkerView(
+            self.url, self.healthy, now - self.polled_at <= stale_s, self.waiting, self.running, self.active_tokens,
+            self.kv_usage, self.recent_evictions, self.free_slots, self.gpu, self.cpu, self.loading, self.in_flight,
+        )
+
+    def apply_state(self, state: dict) -> None:
+        """From a loraplex worker's GET /admin/state."""
+        load = state.get("load", {})
+        self.waiting, self.running = load.get("waiting", 0), load.get("running", 0)
+        self.active_tokens = load.get("active_tokens", 0)
+        self.kv_usage = load.get("kv_cache_usage", 0.0)
+        self.recent_evictions = load.get("recent_evictions", 0)
+        self.free_slots = load.get("free_slots", 0)
+        tiers: dict[str, set[str]] = {"gpu": set(), "cpu": set(), "loading": set()}
+        for a in state.get("adapters", []):
+            names = {a["name"], f"{a['name']}@{a['revision']}"}
+            if a.get("loading"):
+                tiers["loading"] |= names
+            if a.get("tier") in ("gpu", "cpu"):
+                tiers[a["tier"]] |= names
+        self.gpu, self.cpu, self.loading = (frozenset(tiers[t]) for t in ("gpu", "cpu", "loading"))
+        self.kind = "loraplex"
+
+    def apply_vllm_metrics(self, text: str) -> None:
+        """From a vLLM worker's /metrics (Gateway API Inference Extension series)."""
+        gpu, waiting_adapters = set(), set()
+        for line in text.splitlines():
+            match = _VLLM_LINE.match(line.strip())
+            if not match:
+                continue
+            name, labels, value = match[1], dict(_LABEL.findall(match[2] or "")), float(match[3])
+            if name == "vllm:num_requests_waiting":
+                self.waiting = int(value)
+            elif name == "vllm:num_requests_running":
+                self.running = int(value)
+            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                self.kv_usage = value
+            elif name == "vllm:lora_requests_info":
+                gpu = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
+                waiting_adapters = {a for a in labels.get("waiting_lora_adapters", "").split(",") if a}
+                max_lora = int(labels.get("max_lora", "0") or 0)
+                self.free_slots = max(0, max_lora - len(gpu))
+        self.gpu, self.cpu, self.loading = frozenset(gpu), frozenset(), frozenset(waiting_adapters)
+        self.kind = "vllm"
+
+
+class Fleet:
+    def __init__(self, urls: list[str], admin_token: str | None, stale_s: float = 2.0, poll_s: float = 0.5,
+                 timeout_s: float = 2.0):
+        self.workers: dict[str, Worker] = {u.rstrip("/"): Worker(u.rstrip("/")) for u in urls}
+        self.admin_token = admin_token
+        self.stale_s = stale_s
+        self.poll_s = poll_s
+        self.client = httpx.AsyncClient(timeout=timeout_s)
+        self._task: asyncio.Task | None = None
+
+    def views(self) -> list[WorkerView]:
+        now = time.monotonic()
+        return [w.view(now, self.stale_s) for w in self.workers.values()]
+
+    def add(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        return self.workers.setdefault(url, Worker(url, healthy=False))
+
+    def remove(self, url: str) -> bool:
+        return self.workers.pop(url.rstrip("/"), None) is not None
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+
+    async def _poll(self, worker: Worker) -> None:
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        try:
+            health = await self.client.get(f"{worker.url}/health")
+            if health.status_code != 200:
+                raise httpx.HTTPStatusError("unhealthy", request=health.request, response=health)
+            state = await self.client.get(f"{worker.url}/admin/state", headers=headers)
+            if state.status_code == 200:
+                worker.apply_state(state.json())
+            else:  # not a loraplex worker, or no admin token: read the vLLM-style metrics instead
+                metrics = await self.client.get(f"{worker.url}/metrics")
+                metrics.raise_for_status()
+                worker.apply_vllm_metrics(metrics.text)
+            worker.polled_at = time.monotonic()
+            worker.in_flight = 0  # the fresh state counts them now
+            if not worker.healthy:
+                log.info("worker %s is healthy again", worker.url)
+            worker.healthy, worker.failures = True, 0
+        except (httpx.HTTPError, ValueError) as exc:
+            worker.failures += 1
+            if worker.healthy:
+                log.warning("worker %s marked out: %s", worker.url, exc)
+            worker.healthy = False
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.aclose()
