@@ -19,6 +19,7 @@ from loraplex.registry.errors import RegistryError
 from loraplex.registry.store import canonical_digest
 
 THRASH_WINDOW_S = 60.0
+WANTED_FOR_S = 2.0  # a waiting request asks again every step; older asks belong to requests that went away
 
 
 class SlotPool(Protocol):
@@ -92,6 +93,7 @@ class AdapterCache:
         self.reloads_after_eviction = 0
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
+        self._wanted: dict[AdapterKey, float] = {}  # keys a waiting request asked for and has not got yet
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
@@ -163,7 +165,9 @@ class AdapterCache:
             if slot is None:
                 if key not in self.cpu:
                     self._start_load(ref)
+                self._wanted[key] = now
                 return None
+            self._wanted.pop(key, None)
             entry.refcount += 1
             entry.hits += 1
             return slot
@@ -365,6 +369,11 @@ class AdapterCache:
     def _restore_preferred(self, now: float) -> None:
         """Put tier-A adapters pushed out by one-offs back into a slot as soon as the one-off is done,
         so the next request for a hot adapter finds it on the device (a host-to-device copy, off its path)."""
+        for key, asked in list(self._wanted.items()):
+            if now - asked > WANTED_FOR_S:
+                del self._wanted[key]  # its request went away
+        if self._wanted:
+            return  # requests are waiting for a slot: they come first
         preferred = self._gpu_preferred(now)
         for key in sorted(preferred - set(self.slots), key=lambda k: -self.demand.short(k, now)):
             if key not in self.cpu:

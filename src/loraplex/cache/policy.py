@@ -72,7 +72,7 @@ class ScorePolicy:
     w_cost: float = 1.0
     w_size_per_gib: float = 0.1
     w_preferred: float = 2.0
-    min_residency_s: float = 5.0
+    min_residency_s: float = 1.0
     restores_preferred: bool = True
     """Put adapters promoted by demand (tier A) back in a slot once the one-off that displaced them is done."""
     name: str = "score"
