@@ -8,7 +8,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from procs import start_router, start_worker, state
+from loraplex.bench.procs import start_router, start_worker, state
 
 NUM_ADAPTERS = 30
 

@@ -1,4 +1,4 @@
-"""Real `loraplex` processes on free loopback ports, always stopped at the end."""
+"""Real `loraplex` processes on free loopback ports (tests and benchmarks); stop them when done."""
 
 from __future__ import annotations
 
@@ -48,13 +48,15 @@ class Proc:
         self.stop(signal.SIGKILL)
 
 
-def start_worker(model_dir: Path, data_dir: Path, adapters: dict[str, Path], *extra: str) -> Proc:
+def start_worker(model_dir: Path, data_dir: Path, adapters: dict[str, Path], *extra: str,
+                 max_lora_rank: int = 16) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     token_file = data_dir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     modules = [f"{name}={path}" for name, path in adapters.items()]
     args = ["serve", "--model", str(model_dir), "--port", "0", "--data-dir", str(data_dir), "--dtype", "float32",
-            "--admin-token-file", str(token_file), "--max-lora-rank", "16", *extra, "--lora-modules", *modules]
+            "--admin-token-file", str(token_file), "--max-lora-rank", str(max_lora_rank), *extra,
+            "--lora-modules", *modules]
     return Proc(args, data_dir / "log.txt")
 
 
