@@ -1,0 +1,94 @@
+"""Loading a model directory: dtypes, clear one-line failures, tokenizer and chat template."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+from loraplex.engine.tokenizer import Tokenizer
+from loraplex.model_config import ModelConfigError
+
+
+def engine_for(model_dir, **kw):
+    return LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=2**20, max_lora_rank=16, **kw))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stays_close_to_float32(llama_dir, llama_adapters, dtype):
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref32 = engine_for(llama_dir, dtype="float32")
+    half = engine_for(llama_dir, dtype=dtype)
+    assert half.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert half.model.inv_freq.dtype == torch.float32
+    for eng in (ref32, half):
+        eng.ad = eng.adapter_ref("attn-r8", llama_adapters["attn-r8"])
+    full = ref32.score([prompt], [ref32.ad])[0]
+    low = half.score([prompt], [half.ad])[0]
+    assert (full - low).abs().max() < 0.1
+    assert (full.argmax(-1) == low.argmax(-1)).float().mean() >= 0.8
+    assert len(half.generate([prompt], SamplingParams(max_tokens=4, temperature=0), [half.ad])[0]) == 4
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("config.json", "missing config.json"),
+    ("tokenizer.json", "missing tokenizer.json"),
+    ("model.safetensors", "missing model.safetensors"),
+])
+def test_missing_files_fail_at_start_naming_the_file(llama_dir, tmp_path, broken, message):
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    (model / broken).unlink()
+    with pytest.raises(ModelConfigError, match=message):
+        engine_for(model)
+
+
+def test_unsupported_architecture_and_pickle_weights_are_refused(llama_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"],
+                                                   "model_type": "gpt2"}))
+    with pytest.raises(ModelConfigError, match="unsupported architecture GPT2LMHeadModel"):
+        engine_for(model)
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    with pytest.raises(ModelConfigError, match="pickle"):
+        engine_for(model)
+
+
+def test_chat_template_and_plain_fallback(llama_dir, tmp_path):
+    tok = Tokenizer(llama_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == "<s>user: hi\nassistant:"
+    plain = tmp_path / "plain"
+    shutil.copytree(llama_dir, plain)
+    (plain / "tokenizer_config.json").write_text("{}")
+    assert Tokenizer(plain).apply_chat_template(messages) == "user: hi\nassistant:"
+    text = "hello world"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_rank_aware_admission_keeps_a_second_big_adapter_out_of_the_step(llama_dir, llama_adapters):
+    eng = engine_for(llama_dir, dtype="float32", max_loras=3)
+    big = eng.adapter_ref("big", llama_adapters["all-r16-rslora"])
+    other = eng.adapter_ref("other", llama_adapters["attn-r8"])
+    eng.generate([[3, 4]], SamplingParams(max_tokens=1), [big])  # learn its size
+    eng.generate([[3, 4]], SamplingParams(max_tokens=1), [other])
+    limit = eng.adapters.nbytes_of(big.key) + eng.adapters.nbytes_of(other.key) - 1
+    capped = engine_for(llama_dir, dtype="float32", max_loras=3, max_lora_bytes_per_step=limit)
+    capped.generate([[3, 4]], SamplingParams(max_tokens=1), [capped.adapter_ref("big", big.path)])
+    capped.generate([[3, 4]], SamplingParams(max_tokens=1), [capped.adapter_ref("other", other.path)])
+    a = capped.add_request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0), capped.adapter_ref("big", big.path))
+    b = capped.add_request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0),
+                           capped.adapter_ref("other", other.path))
+    together = 0
+    while capped.has_work():
+        capped.step()
+        keys = {s.adapter.key for s in capped.scheduler.running}
+        together = max(together, len(keys))
+    assert together == 1  # never both adapters in one step
+    assert not capped.requests and a != b
