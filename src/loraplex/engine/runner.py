@@ -30,6 +30,15 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
+    def _kv_positions(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """[len(seqs), width] flat KV-cache positions of each sequence's first `width` tokens (0 past its end)."""
+        size = self.blocks.block_size
+        num_blocks = -(-width // size)
+        table = torch.tensor([s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
+                              for s in seqs])
+        index = torch.arange(width)
+        return table[:, index // size] * size + index % size
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> tuple[list[Sequence], torch.Tensor]:
         """The batch's sequences, ordered by adapter slot, and their next-token logits [B, V].
@@ -45,7 +54,7 @@ class ModelRunner:
             prefill_spans.append((len(ids), n))
             ids += seq.all_ids
             positions += range(n)
-            slots += [self.blocks.position(seq, i) for i in range(n)]
+            slots.append(self._kv_positions([seq], n)[0])
             token_slots += [seq.lora_slot] * n
             last.append(len(ids) - 1)
         decode_start = len(ids)
@@ -53,21 +62,19 @@ class ModelRunner:
             n = len(seq)
             ids.append(seq.all_ids[-1])
             positions.append(n - 1)
-            slots.append(self.blocks.position(seq, n - 1))
+            slots.append(torch.tensor([self.blocks.position(seq, n - 1)]))
             token_slots.append(seq.lora_slot)
             last.append(len(ids) - 1)
         dev = self.device
         attn = AttentionMeta(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=torch.cat(slots).to(dev),
             positions=torch.tensor(positions, device=dev),
             prefills=prefill_spans,
         )
         if decodes:
             attn.decode_tokens = torch.arange(decode_start, len(ids), device=dev)
             attn.decode_lens = torch.tensor([len(s) for s in decodes], device=dev)
-            width = max(len(s) for s in decodes)
-            table = [[self.blocks.position(s, i) for i in range(len(s))] + [0] * (width - len(s)) for s in decodes]
-            attn.decode_kv = torch.tensor(table, device=dev)
+            attn.decode_kv = self._kv_positions(decodes, max(len(s) for s in decodes)).to(dev)
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
         logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])
