@@ -107,22 +107,21 @@ def postgres_server():
         shutil.rmtree(work, ignore_errors=True)
 
 
-_db_numbers = itertools.count()
-
-
-def _new_pg_database(socket_dir: Path) -> str:
-    import psycopg
-
-    name = f"registry_{os.getpid()}_{next(_db_numbers)}"
-    with psycopg.connect(host=str(socket_dir), user="postgres", dbname="postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    return f"postgresql://postgres@/{name}?host={socket_dir}"
+_schema_numbers = itertools.count()
 
 
 @pytest.fixture
 def pg_url(postgres_server):
-    """A fresh, empty PostgreSQL database (skips when no cluster could start)."""
-    return _new_pg_database(postgres_server)
+    """A fresh, empty PostgreSQL schema, as its own database URL (skips when no cluster could start).
+
+    A schema per test rather than a database: CREATE DATABASE copies a template on disk each time.
+    """
+    import psycopg
+
+    schema = f"t{next(_schema_numbers)}"
+    with psycopg.connect(host=str(postgres_server), user="postgres", dbname="postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    return f"postgresql://postgres@/postgres?host={postgres_server}&options=-csearch_path%3D{schema}"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

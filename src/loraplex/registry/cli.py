@@ -55,7 +55,7 @@ def main(
     ctx: typer.Context,
     registry: Annotated[str | None, typer.Option(help="Database URL (default: sqlite:///DATA_DIR/registry.db)")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Data directory (default: ~/.local/share/loraplex)")] = None,
-    store: Annotated[Path | None, typer.Option(help="Artifact store directory (default: the database's directory/artifacts)")] = None,
+    store: Annotated[Path | None, typer.Option(help="Artifact store (default: artifacts/ beside the database)")] = None,
     storage_base: Annotated[str | None, typer.Option(help="URL the store is served under (http store)")] = None,
     trusted_key: Annotated[list[Path] | None, typer.Option(help="ed25519 public key (PEM); repeat; "
                                                                  "with any, unsigned revisions are refused")] = None,
@@ -175,7 +175,7 @@ def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="O
 def show(
     ctx: typer.Context,
     name: str,
-    audit_log: Annotated[Path | None, typer.Option(help="Server audit log (JSONL) for per-revision request stats")] = None,
+    audit_log: Annotated[Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")] = None,
     json_out: JsonFlag = False,
 ):
     """One adapter: its revisions, and with --audit-log, requests, errors and TTFT/TPOT per revision."""
@@ -215,7 +215,7 @@ def promote(
     name: str,
     revision: str,
     weight: Annotated[int, typer.Option(help="Percent of traffic; 100 makes it stable")] = 100,
-    force: Annotated[bool, typer.Option("--force", help="Promote a revision with an eval set without running it")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Promote without running its eval set")] = False,
 ):
     """Give a revision a share of the traffic (canary) or all of it (stable)."""
     typer.echo(_traffic_line(_open(ctx).promote(name, revision, weight, force=force)))

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from loraplex.lora_format import CONFIG_FILE, check_base_model, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import db
+from loraplex.registry import queries as q
 from loraplex.registry.db import (
     Adapter,
     ApiKey,
@@ -53,7 +54,6 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WARM_POLICIES = ("gpu", "cpu", "on_demand")
-STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
 KEY_PREFIX = "lpx-"
 MAX_CACHED_NAMES = 100_000
 
@@ -188,12 +188,12 @@ class Registry:
             raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
         with self._write() as session:
             adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
-            existing = _find_revision(session, name, revision, actual)
+            existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
                 return self._record(session, adapter, existing)
             row = Revision(
                 adapter_name=name,
-                revision=revision or _next_revision(session, name),
+                revision=revision or q.next_revision(session, name),
                 digest=actual,
                 base_model=base_name,
                 base_model_digest=base_digest,
@@ -239,8 +239,10 @@ class Registry:
 
     def _adapter_for_add(self, session, name, tenant, shared, task_type, warm_policy, priority) -> Adapter:
         if tenant is not None and session.get(Tenant, tenant) is None:
-            raise AdapterRejected("tenant", f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
-        adapter = _locked_adapter(session, name)
+            raise AdapterRejected(
+                "tenant", f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`"
+            )
+        adapter = q.locked_adapter(session, name)
         if adapter is None:
             adapter = Adapter(name=name, owner_tenant=tenant, shared=tenant is None if shared is None else shared,
                               task_type=task_type, priority=priority or 0, warm_policy=warm_policy or "on_demand",
@@ -273,22 +275,18 @@ class Registry:
         """
         name, _, revision = model.partition("@")
         snapshot = self._snapshot(name) if NAME_RE.match(name) else None
-        if snapshot is None or not _may_use(snapshot.adapter, snapshot.grants, tenant):
+        if snapshot is None or not q.may_use(snapshot.adapter, snapshot.grants, tenant):
             raise AdapterNotFound(model)
         if revision:
-            row = snapshot.revisions.get(revision)
-            if row is None:
+            record = snapshot.records.get(revision)
+            if record is None:
                 raise AdapterNotFound(model)
-            if row.status == "quarantined":
-                raise RevisionUnavailable(f"{model} is quarantined ({row.status_reason}); it is never served")
-            return self._record(None, snapshot.adapter, row, snapshot.grants, snapshot.weights)
-        serving = [r for r in snapshot.revisions.values() if snapshot.weights.get(r.id) and r.status != "quarantined"]
-        if not serving:
+            if record.status == "quarantined":
+                raise RevisionUnavailable(f"{model} is quarantined ({record.status_reason}); it is never served")
+            return record
+        if not snapshot.serving:
             raise RevisionUnavailable(f"{name} has no revision in service (all deprecated or quarantined)")
-        # Canaries first, newest first: raising a canary's weight keeps every user it already had.
-        serving.sort(key=lambda r: (r.status == "stable", -r.id))
-        chosen = pick(name, [(r.revision, snapshot.weights[r.id]) for r in serving], user, self._rng)
-        return self._record(None, snapshot.adapter, snapshot.revisions[chosen], snapshot.grants, snapshot.weights)
+        return snapshot.records[pick(name, snapshot.serving, user, self._rng)]
 
     def _snapshot(self, name: str) -> _Snapshot | None:
         """What resolution needs about `name`, read again only when the registry changed since (one query)."""
@@ -304,8 +302,9 @@ class Registry:
             grants = tuple(conn.execute(_GRANTS_OF, {"name": name}).scalars())
             # One statement for revisions and weights, so that statuses and the split come from one commit.
             rows = conn.execute(_REVISIONS_WITH_WEIGHT, {"name": name}).all()
-        snapshot = _Snapshot(generation, adapter, grants, {r.revision: r for r in rows},
-                             {r.id: r.weight for r in rows if r.weight})
+        weights = {r.id: r.weight for r in rows if r.weight}
+        records = {r.revision: _revision_record(adapter, r, grants, weights) for r in rows}
+        snapshot = _Snapshot(generation, adapter, grants, records, _serving_order(records.values()))
         if len(self._snapshots) >= MAX_CACHED_NAMES:
             self._snapshots.clear()
         self._snapshots[name] = snapshot
@@ -314,29 +313,34 @@ class Registry:
     def tenant_may_use(self, tenant: str, name: str) -> bool:
         with self._read() as session:
             adapter = session.get(Adapter, name)
-            return adapter is not None and _may_use(adapter, _grants(session, name), tenant)
+            return adapter is not None and q.may_use(adapter, q.grants(session, name), tenant)
 
     # ---- reading --------------------------------------------------------------------------------------
 
     def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
         """Every adapter, or only those `tenant` may use."""
         with self._read() as session:
-            grants = _all_grants(session)
+            grants = q.all_grants(session)
             adapters = session.scalars(select(Adapter).order_by(Adapter.name)).all()
-            visible = [a for a in adapters if tenant is None or _may_use(a, grants.get(a.name, ()), tenant)]
-            return [self._adapter_record(session, a, grants.get(a.name, ())) for a in visible]
+            visible = [a for a in adapters if tenant is None or q.may_use(a, grants.get(a.name, ()), tenant)]
+            revisions: dict[str, list[Revision]] = {}
+            for row in session.scalars(select(Revision).order_by(Revision.id)):
+                revisions.setdefault(row.adapter_name, []).append(row)
+            weights = {rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))}
+            return [_adapter_record(a, grants.get(a.name, ()), revisions.get(a.name, []), weights) for a in visible]
 
     def show(self, name: str) -> AdapterRecord:
         with self._read() as session:
             adapter = session.get(Adapter, name)
             if adapter is None:
                 raise AdapterNotFound(name)
-            return self._adapter_record(session, adapter, _grants(session, name))
+            rows = session.scalars(select(Revision).where(Revision.adapter_name == name).order_by(Revision.id))
+            return _adapter_record(adapter, q.grants(session, name), list(rows), q.weights(session, name))
 
     def get_revision(self, name: str, revision: str) -> RevisionRecord:
         with self._read() as session:
             adapter = session.get(Adapter, name)
-            row = _find_revision(session, name, revision, None) if adapter else None
+            row = q.find_revision(session, name, revision, None) if adapter else None
             if row is None:
                 raise AdapterNotFound(f"{name}@{revision}")
             return self._record(session, adapter, row)
@@ -354,42 +358,17 @@ class Registry:
         """Newest first; `target` filters to one adapter (its name and every `name@revision`)."""
         query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
         if target is not None:
-            query = query.where((AuditEvent.target == target) | AuditEvent.target.startswith(f"{target}@", autoescape=True))
+            revisions = AuditEvent.target.startswith(f"{target}@", autoescape=True)
+            query = query.where((AuditEvent.target == target) | revisions)
         with self._read() as session:
             return [
                 AuditRecord(e.id, as_utc(e.at), e.actor, e.action, e.target, json.loads(e.detail))
                 for e in session.scalars(query)
             ]
 
-    def _adapter_record(self, session: Session, adapter: Adapter, grants) -> AdapterRecord:
-        rows = session.scalars(select(Revision).where(Revision.adapter_name == adapter.name).order_by(Revision.id))
-        weights = _weights(session, adapter.name)
-        revisions = tuple(self._record(session, adapter, r, grants, weights) for r in rows)
-        serving = sorted((r for r in revisions if r.traffic_weight),
-                         key=lambda r: (r.status == "stable", -revisions.index(r)))
-        return AdapterRecord(
-            name=adapter.name, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
-            allowed_tenants=_allowed(adapter, grants), task_type=adapter.task_type, priority=adapter.priority,
-            warm_policy=adapter.warm_policy, pinned=adapter.pinned, created_at=as_utc(adapter.created_at),
-            traffic=tuple((r.revision, r.traffic_weight) for r in serving), revisions=revisions,
-        )
-
-    def _record(self, session: Session | None, adapter, row, grants=None, weights=None) -> RevisionRecord:
-        """From ORM objects, or plain rows of the same tables (then `grants` and `weights` are given)."""
-        grants = _grants(session, adapter.name) if grants is None else grants
-        weights = _weights(session, adapter.name) if weights is None else weights
-        return RevisionRecord(
-            name=adapter.name, revision=row.revision, digest=row.digest, base_model=row.base_model,
-            base_model_digest=row.base_model_digest, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
-            allowed_tenants=_allowed(adapter, grants), task_type=adapter.task_type, rank=row.rank,
-            lora_alpha=row.lora_alpha, dtype=row.dtype, target_modules=tuple(row.target_modules.split(",")),
-            estimated_bytes=row.estimated_bytes, actual_bytes=row.actual_bytes, priority=adapter.priority,
-            warm_policy=adapter.warm_policy, status=row.status, storage_uri=row.storage_uri,
-            signature=row.signature, created_at=as_utc(row.created_at), pinned=adapter.pinned,
-            traffic_weight=weights.get(row.id, 0), status_reason=row.status_reason,
-            stable_since=as_utc(row.stable_since), retired_at=as_utc(row.retired_at),
-            has_eval_set=row.eval_set is not None,
-        )
+    @staticmethod
+    def _record(session: Session, adapter: Adapter, row: Revision) -> RevisionRecord:
+        return _revision_record(adapter, row, q.grants(session, adapter.name), q.weights(session, adapter.name))
 
     # ---- life cycle -----------------------------------------------------------------------------------
 
@@ -404,10 +383,10 @@ class Registry:
             raise LifecycleError(f"weight must be between 1 and 100, got {weight}")
         summary = self._release_checks(name, revision, checks, force)
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
-            row = _revision_or_404(session, name, revision)
-            _refuse_quarantined(row)
-            stable = _current_stable(session, name)
+            q.locked_adapter_or_404(session, name)
+            row = q.revision_or_404(session, name, revision)
+            q.refuse_quarantined(row)
+            stable = q.current_stable(session, name)
             if weight == 100:
                 plan, new_stable = {revision: 100}, revision
             else:
@@ -422,7 +401,7 @@ class Registry:
                 f"{name}@{revision} cannot be a {weight}% canary: "
                 + ("it is the stable revision" if stable else f"{name} has no stable revision; promote with weight 100")
             )
-        others = [r.revision for r in _serving(session, name) if r.revision not in (revision, stable.revision)]
+        others = [r.revision for r in q.serving(session, name) if r.revision not in (revision, stable.revision)]
         if others:
             raise LifecycleError(f"{name}@{others[0]} is already in canary; promote it to 100 or roll back first")
         return {revision: weight, stable.revision: 100 - weight}, stable.revision
@@ -430,11 +409,11 @@ class Registry:
     def _release_checks(self, name: str, revision: str, checks: ReleaseChecks | None, force: bool) -> dict | str:
         with self._read() as session:
             adapter = session.get(Adapter, name)
-            row = _find_revision(session, name, revision, None) if adapter else None
+            row = q.find_revision(session, name, revision, None) if adapter else None
             if row is None:
                 raise AdapterNotFound(f"{name}@{revision}")
-            _refuse_quarantined(row)
-            if _weights(session, name).get(row.id):
+            q.refuse_quarantined(row)
+            if q.weights(session, name).get(row.id):
                 return "already in traffic"
             record, eval_text = self._record(session, adapter, row), row.eval_set
         cases = parse_eval_set(eval_text) if eval_text else ()
@@ -455,11 +434,11 @@ class Registry:
             raise LifecycleError(f"traffic weights must be non-negative and sum to 100, got {weights}")
         summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
-            rows = {rev: _revision_or_404(session, name, rev) for rev in plan}
+            q.locked_adapter_or_404(session, name)
+            rows = {rev: q.revision_or_404(session, name, rev) for rev in plan}
             for row in rows.values():
-                _refuse_quarantined(row)
-            stable = _current_stable(session, name)
+                q.refuse_quarantined(row)
+            stable = q.current_stable(session, name)
             new_stable = stable.revision if stable and stable.revision in plan else max(
                 plan, key=lambda rev: (plan[rev], rows[rev].id))
             self._apply_traffic(session, name, plan, stable=new_stable)
@@ -469,13 +448,13 @@ class Registry:
     def rollback(self, name: str) -> AdapterRecord:
         """One call back: drop the canary if there is one, else return to the previous stable revision."""
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
-            stable = _current_stable(session, name)
-            canaries = [r for r in _serving(session, name) if stable is None or r.id != stable.id]
+            q.locked_adapter_or_404(session, name)
+            stable = q.current_stable(session, name)
+            canaries = [r for r in q.serving(session, name) if stable is None or r.id != stable.id]
             if stable is not None and canaries:
                 target, dropped = stable, canaries
             else:
-                target, dropped = _previous_stable(session, name, stable), [stable] if stable else []
+                target, dropped = q.previous_stable(session, name, stable), [stable] if stable else []
             self._apply_traffic(session, name, {target.revision: 100}, stable=target.revision)
             for row in dropped:
                 row.status, row.status_reason = "deprecated", f"rolled back to {target.revision}"
@@ -485,16 +464,18 @@ class Registry:
     def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
         """Deprecate one revision (it must not serve traffic), or with no revision the whole name."""
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
+            q.locked_adapter_or_404(session, name)
             if revision is None:
                 self._apply_traffic(session, name, {}, stable=None)
                 rows = session.scalars(select(Revision).where(Revision.adapter_name == name,
                                                               Revision.status != "quarantined")).all()
             else:
-                rows = [_revision_or_404(session, name, revision)]
-                if _weights(session, name).get(rows[0].id):
-                    raise LifecycleError(f"{name}@{revision} serves traffic; promote another revision or roll back first")
-                _refuse_quarantined(rows[0])
+                rows = [q.revision_or_404(session, name, revision)]
+                if q.weights(session, name).get(rows[0].id):
+                    raise LifecycleError(
+                        f"{name}@{revision} serves traffic; promote another revision or roll back first"
+                    )
+                q.refuse_quarantined(rows[0])
             for row in rows:
                 row.status, row.status_reason = "deprecated", "deprecated by operator"
             self._audit(session, "deprecate", f"{name}@{revision}" if revision else name)
@@ -503,17 +484,19 @@ class Registry:
     def quarantine(self, name: str, revision: str, reason: str) -> AdapterRecord:
         """Never serve this revision again; its traffic goes back to the stable (or the previous stable)."""
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
-            row = _revision_or_404(session, name, revision)
-            serving = {r.revision: w for r, w in _serving_weights(session, name)}
+            q.locked_adapter_or_404(session, name)
+            row = q.revision_or_404(session, name, revision)
+            serving = {r.revision: w for r, w in q.serving_weights(session, name)}
             weight = serving.pop(revision, 0)
-            stable = _current_stable(session, name)
+            stable = q.current_stable(session, name)
             if stable is not None and stable.id != row.id:
                 heir = stable
             else:
-                heir = _previous_stable(session, name, row, required=False)
+                heir = q.previous_stable(session, name, row, required=False)
             if weight and heir is not None:
                 serving[heir.revision] = serving.get(heir.revision, 0) + weight
+            elif weight:
+                serving = {}  # no earlier stable: never let a canary silently take all the traffic
             self._apply_traffic(session, name, serving, stable=heir.revision if heir and serving else None)
             row.status, row.status_reason = "quarantined", reason
             self._audit(session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving)
@@ -522,7 +505,7 @@ class Registry:
     def pin(self, name: str, pinned: bool = True) -> AdapterRecord:
         """A pinned adapter is kept resident by the cache (never chosen for eviction)."""
         with self._write() as session:
-            adapter = _locked_adapter_or_404(session, name)
+            adapter = q.locked_adapter_or_404(session, name)
             adapter.pinned = pinned
             self._audit(session, "pin" if pinned else "unpin", name)
         return self.show(name)
@@ -533,13 +516,13 @@ class Registry:
     def _apply_traffic(self, session: Session, name: str, plan: dict[str, int], stable: str | None) -> None:
         """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's transaction."""
         now = utcnow()
-        for row, _ in _serving_weights(session, name):
+        for row, _ in q.serving_weights(session, name):
             if row.revision not in plan:
                 row.retired_at = now  # its grace period starts
                 row.status = "deprecated" if row.status == "stable" else "staging"
         session.execute(delete(Traffic).where(Traffic.adapter_name == name))
         for revision, weight in plan.items():
-            row = _find_revision(session, name, revision, None)
+            row = q.find_revision(session, name, revision, None)
             session.add(Traffic(adapter_name=name, revision_id=row.id, weight=weight))
             row.retired_at = None
             if revision == stable and row.status != "stable":
@@ -585,8 +568,8 @@ class Registry:
 
     def grant(self, name: str, tenant: str) -> None:
         with self._write() as session:
-            _locked_adapter_or_404(session, name)
-            _tenant_or_error(session, tenant)
+            q.locked_adapter_or_404(session, name)
+            q.tenant_or_error(session, tenant)
             if session.get(Grant, (name, tenant)) is None:
                 session.add(Grant(adapter_name=name, tenant=tenant))
                 self._audit(session, "grant", name, tenant=tenant)
@@ -610,7 +593,7 @@ class Registry:
             raise RegistryError("an API key must be at least 16 characters long")
         key_id = key[:12]
         with self._write() as session:
-            _tenant_or_error(session, tenant)
+            q.tenant_or_error(session, tenant)
             if session.get(ApiKey, key_id) is not None:
                 raise RegistryError(f"a key with id {key_id} exists already; use another key")
             session.add(ApiKey(key_id=key_id, tenant=tenant, key_hash=_hash_key(key), created_at=utcnow()))
@@ -643,6 +626,42 @@ class Registry:
                     for k in session.scalars(query)]
 
 
+def _revision_record(adapter, row, grants: tuple[str, ...], weights: dict[int, int]) -> RevisionRecord:
+    """From ORM objects, or from plain rows of the same tables (the per-request path)."""
+    return RevisionRecord(
+        name=adapter.name, revision=row.revision, digest=row.digest, base_model=row.base_model,
+        base_model_digest=row.base_model_digest, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants), task_type=adapter.task_type, rank=row.rank,
+        lora_alpha=row.lora_alpha, dtype=row.dtype, target_modules=tuple(row.target_modules.split(",")),
+        estimated_bytes=row.estimated_bytes, actual_bytes=row.actual_bytes, priority=adapter.priority,
+        warm_policy=adapter.warm_policy, status=row.status, storage_uri=row.storage_uri,
+        signature=row.signature, created_at=as_utc(row.created_at), pinned=adapter.pinned,
+        traffic_weight=weights.get(row.id, 0), status_reason=row.status_reason,
+        stable_since=as_utc(row.stable_since), retired_at=as_utc(row.retired_at),
+        has_eval_set=row.eval_set is not None,
+    )
+
+
+def _serving_order(records) -> tuple[tuple[str, int], ...]:
+    """(revision, weight) of the revisions with traffic, canaries newest first, then the stable.
+
+    Canaries first: raising a canary's weight then keeps every user it already had.
+    """
+    serving = [r for r in reversed(list(records)) if r.traffic_weight and r.status != "quarantined"]
+    serving.sort(key=lambda r: r.status == "stable")
+    return tuple((r.revision, r.traffic_weight) for r in serving)
+
+
+def _adapter_record(adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights) -> AdapterRecord:
+    revisions = tuple(_revision_record(adapter, r, grants, weights) for r in rows)
+    return AdapterRecord(
+        name=adapter.name, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants), task_type=adapter.task_type, priority=adapter.priority,
+        warm_policy=adapter.warm_policy, pinned=adapter.pinned, created_at=as_utc(adapter.created_at),
+        traffic=_serving_order(revisions), revisions=revisions,
+    )
+
+
 # ---- statements of the per-request path (plain SQL, compiled once) --------------------------------------
 
 _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (m.__table__ for m in (Adapter, Revision, Traffic, Grant))
@@ -662,8 +681,8 @@ class _Snapshot:
     generation: int
     adapter: Row
     grants: tuple[str, ...]
-    revisions: dict[str, Row]  # by revision label, oldest first
-    weights: dict[int, int]  # revision id -> traffic weight, only those with traffic
+    records: dict[str, RevisionRecord]  # every revision of the name, by label
+    serving: tuple[tuple[str, int], ...]  # (revision, weight) in the order resolution walks them
 
 
 # ---- helpers over one session ---------------------------------------------------------------------------
@@ -688,108 +707,3 @@ def _base_dir_named_by(src: Path) -> Path | None:
         return None
     path = Path(named) if named else None
     return path if path is not None and (path / "config.json").is_file() else None
-
-
-def _locked_adapter(session: Session, name: str) -> Adapter | None:
-    """The adapter row, locked for the rest of the transaction (PostgreSQL; SQLite writers hold the db lock)."""
-    return session.scalar(select(Adapter).where(Adapter.name == name).with_for_update())
-
-
-def _locked_adapter_or_404(session: Session, name: str) -> Adapter:
-    adapter = _locked_adapter(session, name)
-    if adapter is None:
-        raise AdapterNotFound(name)
-    return adapter
-
-
-def _tenant_or_error(session: Session, tenant: str) -> Tenant:
-    row = session.get(Tenant, tenant)
-    if row is None:
-        raise RegistryError(f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
-    return row
-
-
-def _find_revision(session: Session, name: str, revision: str | None, digest: str | None) -> Revision | None:
-    """By revision when given (refusing a different digest under it), else the one holding `digest`."""
-    if revision is not None:
-        row = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.revision == revision))
-        if row is not None and digest is not None and row.digest != digest:
-            raise AdapterRejected(
-                "revision", f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one"
-            )
-        return row
-    if digest is None:
-        return None
-    return session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
-                          .order_by(Revision.id).limit(1))
-
-
-def _revision_or_404(session: Session, name: str, revision: str) -> Revision:
-    row = _find_revision(session, name, revision, None)
-    if row is None:
-        raise AdapterNotFound(f"{name}@{revision}")
-    return row
-
-
-def _refuse_quarantined(row: Revision) -> None:
-    if row.status == "quarantined":
-        raise LifecycleError(f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never served")
-
-
-def _next_revision(session: Session, name: str) -> str:
-    existing = set(session.scalars(select(Revision.revision).where(Revision.adapter_name == name)))
-    number = len(existing) + 1
-    while f"r{number}" in existing:
-        number += 1
-    return f"r{number}"
-
-
-def _weights(session: Session, name: str) -> dict[int, int]:
-    rows = session.execute(select(Traffic.revision_id, Traffic.weight).where(Traffic.adapter_name == name))
-    return {rid: w for rid, w in rows}
-
-
-def _serving_weights(session: Session, name: str) -> list[tuple[Revision, int]]:
-    rows = session.execute(
-        select(Revision, Traffic.weight).join(Traffic, Traffic.revision_id == Revision.id)
-        .where(Traffic.adapter_name == name).order_by(Revision.id)
-    )
-    return [(r, w) for r, w in rows]
-
-
-def _serving(session: Session, name: str) -> list[Revision]:
-    return [r for r, _ in _serving_weights(session, name)]
-
-
-def _current_stable(session: Session, name: str) -> Revision | None:
-    return next((r for r in _serving(session, name) if r.status == "stable"), None)
-
-
-def _previous_stable(session: Session, name: str, current: Revision | None, required: bool = True) -> Revision | None:
-    """The most recently promoted stable revision other than `current` that may still be served."""
-    query = (select(Revision).where(Revision.adapter_name == name, Revision.stable_since.is_not(None),
-                                    Revision.status != "quarantined").order_by(Revision.stable_since.desc()))
-    row = next((r for r in session.scalars(query) if current is None or r.id != current.id), None)
-    if row is None and required:
-        raise LifecycleError(f"{name} has no earlier stable revision to roll back to")
-    return row
-
-
-def _grants(session: Session, name: str) -> tuple[str, ...]:
-    return tuple(session.scalars(select(Grant.tenant).where(Grant.adapter_name == name).order_by(Grant.tenant)))
-
-
-def _all_grants(session: Session) -> dict[str, tuple[str, ...]]:
-    out: dict[str, list[str]] = {}
-    for name, tenant in session.execute(select(Grant.adapter_name, Grant.tenant).order_by(Grant.tenant)):
-        out.setdefault(name, []).append(tenant)
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def _allowed(adapter: Adapter, grants) -> tuple[str, ...]:
-    owner = (adapter.owner_tenant,) if adapter.owner_tenant else ()
-    return owner + tuple(t for t in grants if t != adapter.owner_tenant)
-
-
-def _may_use(adapter: Adapter, grants, tenant: str) -> bool:
-    return adapter.shared or tenant == adapter.owner_tenant or tenant in grants

@@ -95,7 +95,7 @@ class ReleaseChecks:
         rate = passed / len(cases)
         if rate < self.min_pass_rate:
             case, completion = failures[0]
-            want = f"expected {case.expected!r}" if case.expected is not None else f"expected to contain {case.contains!r}"
+            want = f"expected {case.expected!r}" if case.expected is not None else f"expected {case.contains!r} in it"
             raise ReleaseCheckFailed(
                 f"{record.model_id}: eval set passed {passed}/{len(cases)} ({rate:.0%}), below the required "
                 f"{self.min_pass_rate:.0%}; first failure: prompt {case.prompt!r} gave {completion!r}, {want}"

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import httpx
-
 from loraplex.lora_format import CONFIG_FILE, PICKLE_SUFFIXES
 from loraplex.registry.errors import (
     AdapterRejected,
@@ -321,6 +319,8 @@ def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
 
 
 def _fetch_http(uri: str, work: Path, timeout_s: float) -> None:
+    import httpx  # here: only http stores need it, and it is slow to import for every CLI command
+
     base = uri.rstrip("/")
     try:
         with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:

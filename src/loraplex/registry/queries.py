@@ -1,0 +1,117 @@
+"""Small reads and checks over one registry session, shared by the Registry's methods."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.registry.db import Adapter, Grant, Revision, Tenant, Traffic
+from loraplex.registry.errors import AdapterNotFound, AdapterRejected, LifecycleError, RegistryError
+
+
+def locked_adapter(session: Session, name: str) -> Adapter | None:
+    """The adapter row, locked for the rest of the transaction (PostgreSQL; SQLite writers hold the db lock)."""
+    return session.scalar(select(Adapter).where(Adapter.name == name).with_for_update())
+
+
+def locked_adapter_or_404(session: Session, name: str) -> Adapter:
+    adapter = locked_adapter(session, name)
+    if adapter is None:
+        raise AdapterNotFound(name)
+    return adapter
+
+
+def tenant_or_error(session: Session, tenant: str) -> Tenant:
+    row = session.get(Tenant, tenant)
+    if row is None:
+        raise RegistryError(f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
+    return row
+
+
+def find_revision(session: Session, name: str, revision: str | None, digest: str | None) -> Revision | None:
+    """By revision when given (refusing a different digest under it), else the one holding `digest`."""
+    if revision is not None:
+        row = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.revision == revision))
+        if row is not None and digest is not None and row.digest != digest:
+            raise AdapterRejected(
+                "revision",
+                f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one",
+            )
+        return row
+    if digest is None:
+        return None
+    return session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
+                          .order_by(Revision.id).limit(1))
+
+
+def revision_or_404(session: Session, name: str, revision: str) -> Revision:
+    row = find_revision(session, name, revision, None)
+    if row is None:
+        raise AdapterNotFound(f"{name}@{revision}")
+    return row
+
+
+def refuse_quarantined(row: Revision) -> None:
+    if row.status == "quarantined":
+        raise LifecycleError(
+            f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never served"
+        )
+
+
+def next_revision(session: Session, name: str) -> str:
+    existing = set(session.scalars(select(Revision.revision).where(Revision.adapter_name == name)))
+    number = len(existing) + 1
+    while f"r{number}" in existing:
+        number += 1
+    return f"r{number}"
+
+
+def weights(session: Session, name: str) -> dict[int, int]:
+    rows = session.execute(select(Traffic.revision_id, Traffic.weight).where(Traffic.adapter_name == name))
+    return {rid: w for rid, w in rows}
+
+
+def serving_weights(session: Session, name: str) -> list[tuple[Revision, int]]:
+    rows = session.execute(
+        select(Revision, Traffic.weight).join(Traffic, Traffic.revision_id == Revision.id)
+        .where(Traffic.adapter_name == name).order_by(Revision.id)
+    )
+    return [(r, w) for r, w in rows]
+
+
+def serving(session: Session, name: str) -> list[Revision]:
+    return [r for r, _ in serving_weights(session, name)]
+
+
+def current_stable(session: Session, name: str) -> Revision | None:
+    return next((r for r in serving(session, name) if r.status == "stable"), None)
+
+
+def previous_stable(session: Session, name: str, current: Revision | None, required: bool = True) -> Revision | None:
+    """The most recently promoted stable revision other than `current` that may still be served."""
+    query = (select(Revision).where(Revision.adapter_name == name, Revision.stable_since.is_not(None),
+                                    Revision.status != "quarantined").order_by(Revision.stable_since.desc()))
+    row = next((r for r in session.scalars(query) if current is None or r.id != current.id), None)
+    if row is None and required:
+        raise LifecycleError(f"{name} has no earlier stable revision to roll back to")
+    return row
+
+
+def grants(session: Session, name: str) -> tuple[str, ...]:
+    return tuple(session.scalars(select(Grant.tenant).where(Grant.adapter_name == name).order_by(Grant.tenant)))
+
+
+def all_grants(session: Session) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for name, tenant in session.execute(select(Grant.adapter_name, Grant.tenant).order_by(Grant.tenant)):
+        out.setdefault(name, []).append(tenant)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def allowed(adapter: Adapter, grants) -> tuple[str, ...]:
+    owner = (adapter.owner_tenant,) if adapter.owner_tenant else ()
+    return owner + tuple(t for t in grants if t != adapter.owner_tenant)
+
+
+def may_use(adapter: Adapter, grants, tenant: str) -> bool:
+    return adapter.shared or tenant == adapter.owner_tenant or tenant in grants

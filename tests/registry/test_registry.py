@@ -1,0 +1,341 @@
+"""The registry's core behaviour, run against a SQLite file and against PostgreSQL (when a cluster can start)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from loraplex.registry import (
+    AdapterNotFound,
+    AdapterRejected,
+    LifecycleError,
+    Registry,
+    RegistryError,
+    ReleaseCheckFailed,
+    ReleaseChecks,
+    RevisionUnavailable,
+    SchemaTooNew,
+)
+from loraplex.registry.traffic import pick
+
+
+@pytest.fixture
+def canary(registry, adapter_v1, adapter_v2):
+    """chat: r1 stable, r2 a 10% canary."""
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "chat")
+    registry.promote("chat", "r2", 10)
+    return registry
+
+
+def test_add_resolve_and_immutable_revisions(registry, adapter_v1, adapter_v2):
+    first = registry.add_revision(adapter_v1, "chat", status="stable")
+    assert (first.revision, first.status, first.traffic_weight) == ("r1", "stable", 100)
+    assert registry.resolve("anyone", "chat") == first
+    assert registry.resolve("anyone", "chat@r1").digest == first.digest
+    events = len(registry.audit_events())
+    assert registry.add_revision(adapter_v1, "chat") == first  # same bytes again: the same revision
+    assert len(registry.audit_events()) == events
+    with pytest.raises(AdapterRejected, match="chat@r1 exists with digest .*; revisions are immutable"):
+        registry.add_revision(adapter_v2, "chat", revision="r1")
+    second = registry.add_revision(adapter_v2, "chat", revision="2024-06-01")
+    assert second.status == "staging" and registry.resolve("anyone", "chat") == first
+    assert registry.resolve("anyone", "chat@2024-06-01").revision == "2024-06-01"
+    assert [r.revision for r in registry.show("chat").revisions] == ["r1", "2024-06-01"]
+    assert registry.get_revision("chat", "r1") == first
+
+
+def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adapter_v1, adapter_v2):
+    registry.add_tenant("acme")
+    registry.add_tenant("beta", priority=2)
+    registry.add_revision(adapter_v1, "secret", tenant="acme", status="stable")
+    registry.add_revision(adapter_v2, "public", status="stable")  # no tenant: shared
+    assert registry.resolve("acme", "secret").owner_tenant == "acme"
+
+    def error_of(tenant, model):
+        with pytest.raises(AdapterNotFound) as info:
+            registry.resolve(tenant, model)
+        return type(info.value), str(info.value).replace(model, "MODEL")
+
+    forbidden = [error_of("beta", m) for m in ("secret", "secret@r1", "secret@r9")]
+    unknown = [error_of("beta", m) for m in ("nothing", "nothing@r1", "Bad/Name")]
+    assert len(set(forbidden + unknown)) == 1 and forbidden[0] == (AdapterNotFound, "model 'MODEL' not found")
+    assert [a.name for a in registry.list_adapters("beta")] == ["public"]
+    assert [a.name for a in registry.list_adapters("acme")] == ["public", "secret"]
+
+    registry.grant("secret", "beta")
+    assert registry.resolve("beta", "secret").allowed_tenants == ("acme", "beta")
+    registry.revoke_grant("secret", "beta")
+    assert error_of("beta", "secret") == forbidden[0]
+    with pytest.raises(AdapterRejected, match="not owned by tenant 'beta'"):
+        registry.add_revision(adapter_v2, "secret", tenant="beta")
+    with pytest.raises(AdapterRejected, match="unknown tenant 'nobody'"):
+        registry.add_revision(adapter_v2, "other", tenant="nobody")
+
+
+def test_canary_split_over_10000_resolutions(canary):
+    # 10,000 on SQLite: ±2 points is 6.7 sigma at 10%. PostgreSQL costs a round trip per resolution, so
+    # there 1,000 within ±6 points (6.3 sigma): the same code path, a smaller sample.
+    n, tolerance = (10_000, 2) if canary.engine.dialect.name == "sqlite" else (1_000, 6)
+    counts = Counter(canary.resolve("default", "chat").revision for _ in range(n))
+    assert abs(100 * counts["r2"] / n - 10) <= tolerance, counts
+    canary.promote("chat", "r2", 50)  # by user: deterministic; the pure split is checked on 10,000 users below
+    counts = Counter(canary.resolve("default", "chat", user=f"user-{i}").revision for i in range(1_000))
+    assert abs(counts["r2"] / 10 - 50) <= 6, counts
+
+
+@pytest.mark.parametrize("weight", [1, 10, 50, 90])
+def test_sticky_split_over_10000_users(weight):
+    counts = Counter(pick("chat", [("canary", weight), ("stable", 100 - weight)], f"user-{i}") for i in range(10_000))
+    assert abs(counts["canary"] / 100 - weight) <= 2, counts
+
+
+def test_sticky_users_never_flip_while_weights_hold(canary, adapter_v3):
+    users = [f"user-{i}" for i in range(200)]
+    first = {u: canary.resolve("default", "chat", user=u).revision for u in users}
+    assert set(first.values()) == {"r1", "r2"}
+    canary.add_revision(adapter_v3, "chat")  # changes that leave the weights alone
+    canary.pin("chat")
+    for _ in range(3):
+        assert {u: canary.resolve("default", "chat", user=u).revision for u in users} == first
+    canary.promote("chat", "r2", 50)  # a growing canary keeps the users it had
+    after = {u: canary.resolve("default", "chat", user=u).revision for u in users}
+    assert all(after[u] == "r2" for u in users if first[u] == "r2")
+
+
+def test_promote_and_rollback_life_cycle(canary, adapter_v3):
+    canary.add_revision(adapter_v3, "chat")
+    with pytest.raises(LifecycleError, match="chat@r2 is already in canary"):
+        canary.promote("chat", "r3", 5)
+    adapter = canary.promote("chat", "r2", 100)
+    assert adapter.traffic == (("r2", 100),)
+    assert {r.revision: r.status for r in adapter.revisions} == {"r1": "deprecated", "r2": "stable", "r3": "staging"}
+    assert [r.revision for r in canary.grace_revisions()] == ["r1"]  # left traffic just now: keep it warm
+    canary.grace_period = timedelta(0)
+    assert canary.grace_revisions() == []
+
+    adapter = canary.rollback("chat")
+    assert adapter.traffic == (("r1", 100),)
+    r2 = next(r for r in adapter.revisions if r.revision == "r2")
+    assert (r2.status, r2.status_reason) == ("deprecated", "rolled back to r1")
+    assert {canary.resolve("default", "chat", user=f"u{i}").revision for i in range(200)} == {"r1"}
+
+    canary.promote("chat", "r3", 20)
+    adapter = canary.rollback("chat")  # with a canary: drop it, keep the stable
+    assert adapter.traffic == (("r1", 100),)
+    with pytest.raises(LifecycleError, match="it is the stable revision"):
+        canary.promote("chat", "r1", 50)
+    with pytest.raises(LifecycleError, match="weight must be between 1 and 100"):
+        canary.promote("chat", "r3", 0)
+
+
+def test_rollback_needs_an_earlier_stable(registry, adapter_v1, adapter_v2):
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    with pytest.raises(LifecycleError, match="chat has no earlier stable revision to roll back to"):
+        registry.rollback("chat")
+    registry.add_revision(adapter_v2, "solo")
+    with pytest.raises(LifecycleError, match="solo has no stable revision; promote with weight 100"):
+        registry.promote("solo", "r1", 10)
+
+
+def test_changes_by_another_process_are_seen_at_once(canary, db_url, make_registry):
+    other = make_registry(db_url)  # another worker on the same database
+    users = [f"user-{i}" for i in range(100)]
+    assert {canary.resolve("default", "chat", user=u).revision for u in users} == {"r1", "r2"}
+    other.rollback("chat")
+    assert {canary.resolve("default", "chat", user=u).revision for u in users} == {"r1"}
+    other.quarantine("chat", "r1", "bad")
+    with pytest.raises(RevisionUnavailable):
+        canary.resolve("default", "chat")
+
+
+def test_quarantined_revisions_are_never_served(canary):
+    adapter = canary.quarantine("chat", "r2", "digest mismatch on worker-3")
+    assert adapter.traffic == (("r1", 100),)
+    assert {canary.resolve("default", "chat").revision for _ in range(300)} == {"r1"}
+    with pytest.raises(RevisionUnavailable, match=r"chat@r2 is quarantined \(digest mismatch on worker-3\)"):
+        canary.resolve("default", "chat@r2")
+    with pytest.raises(LifecycleError, match="quarantined"):
+        canary.promote("chat", "r2", 100)
+    # quarantining the stable hands its traffic to the previous stable, if any; else nothing is served
+    canary.quarantine("chat", "r1", "bad")
+    with pytest.raises(RevisionUnavailable, match="chat has no revision in service"):
+        canary.resolve("default", "chat")
+
+
+def test_quarantined_stable_falls_back_to_the_previous_stable(registry, adapter_v1, adapter_v2):
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "chat", status="stable")
+    assert registry.quarantine("chat", "r2", "bad bytes").traffic == (("r1", 100),)
+    assert registry.resolve("default", "chat").revision == "r1"
+
+
+def test_deprecate_and_set_traffic(canary, adapter_v3):
+    with pytest.raises(LifecycleError, match="chat@r2 serves traffic"):
+        canary.deprecate("chat", "r2")
+    canary.add_revision(adapter_v3, "chat")
+    assert next(r for r in canary.deprecate("chat", "r3").revisions if r.revision == "r3").status == "deprecated"
+    adapter = canary.set_traffic("chat", {"r1": 70, "r2": 30})
+    assert dict(adapter.traffic) == {"r1": 70, "r2": 30}
+    assert {r.revision: r.status for r in adapter.revisions if r.traffic_weight} == {"r1": "stable", "r2": "canary"}
+    with pytest.raises(LifecycleError, match="sum to 100"):
+        canary.set_traffic("chat", {"r1": 70, "r2": 20})
+    adapter = canary.deprecate("chat")
+    assert adapter.traffic == () and {r.status for r in adapter.revisions} == {"deprecated"}
+    with pytest.raises(RevisionUnavailable):
+        canary.resolve("default", "chat")
+    assert canary.resolve("default", "chat@r1").status == "deprecated"  # pinned requests still work
+
+
+def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2, tmp_path):
+    evals = tmp_path / "evals.jsonl"
+    evals.write_text('{"prompt": "2+2=", "expected": "4"}\n{"prompt": "capital of France", "contains": "Paris"}\n')
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "chat", eval_set=evals)
+    calls = []
+
+    def prewarm(record):
+        calls.append(("prewarm", record.model_id))
+
+    def good(record, prompt):
+        calls.append(("complete", prompt))
+        return {"2+2=": " 4 ", "capital of France": "It is Paris."}.get(prompt, "hello there")
+
+    def wrong(record, prompt):
+        return "5" if prompt == "2+2=" else "Paris"
+
+    with pytest.raises(LifecycleError, match="has an eval set but no release checks were given"):
+        registry.promote("chat", "r2", 10)
+    with pytest.raises(ReleaseCheckFailed, match=r"eval set passed 1/2 \(50%\), below the required 100%; "
+                                                 r"first failure: prompt '2\+2=' gave '5', expected '4'"):
+        registry.promote("chat", "r2", 10, checks=ReleaseChecks(complete=wrong))
+    with pytest.raises(ReleaseCheckFailed, match="prewarm failed: OSError: worker-1 out of memory"):
+        registry.promote("chat", "r2", 10, checks=ReleaseChecks(
+            prewarm=lambda r: (_ for _ in ()).throw(OSError("worker-1 out of memory")), complete=good))
+    with pytest.raises(ReleaseCheckFailed, match="health probe: 'ping' gave an empty completion"):
+        registry.promote("chat", "r2", 10, checks=ReleaseChecks(
+            complete=lambda r, p: "" if p == "ping" else good(r, p), health_prompt="ping"))
+    assert registry.show("chat").traffic == (("r1", 100),)  # every refusal left the traffic alone
+
+    calls.clear()
+    registry.promote("chat", "r2", 10, checks=ReleaseChecks(prewarm=prewarm, complete=good))
+    assert calls == [("prewarm", "chat@r2"), ("complete", "2+2="), ("complete", "capital of France"),
+                     ("complete", "Hello")]
+    registry.promote("chat", "r2", 50, checks=ReleaseChecks(prewarm=prewarm, complete=wrong))  # already serving
+    assert dict(registry.show("chat").traffic) == {"r2": 50, "r1": 50}
+    assert registry.audit_events(1)[0].detail["checks"] == "already in traffic"
+    registry.promote("chat", "r2", 100)
+    registry.rollback("chat")
+    lenient = ReleaseChecks(complete=wrong, min_pass_rate=0.5)
+    registry.promote("chat", "r2", 10, checks=lenient)  # r2 left traffic: checked again, and passes at 50%
+
+
+def test_tenants_and_api_keys(registry):
+    registry.add_tenant("acme")
+    key = registry.create_key("acme")
+    assert registry.tenant_for_key(key) == "acme"
+    assert registry.tenant_for_key(key + "x") is None and registry.tenant_for_key("") is None
+    with registry.engine.connect() as conn:
+        stored = [tuple(map(str, row)) for row in conn.execute(text("SELECT * FROM api_keys"))]
+    assert stored and not any(key in value for row in stored for value in row)  # never in clear
+    key_id = registry.revoke_key(key[:12])
+    assert key_id == key[:12] and registry.tenant_for_key(key) is None
+    assert registry.list_keys("acme")[0].revoked_at is not None
+    with pytest.raises(RegistryError, match="unknown tenant 'ghost'"):
+        registry.create_key("ghost")
+    with pytest.raises(RegistryError, match="no API key with id"):
+        registry.revoke_key("lpx-missing")
+    assert registry.add_tenant("acme", priority=5).priority == 5
+    assert [(t.name, t.priority) for t in registry.list_tenants()] == [("acme", 5)]
+
+
+def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):
+    registry.actor = "alice"
+    registry.add_tenant("acme")
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "chat")
+    registry.promote("chat", "r2", 10)
+    registry.set_traffic("chat", {"r1": 80, "r2": 20})
+    registry.rollback("chat")
+    registry.pin("chat")
+    registry.unpin("chat")
+    registry.grant("chat", "acme")
+    registry.revoke_grant("chat", "acme")
+    registry.quarantine("chat", "r2", "bad")
+    registry.deprecate("chat")
+    registry.revoke_key(registry.create_key("acme")[:12])
+    events = registry.audit_events()
+    assert [e.action for e in reversed(events)] == [
+        "tenant_add", "add", "add", "promote", "set_traffic", "rollback", "pin", "unpin", "grant", "revoke_grant",
+        "quarantine", "deprecate", "key_create", "key_revoke",
+    ]
+    assert {e.actor for e in events} == {"alice"}
+    assert events[0].at >= events[-1].at
+    assert [e.action for e in registry.audit_events(target="chat")][-2:] == ["add", "add"]
+
+
+def test_schema_version_is_checked_at_start(db_url, make_registry):
+    bare = Registry(db_url)
+    with pytest.raises(RegistryError, match="not initialized: run `loraplex registry init`"):
+        bare.list_adapters()
+    bare.close()
+    registry = make_registry(db_url)
+    registry.init()  # idempotent
+    with registry.engine.begin() as conn:
+        conn.execute(text("UPDATE schema_version SET version = version + 1"))
+    with pytest.raises(SchemaTooNew, match="newer than this loraplex understands"):
+        Registry(db_url)
+
+
+def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adapter_v2):
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "chat", status="stable")  # r1 is now the previous stable
+    seen: list[tuple[int, int, str]] = []  # (start ns, end ns, revision) of every resolution
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def resolver(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            start = time.monotonic_ns()
+            try:
+                revision = registry.resolve("default", "chat", user=f"w{worker}-{i % 50}").revision
+            except BaseException as exc:  # noqa: BLE001 - every failure is a test failure
+                errors.append(exc)
+                return
+            seen.append((start, time.monotonic_ns(), revision))
+            i += 1
+
+    def wait_for_more(count: int) -> None:
+        target = len(seen) + count
+        while len(seen) < target and not errors:
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=resolver, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    phases = []  # (rollback started, rollback returned, revision serving afterwards)
+    try:
+        for _ in range(6):
+            wait_for_more(40)
+            before = time.monotonic_ns()
+            serving = registry.rollback("chat").traffic[0][0]
+            phases.append((before, time.monotonic_ns(), serving))
+        wait_for_more(40)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert [p[2] for p in phases] == ["r1", "r2", "r1", "r2", "r1", "r2"]
+    boundaries = [(0, 0, "r2"), *phases, (2**63, 2**63, None)]
+    for (_, done, serving), (next_start, _, _) in zip(boundaries, boundaries[1:]):
+        # a resolution that began after one rollback returned and ended before the next began sees only that state
+        inside = {rev for start, end, rev in seen if start >= done and end <= next_start}
+        assert inside == {serving}, (serving, inside)
+    assert {rev for _, _, rev in seen} == {"r1", "r2"}

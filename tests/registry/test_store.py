@@ -1,0 +1,253 @@
+"""The content-addressed store and the fetchers: digests, atomic puts, verification, allowlists, http, s3."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from loraplex.registry import (
+    AdapterRejected,
+    AllowList,
+    ArtifactStore,
+    ArtifactUnavailable,
+    DigestMismatch,
+    UnsafeLocation,
+    canonical_digest,
+    fetch_artifact,
+    serve_store,
+)
+
+
+def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
+    """Store tests need only the file layout, not a loadable adapter."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 4}')
+    (path / "adapter_model.safetensors").write_bytes(payload)
+    return path
+
+
+def test_canonical_digest_is_the_documented_byte_layout(tmp_path):
+    src = fake_adapter(tmp_path / "a")
+    (src / "README.md").write_text("not part of the artifact")
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = (src / name).read_bytes()
+        h.update(name.encode() + b"\n" + str(len(data)).encode() + b"\n" + data)
+    assert canonical_digest(src) == "sha256:" + h.hexdigest()
+
+
+def test_digest_changes_with_names_and_bytes(tmp_path):
+    a = canonical_digest(fake_adapter(tmp_path / "a", b"xy"))
+    b = canonical_digest(fake_adapter(tmp_path / "b", b"xz"))
+    c = fake_adapter(tmp_path / "c", b"xy")
+    (c / "adapter_model.safetensors").rename(c / "other.safetensors")
+    assert len({a, b, canonical_digest(c)}) == 3
+
+
+def test_put_get_is_idempotent_and_keeps_only_artifact_files(tmp_path, adapter_v1):
+    store = ArtifactStore(tmp_path / "store")
+    digest = store.put(adapter_v1)
+    assert digest == canonical_digest(adapter_v1)
+    assert store.put(adapter_v1) == digest
+    path = store.get(digest)
+    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "index.json"]
+    assert (path / "adapter_model.safetensors").read_bytes() == (adapter_v1 / "adapter_model.safetensors").read_bytes()
+    index = json.loads((path / "index.json").read_text())
+    assert index["digest"] == digest and {f["name"] for f in index["files"]} == {"adapter_config.json",
+                                                                                 "adapter_model.safetensors"}
+    assert store.size(digest) == sum((adapter_v1 / n).stat().st_size for n in ("adapter_config.json",
+                                                                              "adapter_model.safetensors"))
+    assert store.digests() == [digest]
+    assert list((tmp_path / "store" / "tmp").iterdir()) == []  # no work dir left behind
+    assert store.remove(digest) and not store.has(digest) and not store.remove(digest)
+
+
+def test_put_refuses_pickles_and_incomplete_dirs(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    src = fake_adapter(tmp_path / "a")
+    (src / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(AdapterRejected, match="adapter_model.bin is a pickle file"):
+        store.put(src)
+    (src / "adapter_model.bin").unlink()
+    (src / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterRejected, match=r"no \*.safetensors file"):
+        store.put(src)
+    assert store.digests() == []
+
+
+def test_flipped_byte_is_refused_by_get(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    digest = store.put(fake_adapter(tmp_path / "a", bytes(range(256))))
+    weights = store.path(digest) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+        store.get(digest)
+
+
+def test_digests_never_become_paths(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    for bad in ("sha256:../../etc", "../x", "sha256:" + "A" * 64, "md5:" + "0" * 32):
+        with pytest.raises(UnsafeLocation, match="is not a digest"):
+            store.get(bad)
+
+
+def test_fetch_file_verifies_and_moves_into_place(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a"))
+    local = ArtifactStore(tmp_path / "local")
+    allowed = AllowList(roots=(tmp_path / "remote",))
+    path = fetch_artifact(remote.uri(digest), digest, local, allowed)
+    assert path == local.path(digest) and local.get(digest) == path
+    wrong = "sha256:" + "0" * 64
+    with pytest.raises(DigestMismatch, match=f"expected {wrong}"):
+        fetch_artifact(remote.uri(digest), wrong, local, allowed)
+    assert not local.has(wrong)
+
+
+def test_fetch_replaces_a_damaged_local_copy(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a", b"good bytes"))
+    local = ArtifactStore(tmp_path / "local")
+    assert local.put(tmp_path / "a") == digest
+    (local.path(digest) / "adapter_model.safetensors").write_bytes(b"bad! bytes")
+    fetch_artifact(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)))
+    assert (local.get(digest) / "adapter_model.safetensors").read_bytes() == b"good bytes"
+
+
+def test_path_traversal_and_outside_roots_are_refused(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a"))
+    local = ArtifactStore(tmp_path / "local")
+    allowed = AllowList(roots=(tmp_path / "remote",), prefixes=("http://127.0.0.1:9/store",))
+    hexd = digest.removeprefix("sha256:")
+    cases = {
+        f"file://{tmp_path}/remote/sha256/../../a": "'..'",
+        f"file://{tmp_path}/remote/sha256/%2e%2e/%2e%2e/a": "'..'",
+        f"file://{tmp_path}/a": "outside the allowed roots",
+        f"http://127.0.0.1:9/store/../{hexd}": "'..'",
+        f"http://127.0.0.1:9/store/%2E%2E/secret/{hexd}": "'..'",
+        f"http://127.0.0.1:9/storex/{hexd}": "not under an allowed storage prefix",
+        f"http://127.0.0.1:10/store/{hexd}": "not under an allowed storage prefix",
+        f"http://127.0.0.1:9@evil.example/store/{hexd}": "credentials",
+        f"ftp://127.0.0.1/store/{hexd}": "unsupported scheme",
+    }
+    for uri, message in cases.items():
+        with pytest.raises(UnsafeLocation, match=message):
+            fetch_artifact(uri, digest, local, allowed)
+    assert local.digests() == []
+
+
+def test_symlinks_out_of_the_root_are_refused(tmp_path):
+    outside = fake_adapter(tmp_path / "outside")
+    digest = canonical_digest(outside)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "linked-dir").symlink_to(outside, target_is_directory=True)
+    linked_file = root / "linked-file"
+    linked_file.mkdir()
+    (linked_file / "adapter_config.json").write_text('{"r": 4}')
+    (linked_file / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    local = ArtifactStore(tmp_path / "local")
+    allowed = AllowList(roots=(root,))
+    with pytest.raises(UnsafeLocation, match="outside the allowed roots"):
+        fetch_artifact((root / "linked-dir").as_uri(), digest, local, allowed)
+    with pytest.raises(UnsafeLocation, match="adapter_model.safetensors is a symlink out of the allowed root"):
+        fetch_artifact(linked_file.as_uri(), digest, local, allowed)
+    assert local.digests() == []
+
+
+def test_allowlist_parse():
+    allowed = AllowList.parse(["/srv/loras/", "file:///data/x", "https://artifacts.example/loras/", "s3://bucket/p"])
+    assert allowed.roots == (Path("/srv/loras"), Path("/data/x"))
+    assert allowed.prefixes == ("https://artifacts.example/loras", "s3://bucket/p")
+    allowed.check("https://artifacts.example/loras/abc")
+    allowed.check("s3://bucket/p/abc")
+    with pytest.raises(UnsafeLocation):
+        allowed.check("s3://other-bucket/p/abc")
+
+
+def test_http_fetch_from_a_real_local_server(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))  # several read chunks
+    local = ArtifactStore(tmp_path / "local")
+    with serve_store(remote) as base:
+        uri = f"{base}/{digest.removeprefix('sha256:')}"
+        path = fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)))
+    assert canonical_digest(path) == digest
+    weights = "adapter_model.safetensors"
+    assert (path / weights).read_bytes() == (remote.path(digest) / weights).read_bytes()
+
+
+def test_http_tampered_bytes_and_bad_index_are_refused(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a", b"0123456789"))
+    hexd = digest.removeprefix("sha256:")
+    local = ArtifactStore(tmp_path / "local")
+    with serve_store(remote) as base:
+        allowed = AllowList(prefixes=(base,))
+        (remote.path(digest) / "adapter_model.safetensors").write_bytes(b"0123456780")
+        with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+            fetch_artifact(f"{base}/{hexd}", digest, local, allowed)
+        index = remote.path(digest) / "index.json"
+        index.write_text(json.dumps({"files": [{"name": "../../escape.safetensors", "size": 1}]}))
+        with pytest.raises(UnsafeLocation, match="not an artifact file name"):
+            fetch_artifact(f"{base}/{hexd}", digest, local, allowed)
+        index.write_text(json.dumps({"files": [{"name": "adapter_model.safetensors", "size": 3}]}))
+        with pytest.raises(ArtifactUnavailable, match="more than the 3 bytes"):
+            fetch_artifact(f"{base}/{hexd}", digest, local, allowed)
+        with pytest.raises(ArtifactUnavailable, match="404"):
+            fetch_artifact(f"{base}/{'0' * 64}", "sha256:" + "0" * 64, local, allowed)
+    assert local.digests() == []
+    assert list((tmp_path / "local" / "tmp").iterdir()) == []
+
+
+def test_http_store_down_or_silent_is_unavailable(tmp_path):
+    digest = "sha256:" + "1" * 64
+    local = ArtifactStore(tmp_path / "local")
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ArtifactUnavailable, match="ConnectError"):
+        fetch_artifact(f"http://127.0.0.1:{port}/{'1' * 64}", digest, local,
+                       AllowList(prefixes=(f"http://127.0.0.1:{port}",)))
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        with pytest.raises(ArtifactUnavailable, match="Timeout"):
+            fetch_artifact(f"http://127.0.0.1:{port}/{'1' * 64}", digest, local,
+                           AllowList(prefixes=(f"http://127.0.0.1:{port}",)), timeout_s=0.3)
+
+
+class FakeS3:
+    """The two calls the s3 fetcher makes, over a dict of objects (no S3 server here)."""
+
+    def __init__(self, objects: dict[tuple[str, str], bytes]):
+        self.objects = objects
+
+    def get_object(self, Bucket, Key):
+        if (Bucket, Key) not in self.objects:
+            raise KeyError(f"NoSuchKey: {Key}")
+        return {"Body": io.BytesIO(self.objects[(Bucket, Key)])}
+
+
+def test_s3_fetch_with_a_client(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a"))
+    hexd = digest.removeprefix("sha256:")
+    objects = {("bucket", f"loras/{hexd}/{p.name}"): p.read_bytes() for p in remote.path(digest).iterdir()}
+    local = ArtifactStore(tmp_path / "local")
+    allowed = AllowList(prefixes=("s3://bucket/loras",))
+    path = fetch_artifact(f"s3://bucket/loras/{hexd}", digest, local, allowed, s3_client=FakeS3(objects))
+    assert canonical_digest(path) == digest
+    other = "sha256:" + "2" * 64
+    with pytest.raises(ArtifactUnavailable, match="NoSuchKey"):
+        fetch_artifact(f"s3://bucket/loras/{'2' * 64}", other, local, allowed, s3_client=FakeS3(objects))
