@@ -8,8 +8,9 @@ import torch
 from loraplex.engine.lora import EMPTY_SLOT, add_lora, add_lora_reference, build_lora_groups
 
 
+@pytest.mark.parametrize("min_segment", [1, 8])
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_op_matches_per_token_loop(seed):
+def test_batched_op_matches_per_token_loop(seed, min_segment):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_slots, max_rank, d_in, d_out = 5, 32, 48, 40
@@ -27,7 +28,7 @@ def test_batched_op_matches_per_token_loop(seed):
     expected = torch.randn(len(token_slots), d_out)
     got = expected.clone()
     module_ranks = [(r,) * 7 for r in ranks]
-    groups = build_lora_groups(token_slots, module_ranks, "cpu")
+    groups = build_lora_groups(token_slots, module_ranks, "cpu", min_segment)
     if groups is None:
         assert all(s == EMPTY_SLOT for s in token_slots)
         return
@@ -39,7 +40,7 @@ def test_batched_op_matches_per_token_loop(seed):
 def test_groups_use_segments_for_long_runs_and_rank_buckets_for_short_ones():
     token_slots = [0] * 10 + [1, 2, 1] + [EMPTY_SLOT] * 4 + [3]
     ranks = [(8,) * 7, (16,) * 7, (4,) * 7, (64,) * 7]
-    group = build_lora_groups(token_slots, ranks, "cpu")[0]
+    group = build_lora_groups(token_slots, ranks, "cpu", min_segment=8)[0]  # the CUDA setting
     assert group.segments == [(0, 10, 0, 8)]
     buckets = {rank: (t.tolist(), s.tolist()) for t, s, rank in group.gathered}
     assert buckets == {4: ([11], [2]), 16: ([10, 12], [1, 1]), 64: ([17], [3])}
@@ -48,4 +49,9 @@ def test_groups_use_segments_for_long_runs_and_rank_buckets_for_short_ones():
 def test_module_not_targeted_by_an_adapter_is_skipped():
     ranks = [(8, 0, 0, 0, 0, 0, 0)]
     groups = build_lora_groups([0, 0], ranks, "cpu")
-    assert groups[0].gathered and not groups[1].gathered and not groups[1].segments
+    assert groups[0].segments and not groups[1].gathered and not groups[1].segments
+
+
+def test_cpu_computes_every_run_as_a_segment():
+    group = build_lora_groups([0, 0, 1, 2], [(8,) * 7, (16,) * 7, (4,) * 7], "cpu")[0]
+    assert group.segments == [(0, 2, 0, 8), (2, 3, 1, 16), (3, 4, 2, 4)] and not group.gathered

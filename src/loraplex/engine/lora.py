@@ -12,9 +12,11 @@ from loraplex.model_config import LINEAR_MODULES, ModelConfig
 
 EMPTY_SLOT = -1
 MODULE_INDEX = {name: i for i, name in enumerate(LINEAR_MODULES)}
-# A run of at least this many consecutive tokens of one adapter is computed as a segment (two plain
-# matmuls reading the adapter once); shorter runs are gathered per token and batched by rank bucket.
-MIN_SEGMENT_TOKENS = 8
+# On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment (two plain
+# matmuls reading the adapter once); shorter runs are gathered per token and batched by rank bucket, which
+# saves kernel launches. On CPU there are no launches to save and the gather's weight copies cost more than
+# they save (bench/lora_ops.py), so every run is a segment there.
+MIN_SEGMENT_TOKENS = {"cuda": 8, "cpu": 1}
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,11 @@ def _rank_bucket(rank: int) -> int:
     return max(8, 1 << (rank - 1).bit_length())
 
 
-def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]], device) -> list[LoraGroups] | None:
+def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]], device,
+                      min_segment: int | None = None) -> list[LoraGroups] | None:
     """Per module index, the segments and rank-bucketed gathers for a step; None when no token has an adapter."""
+    if min_segment is None:
+        min_segment = MIN_SEGMENT_TOKENS.get(torch.device(device).type, 8)
     runs, start = [], 0
     for i in range(1, len(token_slots) + 1):
         if i == len(token_slots) or token_slots[i] != token_slots[start]:
@@ -127,7 +132,7 @@ def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]
             rank = module_ranks[slot][index]
             if rank == 0:
                 continue
-            if end - begin >= MIN_SEGMENT_TOKENS:
+            if end - begin >= min_segment:
                 group.segments.append((begin, end, slot, rank))
             else:
                 tokens, slots = buckets.setdefault(_rank_bucket(rank), ([], []))
