@@ -317,7 +317,7 @@ class AdapterCache:
         except (RegistryError, OSError, ValueError) as exc:
             raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {exc}") from exc
         for stage, seconds in stages.items():
-            self.on_event("load_stage", {"stage": stage, "seconds": seconds})
+            self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
         return Loaded(packed, source, stages)
 
     def _activate(self, key: AdapterKey, now: float) -> int | None:
@@ -327,13 +327,13 @@ class AdapterCache:
         entry = self.entries[key]
         start = time.perf_counter()
         self.pool.set_slot(slot, self.cpu[key])
-        self.on_event("load_stage", {"stage": "h2d", "seconds": time.perf_counter() - start})
+        self.on_event("load_stage", {"stage": "h2d", "seconds": time.perf_counter() - start, "key": key})
         self.slots[slot] = key
         entry.loaded_at = now
         if entry.evicted_at is not None and now - entry.evicted_at < THRASH_WINDOW_S:
             self.reloads_after_eviction += 1
             self.on_event("reload_after_eviction", {})
-        self.on_event("load_stage", {"stage": "activation", "seconds": time.perf_counter() - start})
+        self.on_event("load_stage", {"stage": "activation", "seconds": time.perf_counter() - start, "key": key})
         return slot
 
     def _evict_slot(self, incoming: AdapterKey, now: float) -> int | None:

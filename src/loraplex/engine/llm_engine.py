@@ -116,7 +116,8 @@ class LLMEngine:
             self._inbox.append(("abort", request_id))
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self.scheduler.has_work() or self._failed)
+        """Requests to run, or adapter loads to take in (a prewarm on an idle server finishes too)."""
+        return bool(self._inbox or self.scheduler.has_work() or self._failed or self.adapters.loading)
 
     # -- the loop (one thread) -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,213 @@
+"""What HTTP + auth + resolve add: a 1-token completion through `loraplex serve` vs the engine called directly.
+
+    python bench/server_overhead.py [--requests N] [--clients 1,64] [--json OUT]
+
+The tests' tiny Llama (hidden 64) and one PEFT adapter, built locally. Every request is the same: an 8-token
+prompt (token ids), the adapter, max_tokens 1, greedy. Direct: `AsyncEngine.generate` in this process, with C
+concurrent asyncio clients. HTTP: `loraplex serve` in a subprocess with an API-keys file (so every request is
+authenticated and resolved through the registry), driven by C concurrent keep-alive connections of a
+minimal asyncio HTTP/1.1 client (httpx would cost the client as much CPU as the server).
+Overhead = HTTP p50 − direct p50. The HTTP client shares the machine's cores with the server; the direct
+client does not, so on a small machine the overhead includes some of the client's own cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from rich.console import Console
+from rich.table import Table
+
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tinymodels import make_adapter, make_model  # noqa: E402  (the tests' fixture builders, reused)
+
+DEFAULT_JSON = Path(__file__).parent / "results" / "server_overhead.json"
+PROMPT = [5, 17, 42, 99, 123, 7, 250, 31]
+KEY = "bench-key-0123456789abcdef"
+
+
+def build_fixtures(root: Path) -> tuple[Path, Path]:
+    model = make_model(root / "model", "llama")
+    adapter = make_adapter(model, root / "adapter", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    return model, adapter
+
+
+def summarize(latencies: list[float], wall_s: float) -> dict:
+    ordered = sorted(latencies)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+    return {"requests": len(ordered), "rps": len(ordered) / wall_s, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
+            "mean_ms": statistics.fmean(ordered) * 1000}
+
+
+async def drive(call, num_requests: int, clients: int) -> dict:
+    """`clients` workers take requests from one counter until `num_requests` are done."""
+    latencies: list[float] = []
+    remaining = iter(range(num_requests))
+
+    async def worker():
+        for _ in remaining:
+            start = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return summarize(latencies, time.perf_counter() - start)
+
+
+def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]) -> dict:
+    engine = LLMEngine(EngineConfig(model_dir=model, dtype="float32", max_loras=4, max_lora_rank=16))
+    ref = engine.adapter_ref("bench", adapter)
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    async def call():
+        async for _ in async_engine.generate(PROMPT, params, ref):
+            pass
+
+    async def all_runs():
+        await drive(call, 20, 1)  # warm-up: the adapter is loaded into its slot
+        return {c: await drive(call, num_requests, c) for c in clients}
+
+    try:
+        return asyncio.run(all_runs())
+    finally:
+        async_engine.stop()
+
+
+def start_server(model: Path, adapter: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    (work / "keys").write_text(f"bench {KEY}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.server.cli", "--model", str(model), "--served-model-name", "base",
+         "--port", "0", "--data-dir", str(work / "data"), "--lora-modules", f"bench={adapter}",
+         "--api-keys", str(work / "keys"), "--dtype", "float32", "--max-lora-rank", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("loraplex serving"):
+                found.append(line.rsplit(" ", 1)[-1].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(300)
+    if not found:
+        proc.kill()
+        raise RuntimeError("loraplex serve did not start")
+    return proc, found[0]
+
+
+class RawClient:
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams: the load generator must cost far less than the
+    server (httpx's AsyncClient costs about as much CPU per request as the server itself on a small machine)."""
+
+    def __init__(self, url: str, body: dict):
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port
+        payload = json.dumps(body).encode()
+        self.request = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {KEY}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self) -> None:
+        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        lines = head.lower().split(b"\r\n")
+        length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
+        body = await reader.readexactly(length)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
+        self.idle.append((reader, writer))
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+def run_http(url: str, num_requests: int, clients: list[int]) -> dict:
+    body = {"model": "bench", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+
+    async def all_runs():
+        results = {}
+        for c in clients:
+            client = RawClient(url, body)
+            try:
+                await drive(client.post, max(20, c), c)  # warm-up: connections open, adapter in its slot
+                results[c] = await drive(client.post, num_requests, c)
+            finally:
+                client.close()
+        return results
+
+    return asyncio.run(all_runs())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000, help="measured requests per run")
+    parser.add_argument("--clients", default="1,64", help="comma-separated concurrency levels")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+        work = Path(tmp)
+        with console.status("building the tiny model and adapter"):
+            model, adapter = build_fixtures(work)
+        with console.status("direct engine"):
+            direct = run_direct(model, adapter, args.requests, clients)
+        with console.status("starting loraplex serve"):
+            proc, url = start_server(model, adapter, work)
+        try:
+            with console.status("HTTP"):
+                http = run_http(url, args.requests, clients)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+    rows = []
+    table = Table(title=f"1-token completion, {args.requests} requests per run")
+    for column in ("clients", "path", "req/s", "p50 ms", "p99 ms", "p50 overhead ms"):
+        table.add_column(column, justify="right")
+    for c in clients:
+        overhead = http[c]["p50_ms"] - direct[c]["p50_ms"]
+        for path, result in (("direct", direct[c]), ("http", http[c])):
+            rows.append({"clients": c, "path": path, **result})
+            table.add_row(str(c), path, f"{result['rps']:.0f}", f"{result['p50_ms']:.2f}", f"{result['p99_ms']:.2f}",
+                          f"{overhead:+.2f}" if path == "http" else "")
+        rows.append({"clients": c, "path": "overhead", "p50_ms": overhead})
+    console.print(table)
+    report = {
+        "benchmark": "server_overhead", "requests": args.requests, "clients": clients, "results": rows,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "load_avg_1m": os.getloadavg()[0]},
+        "goal": "HTTP + resolve + auth adds <= 1 ms p50",
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: tenancy, admission, admin API, metrics, audit log (`loraplex serve`)."""

@@ -1,0 +1,84 @@
+"""What a request's `model` means for this worker: the base model, or one adapter revision with its cache ref.
+
+Also the bookkeeping that lets an unload drain: requests in flight per adapter name, and names whose new
+requests are refused while their last requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.registry import Registry, RevisionRecord
+from loraplex.server.errors import APIError, not_found
+
+
+@dataclass(frozen=True)
+class Target:
+    ref: AdapterRef | None  # None: the base model
+    label: str  # name@revision, or the served name of the base model
+    digest: str
+    record: RevisionRecord | None = None
+
+
+class AdapterResolver:
+    def __init__(self, registry: Registry, base_model_digest: str, served_name: str):
+        self.registry = registry
+        self.base_model_digest = base_model_digest
+        self.served_name = served_name
+        self.base = Target(None, served_name, base_model_digest)
+        self.in_flight: Counter[str] = Counter()  # requests per adapter name, on the event loop thread
+        self.draining: set[str] = set()
+        self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
+
+    def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
+        """The target, or 404 (unknown, another tenant's, being unloaded, made for another base model)."""
+        if model == self.served_name:
+            return self.base
+        if model.partition("@")[0] in self.draining:
+            raise not_found(model)
+        record = self.registry.resolve(tenant, model, user)
+        if record.base_model_digest and record.base_model_digest != self.base_model_digest:
+            raise APIError(404, f"{record.model_id} was registered for base model {record.base_model}, "
+                           f"not the one this server runs ({self.served_name})", "model_not_available", "model")
+        return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
+
+    def ref_for(self, record: RevisionRecord, tenant: str = "default") -> AdapterRef:
+        """A local path when the registry's own store holds the bytes (the cache checks the digest when it
+        reads them); otherwise the storage URI, which the cache fetches through its disk tier."""
+        key = AdapterKey(self.base_model_digest, record.name, record.revision, record.digest)
+        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant, record.priority)
+
+    def _local_path(self, digest: str):
+        path = self._paths.get(digest)
+        store = self.registry.store
+        if path is None and store is not None and store.has(digest):  # a stat: once per digest, not per request
+            path = self._paths[digest] = store.path(digest)
+        return path
+
+    def may_see(self, record_base_digest: str | None) -> bool:
+        return not record_base_digest or record_base_digest == self.base_model_digest
+
+    def started(self, target: Target) -> None:
+        if target.record is not None:
+            self.in_flight[target.record.name] += 1
+
+    def finished(self, target: Target) -> None:
+        if target.record is not None:
+            name = target.record.name
+            self.in_flight[name] -= 1
+            if self.in_flight[name] <= 0:
+                del self.in_flight[name]
+
+    async def drain(self, name: str, timeout_s: float) -> bool:
+        """Refuse new requests for `name` and wait for those in flight; False when the timeout came first.
+        The caller removes the name from `draining` once the adapter is gone from the registry."""
+        self.draining.add(name)
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight.get(name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.in_flight.get(name)

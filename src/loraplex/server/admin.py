@@ -1,0 +1,310 @@
+"""The admin API under /admin/ (bearer admin token), and vLLM's load/unload endpoints behind the same token.
+
+Registry changes run in a worker thread (they are blocking database calls); cache operations are quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from loraplex.cache.errors import AdapterInFlight
+from loraplex.cache.key import AdapterKey
+from loraplex.engine.sequence import SamplingParams
+from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord, UnsafeLocation, fetch_artifact
+from loraplex.registry.store import artifact_files
+from loraplex.server.auth import check_admin
+from loraplex.server.errors import APIError
+
+if TYPE_CHECKING:
+    from loraplex.server.app import Server
+
+Tier = Literal["gpu", "cpu"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterBody(_Body):
+    name: str
+    path: str | None = None
+    storage_uri: str | None = None
+    digest: str | None = None
+    revision: str | None = None
+    tenant: str | None = None
+    shared: bool | None = None
+    warm: Literal["gpu", "cpu", "on_demand"] | None = None
+    priority: int | None = None
+    stable: bool = False
+
+
+class PromoteBody(_Body):
+    revision: str
+    weight: int = 100
+    force: bool = False
+
+
+class TrafficBody(_Body):
+    weights: dict[str, int]
+    force: bool = False
+
+
+class TierBody(_Body):
+    tier: Tier = "cpu"
+    revision: str | None = None
+
+
+class RevisionBody(_Body):
+    revision: str | None = None
+
+
+class LoadLoraBody(BaseModel):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraBody(BaseModel):
+    lora_name: str
+
+
+def router(token: str) -> APIRouter:
+    def require_admin(request: Request) -> None:
+        check_admin(request.headers.get("authorization"), token)
+
+    r = APIRouter(dependencies=[Depends(require_admin)])
+    r.add_api_route("/admin/state", state, methods=["GET"])
+    r.add_api_route("/admin/adapters", register, methods=["POST"])
+    r.add_api_route("/admin/adapters", list_adapters, methods=["GET"])
+    r.add_api_route("/admin/adapters/{name}", show, methods=["GET"])
+    r.add_api_route("/admin/adapters/{name}/promote", promote, methods=["POST"])
+    r.add_api_route("/admin/adapters/{name}/traffic", set_traffic, methods=["PUT"])
+    r.add_api_route("/admin/adapters/{name}/rollback", rollback, methods=["POST"])
+    r.add_api_route("/admin/adapters/{name}/pin", pin, methods=["POST"])
+    r.add_api_route("/admin/adapters/{name}/unpin", unpin, methods=["POST"])
+    r.add_api_route("/admin/adapters/{name}/prewarm", prewarm, methods=["POST"])
+    r.add_api_route("/admin/adapters/{name}/evict", evict, methods=["POST"])
+    r.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
+    r.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
+    return r
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+
+async def state(request: Request) -> dict:
+    return _server(request).state()
+
+
+async def list_adapters(request: Request) -> dict:
+    adapters = await run_in_threadpool(_server(request).registry.list_adapters)
+    return {"adapters": [a.to_dict() for a in adapters]}
+
+
+async def show(name: str, request: Request) -> dict:
+    server = _server(request)
+    adapter = await run_in_threadpool(server.registry.show, name)
+    resident = [a for a in server.engine.adapters.state()["adapters"] if a["name"] == name]
+    return {**adapter.to_dict(), "residency": resident}
+
+
+# ---- registry changes ---------------------------------------------------------------------------------
+
+
+async def register(body: RegisterBody, request: Request) -> dict:
+    """From a directory inside the allowed roots, or a storage URI (with its digest) under an allowed prefix."""
+    server = _server(request)
+    if (body.path is None) == (body.storage_uri is None):
+        raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
+    record = await run_in_threadpool(_register, server, body)
+    return record.to_dict()
+
+
+def _register(server: Server, body: RegisterBody) -> RevisionRecord:
+    if body.path is not None:
+        src = _allowed_dir(server, body.path)
+    else:
+        if body.digest is None:
+            raise APIError(400, "a storage_uri needs its digest (sha256:...)", "invalid_value", "digest")
+        src = fetch_artifact(body.storage_uri, body.digest, server.registry.store, server.allowed)
+    return server.registry.add_revision(
+        src, body.name, revision=body.revision, tenant=body.tenant, shared=body.shared,
+        base_model_dir=server.engine.config.model_dir, warm_policy=body.warm, priority=body.priority,
+        status="stable" if body.stable else "staging", digest=body.digest,
+    )
+
+
+def _allowed_dir(server: Server, path: str) -> Path:
+    """The directory, if it and every artifact file in it (symlinks followed) lie inside an allowed root."""
+    src = Path(path)
+    if not src.is_absolute():
+        raise UnsafeLocation(f"{path}: give an absolute path")
+    root = server.allowed.root_for(src.resolve().as_uri())
+    if src.is_dir():
+        for name in artifact_files(src):
+            if not (src / name).resolve().is_relative_to(root):
+                raise UnsafeLocation(f"{src / name} is a symlink out of the allowed root {root}")
+    return src
+
+
+async def promote(name: str, body: PromoteBody, request: Request) -> dict:
+    server = _server(request)
+    checks = _release_checks(server, asyncio.get_running_loop())
+    adapter = await run_in_threadpool(server.registry.promote, name, body.revision, body.weight, checks, body.force)
+    return adapter.to_dict()
+
+
+async def set_traffic(name: str, body: TrafficBody, request: Request) -> dict:
+    server = _server(request)
+    checks = _release_checks(server, asyncio.get_running_loop())
+    adapter = await run_in_threadpool(server.registry.set_traffic, name, body.weights, checks, body.force)
+    return adapter.to_dict()
+
+
+async def rollback(name: str, request: Request) -> dict:
+    return (await run_in_threadpool(_server(request).registry.rollback, name)).to_dict()
+
+
+def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseChecks:
+    """Prewarm into cpu and complete prompts with the revision itself, on this server's engine."""
+
+    def prewarm(record: RevisionRecord) -> None:
+        server.engine.adapters.prewarm(server.resolver.ref_for(record), "cpu")
+
+    def complete(record: RevisionRecord, prompt: str) -> str:
+        ref = server.resolver.ref_for(record)
+        return asyncio.run_coroutine_threadsafe(_complete(server, ref, prompt), loop).result(timeout=120)
+
+    return ReleaseChecks(prewarm=prewarm, complete=complete)
+
+
+async def _complete(server: Server, ref, prompt: str) -> str:
+    ids = server.engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    return "".join([out.text async for out in server.async_engine.generate(ids, params, ref)])
+
+
+# ---- cache operations -------------------------------------------------------------------------------
+
+
+async def _records(server: Server, name: str, revision: str | None) -> list[RevisionRecord]:
+    """The named revision, or every revision in traffic."""
+    if revision is not None:
+        return [await run_in_threadpool(server.registry.get_revision, name, revision)]
+    adapter = await run_in_threadpool(server.registry.show, name)
+    serving = [r for r in adapter.revisions if r.traffic_weight]
+    if not serving:
+        raise APIError(409, f"{name} has no revision in traffic; name one", "lifecycle_conflict", "revision")
+    return serving
+
+
+def _resident_keys(server: Server, name: str, revision: str | None = None) -> list[AdapterKey]:
+    return [
+        AdapterKey(a["base_model_digest"], a["name"], a["revision"], a["digest"])
+        for a in server.engine.adapters.state()["adapters"]
+        if a["name"] == name and revision in (None, a["revision"])
+    ]
+
+
+async def pin(name: str, body: TierBody, request: Request) -> dict:
+    server = _server(request)
+    records = await _records(server, name, body.revision)
+    for record in records:
+        server.engine.adapters.pin(server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier)
+    await run_in_threadpool(server.registry.pin, name)
+    return {"pinned": [r.model_id for r in records], "tier": body.tier}
+
+
+async def unpin(name: str, request: Request) -> dict:
+    server = _server(request)
+    await run_in_threadpool(server.registry.unpin, name)
+    keys = _resident_keys(server, name)
+    for key in keys:
+        server.engine.adapters.unpin(key)
+    return {"unpinned": [str(k) for k in keys]}
+
+
+async def prewarm(name: str, body: TierBody, request: Request) -> dict:
+    server = _server(request)
+    records = await _records(server, name, body.revision)
+    for record in records:
+        server.engine.adapters.prewarm(server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier)
+    return {"prewarming": [r.model_id for r in records], "tier": body.tier}
+
+
+async def evict(name: str, body: RevisionBody, request: Request) -> dict:
+    server = _server(request)
+    keys = _resident_keys(server, name, body.revision)
+    for key in keys:
+        server.engine.adapters.evict(key)  # AdapterInFlight → 409
+    return {"evicted": [str(k) for k in keys]}
+
+
+async def _forget(server: Server, key: AdapterKey, attempts: int = 100) -> None:
+    """An aborted request gives its slot reference back on the engine's next step: wait for that."""
+    for _ in range(attempts - 1):
+        try:
+            return server.engine.adapters.forget(key)
+        except AdapterInFlight:
+            await asyncio.sleep(0.02)
+    server.engine.adapters.forget(key)
+
+
+# ---- vLLM's dynamic LoRA endpoints --------------------------------------------------------------------
+
+
+async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextResponse:
+    """Register a directory inside the allowed roots as a shared adapter serving all of its name's traffic."""
+    server = _server(request)
+    await run_in_threadpool(_load, server, body)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+def _load(server: Server, body: LoadLoraBody) -> None:
+    src = _allowed_dir(server, body.lora_path)
+    try:
+        existing = server.registry.show(body.lora_name)
+    except AdapterNotFound:
+        existing = None
+    if existing is not None and not existing.shared:
+        raise APIError(400, f"{body.lora_name} belongs to tenant {existing.owner_tenant}; pick another name",
+                       "invalid_value", "lora_name")
+    if existing is not None and existing.traffic:
+        raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "invalid_value",
+                       "lora_name")
+    record = server.registry.add_revision(src, body.lora_name, shared=True,
+                                          base_model_dir=server.engine.config.model_dir, status="stable")
+    if record.traffic_weight != 100:  # the same bytes as an earlier revision, which had left traffic
+        server.registry.promote(body.lora_name, record.revision, 100, force=True)
+
+
+async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTextResponse:
+    """Drain: new requests get 404 at once, those in flight finish; then the adapter leaves traffic and memory."""
+    server = _server(request)
+    name = body.lora_name
+    try:
+        adapter = await run_in_threadpool(server.registry.show, name)
+    except AdapterNotFound:
+        adapter = None
+    if adapter is None or not adapter.traffic or not adapter.shared:
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", "model_not_found", "lora_name")
+    try:
+        if not await server.resolver.drain(name, server.config.unload_timeout_s):
+            raise AdapterInFlight(f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
+                                  "it stays loaded, retry the unload")
+        await run_in_threadpool(server.registry.deprecate, name)
+        for key in _resident_keys(server, name):
+            await _forget(server, key)
+    finally:
+        server.resolver.draining.discard(name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

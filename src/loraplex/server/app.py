@@ -1,0 +1,323 @@
+"""The FastAPI application: `create_app(engine, registry, config)` wires the OpenAI API, the admin API,
+health, readiness and metrics around one engine. The app owns the engine from then on (it stops it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+from loraplex.registry import AdapterNotFound, AllowList, Registry
+from loraplex.server import admin, openai_api
+from loraplex.server.admission import Admission
+from loraplex.server.adapters import AdapterResolver, Target
+from loraplex.server.audit import AuditLog
+from loraplex.server.auth import Authenticator
+from loraplex.server.errors import APIError, install_handlers
+from loraplex.server.generation import Generation
+from loraplex.server.metrics import ServerMetrics
+from loraplex.server.middleware import RequestContext, RequestMiddleware
+from loraplex.server.schemas import model_card
+
+log = logging.getLogger("loraplex.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    """The base model's name in `model` fields and /v1/models."""
+    admin_token: str | None = None
+    """Bearer token of the admin API; None turns the admin API off (its paths answer 404)."""
+    admin_on_main_app: bool = True
+    """False when the admin API is served on its own port (`create_admin_app`)."""
+    allowed_roots: tuple[str, ...] = ()
+    """Directories (and URL prefixes) the admin API may register adapters from."""
+    audit_log: str | Path | None = None
+    """JSONL file, `-` for stdout, None for none."""
+    max_waiting: int = 512
+    """Requests admitted but without a first token yet; beyond this, 429 with Retry-After."""
+    max_requests_per_tenant: int | None = 256
+    """Requests in flight per tenant; beyond this, 429 with Retry-After (None: no limit)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted (default: the engine's max_model_len - 1)."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body (413 beyond)."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: how long requests in flight may take to finish before they are aborted."""
+    unload_timeout_s: float = 60.0
+    """How long an unload waits for the adapter's requests in flight."""
+    top_k_adapter_metrics: int = 0
+    """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
+    key_cache_ttl_s: float = 5.0
+    """How long a registry API key lookup is trusted (revocations take effect within this)."""
+
+    def __post_init__(self):
+        if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
+            raise ValueError("max_waiting must be >= 0 and max_requests_per_tenant >= 1")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+
+
+class Server:
+    """Everything a request needs, kept on the app (`app.state.server`)."""
+
+    def __init__(self, engine: LLMEngine, registry: Registry, config: ServerConfig,
+                 api_keys: dict[str, str] | None = None):
+        self.engine = engine
+        self.registry = registry
+        self.config = config
+        self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
+        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name)
+        self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
+        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
+        self.audit = AuditLog(config.audit_log)
+        self.allowed = AllowList.parse(list(config.allowed_roots))
+        self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
+        self.async_engine: AsyncEngine | None = None
+        self.is_draining = False
+        self.load_stages: dict[str, dict[str, float]] = {}  # str(key) -> {stage: ms} of its last load
+        engine.adapters.on_event = self.on_cache_event
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.async_engine = AsyncEngine(self.engine)
+        try:
+            self.warm_start()
+        except Exception:  # serving cold is better than not serving
+            log.exception("warm start failed; adapters will load on demand")
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting (503); requests in flight go on."""
+        if not self.is_draining:
+            log.info("shutting down: no new requests, finishing those in flight")
+        self.is_draining = True
+
+    def stop(self) -> None:
+        self.begin_shutdown()
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        self.audit.close()
+
+    def warm_start(self) -> None:
+        """Pins and warm policies from the registry: load those adapters before traffic asks for them."""
+        for adapter in self.registry.list_adapters():
+            tier = adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else ("cpu" if adapter.pinned else None)
+            if tier is None:
+                continue
+            for record in adapter.revisions:
+                if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
+                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
+                    try:
+                        (self.engine.adapters.pin if adapter.pinned else self.engine.adapters.prewarm)(ref, tier)
+                    except Exception as exc:  # a warm start that cannot happen must not stop serving
+                        log.warning("could not warm %s into %s: %s", record.model_id, tier, exc)
+
+    def check_accepting(self) -> None:
+        if self.is_draining or self.async_engine is None:
+            raise APIError(503, "The server is shutting down; retry on another worker.", "shutting_down")
+
+    # -- request steps ---------------------------------------------------------------------------
+    def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+        try:
+            target = self.resolver.resolve(ctx.tenant, model, user)
+        except AdapterNotFound:
+            ctx.denied = self._is_denied(ctx.tenant, model)
+            raise
+        ctx.adapter, ctx.digest = target.label, target.digest
+        if target.ref is None:
+            ctx.tier = "gpu"
+        else:
+            ctx.adapter_name, ctx.revision, ctx.rank = target.record.name, target.record.revision, target.record.rank
+            ctx.tier = self.tier_on_arrival(target)
+        return target
+
+    def tier_on_arrival(self, target: Target) -> str:
+        tier = self.engine.adapters.tier_of(target.ref.key)
+        # The cache learns a key's local path at the request's first acquire; the bytes are on disk already.
+        return "disk" if tier == "remote" and target.ref.path is not None else tier
+
+    def _is_denied(self, tenant: str, model: str) -> bool:
+        """The name exists but belongs to others (answered 404 like an unknown name, counted as a denial)."""
+        name = model.partition("@")[0]
+        try:
+            self.registry.show(name)
+        except AdapterNotFound:
+            return False
+        return not self.registry.tenant_may_use(tenant, name)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        limit = self.max_prompt_tokens
+        if isinstance(prompt, str):
+            # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip tokenizing it.
+            if len(prompt) > 64 * limit:
+                raise APIError(400, f"The prompt is longer than the limit of {limit} tokens (max_prompt_tokens).",
+                               "prompt_too_long", "prompt")
+            prompt = self.engine.tokenizer.encode(prompt)
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", "invalid_value", "prompt")
+        if len(prompt) > limit:
+            raise APIError(400, f"The prompt has {len(prompt)} tokens, more than the limit of {limit} "
+                           "(max_prompt_tokens).", "prompt_too_long", "prompt")
+        return prompt
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value", "messages") from None
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)  # the template adds them itself
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"The messages make a prompt of {len(ids)} tokens, more than the limit of "
+                           f"{self.max_prompt_tokens} (max_prompt_tokens).", "prompt_too_long", "messages")
+        return ids
+
+    async def generate(self, ctx: RequestContext, target: Target, prompts: list[list[int]],
+                       params: SamplingParams) -> Generation:
+        try:
+            ticket = self.admission.admit(ctx.tenant)
+        except APIError as exc:
+            ctx.denied = exc.code == "tenant_quota_exceeded"
+            raise
+        gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        await gen.start()
+        return gen
+
+    def finish_request(self, ctx: RequestContext, status: int) -> None:
+        """The middleware's last call for each inference request: metrics and the audit line."""
+        a = ctx.audit
+        self.metrics.on_request(ctx.tenant or "unauthenticated", status, ctx.adapter_name, ctx.tier or None,
+                                ctx.denied)
+        if ctx.tier:
+            self.metrics.on_timings(ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s"))
+        load_ms = self.load_stages.get(ctx.adapter) if ctx.tier not in ("gpu", "") and ctx.adapter_name else None
+        self.audit.write({
+            "ts": round(time.time(), 3), "request_id": ctx.request_id, "endpoint": ctx.endpoint,
+            "tenant": ctx.tenant, "base_model": self.config.served_model_name, "adapter": ctx.adapter_name,
+            "revision": ctx.revision, "digest": ctx.digest or None, "rank": ctx.rank, "cache_tier": ctx.tier or None,
+            "queue_wait_ms": _ms(a.get("queue_wait_s")), "load_ms": load_ms, "ttft_ms": _ms(a.get("ttft_s")),
+            "tpot_ms": _ms(a.get("tpot_s")), "prompt_tokens": a.get("prompt_tokens"),
+            "completion_tokens": a.get("completion_tokens"), "finish_reason": a.get("finish_reason"),
+            "status": status, "error_code": ctx.error_code,
+        })
+
+    def on_cache_event(self, kind: str, fields: dict) -> None:
+        self.metrics.on_cache_event(kind, fields)
+        if kind == "load_stage" and fields.get("key") is not None:
+            stages = self.load_stages.setdefault(str(fields["key"]), {})
+            stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
+
+    # -- views -----------------------------------------------------------------------------------
+    def model_cards(self, tenant: str) -> list[dict]:
+        name = self.config.served_model_name
+        cards = [model_card(name, "loraplex", None)]
+        for adapter in self.registry.list_adapters(tenant):
+            serving = [r for r in adapter.revisions if r.traffic_weight and self.resolver.may_see(r.base_model_digest)]
+            if serving and adapter.name not in self.resolver.draining:
+                owner = "shared" if adapter.shared else adapter.owner_tenant or "shared"
+                main = max(serving, key=lambda r: r.traffic_weight)
+                cards.append(model_card(adapter.name, owner, name, root=main.model_id))
+        return cards
+
+    def live_figures(self) -> dict:
+        cache = self.engine.adapters.state()
+        scheduler = self.engine.scheduler
+        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        on_gpu = sorted({a["name"] for a in cache["adapters"] if a["tier"] == "gpu"})
+        waiting_names = {s.adapter.key.name for s in waiting if s.adapter is not None}
+        return {
+            "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
+            "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.engine.blocks.usage,
+            "running_adapters": on_gpu, "waiting_adapters": sorted(waiting_names - set(on_gpu)),
+            "max_lora": self.engine.config.max_loras,
+        }
+
+    def state(self) -> dict:
+        """GET /admin/state: residency of every adapter and the load figures the router needs."""
+        live = self.live_figures()
+        cache = live["cache"]
+        return {
+            "base_model": self.config.served_model_name,
+            "base_model_digest": self.engine.base_model_digest,
+            "max_loras": live["max_lora"],
+            "draining": self.is_draining,
+            "adapters": cache["adapters"],
+            "load": {
+                "waiting": live["num_waiting"], "running": live["num_running"],
+                "active_tokens": live["active_tokens"], "recent_evictions": cache["recent_evictions"],
+                "free_slots": cache["free_slots"], "num_slots": cache["num_slots"],
+                "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
+                "in_flight": self.admission.num_in_flight,
+            },
+            "cache": {k: v for k, v in cache.items() if k not in ("adapters",)},
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def create_app(engine: LLMEngine, registry: Registry, config: ServerConfig,
+               api_keys: dict[str, str] | None = None) -> FastAPI:
+    """The OpenAI-compatible app (and the admin API on it unless `config.admin_on_main_app` is False)."""
+    server = Server(engine, registry, config, api_keys)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start()
+        try:
+            yield
+        finally:
+            server.stop()
+
+    app = FastAPI(title="loraplex", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    install_handlers(app)
+    app.add_middleware(RequestMiddleware, on_done=server.finish_request)
+    app.include_router(openai_api.router)
+    app.include_router(health)
+    if config.admin_token and config.admin_on_main_app:
+        app.include_router(admin.router(config.admin_token))
+    return app
+
+
+def create_admin_app(server: Server) -> FastAPI:
+    """The admin API alone, for its own port, over the main app's server (`app.state.server`, whose app runs
+    the engine)."""
+    if not server.config.admin_token:
+        raise ValueError("the admin API needs an admin token")
+    app = FastAPI(title="loraplex admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    install_handlers(app)
+    app.add_middleware(RequestMiddleware, on_done=server.finish_request)
+    app.include_router(admin.router(server.config.admin_token))
+    return app
+
+
+health = APIRouter()
+
+
+@health.get("/health")
+async def alive():
+    return {"status": "ok"}
+
+
+@health.get("/ready")
+async def ready(request: Request):
+    server: Server = request.app.state.server
+    if server.async_engine is None or server.is_draining:
+        raise APIError(503, "not ready: " + ("shutting down" if server.is_draining else "starting"), "not_ready")
+    return {"status": "ready", "model": server.config.served_model_name}
+
+
+@health.get("/metrics")
+async def metrics(request: Request):
+    return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,114 @@
+"""API keys → tenants (a keys file, or the registry's keys), and the admin token check."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from loraplex.registry import Registry
+from loraplex.server.errors import APIError, unauthorized
+
+log = logging.getLogger(__name__)
+
+OPEN_TENANT = "default"
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_MAX_CACHED_KEYS = 10_000
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_api_keys(path: str | Path) -> dict[str, str]:
+    """sha256(key) -> tenant from a file of `TENANT KEY` lines (`#` starts a comment)."""
+    keys: dict[str, str] = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not _TENANT_RE.match(parts[0]):
+            raise ValueError(f"{path} line {number}: expected `TENANT KEY`")
+        if len(parts[1]) < 16:
+            raise ValueError(f"{path} line {number}: the key is shorter than 16 characters")
+        keys[_hash(parts[1])] = parts[0]
+    return keys
+
+
+def read_admin_token(path: str | Path) -> str:
+    lines = Path(path).read_text().splitlines()
+    token = lines[0].strip() if lines else ""
+    if len(token) < 16:
+        raise ValueError(f"{path}: the admin token on its first line must be at least 16 characters")
+    return token
+
+
+def bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+class Authenticator:
+    """Tenant of a request. Open mode (tenant `default`) only while no key exists in the file or the registry.
+
+    Registry answers are cached for `ttl_s`: a revoked key stops working, and a first key created in the
+    registry closes open mode, within that time. Revoking every key does not reopen the server.
+    """
+
+    def __init__(self, registry: Registry, file_keys: dict[str, str] | None = None, ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.file_keys = file_keys or {}
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._cache: dict[str, tuple[str | None, float]] = {}
+        self._open: tuple[bool, float] | None = None
+
+    def is_open(self) -> bool:
+        """Open while no key was ever configured; once a key exists (even revoked later) it stays closed."""
+        now = self.clock()
+        if self._open is None or (self._open[0] and self._open[1] < now):
+            is_open = not self.file_keys and not self.registry.list_keys()
+            if self._open and not is_open:
+                log.warning("API keys now exist: open mode is over, every request needs a key")
+            self._open = (is_open, now + self.ttl_s)
+        return self._open[0]
+
+    def tenant(self, authorization: str | None) -> str:
+        """The caller's tenant, or a 401 APIError."""
+        if self.is_open():
+            return OPEN_TENANT
+        key = bearer(authorization)
+        if key is None:
+            raise unauthorized("No API key provided: send the header `Authorization: Bearer KEY`.")
+        digest = _hash(key)
+        tenant = self.file_keys.get(digest) or self._registry_tenant(key, digest)
+        if tenant is None:
+            raise unauthorized("Incorrect API key provided.")
+        return tenant
+
+    def _registry_tenant(self, key: str, digest: str) -> str | None:
+        now = self.clock()
+        cached = self._cache.get(digest)
+        if cached is not None and cached[1] >= now:
+            return cached[0]
+        tenant = self.registry.tenant_for_key(key)
+        if len(self._cache) >= _MAX_CACHED_KEYS:
+            self._cache.clear()
+        self._cache[digest] = (tenant, now + self.ttl_s)
+        return tenant
+
+
+def check_admin(authorization: str | None, token: str) -> None:
+    """401 unless the request carries the admin token."""
+    given = bearer(authorization)
+    if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+        raise APIError(401, "This endpoint needs the admin token: send `Authorization: Bearer ADMIN_TOKEN`.",
+                       "invalid_admin_token")

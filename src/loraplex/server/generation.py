@@ -1,0 +1,145 @@
+"""One HTTP request's prompts through the engine: admitted, submitted, first outputs awaited (so that errors
+before the first token are proper HTTP errors), then streamed or collected; closed exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.server.admission import Ticket
+from loraplex.server.adapters import AdapterResolver, Target
+from loraplex.server.middleware import RequestContext
+
+
+@dataclass
+class ChoiceState:
+    """What one prompt has produced so far."""
+
+    index: int
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def add(self, out: RequestOutput, now: float) -> None:
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs)
+        if out.token_ids:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, resolver: AdapterResolver, ctx: RequestContext, target: Target,
+                 prompts: list[list[int]], params: SamplingParams, ticket: Ticket):
+        self.engine = engine
+        self.resolver = resolver
+        self.ctx = ctx
+        self.target = target
+        self.params = params
+        self.ticket = ticket
+        self.choices = [ChoiceState(i) for i in range(len(prompts))]
+        ids = [ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{i}" for i in range(len(prompts))]
+        self._ids = ids
+        self._streams = [engine.generate(p, params, target.ref, rid) for p, rid in zip(prompts, ids)]
+        self._firsts: list[RequestOutput] = []
+        self._pumps: list[asyncio.Task] = []
+        self.queue_wait_s: float | None = None
+        self._closed = False
+        resolver.started(target)
+
+    async def start(self) -> None:
+        """Wait for every prompt's first output; raises the engine's error (bad request, adapter unavailable)."""
+        try:
+            for index, stream in enumerate(self._streams):
+                first = await anext(stream)
+                self.choices[index].add(first, time.monotonic())
+                self._firsts.append(first)
+                if index == 0:
+                    self.queue_wait_s = first.queue_wait_s
+        except BaseException:
+            await self.close()
+            raise
+        self.ticket.started()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every prompt has finished; choice state is updated before each."""
+        for index, out in enumerate(self._firsts):  # already counted in the choices by start()
+            yield index, out
+        live = [i for i, out in enumerate(self._firsts) if not out.finished]
+        if len(live) == 1:
+            async for out in self._streams[live[0]]:
+                self.choices[live[0]].add(out, time.monotonic())
+                yield live[0], out
+        elif live:
+            async for index, out in self._merged(live):
+                yield index, out
+
+    async def _merged(self, live: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for out in self._streams[index]:
+                    await queue.put((index, out, None))
+            except Exception as exc:
+                await queue.put((index, None, exc))
+            await queue.put((index, None, None))
+
+        self._pumps = [asyncio.create_task(pump(i)) for i in live]
+        try:
+            remaining = len(live)
+            while remaining:
+                index, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    remaining -= 1
+                    continue
+                self.choices[index].add(out, time.monotonic())
+                yield index, out
+        finally:  # no await here: this may run inside a cancelled scope; close() waits for the pumps
+            for task in self._pumps:
+                task.cancel()
+
+    async def close(self) -> None:
+        """Abort what still runs (a client gone, an error), release admission, record the timings."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()
+        self.ticket.close()
+        self.resolver.finished(self.target)
+        self._record()
+
+    def _record(self) -> None:
+        first = self.choices[0]
+        audit = self.ctx.audit
+        audit["prompt_tokens"] = sum(c.num_prompt_tokens for c in self.choices)
+        audit["completion_tokens"] = sum(c.num_output_tokens for c in self.choices)
+        audit["finish_reason"] = first.finish_reason
+        if self.queue_wait_s is not None:
+            audit["queue_wait_s"] = self.queue_wait_s
+        if first.first_token_at is not None:
+            audit["ttft_s"] = first.first_token_at - self.ctx.arrival
+            if first.num_output_tokens > 1:
+                audit["tpot_s"] = (first.last_token_at - first.first_token_at) / (first.num_output_tokens - 1)
+
+    @property
+    def usage_counts(self) -> tuple[int, int]:
+        return (sum(c.num_prompt_tokens for c in self.choices), sum(c.num_output_tokens for c in self.choices))

@@ -1,0 +1,142 @@
+"""Prometheus series: every `loraplex_` series of the architecture doc, and the Gateway API Inference
+Extension's `vllm:` model-server series. Labels per tenant, never per adapter (top-K adapters only, opt-in).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TIERS = ("gpu", "cpu", "disk", "remote")
+# The cache's load stages, and the histogram each one feeds.
+STAGE_SERIES = {"resolve": "resolve", "download": "remote_download", "disk": "disk_load", "h2d": "h2d",
+                "activation": "activation"}
+
+
+class ServerMetrics:
+    """Counters and histograms fed by the server and the cache's events; gauges read live at scrape time.
+
+    `snapshot()` returns the live figures: {"cache": AdapterCache.state(), "num_waiting", "num_running",
+    "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict], top_k_adapters: int = 0):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.cache_hits = Counter("loraplex_adapter_cache_hits_total", "Requests whose adapter was found in a "
+                                  "tier (L0 gpu, L1 cpu, L2 disk)", ["tier"], registry=r)
+        self.cache_misses = Counter("loraplex_adapter_cache_misses_total", "Requests whose adapter had to come "
+                                    "from the remote store (L3)", registry=r)
+        self.evictions = Counter("loraplex_adapter_evictions_total", "Adapters evicted from a tier", ["tier"],
+                                 registry=r)
+        self.reloads = Counter("loraplex_adapter_reload_after_eviction_total", "Adapters loaded again within "
+                               "the thrash window after their eviction", registry=r)
+        self.load_failures = Counter("loraplex_adapter_load_failures_total", "Adapter loads that failed",
+                                     ["error"], registry=r)
+        self.stages = {
+            stage: Histogram(f"loraplex_adapter_{series}_seconds", f"Adapter load stage: {stage}",
+                             buckets=LOAD_BUCKETS, registry=r)
+            for stage, series in STAGE_SERIES.items()
+        }
+        self.ttft = Histogram("loraplex_request_ttft_seconds", "Time to first token, by the tier the adapter "
+                              "was in on arrival", ["tier"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("loraplex_request_tpot_seconds", "Time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("loraplex_request_queue_wait_seconds", "Time from arrival to admission "
+                                    "into the running batch", buckets=TTFT_BUCKETS, registry=r)
+        self.requests = Counter("loraplex_requests_total", "Inference requests by tenant and HTTP status",
+                                ["tenant", "code"], registry=r)
+        self.cold_starts = Counter("loraplex_cold_starts_total", "Requests whose adapter was not in memory "
+                                   "(disk or remote) on arrival", registry=r)
+        self.tenant_denied = Counter("loraplex_tenant_denied_total", "Requests refused by tenancy: another "
+                                     "tenant's adapter, or the tenant's concurrency quota", ["tenant"], registry=r)
+        for tier in TIERS[:3]:
+            self.cache_hits.labels(tier)
+        self.top_k_adapters = top_k_adapters
+        self.adapter_requests: Tally[str] = Tally()
+        r.register(_LiveCollector(snapshot, self))
+
+    def on_cache_event(self, kind: str, fields: dict) -> None:
+        """The cache's `on_event` hook (called from its threads; prometheus_client is thread-safe)."""
+        if kind in ("hit", "miss"):
+            tier = fields.get("tier")
+            if tier == "remote" or (kind == "miss" and tier is None):
+                self.cache_misses.inc()
+            else:  # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a miss
+                self.cache_hits.labels(tier or "gpu").inc()
+        elif kind == "eviction":
+            self.evictions.labels(fields.get("tier", "gpu")).inc()
+        elif kind == "reload_after_eviction":
+            self.reloads.inc()
+        elif kind == "load_stage" and fields.get("stage") in self.stages:
+            self.stages[fields["stage"]].observe(fields.get("seconds", 0.0))
+        elif kind == "load_failed":
+            self.load_failures.labels(str(fields.get("error", "unknown"))).inc()
+
+    def on_request(self, tenant: str, status: int, adapter: str | None, tier: str | None, denied: bool) -> None:
+        self.requests.labels(tenant, str(status)).inc()
+        if denied:
+            self.tenant_denied.labels(tenant).inc()
+        if tier in ("disk", "remote") and status < 400:
+            self.cold_starts.inc()
+        if adapter and self.top_k_adapters:
+            self.adapter_requests[adapter] += 1
+
+    def on_timings(self, tier: str, ttft_s: float | None, tpot_s: float | None, queue_wait_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(tier).observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """Gauges read at scrape time from the cache and the scheduler."""
+
+    def __init__(self, snapshot: Callable[[], dict], metrics: ServerMetrics):
+        self.snapshot = snapshot
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # names are only known by collect(); keeps registration free of a snapshot call
+
+    def collect(self):
+        live = self.snapshot()
+        cache = live["cache"]
+        count = GaugeMetricFamily("loraplex_adapter_resident_count", "Adapters resident per tier", labels=["tier"])
+        size = GaugeMetricFamily("loraplex_adapter_resident_bytes", "Bytes of adapters resident per tier",
+                                 labels=["tier"])
+        for tier in TIERS[:3]:
+            in_tier = [a for a in cache["adapters"] if a["tier"] == tier]
+            count.add_metric([tier], len(in_tier))
+            size.add_metric([tier], sum(a.get("bytes") or 0 for a in in_tier))
+        yield count
+        yield size
+        yield GaugeMetricFamily("loraplex_adapter_thrash_ratio", "Reloads after eviction per eviction",
+                                value=cache.get("thrash_ratio", 0.0))
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running (gpu-resident) and waiting adapters; the "
+                                 "value is the update time", labels=["running_lora_adapters",
+                                                                     "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(live["running_adapters"]), ",".join(live["waiting_adapters"]),
+                         str(live["max_lora"])], time.time())
+        yield info
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"])
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests running", value=live["num_running"])
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"])
+        if self.metrics.top_k_adapters:
+            top = CounterMetricFamily("loraplex_adapter_requests", "Requests of the top-K adapters",
+                                      labels=["adapter"])
+            for adapter, n in self.metrics.adapter_requests.most_common(self.metrics.top_k_adapters):
+                top.add_metric([adapter], n)
+            yield top

@@ -1,0 +1,211 @@
+"""`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET /v1/models`."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from loraplex.server import schemas
+from loraplex.server.errors import APIError, as_api_error, validation_error
+from loraplex.server.generation import Generation
+from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from loraplex.server.app import Server
+    from loraplex.server.middleware import RequestContext
+
+router = APIRouter()
+DONE = b"data: [DONE]\n\n"
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    server, ctx = _begin(request, "completions")
+    req = await _parse(request, server, CompletionRequest)
+    target = server.resolve(ctx, req.model, req.user)
+    prompts = [server.encode_prompt(p) for p in req.prompts()]
+    params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs)
+    gen = await server.generate(ctx, target, prompts, params)
+    fmt = CompletionFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
+    return await _respond(gen, fmt, req.stream, req.include_usage)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    server, ctx = _begin(request, "chat.completions")
+    req = await _parse(request, server, ChatCompletionRequest)
+    target = server.resolve(ctx, req.model, req.user)
+    prompt = server.encode_chat([m.for_template() for m in req.messages])
+    default_max = max(1, server.engine.max_model_len - len(prompt))
+    params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
+    gen = await server.generate(ctx, target, [prompt], params)
+    fmt = ChatFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
+    return await _respond(gen, fmt, req.stream, req.include_usage)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    server: Server = request.app.state.server
+    tenant = server.auth.tenant(request.headers.get("authorization"))
+    return {"object": "list", "data": server.model_cards(tenant)}
+
+
+def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
+    server: Server = request.app.state.server
+    ctx: RequestContext = request.state.ctx
+    ctx.is_inference, ctx.endpoint = True, endpoint
+    server.check_accepting()
+    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))
+    return server, ctx
+
+
+async def _parse(request: Request, server: Server, model):
+    body = await _read_body(request, server.config.max_body_bytes)
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    req.check_supported()
+    return req
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _respond(gen: Generation, fmt, stream: bool, include_usage: bool):
+    if stream:
+        return _EventStream(_events(gen, fmt, include_usage), gen)
+    try:
+        async for _ in gen.outputs():
+            pass
+    finally:
+        await gen.close()
+    return JSONResponse(fmt.final(gen))
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _events(gen: Generation, fmt, include_usage: bool):
+    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the others)."""
+
+    def event(chunk: dict) -> bytes:
+        if include_usage:
+            chunk.setdefault("usage", None)
+        return _sse(chunk)
+
+    try:
+        for chunk in fmt.opening(gen):
+            yield event(chunk)
+        num_finished = 0
+        async for index, out in gen.outputs():
+            if not (out.text or out.finished or out.logprobs):
+                continue  # tokens held back (half a character, a possible stop string): nothing to send yet
+            num_finished += out.finished
+            last = num_finished == len(gen.choices)
+            usage = schemas.usage(*gen.usage_counts) if last and not include_usage else None
+            yield event(fmt.chunk(gen, index, out, usage))
+        if include_usage:
+            yield _sse(fmt.usage_chunk(schemas.usage(*gen.usage_counts)))
+    except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
+        error = as_api_error(exc)
+        if error is None:
+            raise
+        gen.ctx.status, gen.ctx.error_code = error.status, error.code
+        yield _sse(error.body())
+    yield DONE
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation is closed
+    here, outside the stream's cancelled task group, so aborting and recording cannot be cut short."""
+
+    def __init__(self, content, gen: Generation):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            if any(c.finish_reason is None for c in self.gen.choices) and self.gen.ctx.status is None:
+                self.gen.ctx.status = 499  # the client left before the end
+            await self.gen.close()
+
+
+class CompletionFormat:
+    def __init__(self, request_id: str, model: str, decode):
+        self.request_id, self.model, self.decode = request_id, model, decode
+        self.offsets: dict[int, int] = {}
+
+    def opening(self, gen: Generation) -> list[dict]:
+        return []
+
+    def _logprobs(self, index: int, entries: list[dict]) -> dict | None:
+        if not entries:
+            return None
+        out = schemas.completion_logprobs(entries, self.decode, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
+        lp = self._logprobs(index, out.logprobs) if gen.params.logprobs is not None else None
+        choice = schemas.completion_choice(index, out.text, out.finish_reason if out.finished else None, lp)
+        return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return schemas.completion(self.request_id, self.model, [], usage, chunk=True)
+
+    def final(self, gen: Generation) -> dict:
+        choices = [
+            schemas.completion_choice(c.index, "".join(c.text), c.finish_reason,
+                                      self._logprobs(c.index, c.logprobs) if gen.params.logprobs is not None else None)
+            for c in gen.choices
+        ]
+        return schemas.completion(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))
+
+
+class ChatFormat:
+    def __init__(self, request_id: str, model: str, decode):
+        self.request_id, self.model, self.decode = request_id, model, decode
+
+    def opening(self, gen: Generation) -> list[dict]:
+        """The role first, as OpenAI's API sends it."""
+        role = {"role": "assistant", "content": ""}
+        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, role, None)], None, chunk=True)
+                for c in gen.choices]
+
+    def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:
+        return schemas.chat_logprobs(entries, self.decode) if wanted and entries else None
+
+    def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
+        delta = {"content": out.text} if out.text or not out.finished else {}
+        choice = schemas.chat_delta(index, delta, out.finish_reason if out.finished else None,
+                                    self._logprobs(out.logprobs, gen.params.logprobs is not None))
+        return schemas.chat(self.request_id, self.model, [choice], usage, chunk=True)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return schemas.chat(self.request_id, self.model, [], usage, chunk=True)
+
+    def final(self, gen: Generation) -> dict:
+        choices = [schemas.chat_choice(c.index, "".join(c.text), c.finish_reason,
+                                       self._logprobs(c.logprobs, gen.params.logprobs is not None))
+                   for c in gen.choices]
+        return schemas.chat(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))

@@ -1,0 +1,156 @@
+"""The admin API: the token, residency state, registry changes, cache operations, vLLM's load/unload."""
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from harness import ADMIN_TOKEN, KEYS, MODEL, serving
+from loraplex.server.app import create_admin_app
+
+
+def test_admin_without_token_is_401_and_with_a_wrong_one_too(running):
+    for token in (None, "wrong-token-0123456789"):
+        for method, path in (("GET", "/admin/state"), ("POST", "/v1/load_lora_adapter")):
+            response = running.admin(method, path, token=token, json={})
+            assert response.status_code == 401, (path, response.text)
+            assert response.json()["error"]["type"] == "authentication_error"
+    assert running.admin("GET", "/admin/state", token=KEYS["alice"]).status_code == 401  # a tenant key is not it
+
+
+def test_admin_api_is_404_when_off(start):
+    with start(admin_token=None) as running:
+        for method, path in (("GET", "/admin/state"), ("GET", "/admin/adapters"), ("POST", "/v1/load_lora_adapter"),
+                             ("POST", "/v1/unload_lora_adapter")):
+            assert running.admin(method, path, json={}).status_code == 404
+
+
+def test_state_reports_residency_and_load(running):
+    running.client().completions.create(model="shared-a", prompt="x", max_tokens=1)
+    state = running.state()
+    entry = next(a for a in state["adapters"] if a["name"] == "shared-a")
+    assert entry["tier"] == "gpu" and entry["in_flight"] == 0 and entry["bytes"] > 0 and entry["hits"] >= 1
+    for field in ("digest", "revision", "pinned", "loads", "evictions"):
+        assert field in entry
+    for field in ("waiting", "running", "active_tokens", "recent_evictions", "free_slots"):
+        assert field in state["load"]
+    assert state["max_loras"] == 2
+
+
+def test_register_promote_rollback_through_the_admin_api(start, adapter_variants):
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots) as running:
+        body = {"name": "alice-b", "path": str(adapter_variants[0]), "tenant": "alice", "stable": True}
+        first = running.admin("POST", "/admin/adapters", json=body)
+        assert first.status_code == 200, first.text
+        assert "alice-b" in [m.id for m in running.client("alice").models.list()]
+        assert "alice-b" not in [m.id for m in running.client("bob").models.list()]
+        second = running.admin("POST", "/admin/adapters", json={**body, "path": str(adapter_variants[2]),
+                                                                 "stable": False})
+        revision = second.json()["revision"]
+        promoted = running.admin("POST", "/admin/adapters/alice-b/promote", json={"revision": revision})
+        assert promoted.status_code == 200, promoted.text
+        served = running.client("alice").completions.with_raw_response.create(model="alice-b", prompt="x",
+                                                                                max_tokens=1)
+        assert served.headers["x-loraplex-adapter"] == f"alice-b@{revision}"
+        assert running.admin("POST", "/admin/adapters/alice-b/rollback").status_code == 200
+        back = running.client("alice").completions.with_raw_response.create(model="alice-b", prompt="x", max_tokens=1)
+        assert back.headers["x-loraplex-adapter"] == "alice-b@r1"
+        shown = running.admin("GET", "/admin/adapters/alice-b").json()
+        assert [r["revision"] for r in shown["revisions"]] == ["r1", revision]
+        assert running.admin("GET", "/admin/adapters").json()["adapters"]
+
+
+def test_registering_outside_the_allowed_roots_is_refused(running, tmp_path, adapter_variants):
+    response = running.admin("POST", "/admin/adapters", json={"name": "sneaky", "path": str(adapter_variants[0])})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "location_not_allowed"
+    relative = running.admin("POST", "/admin/adapters", json={"name": "sneaky", "path": "../x"})
+    assert relative.status_code == 400
+
+
+def test_prewarm_and_pin_load_ahead_of_traffic(running):
+    assert running.admin("POST", "/admin/adapters/bob-a/prewarm", json={"tier": "cpu"}).status_code == 200
+    running.wait_for(lambda: _tier(running, "bob-a") in ("cpu", "gpu"), timeout=3, what="the prewarm")
+    pinned = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"})
+    assert pinned.status_code == 200, pinned.text
+    running.wait_for(lambda: _tier(running, "alice-a") == "gpu", timeout=3, what="the pinned adapter in a slot")
+    assert _entry(running, "alice-a")["pinned"] == "gpu"
+
+
+def test_pin_unpin_evict(running):
+    running.client().completions.create(model="alice-a", prompt="x", max_tokens=1)
+    pinned = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"})
+    assert pinned.status_code == 200, pinned.text
+    assert _entry(running, "alice-a")["pinned"] == "gpu"
+    assert running.registry.show("alice-a").pinned
+    assert running.admin("POST", "/admin/adapters/alice-a/unpin").status_code == 200
+    assert _entry(running, "alice-a")["pinned"] is None
+    evicted = running.admin("POST", "/admin/adapters/alice-a/evict", json={})
+    assert evicted.status_code == 200 and evicted.json()["evicted"] == ["alice-a@r1"]
+    assert _tier(running, "alice-a") not in ("gpu", "cpu")
+    assert running.admin("POST", "/admin/adapters/nope/evict", json={}).json()["evicted"] == []
+    assert running.admin("POST", "/admin/adapters/nope/prewarm", json={}).status_code == 404
+
+
+def test_evict_in_flight_is_409(start):
+    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+        stream = running.client().completions.create(model="shared-a", prompt="x", max_tokens=4000, stream=True,
+                                                     extra_body={"ignore_eos": True})
+        next(iter(stream))
+        response = running.admin("POST", "/admin/adapters/shared-a/evict", json={})
+        assert response.status_code == 409 and response.json()["error"]["code"] == "adapter_in_flight"
+        stream.close()
+
+
+def _entry(running, name):
+    return next((a for a in running.state()["adapters"] if a["name"] == name), None)
+
+
+def _tier(running, name):
+    entry = _entry(running, name)
+    return entry["tier"] if entry else None
+
+
+def test_vllm_load_and_unload_with_drain(start, adapter_variants):
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots, engine={"max_model_len": 1024}) as running:
+        outside = running.admin("POST", "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"})
+        assert outside.status_code == 400
+        load = {"lora_name": "dyn", "lora_path": str(adapter_variants[1])}
+        loaded = running.admin("POST", "/v1/load_lora_adapter", json=load)
+        assert loaded.status_code == 200 and "added successfully" in loaded.text
+        assert running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 400  # already loaded
+        for tenant in ("alice", "bob"):
+            assert "dyn" in [m.id for m in running.client(tenant).models.list()]
+
+        # A request in flight, then the unload: new requests get 404 at once, the old one finishes.
+        stream = running.client().completions.create(model="dyn", prompt="x", max_tokens=300, stream=True,
+                                                     extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        unloaded = {}
+        thread = threading.Thread(target=lambda: unloaded.update(
+            r=running.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn"})))
+        thread.start()
+        running.wait_for(lambda: "dyn" in running.server.resolver.draining, what="the drain to start")
+        with pytest.raises(openai.NotFoundError):
+            running.client().completions.create(model="dyn", prompt="x", max_tokens=1)
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        thread.join(60)
+        assert unloaded["r"].status_code == 200, unloaded["r"].text
+        assert "dyn" not in [m.id for m in running.client().models.list()]
+        assert _entry(running, "dyn") is None
+        again = running.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn"})
+        assert again.status_code == 404
+        assert running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 200  # loads again
+
+
+def test_admin_api_on_its_own_port(start):
+    with start(admin_on_main_app=False) as running:
+        assert running.admin("GET", "/admin/state").status_code == 404
+        with serving(create_admin_app(running.server)) as admin_url:
+            state = httpx.get(f"{admin_url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            assert state.status_code == 200 and state.json()["base_model"] == MODEL
+            assert httpx.get(f"{admin_url}/admin/state").status_code == 401

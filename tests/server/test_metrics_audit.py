@@ -1,0 +1,98 @@
+"""/metrics counters match the calls made; the audit log has one line per request and never the text."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import MODEL
+
+SECRET = "SECRET-PROMPT-TEXT"
+
+
+def _samples(url: str) -> dict[tuple, float]:
+    """(name, sorted label items) -> value."""
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def served(start):
+    """A fresh server and a known set of calls: 3 ok, 1 denied (404), 1 unknown (404), 1 bad (400), 1 no key."""
+    with start() as running:
+        client = running.client("alice")
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2)  # adapter from disk
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2)  # now in a slot
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2)
+        for model in ("bob-a", "nothing-here"):
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model=model, prompt=SECRET)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=SECRET, max_tokens=-1)
+        httpx.post(f"{running.url}/v1/completions", json={"model": MODEL, "prompt": SECRET})
+        yield running
+
+
+def test_request_counters_by_tenant_and_code(served):
+    s = _samples(served.url)
+    assert _value(s, "loraplex_requests_total", tenant="alice", code="200") == 3
+    assert _value(s, "loraplex_requests_total", tenant="alice", code="404") == 2
+    assert _value(s, "loraplex_requests_total", tenant="alice", code="400") == 1
+    assert _value(s, "loraplex_requests_total", tenant="unauthenticated", code="401") == 1
+    assert _value(s, "loraplex_tenant_denied_total", tenant="alice") == 1
+
+
+def test_cache_series_follow_the_adapter_loads(served):
+    s = _samples(served.url)
+    assert _value(s, "loraplex_adapter_cache_hits_total", tier="disk") == 1
+    assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 1
+    assert _value(s, "loraplex_adapter_cache_misses_total") == 0
+    assert _value(s, "loraplex_cold_starts_total") == 1
+    assert _value(s, "loraplex_adapter_disk_load_seconds_count") == 1
+    assert _value(s, "loraplex_adapter_activation_seconds_count") == 1
+    assert _value(s, "loraplex_adapter_resident_count", tier="gpu") == 1
+    assert _value(s, "loraplex_adapter_resident_bytes", tier="gpu") > 0
+    assert _value(s, "loraplex_adapter_thrash_ratio") == 0
+    assert _value(s, "loraplex_request_ttft_seconds_count", tier="disk") == 1
+    assert _value(s, "loraplex_request_ttft_seconds_count", tier="gpu") == 2
+    assert _value(s, "loraplex_request_tpot_seconds_count") == 3
+    assert _value(s, "loraplex_request_queue_wait_seconds_count") >= 1
+
+
+def test_every_architecture_series_and_the_gateway_series_are_exported(served):
+    names = {name for name, _ in _samples(served.url)}
+    for series in ("adapter_cache_hits_total", "adapter_cache_misses_total", "adapter_resident_count",
+                   "adapter_resident_bytes", "adapter_resolve_seconds_count", "adapter_disk_load_seconds_count",
+                   "adapter_remote_download_seconds_count", "adapter_h2d_seconds_count",
+                   "adapter_activation_seconds_count", "adapter_reload_after_eviction_total",
+                   "adapter_thrash_ratio", "request_ttft_seconds_count", "request_tpot_seconds_count",
+                   "request_queue_wait_seconds_count", "requests_total", "cold_starts_total",
+                   "tenant_denied_total"):
+        assert f"loraplex_{series}" in names, series
+    s = _samples(served.url)
+    info = [labels for (name, labels) in s if name == "vllm:lora_requests_info"]
+    assert dict(info[0]) == {"running_lora_adapters": "shared-a", "waiting_lora_adapters": "", "max_lora": "2"}
+    assert _value(s, "vllm:num_requests_waiting") == 0 and _value(s, "vllm:num_requests_running") == 0
+    assert _value(s, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_audit_log_has_one_line_per_request_and_no_text(served):
+    text = (served.tmp / "audit.jsonl").read_text()
+    assert SECRET not in text
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["status"] for r in rows] == [200, 200, 200, 404, 404, 400, 401]
+    first = rows[0]
+    assert first["tenant"] == "alice" and first["adapter"] == "shared-a" and first["revision"] == "r1"
+    assert first["cache_tier"] == "disk" and first["rank"] == 8 and first["digest"].startswith("sha256:")
+    assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 2
+    assert first["ttft_ms"] > 0 and first["base_model"] == MODEL
+    assert rows[1]["cache_tier"] == "gpu"
+    assert rows[2]["adapter"] is None and rows[2]["endpoint"] == "chat.completions"
+    assert len({r["request_id"] for r in rows}) == len(rows)

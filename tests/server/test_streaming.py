@@ -1,0 +1,75 @@
+"""Streaming under load and client disconnects."""
+
+import asyncio
+import json
+import random
+
+import httpx
+
+from harness import KEYS
+
+
+def _adapter(state: dict, name: str) -> dict:
+    return next(a for a in state["adapters"] if a["name"] == name)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
+    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+        body = {"model": "shared-a", "prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "leaver"}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, headers=headers) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            state = running.state()
+            assert _adapter(state, "shared-a")["in_flight"] == 1 and state["load"]["running"] == 1
+        # the client is gone: the sequence is aborted, its KV blocks and adapter reference released
+        running.wait_for(lambda: _adapter(running.state(), "shared-a")["in_flight"] == 0, what="the reference")
+        state = running.state()
+        assert state["load"]["running"] == 0 and state["load"]["kv_cache_usage"] == 0.0
+        assert state["load"]["in_flight"] == 0
+        leaver = running.wait_for(lambda: [r for r in _audit(running) if r["request_id"] == "leaver"], what="audit")
+        assert leaver[0]["status"] == 499 and leaver[0]["completion_tokens"] < 4000
+
+
+def _audit(running) -> list[dict]:
+    return [json.loads(line) for line in (running.tmp / "audit.jsonl").read_text().splitlines()]
+
+
+def test_100_concurrent_streaming_clients_over_20_adapters_with_4_slots(start, adapter_variants):
+    names = [f"v{i:02d}" for i in range(len(adapter_variants))]
+
+    def register(registry):
+        for name, path in zip(names, adapter_variants):
+            registry.add_revision(path, name, shared=True, status="stable")
+
+    with start(engine={"max_loras": 4, "kv_cache_bytes": 16 * 2**20, "eviction_policy": "lru"},
+               registry_setup=register) as running:
+        rng = random.Random(0)
+        jobs = [(names[i % len(names)], rng.randint(2, 6), f"prompt number {i}") for i in range(100)]
+
+        async def one(client, model: str, max_tokens: int, prompt: str):
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})
+            text, usage = [], None
+            async for chunk in stream:
+                text += [c.text for c in chunk.choices]
+                usage = chunk.usage or usage
+            return "".join(text), usage
+
+        async def run_all():
+            async with running.async_client("alice", timeout=120) as client:
+                return await asyncio.gather(*(one(client, *job) for job in jobs))
+
+        results = asyncio.run(run_all())
+        tokenizer = running.server.engine.tokenizer
+        for (model, max_tokens, prompt), (text, usage) in zip(jobs, results):
+            assert usage.completion_tokens == max_tokens
+            assert usage.prompt_tokens == len(tokenizer.encode(prompt))
+        state = running.state()
+        assert all(a["in_flight"] == 0 for a in state["adapters"])
+        assert state["load"]["in_flight"] == 0 and state["load"]["running"] == 0
+        assert sum(a["tier"] == "gpu" for a in state["adapters"]) <= 4
+        # every one of the 20 adapters was served (each request's audit line names its adapter)
+        served = {r["adapter"] for r in _audit(running) if r["status"] == 200}
+        assert served == set(names)
