@@ -154,3 +154,27 @@ def test_admin_api_on_its_own_port(start):
             state = httpx.get(f"{admin_url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
             assert state.status_code == 200 and state.json()["base_model"] == MODEL
             assert httpx.get(f"{admin_url}/admin/state").status_code == 401
+
+
+def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running, adapter_variants):
+    """A canary whose stored bytes are damaged fails its load once, is quarantined, and never served again."""
+    registry = running.registry
+    good, other = adapter_variants[18], adapter_variants[19]
+    registry.add_revision(good, "fragile", revision="r1", shared=True, status="stable")
+    bad = registry.add_revision(other, "fragile", revision="r2", shared=True)
+    registry.promote("fragile", "r2", 100, force=True)
+    weights = registry.store.path(bad.digest) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    client = running.client("alice")
+    import openai
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="fragile", prompt="hello", max_tokens=2)
+    assert err.value.status_code == 503
+    running.wait_for(lambda: registry.get_revision("fragile", "r2").status == "quarantined", what="quarantine")
+    for _ in range(3):
+        response = client.completions.with_raw_response.create(model="fragile", prompt="hello", max_tokens=2)
+        assert response.headers["x-loraplex-adapter"] == "fragile@r1"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="fragile@r2", prompt="hello", max_tokens=2)

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
+from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, ArtifactCorrupt, CapacityExceeded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.errors import DigestMismatch, RegistryError
 from loraplex.registry.store import canonical_digest
 
 THRASH_WINDOW_S = 60.0
@@ -203,7 +203,7 @@ class AdapterCache:
                 error = future.exception()
                 if error is not None:
                     failed.append((key, error))
-                    self.on_event("load_failed", {"error": type(error).__name__})
+                    self.on_event("load_failed", {"error": type(error).__name__, "key": key, "exception": error})
                     continue
                 loaded: Loaded = future.result()
                 entry = self.entries[key]
@@ -296,7 +296,7 @@ class AdapterCache:
                 start = time.perf_counter()
                 actual = canonical_digest(ref.path)
                 if actual != ref.key.adapter_digest:
-                    raise AdapterUnavailable(
+                    raise ArtifactCorrupt(
                         f"adapter {ref.key}: digest mismatch ({actual} on disk, {ref.key.adapter_digest} expected)"
                     )
                 packed = self._pack(ref.path)
@@ -314,6 +314,8 @@ class AdapterCache:
                 raise AdapterUnavailable(f"adapter {ref.key}: no local path and no storage URI to load it from")
         except AdapterUnavailable:
             raise
+        except DigestMismatch as exc:
+            raise ArtifactCorrupt(f"adapter {ref.key}: {exc}") from exc
         except (RegistryError, OSError, ValueError) as exc:
             raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {exc}") from exc
         for stage, seconds in stages.items():

@@ -11,3 +11,7 @@ class AdapterInFlight(RuntimeError):
 
 class CapacityExceeded(RuntimeError):
     """A pin or prewarm asks for more than the tier holds."""
+
+
+class ArtifactCorrupt(AdapterUnavailable):
+    """The adapter's bytes do not hash to its digest: never serve that revision (the server quarantines it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -104,3 +105,48 @@ def make_policy(name: str):
     if name == "score":
         return ScorePolicy()
     raise ValueError(f"unknown eviction policy {name!r}: use lru or score")
+
+
+class LFUPolicy:
+    """Least frequently used, frequency being the decayed 5-minute request count (LFU with aging); ties go to
+    the least recently used. A comparison baseline for the simulator."""
+
+    name = "lfu"
+
+    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+        if not candidates:
+            return None
+        return min(candidates, key=lambda c: (c.demand, c.last_access)).key
+
+
+class GDSFPolicy:
+    """Greedy-Dual-Size-Frequency (Cherkasova): evict the lowest H = L + frequency × reload cost / size, where
+    L, the inflation value, rises to each victim's H so that adapters not touched since fall behind.
+
+    Frequency is the decayed 5-minute request count, cost the seconds of the adapter's last load, size its bytes
+    in GiB; an adapter's L is the inflation value at its last access. A comparison baseline for the simulator;
+    one instance serves one cache (it keeps the inflation history)."""
+
+    name = "gdsf"
+
+    def __init__(self):
+        self._times: list[float] = []
+        self._values: list[float] = []
+
+    def inflation_at(self, t: float) -> float:
+        i = bisect.bisect_right(self._times, t)
+        return self._values[i - 1] if i else 0.0
+
+    def priority(self, c: Candidate) -> float:
+        size_gib = max(c.nbytes, 1) / 2**30
+        return self.inflation_at(c.last_access) + max(c.demand, 1e-9) * max(c.reload_cost, 1e-6) / size_gib
+
+    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda c: (self.priority(c), c.last_access))
+        h = self.priority(victim)
+        if h > (self._values[-1] if self._values else 0.0):
+            self._times.append(now)
+            self._values.append(h)
+        return victim.key

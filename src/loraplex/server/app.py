@@ -16,7 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import AdapterNotFound, AllowList, Registry
+from loraplex.cache.errors import ArtifactCorrupt
+from loraplex.cache.key import AdapterKey
+from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
 from loraplex.server import admin, openai_api
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
@@ -214,6 +216,16 @@ class Server:
         if kind == "load_stage" and fields.get("key") is not None:
             stages = self.load_stages.setdefault(str(fields["key"]), {})
             stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
+        if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
+            self.quarantine_corrupt(fields["key"], fields["exception"])
+
+    def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
+        """A revision whose bytes fail their digest is never served again; its traffic returns to the stable."""
+        try:
+            self.registry.quarantine(key.name, key.revision, f"digest check failed on load: {error}")
+            log.error("quarantined %s@%s: %s", key.name, key.revision, error)
+        except RegistryError as exc:  # already quarantined, or removed meanwhile
+            log.warning("could not quarantine %s@%s: %s", key.name, key.revision, exc)
 
     # -- views -----------------------------------------------------------------------------------
     def model_cards(self, tenant: str) -> list[dict]:
