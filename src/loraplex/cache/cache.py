@@ -242,6 +242,11 @@ class AdapterCache:
                 )
             if tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes:
                 raise CapacityExceeded(f"cannot pin {ref.key} to cpu: pinned adapters would exceed cpu_cache_bytes")
+            if tier == "cpu" and self.max_cpu_loras is not None and len(pinned) + 1 > self.max_cpu_loras - 1:
+                raise CapacityExceeded(
+                    f"cannot pin {ref.key} to cpu: {len(pinned)} of max_cpu_loras {self.max_cpu_loras} are pinned "
+                    "and one must stay free for loads"
+                )
             entry.pinned = tier
         self.prewarm(ref, tier)
 
@@ -413,7 +418,7 @@ class AdapterCache:
         now = self.clock()
         preferred = self._cpu_preferred(now)
         while self._cpu_over():
-            keys = [k for k in self.cpu if k != keep and self.entries[k].pinned is None]
+            keys = [k for k in self.cpu if k != keep and self.entries[k].pinned != "cpu"]
             # Copies of adapters in a slot go last: a slot eviction then falls back to host memory.
             outside = [k for k in keys if k not in self.slots] or keys
             victim = self.policy.choose_victim([self._candidate(k, now, k in preferred) for k in outside], now)
