@@ -14,3 +14,11 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_adapters(llama_dir, tmp_path_factory):
     return make_adapters(llama_dir, tmp_path_factory.mktemp("llama-adapters"))
+
+
+@pytest.fixture(scope="session")
+def demo_world():
+    """The trained demo world, built once per machine (cached) and shared by the whole run."""
+    from loraplex.demo.world import build_world, default_world_dir
+
+    return build_world(default_world_dir(), progress=False)

@@ -18,12 +18,13 @@ app.command()(serve)
 @app.command()
 def demo(
     dir: Optional[Path] = typer.Option(None, "--dir", help="Where the demo world is built (default: a cache dir)."),
-    max_loras: int = typer.Option(4, "--max-loras", help="Adapter slots (fewer than adapters, so the cache works)."),
+    serve: bool = typer.Option(False, "--serve", help="Keep serving the demo until Ctrl-C."),
+    max_loras: int = typer.Option(3, "--max-loras", help="Adapter slots (fewer than adapters, so the cache works)."),
 ) -> None:
-    """Build the demo world if needed and show many adapters answering in one continuous batch."""
+    """Build the demo world if needed, serve it to three tenants and check every answer."""
     from loraplex.demo.run import run_demo
 
-    raise typer.Exit(run_demo(dir, max_loras=max_loras))
+    raise typer.Exit(run_demo(dir, serve=serve, max_loras=max_loras))
 
 
 @app.command()

@@ -53,10 +53,10 @@ def start_worker(model_dir: Path, data_dir: Path, adapters: dict[str, Path], *ex
     data_dir.mkdir(parents=True, exist_ok=True)
     token_file = data_dir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
-    modules = [f"{name}={path}" for name, path in adapters.items()]
     args = ["serve", "--model", str(model_dir), "--port", "0", "--data-dir", str(data_dir), "--dtype", "float32",
-            "--admin-token-file", str(token_file), "--max-lora-rank", str(max_lora_rank), *extra,
-            "--lora-modules", *modules]
+            "--admin-token-file", str(token_file), "--max-lora-rank", str(max_lora_rank), *extra]
+    if adapters:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
     return Proc(args, data_dir / "log.txt")
 
 

@@ -1,66 +1,229 @@
-"""`loraplex demo`: many adapters of the demo world answering in one continuous batch, checked."""
+"""`loraplex demo`: the demo world behind a real server, three tenants, a mixed concurrent workload, checked.
+
+Builds the world if needed, starts a registry and a server in this process on a free local port, registers
+the adapters for three tenants (a shared set and one private adapter each), sends a mixed concurrent workload
+through the OpenAI API (completions and chat, streamed and not, plus requests for another tenant's adapter
+that must be refused), and checks every answer against the adapter's known transform.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import uvicorn
 from rich.console import Console
 from rich.table import Table
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.registry import Registry
+
+BASE = "demo-base"
+ADMIN_TOKEN_BYTES = 24
+SHARED = ("upper", "reverse")
+PRIVATE = {"acme": "rot13", "globex": "double-letters", "initech": "sort-letters"}
+PRIORITY = {"acme": 1, "globex": 0, "initech": 0}
 
 
-def run_engine_demo(world, console: Console, max_loras: int, per_adapter: int = 3, seed: int = 1234) -> tuple[int, int]:
-    """One mixed batch over every adapter and the base; prints a table and returns (correct, checked)."""
-    from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs
+@dataclass
+class Result:
+    tenant: str
+    model: str
+    text: str
+    expected: str | None  # None: the request must be refused with 404
+    stream: bool
+    status: int = 0
+    output: str = ""
+    revision: str = ""
+    tier: str = ""
+    ttft: float | None = None
 
-    engine = LLMEngine(EngineConfig(model_dir=world.model_dir, dtype="float32", max_loras=max_loras,
-                                    max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20))
+    @property
+    def correct(self) -> bool:
+        if self.expected is None:
+            return self.status == 404
+        return self.status == 200 and self.output.strip() == self.expected
+
+
+def setup_registry(world, data_dir: Path) -> tuple[Registry, dict[str, str]]:
+    registry = Registry(f"sqlite:///{data_dir / 'registry.db'}", base_model_dir=world.model_dir,
+                        max_lora_rank=max(world.ranks.values()))
+    registry.init()
+    keys = {}
+    for tenant, priority in PRIORITY.items():
+        registry.add_tenant(tenant, priority)
+        keys[tenant] = registry.create_key(tenant)
+    for name in SHARED:
+        registry.add_revision(world.adapters[name], name, shared=True, status="stable")
+    for tenant, name in PRIVATE.items():
+        registry.add_revision(world.adapters[name], name, tenant=tenant, status="stable")
+    return registry, keys
+
+
+@contextlib.contextmanager
+def serving(app):
+    """The app on a free loopback port in a thread; yields the base URL and stops it at the end."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the demo server did not start")
+        time.sleep(0.02)
     try:
-        jobs = []
-        inputs = random_inputs(per_adapter * (len(world.adapters) + 1), seed)
-        names = [None, *sorted(world.adapters)]
-        for i, text in enumerate(inputs):
-            name = names[i % len(names)]
-            ref = engine.adapter_ref(name, world.adapters[name]) if name else None
-            jobs.append((name, text, ref))
-        params = SamplingParams(max_tokens=64, temperature=0)
-        start = time.perf_counter()
-        prompts = [engine.tokenizer.encode(make_prompt(text)) for _, text, _ in jobs]
-        ids = [engine.add_request(p, params, ref) for p, (_, _, ref) in zip(prompts, jobs)]
-        texts, tiers = {i: "" for i in ids}, {}
-        while engine.has_work():
-            for out in engine.step():
-                if out.error is not None:
-                    raise out.error
-                texts[out.request_id] += out.text
-                tiers.setdefault(out.request_id, out.cache_tier)
-        elapsed = time.perf_counter() - start
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
-        engine.close()
-    table = Table(title=f"One continuous batch: {len(jobs)} requests, {len(world.adapters)} adapters "
-                        f"+ base, {max_loras} slots ({elapsed:.2f} s)")
-    for column in ("adapter", "rank", "tier", "input", "output", "correct"):
-        table.add_column(column)
-    correct = 0
-    for rid, (name, text, _) in zip(ids, jobs):
-        expected = TRANSFORMS[name or "copy"](text)
-        ok = texts[rid].strip() == expected
-        correct += ok
-        table.add_row(name or "(base)", str(world.ranks.get(name, "-")), tiers[rid], text, texts[rid],
-                      "[green]yes[/]" if ok else f"[red]no[/] (want {expected})")
-    console.print(table)
+        server.should_exit = True
+        thread.join(30)
+
+
+def workload(inputs: list[str]) -> list[Result]:
+    from loraplex.demo.world import TRANSFORMS
+
+    jobs, i = [], 0
+    for round_ in range(2):
+        for tenant, own in PRIVATE.items():
+            for model in (*SHARED, own, BASE):
+                text = inputs[i % len(inputs)]
+                expected = TRANSFORMS["copy" if model == BASE else model](text)
+                jobs.append(Result(tenant, model, text, expected, stream=i % 2 == 0))
+                i += 1
+        # Each tenant also asks for another tenant's private adapter: it must look like it does not exist.
+        for tenant, other in zip(PRIVATE, list(PRIVATE)[1:] + list(PRIVATE)[:1]):
+            jobs.append(Result(tenant, PRIVATE[other], inputs[i % len(inputs)], None, stream=False))
+            i += 1
+    return jobs
+
+
+async def send(client: httpx.AsyncClient, url: str, key: str, job: Result, chat: bool) -> None:
+    from loraplex.demo.world import make_prompt
+
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": job.model, "max_tokens": 40, "temperature": 0, "stream": job.stream}
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": job.text}]
+    else:
+        path, body["prompt"] = "/v1/completions", make_prompt(job.text)
+    start = time.perf_counter()
+    async with client.stream("POST", url + path, json=body, headers=headers) as response:
+        job.status = response.status_code
+        job.revision = response.headers.get("x-loraplex-adapter", "")
+        job.tier = response.headers.get("x-loraplex-cache-tier", "")
+        if not job.stream or response.status_code != 200:
+            data = json.loads(await response.aread())
+            if response.status_code == 200:
+                choice = data["choices"][0]
+                job.output = choice["message"]["content"] if chat else choice["text"]
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"]
+            if not choice:
+                continue
+            delta = choice[0].get("delta", {}).get("content") if chat else choice[0].get("text")
+            if delta:
+                job.ttft = job.ttft or time.perf_counter() - start
+                job.output += delta
+
+
+async def run_workload(url: str, keys: dict[str, str], jobs: list[Result], concurrency: int = 8) -> None:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(index: int, job: Result):
+            async with gate:
+                await send(client, url, keys[job.tenant], job, chat=index % 3 == 2)
+
+        await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+
+
+def report(console: Console, jobs: list[Result], state: dict) -> tuple[int, int]:
+    for tenant in PRIVATE:
+        table = Table(title=f"tenant {tenant}", title_justify="left")
+        for column in ("model", "revision", "tier", "stream", "input", "output", "correct"):
+            table.add_column(column)
+        for job in (j for j in jobs if j.tenant == tenant):
+            output = job.output if job.status == 200 else f"HTTP {job.status}"
+            mark = "[green]yes[/]" if job.correct else f"[red]no[/] (want {job.expected or 'HTTP 404'})"
+            table.add_row(job.model, job.revision or "-", job.tier or "-", "yes" if job.stream else "no",
+                          job.text, output, mark)
+        console.print(table)
+    served = [j for j in jobs if j.status == 200]
+    tiers = [j.tier for j in served]
+    warm = [j.ttft * 1000 for j in served if j.ttft and j.tier in ("gpu", "cpu")]
+    cold = [j.ttft * 1000 for j in served if j.ttft and j.tier in ("disk", "remote")]
+
+    def pct(values, q):
+        return f"{sorted(values)[min(len(values) - 1, int(q * len(values)))]:.0f}" if values else "-"
+
+    evictions = sum(a["evictions"] for a in state["adapters"])
+    console.print(
+        "hit rate per tier: " + ", ".join(f"{t} {tiers.count(t) / len(tiers):.0%}" for t in ("gpu", "cpu", "disk",
+                                                                                              "remote")) + "\n"
+        f"TTFT (streamed requests) warm p50 {pct(warm, 0.5)} ms p99 {pct(warm, 0.99)} ms; "
+        f"cold p50 {pct(cold, 0.5)} ms p99 {pct(cold, 0.99)} ms\n"
+        f"evictions {evictions} with {state['load']['num_slots']} slots for "
+        f"{len(SHARED) + len(PRIVATE)} adapters; refused cross-tenant requests: "
+        f"{sum(1 for j in jobs if j.expected is None and j.status == 404)}"
+    )
+    correct = sum(j.correct for j in jobs)
     return correct, len(jobs)
 
 
-def run_demo(out_dir: Path | None, max_loras: int = 4) -> int:
-    from loraplex.demo.world import build_world
+def hints(console: Console, url: str, keys: dict[str, str]) -> None:
+    key = keys["acme"]
+    console.print(
+        "\nTry it by hand:\n"
+        f"  curl -s {url}/v1/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+        "-d '{\"model\": \"reverse\", \"prompt\": \"<s>hello<sep>\", \"max_tokens\": 20}'\n"
+        f"  curl -s {url}/v1/models -H 'Authorization: Bearer {key}'\n"
+        f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='{key}'); "
+        "print(c.chat.completions.create(model='rot13', messages=[{'role': 'user', 'content': 'hello'}])"
+        ".choices[0].message.content)\""
+    )
+
+
+def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> int:
+    from loraplex.demo.world import build_world, random_inputs
+    from loraplex.server.app import ServerConfig, create_app
 
     console = Console()
     world = build_world(out_dir)
-    correct, checked = run_engine_demo(world, console, max_loras)
-    console.print(f"{correct}/{checked} correct")
-    return 0 if correct == checked else 1
+    with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
+        data_dir = Path(tmp)
+        registry, keys = setup_registry(world, data_dir)
+        engine = LLMEngine(EngineConfig(
+            model_dir=world.model_dir, dtype="float32", max_loras=max_loras,
+            max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20, disk_cache_dir=data_dir / "cache",
+            allowed_roots=(str(registry.store.root.resolve()),),
+        ))
+        token = secrets.token_hex(ADMIN_TOKEN_BYTES)
+        config = ServerConfig(served_model_name=BASE, admin_token=token, audit_log=data_dir / "audit.jsonl")
+        app = create_app(engine, registry, config)
+        with serving(app) as url:
+            console.print(f"demo server on {url}: base model {BASE!r}, {len(world.adapters)} adapters, "
+                          f"{max_loras} slots, tenants {', '.join(PRIVATE)}")
+            jobs = workload(random_inputs(64, seed=7))
+            asyncio.run(run_workload(url, keys, jobs))
+            state = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"}).json()
+            correct, checked = report(console, jobs, state)
+            hints(console, url, keys)
+            console.print(f"{correct}/{checked} correct")
+            if serve:
+                console.print(f"serving on {url} until Ctrl-C (admin token {token})")
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(1)
+        return 0 if correct == checked else 1
