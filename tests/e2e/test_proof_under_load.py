@@ -189,3 +189,37 @@ async def _burst(url, catalog, tenant, names):
     async with httpx.AsyncClient(timeout=120) as client:
         out = await asyncio.gather(*(ask(client, url, catalog.keys[tenant], n, "abc", False) for n in names))
     return [(r[0], r[3]) for r in out]
+
+
+def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, tmp_path):
+    """Promotion through the admin API prewarms the revision and runs its eval set on the worker's engine."""
+    from loraplex.registry import Registry
+
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}", base_model_dir=demo_world.model_dir,
+                        max_lora_rank=32)
+    registry.init()
+    registry.add_revision(demo_world.adapters["upper"], "upper", revision="r1", shared=True, status="stable")
+    cases = "\n".join(json.dumps({"prompt": make_prompt(t), "expected": t.upper()}) for t in random_inputs(5, 3))
+    (tmp_path / "eval.jsonl").write_text(cases)
+    registry.add_revision(demo_world.adapters["reverse"], "upper", revision="bad", shared=True,
+                          eval_set=tmp_path / "eval.jsonl")
+    from world_fleet import variant
+
+    registry.add_revision(variant(demo_world.adapters["upper"], tmp_path / "upper-r2", "r2"), "upper",
+                          revision="r2", shared=True, eval_set=tmp_path / "eval.jsonl")
+    worker = start_worker(demo_world.model_dir, tmp_path / "w", {}, "--registry", registry.url, max_lora_rank=32)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        refused = httpx.post(f"{worker.url}/admin/adapters/upper/promote", json={"revision": "bad", "weight": 10},
+                             headers=headers, timeout=120)
+        assert refused.status_code in (409, 422), refused.text
+        assert "eval" in refused.json()["error"]["message"]
+        assert registry.show("upper").revisions and all(
+            r.traffic_weight == 0 for r in registry.show("upper").revisions if r.revision == "bad")
+        passed = httpx.post(f"{worker.url}/admin/adapters/upper/promote", json={"revision": "r2", "weight": 10},
+                            headers=headers, timeout=120)
+        assert passed.status_code == 200, passed.text
+        weights = {r.revision: r.traffic_weight for r in registry.show("upper").revisions}
+        assert weights["r2"] == 10 and weights["bad"] == 0
+    finally:
+        worker.stop()

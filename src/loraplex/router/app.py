@@ -172,9 +172,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def list_workers(request: Request):
         if not admin_ok(request):
             return _error(401, "admin token required", "unauthorized", "authentication_error")
-        return {"workers": [{"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": w.waiting,
-                             "running": w.running, "gpu": sorted(w.gpu), "in_flight": in_flight.get(w.url, 0)}
-                            for w in fleet.workers.values()]}
+        views = {v.url: v for v in fleet.views()}
+        return {"workers": [{"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": views[w.url].waiting,
+                             "running": views[w.url].running, "gpu": sorted(views[w.url].gpu),
+                             "in_flight": in_flight.get(w.url, 0)} for w in fleet.workers.values()]}
 
     @app.post("/admin/workers")
     async def add_worker(request: Request):

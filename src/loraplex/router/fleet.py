@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -22,34 +23,20 @@ class Worker:
     url: str
     healthy: bool = True
     polled_at: float = 0.0
-    waiting: int = 0
-    running: int = 0
-    active_tokens: int = 0
-    kv_usage: float = 0.0
-    recent_evictions: int = 0
-    free_slots: int = 0
-    gpu: frozenset[str] = frozenset()
-    cpu: frozenset[str] = frozenset()
-    loading: frozenset[str] = frozenset()
+    last: WorkerView | None = None
+    """Load and residency from the last poll."""
     in_flight: int = 0
     kind: str = "loraplex"
     failures: int = 0
-    extra: dict = field(default_factory=dict)
 
     def view(self, now: float, stale_s: float) -> WorkerView:
-        return WorkerView(
-            self.url, self.healthy, now - self.polled_at <= stale_s, self.waiting, self.running, self.active_tokens,
-            self.kv_usage, self.recent_evictions, self.free_slots, self.gpu, self.cpu, self.loading, self.in_flight,
-        )
+        last = self.last or WorkerView(self.url)
+        return dataclasses.replace(last, healthy=self.healthy, fresh=now - self.polled_at <= stale_s,
+                                   in_flight=self.in_flight)
 
     def apply_state(self, state: dict) -> None:
         """From a loraplex worker's GET /admin/state."""
         load = state.get("load", {})
-        self.waiting, self.running = load.get("waiting", 0), load.get("running", 0)
-        self.active_tokens = load.get("active_tokens", 0)
-        self.kv_usage = load.get("kv_cache_usage", 0.0)
-        self.recent_evictions = load.get("recent_evictions", 0)
-        self.free_slots = load.get("free_slots", 0)
         tiers: dict[str, set[str]] = {"gpu": set(), "cpu": set(), "loading": set()}
         for a in state.get("adapters", []):
             names = {a["name"], f"{a['name']}@{a['revision']}"}
@@ -57,29 +44,37 @@ class Worker:
                 tiers["loading"] |= names
             if a.get("tier") in ("gpu", "cpu"):
                 tiers[a["tier"]] |= names
-        self.gpu, self.cpu, self.loading = (frozenset(tiers[t]) for t in ("gpu", "cpu", "loading"))
+        self.last = WorkerView(
+            self.url, waiting=load.get("waiting", 0), running=load.get("running", 0),
+            active_tokens=load.get("active_tokens", 0), kv_usage=load.get("kv_cache_usage", 0.0),
+            recent_evictions=load.get("recent_evictions", 0), free_slots=load.get("free_slots", 0),
+            gpu=frozenset(tiers["gpu"]), cpu=frozenset(tiers["cpu"]), loading=frozenset(tiers["loading"]),
+        )
         self.kind = "loraplex"
 
     def apply_vllm_metrics(self, text: str) -> None:
         """From a vLLM worker's /metrics (Gateway API Inference Extension series)."""
         gpu, waiting_adapters = set(), set()
+        waiting = running = free_slots = 0
+        kv_usage = 0.0
         for line in text.splitlines():
             match = _VLLM_LINE.match(line.strip())
             if not match:
                 continue
             name, labels, value = match[1], dict(_LABEL.findall(match[2] or "")), float(match[3])
             if name == "vllm:num_requests_waiting":
-                self.waiting = int(value)
+                waiting = int(value)
             elif name == "vllm:num_requests_running":
-                self.running = int(value)
+                running = int(value)
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                self.kv_usage = value
+                kv_usage = value
             elif name == "vllm:lora_requests_info":
                 gpu = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
                 waiting_adapters = {a for a in labels.get("waiting_lora_adapters", "").split(",") if a}
                 max_lora = int(labels.get("max_lora", "0") or 0)
-                self.free_slots = max(0, max_lora - len(gpu))
-        self.gpu, self.cpu, self.loading = frozenset(gpu), frozenset(), frozenset(waiting_adapters)
+                free_slots = max(0, max_lora - len(gpu))
+        self.last = WorkerView(self.url, waiting=waiting, running=running, kv_usage=kv_usage, free_slots=free_slots,
+                               gpu=frozenset(gpu), loading=frozenset(waiting_adapters))
         self.kind = "vllm"
 
 

@@ -1,0 +1,35 @@
+"""The router reads loraplex workers' state and vLLM workers' metrics."""
+
+from loraplex.router.fleet import Worker
+
+VLLM_METRICS = """
+# HELP vllm:lora_requests_info Running stats on lora requests.
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7e9
+vllm:num_requests_waiting{model_name="m"} 3.0
+vllm:num_requests_running{model_name="m"} 5.0
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+"""
+
+
+def test_vllm_worker_is_read_from_its_metrics():
+    worker = Worker("http://w")
+    worker.apply_vllm_metrics(VLLM_METRICS)
+    view = worker.view(now=worker.polled_at, stale_s=2)
+    assert (view.waiting, view.running, view.kv_usage, view.free_slots) == (3, 5, 0.42, 2)
+    assert view.gpu == {"sql", "chat"} and view.loading == {"math"} and worker.kind == "vllm"
+    assert view.affinity("sql") == "gpu" and view.affinity("math") == "loading"
+
+
+def test_loraplex_state_gives_residency_by_name_and_revision():
+    worker = Worker("http://w")
+    worker.apply_state({"adapters": [
+        {"name": "a", "revision": "r1", "tier": "gpu", "loading": False},
+        {"name": "b", "revision": "r2", "tier": "cpu", "loading": False},
+        {"name": "c", "revision": "r1", "tier": "remote", "loading": True},
+    ], "load": {"waiting": 1, "running": 2, "active_tokens": 30, "kv_cache_usage": 0.1, "free_slots": 0}})
+    worker.in_flight = 4
+    view = worker.view(now=worker.polled_at + 1, stale_s=2)
+    assert view.affinity("a") == view.affinity("a@r1") == "gpu" and view.affinity("b@r2") == "cpu"
+    assert view.affinity("c") == "loading" and view.affinity("zzz") == "none"
+    assert view.load == 1 + 2 + 4
+    assert not worker.view(now=worker.polled_at + 5, stale_s=2).fresh
