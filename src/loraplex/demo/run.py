@@ -30,9 +30,21 @@ from loraplex.registry import Registry
 
 BASE = "demo-base"
 ADMIN_TOKEN_BYTES = 24
-SHARED = ("upper", "reverse")
-PRIVATE = {"acme": "rot13", "globex": "double-letters", "initech": "sort-letters"}
+TENANTS = ("acme", "globex", "initech")
 PRIORITY = {"acme": 1, "globex": 0, "initech": 0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who may use what: the first adapters are shared by all tenants, each tenant owns one of the last three."""
+
+    shared: tuple[str, ...]
+    private: dict[str, str]
+
+    @classmethod
+    def for_adapters(cls, adapters) -> "Plan":
+        names = sorted(adapters)
+        return cls(tuple(names[: len(names) - len(TENANTS)]), dict(zip(TENANTS, names[-len(TENANTS):])))
 
 
 @dataclass
@@ -55,7 +67,7 @@ class Result:
         return self.status == 200 and self.output.strip() == self.expected
 
 
-def setup_registry(world, data_dir: Path) -> tuple[Registry, dict[str, str]]:
+def setup_registry(world, data_dir: Path, plan: Plan) -> tuple[Registry, dict[str, str]]:
     registry = Registry(f"sqlite:///{data_dir / 'registry.db'}", base_model_dir=world.model_dir,
                         max_lora_rank=max(world.ranks.values()))
     registry.init()
@@ -63,9 +75,9 @@ def setup_registry(world, data_dir: Path) -> tuple[Registry, dict[str, str]]:
     for tenant, priority in PRIORITY.items():
         registry.add_tenant(tenant, priority)
         keys[tenant] = registry.create_key(tenant)
-    for name in SHARED:
+    for name in plan.shared:
         registry.add_revision(world.adapters[name], name, shared=True, status="stable")
-    for tenant, name in PRIVATE.items():
+    for tenant, name in plan.private.items():
         registry.add_revision(world.adapters[name], name, tenant=tenant, status="stable")
     return registry, keys
 
@@ -89,20 +101,20 @@ def serving(app):
         thread.join(30)
 
 
-def workload(inputs: list[str]) -> list[Result]:
+def workload(inputs: list[str], plan: Plan) -> list[Result]:
     from loraplex.demo.world import TRANSFORMS
 
     jobs, i = [], 0
     for round_ in range(2):
-        for tenant, own in PRIVATE.items():
-            for model in (*SHARED, own, BASE):
+        for tenant, own in plan.private.items():
+            for model in (*plan.shared, own, BASE):
                 text = inputs[i % len(inputs)]
                 expected = TRANSFORMS["copy" if model == BASE else model](text)
                 jobs.append(Result(tenant, model, text, expected, stream=i % 2 == 0))
                 i += 1
         # Each tenant also asks for another tenant's private adapter: it must look like it does not exist.
-        for tenant, other in zip(PRIVATE, list(PRIVATE)[1:] + list(PRIVATE)[:1]):
-            jobs.append(Result(tenant, PRIVATE[other], inputs[i % len(inputs)], None, stream=False))
+        for tenant, other in zip(TENANTS, TENANTS[1:] + TENANTS[:1]):
+            jobs.append(Result(tenant, plan.private[other], inputs[i % len(inputs)], None, stream=False))
             i += 1
     return jobs
 
@@ -149,8 +161,8 @@ async def run_workload(url: str, keys: dict[str, str], jobs: list[Result], concu
         await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
 
 
-def report(console: Console, jobs: list[Result], state: dict) -> tuple[int, int]:
-    for tenant in PRIVATE:
+def report(console: Console, jobs: list[Result], state: dict, plan: Plan) -> tuple[int, int]:
+    for tenant in TENANTS:
         table = Table(title=f"tenant {tenant}", title_justify="left")
         for column in ("model", "revision", "tier", "stream", "input", "output", "correct"):
             table.add_column(column)
@@ -175,7 +187,7 @@ def report(console: Console, jobs: list[Result], state: dict) -> tuple[int, int]
         f"TTFT (streamed requests) warm p50 {pct(warm, 0.5)} ms p99 {pct(warm, 0.99)} ms; "
         f"cold p50 {pct(cold, 0.5)} ms p99 {pct(cold, 0.99)} ms\n"
         f"evictions {evictions} with {state['load']['num_slots']} slots for "
-        f"{len(SHARED) + len(PRIVATE)} adapters; refused cross-tenant requests: "
+        f"{len(plan.shared) + len(plan.private)} adapters; refused cross-tenant requests: "
         f"{sum(1 for j in jobs if j.expected is None and j.status == 404)}"
     )
     correct = sum(j.correct for j in jobs)
@@ -191,7 +203,8 @@ def hints(console: Console, url: str, keys: dict[str, str]) -> None:
         f"  curl -s {url}/v1/models -H 'Authorization: Bearer {key}'\n"
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='{key}'); "
         "print(c.chat.completions.create(model='rot13', messages=[{'role': 'user', 'content': 'hello'}])"
-        ".choices[0].message.content)\""
+        ".choices[0].message.content)\"",
+        soft_wrap=True,
     )
 
 
@@ -201,9 +214,10 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
 
     console = Console()
     world = build_world(out_dir)
+    plan = Plan.for_adapters(world.adapters)
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         data_dir = Path(tmp)
-        registry, keys = setup_registry(world, data_dir)
+        registry, keys = setup_registry(world, data_dir, plan)
         engine = LLMEngine(EngineConfig(
             model_dir=world.model_dir, dtype="float32", max_loras=max_loras,
             max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20, disk_cache_dir=data_dir / "cache",
@@ -214,11 +228,11 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
         app = create_app(engine, registry, config)
         with serving(app) as url:
             console.print(f"demo server on {url}: base model {BASE!r}, {len(world.adapters)} adapters, "
-                          f"{max_loras} slots, tenants {', '.join(PRIVATE)}")
-            jobs = workload(random_inputs(64, seed=7))
+                          f"{max_loras} slots, tenants {', '.join(TENANTS)}")
+            jobs = workload(random_inputs(64, seed=7), plan)
             asyncio.run(run_workload(url, keys, jobs))
             state = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"}).json()
-            correct, checked = report(console, jobs, state)
+            correct, checked = report(console, jobs, state, plan)
             hints(console, url, keys)
             console.print(f"{correct}/{checked} correct")
             if serve:
