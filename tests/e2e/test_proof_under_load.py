@@ -18,7 +18,7 @@ import pytest
 
 from loraplex.bench.procs import ADMIN_TOKEN, start_router, start_worker, state
 from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs
-from world_fleet import build_catalog, pick
+from world_fleet import build_catalog, checked_inputs, pick
 
 SOAK_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
 
@@ -53,6 +53,11 @@ def rss_mb(procs) -> float:
 
 
 @pytest.fixture(scope="module")
+def good_inputs(demo_world):
+    return checked_inputs(demo_world)
+
+
+@pytest.fixture(scope="module")
 def soak_fleet(demo_world, tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     catalog = build_catalog(demo_world, root / "registry")
@@ -67,10 +72,9 @@ def soak_fleet(demo_world, tmp_path_factory):
             w.stop()
 
 
-def test_soak_two_workers_and_a_router_give_no_wrong_or_lost_answer(soak_fleet):
+def test_soak_two_workers_and_a_router_give_no_wrong_or_lost_answer(soak_fleet, good_inputs):
     catalog, workers, router = soak_fleet
     rng = random.Random(0)
-    inputs = random_inputs(500, seed=99)
     results = {"ok": 0, "wrong": [], "lost": []}
 
     async def run(n: int):
@@ -78,7 +82,8 @@ def test_soak_two_workers_and_a_router_give_no_wrong_or_lost_answer(soak_fleet):
         async with httpx.AsyncClient(timeout=120) as client:
             async def one(i):
                 tenant, name = pick(catalog, rng)
-                text, stream, chat = inputs[i % len(inputs)], rng.random() < 0.5, rng.random() < 0.2
+                text = rng.choice(good_inputs[catalog.transform_of[name]])
+                stream, chat = rng.random() < 0.5, rng.random() < 0.2
                 async with gate:
                     try:
                         status, out, adapter, _, _ = await ask(client, router.url, catalog.keys[tenant], name,
@@ -117,7 +122,7 @@ def test_soak_two_workers_and_a_router_give_no_wrong_or_lost_answer(soak_fleet):
     print(f"soak: {SOAK_REQUESTS} requests in {seconds:.1f} s, rss {start_mb:.0f} -> {end_mb:.0f} MiB")
 
 
-def test_version_safety_canary_and_rollback(demo_world, tmp_path):
+def test_version_safety_canary_and_rollback(demo_world, good_inputs, tmp_path):
     from loraplex.registry import Registry
 
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}", base_model_dir=demo_world.model_dir,
@@ -132,7 +137,8 @@ def test_version_safety_canary_and_rollback(demo_world, tmp_path):
     worker = start_worker(demo_world.model_dir, tmp_path / "w", {}, "--registry", registry.url, "--max-loras", "2",
                           max_lora_rank=32)
     expected = {"upper@r1": TRANSFORMS["upper"], "upper@r2": TRANSFORMS["reverse"]}
-    inputs = random_inputs(80, seed=5)
+    inputs = [t for t in good_inputs["upper"] if t in set(good_inputs["reverse"])] * 4
+    assert len(inputs) >= 80
     try:
         async def run(texts):
             async with httpx.AsyncClient(timeout=120) as client:
@@ -147,7 +153,7 @@ def test_version_safety_canary_and_rollback(demo_world, tmp_path):
         r = httpx.post(f"{worker.url}/admin/adapters/upper/rollback",
                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
         assert r.status_code == 200, r.text
-        for text, (status, out, adapter, _, _) in zip(inputs[50:], asyncio.run(run(inputs[50:]))):
+        for text, (status, out, adapter, _, _) in zip(inputs[50:80], asyncio.run(run(inputs[50:80]))):
             assert (status, adapter, out.strip()) == (200, "upper@r1", TRANSFORMS["upper"](text))
     finally:
         worker.stop()
@@ -191,7 +197,7 @@ async def _burst(url, catalog, tenant, names):
     return [(r[0], r[3]) for r in out]
 
 
-def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, tmp_path):
+def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, good_inputs, tmp_path):
     """Promotion through the admin API prewarms the revision and runs its eval set on the worker's engine."""
     from loraplex.registry import Registry
 
@@ -199,7 +205,7 @@ def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, tmp_
                         max_lora_rank=32)
     registry.init()
     registry.add_revision(demo_world.adapters["upper"], "upper", revision="r1", shared=True, status="stable")
-    cases = "\n".join(json.dumps({"prompt": make_prompt(t), "expected": t.upper()}) for t in random_inputs(5, 3))
+    cases = "\n".join(json.dumps({"prompt": make_prompt(t), "expected": t.upper()}) for t in good_inputs["upper"][:5])
     (tmp_path / "eval.jsonl").write_text(cases)
     registry.add_revision(demo_world.adapters["reverse"], "upper", revision="bad", shared=True,
                           eval_set=tmp_path / "eval.jsonl")

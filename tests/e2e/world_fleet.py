@@ -60,3 +60,29 @@ def build_catalog(world, root: Path, copies: int = 8, storage_base: str | None =
 def pick(catalog: Catalog, rng: random.Random) -> tuple[str, str]:
     tenant = rng.choice(TENANTS)
     return tenant, rng.choice(catalog.allowed[tenant])
+
+
+def checked_inputs(world, n: int = 60, seed: int = 99) -> dict[str, list[str]]:
+    """Per transform (and "copy" for the base), inputs its adapter answers right when run alone.
+
+    The adapters are ~96-100% exact; under load any answer that differs from this isolated run is a serving
+    error (wrong adapter, wrong version, corrupted batch), not a model error.
+    """
+    from loraplex.config import EngineConfig
+    from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs
+    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.sequence import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=world.model_dir, dtype="float32", max_loras=len(world.adapters),
+                                    max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20))
+    texts = random_inputs(n, seed)
+    good = {}
+    try:
+        for name in ["copy", *sorted(world.adapters)]:
+            ref = engine.adapter_ref(name, world.adapters[name]) if name != "copy" else None
+            prompts = [engine.tokenizer.encode(make_prompt(t)) for t in texts]
+            outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0), [ref] * len(texts))
+            good[name] = [t for t, o in zip(texts, outs) if engine.tokenizer.decode(o).strip() == TRANSFORMS[name](t)]
+    finally:
+        engine.close()
+    return good
