@@ -169,29 +169,28 @@ def test_half_built_or_stale_world_is_not_loaded(world, tmp_path):
     assert demo.load_world(copy) is None
 
 
-@pytest.mark.slow
-def test_rebuild_gives_identical_bytes(world, tmp_path):
-    """Same seed, same machine: retraining the base and the cheapest adapter gives the same file bytes.
+def test_rebuild_gives_identical_bytes(tmp_path):
+    """Same plan, same seed: two builds write byte-identical weights and configs.
 
-    Bytes (not just outputs), because training is deterministic on CPU with a fixed number of processes
-    and threads. Another CPU or another torch build may round differently, so the cached world must come
-    from this machine's library versions for the comparison to mean anything.
+    Bytes, not just outputs: training runs on CPU in a fixed number of single-threaded processes with a
+    deterministic all-reduce, so nothing depends on timing. The steps are cut short to keep this test quick;
+    the code path is the full build's. (Another CPU model or torch build may round differently, so a world
+    is reproducible on the same kind of machine and library versions, which world.json records.)
     """
     from loraplex.demo.build import run_build
 
-    meta = json.loads((world.root / demo.MARKER).read_text())
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
-    if meta["versions"] != versions:
-        pytest.skip(f"cached world was built with {meta['versions']}, not {versions}")
-    cheapest = min(demo.ADAPTER_RECIPES, key=lambda r: r.steps)
-    plan = dataclasses.replace(demo.build_plan(), adapters=(cheapest,))
-    model_dir, adapters_dir = tmp_path / "model", tmp_path / "adapters"
-    model_dir.mkdir()
-    adapters_dir.mkdir()
-    run_build(plan, model_dir, adapters_dir, report=None)
-    for rebuilt, original in [
-        (model_dir / "model.safetensors", world.model_dir / "model.safetensors"),
-        (adapters_dir / cheapest.name / "adapter_model.safetensors", world.adapters[cheapest.name] / "adapter_model.safetensors"),
-        (adapters_dir / cheapest.name / "adapter_config.json", world.adapters[cheapest.name] / "adapter_config.json"),
-    ]:
-        assert rebuilt.read_bytes() == original.read_bytes(), f"{rebuilt.name} differs"
+    recipe = dataclasses.replace(demo.ADAPTER_RECIPES[0], steps=4)
+    eval_inputs = tuple(demo.random_inputs(8, 1))
+    plan = dataclasses.replace(demo.build_plan(), base_steps=6, adapters=(recipe,), eval_inputs=eval_inputs)
+    files = []
+    for attempt in ("first", "second"):
+        model_dir, adapters_dir = tmp_path / attempt / "model", tmp_path / attempt / "adapters"
+        model_dir.mkdir(parents=True)
+        adapters_dir.mkdir()
+        results = run_build(plan, model_dir, adapters_dir, report=None)
+        assert [r.name for r in results] == ["copy", recipe.name]
+        adapter_dir = adapters_dir / recipe.name
+        files.append([model_dir / "model.safetensors", adapter_dir / "adapter_model.safetensors",
+                      adapter_dir / "adapter_config.json"])
+    for first, second in zip(*files):
+        assert first.read_bytes() == second.read_bytes(), f"{first.name} differs between two builds"
