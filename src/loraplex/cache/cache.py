@@ -419,6 +419,8 @@ class AdapterCache:
         preferred = self._cpu_preferred(now)
         while self._cpu_over():
             keys = [k for k in self.cpu if k != keep and self.entries[k].pinned != "cpu"]
+            # A host copy that a waiting request asked for goes last: dropping it means loading it again.
+            keys = [k for k in keys if k not in self._wanted] or keys
             # Copies of adapters in a slot go last: a slot eviction then falls back to host memory.
             outside = [k for k in keys if k not in self.slots] or keys
             victim = self.policy.choose_victim([self._candidate(k, now, k in preferred) for k in outside], now)

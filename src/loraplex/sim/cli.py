@@ -1,0 +1,258 @@
+"""`loraplex simulate` and `loraplex plan`: typer command functions (mounted by loraplex.cli) and their output.
+
+    python -m loraplex.sim.cli simulate --workload hot-burst --policy lru,score --gpu-slots 4,8 --json out.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from loraplex.config import parse_size
+from loraplex.sim import workload as workloads
+from loraplex.sim.simulator import POLICIES, LoadCosts, ServiceModel, SimConfig, compare, config_dict, hot_adapters
+
+GiB = 2**30
+
+
+def _split(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _size_label(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "∞"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
+        if nbytes >= size:
+            value = nbytes / size
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{nbytes}B"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _gap(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{100 * x:+.1f}%"
+
+
+def run_sweep(workload_names: list[str], policies: list[str], slots: list[int | None], cpu: list[int | None],
+              workers: int, console: Console) -> list[dict]:
+    """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum."""
+    cells = [(w, s, c) for w in workload_names for s in slots for c in cpu]
+    service, costs = ServiceModel.default(), LoadCosts.default()
+    runs = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("simulating", total=len(cells) * (len(policies) + 1))
+        for name, n_slots, n_cpu in cells:
+            trace = workloads.load(name)
+            cap = workloads.default_capacity(name)
+            config = SimConfig(
+                gpu_slots=n_slots or cap.gpu_slots, cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
+                disk_bytes=cap.disk_bytes, workers=workers, service=service, costs=costs,
+            )
+            progress.update(task, description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}")
+            hot = hot_adapters(trace, config.gpu_slots * workers)
+            entries = compare(trace, config, policies, hot, on_run=lambda _: progress.advance(task))
+            runs.append({
+                "workload": name, "requests": len(trace), "gpu_slots": config.gpu_slots,
+                "cpu_bytes": config.cpu_bytes, "disk_bytes": config.disk_bytes, "workers": workers,
+                "hot_adapters": sorted(hot), "policies": entries,
+            })
+    return runs
+
+
+def results_table(runs: list[dict], title: str = "simulation") -> Table:
+    table = Table(title=title)
+    for col in ("workload", "slots", "cpu", "policy", "gpu", "cpu hit", "disk", "remote", "byte hit",
+                "thrash", "miss cost s", "gap", "vs oracle", "TTFT p50 ms", "p99", "warm p99", "cold p99",
+                "hot p99", "TPOT p99", "wait p99"):
+        table.add_column(col, justify="left" if col in ("workload", "policy") else "right")
+    for run in runs:
+        for name, e in run["policies"].items():
+            lat = e["latency"]
+            table.add_row(
+                run["workload"], str(run["gpu_slots"]), _size_label(run["cpu_bytes"]),
+                name + (" (bound)" if name == "optimal" else ""),
+                *(_pct(e["hit_rate"][t]) for t in ("gpu", "cpu", "disk", "remote")),
+                _pct(e["byte_hit_rate"]["gpu"]), f"{e['thrash_ratio']:.2f}", f"{e['miss_cost']:.1f}",
+                _gap(e["gap"]), _gap(e["gap_oracle"]), _ms(lat["all"]["ttft_s"]["p50"]), _ms(lat["all"]["ttft_s"]["p99"]),
+                _ms(lat["warm"]["ttft_s"]["p99"]), _ms(lat["cold"]["ttft_s"]["p99"]), _ms(lat["hot"]["ttft_s"]["p99"]),
+                _ms(lat["all"]["tpot_s"]["p99"]), _ms(lat["all"]["queue_wait_s"]["p99"]),
+            )
+        table.add_section()
+    return table
+
+
+def tenant_table(run: dict) -> Table:
+    table = Table(title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}")
+    for col in ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms", "TTFT p99 ms", "wait p99 ms"):
+        table.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
+    for name, e in run["policies"].items():
+        for tenant, t in e["tenants"].items():
+            table.add_row(name, tenant, str(t["requests"]), _pct(t["gpu_hit_rate"]), _pct(t["cold_start_rate"]),
+                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]), _ms(t["queue_wait_s"]["p99"]))
+    return table
+
+
+def plot_capacity(runs: list[dict], path: Path) -> None:
+    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, a line per policy, a row per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["workload"] for r in runs))
+    by_slots = len({r["gpu_slots"] for r in runs}) > 1 or len({r["cpu_bytes"] for r in runs}) == 1
+    panels = (("gpu hit rate", lambda e: e["hit_rate"]["gpu"]),
+              ("p99 TTFT, all (ms)", lambda e: (e["latency"]["all"]["ttft_s"]["p99"] or 0) * 1000),
+              ("p99 TTFT, hot adapters (ms)", lambda e: (e["latency"]["hot"]["ttft_s"]["p99"] or 0) * 1000))
+    fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
+    for row, name in enumerate(names):
+        cells = [r for r in runs if r["workload"] == name]
+        capacity = (lambda r: r["gpu_slots"]) if by_slots else (lambda r: r["cpu_bytes"] / GiB)
+        for policy in cells[0]["policies"]:
+            points = sorted((capacity(r), r["policies"][policy]) for r in cells)
+            style = dict(marker="o", linestyle="--" if policy in ("optimal", "a0") else "-", label=policy)
+            for ax, (_, value) in zip(axes[row], panels):
+                ax.plot([x for x, _ in points], [value(e) for _, e in points], **style)
+        for ax, (label, _) in zip(axes[row], panels):
+            ax.set_xlabel("gpu slots" if by_slots else "cpu cache (GiB)")
+            ax.set_ylabel(label)
+            ax.set_title(name)
+            ax.set_xticks(sorted({capacity(r) for r in cells}))
+            ax.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    fig.suptitle("optimal: the farthest-next-use oracle run; a0: the true-popularity oracle", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def simulate(
+    workload: str = typer.Option(..., "--workload", help="Named workload(s) (" + ", ".join(workloads.NAMED)
+                                 + "), comma-separated, or a trace / audit log .jsonl file."),
+    policy: str = typer.Option("lru,score", "--policy", help=f"Comma-separated policies: {', '.join(POLICIES)}."),
+    gpu_slots: Optional[str] = typer.Option(None, "--gpu-slots", help="Slots per worker; a comma list sweeps."),
+    cpu_bytes: Optional[str] = typer.Option(None, "--cpu-bytes", help="Host cache per worker (4GiB); a comma list sweeps."),
+    workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
+) -> None:
+    """Replay a workload through the real cache, policies and router picker on a simulated clock."""
+    console = Console()
+    names, policies = _split(workload), _split(policy)
+    for p in policies:
+        if p not in POLICIES:
+            raise typer.BadParameter(f"unknown policy {p!r}: use {', '.join(POLICIES)}", param_hint="--policy")
+    for name in names:
+        if name not in workloads.NAMED and not Path(name).is_file():
+            raise typer.BadParameter(f"{name!r} is neither a named workload ({', '.join(workloads.NAMED)}) "
+                                     "nor a trace file", param_hint="--workload")
+    try:
+        slots = [int(s) for s in _split(gpu_slots)] if gpu_slots else [None]
+        cpu = [parse_size(s) for s in _split(cpu_bytes)] if cpu_bytes else [None]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if workers < 1 or any(s is not None and s < 1 for s in slots):
+        raise typer.BadParameter("--workers and --gpu-slots must be at least 1")
+    runs = run_sweep(names, policies, slots, cpu, workers, console)
+    console.print(results_table(runs))
+    if len(runs) == 1:
+        console.print(tenant_table(runs[0]))
+    if plot is not None:
+        sweep = runs
+        if len(slots) == 1 and len(cpu) == 1:  # one capacity: sweep slots around it for the plot
+            base = runs[0]["gpu_slots"]
+            around = sorted({max(1, base // 2), base, base * 2, base * 4})
+            sweep = run_sweep(names, policies, around, cpu, workers, console)
+        plot_capacity(sweep, plot)
+        console.print(f"plot: {plot}")
+    if json_out is not None:
+        meta = {"config": config_dict(SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())),
+                "note": "config: the defaults of every run; each run lists its capacities"}
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
+        console.print(f"json: {json_out}")
+
+
+def plan(
+    registry: Optional[str] = typer.Option(None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."),
+    adapters: Optional[Path] = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
+    model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
+    workload: Optional[str] = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
+) -> None:
+    """Bytes per adapter (formula and actual), how many fit per tier, and the smallest cache for a workload."""
+    from loraplex.sim import plan as planner
+
+    console = Console()
+    if (registry is None) == (adapters is None):
+        raise typer.BadParameter("give one of --registry or --adapters")
+    try:
+        report = planner.make_plan(model, registry=registry, adapters_dir=adapters, workload=workload,
+                                   progress=Progress(console=console, transient=True))
+    except planner.PlanError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    for table in planner.tables(report):
+        console.print(table)
+
+
+def routers(
+    workers: int = typer.Option(4, "--workers"),
+    policy: str = typer.Option("score", "--policy", help="The cache policy of every worker."),
+    gpu_slots: int = typer.Option(8, "--gpu-slots"),
+    cpu_bytes: str = typer.Option("4GiB", "--cpu-bytes"),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Developer entry point: the router's pickers side by side on Zipf traffic scaled to the fleet
+    (6 requests/s per worker over 200 adapters)."""
+    from loraplex.router.picker import POLICIES as ROUTERS
+    from loraplex.sim.simulator import policy_factory, simulate as run, summarize
+
+    console = Console()
+    trace = workloads.generate(workloads.WorkloadSpec(name="zipf", rate=6.0 * workers))
+    hot = hot_adapters(trace, gpu_slots * workers)
+    rows = {}
+    for router in ROUTERS:
+        config = SimConfig(gpu_slots=gpu_slots, cpu_bytes=parse_size(cpu_bytes), workers=workers, router=router,
+                           service=ServiceModel.default(), costs=LoadCosts.default())
+        sim = run(trace, config, policy_factory(policy))
+        rows[router] = summarize(sim, hot)
+        rows[router]["per_worker_requests"] = [sum(s.worker == w for s in sim.requests) for w in range(workers)]
+    table = Table(title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, cache policy {policy}, "
+                        f"{len(trace)} requests")
+    for col in ("router", "gpu", "cpu hit", "cold starts", "miss cost s", "TTFT p50 ms", "p99", "hot p99",
+                "wait p99", "requests per worker"):
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for router, e in rows.items():
+        lat = e["latency"]
+        table.add_row(router, _pct(e["hit_rate"]["gpu"]), _pct(e["hit_rate"]["cpu"]), _pct(e["cold_start_rate"]),
+                      f"{e['miss_cost']:.1f}", _ms(lat["all"]["ttft_s"]["p50"]), _ms(lat["all"]["ttft_s"]["p99"]),
+                      _ms(lat["hot"]["ttft_s"]["p99"]), _ms(lat["all"]["queue_wait_s"]["p99"]),
+                      " ".join(map(str, e["per_worker_requests"])))
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"workers": workers, "gpu_slots": gpu_slots, "cpu_bytes": parse_size(cpu_bytes),
+                                        "policy": policy, "routers": rows}, indent=1, default=str))
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Workload simulation and capacity planning.")
+app.command("simulate")(simulate)
+app.command("plan")(plan)
+app.command("routers")(routers)
+
+if __name__ == "__main__":
+    app()

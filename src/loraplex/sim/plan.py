@@ -1,0 +1,223 @@
+"""Capacity planning: adapter bytes by the formula and on disk, what fits per tier, and the smallest cache
+and slot count that keep a workload's cold starts under a target (found with the simulator)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from rich.table import Table
+
+from loraplex.config import EngineConfig
+from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
+from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
+from loraplex.sim import workload as workloads
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
+
+GiB = 2**30
+SERVING_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+COLD_START_TARGETS = (0.01, 0.05)
+"""Cold start: a request whose adapter was only on disk or remote (a load before its first token)."""
+SLOT_MISS_TARGET = 0.10
+"""Slot miss: a request whose adapter was in host memory but in no slot (it waits for a host-to-device copy);
+cold starts are the cpu cache's to avoid, slot misses the slots'."""
+
+
+class PlanError(ValueError):
+    """The plan's inputs cannot be read; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class AdapterSize:
+    name: str
+    rank: int
+    estimated_bytes: int
+    """Σ over injected linear layers (d_in + d_out) × rank × bytes per parameter, as stored."""
+    actual_bytes: int
+    """The tensors' bytes as stored (safetensors header, or the registry's record)."""
+    file_bytes: int | None
+    """Bytes on disk (None from a registry)."""
+    serving_bytes: int
+    """The host copy at the serving dtype: what the cpu tier holds and a slot load copies."""
+
+
+@dataclass
+class Plan:
+    model: str
+    serving_dtype: str
+    max_lora_rank: int
+    slot_bytes: int
+    """One slot: every linear module of every layer at max_lora_rank, serving dtype."""
+    adapters: list[AdapterSize]
+    defaults: EngineConfig
+    sizing: list[dict] = field(default_factory=list)
+    workload: str | None = None
+
+
+def serving_dtype(config: ModelConfig) -> str:
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(config.torch_dtype, "float32")
+
+
+def slot_bytes(config: ModelConfig, max_rank: int, dtype_bytes: int) -> int:
+    per_layer = sum(sum(config.linear_shape(m)) for m in LINEAR_MODULES)
+    return config.num_layers * per_layer * max_rank * dtype_bytes
+
+
+def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[AdapterSize]:
+    dirs = sorted(p for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file())
+    if not dirs:
+        raise PlanError(f"{folder} holds no adapter directories (folders with {CONFIG_FILE})")
+    out = []
+    for path in dirs:
+        try:
+            spec = read_adapter(path, config, max_rank=2**16)
+        except AdapterRejected as exc:
+            raise PlanError(f"adapter {path.name}: {exc}") from None
+        stored = DTYPE_BYTES.get(spec.dtype, 4)
+        files = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        out.append(AdapterSize(path.name, spec.rank, spec.estimated_bytes, spec.actual_bytes, files,
+                               spec.estimated_bytes * dtype_bytes // stored))
+    return out
+
+
+def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
+    from loraplex.registry.errors import RegistryError
+    from loraplex.registry.registry import Registry
+
+    try:
+        registry = Registry(url)
+        records = registry.list_adapters()
+        registry.close()
+    except RegistryError as exc:
+        raise PlanError(str(exc)) from None
+    out = []
+    for record in records:
+        rev = record.stable or (record.revisions[-1] if record.revisions else None)
+        if rev is None:
+            continue
+        stored = DTYPE_BYTES.get(rev.dtype, 4)
+        out.append(AdapterSize(record.name, rev.rank, rev.estimated_bytes, rev.actual_bytes, None,
+                               rev.estimated_bytes * dtype_bytes // stored))
+    if not out:
+        raise PlanError(f"the registry at {url} lists no adapters")
+    return out
+
+
+def fits(sizes: list[int], budget: int) -> int:
+    """How many adapters fit in `budget` bytes, smallest first."""
+    used = count = 0
+    for size in sorted(sizes):
+        if used + size > budget:
+            break
+        used, count = used + size, count + 1
+    return count
+
+
+def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path | None = None,
+              workload: str | None = None, progress=None) -> Plan:
+    try:
+        config = ModelConfig.from_dir(model_dir)
+    except ModelConfigError as exc:
+        raise PlanError(str(exc)) from None
+    dtype = serving_dtype(config)
+    nbytes = SERVING_DTYPE_BYTES[dtype]
+    defaults = EngineConfig(model_dir=model_dir)
+    sizes = from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
+    plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
+                sizes, defaults, workload=workload)
+    if workload:
+        with progress or contextlib.nullcontext():
+            plan.sizing = size_for_workload(plan, workload, progress)
+    return plan
+
+
+def size_for_workload(plan: Plan, workload: str, progress=None) -> list[dict]:
+    """The smallest cpu cache for each cold-start target and the smallest slot count for the slot-miss target,
+    each by bisection over simulator runs of the `score` policy (more capacity never raised the rate here)."""
+    trace = workloads.load(workload)
+    per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
+    cap = workloads.default_capacity(workload)
+    base = SimConfig(gpu_slots=cap.gpu_slots, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes,
+                     bytes_per_rank=int(per_rank))
+    working_set = sum(int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values())
+    cache: dict[tuple[int, int], dict] = {}
+    task = progress.add_task("sizing", total=None) if progress else None
+
+    def run(slots: int, cpu: int) -> dict:
+        if (slots, cpu) not in cache:
+            sim = simulate(trace, replace(base, gpu_slots=slots, cpu_bytes=cpu), policy_factory("score"))
+            cache[slots, cpu] = summarize(sim)
+            if progress:
+                progress.update(task, description=f"sizing: {len(cache)} simulations")
+        return cache[slots, cpu]
+
+    rows = []
+    grid = [0] + [int(working_set * f) for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)]
+    for target in COLD_START_TARGETS:
+        best = _smallest(grid, lambda cpu: run(base.gpu_slots, cpu)["cold_start_rate"] <= target)
+        rows.append({"what": "cpu cache", "target": f"cold starts ≤ {target:.0%}", "gpu_slots": base.gpu_slots,
+                     "cpu_bytes": best, "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"]})
+    cpu_for_slots = rows[-1]["cpu_bytes"] if rows[-1]["cpu_bytes"] is not None else grid[-1]
+    slots_grid = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    best = _smallest(slots_grid, lambda s: run(s, cpu_for_slots)["hit_rate"]["cpu"] <= SLOT_MISS_TARGET)
+    rows.append({"what": "gpu slots", "target": f"slot misses ≤ {SLOT_MISS_TARGET:.0%}", "gpu_slots": best,
+                 "cpu_bytes": cpu_for_slots,
+                 "rate": None if best is None else run(best, cpu_for_slots)["hit_rate"]["cpu"]})
+    return rows
+
+
+def _smallest(grid: list[int], ok) -> int | None:
+    """The first grid value that satisfies `ok`, by bisection (assumes ok is monotone along the grid)."""
+    if not ok(grid[-1]):
+        return None
+    lo, hi = 0, len(grid) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(grid[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return grid[lo]
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def tables(plan: Plan) -> list[Table]:
+    sizes = Table(title=f"adapters for {plan.model} (serving dtype {plan.serving_dtype})")
+    for col in ("adapter", "rank", "formula", "tensors", "files", "host copy"):
+        sizes.add_column(col, justify="left" if col == "adapter" else "right")
+    for a in plan.adapters:
+        sizes.add_row(a.name, str(a.rank), _size(a.estimated_bytes), _size(a.actual_bytes), _size(a.file_bytes),
+                      _size(a.serving_bytes))
+    d = plan.defaults
+    host = [a.serving_bytes for a in plan.adapters]
+    disk = [a.file_bytes or a.actual_bytes for a in plan.adapters]
+    over = sum(a.rank > plan.max_lora_rank for a in plan.adapters)
+    tiers = Table(title="what fits (engine defaults)")
+    for col in ("tier", "capacity", "per adapter", "adapters that fit", "of"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    tiers.add_row("gpu slots", f"{d.max_loras} × {_size(plan.slot_bytes)} (rank {plan.max_lora_rank})",
+                  _size(plan.slot_bytes), f"{d.max_loras} at a time" + (f"; {over} over max rank" if over else ""),
+                  str(len(plan.adapters)))
+    tiers.add_row("cpu", _size(d.cpu_cache_bytes), _size(sum(host) // len(host)), str(fits(host, d.cpu_cache_bytes)),
+                  str(len(plan.adapters)))
+    tiers.add_row("disk", _size(d.disk_cache_bytes), _size(sum(disk) // len(disk)),
+                  str(fits(disk, d.disk_cache_bytes)), str(len(plan.adapters)))
+    out = [sizes, tiers]
+    if plan.sizing:
+        sizing = Table(title=f"smallest capacity for workload {plan.workload} (simulated, policy score)")
+        for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
+            sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
+        for row in plan.sizing:
+            rate = "not reached" if row["rate"] is None else f"{row['rate']:.2%}"
+            sizing.add_row(row["what"], row["target"], str(row["gpu_slots"] or "-"), _size(row["cpu_bytes"]), rate)
+        out.append(sizing)
+    return out

@@ -1,0 +1,693 @@
+"""Discrete-event simulation of workers running the real adapter cache, policies and router picker.
+
+Nothing of the cache is re-implemented: each simulated worker owns a real `AdapterCache` whose clock is the
+simulation's, whose slot pool records host-to-device copies instead of moving tensors, whose executor is this
+event loop (a load's future completes at its simulated finish time) and whose loader models the disk and
+remote tiers by bandwidth and fixed latency. The scheduler of one worker follows `engine.scheduler`: every
+step the running requests decode one token each, then waiting requests are admitted first come, first served,
+a request whose adapter is loading (or finds no slot) is skipped for that step, and a request holds its
+adapter's slot until it finishes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import DemandTracker
+from loraplex.router.picker import Picker, WorkerView
+from loraplex.sim.workload import Request
+
+RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
+# Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules, bfloat16:
+# 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
+LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+TIERS = ("gpu", "cpu", "disk", "remote")
+
+
+# -- cost models -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierCost:
+    latency_s: float
+    """Fixed cost of one transfer."""
+    bandwidth: float
+    """Bytes per second."""
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class LoadCosts:
+    """What bringing an adapter up one tier costs: remote → disk (download), disk → cpu (read, digest check,
+    pack), cpu → gpu (host-to-device copy into a slot)."""
+
+    remote: TierCost = TierCost(0.050, 200e6)
+    disk: TierCost = TierCost(0.005, 2e9)
+    h2d: TierCost = TierCost(0.0005, 12e9)
+    source: str = "defaults"
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "LoadCosts":
+        """Fit latency + bytes/bandwidth per tier to `bench/adapter_load.py` rows ({tier, bytes, seconds})."""
+        data = json.loads(Path(path).read_text())
+        rows = data.get("rows", data) if isinstance(data, dict) else data
+        fits = {}
+        for tier, name in (("remote", "remote"), ("disk", "disk"), ("h2d", "h2d")):
+            points = [(r["bytes"], r["seconds"]) for r in rows
+                      if isinstance(r, dict) and r.get("tier") == name and "bytes" in r and "seconds" in r]
+            if len(points) >= 2:
+                fits[tier] = _fit_line(points)
+        if not fits:
+            raise ValueError(f"{path}: no rows with tier, bytes and seconds")
+        return cls(**fits, source=str(path))
+
+    @classmethod
+    def default(cls) -> "LoadCosts":
+        path = RESULTS_DIR / "adapter_load.json"
+        if path.is_file():
+            try:
+                return cls.from_json(path)
+            except (ValueError, KeyError, TypeError):
+                pass
+        return cls()
+
+    def to_dict(self) -> dict:
+        return {
+            **{t: {"latency_s": c.latency_s, "bandwidth_bytes_per_s": c.bandwidth}
+               for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))},
+            "source": self.source,
+        }
+
+
+def _fit_line(points: list[tuple[float, float]]) -> TierCost:
+    x, y = np.array(points, dtype=float).T
+    slope, intercept = np.polyfit(x, y, 1)
+    slope = max(slope, 1e-15)
+    return TierCost(max(0.0, float(intercept)), float(1.0 / slope))
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """Seconds of one engine step: a fixed part (reading the weights), per decoding sequence, per prefill token,
+    and per distinct adapter in the batch (the grouped LoRA kernels), plus any host-to-device copies the step made.
+
+    Defaults are a 7B model in bfloat16 on one data-center GPU: ~10 ms per decode step at small batch,
+    ~16k prefill tokens/s, and a small per-adapter cost."""
+
+    step_s: float = 0.010
+    per_decode_s: float = 1.2e-4
+    per_prefill_token_s: float = 6e-5
+    per_adapter_s: float = 3e-4
+    source: str = "defaults"
+
+    def step_seconds(self, prefill_tokens: int, decodes: int, adapters: int) -> float:
+        return (self.step_s + self.per_decode_s * decodes + self.per_prefill_token_s * prefill_tokens
+                + self.per_adapter_s * adapters)
+
+    @classmethod
+    def from_engine_throughput(cls, path: str | Path) -> "ServiceModel":
+        """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output token gives the
+        step cost, its total time the prefill cost, and the many-adapter row the per-adapter cost."""
+        data = json.loads(Path(path).read_text())
+        rows = {r["workload"]["num_adapters"]: r for r in data["rows"] if r.get("workload", {}).get("lora_bytes_per_step") is None}
+        base = rows[0]
+        w = base["workload"]
+        tpot = base["ours"]["tpot_by_rank_s"]["base"]
+        batch = min(w["num_requests"], 64)
+        decode_total = tpot * (w["output_len"] - 1) * math.ceil(w["num_requests"] / batch)
+        prefill_total = max(0.0, base["ours"]["seconds"] - decode_total)
+        per_prefill = prefill_total / (w["num_requests"] * w["prompt_len"])
+        many = max(rows)
+        per_adapter = 0.0
+        if many > 0:
+            tpots = rows[many]["ours"]["tpot_by_rank_s"].values()
+            per_adapter = max(0.0, (sum(tpots) / len(tpots) - tpot) / min(many, batch))
+        return cls(step_s=tpot, per_decode_s=0.0, per_prefill_token_s=per_prefill, per_adapter_s=per_adapter,
+                   source=str(path))
+
+    @classmethod
+    def default(cls) -> "ServiceModel":
+        """Calibrated from `bench/results/engine_throughput.json` when that was measured on a GPU; else the
+        defaults (a CPU run of the benchmark's small model says nothing about a 7B model on a GPU)."""
+        path = RESULTS_DIR / "engine_throughput.json"
+        try:
+            data = json.loads(path.read_text())
+            if "cuda" in json.dumps(data.get("machine", {})).lower():
+                return cls.from_engine_throughput(path)
+        except (OSError, KeyError, ValueError, TypeError, ZeroDivisionError):
+            pass
+        return cls()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gpu_slots: int = 8
+    cpu_bytes: int = 4 * 2**30
+    max_cpu_loras: int | None = None
+    disk_bytes: int | None = None
+    """None: an artifact once fetched stays on the worker's disk."""
+    local_adapters: bool = False
+    """True: every adapter is a local directory (as with --lora-modules), so there is no remote tier."""
+    workers: int = 1
+    router: str = "affinity"
+    router_poll_s: float = 0.25
+    """How old the router's view of each worker may be (it polls /admin/state)."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    tenant_share: float = 1.0
+    bytes_per_rank: int = LLAMA7B_BYTES_PER_RANK
+    """An adapter's host-copy bytes are its rank times this, unless `adapter_bytes` names it."""
+    adapter_bytes: dict[str, int] | None = None
+    """Bytes per `name@revision`, overriding the rank rule (e.g. measured packed sizes)."""
+    service: ServiceModel = field(default_factory=ServiceModel)
+    costs: LoadCosts = field(default_factory=LoadCosts)
+    skip_blocked: bool = True
+    """Do not call the cache's acquire when it can only fail because every slot is held (same results, faster)."""
+    idle_poll_s: float = 0.01
+    """A worker whose waiting requests found no slot and has nothing running or loading tries again after this."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
+            raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
+
+
+# -- the simulated device and tiers ----------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class SimKey(AdapterKey):
+    """An AdapterKey compared by identity: the simulation makes exactly one key object per adapter revision,
+    and the cache compares and hashes keys millions of times (slot lists, dicts)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+class MemoDemand(DemandTracker):
+    """The cache's demand tracker, remembering each key's counts for the current instant (the same values):
+    the cache ranks every adapter by demand on each eviction and each load."""
+
+    def __init__(self):
+        super().__init__()
+        self._memo: dict = {}
+        self._memo_at: float | None = None
+
+    def record(self, key, now: float) -> None:
+        super().record(key, now)
+        self._memo.pop(key, None)
+
+    def counts(self, key, now: float) -> list[float]:
+        if now != self._memo_at:
+            self._memo.clear()
+            self._memo_at = now
+        counts = self._memo.get(key)
+        if counts is None:
+            counts = self._memo[key] = super().counts(key, now)
+        return counts
+
+
+@dataclass(frozen=True)
+class SimPacked:
+    """A host copy as the cache sees it: only its size matters."""
+
+    nbytes: int
+
+
+class SimPool:
+    """The slot pool: a slot write costs a host-to-device copy, charged to the worker's current step."""
+
+    def __init__(self, num_slots: int, h2d: TierCost):
+        self.num_slots = num_slots
+        self.h2d = h2d
+        self.contents: list[SimPacked | None] = [None] * num_slots
+        self.pending_s = 0.0
+        self.copies = 0
+        self.copy_seconds = 0.0
+
+    def set_slot(self, slot: int, packed: SimPacked) -> None:
+        seconds = self.h2d.seconds(packed.nbytes)
+        self.contents[slot] = packed
+        self.pending_s += seconds
+        self.copies += 1
+        self.copy_seconds += seconds
+
+    def clear_slot(self, slot: int) -> None:
+        self.contents[slot] = None
+
+    def take_pending(self) -> float:
+        seconds, self.pending_s = self.pending_s, 0.0
+        return seconds
+
+
+class SimDisk:
+    """The worker's artifact cache: least recently used artifacts go when over budget (as `cache.disk`)."""
+
+    def __init__(self, max_bytes: int | None):
+        self.max_bytes = max_bytes
+        self.sizes: dict[str, int] = {}  # digest -> bytes, least recently used first
+        self.used = 0
+        self.peak = 0
+
+    def has(self, digest: str) -> bool:
+        return digest in self.sizes
+
+    def use(self, digest: str, nbytes: int) -> None:
+        if digest in self.sizes:
+            self.sizes[digest] = self.sizes.pop(digest)
+            return
+        self.sizes[digest] = nbytes
+        self.used += nbytes
+        while self.max_bytes is not None and self.used > self.max_bytes and len(self.sizes) > 1:
+            oldest = next(iter(self.sizes))
+            self.used -= self.sizes.pop(oldest)
+        self.peak = max(self.peak, self.used)
+
+
+# -- requests and workers --------------------------------------------------------------------------
+class SimRequest:
+    __slots__ = ("req", "ref", "nbytes", "tier", "worker", "admitted_at", "first_token_at", "finish_at")
+
+    def __init__(self, req: Request, ref: AdapterRef | None, nbytes: int):
+        self.req, self.ref, self.nbytes = req, ref, nbytes
+        self.tier = "gpu"
+        self.worker = 0
+        self.admitted_at = self.first_token_at = self.finish_at = math.nan
+
+
+class Worker:
+    def __init__(self, sim: "Simulation", index: int, policy):
+        c = sim.config
+        self.sim, self.index = sim, index
+        self.url = f"worker-{index}"
+        self.pool = SimPool(c.gpu_slots, c.costs.h2d)
+        self.disk = SimDisk(c.disk_bytes)
+        self.cache = AdapterCache(
+            self.pool, lambda path: None, cpu_bytes=c.cpu_bytes, max_cpu_loras=c.max_cpu_loras, disk=self.disk,
+            policy=policy, tenant_share=c.tenant_share, executor=self, loader=self._load, clock=sim.clock,
+        )
+        self.cache.demand = MemoDemand()
+        self.waiting: deque[SimRequest] = deque()
+        self.num_running = 0
+        self.running_tokens = 0
+        self.running_adapters: Counter = Counter()
+        self.finishing: list[tuple[int, int, SimRequest]] = []  # (finish step, order, request)
+        self.step_index = 0
+        self.busy = False
+        self.wake_pending = False
+        self.prefilled: list[SimRequest] = []
+        self._plans: dict[AdapterKey, tuple[str, dict[str, float], int]] = {}
+        self.load_seconds = 0.0
+        self.loads: Counter = Counter()
+        self.peak_cpu_bytes = 0
+        self.peak_slots = 0
+
+    # The cache's executor: a load's future completes at its simulated finish time.
+    def submit(self, fn: Callable, ref: AdapterRef) -> Future:
+        nbytes = self.sim.nbytes[ref.key]
+        if ref.path is not None or self.disk.has(ref.key.adapter_digest):
+            source, stages = "disk", {"disk": self.sim.config.costs.disk.seconds(nbytes)}
+        else:
+            source = "remote"
+            stages = {"download": self.sim.config.costs.remote.seconds(nbytes),
+                      "disk": self.sim.config.costs.disk.seconds(nbytes)}
+        self._plans[ref.key] = (source, stages, nbytes)
+        future: Future = Future()
+        self.sim.schedule(self.sim.now + sum(stages.values()), self._finish_load, (fn, ref, future))
+        return future
+
+    def _finish_load(self, payload) -> None:
+        fn, ref, future = payload
+        future.set_result(fn(ref))
+        self.wake()
+
+    def _load(self, ref: AdapterRef) -> Loaded:
+        source, stages, nbytes = self._plans.pop(ref.key)
+        if ref.path is None:
+            self.disk.use(ref.key.adapter_digest, nbytes)
+        self.load_seconds += sum(stages.values())
+        self.loads[source] += 1
+        return Loaded(SimPacked(nbytes), source, stages)
+
+    # Requests.
+    def arrive(self, seq: SimRequest) -> None:
+        seq.worker = self.index
+        seq.tier = self.cache.record_request(seq.ref) if seq.ref is not None else "gpu"
+        self.waiting.append(seq)
+        self.wake()
+
+    def wake(self) -> None:
+        if not self.busy:
+            self.start_step()
+
+    # The step loop.
+    def start_step(self) -> None:
+        sim, config = self.sim, self.sim.config
+        if self.cache.loading:
+            took = len(self.cache.loading)
+            self.cache.poll()
+            if len(self.cache.loading) != took:
+                self._check_capacity()
+        decodes = self.num_running
+        budget = config.max_num_batched_tokens - decodes
+        admitted, prefill_tokens = [], 0
+        held = None  # whether every slot is held by running requests (computed when first needed)
+        for seq in list(self.waiting):
+            if self.num_running >= config.max_num_seqs or seq.req.prompt_tokens > budget:
+                break
+            if seq.ref is not None:
+                key = seq.ref.key
+                if config.skip_blocked and key in self.cache.cpu and key not in self.cache.slots:
+                    held = self._all_slots_held() if held is None else held
+                    if held:
+                        # The cache's acquire could only fail here, after ranking every adapter by demand;
+                        # its one side effect is the access time.
+                        self.cache.entries[key].last_access = sim.now
+                        continue
+                if self.cache.acquire(seq.ref) is None:
+                    continue  # its adapter is loading or no slot can be freed: others go ahead
+                held = None
+            self.waiting.remove(seq)
+            seq.admitted_at = sim.now
+            admitted.append(seq)
+            self.num_running += 1
+            self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
+            if seq.ref is not None:
+                self.running_adapters[seq.ref.key] += 1
+                sim.admitted(seq)
+            budget -= seq.req.prompt_tokens
+            prefill_tokens += seq.req.prompt_tokens
+        copies = self.pool.take_pending()
+        if admitted:
+            self.peak_slots = max(self.peak_slots, self.pool.num_slots - self.cache.free_slots())
+        if not decodes and not admitted:
+            self.busy = False
+            if self.waiting and not self.cache.loading and not self.wake_pending:
+                self.wake_pending = True  # nothing will wake it: look again shortly (as the engine loop does)
+                sim.schedule(sim.now + config.idle_poll_s, self._retry, None)
+            return
+        self.busy = True
+        self.prefilled = admitted
+        seconds = config.service.step_seconds(prefill_tokens, decodes, len(self.running_adapters)) + copies
+        sim.schedule(sim.now + seconds, self._end_step, None)
+
+    def _all_slots_held(self) -> bool:
+        entries = self.cache.entries
+        return all(k is not None and (entries[k].refcount > 0 or entries[k].pinned == "gpu") for k in self.cache.slots)
+
+    def _retry(self, _) -> None:
+        self.wake_pending = False
+        self.wake()
+
+    def _end_step(self, _) -> None:
+        now = self.sim.now
+        self.step_index += 1
+        for seq in self.prefilled:
+            seq.first_token_at = now
+            heapq.heappush(self.finishing, (self.step_index + seq.req.output_tokens - 1, id(seq), seq))
+        self.prefilled = []
+        while self.finishing and self.finishing[0][0] <= self.step_index:
+            _, _, seq = heapq.heappop(self.finishing)
+            self._finish(seq, now)
+        self.start_step()
+
+    def _finish(self, seq: SimRequest, now: float) -> None:
+        seq.finish_at = now
+        self.num_running -= 1
+        self.running_tokens -= seq.req.prompt_tokens + seq.req.output_tokens
+        if seq.ref is not None:
+            key = seq.ref.key
+            self.running_adapters[key] -= 1
+            if not self.running_adapters[key]:
+                del self.running_adapters[key]
+            self.cache.release(key)
+        self.sim.finished += 1
+
+    def _check_capacity(self) -> None:
+        used = sum(p.nbytes for p in self.cache.cpu.values())
+        self.peak_cpu_bytes = max(self.peak_cpu_bytes, used)
+
+    def view(self, in_flight: int = 0) -> WorkerView:
+        now, cache = self.sim.now, self.cache
+        return WorkerView(
+            self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
+            recent_evictions=sum(1 for t in cache.recent_evictions if now - t < THRASH_WINDOW_S),
+            free_slots=cache.free_slots(),
+            gpu=frozenset(str(k) for k in cache.slots if k is not None),
+            cpu=frozenset(str(k) for k in cache.cpu), loading=frozenset(str(k) for k in cache.loading),
+            in_flight=in_flight,
+        )
+
+
+# -- the simulation --------------------------------------------------------------------------------
+class Simulation:
+    def __init__(self, trace: list[Request], config: SimConfig, policy_factory: Callable[["Simulation"], object]):
+        self.trace, self.config = trace, config
+        self.now = 0.0
+        self._events: list = []
+        self._order = 0
+        self.finished = 0
+        self.refs: dict[str, AdapterRef] = {}
+        self.nbytes: dict[AdapterKey, int] = {}
+        self.requests = [self._request(r) for r in trace]
+        self._arrivals: dict[AdapterKey, list[float]] = {}
+        for seq in self.requests:
+            if seq.ref is not None:
+                self._arrivals.setdefault(seq.ref.key, []).append(seq.req.time)
+        self._admitted: Counter = Counter()
+        self.workers = [Worker(self, i, policy_factory(self)) for i in range(config.workers)]
+        self.picker = Picker(config.router, rng=random.Random(config.seed))
+        self._views: list[WorkerView] = []
+        self._views_at = -math.inf
+        self._in_flight = [0] * config.workers
+
+    def clock(self) -> float:
+        return self.now
+
+    def next_use(self, key: AdapterKey) -> float:
+        """When the adapter is next needed: the arrival of its earliest request not yet admitted (for oracles)."""
+        times = self._arrivals.get(key, ())
+        k = self._admitted[key]
+        return times[k] if k < len(times) else math.inf
+
+    def request_counts(self) -> dict[AdapterKey, int]:
+        """Requests per adapter over the whole trace (for the popularity oracle)."""
+        return {key: len(times) for key, times in self._arrivals.items()}
+
+    def admitted(self, seq: SimRequest) -> None:
+        self._admitted[seq.ref.key] += 1
+
+    def _request(self, r: Request) -> SimRequest:
+        if r.adapter is None:
+            return SimRequest(r, None, 0)
+        model = r.model
+        ref = self.refs.get(model)
+        if ref is None:
+            key = SimKey("sim-base", r.adapter, r.revision, f"sha256:{model}")
+            path = Path(f"/sim/{model}") if self.config.local_adapters else None
+            ref = AdapterRef(key, path=path, storage_uri=None if path else f"sim://{model}", tenant=r.tenant,
+                             priority=r.priority)
+            self.refs[model] = ref
+            sizes = self.config.adapter_bytes or {}
+            self.nbytes[key] = sizes.get(model, r.rank * self.config.bytes_per_rank)
+        return SimRequest(r, ref, self.nbytes[ref.key])
+
+    def schedule(self, at: float, fn: Callable, payload) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (at, self._order, fn, payload))
+
+    def run(self) -> "Simulation":
+        requests, i = self.requests, 0
+        events = self._events
+        while i < len(requests) or events:
+            if i < len(requests) and (not events or requests[i].req.time <= events[0][0]):
+                seq = requests[i]
+                i += 1
+                self.now = max(self.now, seq.req.time)
+                self._route(seq).arrive(seq)
+                continue
+            at, _, fn, payload = heapq.heappop(events)
+            self.now = max(self.now, at)
+            fn(payload)
+        return self
+
+    def _route(self, seq: SimRequest) -> Worker:
+        if len(self.workers) == 1:
+            return self.workers[0]
+        if self.now - self._views_at >= self.config.router_poll_s:
+            self._views = [w.view() for w in self.workers]
+            self._views_at, self._in_flight = self.now, [0] * len(self.workers)
+        views = [replace(v, in_flight=n) for v, n in zip(self._views, self._in_flight)]
+        pick = self.picker.pick(views, seq.req.model, seq.req.priority)
+        index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
+        self._in_flight[index] += 1
+        return self.workers[index]
+
+
+# -- results ---------------------------------------------------------------------------------------
+def _percentiles(values) -> dict[str, float | None]:
+    a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if not len(a):
+        return {"p50": None, "p95": None, "p99": None}
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+def hot_adapters(trace: list[Request], count: int, floor: float = 0.05) -> set[str]:
+    """The `count` most requested adapters (name@revision) of a trace, leaving out those with fewer than `floor`
+    of the top one's requests (a one-off is not hot however many slots there are)."""
+    ranked = Counter(r.model for r in trace if r.adapter is not None).most_common(count)
+    return {m for m, n in ranked if ranked and n >= max(2, floor * ranked[0][1])}
+
+
+def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
+    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, queue wait,
+    TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant figures."""
+    seqs = [s for s in sim.requests if s.ref is not None]
+    n = len(seqs) or 1
+    tiers = Counter(s.tier for s in seqs)
+    total_bytes = sum(s.nbytes for s in seqs) or 1
+    caches = [w.cache for w in sim.workers]
+    evictions = sum(c.num_evictions for c in caches)
+    reloads = sum(c.reloads_after_eviction for c in caches)
+    h2d = sum(w.pool.copy_seconds for w in sim.workers)
+    loads = sum(w.load_seconds for w in sim.workers)
+    hot = hot if hot is not None else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
+
+    def latency(group: list[SimRequest]) -> dict:
+        ttft = [s.first_token_at - s.req.time for s in group]
+        tpot = [(s.finish_at - s.first_token_at) / (s.req.output_tokens - 1) for s in group if s.req.output_tokens > 1]
+        wait = [s.admitted_at - s.req.time for s in group]
+        return {"count": len(group), "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
+                "queue_wait_s": _percentiles(wait)}
+
+    by_tenant: dict[str, list[SimRequest]] = {}
+    for s in sim.requests:
+        by_tenant.setdefault(s.req.tenant, []).append(s)
+    makespan = max((s.finish_at for s in sim.requests), default=0.0)
+    return {
+        "requests": len(sim.requests),
+        "finished": sim.finished,
+        "hit_rate": {t: tiers[t] / n for t in TIERS},
+        "byte_hit_rate": {
+            "gpu": sum(s.nbytes for s in seqs if s.tier == "gpu") / total_bytes,
+            "gpu+cpu": sum(s.nbytes for s in seqs if s.tier in ("gpu", "cpu")) / total_bytes,
+        },
+        "cold_start_rate": (tiers["disk"] + tiers["remote"]) / n,
+        "miss_cost": h2d + loads,
+        "miss_cost_parts": {"h2d": h2d, "load": loads},
+        "activations": sum(w.pool.copies for w in sim.workers),
+        "loads": dict(sum((w.loads for w in sim.workers), Counter())),
+        "evictions": evictions,
+        "reloads_after_eviction": reloads,
+        "thrash_ratio": reloads / evictions if evictions else 0.0,
+        "latency": {
+            "all": latency(sim.requests),
+            "warm": latency([s for s in sim.requests if s.tier in ("gpu", "cpu")]),
+            "cold": latency([s for s in sim.requests if s.tier in ("disk", "remote")]),
+            **{f"tier_{t}": latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
+            "hot": latency([s for s in seqs if s.req.model in hot]),
+        },
+        "tenants": {
+            t: {"requests": len(g), "gpu_hit_rate": sum(s.tier == "gpu" for s in g) / len(g),
+                "cold_start_rate": sum(s.tier in ("disk", "remote") for s in g) / len(g), **latency(g)}
+            for t, g in sorted(by_tenant.items())
+        },
+        "peak": {
+            "slots": max(w.peak_slots for w in sim.workers),
+            "cpu_bytes": max(w.peak_cpu_bytes for w in sim.workers),
+            "disk_bytes": max(w.disk.peak for w in sim.workers),
+        },
+        "simulated_s": makespan,
+    }
+
+
+def simulate(trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]) -> Simulation:
+    return Simulation(trace, config, policy_factory).run()
+
+
+def config_dict(config: SimConfig) -> dict:
+    out = asdict(config)
+    out["service"] = asdict(config.service)
+    out["costs"] = config.costs.to_dict()
+    return out
+
+
+# -- comparing policies ----------------------------------------------------------------------------
+POLICIES = ("lru", "lfu", "gdsf", "score", "a0")
+"""Runtime policies (lru, score), baselines (lfu, gdsf) and a0, the popularity oracle (a reference, not a policy)."""
+
+
+def policy_factory(name: str) -> Callable[[Simulation], object]:
+    """A new policy per worker cache: the runtime ones (lru, score), the baselines (lfu, gdsf), or the oracles
+    (`a0`: true popularity; `optimal`: farthest next use)."""
+    from loraplex.cache.policy import GDSFPolicy, LFUPolicy, make_policy
+    from loraplex.sim.optimal import OraclePolicy, PopularityOracle
+
+    if name == "optimal":
+        return lambda sim: OraclePolicy(sim.next_use)
+    if name == "a0":
+        return lambda sim: PopularityOracle(sim.request_counts())
+    if name == "lfu":
+        return lambda sim: LFUPolicy()
+    if name == "gdsf":
+        return lambda sim: GDSFPolicy()
+    make_policy(name)  # refuses an unknown name now
+    return lambda sim: make_policy(name)
+
+
+def bound(sim: Simulation) -> dict:
+    """The optimum's lower bound for this trace and configuration (capacities pooled over workers)."""
+    from loraplex.sim.optimal import lower_bound
+
+    c = sim.config
+    seq = [s.ref.key for s in sim.requests if s.ref is not None]
+    if not seq:
+        return {"miss_cost": 0.0, "parts": {}, "gpu_misses_min": 0, "gpu_hit_rate_max": 1.0}
+    return lower_bound(
+        seq, sim.nbytes, gpu_slots=c.gpu_slots * c.workers, cpu_bytes=c.cpu_bytes * c.workers,
+        max_cpu_loras=None if c.max_cpu_loras is None else c.max_cpu_loras * c.workers,
+        disk_bytes=None if c.disk_bytes is None else c.disk_bytes * c.workers, local=c.local_adapters,
+        costs=c.costs,
+    )
+
+
+def compare(trace: list[Request], config: SimConfig, policies: list[str], hot: set[str] | None = None,
+            on_run: Callable[[str], None] = lambda name: None) -> dict[str, dict]:
+    """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit rates of a
+    farthest-next-use oracle run; each policy's entry carries its gap to both."""
+    import time
+
+    from loraplex.sim.optimal import gap
+
+    hot = hot if hot is not None else hot_adapters(trace, config.gpu_slots * config.workers)
+    entries = {}
+    for name in [*policies, "optimal"]:
+        start = time.perf_counter()
+        sim = simulate(trace, config, policy_factory(name))
+        wall = time.perf_counter() - start
+        entries[name] = summarize(sim, hot)
+        entries[name]["wall_s"] = wall
+        entries[name]["requests_per_wall_s"] = len(trace) / wall if wall > 0 else math.inf
+        if name == "optimal":
+            lb = bound(sim)
+            oracle = entries[name]
+            oracle["miss_cost_oracle"] = oracle["miss_cost"]
+            oracle["miss_cost"] = lb["miss_cost"]
+            oracle["lower_bound"] = lb
+        on_run(name)
+    optimum, oracle = entries["optimal"]["miss_cost"], entries["optimal"]["miss_cost_oracle"]
+    for name, entry in entries.items():
+        entry["gap"] = gap(entry["miss_cost"], optimum)
+        entry["gap_oracle"] = gap(entry.get("miss_cost_oracle", entry["miss_cost"]), oracle)
+    return entries

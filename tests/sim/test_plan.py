@@ -1,0 +1,51 @@
+"""The capacity planner: sizes by the formula and on disk, what fits, the smallest cache for a workload."""
+
+import pytest
+
+from loraplex.registry import Registry
+from loraplex.sim import plan as planner
+from loraplex.sim.workload import Request, write_trace
+
+
+def test_sizes_by_formula_match_the_tensors(llama_dir, llama_adapters):
+    adapters = planner.from_folder(next(iter(llama_adapters.values())).parent, planner.ModelConfig.from_dir(llama_dir), 4)
+    assert {a.name for a in adapters} == set(llama_adapters)
+    for a in adapters:
+        assert a.estimated_bytes == a.actual_bytes == a.serving_bytes  # float32 stored, float32 served
+        assert a.file_bytes > a.actual_bytes  # header and config on top
+    by_name = {a.name: a for a in adapters}
+    # attn-r8 on the tiny Llama (hidden 64, 4 heads of 16, 2 kv heads): q, k, v, o over 2 layers, float32
+    per_layer = (64 + 64) + (64 + 32) + (64 + 32) + (64 + 64)
+    assert by_name["attn-r8"].estimated_bytes == 2 * per_layer * 8 * 4
+
+
+def test_plan_from_a_registry(llama_dir, llama_adapters, tmp_path):
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = Registry(url, base_model_dir=llama_dir)
+    registry.init()
+    for name in ("attn-r8", "mlp-r4"):
+        registry.add_revision(llama_adapters[name], name, base_model_dir=llama_dir, status="stable")
+    registry.close()
+    plan = planner.make_plan(llama_dir, registry=url)
+    assert sorted((a.name, a.rank) for a in plan.adapters) == [("attn-r8", 8), ("mlp-r4", 4)]
+    assert all(a.estimated_bytes > 0 and a.file_bytes is None for a in plan.adapters)
+    with pytest.raises(planner.PlanError, match="not initialized"):
+        planner.make_plan(llama_dir, registry=f"sqlite:///{tmp_path / 'empty.db'}")
+
+
+def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, tmp_path):
+    # Ten warm adapters taking turns on 8 slots, and a few cold ones: no cache keeps cold starts under 1%
+    # (18 compulsory misses in 408 requests); under 5% needs host memory for the warm set.
+    trace = [Request(0.5 * i, "t", f"warm{i % 10}", 16, 4, rank=8) for i in range(400)]
+    trace += [Request(0.5 * i + 0.25, "t", f"cold{i}", 16, 4, rank=8) for i in range(0, 400, 50)]
+    write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")
+    folder = next(iter(llama_adapters.values())).parent
+    plan = planner.make_plan(llama_dir, adapters_dir=folder, workload=str(tmp_path / "trace.jsonl"))
+    assert plan.slot_bytes == 2 * 64 * 4 * sum(sum(planner.ModelConfig.from_dir(llama_dir).linear_shape(m))
+                                              for m in planner.LINEAR_MODULES)
+    cpu_1, cpu_5, slots = plan.sizing
+    assert cpu_1["cpu_bytes"] is None and cpu_1["rate"] is None
+    assert cpu_5["cpu_bytes"] > 0 and cpu_5["rate"] <= 0.05
+    assert slots["gpu_slots"] is not None and slots["rate"] <= planner.SLOT_MISS_TARGET
+    assert len(planner.tables(plan)) == 3
+    assert planner.fits([3, 1, 2], 3) == 2
