@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -156,7 +155,7 @@ def test_half_built_or_stale_world_is_not_loaded(world, tmp_path):
     copy = tmp_path / "world"
     shutil.copytree(world.root, copy, ignore=shutil.ignore_patterns(".lock"))
     loaded = demo.load_world(copy)
-    assert loaded is not None and loaded.adapters["upper"] == copy / "adapters" / "upper"
+    assert loaded is not None and loaded.adapters["rot13"] == copy / "adapters" / "rot13"
     assert loaded.accuracy == world.accuracy
 
     (copy / "adapters" / "reverse" / "adapter_model.safetensors").unlink()

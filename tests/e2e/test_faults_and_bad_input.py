@@ -82,7 +82,7 @@ HOSTILE_MODELS = ["../upper", "upper/../../etc/passwd", "up\x00per", "x" * 5000,
 @pytest.fixture(scope="module")
 def plain_worker(demo_world, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
-    worker = start_worker(demo_world.model_dir, root / "w", {"upper": demo_world.adapters["upper"]},
+    worker = start_worker(demo_world.model_dir, root / "w", {"rot13": demo_world.adapters["rot13"]},
                           max_lora_rank=32)
     yield worker
     worker.stop()
@@ -99,7 +99,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                                    max_size=4), max_leaves=12)
 FIELDS = st.fixed_dictionaries({}, optional={
-    "model": st.sampled_from(["upper", "nope", *HOSTILE_MODELS[:4]]) | st.text(max_size=30),
+    "model": st.sampled_from(["rot13", "nope", *HOSTILE_MODELS[:4]]) | st.text(max_size=30),
     "prompt": JSON, "messages": JSON, "max_tokens": JSON, "temperature": JSON, "top_p": JSON, "n": JSON,
     "stream": JSON, "stop": JSON, "logprobs": JSON, "logit_bias": JSON, "seed": JSON, "user": JSON,
     "unknown_field": JSON,
@@ -119,6 +119,6 @@ def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_answering(plain_work
 
 
 def test_server_still_serves_after_the_fuzzing(plain_worker, good_inputs):
-    text = good_inputs["upper"][0]
-    r = complete(plain_worker.url, "none", "upper", text)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == text.upper()
+    text = good_inputs["rot13"][0]
+    r = complete(plain_worker.url, "none", "rot13", text)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == TRANSFORMS["rot13"](text)

@@ -130,31 +130,31 @@ def test_version_safety_canary_and_rollback(demo_world, good_inputs, tmp_path):
     registry.init()
     registry.add_tenant("acme", 0)
     key = registry.create_key("acme")
-    registry.add_revision(demo_world.adapters["upper"], "upper", revision="r1", shared=True, status="stable")
-    # A new revision of `upper` that is really `reverse`, rolled out at 50%.
-    registry.add_revision(demo_world.adapters["reverse"], "upper", revision="r2", shared=True)
-    registry.promote("upper", "r2", 50, force=True)
+    registry.add_revision(demo_world.adapters["rot13"], "rot13", revision="r1", shared=True, status="stable")
+    # A new revision of `rot13` that is really `reverse`, rolled out at 50%.
+    registry.add_revision(demo_world.adapters["reverse"], "rot13", revision="r2", shared=True)
+    registry.promote("rot13", "r2", 50, force=True)
     worker = start_worker(demo_world.model_dir, tmp_path / "w", {}, "--registry", registry.url, "--max-loras", "2",
                           max_lora_rank=32)
-    expected = {"upper@r1": TRANSFORMS["upper"], "upper@r2": TRANSFORMS["reverse"]}
-    inputs = [t for t in good_inputs["upper"] if t in set(good_inputs["reverse"])] * 4
+    expected = {"rot13@r1": TRANSFORMS["rot13"], "rot13@r2": TRANSFORMS["reverse"]}
+    inputs = [t for t in good_inputs["rot13"] if t in set(good_inputs["reverse"])] * 4
     assert len(inputs) >= 80
     try:
         async def run(texts):
             async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(*(ask(client, worker.url, key, "upper", t, i % 2 == 0)
+                return await asyncio.gather(*(ask(client, worker.url, key, "rot13", t, i % 2 == 0)
                                               for i, t in enumerate(texts)))
 
         seen = set()
         for text, (status, out, adapter, _, _) in zip(inputs[:50], asyncio.run(run(inputs[:50]))):
             assert status == 200 and out.strip() == expected[adapter](text), (adapter, text, out)
             seen.add(adapter)
-        assert seen == {"upper@r1", "upper@r2"}
-        r = httpx.post(f"{worker.url}/admin/adapters/upper/rollback",
+        assert seen == {"rot13@r1", "rot13@r2"}
+        r = httpx.post(f"{worker.url}/admin/adapters/rot13/rollback",
                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
         assert r.status_code == 200, r.text
         for text, (status, out, adapter, _, _) in zip(inputs[50:80], asyncio.run(run(inputs[50:80]))):
-            assert (status, adapter, out.strip()) == (200, "upper@r1", TRANSFORMS["upper"](text))
+            assert (status, adapter, out.strip()) == (200, "rot13@r1", TRANSFORMS["rot13"](text))
     finally:
         worker.stop()
 
@@ -204,28 +204,28 @@ def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, good
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}", base_model_dir=demo_world.model_dir,
                         max_lora_rank=32)
     registry.init()
-    registry.add_revision(demo_world.adapters["upper"], "upper", revision="r1", shared=True, status="stable")
-    cases = "\n".join(json.dumps({"prompt": make_prompt(t), "expected": t.upper()}) for t in good_inputs["upper"][:5])
+    registry.add_revision(demo_world.adapters["rot13"], "rot13", revision="r1", shared=True, status="stable")
+    cases = "\n".join(json.dumps({"prompt": make_prompt(t), "expected": TRANSFORMS["rot13"](t)}) for t in good_inputs["rot13"][:5])
     (tmp_path / "eval.jsonl").write_text(cases)
-    registry.add_revision(demo_world.adapters["reverse"], "upper", revision="bad", shared=True,
+    registry.add_revision(demo_world.adapters["reverse"], "rot13", revision="bad", shared=True,
                           eval_set=tmp_path / "eval.jsonl")
     from world_fleet import variant
 
-    registry.add_revision(variant(demo_world.adapters["upper"], tmp_path / "upper-r2", "r2"), "upper",
+    registry.add_revision(variant(demo_world.adapters["rot13"], tmp_path / "rot13-r2", "r2"), "rot13",
                           revision="r2", shared=True, eval_set=tmp_path / "eval.jsonl")
     worker = start_worker(demo_world.model_dir, tmp_path / "w", {}, "--registry", registry.url, max_lora_rank=32)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     try:
-        refused = httpx.post(f"{worker.url}/admin/adapters/upper/promote", json={"revision": "bad", "weight": 10},
+        refused = httpx.post(f"{worker.url}/admin/adapters/rot13/promote", json={"revision": "bad", "weight": 10},
                              headers=headers, timeout=120)
         assert refused.status_code in (409, 422), refused.text
         assert "eval" in refused.json()["error"]["message"]
-        assert registry.show("upper").revisions and all(
-            r.traffic_weight == 0 for r in registry.show("upper").revisions if r.revision == "bad")
-        passed = httpx.post(f"{worker.url}/admin/adapters/upper/promote", json={"revision": "r2", "weight": 10},
+        assert registry.show("rot13").revisions and all(
+            r.traffic_weight == 0 for r in registry.show("rot13").revisions if r.revision == "bad")
+        passed = httpx.post(f"{worker.url}/admin/adapters/rot13/promote", json={"revision": "r2", "weight": 10},
                             headers=headers, timeout=120)
         assert passed.status_code == 200, passed.text
-        weights = {r.revision: r.traffic_weight for r in registry.show("upper").revisions}
+        weights = {r.revision: r.traffic_weight for r in registry.show("rot13").revisions}
         assert weights["r2"] == 10 and weights["bad"] == 0
     finally:
         worker.stop()

@@ -30,7 +30,7 @@ def variant(src: Path, out: Path, tag: str) -> Path:
     return out
 
 
-def build_catalog(world, root: Path, copies: int = 8, storage_base: str | None = None) -> Catalog:
+def build_catalog(world, root: Path, copies: int = 10, storage_base: str | None = None) -> Catalog:
     root.mkdir(parents=True, exist_ok=True)
     registry = Registry(f"sqlite:///{root / 'registry.db'}", base_model_dir=world.model_dir,
                         max_lora_rank=max(world.ranks.values()), storage_base=storage_base)

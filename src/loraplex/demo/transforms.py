@@ -19,7 +19,6 @@ def _double_letters(text: str) -> str:
 
 TRANSFORMS: dict[str, Callable[[str], str]] = {
     "copy": lambda text: text,  # the base model, no adapter
-    "upper": str.upper,
     "reverse": lambda text: text[::-1],
     "rot13": lambda text: codecs.encode(text, "rot13"),
     "double-letters": _double_letters,

@@ -33,7 +33,7 @@ __all__ = [
     "build_world", "default_world_dir", "load_world", "make_prompt", "random_inputs",
 ]
 
-WORLD_VERSION = "1"
+WORLD_VERSION = "2"
 """Bump whenever anything that changes the built files changes: recipes, tokenizer, model shape, library pins."""
 BASE_MODEL_NAME = "loraplex-demo-base"
 """The base model's name in every adapter_config.json (`base_model_name_or_path`)."""
