@@ -210,12 +210,17 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
 
     with start(registry_setup=register) as running:
         client = running.client()
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.completions.create(model="broken", prompt="x", max_tokens=2)
+        assert failed.value.status_code == 503 and failed.value.body["code"] == "adapter_unavailable"
+        assert "digest" in failed.value.message
+        # The revision is quarantined: never served again, and with no other revision the name is gone.
+        running.wait_for(lambda: running.registry.show("broken").revisions[0].status == "quarantined",
+                         what="quarantine")
         for stream in (False, True):
-            with pytest.raises(openai.InternalServerError) as failed:
+            with pytest.raises(openai.NotFoundError):
                 result = client.completions.create(model="broken", prompt="x", max_tokens=2, stream=stream)
                 list(result) if stream else None
-            assert failed.value.status_code == 503 and failed.value.body["code"] == "adapter_unavailable"
-            assert "digest" in failed.value.message
         assert client.completions.create(model="shared-a", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 
