@@ -194,15 +194,15 @@ def report(console: Console, jobs: list[Result], state: dict, plan: Plan) -> tup
     return correct, len(jobs)
 
 
-def hints(console: Console, url: str, keys: dict[str, str]) -> None:
-    key = keys["acme"]
+def hints(console: Console, url: str, keys: dict[str, str], plan: Plan) -> None:
+    key, shared, own = keys["acme"], plan.shared[0], plan.private["acme"]
     console.print(
         "\nTry it by hand:\n"
         f"  curl -s {url}/v1/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-        "-d '{\"model\": \"reverse\", \"prompt\": \"<s>hello<sep>\", \"max_tokens\": 20}'\n"
+        f"-d '{{\"model\": \"{shared}\", \"prompt\": \"<s>hello<sep>\", \"max_tokens\": 20}}'\n"
         f"  curl -s {url}/v1/models -H 'Authorization: Bearer {key}'\n"
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='{key}'); "
-        "print(c.chat.completions.create(model='rot13', messages=[{'role': 'user', 'content': 'hello'}])"
+        f"print(c.chat.completions.create(model='{own}', messages=[{{'role': 'user', 'content': 'hello'}}])"
         ".choices[0].message.content)\"",
         soft_wrap=True,
     )
@@ -233,7 +233,7 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
             asyncio.run(run_workload(url, keys, jobs))
             state = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"}).json()
             correct, checked = report(console, jobs, state, plan)
-            hints(console, url, keys)
+            hints(console, url, keys, plan)
             console.print(f"{correct}/{checked} correct")
             if serve:
                 console.print(f"serving on {url} until Ctrl-C (admin token {token})")
