@@ -371,8 +371,9 @@ class Worker:
                     held = self._all_slots_held() if held is None else held
                     if held:
                         # The cache's acquire could only fail here, after ranking every adapter by demand;
-                        # its one side effect is the access time.
+                        # its side effects are the access time and the mark that a request waits for the key.
                         self.cache.entries[key].last_access = sim.now
+                        self.cache._wanted[key] = sim.now
                         continue
                 if self.cache.acquire(seq.ref) is None:
                     continue  # its adapter is loading or no slot can be freed: others go ahead
