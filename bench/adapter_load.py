@@ -32,7 +32,7 @@ from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import read_adapter
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
-from loraplex.registry.store import AllowList, ArtifactStore, canonical_digest
+from loraplex.registry.store import AllowList, ArtifactStore
 
 SHAPES = {
     "small-512x4": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine.llm_engine import LLMEngine  # noqa: E402
 from loraplex.engine.sequence import SamplingParams  # noqa: E402
 from loraplex.model_config import ModelConfig  # noqa: E402
-from loraplex.registry.store import ArtifactStore, canonical_digest  # noqa: E402
+from loraplex.registry.store import ArtifactStore  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 
@@ -76,7 +75,7 @@ def zipf(num_adapters: int, alpha: float, n: int, rate: float, rng: random.Rando
 def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], prompt: list[int]) -> list[dict]:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    pending, records, by_id = list(trace), [], {}
+    pending, by_id = list(trace), {}
     while pending or engine.has_work():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
@@ -92,8 +91,7 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
                 record["error"] = str(out.error)
         if not engine.scheduler.running and pending and not engine.adapters.loading:
             time.sleep(min(0.002, max(0.0, pending[0][0] - (time.perf_counter() - start))))
-    records = list(by_id.values())
-    return records
+    return list(by_id.values())
 
 
 def summarize(records: list[dict], engine: LLMEngine, window: tuple[float, float] | None) -> dict:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from loraplex.bench.procs import ADMIN_TOKEN, start_router, start_worker, state
-from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs
+from loraplex.demo.world import TRANSFORMS, make_prompt
 from world_fleet import build_catalog, checked_inputs, pick
 
 SOAK_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))

@@ -13,7 +13,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams
 from loraplex.lora_format import AdapterRejected
-from tinymodels import make_adapter, peft_reference, reference_greedy
+from tinymodels import peft_reference, reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_stop_strings_truncate_the_text(engine):
     full = engine.tokenizer.decode(engine.generate([[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0))[0])
     stop = full[3:5]
     assert stop
-    rid = engine.add_request([3, 4, 5], SamplingParams(max_tokens=10, temperature=0, stop=(stop,)))
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=10, temperature=0, stop=(stop,)))
     text, reason = "", None
     while engine.has_work():
         for o in engine.step():
