@@ -33,3 +33,11 @@ def test_loraplex_state_gives_residency_by_name_and_revision():
     assert view.affinity("c") == "loading" and view.affinity("zzz") == "none"
     assert view.load == 1 + 2 + 4
     assert not worker.view(now=worker.polled_at + 5, stale_s=2).fresh
+
+
+def test_adapters_routed_since_the_last_poll_count_as_loading_there():
+    worker = Worker("http://w")
+    worker.apply_state({"adapters": [], "load": {"free_slots": 0}})
+    worker.sent.add("fresh-one")
+    assert worker.view(now=worker.polled_at, stale_s=2).affinity("fresh-one") == "loading"
+    assert worker.view(now=worker.polled_at, stale_s=2).affinity("other") == "none"

@@ -84,3 +84,18 @@ def test_dead_and_stale_workers():
     assert Picker().pick([w("a", healthy=False)], "x").url is None
     with pytest.raises(ValueError):
         Picker(policy="nope")
+
+
+def test_queue_depth_outweighs_affinity_only_by_whole_requests():
+    """At the defaults each request of load costs 0.2: a gpu-resident worker keeps its adapter's traffic until it
+    carries two more requests than a worker with a free slot, then the hot adapter spreads to a second worker."""
+    picker = Picker(rng=random.Random(3))
+    for load, expected in ((0, "a"), (1, "a"), (2, "b"), (3, "b")):
+        workers = [w("a", gpu=frozenset({"x"}), running=load), w("b", free_slots=1)]
+        assert picker.pick(workers, "x").url == expected, load
+    # Against a worker with no free slot (a cold load and an eviction there) affinity holds until saturation.
+    workers = [w("a", gpu=frozenset({"x"}), running=4), w("b")]
+    assert picker.pick(workers, "x").url == "a"
+    # Resident on two workers: the less loaded one takes it.
+    workers = [w("a", gpu=frozenset({"x"}), running=3), w("b", gpu=frozenset({"x"}), running=1)]
+    assert picker.pick(workers, "x").url == "b"

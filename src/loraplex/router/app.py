@@ -99,6 +99,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             worker = fleet.workers.get(url)
             if worker is not None:
                 worker.in_flight += 1
+                if adapter is not None:
+                    worker.sent.add(adapter)
             in_flight[url] = in_flight.get(url, 0) + 1
             metrics.in_flight.labels(url).set(in_flight[url])
             upstream = proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)

@@ -26,13 +26,15 @@ class Worker:
     last: WorkerView | None = None
     """Load and residency from the last poll."""
     in_flight: int = 0
+    sent: set[str] = dataclasses.field(default_factory=set)
+    """Adapters routed here since the last poll: counted as loading, so the next request for one follows it."""
     kind: str = "loraplex"
     failures: int = 0
 
     def view(self, now: float, stale_s: float) -> WorkerView:
         last = self.last or WorkerView(self.url)
         return dataclasses.replace(last, healthy=self.healthy, fresh=now - self.polled_at <= stale_s,
-                                   in_flight=self.in_flight)
+                                   in_flight=self.in_flight, loading=last.loading | self.sent)
 
     def apply_state(self, state: dict) -> None:
         """From a loraplex worker's GET /admin/state."""
@@ -117,6 +119,7 @@ class Fleet:
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
             worker.in_flight = 0  # the fresh state counts them now
+            worker.sent.clear()
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
             worker.healthy, worker.failures = True, 0

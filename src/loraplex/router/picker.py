@@ -55,7 +55,10 @@ class PickerConfig:
     max_waiting: int = 5
     max_kv_usage: float = 0.8
     w_affinity: float = 1.0
-    w_queue: float = 0.5
+    w_queue: float = 1.0
+    """Weight of queue depth, as load / max_waiting: at the defaults each queued or running request costs 0.2,
+    so a gpu-resident worker keeps an adapter's traffic until it has two more requests than a worker with a
+    free slot, and the traffic of a hot adapter spreads to a second worker instead of queueing on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
     load_factor: float = 1.25
@@ -138,7 +141,7 @@ class Picker:
             top = max(values) or 1
             return [v / top for v in values]
 
-        queue = norm([w.load for w in workers])
+        queue = [w.load / max(1, c.max_waiting) for w in workers]
         tokens = norm([w.active_tokens if w.fresh else 0 for w in workers])
         evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
         return {
