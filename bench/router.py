@@ -97,6 +97,7 @@ def summarize(records: list[dict]) -> dict:
     spread = statistics.pstdev(per_worker.values()) / statistics.mean(per_worker.values()) if per_worker else 0
     return {
         "requests": len(records), "ok": len(ok),
+        "errors": dict(Counter(str(r.get("status")) for r in records if r not in ok)),
         "gpu_hit": round(tiers["gpu"] / max(1, len(ok)), 3),
         "hit_cpu": round(tiers["cpu"] / max(1, len(ok)), 3),
         "cold_starts": tiers["disk"] + tiers["remote"],
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--workloads", default="zipf,one-hot")
     parser.add_argument("--json", default="bench/results/router.json")
+    parser.add_argument("--keep-logs", help="copy each run's worker and router logs here")
     args = parser.parse_args(argv)
     console = Console(width=200)
     num_adapters = 30 if args.quick else 100
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                         warm = asyncio.run(replay(router.url, sweep, key))
                         records = asyncio.run(replay(router.url, trace, key))
                     finally:
+                        if args.keep_logs:
+                            shutil.copytree(run, Path(args.keep_logs) / run.name, dirs_exist_ok=True,
+                                            ignore=shutil.ignore_patterns("cache", "*.db*"))
                         router.stop()
                         for w in workers:
                             w.stop()

@@ -55,10 +55,11 @@ class PickerConfig:
     max_waiting: int = 5
     max_kv_usage: float = 0.8
     w_affinity: float = 1.0
-    w_queue: float = 1.0
-    """Weight of queue depth, as load / max_waiting: at the defaults each queued or running request costs 0.2,
-    so a gpu-resident worker keeps an adapter's traffic until it has two more requests than a worker with a
-    free slot, and the traffic of a hot adapter spreads to a second worker instead of queueing on one."""
+    w_queue: float = 0.5
+    """Weight of queue depth, as load / max_waiting: at the defaults each queued or running request costs 0.1,
+    so a gpu-resident worker keeps an adapter's traffic until it carries two more requests than a worker that
+    holds the adapter in cpu, or three more than one with a free slot (where it is a cold load from disk or the
+    store); then the hot adapter spreads to a second worker instead of queueing on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
     load_factor: float = 1.25
@@ -123,7 +124,9 @@ class Picker:
             order = self._bounded_hash(candidates, adapter)
             reason = "cold-hash"
         else:
-            order = sorted(candidates, key=lambda w: (-scores[w.url], self.rng.random()))
+            # On equal scores the better-placed adapter wins (no load for nothing), then chance.
+            order = sorted(candidates, key=lambda w: (-round(scores[w.url], 9), -AFFINITY[w.affinity(adapter)],
+                                                      self.rng.random()))
             top = [w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal]
             if priority > 0 and len(top) > 1:  # a higher-priority tenant takes the less-loaded of near-equals
                 first = min(top, key=lambda w: (w.load, w.active_tokens))
