@@ -7,12 +7,14 @@ from typing import Optional
 
 import typer
 
+from loraplex.bench.cli import app as bench_app
 from loraplex.registry.cli import app as registry_app
 from loraplex.server.cli import serve
 from loraplex.sim.cli import plan, simulate
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve one base LLM with many LoRA adapters.")
 app.add_typer(registry_app, name="registry")
+app.add_typer(bench_app, name="bench")
 app.command()(serve)
 app.command()(simulate)
 app.command()(plan)

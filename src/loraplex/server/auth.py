@@ -24,9 +24,9 @@ def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def read_api_keys(path: str | Path) -> dict[str, str]:
-    """sha256(key) -> tenant from a file of `TENANT KEY` lines (`#` starts a comment)."""
-    keys: dict[str, str] = {}
+def read_key_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """(tenant, key) from a file of `TENANT KEY` lines (`#` starts a comment); also read by `bench serve`."""
+    pairs = []
     for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -36,8 +36,13 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
             raise ValueError(f"{path} line {number}: expected `TENANT KEY`")
         if len(parts[1]) < 16:
             raise ValueError(f"{path} line {number}: the key is shorter than 16 characters")
-        keys[_hash(parts[1])] = parts[0]
-    return keys
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def read_api_keys(path: str | Path) -> dict[str, str]:
+    """sha256(key) -> tenant from a file of `TENANT KEY` lines."""
+    return {_hash(key): tenant for tenant, key in read_key_pairs(path)}
 
 
 def read_admin_token(path: str | Path) -> str:
