@@ -1,11 +1,13 @@
-"""Reading and validating a PEFT LoRA directory from its config and safetensors header only (no torch)."""
+"""Reading and validating a PEFT LoRA adapter from its config and safetensors header only (no torch)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +43,7 @@ class LoraModuleSpec:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    path: Path
+    path: Path | None  # None for an adapter validated from bytes in memory
     rank: int
     lora_alpha: float
     use_rslora: bool
@@ -54,21 +56,82 @@ class AdapterSpec:
     actual_bytes: int
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"}, read from the file's JSON header."""
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """A safetensors file's header: where its data section starts and how long it is."""
+
+    tensors: dict[str, dict]  # name -> {"dtype", "shape", "data_offsets"}; offsets count from data_start
+    data_start: int
+    data_bytes: int
+
+
+def read_safetensors_header(path: Path) -> SafetensorsLayout:
+    """The header of a safetensors file, read without reading its tensors."""
     with path.open("rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise AdapterRejected(path.name, "not a safetensors file (too short)")
-        (length,) = struct.unpack("<Q", raw_len)
-        if length > 100 * 2**20:
-            raise AdapterRejected(path.name, f"safetensors header of {length} bytes is implausible")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterRejected(path.name, f"not a safetensors file ({exc})") from None
+        length = _header_length(f.read(8), path.name)
+        raw = f.read(length)
+        size = os.fstat(f.fileno()).st_size
+    return _decode_header(raw, length, size, path.name)
+
+
+def parse_safetensors_header(data: bytes | bytearray | memoryview, name: str = WEIGHTS_FILE) -> SafetensorsLayout:
+    """The header of a safetensors file held in memory."""
+    data = memoryview(data)
+    length = _header_length(bytes(data[:8]), name)
+    return _decode_header(bytes(data[8 : 8 + length]), length, len(data), name)
+
+
+def _header_length(prefix: bytes, name: str) -> int:
+    if len(prefix) != 8:
+        raise AdapterRejected(name, "not a safetensors file (too short)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > 100 * 2**20:
+        raise AdapterRejected(name, f"safetensors header of {length} bytes is implausible")
+    return length
+
+
+def _decode_header(raw: bytes, length: int, file_size: int, name: str) -> SafetensorsLayout:
+    if 8 + length > file_size:
+        raise AdapterRejected(name, f"not a safetensors file (a header of {length} bytes runs past its end)")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterRejected(name, f"not a safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise AdapterRejected(name, "not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    return header
+    for key, info in header.items():
+        if not _is_tensor_entry(info):
+            raise AdapterRejected(name, f"not a safetensors file (malformed header entry for {key})")
+    return SafetensorsLayout(header, 8 + length, file_size - 8 - length)
+
+
+def _is_tensor_entry(info) -> bool:
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return False
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    return _naturals(shape) and _naturals(offsets) and len(offsets) == 2
+
+
+def _naturals(values) -> bool:
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
+
+
+def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
+    """The tensors fill the data section exactly, in order, each as long as its shape and dtype say.
+
+    So that a view of any tensor's bytes stays inside the file (as the safetensors library itself requires).
+    """
+    end = 0
+    for key, info in sorted(layout.tensors.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, stop = info["data_offsets"]
+        if begin != end or stop - begin != math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]:
+            raise AdapterRejected(
+                name, f"{key}: data_offsets {info['data_offsets']} do not follow the previous tensor or fit its shape"
+            )
+        end = stop
+    if end != layout.data_bytes:
+        raise AdapterRejected(name, f"the tensors cover {end} bytes of a {layout.data_bytes}-byte data section")
 
 
 def read_adapter_config(adapter_dir: Path) -> dict:
@@ -86,8 +149,12 @@ def read_adapter_config(adapter_dir: Path) -> dict:
         raise AdapterRejected("weights", f"missing {WEIGHTS_FILE} in {adapter_dir}")
     if not (adapter_dir / CONFIG_FILE).is_file():
         raise AdapterRejected("config", f"missing {CONFIG_FILE} in {adapter_dir}")
+    return _parse_config((adapter_dir / CONFIG_FILE).read_bytes())
+
+
+def _parse_config(raw: bytes) -> dict:
     try:
-        config = json.loads((adapter_dir / CONFIG_FILE).read_text())
+        config = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterRejected("config", f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
@@ -120,11 +187,26 @@ def _pattern_value(patterns: dict, key: str, default):
 
 
 def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> AdapterSpec:
-    """Validate an adapter against the base model; raise AdapterRejected naming the field and reason."""
+    """Validate an adapter directory against the base model; raise AdapterRejected naming the field and reason."""
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
+    return _adapter_spec(config, read_safetensors_header(adapter_dir / WEIGHTS_FILE), model, max_rank, adapter_dir)
+
+
+def adapter_from_files(files: Mapping[str, bytes | bytearray | memoryview], model: ModelConfig,
+                       max_rank: int) -> AdapterSpec:
+    """Validate an adapter held in memory (file name -> bytes, as the cache reads and digest-checks it)."""
+    for name, field in ((WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")):
+        if name not in files:
+            raise AdapterRejected(field, f"missing {name}")
+    config = _parse_config(bytes(files[CONFIG_FILE]))
+    return _adapter_spec(config, parse_safetensors_header(files[WEIGHTS_FILE]), model, max_rank, None)
+
+
+def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, max_rank: int,
+                  adapter_dir: Path | None) -> AdapterSpec:
     _check_config(config)
-    header = read_safetensors_header(adapter_dir / WEIGHTS_FILE)
+    header = layout.tensors
     r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
     use_rslora = bool(config.get("use_rslora", False))
     pairs: dict[tuple[int, str], dict[str, str]] = {}
@@ -147,6 +229,7 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
         pairs.setdefault((layer, module), {})[side] = key
     if not pairs:
         raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
+    _check_tiling(layout, WEIGHTS_FILE)
     modules = []
     estimated = 0
     for (layer, module), sides in sorted(pairs.items()):
@@ -161,6 +244,8 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
                 f"layer {layer} {module}: A {shape_a} and B {shape_b} do not fit the base "
                 f"(expected [r, {d_in}] and [{d_out}, r])",
             )
+        if rank < 1:
+            raise AdapterRejected("rank", f"layer {layer} {module} has rank {rank}; it must be at least 1")
         if rank > max_rank:
             raise AdapterRejected("rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}")
         path = ModelConfig.module_path(layer, module)
@@ -176,7 +261,7 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
         rank=max(m.rank for m in modules),
         lora_alpha=float(alpha_default),
         use_rslora=use_rslora,
-        dtype=sorted(dtypes)[0] if len(dtypes) == 1 else "mixed",
+        dtype=min(dtypes) if len(dtypes) == 1 else "mixed",
         task_type=config.get("task_type"),
         base_model_name=config.get("base_model_name_or_path"),
         target_modules=tuple(sorted({m.module for m in modules})),

@@ -75,7 +75,7 @@ def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, re
         bad = remote_ref(engine, base, "bad", digests["all-r16-rslora"])
         assert run_one(engine, good)[1] is None
         slots, cpu = list(engine.adapters.slots), set(engine.adapters.cpu)
-        tier, error, tokens = run_one(engine, bad)
+        _, error, tokens = run_one(engine, bad)
         assert "digest" in str(error).lower() and tokens == []
         assert (list(engine.adapters.slots), set(engine.adapters.cpu)) == (slots, cpu)
         assert not engine.adapters.disk.has(digests["all-r16-rslora"])

@@ -12,9 +12,9 @@ from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
-from loraplex.lora_format import read_adapter
+from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import ModelConfig
-from loraplex.registry.store import canonical_digest
+from loraplex.registry.store import canonical_digest, read_artifact
 
 NUM_SLOTS = 3
 
@@ -23,8 +23,11 @@ NUM_SLOTS = 3
 def setup(llama_dir, llama_adapters, tmp_path_factory):
     cfg = ModelConfig.from_dir(llama_dir)
 
-    def pack(path):
-        return pack_adapter(read_adapter(path, cfg, 16), cfg, torch.float32)
+    def pack(files):
+        return pack_adapter(adapter_from_files(files, cfg, 16), files[WEIGHTS_FILE], torch.float32)
+
+    def read(ref):
+        return read_artifact(ref.path, ref.key.adapter_digest)
 
     refs = []
     for i in range(7):  # seven names over the fixture adapters; the last one's files are corrupted
@@ -39,9 +42,9 @@ def setup(llama_dir, llama_adapters, tmp_path_factory):
     scratch = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
     expected = {}
     for ref in refs[:-1]:
-        scratch.set_slot(0, pack(ref.path))
+        scratch.set_slot(0, pack(read(ref)))
         expected[ref.key] = scratch.buffer[0].clone()
-    packed_bytes = max(pack(r.path).nbytes for r in refs[:-1])
+    packed_bytes = max(pack(read(r)).nbytes for r in refs[:-1])
     return cfg, pack, refs, expected, packed_bytes
 
 
@@ -129,7 +132,7 @@ def _check(cache, pool, held, expected, packed_bytes):
 
 
 def test_pinned_gpu_adapters_survive_pressure(setup):
-    cfg, pack, refs, expected, packed_bytes = setup
+    cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
     cache = AdapterCache(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     cache.pin(refs[0], "gpu")
@@ -148,7 +151,7 @@ def test_pinned_gpu_adapters_survive_pressure(setup):
 
 
 def test_reload_after_eviction_counts_thrash(setup):
-    cfg, pack, refs, expected, packed_bytes = setup
+    cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
     cache = AdapterCache(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     for ref in [refs[0], refs[1], refs[0], refs[1]]:

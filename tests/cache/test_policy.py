@@ -1,6 +1,12 @@
 """Eviction policies over plain data (no torch)."""
 
-from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy, make_policy
+from loraplex.cache.policy import (
+    Candidate,
+    DemandTracker,
+    LRUPolicy,
+    ScorePolicy,
+    make_policy,
+)
 
 
 def c(key, last=0.0, loaded=0.0, demand=0.0, **kw):

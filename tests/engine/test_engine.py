@@ -1,6 +1,7 @@
 """Engine behaviour: refusals, memory pressure, sampling options, streaming and abort."""
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraplex.cache.key import AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams
 from loraplex.lora_format import AdapterRejected
+from loraplex.registry.store import canonical_digest
 from tinymodels import peft_reference, reference_greedy
 
 
@@ -96,6 +99,32 @@ def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_ad
     assert len(tokens[ok_id]) == 5 and ok_id not in errors
     assert "later-broken" in str(errors[bad_id]) and tokens[bad_id] == []
     assert all(e.refcount == 0 for e in engine.adapters.entries.values())
+
+
+@pytest.mark.parametrize("swap", ["garbage", "pickle"])
+def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(engine, llama_adapters, tmp_path, swap):
+    bad_dir = _copy(llama_adapters["attn-r8"], tmp_path / f"swapped-{swap}")
+    valid = engine.adapter_ref(f"swapped-{swap}", bad_dir)  # validated while the files were good
+    weights = bad_dir / "adapter_model.safetensors"
+    if swap == "garbage":
+        weights.write_bytes(b"\x05\0\0\0\0\0\0\0hello" + bytes(64))
+    else:
+        torch.save(load_file(weights), bad_dir / "adapter_model.bin")
+        weights.unlink()
+    # The key names the digest of the bytes now there: the digest check passes, the bytes check must not.
+    bad = AdapterRef(dataclasses.replace(valid.key, adapter_digest=canonical_digest(bad_dir)), bad_dir)
+    good = engine.adapter_ref("good3", llama_adapters["mlp-r4"])
+    ok_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0), good)
+    bad_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0), bad)
+    tokens, errors = {ok_id: [], bad_id: []}, {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            if out.error:
+                errors[out.request_id] = out.error
+    assert len(tokens[ok_id]) == 3 and ok_id not in errors
+    assert "not servable" in str(errors[bad_id]) and tokens[bad_id] == []
+    assert bad.key not in engine.adapters.cpu and bad.key not in engine.adapters.slots
 
 
 def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir, llama_adapters):

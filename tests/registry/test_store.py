@@ -22,6 +22,8 @@ from loraplex.registry import (
     fetch_artifact,
     serve_store,
 )
+from loraplex.registry import store as store_module
+from loraplex.registry.store import read_artifact
 
 
 def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
@@ -90,6 +92,29 @@ def test_flipped_byte_is_refused_by_get(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(DigestMismatch, match=f"expected {digest}"):
         store.get(digest)
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 24])  # many chunks per file, and one
+def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(store_module, "_READ_CHUNK", chunk)
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    (src / "extra.safetensors").write_bytes(b"")  # an empty artifact file counts too
+    (src / "notes.txt").write_text("not part of the artifact")
+    files = read_artifact(src, canonical_digest(src))
+    names = ["adapter_config.json", "adapter_model.safetensors", "extra.safetensors"]
+    assert {name: bytes(data) for name, data in files.items()} == {name: (src / name).read_bytes() for name in names}
+
+
+def test_read_artifact_refuses_a_flipped_byte(tmp_path):
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    digest = canonical_digest(src)
+    data = bytearray((src / "adapter_model.safetensors").read_bytes())
+    data[5000] ^= 0x01
+    (src / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+        read_artifact(src, digest)
+    with pytest.raises(UnsafeLocation, match="is not a digest"):
+        read_artifact(src, "md5:" + "0" * 32)
 
 
 def test_digests_never_become_paths(tmp_path):

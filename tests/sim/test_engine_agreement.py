@@ -11,7 +11,13 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
 from loraplex.lora_format import read_adapter
 from loraplex.model_config import ModelConfig
-from loraplex.sim.simulator import LoadCosts, ServiceModel, SimConfig, TierCost, simulate
+from loraplex.sim.simulator import (
+    LoadCosts,
+    ServiceModel,
+    SimConfig,
+    TierCost,
+    simulate,
+)
 from loraplex.sim.workload import Request
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
@@ -66,7 +72,7 @@ def test_simulator_reports_the_engines_tier_sequence(llama_dir, llama_adapters, 
     model = ModelConfig.from_dir(llama_dir)
     path_of = {name: paths[i % len(paths)] for i, name in enumerate(names)}
     sizes = {f"{n}@1": read_adapter(p, model, 16).actual_bytes for n, p in path_of.items()}  # float32: packed size
-    cpu_bytes = sorted(sizes.values())[-1] * 3  # about three host copies: cpu evictions happen too
+    cpu_bytes = max(sizes.values()) * 3  # about three host copies: cpu evictions happen too
     sequence = tiny_trace(names)
 
     def refs(engine):

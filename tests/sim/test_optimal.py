@@ -5,14 +5,20 @@ import random
 
 import pytest
 
-from loraplex.sim.optimal import OraclePolicy, belady_misses, gap, lp_miss_cost, next_uses
+from loraplex.sim.optimal import (
+    OraclePolicy,
+    belady_misses,
+    gap,
+    lp_miss_cost,
+    next_uses,
+)
 
 
 def brute_force(seq, sizes, costs, capacity):
     """Least summed miss cost over every eviction choice (any subset may be dropped at any miss)."""
     items = sorted(set(seq))
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(t, cached):
         if t == len(seq):
             return 0.0

@@ -66,6 +66,18 @@ def test_skipping_blocked_acquires_changes_nothing():
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("policy,workers", [("lru", 1), ("score", 1), ("score", 2)])
+def test_skipping_quiet_steps_changes_nothing(policy, workers):
+    trace = small_zipf(seed=5, rate=8.0, duration=40.0)
+    results = []
+    for skip in (True, False):
+        config = SimConfig(gpu_slots=3, cpu_bytes=1 * GiB, disk_bytes=2 * GiB, workers=workers, skip_quiet_steps=skip)
+        sim = simulate(trace, config, policy_factory(policy))
+        results.append([(s.tier, s.worker, s.admitted_at, s.first_token_at, s.finish_at) for s in sim.requests])
+        results.append(summarize(sim)["miss_cost"])
+    assert results[0] == results[2] and results[1] == results[3]
+
+
 def test_score_beats_lru_on_hot_burst():
     trace = W.named("hot-burst")
     config = SimConfig(gpu_slots=8, cpu_bytes=2 * GiB, disk_bytes=4 * GiB)

@@ -6,26 +6,34 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, ArtifactCorrupt, CapacityExceeded
+from loraplex.cache.errors import (
+    AdapterInFlight,
+    AdapterUnavailable,
+    ArtifactCorrupt,
+    CapacityExceeded,
+)
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
 from loraplex.registry.errors import DigestMismatch, RegistryError
-from loraplex.registry.store import canonical_digest
+from loraplex.registry.store import read_artifact
 
 THRASH_WINDOW_S = 60.0
+RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
 WANTED_FOR_S = 2.0  # a waiting request asks again every step; older asks belong to requests that went away
 
 
 class SlotPool(Protocol):
     num_slots: int
 
-    def set_slot(self, slot: int, packed) -> None: ...
+    def set_slot(self, slot: int, packed) -> float | None:
+        """Write the host copy into the slot; a pool that models its copies (the simulator's) returns the
+        seconds the copy takes, any other None (the cache times it)."""
     def clear_slot(self, slot: int) -> None: ...
 
 
@@ -62,7 +70,7 @@ class AdapterCache:
     def __init__(
         self,
         pool: SlotPool,
-        pack: Callable[[Path], object],
+        pack: Callable[[dict[str, memoryview]], object],  # digest-checked file bytes -> host copy
         *,
         cpu_bytes: int,
         max_cpu_loras: int | None = None,
@@ -88,7 +96,10 @@ class AdapterCache:
         self.cpu: dict[AdapterKey, object] = {}
         self.entries: dict[AdapterKey, Entry] = {}
         self.loading: dict[AdapterKey, Future] = {}
-        self.demand = DemandTracker()
+        self.demand = DemandTracker()  # requests per adapter
+        self.activations = DemandTracker(ranked=False)  # slot activations per adapter: what its host copy served
+        self.slot_loads = DemandTracker(ranked=False)  # one key, "gpu": activations that requests asked for
+        self.seconds_per_byte: dict[str, float] = {}  # measured per load stage (download, disk, h2d)
         self.recent_evictions: deque[float] = deque(maxlen=1000)
         self.reloads_after_eviction = 0
         self.num_evictions = 0
@@ -109,11 +120,7 @@ class AdapterCache:
                 return "gpu"
             if key in self.cpu:
                 return "cpu"
-            entry = self.entries.get(key)
-            local = entry is not None and entry.ref.path is not None
-            if local or (self.disk is not None and self.disk.has(key.adapter_digest)):
-                return "disk"
-            return "remote"
+            return "disk" if self._on_disk(key) else "remote"
 
     def nbytes_of(self, key: AdapterKey) -> int:
         entry = self.entries.get(key)
@@ -162,6 +169,8 @@ class AdapterCache:
             slot = self.slot_of(key)
             if slot is None and key in self.cpu:
                 slot = self._activate(key, now)
+                if slot is not None:
+                    self.slot_loads.record("gpu", now)
             if slot is None:
                 if key not in self.cpu:
                     self._start_load(ref)
@@ -210,6 +219,8 @@ class AdapterCache:
                 entry.nbytes = loaded.packed.nbytes
                 entry.loads += 1
                 entry.load_seconds = sum(loaded.stages.values())
+                for stage, seconds in loaded.stages.items():
+                    self._measure(stage, seconds, entry.nbytes)
                 self.cpu[key] = loaded.packed  # load first, then evict: a failed load never evicted anything
                 self._shrink_cpu(keep=key)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
@@ -287,6 +298,8 @@ class AdapterCache:
         self.evict(key)
         with self._lock:
             self.entries.pop(key, None)
+            self.demand.discard(key)
+            self.activations.discard(key)
 
     # -- internals -------------------------------------------------------------------------------
     def _start_load(self, ref: AdapterRef) -> None:
@@ -299,19 +312,14 @@ class AdapterCache:
         try:
             if ref.path is not None:
                 start = time.perf_counter()
-                actual = canonical_digest(ref.path)
-                if actual != ref.key.adapter_digest:
-                    raise ArtifactCorrupt(
-                        f"adapter {ref.key}: digest mismatch ({actual} on disk, {ref.key.adapter_digest} expected)"
-                    )
-                packed = self._pack(ref.path)
+                packed = self._pack(read_artifact(ref.path, ref.key.adapter_digest))  # one read, hashed as read
                 stages["disk"] = time.perf_counter() - start
                 source = "disk"
             elif self.disk is not None and ref.storage_uri:
                 start = time.perf_counter()
-                with self.disk.use(ref.storage_uri, ref.key.adapter_digest) as (path, downloaded):
-                    fetched = time.perf_counter()
-                    packed = self._pack(path)
+                files, downloaded = self.disk.read(ref.storage_uri, ref.key.adapter_digest)
+                fetched = time.perf_counter()
+                packed = self._pack(files)
                 stages["download" if downloaded else "disk"] = fetched - start
                 stages["disk"] = stages.get("disk", 0.0) + time.perf_counter() - fetched
                 source = "remote" if downloaded else "disk"
@@ -333,10 +341,13 @@ class AdapterCache:
             return None
         entry = self.entries[key]
         start = time.perf_counter()
-        self.pool.set_slot(slot, self.cpu[key])
-        self.on_event("load_stage", {"stage": "h2d", "seconds": time.perf_counter() - start, "key": key})
+        modeled = self.pool.set_slot(slot, self.cpu[key])
+        seconds = time.perf_counter() - start if modeled is None else modeled
+        self._measure("h2d", seconds, entry.nbytes)
+        self.on_event("load_stage", {"stage": "h2d", "seconds": seconds, "key": key})
         self.slots[slot] = key
         entry.loaded_at = now
+        self.activations.record(key, now)
         if entry.evicted_at is not None and now - entry.evicted_at < THRASH_WINDOW_S:
             self.reloads_after_eviction += 1
             self.on_event("reload_after_eviction", {})
@@ -353,9 +364,8 @@ class AdapterCache:
         held = [k for k in self.slots if k is not None and self.entries[k].ref.tenant == tenant]
         if len(held) >= quota:  # over its share: the tenant makes room from its own adapters
             evictable = [k for k in evictable if self.entries[k].ref.tenant == tenant]
-        preferred = self._gpu_preferred(now)
-        candidates = [self._candidate(k, now, k in preferred) for k in evictable]
-        victim = self.policy.choose_victim(candidates, now, self._candidate(incoming, now, incoming in preferred))
+        candidates = self._slot_candidates([*evictable, incoming], now)
+        victim = self.policy.choose_victim(candidates[:-1], now, candidates[-1])
         if victim is None:
             return None
         slot = self.slots.index(victim)
@@ -374,17 +384,26 @@ class AdapterCache:
         self.on_event("eviction", {"tier": "gpu"})
 
     def _restore_preferred(self, now: float) -> None:
-        """Put tier-A adapters pushed out by one-offs back into a slot as soon as the one-off is done,
-        so the next request for a hot adapter finds it on the device (a host-to-device copy, off its path)."""
+        """Put a tier-A adapter that a one-off pushed out back into a slot once the one-off is done, so that its
+        next request finds it on the device (a host-to-device copy, off the request's path).
+
+        Only an adapter expected back before the slots turn over is restored: one whose short-window request
+        count, times the number of slots, is at least the count of slot loads over the same window. One expected
+        later would most likely be pushed out again before its next request, and its restore would be a copy
+        for nothing; it is activated when it is asked for instead.
+        """
         for key, asked in list(self._wanted.items()):
             if now - asked > WANTED_FOR_S:
                 del self._wanted[key]  # its request went away
         if self._wanted:
             return  # requests are waiting for a slot: they come first
+        turnover = self.slot_loads.short("gpu", now) / len(self.slots)
         preferred = self._gpu_preferred(now)
         for key in sorted(preferred - set(self.slots), key=lambda k: -self.demand.short(k, now)):
             if key not in self.cpu:
                 continue
+            if self.demand.short(key, now) < turnover:
+                return
             holders = [
                 k for k in self.slots
                 if k is not None and k not in preferred and self.entries[k].refcount == 0
@@ -401,44 +420,86 @@ class AdapterCache:
 
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier A: the adapters with the most short-window demand, up to the cap."""
-        ranked = sorted(self.entries, key=lambda k: self.demand.short(k, now), reverse=True)
-        return {k for k in ranked[: self.max_gpu_preferred] if self.demand.short(k, now) >= 2.0}
+        chosen = set()
+        for key, count in self.demand.ranked(now, 0):
+            if len(chosen) >= self.max_gpu_preferred or count < 2.0:
+                break
+            chosen.add(key)
+        return chosen
 
     def _cpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier B: adapters with demand over the last hour, up to half the cpu budget."""
         chosen, used = set(), 0
-        for key in sorted(self.entries, key=lambda k: self.demand.counts(k, now)[1], reverse=True):
-            if self.demand.counts(key, now)[1] < 2.0 or used + self.entries[key].nbytes > self.cpu_bytes // 2:
+        for key, count in self.demand.ranked(now, 1):
+            if count < 2.0 or used + self.entries[key].nbytes > self.cpu_bytes // 2:
                 break
             chosen.add(key)
             used += self.entries[key].nbytes
         return chosen
 
     def _shrink_cpu(self, keep: AdapterKey) -> None:
-        now = self.clock()
-        preferred = self._cpu_preferred(now)
+        now, candidates = self.clock(), []
+        by_use = getattr(self.policy, "weighs_host_copies_by_use", False)
         while self._cpu_over():
-            keys = [k for k in self.cpu if k != keep and self.entries[k].pinned != "cpu"]
-            # A host copy that a waiting request asked for goes last: dropping it means loading it again.
-            keys = [k for k in keys if k not in self._wanted] or keys
-            # Copies of adapters in a slot go last: a slot eviction then falls back to host memory.
-            outside = [k for k in keys if k not in self.slots] or keys
-            victim = self.policy.choose_victim([self._candidate(k, now, k in preferred) for k in outside], now)
+            if not candidates:
+                keys = [k for k in self.cpu if k != keep and self.entries[k].pinned != "cpu"]
+                # A host copy that a waiting request asked for goes last: dropping it means loading it again.
+                keys = [k for k in keys if k not in self._wanted] or keys
+                if not by_use:  # copies of adapters in a slot go last: a slot eviction falls back to them
+                    keys = [k for k in keys if k not in self.slots] or keys
+                candidates = self._host_candidates(keys, now, by_use)
+            victim = self.policy.choose_victim(candidates, now)
             if victim is None:
                 return
             del self.cpu[victim]
+            candidates = [c for c in candidates if c.key is not victim]
             self.on_event("eviction", {"tier": "cpu"})
 
     def _cpu_over(self) -> bool:
         used = sum(p.nbytes for p in self.cpu.values())
         return used > self.cpu_bytes or (self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras)
 
-    def _candidate(self, key: AdapterKey, now: float, preferred: bool = False) -> Candidate:
-        e = self.entries[key]
-        return Candidate(
-            key, e.nbytes, e.last_access, e.loaded_at, self.demand.short(key, now), e.ref.tenant, e.ref.priority,
-            e.load_seconds, preferred,
-        )
+    def _slot_candidates(self, keys: list[AdapterKey], now: float) -> list[Candidate]:
+        """Adapters as a slot eviction weighs them: losing the slot costs a copy from host memory, or a load
+        first when the host copy is gone."""
+        preferred, rate = self._gpu_preferred(now), self.seconds_per_byte
+        h2d, disk, download = rate.get("h2d", 0.0), rate.get("disk", 0.0), rate.get("download", 0.0)
+        out = []
+        for key, demand in zip(keys, self.demand.shorts(keys, now)):
+            e = self.entries[key]
+            per_byte = h2d if key in self.cpu else h2d + disk + (0.0 if self._on_disk(key) else download)
+            out.append(Candidate(key, e.nbytes, e.last_access, e.loaded_at, demand, e.ref.tenant, e.ref.priority,
+                                 per_byte * e.nbytes, key in preferred))
+        return out
+
+    def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
+        """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is
+        the adapter's next request; for an adapter in a slot, only an activation after it loses the slot, so such
+        a copy counts its slot activations and its last one, not the requests the slot served."""
+        preferred, rate = self._cpu_preferred(now), self.seconds_per_byte
+        in_slots = set(self.slots) if by_use else set()
+        disk, download = rate.get("disk", 0.0), rate.get("download", 0.0)
+        requests, activations = self.demand.shorts(keys, now), self.activations.shorts(keys, now)
+        out = []
+        for key, asked, activated in zip(keys, requests, activations):
+            e = self.entries[key]
+            demand, last = (activated, e.loaded_at) if key in in_slots else (asked, e.last_access)
+            per_byte = disk + (0.0 if self._on_disk(key) else download)
+            out.append(Candidate(key, e.nbytes, last, e.loaded_at, demand, e.ref.tenant, e.ref.priority,
+                                 per_byte * e.nbytes, key in preferred))
+        return out
+
+    def _measure(self, stage: str, seconds: float, nbytes: int) -> None:
+        if nbytes > 0:
+            old = self.seconds_per_byte.get(stage)
+            new = seconds / nbytes
+            self.seconds_per_byte[stage] = new if old is None else old + RATE_SMOOTHING * (new - old)
+
+    def _on_disk(self, key: AdapterKey) -> bool:
+        entry = self.entries.get(key)
+        if entry is not None and entry.ref.path is not None:
+            return True
+        return self.disk is not None and self.disk.has(key.adapter_digest)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

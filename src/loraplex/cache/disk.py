@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from loraplex.registry.store import AllowList, ArtifactStore, fetch_artifact
+from loraplex.registry.errors import DigestMismatch
+from loraplex.registry.store import (
+    AllowList,
+    ArtifactStore,
+    fetch_artifact,
+    read_artifact,
+)
 
 
 class DiskTier:
@@ -24,21 +28,33 @@ class DiskTier:
     def has(self, digest: str) -> bool:
         return self.store.has(digest)
 
-    @contextlib.contextmanager
-    def use(self, storage_uri: str, digest: str) -> Iterator[tuple[Path, bool]]:
-        """A verified local directory for the artifact (kept while in the block), and whether it was downloaded."""
+    def read(self, storage_uri: str, digest: str) -> tuple[dict[str, memoryview], bool]:
+        """The artifact's digest-checked bytes, from the local copy or downloaded first; and whether it was
+        downloaded. A damaged local copy is dropped and downloaded again, never used."""
         with self._lock:
             self._in_use[digest] = self._in_use.get(digest, 0) + 1
         try:
-            downloaded = not self.store.has(digest)
-            path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s)
+            files = self._read_local(digest)
+            downloaded = files is None
+            if downloaded:
+                path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s)
+                files = read_artifact(path, digest)
             with self._lock:
                 self._last_use[digest] = time.monotonic()
-            yield path, downloaded
+            return files, downloaded
         finally:
             with self._lock:
                 self._in_use[digest] -= 1
             self.shrink()
+
+    def _read_local(self, digest: str) -> dict[str, memoryview] | None:
+        if not self.store.has(digest):
+            return None
+        try:
+            return read_artifact(self.store.path(digest), digest)
+        except DigestMismatch:
+            self.store.remove(digest)
+            return None
 
     def used_bytes(self) -> int:
         return sum(self.store.size(d) for d in self.store.digests())

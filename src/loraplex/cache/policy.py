@@ -10,7 +10,7 @@ from dataclasses import dataclass
 DEMAND_WINDOWS_S = (300.0, 3600.0, 86400.0)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     """A resident adapter (or one that wants to be) as a policy sees it."""
 
@@ -23,27 +23,107 @@ class Candidate:
     tenant: str = "default"
     priority: int = 0
     reload_cost: float = 0.0
-    """Seconds its last load took: what evicting it would cost again."""
+    """Seconds that bringing it back would take once evicted from this tier: its bytes times the measured seconds
+    per byte of the tiers below (a copy from host memory, a disk read, a download)."""
     preferred: bool = False
     """Promoted by its demand to the tier it is resident in (tier A for gpu, tier B for cpu)."""
 
 
 class DemandTracker:
-    """Exponentially decayed request counts per key, one per window."""
+    """Exponentially decayed request counts per key, one per window, and the keys ranked by each window's count.
 
-    def __init__(self):
-        self._counts: dict[object, tuple[float, list[float]]] = {}
+    Counts are kept in forward-decay form: a request at time t adds exp((t − landmark) / window), and reading
+    scales the sum back to now. A read is one multiplication, and the order of keys by a window's count only
+    changes when one of them is requested, so each ranking is kept sorted as requests come in (no decay pass,
+    no sort over every adapter when the cache needs the most demanded ones).
+    """
+
+    REBASE_AFTER = 200.0
+    """Move the landmark once the shortest window's growth reaches e^200 (after ~17 h with 5 minutes)."""
+
+    def __init__(self, windows: tuple[float, ...] = DEMAND_WINDOWS_S, ranked: bool = True):
+        self.windows = windows
+        self._landmark: float | None = None
+        self._scaled: dict[object, list[float]] = {}
+        self._rankings = [_Ranking() for _ in windows] if ranked else []
+        self._decay_at: tuple[float, list[float]] = (math.nan, [])
 
     def record(self, key, now: float) -> None:
-        counts = self.counts(key, now)
-        self._counts[key] = (now, [c + 1 for c in counts])
+        if self._landmark is None:
+            self._landmark = now
+        elif (now - self._landmark) / min(self.windows) > self.REBASE_AFTER:
+            self._rebase(now)
+        growth = [math.exp((now - self._landmark) / w) for w in self.windows]
+        old = self._scaled.get(key)
+        new = growth if old is None else [o + g for o, g in zip(old, growth)]
+        for ranking, o, n in zip(self._rankings, old or [None] * len(new), new):
+            ranking.move(key, o, n)
+        self._scaled[key] = new
 
     def counts(self, key, now: float) -> list[float]:
-        at, counts = self._counts.get(key, (now, [0.0] * len(DEMAND_WINDOWS_S)))
-        return [c * math.exp(-(now - at) / w) for c, w in zip(counts, DEMAND_WINDOWS_S)]
+        scaled = self._scaled.get(key)
+        if scaled is None:
+            return [0.0] * len(self.windows)
+        return [s * d for s, d in zip(scaled, self._decay(now))]
+
+    def count(self, key, now: float, window: int = 0) -> float:
+        scaled = self._scaled.get(key)
+        return 0.0 if scaled is None else scaled[window] * self._decay(now)[window]
 
     def short(self, key, now: float) -> float:
-        return self.counts(key, now)[0]
+        return self.count(key, now, 0)
+
+    def shorts(self, keys, now: float) -> list[float]:
+        """The short-window counts of many keys (one lookup of the decay for all)."""
+        decay, scaled = self._decay(now)[0], self._scaled
+        return [scaled[k][0] * decay if k in scaled else 0.0 for k in keys]
+
+    def ranked(self, now: float, window: int = 0):
+        """(key, count) over the given window, the most demanded first (keys without requests are left out)."""
+        decay = self._decay(now)[window]
+        ranking = self._rankings[window]
+        for neg, key in zip(ranking.neg_values, ranking.keys):
+            yield key, -neg * decay
+
+    def discard(self, key) -> None:
+        old = self._scaled.pop(key, None)
+        if old is not None:
+            for ranking, o in zip(self._rankings, old):
+                ranking.move(key, o, None)
+
+    def _decay(self, now: float) -> list[float]:
+        at, factors = self._decay_at
+        if at != now:
+            landmark = now if self._landmark is None else self._landmark
+            factors = [math.exp(-(now - landmark) / w) for w in self.windows]
+            self._decay_at = (now, factors)
+        return factors
+
+    def _rebase(self, now: float) -> None:
+        factors = [math.exp(-(now - self._landmark) / w) for w in self.windows]
+        self._scaled = {k: [s * f for s, f in zip(v, factors)] for k, v in self._scaled.items()}
+        for ranking, f in zip(self._rankings, factors):
+            ranking.neg_values = [v * f for v in ranking.neg_values]  # the order is unchanged
+        self._landmark, self._decay_at = now, (math.nan, [])
+
+
+class _Ranking:
+    """Keys sorted by a value, the largest first: parallel lists of negated values and keys."""
+
+    def __init__(self):
+        self.neg_values: list[float] = []
+        self.keys: list = []
+
+    def move(self, key, old: float | None, new: float | None) -> None:
+        if old is not None:
+            i = bisect.bisect_left(self.neg_values, -old)
+            while self.keys[i] != key:  # equal values: find this key among them
+                i += 1
+            del self.neg_values[i], self.keys[i]
+        if new is not None:
+            i = bisect.bisect_right(self.neg_values, -new)
+            self.neg_values.insert(i, -new)
+            self.keys.insert(i, key)
 
 
 class LRUPolicy:
@@ -75,7 +155,11 @@ class ScorePolicy:
     w_preferred: float = 2.0
     min_residency_s: float = 1.0
     restores_preferred: bool = True
-    """Put adapters promoted by demand (tier A) back in a slot once the one-off that displaced them is done."""
+    """Put an adapter promoted by demand (tier A) back in a slot once the one-off that displaced it is done, when
+    it is expected back before the slots turn over (the cache decides which)."""
+    weighs_host_copies_by_use: bool = True
+    """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its requests (the copy
+    is only needed again once the adapter loses its slot); without it such copies simply go last."""
     name: str = "score"
 
     def keep_score(self, c: Candidate, now: float) -> float:
@@ -123,9 +207,9 @@ class GDSFPolicy:
     """Greedy-Dual-Size-Frequency (Cherkasova): evict the lowest H = L + frequency × reload cost / size, where
     L, the inflation value, rises to each victim's H so that adapters not touched since fall behind.
 
-    Frequency is the decayed 5-minute request count, cost the seconds of the adapter's last load, size its bytes
-    in GiB; an adapter's L is the inflation value at its last access. A comparison baseline for the simulator;
-    one instance serves one cache (it keeps the inflation history)."""
+    Frequency is the decayed 5-minute request count, cost the cache's estimate of reloading it (`reload_cost`),
+    size its bytes in GiB; an adapter's L is the inflation value at its last access. A comparison baseline for the
+    simulator; one instance serves one cache (it keeps the inflation history)."""
 
     name = "gdsf"
 

@@ -14,7 +14,6 @@ from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import make_policy
-from loraplex.registry.store import AllowList, canonical_digest
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.loader import load_model, resolve_device, resolve_dtype
@@ -22,10 +21,23 @@ from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.engine.runner import ModelRunner, kv_bytes_per_token
 from loraplex.engine.sampler import sample
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
-from loraplex.engine.sequence import InvalidRequest, RequestOutput, SamplingParams, Sequence, Status
+from loraplex.engine.sequence import (
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    Status,
+)
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.lora_format import AdapterRejected, AdapterSpec, read_adapter
+from loraplex.lora_format import (
+    WEIGHTS_FILE,
+    AdapterRejected,
+    AdapterSpec,
+    adapter_from_files,
+    read_adapter,
+)
 from loraplex.model_config import ModelConfig, base_model_digest
+from loraplex.registry.store import AllowList, canonical_digest
 
 
 class LLMEngine:
@@ -82,13 +94,14 @@ class LLMEngine:
         key = AdapterKey(self.base_model_digest, name, revision, digest or canonical_digest(Path(path)))
         return AdapterRef(key, Path(spec.path), **kwargs)
 
-    def _pack_adapter(self, path: Path):
-        """Cache worker thread: validate the (digest-checked) files again and pack them for a slot."""
+    def _pack_adapter(self, files: dict[str, memoryview]):
+        """Cache worker thread: validate the digest-checked bytes again (this base model, this max rank) and pack
+        them for a slot."""
         try:
-            spec = self.validate_adapter(path)
+            spec = adapter_from_files(files, self.model_config, self.config.max_lora_rank)
         except AdapterRejected as exc:
-            raise AdapterUnavailable(f"adapter files at {path} are not servable: {exc}") from exc
-        return pack_adapter(spec, self.model_config, self.dtype, pin=self.device.type == "cuda")
+            raise AdapterUnavailable(f"adapter files are not servable: {exc}") from exc
+        return pack_adapter(spec, files[WEIGHTS_FILE], self.dtype, pin=self.device.type == "cuda")
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,

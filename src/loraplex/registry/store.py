@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import http.server
 import json
+import mmap
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -39,6 +41,7 @@ ARTIFACT_NAME_RE = re.compile(r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]
 INDEX_FILE = "index.json"
 STALE_TEMP_S = 3600
 _CHUNK = 1 << 20
+_READ_CHUNK = 16 << 20
 
 
 def check_digest(digest: str) -> str:
@@ -63,11 +66,68 @@ def canonical_digest(directory: str | Path) -> str:
     h = hashlib.sha256()
     for name in artifact_files(directory):
         path = directory / name
-        h.update(f"{name}\n{path.stat().st_size}\n".encode())
+        h.update(_file_prefix(name, path.stat().st_size))
         with path.open("rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def read_artifact(directory: str | Path, digest: str) -> dict[str, memoryview]:
+    """Every artifact file's bytes, read once into memory; DigestMismatch unless they hash to `digest`.
+
+    The bytes returned are the bytes hashed: a file changed on disk after the check is never used, as it could be
+    by hashing the file and then opening it again to parse it.
+    """
+    check_digest(digest)
+    directory = Path(directory)
+    h = hashlib.sha256()
+    files = {}
+    # sha256 releases the GIL on large buffers, so a helper thread hashes each chunk while the next one is read.
+    # One worker: the updates stay in order.
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        for name in artifact_files(directory):
+            files[name] = _read_hashing(directory / name, name, h, hasher)
+    actual = "sha256:" + h.hexdigest()
+    if actual != digest:
+        raise DigestMismatch(digest, actual, str(directory))
+    return files
+
+
+def _file_prefix(name: str, size: int) -> bytes:
+    return f"{name}\n{size}\n".encode()
+
+
+def _read_hashing(path: Path, name: str, h, hasher: ThreadPoolExecutor) -> memoryview:
+    with path.open("rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        hasher.submit(h.update, _file_prefix(name, size))
+        data = _file_buffer(size)
+        for start in range(0, size, _READ_CHUNK):
+            chunk = data[start : start + _READ_CHUNK]
+            _read_exactly(f, chunk, path)
+            hasher.submit(h.update, chunk)
+    return data
+
+
+def _file_buffer(size: int) -> memoryview:
+    """Private memory for a file's bytes, on huge pages where the kernel grants them: a read into fresh 4 KiB
+    pages spends two thirds of its time faulting them in (600 ms against 190 ms for 320 MB, x86_64 Linux)."""
+    if size == 0:
+        return memoryview(bytearray())
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(buffer)
+
+
+def _read_exactly(f, into: memoryview, path: Path) -> None:
+    done = 0
+    while done < len(into):
+        n = f.readinto(into[done:])
+        if not n:
+            raise ArtifactUnavailable(f"{path} got shorter while it was read")
+        done += n
 
 
 def _fsync_dir(path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -17,7 +16,15 @@ from rich.table import Table
 
 from loraplex.config import parse_size
 from loraplex.sim import workload as workloads
-from loraplex.sim.simulator import POLICIES, LoadCosts, ServiceModel, SimConfig, compare, config_dict, hot_adapters
+from loraplex.sim.simulator import (
+    POLICIES,
+    LoadCosts,
+    ServiceModel,
+    SimConfig,
+    compare,
+    config_dict,
+    hot_adapters,
+)
 
 GiB = 2**30
 
@@ -125,7 +132,7 @@ def plot_capacity(runs: list[dict], path: Path) -> None:
         capacity = (lambda r: r["gpu_slots"]) if by_slots else (lambda r: r["cpu_bytes"] / GiB)
         for policy in cells[0]["policies"]:
             points = sorted((capacity(r), r["policies"][policy]) for r in cells)
-            style = dict(marker="o", linestyle="--" if policy in ("optimal", "a0") else "-", label=policy)
+            style = {"marker": "o", "linestyle": "--" if policy in ("optimal", "a0") else "-", "label": policy}
             for ax, (_, value) in zip(axes[row], panels):
                 ax.plot([x for x, _ in points], [value(e) for _, e in points], **style)
         for ax, (label, _) in zip(axes[row], panels):
@@ -145,11 +152,12 @@ def simulate(
     workload: str = typer.Option(..., "--workload", help="Named workload(s) (" + ", ".join(workloads.NAMED)
                                  + "), comma-separated, or a trace / audit log .jsonl file."),
     policy: str = typer.Option("lru,score", "--policy", help=f"Comma-separated policies: {', '.join(POLICIES)}."),
-    gpu_slots: Optional[str] = typer.Option(None, "--gpu-slots", help="Slots per worker; a comma list sweeps."),
-    cpu_bytes: Optional[str] = typer.Option(None, "--cpu-bytes", help="Host cache per worker (4GiB); a comma list sweeps."),
+    gpu_slots: str | None = typer.Option(None, "--gpu-slots", help="Slots per worker; a comma list sweeps."),
+    cpu_bytes: str | None = typer.Option(None, "--cpu-bytes",
+                                         help="Host cache per worker (4GiB); a comma list sweeps."),
     workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
@@ -189,10 +197,10 @@ def simulate(
 
 
 def plan(
-    registry: Optional[str] = typer.Option(None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."),
-    adapters: Optional[Path] = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
+    registry: str | None = typer.Option(None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."),
+    adapters: Path | None = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
     model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
-    workload: Optional[str] = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
+    workload: str | None = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
 ) -> None:
     """Bytes per adapter (formula and actual), how many fit per tier, and the smallest cache for a workload."""
     from loraplex.sim import plan as planner
@@ -215,12 +223,13 @@ def routers(
     policy: str = typer.Option("score", "--policy", help="The cache policy of every worker."),
     gpu_slots: int = typer.Option(8, "--gpu-slots"),
     cpu_bytes: str = typer.Option("4GiB", "--cpu-bytes"),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    json_out: Path | None = typer.Option(None, "--json"),
 ) -> None:
     """Developer entry point: the router's pickers side by side on Zipf traffic scaled to the fleet
     (6 requests/s per worker over 200 adapters)."""
     from loraplex.router.picker import POLICIES as ROUTERS
-    from loraplex.sim.simulator import policy_factory, simulate as run, summarize
+    from loraplex.sim.simulator import policy_factory, summarize
+    from loraplex.sim.simulator import simulate as run
 
     console = Console()
     trace = workloads.generate(workloads.WorkloadSpec(name="zipf", rate=6.0 * workers))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable, Sequence
+
 import numpy as np
 
 

@@ -155,7 +155,7 @@ def size_for_workload(plan: Plan, workload: str, progress=None) -> list[dict]:
     rows = []
     grid = [0] + [int(working_set * f) for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)]
     for target in COLD_START_TARGETS:
-        best = _smallest(grid, lambda cpu: run(base.gpu_slots, cpu)["cold_start_rate"] <= target)
+        best = _smallest(grid, lambda cpu, target=target: run(base.gpu_slots, cpu)["cold_start_rate"] <= target)
         rows.append({"what": "cpu cache", "target": f"cold starts ≤ {target:.0%}", "gpu_slots": base.gpu_slots,
                      "cpu_bytes": best, "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"]})
     cpu_for_slots = rows[-1]["cpu_bytes"] if rows[-1]["cpu_bytes"] is not None else grid[-1]

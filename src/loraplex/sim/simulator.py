@@ -16,16 +16,15 @@ import json
 import math
 import random
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import DemandTracker
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
 
@@ -59,7 +58,7 @@ class LoadCosts:
     source: str = "defaults"
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "LoadCosts":
+    def from_json(cls, path: str | Path) -> LoadCosts:
         """Fit latency + bytes/bandwidth per tier to `bench/adapter_load.py` rows ({tier, bytes, seconds})."""
         data = json.loads(Path(path).read_text())
         rows = data.get("rows", data) if isinstance(data, dict) else data
@@ -74,7 +73,7 @@ class LoadCosts:
         return cls(**fits, source=str(path))
 
     @classmethod
-    def default(cls) -> "LoadCosts":
+    def default(cls) -> LoadCosts:
         path = RESULTS_DIR / "adapter_load.json"
         if path.is_file():
             try:
@@ -117,7 +116,7 @@ class ServiceModel:
                 + self.per_adapter_s * adapters)
 
     @classmethod
-    def from_engine_throughput(cls, path: str | Path) -> "ServiceModel":
+    def from_engine_throughput(cls, path: str | Path) -> ServiceModel:
         """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output token gives the
         step cost, its total time the prefill cost, and the many-adapter row the per-adapter cost."""
         data = json.loads(Path(path).read_text())
@@ -138,7 +137,7 @@ class ServiceModel:
                    source=str(path))
 
     @classmethod
-    def default(cls) -> "ServiceModel":
+    def default(cls) -> ServiceModel:
         """Calibrated from `bench/results/engine_throughput.json` when that was measured on a GPU; else the
         defaults (a CPU run of the benchmark's small model says nothing about a 7B model on a GPU)."""
         path = RESULTS_DIR / "engine_throughput.json"
@@ -175,6 +174,9 @@ class SimConfig:
     costs: LoadCosts = field(default_factory=LoadCosts)
     skip_blocked: bool = True
     """Do not call the cache's acquire when it can only fail because every slot is held (same results, faster)."""
+    skip_quiet_steps: bool = True
+    """End at once the steps that can change nothing: no arrival, load or finish before they end and no waiting
+    request that could be admitted (same results, faster)."""
     idle_poll_s: float = 0.01
     """A worker whose waiting requests found no slot and has nothing running or loading tries again after this."""
     seed: int = 0
@@ -193,28 +195,11 @@ class SimKey(AdapterKey):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
+    def __post_init__(self):
+        object.__setattr__(self, "_label", super().__str__())  # the router's views name keys on every poll
 
-class MemoDemand(DemandTracker):
-    """The cache's demand tracker, remembering each key's counts for the current instant (the same values):
-    the cache ranks every adapter by demand on each eviction and each load."""
-
-    def __init__(self):
-        super().__init__()
-        self._memo: dict = {}
-        self._memo_at: float | None = None
-
-    def record(self, key, now: float) -> None:
-        super().record(key, now)
-        self._memo.pop(key, None)
-
-    def counts(self, key, now: float) -> list[float]:
-        if now != self._memo_at:
-            self._memo.clear()
-            self._memo_at = now
-        counts = self._memo.get(key)
-        if counts is None:
-            counts = self._memo[key] = super().counts(key, now)
-        return counts
+    def __str__(self) -> str:
+        return self._label
 
 
 @dataclass(frozen=True)
@@ -235,12 +220,13 @@ class SimPool:
         self.copies = 0
         self.copy_seconds = 0.0
 
-    def set_slot(self, slot: int, packed: SimPacked) -> None:
+    def set_slot(self, slot: int, packed: SimPacked) -> float:
         seconds = self.h2d.seconds(packed.nbytes)
         self.contents[slot] = packed
         self.pending_s += seconds
         self.copies += 1
         self.copy_seconds += seconds
+        return seconds
 
     def clear_slot(self, slot: int) -> None:
         self.contents[slot] = None
@@ -276,7 +262,7 @@ class SimDisk:
 
 # -- requests and workers --------------------------------------------------------------------------
 class SimRequest:
-    __slots__ = ("req", "ref", "nbytes", "tier", "worker", "admitted_at", "first_token_at", "finish_at")
+    __slots__ = ("admitted_at", "finish_at", "first_token_at", "nbytes", "ref", "req", "tier", "worker")
 
     def __init__(self, req: Request, ref: AdapterRef | None, nbytes: int):
         self.req, self.ref, self.nbytes = req, ref, nbytes
@@ -286,7 +272,7 @@ class SimRequest:
 
 
 class Worker:
-    def __init__(self, sim: "Simulation", index: int, policy):
+    def __init__(self, sim: Simulation, index: int, policy):
         c = sim.config
         self.sim, self.index = sim, index
         self.url = f"worker-{index}"
@@ -296,13 +282,13 @@ class Worker:
             self.pool, lambda path: None, cpu_bytes=c.cpu_bytes, max_cpu_loras=c.max_cpu_loras, disk=self.disk,
             policy=policy, tenant_share=c.tenant_share, executor=self, loader=self._load, clock=sim.clock,
         )
-        self.cache.demand = MemoDemand()
         self.waiting: deque[SimRequest] = deque()
         self.num_running = 0
         self.running_tokens = 0
         self.running_adapters: Counter = Counter()
         self.finishing: list[tuple[int, int, SimRequest]] = []  # (finish step, order, request)
         self.step_index = 0
+        self.steps_in_flight = 1  # engine steps the scheduled step end stands for
         self.busy = False
         self.wake_pending = False
         self.prefilled: list[SimRequest] = []
@@ -362,6 +348,7 @@ class Worker:
         budget = config.max_num_batched_tokens - decodes
         admitted, prefill_tokens = [], 0
         held = None  # whether every slot is held by running requests (computed when first needed)
+        blocked: list[AdapterKey] = []  # waiting keys that only a load's end or a slot's release can unblock
         for seq in list(self.waiting):
             if self.num_running >= config.max_num_seqs or seq.req.prompt_tokens > budget:
                 break
@@ -374,9 +361,12 @@ class Worker:
                         # its side effects are the access time and the mark that a request waits for the key.
                         self.cache.entries[key].last_access = sim.now
                         self.cache._wanted[key] = sim.now
+                        blocked.append(key)
                         continue
                 if self.cache.acquire(seq.ref) is None:
-                    continue  # its adapter is loading or no slot can be freed: others go ahead
+                    # Its adapter is loading or no slot can be freed: others go ahead.
+                    blocked.append(key if key in self.cache.loading else None)
+                    continue
                 held = None
             self.waiting.remove(seq)
             seq.admitted_at = sim.now
@@ -399,8 +389,31 @@ class Worker:
             return
         self.busy = True
         self.prefilled = admitted
-        seconds = config.service.step_seconds(prefill_tokens, decodes, len(self.running_adapters)) + copies
-        sim.schedule(sim.now + seconds, self._end_step, None)
+        step_s = config.service.step_seconds(prefill_tokens, decodes, len(self.running_adapters))
+        end, self.steps_in_flight = sim.now + (step_s + copies), 1
+        if config.skip_quiet_steps and not admitted and None not in blocked:
+            end = self._skip_quiet_steps(end, step_s, blocked)
+        sim.schedule(end, self._end_step, None)
+
+    def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
+        """The end of the last of the decode-only steps that follow this one and change nothing.
+
+        A step changes nothing when no arrival, load or other event comes before it ends, none of the running
+        requests finishes with it and no waiting request can be admitted (each waits for a load or a slot); the
+        boundaries are added up one by one, as stepping would, so that every time is the same to the last bit.
+        The skipped steps' one side effect, waiting requests touching their adapters, is made at the last of them.
+        """
+        horizon = self.sim.next_event_time()
+        finish_in = self.finishing[0][0] - self.step_index if self.finishing else math.inf
+        last = None
+        while self.steps_in_flight < finish_in and end < horizon:
+            last, end = end, end + step_s
+            self.steps_in_flight += 1
+        if last is not None:
+            for key in blocked:
+                self.cache.entries[key].last_access = last
+                self.cache._wanted[key] = last
+        return end
 
     def _all_slots_held(self) -> bool:
         entries = self.cache.entries
@@ -412,7 +425,7 @@ class Worker:
 
     def _end_step(self, _) -> None:
         now = self.sim.now
-        self.step_index += 1
+        self.step_index += self.steps_in_flight
         for seq in self.prefilled:
             seq.first_token_at = now
             heapq.heappush(self.finishing, (self.step_index + seq.req.output_tokens - 1, id(seq), seq))
@@ -438,23 +451,31 @@ class Worker:
         used = sum(p.nbytes for p in self.cache.cpu.values())
         self.peak_cpu_bytes = max(self.peak_cpu_bytes, used)
 
-    def view(self, in_flight: int = 0) -> WorkerView:
-        now, cache = self.sim.now, self.cache
+    def view(self) -> WorkerView:
+        """What the router polls from the worker's /admin/state."""
+        cache = self.cache
         return WorkerView(
             self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
-            recent_evictions=sum(1 for t in cache.recent_evictions if now - t < THRASH_WINDOW_S),
-            free_slots=cache.free_slots(),
+            recent_evictions=self._recent_evictions(), free_slots=cache.free_slots(),
             gpu=frozenset(str(k) for k in cache.slots if k is not None),
             cpu=frozenset(str(k) for k in cache.cpu), loading=frozenset(str(k) for k in cache.loading),
-            in_flight=in_flight,
         )
+
+    def _recent_evictions(self) -> int:
+        count, now = 0, self.sim.now
+        for t in reversed(self.cache.recent_evictions):  # oldest first, so count from the newest
+            if now - t >= THRASH_WINDOW_S:
+                break
+            count += 1
+        return count
 
 
 # -- the simulation --------------------------------------------------------------------------------
 class Simulation:
-    def __init__(self, trace: list[Request], config: SimConfig, policy_factory: Callable[["Simulation"], object]):
+    def __init__(self, trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]):
         self.trace, self.config = trace, config
         self.now = 0.0
+        self._next = 0  # the next request to arrive
         self._events: list = []
         self._order = 0
         self.finished = 0
@@ -470,7 +491,6 @@ class Simulation:
         self.picker = Picker(config.router, rng=random.Random(config.seed))
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
-        self._in_flight = [0] * config.workers
 
     def clock(self) -> float:
         return self.now
@@ -507,13 +527,18 @@ class Simulation:
         self._order += 1
         heapq.heappush(self._events, (at, self._order, fn, payload))
 
-    def run(self) -> "Simulation":
-        requests, i = self.requests, 0
-        events = self._events
-        while i < len(requests) or events:
+    def next_event_time(self) -> float:
+        """When the next arrival or scheduled event comes."""
+        arrival = self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
+        return min(arrival, self._events[0][0]) if self._events else arrival
+
+    def run(self) -> Simulation:
+        requests, events = self.requests, self._events
+        while self._next < len(requests) or events:
+            i = self._next
             if i < len(requests) and (not events or requests[i].req.time <= events[0][0]):
                 seq = requests[i]
-                i += 1
+                self._next = i + 1
                 self.now = max(self.now, seq.req.time)
                 self._route(seq).arrive(seq)
                 continue
@@ -526,12 +551,15 @@ class Simulation:
         if len(self.workers) == 1:
             return self.workers[0]
         if self.now - self._views_at >= self.config.router_poll_s:
-            self._views = [w.view() for w in self.workers]
-            self._views_at, self._in_flight = self.now, [0] * len(self.workers)
-        views = [replace(v, in_flight=n) for v, n in zip(self._views, self._in_flight)]
-        pick = self.picker.pick(views, seq.req.model, seq.req.priority)
+            self._views = [w.view() for w in self.workers]  # each with in_flight 0
+            self._views_at = self.now
+        pick = self.picker.pick(self._views, seq.req.model, seq.req.priority)
         index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
-        self._in_flight[index] += 1
+        view, model = self._views[index], seq.req.model
+        # As the router's fleet does: a routed request counts in flight, and its adapter as loading there,
+        # until the next poll.
+        loading = view.loading if model is None or model in view.loading else view.loading | {model}
+        self._views[index] = replace(view, in_flight=view.in_flight + 1, loading=loading)
         return self.workers[index]
 
 
@@ -674,12 +702,13 @@ def compare(trace: list[Request], config: SimConfig, policies: list[str], hot: s
     hot = hot if hot is not None else hot_adapters(trace, config.gpu_slots * config.workers)
     entries = {}
     for name in [*policies, "optimal"]:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         sim = simulate(trace, config, policy_factory(name))
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         entries[name] = summarize(sim, hot)
-        entries[name]["wall_s"] = wall
+        entries[name]["wall_s"], entries[name]["cpu_s"] = wall, cpu
         entries[name]["requests_per_wall_s"] = len(trace) / wall if wall > 0 else math.inf
+        entries[name]["requests_per_cpu_s"] = len(trace) / cpu if cpu > 0 else math.inf
         if name == "optimal":
             lb = bound(sim)
             oracle = entries[name]

@@ -257,8 +257,7 @@ def named(name: str, seed: int = 0) -> list[Request]:
 # -- JSONL -----------------------------------------------------------------------------------------
 def write_trace(requests: list[Request], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        for r in requests:
-            f.write(json.dumps(asdict(r), separators=(",", ":")) + "\n")
+        f.writelines(json.dumps(asdict(r), separators=(",", ":")) + "\n" for r in requests)
 
 
 def read_trace(path: str | Path) -> list[Request]:

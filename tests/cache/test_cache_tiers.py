@@ -1,0 +1,147 @@
+"""The cache's own decisions over plain data (no torch): restoring tier-A adapters, weighing host copies,
+measured reload costs."""
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import pytest
+
+from loraplex.cache.cache import AdapterCache, Loaded
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import ScorePolicy
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Packed:
+    nbytes: int
+
+
+class Pool:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.copies = 0
+
+    def set_slot(self, slot, packed) -> float:
+        self.copies += 1
+        return packed.nbytes / 10e9  # a 10 GB/s copy
+
+    def clear_slot(self, slot) -> None:
+        pass
+
+
+class Instant:
+    """An executor whose loads finish at once: 1 ms of disk read per MiB, plus a download if asked."""
+
+    def __init__(self, download: set[str] = frozenset()):
+        self.download = download
+
+    def submit(self, fn, ref) -> Future:
+        future: Future = Future()
+        future.set_result(fn(ref))
+        return future
+
+
+def loader(download: set[str]):
+    def load(ref: AdapterRef) -> Loaded:
+        nbytes = 100 * MiB
+        stages = {"disk": nbytes / 1e9}
+        if ref.key.name in download:
+            stages["download"] = nbytes / 1e8
+        return Loaded(Packed(nbytes), "remote" if "download" in stages else "disk", stages)
+    return load
+
+
+class Disk:
+    """The local artifact cache, as far as the cache asks it: which digests it holds."""
+
+    def __init__(self, digests: set[str]):
+        self.digests = digests
+
+    def has(self, digest: str) -> bool:
+        return digest in self.digests
+
+
+def make_cache(slots=2, cpu_mib=1000, download=frozenset(), disk=None):
+    now = [0.0]
+    cache = AdapterCache(Pool(slots), lambda files: None, cpu_bytes=cpu_mib * MiB, policy=ScorePolicy(), disk=disk,
+                         executor=Instant(), loader=loader(set(download)), clock=lambda: now[0])
+    return cache, now
+
+
+def ref(name):
+    return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}")
+
+
+def serve(cache, r):
+    """One request start to finish: counted, loaded if needed, run in a slot, released."""
+    cache.record_request(r)
+    slot = cache.acquire(r)
+    if slot is None:
+        cache.poll()
+        slot = cache.acquire(r)
+    assert slot is not None
+    cache.release(r.key)
+
+
+def test_a_hot_adapter_pushed_out_by_a_one_off_comes_back_when_it_is_done():
+    cache, now = make_cache(slots=2)
+    hot, warm = ref("hot"), ref("warm")
+    for _ in range(10):
+        now[0] += 1.5
+        serve(cache, hot)
+        serve(cache, warm)
+    now[0] += 1.5
+    serve(cache, ref("one-off"))  # takes a slot from a tier-A adapter, then gives it back
+    assert set(cache.slots) == {hot.key, warm.key}
+
+
+def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back():
+    cache, now = make_cache(slots=2, cpu_mib=10_000)
+    hot, rare = ref("hot"), ref("rare")
+    for _ in range(3):
+        now[0] += 1.5
+        serve(cache, hot)
+        serve(cache, rare)
+    for i in range(40):  # a stream of distinct adapters: many slot loads for each request of `rare`
+        now[0] += 1.5
+        serve(cache, hot)
+        serve(cache, ref(f"stream-{i}"))
+    copies = cache.pool.copies
+    now[0] += 1.5
+    serve(cache, ref("one-more"))
+    assert rare.key not in cache.slots  # not restored: it would only be pushed out again
+    assert cache.pool.copies == copies + 1  # the one-off's activation, no restore copy
+
+
+def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requests():
+    cache, now = make_cache(slots=2)
+    hot, other = ref("hot"), ref("other")
+    for _ in range(20):
+        now[0] += 1.5
+        serve(cache, hot)
+    serve(cache, other)
+    now[0] += 5.0
+    by_key = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
+    assert hot.key in cache.slots
+    assert by_key[hot.key].demand < 1.01  # activated once, however many requests its slot served
+    assert by_key[hot.key].last_access == cache.entries[hot.key].loaded_at
+    plain = {c.key: c for c in cache._host_candidates([hot.key], now[0], by_use=False)}
+    assert plain[hot.key].demand > 18  # what lru and the other baselines see
+    slot_view = {c.key: c for c in cache._slot_candidates([hot.key], now[0])}
+    assert slot_view[hot.key].demand > 18  # a slot eviction still weighs its requests
+
+
+def test_reload_cost_is_measured_per_byte_and_includes_the_download_once_the_disk_lost_the_artifact():
+    cache, now = make_cache(slots=1, download={"far"}, disk=Disk({"sha256:near"}))
+    near, far = ref("near"), ref("far")
+    serve(cache, near)
+    serve(cache, far)
+    assert cache.seconds_per_byte == pytest.approx({"disk": 1e-9, "download": 1e-8, "h2d": 1e-10})
+    costs = {c.key: c.reload_cost for c in cache._host_candidates([near.key, far.key], now[0], by_use=True)}
+    nbytes = 100 * MiB
+    assert costs[near.key] == pytest.approx(nbytes * 1e-9)  # a disk read
+    assert costs[far.key] == pytest.approx(nbytes * (1e-9 + 1e-8))  # the disk does not hold it: a download too
+    slot = {c.key: c.reload_cost for c in cache._slot_candidates([far.key], now[0])}
+    assert slot[far.key] == pytest.approx(nbytes * 1e-10)  # in host memory: only the copy to the device

@@ -1,0 +1,68 @@
+"""Decayed request counts: forward decay against the direct sum, rankings, landmark moves."""
+
+import math
+import random
+
+import pytest
+
+from loraplex.cache.policy import DEMAND_WINDOWS_S, DemandTracker
+
+
+def direct(times, now):
+    return [sum(math.exp(-(now - t) / w) for t in times) for w in DEMAND_WINDOWS_S]
+
+
+def test_counts_are_the_decayed_sums_of_past_requests():
+    rng = random.Random(0)
+    demand, times = DemandTracker(), {}
+    now = 1000.0
+    for _ in range(300):
+        now += rng.expovariate(0.5)
+        key = rng.choice("abcdef")
+        demand.record(key, now)
+        times.setdefault(key, []).append(now)
+    later = now + 123.0
+    for key, ts in times.items():
+        assert demand.counts(key, later) == pytest.approx(direct(ts, later), rel=1e-9)
+        assert demand.short(key, later) == pytest.approx(direct(ts, later)[0], rel=1e-9)
+    assert demand.counts("never", later) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("window", range(len(DEMAND_WINDOWS_S)))
+def test_ranked_is_every_requested_key_most_demanded_first(window):
+    rng = random.Random(window)
+    demand = DemandTracker()
+    now = 0.0
+    for _ in range(500):
+        now += rng.expovariate(2.0)
+        demand.record(f"k{min(int(rng.paretovariate(1.0)), 30)}", now)
+    ranked = list(demand.ranked(now + 50.0, window))
+    counts = [count for _, count in ranked]
+    assert counts == sorted(counts, reverse=True)
+    assert {key for key, _ in ranked} == set(demand._scaled)
+    for key, count in ranked:
+        assert count == pytest.approx(demand.counts(key, now + 50.0)[window])
+    assert demand.shorts([key for key, _ in ranked], now + 50.0) == pytest.approx(
+        [demand.short(key, now + 50.0) for key, _ in ranked])
+
+
+def test_counts_survive_moving_the_landmark_over_days():
+    demand = DemandTracker()
+    step = DEMAND_WINDOWS_S[0] * DemandTracker.REBASE_AFTER / 3  # three rebases a day or so
+    times = [i * step / 7 for i in range(40)]
+    for t in times:
+        demand.record("k", t)
+        demand.record("other", t + 1.0)
+    now = times[-1] + 10.0
+    assert demand.counts("k", now) == pytest.approx(direct(times, now), rel=1e-9)
+    assert [key for key, _ in demand.ranked(now)] == ["other", "k"]
+
+
+def test_discard_forgets_a_key():
+    demand = DemandTracker()
+    for t in range(5):
+        demand.record("a", float(t))
+        demand.record("b", float(t) + 0.5)
+    demand.discard("b")
+    assert demand.short("b", 10.0) == 0.0 and [k for k, _ in demand.ranked(10.0)] == ["a"]
+    demand.discard("never")

@@ -1,0 +1,80 @@
+"""Packing an adapter's bytes for a slot (in place when the dtypes match) and writing it into a slot."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from loraplex.engine.lora import LoRASlotPool, pack_adapter
+from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, adapter_from_files
+from loraplex.model_config import LINEAR_MODULES, ModelConfig
+
+CFG = ModelConfig.from_dict({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_act": "silu", "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+})
+MAX_RANK = 8
+
+
+def adapter(rank: int, dtype: torch.dtype, modules=LINEAR_MODULES, alpha: float = 7.0, seed: int = 0):
+    """Tensors and the files of a PEFT adapter (scaling alpha / rank: not a power of two, so rounding shows)."""
+    torch.manual_seed(seed)
+    tensors = {}
+    for layer in range(CFG.num_layers):
+        for module in modules:
+            d_in, d_out = CFG.linear_shape(module)
+            prefix = f"base_model.model.{ModelConfig.module_path(layer, module)}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank).to(dtype)
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
+    return tensors, {CONFIG_FILE: json.dumps(config).encode(), WEIGHTS_FILE: bytearray(save(tensors))}
+
+
+def packed(files, dtype):
+    """Packs a copy: packing in place consumes the bytes it is given."""
+    return pack_adapter(adapter_from_files(files, CFG, MAX_RANK), bytearray(files[WEIGHTS_FILE]), dtype)
+
+
+def fresh_slot(files, dtype) -> torch.Tensor:
+    pool = LoRASlotPool(CFG, 1, MAX_RANK, dtype, "cpu")
+    pool.set_slot(0, packed(files, dtype))
+    return pool.buffer[0].clone()
+
+
+@pytest.mark.parametrize("file_dtype, dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+])
+def test_slot_holds_a_and_scaled_bt_rounded_once(file_dtype, dtype):
+    rank = 6
+    tensors, files = adapter(rank, file_dtype)
+    weights = torch.frombuffer(files[WEIGHTS_FILE], dtype=torch.uint8)
+    pack = pack_adapter(adapter_from_files(files, CFG, MAX_RANK), files[WEIGHTS_FILE], dtype)
+    in_place = weights.data_ptr() <= pack.buffer.data_ptr() < weights.data_ptr() + weights.numel()
+    assert in_place == (file_dtype == dtype)  # no second host copy when the file already holds the dtype
+    pool = LoRASlotPool(CFG, 2, MAX_RANK, dtype, "cpu")
+    pool.set_slot(1, pack)
+    for layer in range(CFG.num_layers):
+        for index, module in enumerate(LINEAR_MODULES):
+            prefix = f"base_model.model.{ModelConfig.module_path(layer, module)}"
+            a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+            assert torch.equal(pool.a[layer][index][1, :rank], a.to(dtype))
+            assert torch.equal(pool.bt[layer][index][1, :rank], (b.float() * (7.0 / rank)).to(dtype).t())
+            assert not pool.a[layer][index][1, rank:].any() and not pool.bt[layer][index][1, rank:].any()
+    assert not pool.buffer[0].any()
+
+
+def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
+    _, full = adapter(MAX_RANK, torch.float32, seed=1)  # every module at max rank: overwrites the whole slot
+    _, small = adapter(3, torch.float32, modules=("q_proj", "down_proj"), seed=2)
+    expected_full, expected_small = fresh_slot(full, torch.float32), fresh_slot(small, torch.float32)
+    pool = LoRASlotPool(CFG, 1, MAX_RANK, torch.float32, "cpu")
+    for files, expected in ((full, expected_full), (small, expected_small), (full, expected_full)):
+        pool.set_slot(0, packed(files, torch.float32))
+        assert torch.equal(pool.buffer[0], expected)
+        assert pool.module_ranks[0] == packed(files, torch.float32).module_ranks
+    pool.clear_slot(0)
+    assert not pool.buffer[0].any()
+    pool.set_slot(0, packed(small, torch.float32))
+    assert torch.equal(pool.buffer[0], expected_small)
