@@ -6,6 +6,7 @@ Pure functions over plain data, so the simulator and the tests use the very code
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import random
 from dataclasses import dataclass, field
@@ -155,18 +156,26 @@ class Picker:
     def _bounded_hash(self, workers: list[WorkerView], adapter: str) -> list[WorkerView]:
         """Consistent hashing with bounded load: walk the ring from the adapter's point, skipping workers
         above load_factor × the mean load, so one cold adapter keeps landing on the same one or two workers."""
-        ring = sorted((_hash(f"{w.url}#{i}"), w.url) for w in workers for i in range(self.config.virtual_nodes))
+        ring = _ring(tuple(sorted(w.url for w in workers)), self.config.virtual_nodes)
         by_url = {w.url: w for w in workers}
         mean = (sum(w.load for w in workers) + 1) / len(workers)
         cap = max(1.0, self.config.load_factor * mean)
         start = bisect.bisect(ring, (_hash(adapter), ""))
-        seen: list[WorkerView] = []
+        seen: dict[str, WorkerView] = {}  # ring order, each worker once
         for i in range(len(ring)):
             url = ring[(start + i) % len(ring)][1]
-            if url not in {w.url for w in seen}:
-                seen.append(by_url[url])
-        within = [w for w in seen if w.load + 1 <= cap]
-        return within + [w for w in seen if w not in within]
+            seen.setdefault(url, by_url[url])
+            if len(seen) == len(by_url):
+                break
+        order = list(seen.values())
+        within = [w for w in order if w.load + 1 <= cap]
+        return within + [w for w in order if w not in within]
+
+
+@functools.lru_cache(maxsize=64)
+def _ring(urls: tuple[str, ...], virtual_nodes: int) -> list[tuple[int, str]]:
+    """The hash ring of a set of workers (built once per set: fleets change rarely, cold picks are frequent)."""
+    return sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(virtual_nodes))
 
 
 def _hash(text: str) -> int:
