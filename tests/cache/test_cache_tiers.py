@@ -116,6 +116,8 @@ def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back(
 
 
 def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requests():
+    """Except in tier A: a gpu-preferred adapter pushed out of its slot is restored at once, and only its host copy
+    makes that restore a copy rather than a load, so that copy keeps counting its requests."""
     cache, now = make_cache(slots=2)
     hot, other = ref("hot"), ref("other")
     for _ in range(20):
@@ -123,8 +125,11 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
         serve(cache, hot)
     serve(cache, other)
     now[0] += 5.0
+    assert hot.key in cache.slots and hot.key in cache._gpu_preferred(now[0])
+    tier_a = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
+    assert tier_a[hot.key].demand > 18
+    cache.max_gpu_preferred = 0  # the same adapter outside tier A
     by_key = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
-    assert hot.key in cache.slots
     assert by_key[hot.key].demand < 1.01  # activated once, however many requests its slot served
     assert by_key[hot.key].last_access == cache.entries[hot.key].loaded_at
     plain = {c.key: c for c in cache._host_candidates([hot.key], now[0], by_use=False)}

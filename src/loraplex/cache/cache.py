@@ -477,7 +477,9 @@ class AdapterCache:
         the adapter's next request; for an adapter in a slot, only an activation after it loses the slot, so such
         a copy counts its slot activations and its last one, not the requests the slot served."""
         preferred, rate = self._cpu_preferred(now), self.seconds_per_byte
-        in_slots = set(self.slots) if by_use else set()
+        # Tier A is the exception: a gpu-preferred adapter pushed out of its slot is restored at once, and that
+        # restore is a copy only while its host copy is kept, so that copy counts the adapter's requests.
+        in_slots = set(self.slots) - self._gpu_preferred(now) if by_use else set()
         disk, download = rate.get("disk", 0.0), rate.get("download", 0.0)
         requests, activations = self.demand.shorts(keys, now), self.activations.shorts(keys, now)
         out = []
