@@ -83,21 +83,26 @@ def test_rank_above_max_lora_rank_is_refused(llama_dir, llama_adapters):
     eng.close()
 
 
-def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_adapters, tmp_path):
-    bad_dir = _copy(llama_adapters["attn-r8"], tmp_path / "later-broken")
-    bad = engine.adapter_ref("later-broken", bad_dir, digest="sha256:" + "1" * 64)
-    (bad_dir / "adapter_model.safetensors").write_bytes(b"\x00garbage")
-    good = engine.adapter_ref("good2", llama_adapters["mlp-r4"])
-    ok_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0), good)
-    bad_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=5, temperature=0), bad)
-    tokens, errors = {ok_id: [], bad_id: []}, {}
+def _serve_side_by_side(engine, *refs, max_tokens):
+    """Run one request per adapter ref together until done: (tokens, error) per request, in order."""
+    ids = [engine.add_request([7, 8, 9], SamplingParams(max_tokens=max_tokens, temperature=0), r) for r in refs]
+    tokens, errors = {i: [] for i in ids}, {}
     while engine.has_work():
         for out in engine.step():
             tokens[out.request_id] += out.token_ids
             if out.error:
                 errors[out.request_id] = out.error
-    assert len(tokens[ok_id]) == 5 and ok_id not in errors
-    assert "later-broken" in str(errors[bad_id]) and tokens[bad_id] == []
+    return [(tokens[i], errors.get(i)) for i in ids]
+
+
+def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_adapters, tmp_path):
+    bad_dir = _copy(llama_adapters["attn-r8"], tmp_path / "later-broken")
+    bad = engine.adapter_ref("later-broken", bad_dir, digest="sha256:" + "1" * 64)
+    (bad_dir / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    good = engine.adapter_ref("good2", llama_adapters["mlp-r4"])
+    (ok, ok_error), (bad_tokens, bad_error) = _serve_side_by_side(engine, good, bad, max_tokens=5)
+    assert len(ok) == 5 and ok_error is None
+    assert "later-broken" in str(bad_error) and bad_tokens == []
     assert all(e.refcount == 0 for e in engine.adapters.entries.values())
 
 
@@ -114,16 +119,9 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(engin
     # The key names the digest of the bytes now there: the digest check passes, the bytes check must not.
     bad = AdapterRef(dataclasses.replace(valid.key, adapter_digest=canonical_digest(bad_dir)), bad_dir)
     good = engine.adapter_ref("good3", llama_adapters["mlp-r4"])
-    ok_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0), good)
-    bad_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0), bad)
-    tokens, errors = {ok_id: [], bad_id: []}, {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-            if out.error:
-                errors[out.request_id] = out.error
-    assert len(tokens[ok_id]) == 3 and ok_id not in errors
-    assert "not servable" in str(errors[bad_id]) and tokens[bad_id] == []
+    (ok, ok_error), (bad_tokens, bad_error) = _serve_side_by_side(engine, good, bad, max_tokens=3)
+    assert len(ok) == 3 and ok_error is None
+    assert "not servable" in str(bad_error) and bad_tokens == []
     assert bad.key not in engine.adapters.cpu and bad.key not in engine.adapters.slots
 
 
