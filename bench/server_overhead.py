@@ -19,10 +19,8 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,6 +28,7 @@ from urllib.parse import urlsplit
 from rich.console import Console
 from rich.table import Table
 
+from loraplex.bench.procs import Proc
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
@@ -92,29 +91,12 @@ def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]
         async_engine.stop()
 
 
-def start_server(model: Path, adapter: Path, work: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, adapter: Path, work: Path) -> Proc:
     (work / "keys").write_text(f"bench {KEY}\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.server.cli", "--model", str(model), "--served-model-name", "base",
-         "--port", "0", "--data-dir", str(work / "data"), "--lora-modules", f"bench={adapter}",
-         "--api-keys", str(work / "keys"), "--dtype", "float32", "--max-lora-rank", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    found: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith("loraplex serving"):
-                found.append(line.rsplit(" ", 1)[-1].strip())
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(300)
-    if not found:
-        proc.kill()
-        raise RuntimeError("loraplex serve did not start")
-    return proc, found[0]
+    return Proc(["serve", "--model", str(model), "--served-model-name", "base", "--port", "0",
+                 "--data-dir", str(work / "data"), "--lora-modules", f"bench={adapter}",
+                 "--api-keys", str(work / "keys"), "--dtype", "float32", "--max-lora-rank", "16"],
+                work / "serve.log")
 
 
 class RawClient:
@@ -178,13 +160,12 @@ def main() -> None:
         with console.status("direct engine"):
             direct = run_direct(model, adapter, args.requests, clients)
         with console.status("starting loraplex serve"):
-            proc, url = start_server(model, adapter, work)
+            server = start_server(model, adapter, work)
         try:
             with console.status("HTTP"):
-                http = run_http(url, args.requests, clients)
+                http = run_http(server.url, args.requests, clients)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
 
     rows = []
     table = Table(title=f"1-token completion, {args.requests} requests per run")
