@@ -114,8 +114,9 @@ class Bench:
     base_url: str
     work: Path
 
-    def pack(self, files: dict[str, memoryview]):
-        return pack_adapter(adapter_from_files(files, self.cfg, self.max_rank), files[WEIGHTS_FILE], self.dtype)
+    def pack(self, files: dict[str, memoryview], hashed):
+        return pack_adapter(adapter_from_files(files, self.cfg, self.max_rank), files[WEIGHTS_FILE], self.dtype,
+                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
 
     def limit(self, src: Path, rank: int) -> None:
         """`load_file` and the copies into slot 0: the least any loader must do."""

@@ -23,11 +23,12 @@ NUM_SLOTS = 3
 def setup(llama_dir, llama_adapters, tmp_path_factory):
     cfg = ModelConfig.from_dir(llama_dir)
 
-    def pack(files):
-        return pack_adapter(adapter_from_files(files, cfg, 16), files[WEIGHTS_FILE], torch.float32)
+    def pack(files, hashed):
+        return pack_adapter(adapter_from_files(files, cfg, 16), files[WEIGHTS_FILE], torch.float32,
+                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
 
     def read(ref):
-        return read_artifact(ref.path, ref.key.adapter_digest)
+        return read_artifact(ref.path, ref.key.adapter_digest, use=pack)
 
     refs = []
     for i in range(7):  # seven names over the fixture adapters; the last one's files are corrupted
@@ -42,9 +43,9 @@ def setup(llama_dir, llama_adapters, tmp_path_factory):
     scratch = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
     expected = {}
     for ref in refs[:-1]:
-        scratch.set_slot(0, pack(read(ref)))
+        scratch.set_slot(0, read(ref))
         expected[ref.key] = scratch.buffer[0].clone()
-    packed_bytes = max(pack(read(r)).nbytes for r in refs[:-1])
+    packed_bytes = max(read(r).nbytes for r in refs[:-1])
     return cfg, pack, refs, expected, packed_bytes
 
 

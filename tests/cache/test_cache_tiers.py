@@ -65,7 +65,7 @@ class Disk:
 
 def make_cache(slots=2, cpu_mib=1000, download=frozenset(), disk=None):
     now = [0.0]
-    cache = AdapterCache(Pool(slots), lambda files: None, cpu_bytes=cpu_mib * MiB, policy=ScorePolicy(), disk=disk,
+    cache = AdapterCache(Pool(slots), lambda files, hashed: None, cpu_bytes=cpu_mib * MiB, policy=ScorePolicy(), disk=disk,
                          executor=Instant(), loader=loader(set(download)), clock=lambda: now[0])
     return cache, now
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from loraplex.engine import lora as lora_module
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
@@ -78,3 +79,34 @@ def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
     assert not pool.buffer[0].any()
     pool.set_slot(0, packed(small, torch.float32))
     assert torch.equal(pool.buffer[0], expected_small)
+
+
+@pytest.mark.parametrize("block_bytes", [4, 100, 1 << 20])  # blocks of one row, of a few rows, and one block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_transpose_writes_every_row(monkeypatch, block_bytes, dtype):
+    tensors, files = adapter(5, dtype)
+    monkeypatch.setattr(lora_module, "_TRANSPOSE_BLOCK_BYTES", block_bytes)
+    pool = LoRASlotPool(CFG, 1, MAX_RANK, dtype, "cpu")
+    pool.set_slot(0, packed(files, dtype))
+    for layer in range(CFG.num_layers):
+        for index, module in enumerate(LINEAR_MODULES):
+            b = tensors[f"base_model.model.{ModelConfig.module_path(layer, module)}.lora_B.weight"]
+            assert torch.equal(pool.bt[layer][index][0, :5], (b * (7.0 / 5)).to(dtype).t())
+
+
+def test_packing_in_place_overwrites_only_bytes_the_digest_check_has_read():
+    _, files = adapter(MAX_RANK, torch.float32)
+    weights = files[WEIGHTS_FILE]
+    original = bytes(weights)
+    granted = []
+
+    def hashed(end):  # nothing at or past the furthest offset granted so far may have changed yet
+        assert bytes(weights[max(granted, default=0):]) == original[max(granted, default=0):]
+        granted.append(end)
+
+    pack = pack_adapter(adapter_from_files(files, CFG, MAX_RANK), weights, torch.float32, hashed=hashed)
+    assert granted == sorted(granted) and len(granted) == len(LINEAR_MODULES) * CFG.num_layers
+    changed = [i for i in range(len(original)) if weights[i] != original[i]]
+    assert changed and max(changed) < max(granted)
+    expected = packed({**files, WEIGHTS_FILE: bytearray(original)}, torch.float32)
+    assert torch.equal(pack.buffer, expected.buffer)

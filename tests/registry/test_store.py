@@ -117,6 +117,43 @@ def test_read_artifact_refuses_a_flipped_byte(tmp_path):
         read_artifact(src, "md5:" + "0" * 32)
 
 
+@pytest.mark.parametrize("chunk", [7, 1 << 24])
+def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(store_module, "_READ_CHUNK", chunk)
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    original = (src / "adapter_model.safetensors").read_bytes()
+
+    def overwrite(files, hashed):  # zeroes the weights from the front, each piece once the hash has read it
+        data = files["adapter_model.safetensors"]
+        for end in range(100, len(data) + 100, 100):
+            hashed("adapter_model.safetensors", min(end, len(data)))
+            data[end - 100 : end] = bytes(len(data[end - 100 : end]))
+        return bytes(data)
+
+    # were a piece overwritten before it was hashed, the digest would not match
+    assert read_artifact(src, canonical_digest(src), use=overwrite) == bytes(len(original))
+
+
+def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path):
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    digest = canonical_digest(src)
+    used = []
+    data = bytearray((src / "adapter_model.safetensors").read_bytes())
+    data[5000] ^= 0x01
+    (src / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+        read_artifact(src, digest, use=lambda files, hashed: used.append(1) or "packed")
+    assert used == [1]
+
+    def refuse(files, hashed):
+        raise ValueError("not a safetensors file")
+
+    with pytest.raises(DigestMismatch):  # a mismatch is the error, whatever the parser said of the bytes
+        read_artifact(src, digest, use=refuse)
+    with pytest.raises(ValueError, match="not a safetensors file"):  # the bytes are the artifact's: its error
+        read_artifact(src, canonical_digest(src), use=refuse)
+
+
 def test_digests_never_become_paths(tmp_path):
     store = ArtifactStore(tmp_path / "store")
     for bad in ("sha256:../../etc", "../x", "sha256:" + "A" * 64, "md5:" + "0" * 32):

@@ -70,7 +70,7 @@ class AdapterCache:
     def __init__(
         self,
         pool: SlotPool,
-        pack: Callable[[dict[str, memoryview]], object],  # digest-checked file bytes -> host copy
+        pack: Callable[[dict[str, memoryview], Callable[[str, int], None]], object],  # see read_artifact's `use`
         *,
         cpu_bytes: int,
         max_cpu_loras: int | None = None,
@@ -312,17 +312,17 @@ class AdapterCache:
         try:
             if ref.path is not None:
                 start = time.perf_counter()
-                packed = self._pack(read_artifact(ref.path, ref.key.adapter_digest))  # one read, hashed as read
+                # one read; packed while the digest check runs, kept only if it matches
+                packed = read_artifact(ref.path, ref.key.adapter_digest, use=self._pack)
                 stages["disk"] = time.perf_counter() - start
                 source = "disk"
             elif self.disk is not None and ref.storage_uri:
                 start = time.perf_counter()
-                files, downloaded = self.disk.read(ref.storage_uri, ref.key.adapter_digest)
-                fetched = time.perf_counter()
-                packed = self._pack(files)
-                stages["download" if downloaded else "disk"] = fetched - start
-                stages["disk"] = stages.get("disk", 0.0) + time.perf_counter() - fetched
-                source = "remote" if downloaded else "disk"
+                packed, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, use=self._pack)
+                stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
+                if download_s is not None:
+                    stages["download"] = download_s
+                source = "disk" if download_s is None else "remote"
             else:
                 raise AdapterUnavailable(f"adapter {ref.key}: no local path and no storage URI to load it from")
         except AdapterUnavailable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.registry.errors import DigestMismatch
@@ -28,30 +29,32 @@ class DiskTier:
     def has(self, digest: str) -> bool:
         return self.store.has(digest)
 
-    def read(self, storage_uri: str, digest: str) -> tuple[dict[str, memoryview], bool]:
-        """The artifact's digest-checked bytes, from the local copy or downloaded first; and whether it was
-        downloaded. A damaged local copy is dropped and downloaded again, never used."""
+    def read(self, storage_uri: str, digest: str, use: Callable | None = None) -> tuple[object, float | None]:
+        """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`), from the local
+        copy or downloaded first; and the seconds the download took (None: read from the local copy). A damaged
+        local copy is dropped and downloaded again, never used."""
         with self._lock:
             self._in_use[digest] = self._in_use.get(digest, 0) + 1
         try:
-            files = self._read_local(digest)
-            downloaded = files is None
-            if downloaded:
+            result, download_s = self._read_local(digest, use), None
+            if result is None:
+                start = time.perf_counter()
                 path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s)
-                files = read_artifact(path, digest)
+                download_s = time.perf_counter() - start
+                result = read_artifact(path, digest, use)
             with self._lock:
                 self._last_use[digest] = time.monotonic()
-            return files, downloaded
+            return result, download_s
         finally:
             with self._lock:
                 self._in_use[digest] -= 1
             self.shrink()
 
-    def _read_local(self, digest: str) -> dict[str, memoryview] | None:
+    def _read_local(self, digest: str, use: Callable | None) -> object | None:
         if not self.store.has(digest):
             return None
         try:
-            return read_artifact(self.store.path(digest), digest)
+            return read_artifact(self.store.path(digest), digest, use)
         except DigestMismatch:
             self.store.remove(digest)
             return None

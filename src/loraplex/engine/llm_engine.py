@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,14 +95,15 @@ class LLMEngine:
         key = AdapterKey(self.base_model_digest, name, revision, digest or canonical_digest(Path(path)))
         return AdapterRef(key, Path(spec.path), **kwargs)
 
-    def _pack_adapter(self, files: dict[str, memoryview]):
-        """Cache worker thread: validate the digest-checked bytes again (this base model, this max rank) and pack
-        them for a slot."""
+    def _pack_adapter(self, files: dict[str, memoryview], hashed: Callable[[str, int], None]):
+        """Cache worker thread, while the digest check runs: validate the bytes again (this base model, this max
+        rank) and pack them for a slot; the cache keeps the result only if the digest matches."""
         try:
             spec = adapter_from_files(files, self.model_config, self.config.max_lora_rank)
         except AdapterRejected as exc:
             raise AdapterUnavailable(f"adapter files are not servable: {exc}") from exc
-        return pack_adapter(spec, files[WEIGHTS_FILE], self.dtype, pin=self.device.type == "cuda")
+        return pack_adapter(spec, files[WEIGHTS_FILE], self.dtype, pin=self.device.type == "cuda",
+                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
