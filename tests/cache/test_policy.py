@@ -1,5 +1,7 @@
 """Eviction policies over plain data (no torch)."""
 
+import random
+
 from loraplex.cache.policy import (
     Candidate,
     DemandTracker,
@@ -61,3 +63,22 @@ def test_demand_decays_over_its_windows():
 
 def test_make_policy_names():
     assert make_policy("lru").name == "lru" and make_policy("score").name == "score"
+
+
+def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
+    """choose_victim scores candidates inline for speed: it must pick what keep_score ranks lowest, ties included."""
+    rng = random.Random(0)
+    policy = ScorePolicy()
+    for _ in range(2000):
+        candidates = [
+            Candidate(i, nbytes=rng.choice([2**20, 5 * 2**20, 2**30]), loaded_at=rng.uniform(0, 100),
+                      last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]),
+                      demand=rng.choice([0.0, 1.0, rng.uniform(0, 9)]), priority=rng.choice([0, 1]),
+                      reload_cost=rng.choice([0.0, rng.random()]), preferred=rng.random() < 0.3)
+            for i in range(rng.randint(1, 12))
+        ]
+        now, incoming = rng.choice([0.0, 50.0, 100.0]), rng.choice([None, candidates[0]])
+        kept = [x for x in candidates if incoming is None or not (
+            now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
+        expected = min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key if kept else None
+        assert policy.choose_victim(candidates, now, incoming) == expected

@@ -56,18 +56,20 @@ def test_capacities_are_never_exceeded_and_every_request_finishes(policy):
         assert all(e.refcount == 0 for e in worker.cache.entries.values())
 
 
-def test_skipping_blocked_acquires_changes_nothing():
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_skipping_blocked_acquires_changes_nothing(policy):
     trace = small_zipf(seed=3, rate=6.0, duration=40.0)
     results = []
     for skip in (True, False):
         config = SimConfig(gpu_slots=2, cpu_bytes=1 * GiB, disk_bytes=2 * GiB, skip_blocked=skip)
-        sim = simulate(trace, config, policy_factory("lru"))
+        sim = simulate(trace, config, policy_factory(policy))
         results.append([(s.tier, s.first_token_at, s.finish_at) for s in sim.requests])
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("policy,workers", [("lru", 1), ("score", 1), ("score", 2)])
+@pytest.mark.parametrize("policy,workers", [("lru", 1), ("score", 1), ("score", 2), ("lru", 4), ("optimal", 3)])
 def test_skipping_quiet_steps_changes_nothing(policy, workers):
+    """Also across workers, where a worker skips past the others' events and an arrival cuts its skip short."""
     trace = small_zipf(seed=5, rate=8.0, duration=40.0)
     results = []
     for skip in (True, False):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import dataclass
 
 # Decayed request counts stand in for rolling windows of 5 minutes, 1 hour and 24 hours.
@@ -82,8 +83,8 @@ class DemandTracker:
         """(key, count) over the given window, the most demanded first (keys without requests are left out)."""
         decay = self._decay(now)[window]
         ranking = self._rankings[window]
-        for neg, key in zip(ranking.neg_values, ranking.keys):
-            yield key, -neg * decay
+        # -(neg × decay), all in C: the callers stop at the first few, and the cache asks on every eviction.
+        return zip(ranking.keys, map(float.__neg__, map(decay.__mul__, ranking.neg_values)))
 
     def discard(self, key) -> None:
         old = self._scaled.pop(key, None)
@@ -126,6 +127,9 @@ class _Ranking:
             self.keys.insert(i, key)
 
 
+_last_access = operator.attrgetter("last_access")
+
+
 class LRUPolicy:
     """The runtime baseline (vLLM, TensorRT-LLM): evict the least recently used."""
 
@@ -134,7 +138,7 @@ class LRUPolicy:
     def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
         if not candidates:
             return None
-        return min(candidates, key=lambda c: c.last_access).key
+        return min(candidates, key=_last_access).key
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,17 @@ class ScorePolicy:
             ]
         if not candidates:
             return None
-        return min(candidates, key=lambda c: (self.keep_score(c, now), c.last_access)).key
+        # keep_score inlined (the same operations in the same order, so the same floats): an eviction scores every
+        # candidate, and a simulation makes thousands of evictions.
+        exp, log1p, recency_s = math.exp, math.log1p, self.recency_s
+        w_r, w_f, w_p, w_c = self.w_recency, self.w_frequency, self.w_priority, self.w_cost
+        w_s, w_pref = self.w_size_per_gib, self.w_preferred
+        ranks = [
+            (w_r * exp(-max(0.0, now - c.last_access) / recency_s) + w_f * log1p(c.demand)
+             + w_p * c.priority + w_c * c.reload_cost - w_s * c.nbytes / 2**30 + w_pref * c.preferred, c.last_access)
+            for c in candidates
+        ]
+        return candidates[min(range(len(ranks)), key=ranks.__getitem__)].key
 
 
 def make_policy(name: str):

@@ -119,37 +119,41 @@ class Picker:
             if priority < self.config.shed_priority_below:
                 return Pick((), "saturated-shed")
             candidates = healthy
-        scores = self._scores(candidates, adapter)
-        best_affinity = max(candidates, key=lambda w: AFFINITY[w.affinity(adapter)]).affinity(adapter)
+        tiers = {w.url: w.affinity(adapter) for w in candidates}  # asked once per worker: a pick is per request
+        scores = self._scores(candidates, tiers)
+        best_affinity = max(tiers.values(), key=AFFINITY.__getitem__)
         if adapter is not None and best_affinity in ("none", "free-slot"):
             order = self._bounded_hash(candidates, adapter)
             reason = "cold-hash"
         else:
             # On equal scores the better-placed adapter wins (no load for nothing), then chance.
-            order = sorted(candidates, key=lambda w: (-round(scores[w.url], 9), -AFFINITY[w.affinity(adapter)],
+            order = sorted(candidates, key=lambda w: (-round(scores[w.url], 9), -AFFINITY[tiers[w.url]],
                                                       self.rng.random()))
             top = [w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal]
             if priority > 0 and len(top) > 1:  # a higher-priority tenant takes the less-loaded of near-equals
                 first = min(top, key=lambda w: (w.load, w.active_tokens))
                 order = [first] + [w for w in order if w is not first]
-            reason = f"affinity-{order[0].affinity(adapter)}" if adapter else "least-loaded"
+            reason = f"affinity-{tiers[order[0].url]}" if adapter else "least-loaded"
         if fallback:
             reason = "saturated-fallback"
-        rest = [w for w in healthy if w not in order]
+        placed = {id(w) for w in order}  # by identity: comparing views field by field is most of a pick
+        rest = [w for w in healthy if id(w) not in placed]
         return Pick(tuple(w.url for w in order + rest), reason)
 
-    def _scores(self, workers: list[WorkerView], adapter: str | None) -> dict[str, float]:
+    def _scores(self, workers: list[WorkerView], tiers: dict[str, str]) -> dict[str, float]:
+        """Each worker's score by url, given its affinity tier for the adapter."""
         c = self.config
 
         def norm(values):
             top = max(values) or 1
             return [v / top for v in values]
 
-        queue = [w.load / max(1, c.max_waiting) for w in workers]
+        max_waiting = max(1, c.max_waiting)
+        queue = [w.load / max_waiting for w in workers]
         tokens = norm([w.active_tokens if w.fresh else 0 for w in workers])
         evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
         return {
-            w.url: c.w_affinity * AFFINITY[w.affinity(adapter)] - c.w_queue * q - c.w_tokens * t - c.w_evictions * e
+            w.url: c.w_affinity * AFFINITY[tiers[w.url]] - c.w_queue * q - c.w_tokens * t - c.w_evictions * e
             for w, q, t, e in zip(workers, queue, tokens, evictions)
         }
 

@@ -11,9 +11,11 @@ adapter's slot until it finishes.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import math
+import operator
 import random
 from collections import Counter, deque
 from collections.abc import Callable
@@ -173,10 +175,11 @@ class SimConfig:
     service: ServiceModel = field(default_factory=ServiceModel)
     costs: LoadCosts = field(default_factory=LoadCosts)
     skip_blocked: bool = True
-    """Do not call the cache's acquire when it can only fail because every slot is held (same results, faster)."""
+    """Do not call the cache's acquire when it can only fail, the adapter loading or every slot held (same results,
+    faster)."""
     skip_quiet_steps: bool = True
-    """End at once the steps that can change nothing: no arrival, load or finish before they end and no waiting
-    request that could be admitted (same results, faster)."""
+    """End at once the steps that can change nothing: no arrival at the worker, none of its loads or finishes
+    before they end and no waiting request that could be admitted (same results, faster)."""
     idle_poll_s: float = 0.01
     """A worker whose waiting requests found no slot and has nothing running or loading tries again after this."""
     seed: int = 0
@@ -202,7 +205,11 @@ class SimKey(AdapterKey):
         return self._label
 
 
-@dataclass(frozen=True)
+_label = operator.attrgetter("_label")  # str() of SimKeys without a Python call per key
+_nbytes = operator.attrgetter("nbytes")
+
+
+@dataclass(frozen=True, slots=True)
 class SimPacked:
     """A host copy as the cache sees it: only its size matters."""
 
@@ -259,6 +266,9 @@ class SimDisk:
             self.used -= self.sizes.pop(oldest)
         self.peak = max(self.peak, self.used)
 
+    def close(self) -> None:
+        """What `AdapterCache.close` calls on its disk tier: a simulated one holds no connection or file."""
+
 
 # -- requests and workers --------------------------------------------------------------------------
 class SimRequest:
@@ -289,6 +299,11 @@ class Worker:
         self.finishing: list[tuple[int, int, SimRequest]] = []  # (finish step, order, request)
         self.step_index = 0
         self.steps_in_flight = 1  # engine steps the scheduled step end stands for
+        self.end_token = 0  # the scheduled step end that counts (an arrival may move it earlier)
+        self.quiet: tuple[float, float, list[AdapterKey]] | None = None  # (first end, step seconds, blocked keys)
+        self.touch: tuple[list[AdapterKey], float] | None = None  # blocked keys and when the last step touches them
+        self.load_ends: list[float] = []  # when this worker's loads in progress end (a heap)
+        self.loads_landed = 0  # loads ended since the cache last polled
         self.busy = False
         self.wake_pending = False
         self.prefilled: list[SimRequest] = []
@@ -309,11 +324,15 @@ class Worker:
                       "disk": self.sim.config.costs.disk.seconds(nbytes)}
         self._plans[ref.key] = (source, stages, nbytes)
         future: Future = Future()
-        self.sim.schedule(self.sim.now + sum(stages.values()), self._finish_load, (fn, ref, future))
+        end = self.sim.now + sum(stages.values())
+        heapq.heappush(self.load_ends, end)
+        self.sim.schedule(end, self._finish_load, (fn, ref, future))
         return future
 
     def _finish_load(self, payload) -> None:
         fn, ref, future = payload
+        heapq.heappop(self.load_ends)
+        self.loads_landed += 1
         future.set_result(fn(ref))
         self.wake()
 
@@ -330,6 +349,8 @@ class Worker:
         seq.worker = self.index
         seq.tier = self.cache.record_request(seq.ref) if seq.ref is not None else "gpu"
         self.waiting.append(seq)
+        if self.quiet is not None:
+            self._cut_quiet_steps()
         self.wake()
 
     def wake(self) -> None:
@@ -338,92 +359,132 @@ class Worker:
 
     # The step loop.
     def start_step(self) -> None:
-        sim, config = self.sim, self.sim.config
-        if self.cache.loading:
-            took = len(self.cache.loading)
-            self.cache.poll()
-            if len(self.cache.loading) != took:
+        sim, config, cache = self.sim, self.sim.config, self.cache
+        now = sim.now
+        if self.loads_landed:  # the cache's poll can only take in loads that have ended
+            self.loads_landed = 0
+            took = len(cache.loading)
+            cache.poll()
+            if len(cache.loading) != took:
                 self._check_capacity()
         decodes = self.num_running
         budget = config.max_num_batched_tokens - decodes
         admitted, prefill_tokens = [], 0
-        held = None  # whether every slot is held by running requests (computed when first needed)
-        blocked: list[AdapterKey] = []  # waiting keys that only a load's end or a slot's release can unblock
+        blocked: dict[AdapterKey, None] = {}  # waiting keys that only a load's end or a slot's release can unblock
+        stuck = False  # a waiting request found no slot, and time alone may free one
         for seq in list(self.waiting):
-            if self.num_running >= config.max_num_seqs or seq.req.prompt_tokens > budget:
+            prompt_tokens = seq.req.prompt_tokens
+            if self.num_running >= config.max_num_seqs or prompt_tokens > budget:
                 break
             if seq.ref is not None:
                 key = seq.ref.key
-                if config.skip_blocked and key in self.cache.cpu and key not in self.cache.slots:
-                    held = self._all_slots_held() if held is None else held
-                    if held:
-                        # The cache's acquire could only fail here, after ranking every adapter by demand;
-                        # its side effects are the access time and the mark that a request waits for the key.
-                        self.cache.entries[key].last_access = sim.now
-                        self.cache._wanted[key] = sim.now
-                        blocked.append(key)
-                        continue
-                if self.cache.acquire(seq.ref) is None:
-                    # Its adapter is loading or no slot can be freed: others go ahead.
-                    blocked.append(key if key in self.cache.loading else None)
+                if config.skip_blocked and key in blocked:
+                    continue  # a blocked key stays blocked until the step ends: admissions only take more slots
+                if config.skip_blocked and self._acquire_can_only_fail(key):
+                    # The cache's acquire could only fail: make its side effects, the access time and the mark
+                    # that a request waits for the key.
+                    cache.entries[key].last_access = now
+                    cache._wanted[key] = now
+                    blocked[key] = None
                     continue
-                held = None
+                if cache.acquire(seq.ref) is None:
+                    # Its adapter is loading or no slot can be freed: others go ahead.
+                    if key in cache.loading:
+                        blocked[key] = None
+                    else:
+                        stuck = True
+                    continue
             self.waiting.remove(seq)
-            seq.admitted_at = sim.now
+            seq.admitted_at = now
             admitted.append(seq)
             self.num_running += 1
-            self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
+            self.running_tokens += prompt_tokens + seq.req.output_tokens
             if seq.ref is not None:
                 self.running_adapters[seq.ref.key] += 1
                 sim.admitted(seq)
-            budget -= seq.req.prompt_tokens
-            prefill_tokens += seq.req.prompt_tokens
+            budget -= prompt_tokens
+            prefill_tokens += prompt_tokens
         copies = self.pool.take_pending()
         if admitted:
-            self.peak_slots = max(self.peak_slots, self.pool.num_slots - self.cache.free_slots())
+            self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.free_slots())
         if not decodes and not admitted:
             self.busy = False
-            if self.waiting and not self.cache.loading and not self.wake_pending:
+            if self.waiting and not cache.loading and not self.wake_pending:
                 self.wake_pending = True  # nothing will wake it: look again shortly (as the engine loop does)
-                sim.schedule(sim.now + config.idle_poll_s, self._retry, None)
+                sim.schedule(now + config.idle_poll_s, self._retry, None)
             return
         self.busy = True
         self.prefilled = admitted
         step_s = config.service.step_seconds(prefill_tokens, decodes, len(self.running_adapters))
-        end, self.steps_in_flight = sim.now + (step_s + copies), 1
-        if config.skip_quiet_steps and not admitted and None not in blocked:
-            end = self._skip_quiet_steps(end, step_s, blocked)
-        sim.schedule(end, self._end_step, None)
+        end, self.steps_in_flight = now + (step_s + copies), 1
+        if config.skip_quiet_steps and not admitted and not stuck:
+            end = self._skip_quiet_steps(end, step_s, list(blocked))
+        self._schedule_end(end)
 
     def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
         """The end of the last of the decode-only steps that follow this one and change nothing.
 
-        A step changes nothing when no arrival, load or other event comes before it ends, none of the running
-        requests finishes with it and no waiting request can be admitted (each waits for a load or a slot); the
-        boundaries are added up one by one, as stepping would, so that every time is the same to the last bit.
-        The skipped steps' one side effect, waiting requests touching their adapters, is made at the last of them.
+        A step changes nothing when none of the running requests finishes with it, no load of this worker ends
+        before it does, no request arrives (an arrival cuts the steps short: `_cut_quiet_steps`) and no waiting
+        request can be admitted (each waits for a load or a slot). Other workers' events cannot reach this one.
+        The boundaries are added up one by one, as stepping would, so that every time is the same to the last bit.
+        The skipped steps' one side effect, waiting requests touching their adapters, is made when they end.
         """
-        horizon = self.sim.next_event_time()
+        first_end = end
+        horizon = self.load_ends[0] if self.load_ends else math.inf
+        if len(self.sim.workers) == 1:  # every arrival is this worker's: end there rather than be cut short
+            horizon = min(horizon, self.sim.next_arrival_time())
         finish_in = self.finishing[0][0] - self.step_index if self.finishing else math.inf
         last = None
         while self.steps_in_flight < finish_in and end < horizon:
             last, end = end, end + step_s
             self.steps_in_flight += 1
         if last is not None:
-            for key in blocked:
-                self.cache.entries[key].last_access = last
-                self.cache._wanted[key] = last
+            self.quiet = (first_end, step_s, blocked)
+            self.touch = (blocked, last)
         return end
 
-    def _all_slots_held(self) -> bool:
-        entries = self.cache.entries
-        return all(k is not None and (entries[k].refcount > 0 or entries[k].pinned == "gpu") for k in self.cache.slots)
+    def _cut_quiet_steps(self) -> None:
+        """A request arrived during skipped steps: they end at the first boundary at or after now, where the
+        step loop would have seen it."""
+        end, step_s, blocked = self.quiet
+        self.quiet = None
+        now, steps, last = self.sim.now, 1, None
+        while end < now:
+            last, end = end, end + step_s
+            steps += 1
+        if steps < self.steps_in_flight:
+            self.steps_in_flight = steps
+            self.touch = None if last is None else (blocked, last)
+            self._schedule_end(end)
+
+    def _acquire_can_only_fail(self, key: AdapterKey) -> bool:
+        """The adapter is loading, or in host memory while every slot is held by running requests (the cache would
+        rank every adapter only to find no victim)."""
+        cache = self.cache
+        if key in cache.slots:
+            return False
+        # Each running adapter holds one slot (and the simulator pins none).
+        return key in cache.loading or (key in cache.cpu and len(self.running_adapters) == self.pool.num_slots)
+
+    def _schedule_end(self, end: float) -> None:
+        self.end_token += 1
+        self.sim.schedule(end, self._end_step, self.end_token)
 
     def _retry(self, _) -> None:
         self.wake_pending = False
         self.wake()
 
-    def _end_step(self, _) -> None:
+    def _end_step(self, token: int) -> None:
+        if token != self.end_token:
+            return  # moved earlier by an arrival
+        self.quiet = None
+        if self.touch is not None:
+            keys, last = self.touch
+            self.touch = None
+            for key in keys:
+                self.cache.entries[key].last_access = last
+                self.cache._wanted[key] = last
         now = self.sim.now
         self.step_index += self.steps_in_flight
         for seq in self.prefilled:
@@ -448,7 +509,7 @@ class Worker:
         self.sim.finished += 1
 
     def _check_capacity(self) -> None:
-        used = sum(p.nbytes for p in self.cache.cpu.values())
+        used = sum(map(_nbytes, self.cache.cpu.values()))
         self.peak_cpu_bytes = max(self.peak_cpu_bytes, used)
 
     def view(self) -> WorkerView:
@@ -457,17 +518,13 @@ class Worker:
         return WorkerView(
             self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
             recent_evictions=self._recent_evictions(), free_slots=cache.free_slots(),
-            gpu=frozenset(str(k) for k in cache.slots if k is not None),
-            cpu=frozenset(str(k) for k in cache.cpu), loading=frozenset(str(k) for k in cache.loading),
+            gpu=frozenset(map(_label, filter(None, cache.slots))),
+            cpu=frozenset(map(_label, cache.cpu)), loading=frozenset(map(_label, cache.loading)),
         )
 
     def _recent_evictions(self) -> int:
-        count, now = 0, self.sim.now
-        for t in reversed(self.cache.recent_evictions):  # oldest first, so count from the newest
-            if now - t >= THRASH_WINDOW_S:
-                break
-            count += 1
-        return count
+        now, times = self.sim.now, self.cache.recent_evictions  # oldest first
+        return len(times) - bisect.bisect_left(times, True, key=lambda t: now - t < THRASH_WINDOW_S)
 
 
 # -- the simulation --------------------------------------------------------------------------------
@@ -527,10 +584,8 @@ class Simulation:
         self._order += 1
         heapq.heappush(self._events, (at, self._order, fn, payload))
 
-    def next_event_time(self) -> float:
-        """When the next arrival or scheduled event comes."""
-        arrival = self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
-        return min(arrival, self._events[0][0]) if self._events else arrival
+    def next_arrival_time(self) -> float:
+        return self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
 
     def run(self) -> Simulation:
         requests, events = self.requests, self._events
