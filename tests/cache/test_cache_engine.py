@@ -119,3 +119,33 @@ def test_seed_scenario_score_keeps_hot_adapters_resident_and_lru_does_not(llama_
         engine.close()
     assert results["score"] >= 0.9, results
     assert results["lru"] <= 0.5, results
+
+
+def test_downloads_share_one_http_client_closed_with_the_engine(llama_dir, remote, tmp_path, monkeypatch):
+    import httpx
+
+    made = []
+
+    class Counted(httpx.Client):  # a new client loads the CA bundle: ~50 ms of CPU with the GIL held
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(httpx, "Client", Counted)
+    store, digests = remote
+    with serve_store(store) as base:
+        engine = make_engine(llama_dir, tmp_path, base, max_loras=1)
+        for name, digest in digests.items():
+            assert run_one(engine, remote_ref(engine, base, name, digest))[:2] == ("remote", None)
+        assert len(digests) >= 3 and len(made) == 1
+        engine.close()
+    assert made[0].is_closed
+
+
+def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(llama_dir, tmp_path):
+    import gc
+
+    engine = make_engine(llama_dir, tmp_path, str(tmp_path))
+    assert gc.get_freeze_count() > 10_000  # the model and the libraries: a full collection skips them
+    engine.close()
+    assert gc.get_freeze_count() == 0

@@ -505,3 +505,5 @@ class AdapterCache:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()

@@ -25,6 +25,7 @@ class DiskTier:
         self._last_use: dict[str, float] = {d: 0.0 for d in self.store.digests()}
         self._in_use: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._http = None  # one httpx.Client for every download: keeps connections, loads the CA bundle once
 
     def has(self, digest: str) -> bool:
         return self.store.has(digest)
@@ -39,7 +40,8 @@ class DiskTier:
             result, download_s = self._read_local(digest, use), None
             if result is None:
                 start = time.perf_counter()
-                path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s)
+                path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s,
+                                      http_client=self._http_client(storage_uri))
                 download_s = time.perf_counter() - start
                 result = read_artifact(path, digest, use)
             with self._lock:
@@ -49,6 +51,22 @@ class DiskTier:
             with self._lock:
                 self._in_use[digest] -= 1
             self.shrink()
+
+    def _http_client(self, uri: str):
+        if not uri.startswith(("http://", "https://")):
+            return None
+        with self._lock:
+            if self._http is None:
+                import httpx  # only http stores need it
+
+                self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=False)
+            return self._http
+
+    def close(self) -> None:
+        with self._lock:
+            if self._http is not None:
+                self._http.close()
+                self._http = None
 
     def _read_local(self, digest: str, use: Callable | None) -> object | None:
         if not self.store.has(digest):

@@ -97,7 +97,7 @@ def read_artifact(directory: str | Path, digest: str, use: Callable | None = Non
         if use is not None:
             try:
                 result = use(files, progress.wait)
-            except Exception as exc:  # re-raised below, unless the bytes were not the artifact's at all
+            except Exception as exc:  # noqa: BLE001 (re-raised below, unless the bytes were not the artifact's)
                 error = exc
         actual = "sha256:" + hexdigest.result()
     if actual != digest:
@@ -360,8 +360,11 @@ def fetch_artifact(
     allowed: AllowList,
     timeout_s: float = 30.0,
     s3_client=None,
+    http_client=None,
 ) -> Path:
-    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory."""
+    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory. A caller that
+    fetches often passes its own `http_client` (an httpx.Client): a new one loads the CA bundle, about 50 ms of CPU
+    with the GIL held."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -375,7 +378,7 @@ def fetch_artifact(
         if scheme == "file":
             _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
         elif scheme in ("http", "https"):
-            _fetch_http(storage_uri, work, timeout_s)
+            _fetch_http(storage_uri, work, timeout_s, http_client)
         else:
             _fetch_s3(storage_uri, work, timeout_s, s3_client)
         actual = canonical_digest(work)
@@ -411,16 +414,19 @@ def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
     return entries
 
 
-def _fetch_http(uri: str, work: Path, timeout_s: float) -> None:
+def _fetch_http(uri: str, work: Path, timeout_s: float, client=None) -> None:
     import httpx  # here: only http stores need it, and it is slow to import for every CLI command
 
     base = uri.rstrip("/")
     try:
-        with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
-            index = client.get(f"{base}/{INDEX_FILE}")
+        with contextlib.ExitStack() as stack:
+            if client is None:
+                client = stack.enter_context(httpx.Client(timeout=timeout_s, follow_redirects=False))
+            index = client.get(f"{base}/{INDEX_FILE}", timeout=timeout_s)
             index.raise_for_status()
             for name, size in _checked_index(index.content, base):
-                with client.stream("GET", f"{base}/{name}") as response, (work / name).open("wb") as out:
+                with client.stream("GET", f"{base}/{name}", timeout=timeout_s) as response, \
+                        (work / name).open("wb") as out:
                     response.raise_for_status()
                     _write_bounded(response.iter_bytes(_CHUNK), out, size, f"{base}/{name}")
     except httpx.HTTPError as exc:
