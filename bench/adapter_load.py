@@ -9,20 +9,17 @@ the copies into the slot (no digest check, no validation, no host copy kept); "l
 digest check to it as its own pass over the file. Each repeat runs the limit and every tier of ours once, in turn,
 so that a change in the machine's load hits them alike. The baseline is `PeftModel.load_adapter` on the small model,
 with its default and with `low_cpu_mem_usage=True` (which skips initialising weights that are then overwritten).
-The remote tier is a real local HTTP server with an added latency and bandwidth cap.
+The remote tier is a real local HTTP server in its own process, with an added latency and bandwidth cap.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import http.server
 import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file, save_file
+from shaped_store import ShapedHandler, shaped_store_process
 
 from loraplex.cache.cache import AdapterCache
 from loraplex.cache.disk import DiskTier
@@ -68,30 +66,6 @@ def write_adapter(cfg: ModelConfig, rank: int, dtype: torch.dtype, out: Path) ->
         "bias": "none", "task_type": "CAUSAL_LM",
     }))
     return out
-
-
-class ShapedHandler(http.server.SimpleHTTPRequestHandler):
-    """A static file server with a fixed latency per request and a bandwidth cap."""
-
-    latency_s = 0.05
-    bytes_per_s = 200e6
-
-    def log_message(self, *args):
-        pass
-
-    def copyfile(self, source, outputfile):
-        time.sleep(self.latency_s)
-        while chunk := source.read(1 << 20):
-            start = time.perf_counter()
-            outputfile.write(chunk)
-            time.sleep(max(0.0, len(chunk) / self.bytes_per_s - (time.perf_counter() - start)))
-
-
-def serve_shaped(root: Path) -> tuple[str, http.server.ThreadingHTTPServer]:
-    handler = functools.partial(ShapedHandler, directory=str(root / "sha256"))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}", server
 
 
 def seconds(fn) -> float:
@@ -175,16 +149,13 @@ def bench_shape(name: str, shape: dict, ranks: list[int], repeats: int, work: Pa
     cfg = model_config(shape)
     dtype = getattr(torch, shape["dtype"])
     remote_store = ArtifactStore(work / f"{name}-remote")
-    base_url, http_server = serve_shaped(remote_store.root)
     pools = [LoRASlotPool(cfg, 1, max(ranks), dtype, "cpu") for _ in range(2)]
-    bench = Bench(name, cfg, dtype, *pools, max(ranks), base_url, work)
     rows = []
-    try:
+    with shaped_store_process(remote_store.root) as base_url:
+        bench = Bench(name, cfg, dtype, *pools, max(ranks), base_url, work)
         for rank in ranks:
             rows.append(bench.row(rank, repeats, remote_store))
             console.log(rows[-1])
-    finally:
-        http_server.shutdown()
     return rows
 
 

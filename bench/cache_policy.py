@@ -1,11 +1,16 @@
 """Cache policies in the real engine: the seed scenario and Zipf workloads, `lru` vs `score`.
 
-    python bench/cache_policy.py [--quick] [--json bench/results/cache_policy.json]
+    python bench/cache_policy.py [--quick] [--seeds 3] [--threads 1] [--workloads hot-burst,no-burst]
+                                 [--json bench/results/cache_policy.json]
 
 Each workload is replayed open-loop against an LLMEngine (arrivals at their trace times, the step loop running
 as fast as it can): time to first token is measured from a request's arrival to its first token. Two set-ups:
 `disk` (every adapter on local disk; an eviction costs a disk reload) and `remote` (a disk budget of a few
-adapters, so evicted adapters fall back to a real local HTTP store with 50 ms latency and 200 MB/s).
+adapters, so evicted adapters fall back to a real local HTTP store in its own process, with 50 ms latency and
+200 MB/s). Every workload runs once per seed (its own arrivals); a row pools the requests of all seeds, so a p99
+rests on a few slow requests rather than on the slowest one. The seed scenario starts with its hot adapters
+loaded (their cold start is not what it measures). `burst-compute` is its control: the burst's requests at the
+same times but on the hot adapters, so the compute they add without any load or eviction.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from adapter_load import ShapedHandler, serve_shaped, write_adapter  # noqa: E402
+from adapter_load import write_adapter
+from shaped_store import ShapedHandler, shaped_store_process
 
-from loraplex.cache.key import AdapterKey, AdapterRef  # noqa: E402
-from loraplex.config import EngineConfig  # noqa: E402
-from loraplex.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplex.engine.sequence import SamplingParams  # noqa: E402
-from loraplex.model_config import ModelConfig  # noqa: E402
-from loraplex.registry.store import ArtifactStore  # noqa: E402
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+from loraplex.model_config import ModelConfig
+from loraplex.registry.store import ArtifactStore
 
 RANKS = (8, 16, 32, 64)
 
@@ -94,28 +100,59 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
     return list(by_id.values())
 
 
-def summarize(records: list[dict], engine: LLMEngine, window: tuple[float, float] | None) -> dict:
-    def pct(values, q):
-        values = sorted(values)
-        return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else float("nan")
 
+
+def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] | None) -> dict:
+    """One row over every seed's run: `runs` holds each run's records and its cache counters."""
+    records = [r for recs, _ in runs for r in recs]
     tiers = [r["tier"] for r in records]
-    hot = [r["ttft"] for r in records if r["group"] == "hot"]
-    during = [r["ttft"] for r in records if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]]
-    cache = engine.adapters
+    hot = [r for r in records if r["group"] == "hot"]
+
+    def in_window(recs):
+        return [r["ttft"] for r in recs if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]]
+
     return {
         "requests": len(records),
         "errors": sum("error" in r for r in records),
         **{f"hit_{t}": round(tiers.count(t) / len(tiers), 3) for t in ("gpu", "cpu", "disk", "remote")},
-        "hot_gpu_hit": round(sum(1 for r in records if r["group"] == "hot" and r["tier"] == "gpu")
-                             / max(1, sum(1 for r in records if r["group"] == "hot")), 3),
-        "reloads_after_eviction": cache.reloads_after_eviction,
-        "evictions": cache.num_evictions,
-        "hot_ttft_p50_ms": round(pct(hot, 0.5), 1),
-        "hot_ttft_p99_ms": round(pct(hot, 0.99), 1),
-        "hot_ttft_p99_burst_ms": round(pct(during, 0.99), 1) if window else None,
-        "all_ttft_p99_ms": round(pct([r["ttft"] for r in records], 0.99), 1),
+        "hot_gpu_hit": round(sum(r["tier"] == "gpu" for r in hot) / max(1, len(hot)), 3),
+        "reloads_after_eviction": sum(c["reloads_after_eviction"] for _, c in runs),
+        "evictions": sum(c["evictions"] for _, c in runs),
+        "hot_ttft_p50_ms": pct([r["ttft"] for r in hot], 0.5),
+        "hot_ttft_p99_ms": pct([r["ttft"] for r in hot], 0.99),
+        "hot_in_burst": len(in_window(records)) if window else None,
+        "hot_ttft_p99_burst_ms": pct(in_window(records), 0.99) if window else None,
+        "hot_ttft_p99_burst_per_seed_ms": [pct(in_window(recs), 0.99) for recs, _ in runs] if window else None,
+        "all_ttft_p99_ms": pct([r["ttft"] for r in records], 0.99),
     }
+
+
+def run_once(model_dir: Path, tmp: Path, setup: str, policy: str, trace: list[tuple], names: list[str],
+             paths: dict, digests: dict, base_url: str, adapter_bytes: int, prewarm: list[str],
+             cpu_adapters: int = 8) -> tuple:
+    engine = LLMEngine(EngineConfig(
+        model_dir=model_dir, dtype="float32", max_loras=4, max_lora_rank=64, kv_cache_bytes=64 * 2**20,
+        eviction_policy=policy, cpu_cache_bytes=cpu_adapters * adapter_bytes,
+        disk_cache_dir=tmp / f"disk-{time.perf_counter_ns()}", disk_cache_bytes=6 * adapter_bytes,
+        allowed_roots=(base_url,)))
+    try:
+        refs = {}
+        for name in names:
+            key = AdapterKey(engine.base_model_digest, name, "1", digests[name])
+            refs[name] = (AdapterRef(key, path=paths[name]) if setup == "disk" else
+                          AdapterRef(key, storage_uri=f"{base_url}/{digests[name][7:]}"))
+        for name in prewarm:
+            engine.adapters.prewarm(refs[name], "gpu")
+        engine.adapters.drain()
+        records = replay(engine, trace, refs, engine.tokenizer.encode("<s>hello world<sep>"))
+        counters = {"reloads_after_eviction": engine.adapters.reloads_after_eviction,
+                    "evictions": engine.adapters.num_evictions}
+    finally:
+        engine.close()
+    return records, counters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,18 +160,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="bench/results/cache_policy.json")
     parser.add_argument("--workloads", help="comma-separated subset, e.g. hot-burst,no-burst (default: all)")
+    parser.add_argument("--seeds", type=int, default=3, help="runs of each workload, each with its own arrivals")
+    parser.add_argument("--cpu-adapters", type=int, default=8,
+                        help="host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the slots: 4)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the engine: one leaves the other core to the loads, as a GPU "
+                             "server's compute runs on its device while the host loads adapters")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     console = Console(width=200)
-    rng = random.Random(0)
     num_zipf = 40 if args.quick else 200
     seconds = 6.0 if args.quick else 20.0
-    workloads = {
-        "hot-burst": hot_burst(4, 20, seconds, 4.0, rng),
-        "no-burst": [x for x in hot_burst(4, 20, seconds, 4.0, random.Random(0)) if x[2] == "hot"],
-    }
-    for alpha in ((0.9,) if args.quick else (0.6, 0.9, 1.2)):
-        workloads[f"zipf-{alpha}"] = zipf(num_zipf, alpha, 60 if args.quick else 240, 6.0, rng)
+    seeds = range(1 if args.quick else args.seeds)
+    workloads = {}
+    for seed in seeds:
+        burst = hot_burst(4, 20, seconds, 4.0, random.Random(seed))
+        workloads.setdefault("hot-burst", []).append(burst)
+        workloads.setdefault("no-burst", []).append([x for x in burst if x[2] == "hot"])
+        # the control: the burst's requests at the same times, on the hot adapters (its compute, none of its loads)
+        workloads.setdefault("burst-compute", []).append(
+            [(t, f"hot{int(name[4:]) % 4}" if group == "cold" else name, group) for t, name, group in burst])
+        rng = random.Random(1000 + seed)
+        for alpha in ((0.9,) if args.quick else (0.6, 0.9, 1.2)):
+            workloads.setdefault(f"zipf-{alpha}", []).append(zipf(num_zipf, alpha, 60 if args.quick else 240, 6.0, rng))
+    if args.workloads:
+        workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -146,37 +196,26 @@ def main(argv: list[str] | None = None) -> int:
         for i, name in enumerate(names):
             paths[name] = write_adapter(cfg, RANKS[i % len(RANKS)], torch.float32, tmp / "adapters" / name)
             digests[name] = remote.put(paths[name])
-        base_url, server = serve_shaped(remote.root)
         adapter_bytes = max(remote.size(d) for d in digests.values())
-        try:
+        with shaped_store_process(remote.root) as base_url:
             for setup in ("disk", "remote"):
-                for workload, trace in workloads.items():
-                    if args.workloads and workload not in args.workloads.split(","):
-                        continue
+                for workload, traces in workloads.items():
+                    seeded = workload in ("hot-burst", "no-burst", "burst-compute")
+                    # no-burst: the same hot arrivals, measured over the same window
+                    window = (seconds / 3, 2 * seconds / 3) if seeded else None
                     for policy in ("lru", "score"):
-                        engine = LLMEngine(EngineConfig(
-                            model_dir=model_dir, dtype="float32", max_loras=4, max_lora_rank=64,
-                            kv_cache_bytes=64 * 2**20, eviction_policy=policy, cpu_cache_bytes=8 * adapter_bytes,
-                            disk_cache_dir=tmp / f"disk-{setup}-{workload}-{policy}",
-                            disk_cache_bytes=6 * adapter_bytes, allowed_roots=(base_url,)))
-                        refs = {}
-                        for name in names:
-                            key = AdapterKey(engine.base_model_digest, name, "1", digests[name])
-                            refs[name] = (AdapterRef(key, path=paths[name]) if setup == "disk" else
-                                          AdapterRef(key, storage_uri=f"{base_url}/{digests[name][7:]}"))
-                        records = replay(engine, trace, refs, engine.tokenizer.encode("<s>hello world<sep>"))
-                        # no-burst: the same hot arrivals, measured over the same window, so warm-up is left out of both
-                        window = (seconds / 3, 2 * seconds / 3) if workload in ("hot-burst", "no-burst") else None
-                        row = {"setup": setup, "workload": workload, "policy": policy,
-                               **summarize(records, engine, window)}
-                        engine.close()
+                        runs = [run_once(model_dir, tmp, setup, policy, trace, names, paths, digests, base_url,
+                                         adapter_bytes, [f"hot{i}" for i in range(4)] if seeded else [],
+                                         args.cpu_adapters)
+                                for trace in traces]
+                        row = {"setup": setup, "workload": workload, "policy": policy, "seeds": len(traces),
+                               **summarize(runs, window)}
                         rows.append(row)
                         console.log(row)
-        finally:
-            server.shutdown()
-    table = Table(title="Cache policies in the real engine (4 slots; TTFT in ms)")
+    table = Table(title="Cache policies in the real engine (4 slots; TTFT in ms; rows pool every seed)")
     columns = ["setup", "workload", "policy", "requests", "errors", "hit_gpu", "hit_cpu", "hit_disk", "hit_remote",
-               "hot_gpu_hit", "reloads_after_eviction", "hot_ttft_p50_ms", "hot_ttft_p99_ms", "hot_ttft_p99_burst_ms"]
+               "hot_gpu_hit", "reloads_after_eviction", "hot_ttft_p50_ms", "hot_ttft_p99_ms", "hot_in_burst",
+               "hot_ttft_p99_burst_ms", "hot_ttft_p99_burst_per_seed_ms"]
     for c in columns:
         table.add_column(c, justify="right")
     for row in rows:
@@ -195,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     console.print(ratios)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rows": rows, "goals": ratios, "remote": {
+    Path(args.json).write_text(json.dumps({"rows": rows, "goals": ratios, "threads": args.threads,
+                                           "cpu_adapters": args.cpu_adapters, "remote": {
         "latency_s": ShapedHandler.latency_s, "bytes_per_s": ShapedHandler.bytes_per_s}}, indent=2))
     console.print(f"wrote {args.json}")
     return 0

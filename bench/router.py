@@ -33,8 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from adapter_load import ShapedHandler, serve_shaped, write_adapter
+from adapter_load import write_adapter
 from cache_policy import build_model
+from shaped_store import ShapedHandler, serve_shaped
 
 from loraplex.bench.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig

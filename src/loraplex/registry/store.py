@@ -41,7 +41,7 @@ ARTIFACT_NAME_RE = re.compile(r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]
 INDEX_FILE = "index.json"
 STALE_TEMP_S = 3600
 _CHUNK = 1 << 20
-_READ_CHUNK = 16 << 20
+_READ_CHUNK = 4 << 20  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
 _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
 
 
@@ -115,15 +115,17 @@ class _HashProgress:
         self.sha256 = hashlib.sha256()
         self.hasher = hasher
         self.chunks: dict[str, list[tuple[int, Future]]] = {}  # name -> (end offset, its update), in order
+        self.hashed: dict[str, int] = {}  # name -> how many of its chunks are known to be hashed
 
     def add(self, name: str, data, end: int) -> None:
         self.chunks.setdefault(name, []).append((end, self.hasher.submit(self.sha256.update, data)))
 
     def wait(self, name: str, end: int) -> None:
-        for chunk_end, update in self.chunks[name]:
-            update.result()
-            if chunk_end >= end:
-                return
+        chunks, i = self.chunks[name], self.hashed.get(name, 0)
+        while i < len(chunks) and (i == 0 or chunks[i - 1][0] < end):
+            chunks[i][1].result()
+            i += 1
+        self.hashed[name] = i
 
 
 def _file_prefix(name: str, size: int) -> bytes:
