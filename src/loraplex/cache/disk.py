@@ -37,8 +37,9 @@ class DiskTier:
         with self._lock:
             self._in_use[digest] = self._in_use.get(digest, 0) + 1
         try:
-            result, download_s = self._read_local(digest, use), None
-            if result is None:
+            found, result = self._read_local(digest, use)
+            download_s = None
+            if not found:
                 start = time.perf_counter()
                 path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s,
                                       http_client=self._http_client(storage_uri))
@@ -68,14 +69,15 @@ class DiskTier:
                 self._http.close()
                 self._http = None
 
-    def _read_local(self, digest: str, use: Callable | None) -> object | None:
+    def _read_local(self, digest: str, use: Callable | None) -> tuple[bool, object]:
+        """(whether a sound local copy was there, what reading it gave)."""
         if not self.store.has(digest):
-            return None
+            return False, None
         try:
-            return read_artifact(self.store.path(digest), digest, use)
+            return True, read_artifact(self.store.path(digest), digest, use)
         except DigestMismatch:
             self.store.remove(digest)
-            return None
+            return False, None
 
     def used_bytes(self) -> int:
         return sum(self.store.size(d) for d in self.store.digests())
