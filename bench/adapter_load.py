@@ -1,6 +1,6 @@
 """Time to ready per tier: adapter bytes from remote / disk / cpu into a device slot, ours vs the limit and PEFT.
 
-    python bench/adapter_load.py [--quick] [--repeats 5] [--threads 1] [--json OUT]
+    python bench/adapter_load.py [--quick] [--repeats 5] [--threads 1] [--device cpu|cuda] [--json OUT]
 
 Shapes: a small Llama (4 layers, hidden 512) and the adapter tensors of a 4096-hidden, 32-layer model in
 bfloat16 (only the slot pool of that shape is allocated; no base weights are needed). Ours goes through the real
@@ -10,6 +10,9 @@ digest check to it as its own pass over the file. Each repeat runs the limit and
 so that a change in the machine's load hits them alike. The baseline is `PeftModel.load_adapter` on the small model,
 with its default and with `low_cpu_mem_usage=True` (which skips initialising weights that are then overwritten).
 The remote tier is a real local HTTP server in its own process, with an added latency and bandwidth cap.
+With `--device cuda` the slot pools live on the GPU, our host copies are pinned, the limit copies from
+`load_file`'s host tensors into the GPU pool, PEFT's model is on the GPU, and every timing ends with a
+`torch.cuda.synchronize()`, so a copy still in flight is counted.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Bench:
 
     name: str
     cfg: ModelConfig
+    device: torch.device
     dtype: torch.dtype
     pool: LoRASlotPool
     limit_pool: LoRASlotPool
@@ -90,7 +94,11 @@ class Bench:
 
     def pack(self, files: dict[str, memoryview], hashed):
         return pack_adapter(adapter_from_files(files, self.cfg, self.max_rank), files[WEIGHTS_FILE], self.dtype,
-                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
+                            pin=self.device.type == "cuda", hashed=lambda end: hashed(WEIGHTS_FILE, end))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def limit(self, src: Path, rank: int) -> None:
         """`load_file` and the copies into slot 0: the least any loader must do."""
@@ -100,6 +108,7 @@ class Bench:
                 prefix = f"base_model.model.{ModelConfig.module_path(layer, module)}"
                 self.limit_pool.a[layer][index][0, :rank].copy_(tensors[f"{prefix}.lora_A.weight"])
                 self.limit_pool.bt[layer][index][0, :rank].copy_(tensors[f"{prefix}.lora_B.weight"].t())
+        self.sync()
 
     def ours(self, src: Path, rank: int, digest: str, tier: str) -> float:
         """Seconds from acquire to a slot through a fresh AdapterCache, the adapter starting in `tier`."""
@@ -117,6 +126,7 @@ class Bench:
         while slot is None:
             cache.drain()
             slot = cache.acquire(ref)
+        self.sync()
         elapsed = time.perf_counter() - start
         cache.release(key)
         cache.evict(key)  # free the host copy now: a dropped cache is in a reference cycle and waits for the gc
@@ -145,21 +155,22 @@ class Bench:
         return row
 
 
-def bench_shape(name: str, shape: dict, ranks: list[int], repeats: int, work: Path, console: Console) -> list[dict]:
+def bench_shape(name: str, shape: dict, ranks: list[int], repeats: int, work: Path, console: Console,
+                device: torch.device) -> list[dict]:
     cfg = model_config(shape)
     dtype = getattr(torch, shape["dtype"])
     remote_store = ArtifactStore(work / f"{name}-remote")
-    pools = [LoRASlotPool(cfg, 1, max(ranks), dtype, "cpu") for _ in range(2)]
+    pools = [LoRASlotPool(cfg, 1, max(ranks), dtype, device) for _ in range(2)]
     rows = []
     with shaped_store_process(remote_store.root) as base_url:
-        bench = Bench(name, cfg, dtype, *pools, max(ranks), base_url, work)
+        bench = Bench(name, cfg, device, dtype, *pools, max(ranks), base_url, work)
         for rank in ranks:
             rows.append(bench.row(rank, repeats, remote_store))
             console.log(rows[-1])
     return rows
 
 
-def bench_peft(ranks: list[int], repeats: int, work: Path) -> dict[int, dict[str, float]]:
+def bench_peft(ranks: list[int], repeats: int, work: Path, device: torch.device) -> dict[int, dict[str, float]]:
     """PeftModel.load_adapter into an already wrapped small model (the baseline users run today): its safetensors
     read, module injection and weight copy. Both with PEFT's default and with low_cpu_mem_usage=True."""
     import transformers
@@ -167,7 +178,7 @@ def bench_peft(ranks: list[int], repeats: int, work: Path) -> dict[int, dict[str
 
     config = transformers.LlamaConfig(vocab_size=1024, **{k: v for k, v in SHAPES["small-512x4"].items()
                                                            if k != "dtype"})
-    base = transformers.LlamaForCausalLM(config)
+    base = transformers.LlamaForCausalLM(config).to(device)
     out = {}
     for rank in ranks:
         path = work / f"peft-r{rank}"
@@ -182,6 +193,8 @@ def bench_peft(ranks: list[int], repeats: int, work: Path) -> dict[int, dict[str
                 name = f"{option}{i}"
                 start = time.perf_counter()
                 peft_model.load_adapter(path, adapter_name=name, low_cpu_mem_usage=low_cpu_mem_usage)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 times[option].append(time.perf_counter() - start)
                 peft_model.delete_adapter(name)
         base = peft_model.unload()
@@ -196,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for every column (on a shared 2-core machine, 2 threads made "
                              "each timing swing by several times)")
-    parser.add_argument("--json", help="default: bench/results/adapter_load.json (.quick.json with --quick)")
+    parser.add_argument("--device", default="cpu", help="where the slot pools live: cpu or cuda")
+    parser.add_argument("--json", help="default: bench/results/adapter_load[.cuda].json (.quick.json with --quick)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     ranks = [8, 16, 64]
@@ -206,15 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for name, shape in shapes.items():
-            rows += bench_shape(name, shape, ranks, repeats, Path(tmp), console)
-        peft = bench_peft(ranks, repeats, Path(tmp))
+            rows += bench_shape(name, shape, ranks, repeats, Path(tmp), console, device)
+        peft = bench_peft(ranks, repeats, Path(tmp), device)
     for row in rows:
         if row["shape"] == "small-512x4":
             timings = peft[row["rank"]]
             row["peft_ms"] = round(timings["default"], 2)
             row["peft_low_cpu_mem_ms"] = round(timings["low_cpu_mem"], 2)
             row["peft_vs_disk"] = round(min(timings.values()) / row["disk_ms"], 1)  # PEFT's faster option
-    table = Table(title="Adapter time to ready (median ms): into one slot of the pool")
+    table = Table(title=f"Adapter time to ready (median ms): into one slot of the pool on {device}")
     columns = ["shape", "rank", "file_mb", "limit_ms", "limit_sha256_ms", "cpu_ms", "disk_ms", "disk_vs_limit",
                "disk_vs_limit_sha256", "remote_ms", "peft_ms", "peft_low_cpu_mem_ms", "peft_vs_disk"]
     for column in columns:
@@ -223,20 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*(str(row.get(c, "-")) for c in columns))
     console.print(table)
     remote = {"latency_s": ShapedHandler.latency_s, "bytes_per_s": ShapedHandler.bytes_per_s}
-    result = {"machine": _machine(), "threads": args.threads, "repeats": repeats, "remote": remote, "rows": rows}
-    out = Path(args.json or f"bench/results/adapter_load{'.quick' if args.quick else ''}.json")
+    result = {"machine": _machine(device), "device": str(device), "threads": args.threads, "repeats": repeats,
+              "remote": remote, "rows": rows}
+    suffix = ("" if device.type == "cpu" else f".{device.type}") + (".quick" if args.quick else "")
+    out = Path(args.json or f"bench/results/adapter_load{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     console.print(f"wrote {out}")
     return 0
 
 
-def _machine() -> dict:
+def _machine(device: torch.device) -> dict:
     import os
     import platform
 
+    gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
     return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
-            "python": sys.version.split()[0], "load_avg": os.getloadavg()}
+            "python": sys.version.split()[0], "load_avg": os.getloadavg(), **gpu}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Cache policies in the real engine: the seed scenario and Zipf workloads, `lru` vs `score`.
 
     python bench/cache_policy.py [--quick] [--seeds 3] [--threads 1] [--workloads hot-burst,no-burst]
-                                 [--json bench/results/cache_policy.json]
+                                 [--device cpu|cuda] [--seconds 20] [--rate 4] [--json bench/results/cache_policy.json]
 
 Each workload is replayed open-loop against an LLMEngine (arrivals at their trace times, the step loop running
 as fast as it can): time to first token is measured from a request's arrival to its first token. Two set-ups:
@@ -127,14 +127,20 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         "hot_ttft_p99_burst_ms": pct(in_window(records), 0.99) if window else None,
         "hot_ttft_p99_burst_per_seed_ms": [pct(in_window(recs), 0.99) for recs, _ in runs] if window else None,
         "all_ttft_p99_ms": pct([r["ttft"] for r in records], 0.99),
+        # what the tail is made of: the slowest hot requests of the burst window, with the tier each found
+        "slowest_hot_in_burst": sorted(
+            ({"arrival_s": round(r["arrival"], 3), "adapter": r["adapter"], "tier": r["tier"],
+              "ttft_ms": round(r["ttft"] * 1000, 1)} for r in records
+             if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]),
+            key=lambda r: -r["ttft_ms"])[:5],
     }
 
 
 def run_once(model_dir: Path, tmp: Path, setup: str, policy: str, trace: list[tuple], names: list[str],
              paths: dict, digests: dict, base_url: str, adapter_bytes: int, prewarm: list[str],
-             cpu_adapters: int = 8) -> tuple:
+             cpu_adapters: int = 8, device: str = "cpu") -> tuple:
     engine = LLMEngine(EngineConfig(
-        model_dir=model_dir, dtype="float32", max_loras=4, max_lora_rank=64, kv_cache_bytes=64 * 2**20,
+        model_dir=model_dir, dtype="float32", device=device, max_loras=4, max_lora_rank=64, kv_cache_bytes=64 * 2**20,
         eviction_policy=policy, cpu_cache_bytes=cpu_adapters * adapter_bytes,
         disk_cache_dir=tmp / f"disk-{time.perf_counter_ns()}", disk_cache_bytes=6 * adapter_bytes,
         allowed_roots=(base_url,)))
@@ -163,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="runs of each workload, each with its own arrivals")
     parser.add_argument("--cpu-adapters", type=int, default=8,
                         help="host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the slots: 4)")
+    parser.add_argument("--device", default="cpu", help="the engine's device: cpu or cuda")
+    parser.add_argument("--seconds", type=float, help="length of each trace (default 20; quick 6)")
+    parser.add_argument("--rate", type=float, default=4.0, help="hot requests per second in the seed scenario")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the engine: one leaves the other core to the loads, as a GPU "
                              "server's compute runs on its device while the host loads adapters")
@@ -170,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     num_zipf = 40 if args.quick else 200
-    seconds = 6.0 if args.quick else 20.0
+    seconds = args.seconds or (6.0 if args.quick else 20.0)
     seeds = range(1 if args.quick else args.seeds)
     workloads = {}
     for seed in seeds:
-        burst = hot_burst(4, 20, seconds, 4.0, random.Random(seed))
+        burst = hot_burst(4, 20, seconds, args.rate, random.Random(seed))
         workloads.setdefault("hot-burst", []).append(burst)
         workloads.setdefault("no-burst", []).append([x for x in burst if x[2] == "hot"])
         # the control: the burst's requests at the same times, on the hot adapters (its compute, none of its loads)
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     for policy in ("lru", "score"):
                         runs = [run_once(model_dir, tmp, setup, policy, trace, names, paths, digests, base_url,
                                          adapter_bytes, [f"hot{i}" for i in range(4)] if seeded else [],
-                                         args.cpu_adapters)
+                                         args.cpu_adapters, args.device)
                                 for trace in traces]
                         row = {"setup": setup, "workload": workload, "policy": policy, "seeds": len(traces),
                                **summarize(runs, window)}
@@ -234,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         }
     console.print(ratios)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     Path(args.json).write_text(json.dumps({"rows": rows, "goals": ratios, "threads": args.threads,
+                                           "device": args.device, "gpu": gpu, "seconds": seconds,
+                                           "rate": args.rate,
                                            "cpu_adapters": args.cpu_adapters, "remote": {
         "latency_s": ShapedHandler.latency_s, "bytes_per_s": ShapedHandler.bytes_per_s}}, indent=2))
     console.print(f"wrote {args.json}")

@@ -1,6 +1,6 @@
 """Generated tokens/s of our engine against HF transformers + PEFT, for workloads of 0 to 64 distinct adapters.
 
-    python bench/engine_throughput.py [--quick] [--threads N] [--json OUT] [--cache-dir DIR]
+    python bench/engine_throughput.py [--quick] [--threads N] [--device cpu|cuda] [--json OUT] [--cache-dir DIR]
 
 A small random Llama (default 4 layers, hidden 512) and adapters on all seven linear modules with ranks
 8/16/32/64 (adapter j has rank RANKS[j % 4]) are built once with transformers + peft and cached. Every
@@ -173,8 +173,9 @@ def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dic
             "tpot_by_rank_s": tpot_by_rank(times, chosen)}
 
 
-def ours_engine(model_dir: Path, adapters: list[Adapter], max_lora_bytes_per_step: int | None) -> tuple:
-    config = EngineConfig(model_dir=model_dir, dtype="float32", device="cpu", max_loras=64, max_lora_rank=64,
+def ours_engine(model_dir: Path, adapters: list[Adapter], max_lora_bytes_per_step: int | None,
+                device: str = "cpu") -> tuple:
+    config = EngineConfig(model_dir=model_dir, dtype="float32", device=device, max_loras=64, max_lora_rank=64,
                           max_num_seqs=64, max_lora_bytes_per_step=max_lora_bytes_per_step)
     engine = TimedEngine(config)
     refs = {a.name: engine.adapter_ref(a.name, a.path) for a in adapters}
@@ -188,7 +189,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 # -- HF transformers + PEFT ----------------------------------------------------------------------
-def hf_peft_model(model_dir: Path, adapters: list[Adapter]):
+def hf_peft_model(model_dir: Path, adapters: list[Adapter], device: str = "cpu"):
     import transformers
     from peft import PeftModel
 
@@ -197,7 +198,7 @@ def hf_peft_model(model_dir: Path, adapters: list[Adapter]):
     model = PeftModel.from_pretrained(base, adapters[0].path, adapter_name=adapters[0].name)
     for adapter in adapters[1:]:
         model.load_adapter(adapter.path, adapter_name=adapter.name)
-    return model.eval()
+    return model.to(device).eval()
 
 
 @torch.inference_mode()
@@ -210,7 +211,7 @@ def run_hf(model, workload: Workload, prompts, chosen) -> dict:
     tokens = 0
     start = time.perf_counter()
     for name, indices in groups.items():
-        ids = torch.tensor([prompts[i] for i in indices])
+        ids = torch.tensor([prompts[i] for i in indices], device=model.device)
         mask = torch.ones_like(ids)
         if name is None:
             with model.disable_adapter():
@@ -259,6 +260,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
     args = parser.parse_args()
     args.requests = args.requests or (16 if args.quick else 64)
@@ -276,7 +278,7 @@ def main() -> None:
     adapters = build_adapters(model_dir, max(w.num_adapters for w in plan))
     console.log(f"model {model_dir}, {len(adapters)} adapters")
 
-    engine, refs = ours_engine(model_dir, adapters, None)
+    engine, refs = ours_engine(model_dir, adapters, None, args.device)
     warm_prompts, warm_chosen = make_requests(capped_base, shape.vocab, adapters)
     run_ours(engine, capped_base, warm_prompts, warm_chosen, refs)  # loads every adapter, warms torch
     adapter_bytes = sum(engine.adapters.nbytes_of(refs[a.name].key) for a in adapters[: capped_base.num_adapters])
@@ -290,7 +292,7 @@ def main() -> None:
 
     cap = int(adapter_bytes * args.lora_budget_fraction)
     capped = Workload(**{**asdict(capped_base), "lora_bytes_per_step": cap})
-    engine, refs = ours_engine(model_dir, adapters, cap)
+    engine, refs = ours_engine(model_dir, adapters, cap, args.device)
     prompts, chosen = make_requests(capped, shape.vocab, adapters)
     run_ours(engine, capped, prompts, chosen, refs)
     ours = median_run([run_ours(engine, capped, prompts, chosen, refs) for _ in range(repeats)])
@@ -298,7 +300,7 @@ def main() -> None:
     console.log(f"ours {capped.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()
 
-    hf_model = hf_peft_model(model_dir, adapters)
+    hf_model = hf_peft_model(model_dir, adapters, args.device)
     hf_by_adapters = {}
     for workload in plan:
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
@@ -322,6 +324,8 @@ def main() -> None:
         "quick": args.quick,
         "model": asdict(shape),
         "dtype": "float32",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "repeats": repeats,
         "adapter_bytes_of_largest_workload": adapter_bytes,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -329,7 +333,8 @@ def main() -> None:
         "wall_seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
-    out = args.json or (DEFAULT_JSON.with_suffix(".quick.json") if args.quick else DEFAULT_JSON)
+    default = DEFAULT_JSON if args.device == "cpu" else DEFAULT_JSON.with_suffix(f".{args.device.split(':')[0]}.json")
+    out = args.json or (default.with_suffix(".quick.json") if args.quick else default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     console.print(f"wrote {out}")

@@ -1,12 +1,12 @@
 """One LoRA linear layer, many adapters in one batch: our op against the base matmul, PEFT and pad-to-max-rank.
 
-    python bench/lora_ops.py [--quick] [--dtype float32|bfloat16] [--threads N] [--json OUT]
+    python bench/lora_ops.py [--quick] [--dtype float32|bfloat16] [--threads N] [--device cpu|cuda] [--json OUT]
 
 Each case is one linear layer (d_in × d_out) and T tokens spread over N adapters whose ranks are drawn from
 {8, 16, 32, 64}. Tokens are sorted by slot, as the engine's runner sorts them, so an adapter's tokens sit
 together: T=16 (decode) on CUDA gives runs shorter than MIN_SEGMENT_TOKENS["cuda"] (gathered path); on CPU every run is a segment, T=512
 (prefill) gives segments. With N > T only T adapters appear in the batch. Every method's output is checked
-against ours before it is timed.
+against ours before it is timed. On CUDA each timed call ends with a synchronize.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def adapter_ranks(num_adapters: int, rng: random.Random) -> list[int]:
     return ranks
 
 
-def make_layer(case: Case, dtype: torch.dtype, seed: int = 0) -> Layer:
+def make_layer(case: Case, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Layer:
     gen = torch.Generator().manual_seed(seed)
     ranks = adapter_ranks(case.num_adapters, random.Random(seed))
     x = torch.randn(case.num_tokens, case.d_in, generator=gen)
@@ -93,7 +93,8 @@ def make_layer(case: Case, dtype: torch.dtype, seed: int = 0) -> Layer:
         a[slot, :rank] = torch.randn(rank, case.d_in, generator=gen) / case.d_in**0.5
         bt[slot, :rank] = torch.randn(rank, case.d_out, generator=gen) / rank**0.5
     token_slots = sorted(t % case.num_adapters for t in range(case.num_tokens))
-    return Layer(x.to(dtype), weight.to(dtype), a.to(dtype), bt.to(dtype), ranks, token_slots)
+    x, weight, a, bt = (t.to(device, dtype) for t in (x, weight, a, bt))
+    return Layer(x, weight, a, bt, ranks, token_slots)
 
 
 class OneLinear(nn.Module):
@@ -120,7 +121,7 @@ def peft_model(layer: Layer):
         lora = model.base_model.model.q_proj
         lora.lora_A[f"a{slot}"].weight.data.copy_(layer.a[slot, :rank])
         lora.lora_B[f"a{slot}"].weight.data.copy_(layer.bt[slot, :rank].t())
-    return model.to(layer.x.dtype).eval()
+    return model.to(layer.x.device, layer.x.dtype).eval()
 
 
 def methods(layer: Layer) -> dict[str, Callable[[], torch.Tensor]]:
@@ -131,7 +132,7 @@ def methods(layer: Layer) -> dict[str, Callable[[], torch.Tensor]]:
     names = [f"a{s}" for s in token_slots]
     starts = [0] + [t for t in range(1, len(token_slots)) if token_slots[t] != token_slots[t - 1]]
     runs = [(start, end, token_slots[start]) for start, end in zip(starts, starts[1:] + [len(token_slots)])]
-    slots = torch.tensor(token_slots)
+    slots = torch.tensor(token_slots, device=x.device)
 
     def ours():
         groups = build_lora_groups(token_slots, layer.module_ranks, x.device)
@@ -174,24 +175,28 @@ def check(fns: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype) -> Non
             torch.testing.assert_close(fn().float(), expected, **tol, msg=lambda m: f"{name} differs from ours: {m}")
 
 
-def time_methods(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmup: int) -> dict[str, float]:
+def time_methods(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmup: int,
+                 device: torch.device) -> dict[str, float]:
     """Median seconds per method; methods are interleaved in each round so load from other jobs hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for round_ in range(warmup + repeats):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             if round_ >= warmup:
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
 @torch.inference_mode()
-def run_case(case: Case, dtype: torch.dtype, repeats: int, warmup: int) -> dict:
-    layer = make_layer(case, dtype)
+def run_case(case: Case, dtype: torch.dtype, repeats: int, warmup: int, device: torch.device) -> dict:
+    layer = make_layer(case, dtype, device)
     fns = methods(layer)
     check(fns, dtype)
-    seconds = time_methods(fns, repeats, warmup)
+    seconds = time_methods(fns, repeats, warmup, device)
     return {
         **asdict(case),
         "distinct_adapters_in_batch": len(set(layer.token_slots)),
@@ -226,9 +231,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed rounds per case (default 7 for T ≤ 64, else 3; quick 3)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -236,20 +243,23 @@ def main() -> None:
     started = time.perf_counter()
     for case in cases(args.quick):
         repeats = args.repeats or (3 if args.quick or case.num_tokens > 64 else 7)
-        results.append({**run_case(case, dtype, repeats, args.warmup), "repeats": repeats})
+        results.append({**run_case(case, dtype, repeats, args.warmup, device), "repeats": repeats})
         console.log(f"{case} ours {results[-1]['ratio_to_base']['ours']:.2f}× base")
     console.print(table(results, args.dtype))
     report = {
         "benchmark": "lora_ops",
         "quick": args.quick,
         "dtype": args.dtype,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "warmup": args.warmup,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "load_average_1m_5m_15m": list(_load_average())},
         "wall_seconds": round(time.perf_counter() - started, 1),
         "results": results,
     }
-    out = args.json or (DEFAULT_JSON.with_suffix(".quick.json") if args.quick else DEFAULT_JSON)
+    default = DEFAULT_JSON if device.type == "cpu" else DEFAULT_JSON.with_suffix(f".{device.type}.json")
+    out = args.json or (default.with_suffix(".quick.json") if args.quick else default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     console.print(f"wrote {out}")

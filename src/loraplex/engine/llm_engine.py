@@ -244,7 +244,7 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     def score(self, prompts: list[list[int]], adapters: list[AdapterRef | None]) -> list[torch.Tensor]:
-        """Logits [len, vocab] of every prompt position, all prompts in one mixed-adapter prefill step."""
+        """Logits [len, vocab] of every prompt position (host tensors), all prompts in one mixed-adapter prefill."""
         seqs = [Sequence(f"score-{i}", list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
         pending = list(seqs)
         while pending:  # make every adapter resident first (a step of its own, like any waiting request)
@@ -263,6 +263,7 @@ class LLMEngine:
         finally:
             for seq in seqs:
                 self.scheduler.release(seq)
+        logits = logits.cpu()
         spans = torch.tensor([len(s) for s in ordered]).cumsum(0).tolist()
         by_id = {s.request_id: logits[end - len(s) : end] for s, end in zip(ordered, spans)}
         return [by_id[s.request_id] for s in seqs]

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run: the engine and cache tests on CUDA (EngineConfig's device "auto"
+# picks it), then the GPU benchmarks. For a machine with python3, torch + CUDA and no network; packages
+# it lacks are installed from the wheels in .whl/ when that folder is there.
+#
+#   bash bench/gpu_checks.sh OUT_DIR
+#
+# Writes OUT_DIR/gpu_checks.log (every step's output) and each benchmark's JSON.
+set -u
+OUT=${1:?usage: bash bench/gpu_checks.sh OUT_DIR}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+{ nvidia-smi -L; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"; } \
+  2>&1 | tee -a "$LOG"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output in the log
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "== $name: $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engine tests/cache tests/test_lora_format.py \
+  tests/sim/test_engine_agreement.py
+step adapter_load 120 python3 bench/adapter_load.py --device cuda --repeats 3 --json "$OUT/adapter_load.cuda.json"
+step cache_policy 150 python3 bench/cache_policy.py --device cuda --seconds 10 --rate 20 --seeds 1 \
+  --workloads hot-burst,no-burst --json "$OUT/cache_policy.cuda.json"
+step lora_ops 60 python3 bench/lora_ops.py --device cuda --quick --json "$OUT/lora_ops.cuda.quick.json"
+step engine_throughput 90 python3 bench/engine_throughput.py --device cuda --quick --cache-dir /tmp/loraplex-bench \
+  --json "$OUT/engine_throughput.cuda.quick.json"
+grep -E "^== |passed|failed|FAILED|ERROR" "$LOG" | tail -n 40
