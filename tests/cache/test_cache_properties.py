@@ -122,6 +122,7 @@ def _check(cache, pool, held, expected, packed_bytes):
     assert sum(1 for k in cache.slots if k is not None) <= NUM_SLOTS
     assert len(cache.cpu) <= 4
     assert sum(p.nbytes for p in cache.cpu.values()) <= 4 * packed_bytes
+    assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
     # Every slot holds exactly the bytes of the full key it is filed under.
     for slot, key in enumerate(cache.slots):
         if key is None:

@@ -66,3 +66,35 @@ def test_discard_forgets_a_key():
     demand.discard("b")
     assert demand.short("b", 10.0) == 0.0 and [k for k, _ in demand.ranked(10.0)] == ["a"]
     demand.discard("never")
+
+
+def test_top_is_the_ranking_walked_while_counts_reach_the_floor():
+    rng = random.Random(3)
+    demand, now = DemandTracker(), 0.0
+    for _ in range(400):
+        now += rng.expovariate(1.0)
+        demand.record(f"k{min(int(rng.paretovariate(1.0)), 25)}", now)
+    for later in (now, now + 30.0, now + 600.0):
+        for window in range(len(DEMAND_WINDOWS_S)):
+            for floor in (0.0, 1.0, 2.0, 5.0, 1e9):
+                for limit in (-1, 0, 1, 3, 8, 100):
+                    walked = []
+                    for key, count in demand.ranked(later, window):
+                        if len(walked) >= limit or count < floor:
+                            break
+                        walked.append(key)
+                    assert demand.top(later, window, floor, limit) == walked
+
+
+def test_version_moves_with_every_change_of_counts():
+    demand = DemandTracker()
+    versions = [demand.version]
+    demand.record("a", 1.0)
+    versions.append(demand.version)
+    demand.record("a", 2.0)
+    versions.append(demand.version)
+    demand.discard("never")  # nothing to forget: nothing changes
+    assert demand.version == versions[-1]
+    demand.discard("a")
+    versions.append(demand.version)
+    assert len(set(versions)) == len(versions)

@@ -82,3 +82,23 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
             now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
         expected = min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key if kept else None
         assert policy.choose_victim(candidates, now, incoming) == expected
+
+
+def test_score_victims_in_order_are_repeated_choose_victim():
+    """The cache drops host copies through `victims` (scored once): the same picks as asking choose_victim again
+    after taking out each pick, ties included."""
+    rng = random.Random(1)
+    policy = ScorePolicy()
+    for _ in range(500):
+        candidates = [
+            Candidate(i, nbytes=rng.choice([2**20, 2**30]), loaded_at=rng.choice([0.0, 40.0]),
+                      last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]), demand=rng.choice([0.0, 1.0]),
+                      reload_cost=rng.choice([0.0, 0.5]), preferred=rng.random() < 0.3)
+            for i in range(rng.randint(0, 12))
+        ]
+        now, left, expected = rng.choice([50.0, 100.0]), list(candidates), []
+        while left:
+            victim = policy.choose_victim(left, now)
+            expected.append(victim)
+            left = [x for x in left if x.key != victim]
+        assert list(policy.victims(candidates, now)) == expected

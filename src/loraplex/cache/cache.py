@@ -93,7 +93,8 @@ class AdapterCache:
         self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
         self.clock = clock
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
-        self.cpu: dict[AdapterKey, object] = {}
+        self.cpu: dict[AdapterKey, object] = {}  # changed only by _put_cpu and _drop_cpu, which keep the total
+        self.cpu_bytes_used = 0  # bytes of the host copies in self.cpu
         self.entries: dict[AdapterKey, Entry] = {}
         self.loading: dict[AdapterKey, Future] = {}
         self.demand = DemandTracker()  # requests per adapter
@@ -105,6 +106,8 @@ class AdapterCache:
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
         self._wanted: dict[AdapterKey, float] = {}  # keys a waiting request asked for and has not got yet
+        self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
+        self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
@@ -147,7 +150,7 @@ class AdapterCache:
                 "num_slots": len(self.slots),
                 "free_slots": self.free_slots(),
                 "recent_evictions": sum(1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S),
-                "cpu_bytes_used": sum(p.nbytes for p in self.cpu.values()),
+                "cpu_bytes_used": self.cpu_bytes_used,
                 "cpu_bytes_capacity": self.cpu_bytes,
                 "thrash_ratio": self.thrash_ratio(),
             }
@@ -217,11 +220,12 @@ class AdapterCache:
                 loaded: Loaded = future.result()
                 entry = self.entries[key]
                 entry.nbytes = loaded.packed.nbytes
+                self._nbytes_version += 1
                 entry.loads += 1
                 entry.load_seconds = sum(loaded.stages.values())
                 for stage, seconds in loaded.stages.items():
                     self._measure(stage, seconds, entry.nbytes)
-                self.cpu[key] = loaded.packed  # load first, then evict: a failed load never evicted anything
+                self._put_cpu(key, loaded.packed)  # load first, then evict: a failed load never evicted anything
                 self._shrink_cpu(keep=key)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
                     self._activate(key, self.clock())
@@ -290,7 +294,7 @@ class AdapterCache:
             slot = self.slot_of(key)
             if slot is not None:
                 self._clear(slot, self.clock())
-            self.cpu.pop(key, None)
+            self._drop_cpu(key)
             entry.pinned = None
 
     def forget(self, key: AdapterKey) -> None:
@@ -298,6 +302,7 @@ class AdapterCache:
         self.evict(key)
         with self._lock:
             self.entries.pop(key, None)
+            self._nbytes_version += 1
             self.demand.discard(key)
             self.activations.discard(key)
 
@@ -355,15 +360,16 @@ class AdapterCache:
         return slot
 
     def _evict_slot(self, incoming: AdapterKey, now: float) -> int | None:
+        entries = self.entries
         evictable = [
-            k for k in self.slots
-            if k is not None and self.entries[k].refcount == 0 and self.entries[k].pinned != "gpu"
+            k for k in self.slots if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
         ]
         tenant = self.entries[incoming].ref.tenant
         quota = max(1, math.floor(len(self.slots) * self.tenant_share))
-        held = [k for k in self.slots if k is not None and self.entries[k].ref.tenant == tenant]
-        if len(held) >= quota:  # over its share: the tenant makes room from its own adapters
-            evictable = [k for k in evictable if self.entries[k].ref.tenant == tenant]
+        if quota < len(self.slots):  # (at a quota of every slot, a tenant at it holds them all: nothing to filter)
+            held = [k for k in self.slots if k is not None and self.entries[k].ref.tenant == tenant]
+            if len(held) >= quota:  # over its share: the tenant makes room from its own adapters
+                evictable = [k for k in evictable if self.entries[k].ref.tenant == tenant]
         candidates = self._slot_candidates([*evictable, incoming], now)
         victim = self.policy.choose_victim(candidates[:-1], now, candidates[-1])
         if victim is None:
@@ -397,9 +403,12 @@ class AdapterCache:
                 del self._wanted[key]  # its request went away
         if self._wanted:
             return  # requests are waiting for a slot: they come first
-        turnover = self.slot_loads.short("gpu", now) / len(self.slots)
         preferred = self._gpu_preferred(now)
-        for key in sorted(preferred - set(self.slots), key=lambda k: -self.demand.short(k, now)):
+        out = preferred - set(self.slots)
+        if not out:
+            return  # the usual case: every tier-A adapter is in a slot
+        turnover = self.slot_loads.short("gpu", now) / len(self.slots)
+        for key in sorted(out, key=lambda k: -self.demand.short(k, now)):
             if key not in self.cpu:
                 continue
             if self.demand.short(key, now) < turnover:
@@ -419,56 +428,92 @@ class AdapterCache:
             self._activate(key, now)
 
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
-        """Tier A: the adapters with the most short-window demand, up to the cap."""
-        chosen = set()
-        for key, count in self.demand.ranked(now, 0):
-            if len(chosen) >= self.max_gpu_preferred or count < 2.0:
-                break
-            chosen.add(key)
+        """Tier A: the adapters with the most short-window demand, up to the cap. The set is kept until the counts
+        or the time change, and shared: callers must not change it."""
+        inputs = (now, self.demand, self.demand.version, self.max_gpu_preferred)
+        memo = self._preferred_memo.get("gpu")
+        if memo is not None and memo[0] == inputs:
+            return memo[1]
+        chosen = set(self.demand.top(now, 0, 2.0, self.max_gpu_preferred))  # in rank order, as one by one
+        self._preferred_memo["gpu"] = (inputs, chosen)
         return chosen
 
     def _cpu_preferred(self, now: float) -> set[AdapterKey]:
-        """Tier B: adapters with demand over the last hour, up to half the cpu budget."""
-        chosen, used = set(), 0
+        """Tier B: adapters with demand over the last hour, up to half the cpu budget (kept and shared as tier A)."""
+        inputs = (now, self.demand, self.demand.version, self._nbytes_version, self.cpu_bytes)
+        memo = self._preferred_memo.get("cpu")
+        if memo is not None and memo[0] == inputs:
+            return memo[1]
+        chosen, used, entries, half = set(), 0, self.entries, self.cpu_bytes // 2
         for key, count in self.demand.ranked(now, 1):
-            if count < 2.0 or used + self.entries[key].nbytes > self.cpu_bytes // 2:
+            if count < 2.0:
+                break
+            nbytes = entries[key].nbytes
+            if used + nbytes > half:
                 break
             chosen.add(key)
-            used += self.entries[key].nbytes
+            used += nbytes
+        self._preferred_memo["cpu"] = (inputs, chosen)
         return chosen
 
+    def _put_cpu(self, key: AdapterKey, packed) -> None:
+        self._drop_cpu(key)
+        self.cpu[key] = packed
+        self.cpu_bytes_used += packed.nbytes
+
+    def _drop_cpu(self, key: AdapterKey) -> None:
+        if key in self.cpu:
+            self.cpu_bytes_used -= self.cpu.pop(key).nbytes
+
     def _shrink_cpu(self, keep: AdapterKey) -> None:
-        now, candidates = self.clock(), []
+        now, candidates, left = self.clock(), [], 0
         by_use = getattr(self.policy, "weighs_host_copies_by_use", False)
+        # A policy may give its picks in order (`victims`): the same as asking choose_victim again after each.
+        in_order, victims = getattr(self.policy, "victims", None), None
         while self._cpu_over():
-            if not candidates:
-                keys = [k for k in self.cpu if k != keep and self.entries[k].pinned != "cpu"]
+            if not left:
+                entries = self.entries
+                keys = [k for k in self.cpu if k != keep and entries[k].pinned != "cpu"]
                 # A host copy that a waiting request asked for goes last: dropping it means loading it again.
                 keys = [k for k in keys if k not in self._wanted] or keys
                 if not by_use:  # copies of adapters in a slot go last: a slot eviction falls back to them
                     keys = [k for k in keys if k not in self.slots] or keys
                 candidates = self._host_candidates(keys, now, by_use)
-            victim = self.policy.choose_victim(candidates, now)
+                left = len(candidates)
+                victims = in_order(candidates, now) if in_order is not None else None
+            if victims is not None:
+                victim, left = next(victims, None), left - 1  # the picks come from the candidates, one each
+            else:
+                victim = self.policy.choose_victim(candidates, now)
+                candidates = [c for c in candidates if c.key is not victim]
+                left = len(candidates)
             if victim is None:
                 return
-            del self.cpu[victim]
-            candidates = [c for c in candidates if c.key is not victim]
+            self._drop_cpu(victim)
             self.on_event("eviction", {"tier": "cpu"})
 
     def _cpu_over(self) -> bool:
-        used = sum(p.nbytes for p in self.cpu.values())
-        return used > self.cpu_bytes or (self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras)
+        return self.cpu_bytes_used > self.cpu_bytes or (
+            self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras)
 
     def _slot_candidates(self, keys: list[AdapterKey], now: float) -> list[Candidate]:
         """Adapters as a slot eviction weighs them: losing the slot costs a copy from host memory, or a load
         first when the host copy is gone."""
         preferred, rate = self._gpu_preferred(now), self.seconds_per_byte
         h2d, disk, download = rate.get("h2d", 0.0), rate.get("disk", 0.0), rate.get("download", 0.0)
+        # The sums once, in the same order as for each key (so the same floats).
+        from_disk, from_remote = h2d + disk + 0.0, h2d + disk + download
+        entries, cpu, has = self.entries, self.cpu, self.disk.has if self.disk is not None else None
         out = []
         for key, demand in zip(keys, self.demand.shorts(keys, now)):
-            e = self.entries[key]
-            per_byte = h2d if key in self.cpu else h2d + disk + (0.0 if self._on_disk(key) else download)
-            out.append(Candidate(key, e.nbytes, e.last_access, e.loaded_at, demand, e.ref.tenant, e.ref.priority,
+            e = entries[key]
+            ref = e.ref
+            if key in cpu:
+                per_byte = h2d
+            else:  # as _on_disk
+                on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))
+                per_byte = from_disk if on_disk else from_remote
+            out.append(Candidate(key, e.nbytes, e.last_access, e.loaded_at, demand, ref.tenant, ref.priority,
                                  per_byte * e.nbytes, key in preferred))
         return out
 
@@ -481,13 +526,20 @@ class AdapterCache:
         # restore is a copy only while its host copy is kept, so that copy counts the adapter's requests.
         in_slots = set(self.slots) - self._gpu_preferred(now) if by_use else set()
         disk, download = rate.get("disk", 0.0), rate.get("download", 0.0)
-        requests, activations = self.demand.shorts(keys, now), self.activations.shorts(keys, now)
+        from_disk, from_remote = disk + 0.0, disk + download  # the sums once (the same floats as per key)
+        entries, activations = self.entries, self.activations
+        has = self.disk.has if self.disk is not None else None
         out = []
-        for key, asked, activated in zip(keys, requests, activations):
-            e = self.entries[key]
-            demand, last = (activated, e.loaded_at) if key in in_slots else (asked, e.last_access)
-            per_byte = disk + (0.0 if self._on_disk(key) else download)
-            out.append(Candidate(key, e.nbytes, last, e.loaded_at, demand, e.ref.tenant, e.ref.priority,
+        for key, demand in zip(keys, self.demand.shorts(keys, now)):
+            e = entries[key]
+            ref = e.ref
+            if key in in_slots:
+                demand, last = activations.count(key, now), e.loaded_at
+            else:
+                last = e.last_access
+            on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))  # as _on_disk
+            per_byte = from_disk if on_disk else from_remote
+            out.append(Candidate(key, e.nbytes, last, e.loaded_at, demand, ref.tenant, ref.priority,
                                  per_byte * e.nbytes, key in preferred))
         return out
 

@@ -48,8 +48,12 @@ class DemandTracker:
         self._scaled: dict[object, list[float]] = {}
         self._rankings = [_Ranking() for _ in windows] if ranked else []
         self._decay_at: tuple[float, list[float]] = (math.nan, [])
+        self.version = 0
+        """Moves with every record and discard, the only changes of the counts other than their decay with time: a
+        reader may keep what it derived from the counts at one time until it moves."""
 
     def record(self, key, now: float) -> None:
+        self.version += 1
         if self._landmark is None:
             self._landmark = now
         elif (now - self._landmark) / min(self.windows) > self.REBASE_AFTER:
@@ -57,8 +61,9 @@ class DemandTracker:
         growth = [math.exp((now - self._landmark) / w) for w in self.windows]
         old = self._scaled.get(key)
         new = growth if old is None else [o + g for o, g in zip(old, growth)]
-        for ranking, o, n in zip(self._rankings, old or [None] * len(new), new):
-            ranking.move(key, o, n)
+        if self._rankings:
+            for ranking, o, n in zip(self._rankings, old or [None] * len(new), new):
+                ranking.move(key, o, n)
         self._scaled[key] = new
 
     def counts(self, key, now: float) -> list[float]:
@@ -86,9 +91,19 @@ class DemandTracker:
         # -(neg × decay), all in C: the callers stop at the first few, and the cache asks on every eviction.
         return zip(ranking.keys, map(float.__neg__, map(decay.__mul__, ranking.neg_values)))
 
+    def top(self, now: float, window: int, floor: float, limit: int) -> list:
+        """The keys that `ranked` lists first, up to `limit`, while their count is not below `floor`: the same
+        keys as walking `ranked`, the end found by bisection (the counts fall along the ranking)."""
+        decay = self._decay(now)[window]
+        ranking = self._rankings[window]
+        hi = min(max(limit, 0), len(ranking.keys))
+        end = bisect.bisect_left(ranking.neg_values, True, 0, hi, key=lambda neg: -(decay * neg) < floor)
+        return ranking.keys[:end]
+
     def discard(self, key) -> None:
         old = self._scaled.pop(key, None)
         if old is not None:
+            self.version += 1
             for ranking, o in zip(self._rankings, old):
                 ranking.move(key, o, None)
 
@@ -179,22 +194,36 @@ class ScorePolicy:
 
     def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
         if incoming is not None:
-            candidates = [
-                c for c in candidates if not (now - c.loaded_at < self.min_residency_s and c.demand > incoming.demand)
-            ]
+            residency, demand = self.min_residency_s, incoming.demand
+            candidates = [c for c in candidates if not (now - c.loaded_at < residency and c.demand > demand)]
         if not candidates:
             return None
+        ranks = self._ranks(candidates, now)
+        return candidates[min(range(len(ranks)), key=ranks.__getitem__)].key
+
+    def victims(self, candidates: list[Candidate], now: float):
+        """The keys that choose_victim(candidates, now) would pick one after another, each pick taken out of the
+        list before the next: the same picks, the candidates scored once (the cache drops host copies this way).
+        A subclass that changes choose_victim must change this too."""
+        ranks = self._ranks(candidates, now)
+        left = list(range(len(ranks)))
+        while left:
+            i = min(left, key=ranks.__getitem__)  # as choose_victim over what is left, in the same order
+            yield candidates[i].key
+            left.remove(i)
+
+    def _ranks(self, candidates: list[Candidate], now: float) -> list[tuple[float, float]]:
         # keep_score inlined (the same operations in the same order, so the same floats): an eviction scores every
         # candidate, and a simulation makes thousands of evictions.
         exp, log1p, recency_s = math.exp, math.log1p, self.recency_s
         w_r, w_f, w_p, w_c = self.w_recency, self.w_frequency, self.w_priority, self.w_cost
         w_s, w_pref = self.w_size_per_gib, self.w_preferred
-        ranks = [
-            (w_r * exp(-max(0.0, now - c.last_access) / recency_s) + w_f * log1p(c.demand)
+        # max(0.0, age) as a comparison: the same value for every age, NaN and -0.0 included, without a call.
+        return [
+            (w_r * exp(-(age if (age := now - c.last_access) > 0.0 else 0.0) / recency_s) + w_f * log1p(c.demand)
              + w_p * c.priority + w_c * c.reload_cost - w_s * c.nbytes / 2**30 + w_pref * c.preferred, c.last_access)
             for c in candidates
         ]
-        return candidates[min(range(len(ranks)), key=ranks.__getitem__)].key
 
 
 def make_policy(name: str):

@@ -206,7 +206,6 @@ class SimKey(AdapterKey):
 
 
 _label = operator.attrgetter("_label")  # str() of SimKeys without a Python call per key
-_nbytes = operator.attrgetter("nbytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,8 +508,7 @@ class Worker:
         self.sim.finished += 1
 
     def _check_capacity(self) -> None:
-        used = sum(map(_nbytes, self.cache.cpu.values()))
-        self.peak_cpu_bytes = max(self.peak_cpu_bytes, used)
+        self.peak_cpu_bytes = max(self.peak_cpu_bytes, self.cache.cpu_bytes_used)
 
     def view(self) -> WorkerView:
         """What the router polls from the worker's /admin/state."""

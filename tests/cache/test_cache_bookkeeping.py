@@ -1,0 +1,103 @@
+"""What the cache keeps instead of recomputing: the host copies' byte total and the tier A and B sets (no torch)."""
+
+import contextlib
+import random
+from concurrent.futures import Future
+
+import pytest
+
+from loraplex.cache.cache import AdapterCache, Loaded
+from loraplex.cache.errors import CapacityExceeded
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import LRUPolicy, ScorePolicy
+
+MiB = 2**20
+
+
+class Packed:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+class Pool:
+    def __init__(self, num_slots):
+        self.num_slots = num_slots
+
+    def set_slot(self, slot, packed):
+        return 0.001
+
+    def clear_slot(self, slot):
+        pass
+
+
+class Loads:
+    """An executor whose loads end when the test says (`finish`), as the simulator's do."""
+
+    def __init__(self):
+        self.pending = []
+
+    def submit(self, fn, ref):
+        future = Future()
+        self.pending.append((fn, ref, future))
+        return future
+
+    def finish(self, rng):
+        rng.shuffle(self.pending)
+        for fn, ref, future in self.pending[: rng.randint(0, len(self.pending))]:
+            future.set_result(fn(ref))
+            self.pending.remove((fn, ref, future))
+
+
+def fresh_preferred(cache, now):
+    """The tier A and B sets computed again, nothing kept."""
+    memo, cache._preferred_memo = cache._preferred_memo, {}
+    try:
+        return cache._gpu_preferred(now), cache._cpu_preferred(now)
+    finally:
+        cache._preferred_memo = memo
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_byte_total_and_preferred_sets_follow_every_change(seed):
+    rng = random.Random(seed)
+    now = [0.0]
+    sizes = {i: rng.choice([3, 5, 8, 13]) * MiB for i in range(12)}
+    refs = [AdapterRef(AdapterKey("base", f"a{i}", "1", f"sha256:{i}"), storage_uri=f"mem://{i}") for i in sizes]
+    loads = Loads()
+    cache = AdapterCache(
+        Pool(3), lambda files, hashed: None, cpu_bytes=30 * MiB, max_cpu_loras=rng.choice([None, 5]),
+        policy=ScorePolicy() if seed % 2 else LRUPolicy(), executor=loads, clock=lambda: now[0],
+        loader=lambda ref: Loaded(Packed(sizes[refs.index(ref)]), "remote", {"download": 0.01, "disk": 0.002}),
+    )
+    held = []
+    for _ in range(400):
+        now[0] += rng.choice([0.0, 0.05, 0.5, 3.0])
+        ref = rng.choice(refs)
+        op = rng.choice(["request", "request", "request", "release", "poll", "evict", "forget", "pin", "gpu_cap"])
+        if op == "request":
+            cache.record_request(ref)
+            if cache.acquire(ref) is not None:
+                held.append(ref.key)
+        elif op == "release" and held:
+            cache.release(held.pop(rng.randrange(len(held))))
+        elif op == "poll":
+            loads.finish(rng)
+            cache.poll()
+        elif op == "evict" and ref.key not in held:
+            cache.evict(ref.key)
+        elif op == "forget" and ref.key not in held and ref.key not in cache.loading:
+            cache.forget(ref.key)
+        elif op == "pin":
+            if rng.random() < 0.5:
+                cache.unpin(ref.key)
+            else:
+                with contextlib.suppress(CapacityExceeded):
+                    cache.pin(ref, "cpu")
+        elif op == "gpu_cap":
+            cache.max_gpu_preferred = rng.choice([0, 1, 3])
+        assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+        # Asked twice, with and without what was kept: the same sets, in the same order.
+        for _ in range(2):
+            kept = cache._gpu_preferred(now[0]), cache._cpu_preferred(now[0])
+            fresh = fresh_preferred(cache, now[0])
+            assert [list(s) for s in kept] == [list(s) for s in fresh]
