@@ -150,3 +150,86 @@ def test_reload_cost_is_measured_per_byte_and_includes_the_download_once_the_dis
     assert costs[far.key] == pytest.approx(nbytes * (1e-9 + 1e-8))  # the disk does not hold it: a download too
     slot = {c.key: c.reload_cost for c in cache._slot_candidates([far.key], now[0])}
     assert slot[far.key] == pytest.approx(nbytes * 1e-10)  # in host memory: only the copy to the device
+
+
+def warm_up(cache, now, refs, rounds=10):
+    """Each adapter of `refs` requested once per 1.5 s, `rounds` times: all of them end up in tier A."""
+    for _ in range(rounds):
+        now[0] += 1.5
+        for r in refs:
+            serve(cache, r)
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(spares_queued=False)])
+def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
+    cache, now = make_cache(slots=2)
+    cache.policy = policy
+    hot, other = ref("hot"), ref("other")
+    warm_up(cache, now, [hot, other])
+    now[0] += 5.0  # past every minimum residency
+    cache.acquire(other)  # `other` runs; `hot` sits idle in its slot
+    cache.record_request(hot)
+    cache.queue(hot.key)  # ...with a request queued behind a one-off's
+    one_off = ref("one-off")
+    cache.record_request(one_off)
+    cache.queue(one_off.key)
+    cache.acquire(one_off)  # starts its load
+    cache.poll()
+    slot = cache.acquire(one_off)
+    if policy.spares_queued:
+        assert slot is None and hot.key in cache.slots  # the one-off waits for a slot
+        cache.unqueue(hot.key)
+        assert cache.acquire(hot) is not None  # the queued request is admitted on its adapter
+    else:
+        assert slot is not None and hot.key not in cache.slots  # the queued request lost its adapter
+    assert cache.queued == {one_off.key: 1} if policy.spares_queued else {hot.key: 1, one_off.key: 1}
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(yields_for_s=0.0)])
+def test_a_freed_slot_goes_to_a_waiting_tier_a_adapter_before_a_one_off_that_came_first(policy):
+    cache, now = make_cache(slots=2)
+    cache.policy = policy
+    hot, other, pushed = ref("hot"), ref("other"), ref("pushed")
+    warm_up(cache, now, [hot, other, pushed])  # three tier-A adapters, two slots
+    now[0] += 5.0
+    running = [k for k in cache.slots]
+    for key in running:
+        cache.acquire(cache.entries[key].ref)  # both slots busy
+    waiting = next(r for r in (hot, other, pushed) if r.key not in running)
+    one_off = ref("one-off")
+    cache.record_request(one_off)
+    assert cache.acquire(one_off) is None  # loading
+    cache.poll()
+    assert cache.acquire(one_off) is None  # every slot busy: both wait, the one-off first in line
+    assert cache.acquire(waiting) is None
+    now[0] += 0.1
+    cache.release(running[0])  # one slot frees
+    if policy.yields_for_s:
+        assert cache.acquire(one_off) is None  # it leaves the slot to the tier-A adapter behind it
+        assert cache.acquire(waiting) is not None
+        cache.release(running[1])
+        assert cache.acquire(one_off) is not None  # and takes the next
+    else:
+        assert cache.acquire(one_off) is not None  # first come, first served
+        assert cache.acquire(waiting) is None
+
+
+def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
+    class Deferred:
+        """An executor whose load ends when the test says so."""
+
+        def submit(self, fn, r) -> Future:
+            self.run, self.future = (lambda: fn(r)), Future()
+            return self.future
+
+    executor = Deferred()
+    cache = AdapterCache(Pool(2), lambda files, hashed: None, cpu_bytes=1000 * MiB, policy=ScorePolicy(),
+                         executor=executor, loader=loader(set()), clock=lambda: 0.0)
+    gone = ref("gone")
+    cache.record_request(gone)
+    assert cache.acquire(gone) is None  # loading
+    cache.forget(gone.key)  # an unload while the load runs
+    executor.future.set_result(executor.run())
+    assert cache.poll() == []
+    assert gone.key not in cache.cpu and gone.key not in cache.entries and not cache.loading
+    assert cache.cpu_bytes_used == 0

@@ -39,6 +39,8 @@ def test_min_residency_protects_a_newcomer_only_against_colder_newcomers():
     assert policy.choose_victim([young_hot], now=100, incoming=c("hotter", demand=9)) == "young-hot"
     assert policy.choose_victim([young_hot], now=102.9, incoming=cold_incoming) is None
     assert policy.choose_victim([young_hot], now=103.1, incoming=cold_incoming) == "young-hot"
+    # A tier-A newcomer is no one-off: it may take the slot of a younger adapter with more demand.
+    assert policy.choose_victim([young_hot], now=100, incoming=c("tier-a", demand=4, preferred=True)) == "young-hot"
 
 
 def test_score_weighs_priority_reload_cost_and_preference():
@@ -78,7 +80,7 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
             for i in range(rng.randint(1, 12))
         ]
         now, incoming = rng.choice([0.0, 50.0, 100.0]), rng.choice([None, candidates[0]])
-        kept = [x for x in candidates if incoming is None or not (
+        kept = [x for x in candidates if incoming is None or incoming.preferred or not (
             now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
         expected = min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key if kept else None
         assert policy.choose_victim(candidates, now, incoming) == expected

@@ -108,6 +108,8 @@ class AdapterCache:
         self._wanted: dict[AdapterKey, float] = {}  # keys a waiting request asked for and has not got yet
         self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
+        self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
+        self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
@@ -170,16 +172,19 @@ class AdapterCache:
             entry = self.entries.setdefault(key, Entry(ref))
             entry.last_access = now
             slot = self.slot_of(key)
-            if slot is None and key in self.cpu:
+            if slot is None and key in self.cpu and not self._yields(key, now):
                 slot = self._activate(key, now)
                 if slot is not None:
                     self.slot_loads.record("gpu", now)
             if slot is None:
                 if key not in self.cpu:
                     self._start_load(ref)
+                if now - self._wanted.get(key, -math.inf) > WANTED_FOR_S:
+                    self._waiting_since[key] = now  # a new wait (an older one went away)
                 self._wanted[key] = now
                 return None
             self._wanted.pop(key, None)
+            self._waiting_since.pop(key, None)
             entry.refcount += 1
             entry.hits += 1
             return slot
@@ -195,6 +200,20 @@ class AdapterCache:
         else:
             self.on_event("miss", {"tier": tier})
         return tier
+
+    def queue(self, key: AdapterKey) -> None:
+        """A request for `key` joined the scheduler's waiting queue (new, or preempted)."""
+        with self._lock:
+            self.queued[key] = self.queued.get(key, 0) + 1
+
+    def unqueue(self, key: AdapterKey) -> None:
+        """A request for `key` left the waiting queue (admitted, aborted or failed)."""
+        with self._lock:
+            left = self.queued[key] - 1
+            if left:
+                self.queued[key] = left
+            else:
+                del self.queued[key]
 
     def release(self, key: AdapterKey) -> None:
         with self._lock:
@@ -218,7 +237,9 @@ class AdapterCache:
                     self.on_event("load_failed", {"error": type(error).__name__, "key": key, "exception": error})
                     continue
                 loaded: Loaded = future.result()
-                entry = self.entries[key]
+                entry = self.entries.get(key)
+                if entry is None:
+                    continue  # forgotten while it loaded: the result is dropped
                 entry.nbytes = loaded.packed.nbytes
                 self._nbytes_version += 1
                 entry.loads += 1
@@ -364,6 +385,8 @@ class AdapterCache:
         evictable = [
             k for k in self.slots if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
         ]
+        if getattr(self.policy, "spares_queued", False):  # an adapter whose request is about to be admitted stays
+            evictable = [k for k in evictable if k not in self.queued]
         tenant = self.entries[incoming].ref.tenant
         quota = max(1, math.floor(len(self.slots) * self.tenant_share))
         if quota < len(self.slots):  # (at a quota of every slot, a tenant at it holds them all: nothing to filter)
@@ -401,6 +424,7 @@ class AdapterCache:
         for key, asked in list(self._wanted.items()):
             if now - asked > WANTED_FOR_S:
                 del self._wanted[key]  # its request went away
+                self._waiting_since.pop(key, None)
         if self._wanted:
             return  # requests are waiting for a slot: they come first
         preferred = self._gpu_preferred(now)
@@ -408,7 +432,8 @@ class AdapterCache:
         if not out:
             return  # the usual case: every tier-A adapter is in a slot
         turnover = self.slot_loads.short("gpu", now) / len(self.slots)
-        for key in sorted(out, key=lambda k: -self.demand.short(k, now)):
+        # the most demanded first; equal demands by key, so the order does not depend on the set's hashing
+        for key in sorted(out, key=lambda k: (-self.demand.short(k, now), k.name, k.revision, k.adapter_digest)):
             if key not in self.cpu:
                 continue
             if self.demand.short(key, now) < turnover:
@@ -416,7 +441,7 @@ class AdapterCache:
             holders = [
                 k for k in self.slots
                 if k is not None and k not in preferred and self.entries[k].refcount == 0
-                and self.entries[k].pinned != "gpu" and k not in self.loading
+                and self.entries[k].pinned != "gpu" and k not in self.loading and k not in self.queued
             ]
             if None not in self.slots and not holders:
                 return
@@ -426,6 +451,23 @@ class AdapterCache:
                     return
                 self._clear(self.slots.index(victim), now)
             self._activate(key, now)
+
+    def _yields(self, key: AdapterKey, now: float) -> bool:
+        """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with
+        `yields_for_s`): when one slot frees for several waiting requests, a frequently used adapter gets it before
+        a one-off that happened to arrive first; the one-off takes the next. A request yields only during its first
+        `yields_for_s` of waiting, so that under sustained load tier A cannot starve the others."""
+        limit = getattr(self.policy, "yields_for_s", 0.0)
+        if now - self._waiting_since.get(key, now) >= limit:
+            return False  # none, or it has waited long enough: it takes its turn
+        waiting = [
+            k for k, asked in self._wanted.items()
+            if k != key and now - asked <= WANTED_FOR_S and k in self.cpu and k not in self.slots
+        ]
+        if not waiting:
+            return False
+        preferred = self._gpu_preferred(now)
+        return key not in preferred and any(k in preferred for k in waiting)
 
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier A: the adapters with the most short-window demand, up to the cap. The set is kept until the counts

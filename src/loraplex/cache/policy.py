@@ -160,8 +160,8 @@ class LRUPolicy:
 class ScorePolicy:
     """keep_score = recency + frequency + tenant priority + reload cost − size, with protections.
 
-    A newly loaded adapter is protected for `min_residency_s` against newcomers with less demand than it,
-    so a one-off request cannot push out an adapter that is proving hot; frequency dominates recency, so
+    A newly loaded adapter is protected for `min_residency_s` against newcomers outside tier A with less demand
+    than it, so a one-off request cannot push out an adapter that is proving hot; frequency dominates recency, so
     a burst of one-off adapters cycles through the lowest-value slot instead of the hot adapters' slots.
     """
 
@@ -176,6 +176,12 @@ class ScorePolicy:
     restores_preferred: bool = True
     """Put an adapter promoted by demand (tier A) back in a slot once the one-off that displaced it is done, when
     it is expected back before the slots turn over (the cache decides which)."""
+    spares_queued: bool = True
+    """An adapter in a slot whose request waits in the queue is not evicted (it is about to be used): the waiting
+    request would otherwise lose its adapter to one queued ahead of it and wait for it to come back."""
+    yields_for_s: float = 1.0
+    """When a slot frees while requests of several adapters wait for one, a tier-A adapter's request takes it before
+    those of adapters outside tier A that have waited less than this (the cache decides which wait)."""
     weighs_host_copies_by_use: bool = True
     """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its requests (the copy
     is only needed again once the adapter loses its slot); without it such copies simply go last."""
@@ -193,7 +199,7 @@ class ScorePolicy:
         )
 
     def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
-        if incoming is not None:
+        if incoming is not None and not incoming.preferred:  # tier A is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
             candidates = [c for c in candidates if not (now - c.loaded_at < residency and c.demand > demand)]
         if not candidates:

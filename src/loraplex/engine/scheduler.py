@@ -36,6 +36,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.adapter is not None:
+            self.adapters.queue(seq.adapter.key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -66,7 +68,7 @@ class Scheduler:
                 break  # first come, first served for memory: later requests do not overtake
             if seq.adapter is not None and not self.take_adapter(seq, lora_bytes):
                 continue  # its adapter is loading or over the step's LoRA budget: others go ahead
-            self.waiting.remove(seq)
+            self._leave_queue(seq)
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             seq.admitted_at = seq.admitted_at or time.monotonic()
@@ -97,16 +99,23 @@ class Scheduler:
         self.release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        if seq.adapter is not None:
+            self.adapters.queue(seq.adapter.key)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            self._leave_queue(seq)
         self.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def _leave_queue(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        if seq.adapter is not None:
+            self.adapters.unqueue(seq.adapter.key)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq)

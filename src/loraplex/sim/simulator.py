@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
+from loraplex.cache.cache import THRASH_WINDOW_S, WANTED_FOR_S, AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
@@ -348,6 +348,8 @@ class Worker:
         seq.worker = self.index
         seq.tier = self.cache.record_request(seq.ref) if seq.ref is not None else "gpu"
         self.waiting.append(seq)
+        if seq.ref is not None:
+            self.cache.queue(seq.ref.key)
         if self.quiet is not None:
             self._cut_quiet_steps()
         self.wake()
@@ -383,6 +385,8 @@ class Worker:
                     # The cache's acquire could only fail: make its side effects, the access time and the mark
                     # that a request waits for the key.
                     cache.entries[key].last_access = now
+                    if now - cache._wanted.get(key, -math.inf) > WANTED_FOR_S:
+                        cache._waiting_since[key] = now
                     cache._wanted[key] = now
                     blocked[key] = None
                     continue
@@ -394,6 +398,8 @@ class Worker:
                         stuck = True
                     continue
             self.waiting.remove(seq)
+            if seq.ref is not None:
+                cache.unqueue(seq.ref.key)
             seq.admitted_at = now
             admitted.append(seq)
             self.num_running += 1
