@@ -39,6 +39,7 @@ from loraplex.model_config import ModelConfig
 from loraplex.registry.store import ArtifactStore
 
 RANKS = (8, 16, 32, 64)
+CONTROLS = ("no-burst", "burst-compute")
 
 
 def build_model(out: Path) -> Path:
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="the engine's device: cpu or cuda")
     parser.add_argument("--seconds", type=float, help="length of each trace (default 20; quick 6)")
     parser.add_argument("--rate", type=float, default=4.0, help="hot requests per second in the seed scenario")
+    parser.add_argument("--control-policies", default="lru,score",
+                        help="policies run on the controls (no-burst, burst-compute); the goals read only score's")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the engine: one leaves the other core to the loads, as a GPU "
                              "server's compute runs on its device while the host loads adapters")
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                     seeded = workload in ("hot-burst", "no-burst", "burst-compute")
                     # no-burst: the same hot arrivals, measured over the same window
                     window = (seconds / 3, 2 * seconds / 3) if seeded else None
-                    for policy in ("lru", "score"):
+                    policies = args.control_policies.split(",") if workload in CONTROLS else ("lru", "score")
+                    for policy in policies:
                         runs = [run_once(model_dir, tmp, setup, policy, trace, names, paths, digests, base_url,
                                          adapter_bytes, [f"hot{i}" for i in range(4)] if seeded else [],
                                          args.cpu_adapters, args.device)

@@ -28,12 +28,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output
   echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engine tests/cache tests/test_lora_format.py \
-  tests/sim/test_engine_agreement.py
-step adapter_load 120 python3 bench/adapter_load.py --device cuda --repeats 3 --json "$OUT/adapter_load.cuda.json"
-step cache_policy 150 python3 bench/cache_policy.py --device cuda --seconds 10 --rate 20 --seeds 1 \
-  --workloads hot-burst,no-burst --json "$OUT/cache_policy.cuda.json"
-step lora_ops 60 python3 bench/lora_ops.py --device cuda --quick --json "$OUT/lora_ops.cuda.quick.json"
-step engine_throughput 90 python3 bench/engine_throughput.py --device cuda --quick --cache-dir /tmp/loraplex-bench \
-  --json "$OUT/engine_throughput.cuda.quick.json"
+# Each step has a time limit; GPU_CHECKS picks steps (default: all), e.g. GPU_CHECKS="tests cache_policy".
+want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
+want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engine tests/cache \
+  tests/test_lora_format.py tests/sim/test_engine_agreement.py
+want lora_ops && step lora_ops 60 python3 bench/lora_ops.py --device cuda --quick --json "$OUT/lora_ops.cuda.quick.json"
+want engine_throughput && step engine_throughput 90 python3 bench/engine_throughput.py --device cuda --quick \
+  --cache-dir /tmp/loraplex-bench --json "$OUT/engine_throughput.cuda.quick.json"
+want adapter_load && step adapter_load 120 python3 bench/adapter_load.py --device cuda --repeats 3 \
+  --json "$OUT/adapter_load.cuda.json"
+want cache_policy && step cache_policy 300 python3 bench/cache_policy.py --device cuda --seeds 2 --workloads hot-burst,no-burst \
+  --control-policies score --json "$OUT/cache_policy.cuda.json"
 grep -E "^== |passed|failed|FAILED|ERROR" "$LOG" | tail -n 40

@@ -37,13 +37,15 @@ def test_batched_op_matches_per_token_loop(seed, min_segment):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_groups_use_segments_for_long_runs_and_rank_buckets_for_short_ones():
+def test_groups_use_segments_for_long_runs_and_one_gather_at_the_largest_rank_for_short_ones():
     token_slots = [0] * 10 + [1, 2, 1] + [EMPTY_SLOT] * 4 + [3]
-    ranks = [(8,) * 7, (16,) * 7, (4,) * 7, (64,) * 7]
-    group = build_lora_groups(token_slots, ranks, "cpu", min_segment=8)[0]  # the CUDA setting
-    assert group.segments == [(0, 10, 0, 8)]
-    buckets = {rank: (t.tolist(), s.tolist()) for t, s, rank in group.gathered}
-    assert buckets == {4: ([11], [2]), 16: ([10, 12], [1, 1]), 64: ([17], [3])}
+    ranks = [(8,) * 7, (16,) * 7, (4, 0, 4, 4, 4, 4, 4), (64, 0, 64, 64, 64, 64, 64)]
+    groups = build_lora_groups(token_slots, ranks, "cpu", min_segment=8)  # the CUDA setting
+    assert groups[0].segments == [(0, 10, 0, 8)]
+    [(tokens, slots, rank)] = groups[0].gathered
+    assert (tokens.tolist(), slots.tolist(), rank) == ([10, 11, 12, 17], [1, 2, 1, 3], 64)
+    assert groups[1].gathered[0][2] == 16  # module 1: only slot 1 targets it among the gathered tokens
+    assert all(g.gathered[0][0] is tokens for g in groups)  # the indices are built once per step
 
 
 def test_module_not_targeted_by_an_adapter_is_skipped():

@@ -17,9 +17,11 @@ EMPTY_SLOT = -1
 MODULE_INDEX = {name: i for i, name in enumerate(LINEAR_MODULES)}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment (two plain
-# matmuls reading the adapter once); shorter runs are gathered per token and batched by rank bucket, which
-# saves kernel launches. On CPU there are no launches to save and the gather's weight copies cost more than
-# they save (bench/lora_ops.py), so every run is a segment there.
+# matmuls reading the adapter once); the shorter runs of a step are gathered per token into one batched
+# matmul pair per module, padded to the largest rank among them: a decode step is launch-bound on a GPU, and
+# one gather per module costs a quarter of one per rank bucket (bench/lora_ops.py --device cuda). On CPU
+# there are no launches to save and the gather's weight copies cost more than they save, so every run is a
+# segment there.
 MIN_SEGMENT_TOKENS = {"cuda": 8, "cpu": 1}
 _TRANSPOSE_BLOCK_BYTES = 32 << 10  # a block of B's rows, transposed at once, stays in the L1 cache
 
@@ -156,7 +158,7 @@ class LoRASlotPool:
     def _zero_rows(self, slot: int, kept: dict[tuple[int, int], int]) -> None:
         """Zero the rows the slot's adapter wrote, except the first `kept[layer, module]` (about to be overwritten).
 
-        Rows past an adapter's rank must read as zero (a gathered decode reads up to its rank bucket). They are kept
+        Rows past an adapter's rank must read as zero (a gathered decode reads up to the step's largest rank). They are kept
         zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass over what
         the old adapter wrote instead of over the whole max-rank slot.
         """
@@ -176,13 +178,12 @@ class LoraGroups:
     gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)  # (tokens, slots, rank)
 
 
-def _rank_bucket(rank: int) -> int:
-    return max(8, 1 << (rank - 1).bit_length())
-
-
 def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]], device,
                       min_segment: int | None = None) -> list[LoraGroups] | None:
-    """Per module index, the segments and rank-bucketed gathers for a step; None when no token has an adapter."""
+    """Per module index, the segments and the gather for a step; None when no token has an adapter.
+
+    The gather's token and slot indices are the same tensors for every module (built once per step): a slot's rows
+    past its rank are zero, so a token whose adapter does not target a module adds nothing there."""
     if min_segment is None:
         min_segment = MIN_SEGMENT_TOKENS.get(torch.device(device).type, 8)
     runs, start = [], 0
@@ -193,25 +194,24 @@ def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]
             start = i
     if not runs:
         return None
+    short = [(begin, end, slot) for begin, end, slot in runs if end - begin < min_segment]
+    gather = None
+    if short:
+        tokens = [t for begin, end, _ in short for t in range(begin, end)]
+        slots = [slot for begin, end, slot in short for _ in range(begin, end)]
+        gather = (torch.tensor(tokens, device=device), torch.tensor(slots, device=device))
+        short_slots = {slot for _, _, slot in short}
     groups = []
     for index in range(len(LINEAR_MODULES)):
         group = LoraGroups()
-        buckets: dict[int, tuple[list[int], list[int]]] = {}
         for begin, end, slot in runs:
             rank = module_ranks[slot][index]
-            if rank == 0:
-                continue
-            if end - begin >= min_segment:
+            if rank and end - begin >= min_segment:
                 group.segments.append((begin, end, slot, rank))
-            else:
-                tokens, slots = buckets.setdefault(_rank_bucket(rank), ([], []))
-                tokens.extend(range(begin, end))
-                slots.extend([slot] * (end - begin))
-        for bucket, (tokens, slots) in sorted(buckets.items()):
-            rank = min(bucket, max(module_ranks[s][index] for s in set(slots)))
-            group.gathered.append(
-                (torch.tensor(tokens, device=device), torch.tensor(slots, device=device), rank)
-            )
+        if gather is not None:
+            rank = max(module_ranks[s][index] for s in short_slots)
+            if rank:
+                group.gathered.append((*gather, rank))
         groups.append(group)
     return groups
 
