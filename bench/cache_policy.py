@@ -96,8 +96,13 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
                 record["ttft"] = time.perf_counter() - start - record["arrival"]
             if out.error is not None:
                 record["error"] = str(out.error)
-        if not engine.scheduler.running and pending and not engine.adapters.loading:
-            time.sleep(min(0.002, max(0.0, pending[0][0] - (time.perf_counter() - start))))
+        if not engine.scheduler.running:
+            # Nothing to compute: wait for an arrival or a load, as the server's step loop does (AsyncEngine). A
+            # loop that steps again at once holds the GIL the load threads need (a 2 MB load took 3-4 s that way).
+            wait = 0.001 if engine.adapters.loading or not pending else 0.002
+            if pending:
+                wait = min(wait, max(0.0, pending[0][0] - (time.perf_counter() - start)))
+            time.sleep(wait)
     return list(by_id.values())
 
 

@@ -27,9 +27,9 @@ def test_score_keeps_a_frequent_adapter_over_a_more_recent_one_off():
     assert LRUPolicy().choose_victim([hot, one_off], now=100) == "hot"
 
 
-def test_min_residency_protects_a_newcomer_only_against_colder_newcomers():
+def test_min_residency_protects_a_new_tier_a_adapter_only_against_colder_newcomers_outside_tier_a():
     policy = ScorePolicy(min_residency_s=5)
-    young_hot = c("young-hot", last=99, loaded=98, demand=6)
+    young_hot = c("young-hot", last=99, loaded=98, demand=6, preferred=True)
     old_cold = c("old-cold", last=50, loaded=10, demand=0.5)
     cold_incoming = c("incoming", demand=1)
     # Only the young adapter can go by score alone, but it is protected: nothing may be evicted yet.
@@ -41,6 +41,9 @@ def test_min_residency_protects_a_newcomer_only_against_colder_newcomers():
     assert policy.choose_victim([young_hot], now=103.1, incoming=cold_incoming) == "young-hot"
     # A tier-A newcomer is no one-off: it may take the slot of a younger adapter with more demand.
     assert policy.choose_victim([young_hot], now=100, incoming=c("tier-a", demand=4, preferred=True)) == "young-hot"
+    # Outside tier A there is no protection: a one-off does not wait for a slot that a middling adapter just took.
+    young_middling = c("young-middling", last=99, loaded=98, demand=3)
+    assert policy.choose_victim([young_middling], now=100, incoming=cold_incoming) == "young-middling"
 
 
 def test_score_weighs_priority_reload_cost_and_preference():
@@ -81,7 +84,7 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
         ]
         now, incoming = rng.choice([0.0, 50.0, 100.0]), rng.choice([None, candidates[0]])
         kept = [x for x in candidates if incoming is None or incoming.preferred or not (
-            now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
+            x.preferred and now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
         expected = min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key if kept else None
         assert policy.choose_victim(candidates, now, incoming) == expected
 

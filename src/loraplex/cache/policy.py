@@ -160,8 +160,9 @@ class LRUPolicy:
 class ScorePolicy:
     """keep_score = recency + frequency + tenant priority + reload cost − size, with protections.
 
-    A newly loaded adapter is protected for `min_residency_s` against newcomers outside tier A with less demand
-    than it, so a one-off request cannot push out an adapter that is proving hot; frequency dominates recency, so
+    A newly loaded tier-A adapter is protected for `min_residency_s` against newcomers outside tier A with less
+    demand than it, so a one-off request cannot push out an adapter that is proving hot (protecting every adapter
+    made one-offs under Zipf traffic wait up to that long for a slot); frequency dominates recency, so
     a burst of one-off adapters cycles through the lowest-value slot instead of the hot adapters' slots.
     """
 
@@ -201,7 +202,9 @@ class ScorePolicy:
     def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
         if incoming is not None and not incoming.preferred:  # tier A is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
-            candidates = [c for c in candidates if not (now - c.loaded_at < residency and c.demand > demand)]
+            candidates = [
+                c for c in candidates if not (c.preferred and now - c.loaded_at < residency and c.demand > demand)
+            ]
         if not candidates:
             return None
         ranks = self._ranks(candidates, now)
