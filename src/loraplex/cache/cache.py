@@ -179,9 +179,7 @@ class AdapterCache:
             if slot is None:
                 if key not in self.cpu:
                     self._start_load(ref)
-                if now - self._wanted.get(key, -math.inf) > WANTED_FOR_S:
-                    self._waiting_since[key] = now  # a new wait (an older one went away)
-                self._wanted[key] = now
+                self.mark_wanted(key, now)
                 return None
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
@@ -200,6 +198,13 @@ class AdapterCache:
         else:
             self.on_event("miss", {"tier": tier})
         return tier
+
+    def mark_wanted(self, key: AdapterKey, now: float) -> None:
+        """A waiting request asked for `key` and did not get a slot (acquire; a simulator that skips a call that
+        could only fail)."""
+        if now - self._wanted.get(key, -math.inf) > WANTED_FOR_S:
+            self._waiting_since[key] = now  # a new wait (an older one went away)
+        self._wanted[key] = now
 
     def queue(self, key: AdapterKey) -> None:
         """A request for `key` joined the scheduler's waiting queue (new, or preempted)."""

@@ -158,9 +158,9 @@ class LoRASlotPool:
     def _zero_rows(self, slot: int, kept: dict[tuple[int, int], int]) -> None:
         """Zero the rows the slot's adapter wrote, except the first `kept[layer, module]` (about to be overwritten).
 
-        Rows past an adapter's rank must read as zero (a gathered decode reads up to the step's largest rank). They are kept
-        zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass over what
-        the old adapter wrote instead of over the whole max-rank slot.
+        Rows past an adapter's rank must read as zero (a gathered decode reads up to the step's largest rank). They
+        are kept zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass
+        over what the old adapter wrote instead of over the whole max-rank slot.
         """
         for index, old_rank in enumerate(self.module_ranks[slot]):
             for layer in range(self.model.num_layers):

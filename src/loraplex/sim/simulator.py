@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cache.cache import THRASH_WINDOW_S, WANTED_FOR_S, AdapterCache, Loaded
+from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
@@ -385,9 +385,7 @@ class Worker:
                     # The cache's acquire could only fail: make its side effects, the access time and the mark
                     # that a request waits for the key.
                     cache.entries[key].last_access = now
-                    if now - cache._wanted.get(key, -math.inf) > WANTED_FOR_S:
-                        cache._waiting_since[key] = now
-                    cache._wanted[key] = now
+                    cache.mark_wanted(key, now)
                     blocked[key] = None
                     continue
                 if cache.acquire(seq.ref) is None:
