@@ -8,7 +8,7 @@ import os
 import re
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
@@ -54,6 +54,8 @@ class AdapterSpec:
     modules: tuple[LoraModuleSpec, ...]
     estimated_bytes: int
     actual_bytes: int
+    # the weights file's layout when validated from its bytes (pack_adapter then need not read the header again)
+    layout: SafetensorsLayout | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def _is_tensor_entry(info) -> bool:
 
 
 def _naturals(values) -> bool:
-    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
+    """A list of non-negative ints (bools excluded), checked in C calls: a header has hundreds of these lists."""
+    return isinstance(values, list) and set(map(type, values)) <= {int} and min(values, default=0) >= 0
 
 
 def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
@@ -196,9 +199,9 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
 def adapter_from_files(files: Mapping[str, bytes | bytearray | memoryview], model: ModelConfig,
                        max_rank: int) -> AdapterSpec:
     """Validate an adapter held in memory (file name -> bytes, as the cache reads and digest-checks it)."""
-    for name, field in ((WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")):
+    for name, what in ((WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")):
         if name not in files:
-            raise AdapterRejected(field, f"missing {name}")
+            raise AdapterRejected(what, f"missing {name}")
     config = _parse_config(bytes(files[CONFIG_FILE]))
     return _adapter_spec(config, parse_safetensors_header(files[WEIGHTS_FILE]), model, max_rank, None)
 
@@ -268,6 +271,7 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
         modules=tuple(modules),
         estimated_bytes=estimated,
         actual_bytes=actual,
+        layout=layout if adapter_dir is None else None,
     )
 
 

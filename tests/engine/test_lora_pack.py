@@ -1,6 +1,7 @@
 """Packing an adapter's bytes for a slot (in place when the dtypes match) and writing it into a slot."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -110,3 +111,23 @@ def test_packing_in_place_overwrites_only_bytes_the_digest_check_has_read():
     assert changed and max(changed) < max(granted)
     expected = packed({**files, WEIGHTS_FILE: bytearray(original)}, torch.float32)
     assert torch.equal(pack.buffer, expected.buffer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaling_rounds_as_torch_does_out_to_overflow(dtype):
+    """float32 is scaled in numpy, the others in torch: each B*scaling must match torch's product bit for bit, an
+    overflow to inf included (and without a warning from numpy)."""
+    tensors, files = adapter(3, dtype, alpha=1e6)
+    prefix = f"base_model.model.{ModelConfig.module_path(0, 'down_proj')}.lora_B.weight"
+    tensors[prefix] = tensors[prefix] * torch.finfo(dtype).max / 4  # times 1e6 / 3: past the largest finite
+    files[WEIGHTS_FILE] = bytearray(save(tensors))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = LoRASlotPool(CFG, 1, MAX_RANK, dtype, "cpu")
+        pool.set_slot(0, packed(files, dtype))
+    for layer in range(CFG.num_layers):
+        for index, module in enumerate(LINEAR_MODULES):
+            b = tensors[f"base_model.model.{ModelConfig.module_path(layer, module)}.lora_B.weight"]
+            expected = torch.mul(b, 1e6 / 3).t()
+            assert torch.equal(pool.bt[layer][index][0, :3].view(torch.uint8), expected.contiguous().view(torch.uint8))
+    assert torch.isinf(pool.bt[0][LINEAR_MODULES.index("down_proj")][0]).any()

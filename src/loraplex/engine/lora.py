@@ -24,6 +24,8 @@ TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float
 # segment there.
 MIN_SEGMENT_TOKENS = {"cuda": 8, "cpu": 1}
 _TRANSPOSE_BLOCK_BYTES = 32 << 10  # a block of B's rows, transposed at once, stays in the L1 cache
+_BITS = {1: np.int8, 2: np.int16, 4: np.int32}  # element size -> the integer type that moves its bits unchanged
+_TORCH_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -44,19 +46,71 @@ def pack_adapter(spec: AdapterSpec, weights: bytearray | memoryview, dtype: torc
                  hashed: Callable[[int], None] | None = None) -> PackedAdapter:
     """Pack a validated safetensors file (never pickle) for a slot: A as stored, the scaling folded into Bᵀ.
 
+    `spec` is what validating these `weights` gave (its layout is read again only when it holds none).
     When the file holds `dtype` already, the packing happens in place in `weights` (each B becomes its scaled Bᵀ
     in its own bytes), so a load makes no second host copy of the adapter; otherwise into a new buffer. Either
     way `weights` is consumed: pack bytes read for this load, never bytes kept for anything else. When the digest
     check is still running (`read_artifact`'s `use`), `hashed(end)` returns once it has read the first `end` bytes;
     it is called before any byte below `end` is overwritten.
     """
-    layout = parse_safetensors_header(weights)
+    layout = spec.layout if spec.layout is not None else parse_safetensors_header(weights)
     if memoryview(weights).readonly:
         weights = bytearray(weights)
     raw = torch.frombuffer(weights, dtype=torch.uint8)  # shares the bytes: a view, not a copy
     in_place = layout.data_start % dtype.itemsize == 0 and all(
         TORCH_DTYPES[info["dtype"]] == dtype for info in layout.tensors.values()
     )
+    # in file order, so that the waits for the digest check move forward with it
+    modules = sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
+    if in_place:
+        buffer, entries = raw[layout.data_start :].view(dtype), _pack_in_place(layout, modules, raw, dtype, hashed)
+    else:
+        buffer, entries = _pack_converted(layout, spec.modules, modules, raw, dtype, pin)
+    ranks = [0] * len(LINEAR_MODULES)
+    for _, index, rank, _, _ in entries:
+        ranks[index] = max(ranks[index], rank)
+    if pin and in_place:
+        buffer = buffer.pin_memory()
+    return PackedAdapter(buffer, tuple(entries), tuple(ranks), spec)
+
+
+def _pack_in_place(layout, modules, raw: torch.Tensor, dtype: torch.dtype, hashed) -> list[tuple]:
+    """Each B's bytes receive its scaled Bᵀ (A stays as stored). The work is in numpy, whose calls cost a tenth of
+    torch's: a small adapter is a few hundred of them, which in torch took longer than moving its bytes."""
+    data = raw.numpy()[layout.data_start :]
+    bits = _BITS[dtype.itemsize]  # bit patterns move unchanged
+    numel = max(math.prod(layout.tensors[m.key_b]["shape"]) for m in modules)
+    scratch = np.empty(numel, dtype=bits)
+    scratch_torch = torch.from_numpy(scratch).view(dtype)
+    entries = []
+    with np.errstate(all="ignore"):  # an overflow gives inf, as torch's product does, without a warning
+        for m in modules:
+            entries.append(_pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed))
+    return entries
+
+
+def _pack_module(m, layout, data: np.ndarray, bits, scratch: np.ndarray, scratch_torch: torch.Tensor,
+                 dtype: torch.dtype, hashed) -> tuple:
+    """One module's B, in its own bytes, becomes its scaled Bᵀ; returns the module's entry."""
+    begin_b, end_b = layout.tensors[m.key_b]["data_offsets"]
+    d_out, rank = layout.tensors[m.key_b]["shape"]
+    b = data[begin_b:end_b].view(bits).reshape(d_out, rank)
+    scaled = scratch[: d_out * rank].reshape(d_out, rank)
+    # b's own bytes receive Bᵀ, so it is scaled into scratch first (one rounding, in dtype)
+    if dtype == torch.float32:  # numpy's product with a float32 factor is torch's, bit for bit
+        np.multiply(b.view(np.float32), np.float32(m.scaling), out=scaled.view(np.float32))
+    else:  # numpy has no bfloat16, and rounds a half factor to half first
+        torch.mul(torch.from_numpy(b).view(dtype), m.scaling, out=scratch_torch[: d_out * rank].view(d_out, rank))
+    if hashed is not None:
+        hashed(layout.data_start + end_b)
+    _transpose_into(data[begin_b:end_b].view(bits).reshape(rank, d_out), scaled)
+    size = dtype.itemsize
+    return m.layer, MODULE_INDEX[m.module], m.rank, layout.tensors[m.key_a]["data_offsets"][0] // size, begin_b // size
+
+
+def _pack_converted(layout, placed, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
+    """A new buffer in `dtype`, the modules placed in the order of `placed`: each A converted, each Bᵀ an exact
+    float32 product rounded once by the copy."""
 
     def stored(key: str) -> torch.Tensor:
         info = layout.tensors[key]
@@ -67,46 +121,31 @@ def pack_adapter(spec: AdapterSpec, weights: bytearray | memoryview, dtype: torc
         return data.view(TORCH_DTYPES[info["dtype"]]).view(info["shape"])
 
     numels = {key: math.prod(info["shape"]) for key, info in layout.tensors.items()}
-    if in_place:
-        buffer = raw[layout.data_start :].view(dtype)
-        offset_of = {key: info["data_offsets"][0] // dtype.itemsize for key, info in layout.tensors.items()}
-        scratch = torch.empty(max(numels[m.key_b] for m in spec.modules), dtype=dtype)
-    else:
-        keys = [key for m in spec.modules for key in (m.key_a, m.key_b)]
-        buffer = torch.empty(sum(numels.values()), dtype=dtype, pin_memory=pin)
-        offset_of = dict(zip(keys, itertools.accumulate((numels[key] for key in keys), initial=0)))
+    keys = [key for m in placed for key in (m.key_a, m.key_b)]
+    buffer = torch.empty(sum(numels[key] for key in keys), dtype=dtype, pin_memory=pin)
+    offset_of = dict(zip(keys, itertools.accumulate((numels[key] for key in keys), initial=0)))
     entries = []
-    ranks = [0] * len(LINEAR_MODULES)
-    # in file order, so that the waits for the digest check move forward with it
-    for m in sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0]):
+    for m in modules:
         a, b = stored(m.key_a), stored(m.key_b)  # a: [r, d_in], b: [d_out, r]
         off_a, off_b = offset_of[m.key_a], offset_of[m.key_b]
-        bt = buffer[off_b : off_b + b.numel()].view(b.shape[1], b.shape[0])  # [r, d_out]
-        if in_place:  # b's own bytes receive Bᵀ, so it is scaled into scratch first (one rounding, in dtype)
-            torch.mul(b, m.scaling, out=scratch[: b.numel()].view(b.shape))
-            if hashed is not None:
-                hashed(layout.data_start + layout.tensors[m.key_b]["data_offsets"][1])
-            _transpose_into(bt, scratch[: b.numel()].view(b.shape))
-        else:  # an exact float32 product, rounded once by the copy into dtype
-            buffer[off_a : off_a + a.numel()].view(a.shape).copy_(a)
-            bt.copy_((b.float() * m.scaling).t())
-        index = MODULE_INDEX[m.module]
-        entries.append((m.layer, index, m.rank, off_a, off_b))
-        ranks[index] = max(ranks[index], m.rank)
-    if pin and in_place:
-        buffer = buffer.pin_memory()
-    return PackedAdapter(buffer, tuple(entries), tuple(ranks), spec)
+        buffer[off_a : off_a + a.numel()].view(a.shape).copy_(a)
+        buffer[off_b : off_b + b.numel()].view(b.shape[1], b.shape[0]).copy_((b.float() * m.scaling).t())
+        entries.append((m.layer, MODULE_INDEX[m.module], m.rank, off_a, off_b))
+    return buffer, entries
 
 
-def _transpose_into(out: torch.Tensor, x: torch.Tensor) -> None:
-    """out = xᵀ for host tensors of one dtype. numpy's copy is used because for a narrow x (B is [d_out, r], r of 8
-    or 16) it runs about three times as fast as torch's transposing copy_. It goes by blocks of rows that fit in
-    the L1 cache: for r = 64 that is 2-2.5 times as fast as one transposing copy (bench/adapter_load.py)."""
-    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32}[x.element_size()]  # bit patterns move unchanged
-    src, dst = x.view(as_int).numpy(), out.view(as_int).numpy()  # src: [d_out, r], dst: [r, d_out]
-    rows = max(1, _TRANSPOSE_BLOCK_BYTES // (src.shape[1] * src.itemsize))
-    for start in range(0, src.shape[0], rows):
-        np.copyto(dst[:, start : start + rows], src[start : start + rows].T)
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's memory as a numpy array of integers of its element size (the bits, unchanged)."""
+    return tensor.view(_TORCH_BITS[tensor.element_size()]).numpy()
+
+
+def _transpose_into(out: np.ndarray, x: np.ndarray) -> None:
+    """out = xᵀ for arrays of one bit type. numpy's copy is used because for a narrow x (B is [d_out, r], r of 8 or
+    16) it runs about three times as fast as torch's transposing copy_. It goes by blocks of rows that fit in the
+    L1 cache: for r = 64 that is 2-2.5 times as fast as one transposing copy (bench/adapter_load.py)."""
+    rows = max(1, _TRANSPOSE_BLOCK_BYTES // (x.shape[1] * x.itemsize))  # x: [d_out, r], out: [r, d_out]
+    for start in range(0, x.shape[0], rows):
+        np.copyto(out[:, start : start + rows], x[start : start + rows].T)
 
 
 class LoRASlotPool:
@@ -137,6 +176,11 @@ class LoRASlotPool:
             self.a.append(row_a)
             self.bt.append(row_bt)
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
+        # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy has no bfloat16):
+        # a small adapter is a hundred or so copies, and numpy's calls cost a tenth of torch's.
+        self._rows = (self.a, self.bt)
+        if self.buffer.device.type == "cpu":
+            self._rows = tuple([[_bits(t) for t in row] for row in rows] for rows in (self.a, self.bt))
 
     @property
     def slot_bytes(self) -> int:
@@ -144,11 +188,15 @@ class LoRASlotPool:
 
     def set_slot(self, slot: int, packed: PackedAdapter) -> None:
         self._zero_rows(slot, {(layer, index): rank for layer, index, rank, _, _ in packed.entries})
-        staging = packed.buffer.to(self.buffer.device, non_blocking=True)
+        rows_a, rows_bt = self._rows
+        if rows_a is self.a:
+            staging, copy = packed.buffer.to(self.buffer.device, non_blocking=True), torch.Tensor.copy_
+        else:
+            staging, copy = _bits(packed.buffer), np.copyto
         for layer, index, rank, off_a, off_b in packed.entries:
-            a, bt = self.a[layer][index], self.bt[layer][index]
-            a[slot, :rank].copy_(staging[off_a : off_a + rank * a.shape[2]].view(rank, a.shape[2]))
-            bt[slot, :rank].copy_(staging[off_b : off_b + rank * bt.shape[2]].view(rank, bt.shape[2]))
+            a, bt = rows_a[layer][index], rows_bt[layer][index]
+            copy(a[slot, :rank], staging[off_a : off_a + rank * a.shape[2]].reshape(rank, a.shape[2]))
+            copy(bt[slot, :rank], staging[off_b : off_b + rank * bt.shape[2]].reshape(rank, bt.shape[2]))
         self.module_ranks[slot] = packed.module_ranks
 
     def clear_slot(self, slot: int) -> None:
@@ -162,12 +210,13 @@ class LoRASlotPool:
         are kept zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass
         over what the old adapter wrote instead of over the whole max-rank slot.
         """
+        rows_a, rows_bt = self._rows
         for index, old_rank in enumerate(self.module_ranks[slot]):
             for layer in range(self.model.num_layers):
                 rank = kept.get((layer, index), 0)
                 if rank < old_rank:
-                    self.a[layer][index][slot, rank:old_rank].zero_()
-                    self.bt[layer][index][slot, rank:old_rank].zero_()
+                    rows_a[layer][index][slot, rank:old_rank] = 0
+                    rows_bt[layer][index][slot, rank:old_rank] = 0
 
 
 @dataclass
