@@ -10,7 +10,10 @@ adapters, so evicted adapters fall back to a real local HTTP store in its own pr
 200 MB/s). Every workload runs once per seed (its own arrivals); a row pools the requests of all seeds, so a p99
 rests on a few slow requests rather than on the slowest one. The seed scenario starts with its hot adapters
 loaded (their cold start is not what it measures). `burst-compute` is its control: the burst's requests at the
-same times but on the hot adapters, so the compute they add without any load or eviction.
+same times but on the hot adapters, so the compute they add without any load or eviction. `shift` is a change of
+traffic: the seed scenario, then Zipf(0.9) over other adapters at 4 requests/s for three times as long, on the
+same engine (how soon the cache stops favouring the adapters whose traffic stopped); `shift-control` replays the
+same Zipf requests on a fresh engine.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from loraplex.model_config import ModelConfig
 from loraplex.registry.store import ArtifactStore
 
 RANKS = (8, 16, 32, 64)
-CONTROLS = ("no-burst", "burst-compute")
+CONTROLS = ("no-burst", "burst-compute", "shift-control")
 
 
 def build_model(out: Path) -> Path:
@@ -116,6 +119,7 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
     records = [r for recs, _ in runs for r in recs]
     tiers = [r["tier"] for r in records]
     hot = [r for r in records if r["group"] == "hot"]
+    shifted = [r for r in records if r["group"] == "shifted"]
 
     def in_window(recs):
         return [r["ttft"] for r in recs if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]]
@@ -133,6 +137,10 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         "hot_ttft_p99_burst_ms": pct(in_window(records), 0.99) if window else None,
         "hot_ttft_p99_burst_per_seed_ms": [pct(in_window(recs), 0.99) for recs, _ in runs] if window else None,
         "all_ttft_p99_ms": pct([r["ttft"] for r in records], 0.99),
+        # the shift workloads: the requests of the traffic that follows the seed scenario (or of its control)
+        "shifted_gpu_hit": round(sum(r["tier"] == "gpu" for r in shifted) / len(shifted), 3) if shifted else None,
+        "shifted_ttft_p50_ms": pct([r["ttft"] for r in shifted], 0.5) if shifted else None,
+        "shifted_ttft_p99_ms": pct([r["ttft"] for r in shifted], 0.99) if shifted else None,
         # what the tail is made of: the slowest hot requests of the burst window, with the tier each found
         "slowest_hot_in_burst": sorted(
             ({"arrival_s": round(r["arrival"], 3), "adapter": r["adapter"], "tier": r["tier"],
@@ -197,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         # the control: the burst's requests at the same times, on the hot adapters (its compute, none of its loads)
         workloads.setdefault("burst-compute", []).append(
             [(t, f"hot{int(name[4:]) % 4}" if group == "cold" else name, group) for t, name, group in burst])
+        # a change of traffic: Zipf(0.9) over other adapters right after the seed scenario, on the same engine,
+        # and the same Zipf requests on a fresh engine (the control)
+        after = [(t, name, "shifted") for t, name, _ in zipf(num_zipf, 0.9, int(4.0 * seconds * 3), 4.0,
+                                                              random.Random(2000 + seed))]
+        workloads.setdefault("shift", []).append(burst + [(seconds + 1.0 + t, name, g) for t, name, g in after])
+        workloads.setdefault("shift-control", []).append(after)
         rng = random.Random(1000 + seed)
         for alpha in ((0.9,) if args.quick else (0.6, 0.9, 1.2)):
             workloads.setdefault(f"zipf-{alpha}", []).append(zipf(num_zipf, alpha, 60 if args.quick else 240, 6.0, rng))
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         with shaped_store_process(remote.root) as base_url:
             for setup in ("disk", "remote"):
                 for workload, traces in workloads.items():
-                    seeded = workload in ("hot-burst", "no-burst", "burst-compute")
+                    seeded = workload in ("hot-burst", "no-burst", "burst-compute", "shift")
                     # no-burst: the same hot arrivals, measured over the same window
                     window = (seconds / 3, 2 * seconds / 3) if seeded else None
                     policies = args.control_policies.split(",") if workload in CONTROLS else ("lru", "score")
@@ -233,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title="Cache policies in the real engine (4 slots; TTFT in ms; rows pool every seed)")
     columns = ["setup", "workload", "policy", "requests", "errors", "hit_gpu", "hit_cpu", "hit_disk", "hit_remote",
                "hot_gpu_hit", "reloads_after_eviction", "hot_ttft_p50_ms", "hot_ttft_p99_ms", "hot_in_burst",
-               "hot_ttft_p99_burst_ms", "hot_ttft_p99_burst_per_seed_ms"]
+               "hot_ttft_p99_burst_ms", "hot_ttft_p99_burst_per_seed_ms", "shifted_ttft_p50_ms", "shifted_ttft_p99_ms"]
     for c in columns:
         table.add_column(c, justify="right")
     for row in rows:

@@ -97,6 +97,31 @@ def test_a_hot_adapter_pushed_out_by_a_one_off_comes_back_when_it_is_done():
     assert set(cache.slots) == {hot.key, warm.key}
 
 
+def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
+    """The minimum residency protects a tier-A adapter loaded for its request; one the cache restored ahead of any
+    request is a guess, and a request that needs its slot takes it without waiting (after the seed scenario, the
+    restores of its stale hot adapters made the next traffic's requests wait for slots)."""
+    cache, now = make_cache(slots=1)
+    hot = ref("hot")
+    for _ in range(10):
+        now[0] += 1.5
+        serve(cache, hot)
+    now[0] += 1.5
+    serve(cache, ref("one-off"))  # the one-off takes the slot; the hot adapter is restored when it is done
+    assert cache.slots == [hot.key] and cache.entries[hot.key].restored
+    now[0] += 0.1  # well within the minimum residency
+    serve(cache, ref("another"))  # takes the slot at once (serve asserts a slot)
+    assert cache.slots == [hot.key]  # and hot is restored again
+    now[0] += 0.1
+    cache.record_request(hot)
+    assert cache.acquire(hot) == 0 and not cache.entries[hot.key].restored  # used: protected again
+    cache.release(hot.key)
+    now[0] += 0.1
+    third = ref("third")
+    cache.record_request(third)
+    assert cache.acquire(third) is None  # hot was loaded 0.2 s ago and has been used: the newcomer waits
+
+
 def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back():
     cache, now = make_cache(slots=2, cpu_mib=10_000)
     hot, rare = ref("hot"), ref("rare")
@@ -233,3 +258,46 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
     assert cache.poll() == []
     assert gone.key not in cache.cpu and gone.key not in cache.entries and not cache.loading
     assert cache.cpu_bytes_used == 0
+
+
+def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_count():
+    """A change of traffic: two adapters busy for two minutes go silent and two others take over. The old ones'
+    5-minute counts stay far above the new ones' for minutes; after 20 of their mean gaps without a request they
+    leave tier A, are not restored, and weigh nothing for their count when a slot is to be freed."""
+    cache, now = make_cache(slots=2, cpu_mib=10_000)
+    old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
+    for _ in range(480):  # 4 requests a second for 2 minutes
+        now[0] += 0.25
+        serve(cache, old[0])
+        serve(cache, old[1])
+    stopped = now[0]
+    for _ in range(30):
+        now[0] += 1.0
+        serve(cache, new[0])
+        serve(cache, new[1])
+        assert cache.demand.short(old[0].key, now[0]) > 10 * cache.demand.short(new[0].key, now[0])
+        if now[0] - stopped < 5:  # not yet overdue: the old pair is still tier A
+            assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
+    assert cache._gpu_preferred(now[0]) == {new[0].key, new[1].key}
+    assert set(cache.slots) == {new[0].key, new[1].key}  # the old pair was not restored after the switch
+    weighed = {c.key: c for c in cache._slot_candidates([k.key for k in new], now[0])}
+    assert all(c.preferred and c.demand > 20 for c in weighed.values())
+    stale = {c.key: c for c in cache._host_candidates([k.key for k in old], now[0], by_use=False)}
+    assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
+    assert cache._cpu_preferred(now[0]) == {new[0].key, new[1].key}  # nor do they keep tier B's place
+
+
+def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
+    """The same traffic with the rule off (`overdue_gaps=None`): the old pair keeps tier A on its count."""
+    cache, now = make_cache(slots=2, cpu_mib=10_000)
+    cache.policy = ScorePolicy(overdue_gaps=None)
+    old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
+    for _ in range(480):
+        now[0] += 0.25
+        serve(cache, old[0])
+        serve(cache, old[1])
+    for _ in range(30):
+        now[0] += 1.0
+        serve(cache, new[0])
+        serve(cache, new[1])
+    assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}

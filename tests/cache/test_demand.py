@@ -98,3 +98,21 @@ def test_version_moves_with_every_change_of_counts():
     demand.discard("a")
     versions.append(demand.version)
     assert len(set(versions)) == len(versions)
+
+
+def test_an_adapter_is_overdue_after_so_many_of_its_mean_gaps_without_a_request():
+    demand = DemandTracker()
+    for i in range(600):  # 2 requests a second for 5 minutes: a short-window count near 600 (1 - 1/e) ≈ 380
+        demand.record("busy", i / 2)
+    demand.record("rare", 0.0)
+    last = 299.5
+    gap = DEMAND_WINDOWS_S[0] / demand.short("busy", last)  # the mean gap as the count tells it, under a second
+    assert 0.5 < gap < 1.0
+    assert not demand.overdue("busy", last + 10 * gap, gaps=20)
+    assert demand.overdue("busy", last + 25 * gap, gaps=20)
+    assert not demand.overdue("rare", last + 25 * gap, gaps=20)  # one request in 5 minutes: its gap is the window
+    assert not demand.overdue("never", last, gaps=20)
+    demand.record("busy", last + 30 * gap)  # a request ends it at once
+    assert not demand.overdue("busy", last + 31 * gap, gaps=20)
+    demand.discard("busy")
+    assert not demand.overdue("busy", last + 40 * gap, gaps=20)

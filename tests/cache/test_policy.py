@@ -44,6 +44,9 @@ def test_min_residency_protects_a_new_tier_a_adapter_only_against_colder_newcome
     # Outside tier A there is no protection: a one-off does not wait for a slot that a middling adapter just took.
     young_middling = c("young-middling", last=99, loaded=98, demand=3)
     assert policy.choose_victim([young_middling], now=100, incoming=cold_incoming) == "young-middling"
+    # Nor for a tier-A adapter the cache put back ahead of its requests: a request must not wait for a guess.
+    restored = c("restored", last=90, loaded=99.5, demand=6, preferred=True, restored=True)
+    assert policy.choose_victim([restored], now=100, incoming=cold_incoming) == "restored"
 
 
 def test_score_weighs_priority_reload_cost_and_preference():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -51,6 +52,7 @@ class Entry:
     pinned: str | None = None  # "gpu" or "cpu"
     evicted_at: float | None = None
     prewarm_gpu: bool = False
+    restored: bool = False  # put back in its slot by the cache (tier A), not asked for since
 
 
 @dataclass
@@ -183,6 +185,7 @@ class AdapterCache:
                 return None
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
+            entry.restored = False
             entry.refcount += 1
             entry.hits += 1
             return slot
@@ -455,7 +458,8 @@ class AdapterCache:
                 if self.demand.short(victim, now) >= self.demand.short(key, now):
                     return
                 self._clear(self.slots.index(victim), now)
-            self._activate(key, now)
+            if self._activate(key, now) is not None:
+                self.entries[key].restored = True
 
     def _yields(self, key: AdapterKey, now: float) -> bool:
         """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with
@@ -481,7 +485,12 @@ class AdapterCache:
         memo = self._preferred_memo.get("gpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
-        chosen = set(self.demand.top(now, 0, 2.0, self.max_gpu_preferred))  # in rank order, as one by one
+        chosen = self.demand.top(now, 0, 2.0, self.max_gpu_preferred)  # in rank order, as one by one
+        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
+        if gaps is not None and any(overdue(k, now, gaps) for k in chosen):  # the next ones take their places
+            ranked = itertools.takewhile(lambda item: item[1] >= 2.0, self.demand.ranked(now, 0))
+            chosen = itertools.islice((k for k, _ in ranked if not overdue(k, now, gaps)), self.max_gpu_preferred)
+        chosen = set(chosen)
         self._preferred_memo["gpu"] = (inputs, chosen)
         return chosen
 
@@ -492,9 +501,12 @@ class AdapterCache:
         if memo is not None and memo[0] == inputs:
             return memo[1]
         chosen, used, entries, half = set(), 0, self.entries, self.cpu_bytes // 2
+        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
         for key, count in self.demand.ranked(now, 1):
             if count < 2.0:
                 break
+            if gaps is not None and overdue(key, now, gaps):
+                continue  # it was busy and stopped: the hour's count would keep it for many minutes
             nbytes = entries[key].nbytes
             if used + nbytes > half:
                 break
@@ -552,7 +564,7 @@ class AdapterCache:
         from_disk, from_remote = h2d + disk + 0.0, h2d + disk + download
         entries, cpu, has = self.entries, self.cpu, self.disk.has if self.disk is not None else None
         out = []
-        for key, demand in zip(keys, self.demand.shorts(keys, now)):
+        for key, demand in zip(keys, self._short_demands(keys, now)):
             e = entries[key]
             ref = e.ref
             if key in cpu:
@@ -561,8 +573,18 @@ class AdapterCache:
                 on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))
                 per_byte = from_disk if on_disk else from_remote
             out.append(Candidate(key, e.nbytes, e.last_access, e.loaded_at, demand, ref.tenant, ref.priority,
-                                 per_byte * e.nbytes, key in preferred))
+                                 per_byte * e.nbytes, key in preferred, e.restored))
         return out
+
+    def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
+        """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped, with a
+        policy that sets `overdue_gaps`."""
+        demands = self.demand.shorts(keys, now)
+        gaps = getattr(self.policy, "overdue_gaps", None)
+        if gaps is None:
+            return demands
+        overdue = self.demand.overdue
+        return [0.0 if d and overdue(k, now, gaps) else d for k, d in zip(keys, demands)]
 
     def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
         """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is
@@ -577,7 +599,7 @@ class AdapterCache:
         entries, activations = self.entries, self.activations
         has = self.disk.has if self.disk is not None else None
         out = []
-        for key, demand in zip(keys, self.demand.shorts(keys, now)):
+        for key, demand in zip(keys, self._short_demands(keys, now)):
             e = entries[key]
             ref = e.ref
             if key in in_slots:

@@ -28,6 +28,8 @@ class Candidate:
     per byte of the tiers below (a copy from host memory, a disk read, a download)."""
     preferred: bool = False
     """Promoted by its demand to the tier it is resident in (tier A for gpu, tier B for cpu)."""
+    restored: bool = False
+    """Put back in its slot by the cache ahead of its requests (tier A), and not asked for since."""
 
 
 class DemandTracker:
@@ -48,6 +50,9 @@ class DemandTracker:
         self._scaled: dict[object, list[float]] = {}
         self._rankings = [_Ranking() for _ in windows] if ranked else []
         self._decay_at: tuple[float, list[float]] = (math.nan, [])
+        self.first: dict[object, float] = {}
+        self.last: dict[object, float] = {}
+        """Each key's first and last request."""
         self.version = 0
         """Moves with every record and discard, the only changes of the counts other than their decay with time: a
         reader may keep what it derived from the counts at one time until it moves."""
@@ -65,6 +70,8 @@ class DemandTracker:
             for ranking, o, n in zip(self._rankings, old or [None] * len(new), new):
                 ranking.move(key, o, n)
         self._scaled[key] = new
+        self.first.setdefault(key, now)
+        self.last[key] = now
 
     def counts(self, key, now: float) -> list[float]:
         scaled = self._scaled.get(key)
@@ -75,6 +82,18 @@ class DemandTracker:
     def count(self, key, now: float, window: int = 0) -> float:
         scaled = self._scaled.get(key)
         return 0.0 if scaled is None else scaled[window] * self._decay(now)[window]
+
+    def overdue(self, key, now: float, gaps: float) -> bool:
+        """Whether `key`'s requests stopped: no request for `gaps` times its mean gap between requests, as its
+        short-window count at its last request tells it over the time it has been seen (up to the window). The
+        count itself decays over minutes; a busy adapter that falls silent is overdue within seconds. A key with
+        fewer than two requests in the window has no gap to go by and is never overdue."""
+        last = self.last.get(key)
+        if last is None:
+            return False
+        window = self.windows[0]
+        at_last = self._scaled[key][0] * math.exp(-(last - self._landmark) / window)
+        return at_last >= 2.0 and now - last > gaps * min(window, last - self.first[key]) / (at_last - 1.0)
 
     def short(self, key, now: float) -> float:
         return self.count(key, now, 0)
@@ -102,6 +121,8 @@ class DemandTracker:
 
     def discard(self, key) -> None:
         old = self._scaled.pop(key, None)
+        self.first.pop(key, None)
+        self.last.pop(key, None)
         if old is not None:
             self.version += 1
             for ranking, o in zip(self._rankings, old):
@@ -183,6 +204,11 @@ class ScorePolicy:
     yields_for_s: float = 1.0
     """When a slot frees while requests of several adapters wait for one, a tier-A adapter's request takes it before
     those of adapters outside tier A that have waited less than this (the cache decides which wait)."""
+    overdue_gaps: float = 20.0
+    """An adapter silent for this many of its mean gaps between requests (over the 5-minute window) is no longer
+    counted as demanded: out of tier A, and scored without frequency. Its decayed count would keep it hot for many
+    minutes after its traffic stops, holding a slot and tier A from the adapters that took over (the cache reads
+    it)."""
     weighs_host_copies_by_use: bool = True
     """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its requests (the copy
     is only needed again once the adapter loses its slot); without it such copies simply go last."""
@@ -203,7 +229,8 @@ class ScorePolicy:
         if incoming is not None and not incoming.preferred:  # tier A is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
             candidates = [
-                c for c in candidates if not (c.preferred and now - c.loaded_at < residency and c.demand > demand)
+                c for c in candidates
+                if not (c.preferred and not c.restored and now - c.loaded_at < residency and c.demand > demand)
             ]
         if not candidates:
             return None
