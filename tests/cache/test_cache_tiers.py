@@ -154,6 +154,7 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
     tier_a = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
     assert tier_a[hot.key].demand > 18
     cache.max_gpu_preferred = 0  # the same adapter outside tier A
+    assert {a["name"]: a["warm"] for a in cache.state()["adapters"]} == {"hot": "B", "other": None}
     by_key = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
     assert by_key[hot.key].demand < 1.01  # activated once, however many requests its slot served
     assert by_key[hot.key].last_access == cache.entries[hot.key].loaded_at
@@ -285,6 +286,8 @@ def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_
     stale = {c.key: c for c in cache._host_candidates([k.key for k in old], now[0], by_use=False)}
     assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
     assert cache._cpu_preferred(now[0]) == {new[0].key, new[1].key}  # nor do they keep tier B's place
+    warm = {a["name"]: a["warm"] for a in cache.state()["adapters"]}  # as the admin state shows it
+    assert warm == {"old-0": None, "old-1": None, "new-0": "A", "new-1": "A"}
 
 
 def test_without_overdue_gaps_a_stale_count_keeps_tier_a():

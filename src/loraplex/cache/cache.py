@@ -140,6 +140,7 @@ class AdapterCache:
         now = self.clock()
         with self._lock:
             adapters = []
+            tier_a, tier_b = self._gpu_preferred(now), self._cpu_preferred(now)
             for key, e in self.entries.items():
                 adapters.append({
                     "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
@@ -148,6 +149,8 @@ class AdapterCache:
                     "pinned": e.pinned, "in_flight": e.refcount, "hits": e.hits, "loads": e.loads,
                     "evictions": e.evictions, "last_access_s_ago": round(now - e.last_access, 3),
                     "demand_5m": round(self.demand.short(key, now), 3),
+                    # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
+                    "warm": "A" if key in tier_a else "B" if key in tier_b else None,
                 })
             return {
                 "adapters": adapters,
