@@ -116,8 +116,7 @@ def _is_tensor_entry(info) -> bool:
 
 
 def _naturals(values) -> bool:
-    """A list of non-negative ints (bools excluded), checked in C calls: a header has hundreds of these lists."""
-    return isinstance(values, list) and set(map(type, values)) <= {int} and min(values, default=0) >= 0
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
 
 
 def _check_tiling(layout: SafetensorsLayout, name: str) -> None:

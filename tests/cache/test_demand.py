@@ -102,17 +102,23 @@ def test_version_moves_with_every_change_of_counts():
 
 def test_an_adapter_is_overdue_after_so_many_of_its_mean_gaps_without_a_request():
     demand = DemandTracker()
-    for i in range(600):  # 2 requests a second for 5 minutes: a short-window count near 600 (1 - 1/e) ≈ 380
+    for i in range(600):  # 2 requests a second for 5 minutes; the decayed count puts its mean gap near 0.8 s
         demand.record("busy", i / 2)
-    demand.record("rare", 0.0)
     last = 299.5
-    gap = DEMAND_WINDOWS_S[0] / demand.short("busy", last)  # the mean gap as the count tells it, under a second
-    assert 0.5 < gap < 1.0
-    assert not demand.overdue("busy", last + 10 * gap, gaps=20)
-    assert demand.overdue("busy", last + 25 * gap, gaps=20)
-    assert not demand.overdue("rare", last + 25 * gap, gaps=20)  # one request in 5 minutes: its gap is the window
-    assert not demand.overdue("never", last, gaps=20)
-    demand.record("busy", last + 30 * gap)  # a request ends it at once
-    assert not demand.overdue("busy", last + 31 * gap, gaps=20)
+    assert not demand.overdue("busy", last + 10, gaps=20)
+    assert demand.overdue("busy", last + 20, gaps=20)
+    demand.record("busy", last + 30)  # a request ends it at once
+    assert not demand.overdue("busy", last + 31, gaps=20)
     demand.discard("busy")
-    assert not demand.overdue("busy", last + 40 * gap, gaps=20)
+    assert not demand.overdue("busy", last + 100, gaps=20)
+
+
+def test_a_young_adapter_s_gap_comes_from_the_time_it_has_been_seen_and_a_single_request_has_none():
+    demand = DemandTracker()
+    for i in range(10):  # one request a second for 10 s: a count of 10, not 10 in 5 minutes
+        demand.record("young", 1000.0 + i)
+    demand.record("once", 1000.0)
+    assert not demand.overdue("young", 1009 + 15, gaps=20)
+    assert demand.overdue("young", 1009 + 25, gaps=20)  # 20 gaps of about a second, not of 30 s (300 s / 10)
+    assert not demand.overdue("once", 1000 + 10_000, gaps=20)
+    assert not demand.overdue("never", 1000, gaps=20)

@@ -384,6 +384,7 @@ class AdapterCache:
         self.on_event("load_stage", {"stage": "h2d", "seconds": seconds, "key": key})
         self.slots[slot] = key
         entry.loaded_at = now
+        entry.restored = False  # _restore_preferred marks its own activations
         self.activations.record(key, now)
         if entry.evicted_at is not None and now - entry.evicted_at < THRASH_WINDOW_S:
             self.reloads_after_eviction += 1
@@ -489,10 +490,9 @@ class AdapterCache:
         if memo is not None and memo[0] == inputs:
             return memo[1]
         chosen = self.demand.top(now, 0, 2.0, self.max_gpu_preferred)  # in rank order, as one by one
-        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
-        if gaps is not None and any(overdue(k, now, gaps) for k in chosen):  # the next ones take their places
+        if any(self._stopped(k, now) for k in chosen):  # the next ones take their places
             ranked = itertools.takewhile(lambda item: item[1] >= 2.0, self.demand.ranked(now, 0))
-            chosen = itertools.islice((k for k, _ in ranked if not overdue(k, now, gaps)), self.max_gpu_preferred)
+            chosen = itertools.islice((k for k, _ in ranked if not self._stopped(k, now)), self.max_gpu_preferred)
         chosen = set(chosen)
         self._preferred_memo["gpu"] = (inputs, chosen)
         return chosen
@@ -504,11 +504,10 @@ class AdapterCache:
         if memo is not None and memo[0] == inputs:
             return memo[1]
         chosen, used, entries, half = set(), 0, self.entries, self.cpu_bytes // 2
-        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
         for key, count in self.demand.ranked(now, 1):
             if count < 2.0:
                 break
-            if gaps is not None and overdue(key, now, gaps):
+            if self._stopped(key, now):
                 continue  # it was busy and stopped: the hour's count would keep it for many minutes
             nbytes = entries[key].nbytes
             if used + nbytes > half:
@@ -579,15 +578,17 @@ class AdapterCache:
                                  per_byte * e.nbytes, key in preferred, e.restored))
         return out
 
-    def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
-        """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped, with a
-        policy that sets `overdue_gaps`."""
-        demands = self.demand.shorts(keys, now)
+    def _stopped(self, key: AdapterKey, now: float) -> bool:
+        """Whether `key`'s requests stopped, for a policy that sets `overdue_gaps` (never for the others)."""
         gaps = getattr(self.policy, "overdue_gaps", None)
-        if gaps is None:
+        return gaps is not None and self.demand.overdue(key, now, gaps)
+
+    def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
+        """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped."""
+        demands = self.demand.shorts(keys, now)
+        if getattr(self.policy, "overdue_gaps", None) is None:
             return demands
-        overdue = self.demand.overdue
-        return [0.0 if d and overdue(k, now, gaps) else d for k, d in zip(keys, demands)]
+        return [0.0 if d and self._stopped(k, now) else d for k, d in zip(keys, demands)]
 
     def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
         """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is

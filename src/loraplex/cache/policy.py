@@ -206,7 +206,7 @@ class ScorePolicy:
     those of adapters outside tier A that have waited less than this (the cache decides which wait)."""
     overdue_gaps: float = 20.0
     """An adapter silent for this many of its mean gaps between requests (over the 5-minute window) is no longer
-    counted as demanded: out of tier A, and scored without frequency. Its decayed count would keep it hot for many
+    counted as demanded: out of tier A and tier B, and scored without frequency. Its decayed count would keep it hot for many
     minutes after its traffic stops, holding a slot and tier A from the adapters that took over (the cache reads
     it)."""
     weighs_host_copies_by_use: bool = True

@@ -60,12 +60,12 @@ def pack_adapter(spec: AdapterSpec, weights: bytearray | memoryview, dtype: torc
     in_place = layout.data_start % dtype.itemsize == 0 and all(
         TORCH_DTYPES[info["dtype"]] == dtype for info in layout.tensors.values()
     )
-    # in file order, so that the waits for the digest check move forward with it
-    modules = sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
     if in_place:
+        # in file order, so that the waits for the digest check move forward with it
+        modules = sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
         buffer, entries = raw[layout.data_start :].view(dtype), _pack_in_place(layout, modules, raw, dtype, hashed)
     else:
-        buffer, entries = _pack_converted(layout, spec.modules, modules, raw, dtype, pin)
+        buffer, entries = _pack_converted(layout, spec.modules, raw, dtype, pin)
     ranks = [0] * len(LINEAR_MODULES)
     for _, index, rank, _, _ in entries:
         ranks[index] = max(ranks[index], rank)
@@ -108,9 +108,8 @@ def _pack_module(m, layout, data: np.ndarray, bits, scratch: np.ndarray, scratch
     return m.layer, MODULE_INDEX[m.module], m.rank, layout.tensors[m.key_a]["data_offsets"][0] // size, begin_b // size
 
 
-def _pack_converted(layout, placed, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
-    """A new buffer in `dtype`, the modules placed in the order of `placed`: each A converted, each Bᵀ an exact
-    float32 product rounded once by the copy."""
+def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
+    """A new buffer in `dtype`: each A converted, each Bᵀ an exact float32 product rounded once by the copy."""
 
     def stored(key: str) -> torch.Tensor:
         info = layout.tensors[key]
@@ -121,7 +120,7 @@ def _pack_converted(layout, placed, modules, raw: torch.Tensor, dtype: torch.dty
         return data.view(TORCH_DTYPES[info["dtype"]]).view(info["shape"])
 
     numels = {key: math.prod(info["shape"]) for key, info in layout.tensors.items()}
-    keys = [key for m in placed for key in (m.key_a, m.key_b)]
+    keys = [key for m in modules for key in (m.key_a, m.key_b)]
     buffer = torch.empty(sum(numels[key] for key in keys), dtype=dtype, pin_memory=pin)
     offset_of = dict(zip(keys, itertools.accumulate((numels[key] for key in keys), initial=0)))
     entries = []
@@ -178,9 +177,9 @@ class LoRASlotPool:
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
         # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy has no bfloat16):
         # a small adapter is a hundred or so copies, and numpy's calls cost a tenth of torch's.
-        self._rows = (self.a, self.bt)
+        self._host_rows = None
         if self.buffer.device.type == "cpu":
-            self._rows = tuple([[_bits(t) for t in row] for row in rows] for rows in (self.a, self.bt))
+            self._host_rows = tuple([[_bits(t) for t in row] for row in rows] for rows in (self.a, self.bt))
 
     @property
     def slot_bytes(self) -> int:
@@ -188,11 +187,12 @@ class LoRASlotPool:
 
     def set_slot(self, slot: int, packed: PackedAdapter) -> None:
         self._zero_rows(slot, {(layer, index): rank for layer, index, rank, _, _ in packed.entries})
-        rows_a, rows_bt = self._rows
-        if rows_a is self.a:
-            staging, copy = packed.buffer.to(self.buffer.device, non_blocking=True), torch.Tensor.copy_
+        if self._host_rows is None:
+            (rows_a, rows_bt), copy = (self.a, self.bt), torch.Tensor.copy_
+            staging = packed.buffer.to(self.buffer.device, non_blocking=True)
         else:
-            staging, copy = _bits(packed.buffer), np.copyto
+            (rows_a, rows_bt), copy = self._host_rows, np.copyto
+            staging = _bits(packed.buffer)
         for layer, index, rank, off_a, off_b in packed.entries:
             a, bt = rows_a[layer][index], rows_bt[layer][index]
             copy(a[slot, :rank], staging[off_a : off_a + rank * a.shape[2]].reshape(rank, a.shape[2]))
@@ -210,7 +210,7 @@ class LoRASlotPool:
         are kept zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass
         over what the old adapter wrote instead of over the whole max-rank slot.
         """
-        rows_a, rows_bt = self._rows
+        rows_a, rows_bt = self._host_rows or (self.a, self.bt)
         for index, old_rank in enumerate(self.module_ranks[slot]):
             for layer in range(self.model.num_layers):
                 rank = kept.get((layer, index), 0)
