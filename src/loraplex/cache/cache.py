@@ -490,7 +490,8 @@ class AdapterCache:
         if memo is not None and memo[0] == inputs:
             return memo[1]
         chosen = self.demand.top(now, 0, 2.0, self.max_gpu_preferred)  # in rank order, as one by one
-        if any(self._stopped(k, now) for k in chosen):  # the next ones take their places
+        gaps = getattr(self.policy, "overdue_gaps", None)
+        if gaps is not None and self.demand.any_overdue(chosen, now, gaps):  # the next ones take their places
             ranked = itertools.takewhile(lambda item: item[1] >= 2.0, self.demand.ranked(now, 0))
             chosen = itertools.islice((k for k, _ in ranked if not self._stopped(k, now)), self.max_gpu_preferred)
         chosen = set(chosen)
@@ -585,10 +586,8 @@ class AdapterCache:
 
     def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
         """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped."""
-        demands = self.demand.shorts(keys, now)
-        if getattr(self.policy, "overdue_gaps", None) is None:
-            return demands
-        return [0.0 if d and self._stopped(k, now) else d for k, d in zip(keys, demands)]
+        gaps = getattr(self.policy, "overdue_gaps", None)
+        return self.demand.shorts(keys, now) if gaps is None else self.demand.shorts_live(keys, now, gaps)
 
     def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
         """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is

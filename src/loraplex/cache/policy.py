@@ -53,6 +53,9 @@ class DemandTracker:
         self.first: dict[object, float] = {}
         self.last: dict[object, float] = {}
         """Each key's first and last request."""
+        self._gap: dict[object, tuple[float, float, float]] = {}
+        """Per key with at least two requests in the short window, as of its last request: (last, span, count − 1),
+        its mean gap being span / (count − 1). Only a record changes it."""
         self.version = 0
         """Moves with every record and discard, the only changes of the counts other than their decay with time: a
         reader may keep what it derived from the counts at one time until it moves."""
@@ -70,8 +73,14 @@ class DemandTracker:
             for ranking, o, n in zip(self._rankings, old or [None] * len(new), new):
                 ranking.move(key, o, n)
         self._scaled[key] = new
-        self.first.setdefault(key, now)
+        first = self.first.setdefault(key, now)
         self.last[key] = now
+        window = self.windows[0]
+        at_last = new[0] * math.exp(-(now - self._landmark) / window)
+        if at_last >= 2.0:
+            self._gap[key] = (now, min(window, now - first), at_last - 1.0)
+        else:
+            self._gap.pop(key, None)
 
     def counts(self, key, now: float) -> list[float]:
         scaled = self._scaled.get(key)
@@ -88,12 +97,31 @@ class DemandTracker:
         short-window count at its last request tells it over the time it has been seen (up to the window). The
         count itself decays over minutes; a busy adapter that falls silent is overdue within seconds. A key with
         fewer than two requests in the window has no gap to go by and is never overdue."""
-        last = self.last.get(key)
-        if last is None:
-            return False
-        window = self.windows[0]
-        at_last = self._scaled[key][0] * math.exp(-(last - self._landmark) / window)
-        return at_last >= 2.0 and now - last > gaps * min(window, last - self.first[key]) / (at_last - 1.0)
+        gap = self._gap.get(key)  # kept by `record`: this is asked for many keys at every eviction
+        return gap is not None and now - gap[0] > gaps * gap[1] / gap[2]
+
+    def any_overdue(self, keys, now: float, gaps: float) -> bool:
+        """Whether any of `keys` is overdue (as `overdue`, in one call for many)."""
+        gap = self._gap
+        for key in keys:
+            g = gap.get(key)
+            if g is not None and now - g[0] > gaps * g[1] / g[2]:
+                return True
+        return False
+
+    def shorts_live(self, keys, now: float, gaps: float) -> list[float]:
+        """As `shorts`, with 0 for the keys that are overdue (their requests stopped)."""
+        decay, scaled, gap = self._decay(now)[0], self._scaled, self._gap
+        out = []
+        for key in keys:
+            s = scaled.get(key)
+            if s is None:
+                out.append(0.0)
+                continue
+            count = s[0] * decay
+            g = gap.get(key)
+            out.append(0.0 if count and g is not None and now - g[0] > gaps * g[1] / g[2] else count)
+        return out
 
     def short(self, key, now: float) -> float:
         return self.count(key, now, 0)
@@ -123,6 +151,7 @@ class DemandTracker:
         old = self._scaled.pop(key, None)
         self.first.pop(key, None)
         self.last.pop(key, None)
+        self._gap.pop(key, None)
         if old is not None:
             self.version += 1
             for ranking, o in zip(self._rankings, old):
