@@ -28,7 +28,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output
   echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-# Each step has a time limit; GPU_CHECKS picks steps (default: all), e.g. GPU_CHECKS="tests cache_policy".
+# Each step has a time limit; GPU_CHECKS picks steps (default: all but cache_shift), e.g. GPU_CHECKS="tests cache_policy".
 want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
 want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engine tests/cache \
   tests/test_lora_format.py tests/sim/test_engine_agreement.py
@@ -39,4 +39,7 @@ want adapter_load && step adapter_load 120 python3 bench/adapter_load.py --devic
   --json "$OUT/adapter_load.cuda.json"
 want cache_policy && step cache_policy 300 python3 bench/cache_policy.py --device cuda --seeds 2 --workloads hot-burst,no-burst \
   --control-policies score --json "$OUT/cache_policy.cuda.json"
+# Not in the default set (about as long again as cache_policy): the change of traffic after the seed scenario.
+[[ " ${GPU_CHECKS:-} " == *" cache_shift "* ]] && step cache_shift 420 python3 bench/cache_policy.py --device cuda \
+  --seeds 1 --workloads shift,shift-control --control-policies score --json "$OUT/cache_shift.cuda.json"
 grep -E "^== |passed|failed|FAILED|ERROR" "$LOG" | tail -n 40

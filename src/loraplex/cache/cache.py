@@ -505,10 +505,11 @@ class AdapterCache:
         if memo is not None and memo[0] == inputs:
             return memo[1]
         chosen, used, entries, half = set(), 0, self.entries, self.cpu_bytes // 2
+        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
         for key, count in self.demand.ranked(now, 1):
             if count < 2.0:
                 break
-            if self._stopped(key, now):
+            if gaps is not None and overdue(key, now, gaps):
                 continue  # it was busy and stopped: the hour's count would keep it for many minutes
             nbytes = entries[key].nbytes
             if used + nbytes > half:
