@@ -122,3 +122,33 @@ def test_a_young_adapter_s_gap_comes_from_the_time_it_has_been_seen_and_a_single
     assert demand.overdue("young", 1009 + 25, gaps=20)  # 20 gaps of about a second, not of 30 s (300 s / 10)
     assert not demand.overdue("once", 1000 + 10_000, gaps=20)
     assert not demand.overdue("never", 1000, gaps=20)
+
+
+def test_a_client_sending_batches_is_not_taken_as_stopped_between_them():
+    """32 requests at once every 10 s: a mean gap of a third of a second, but pauses of 10 s. The longest gap in the
+    window keeps it from being overdue between batches; once the batches stop, it is overdue after 3 pauses."""
+    demand, t = DemandTracker(), 0.0
+    for batch in range(30):
+        for i in range(32):
+            demand.record("batches", t + i * 0.001)
+        if batch >= 1:  # after its first pause, the longest gap is known
+            assert not any(demand.overdue("batches", t + s, gaps=20) for s in range(1, 10))
+        t += 10.0
+    last = t - 10.0 + 0.031
+    assert not demand.overdue("batches", last + 29, gaps=20)
+    assert demand.overdue("batches", last + 31, gaps=20)
+    assert demand.any_overdue(["batches"], last + 31, gaps=20)
+    assert demand.shorts_live(["batches"], last + 31, gaps=20) == [0.0]
+    assert demand.shorts_live(["batches"], last + 29, gaps=20) == demand.shorts(["batches"], last + 29)
+
+
+def test_the_longest_gap_is_the_longest_in_the_window_only():
+    demand = DemandTracker()
+    demand.record("k", 0.0)
+    demand.record("k", 100.0)  # a long pause, early on
+    for i in range(1, 800):  # then a request a second
+        demand.record("k", 100.0 + i)
+    last = 899.0
+    # The 100 s pause left the 5-minute window long ago: the rule goes by the mean gap (about 1 s) again.
+    assert demand.overdue("k", last + 25, gaps=20)
+    assert not demand.overdue("k", last + 15, gaps=20)

@@ -244,6 +244,8 @@ class AdapterCache:
                 del self.loading[key]
                 error = future.exception()
                 if error is not None:
+                    if key in self.entries:
+                        self.entries[key].prewarm_gpu = False  # a later load, for whatever reason, is not it
                     failed.append((key, error))
                     self.on_event("load_failed", {"error": type(error).__name__, "key": key, "exception": error})
                     continue
@@ -258,6 +260,12 @@ class AdapterCache:
                 for stage, seconds in loaded.stages.items():
                     self._measure(stage, seconds, entry.nbytes)
                 self._put_cpu(key, loaded.packed)  # load first, then evict: a failed load never evicted anything
+                if entry.pinned == "cpu" and self._cpu_pinned_bytes() > self.cpu_bytes:
+                    # Pinned before its bytes were known: kept as an ordinary host copy rather than overfill the tier.
+                    entry.pinned = None
+                    self.on_event("pin_refused", {"key": key, "tier": "cpu", "error": (
+                        f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would exceed "
+                        f"cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned")})
                 self._shrink_cpu(keep=key)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
                     self._activate(key, self.clock())
@@ -287,7 +295,7 @@ class AdapterCache:
                     f"cannot pin {ref.key} to gpu: {len(pinned)} of {len(self.slots)} slots are pinned and one "
                     "must stay free for other adapters"
                 )
-            if tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes:
+            if tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes:  # 0 if never loaded
                 raise CapacityExceeded(f"cannot pin {ref.key} to cpu: pinned adapters would exceed cpu_cache_bytes")
             if tier == "cpu" and self.max_cpu_loras is not None and len(pinned) + 1 > self.max_cpu_loras - 1:
                 raise CapacityExceeded(
@@ -311,7 +319,8 @@ class AdapterCache:
                 entry.prewarm_gpu = True
             if ref.key in self.cpu:
                 if tier == "gpu" and self.slot_of(ref.key) is None:
-                    self._activate(ref.key, self.clock())
+                    self._activate(ref.key, self.clock())  # no slot free or freeable: it stays in cpu
+                entry.prewarm_gpu = False
                 return
             self._start_load(ref)
 
@@ -328,11 +337,13 @@ class AdapterCache:
                 self._clear(slot, self.clock())
             self._drop_cpu(key)
             entry.pinned = None
+            entry.prewarm_gpu = False  # a load in progress still lands in cpu, not in a slot
 
     def forget(self, key: AdapterKey) -> None:
-        """Evict and drop all bookkeeping of a key (an unloaded adapter)."""
-        self.evict(key)
+        """Evict and drop all bookkeeping of a key (an unloaded adapter), in one step: the step loop must not take
+        the adapter between the two."""
         with self._lock:
+            self.evict(key)
             self.entries.pop(key, None)
             self._nbytes_version += 1
             self.demand.discard(key)
@@ -485,7 +496,8 @@ class AdapterCache:
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier A: the adapters with the most short-window demand, up to the cap. The set is kept until the counts
         or the time change, and shared: callers must not change it."""
-        inputs = (now, self.demand, self.demand.version, self.max_gpu_preferred)
+        inputs = (now, self.demand, self.demand.version, self.max_gpu_preferred,
+                  getattr(self.policy, "overdue_gaps", None))
         memo = self._preferred_memo.get("gpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
@@ -500,7 +512,8 @@ class AdapterCache:
 
     def _cpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier B: adapters with demand over the last hour, up to half the cpu budget (kept and shared as tier A)."""
-        inputs = (now, self.demand, self.demand.version, self._nbytes_version, self.cpu_bytes)
+        inputs = (now, self.demand, self.demand.version, self._nbytes_version, self.cpu_bytes,
+                  getattr(self.policy, "overdue_gaps", None))
         memo = self._preferred_memo.get("cpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
@@ -554,6 +567,9 @@ class AdapterCache:
                 return
             self._drop_cpu(victim)
             self.on_event("eviction", {"tier": "cpu"})
+
+    def _cpu_pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values() if e.pinned == "cpu")
 
     def _cpu_over(self) -> bool:
         return self.cpu_bytes_used > self.cpu_bytes or (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+from collections import deque
 from dataclasses import dataclass
 
 # Decayed request counts stand in for rolling windows of 5 minutes, 1 hour and 24 hours.
@@ -43,6 +44,9 @@ class DemandTracker:
 
     REBASE_AFTER = 200.0
     """Move the landmark once the shortest window's growth reaches e^200 (after ~17 h with 5 minutes)."""
+    LONGEST_GAPS = 3.0
+    """`overdue` also waits this many times a key's longest gap between requests in the short window: requests that
+    come in batches have a mean gap far shorter than the pauses between the batches."""
 
     def __init__(self, windows: tuple[float, ...] = DEMAND_WINDOWS_S, ranked: bool = True):
         self.windows = windows
@@ -53,9 +57,12 @@ class DemandTracker:
         self.first: dict[object, float] = {}
         self.last: dict[object, float] = {}
         """Each key's first and last request."""
-        self._gap: dict[object, tuple[float, float, float]] = {}
-        """Per key with at least two requests in the short window, as of its last request: (last, span, count − 1),
-        its mean gap being span / (count − 1). Only a record changes it."""
+        self._gap: dict[object, tuple[float, float, float, float]] = {}
+        """Per key with at least two requests in the short window, as of its last request: (last, span, count − 1,
+        longest gap), its mean gap being span / (count − 1). Only a record changes it."""
+        self._gaps: dict[object, deque[tuple[float, float]]] = {}
+        """Per key, (time, gap) of the gaps between its requests within the short window before its last one, each
+        longer than every later one: the longest is the first."""
         self.version = 0
         """Moves with every record and discard, the only changes of the counts other than their decay with time: a
         reader may keep what it derived from the counts at one time until it moves."""
@@ -74,11 +81,21 @@ class DemandTracker:
                 ranking.move(key, o, n)
         self._scaled[key] = new
         first = self.first.setdefault(key, now)
+        previous = self.last.get(key)
         self.last[key] = now
         window = self.windows[0]
+        longest = 0.0
+        if previous is not None:
+            recent, gap = self._gaps.setdefault(key, deque()), now - previous
+            while recent and recent[-1][1] <= gap:
+                recent.pop()  # shorter than this one and older: never the longest again
+            recent.append((now, gap))
+            while recent[0][0] < now - window:
+                recent.popleft()
+            longest = recent[0][1]
         at_last = new[0] * math.exp(-(now - self._landmark) / window)
         if at_last >= 2.0:
-            self._gap[key] = (now, min(window, now - first), at_last - 1.0)
+            self._gap[key] = (now, min(window, now - first), at_last - 1.0, longest)
         else:
             self._gap.pop(key, None)
 
@@ -94,18 +111,20 @@ class DemandTracker:
 
     def overdue(self, key, now: float, gaps: float) -> bool:
         """Whether `key`'s requests stopped: no request for `gaps` times its mean gap between requests, as its
-        short-window count at its last request tells it over the time it has been seen (up to the window). The
-        count itself decays over minutes; a busy adapter that falls silent is overdue within seconds. A key with
-        fewer than two requests in the window has no gap to go by and is never overdue."""
-        gap = self._gap.get(key)  # kept by `record`: this is asked for many keys at every eviction
-        return gap is not None and now - gap[0] > gaps * gap[1] / gap[2]
+        short-window count at its last request tells it over the time it has been seen (up to the window), nor for
+        `LONGEST_GAPS` times the longest gap between its requests in the window (so that a client sending batches
+        is not taken as stopped between them). The count itself decays over minutes; a busy adapter that falls
+        silent is overdue within seconds. A key with fewer than two requests in the window has no gap to go by and
+        is never overdue."""
+        g = self._gap.get(key)  # kept by `record`: this is asked for many keys at every eviction
+        return g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]
 
     def any_overdue(self, keys, now: float, gaps: float) -> bool:
         """Whether any of `keys` is overdue (as `overdue`, in one call for many)."""
         gap = self._gap
         for key in keys:
             g = gap.get(key)
-            if g is not None and now - g[0] > gaps * g[1] / g[2]:
+            if g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]:
                 return True
         return False
 
@@ -120,7 +139,8 @@ class DemandTracker:
                 continue
             count = s[0] * decay
             g = gap.get(key)
-            out.append(0.0 if count and g is not None and now - g[0] > gaps * g[1] / g[2] else count)
+            stopped = g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]
+            out.append(0.0 if count and stopped else count)
         return out
 
     def short(self, key, now: float) -> float:
@@ -152,6 +172,7 @@ class DemandTracker:
         self.first.pop(key, None)
         self.last.pop(key, None)
         self._gap.pop(key, None)
+        self._gaps.pop(key, None)
         if old is not None:
             self.version += 1
             for ranking, o in zip(self._rankings, old):

@@ -218,6 +218,8 @@ class Server:
             stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
         if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
             self.quarantine_corrupt(fields["key"], fields["exception"])
+        if kind == "pin_refused":
+            log.warning("%s", fields["error"])
 
     def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
         """A revision whose bytes fail their digest is never served again; its traffic returns to the stable."""
