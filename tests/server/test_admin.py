@@ -178,3 +178,25 @@ def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running,
         assert response.headers["x-loraplex-adapter"] == "fragile@r1"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="fragile@r2", prompt="hello", max_tokens=2)
+
+
+def test_a_cpu_pin_the_budget_cannot_hold_is_refused_once_its_size_is_known(start):
+    """An adapter never loaded has no known size, so the pin waits for its load and answers then: 409, the pin
+    undone, the registry not marked; the adapter still serves."""
+    with start(engine={"cpu_cache_bytes": 1}) as running:
+        response = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "cpu"})
+        assert response.status_code == 409, response.text
+        error = response.json()["error"]
+        assert error["code"] == "capacity_exceeded" and "cpu_cache_bytes" in error["message"]
+        assert _entry(running, "alice-a")["pinned"] is None
+        assert not running.registry.show("alice-a").pinned
+        done = running.client().completions.create(model="alice-a", prompt="x", max_tokens=2)
+        assert done.choices[0].text is not None
+
+
+def test_a_cpu_pin_that_fits_answers_after_its_load(running):
+    response = running.admin("POST", "/admin/adapters/bob-a/pin", json={"tier": "cpu"})
+    assert response.status_code == 200, response.text
+    assert response.json()["loading"] == []
+    assert _entry(running, "bob-a")["pinned"] == "cpu" and _tier(running, "bob-a") in ("cpu", "gpu")
+    assert running.admin("POST", "/admin/adapters/bob-a/unpin").status_code == 200

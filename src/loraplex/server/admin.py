@@ -216,13 +216,35 @@ def _resident_keys(server: Server, name: str, revision: str | None = None) -> li
     ]
 
 
+PIN_LOAD_WAIT_S = 30.0
+
+
 async def pin(name: str, body: TierBody, request: Request) -> dict:
     server = _server(request)
     records = await _records(server, name, body.revision)
-    for record in records:
-        server.engine.adapters.pin(server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier)
+    cache = server.engine.adapters
+    refs = [server.resolver.ref_for(record, record.owner_tenant or "default") for record in records]
+    before = {r.key: getattr(cache.entries.get(r.key), "pinned", None) for r in refs}
+    for ref in refs:
+        cache.pin(ref, body.tier)  # CapacityExceeded → 409
+    pending = []
+    if body.tier == "cpu":
+        # An adapter never loaded has no known size: its cpu pin is checked when the load lands. Wait for that, so
+        # that a pin the budget cannot hold is refused here rather than dropped later with only a log line.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PIN_LOAD_WAIT_S
+        while any(r.key in cache.loading for r in refs) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        refused = [r for r in refs if r.key not in cache.loading and cache.entries[r.key].pinned != "cpu"]
+        if refused:
+            for ref in refs:
+                if before[ref.key] != "cpu":  # this call's pins only
+                    cache.unpin(ref.key)
+            raise APIError(409, f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
+                                "adapters would exceed cpu_cache_bytes", "capacity_exceeded")
+        pending = [str(r.key) for r in refs if r.key in cache.loading]
     await run_in_threadpool(server.registry.pin, name)
-    return {"pinned": [r.model_id for r in records], "tier": body.tier}
+    return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 
 async def unpin(name: str, request: Request) -> dict:
