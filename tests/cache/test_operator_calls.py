@@ -7,24 +7,7 @@ from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import ScorePolicy
-
-MiB = 2**20
-
-
-class Packed:
-    def __init__(self, nbytes):
-        self.nbytes = nbytes
-
-
-class Pool:
-    def __init__(self, num_slots):
-        self.num_slots = num_slots
-
-    def set_slot(self, slot, packed):
-        return 0.001
-
-    def clear_slot(self, slot):
-        pass
+from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
 
 class Deferred:
