@@ -215,7 +215,7 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
     dtypes = set()
     actual = 0
     for key, info in header.items():
-        match = _KEY.match(key)
+        match = _KEY.fullmatch(key)
         if match is None:
             what = "embedding or lm_head LoRA" if ("embed" in key or "lm_head" in key) else "an unexpected tensor"
             raise AdapterRejected("weights", f"{key} is {what}; only LoRA A/B of decoder linear layers are supported")

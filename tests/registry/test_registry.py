@@ -339,3 +339,13 @@ def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adap
         inside = {rev for start, end, rev in seen if start >= done and end <= next_start}
         assert inside == {serving}, (serving, inside)
     assert {rev for _, _, rev in seen} == {"r1", "r2"}
+
+
+def test_names_and_revisions_are_matched_whole(registry, adapter_v1):
+    """A trailing newline would pass a pattern ending in `$` and then break the response header that names it."""
+    with pytest.raises(AdapterRejected, match="must match"):
+        registry.add_revision(adapter_v1, "chat\n")
+    with pytest.raises(AdapterRejected, match="must match"):
+        registry.add_revision(adapter_v1, "chat", revision="r1\n")
+    with pytest.raises(AdapterNotFound):
+        registry.resolve("anyone", "chat\n")

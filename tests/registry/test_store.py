@@ -23,7 +23,7 @@ from loraplex.registry import (
     serve_store,
 )
 from loraplex.registry import store as store_module
-from loraplex.registry.store import read_artifact
+from loraplex.registry.store import is_artifact_name, read_artifact
 
 
 def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
@@ -156,7 +156,7 @@ def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path):
 
 def test_digests_never_become_paths(tmp_path):
     store = ArtifactStore(tmp_path / "store")
-    for bad in ("sha256:../../etc", "../x", "sha256:" + "A" * 64, "md5:" + "0" * 32):
+    for bad in ("sha256:../../etc", "../x", "sha256:" + "A" * 64, "md5:" + "0" * 32, "sha256:" + "0" * 64 + "\n"):
         with pytest.raises(UnsafeLocation, match="is not a digest"):
             store.get(bad)
 
@@ -313,3 +313,9 @@ def test_s3_fetch_with_a_client(tmp_path):
     other = "sha256:" + "2" * 64
     with pytest.raises(ArtifactUnavailable, match="NoSuchKey"):
         fetch_artifact(f"s3://bucket/loras/{'2' * 64}", other, local, allowed, s3_client=FakeS3(objects))
+
+
+def test_artifact_names_are_matched_whole():
+    assert is_artifact_name("adapter_model.safetensors") and is_artifact_name("adapter_config.json")
+    for bad in ("adapter_model.safetensors\n", "adapter_config.json\n", "../adapter_model.safetensors", "x.bin"):
+        assert not is_artifact_name(bad)

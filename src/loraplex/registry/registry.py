@@ -274,7 +274,7 @@ class Registry:
         exactly the same AdapterNotFound as a name that does not exist.
         """
         name, _, revision = model.partition("@")
-        snapshot = self._snapshot(name) if NAME_RE.match(name) else None
+        snapshot = self._snapshot(name) if NAME_RE.fullmatch(name) else None
         if snapshot is None or not q.may_use(snapshot.adapter, snapshot.grants, tenant):
             raise AdapterNotFound(model)
         if revision:
@@ -548,7 +548,7 @@ class Registry:
 
     def add_tenant(self, name: str, priority: int = 0) -> TenantRecord:
         """Create a tenant, or set the priority of an existing one."""
-        if not TENANT_RE.match(name):
+        if not TENANT_RE.fullmatch(name):
             raise RegistryError(f"tenant name {name!r} must match {TENANT_RE.pattern}")
         with self._write() as session:
             tenant = session.get(Tenant, name)
@@ -689,9 +689,9 @@ class _Snapshot:
 
 
 def _check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise AdapterRejected("name", f"{name!r} must match {NAME_RE.pattern}")
-    if revision is not None and not REVISION_RE.match(revision):
+    if revision is not None and not REVISION_RE.fullmatch(revision):
         raise AdapterRejected("revision", f"{revision!r} must match {REVISION_RE.pattern}")
     if warm_policy is not None and warm_policy not in WARM_POLICIES:
         raise AdapterRejected("warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}")

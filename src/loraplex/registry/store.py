@@ -47,13 +47,13 @@ _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
 
 def check_digest(digest: str) -> str:
     """The digest itself, or UnsafeLocation when it is not `sha256:` and 64 lowercase hex digits."""
-    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise UnsafeLocation(f"{digest!r} is not a digest (expected sha256:<64 hex digits>)")
     return digest
 
 
 def is_artifact_name(name: str) -> bool:
-    return bool(ARTIFACT_NAME_RE.match(name)) and ".." not in name
+    return bool(ARTIFACT_NAME_RE.fullmatch(name)) and ".." not in name
 
 
 def artifact_files(directory: Path) -> list[str]:

@@ -54,6 +54,14 @@ def _error(status: int, message: str, code: str, type_: str = "invalid_request_e
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+async def _json_object(request: Request) -> dict | None:
+    try:
+        body = await request.json()
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def create_router_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
@@ -76,7 +84,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     def admin_ok(request: Request) -> bool:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        return bool(config.admin_token) and secrets.compare_digest(given, config.admin_token)
+        # bytes: compare_digest refuses str with non-ASCII characters (a 500 for a header anyone can send)
+        return bool(config.admin_token) and secrets.compare_digest(given.encode(), config.admin_token.encode())
 
     async def forward(request: Request, path: str):
         body = await request.body()
@@ -183,7 +192,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def add_worker(request: Request):
         if not admin_ok(request):
             return _error(401, "admin token required", "unauthorized", "authentication_error")
-        url = (await request.json()).get("url", "")
+        body = await _json_object(request)
+        if body is None:
+            return _error(400, "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}", "invalid_json")
+        url = body.get("url", "")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
         fleet.add(url)
@@ -194,7 +206,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def remove_worker(request: Request):
         if not admin_ok(request):
             return _error(401, "admin token required", "unauthorized", "authentication_error")
-        url = (await request.json()).get("url", "")
+        body = await _json_object(request)
+        if body is None:
+            return _error(400, "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}", "invalid_json")
+        url = body.get("url", "")
         if not fleet.remove(str(url)):
             return _error(404, f"no worker {url}", "not_found")
         return {"removed": url}

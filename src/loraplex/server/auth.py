@@ -32,7 +32,7 @@ def read_key_pairs(path: str | Path) -> list[tuple[str, str]]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not _TENANT_RE.match(parts[0]):
+        if len(parts) != 2 or not _TENANT_RE.fullmatch(parts[0]):
             raise ValueError(f"{path} line {number}: expected `TENANT KEY`")
         if len(parts[1]) < 16:
             raise ValueError(f"{path} line {number}: the key is shorter than 16 characters")

@@ -91,6 +91,6 @@ def _request_id(scope, ids: random.Random) -> str:
     for name, value in scope.get("headers", ()):
         if name == b"x-request-id":
             text = value.decode("latin-1")
-            if _REQUEST_ID_RE.match(text):
+            if _REQUEST_ID_RE.fullmatch(text):
                 return text
     return f"{ids.getrandbits(128):032x}"
