@@ -31,6 +31,27 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
         assert leaver[0]["status"] == 499 and leaver[0]["completion_tokens"] < 4000
 
 
+def test_two_requests_with_the_same_x_request_id_each_get_their_own_answer(start):
+    """A client retrying with the same id (or two clients choosing one) must not cross streams: the engine's ids are
+    the server's own; the client's id names both responses."""
+    with start() as running:
+        headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "retry-1"}
+        long = {"model": "shared-a", "prompt": "hello", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        short = {"model": "shared-a", "prompt": "hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+        async def both():
+            async with httpx.AsyncClient(base_url=running.url, headers=headers, timeout=60) as client:
+                first = asyncio.ensure_future(client.post("/v1/completions", json=long))
+                await asyncio.sleep(0.05)
+                return await asyncio.gather(first, client.post("/v1/completions", json=short))
+
+        answers = asyncio.run(both())
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.json()["usage"]["completion_tokens"] for a in answers] == [120, 2]
+        assert all(a.headers["x-request-id"] == "retry-1" and a.json()["id"].endswith("retry-1") for a in answers)
+        running.wait_for(lambda: _adapter(running.state(), "shared-a")["in_flight"] == 0, what="the references")
+
+
 def _audit(running) -> list[dict]:
     return [json.loads(line) for line in (running.tmp / "audit.jsonl").read_text().splitlines()]
 

@@ -51,6 +51,8 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs as the request advances; leaving the loop early (a client gone) aborts it at once."""
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:  # its outputs and aborts would reach the other request
+            raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -50,7 +51,9 @@ class Generation:
         self.params = params
         self.ticket = ticket
         self.choices = [ChoiceState(i) for i in range(len(prompts))]
-        ids = [ctx.request_id if len(prompts) == 1 else f"{ctx.request_id}-{i}" for i in range(len(prompts))]
+        # The engine's ids are ours: the client's x-request-id names the response and the audit line, but two clients
+        # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
+        ids = [uuid.uuid4().hex for _ in prompts]
         self._ids = ids
         self._streams = [engine.generate(p, params, target.ref, rid) for p, rid in zip(prompts, ids)]
         self._firsts: list[RequestOutput] = []
