@@ -1,5 +1,7 @@
 """The cache inside the real engine: remote store over real HTTP, corrupted artifacts, the seed scenario."""
 
+import shutil
+
 import pytest
 
 from loraplex.cache.errors import AdapterUnavailable
@@ -149,3 +151,56 @@ def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(ll
     assert gc.get_freeze_count() > 10_000  # the model and the libraries: a full collection skips them
     engine.close()
     assert gc.get_freeze_count() == 0
+
+
+def _engine(llama_dir, **kw):
+    args = dict(model_dir=llama_dir, dtype="float32", max_loras=2, kv_cache_bytes=2 * 2**20, max_lora_rank=16)
+    return LLMEngine(EngineConfig(**{**args, **kw}))
+
+
+def _run(engine):
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    return outputs
+
+
+def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(llama_dir, llama_adapters, tmp_path):
+    """A sits in a slot with its host copy gone; an operator's cpu prewarm of A fails on a broken file. A request for
+    A waiting at that step is served from the slot, not failed with the load."""
+    engine = _engine(llama_dir, max_cpu_loras=1)
+    a_dir = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "a")
+    a, b = engine.adapter_ref("a", a_dir), engine.adapter_ref("b", llama_adapters["mlp-r4"])
+    two = SamplingParams(max_tokens=2, temperature=0)
+    engine.generate([[3, 4, 5]], two, [a])
+    engine.generate([[3, 4, 5]], two, [b])
+    cache = engine.adapters
+    assert a.key in cache.slots and a.key not in cache.cpu  # one host copy: b's
+    (a_dir / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    cache.prewarm(a, "cpu")
+    assert isinstance(cache.loading[a.key].exception(), Exception)  # failed, not yet taken in
+    engine.add_request([3, 4, 5], two, a, "r1")
+    outputs = _run(engine)
+    assert [(o.request_id, o.error) for o in outputs if o.finished] == [("r1", None)]
+    assert next(o for o in outputs if o.finished).num_output_tokens == 2
+
+
+def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(llama_dir, llama_adapters, tmp_path):
+    """The step took the failed load's requests off the books, then the forward pass raised: fail_all (what the
+    async loop calls) must answer them too, or their clients wait forever."""
+    engine = _engine(llama_dir)
+    bad_dir = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "bad")
+    bad = engine.adapter_ref("bad", bad_dir, digest="sha256:" + "1" * 64)
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), None, "base")
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0), bad, "cold")
+    engine.step()  # admits base, starts bad's load
+    engine.adapters.loading[bad.key].exception()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device error (simulated)")
+
+    engine.runner.run = broken
+    with pytest.raises(RuntimeError):
+        engine.step()
+    answered = {o.request_id: type(o.error).__name__ for o in engine.fail_all(RuntimeError("step failed"))}
+    assert answered == {"cold": "ArtifactCorrupt", "base": "RuntimeError"}

@@ -145,13 +145,17 @@ class LLMEngine:
         self._take_inbox()
         self._fail_unavailable(self.adapters.poll())
         outputs, self._failed = self._failed, []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
-        seqs, logits = self.runner.run(batch)
-        tokens, logprobs = sample(logits, seqs, self.eos_ids)
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            outputs.append(self._append(seq, token, logprob))
+        try:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            seqs, logits = self.runner.run(batch)
+            tokens, logprobs = sample(logits, seqs, self.eos_ids)
+            for seq, token, logprob in zip(seqs, tokens, logprobs):
+                outputs.append(self._append(seq, token, logprob))
+        except BaseException:
+            self._failed = outputs + self._failed  # already taken off the books: fail_all delivers them
+            raise
         return outputs
 
     def _take_inbox(self) -> None:
@@ -166,8 +170,11 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
 
     def _fail_unavailable(self, failures: list[tuple[AdapterKey, Exception]]) -> None:
-        """A failed load fails only the requests waiting for that adapter."""
+        """A failed load fails only the requests waiting for that adapter, and not those that its resident copy can
+        still serve (a prewarm reloading the host copy of an adapter in a slot, say)."""
         for key, error in failures:
+            if self.adapters.slot_of(key) is not None or key in self.adapters.cpu:
+                continue
             for seq in [s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key]:
                 self.scheduler.finish(seq, "error")
                 self.requests.pop(seq.request_id, None)
@@ -176,7 +183,7 @@ class LLMEngine:
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every request with the error (after a failed step) so that no client waits forever."""
         self._take_inbox()
-        outputs = []
+        outputs, self._failed = self._failed, []
         for seq in list(self.requests.values()):
             self.scheduler.finish(seq, "error")
             outputs.append(self._output(seq, [], "", [], error=error))
