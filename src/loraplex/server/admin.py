@@ -9,9 +9,10 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from loraplex.cache.errors import AdapterInFlight
@@ -75,10 +76,20 @@ class UnloadLoraBody(BaseModel):
 
 
 def router(token: str) -> APIRouter:
-    def require_admin(request: Request) -> None:
-        check_admin(request.headers.get("authorization"), token)
+    class AdminRoute(APIRoute):
+        """Checks the admin token before anything else: FastAPI reads and parses a route's body before it runs the
+        route's dependencies, so a check there let anyone make the server buffer a body of any size."""
 
-    r = APIRouter(dependencies=[Depends(require_admin)])
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request):
+                check_admin(request.headers.get("authorization"), token)
+                return await handler(request)
+
+            return guarded
+
+    r = APIRouter(route_class=AdminRoute)
     r.add_api_route("/admin/state", state, methods=["GET"])
     r.add_api_route("/admin/adapters", register, methods=["POST"])
     r.add_api_route("/admin/adapters", list_adapters, methods=["GET"])
