@@ -214,6 +214,7 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
             client.completions.create(model="broken", prompt="x", max_tokens=2)
         assert failed.value.status_code == 503 and failed.value.body["code"] == "adapter_unavailable"
         assert "digest" in failed.value.message
+        assert str(running.tmp) not in failed.value.message and "/" not in failed.value.message  # no server paths
         # The revision is quarantined: never served again, and with no other revision the name is gone.
         running.wait_for(lambda: running.registry.show("broken").revisions[0].status == "quarantined",
                          what="quarantine")

@@ -376,9 +376,11 @@ class AdapterCache:
         except AdapterUnavailable:
             raise
         except DigestMismatch as exc:
-            raise ArtifactCorrupt(f"adapter {ref.key}: {exc}") from exc
+            raise ArtifactCorrupt(f"adapter {ref.key}: {exc}",
+                                  f"adapter {ref.key} failed its digest check and is not served") from exc
         except (RegistryError, OSError, ValueError) as exc:
-            raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {exc}") from exc
+            raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {exc}",
+                                     f"adapter {ref.key} could not be loaded; try again later") from exc
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
         return Loaded(packed, source, stages)

@@ -2,7 +2,12 @@
 
 
 class AdapterUnavailable(RuntimeError):
-    """The adapter could not be made resident (bad file, digest mismatch, store down); the message says why."""
+    """The adapter could not be made resident (bad file, digest mismatch, store down); the message says why, for
+    the log. `public` is what a client is told: the cause's details (paths, URLs) are the operator's, not a tenant's."""
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = public or message
 
 
 class AdapterInFlight(RuntimeError):

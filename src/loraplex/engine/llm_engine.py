@@ -107,7 +107,8 @@ class LLMEngine:
         try:
             spec = adapter_from_files(files, self.model_config, self.config.max_lora_rank)
         except AdapterRejected as exc:
-            raise AdapterUnavailable(f"adapter files are not servable: {exc}") from exc
+            raise AdapterUnavailable(f"adapter files are not servable: {exc}",
+                                     f"adapter files are not servable on this model ({exc.field})") from exc
         return pack_adapter(spec, files[WEIGHTS_FILE], self.dtype, pin=self.device.type == "cuda",
                             hashed=lambda end: hashed(WEIGHTS_FILE, end))
 

@@ -216,6 +216,8 @@ class Server:
         if kind == "load_stage" and fields.get("key") is not None:
             stages = self.load_stages.setdefault(str(fields["key"]), {})
             stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
+        if kind == "load_failed":
+            log.warning("load of %s failed: %s", fields["key"], fields["exception"])
         if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
             self.quarantine_corrupt(fields["key"], fields["exception"])
         if kind == "pin_refused":

@@ -81,7 +81,9 @@ def as_api_error(exc: Exception) -> APIError | None:
             return not_found(exc.model)
         case RevisionUnavailable():
             return APIError(404, str(exc), "model_not_available", "model")
-        case AdapterUnavailable() | ArtifactUnavailable() | DigestMismatch():
+        case AdapterUnavailable():
+            return APIError(503, exc.public, "adapter_unavailable")  # the cause is in the server log
+        case ArtifactUnavailable() | DigestMismatch():
             return APIError(503, str(exc), "adapter_unavailable")
         case UnsafeLocation():
             return APIError(400, str(exc), "location_not_allowed")
