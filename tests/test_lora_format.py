@@ -77,3 +77,20 @@ def test_files_in_memory_without_weights_or_config_are_refused(llama_dir, llama_
     with pytest.raises(AdapterRejected, match=f"missing {missing}") as refused:
         adapter_from_files(files, ModelConfig.from_dir(llama_dir), 16)
     assert refused.value.field == field
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"lora_alpha": "16"}, "lora_alpha"),
+    ({"r": None}, "r"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern"),
+    ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern"),
+    ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
+])
+def test_config_values_of_the_wrong_kind_are_refused_naming_the_field(llama_dir, llama_adapters, change, field):
+    """Not a TypeError, AttributeError or re.error from deep inside (a 500, or a traceback at start-up)."""
+    cfg = ModelConfig.from_dir(llama_dir)
+    files = files_of(llama_adapters["attn-r8"])
+    files[CONFIG_FILE] = json.dumps({**json.loads(files[CONFIG_FILE]), **change}).encode()
+    with pytest.raises(AdapterRejected) as refused:
+        adapter_from_files(files, cfg, 16)
+    assert refused.value.field == field
