@@ -156,9 +156,14 @@ def test_vllm_load_and_unload_with_drain(start, adapter_variants):
         assert unloaded["r"].status_code == 200, unloaded["r"].text
         assert "dyn" not in [m.id for m in running.client().models.list()]
         assert _entry(running, "dyn") is None
+        revision = running.registry.show("dyn").revisions[0].revision
+        with pytest.raises(openai.NotFoundError):  # gone by revision too, as vLLM's unload means
+            running.client().completions.create(model=f"dyn@{revision}", prompt="x", max_tokens=1)
+        assert _entry(running, "dyn") is None
         again = running.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn"})
         assert again.status_code == 404
         assert running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 200  # loads again
+        assert running.client().completions.create(model="dyn", prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 
 def test_admin_api_on_its_own_port(start):

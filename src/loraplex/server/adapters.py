@@ -33,6 +33,7 @@ class AdapterResolver:
         self.base = Target(None, served_name, base_model_digest)
         self.in_flight: Counter[str] = Counter()  # requests per adapter name, on the event loop thread
         self.draining: set[str] = set()
+        self.unloaded: set[str] = set()  # names vLLM's unload retired here: their deprecated revisions are gone too
         self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
@@ -42,6 +43,8 @@ class AdapterResolver:
         if model.partition("@")[0] in self.draining:
             raise not_found(model)
         record = self.registry.resolve(tenant, model, user)
+        if record.status == "deprecated" and record.name in self.unloaded:
+            raise not_found(model)  # the registry still answers name@revision for a retired name; vLLM's unload does not
         if record.base_model_digest and record.base_model_digest != self.base_model_digest:
             raise APIError(404, f"{record.model_id} was registered for base model {record.base_model}, "
                            f"not the one this server runs ({self.served_name})", "model_not_available", "model")

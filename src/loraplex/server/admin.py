@@ -336,6 +336,7 @@ async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTe
             raise AdapterInFlight(f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
                                   "it stays loaded, retry the unload")
         await run_in_threadpool(server.registry.deprecate, name)
+        server.resolver.unloaded.add(name)
         for key in _resident_keys(server, name):
             await _forget(server, key)
     finally:
