@@ -55,6 +55,7 @@ def test_cache_series_follow_the_adapter_loads(served):
     assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 1
     assert _value(s, "loraplex_adapter_cache_misses_total") == 0
     assert _value(s, "loraplex_cold_starts_total") == 1
+    assert _value(s, "loraplex_adapter_resolve_seconds_count") == 2  # each adapter request's name → revision → key
     assert _value(s, "loraplex_adapter_disk_load_seconds_count") == 1
     assert _value(s, "loraplex_adapter_activation_seconds_count") == 1
     assert _value(s, "loraplex_adapter_resident_count", tier="gpu") == 1

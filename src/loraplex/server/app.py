@@ -129,6 +129,7 @@ class Server:
 
     # -- request steps ---------------------------------------------------------------------------
     def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+        start = time.perf_counter()
         try:
             target = self.resolver.resolve(ctx.tenant, model, user)
         except AdapterNotFound:
@@ -138,6 +139,8 @@ class Server:
         if target.ref is None:
             ctx.tier = "gpu"
         else:
+            # the first stage of an adapter's path to a slot: name → revision → key (the registry, maybe its files)
+            self.metrics.on_cache_event("load_stage", {"stage": "resolve", "seconds": time.perf_counter() - start})
             ctx.adapter_name, ctx.revision, ctx.rank = target.record.name, target.record.revision, target.record.rank
             ctx.tier = self.tier_on_arrival(target)
         return target
