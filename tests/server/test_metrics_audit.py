@@ -94,6 +94,7 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert first["cache_tier"] == "disk" and first["rank"] == 8 and first["digest"].startswith("sha256:")
     assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 2
     assert first["ttft_ms"] > 0 and first["base_model"] == MODEL
-    assert rows[1]["cache_tier"] == "gpu"
+    assert set(first["load_ms"]) == {"disk", "h2d", "activation"}  # the stages its tier went through
+    assert rows[1]["cache_tier"] == "gpu" and rows[1]["load_ms"] is None
     assert rows[2]["adapter"] is None and rows[2]["endpoint"] == "chat.completions"
     assert len({r["request_id"] for r in rows}) == len(rows)

@@ -203,7 +203,10 @@ class Server:
                                 ctx.denied)
         if ctx.tier:
             self.metrics.on_timings(ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s"))
-        load_ms = self.load_stages.get(ctx.adapter) if ctx.tier not in ("gpu", "") and ctx.adapter_name else None
+        load_ms = None
+        if ctx.tier in _TIER_STAGES and ctx.adapter_name:  # the stages this request's tier went through, not older ones
+            stages = self.load_stages.get(ctx.adapter, {})
+            load_ms = {k: v for k, v in stages.items() if k in _TIER_STAGES[ctx.tier]} or None
         self.audit.write({
             "ts": round(time.time(), 3), "request_id": ctx.request_id, "endpoint": ctx.endpoint,
             "tenant": ctx.tenant, "base_model": self.config.served_model_name, "adapter": ctx.adapter_name,
@@ -217,6 +220,8 @@ class Server:
     def on_cache_event(self, kind: str, fields: dict) -> None:
         self.metrics.on_cache_event(kind, fields)
         if kind == "load_stage" and fields.get("key") is not None:
+            if fields["stage"] == "disk":  # a new load (its download, if any, is reported right after)
+                self.load_stages[str(fields["key"])] = {}
             stages = self.load_stages.setdefault(str(fields["key"]), {})
             stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
         if kind == "load_failed":
@@ -278,6 +283,10 @@ class Server:
             },
             "cache": {k: v for k, v in cache.items() if k not in ("adapters",)},
         }
+
+
+_TIER_STAGES = {"cpu": {"h2d", "activation"}, "disk": {"disk", "h2d", "activation"},
+                "remote": {"download", "disk", "h2d", "activation"}}
 
 
 def _ms(seconds: float | None) -> float | None:
