@@ -41,3 +41,20 @@ def test_adapters_routed_since_the_last_poll_count_as_loading_there():
     worker.sent.add("fresh-one")
     assert worker.view(now=worker.polled_at, stale_s=2).affinity("fresh-one") == "loading"
     assert worker.view(now=worker.polled_at, stale_s=2).affinity("other") == "none"
+
+
+def test_vllm_s_newest_lora_series_is_the_current_one_and_engines_add_up():
+    """vLLM keeps one lora_requests_info series per label set, valued at the time it was current; old ones stay."""
+    text = """
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="chat,code,math,sql",waiting_lora_adapters=""} 1.5e9
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+"""
+    worker = Worker("http://w")
+    worker.apply_vllm_metrics(text)
+    view = worker.view(now=worker.polled_at, stale_s=2)
+    assert view.gpu == {"sql"} and view.free_slots == 3
+    assert (view.waiting, view.running) == (3, 7)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import secrets
 from dataclasses import dataclass, field
@@ -54,6 +55,13 @@ def _error(status: int, message: str, code: str, type_: str = "invalid_request_e
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _valid_url(url: str) -> bool:
+    try:
+        return bool(httpx.URL(url).host)
+    except (httpx.InvalidURL, ValueError):
+        return False
+
+
 async def _json_object(request: Request) -> dict | None:
     try:
         body = await request.json()
@@ -66,7 +74,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
     metrics = RouterMetrics()
-    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0))
+    # No cap on connections: httpx's default of 100 made the 101st concurrent request wait for one, and its
+    # PoolTimeout looked like a failed worker.
+    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0),
+                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     in_flight: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
@@ -91,7 +102,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         body = await request.body()
         try:
             payload = json.loads(body or b"{}")
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             return _error(400, "request body is not valid JSON", "invalid_json")
         model = payload.get("model") if isinstance(payload, dict) else None
         adapter = model if isinstance(model, str) else None
@@ -112,10 +123,16 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                     worker.sent.add(adapter)
             in_flight[url] = in_flight.get(url, 0) + 1
             metrics.in_flight.labels(url).set(in_flight[url])
-            upstream = proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)
             try:
+                upstream = proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)
                 response = await proxy.send(upstream, stream=True)
-            except httpx.HTTPError as exc:
+            except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+                # The worker has the request and is slow (a non-streamed answer comes whole): neither a failed
+                # worker nor one to run the generation again on.
+                done(url)
+                return _error(504, f"worker {url} did not answer in time: {type(exc).__name__}", "gateway_timeout",
+                              "server_error")
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
                 done(url)
                 log.warning("worker %s failed before the first byte: %s", url, exc)
                 if worker is not None:
@@ -196,7 +213,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         if body is None:
             return _error(400, "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}", "invalid_json")
         url = body.get("url", "")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not _valid_url(url):
             return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
         fleet.add(url)
         await fleet.poll_once()
@@ -226,13 +243,22 @@ def registry_priorities(url: str) -> Callable[[str], int]:
     registry = Registry(url)
     memo: dict[str, tuple[float, int]] = {}
 
+    tenants: list = [-math.inf, {}]  # when read, tenant -> priority
+
     def priority_of(key: str) -> int:
         now = time.monotonic()
         if key in memo and now - memo[key][0] < 60:
             return memo[key][1]
-        tenant = registry.tenant_for_key(key) if key else None
-        priorities = {t.name: t.priority for t in registry.list_tenants()}
-        memo[key] = (now, priorities.get(tenant, 0))
-        return memo[key][1]
+        try:
+            if now - tenants[0] >= 60:
+                tenants[:] = [now, {t.name: t.priority for t in registry.list_tenants()}]
+            priority = tenants[1].get(registry.tenant_for_key(key) if key else None, 0)
+        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: default priority)
+            log.warning("tenant priority lookup failed: %s", exc)
+            priority = 0
+        if len(memo) >= 10_000:  # any client can send keys: keep the memo bounded
+            memo.clear()
+        memo[key] = (now, priority)
+        return priority
 
     return priority_of

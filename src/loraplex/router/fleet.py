@@ -58,19 +58,21 @@ class Worker:
         """From a vLLM worker's /metrics (Gateway API Inference Extension series)."""
         gpu, waiting_adapters = set(), set()
         waiting = running = free_slots = 0
-        kv_usage = 0.0
+        kv_usage, newest = 0.0, -float("inf")
         for line in text.splitlines():
             match = _VLLM_LINE.match(line.strip())
             if not match:
                 continue
             name, labels, value = match[1], dict(_LABEL.findall(match[2] or "")), float(match[3])
-            if name == "vllm:num_requests_waiting":
-                waiting = int(value)
+            if name == "vllm:num_requests_waiting":  # one series per engine: their sum
+                waiting += int(value)
             elif name == "vllm:num_requests_running":
-                running = int(value)
+                running += int(value)
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 kv_usage = value
-            elif name == "vllm:lora_requests_info":
+            elif name == "vllm:lora_requests_info" and value >= newest:
+                # vLLM sets one series per set of labels to the time it was current, and old series stay: the newest
+                newest = value
                 gpu = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
                 waiting_adapters = {a for a in labels.get("waiting_lora_adapters", "").split(",") if a}
                 max_lora = int(labels.get("max_lora", "0") or 0)
@@ -89,6 +91,7 @@ class Fleet:
         self.poll_s = poll_s
         self.client = httpx.AsyncClient(timeout=timeout_s)
         self._task: asyncio.Task | None = None
+        self._polls: dict[str, asyncio.Task] = {}
 
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
@@ -106,32 +109,43 @@ class Fleet:
 
     async def _poll(self, worker: Worker) -> None:
         headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        routed, sent = worker.in_flight, set(worker.sent)  # what the answer will already count
         try:
             health = await self.client.get(f"{worker.url}/health")
             if health.status_code != 200:
                 raise httpx.HTTPStatusError("unhealthy", request=health.request, response=health)
             state = await self.client.get(f"{worker.url}/admin/state", headers=headers)
             if state.status_code == 200:
-                worker.apply_state(state.json())
+                body = state.json()
+                if body.get("draining"):  # shutting down: it answers new requests 503
+                    raise RuntimeError("shutting down")
+                worker.apply_state(body)
             else:  # not a loraplex worker, or no admin token: read the vLLM-style metrics instead
                 metrics = await self.client.get(f"{worker.url}/metrics")
                 metrics.raise_for_status()
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
-            worker.in_flight = 0  # the fresh state counts them now
-            worker.sent.clear()
+            worker.in_flight = max(0, worker.in_flight - routed)  # those routed while it answered stay counted
+            worker.sent -= sent
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
             worker.healthy, worker.failures = True, 0
-        except (httpx.HTTPError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 (any bad answer marks the worker out; polling must go on)
             worker.failures += 1
             if worker.healthy:
                 log.warning("worker %s marked out: %s", worker.url, exc)
             worker.healthy = False
 
     async def _run(self) -> None:
+        """Each worker on its own beat: a worker that hangs until the timeout does not hold the others' polls (their
+        state would go stale, and routing by residency with it)."""
+        polls = self._polls
         while True:
-            await self.poll_once()
+            for url, worker in list(self.workers.items()):
+                if url not in polls or polls[url].done():
+                    polls[url] = asyncio.create_task(self._poll(worker))
+            for url in [u for u in polls if u not in self.workers]:
+                polls.pop(url).cancel()
             await asyncio.sleep(self.poll_s)
 
     def start(self) -> None:
@@ -140,4 +154,7 @@ class Fleet:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for task in self._polls.values():
+            task.cancel()
+        await asyncio.gather(*self._polls.values(), return_exceptions=True)
         await self.client.aclose()

@@ -1,0 +1,121 @@
+"""The router against workers that misbehave, over real sockets. The workers are small stand-ins at the HTTP boundary
+(a worker shutting down, one that answers its state in an unexpected shape, one that is slow to answer)."""
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from loraplex.router.app import RouterConfig, create_router_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from harness import serving  # noqa: E402 (the tests' uvicorn-in-a-thread runner)
+
+TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None) -> Starlette:
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def admin_state(request):
+        return JSONResponse(state)
+
+    async def completions(request):
+        await request.body()
+        if calls is not None:
+            calls.append(time.monotonic())
+        await asyncio.sleep(answer_after_s)
+        return JSONResponse({"choices": [{"text": "ok"}]})
+
+    return Starlette(routes=[Route("/health", health), Route("/admin/state", admin_state),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+RESIDENT = {"adapters": [{"name": "sql", "revision": "r1", "tier": "gpu", "loading": False}],
+            "load": {"waiting": 0, "running": 0, "free_slots": 1}}
+
+
+def workers_seen(url: str) -> dict[str, bool]:
+    listed = httpx.get(f"{url}/admin/workers", headers=ADMIN).json()["workers"]
+    return {w["url"]: w["healthy"] for w in listed}
+
+
+def test_a_worker_shutting_down_gets_no_traffic():
+    draining = {**RESIDENT, "draining": True}  # /health still 200 while it finishes what it has
+    with serving(worker(draining)) as leaving, serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other:
+        with serving(create_router_app(RouterConfig(workers=(leaving, other), admin_token=TOKEN))) as url:
+            assert workers_seen(url) == {leaving: False, other: True}
+            routed = [httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) for _ in range(5)]
+            assert {(r.status_code, r.headers["x-loraplex-worker"]) for r in routed} == {(200, other)}
+
+
+def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
+    """A state of an unexpected shape, or a worker URL httpx cannot use, marked out that one worker and stopped the
+    fleet's polling for good (a worker once marked out never came back)."""
+    shapes = {"load": None, "adapters": [{"name": "x"}]}
+    with serving(worker(shapes)) as odd, serving(worker(RESIDENT)) as good:
+        app = create_router_app(RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_s=0.05))
+        with serving(app) as url:
+            assert httpx.post(f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"}).status_code == 400
+            assert workers_seen(url) == {odd: False, good: True}
+            app.state.fleet.workers[good].healthy = False  # as a failed request marks it out
+            deadline = time.monotonic() + 10
+            while not workers_seen(url)[good] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert workers_seen(url)[good]  # the polling went on: it rejoined
+
+
+def test_a_slow_answer_is_a_timeout_not_a_dead_worker_and_is_not_run_twice():
+    calls = []
+    with serving(worker(RESIDENT, answer_after_s=1.5, calls=calls)) as slow, \
+            serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other:
+        config = RouterConfig(workers=(slow, other), admin_token=TOKEN, request_timeout_s=0.5)
+        with serving(create_router_app(config)) as url:
+            answer = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"})
+            assert answer.status_code == 504 and answer.json()["error"]["code"] == "gateway_timeout"
+            assert len(calls) == 1 and workers_seen(url)[slow]  # not retried elsewhere, not marked out
+
+
+def test_a_body_that_is_not_utf8_is_a_400():
+    with serving(worker(RESIDENT)) as one:
+        with serving(create_router_app(RouterConfig(workers=(one,), admin_token=TOKEN))) as url:
+            bad = httpx.post(f"{url}/v1/completions", content=b'{"model": "\xff"}')
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_more_than_a_hundred_streams_at_once_are_all_carried():
+    """httpx's default pool of 100 connections made the 101st request wait for one and fail as if its worker had
+    (PoolTimeout: the worker marked out, the client answered 502)."""
+
+    async def stream(request):
+        await request.body()
+
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+                await asyncio.sleep(0.6)
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app = worker(RESIDENT)
+    app.router.routes[-1] = Route("/v1/completions", stream, methods=["POST"])
+    with serving(app) as one:
+        config = RouterConfig(workers=(one,), admin_token=TOKEN, request_timeout_s=1.0)
+        with serving(create_router_app(config)) as url:
+
+            async def all_at_once():
+                async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as client:
+                    async def one_stream():
+                        async with client.stream("POST", f"{url}/v1/completions", json={"model": "sql"}) as r:
+                            return r.status_code, len([line async for line in r.aiter_lines() if line])
+                    return await asyncio.gather(*(one_stream() for _ in range(110)))
+
+            assert asyncio.run(all_at_once()) == [(200, 3)] * 110
+            assert workers_seen(url)[one]
