@@ -128,3 +128,12 @@ def test_real_process(cli, adapter_v1, llama_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["traffic_weight"] == 100
     assert json.loads(cli("list", "--json").stdout)[0]["traffic"] == {"r1": 100}
+
+
+def test_a_file_that_is_not_a_registry_is_one_line_too(tmp_path):
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("not a database\n" * 100)
+    result = CliRunner().invoke(app, ["--registry", f"sqlite:///{not_a_db}", "list"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: the registry database: file is not a database")
+    assert len(result.stderr.strip().splitlines()) == 1

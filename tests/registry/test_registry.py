@@ -349,3 +349,21 @@ def test_names_and_revisions_are_matched_whole(registry, adapter_v1):
         registry.add_revision(adapter_v1, "chat", revision="r1\n")
     with pytest.raises(AdapterNotFound):
         registry.resolve("anyone", "chat\n")
+
+
+def test_a_split_has_one_canary_at_most(canary, adapter_v3):
+    canary.add_revision(adapter_v3, "chat")
+    with pytest.raises(LifecycleError, match="one canary at a time"):
+        canary.set_traffic("chat", {"r1": 50, "r2": 25, "r3": 25})
+    assert sorted(dict(canary.show("chat").traffic)) == ["r1", "r2"]
+
+
+def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(registry, adapter_v1):
+    first = registry.add_revision(adapter_v1, "chat", status="stable")
+    with pytest.raises(AdapterRejected, match="these are the bytes of chat@r1"):
+        registry.add_revision(adapter_v1, "chat", revision="r1-again")
+    registry.quarantine("chat", first.revision, "bad")
+    with pytest.raises(AdapterRejected, match=r"chat@r1 \(quarantined\)"):
+        registry.add_revision(adapter_v1, "chat", revision="r1-again", status="stable")
+    with pytest.raises(RevisionUnavailable):
+        registry.resolve("anyone", "chat")

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
@@ -76,6 +77,14 @@ def _errors(command):
         try:
             return command(*args, **kwargs)
         except (RegistryError, AdapterRejected, ModelConfigError, OSError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except SQLAlchemyError as exc:  # not a registry file, an unknown URL, or another writer holding it
+            reason = getattr(exc, "orig", None) or exc
+            hint = "; another process is writing it, retry" if "locked" in str(reason) else ""
+            typer.echo(f"error: the registry database: {str(reason).splitlines()[0]}{hint}", err=True)
+            raise typer.Exit(1) from None
+        except (ImportError, TypeError) as exc:  # a database driver not installed; a key file needing a password
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
 

@@ -37,6 +37,12 @@ def find_revision(session: Session, name: str, revision: str | None, digest: str
                 "revision",
                 f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one",
             )
+        if row is None and digest is not None:  # the same bytes under a new label: one revision per content
+            same = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
+                                  .limit(1))
+            if same is not None:
+                raise AdapterRejected(
+                    "revision", f"these are the bytes of {name}@{same.revision} ({same.status}); use that revision")
         return row
     if digest is None:
         return None

@@ -432,6 +432,8 @@ class Registry:
         plan = {rev: int(w) for rev, w in weights.items() if int(w) != 0}
         if any(w < 0 for w in plan.values()) or sum(plan.values()) != 100:
             raise LifecycleError(f"traffic weights must be non-negative and sum to 100, got {weights}")
+        if len(plan) > 2:
+            raise LifecycleError(f"one canary at a time: a split names the stable and at most one canary, got {plan}")
         summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
         with self._write() as session:
             q.locked_adapter_or_404(session, name)
