@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -367,3 +369,20 @@ def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
         registry.add_revision(adapter_v1, "chat", revision="r1-again", status="stable")
     with pytest.raises(RevisionUnavailable):
         registry.resolve("anyone", "chat")
+
+
+def test_two_processes_creating_the_same_fresh_registry_both_succeed(tmp_path):
+    """Two servers starting at once on a new registry file: the second waits for the first's tables (it failed on
+    the database lock, or inserted the same first rows twice)."""
+    script = ("import sys, time\nfrom loraplex.registry import Registry\nregistry = Registry(sys.argv[1])\n"
+              "while time.time() < float(sys.argv[2]):\n    pass\nregistry.init()\nregistry.close()\n")
+    for trial in range(3):
+        url, start = f"sqlite:///{tmp_path}/registry-{trial}.db", time.time() + 2.0
+        procs = [subprocess.Popen([sys.executable, "-c", script, url, str(start)], stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errors
+        registry = Registry(url)
+        registry.init()
+        assert registry.list_adapters() == []
+        registry.close()

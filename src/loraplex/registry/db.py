@@ -206,9 +206,13 @@ def create_schema(engine: Engine) -> None:
     if schema_version(engine) is not None:
         check_schema(engine)
         return
-    Base.metadata.create_all(engine)
-    with Session(writer(engine)) as session, session.begin():
-        if session.get(Generation, 1) is None:
-            session.add(Generation(id=1, value=0))
-        if session.get(SchemaVersion, 1) is None:
-            session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))
+    # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh registry waits for
+    # the first and then finds its tables, instead of failing on the lock or inserting the same rows twice.
+    with writer(engine).begin() as conn:
+        Base.metadata.create_all(conn)
+        with Session(bind=conn) as session:
+            if session.get(Generation, 1) is None:
+                session.add(Generation(id=1, value=0))
+            if session.get(SchemaVersion, 1) is None:
+                session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))
+            session.flush()
