@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -386,3 +387,44 @@ def test_two_processes_creating_the_same_fresh_registry_both_succeed(tmp_path):
         registry.init()
         assert registry.list_adapters() == []
         registry.close()
+
+
+def _age(path, seconds: float) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_gc_removes_only_old_entries_no_revision_refers_to(registry, adapter_v1, adapter_v2):
+    used = registry.add_revision(adapter_v1, "chat").digest
+    orphan = registry.store.put(adapter_v2)  # as a refused registration leaves it
+    _age(registry.store.path(used), 7200)
+    _age(registry.store.path(orphan), 7200)
+    assert registry.gc_artifacts(3600) == [orphan]
+    assert registry.store.has(used) and not registry.store.has(orphan)
+
+
+def test_an_old_entry_used_again_is_young_for_gc(registry, adapter_v2):
+    orphan = registry.store.put(adapter_v2)
+    _age(registry.store.path(orphan), 7200)
+    assert registry.store.put(adapter_v2) == orphan  # the same bytes again: the entry is reused...
+    assert registry.gc_artifacts(3600) == []  # ...and no longer looks abandoned
+
+
+def test_a_registration_whose_artifact_a_gc_removed_puts_it_back(registry, adapter_v2):
+    """The artifact is put before the registration's transaction; a gc may remove it in between (it was an old
+    orphan): the registration, under the write lock, finds it gone and puts it back."""
+    store, put, calls = registry.store, registry.store.put, []
+
+    def put_then_gc(src):
+        digest = put(src)
+        if not calls:
+            store.remove(digest)  # what a concurrent gc did once the first put had returned
+        calls.append(digest)
+        return digest
+
+    store.put = put_then_gc
+    try:
+        record = registry.add_revision(adapter_v2, "chat")
+    finally:
+        store.put = put
+    assert store.has(record.digest) and registry.store.get(record.digest)

@@ -187,6 +187,8 @@ class Registry:
         if self.store.put(src) != actual:
             raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
         with self._write() as session:
+            if not self.store.has(actual) and self.store.put(src) != actual:  # removed by a gc since the put
+                raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
             adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
             existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
@@ -535,14 +537,16 @@ class Registry:
     def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
         interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
-        with self._read() as session:
+        # Under the write lock: a registration commits its row before this reads the digests in use, or after the
+        # removals, and then finds its artifact gone and puts it back (add_revision).
+        with self._write() as session:
             used = set(session.scalars(select(Revision.digest)))
-        cutoff = time.time() - min_age_s
-        removed = [d for d in self.store.digests() if d not in used and self.store.path(d).stat().st_mtime < cutoff]
-        for digest in removed:
-            self.store.remove(digest)
-        if removed:
-            with self._write() as session:
+            cutoff = time.time() - min_age_s
+            removed = [d for d in self.store.digests()
+                       if d not in used and self.store.path(d).stat().st_mtime < cutoff]
+            for digest in removed:
+                self.store.remove(digest)
+            if removed:
                 self._audit(session, "gc", "artifacts", removed=removed)
         return removed
 

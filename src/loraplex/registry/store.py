@@ -252,6 +252,7 @@ class ArtifactStore:
         target = self.path(digest)
         if target.is_dir():
             if canonical_digest(target) == digest:
+                os.utime(target)  # in use again: young for the garbage collection's age guard
                 return target
             self.remove(digest)  # a damaged copy is replaced, never trusted
         files = [{"name": n, "size": (work / n).stat().st_size} for n in artifact_files(work)]
