@@ -120,13 +120,8 @@ class DemandTracker:
         return g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]
 
     def any_overdue(self, keys, now: float, gaps: float) -> bool:
-        """Whether any of `keys` is overdue (as `overdue`, in one call for many)."""
-        gap = self._gap
-        for key in keys:
-            g = gap.get(key)
-            if g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]:
-                return True
-        return False
+        """Whether any of `keys` is overdue."""
+        return any(self.overdue(key, now, gaps) for key in keys)
 
     def shorts_live(self, keys, now: float, gaps: float) -> list[float]:
         """As `shorts`, with 0 for the keys that are overdue (their requests stopped)."""
