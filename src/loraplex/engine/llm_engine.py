@@ -52,6 +52,12 @@ class LLMEngine:
         self.model = load_model(config.model_dir, self.dtype, self.device)
         self.base_model_digest = base_model_digest(config.model_dir)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        if config.max_num_batched_tokens < self.max_model_len:  # as vLLM without chunked prefill
+            raise ValueError(
+                f"max_num_batched_tokens {config.max_num_batched_tokens} is smaller than max_model_len "
+                f"{self.max_model_len}: a sequence that long (or one preempted at that length, recomputed in one "
+                "prefill) could never be scheduled, and would hold up the queue behind it"
+            )
         self.eos_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
