@@ -36,7 +36,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
     max_num_batched_tokens: int = 4096
-    """Tokens one step may process (prefill tokens plus one per decoding sequence)."""
+    """Tokens one step may process (prefill tokens plus one per decoding sequence); at least max_model_len (a prompt
+    is prefilled in one step)."""
     kv_cache_bytes: int = 256 * 2**20
     """Memory for the paged KV cache."""
     block_size: int = 16
