@@ -179,6 +179,39 @@ def test_seeded_sampling_is_reproducible_and_options_apply(engine):
     assert forced[:4].count(eos) == 0 and forced[4] == eos and len(forced) == 5
 
 
+def test_min_tokens_holds_back_stop_strings_too(engine):
+    """As vLLM: before min_tokens, a stop string does not end the output (only eos and stop ids were held back)."""
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request([3, 4, 5], plain, request_id="plain")
+    text = "".join(o.text for o in _drain(engine) if o.request_id == "plain")
+    at = next(i for i in range(len(text) - 1) if "\ufffd" not in text[i : i + 2])  # (a tiny model's bytes)
+    stop = text[at : at + 2]
+    early = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,))
+    late = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,), min_tokens=10)
+    engine.add_request([3, 4, 5], early, request_id="early")
+    engine.add_request([3, 4, 5], late, request_id="late")
+    outs = _drain(engine)
+    ended = {o.request_id: o for o in outs if o.finished}
+    assert ended["early"].finish_reason == "stop" and ended["early"].num_output_tokens < 10
+    assert ended["late"].num_output_tokens >= 10
+    late_text = "".join(o.text for o in outs if o.request_id == "late")
+    assert late_text.startswith(text[: at + 2])  # the early occurrence is kept: it came before min_tokens
+
+
+def test_a_seed_beyond_64_bits_is_an_invalid_request(engine):
+    with pytest.raises(InvalidRequest) as refused:
+        SamplingParams(seed=2**64)
+    assert refused.value.param == "seed"
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def _drain(engine):
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return outs
+
+
 def test_logprobs_of_chosen_and_top_tokens(engine):
     rid = engine.add_request([3, 4, 5], SamplingParams(max_tokens=3, temperature=0, logprobs=2))
     outs = []

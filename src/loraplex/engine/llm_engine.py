@@ -204,8 +204,11 @@ class LLMEngine:
             seq.output_logprobs.append(logprob)
         reason = self._finish_reason(seq, token)
         text = self.tokenizer.decode(seq.output_ids)
-        if seq.params.stop:
-            hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if seq.params.stop and len(seq.output_ids) < seq.params.min_tokens:
+            seq.stop_from = len(text)  # as vLLM: no stop string ends the output before min_tokens
+        elif seq.params.stop:
+            starts = (max(0, seq.stop_from - len(s) + 1) for s in seq.params.stop)  # one may end in the new text
+            hits = [i for i in (text.find(s, start) for s, start in zip(seq.params.stop, starts)) if i >= 0]
             if hits:
                 text, reason = text[: min(hits)], "stop"
         if reason is not None:

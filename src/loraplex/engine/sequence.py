@@ -39,6 +39,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -85,6 +86,8 @@ class Sequence:
     holds_adapter: bool = False
     finish_reason: str | None = None
     text: str = ""
+    stop_from: int = 0
+    """Characters of `text` from before min_tokens was reached: stop strings are looked for after them."""
     sent_chars: int = 0
     sent_tokens: int = 0
     generator: torch.Generator | None = None
