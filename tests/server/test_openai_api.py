@@ -153,6 +153,8 @@ CHAT_REFUSALS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"seed": 2**64}, "seed"),
 ]
 
 

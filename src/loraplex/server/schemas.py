@@ -196,6 +196,8 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:  # named as the client sent it
+            raise APIError(400, "top_logprobs must be in [0, 20]", "invalid_value", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError(400, "set max_tokens or max_completion_tokens, not both", "invalid_value",
                            "max_completion_tokens")
