@@ -28,7 +28,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output
   echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-# Each step has a time limit; GPU_CHECKS picks steps (default: all but cache_shift), e.g. GPU_CHECKS="tests cache_policy".
+# Each step has a time limit; GPU_CHECKS picks steps (default: all but cache_shift),
+# e.g. GPU_CHECKS="tests cache_policy".
 want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
 want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engine tests/cache \
   tests/test_lora_format.py tests/sim/test_engine_agreement.py

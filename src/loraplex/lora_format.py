@@ -178,18 +178,18 @@ def _check_config(config: dict) -> None:
         for name in targets:
             if name in ("embed_tokens", "lm_head"):
                 raise AdapterRejected("target_modules", f"LoRA on {name} is not supported")
-    for field in ("r", "lora_alpha"):
-        if field in config and not _is_number(config[field]):
-            raise AdapterRejected(field, f"{config[field]!r} is not a number")
-    for field in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(field) or {}
+    for name in ("r", "lora_alpha"):
+        if name in config and not _is_number(config[name]):
+            raise AdapterRejected(name, f"{config[name]!r} is not a number")
+    for name in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(name) or {}
         if not isinstance(patterns, dict) or not all(_is_number(v) for v in patterns.values()):
-            raise AdapterRejected(field, "must map module name patterns to numbers")
+            raise AdapterRejected(name, "must map module name patterns to numbers")
         for pattern in patterns:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
-                raise AdapterRejected(field, f"{pattern!r} is not a valid pattern: {exc}") from None
+                raise AdapterRejected(name, f"{pattern!r} is not a valid pattern: {exc}") from None
 
 
 def _is_number(value) -> bool:

@@ -63,7 +63,8 @@ def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
     with serving(worker(shapes)) as odd, serving(worker(RESIDENT)) as good:
         app = create_router_app(RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_s=0.05))
         with serving(app) as url:
-            assert httpx.post(f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"}).status_code == 400
+            bad_url = httpx.post(f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"})
+            assert bad_url.status_code == 400
             assert workers_seen(url) == {odd: False, good: True}
             app.state.fleet.workers[good].healthy = False  # as a failed request marks it out
             deadline = time.monotonic() + 10

@@ -19,14 +19,17 @@ def test_admin_without_token_is_401_and_with_a_wrong_one_too(running):
     assert running.admin("GET", "/admin/state", token=KEYS["alice"]).status_code == 401  # a tenant key is not it
 
 
+JSON = {"content-type": "application/json"}
+
+
 def test_without_the_token_the_body_is_not_read(running):
     """401 comes before the body: not JSON is no 400 (which would tell anyone the admin API is there), and a large
     body is refused as small ones are."""
     for path in ("/v1/load_lora_adapter", "/admin/adapters", "/admin/adapters/shared-a/promote"):
-        response = httpx.post(f"{running.url}{path}", content=b"{not json", headers={"content-type": "application/json"})
+        response = httpx.post(f"{running.url}{path}", content=b"{not json", headers=JSON)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_admin_token", path
     big = b'{"lora_name": "x", "lora_path": "' + b"a" * (8 << 20) + b'"}'
-    response = httpx.post(f"{running.url}/v1/load_lora_adapter", content=big, headers={"content-type": "application/json"})
+    response = httpx.post(f"{running.url}/v1/load_lora_adapter", content=big, headers=JSON)
     assert response.status_code == 401
     with_token = httpx.post(f"{running.url}/admin/adapters/shared-a/promote", content=b"{not json",
                             headers={"content-type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"})

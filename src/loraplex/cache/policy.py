@@ -250,10 +250,10 @@ class ScorePolicy:
     """When a slot frees while requests of several adapters wait for one, a tier-A adapter's request takes it before
     those of adapters outside tier A that have waited less than this (the cache decides which wait)."""
     overdue_gaps: float = 20.0
-    """An adapter silent for this many of its mean gaps between requests (over the 5-minute window) is no longer
-    counted as demanded: out of tier A and tier B, and scored without frequency. Its decayed count would keep it hot for many
-    minutes after its traffic stops, holding a slot and tier A from the adapters that took over (the cache reads
-    it)."""
+    """An adapter silent for this many of its mean gaps between requests (over the 5-minute window), and for
+    `DemandTracker.LONGEST_GAPS` of its longest, is no longer counted as demanded: out of tier A and tier B, and scored
+    without frequency. Its decayed count would keep it hot for many minutes after its traffic stops, holding a slot
+    and tier A from the adapters that took over (the cache reads it)."""
     weighs_host_copies_by_use: bool = True
     """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its requests (the copy
     is only needed again once the adapter loses its slot); without it such copies simply go last."""

@@ -44,7 +44,8 @@ class AdapterResolver:
             raise not_found(model)
         record = self.registry.resolve(tenant, model, user)
         if record.status == "deprecated" and record.name in self.unloaded:
-            raise not_found(model)  # the registry still answers name@revision for a retired name; vLLM's unload does not
+            # the registry still answers name@revision for a retired name; after vLLM's unload, this server does not
+            raise not_found(model)
         if record.base_model_digest and record.base_model_digest != self.base_model_digest:
             raise APIError(404, f"{record.model_id} was registered for base model {record.base_model}, "
                            f"not the one this server runs ({self.served_name})", "model_not_available", "model")
