@@ -39,7 +39,8 @@ def test_full_waiting_queue_answers_429_and_the_queued_request_still_completes(s
         queued: dict = {}
 
         def wait_for_slot():
-            queued["result"] = running.client("alice").completions.create(model="alice-a", prompt="x", max_tokens=2)
+            queued["result"] = running.client("alice").completions.create(model="alice-a", prompt="x", max_tokens=2,
+                                                                             extra_body={"ignore_eos": True})
 
         thread = threading.Thread(target=wait_for_slot)
         thread.start()

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness import MODEL
 
 SECRET = "SECRET-PROMPT-TEXT"
+NO_EOS = {"ignore_eos": True}  # the counts below assume every request runs to max_tokens
 
 
 def _samples(url: str) -> dict[tuple, float]:
@@ -28,9 +29,10 @@ def served(start):
     """A fresh server and a known set of calls: 3 ok, 1 denied (404), 1 unknown (404), 1 bad (400), 1 no key."""
     with start() as running:
         client = running.client("alice")
-        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2)  # adapter from disk
-        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2)  # now in a slot
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2)
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)  # adapter from disk
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)  # now in a slot
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2,
+                                       extra_body=NO_EOS)
         for model in ("bob-a", "nothing-here"):
             with pytest.raises(openai.NotFoundError):
                 client.completions.create(model=model, prompt=SECRET)

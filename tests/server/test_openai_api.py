@@ -177,7 +177,7 @@ def test_sdk_raises_its_error_types_and_the_server_keeps_serving(running):
     with pytest.raises(openai.BadRequestError) as long_prompt:
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=2)
     assert "max_prompt_tokens" in long_prompt.value.message
-    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2).usage.completion_tokens == 2
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
 
 
 def test_cache_tier_header_goes_disk_then_gpu(start):
@@ -224,7 +224,8 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
             with pytest.raises(openai.NotFoundError):
                 result = client.completions.create(model="broken", prompt="x", max_tokens=2, stream=stream)
                 list(result) if stream else None
-        assert client.completions.create(model="shared-a", prompt="x", max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model="shared-a", prompt="x", max_tokens=2,
+                                         extra_body=NO_EOS).usage.completion_tokens == 2
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_it(running):

@@ -59,7 +59,8 @@ def test_serve_process_end_to_end_with_graceful_sigterm(llama_dir, llama_adapter
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["bob"], max_retries=0)
         assert sorted(m.id for m in client.models.list()) == ["base", "one", "two"]
         for model in ("base", "one", "two"):
-            assert client.completions.create(model=model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+            assert client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                            extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope-nope-nope-nope", max_retries=0).models.list()
         state = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
