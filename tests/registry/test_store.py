@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import json
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +290,47 @@ def test_http_store_down_or_silent_is_unavailable(tmp_path):
         with pytest.raises(ArtifactUnavailable, match="Timeout"):
             fetch_artifact(f"http://127.0.0.1:{port}/{'1' * 64}", digest, local,
                            AllowList(prefixes=(f"http://127.0.0.1:{port}",)), timeout_s=0.3)
+
+
+def test_http_store_that_trickles_bytes_is_cut_off_by_the_whole_download_deadline(tmp_path):
+    """Each read gets a byte well within its timeout, so only the deadline over the whole download ends it."""
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a", os.urandom(4000)))
+    hexd = digest.removeprefix("sha256:")
+    index = (remote.path(digest) / "index.json").read_bytes()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.rsplit("/", 1)[-1]
+            body = index if name == "index.json" else (remote.path(digest) / name).read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(len(body) if name != "index.json" else 1):
+                chunk = body if name == "index.json" else body[i : i + 1]
+                try:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                except OSError:
+                    return  # the client gave up
+                time.sleep(0.05)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    local = ArtifactStore(tmp_path / "local")
+    try:
+        with pytest.raises(ArtifactUnavailable, match="the download took longer than 2 s"):
+            # deadline: 1 s + the index's bytes (about 4.1 kB) at 4 kB/s; the trickle needs minutes
+            fetch_artifact(f"{base}/{hexd}", digest, local, AllowList(prefixes=(base,)), timeout_s=1.0, min_rate=4000)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert local.digests() == [] and list((tmp_path / "local" / "tmp").iterdir()) == []
 
 
 class FakeS3:

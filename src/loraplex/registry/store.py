@@ -43,6 +43,9 @@ STALE_TEMP_S = 3600
 _CHUNK = 1 << 20
 _READ_CHUNK = 4 << 20  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
 _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
+MIN_DOWNLOAD_RATE = 1 << 20
+"""Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own timeout
+does not end a store that trickles bytes, and such a download would hold a load thread for good."""
 
 
 def check_digest(digest: str) -> str:
@@ -364,10 +367,14 @@ def fetch_artifact(
     timeout_s: float = 30.0,
     s3_client=None,
     http_client=None,
+    min_rate: float = MIN_DOWNLOAD_RATE,
 ) -> Path:
     """Bring an artifact into `dest` (download, verify, one rename) and return its local directory. A caller that
     fetches often passes its own `http_client` (an httpx.Client): a new one loads the CA bundle, about 50 ms of CPU
-    with the GIL held."""
+    with the GIL held.
+
+    `timeout_s` bounds each network operation; a download as a whole must also end within `timeout_s` plus its
+    bytes (from the store's index) at `min_rate` bytes per second, or it fails with ArtifactUnavailable."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -381,9 +388,9 @@ def fetch_artifact(
         if scheme == "file":
             _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
         elif scheme in ("http", "https"):
-            _fetch_http(storage_uri, work, timeout_s, http_client)
+            _fetch_http(storage_uri, work, _Deadline(timeout_s, min_rate), http_client)
         else:
-            _fetch_s3(storage_uri, work, timeout_s, s3_client)
+            _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         actual = canonical_digest(work)
         if actual != digest:
             raise DigestMismatch(digest, actual, storage_uri)
@@ -417,38 +424,61 @@ def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
     return entries
 
 
-def _fetch_http(uri: str, work: Path, timeout_s: float, client=None) -> None:
+class _Deadline:
+    """When a download must be done by: `timeout_s` from now, plus its bytes at `min_rate`, once they are known."""
+
+    def __init__(self, timeout_s: float, min_rate: float):
+        self.timeout_s, self.min_rate = timeout_s, min_rate
+        self.at = time.monotonic() + timeout_s
+        self.limit_s = timeout_s
+
+    def allow(self, entries: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        extra = sum(size for _, size in entries) / self.min_rate
+        self.at += extra
+        self.limit_s += extra
+        return entries
+
+    def check(self, where: str) -> None:
+        if time.monotonic() > self.at:
+            raise ArtifactUnavailable(f"{where}: the download took longer than {self.limit_s:.0f} s "
+                                      f"(slower than {self.min_rate / 2**20:g} MiB/s)")
+
+
+def _fetch_http(uri: str, work: Path, deadline: _Deadline, client=None) -> None:
     import httpx  # here: only http stores need it, and it is slow to import for every CLI command
 
-    base = uri.rstrip("/")
+    base, timeout_s = uri.rstrip("/"), deadline.timeout_s
     try:
         with contextlib.ExitStack() as stack:
             if client is None:
                 client = stack.enter_context(httpx.Client(timeout=timeout_s, follow_redirects=False))
             index = client.get(f"{base}/{INDEX_FILE}", timeout=timeout_s)
             index.raise_for_status()
-            for name, size in _checked_index(index.content, base):
+            for name, size in deadline.allow(_checked_index(index.content, base)):
                 with client.stream("GET", f"{base}/{name}", timeout=timeout_s) as response, \
                         (work / name).open("wb") as out:
                     response.raise_for_status()
-                    _write_bounded(response.iter_bytes(_CHUNK), out, size, f"{base}/{name}")
+                    _write_bounded(response.iter_bytes(), out, size, f"{base}/{name}", deadline)  # as they come
     except httpx.HTTPError as exc:
         raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
 
 
-def _write_bounded(chunks, out, size: int, where: str) -> None:
+def _write_bounded(chunks, out, size: int, where: str, deadline: _Deadline) -> None:
     written = 0
     for chunk in chunks:
+        deadline.check(where)
         written += len(chunk)
         if written > size:
             raise ArtifactUnavailable(f"{where} sent more than the {size} bytes its index lists")
         out.write(chunk)
+    deadline.check(where)
     out.flush()
     os.fsync(out.fileno())
 
 
-def _fetch_s3(uri: str, work: Path, timeout_s: float, client) -> None:
+def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
     parts = urlsplit(uri)
+    timeout_s = deadline.timeout_s
     bucket, prefix = parts.netloc, parts.path.strip("/")
     if client is None:
         try:
@@ -459,10 +489,10 @@ def _fetch_s3(uri: str, work: Path, timeout_s: float, client) -> None:
         client = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s))
     try:
         index = client.get_object(Bucket=bucket, Key=f"{prefix}/{INDEX_FILE}")["Body"].read()
-        for name, size in _checked_index(index, uri):
+        for name, size in deadline.allow(_checked_index(index, uri)):
             body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
             with (work / name).open("wb") as out:
-                _write_bounded(iter(lambda: body.read(_CHUNK), b""), out, size, f"{uri}/{name}")
+                _write_bounded(iter(lambda: body.read(_CHUNK), b""), out, size, f"{uri}/{name}", deadline)
     except (UnsafeLocation, ArtifactUnavailable):
         raise
     except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"
