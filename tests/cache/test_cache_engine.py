@@ -10,7 +10,7 @@ from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry.store import ArtifactStore, serve_store
+from loraplex.registry.store import ArtifactStore, digest_and_pieces, serve_store
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
 
@@ -40,9 +40,9 @@ def make_engine(llama_dir, tmp_path, allowed, policy=None, max_loras=2, disk_byt
                                   disk_cache_bytes=disk_bytes, allowed_roots=(allowed,)), policy=policy)
 
 
-def remote_ref(engine, base, name, digest):
+def remote_ref(engine, base, name, digest, pieces=None):
     key = AdapterKey(engine.base_model_digest, name, "1", digest)
-    return AdapterRef(key, storage_uri=f"{base}/{digest.removeprefix('sha256:')}")
+    return AdapterRef(key, storage_uri=f"{base}/{digest.removeprefix('sha256:')}", pieces=pieces)
 
 
 def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_dir, remote, tmp_path):
@@ -65,16 +65,18 @@ def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_d
     engine.close()
 
 
-def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, remote, tmp_path):
+@pytest.mark.parametrize("by_pieces", [False, True])  # checked by the digest alone, or by the registry's pieces
+def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, remote, tmp_path, by_pieces):
     store, digests = remote
+    pieces = {d: digest_and_pieces(store.path(d))[1] if by_pieces else None for d in digests.values()}
     path = store.path(digests["all-r16-rslora"]) / "adapter_model.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
     path.write_bytes(bytes(data))
     with serve_store(store) as base:
         engine = make_engine(llama_dir, tmp_path, base)
-        good = remote_ref(engine, base, "good", digests["attn-r8"])
-        bad = remote_ref(engine, base, "bad", digests["all-r16-rslora"])
+        good = remote_ref(engine, base, "good", digests["attn-r8"], pieces[digests["attn-r8"]])
+        bad = remote_ref(engine, base, "bad", digests["all-r16-rslora"], pieces[digests["all-r16-rslora"]])
         assert run_one(engine, good)[1] is None
         slots, cpu = list(engine.adapters.slots), set(engine.adapters.cpu)
         _, error, tokens = run_one(engine, bad)

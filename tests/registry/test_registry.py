@@ -24,6 +24,7 @@ from loraplex.registry import (
     RevisionUnavailable,
     SchemaTooNew,
 )
+from loraplex.registry.store import digest_and_pieces
 from loraplex.registry.traffic import pick
 
 
@@ -293,6 +294,24 @@ def test_schema_version_is_checked_at_start(db_url, make_registry):
         conn.execute(text("UPDATE schema_version SET version = version + 1"))
     with pytest.raises(SchemaTooNew, match="newer than this loraplex understands"):
         Registry(db_url)
+
+
+def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_registry, adapter_v1, adapter_v2):
+    registry = make_registry(db_url)
+    record = registry.add_revision(adapter_v1, "chat", status="stable")
+    digest, pieces = digest_and_pieces(registry.store.path(record.digest))
+    assert digest == record.digest and registry.pieces(record.digest) == pieces
+    assert registry.pieces("sha256:" + "0" * 64) is None
+    # A database from before the piece table: `init` adds the table (older versions ignore it); revisions
+    # registered before have no pieces (their loads check the digest alone) until their bytes are added again.
+    with registry.engine.begin() as conn:
+        conn.execute(text("DROP TABLE artifact_pieces"))
+    again = make_registry(db_url)
+    assert again.pieces(record.digest) is None
+    assert again.add_revision(adapter_v1, "chat").revision == record.revision  # the same bytes: the same revision
+    assert again.pieces(record.digest) == pieces
+    other = again.add_revision(adapter_v2, "chat")
+    assert again.pieces(other.digest) == digest_and_pieces(adapter_v2)[1]
 
 
 def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adapter_v2):

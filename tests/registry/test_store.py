@@ -26,7 +26,7 @@ from loraplex.registry import (
     serve_store,
 )
 from loraplex.registry import store as store_module
-from loraplex.registry.store import is_artifact_name, read_artifact
+from loraplex.registry.store import Pieces, digest_and_pieces, is_artifact_name, read_artifact
 
 
 def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
@@ -97,34 +97,82 @@ def test_flipped_byte_is_refused_by_get(tmp_path):
         store.get(digest)
 
 
+def check_by(src: Path, by_pieces: bool) -> dict:
+    """read_artifact's keywords for the check: none (one sha256), or the piece list taken now, as at registration."""
+    return {"pieces": digest_and_pieces(src)[1]} if by_pieces else {}
+
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """Read chunks and pieces of `size` bytes."""
+    def chunked(size: int) -> None:
+        monkeypatch.setattr(store_module, "_READ_CHUNK", size)
+        monkeypatch.setattr(store_module, "PIECE_BYTES_MIN", size)
+    return chunked
+
+
+def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
+    chunked(1000)
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 10)  # 2560 bytes: pieces of 1000, 1000 and 560
+    digest, pieces = digest_and_pieces(src)
+    assert digest == canonical_digest(src) and pieces.size == 1000
+    data = (src / "adapter_model.safetensors").read_bytes()
+    config = (src / "adapter_config.json").read_bytes()
+    assert pieces.files == (
+        ("adapter_config.json", len(config), (hashlib.sha256(config).hexdigest(),)),
+        ("adapter_model.safetensors", 2560, tuple(hashlib.sha256(data[i : i + 1000]).hexdigest()
+                                                  for i in (0, 1000, 2000))),
+    )
+    assert Pieces.from_json(pieces.to_json()) == pieces
+    listed = json.loads(pieces.to_json())
+    for bad in ({**listed, "piece_bytes": 0}, {"files": listed["files"]},
+                {**listed, "files": [{**listed["files"][1], "sha256": listed["files"][1]["sha256"][:2]}]},
+                {**listed, "files": [{**listed["files"][0], "sha256": ["XYZ"]}]}):
+        with pytest.raises(ValueError, match="not a piece list"):
+            Pieces.from_json(json.dumps(bad))
+
+
+def test_piece_size_keeps_the_list_short():
+    mib = 1 << 20
+    sizes = [store_module.piece_bytes(n) for n in (0, 256 * mib, 256 * mib + 1, 4096 * mib)]
+    assert sizes == [mib, mib, 2 * mib, 16 * mib]
+
+
+@pytest.mark.parametrize("by_pieces", [False, True])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])  # many chunks per file, and one
-def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(store_module, "_READ_CHUNK", chunk)
+def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, chunked, chunk, by_pieces):
+    chunked(chunk)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     (src / "extra.safetensors").write_bytes(b"")  # an empty artifact file counts too
     (src / "notes.txt").write_text("not part of the artifact")
-    files = read_artifact(src, canonical_digest(src))
+    files = read_artifact(src, canonical_digest(src), **check_by(src, by_pieces))
     names = ["adapter_config.json", "adapter_model.safetensors", "extra.safetensors"]
     assert {name: bytes(data) for name, data in files.items()} == {name: (src / name).read_bytes() for name in names}
 
 
-def test_read_artifact_refuses_a_flipped_byte(tmp_path):
+@pytest.mark.parametrize("by_pieces", [False, True])
+def test_read_artifact_refuses_a_flipped_byte(tmp_path, chunked, by_pieces):
+    chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
-    digest = canonical_digest(src)
+    digest, check = canonical_digest(src), check_by(src, by_pieces)
     data = bytearray((src / "adapter_model.safetensors").read_bytes())
     data[5000] ^= 0x01
     (src / "adapter_model.safetensors").write_bytes(bytes(data))
-    with pytest.raises(DigestMismatch, match=f"expected {digest}"):
-        read_artifact(src, digest)
+    with pytest.raises(DigestMismatch, match=f"expected {digest}") as refused:
+        read_artifact(src, digest, **check)
+    if by_pieces:
+        assert "other bytes in piece 5 of adapter_model.safetensors" in str(refused.value)
     with pytest.raises(UnsafeLocation, match="is not a digest"):
         read_artifact(src, "md5:" + "0" * 32)
 
 
+@pytest.mark.parametrize("by_pieces", [False, True])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])
-def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(store_module, "_READ_CHUNK", chunk)
+def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(tmp_path, chunked, chunk, by_pieces):
+    chunked(chunk)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     original = (src / "adapter_model.safetensors").read_bytes()
+    check = check_by(src, by_pieces)
 
     def overwrite(files, hashed):  # zeroes the weights from the front, each piece once the hash has read it
         data = files["adapter_model.safetensors"]
@@ -134,27 +182,51 @@ def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(t
         return bytes(data)
 
     # were a piece overwritten before it was hashed, the digest would not match
-    assert read_artifact(src, canonical_digest(src), use=overwrite) == bytes(len(original))
+    assert read_artifact(src, canonical_digest(src), use=overwrite, **check) == bytes(len(original))
 
 
-def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path):
+@pytest.mark.parametrize("by_pieces", [False, True])
+def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path, chunked, by_pieces):
+    chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
-    digest = canonical_digest(src)
+    digest, check = canonical_digest(src), check_by(src, by_pieces)
     used = []
     data = bytearray((src / "adapter_model.safetensors").read_bytes())
     data[5000] ^= 0x01
     (src / "adapter_model.safetensors").write_bytes(bytes(data))
     with pytest.raises(DigestMismatch, match=f"expected {digest}"):
-        read_artifact(src, digest, use=lambda files, hashed: used.append(1) or "packed")
+        read_artifact(src, digest, use=lambda files, hashed: used.append(1) or "packed", **check)
     assert used == [1]
 
     def refuse(files, hashed):
         raise ValueError("not a safetensors file")
 
     with pytest.raises(DigestMismatch):  # a mismatch is the error, whatever the parser said of the bytes
-        read_artifact(src, digest, use=refuse)
+        read_artifact(src, digest, use=refuse, **check)
     with pytest.raises(ValueError, match="not a safetensors file"):  # the bytes are the artifact's: its error
-        read_artifact(src, canonical_digest(src), use=refuse)
+        read_artifact(src, canonical_digest(src), use=refuse, **check_by(src, by_pieces))
+
+
+def test_read_by_pieces_refuses_other_files_and_sizes(tmp_path, chunked):
+    """Pieces that all match do not make the artifact: the files' names and sizes must be the listed ones too."""
+    chunked(1000)
+    payload = bytes(range(256)) * 8  # 2048 bytes: pieces end at 1000, 2000, 2048
+    weights = "adapter_model.safetensors"
+    cases = {
+        "truncated at a piece boundary": lambda d: (d / weights).write_bytes(payload[:2000]),
+        "a byte added": lambda d: (d / weights).write_bytes(payload + b"x"),
+        "a file added": lambda d: (d / "more.safetensors").write_bytes(b""),
+        "a file renamed": lambda d: (d / weights).rename(d / "other.safetensors"),
+        "a file gone": lambda d: (d / "adapter_config.json").unlink(),
+    }
+    for what, change in cases.items():
+        src = fake_adapter(tmp_path / what, payload)
+        digest, pieces = digest_and_pieces(src)
+        change(src)
+        with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+            read_artifact(src, digest, pieces=pieces)
+        with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+            read_artifact(src, digest, use=lambda files, hashed: "packed", pieces=pieces)
 
 
 def test_digests_never_become_paths(tmp_path):
@@ -239,16 +311,30 @@ def test_allowlist_parse():
         allowed.check("s3://other-bucket/p/abc")
 
 
-def test_http_fetch_from_a_real_local_server(tmp_path):
+@pytest.mark.parametrize("by_pieces", [False, True])
+def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
     remote = ArtifactStore(tmp_path / "remote")
-    digest = remote.put(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))  # several read chunks
+    digest, pieces = remote.put_with_pieces(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))  # several chunks
+    assert len(pieces.files[1][2]) == 3
+    check = {"pieces": pieces} if by_pieces else {}
     local = ArtifactStore(tmp_path / "local")
     with serve_store(remote) as base:
         uri = f"{base}/{digest.removeprefix('sha256:')}"
-        path = fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)))
-    assert canonical_digest(path) == digest
-    weights = "adapter_model.safetensors"
-    assert (path / weights).read_bytes() == (remote.path(digest) / weights).read_bytes()
+        path = fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check)
+        assert canonical_digest(path) == digest
+        weights = "adapter_model.safetensors"
+        assert (path / weights).read_bytes() == (remote.path(digest) / weights).read_bytes()
+        assert fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check) == path  # the local copy
+        # Bytes changed in the remote store are refused, and so is a damaged local copy (replaced, not used).
+        data = bytearray((remote.path(digest) / weights).read_bytes())
+        data[(2 << 20) + 5] ^= 1
+        (remote.path(digest) / weights).write_bytes(bytes(data))
+        (path / weights).write_bytes(bytes(data))
+        with pytest.raises(DigestMismatch, match=f"expected {digest}") as refused:
+            fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check)
+    assert uri in str(refused.value) and not local.has(digest)
+    if by_pieces:
+        assert "piece 2 of adapter_model.safetensors" in str(refused.value)
 
 
 def test_http_tampered_bytes_and_bad_index_are_refused(tmp_path):

@@ -1,8 +1,11 @@
 """The OpenAI API through the official `openai` client: plain, streamed and chat calls, headers, refusals."""
 
+import json
+
 import httpx
 import openai
 import pytest
+from sqlalchemy import text
 
 from harness import MODEL
 
@@ -177,7 +180,8 @@ def test_sdk_raises_its_error_types_and_the_server_keeps_serving(running):
     with pytest.raises(openai.BadRequestError) as long_prompt:
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=2)
     assert "max_prompt_tokens" in long_prompt.value.message
-    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2, extra_body=NO_EOS).usage.completion_tokens == 2
+    still = client.completions.create(model=MODEL, prompt="still here", max_tokens=2, extra_body=NO_EOS)
+    assert still.usage.completion_tokens == 2
 
 
 def test_cache_tier_header_goes_disk_then_gpu(start):
@@ -226,6 +230,28 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
                 list(result) if stream else None
         assert client.completions.create(model="shared-a", prompt="x", max_tokens=2,
                                          extra_body=NO_EOS).usage.completion_tokens == 2
+
+
+def test_loads_check_the_registered_pieces(start, adapter_variants):
+    """The served adapters' bytes are checked against the piece list the registry took at registration: with one
+    piece hash of that list changed, loading the (intact) bytes fails as a digest mismatch."""
+    def register(registry):
+        record = registry.add_revision(adapter_variants[2], "listed", shared=True, status="stable")
+        listed = json.loads(registry.pieces(record.digest).to_json())
+        listed["files"][-1]["sha256"][0] = "0" * 64
+        with registry.engine.begin() as conn:
+            conn.execute(text("UPDATE artifact_pieces SET pieces = :p WHERE digest = :d"),
+                         {"p": json.dumps(listed), "d": record.digest})
+
+    with start(registry_setup=register) as running:
+        client = running.client()
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.completions.create(model="listed", prompt="x", max_tokens=2)
+        assert failed.value.status_code == 503 and "digest" in failed.value.message
+        assert client.completions.create(model="shared-a", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        record = running.registry.resolve("alice", "shared-a")
+        ref = running.server.resolver.ref_for(record)
+        assert ref.pieces is not None and ref.pieces == running.registry.pieces(record.digest)
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_it(running):

@@ -361,12 +361,13 @@ class AdapterCache:
             if ref.path is not None:
                 start = time.perf_counter()
                 # one read; packed while the digest check runs, kept only if it matches
-                packed = read_artifact(ref.path, ref.key.adapter_digest, use=self._pack)
+                packed = read_artifact(ref.path, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces)
                 stages["disk"] = time.perf_counter() - start
                 source = "disk"
             elif self.disk is not None and ref.storage_uri:
                 start = time.perf_counter()
-                packed, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, use=self._pack)
+                packed, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, use=self._pack,
+                                                    pieces=ref.pieces)
                 stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
                 if download_s is not None:
                     stages["download"] = download_s

@@ -11,6 +11,7 @@ from loraplex.registry.errors import DigestMismatch
 from loraplex.registry.store import (
     AllowList,
     ArtifactStore,
+    Pieces,
     fetch_artifact,
     read_artifact,
 )
@@ -30,21 +31,22 @@ class DiskTier:
     def has(self, digest: str) -> bool:
         return self.store.has(digest)
 
-    def read(self, storage_uri: str, digest: str, use: Callable | None = None) -> tuple[object, float | None]:
-        """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`), from the local
-        copy or downloaded first; and the seconds the download took (None: read from the local copy). A damaged
-        local copy is dropped and downloaded again, never used."""
+    def read(self, storage_uri: str, digest: str, use: Callable | None = None,
+             pieces: Pieces | None = None) -> tuple[object, float | None]:
+        """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`; checked by the
+        registry's `pieces` when given), from the local copy or downloaded first; and the seconds the download
+        took (None: read from the local copy). A damaged local copy is dropped and downloaded again, never used."""
         with self._lock:
             self._in_use[digest] = self._in_use.get(digest, 0) + 1
         try:
-            found, result = self._read_local(digest, use)
+            found, result = self._read_local(digest, use, pieces)
             download_s = None
             if not found:
                 start = time.perf_counter()
                 path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s,
-                                      http_client=self._http_client(storage_uri))
+                                      http_client=self._http_client(storage_uri), pieces=pieces)
                 download_s = time.perf_counter() - start
-                result = read_artifact(path, digest, use)
+                result = read_artifact(path, digest, use, pieces)
             with self._lock:
                 self._last_use[digest] = time.monotonic()
             return result, download_s
@@ -69,12 +71,12 @@ class DiskTier:
                 self._http.close()
                 self._http = None
 
-    def _read_local(self, digest: str, use: Callable | None) -> tuple[bool, object]:
+    def _read_local(self, digest: str, use: Callable | None, pieces: Pieces | None) -> tuple[bool, object]:
         """(whether a sound local copy was there, what reading it gave)."""
         if not self.store.has(digest):
             return False, None
         try:
-            return True, read_artifact(self.store.path(digest), digest, use)
+            return True, read_artifact(self.store.path(digest), digest, use, pieces)
         except DigestMismatch:
             self.store.remove(digest)
             return False, None

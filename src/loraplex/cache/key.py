@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loraplex.registry.store import Pieces
 
 RUNTIME_COMPAT_VERSION = "1"
 
@@ -29,3 +33,5 @@ class AdapterRef:
     storage_uri: str | None = None
     tenant: str = "default"
     priority: int = 0
+    pieces: Pieces | None = field(default=None, compare=False, repr=False)
+    """The registry's piece list for the key's digest, if it has one: the load checks the bytes on several cores."""

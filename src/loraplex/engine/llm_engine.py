@@ -39,7 +39,7 @@ from loraplex.lora_format import (
     read_adapter,
 )
 from loraplex.model_config import ModelConfig, base_model_digest
-from loraplex.registry.store import AllowList, canonical_digest
+from loraplex.registry.store import AllowList, digest_and_pieces
 
 
 class LLMEngine:
@@ -104,7 +104,9 @@ class LLMEngine:
                     **kwargs) -> AdapterRef:
         """A reference for a local adapter directory (validated now, so a bad one fails here)."""
         spec = self.validate_adapter(path)
-        key = AdapterKey(self.base_model_digest, name, revision, digest or canonical_digest(Path(path)))
+        if digest is None:  # hashed here, as a registry does at registration: the pieces come from the same read
+            digest, kwargs["pieces"] = digest_and_pieces(Path(path))
+        key = AdapterKey(self.base_model_digest, name, revision, digest)
         return AdapterRef(key, Path(spec.path), **kwargs)
 
     def _pack_adapter(self, files: dict[str, memoryview], hashed: Callable[[str, int], None]):

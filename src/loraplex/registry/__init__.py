@@ -15,7 +15,15 @@ from loraplex.registry.errors import (
 from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
 from loraplex.registry.registry import Registry
 from loraplex.registry.release import EvalCase, ReleaseChecks
-from loraplex.registry.store import AllowList, ArtifactStore, canonical_digest, fetch_artifact, serve_store
+from loraplex.registry.store import (
+    AllowList,
+    ArtifactStore,
+    Pieces,
+    canonical_digest,
+    digest_and_pieces,
+    fetch_artifact,
+    serve_store,
+)
 
 __all__ = [
     "AdapterNotFound",
@@ -29,6 +37,7 @@ __all__ = [
     "EvalCase",
     "KeyRecord",
     "LifecycleError",
+    "Pieces",
     "Registry",
     "RegistryError",
     "ReleaseCheckFailed",
@@ -39,6 +48,7 @@ __all__ = [
     "TenantRecord",
     "UnsafeLocation",
     "canonical_digest",
+    "digest_and_pieces",
     "fetch_artifact",
     "serve_store",
 ]

@@ -24,7 +24,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from loraplex.registry.errors import RegistryError, SchemaTooNew
 
-# Bump when the tables change, and add the step that upgrades the previous version in `create_schema`.
+# Bump when the tables change, and add the step that upgrades the previous version in `create_schema`. A new table
+# that older versions can ignore does not bump it: `create_schema` adds the tables it lacks.
 SCHEMA_VERSION = 1
 
 
@@ -101,6 +102,16 @@ class Revision(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stable_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ArtifactPieces(Base):
+    """The sha256 of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration: loads check the
+    bytes on several cores with it. Revisions registered before this table have none and are checked by their
+    digest alone."""
+
+    __tablename__ = "artifact_pieces"
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    pieces: Mapped[str] = mapped_column(Text)
 
 
 class Traffic(Base):
@@ -205,6 +216,10 @@ def create_schema(engine: Engine) -> None:
     """Create the tables and record the schema version (idempotent)."""
     if schema_version(engine) is not None:
         check_schema(engine)
+        missing = [t for t in Base.metadata.sorted_tables if not inspect(engine).has_table(t.name)]
+        if missing:  # tables added since the database was made, that older versions ignore
+            with writer(engine).begin() as conn:
+                Base.metadata.create_all(conn, tables=missing)
         return
     # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh registry waits for
     # the first and then finds its tables, instead of failing on the lock or inserting the same rows twice.

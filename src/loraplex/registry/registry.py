@@ -28,6 +28,7 @@ from loraplex.registry import queries as q
 from loraplex.registry.db import (
     Adapter,
     ApiKey,
+    ArtifactPieces,
     AuditEvent,
     Generation,
     Grant,
@@ -47,7 +48,7 @@ from loraplex.registry.errors import (
 from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
 from loraplex.registry.signing import verify_digest
-from loraplex.registry.store import AllowList, ArtifactStore, artifact_files, canonical_digest
+from loraplex.registry.store import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
 from loraplex.registry.traffic import pick
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -184,11 +185,14 @@ class Registry:
             verify_digest(actual, signature, self.trusted_keys)
         if self.store is None:
             raise RegistryError("no artifact store configured for this registry (pass store=ArtifactStore(DIR))")
-        if self.store.put(src) != actual:
+        stored, pieces = self.store.put_with_pieces(src)  # the pieces of the stored copy, from the read hashing it
+        if stored != actual:
             raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
         with self._write() as session:
             if not self.store.has(actual) and self.store.put(src) != actual:  # removed by a gc since the put
                 raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
+            if session.get(ArtifactPieces, actual) is None:  # also for bytes registered before the table
+                session.add(ArtifactPieces(digest=actual, pieces=pieces.to_json()))
             adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
             existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
@@ -311,6 +315,13 @@ class Registry:
             self._snapshots.clear()
         self._snapshots[name] = snapshot
         return snapshot
+
+    def pieces(self, digest: str) -> Pieces | None:
+        """The piece list recorded for an artifact at registration (None for one registered before there were
+        piece lists): what lets a load check its bytes on several cores."""
+        with self._read() as session:
+            row = session.get(ArtifactPieces, digest)
+            return Pieces.from_json(row.pieces) if row is not None else None
 
     def tenant_may_use(self, tenant: str, name: str) -> bool:
         with self._read() as session:

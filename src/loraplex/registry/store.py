@@ -43,6 +43,8 @@ STALE_TEMP_S = 3600
 _CHUNK = 1 << 20
 _READ_CHUNK = 4 << 20  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
 _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
+PIECE_BYTES_MIN = 1 << 20
+PIECES_MAX = 256  # per artifact, about: bounds the list a registry row keeps (64 hex digits a piece)
 MIN_DOWNLOAD_RATE = 1 << 20
 """Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own timeout
 does not end a store that trickles bytes, and such a download would hold a load thread for good."""
@@ -64,20 +66,73 @@ def artifact_files(directory: Path) -> list[str]:
     return sorted(p.name for p in Path(directory).iterdir() if is_artifact_name(p.name) and p.is_file())
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """The sha256 of every piece of every artifact file (pieces of `size` bytes from each file's start, the last
+    one shorter), taken at registration in the same read as the digest. The same file names, sizes and piece
+    hashes are the same bytes, so a load can check an artifact on several cores instead of running one sha256 over
+    it. A piece list is trusted from the registry only, never from the store that holds the bytes."""
+
+    size: int
+    files: tuple[tuple[str, int, tuple[str, ...]], ...]
+    """(name, bytes, hex sha256 of each piece), in name order."""
+
+    def to_json(self) -> str:
+        return json.dumps({"piece_bytes": self.size,
+                           "files": [{"name": n, "size": size, "sha256": list(h)} for n, size, h in self.files]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Pieces:
+        try:
+            data = json.loads(text)
+            size = int(data["piece_bytes"])
+            files = tuple((str(f["name"]), int(f["size"]), tuple(map(str, f["sha256"]))) for f in data["files"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a piece list ({exc})") from None
+        for name, nbytes, hashes in files:
+            if (size <= 0 or nbytes < 0 or len(hashes) != -(-nbytes // size)
+                    or not all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes)):
+                raise ValueError(f"not a piece list (file {name!r})")
+        return cls(size, files)
+
+
+def piece_bytes(total: int) -> int:
+    """The piece size for an artifact of `total` bytes: 1 MiB, doubled until it has about PIECES_MAX pieces."""
+    size = PIECE_BYTES_MIN
+    while size * PIECES_MAX < total:
+        size *= 2
+    return size
+
+
 def canonical_digest(directory: str | Path) -> str:
     """sha256 over, for each artifact file in name order: b"<name>\\n<size>\\n" then the file's bytes."""
-    directory = Path(directory)
-    h = hashlib.sha256()
-    for name in artifact_files(directory):
-        path = directory / name
-        h.update(_file_prefix(name, path.stat().st_size))
-        with path.open("rb") as f:
-            while chunk := f.read(_CHUNK):
+    return _digest(Path(directory), pieces=False)[0]
+
+
+def digest_and_pieces(directory: str | Path) -> tuple[str, Pieces]:
+    """The canonical digest and the piece list, from one read of the files."""
+    return _digest(Path(directory), pieces=True)
+
+
+def _digest(directory: Path, pieces: bool) -> tuple[str, Pieces | None]:
+    names = artifact_files(directory)
+    piece = piece_bytes(sum((directory / name).stat().st_size for name in names)) if pieces else _CHUNK
+    h, files = hashlib.sha256(), []
+    for name in names:
+        with (directory / name).open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(_file_prefix(name, size))
+            hashes, read = [], 0
+            while chunk := f.read(piece):
                 h.update(chunk)
-    return "sha256:" + h.hexdigest()
+                read += len(chunk)
+                if pieces:
+                    hashes.append(hashlib.sha256(chunk).hexdigest())
+        files.append((name, read, tuple(hashes)))
+    return "sha256:" + h.hexdigest(), Pieces(piece, tuple(files)) if pieces else None
 
 
-def read_artifact(directory: str | Path, digest: str, use: Callable | None = None):
+def read_artifact(directory: str | Path, digest: str, use: Callable | None = None, pieces: Pieces | None = None):
     """Every artifact file's bytes, read once into memory; DigestMismatch unless they hash to `digest`.
 
     The bytes returned are the bytes hashed: a file changed on disk after the check is never used, as it could be
@@ -87,61 +142,113 @@ def read_artifact(directory: str | Path, digest: str, use: Callable | None = Non
     parsing and packing overlap the digest check. `hashed(name, end)` returns once the first `end` bytes of file
     `name` are hashed: `use` may overwrite bytes only below that. Its result is returned only when the digest
     matches and dropped otherwise; when both fail, the mismatch is what is raised.
+
+    With `pieces` (the registry's piece list for `digest`), the files must have the listed names and sizes and
+    each piece its listed hash, checked by a pool of threads (one sha256 runs on one core at about 1.4 GB/s).
     """
     check_digest(digest)
     directory = Path(directory)
-    # sha256 releases the GIL on large buffers, so a helper thread hashes each chunk while the next one is read
-    # (and while `use` runs). One worker: the updates stay in order.
-    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-        progress = _HashProgress(hasher)
-        files = {name: _read_hashing(directory / name, name, progress) for name in artifact_files(directory)}
-        hexdigest = hasher.submit(progress.sha256.hexdigest)
+    names = artifact_files(directory)
+    if pieces is not None and names != [name for name, _, _ in pieces.files]:
+        raise DigestMismatch(digest, f"other files ({', '.join(names) or 'none'})", str(directory))
+    # sha256 releases the GIL on large buffers, so helper threads hash each chunk while the next one is read (and
+    # while `use` runs). One running sha256 has one worker (its updates stay in order); pieces have several.
+    threads = 1 if pieces is None else max(1, min(os.cpu_count() or 1, 8, sum(len(h) for _, _, h in pieces.files)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as hasher:
+        if pieces is None:
+            progress = _HashProgress(hasher)
+            files = {name: _read_hashing(directory / name, name, progress, _READ_CHUNK) for name in names}
+        else:
+            progress = _PieceCheck(hasher, pieces)
+            files = {name: _read_hashing(directory / name, name, progress, pieces.size, (digest, size))
+                     for name, size, _ in pieces.files}
         result, error = files, None
         if use is not None:
             try:
                 result = use(files, progress.wait)
             except Exception as exc:  # noqa: BLE001 (re-raised below, unless the bytes were not the artifact's)
                 error = exc
-        actual = "sha256:" + hexdigest.result()
-    if actual != digest:
-        raise DigestMismatch(digest, actual, str(directory)) from error
+        mismatch = progress.mismatch(digest)
+    if mismatch is not None:
+        raise DigestMismatch(digest, mismatch, str(directory)) from error
     if error is not None:
         raise error
     return result
 
 
-class _HashProgress:
-    """One running sha256 over the files in order, fed chunk by chunk on the hasher thread; `wait(name, end)`
-    blocks until the first `end` bytes of `name` went in."""
+class _Progress:
+    """Chunks handed to the hasher threads, per file in order; `wait(name, end)` blocks until the first `end` bytes
+    of `name` are hashed."""
 
     def __init__(self, hasher: ThreadPoolExecutor):
-        self.sha256 = hashlib.sha256()
         self.hasher = hasher
-        self.chunks: dict[str, list[tuple[int, Future]]] = {}  # name -> (end offset, its update), in order
+        self.chunks: dict[str, list[tuple[int, Future]]] = {}  # name -> (end offset, its hashing), in order
         self.hashed: dict[str, int] = {}  # name -> how many of its chunks are known to be hashed
 
-    def add(self, name: str, data, end: int) -> None:
-        self.chunks.setdefault(name, []).append((end, self.hasher.submit(self.sha256.update, data)))
-
     def wait(self, name: str, end: int) -> None:
-        chunks, i = self.chunks[name], self.hashed.get(name, 0)
+        chunks, i = self.chunks.get(name, []), self.hashed.get(name, 0)
         while i < len(chunks) and (i == 0 or chunks[i - 1][0] < end):
             chunks[i][1].result()
             i += 1
         self.hashed[name] = i
 
 
+class _HashProgress(_Progress):
+    """One running sha256 over the files in order, fed chunk by chunk on the hasher thread."""
+
+    def __init__(self, hasher: ThreadPoolExecutor):
+        super().__init__(hasher)
+        self.sha256 = hashlib.sha256()
+
+    def add(self, name: str, data, end: int) -> None:
+        if end == 0:
+            data = _file_prefix(name, len(data))  # the file's size, as the canonical digest starts it
+        self.chunks.setdefault(name, []).append((end, self.hasher.submit(self.sha256.update, data)))
+
+    def mismatch(self, digest: str) -> str | None:
+        actual = "sha256:" + self.hasher.submit(self.sha256.hexdigest).result()  # after every update
+        return None if actual == digest else actual
+
+
+class _PieceCheck(_Progress):
+    """Each piece hashed on its own and compared with the registered list."""
+
+    def __init__(self, hasher: ThreadPoolExecutor, pieces: Pieces):
+        super().__init__(hasher)
+        self.expected = {name: hashes for name, _, hashes in pieces.files}
+
+    def add(self, name: str, data, end: int) -> None:
+        if end == 0:
+            return  # the name and size were checked against the list before the read
+        chunks = self.chunks.setdefault(name, [])
+        chunks.append((end, self.hasher.submit(_piece_matches, data, self.expected[name][len(chunks)])))
+
+    def mismatch(self, digest: str) -> str | None:
+        for name, chunks in self.chunks.items():
+            for i, (_, matches) in enumerate(chunks):
+                if not matches.result():
+                    return f"other bytes in piece {i} of {name}"
+        return None
+
+
+def _piece_matches(data, expected: str) -> bool:
+    return hashlib.sha256(data).hexdigest() == expected
+
+
 def _file_prefix(name: str, size: int) -> bytes:
     return f"{name}\n{size}\n".encode()
 
 
-def _read_hashing(path: Path, name: str, progress: _HashProgress) -> memoryview:
+def _read_hashing(path: Path, name: str, progress, chunk_bytes: int, expect: tuple[str, int] | None = None):
+    """The file's bytes, each chunk handed to `progress` once read. `expect`: (digest, size) the file must have."""
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        progress.add(name, _file_prefix(name, size), 0)
+        if expect is not None and size != expect[1]:
+            raise DigestMismatch(expect[0], f"{name} of {size} bytes, not {expect[1]}", str(path.parent))
         data = _file_buffer(size)
-        for start in range(0, size, _READ_CHUNK):
-            chunk = data[start : start + _READ_CHUNK]
+        progress.add(name, data, 0)
+        for start in range(0, size, chunk_bytes):
+            chunk = data[start : start + chunk_bytes]
             _read_exactly(f, chunk, path)
             progress.add(name, chunk, start + len(chunk))
     return data
@@ -198,11 +305,15 @@ class ArtifactStore:
     def has(self, digest: str) -> bool:
         return self.path(digest).is_dir()
 
-    def get(self, digest: str) -> Path:
-        """The artifact's directory, after checking that its bytes still hash to `digest`."""
+    def get(self, digest: str, pieces: Pieces | None = None) -> Path:
+        """The artifact's directory, after checking that its bytes still hash to `digest` (by its registered
+        `pieces`, when given)."""
         path = self.path(digest)
         if not path.is_dir():
             raise ArtifactUnavailable(f"{digest} is not in the artifact store {self.root}")
+        if pieces is not None:
+            read_artifact(path, digest, pieces=pieces)
+            return path
         actual = canonical_digest(path)
         if actual != digest:
             raise DigestMismatch(digest, actual, str(path))
@@ -220,15 +331,21 @@ class ArtifactStore:
 
     def put(self, src_dir: str | Path) -> str:
         """Copy an adapter directory in (adapter_config.json and *.safetensors only); returns its digest."""
-        src = Path(src_dir)
+        return self._put(Path(src_dir), pieces=False)[0]
+
+    def put_with_pieces(self, src_dir: str | Path) -> tuple[str, Pieces]:
+        """As `put`, with the piece list of the copy taken in the read that hashes it."""
+        return self._put(Path(src_dir), pieces=True)
+
+    def _put(self, src: Path, pieces: bool) -> tuple[str, Pieces | None]:
         names = _source_files(src)
         work = self.temp_dir()
         try:
             for name in names:
                 _copy_synced(src / name, work / name)
-            digest = canonical_digest(work)
+            digest, listed = _digest(work, pieces)
             self.adopt(work, digest)
-            return digest
+            return digest, listed
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -368,17 +485,19 @@ def fetch_artifact(
     s3_client=None,
     http_client=None,
     min_rate: float = MIN_DOWNLOAD_RATE,
+    pieces: Pieces | None = None,
 ) -> Path:
     """Bring an artifact into `dest` (download, verify, one rename) and return its local directory. A caller that
     fetches often passes its own `http_client` (an httpx.Client): a new one loads the CA bundle, about 50 ms of CPU
     with the GIL held.
 
     `timeout_s` bounds each network operation; a download as a whole must also end within `timeout_s` plus its
-    bytes (from the store's index) at `min_rate` bytes per second, or it fails with ArtifactUnavailable."""
+    bytes (from the store's index) at `min_rate` bytes per second, or it fails with ArtifactUnavailable.
+    `pieces`: the registry's piece list for `digest`, to check the bytes on several cores."""
     check_digest(digest)
     if dest.has(digest):
         try:
-            return dest.get(digest)
+            return dest.get(digest, pieces)
         except DigestMismatch:
             dest.remove(digest)  # a damaged local copy is replaced by a fresh download
     allowed.check(storage_uri)
@@ -391,9 +510,15 @@ def fetch_artifact(
             _fetch_http(storage_uri, work, _Deadline(timeout_s, min_rate), http_client)
         else:
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
-        actual = canonical_digest(work)
-        if actual != digest:
-            raise DigestMismatch(digest, actual, storage_uri)
+        if pieces is None:
+            actual = canonical_digest(work)
+            if actual != digest:
+                raise DigestMismatch(digest, actual, storage_uri)
+        else:
+            try:
+                read_artifact(work, digest, pieces=pieces)
+            except DigestMismatch as exc:
+                raise DigestMismatch(digest, exc.actual, storage_uri) from None
         return dest.adopt(work, digest)
     finally:
         shutil.rmtree(work, ignore_errors=True)

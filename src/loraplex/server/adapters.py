@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.registry import Registry, RevisionRecord
+from loraplex.registry import Pieces, Registry, RevisionRecord
 from loraplex.server.errors import APIError, not_found
 
 
@@ -35,6 +35,7 @@ class AdapterResolver:
         self.draining: set[str] = set()
         self.unloaded: set[str] = set()  # names vLLM's unload retired here: their deprecated revisions are gone too
         self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
+        self._pieces: dict[str, Pieces | None] = {}  # digest -> its piece list (immutable: read once)
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
         """The target, or 404 (unknown, another tenant's, being unloaded, made for another base model)."""
@@ -55,7 +56,10 @@ class AdapterResolver:
         """A local path when the registry's own store holds the bytes (the cache checks the digest when it
         reads them); otherwise the storage URI, which the cache fetches through its disk tier."""
         key = AdapterKey(self.base_model_digest, record.name, record.revision, record.digest)
-        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant, record.priority)
+        if record.digest not in self._pieces:
+            self._pieces[record.digest] = self.registry.pieces(record.digest)
+        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant, record.priority,
+                          self._pieces[record.digest])
 
     def _local_path(self, digest: str):
         path = self._paths.get(digest)
