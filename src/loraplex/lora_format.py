@@ -164,11 +164,29 @@ def _parse_config(raw: bytes) -> dict:
     return config
 
 
+# PEFT LoRA variants whose forward pass is not the plain x·Aᵀ·Bᵀ·scaling on every token, keyed by the config field
+# that turns them on. Their weights can look like a plain LoRA's, so serving one would compute another function.
+_VARIANTS = {
+    "use_dora": "DoRA adapters are not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter applies only after its invocation tokens) is not "
+                               "supported",
+    "layer_replication": "layer replication (the adapter runs on a rebuilt stack of layers) is not supported",
+    "use_qalora": "QA-LoRA (pooled inputs) is not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+    "arrow_config": "Arrow (routing among several LoRAs) is not supported",
+    "kasa_config": "KaSA is not supported",
+    "trainable_token_indices": "trainable tokens (changes to the embedding) are not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+    "lora_bias": "LoRA with a bias on B (lora_bias) is not supported",
+}
+
+
 def _check_config(config: dict) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterRejected("peft_type", f"{config['peft_type']!r} is not supported; only LORA")
-    if config.get("use_dora"):
-        raise AdapterRejected("use_dora", "DoRA adapters are not supported")
+    for name, why in _VARIANTS.items():
+        if config.get(name):
+            raise AdapterRejected(name, why)
     if config.get("bias", "none") != "none":
         raise AdapterRejected("bias", f"bias={config['bias']!r} is not supported; only 'none'")
     if config.get("modules_to_save"):
@@ -178,6 +196,20 @@ def _check_config(config: dict) -> None:
         for name in targets:
             if name in ("embed_tokens", "lm_head"):
                 raise AdapterRejected("target_modules", f"LoRA on {name} is not supported")
+    for name in ("target_modules", "exclude_modules"):
+        value = config.get(name)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise AdapterRejected(name, f"{value!r} is neither a pattern nor a list of module names")
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise AdapterRejected(name, f"{value!r} is not a valid pattern: {exc}") from None
+    layers = config.get("layers_to_transform")
+    if layers is not None and not isinstance(layers, int) and not (
+            isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
+        raise AdapterRejected("layers_to_transform", f"{layers!r} is neither a layer index nor a list of them")
     for name in ("r", "lora_alpha"):
         if name in config and not _is_number(config[name]):
             raise AdapterRejected(name, f"{config[name]!r} is not a number")
@@ -190,6 +222,29 @@ def _check_config(config: dict) -> None:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
                 raise AdapterRejected(name, f"{pattern!r} is not a valid pattern: {exc}") from None
+
+
+def _config_selects(config: dict, path: str, layer: int) -> bool:
+    """Whether PEFT, reading this config, puts a LoRA on the module at `path` (its matching rules: a string is a
+    regex the whole path must match, a list names path suffixes, and then `layers_to_transform` limits the
+    layers). PEFT ignores the weights of a module it does not select, so serving them would serve another adapter.
+    A config without `target_modules` selects by the weights."""
+    def named(names) -> bool:
+        if isinstance(names, str):
+            return names == "all-linear" or re.fullmatch(names, path) is not None
+        return any(path == name or path.endswith(f".{name}") for name in names)
+
+    excluded = config.get("exclude_modules")
+    if excluded and named(excluded):
+        return False
+    targets = config.get("target_modules")
+    if not targets:
+        return True
+    if isinstance(targets, str) or path in targets:
+        return named(targets)
+    layers = config.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) else layers
+    return named(targets) and (not layers or layer in layers)
 
 
 def _is_number(value) -> bool:
@@ -267,6 +322,10 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
         if rank > max_rank:
             raise AdapterRejected("rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}")
         path = ModelConfig.module_path(layer, module)
+        if not _config_selects(config, path, layer):
+            raise AdapterRejected("target_modules", f"layer {layer} {module} has weights, but the config's "
+                                  "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
+                                  "would not load them)")
         r = _pattern_value(config.get("rank_pattern"), path, r_default)
         if r != rank:
             raise AdapterRejected("r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}")

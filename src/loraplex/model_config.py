@@ -133,8 +133,8 @@ def _sliding_windows(raw: dict, model_type: str) -> tuple[int | None, ...]:
         return (None,) * layers
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    first_full = raw.get("max_window_layers", layers)
-    return tuple(window if i >= first_full else None for i in range(layers))
+    first_sliding = raw.get("max_window_layers", 28)  # transformers' default for Qwen2 and Qwen3
+    return tuple(window if i >= first_sliding else None for i in range(layers))
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
-from loraplex.model_config import ModelConfigError
+from loraplex.model_config import ModelConfigError, _sliding_windows
 
 
 def engine_for(model_dir, **kw):
@@ -102,3 +102,15 @@ def test_a_step_budget_below_max_model_len_is_refused_at_start(llama_dir):
     engine = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=64)
     out = engine.generate([[3] * 60], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0]) == 4
+
+
+def test_qwen_sliding_layers_follow_transformers_without_layer_types():
+    """A hand-written Qwen2/Qwen3 config.json with use_sliding_window and no `layer_types` nor `max_window_layers`:
+    transformers slides from layer 28 (its default), so must we."""
+    import transformers
+
+    raw = {"num_hidden_layers": 30, "use_sliding_window": True, "sliding_window": 4}
+    for model_type, config_class in (("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)):
+        expected = tuple(4 if t == "sliding_attention" else None for t in config_class(**raw).layer_types)
+        assert _sliding_windows(raw, model_type) == expected
+        assert expected[27:] == (None, 4, 4)

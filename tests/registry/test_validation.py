@@ -41,6 +41,11 @@ def assert_refused(registry: Registry, src, field: str, message: str, **kwargs) 
         ("lm-head", dict(target_modules=["q_proj", "lm_head"]), "target_modules", "LoRA on lm_head is not supported"),
         ("embedding", dict(target_modules=["embed_tokens"]), "target_modules", "LoRA on embed_tokens is not supported"),
         ("rank16", dict(r=16), "rank", "rank 16 of layer 0 q_proj is above max_lora_rank 8"),
+        # weights like a plain LoRA's, another forward pass: PEFT applies an aLoRA only after its invocation
+        # tokens, and a replicated stack runs the adapter on layers the base does not have as such
+        ("alora", dict(alora_invocation_tokens=[7, 8]), "alora_invocation_tokens", "activated LoRA .* not supported"),
+        ("replication", dict(layer_replication=[[0, 1], [0, 1]]), "layer_replication",
+         "layer replication .* not supported"),
     ],
 )
 def test_peft_features_we_do_not_serve_are_refused(sqlite_registry, adapter_factory, key, lora_args, field, message):
@@ -71,6 +76,38 @@ def test_unknown_target_module_is_refused(sqlite_registry, adapter_v1, tmp_path)
     src = rewrite_weights(adapter_v1, tmp_path / "unknown",
                           lambda t: {k.replace("v_proj", "foo_proj"): v for k, v in t.items()})
     assert_refused(sqlite_registry, src, "target_modules", "foo_proj is not a linear layer of LlamaForCausalLM")
+
+
+def rewrite_config(src, dst, **changes):
+    """Copy an adapter, changing fields of its adapter_config.json (None deletes one)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dst
+
+
+def test_weights_the_config_does_not_select_are_refused(sqlite_registry, adapter_v1, tmp_path):
+    """PEFT loads only the modules its config selects and ignores other weights: serving those would serve another
+    adapter than PEFT's."""
+    cases = {
+        "narrowed": dict(target_modules=["q_proj"]),
+        "regex": dict(target_modules=r".*\.q_proj"),
+        "layers": dict(layers_to_transform=[0]),
+        "excluded": dict(exclude_modules=["v_proj"]),
+    }
+    for what, changes in cases.items():
+        src = rewrite_config(adapter_v1, tmp_path / what, **changes)
+        assert_refused(sqlite_registry, src, "target_modules", "v_proj has weights, but the config's target_modules"
+                       if what != "layers" else "layer 1 q_proj has weights")
+    src = rewrite_config(adapter_v1, tmp_path / "typed", target_modules=7)
+    assert_refused(sqlite_registry, src, "target_modules", "neither a pattern nor a list of module names")
+    src = rewrite_config(adapter_v1, tmp_path / "typed-layers", layers_to_transform="0")
+    assert_refused(sqlite_registry, src, "layers_to_transform", "neither a layer index nor a list")
+    for what, changes in {"suffixes": dict(target_modules=["self_attn.q_proj", "v_proj"]),
+                          "regex": dict(target_modules=r"model\.layers\.\d+\.self_attn\.(q|v)_proj"),
+                          "none": dict(target_modules=None)}.items():
+        sqlite_registry.add_revision(rewrite_config(adapter_v1, tmp_path / f"ok-{what}", **changes), f"ok-{what}")
 
 
 def test_disallowed_dtype_is_refused(sqlite_registry, adapter_v1, tmp_path):
