@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+from ports import held
 
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
@@ -54,14 +55,15 @@ def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_d
         tier, error, tokens = run_one(engine, warm)
         assert (tier, error, len(tokens)) == ("remote", None, 2)
         assert run_one(engine, warm)[0] == "gpu"
-    # The store is stopped now.
-    tier, error, tokens = run_one(engine, cold)
-    assert tier == "remote" and isinstance(error, AdapterUnavailable) and tokens == []
-    assert run_one(engine, warm)[:2] == ("gpu", None)
-    assert engine.adapters.slots.count(None) == 1  # the failed load took nothing
-    with serve_store(store, port=int(base.rsplit(":", 1)[1])):
-        # The same key is tried again on the next request and recovers.
-        assert run_one(engine, cold)[1:] == (None, run_one(engine, cold)[2])
+    port = int(base.rsplit(":", 1)[1])
+    with held(port):  # the store is stopped now
+        tier, error, tokens = run_one(engine, cold)
+        assert tier == "remote" and isinstance(error, AdapterUnavailable) and tokens == []
+        assert run_one(engine, warm)[:2] == ("gpu", None)
+        assert engine.adapters.slots.count(None) == 1  # the failed load took nothing
+        with serve_store(store, port=port):
+            # The same key is tried again on the next request and recovers.
+            assert run_one(engine, cold)[1:] == (None, run_one(engine, cold)[2])
     engine.close()
 
 

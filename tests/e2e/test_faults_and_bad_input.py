@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from loraplex.bench.procs import start_worker, state
 from loraplex.demo.world import TRANSFORMS, make_prompt
 from loraplex.registry import ArtifactStore, Registry, serve_store
+from ports import held
 from world_fleet import checked_inputs
 
 
@@ -60,16 +61,17 @@ def test_remote_store_down_and_disk_budget_full(demo_world, good_inputs, tmp_pat
         except BaseException:
             worker.stop()
             raise
-    # The store is down now.
+    port = int(base.rsplit(":", 1)[1])
     try:
-        assert complete(worker.url, key, names[-1]).status_code == 200  # resident: still served
-        down = complete(worker.url, key, cold_name)
-        assert down.status_code == 503 and down.json()["error"]["type"]
-        with serve_store(port_holder, port=int(base.rsplit(":", 1)[1])):
-            text = good_inputs[cold_name][0]
-            back = complete(worker.url, key, cold_name, text)
-            assert back.status_code == 200
-            assert back.json()["choices"][0]["text"].strip() == TRANSFORMS[cold_name](text)
+        with held(port):  # the store is down now
+            assert complete(worker.url, key, names[-1]).status_code == 200  # resident: still served
+            down = complete(worker.url, key, cold_name)
+            assert down.status_code == 503 and down.json()["error"]["type"]
+            with serve_store(port_holder, port=port):
+                text = good_inputs[cold_name][0]
+                back = complete(worker.url, key, cold_name, text)
+                assert back.status_code == 200
+                assert back.json()["choices"][0]["text"].strip() == TRANSFORMS[cold_name](text)
         assert all(a["in_flight"] == 0 for a in state(worker.url)["adapters"])
     finally:
         worker.stop()

@@ -88,10 +88,10 @@ def test_registering_outside_the_allowed_roots_is_refused(running, tmp_path, ada
 
 def test_prewarm_and_pin_load_ahead_of_traffic(running):
     assert running.admin("POST", "/admin/adapters/bob-a/prewarm", json={"tier": "cpu"}).status_code == 200
-    running.wait_for(lambda: _tier(running, "bob-a") in ("cpu", "gpu"), timeout=3, what="the prewarm")
+    running.wait_for(lambda: _tier(running, "bob-a") in ("cpu", "gpu"), what="the prewarm")
     pinned = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"})
     assert pinned.status_code == 200, pinned.text
-    running.wait_for(lambda: _tier(running, "alice-a") == "gpu", timeout=3, what="the pinned adapter in a slot")
+    running.wait_for(lambda: _tier(running, "alice-a") == "gpu", what="the pinned adapter in a slot")
     assert _entry(running, "alice-a")["pinned"] == "gpu"
 
 
