@@ -91,6 +91,8 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert SECRET not in text
     rows = [json.loads(line) for line in text.splitlines()]
     assert [r["status"] for r in rows] == [200, 200, 200, 404, 404, 400, 401]
+    assert [r["error_code"] for r in rows] == [None, None, None, "model_not_found", "model_not_found",
+                                               "invalid_value", "invalid_api_key"]  # which refusal, for an operator
     first = rows[0]
     assert first["tenant"] == "alice" and first["adapter"] == "shared-a" and first["revision"] == "r1"
     assert first["cache_tier"] == "disk" and first["rank"] == 8 and first["digest"].startswith("sha256:")
@@ -100,3 +102,27 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert rows[1]["cache_tier"] == "gpu" and rows[1]["load_ms"] is None
     assert rows[2]["adapter"] is None and rows[2]["endpoint"] == "chat.completions"
     assert len({r["request_id"] for r in rows}) == len(rows)
+
+
+def test_a_request_of_several_prompts_is_one_cache_lookup(start):
+    """The cache series count client requests: three prompts for a cold adapter are one disk hit (not a disk hit
+    and two gpu hits, as each prompt reaching the cache after the first one loaded the adapter)."""
+    with start() as running:
+        running.client("alice").completions.create(model="shared-a", prompt=["a", "b", "c"], max_tokens=2,
+                                                   extra_body=NO_EOS)
+        s = _samples(running.url)
+        assert _value(s, "loraplex_adapter_cache_hits_total", tier="disk") == 1
+        assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 0
+        assert _value(s, "loraplex_requests_total", tenant="alice", code="200") == 1
+
+
+def test_a_request_refused_while_draining_is_counted_for_its_tenant(start):
+    with start() as running:
+        running.server.begin_shutdown()
+        with pytest.raises(openai.APIStatusError) as refused:
+            running.client("alice").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert refused.value.status_code == 503
+        s = _samples(running.url)
+        assert _value(s, "loraplex_requests_total", tenant="alice", code="503") == 1
+        row = json.loads((running.tmp / "audit.jsonl").read_text().splitlines()[-1])
+        assert row["tenant"] == "alice" and row["status"] == 503 and row["error_code"]

@@ -31,6 +31,49 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
         assert leaver[0]["status"] == 499 and leaver[0]["completion_tokens"] < 4000
 
 
+def test_a_plain_request_whose_client_leaves_is_aborted_and_recorded_as_499(start):
+    """Not streamed: the client's timeout ends its wait, and the server stops the generation (as for a stream)."""
+    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+        body = {"model": "shared-a", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "impatient"}
+        try:
+            httpx.post(f"{running.url}/v1/completions", json=body, headers=headers, timeout=1.0)
+            raise AssertionError("4000 tokens came back within the client's second")
+        except httpx.ReadTimeout:
+            pass
+        row = running.wait_for(lambda: [r for r in _audit(running) if r["request_id"] == "impatient"], what="audit")
+        assert row[0]["status"] == 499 and row[0]["completion_tokens"] < 4000
+        state = running.state()
+        assert state["load"]["running"] == 0 and _adapter(state, "shared-a")["in_flight"] == 0
+        assert 'loraplex_requests_total{code="499",tenant="alice"} 1.0' in httpx.get(f"{running.url}/metrics").text
+
+
+def test_a_bug_during_a_stream_ends_it_with_an_error_event(start, monkeypatch):
+    """A bug after the headers went out: the client gets a 500 error event and [DONE], not a cut connection. (The
+    bug is injected: no input of ours raises one.)"""
+    from loraplex.server import schemas
+
+    real, calls = schemas.completion_choice, []
+
+    def buggy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(schemas, "completion_choice", buggy)
+    with start() as running:
+        body = {"model": "shared-a", "prompt": "x", "max_tokens": 8, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "bugged"}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, headers=headers) as response:
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "internal_error" and "bugged" in error["message"]
+        row = running.wait_for(lambda: [r for r in _audit(running) if r["request_id"] == "bugged"], what="audit")
+        assert row[0]["status"] == 500 and row[0]["error_code"] == "internal_error"
+
+
 def test_two_requests_with_the_same_x_request_id_each_get_their_own_answer(start):
     """A client retrying with the same id (or two clients choosing one) must not cross streams: the engine's ids are
     the server's own; the client's id names both responses."""

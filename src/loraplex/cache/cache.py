@@ -193,16 +193,15 @@ class AdapterCache:
             entry.hits += 1
             return slot
 
-    def record_request(self, ref: AdapterRef) -> str:
-        """Count one request's demand and report the tier it finds its adapter in."""
+    def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
+        """Count one request's demand and report the tier it finds its adapter in (as a hit or miss event too,
+        when `counted`)."""
         with self._lock:
             self.entries.setdefault(ref.key, Entry(ref))
             self.demand.record(ref.key, self.clock())
             tier = self.tier_of(ref.key)
-        if tier == "gpu" or tier == "cpu":
-            self.on_event("hit", {"tier": tier})
-        else:
-            self.on_event("miss", {"tier": tier})
+        if counted:
+            self.on_event("hit" if tier == "gpu" or tier == "cpu" else "miss", {"tier": tier})
         return tier
 
     def mark_wanted(self, key: AdapterKey, now: float) -> None:

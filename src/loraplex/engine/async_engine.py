@@ -48,8 +48,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs as the request advances; leaving the loop early (a client gone) aborts it at once."""
+                       request_id: str | None = None, counted: bool = True) -> AsyncIterator[RequestOutput]:
+        """Outputs as the request advances; leaving the loop early (a client gone) aborts it at once. `counted`: as
+        in `LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # its outputs and aborts would reach the other request
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -57,7 +58,7 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, adapter, request_id)
+            self.engine.add_request(prompt_ids, params, adapter, request_id, counted)
             self._wake.set()
             while not finished:
                 out = await queue.get()

@@ -122,7 +122,8 @@ class LLMEngine:
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, counted: bool = True) -> str:
+        """`counted`: reported as a cache hit or miss (a client request of several prompts reports its first)."""
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -136,7 +137,7 @@ class LLMEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq.cache_tier = self.adapters.record_request(adapter) if adapter else "gpu"
+        seq.cache_tier = self.adapters.record_request(adapter, counted) if adapter else "gpu"
         with self._inbox_lock:
             self._inbox.append(("add", seq))
         return seq.request_id

@@ -129,6 +129,9 @@ def install_handlers(app: FastAPI) -> None:
         error = as_api_error(exc)
         if error is None:
             raise exc
+        ctx = getattr(request.state, "ctx", None)
+        if ctx is not None:
+            ctx.error_code = error.code  # the audit line says which refusal (quota, overload, not found, ...)
         return error.response()
 
     for kind in (APIError, InvalidRequest, AdapterRejected, RegistryError, AdapterUnavailable, AdapterInFlight,

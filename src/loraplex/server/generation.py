@@ -55,7 +55,9 @@ class Generation:
         # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
         ids = [uuid.uuid4().hex for _ in prompts]
         self._ids = ids
-        self._streams = [engine.generate(p, params, target.ref, rid) for p, rid in zip(prompts, ids)]
+        # One client request is one cache hit or miss, however many prompts it has.
+        self._streams = [engine.generate(p, params, target.ref, rid, counted=i == 0)
+                         for i, (p, rid) in enumerate(zip(prompts, ids))]
         self._firsts: list[RequestOutput] = []
         self._pumps: list[asyncio.Task] = []
         self.queue_wait_s: float | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -12,12 +14,14 @@ from pydantic import ValidationError
 from loraplex.server import schemas
 from loraplex.server.errors import APIError, as_api_error, validation_error
 from loraplex.server.generation import Generation
+from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from loraplex.server.app import Server
     from loraplex.server.middleware import RequestContext
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 DONE = b"data: [DONE]\n\n"
 
@@ -31,7 +35,7 @@ async def completions(request: Request):
     params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs)
     gen = await server.generate(ctx, target, prompts, params)
     fmt = CompletionFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
-    return await _respond(gen, fmt, req.stream, req.include_usage)
+    return await _respond(request, gen, fmt, req.stream, req.include_usage)
 
 
 @router.post("/v1/chat/completions")
@@ -44,7 +48,7 @@ async def chat_completions(request: Request):
     params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
     gen = await server.generate(ctx, target, [prompt], params)
     fmt = ChatFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
-    return await _respond(gen, fmt, req.stream, req.include_usage)
+    return await _respond(request, gen, fmt, req.stream, req.include_usage)
 
 
 @router.get("/v1/models")
@@ -58,8 +62,8 @@ def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
     server: Server = request.app.state.server
     ctx: RequestContext = request.state.ctx
     ctx.is_inference, ctx.endpoint = True, endpoint
+    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))  # first: a refusal names its tenant
     server.check_accepting()
-    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))
     return server, ctx
 
 
@@ -87,15 +91,36 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(gen: Generation, fmt, stream: bool, include_usage: bool):
+async def _respond(request: Request, gen: Generation, fmt, stream: bool, include_usage: bool):
     if stream:
         return _EventStream(_events(gen, fmt, include_usage), gen)
+    # A client that leaves a plain request stops its generation, as one that leaves a stream does.
+    collect = asyncio.ensure_future(_drain(gen))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        async for _ in gen.outputs():
-            pass
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            gen.ctx.status = CLIENT_CLOSED
+        else:
+            collect.result()  # the engine's error, if any, is the answer
     finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)  # its generator unwinds before the close
         await gen.close()
     return JSONResponse(fmt.final(gen))
+
+
+async def _drain(gen: Generation) -> None:
+    async for _ in gen.outputs():
+        pass
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read: the next message the server gives is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(obj: dict) -> bytes:
@@ -125,8 +150,10 @@ async def _events(gen: Generation, fmt, include_usage: bool):
             yield _sse(fmt.usage_chunk(schemas.usage(*gen.usage_counts)))
     except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
         error = as_api_error(exc)
-        if error is None:
-            raise
+        if error is None:  # a bug: logged with its traceback, and the client told, as before the headers
+            log.exception("request %s failed during its stream", gen.ctx.request_id)
+            error = APIError(500, f"internal error ({type(exc).__name__}); request id {gen.ctx.request_id}",
+                             "internal_error")
         gen.ctx.status, gen.ctx.error_code = error.status, error.code
         yield _sse(error.body())
     yield DONE
@@ -146,7 +173,7 @@ class _EventStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             if any(c.finish_reason is None for c in self.gen.choices) and self.gen.ctx.status is None:
-                self.gen.ctx.status = 499  # the client left before the end
+                self.gen.ctx.status = CLIENT_CLOSED  # the client left before the end
             await self.gen.close()
 
 
