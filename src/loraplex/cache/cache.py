@@ -182,7 +182,7 @@ class AdapterCache:
                 if slot is not None:
                     self.slot_loads.record("gpu", now)
             if slot is None:
-                if key not in self.cpu:
+                if key not in self.cpu and key not in self.loading and self._room_for(key, now):
                     self._start_load(ref)
                 self.mark_wanted(key, now)
                 return None
@@ -477,6 +477,23 @@ class AdapterCache:
                 self._clear(self.slots.index(victim), now)
             if self._activate(key, now) is not None:
                 self.entries[key].restored = True
+
+    def _room_for(self, key: AdapterKey, now: float) -> bool:
+        """Whether a waiting request's load of `key` can land without pushing out the host copy of an adapter that
+        another waiting request asked for. When the waiting requests' adapters do not all fit in host memory, each
+        load would push out another's copy before its request got a slot, and that one would load again, over and
+        over (thrash: tens of loads per request with one slot and a backlog); instead such a request waits until
+        earlier ones have taken their slots. The scheduler asks in queue order, so the first ones load first. With
+        no other waiting request's copy held, a load always may (there is always a first)."""
+        entries, cpu, loading = self.entries, self.cpu, self.loading
+        held = [k for k, asked in self._wanted.items()
+                if k != key and now - asked <= WANTED_FOR_S and (k in cpu or k in loading)]
+        if not held:
+            return True
+        if self.max_cpu_loras is not None and len(held) + 1 > self.max_cpu_loras:
+            return False
+        pinned = sum(e.nbytes for k, e in entries.items() if e.pinned == "cpu" and k not in held)
+        return pinned + sum(entries[k].nbytes for k in held) + entries[key].nbytes <= self.cpu_bytes
 
     def _yields(self, key: AdapterKey, now: float) -> bool:
         """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with
