@@ -232,3 +232,12 @@ def test_stream_parsing_against_a_fake_server_without_tier_header():
     assert (good.code, good.tier, good.output_tokens) == ("200", "unknown", 3)
     assert 0 < good.ttft_s <= good.e2e_s and good.tpot_s is not None
     assert broken.code == "stream:adapter_unavailable" and not broken.ok
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", '{"time": null, "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}'])
+def test_a_bad_trace_line_is_a_clear_error(tmp_path, line):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"time": 0.0, "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}\n' + line + "\n")
+    done = bench("--url", "http://127.0.0.1:1", "--trace", path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{path} line 2" in done.stderr

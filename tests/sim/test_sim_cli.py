@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
+from loraplex.sim import cli
+from loraplex.sim import workload as workload_module
 from loraplex.sim.cli import app
-from loraplex.sim.workload import WorkloadSpec, generate, write_trace
+from loraplex.sim.workload import Capacity, WorkloadSpec, generate, write_trace
 
 runner = CliRunner()
 
@@ -43,3 +46,114 @@ def test_plan_prints_sizes_and_fits(llama_dir, llama_adapters):
     assert "attn-r8" in result.output and "what fits" in result.output
     result = runner.invoke(app, ["plan", "--model", str(llama_dir)])
     assert result.exit_code != 0
+
+
+def small_trace(path, seed=0):
+    write_trace(generate(WorkloadSpec(name="t", seed=seed, duration_s=20.0, rate=3.0, num_adapters=10)), path)
+    return path
+
+
+def test_plot_of_a_slots_by_cpu_sweep_keeps_each_cpu_size_on_its_own_line(tmp_path):
+    trace = small_trace(tmp_path / "trace.jsonl")
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    result = runner.invoke(app, ["simulate", "--workload", str(trace), "--policy", "lru", "--gpu-slots", "1,2",
+                                 "--cpu-bytes", "0,1GiB", "--json", str(out), "--plot", str(png)],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [(r["gpu_slots"], r["cpu_bytes"]) for r in data["runs"]] == [(1, 0), (1, 2**30), (2, 0), (2, 2**30)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    xlabel, lines = cli.plot_lines(data["runs"])
+    assert xlabel == "gpu slots"
+    assert sorted(lines) == ["lru, cpu 0B", "lru, cpu 1GiB", "optimal, cpu 0B", "optimal, cpu 1GiB"]
+    for label, points in lines.items():
+        cpu = 0 if "0B" in label else 2**30
+        runs = [r for r in data["runs"] if r["cpu_bytes"] == cpu]
+        assert [x for x, _ in points] == [1, 2]
+        assert [e for _, e in points] == [r["policies"][label.split(",")[0]] for r in runs]
+
+
+def test_plot_lines_follow_cpu_when_only_cpu_is_swept():
+    entry = {"lru": {"hit_rate": {"gpu": 0.5}}}
+    runs = [{"gpu_slots": 4, "cpu_bytes": c, "policies": entry} for c in (2 * 2**30, 2**30)]
+    xlabel, lines = cli.plot_lines(runs)
+    assert xlabel == "cpu cache (GiB)" and list(lines) == ["lru"]
+    assert [x for x, _ in lines["lru"]] == [1.0, 2.0]
+
+
+def test_json_is_written_before_the_plot(tmp_path, monkeypatch):
+    def broken(runs, path):
+        raise RuntimeError("no plotting backend")
+
+    monkeypatch.setattr(cli, "plot_capacity", broken)
+    out = tmp_path / "out.json"
+    result = runner.invoke(app, ["simulate", "--workload", str(small_trace(tmp_path / "t.jsonl")), "--policy", "lru",
+                                 "--gpu-slots", "2", "--json", str(out), "--plot", str(tmp_path / "out.png")])
+    assert isinstance(result.exception, RuntimeError)
+    assert [r["gpu_slots"] for r in json.loads(out.read_text())["runs"]] == [2]
+
+
+def test_plot_sweeps_slots_around_each_workloads_own_capacity(tmp_path, monkeypatch):
+    first, second = small_trace(tmp_path / "a.jsonl"), small_trace(tmp_path / "b.jsonl", seed=1)
+    monkeypatch.setitem(workload_module.CAPACITIES, str(first), Capacity(gpu_slots=2, cpu_bytes=2**30))
+    monkeypatch.setitem(workload_module.CAPACITIES, str(second), Capacity(gpu_slots=6, cpu_bytes=2**30))
+    plotted = []
+    monkeypatch.setattr(cli, "plot_capacity", lambda runs, path: plotted.extend(runs))
+    result = runner.invoke(app, ["simulate", "--workload", f"{first},{second}", "--policy", "lru",
+                                 "--plot", str(tmp_path / "out.png")], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    slots = lambda path: [r["gpu_slots"] for r in plotted if r["workload"] == str(path)]
+    assert slots(first) == [1, 2, 4, 8]  # ½×, 1×, 2×, 4× of each workload's own slots
+    assert slots(second) == [3, 6, 12, 24]
+
+
+BAD_TRACES = {
+    "not JSON": '{"time": 1.0, "adapter": "x"',
+    "a list": "[1, 2]",
+    "no time": '{"adapter": "x", "prompt_tokens": 8, "output_tokens": 4}',
+    "a null time": '{"time": null, "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}',
+}
+GOOD_LINE = '{"time": 0.0, "tenant": "a", "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}'
+
+
+@pytest.mark.parametrize("bad", list(BAD_TRACES))
+def test_simulate_refuses_a_bad_trace_line_naming_file_and_line(tmp_path, bad):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(GOOD_LINE + "\n" + BAD_TRACES[bad] + "\n")
+    result = runner.invoke(app, ["simulate", "--workload", str(trace)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2, result.output
+    assert f"{trace} line 2" in result.stderr
+
+
+def test_simulate_refuses_an_empty_trace(tmp_path):
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("\n")
+    result = runner.invoke(app, ["simulate", "--workload", str(trace)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2, result.output
+    assert "no requests" in result.stderr
+
+
+def plan_args(llama_dir, llama_adapters, *extra):
+    folder = next(iter(llama_adapters.values())).parent
+    return ["plan", "--adapters", str(folder), "--model", str(llama_dir), *map(str, extra)]
+
+
+def test_plan_refuses_bad_inputs_with_one_line(llama_dir, llama_adapters, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(GOOD_LINE + "\n[1, 2]\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cases = {
+        "no adapters folder": (["plan", "--adapters", str(tmp_path / "none"), "--model", str(llama_dir)],
+                               "is not a directory"),
+        "a file as the folder": (["plan", "--adapters", str(bad), "--model", str(llama_dir)], "is not a directory"),
+        "an unknown workload": (plan_args(llama_dir, llama_adapters, "--workload", "nope"), "unknown workload 'nope'"),
+        "a bad trace line": (plan_args(llama_dir, llama_adapters, "--workload", bad), f"{bad} line 2"),
+        "an empty trace": (plan_args(llama_dir, llama_adapters, "--workload", empty), "no requests"),
+        "a missing trace": (plan_args(llama_dir, llama_adapters, "--workload", tmp_path / "none.jsonl"), "none.jsonl"),
+    }
+    for case, (args, message) in cases.items():
+        result = runner.invoke(app, args, env={"COLUMNS": "250"})
+        assert result.exit_code == 2, (case, result.output)
+        assert result.stderr.startswith("error: ") and message in result.stderr, case
+        assert len(result.stderr.strip().splitlines()) == 1, case

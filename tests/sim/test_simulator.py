@@ -154,3 +154,15 @@ def test_load_costs_fit_bandwidth_and_latency(tmp_path):
     costs = LoadCosts.from_json(path)
     assert costs.remote.latency_s == pytest.approx(0.05) and costs.remote.bandwidth == pytest.approx(2e8)
     assert costs.h2d.bandwidth == pytest.approx(1e10)
+
+
+def test_tenant_hit_rates_count_adapter_requests_only():
+    # One tenant, every other request for the base model: its rates must be the run's (adapter requests only),
+    # while its request count and latency cover all 40.
+    trace = [W.Request(0.5 * i, "t", None if i % 2 else f"a{i % 8}", 100, 20) for i in range(40)]
+    summary = summarize(simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=0), policy_factory("lru")))
+    tenant = summary["tenants"]["t"]
+    assert summary["hit_rate"]["gpu"] < 0.5 and summary["cold_start_rate"] > 0.4
+    assert tenant["gpu_hit_rate"] == summary["hit_rate"]["gpu"]
+    assert tenant["cold_start_rate"] == summary["cold_start_rate"]
+    assert tenant["requests"] == tenant["count"] == 40 and tenant["adapter_requests"] == 20

@@ -110,3 +110,21 @@ def test_audit_log_is_replayed_from_its_arrivals(tmp_path):
     # x arrived at 1000.5 - (0.1 + 10 × 0.01) = 1000.3; y at 1000.0 - 0.05 = 999.95; the trace starts at 0.
     assert [r.time for r in trace] == pytest.approx([0.0, 0.35])
     assert trace[1].prompt_tokens == 12 and trace[1].output_tokens == 11
+
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"time": 1.0, "adapter": "x"', "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"adapter": "x", "prompt_tokens": 8, "output_tokens": 4}', "'time'"),
+    ('{"time": null, "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}', "'time'"),
+    ('{"time": "soon", "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}', "'time'"),
+    ('{"time": 1.0, "adapter": "x", "output_tokens": 4}', "'prompt_tokens'"),
+    ('{"ts": 5.0, "request_id": "r", "status": 200, "completion_tokens": "many"}', "'completion_tokens'"),
+])
+def test_a_bad_trace_line_is_named_by_file_and_line(tmp_path, line, reason):
+    first = ('{"ts": 1.0, "request_id": "q", "status": 200}' if '"ts"' in line
+             else '{"time": 0.0, "adapter": "x", "prompt_tokens": 8, "output_tokens": 4}')
+    path = tmp_path / "t.jsonl"
+    path.write_text(first + "\n\n" + line + "\n")
+    with pytest.raises(W.TraceError, match=rf"t\.jsonl line 3: .*{reason}"):
+        W.read_trace(path)

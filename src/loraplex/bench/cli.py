@@ -33,7 +33,9 @@ def load_trace(trace: Path | None, workload: str | None, seed: int) -> list[work
     if trace is not None:
         try:
             return workloads.read_trace(trace)
-        except (OSError, ValueError, KeyError) as exc:
+        except workloads.TraceError as exc:  # names the file and the line
+            raise typer.BadParameter(str(exc), param_hint="--trace") from None
+        except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"{trace}: {exc}", param_hint="--trace") from None
     try:
         return workloads.named(workload, seed)

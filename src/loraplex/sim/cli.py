@@ -55,16 +55,16 @@ def _gap(x: float) -> str:
     return "∞" if math.isinf(x) else f"{100 * x:+.1f}%"
 
 
-def run_sweep(workload_names: list[str], policies: list[str], slots: list[int | None], cpu: list[int | None],
-              workers: int, console: Console) -> list[dict]:
+def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], slots: list[int | None],
+              cpu: list[int | None], workers: int, console: Console) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum."""
-    cells = [(w, s, c) for w in workload_names for s in slots for c in cpu]
+    cells = [(w, s, c) for w in traces for s in slots for c in cpu]
     service, costs = ServiceModel.default(), LoadCosts.default()
     runs = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("simulating", total=len(cells) * (len(policies) + 1))
         for name, n_slots, n_cpu in cells:
-            trace = workloads.load(name)
+            trace = traces[name]
             cap = workloads.default_capacity(name)
             config = SimConfig(
                 gpu_slots=n_slots or cap.gpu_slots, cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
@@ -114,32 +114,49 @@ def tenant_table(run: dict) -> Table:
     return table
 
 
+def plot_lines(cells: list[dict]) -> tuple[str, dict[str, list[tuple[float, dict]]]]:
+    """One workload's runs as (x-axis label, {line label: [(x, policy entry)] by x}). x is the gpu slots, or the
+    cpu cache when only it varies; when both vary there is a line per policy and cpu size, so that points of
+    different cpu sizes are never joined along the slots axis."""
+    slots_vary = len({r["gpu_slots"] for r in cells}) > 1
+    cpu_vary = len({r["cpu_bytes"] for r in cells}) > 1
+    by_slots = slots_vary or not cpu_vary
+    lines: dict[str, list[tuple[float, dict]]] = {}
+    for policy in cells[0]["policies"]:
+        for r in cells:
+            x = r["gpu_slots"] if by_slots else r["cpu_bytes"] / GiB
+            label = f"{policy}, cpu {_size_label(r['cpu_bytes'])}" if by_slots and cpu_vary else policy
+            lines.setdefault(label, []).append((x, r["policies"][policy]))
+    for points in lines.values():
+        points.sort(key=lambda point: point[0])  # by x only: the entries are dicts, which do not compare
+    return ("gpu slots" if by_slots else "cpu cache (GiB)"), lines
+
+
 def plot_capacity(runs: list[dict], path: Path) -> None:
-    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, a line per policy, a row per workload."""
+    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, lines as `plot_lines` draws them, a row
+    per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["workload"] for r in runs))
-    by_slots = len({r["gpu_slots"] for r in runs}) > 1 or len({r["cpu_bytes"] for r in runs}) == 1
     panels = (("gpu hit rate", lambda e: e["hit_rate"]["gpu"]),
               ("p99 TTFT, all (ms)", lambda e: (e["latency"]["all"]["ttft_s"]["p99"] or 0) * 1000),
               ("p99 TTFT, hot adapters (ms)", lambda e: (e["latency"]["hot"]["ttft_s"]["p99"] or 0) * 1000))
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
-        cells = [r for r in runs if r["workload"] == name]
-        capacity = (lambda r: r["gpu_slots"]) if by_slots else (lambda r: r["cpu_bytes"] / GiB)
-        for policy in cells[0]["policies"]:
-            points = sorted((capacity(r), r["policies"][policy]) for r in cells)
-            style = {"marker": "o", "linestyle": "--" if policy in ("optimal", "a0") else "-", "label": policy}
+        xlabel, lines = plot_lines([r for r in runs if r["workload"] == name])
+        for label, points in lines.items():
+            oracle = label.startswith(("optimal", "a0"))
+            style = {"marker": "o", "linestyle": "--" if oracle else "-", "label": label}
             for ax, (_, value) in zip(axes[row], panels):
                 ax.plot([x for x, _ in points], [value(e) for _, e in points], **style)
         for ax, (label, _) in zip(axes[row], panels):
-            ax.set_xlabel("gpu slots" if by_slots else "cpu cache (GiB)")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.set_title(name)
-            ax.set_xticks(sorted({capacity(r) for r in cells}))
+            ax.set_xticks(sorted({x for points in lines.values() for x, _ in points}))
             ax.grid(alpha=0.3)
         axes[row][0].legend(fontsize=8)
     fig.suptitle("optimal: the farthest-next-use oracle run; a0: the true-popularity oracle", fontsize=9)
@@ -161,7 +178,7 @@ def simulate(
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
-    names, policies = _split(workload), _split(policy)
+    names, policies = list(dict.fromkeys(_split(workload))), _split(policy)
     for p in policies:
         if p not in POLICIES:
             raise typer.BadParameter(f"unknown policy {p!r}: use {', '.join(POLICIES)}", param_hint="--policy")
@@ -176,24 +193,38 @@ def simulate(
         raise typer.BadParameter(str(exc)) from None
     if workers < 1 or any(s is not None and s < 1 for s in slots):
         raise typer.BadParameter("--workers and --gpu-slots must be at least 1")
-    runs = run_sweep(names, policies, slots, cpu, workers, console)
+    traces = {name: _load_workload(name) for name in names}
+    runs = run_sweep(traces, policies, slots, cpu, workers, console)
     console.print(results_table(runs))
     if len(runs) == 1:
         console.print(tenant_table(runs[0]))
-    if plot is not None:
-        sweep = runs
-        if len(slots) == 1 and len(cpu) == 1:  # one capacity: sweep slots around it for the plot
-            base = runs[0]["gpu_slots"]
-            around = sorted({max(1, base // 2), base, base * 2, base * 4})
-            sweep = run_sweep(names, policies, around, cpu, workers, console)
-        plot_capacity(sweep, plot)
-        console.print(f"plot: {plot}")
-    if json_out is not None:
+    if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {"config": config_dict(SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())),
                 "note": "config: the defaults of every run; each run lists its capacities"}
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
         console.print(f"json: {json_out}")
+    if plot is not None:
+        sweep = runs
+        if len(slots) == 1 and len(cpu) == 1:  # one capacity per workload: sweep ½×, 1×, 2×, 4× its own slots
+            sweep = []
+            for run in runs:
+                base = run["gpu_slots"]
+                around = sorted({max(1, base // 2), base, base * 2, base * 4})
+                sweep += run_sweep({run["workload"]: traces[run["workload"]]}, policies, around, cpu, workers, console)
+        plot_capacity(sweep, plot)
+        console.print(f"plot: {plot}")
+
+
+def _load_workload(name: str) -> list[workloads.Request]:
+    """The trace of a named workload or a file; a BadParameter when a line is bad or there is no request."""
+    try:
+        trace = workloads.load(name)
+    except (OSError, ValueError) as exc:  # a TraceError names the file and line
+        raise typer.BadParameter(str(exc), param_hint="--workload") from None
+    if not trace:
+        raise typer.BadParameter(f"{name}: the trace has no requests to simulate", param_hint="--workload")
+    return trace
 
 
 def plan(
@@ -212,7 +243,7 @@ def plan(
         report = planner.make_plan(model, registry=registry, adapters_dir=adapters, workload=workload,
                                    progress=Progress(console=console, transient=True))
     except planner.PlanError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     for table in planner.tables(report):
         console.print(table)

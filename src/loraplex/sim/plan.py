@@ -65,6 +65,8 @@ def slot_bytes(config: ModelConfig, max_rank: int, dtype_bytes: int) -> int:
 
 
 def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[AdapterSize]:
+    if not Path(folder).is_dir():
+        raise PlanError(f"{folder} is not a directory (--adapters takes a folder of adapter directories)")
     dirs = sorted(p for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file())
     if not dirs:
         raise PlanError(f"{folder} holds no adapter directories (folders with {CONFIG_FILE})")
@@ -127,15 +129,29 @@ def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path |
     plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
                 sizes, defaults, workload=workload)
     if workload:
+        trace = load_workload(workload)
         with progress or contextlib.nullcontext():
-            plan.sizing = size_for_workload(plan, workload, progress)
+            plan.sizing = size_for_workload(plan, workload, trace, progress)
     return plan
 
 
-def size_for_workload(plan: Plan, workload: str, progress=None) -> list[dict]:
+def load_workload(workload: str) -> list[workloads.Request]:
+    """The trace of a named workload or a file; PlanError when it cannot be read or has no requests (an empty
+    trace would "reach" every target with no cache at all)."""
+    try:
+        trace = workloads.load(workload)
+    except OSError as exc:
+        raise PlanError(f"cannot read workload {workload}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # an unknown name, or a bad trace line (the message names file and line)
+        raise PlanError(str(exc)) from None
+    if not trace:
+        raise PlanError(f"workload {workload}: the trace has no requests to size for")
+    return trace
+
+
+def size_for_workload(plan: Plan, workload: str, trace: list[workloads.Request], progress=None) -> list[dict]:
     """The smallest cpu cache for each cold-start target and the smallest slot count for the slot-miss target,
     each by bisection over simulator runs of the `score` policy (more capacity never raised the rate here)."""
-    trace = workloads.load(workload)
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
     base = SimConfig(gpu_slots=cap.gpu_slots, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes,

@@ -657,6 +657,14 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         return {"count": len(group), "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
                 "queue_wait_s": _percentiles(wait)}
 
+    def tenant(group: list[SimRequest]) -> dict:
+        # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
+        adapter = [s for s in group if s.ref is not None]
+        m = len(adapter) or 1
+        return {"requests": len(group), "adapter_requests": len(adapter),
+                "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
+                "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m, **latency(group)}
+
     by_tenant: dict[str, list[SimRequest]] = {}
     for s in sim.requests:
         by_tenant.setdefault(s.req.tenant, []).append(s)
@@ -684,11 +692,7 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
             **{f"tier_{t}": latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
             "hot": latency([s for s in seqs if s.req.model in hot]),
         },
-        "tenants": {
-            t: {"requests": len(g), "gpu_hit_rate": sum(s.tier == "gpu" for s in g) / len(g),
-                "cold_start_rate": sum(s.tier in ("disk", "remote") for s in g) / len(g), **latency(g)}
-            for t, g in sorted(by_tenant.items())
-        },
+        "tenants": {t: tenant(g) for t, g in sorted(by_tenant.items())},
         "peak": {
             "slots": max(w.peak_slots for w in sim.workers),
             "cpu_bytes": max(w.peak_cpu_bytes for w in sim.workers),

@@ -260,37 +260,80 @@ def write_trace(requests: list[Request], path: str | Path) -> None:
         f.writelines(json.dumps(asdict(r), separators=(",", ":")) + "\n" for r in requests)
 
 
+class TraceError(ValueError):
+    """A trace file cannot be read; the message names the file and the line."""
+
+
 def read_trace(path: str | Path) -> list[Request]:
-    """A trace written by `write_trace`, or an audit log (lines with `ts` and `request_id`)."""
-    lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if lines and "ts" in lines[0] and "request_id" in lines[0]:
-        return from_audit_log(lines)
-    requests = [
-        Request(float(d["time"]), d.get("tenant", "default"), d.get("adapter"), int(d["prompt_tokens"]),
-                max(1, int(d["output_tokens"])), int(d.get("rank") or 16), str(d.get("revision") or "1"),
-                int(d.get("priority") or 0))
-        for d in lines
-    ]
+    """A trace written by `write_trace`, or an audit log (lines with `ts` and `request_id`).
+
+    Raises TraceError naming the file and line of a line that is not a JSON object or lacks a number it needs."""
+    path = Path(path)
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path} line {number}: not JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{path} line {number}: not a JSON object")
+        records.append((number, record))
+    is_audit = bool(records) and "ts" in records[0][1] and "request_id" in records[0][1]
+    requests = []
+    for number, record in records:
+        try:
+            request = _from_audit_line(record) if is_audit else _from_trace_line(record)
+        except ValueError as exc:
+            raise TraceError(f"{path} line {number}: {exc}") from None
+        if request is not None:
+            requests.append(request)
+    if is_audit:
+        return _from_zero(requests)
     return sorted(requests, key=lambda r: r.time)
 
 
-def from_audit_log(records: list[dict]) -> list[Request]:
-    """Requests from audit lines that were served (2xx). The line's `ts` is written when the request ends, so
-    the arrival is taken as ts − (ttft + tpot × (completion_tokens − 1)); the trace starts at 0."""
-    out = []
-    for d in records:
-        status = d.get("status")
-        if status is not None and not 200 <= int(status) < 300:
-            continue
-        completion = int(d.get("completion_tokens") or 0)
-        elapsed_ms = (d.get("ttft_ms") or 0.0) + (d.get("tpot_ms") or 0.0) * max(0, completion - 1)
-        out.append(Request(float(d["ts"]) - elapsed_ms / 1000, d.get("tenant") or "default", d.get("adapter"),
-                           max(1, int(d.get("prompt_tokens") or 1)), max(1, completion),
-                           int(d.get("rank") or 16), str(d.get("revision") or "1"), 0))
-    if not out:
+def _number(record: dict, key: str, convert=float, default=None):
+    """record[key] as a finite number; `default` (when given) stands for a missing, null or zero value.
+    Raises ValueError naming the key, so that a bad line says what is wrong with it."""
+    value = record.get(key)
+    if default is not None and not value:
+        value = default
+    try:
+        number = convert(value)
+        if not math.isfinite(number):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{key!r} is missing or not a number" if value is None
+                         else f"{key!r} is not a finite number: {value!r}") from None
+    return number
+
+
+def _from_trace_line(d: dict) -> Request:
+    return Request(_number(d, "time"), d.get("tenant", "default"), d.get("adapter"), _number(d, "prompt_tokens", int),
+                   max(1, _number(d, "output_tokens", int)), _number(d, "rank", int, 16),
+                   str(d.get("revision") or "1"), _number(d, "priority", int, 0))
+
+
+def _from_audit_line(d: dict) -> Request | None:
+    """The request of an audit line that was served (2xx), else None. The line's `ts` is written when the request
+    ends, so the arrival is taken as ts − (ttft + tpot × (completion_tokens − 1))."""
+    if d.get("status") is not None and not 200 <= _number(d, "status", int) < 300:
+        return None
+    completion = _number(d, "completion_tokens", int, 0)
+    elapsed_ms = _number(d, "ttft_ms", float, 0.0) + _number(d, "tpot_ms", float, 0.0) * max(0, completion - 1)
+    return Request(_number(d, "ts") - elapsed_ms / 1000, d.get("tenant") or "default", d.get("adapter"),
+                   max(1, _number(d, "prompt_tokens", int, 1)), max(1, completion), _number(d, "rank", int, 16),
+                   str(d.get("revision") or "1"), 0)
+
+
+def _from_zero(requests: list[Request]) -> list[Request]:
+    """The requests sorted by arrival, shifted so that the first arrives at 0."""
+    if not requests:
         return []
-    start = min(r.time for r in out)
-    return sorted((replace(r, time=round(r.time - start, 6)) for r in out), key=lambda r: r.time)
+    start = min(r.time for r in requests)
+    return sorted((replace(r, time=round(r.time - start, 6)) for r in requests), key=lambda r: r.time)
 
 
 def load(workload: str, seed: int = 0) -> list[Request]:
