@@ -736,12 +736,16 @@ def policy_factory(name: str) -> Callable[[Simulation], object]:
     return lambda sim: make_policy(name)
 
 
-def bound(sim: Simulation) -> dict:
-    """The optimum's lower bound for this trace and configuration (capacities pooled over workers)."""
+def bound(sim: Simulation, admitted: bool = False) -> dict:
+    """The optimum's lower bound for this trace and configuration (capacities pooled over workers), over the
+    requests in arrival order, or with `admitted` in the order the run admitted them."""
     from loraplex.sim.optimal import lower_bound
 
     c = sim.config
-    seq = [s.ref.key for s in sim.requests if s.ref is not None]
+    requests = [s for s in sim.requests if s.ref is not None]
+    if admitted:  # stable: requests admitted in one step keep their arrival order
+        requests.sort(key=lambda s: (math.isnan(s.admitted_at), s.admitted_at))
+    seq = [s.ref.key for s in requests]
     if not seq:
         return {"miss_cost": 0.0, "parts": {}, "gpu_misses_min": 0, "gpu_hit_rate_max": 1.0}
     return lower_bound(
@@ -761,10 +765,10 @@ def compare(trace: list[Request], config: SimConfig, policies: list[str], hot: s
     from loraplex.sim.optimal import gap
 
     hot = hot if hot is not None else hot_adapters(trace, config.gpu_slots * config.workers)
-    entries = {}
+    entries, sims = {}, {}
     for name in [*policies, "optimal"]:
         start, start_cpu = time.perf_counter(), time.process_time()
-        sim = simulate(trace, config, policy_factory(name))
+        sim = sims[name] = simulate(trace, config, policy_factory(name))
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         entries[name] = summarize(sim, hot)
         entries[name]["wall_s"], entries[name]["cpu_s"] = wall, cpu
@@ -777,6 +781,15 @@ def compare(trace: list[Request], config: SimConfig, policies: list[str], hot: s
             oracle["miss_cost"] = lb["miss_cost"]
             oracle["lower_bound"] = lb
         on_run(name)
+    least = min(e.get("miss_cost_oracle", e["miss_cost"]) for e in entries.values())
+    if least < entries["optimal"]["miss_cost"]:
+        # A run paid less than the bound on the arrival order allows: queued requests of one adapter were admitted
+        # together, with one load. Each run's cost is at least the bound on the order it admitted; the least of
+        # those holds for every run.
+        lb = min((bound(sim, admitted=True) for sim in sims.values()), key=lambda b: b["miss_cost"])
+        if lb["miss_cost"] < entries["optimal"]["miss_cost"]:
+            entries["optimal"]["miss_cost"] = lb["miss_cost"]
+            entries["optimal"]["lower_bound"] = {**lb, "order": "admission"}
     optimum, oracle = entries["optimal"]["miss_cost"], entries["optimal"]["miss_cost_oracle"]
     for name, entry in entries.items():
         entry["gap"] = gap(entry["miss_cost"], optimum)
