@@ -9,7 +9,9 @@ import typer
 
 from loraplex.bench.cli import app as bench_app
 from loraplex.registry.cli import app as registry_app
+from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import serve
+from loraplex.server.serve import StartupError, make_dir, read_option_file
 from loraplex.sim.cli import plan, simulate
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Serve one base LLM with many LoRA adapters.")
@@ -29,6 +31,8 @@ def demo(
     """Build the demo world if needed, serve it to three tenants and check every answer."""
     from loraplex.demo.run import run_demo
 
+    if dir is not None:
+        _or_exit_2(make_dir, dir, "--dir")
     raise typer.Exit(run_demo(dir, serve=serve, max_loras=max_loras))
 
 
@@ -45,8 +49,17 @@ def router(
     """Route requests to the worker that has their adapter, until it is saturated."""
     from loraplex.router.serve import serve_router
 
-    token = admin_token_file.read_text().splitlines()[0].strip() if admin_token_file else None
+    token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
     raise typer.Exit(serve_router(worker, policy, token, registry, host, port))
+
+
+def _or_exit_2(check, *args):
+    """`check(*args)`; a StartupError is one line on stderr and exit code 2, as `serve` does."""
+    try:
+        return check(*args)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

@@ -10,21 +10,26 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy.exc import ArgumentError, DatabaseError
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora_format import AdapterRejected
+from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.registry import AdapterNotFound, ArtifactStore, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.server.app import ServerConfig, create_admin_app, create_app
 from loraplex.server.auth import read_admin_token, read_api_keys
 
 log = logging.getLogger("loraplex.server")
+T = TypeVar("T")
 
 
 class StartupError(Exception):
@@ -65,12 +70,55 @@ def parse_lora_module(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+def read_option_file(read: Callable[[Path], T], path: Path | None, flag: str) -> T | None:
+    """`read(path)` for a file option (None without one); what is wrong with the file as a StartupError."""
+    if path is None:
+        return None
+    try:
+        return read(path)
+    except UnicodeDecodeError as exc:
+        raise StartupError(f"{flag}: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (OSError, ValueError) as exc:  # missing, unreadable, or a line that is not what it should be
+        raise StartupError(f"{flag}: {exc}") from None
+
+
+def make_dir(path: Path, flag: str) -> None:
+    """The directory a flag names, with its parents."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StartupError(f"{flag} {path}: not a directory") from None
+    except OSError as exc:
+        raise StartupError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
+def check_model_dir(model: Path) -> None:
+    """Fail fast on the base model's config.json, before the registry opens and the weights load."""
+    path = model / "config.json"
+    if not path.is_file():
+        raise StartupError(f"--model {model}: not a model directory (no config.json)")
+    try:
+        ModelConfig.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:  # unreadable, not JSON, or a ModelConfigError
+        raise StartupError(f"--model {model}: config.json: {exc}") from None
+    except KeyError as exc:
+        raise StartupError(f"--model {model}: config.json has no {exc}") from None
+
+
 def open_registry(options: ServeOptions) -> Registry:
+    # Not the URL in the message: a server database's URL may hold a password.
+    flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
-    store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
-    registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
-                        actor="serve")
-    registry.init()
+    try:
+        store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
+        registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
+                            actor="serve")
+        registry.init()
+    except (RegistryError, OSError, ImportError) as exc:  # ImportError: the database's driver is not installed
+        raise StartupError(f"{flag}: cannot open the registry: {exc}") from None
+    except (ArgumentError, DatabaseError) as exc:  # an unknown URL; a database that cannot be reached or read
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise StartupError(f"{flag}: cannot open the registry: {reason}") from None
     return registry
 
 
@@ -93,20 +141,17 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
 
 def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
-    if not (options.model / "config.json").is_file():
-        raise StartupError(f"--model {options.model}: not a model directory (no config.json)")
+    check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
-    try:
-        api_keys = read_api_keys(options.api_keys) if options.api_keys else None
-        token = read_admin_token(options.admin_token_file) if options.admin_token_file else None
-    except (OSError, ValueError) as exc:
-        raise StartupError(str(exc)) from None
+    api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
+    token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
+    make_dir(options.data_dir, "--data-dir")
     registry = open_registry(options)
     register_lora_modules(registry, options.lora_modules)
-    engine = LLMEngine(engine_config(options, registry))
+    engine = load_engine(engine_config(options, registry))
     config = ServerConfig(
         served_model_name=options.served_model_name or options.model.resolve().name,
         admin_token=token,
@@ -114,8 +159,21 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
         allowed_roots=options.allowed_roots,
         audit_log=options.data_dir / "audit.jsonl",
     )
-    app = create_app(engine, registry, config, api_keys)
+    try:
+        app = create_app(engine, registry, config, api_keys)
+    except OSError as exc:  # the audit log cannot be opened
+        raise StartupError(f"{config.audit_log}: cannot open the audit log: {exc.strerror or exc}") from None
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    try:
+        return LLMEngine(config)
+    except ModelConfigError as exc:  # its message names the directory's missing or unsupported part, or the device
+        message = str(exc)
+        raise StartupError(f"--model {message}" if message.startswith(f"{config.model_dir}:") else message) from None
+    except (OSError, json.JSONDecodeError) as exc:  # a model file that cannot be read, or is not JSON
+        raise StartupError(f"--model {config.model_dir}: {exc}") from None
 
 
 def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
@@ -177,6 +235,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen(host: str, port: int, flag: str) -> socket.socket:
+    try:
+        return bind(host, port)
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+        raise StartupError(f"{flag} {port}: cannot listen on {host}: {exc}") from None
+
+
 def _url(host: str, sock: socket.socket) -> str:
     port = sock.getsockname()[1]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -185,11 +250,8 @@ def _url(host: str, sock: socket.socket) -> str:
 def run(options: ServeOptions) -> None:
     """Serve until SIGTERM/SIGINT; StartupError for bad options (before anything listens)."""
     setup_logging()
-    try:
-        main_sock = bind(options.host, options.port)
-        admin_sock = bind(options.host, options.admin_port) if options.admin_port is not None else None
-    except OSError as exc:
-        raise StartupError(f"cannot listen on {options.host}: {exc}") from None
+    main_sock = listen(options.host, options.port, "--port")
+    admin_sock = listen(options.host, options.admin_port, "--admin-port") if options.admin_port is not None else None
     app, admin_app = build(options)
     server = app.state.server
     if server.auth.is_open():

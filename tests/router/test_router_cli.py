@@ -1,0 +1,27 @@
+"""`loraplex router` as a real process: an admin token file that is missing or too short stops it with exit code 2
+and one line on stderr naming the flag, as `serve` does."""
+
+import subprocess
+import sys
+
+
+def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp_path):
+    empty = tmp_path / "empty-token"
+    empty.write_text("")
+    short = tmp_path / "short-token"
+    short.write_text("short\n")
+    files = [tmp_path / "missing-token", empty, short]
+    procs = [subprocess.Popen([sys.executable, "-m", "loraplex.cli", "router", "--worker", "http://127.0.0.1:9",
+                               "--port", "0", "--admin-token-file", str(path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for path in files]
+    try:
+        results = [(proc.wait(60), proc.communicate()[1]) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for path, (code, stderr) in zip(files, results, strict=True):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (path, code, stderr[-600:])
+        assert lines[0].startswith("error: --admin-token-file") and path.name in lines[0], lines
