@@ -304,3 +304,50 @@ def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
         serve(cache, new[0])
         serve(cache, new[1])
     assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
+    """One slot busy, room for two host copies, two waiting requests: each loads once. A cpu-pinned copy takes one
+    of the two places, so the second waits for the first to get its slot instead of pushing its copy out (the
+    pin is never dropped: the shrink would drop the waiting one's copy, which would load again, every step)."""
+    now, loads = [0.0], []
+
+    def load(r):
+        loads.append(r.key.name)
+        return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
+
+    cache = AdapterCache(Pool(1), lambda f, h: None, cpu_bytes=1000 * MiB, max_cpu_loras=2, executor=Instant(),
+                         loader=load, clock=lambda: now[0])
+    if pinned:
+        cache.pin(ref("P"), "cpu")
+        cache.poll()
+    running = ref("X")
+    cache.acquire(running)
+    cache.poll()
+    assert cache.acquire(running) is not None  # X holds the only slot from now on
+    first, second = ref("h"), ref("k")
+    for _ in range(20):  # 20 steps: the two waiting requests ask in queue order
+        now[0] += 0.05
+        cache.acquire(first)
+        cache.acquire(second)
+        cache.poll()
+    assert loads.count("h") == 1 and loads.count("k") == (0 if pinned else 1), loads
+
+
+def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
+    """unload_lora_adapter forgets an adapter whose load is still running, its waiting request gone: the next
+    request for another adapter must not trip over the forgotten one's mark (KeyError on the step thread, which
+    failed every request in flight)."""
+    class Pending:  # a load that has not ended yet
+        def submit(self, fn, r):
+            return Future()
+
+    now = [0.0]
+    cache = AdapterCache(Pool(1), lambda f, h: None, cpu_bytes=1000 * MiB, executor=Pending(),
+                         loader=lambda r: Loaded(Packed(MiB), "disk", {}), clock=lambda: now[0])
+    gone, other = ref("x"), ref("k")
+    assert cache.acquire(gone) is None and gone.key in cache.loading
+    cache.forget(gone.key)
+    now[0] += 0.5
+    assert cache.acquire(other) is None and other.key in cache.loading

@@ -125,11 +125,29 @@ def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     )
     assert Pieces.from_json(pieces.to_json()) == pieces
     listed = json.loads(pieces.to_json())
-    for bad in ({**listed, "piece_bytes": 0}, {"files": listed["files"]},
+    for bad in ({**listed, "piece_bytes": 0}, {"files": listed["files"]}, {**listed, "piece_bytes": float("inf")},
                 {**listed, "files": [{**listed["files"][1], "sha256": listed["files"][1]["sha256"][:2]}]},
                 {**listed, "files": [{**listed["files"][0], "sha256": ["XYZ"]}]}):
         with pytest.raises(ValueError, match="not a piece list"):
             Pieces.from_json(json.dumps(bad))
+
+
+def test_a_file_that_changes_while_its_pieces_are_taken_is_refused(tmp_path, monkeypatch):
+    """The digest hashes a file's size as fstat gives it; pieces of more (or fewer) bytes would describe other
+    bytes than the digest does, and then accept them."""
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 10)
+    real_fstat = os.fstat
+
+    def fstat_then_append(fd):  # a writer appends right after the size is taken
+        result = real_fstat(fd)
+        if result.st_size == 2560:
+            with (src / "adapter_model.safetensors").open("ab") as f:
+                f.write(b"EVIL")
+        return result
+
+    monkeypatch.setattr(store_module.os, "fstat", fstat_then_append)
+    with pytest.raises(ArtifactUnavailable, match="changed while it was hashed"):
+        digest_and_pieces(src)
 
 
 def test_piece_size_keeps_the_list_short():

@@ -344,6 +344,8 @@ class AdapterCache:
         with self._lock:
             self.evict(key)
             self.entries.pop(key, None)
+            self._wanted.pop(key, None)
+            self._waiting_since.pop(key, None)
             self._nbytes_version += 1
             self.demand.discard(key)
             self.activations.discard(key)
@@ -487,13 +489,14 @@ class AdapterCache:
         no other waiting request's copy held, a load always may (there is always a first)."""
         entries, cpu, loading = self.entries, self.cpu, self.loading
         held = [k for k, asked in self._wanted.items()
-                if k != key and now - asked <= WANTED_FOR_S and (k in cpu or k in loading)]
+                if k != key and k in entries and now - asked <= WANTED_FOR_S and (k in cpu or k in loading)]
         if not held:
             return True
-        if self.max_cpu_loras is not None and len(held) + 1 > self.max_cpu_loras:
+        pinned = [e for k, e in entries.items() if e.pinned == "cpu" and k not in held]  # never dropped either
+        if self.max_cpu_loras is not None and len(pinned) + len(held) + 1 > self.max_cpu_loras:
             return False
-        pinned = sum(e.nbytes for k, e in entries.items() if e.pinned == "cpu" and k not in held)
-        return pinned + sum(entries[k].nbytes for k in held) + entries[key].nbytes <= self.cpu_bytes
+        held_bytes = sum(e.nbytes for e in pinned) + sum(entries[k].nbytes for k in held)
+        return held_bytes + entries[key].nbytes <= self.cpu_bytes
 
     def _yields(self, key: AdapterKey, now: float) -> bool:
         """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with

@@ -87,7 +87,7 @@ class Pieces:
             data = json.loads(text)
             size = int(data["piece_bytes"])
             files = tuple((str(f["name"]), int(f["size"]), tuple(map(str, f["sha256"]))) for f in data["files"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
             raise ValueError(f"not a piece list ({exc})") from None
         for name, nbytes, hashes in files:
             if (size <= 0 or nbytes < 0 or len(hashes) != -(-nbytes // size)
@@ -128,7 +128,9 @@ def _digest(directory: Path, pieces: bool) -> tuple[str, Pieces | None]:
                 read += len(chunk)
                 if pieces:
                     hashes.append(hashlib.sha256(chunk).hexdigest())
-        files.append((name, read, tuple(hashes)))
+        if pieces and read != size:  # the digest says `size`: the pieces must describe the same bytes
+            raise ArtifactUnavailable(f"{directory / name} changed while it was hashed")
+        files.append((name, size, tuple(hashes)))
     return "sha256:" + h.hexdigest(), Pieces(piece, tuple(files)) if pieces else None
 
 
