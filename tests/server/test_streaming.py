@@ -3,6 +3,7 @@
 import asyncio
 import json
 import random
+import socket
 
 import httpx
 
@@ -46,6 +47,41 @@ def test_a_plain_request_whose_client_leaves_is_aborted_and_recorded_as_499(star
         state = running.state()
         assert state["load"]["running"] == 0 and _adapter(state, "shared-a")["in_flight"] == 0
         assert 'loraplex_requests_total{code="499",tenant="alice"} 1.0' in httpx.get(f"{running.url}/metrics").text
+
+
+def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(start, adapter_variants, tmp_path):
+    """An adapter whose bytes are behind a store that never answers: its requests wait for the load. Their clients
+    leave (a plain request and a stream), and both requests leave the queue at once (they used to stay until
+    their first token: a load, then a prefill, for nobody)."""
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    base = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+    def register(registry):
+        registry.storage_base = base
+        record = registry.add_revision(adapter_variants[1], "far", shared=True, status="stable")
+        registry.store.remove(record.digest)  # the bytes are only behind the silent store now
+
+    engine = {"disk_cache_dir": tmp_path / "disk", "allowed_roots": (base,)}
+    try:
+        with start(registry_setup=register, engine=engine) as running:
+            body = {"model": "far", "prompt": "x", "max_tokens": 4}
+            headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+            for rid, stream in (("leaver-plain", False), ("leaver-stream", True)):
+                try:
+                    with httpx.stream("POST", f"{running.url}/v1/completions", json={**body, "stream": stream},
+                                      headers={**headers, "x-request-id": rid}, timeout=0.5) as response:
+                        response.read()
+                    raise AssertionError(f"{rid} was answered: {response.status_code} {response.text[:200]}")
+                except httpx.ReadTimeout:
+                    pass
+                row = running.wait_for(lambda: [r for r in _audit(running) if r["request_id"] == rid], what=rid)
+                assert row[0]["status"] == 499 and not row[0]["completion_tokens"], row[0]
+            state = running.state()["load"]
+            assert state["waiting"] == 0 and state["in_flight"] == 0 and state["admitted_waiting"] == 0, state
+    finally:
+        silent.close()
 
 
 def test_a_bug_during_a_stream_ends_it_with_an_error_event(start, monkeypatch):

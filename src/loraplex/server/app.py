@@ -3,6 +3,7 @@ health, readiness and metrics around one engine. The app owns the engine from th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -27,7 +28,7 @@ from loraplex.server.auth import Authenticator
 from loraplex.server.errors import APIError, install_handlers
 from loraplex.server.generation import Generation
 from loraplex.server.metrics import ServerMetrics
-from loraplex.server.middleware import RequestContext, RequestMiddleware
+from loraplex.server.middleware import CLIENT_CLOSED, RequestContext, RequestMiddleware
 from loraplex.server.schemas import model_card
 
 log = logging.getLogger("loraplex.server")
@@ -186,15 +187,24 @@ class Server:
         return ids
 
     async def generate(self, ctx: RequestContext, target: Target, prompts: list[list[int]],
-                       params: SamplingParams) -> Generation:
+                       params: SamplingParams, gone: asyncio.Future | None = None) -> Generation | None:
+        """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
+        the generation is then closed, and the request recorded as the client's leaving."""
         try:
             ticket = self.admission.admit(ctx.tenant)
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
         gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
-        await gen.start()
-        return gen
+        start = asyncio.ensure_future(gen.start())
+        await asyncio.wait([start] if gone is None else [start, gone], return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()  # the engine's error (bad request, adapter unavailable) is the answer
+            return gen
+        start.cancel()  # start() closes the generation: the request leaves the queue, its load is not waited for
+        await asyncio.gather(start, return_exceptions=True)
+        ctx.status = CLIENT_CLOSED
+        return None
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""

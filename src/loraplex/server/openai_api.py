@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from loraplex.server import schemas
@@ -33,9 +33,8 @@ async def completions(request: Request):
     target = server.resolve(ctx, req.model, req.user)
     prompts = [server.encode_prompt(p) for p in req.prompts()]
     params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs)
-    gen = await server.generate(ctx, target, prompts, params)
     fmt = CompletionFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
-    return await _respond(request, gen, fmt, req.stream, req.include_usage)
+    return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
 @router.post("/v1/chat/completions")
@@ -46,9 +45,8 @@ async def chat_completions(request: Request):
     prompt = server.encode_chat([m.for_template() for m in req.messages])
     default_max = max(1, server.engine.max_model_len - len(prompt))
     params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
-    gen = await server.generate(ctx, target, [prompt], params)
     fmt = ChatFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
-    return await _respond(request, gen, fmt, req.stream, req.include_usage)
+    return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
 
 
 @router.get("/v1/models")
@@ -91,25 +89,31 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(request: Request, gen: Generation, fmt, stream: bool, include_usage: bool):
-    if stream:
-        return _EventStream(_events(gen, fmt, include_usage), gen)
-    # A client that leaves a plain request stops its generation, as one that leaves a stream does.
-    collect = asyncio.ensure_future(_drain(gen))
+async def _respond(request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req):
+    """Generate and answer. A client that leaves stops its generation: while it waits for admission, for its
+    adapter or for its first token, and while a plain answer is made (an event stream watches for it itself)."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():
-            gen.ctx.status = CLIENT_CLOSED
-        else:
-            collect.result()  # the engine's error, if any, is the answer
+        gen = await server.generate(ctx, target, prompts, params, gone)
+        if gen is None:
+            return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
+        if req.stream:
+            return _EventStream(_events(gen, fmt, req.include_usage), gen)
+        collect = asyncio.ensure_future(_drain(gen))
+        try:
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                ctx.status = CLIENT_CLOSED
+            else:
+                collect.result()  # the engine's error, if any, is the answer
+        finally:
+            if not collect.done():
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)  # its generator unwinds before the close
+            await gen.close()
+        return JSONResponse(fmt.final(gen))
     finally:
         gone.cancel()
-        if not collect.done():
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)  # its generator unwinds before the close
-        await gen.close()
-    return JSONResponse(fmt.final(gen))
 
 
 async def _drain(gen: Generation) -> None:
