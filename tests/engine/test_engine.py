@@ -267,3 +267,32 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
         aeng._stopping = True
         aeng._wake.set()
         aeng._thread.join(5)
+
+
+def test_output_text_keeps_the_space_a_sentencepiece_tokenizer_marks_on_its_first_token(llama_dir, tmp_path):
+    """Llama-2 and Mistral tokenizers (Metaspace) drop the space marked on the first token of a decoded text. The
+    output's first token is not the text's first: decoded after the prompt's last tokens (as vLLM does), prompt and
+    output join into the right text ("the quick brown fox", not "the quick brownfox")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    model = shutil.copytree(llama_dir, tmp_path / "sp")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 4],
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<s>", "</s>", "<unk>"]))
+    tok.save(str(model / "tokenizer.json"))
+    engine = LLMEngine(EngineConfig(model_dir=model, dtype="float32", device="cpu", kv_cache_bytes=2**20))
+    try:
+        prompt = engine.tokenizer.encode("the quick brown")
+        fox = engine.tokenizer.encode(" fox", add_special_tokens=False)
+        assert len(fox) == 1
+        forced = SamplingParams(max_tokens=1, temperature=0, logit_bias=((fox[0], 100.0),))
+        assert engine.tokenizer.decode(engine.generate([prompt], forced)[0]) == "fox"  # the drop, out of context
+        engine.add_request(prompt, forced)
+        text = ""
+        while engine.has_work():
+            text += "".join(out.text for out in engine.step())
+        assert text == " fox"
+    finally:
+        engine.close()

@@ -84,6 +84,25 @@ def test_logprobs_in_both_shapes(running):
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+def test_logprobs_name_the_sampled_token_and_special_tokens_as_vllm(running):
+    """Completions' top_logprobs hold the sampled token besides the top k (so logprobs=0 names it), and a special
+    token such as EOS is named by its text (it was "": a client could not see why the output stopped)."""
+    client = running.client()
+    for k in (0, 1):
+        completion = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=2.0, seed=7,
+                                               logprobs=k, extra_body=NO_EOS)
+        lp = completion.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == logprob and len(top) <= k + 1
+    eos = running.server.engine.tokenizer.eos_token
+    eos_id = running.server.engine.tokenizer.eos_token_id
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=1, logit_bias={str(eos_id): 100})
+    assert chat.choices[0].finish_reason == "stop"
+    last = chat.choices[0].logprobs.content[-1]
+    assert eos and last.token == eos and last.bytes == list(eos.encode())
+
+
 def test_prompt_as_token_ids_and_as_a_list_of_strings(running):
     client = running.client()
     by_ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, extra_body=NO_EOS)

@@ -200,13 +200,25 @@ class LLMEngine:
         self.requests.clear()
         return outputs
 
+    def _decode_output(self, seq: Sequence) -> str:
+        """The output's text, decoded after the last prompt tokens as vLLM does: a SentencePiece tokenizer (Llama-2,
+        Mistral) drops the space it marks on the first token of a text, which the output's first token is not."""
+        if seq.context is None:
+            ids = seq.prompt_ids[-4:]
+            seq.context = (ids, self.tokenizer.decode(ids))
+        ids, prefix = seq.context
+        text = self.tokenizer.decode(ids + seq.output_ids)
+        if text.startswith(prefix):
+            return text[len(prefix):]
+        return self.tokenizer.decode(seq.output_ids)  # the prompt's last bytes joined the output's (half a character)
+
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:
         seq.first_token_at = seq.first_token_at or time.monotonic()
         seq.output_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
         reason = self._finish_reason(seq, token)
-        text = self.tokenizer.decode(seq.output_ids)
+        text = self._decode_output(seq)
         if seq.params.stop and len(seq.output_ids) < seq.params.min_tokens:
             seq.stop_from = len(text)  # as vLLM: no stop string ends the output before min_tokens
         elif seq.params.stop:

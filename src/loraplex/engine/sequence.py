@@ -86,6 +86,8 @@ class Sequence:
     holds_adapter: bool = False
     finish_reason: str | None = None
     text: str = ""
+    context: tuple[list[int], str] | None = None
+    """The last prompt tokens and their text: the output is decoded after them (`LLMEngine._decode_output`)."""
     stop_from: int = 0
     """Characters of `text` from before min_tokens was reached: stop strings are looked for after them."""
     sent_chars: int = 0

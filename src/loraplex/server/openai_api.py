@@ -33,7 +33,7 @@ async def completions(request: Request):
     target = server.resolve(ctx, req.model, req.user)
     prompts = [server.encode_prompt(p) for p in req.prompts()]
     params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs)
-    fmt = CompletionFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
+    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server))
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
@@ -45,7 +45,7 @@ async def chat_completions(request: Request):
     prompt = server.encode_chat([m.for_template() for m in req.messages])
     default_max = max(1, server.engine.max_model_len - len(prompt))
     params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
-    fmt = ChatFormat(ctx.request_id, req.model, server.engine.tokenizer.decode)
+    fmt = ChatFormat(ctx.request_id, req.model, _token_text(server))
     return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
 
 
@@ -54,6 +54,13 @@ async def models(request: Request):
     server: Server = request.app.state.server
     tenant = server.auth.tenant(request.headers.get("authorization"))
     return {"object": "list", "data": server.model_cards(tenant)}
+
+
+def _token_text(server: Server):
+    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in vLLM), so a client
+    sees in them why the output stopped."""
+    decode = server.engine.tokenizer.decode
+    return lambda ids: decode(ids, skip_special_tokens=False)
 
 
 def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:

@@ -255,7 +255,9 @@ def completion_logprobs(entries: list[dict], decode, offset: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{decode([t]): lp for t, lp in e["top"]} for e in entries],
+        # the sampled token too, as vLLM and OpenAI's legacy completions give it (so logprobs=0 names it)
+        "top_logprobs": [{**{decode([t]): lp for t, lp in e["top"]}, token: e["logprob"]}
+                         for token, e in zip(tokens, entries)],
         "text_offset": offsets,
     }
 
