@@ -151,3 +151,25 @@ def test_forget_is_one_step_for_the_step_loop():
     cache.acquire(y)
     land(cache, executor)
     assert cache.acquire(y) == 0  # a later slot eviction (x's slot) works
+
+
+def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees():
+    """Pinned to gpu while both slots run requests: its load lands in cpu with no slot to take. It used to stay
+    there for good ("pinned: gpu", tier cpu) while unpinned adapters kept the slots; now it takes the first slot
+    that a finished request leaves, when no request waits for one."""
+    cache, now, executor, _ = make_cache(slots=2)
+    busy = [ref("a"), ref("b")]
+    for r in busy:
+        cache.record_request(r)
+        cache.acquire(r)
+    land(cache, executor)
+    assert [cache.acquire(r) for r in busy] == [0, 1]
+    pinned = ref("p")
+    cache.pin(pinned, "gpu")
+    land(cache, executor)
+    assert pinned.key in cache.cpu and cache.slot_of(pinned.key) is None
+    now[0] += 5.0
+    cache.release(busy[0].key)
+    assert cache.slot_of(pinned.key) is not None and cache.entries[pinned.key].pinned == "gpu"
+    cache.release(busy[1].key)
+    assert busy[1].key in cache.slots  # one pin takes one slot

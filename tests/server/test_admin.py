@@ -222,3 +222,33 @@ def test_a_cpu_pin_that_fits_answers_after_its_load(running):
     assert response.json()["loading"] == []
     assert _entry(running, "bob-a")["pinned"] == "cpu" and _tier(running, "bob-a") in ("cpu", "gpu")
     assert running.admin("POST", "/admin/adapters/bob-a/unpin").status_code == 200
+
+
+def test_pins_that_fail_leave_nothing_pinned_and_evict_unpins(start, adapter_variants):
+    """A gpu pin of a name with two revisions in traffic, where only one gpu pin fits: 409 and neither stays
+    pinned (the first did, holding the only pin). A cpu pin whose load fails: 503, not 200 with nothing loaded.
+    An evicted pinned adapter is unpinned in the registry too (the next start would pin it again)."""
+    def register(registry):
+        registry.add_revision(adapter_variants[4], "two", revision="r1", shared=True, status="stable")
+        registry.add_revision(adapter_variants[5], "two", revision="r2", shared=True)
+        registry.promote("two", "r2", 50, force=True)
+        record = registry.add_revision(adapter_variants[6], "frag", shared=True, status="stable")
+        weights = registry.store.path(record.digest) / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-10] ^= 0xFF
+        weights.write_bytes(bytes(data))
+
+    with start(registry_setup=register) as running:  # 2 slots: one gpu pin at most
+        refused = running.admin("POST", "/admin/adapters/two/pin", json={"tier": "gpu"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "capacity_exceeded"
+        assert [e["pinned"] for e in running.state()["adapters"] if e["name"] == "two"] in ([None], [None, None])
+        assert not running.registry.show("two").pinned
+        assert running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"}).status_code == 200
+
+        failed = running.admin("POST", "/admin/adapters/frag/pin", json={"tier": "cpu"})
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "adapter_unavailable"
+        assert _entry(running, "frag")["pinned"] is None and not running.registry.show("frag").pinned
+
+        assert running.registry.show("alice-a").pinned
+        assert running.admin("POST", "/admin/adapters/alice-a/evict", json={}).status_code == 200
+        assert _entry(running, "alice-a")["pinned"] is None and not running.registry.show("alice-a").pinned

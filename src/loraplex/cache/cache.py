@@ -112,6 +112,7 @@ class AdapterCache:
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
         self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
+        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu (kept with `pinned`)
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
@@ -230,6 +231,8 @@ class AdapterCache:
             entry = self.entries[key]
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
+            if entry.refcount == 0 and self._gpu_pins:
+                self._restore_pinned(self.clock())
             if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
                 self._restore_preferred(self.clock())
 
@@ -301,13 +304,26 @@ class AdapterCache:
                     f"cannot pin {ref.key} to cpu: {len(pinned)} of max_cpu_loras {self.max_cpu_loras} are pinned "
                     "and one must stay free for loads"
                 )
-            entry.pinned = tier
+            self._set_pin(ref.key, tier)
         self.prewarm(ref, tier)
+
+    def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
+        """Put back the pin an entry had (an operator call that failed undoes its own pins)."""
+        with self._lock:
+            if key in self.entries:
+                self._set_pin(key, pinned)
+
+    def _set_pin(self, key: AdapterKey, pinned: str | None) -> None:
+        self.entries[key].pinned = pinned
+        if pinned == "gpu":
+            self._gpu_pins.add(key)
+        else:
+            self._gpu_pins.discard(key)
 
     def unpin(self, key: AdapterKey) -> None:
         with self._lock:
             if key in self.entries:
-                self.entries[key].pinned = None
+                self._set_pin(key, None)
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
         """Start loading ahead of traffic into cpu, or into a gpu slot when one can be had."""
@@ -335,7 +351,7 @@ class AdapterCache:
             if slot is not None:
                 self._clear(slot, self.clock())
             self._drop_cpu(key)
-            entry.pinned = None
+            self._set_pin(key, None)
             entry.prewarm_gpu = False  # a load in progress still lands in cpu, not in a slot
 
     def forget(self, key: AdapterKey) -> None:
@@ -497,6 +513,15 @@ class AdapterCache:
             return False
         held_bytes = sum(e.nbytes for e in pinned) + sum(entries[k].nbytes for k in held)
         return held_bytes + entries[key].nbytes <= self.cpu_bytes
+
+    def _restore_pinned(self, now: float) -> None:
+        """A gpu-pinned adapter that found every slot in use (when it was pinned, or when its load landed) takes a
+        slot once one can be had, unless requests wait for one (they come first)."""
+        if any(now - asked <= WANTED_FOR_S for asked in self._wanted.values()):
+            return
+        for key in sorted(self._gpu_pins - set(self.slots), key=str):
+            if key in self.cpu and self._activate(key, now) is None:
+                return
 
     def _yields(self, key: AdapterKey, now: float) -> bool:
         """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with

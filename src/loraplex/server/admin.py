@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
-from loraplex.cache.errors import AdapterInFlight
+from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.engine.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord, UnsafeLocation, fetch_artifact
@@ -236,8 +236,17 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
     cache = server.engine.adapters
     refs = [server.resolver.ref_for(record, record.owner_tenant or "default") for record in records]
     before = {r.key: getattr(cache.entries.get(r.key), "pinned", None) for r in refs}
-    for ref in refs:
-        cache.pin(ref, body.tier)  # CapacityExceeded → 409
+
+    def undo() -> None:  # a refused call leaves every pin as it was
+        for ref in refs:
+            cache.restore_pin(ref.key, before[ref.key])
+
+    try:
+        for ref in refs:
+            cache.pin(ref, body.tier)  # CapacityExceeded → 409
+    except CapacityExceeded:
+        undo()
+        raise
     pending = []
     if body.tier == "cpu":
         # An adapter never loaded has no known size: its cpu pin is checked when the load lands. Wait for that, so
@@ -246,13 +255,17 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
         deadline = loop.time() + PIN_LOAD_WAIT_S
         while any(r.key in cache.loading for r in refs) and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        refused = [r for r in refs if r.key not in cache.loading and cache.entries[r.key].pinned != "cpu"]
+        landed = [r for r in refs if r.key not in cache.loading]
+        refused = [r for r in landed if getattr(cache.entries.get(r.key), "pinned", None) != "cpu"]
         if refused:
-            for ref in refs:
-                if before[ref.key] != "cpu":  # this call's pins only
-                    cache.unpin(ref.key)
+            undo()
             raise APIError(409, f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
                                 "adapters would exceed cpu_cache_bytes", "capacity_exceeded")
+        failed = [r for r in landed if r.key not in cache.cpu]
+        if failed:  # its load failed (logged with the cause): nothing is pinned
+            undo()
+            raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
+                           "adapter_unavailable")
         pending = [str(r.key) for r in refs if r.key in cache.loading]
     await run_in_threadpool(server.registry.pin, name)
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
@@ -277,9 +290,13 @@ async def prewarm(name: str, body: TierBody, request: Request) -> dict:
 
 async def evict(name: str, body: RevisionBody, request: Request) -> dict:
     server = _server(request)
+    cache = server.engine.adapters
     keys = _resident_keys(server, name, body.revision)
+    was_pinned = any(getattr(cache.entries.get(k), "pinned", None) for k in keys)
     for key in keys:
-        server.engine.adapters.evict(key)  # AdapterInFlight → 409
+        cache.evict(key)  # AdapterInFlight → 409; drops its pin
+    if was_pinned and not any(getattr(cache.entries.get(k), "pinned", None) for k in _resident_keys(server, name)):
+        await run_in_threadpool(server.registry.unpin, name)  # else the next start would pin it again
     return {"evicted": [str(k) for k in keys]}
 
 
