@@ -57,6 +57,8 @@ def test_affinity_then_spill_then_failover_then_rejoin(fleet, tmp_path):
             assert r.status_code == 200, r.text
             seen.append(r.headers["x-loraplex-worker"])
             wait_seen_idle_with(router.url, seen[-1], "ad00")  # the router knows where it is resident, and free
+            time.sleep(1.1)  # and a poll (every 0.5 s) has begun since the request ended: one made during it counts
+            # its tokens against the worker, enough to send the next request to a worker with a free slot
         assert len(set(seen[1:])) == 1, seen
         # 2. A burst above saturation spills to the other workers.
         burst = []
