@@ -187,7 +187,7 @@ class Server:
         return ids
 
     async def generate(self, ctx: RequestContext, target: Target, prompts: list[list[int]],
-                       params: SamplingParams, gone: asyncio.Future | None = None) -> Generation | None:
+                       params: SamplingParams, gone: asyncio.Future) -> Generation | None:
         """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
         the generation is then closed, and the request recorded as the client's leaving."""
         try:
@@ -197,14 +197,17 @@ class Server:
             raise
         gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
         start = asyncio.ensure_future(gen.start())
-        await asyncio.wait([start] if gone is None else [start, gone], return_when=asyncio.FIRST_COMPLETED)
-        if start.done():
-            start.result()  # the engine's error (bad request, adapter unavailable) is the answer
-            return gen
-        start.cancel()  # start() closes the generation: the request leaves the queue, its load is not waited for
-        await asyncio.gather(start, return_exceptions=True)
-        ctx.status = CLIENT_CLOSED
-        return None
+        try:
+            await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled: no start left running on its own
+            if not start.done():  # start() closes the generation: the request leaves the queue, no load waited for
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                ctx.status = CLIENT_CLOSED
+        if start.cancelled():
+            return None
+        start.result()  # the engine's error (bad request, adapter unavailable) is the answer
+        return gen
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""
