@@ -4,7 +4,7 @@
 
 Shapes: a small Llama (4 layers, hidden 512) and the adapter tensors of a 4096-hidden, 32-layer model in
 bfloat16 (only the slot pool of that shape is allocated; no base weights are needed). Ours goes through the real
-AdapterCache: digest check (by the piece list a registration records, hashed on several threads; the
+AdapterCache: digest check (by the piece list a registration records, BLAKE3 pieces hashed on several threads; the
 `disk_one_sha256` column checks the digest alone, one sha256, as for revisions registered without pieces),
 validation, packing, one slot copy. The limit is `safetensors.torch.load_file` plus
 the copies into the slot (no digest check, no validation, no host copy kept); "limit + sha256" adds the mandatory

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from loraplex.registry import (
@@ -97,9 +98,25 @@ def test_flipped_byte_is_refused_by_get(tmp_path):
         store.get(digest)
 
 
-def check_by(src: Path, by_pieces: bool) -> dict:
-    """read_artifact's keywords for the check: none (one sha256), or the piece list taken now, as at registration."""
-    return {"pieces": digest_and_pieces(src)[1]} if by_pieces else {}
+def check_by(src: Path, by_pieces: bool | str) -> dict:
+    """read_artifact's keywords for the check: none (one sha256), the piece list taken now, as at registration
+    (BLAKE3), or with "sha256" the same pieces hashed by sha256, as lists recorded by session-7 versions are."""
+    if not by_pieces:
+        return {}
+    pieces = digest_and_pieces(src)[1]
+    if by_pieces == "sha256":
+        pieces = sha256_pieces(src, pieces)
+    return {"pieces": pieces}
+
+
+def sha256_pieces(src: Path, like: Pieces) -> Pieces:
+    """The piece list `like` with each piece's sha256 in place of its BLAKE3."""
+    files = []
+    for name, size, _ in like.files:
+        data = (src / name).read_bytes()
+        files.append((name, size, tuple(hashlib.sha256(data[i : i + like.size]).hexdigest()
+                                        for i in range(0, size, like.size))))
+    return Pieces(like.size, tuple(files), "sha256")
 
 
 @pytest.fixture
@@ -119,15 +136,23 @@ def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     data = (src / "adapter_model.safetensors").read_bytes()
     config = (src / "adapter_config.json").read_bytes()
     assert pieces.files == (
-        ("adapter_config.json", len(config), (hashlib.sha256(config).hexdigest(),)),
-        ("adapter_model.safetensors", 2560, tuple(hashlib.sha256(data[i : i + 1000]).hexdigest()
+        ("adapter_config.json", len(config), (blake3.blake3(config).hexdigest(),)),
+        ("adapter_model.safetensors", 2560, tuple(blake3.blake3(data[i : i + 1000]).hexdigest()
                                                   for i in (0, 1000, 2000))),
     )
+    assert pieces.algorithm == "blake3"
     assert Pieces.from_json(pieces.to_json()) == pieces
     listed = json.loads(pieces.to_json())
+    # A list recorded by a session-7 version: sha256 pieces, no "algorithm" field.
+    old = sha256_pieces(src, pieces)
+    unnamed = json.loads(old.to_json())
+    del unnamed["algorithm"]
+    assert Pieces.from_json(json.dumps(unnamed)) == old and old.files != pieces.files
     for bad in ({**listed, "piece_bytes": 0}, {"files": listed["files"]}, {**listed, "piece_bytes": float("inf")},
-                {**listed, "files": [{**listed["files"][1], "sha256": listed["files"][1]["sha256"][:2]}]},
-                {**listed, "files": [{**listed["files"][0], "sha256": ["XYZ"]}]}):
+                {**listed, "files": [{**listed["files"][1], "blake3": listed["files"][1]["blake3"][:2]}]},
+                {**listed, "files": [{**listed["files"][0], "blake3": ["XYZ"]}]},
+                {**listed, "algorithm": "md5"}, {**listed, "algorithm": ["blake3"]},
+                unnamed | {"files": listed["files"]}):  # BLAKE3 hashes without the name: taken for sha256
         with pytest.raises(ValueError, match="not a piece list"):
             Pieces.from_json(json.dumps(bad))
 
@@ -156,7 +181,7 @@ def test_piece_size_keeps_the_list_short():
     assert sizes == [mib, mib, 2 * mib, 16 * mib]
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])  # many chunks per file, and one
 def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, chunked, chunk, by_pieces):
     chunked(chunk)
@@ -168,7 +193,7 @@ def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, chunked, ch
     assert {name: bytes(data) for name, data in files.items()} == {name: (src / name).read_bytes() for name in names}
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 def test_read_artifact_refuses_a_flipped_byte(tmp_path, chunked, by_pieces):
     chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
@@ -184,7 +209,49 @@ def test_read_artifact_refuses_a_flipped_byte(tmp_path, chunked, by_pieces):
         read_artifact(src, "md5:" + "0" * 32)
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])
+class StalledHashers:
+    """A hasher pool whose threads never come to this load's pieces (as when they are busy elsewhere)."""
+
+    def __init__(self, *args, **kwargs):
+        self.submitted = 0
+
+    def submit(self, fn, *args):
+        self.submitted += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeypatch):
+    """The thread waiting for the piece check hashes the pieces no hasher thread has begun (on two cores, the
+    second hasher): with every hasher thread elsewhere the load still ends, checked, instead of waiting for good."""
+    chunked(1000)
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    digest, pieces = digest_and_pieces(src)
+    monkeypatch.setattr(store_module, "ThreadPoolExecutor", StalledHashers)
+    seen = []
+
+    def use(files, hashed):
+        hashed("adapter_model.safetensors", 5000)
+        seen.append(bytes(files["adapter_model.safetensors"][:5000]))
+        return "used"
+
+    done = []
+    worker = threading.Thread(target=lambda: done.append(read_artifact(src, digest, use=use, pieces=pieces)))
+    worker.start()
+    worker.join(timeout=30)
+    assert done == ["used"] and seen == [(bytes(range(256)) * 40)[:5000]]
+    data = bytearray((src / "adapter_model.safetensors").read_bytes())
+    data[9000] ^= 0x01
+    (src / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match="other bytes in piece 9 of adapter_model.safetensors"):
+        read_artifact(src, digest, use=use, pieces=pieces)
+
+
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])
 def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(tmp_path, chunked, chunk, by_pieces):
     chunked(chunk)
@@ -203,7 +270,7 @@ def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(t
     assert read_artifact(src, canonical_digest(src), use=overwrite, **check) == bytes(len(original))
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path, chunked, by_pieces):
     chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
@@ -329,7 +396,7 @@ def test_allowlist_parse():
         allowed.check("s3://other-bucket/p/abc")
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
     remote = ArtifactStore(tmp_path / "remote")
     digest, pieces = remote.put_with_pieces(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))  # several chunks

@@ -105,7 +105,7 @@ class Revision(Base):
 
 
 class ArtifactPieces(Base):
-    """The sha256 of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration: loads check the
+    """The hash of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration: loads check the
     bytes on several cores with it. Revisions registered before this table have none and are checked by their
     digest alone."""
 

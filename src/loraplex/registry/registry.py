@@ -191,8 +191,11 @@ class Registry:
         with self._write() as session:
             if not self.store.has(actual) and self.store.put(src) != actual:  # removed by a gc since the put
                 raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
-            if session.get(ArtifactPieces, actual) is None:  # also for bytes registered before the table
+            listed = session.get(ArtifactPieces, actual)
+            if listed is None:  # also for bytes registered before the table
                 session.add(ArtifactPieces(digest=actual, pieces=pieces.to_json()))
+            elif json.loads(listed.pieces).get("algorithm") != pieces.algorithm:  # a sha256 list: BLAKE3 is faster
+                listed.pieces = pieces.to_json()
             adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
             existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
