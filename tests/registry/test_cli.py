@@ -40,12 +40,17 @@ def test_add_promote_rollback_and_read_back_as_json(cli, adapter_v1, adapter_v2,
     shown = json.loads(cli("show", "chat", "--json").stdout)
     assert {r["revision"]: r["status"] for r in shown["revisions"]} == {"r1": "stable", "r2": "deprecated"}
     assert "chat: revisions" in cli("show", "chat").stdout and "chat" in cli("list").stdout
-    cli("pin", "chat")
+    assert cli("pin", "chat").stdout.strip() == "chat: pinned in cpu"
     assert json.loads(cli("show", "chat", "--json").stdout)["pinned"] is True
+    assert cli("pin", "chat", "--tier", "gpu").stdout.strip() == "chat: pinned in gpu"
+    assert json.loads(cli("show", "chat", "--json").stdout)["pin_tier"] == "gpu"
+    assert "pinned in gpu" in cli("show", "chat").stdout
+    refused = cli("pin", "chat", "--tier", "disk", ok=False)
+    assert refused.exit_code == 1 and refused.stderr.strip() == "error: a pin's tier is gpu or cpu, not 'disk'"
     cli("quarantine", "chat", "r2", "--reason", "bad outputs")
     cli("deprecate", "chat")
     actions = [e["action"] for e in json.loads(cli("audit", "--json").stdout)]
-    assert actions == ["deprecate", "quarantine", "pin", "rollback", "set_traffic", "promote", "add", "add"]
+    assert actions == ["deprecate", "quarantine", "pin", "pin", "rollback", "set_traffic", "promote", "add", "add"]
     assert "promote" in cli("audit").stdout
     # the database and the store are where --data-dir says
     registry = Registry(f"sqlite:///{tmp_path / 'data' / 'registry.db'}")

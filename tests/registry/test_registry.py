@@ -259,6 +259,28 @@ def test_tenants_and_api_keys(registry):
     assert [(t.name, t.priority) for t in registry.list_tenants()] == [("acme", 5)]
 
 
+def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
+    registry = make_registry(db_url)
+    registry.add_revision(adapter_v1, "chat", status="stable")
+    registry.add_revision(adapter_v2, "code", status="stable", warm_policy="gpu")
+    assert registry.show("chat").pin_tier is None
+    assert registry.pin("chat", tier="gpu").pin_tier == "gpu"
+    assert registry.pin("chat", tier="cpu").pin_tier == "cpu"
+    registry.pin("chat", tier="gpu")
+    assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "gpu", "code": None}
+    assert make_registry(db_url).show("chat").pin_tier == "gpu"  # read back by another process's registry
+    assert registry.audit_events(target="chat")[0].detail == {"tier": "gpu"}
+    with pytest.raises(RegistryError, match="gpu or cpu"):
+        registry.pin("chat", tier="disk")
+    assert registry.show("chat").pin_tier == "gpu"
+    unpinned = registry.unpin("chat")
+    assert unpinned.pin_tier is None and not unpinned.pinned and unpinned.to_dict()["pin_tier"] is None
+    # Pinned by a version that kept no tier (no row): the warm policy's tier, else cpu, as those versions did.
+    with registry.engine.begin() as conn:
+        conn.execute(text("UPDATE adapters SET pinned = :p"), {"p": True})
+    assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "cpu", "code": "gpu"}
+
+
 def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):
     registry.actor = "alice"
     registry.add_tenant("acme")

@@ -100,14 +100,47 @@ def test_pin_unpin_evict(running):
     pinned = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"})
     assert pinned.status_code == 200, pinned.text
     assert _entry(running, "alice-a")["pinned"] == "gpu"
-    assert running.registry.show("alice-a").pinned
+    assert running.registry.show("alice-a").pin_tier == "gpu"  # the tier, for the next start
     assert running.admin("POST", "/admin/adapters/alice-a/unpin").status_code == 200
     assert _entry(running, "alice-a")["pinned"] is None
+    assert running.registry.show("alice-a").pin_tier is None and not running.registry.show("alice-a").pinned
     evicted = running.admin("POST", "/admin/adapters/alice-a/evict", json={})
     assert evicted.status_code == 200 and evicted.json()["evicted"] == ["alice-a@r1"]
     assert _tier(running, "alice-a") not in ("gpu", "cpu")
     assert running.admin("POST", "/admin/adapters/nope/evict", json={}).json()["evicted"] == []
     assert running.admin("POST", "/admin/adapters/nope/prewarm", json={}).status_code == 404
+
+
+def test_a_start_pins_each_pinned_adapter_again_in_its_tier(start):
+    """What a pin recorded in the registry (by the admin API of an earlier run, or `registry pin --tier`) is pinned
+    again at the next start, in the same tier: a gpu pin stayed a cpu pin after a restart before."""
+    def register(registry):
+        registry.pin("alice-a", tier="gpu")
+        registry.pin("bob-a", tier="cpu")
+
+    with start(registry_setup=register) as running:
+        running.wait_for(lambda: _entry(running, "alice-a") and _entry(running, "alice-a")["pinned"] == "gpu"
+                         and _tier(running, "alice-a") == "gpu", what="alice-a pinned in a slot")
+        running.wait_for(lambda: _entry(running, "bob-a") and _entry(running, "bob-a")["pinned"] == "cpu",
+                         what="bob-a pinned in host memory")
+        assert _entry(running, "shared-a") is None or _entry(running, "shared-a")["pinned"] is None
+
+
+def test_a_warm_policy_pins_in_its_tier_at_start_and_at_registration(start, adapter_variants):
+    """A manifest's warm policy of gpu or cpu is a pin (issue: "Pins (gpu or cpu), from the manifest's
+    warm_policy or the admin API"); it was a prewarm, evictable like any other copy."""
+    def register(registry):
+        registry.add_revision(adapter_variants[0], "warm-gpu", shared=True, status="stable", warm_policy="gpu")
+
+    roots = (str(adapter_variants[0].parent),)
+    with start(registry_setup=register, allowed_roots=roots) as running:
+        running.wait_for(lambda: _entry(running, "warm-gpu") and _entry(running, "warm-gpu")["pinned"] == "gpu"
+                         and _tier(running, "warm-gpu") == "gpu", what="warm-gpu pinned in a slot")
+        body = {"name": "warm-cpu", "path": str(adapter_variants[1]), "shared": True, "stable": True, "warm": "cpu"}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        running.wait_for(lambda: _entry(running, "warm-cpu") and _entry(running, "warm-cpu")["pinned"] == "cpu",
+                         what="warm-cpu pinned in host memory")
+        assert not running.registry.show("warm-cpu").pinned  # the policy pins; no operator pin is recorded
 
 
 def test_evict_in_flight_is_409(start):

@@ -175,7 +175,7 @@ def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="O
         traffic = " ".join(f"{rev}:{w}%" for rev, w in a.traffic) or "-"
         access = "shared" if a.shared else ",".join(a.allowed_tenants)
         table.add_row(a.name, traffic, str(len(a.revisions)), a.owner_tenant or "-", access, a.warm_policy,
-                      str(a.priority), "yes" if a.pinned else "")
+                      str(a.priority), a.pin_tier or "")
     Console().print(table)
 
 
@@ -195,8 +195,9 @@ def show(
         return
     console = Console()
     access = "shared with every tenant" if adapter.shared else f"tenants {', '.join(adapter.allowed_tenants)}"
+    pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
     console.print(f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
-                  f"{adapter.warm_policy}, priority {adapter.priority}{', pinned' if adapter.pinned else ''}")
+                  f"{adapter.warm_policy}, priority {adapter.priority}{pinned}")
     console.print(_revisions_table(adapter))
     if audit_log:
         console.print(_stats_table(name, stats))
@@ -266,10 +267,11 @@ def quarantine(ctx: typer.Context, name: str, revision: str,
 
 @app.command()
 @_errors
-def pin(ctx: typer.Context, name: str):
-    """Keep an adapter resident in the caches."""
-    _open(ctx).pin(name)
-    typer.echo(f"{name}: pinned")
+def pin(ctx: typer.Context, name: str,
+        tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu"):
+    """Keep an adapter resident in a tier of the caches (servers pin it there at their next start)."""
+    _open(ctx).pin(name, tier=tier)
+    typer.echo(f"{name}: pinned in {tier}")
 
 
 @app.command()

@@ -114,6 +114,16 @@ class ArtifactPieces(Base):
     pieces: Mapped[str] = mapped_column(Text)
 
 
+class PinTier(Base):
+    """The tier a pinned adapter is pinned in (`gpu` or `cpu`), so that a restart pins it there again. Added after
+    `adapters.pinned`: a pinned adapter without a row (pinned by an older version) is pinned in cpu, or in the tier
+    of its warm policy."""
+
+    __tablename__ = "pin_tiers"
+    adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(8))
+
+
 class Traffic(Base):
     __tablename__ = "traffic"
     adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)

@@ -65,6 +65,8 @@ class AdapterRecord:
     created_at: datetime
     traffic: tuple[tuple[str, int], ...]  # (revision, weight), in the order resolution walks them
     revisions: tuple[RevisionRecord, ...]  # oldest first
+    pin_tier: str | None = None
+    """`gpu` or `cpu` when pinned: the tier a start pins it in."""
 
     @property
     def stable(self) -> RevisionRecord | None:
@@ -80,6 +82,7 @@ class AdapterRecord:
             "priority": self.priority,
             "warm_policy": self.warm_policy,
             "pinned": self.pinned,
+            "pin_tier": self.pin_tier,
             "created_at": self.created_at.isoformat(),
             "traffic": dict(self.traffic),
             "revisions": [r.to_dict() for r in self.revisions],

@@ -32,6 +32,7 @@ from loraplex.registry.db import (
     AuditEvent,
     Generation,
     Grant,
+    PinTier,
     Revision,
     Tenant,
     Traffic,
@@ -55,6 +56,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WARM_POLICIES = ("gpu", "cpu", "on_demand")
+PIN_TIERS = ("gpu", "cpu")
 KEY_PREFIX = "lpx-"
 MAX_CACHED_NAMES = 100_000
 
@@ -343,7 +345,9 @@ class Registry:
             for row in session.scalars(select(Revision).order_by(Revision.id)):
                 revisions.setdefault(row.adapter_name, []).append(row)
             weights = {rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))}
-            return [_adapter_record(a, grants.get(a.name, ()), revisions.get(a.name, []), weights) for a in visible]
+            tiers = {n: t for n, t in session.execute(select(PinTier.adapter_name, PinTier.tier))}
+            return [_adapter_record(a, grants.get(a.name, ()), revisions.get(a.name, []), weights, tiers.get(a.name))
+                    for a in visible]
 
     def show(self, name: str) -> AdapterRecord:
         with self._read() as session:
@@ -351,7 +355,9 @@ class Registry:
             if adapter is None:
                 raise AdapterNotFound(name)
             rows = session.scalars(select(Revision).where(Revision.adapter_name == name).order_by(Revision.id))
-            return _adapter_record(adapter, q.grants(session, name), list(rows), q.weights(session, name))
+            tier = session.get(PinTier, name)
+            return _adapter_record(adapter, q.grants(session, name), list(rows), q.weights(session, name),
+                                   tier.tier if tier is not None else None)
 
     def get_revision(self, name: str, revision: str) -> RevisionRecord:
         with self._read() as session:
@@ -520,12 +526,23 @@ class Registry:
             self._audit(session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving)
         return self.show(name)
 
-    def pin(self, name: str, pinned: bool = True) -> AdapterRecord:
-        """A pinned adapter is kept resident by the cache (never chosen for eviction)."""
+    def pin(self, name: str, pinned: bool = True, tier: str = "cpu") -> AdapterRecord:
+        """A pinned adapter is kept resident by the cache in `tier` (never chosen for eviction from it); a server
+        pins it there again at its next start."""
+        if pinned and tier not in PIN_TIERS:
+            raise RegistryError(f"a pin's tier is gpu or cpu, not {tier!r}")
         with self._write() as session:
             adapter = q.locked_adapter_or_404(session, name)
             adapter.pinned = pinned
-            self._audit(session, "pin" if pinned else "unpin", name)
+            row = session.get(PinTier, name)
+            if not pinned:
+                if row is not None:
+                    session.delete(row)
+            elif row is None:
+                session.add(PinTier(adapter_name=name, tier=tier))
+            else:
+                row.tier = tier
+            self._audit(session, "pin" if pinned else "unpin", name, **({"tier": tier} if pinned else {}))
         return self.show(name)
 
     def unpin(self, name: str) -> AdapterRecord:
@@ -672,13 +689,16 @@ def _serving_order(records) -> tuple[tuple[str, int], ...]:
     return tuple((r.revision, r.traffic_weight) for r in serving)
 
 
-def _adapter_record(adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights) -> AdapterRecord:
+def _adapter_record(adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights,
+                    pin_tier: str | None) -> AdapterRecord:
     revisions = tuple(_revision_record(adapter, r, grants, weights) for r in rows)
+    if adapter.pinned and pin_tier not in PIN_TIERS:  # pinned by a version that kept no tier
+        pin_tier = adapter.warm_policy if adapter.warm_policy in PIN_TIERS else "cpu"
     return AdapterRecord(
         name=adapter.name, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
         allowed_tenants=q.allowed(adapter, grants), task_type=adapter.task_type, priority=adapter.priority,
         warm_policy=adapter.warm_policy, pinned=adapter.pinned, created_at=as_utc(adapter.created_at),
-        traffic=_serving_order(revisions), revisions=revisions,
+        traffic=_serving_order(revisions), revisions=revisions, pin_tier=pin_tier if adapter.pinned else None,
     )
 
 

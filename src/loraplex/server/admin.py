@@ -138,6 +138,7 @@ async def register(body: RegisterBody, request: Request) -> dict:
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
     record = await run_in_threadpool(_register, server, body)
+    server.warm(await run_in_threadpool(server.registry.show, record.name))  # its pin or warm policy, if serving
     return record.to_dict()
 
 
@@ -267,7 +268,7 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
             raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
                            "adapter_unavailable")
         pending = [str(r.key) for r in refs if r.key in cache.loading]
-    await run_in_threadpool(server.registry.pin, name)
+    await run_in_threadpool(server.registry.pin, name, True, body.tier)
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 

@@ -19,7 +19,7 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
-from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.registry import AdapterNotFound, AdapterRecord, AllowList, Registry, RegistryError
 from loraplex.server import admin, openai_api
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
@@ -113,16 +113,23 @@ class Server:
     def warm_start(self) -> None:
         """Pins and warm policies from the registry: load those adapters before traffic asks for them."""
         for adapter in self.registry.list_adapters():
-            tier = adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else ("cpu" if adapter.pinned else None)
-            if tier is None:
-                continue
-            for record in adapter.revisions:
-                if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
-                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
-                    try:
-                        (self.engine.adapters.pin if adapter.pinned else self.engine.adapters.prewarm)(ref, tier)
-                    except Exception as exc:  # a warm start that cannot happen must not stop serving
-                        log.warning("could not warm %s into %s: %s", record.model_id, tier, exc)
+            self.warm(adapter)
+
+    def warm(self, adapter: AdapterRecord) -> None:
+        """Pin the serving revisions of an adapter that is pinned, in the tier of its pin, or else that has a warm
+        policy of gpu or cpu, in that tier (the operator's pin overrides the manifest's policy). A pin that cannot
+        be made (beyond capacity, a failed load) is logged and serving goes on."""
+        tier = adapter.pin_tier if adapter.pinned else (
+            adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
+        if tier is None:
+            return
+        for record in adapter.revisions:
+            if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
+                ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
+                try:
+                    self.engine.adapters.pin(ref, tier)
+                except Exception as exc:  # a warm start that cannot happen must not stop serving
+                    log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
