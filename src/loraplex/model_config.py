@@ -53,10 +53,14 @@ class ModelConfig:
         raw = json.loads(path.read_text())
         gen_path = Path(model_dir) / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        if not isinstance(gen, dict):
+            raise ModelConfigError(f"{model_dir}: generation_config.json is not a JSON object")
         return cls.from_dict(raw, gen)
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ModelConfigError("config.json is not a JSON object")
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type", "")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

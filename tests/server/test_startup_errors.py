@@ -44,6 +44,15 @@ def test_bad_serve_input_stops_with_exit_code_2_and_one_line(llama_dir, tmp_path
     latin1_keys.write_bytes(b"caf\xe9 key-0123456789abcdef\n")
     not_a_db = tmp_path / "not-a-db.sqlite"
     not_a_db.write_text("not a database")
+    config_list = tmp_path / "config-list"
+    config_list.mkdir()
+    (config_list / "config.json").write_text("[]")
+    bad_tokenizer = tmp_path / "bad-tokenizer"
+    shutil.copytree(llama_dir, bad_tokenizer)
+    (bad_tokenizer / "tokenizer.json").write_text("{")
+    template_list = tmp_path / "template-list"
+    shutil.copytree(llama_dir, template_list)
+    (template_list / "tokenizer_config.json").write_text("[]")
 
     def serve(name: str, *args) -> list:
         return ["loraplex.server.cli", "--port", "0", "--device", "cpu", "--data-dir", tmp_path / name, *args]
@@ -57,6 +66,9 @@ def test_bad_serve_input_stops_with_exit_code_2_and_one_line(llama_dir, tmp_path
         "not a database": serve("d4", "--model", llama_dir, "--registry", f"sqlite:///{not_a_db}"),
         "port out of range": serve("d5", "--model", llama_dir, "--port", "-5"),
         "keys not utf-8": serve("d6", "--model", llama_dir, "--api-keys", latin1_keys),
+        "config is a list": serve("d7", "--model", config_list),
+        "corrupt tokenizer": serve("d8", "--model", bad_tokenizer),
+        "tokenizer config is a list": serve("d9", "--model", template_list),
     }
     expected = {
         "bad json": ("--model", "config.json"),
@@ -66,6 +78,9 @@ def test_bad_serve_input_stops_with_exit_code_2_and_one_line(llama_dir, tmp_path
         "not a database": ("--registry", "not a database"),
         "port out of range": ("--port -5",),
         "keys not utf-8": ("--api-keys", str(latin1_keys), "UTF-8"),
+        "config is a list": ("--model", "config.json is not a JSON object"),
+        "corrupt tokenizer": ("--model", "tokenizer.json"),
+        "tokenizer config is a list": ("--model", "tokenizer_config.json is not a JSON object"),
     }
     assert_one_line_errors(run_side_by_side(commands), expected)
 

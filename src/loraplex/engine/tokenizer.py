@@ -23,9 +23,14 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ModelConfigError(f"{model_dir}: missing tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 (the tokenizers library raises a bare Exception for a bad file)
+            raise ModelConfigError(f"{model_dir}: tokenizer.json: {exc}") from None
         config_path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ModelConfigError(f"{model_dir}: tokenizer_config.json is not a JSON object")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         template = config.get("chat_template")
@@ -33,7 +38,10 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        self._template = env.from_string(template) if template else None
+        try:
+            self._template = env.from_string(template) if template else None
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelConfigError(f"{model_dir}: tokenizer_config.json: chat_template: {exc}") from None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     @property
