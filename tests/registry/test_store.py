@@ -334,6 +334,55 @@ def test_fetch_file_verifies_and_moves_into_place(tmp_path):
     assert not local.has(wrong)
 
 
+@pytest.mark.parametrize("by_pieces", [False, True])
+def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeypatch, by_pieces):
+    """A remote load reads and hashes the downloaded bytes once: the read that verifies them before the rename is
+    the one whose bytes `use` gets (they were read twice, from the work directory and again from the store)."""
+    remote = ArtifactStore(tmp_path / "remote")
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    digest = remote.put(src)
+    check = check_by(src, by_pieces)
+    reads = []
+    real_read = store_module._read_hashing
+    monkeypatch.setattr(store_module, "_read_hashing",
+                        lambda path, name, *args: reads.append(name) or real_read(path, name, *args))
+
+    def use(files, hashed):
+        for name in files:
+            hashed(name, len(files[name]))
+        return {name: bytes(data) for name, data in files.items()}
+
+    local = ArtifactStore(tmp_path / "local")
+    with serve_store(remote) as base:
+        fetched = store_module.fetch_and_read(f"{base}/{digest.removeprefix('sha256:')}", digest, local,
+                                              AllowList(prefixes=(base,)), use, **check)
+    assert reads == ["adapter_config.json", "adapter_model.safetensors"]  # once each
+    assert fetched.path == local.path(digest) and local.get(digest) == fetched.path
+    assert fetched.result == {name: (src / name).read_bytes() for name in reads}
+    assert fetched.download_s is not None and fetched.download_s > 0
+    # Already in the store: read (and checked) from there, no download.
+    again = store_module.fetch_and_read(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)),
+                                        use, **check)
+    assert again.download_s is None and again.result == fetched.result
+
+
+def test_fetch_and_read_stores_sound_bytes_even_when_use_fails(tmp_path):
+    remote = ArtifactStore(tmp_path / "remote")
+    digest = remote.put(fake_adapter(tmp_path / "a"))
+    local = ArtifactStore(tmp_path / "local")
+
+    def use(files, hashed):
+        raise ValueError("not an adapter this server can serve")
+
+    with pytest.raises(ValueError, match="not an adapter"):
+        store_module.fetch_and_read(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use)
+    assert local.has(digest) and local.get(digest) == local.path(digest)
+    wrong = "sha256:" + "0" * 64
+    with pytest.raises(DigestMismatch, match=f"expected {wrong}"):  # a mismatch is what is raised when both fail
+        store_module.fetch_and_read(remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use)
+    assert not local.has(wrong)
+
+
 def test_fetch_replaces_a_damaged_local_copy(tmp_path):
     remote = ArtifactStore(tmp_path / "remote")
     digest = remote.put(fake_adapter(tmp_path / "a", b"good bytes"))

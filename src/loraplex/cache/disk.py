@@ -12,7 +12,7 @@ from loraplex.registry.store import (
     AllowList,
     ArtifactStore,
     Pieces,
-    fetch_artifact,
+    fetch_and_read,
     read_artifact,
 )
 
@@ -41,12 +41,10 @@ class DiskTier:
         try:
             found, result = self._read_local(digest, use, pieces)
             download_s = None
-            if not found:
-                start = time.perf_counter()
-                path = fetch_artifact(storage_uri, digest, self.store, self.allowed, timeout_s=self.timeout_s,
-                                      http_client=self._http_client(storage_uri), pieces=pieces)
-                download_s = time.perf_counter() - start
-                result = read_artifact(path, digest, use, pieces)
+            if not found:  # downloaded, then checked and used in one read (not read again from disk)
+                fetched = fetch_and_read(storage_uri, digest, self.store, self.allowed, use, timeout_s=self.timeout_s,
+                                         http_client=self._http_client(storage_uri), pieces=pieces)
+                result, download_s = fetched.result, fetched.download_s
             with self._lock:
                 self._last_use[digest] = time.monotonic()
             return result, download_s

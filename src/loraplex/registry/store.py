@@ -569,26 +569,64 @@ def fetch_artifact(
             return dest.get(digest, pieces)
         except DigestMismatch:
             dest.remove(digest)  # a damaged local copy is replaced by a fresh download
+    return fetch_and_read(storage_uri, digest, dest, allowed, None, timeout_s, s3_client, http_client, min_rate,
+                          pieces).path
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path
+    """The artifact's directory in the store."""
+    result: object
+    """What `read_artifact(path, digest, use, pieces)` gives."""
+    download_s: float | None
+    """Seconds the transfer took; None when the store had the artifact."""
+
+
+def fetch_and_read(
+    storage_uri: str,
+    digest: str,
+    dest: ArtifactStore,
+    allowed: AllowList,
+    use: Callable | None,
+    timeout_s: float = 30.0,
+    s3_client=None,
+    http_client=None,
+    min_rate: float = MIN_DOWNLOAD_RATE,
+    pieces: Pieces | None = None,
+) -> Fetched:
+    """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give, taken from the read
+    that verifies the download before its rename: a remote load reads and hashes its bytes once, not twice. When
+    the bytes match but `use` fails, the artifact is still stored and the error raised."""
+    check_digest(digest)
+    if dest.has(digest):
+        try:
+            return Fetched(dest.path(digest), read_artifact(dest.path(digest), digest, use, pieces), None)
+        except DigestMismatch:
+            dest.remove(digest)  # a damaged local copy is replaced by a fresh download
     allowed.check(storage_uri)
     scheme = urlsplit(storage_uri).scheme
     work = dest.temp_dir()
     try:
+        start = time.perf_counter()
         if scheme == "file":
             _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
         elif scheme in ("http", "https"):
             _fetch_http(storage_uri, work, _Deadline(timeout_s, min_rate), http_client)
         else:
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
-        if pieces is None:
-            actual = canonical_digest(work)
-            if actual != digest:
-                raise DigestMismatch(digest, actual, storage_uri)
-        else:
-            try:
-                read_artifact(work, digest, pieces=pieces)
-            except DigestMismatch as exc:
-                raise DigestMismatch(digest, exc.actual, storage_uri) from None
-        return dest.adopt(work, digest)
+        download_s = time.perf_counter() - start
+        result, error = None, None
+        try:
+            result = read_artifact(work, digest, use, pieces)
+        except DigestMismatch as exc:
+            raise DigestMismatch(digest, exc.actual, storage_uri) from None
+        except Exception as exc:  # noqa: BLE001 (the bytes are the artifact's: stored, then the error raised)
+            error = exc
+        path = dest.adopt(work, digest)
+        if error is not None:
+            raise error
+        return Fetched(path, result, download_s)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
