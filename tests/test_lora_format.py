@@ -85,6 +85,10 @@ def test_files_in_memory_without_weights_or_config_are_refused(llama_dir, llama_
     ({"rank_pattern": ["q_proj"]}, "rank_pattern"),
     ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern"),
     ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
+    # Not finite: every logit of the adapter's requests is NaN (json.dumps writes Infinity and NaN, as a file may).
+    ({"lora_alpha": float("inf")}, "lora_alpha"),
+    ({"lora_alpha": float("nan")}, "lora_alpha"),
+    ({"alpha_pattern": {"q_proj": float("-inf")}}, "alpha_pattern"),
 ])
 def test_config_values_of_the_wrong_kind_are_refused_naming_the_field(llama_dir, llama_adapters, change, field):
     """Not a TypeError, AttributeError or re.error from deep inside (a 500, or a traceback at start-up)."""

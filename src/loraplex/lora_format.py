@@ -212,11 +212,11 @@ def _check_config(config: dict) -> None:
         raise AdapterRejected("layers_to_transform", f"{layers!r} is neither a layer index nor a list of them")
     for name in ("r", "lora_alpha"):
         if name in config and not _is_number(config[name]):
-            raise AdapterRejected(name, f"{config[name]!r} is not a number")
+            raise AdapterRejected(name, f"{config[name]!r} is not a finite number")
     for name in ("rank_pattern", "alpha_pattern"):
         patterns = config.get(name) or {}
         if not isinstance(patterns, dict) or not all(_is_number(v) for v in patterns.values()):
-            raise AdapterRejected(name, "must map module name patterns to numbers")
+            raise AdapterRejected(name, "must map module name patterns to finite numbers")
         for pattern in patterns:
             try:
                 re.compile(pattern)
@@ -248,7 +248,8 @@ def _config_selects(config: dict, path: str, layer: int) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float: an infinite or NaN alpha makes every logit NaN."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _pattern_value(patterns: dict, key: str, default):

@@ -127,6 +127,38 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(engin
     assert bad.key not in engine.adapters.cpu and bad.key not in engine.adapters.slots
 
 
+def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_adapters, tmp_path):
+    """NaN in an adapter's weights gives its sequences NaN logits; sampling them raised in the step and failed every
+    request in the batch. Now that request fails alone, with the reason, sampled or greedy."""
+    nan_dir = _copy(llama_adapters["attn-r8"], tmp_path / "nan",
+                    edit_tensors=lambda t: {k: v.fill_(float("nan")) if "lora_B" in k else v for k, v in t.items()})
+    bad = engine.adapter_ref("nan", nan_dir)
+    good = engine.adapter_ref("good-nan", llama_adapters["mlp-r4"])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=4, temperature=temperature, seed=1, ignore_eos=True)
+        ids = [engine.add_request([7, 8, 9], params, r) for r in (good, bad, None)]
+        outs = _drain(engine)
+        tokens = {i: sum((o.token_ids for o in outs if o.request_id == i), []) for i in ids}
+        errors = {o.request_id: o.error for o in outs if o.error is not None}
+        assert [len(tokens[i]) for i in ids] == [4, 0, 4] and list(errors) == [ids[1]], temperature
+        assert "non-finite logits" in str(errors[ids[1]]) and "nan" in str(errors[ids[1]])
+    assert all(e.refcount == 0 for e in engine.adapters.entries.values())
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"temperature": 1e-6}, {"top_p": 1e-320}])
+def test_extreme_sampling_values_sample_instead_of_failing_the_batch(engine, extreme):
+    """A temperature under 1e-5 is greedy, as in vLLM (dividing by 1e-300 made NaN, and the error in the step failed
+    every request in the batch); a top_p that is 0 in float32 keeps the most likely token."""
+    greedy = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    other = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+    odd = engine.add_request([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True, seed=1,
+                                                       **({"temperature": 1.0} | extreme)))
+    outs = _drain(engine)
+    assert not [o.error for o in outs if o.error is not None]
+    assert len(sum((o.token_ids for o in outs if o.request_id == other), [])) == 6
+    assert sum((o.token_ids for o in outs if o.request_id == odd), []) == greedy
+
+
 def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir, llama_adapters):
     # 12 blocks of 4 tokens: 8 sequences of 20 tokens cannot all fit, so some must wait or be preempted.
     cfg = EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=48,

@@ -72,6 +72,21 @@ def test_chat_template_and_plain_fallback(llama_dir, tmp_path):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_a_template_that_fails_on_a_message_field_is_a_value_error(llama_dir, tmp_path):
+    """Extra message fields reach the template (as `tool_calls` does in Qwen's and Llama's): a TypeError there comes
+    from the request's data, so it is a ValueError (400) like a template error, not a 500."""
+    model = tmp_path / "tool-calls"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{%- for m in messages %}{%- if m.tool_calls is defined %}{%- for c in m.tool_calls %}"
+                               "{{ c.function.name }}{%- endfor %}{%- else %}{{ m.content }}{%- endif %}{%- endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(model)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    with pytest.raises(ValueError, match="chat template failed: TypeError"):
+        tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": 5}])
+
+
 def test_rank_aware_admission_keeps_a_second_big_adapter_out_of_the_step(llama_dir, llama_adapters):
     eng = engine_for(llama_dir, dtype="float32", max_loras=3)
     big = eng.adapter_ref("big", llama_adapters["all-r16-rslora"])

@@ -150,6 +150,8 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": "x", "n": 2}', "n"),
     (b'{"model": "tiny", "prompt": "x", "echo": true}', "echo"),
     (b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
+    ('{"model": "tiny", "prompt": "x", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias"),  # "²".isdigit()
+    ('{"model": "tiny", "prompt": "x", "logit_bias": {"\u0663": 1}}'.encode(), "logit_bias"),  # Arabic-Indic 3
     (b'{"model": "tiny", "prompt": []}', "prompt"),
     (b'{"model": "tiny", "prompt": [1, 2, 99999]}', "prompt"),
     (b'{"prompt": "x"}', "model"),

@@ -25,6 +25,7 @@ from loraplex.engine.sampler import sample
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import (
     InvalidRequest,
+    NonFiniteLogits,
     RequestOutput,
     SamplingParams,
     Sequence,
@@ -162,6 +163,14 @@ class LLMEngine:
             seqs, logits = self.runner.run(batch)
             tokens, logprobs = sample(logits, seqs, self.eos_ids)
             for seq, token, logprob in zip(seqs, tokens, logprobs):
+                if token is None:  # NaN or infinite logits: this request fails, the batch goes on
+                    self.scheduler.finish(seq, "error")
+                    self.requests.pop(seq.request_id, None)
+                    adapter = f" with adapter {seq.adapter.key}" if seq.adapter is not None else ""
+                    outputs.append(self._output(seq, [], "", [], error=NonFiniteLogits(
+                        f"the model gave non-finite logits (NaN or infinity){adapter}: the request cannot be "
+                        "completed")))
+                    continue
                 outputs.append(self._append(seq, token, logprob))
         except BaseException:
             self._failed = outputs + self._failed  # already taken off the books: fail_all delivers them

@@ -28,7 +28,8 @@ def _ban_end(row: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]) -> None
             row[token] = float("-inf")
 
 
-def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
+def _sample_row(row: torch.Tensor, seq: Sequence) -> int | None:
+    """The next token; None when the row cannot be sampled (every token banned, or non-finite values)."""
     p = seq.params
     if p.is_greedy:
         return int(row.argmax())
@@ -40,25 +41,37 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
         sorted_logits, order = row.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and never less than the most likely token (a top_p that rounds to 0 in float32)
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = row.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        return None
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> tuple[list[int], list[dict | None]]:
-    """Next token per sequence and, where asked, its logprob and the top alternatives."""
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           eos_ids: tuple[int, ...]) -> tuple[list[int | None], list[dict | None]]:
+    """Next token per sequence and, where asked, its logprob and the top alternatives. A sequence whose logits hold
+    NaN or +inf (its adapter's weights, say), or whose row cannot be sampled, gets None: it fails alone, instead of
+    an error in the sampling failing the whole batch."""
     # logits: [B, V] float32, one row per sequence
+    top_values, top_tokens = logits.max(-1)  # NaN and +inf are a row's max: one pass finds the rows to fail
+    finite = torch.isfinite(top_values).tolist()
     simple = all(s.params.is_greedy and not s.params.needs_penalties and not s.params.min_tokens for s in seqs)
     if simple:
-        tokens = logits.argmax(-1).tolist()
+        tokens = top_tokens.tolist()
     else:
         tokens = []
         for i, seq in enumerate(seqs):
+            if not finite[i]:
+                tokens.append(None)
+                continue
             row = logits[i].clone()
             _ban_end(row, seq, eos_ids)
             tokens.append(_sample_row(_apply_penalties(row, seq), seq))
+    tokens = [t if ok else None for t, ok in zip(tokens, finite)]
     logprobs: list[dict | None] = [None] * len(seqs)
-    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and tokens[i] is not None]
     if wanted:
         lp = torch.log_softmax(logits[wanted], dim=-1)
         for row, i in zip(lp, wanted):

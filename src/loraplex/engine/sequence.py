@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,13 +50,19 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """As vLLM: a temperature under 1e-5 is greedy (dividing the logits by it overflows to inf, then NaN)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:
         return bool(
             self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
         )
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model gave NaN or infinite logits for a sequence (its adapter's weights, say): that request fails, the
+    others in the batch go on."""
 
 
 class InvalidRequest(ValueError):

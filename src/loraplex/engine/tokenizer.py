@@ -65,8 +65,8 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (the messages reach the template: a TypeError there is theirs too)
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
 
 def _raise(message: str):

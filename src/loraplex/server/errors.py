@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
-from loraplex.engine.sequence import InvalidRequest
+from loraplex.engine.sequence import InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
@@ -75,6 +75,8 @@ def as_api_error(exc: Exception) -> APIError | None:
             return exc
         case InvalidRequest():
             return APIError(400, str(exc), "invalid_value", exc.param)
+        case NonFiniteLogits():
+            return APIError(500, str(exc), "non_finite_logits")
         case AdapterRejected():
             return APIError(400, str(exc), "adapter_rejected", exc.field)
         case AdapterNotFound():
@@ -134,6 +136,6 @@ def install_handlers(app: FastAPI) -> None:
             ctx.error_code = error.code  # the audit line says which refusal (quota, overload, not found, ...)
         return error.response()
 
-    for kind in (APIError, InvalidRequest, AdapterRejected, RegistryError, AdapterUnavailable, AdapterInFlight,
-                 CapacityExceeded, HTTPException, RequestValidationError):
+    for kind in (APIError, InvalidRequest, NonFiniteLogits, AdapterRejected, RegistryError, AdapterUnavailable,
+                 AdapterInFlight, CapacityExceeded, HTTPException, RequestValidationError):
         app.add_exception_handler(kind, handle)

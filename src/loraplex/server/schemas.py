@@ -7,6 +7,7 @@ are implemented. Any other field is refused with 400 naming it.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -90,10 +91,13 @@ class _Request(BaseModel):
         )
 
 
+_TOKEN_ID = re.compile(r"[0-9]+")
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     out = []
     for token, value in (bias or {}).items():
-        if not token.isdigit() or int(token) >= vocab_size:
+        if not _TOKEN_ID.fullmatch(token) or int(token) >= vocab_size:  # ASCII digits ("²" is a digit to isdigit)
             raise APIError(400, f"logit_bias key {token!r} is not a token id in [0, {vocab_size})",
                            "invalid_value", "logit_bias")
         if not -100 <= value <= 100:
