@@ -45,12 +45,15 @@ def router(
     registry: Optional[str] = typer.Option(None, "--registry", help="Registry URL for tenant priorities."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port", help="0 picks a free port and prints it."),
+    metrics_token_file: Optional[Path] = typer.Option(None, "--metrics-token-file",
+                                                      help="Token /metrics requires (no file: /metrics is open)."),
 ) -> None:
     """Route requests to the worker that has their adapter, until it is saturated."""
     from loraplex.router.serve import serve_router
 
     token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
-    raise typer.Exit(serve_router(worker, policy, token, registry, host, port))
+    metrics_token = _or_exit_2(read_option_file, read_admin_token, metrics_token_file, "--metrics-token-file")
+    raise typer.Exit(serve_router(worker, policy, token, registry, host, port, metrics_token))
 
 
 def _or_exit_2(check, *args):

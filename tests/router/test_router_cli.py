@@ -10,10 +10,12 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
     empty.write_text("")
     short = tmp_path / "short-token"
     short.write_text("short\n")
-    files = [tmp_path / "missing-token", empty, short]
+    files = [tmp_path / "missing-token", empty, short, short]
+    flags = ["--admin-token-file"] * 3 + ["--metrics-token-file"]
     procs = [subprocess.Popen([sys.executable, "-m", "loraplex.cli", "router", "--worker", "http://127.0.0.1:9",
-                               "--port", "0", "--admin-token-file", str(path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for path in files]
+                               "--port", "0", flag, str(path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for flag, path in zip(flags, files)]
     try:
         results = [(proc.wait(60), proc.communicate()[1]) for proc in procs]
     finally:
@@ -21,7 +23,7 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for path, (code, stderr) in zip(files, results, strict=True):
+    for flag, path, (code, stderr) in zip(flags, files, results, strict=True):
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (path, code, stderr[-600:])
-        assert lines[0].startswith("error: --admin-token-file") and path.name in lines[0], lines
+        assert lines[0].startswith(f"error: {flag}") and path.name in lines[0], lines

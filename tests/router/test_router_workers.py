@@ -20,7 +20,8 @@ TOKEN = "admin-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None) -> Starlette:
+def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None, answer=None) -> Starlette:
+    """`answer`: the completions endpoint, in place of the default one."""
     async def health(request):
         return JSONResponse({"status": "ok"})
 
@@ -35,7 +36,7 @@ def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None) 
         return JSONResponse({"choices": [{"text": "ok"}]})
 
     return Starlette(routes=[Route("/health", health), Route("/admin/state", admin_state),
-                             Route("/v1/completions", completions, methods=["POST"])])
+                             Route("/v1/completions", answer or completions, methods=["POST"])])
 
 
 RESIDENT = {"adapters": [{"name": "sql", "revision": "r1", "tier": "gpu", "loading": False}],
@@ -120,3 +121,46 @@ def test_more_than_a_hundred_streams_at_once_are_all_carried():
 
             assert asyncio.run(all_at_once()) == [(200, 3)] * 110
             assert workers_seen(url)[one]
+
+
+def tenant_worker(state: dict) -> Starlette:
+    """A worker where only the key `alice-key` may use the adapter `sql` (a 404 otherwise, as for a name that does
+    not exist)."""
+    async def completions(request):
+        body = await request.json()
+        if body.get("model") == "sql" and request.headers.get("authorization") == "Bearer alice-key":
+            return JSONResponse({"choices": [{"text": "ok"}]})
+        return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
+                                       "code": "model_not_found", "param": "model"}}, status_code=404)
+
+    return worker(state, answer=completions)
+
+
+def picks(url: str, token: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("loraplex_router_picks_total{")}
+
+
+def test_a_refused_caller_learns_nothing_of_where_an_adapter_is_resident():
+    """The router picks from the model name before a worker checks the key: a 404 for another tenant's adapter
+    carried `x-loraplex-route: affinity-gpu` (an unknown name `cold-hash`), and the picks counter moved the same
+    way. Now refusals carry no route or worker header and are not counted; /metrics can require a token."""
+    metrics_token = "metrics-token-0123456789"
+    with serving(tenant_worker(RESIDENT)) as w:
+        config = RouterConfig(workers=(w,), admin_token=TOKEN, metrics_token=metrics_token)
+        with serving(create_router_app(config)) as url:
+            assert workers_seen(url) == {w: True}
+            assert httpx.get(f"{url}/metrics").status_code == 401
+            assert httpx.get(f"{url}/metrics", headers=ADMIN).status_code == 401  # the admin token is not it
+            for model in ("sql", "nothing-here"):
+                refused = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"},
+                                     headers={"Authorization": "Bearer bob-key"})
+                assert refused.status_code == 404
+                assert "x-loraplex-route" not in refused.headers and "x-loraplex-worker" not in refused.headers
+            assert picks(url, metrics_token) == {}
+            served = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"},
+                                headers={"Authorization": "Bearer alice-key"})
+            assert served.status_code == 200 and served.headers["x-loraplex-route"] == "affinity-gpu"
+            assert served.headers["x-loraplex-worker"] == w
+            assert picks(url, metrics_token) == {"affinity-gpu": 1.0}

@@ -231,8 +231,11 @@ def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running,
     for _ in range(3):
         response = client.completions.with_raw_response.create(model="fragile", prompt="hello", max_tokens=2)
         assert response.headers["x-loraplex-adapter"] == "fragile@r1"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as gone:
         client.completions.create(model="fragile@r2", prompt="hello", max_tokens=2)
+    # The reason tenants read names no path or URL of the store (the error with them is in the server log).
+    assert "failed their digest check" in gone.value.message
+    assert str(registry.store.root) not in gone.value.message and "sha256/" not in gone.value.message
 
 
 def test_a_cpu_pin_the_budget_cannot_hold_is_refused_once_its_size_is_known(start):

@@ -23,6 +23,9 @@ log = logging.getLogger("loraplex.router")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
+TENANCY_REFUSALS = (401, 403, 404)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     workers: tuple[str, ...]
@@ -35,6 +38,8 @@ class RouterConfig:
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has one)."""
     picker: PickerConfig = field(default_factory=PickerConfig)
     seed: int | None = None
+    metrics_token: str | None = None
+    """When set, /metrics answers only `Authorization: Bearer <token>`."""
 
 
 class RouterMetrics:
@@ -94,9 +99,12 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     app.state.fleet, app.state.picker = fleet, picker
 
     def admin_ok(request: Request) -> bool:
+        return bool(config.admin_token) and token_ok(request, config.admin_token)
+
+    def token_ok(request: Request, token: str) -> bool:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         # bytes: compare_digest refuses str with non-ASCII characters (a 500 for a header anyone can send)
-        return bool(config.admin_token) and secrets.compare_digest(given.encode(), config.admin_token.encode())
+        return secrets.compare_digest(given.encode(), token.encode())
 
     async def forward(request: Request, path: str):
         body = await request.body()
@@ -108,8 +116,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         adapter = model if isinstance(model, str) else None
         key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         pick = picker.pick(fleet.views(), adapter, config.priority_of(key))
-        metrics.picks.labels(pick.reason).inc()
         if pick.url is None:
+            metrics.picks.labels(pick.reason).inc()
             status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
             return _error(status, f"no worker can take the request now ({pick.reason})", code,
                           "server_error", {"Retry-After": "1"})
@@ -129,6 +137,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
                 # The worker has the request and is slow (a non-streamed answer comes whole): neither a failed
                 # worker nor one to run the generation again on.
+                metrics.picks.labels(pick.reason).inc()
                 done(url)
                 return _error(504, f"worker {url} did not answer in time: {type(exc).__name__}", "gateway_timeout",
                               "server_error")
@@ -140,10 +149,17 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 if attempt == 0 and len(pick.ranking) > 1:
                     metrics.retries.inc()
                     continue
+                metrics.picks.labels(pick.reason).inc()
                 return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
             out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-            out_headers["x-loraplex-worker"] = url
-            out_headers["x-loraplex-route"] = pick.reason
+            # The pick was made from the model name alone, before any worker checked the caller's key: where the
+            # worker refuses the caller (401, 403, or 404 for another tenant's adapter), neither the answer nor the
+            # pick counts may tell where that adapter is resident.
+            if response.status_code not in TENANCY_REFUSALS:
+                metrics.picks.labels(pick.reason).inc()
+                if response.status_code < 400:
+                    out_headers["x-loraplex-worker"] = url
+                    out_headers["x-loraplex-route"] = pick.reason
 
             async def relay(response=response, url=url):
                 try:
@@ -191,7 +207,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return _error(503, "no healthy worker", "no_worker", "server_error")
 
     @app.get("/metrics")
-    async def metrics_page():
+    async def metrics_page(request: Request):
+        if config.metrics_token and not token_ok(request, config.metrics_token):
+            return _error(401, "This endpoint needs the metrics token: send `Authorization: Bearer METRICS_TOKEN`.",
+                          "invalid_metrics_token", "authentication_error")
         for worker in fleet.workers.values():
             metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -12,7 +12,7 @@ from loraplex.router.picker import POLICIES
 
 
 def serve_router(workers: list[str], policy: str, admin_token: str | None, registry: str | None,
-                 host: str, port: int) -> int:
+                 host: str, port: int, metrics_token: str | None = None) -> int:
     if policy not in POLICIES:
         print(f"error: --policy {policy!r}: use one of {', '.join(POLICIES)}", file=sys.stderr)
         return 2
@@ -20,9 +20,10 @@ def serve_router(workers: list[str], policy: str, admin_token: str | None, regis
     if bad:
         print(f"error: --worker {bad[0]!r} is not an http(s) URL", file=sys.stderr)
         return 2
-    config = RouterConfig(tuple(workers), policy, admin_token)
+    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token)
     if registry:
-        config = RouterConfig(tuple(workers), policy, admin_token, priority_of=registry_priorities(registry))
+        config = RouterConfig(tuple(workers), policy, admin_token, priority_of=registry_priorities(registry),
+                              metrics_token=metrics_token)
     app = create_router_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -24,7 +24,7 @@ from loraplex.server import admin, openai_api
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.audit import AuditLog
-from loraplex.server.auth import Authenticator
+from loraplex.server.auth import Authenticator, check_token
 from loraplex.server.errors import APIError, install_handlers
 from loraplex.server.generation import Generation
 from loraplex.server.metrics import ServerMetrics
@@ -32,6 +32,7 @@ from loraplex.server.middleware import CLIENT_CLOSED, RequestContext, RequestMid
 from loraplex.server.schemas import model_card
 
 log = logging.getLogger("loraplex.server")
+QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class ServerConfig:
     """How long an unload waits for the adapter's requests in flight."""
     top_k_adapter_metrics: int = 0
     """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
+    metrics_token: str | None = None
+    """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
     key_cache_ttl_s: float = 5.0
     """How long a registry API key lookup is trusted (revocations take effect within this)."""
 
@@ -68,6 +71,8 @@ class ServerConfig:
             raise ValueError("max_waiting must be >= 0 and max_requests_per_tenant >= 1")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ValueError("the metrics token must be at least 16 characters")
 
 
 class Server:
@@ -141,7 +146,9 @@ class Server:
         try:
             target = self.resolver.resolve(ctx.tenant, model, user)
         except AdapterNotFound:
-            ctx.denied = self._is_denied(ctx.tenant, model)
+            # Counted for another tenant's name and for an unknown one alike: the 404s are the same, and so is the
+            # count, or /metrics would tell a tenant which private names exist.
+            ctx.denied = True
             raise
         ctx.adapter, ctx.digest = target.label, target.digest
         if target.ref is None:
@@ -157,15 +164,6 @@ class Server:
         tier = self.engine.adapters.tier_of(target.ref.key)
         # The cache learns a key's local path at the request's first acquire; the bytes are on disk already.
         return "disk" if tier == "remote" and target.ref.path is not None else tier
-
-    def _is_denied(self, tenant: str, model: str) -> bool:
-        """The name exists but belongs to others (answered 404 like an unknown name, counted as a denial)."""
-        name = model.partition("@")[0]
-        try:
-            self.registry.show(name)
-        except AdapterNotFound:
-            return False
-        return not self.registry.tenant_may_use(tenant, name)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         limit = self.max_prompt_tokens
@@ -252,9 +250,11 @@ class Server:
             log.warning("%s", fields["error"])
 
     def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
-        """A revision whose bytes fail their digest is never served again; its traffic returns to the stable."""
+        """A revision whose bytes fail their digest is never served again; its traffic returns to the stable. The
+        reason recorded is the same for every revision (tenants see it in the 404 for `name@revision`): the error
+        names the store's paths or URLs, so it goes to the server log only."""
         try:
-            self.registry.quarantine(key.name, key.revision, f"digest check failed on load: {error}")
+            self.registry.quarantine(key.name, key.revision, QUARANTINE_REASON)
             log.error("quarantined %s@%s: %s", key.name, key.revision, error)
         except RegistryError as exc:  # already quarantined, or removed meanwhile
             log.warning("could not quarantine %s@%s: %s", key.name, key.revision, exc)
@@ -368,4 +368,7 @@ async def ready(request: Request):
 
 @health.get("/metrics")
 async def metrics(request: Request):
-    return Response(request.app.state.server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    server: Server = request.app.state.server
+    if server.config.metrics_token:
+        check_token(request.headers.get("authorization"), server.config.metrics_token, "metrics")
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)

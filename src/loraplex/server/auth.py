@@ -49,7 +49,7 @@ def read_admin_token(path: str | Path) -> str:
     lines = Path(path).read_text().splitlines()
     token = lines[0].strip() if lines else ""
     if len(token) < 16:
-        raise ValueError(f"{path}: the admin token on its first line must be at least 16 characters")
+        raise ValueError(f"{path}: the token on its first line must be at least 16 characters")
     return token
 
 
@@ -113,7 +113,12 @@ class Authenticator:
 
 def check_admin(authorization: str | None, token: str) -> None:
     """401 unless the request carries the admin token."""
+    check_token(authorization, token, "admin")
+
+
+def check_token(authorization: str | None, token: str, kind: str) -> None:
+    """401 unless the request carries `token` (the admin or the metrics token)."""
     given = bearer(authorization)
     if given is None or not hmac.compare_digest(given.encode(), token.encode()):
-        raise APIError(401, "This endpoint needs the admin token: send `Authorization: Bearer ADMIN_TOKEN`.",
-                       "invalid_admin_token")
+        raise APIError(401, f"This endpoint needs the {kind} token: send `Authorization: Bearer "
+                       f"{kind.upper()}_TOKEN`.", f"invalid_{kind}_token")

@@ -56,6 +56,7 @@ class ServeOptions:
     api_keys: Path | None = None
     admin_token_file: Path | None = None
     admin_port: int | None = None
+    metrics_token_file: Path | None = None
     allowed_roots: tuple[str, ...] = ()
 
     @property
@@ -146,6 +147,7 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
+    metrics_token = read_option_file(read_admin_token, options.metrics_token_file, "--metrics-token-file")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
     make_dir(options.data_dir, "--data-dir")
@@ -155,6 +157,7 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     config = ServerConfig(
         served_model_name=options.served_model_name or options.model.resolve().name,
         admin_token=token,
+        metrics_token=metrics_token,
         admin_on_main_app=options.admin_port is None,
         allowed_roots=options.allowed_roots,
         audit_log=options.data_dir / "audit.jsonl",
