@@ -159,6 +159,20 @@ def test_extreme_sampling_values_sample_instead_of_failing_the_batch(engine, ext
     assert sum((o.token_ids for o in outs if o.request_id == odd), []) == greedy
 
 
+def test_score_raises_a_failed_load_instead_of_retrying_it(engine, llama_adapters, tmp_path):
+    """score()'s sequences wait in no queue, so a failed load was dropped and started again, in a loop, for good."""
+    bad = engine.adapter_ref("score-bad", _copy(llama_adapters["attn-r8"], tmp_path / "score-bad"),
+                             digest="sha256:" + "2" * 64)
+    good = engine.adapter_ref("score-good", llama_adapters["mlp-r4"])
+    loads = engine.adapters.entries.get(good.key)
+    with pytest.raises(Exception, match="digest") as failed:
+        engine.score([[1, 2, 3], [4, 5, 6]], [good, bad])
+    assert "score-bad" in str(failed.value)
+    assert all(e.refcount == 0 for e in engine.adapters.entries.values())  # the good one's reference is back
+    assert engine.adapters.entries[bad.key].loads == 0 and loads is None
+    assert len(engine.score([[1, 2, 3]], [good])[0]) == 3  # and scoring goes on
+
+
 def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir, llama_adapters):
     # 12 blocks of 4 tokens: 8 sequences of 20 tokens cannot all fit, so some must wait or be preempted.
     cfg = EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=48,

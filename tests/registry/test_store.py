@@ -366,7 +366,9 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
     assert again.download_s is None and again.result == fetched.result
 
 
-def test_fetch_and_read_stores_sound_bytes_even_when_use_fails(tmp_path):
+def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
+    """A failed load leaves every tier as it was: bytes that match but do not pack are not kept, where they would
+    count against the disk budget and push out an artifact that serves."""
     remote = ArtifactStore(tmp_path / "remote")
     digest = remote.put(fake_adapter(tmp_path / "a"))
     local = ArtifactStore(tmp_path / "local")
@@ -376,7 +378,8 @@ def test_fetch_and_read_stores_sound_bytes_even_when_use_fails(tmp_path):
 
     with pytest.raises(ValueError, match="not an adapter"):
         store_module.fetch_and_read(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use)
-    assert local.has(digest) and local.get(digest) == local.path(digest)
+    assert not local.has(digest) and local.digests() == []
+    assert list((local.root / "tmp").iterdir()) == []  # nor its work directory
     wrong = "sha256:" + "0" * 64
     with pytest.raises(DigestMismatch, match=f"expected {wrong}"):  # a mismatch is what is raised when both fail
         store_module.fetch_and_read(remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use)

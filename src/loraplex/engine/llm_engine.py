@@ -288,13 +288,23 @@ class LLMEngine:
         """Logits [len, vocab] of every prompt position (host tensors), all prompts in one mixed-adapter prefill."""
         seqs = [Sequence(f"score-{i}", list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
         pending = list(seqs)
-        while pending:  # make every adapter resident first (a step of its own, like any waiting request)
-            self._fail_unavailable(self.adapters.poll())
-            for seq in list(pending):
-                if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
-                    pending.remove(seq)
-            if pending:
-                time.sleep(0.001)
+        try:
+            while pending:  # make every adapter resident first (a step of its own, like any waiting request)
+                failures = self.adapters.poll()
+                self._fail_unavailable(failures)
+                for key, error in failures:  # these sequences are in no queue: their load's failure is theirs
+                    if any(seq.adapter is not None and seq.adapter.key == key for seq in pending):
+                        raise error
+                for seq in list(pending):
+                    if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
+                        pending.remove(seq)
+                if pending:
+                    time.sleep(0.001)
+        except BaseException:
+            for seq in seqs:
+                if seq not in pending:
+                    self.scheduler.release(seq)  # the adapters already taken
+            raise
         try:
             for seq in seqs:
                 if not self.blocks.can_allocate(seq):

@@ -597,7 +597,8 @@ def fetch_and_read(
 ) -> Fetched:
     """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give, taken from the read
     that verifies the download before its rename: a remote load reads and hashes its bytes once, not twice. When
-    the bytes match but `use` fails, the artifact is still stored and the error raised."""
+    the bytes match but `use` fails (an adapter this server cannot serve), the download is not kept: a failed load
+    leaves the store as it was (its budget would push out an artifact that serves)."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -616,17 +617,11 @@ def fetch_and_read(
         else:
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         download_s = time.perf_counter() - start
-        result, error = None, None
         try:
             result = read_artifact(work, digest, use, pieces)
         except DigestMismatch as exc:
             raise DigestMismatch(digest, exc.actual, storage_uri) from None
-        except Exception as exc:  # noqa: BLE001 (the bytes are the artifact's: stored, then the error raised)
-            error = exc
-        path = dest.adopt(work, digest)
-        if error is not None:
-            raise error
-        return Fetched(path, result, download_s)
+        return Fetched(dest.adopt(work, digest), result, download_s)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
