@@ -1,12 +1,14 @@
 """The admin API: the token, residency state, registry changes, cache operations, vLLM's load/unload."""
 
 import threading
+from datetime import timedelta
 
 import httpx
 import openai
 import pytest
 
 from harness import ADMIN_TOKEN, KEYS, MODEL, serving
+from loraplex.registry import Registry
 from loraplex.server.app import create_admin_app
 
 
@@ -141,6 +143,42 @@ def test_a_warm_policy_pins_in_its_tier_at_start_and_at_registration(start, adap
         running.wait_for(lambda: _entry(running, "warm-cpu") and _entry(running, "warm-cpu")["pinned"] == "cpu",
                          what="warm-cpu pinned in host memory")
         assert not running.registry.show("warm-cpu").pinned  # the policy pins; no operator pin is recorded
+
+
+def _pin_of(running, name, revision):
+    entry = next((a for a in running.state()["adapters"] if a["name"] == name and a["revision"] == revision), None)
+    return entry["pinned"] if entry else None
+
+
+def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_period(start, adapter_variants):
+    """A name's pin moves to the revision promoted after it (it stayed on the old one, holding a slot for good, and
+    pinning the name again answered 409), for a promote here and for a rollback made by another process (the
+    registry CLI); the revision that leaves traffic is kept in host memory for the registry's grace period."""
+    def register(registry):
+        registry.pin("shared-a", tier="gpu")
+
+    roots = (str(adapter_variants[0].parent),)
+    with start(registry_setup=register, allowed_roots=roots, registry_watch_s=0.1) as running:
+        running.wait_for(lambda: _pin_of(running, "shared-a", "r1") == "gpu", what="r1 pinned at start")
+        body = {"name": "shared-a", "path": str(adapter_variants[4]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        promoted = running.admin("POST", "/admin/adapters/shared-a/promote", json={"revision": "r2"})
+        assert promoted.status_code == 200, promoted.text
+        assert _pin_of(running, "shared-a", "r2") == "gpu"
+        assert _pin_of(running, "shared-a", "r1") == "cpu"  # the grace period: a rollback finds it warm
+        again = running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "gpu"})
+        assert again.status_code == 200, again.text
+        # A rollback by another process: the server sees the registry change and moves the pins.
+        running.registry.grace_period = timedelta(seconds=5)  # r2's, from now on
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
+        elsewhere.rollback("shared-a")
+        elsewhere.close()
+        running.wait_for(lambda: (_pin_of(running, "shared-a", "r1"), _pin_of(running, "shared-a", "r2"))
+                         == ("gpu", "cpu"), what="r1 pinned and r2 kept warm after the rollback")
+        served = running.client().completions.with_raw_response.create(model="shared-a", prompt="x", max_tokens=1)
+        assert served.headers["x-loraplex-adapter"] == "shared-a@r1"
+        running.wait_for(lambda: _pin_of(running, "shared-a", "r2") is None, what="the grace period to end")
+        assert _pin_of(running, "shared-a", "r1") == "gpu"
 
 
 def test_evict_in_flight_is_409(start):

@@ -299,6 +299,12 @@ class Registry:
             raise RevisionUnavailable(f"{name} has no revision in service (all deprecated or quarantined)")
         return snapshot.records[pick(name, snapshot.serving, user, self._rng)]
 
+    def generation(self) -> int:
+        """A number every registry change moves (one query): a reader may keep what it read until it moves."""
+        self._check_ready()
+        with self._reader.connect() as conn:
+            return conn.execute(_GENERATION).scalar_one()
+
     def _snapshot(self, name: str) -> _Snapshot | None:
         """What resolution needs about `name`, read again only when the registry changed since (one query)."""
         self._check_ready()

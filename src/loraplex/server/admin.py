@@ -173,6 +173,7 @@ async def promote(name: str, body: PromoteBody, request: Request) -> dict:
     server = _server(request)
     checks = _release_checks(server, asyncio.get_running_loop())
     adapter = await run_in_threadpool(server.registry.promote, name, body.revision, body.weight, checks, body.force)
+    await run_in_threadpool(server.follow_traffic)  # pins move to the revisions now serving
     return adapter.to_dict()
 
 
@@ -180,11 +181,15 @@ async def set_traffic(name: str, body: TrafficBody, request: Request) -> dict:
     server = _server(request)
     checks = _release_checks(server, asyncio.get_running_loop())
     adapter = await run_in_threadpool(server.registry.set_traffic, name, body.weights, checks, body.force)
+    await run_in_threadpool(server.follow_traffic)
     return adapter.to_dict()
 
 
 async def rollback(name: str, request: Request) -> dict:
-    return (await run_in_threadpool(_server(request).registry.rollback, name)).to_dict()
+    server = _server(request)
+    adapter = await run_in_threadpool(server.registry.rollback, name)
+    await run_in_threadpool(server.follow_traffic)
+    return adapter.to_dict()
 
 
 def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseChecks:
@@ -269,6 +274,10 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
                            "adapter_unavailable")
         pending = [str(r.key) for r in refs if r.key in cache.loading]
     await run_in_threadpool(server.registry.pin, name, True, body.tier)
+    if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
+        server.warm(await run_in_threadpool(server.registry.show, name))
+    else:  # this revision's: an operator's, traffic does not move it
+        server.released([r.key for r in refs])
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 
@@ -278,6 +287,7 @@ async def unpin(name: str, request: Request) -> dict:
     keys = _resident_keys(server, name)
     for key in keys:
         server.engine.adapters.unpin(key)
+    server.released(keys)
     return {"unpinned": [str(k) for k in keys]}
 
 
@@ -296,6 +306,7 @@ async def evict(name: str, body: RevisionBody, request: Request) -> dict:
     was_pinned = any(getattr(cache.entries.get(k), "pinned", None) for k in keys)
     for key in keys:
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
+        server.released([key])
     if was_pinned and not any(getattr(cache.entries.get(k), "pinned", None) for k in _resident_keys(server, name)):
         await run_in_threadpool(server.registry.unpin, name)  # else the next start would pin it again
     return {"evicted": [str(k) for k in keys]}

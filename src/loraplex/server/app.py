@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.cache.errors import ArtifactCorrupt
+from loraplex.cache.errors import ArtifactCorrupt, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.registry import AdapterNotFound, AdapterRecord, AllowList, Registry, RegistryError
 from loraplex.server import admin, openai_api
@@ -65,6 +66,8 @@ class ServerConfig:
     """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
     key_cache_ttl_s: float = 5.0
     """How long a registry API key lookup is trusted (revocations take effect within this)."""
+    registry_watch_s: float = 2.0
+    """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins along."""
 
     def __post_init__(self):
         if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
@@ -93,6 +96,14 @@ class Server:
         self.async_engine: AsyncEngine | None = None
         self.is_draining = False
         self.load_stages: dict[str, dict[str, float]] = {}  # str(key) -> {stage: ms} of its last load
+        # Pins that follow traffic (`follow_traffic`): those a name's pin or warm policy made, the revisions that
+        # left traffic kept in host memory for the grace period, and each name's serving revisions at the last look.
+        self._rule_pins: dict[AdapterKey, str] = {}
+        self._grace_pins: dict[AdapterKey, float] = {}  # key -> time.monotonic() its grace period ends
+        self._serving: dict[str, frozenset[str]] = {}
+        self._pins_lock = threading.RLock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         engine.adapters.on_event = self.on_cache_event
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -102,6 +113,8 @@ class Server:
             self.warm_start()
         except Exception:  # serving cold is better than not serving
             log.exception("warm start failed; adapters will load on demand")
+        self._watcher = threading.Thread(target=self._watch_registry, name="registry-watch", daemon=True)
+        self._watcher.start()
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503); requests in flight go on."""
@@ -110,6 +123,7 @@ class Server:
         self.is_draining = True
 
     def stop(self) -> None:
+        self._watch_stop.set()
         self.begin_shutdown()
         if self.async_engine is not None:
             self.async_engine.stop()
@@ -126,15 +140,78 @@ class Server:
         be made (beyond capacity, a failed load) is logged and serving goes on."""
         tier = adapter.pin_tier if adapter.pinned else (
             adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
-        if tier is None:
-            return
-        for record in adapter.revisions:
-            if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
-                ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
-                try:
-                    self.engine.adapters.pin(ref, tier)
-                except Exception as exc:  # a warm start that cannot happen must not stop serving
-                    log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
+        with self._pins_lock:
+            self._serving[adapter.name] = _serving_revisions(adapter)
+            if tier is None:
+                return
+            for record in adapter.revisions:
+                if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
+                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
+                    self._grace_pins.pop(ref.key, None)  # serving again: the rule's pin replaces the grace one
+                    try:
+                        self.engine.adapters.pin(ref, tier)
+                    except Exception as exc:  # a warm start that cannot happen must not stop serving
+                        log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
+                        continue
+                    self._rule_pins[ref.key] = tier
+
+    def follow_traffic(self) -> None:
+        """Move pins along with traffic. For every name whose serving revisions changed since the last look (an
+        admin call here, the registry CLI elsewhere, a quarantine), the revisions that left traffic lose the pins
+        their name's pin or warm policy made, and are kept in host memory for the registry's grace period when
+        they are resident (a rollback finds them warm; ARCHITECTURE: "the old revision stays resident for a grace
+        period"); the revisions now serving are pinned by the name's rule (`warm`). Grace pins whose period has
+        ended are dropped."""
+        cache, now = self.engine.adapters, time.monotonic()
+        grace_s = self.registry.grace_period.total_seconds()
+        with self._pins_lock:
+            for key, until in list(self._grace_pins.items()):
+                if until <= now:
+                    del self._grace_pins[key]
+                    if getattr(cache.entries.get(key), "pinned", None) == "cpu":
+                        cache.unpin(key)
+            for adapter in self.registry.list_adapters():
+                serving = _serving_revisions(adapter)
+                before = self._serving.get(adapter.name)
+                if before == serving:
+                    continue
+                for record in adapter.revisions:
+                    if before is None or record.revision not in before or record.revision in serving:
+                        continue
+                    if not self.resolver.may_see(record.base_model_digest):
+                        continue
+                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
+                    tier = self._rule_pins.pop(ref.key, None)
+                    entry = cache.entries.get(ref.key)
+                    if tier is not None and getattr(entry, "pinned", None) == tier:
+                        cache.unpin(ref.key)
+                    if grace_s > 0 and record.status != "quarantined" and cache.tier_of(ref.key) in ("gpu", "cpu") \
+                            and getattr(cache.entries.get(ref.key), "pinned", None) is None:
+                        try:
+                            cache.pin(ref, "cpu")
+                        except CapacityExceeded:
+                            continue  # no room to keep it: it is evicted as any other copy
+                        self._grace_pins[ref.key] = now + grace_s
+                self.warm(adapter)
+
+    def released(self, keys) -> None:
+        """An operator's call took these keys' pins over (an explicit pin, an unpin or an evict): traffic no longer
+        moves them."""
+        with self._pins_lock:
+            for key in keys:
+                self._rule_pins.pop(key, None)
+                self._grace_pins.pop(key, None)
+
+    def _watch_registry(self) -> None:
+        seen = None
+        while not self._watch_stop.wait(self.config.registry_watch_s):
+            try:
+                generation = self.registry.generation()
+                if generation != seen or self._grace_pins:
+                    self.follow_traffic()
+                    seen = generation
+            except Exception:  # a registry that is briefly unreachable: look again at the next turn
+                log.exception("could not follow the registry's traffic changes")
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
@@ -372,3 +449,7 @@ async def metrics(request: Request):
     if server.config.metrics_token:
         check_token(request.headers.get("authorization"), server.config.metrics_token, "metrics")
     return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _serving_revisions(adapter: AdapterRecord) -> frozenset[str]:
+    return frozenset(r.revision for r in adapter.revisions if r.traffic_weight)
