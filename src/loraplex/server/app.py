@@ -211,7 +211,8 @@ class Server:
                     self.follow_traffic()
                     seen = generation
             except Exception:  # a registry that is briefly unreachable: look again at the next turn
-                log.exception("could not follow the registry's traffic changes")
+                if not self._watch_stop.is_set():  # (not the registry closed under a stopping server)
+                    log.exception("could not follow the registry's traffic changes")
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
