@@ -54,6 +54,8 @@ class AdapterSpec:
     modules: tuple[LoraModuleSpec, ...]
     estimated_bytes: int
     actual_bytes: int
+    elements: int = 0
+    """Numbers in the LoRA weights (A and B of every module): times the serving dtype's size, the host copy."""
     # the weights file's layout when validated from its bytes (pack_adapter then need not read the header again)
     layout: SafetensorsLayout | None = field(default=None, compare=False, repr=False)
 
@@ -305,7 +307,7 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
         raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
     _check_tiling(layout, WEIGHTS_FILE)
     modules = []
-    estimated = 0
+    estimated = elements = 0
     for (layer, module), sides in sorted(pairs.items()):
         if set(sides) != {"A", "B"}:
             raise AdapterRejected("weights", f"layer {layer} {module}: lora_A and lora_B must both be present")
@@ -333,7 +335,10 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
         alpha = _pattern_value(config.get("alpha_pattern"), path, alpha_default)
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         modules.append(LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"]))
-        estimated += (d_in + d_out) * rank * DTYPE_BYTES[header[sides["A"]]["dtype"]]
+        # A is [r, d_in] and B [d_out, r], each in its own dtype (a file may store them in two)
+        estimated += (d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
+                      + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]) * rank
+        elements += (d_in + d_out) * rank
     return AdapterSpec(
         path=adapter_dir,
         rank=max(m.rank for m in modules),
@@ -346,6 +351,7 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
         modules=tuple(modules),
         estimated_bytes=estimated,
         actual_bytes=actual,
+        elements=elements,
         layout=layout if adapter_dir is None else None,
     )
 

@@ -116,6 +116,7 @@ def test_closed_loop_maps_a_named_workload_onto_served_adapters(worker, tmp_path
     assert summary["config"] == {"url": url, "mode": "closed", "clients": 3, "time_scale": 1.0, "prompt_unit": "char"}
     assert summary["trace"] == {"source": "zipf", "seed": 0, "requests": 20}
     assert "records" not in summary  # no per-request list without --per-request
+    assert summary["send_lag_ms"] == {"p50": None, "p95": None, "p99": None}  # no trace times to be late for
     assert delta(requests_total(url), before) == Counter({("bob", "200"): 20})
 
 
@@ -154,6 +155,8 @@ def test_unreachable_server_exits_2_with_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     bad = bench("--url", "localhost:8000", "--workload", "zipf", "--limit", 3)
     assert bad.returncode == 2 and "http://" in bad.stderr and "Traceback" not in bad.stderr
+    port = bench("--url", "http://127.0.0.1:99999", "--workload", "zipf", "--limit", 3)
+    assert port.returncode == 2 and "port 99999 is not in 1-65535" in port.stderr and "Traceback" not in port.stderr
 
 
 def test_unknown_workload_is_a_clear_error():
@@ -183,6 +186,7 @@ def test_summary_splits_by_tier_and_counts_cold_starts_and_errors():
     assert s["errors"] == {"404": 1, "connect": 1, "stream:adapter_unavailable": 1}
     assert s["tiers"] == {"gpu": 2, "cpu": 1, "disk": 0, "remote": 1, "unknown": 1}
     assert s["cold_starts"] == 2 and s["cold_start_rate"] == 0.5  # unknown is neither warm nor cold
+    assert s["storage_loads"] == 1 and s["storage_load_rate"] == 0.25  # as loraplex plan counts: disk and remote
     assert s["throughput"] == {"requests_per_s": 2.5, "output_tokens_per_s": 12.5}
     assert set(s["latency"]) == {"all", "gpu", "cpu", "remote", "unknown"}
     assert s["latency"]["gpu"]["ttft_ms"]["p50"] == 20.0
@@ -213,6 +217,7 @@ def test_stream_parsing_against_a_fake_server_without_tier_header():
                  {"choices": [{"text": "c", "finish_reason": "length"}]},
                  {"choices": [], "usage": {"completion_tokens": 3}}],
         "broken": [{"choices": [{"text": "a"}]}, {"error": {"message": "store down", "code": "adapter_unavailable"}}],
+        "null": [{"choices": [{"text": "a"}]}, None],  # JSON, but no event (a TypeError ended the whole run)
     }
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -226,9 +231,10 @@ def test_stream_parsing_against_a_fake_server_without_tier_header():
         async with httpx.AsyncClient(base_url=config.url, transport=httpx.MockTransport(handler)) as client:
             request = Request(0.0, "t", "good", 10, 3)
             return [await loadgen.send(client, config, request, i, model, start=0.0) for i, model in
-                    enumerate(["good", "broken"])]
+                    enumerate(["good", "broken", "null"])]
 
-    good, broken = asyncio.run(go())
+    good, broken, null = asyncio.run(go())
+    assert null.code == "stream:invalid_event" and not null.ok
     assert (good.code, good.tier, good.output_tokens) == ("200", "unknown", 3)
     assert 0 < good.ttft_s <= good.e2e_s and good.tpot_s is not None
     assert broken.code == "stream:adapter_unavailable" and not broken.ok

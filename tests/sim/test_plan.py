@@ -31,6 +31,40 @@ def test_plan_from_a_registry(llama_dir, llama_adapters, tmp_path):
     assert all(a.estimated_bytes > 0 and a.file_bytes is None for a in plan.adapters)
     with pytest.raises(planner.PlanError, match="not initialized"):
         planner.make_plan(llama_dir, registry=f"sqlite:///{tmp_path / 'empty.db'}")
+    # A bare path, a file that is no database: one line (PlanError), not a traceback.
+    not_a_db = tmp_path / "not-a-db"
+    not_a_db.write_text("not a database")
+    for bad in (str(tmp_path / "registry.db"), f"sqlite:///{not_a_db}"):
+        with pytest.raises(planner.PlanError, match="--registry: cannot open the registry"):
+            planner.make_plan(llama_dir, registry=bad)
+
+
+def test_a_file_storing_a_and_b_in_two_dtypes_is_sized_by_each(llama_dir, llama_adapters, tmp_path):
+    """A in bfloat16 and B in float32: the formula took A's dtype for both, and the host copy (float32 served)
+    came out at half its size."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "adapters"
+    mixed = folder / "mixed"
+    shutil.copytree(llama_adapters["attn-r8"], mixed)
+    tensors = load_file(mixed / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) if "lora_A" in k else v for k, v in tensors.items()},
+              mixed / "adapter_model.safetensors")
+    (adapter,) = planner.from_folder(folder, planner.ModelConfig.from_dir(llama_dir), 4)
+    stored = load_file(mixed / "adapter_model.safetensors")
+    assert adapter.estimated_bytes == adapter.actual_bytes == sum(t.numel() * t.element_size() for t in stored.values())
+    assert adapter.serving_bytes == sum(t.numel() for t in stored.values()) * 4
+
+
+def test_the_smallest_size_is_found_where_the_rate_does_not_fall_at_every_step():
+    """Slot misses of a Zipf trace went 17.1%, 5.7%, 2.7%, 3.7%, 0% over 1, 2, 4, 8, 12 slots: a bisection for 2.74%
+    answered 12 where 4 meets it."""
+    rates = {1: 0.171, 2: 0.057, 4: 0.027, 8: 0.037, 12: 0.0}
+    assert planner._smallest(list(rates), lambda slots: rates[slots] <= 0.0274) == 4
+    assert planner._smallest(list(rates), lambda slots: rates[slots] <= -1) is None
 
 
 def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, tmp_path):

@@ -81,14 +81,16 @@ def results_table(summary: dict, title: str) -> Table:
 
 def summary_lines(summary: dict) -> list[str]:
     t = summary["throughput"]
-    rate = summary["cold_start_rate"]
+    rate, storage_rate = summary["cold_start_rate"], summary["storage_load_rate"]
     cold = "-" if rate is None else f"{100 * rate:.1f}%"
+    storage = "-" if storage_rate is None else f"{100 * storage_rate:.1f}%"
     errors = ", ".join(f"{code} ×{n}" for code, n in summary["errors"].items()) or "none"
     lines = [
         (f"{summary['ok']}/{summary['requests']} ok in {summary['duration_s']:.1f} s: "
          f"{t['requests_per_s'] or 0:.2f} req/s, {t['output_tokens_per_s'] or 0:.1f} output tok/s"),
-        (f"cold starts (adapter not in a gpu slot on arrival): {summary['cold_starts']} ({cold}); "
-         f"tier unknown: {summary['tiers']['unknown']}"),
+        (f"cold starts (adapter not in a gpu slot on arrival): {summary['cold_starts']} ({cold}), of which "
+         f"from disk or remote (as loraplex plan and loraplex_cold_starts_total count): {summary['storage_loads']} "
+         f"({storage}); tier unknown: {summary['tiers']['unknown']}"),
         f"errors: {errors}",
     ]
     if "404" in summary["errors"]:

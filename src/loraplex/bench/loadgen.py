@@ -29,6 +29,8 @@ TIERS = ("gpu", "cpu", "disk", "remote", "unknown")
 """`unknown`: the server sent no tier (vLLM, or an error before the adapter was resolved)."""
 COLD_TIERS = ("cpu", "disk", "remote")
 """A cold start: the adapter was not in a gpu slot when the request arrived."""
+STORAGE_TIERS = ("disk", "remote")
+"""Of those, a load from storage (not in memory): what `loraplex_cold_starts_total` and `loraplex plan` count."""
 PERCENTILES = (50, 95, 99)
 PROMPT_UNITS = ("char", "word")
 _FILLER = ("the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "was", "with", "as", "at", "by", "this")
@@ -80,11 +82,13 @@ class LoadConfig:
 def _base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     try:
-        scheme = httpx.URL(url).scheme
+        parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
         raise ValueError(f"bad URL {url!r}: {exc}") from None
-    if scheme not in ("http", "https"):
+    if parsed.scheme not in ("http", "https"):
         raise ValueError(f"bad URL {url!r}: it must start with http:// or https://")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"bad URL {url!r}: port {parsed.port} is not in 1-65535")
     return url.removesuffix("/v1")
 
 
@@ -100,7 +104,8 @@ class Record:
     `connect`, `timeout`, `transport` when no answer came back."""
     tier: str
     sent_s: float
-    lag_s: float = 0.0
+    lag_s: float | None = 0.0
+    """How late it left against its trace time (open loop); None in closed loop, where it has no time."""
     """Open loop: how late it was sent against its trace time (the generator's own delay)."""
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -159,11 +164,12 @@ def completion_body(request: Request, index: int, model: str, unit: str) -> dict
 
 # -- one request -------------------------------------------------------------------------------------------------
 async def send(client: httpx.AsyncClient, config: LoadConfig, request: Request, index: int, model: str,
-               start: float, due_s: float = 0.0) -> Record:
-    """Send one streamed completion and time it; never raises for what the server or the network does."""
+               start: float, due_s: float | None = None) -> Record:
+    """Send one streamed completion and time it; never raises for what the server or the network does. `due_s`:
+    when it should leave (open loop)."""
     t0 = time.perf_counter()
     sent = {"index": index, "tenant": request.tenant, "model": model, "sent_s": t0 - start,
-            "lag_s": max(0.0, t0 - start - due_s)}
+            "lag_s": None if due_s is None else max(0.0, t0 - start - due_s)}
     body = completion_body(request, index, model, config.prompt_unit)
     try:
         async with client.stream("POST", "/v1/completions", json=body, headers=config.headers(request.tenant)) as r:
@@ -195,10 +201,13 @@ async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None,
             chunk = json.loads(data)
         except ValueError:
             return "stream:invalid_json", ttft, text_chunks
+        if not isinstance(chunk, dict):  # `null`, a list: JSON, but no event of the API
+            return "stream:invalid_event", ttft, text_chunks
         if "error" in chunk:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             return f"stream:{error.get('code') or 'error'}", ttft, text_chunks
-        choices = chunk.get("choices") or ()
+        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)] \
+            if isinstance(chunk.get("choices"), list) else []
         has_text = any(c.get("text") for c in choices)
         text_chunks += has_text
         if ttft is None and (has_text or any(c.get("finish_reason") for c in choices)):
@@ -257,9 +266,11 @@ async def preflight(client: httpx.AsyncClient, config: LoadConfig, trace: Sequen
     if config.base_model is not None or all(req.adapter is not None for req in trace):
         return config.base_model
     try:
-        cards = r.json().get("data", []) if r.status_code == 200 else []
+        listing = r.json() if r.status_code == 200 else {}
     except ValueError:
-        cards = []
+        listing = {}
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(cards, list) else []
     bases = [c["id"] for c in cards if not c.get("parent")]
     if not bases:
         raise LoadError(f"the trace asks for the base model and {config.url}/v1/models names none "
@@ -320,8 +331,9 @@ def summarize(records: Sequence[Record], duration_s: float) -> dict:
     by_tier = {t: [r for r in ok if r.tier == t] for t in TIERS}
     num_known = len(ok) - len(by_tier["unknown"])
     num_cold = sum(len(by_tier[t]) for t in COLD_TIERS)
+    num_storage = sum(len(by_tier[t]) for t in STORAGE_TIERS)
     per_s = (lambda x: round(x / duration_s, 3)) if duration_s > 0 else (lambda x: None)
-    lags = [r.lag_s for r in records]
+    lags = [r.lag_s for r in records if r.lag_s is not None]
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -334,6 +346,8 @@ def summarize(records: Sequence[Record], duration_s: float) -> dict:
         "tiers": {t: len(rs) for t, rs in by_tier.items()},
         "cold_starts": num_cold,
         "cold_start_rate": round(num_cold / num_known, 4) if num_known else None,
+        "storage_loads": num_storage,
+        "storage_load_rate": round(num_storage / num_known, 4) if num_known else None,
         "latency": {"all": latency(ok), **{t: latency(rs) for t, rs in by_tier.items() if rs}},
         "send_lag_ms": percentiles(lags, 1000),
     }
