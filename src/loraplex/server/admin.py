@@ -138,7 +138,7 @@ async def register(body: RegisterBody, request: Request) -> dict:
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
     record = await run_in_threadpool(_register, server, body)
-    server.warm(await run_in_threadpool(server.registry.show, record.name))  # its pin or warm policy, if serving
+    await run_in_threadpool(lambda: server.warm(server.registry.show(record.name)))  # its pin or warm policy
     return record.to_dict()
 
 
@@ -275,7 +275,7 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
         pending = [str(r.key) for r in refs if r.key in cache.loading]
     await run_in_threadpool(server.registry.pin, name, True, body.tier)
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
-        server.warm(await run_in_threadpool(server.registry.show, name))
+        await run_in_threadpool(lambda: server.warm(server.registry.show(name)))
     else:  # this revision's: an operator's, traffic does not move it
         server.released([r.key for r in refs])
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
