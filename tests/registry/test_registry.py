@@ -279,6 +279,14 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
     with registry.engine.begin() as conn:
         conn.execute(text("UPDATE adapters SET pinned = :p"), {"p": True})
     assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "cpu", "code": "gpu"}
+    # A database made by the previous version has no pin_tiers table: a process that only reads it (`registry list`,
+    # `plan --registry`) adds it, as `init` does, instead of failing on "no such table".
+    with registry.engine.begin() as conn:
+        conn.execute(text("DROP TABLE pin_tiers"))
+    reader = Registry(db_url)
+    assert {a.name: a.pin_tier for a in reader.list_adapters()} == {"chat": "cpu", "code": "gpu"}
+    assert reader.pin("chat", tier="gpu").pin_tier == "gpu"
+    reader.close()
 
 
 def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):

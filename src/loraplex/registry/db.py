@@ -222,14 +222,20 @@ def check_schema(engine: Engine) -> bool:
     return True
 
 
+def add_missing_tables(engine: Engine) -> None:
+    """Create the tables added since the database was made (older versions ignore them, so the schema version stays):
+    any process that opens the registry does it, not only `init`, so that reading it never meets a missing table."""
+    missing = [t for t in Base.metadata.sorted_tables if not inspect(engine).has_table(t.name)]
+    if missing:
+        with writer(engine).begin() as conn:
+            Base.metadata.create_all(conn, tables=missing)  # checkfirst: a process that made them meanwhile is fine
+
+
 def create_schema(engine: Engine) -> None:
     """Create the tables and record the schema version (idempotent)."""
     if schema_version(engine) is not None:
         check_schema(engine)
-        missing = [t for t in Base.metadata.sorted_tables if not inspect(engine).has_table(t.name)]
-        if missing:  # tables added since the database was made, that older versions ignore
-            with writer(engine).begin() as conn:
-                Base.metadata.create_all(conn, tables=missing)
+        add_missing_tables(engine)
         return
     # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh registry waits for
     # the first and then finds its tables, instead of failing on the lock or inserting the same rows twice.

@@ -108,7 +108,13 @@ class Registry:
         self.actor = actor
         self._rng = random.Random()
         self._snapshots: dict[str, _Snapshot] = {}  # name -> what resolve last read about it
-        self._ready = db.check_schema(self.engine)  # a newer schema refuses here, before any work
+        self._ready = self._schema_ready()  # a newer schema refuses here, before any work
+
+    def _schema_ready(self) -> bool:
+        ready = db.check_schema(self.engine)
+        if ready:
+            db.add_missing_tables(self.engine)  # a database made by an older version: the tables added since
+        return ready
 
     def close(self) -> None:
         self.engine.dispose()
@@ -122,7 +128,7 @@ class Registry:
 
     def _check_ready(self) -> None:
         if not self._ready:
-            self._ready = db.check_schema(self.engine)
+            self._ready = self._schema_ready()
         if not self._ready:
             raise RegistryError(f"the registry at {self.url} is not initialized: run `loraplex registry init`")
 
