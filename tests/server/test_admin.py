@@ -181,6 +181,45 @@ def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_per
         assert _pin_of(running, "shared-a", "r1") == "gpu"
 
 
+def test_a_pin_made_before_the_watcher_looks_still_moves_off_the_retired_revision(start, adapter_variants):
+    """A traffic change made elsewhere, then an admin pin of the name before the watcher's next look: the pin call
+    recorded the new serving set without moving the pin off the revision that left, so it kept it for good."""
+    def setup(registry):
+        registry.pin("shared-a", tier="cpu")
+
+    roots = (str(adapter_variants[0].parent),)
+    with start(registry_setup=setup, allowed_roots=roots, registry_watch_s=3600) as running:  # no watcher turn
+        running.wait_for(lambda: _pin_of(running, "shared-a", "r1") == "cpu", what="r1 pinned at start")
+        body = {"name": "shared-a", "path": str(adapter_variants[4]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        running.registry.grace_period = timedelta(0)  # no grace pin: r1 ends unpinned
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")  # the registry CLI, another process
+        elsewhere.promote("shared-a", "r2", force=True)
+        elsewhere.close()
+        assert running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "cpu"}).status_code == 200
+        running.server.follow_traffic()  # what the watcher does at its next look
+        assert (_pin_of(running, "shared-a", "r2"), _pin_of(running, "shared-a", "r1")) == ("cpu", None)
+
+
+def test_an_operator_s_pin_of_one_revision_is_not_moved_by_traffic(start, adapter_variants):
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots, registry_watch_s=3600) as running:
+        running.registry.grace_period = timedelta(0)
+        body = {"name": "shared-a", "path": str(adapter_variants[4]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        pinned = running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "cpu", "revision": "r1"})
+        assert pinned.status_code == 200, pinned.text
+        running.wait_for(lambda: _pin_of(running, "shared-a", "r1") == "cpu", what="r1 pinned by the operator")
+        canary = running.admin("PUT", "/admin/adapters/shared-a/traffic",
+                               json={"weights": {"r1": 90, "r2": 10}, "force": True})
+        assert canary.status_code == 200, canary.text
+        promoted = running.admin("POST", "/admin/adapters/shared-a/promote", json={"revision": "r2", "force": True})
+        assert promoted.status_code == 200, promoted.text
+        assert _pin_of(running, "shared-a", "r1") == "cpu"  # it left traffic; the operator's pin stays
+        assert running.admin("POST", "/admin/adapters/shared-a/unpin").status_code == 200
+        assert _pin_of(running, "shared-a", "r1") is None
+
+
 def test_evict_in_flight_is_409(start):
     with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
         stream = running.client().completions.create(model="shared-a", prompt="x", max_tokens=4000, stream=True,

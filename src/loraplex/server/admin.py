@@ -277,7 +277,7 @@ async def pin(name: str, body: TierBody, request: Request) -> dict:
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(lambda: server.warm(server.registry.show(name)))
     else:  # this revision's: an operator's, traffic does not move it
-        server.released([r.key for r in refs])
+        server.operator_pinned([r.key for r in refs])
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 

@@ -100,6 +100,7 @@ class Server:
         # left traffic kept in host memory for the grace period, and each name's serving revisions at the last look.
         self._rule_pins: dict[AdapterKey, str] = {}
         self._grace_pins: dict[AdapterKey, float] = {}  # key -> time.monotonic() its grace period ends
+        self._operator_pins: set[AdapterKey] = set()  # pinned by revision through the admin API
         self._serving: dict[str, frozenset[str]] = {}
         self._pins_lock = threading.RLock()
         self._watch_stop = threading.Event()
@@ -135,35 +136,61 @@ class Server:
             self.warm(adapter)
 
     def warm(self, adapter: AdapterRecord) -> None:
-        """Pin the serving revisions of an adapter that is pinned, in the tier of its pin, or else that has a warm
-        policy of gpu or cpu, in that tier (the operator's pin overrides the manifest's policy). A pin that cannot
-        be made (beyond capacity, a failed load) is logged and serving goes on."""
+        """Bring the adapter's pins in line with its traffic. The revisions that left traffic since the last look
+        lose the pins its rule made, and a resident one is kept in host memory for the registry's grace period (a
+        rollback finds it warm; ARCHITECTURE: "the old revision stays resident for a grace period"). The serving
+        revisions are pinned when the adapter is pinned, in the tier of its pin, or else has a warm policy of gpu or
+        cpu, in that tier (the operator's pin overrides the manifest's policy). A pin one revision got from an
+        operator (`operator_pinned`) is theirs: neither made nor dropped here. A pin that cannot be made (beyond
+        capacity, a failed load) is logged and serving goes on."""
         tier = adapter.pin_tier if adapter.pinned else (
             adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
+        cache, serving = self.engine.adapters, _serving_revisions(adapter)
+        owner = adapter.owner_tenant or "default"
         with self._pins_lock:
-            self._serving[adapter.name] = _serving_revisions(adapter)
+            before = self._serving.get(adapter.name)
+            self._serving[adapter.name] = serving
+            for record in adapter.revisions:
+                if not self.resolver.may_see(record.base_model_digest):
+                    continue
+                if before is not None and record.revision in before and record.revision not in serving:
+                    self._retire(self.resolver.ref_for(record, owner), record.status != "quarantined")
             if tier is None:
                 return
             for record in adapter.revisions:
                 if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
-                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
+                    ref = self.resolver.ref_for(record, owner)
+                    if ref.key in self._operator_pins:
+                        continue
                     self._grace_pins.pop(ref.key, None)  # serving again: the rule's pin replaces the grace one
                     try:
-                        self.engine.adapters.pin(ref, tier)
+                        cache.pin(ref, tier)
                     except Exception as exc:  # a warm start that cannot happen must not stop serving
                         log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
                         continue
                     self._rule_pins[ref.key] = tier
 
-    def follow_traffic(self) -> None:
-        """Move pins along with traffic. For every name whose serving revisions changed since the last look (an
-        admin call here, the registry CLI elsewhere, a quarantine), the revisions that left traffic lose the pins
-        their name's pin or warm policy made, and are kept in host memory for the registry's grace period when
-        they are resident (a rollback finds them warm; ARCHITECTURE: "the old revision stays resident for a grace
-        period"); the revisions now serving are pinned by the name's rule (`warm`). Grace pins whose period has
-        ended are dropped."""
-        cache, now = self.engine.adapters, time.monotonic()
+    def _retire(self, ref, keep_warm: bool) -> None:
+        """A revision left traffic: drop its rule's pin; keep it in host memory for the grace period if resident."""
+        cache, key = self.engine.adapters, ref.key
+        if key in self._operator_pins:
+            return
+        tier = self._rule_pins.pop(key, None)
+        if tier is not None and getattr(cache.entries.get(key), "pinned", None) == tier:
+            cache.unpin(key)
         grace_s = self.registry.grace_period.total_seconds()
+        if keep_warm and grace_s > 0 and cache.tier_of(key) in ("gpu", "cpu") \
+                and getattr(cache.entries.get(key), "pinned", None) is None:
+            try:
+                cache.pin(ref, "cpu")
+            except CapacityExceeded:
+                return  # no room to keep it: it is evicted as any other copy
+            self._grace_pins[key] = time.monotonic() + grace_s
+
+    def follow_traffic(self) -> None:
+        """Move pins along with traffic (`warm`) for every name whose serving revisions changed since the last look
+        (an admin call here, the registry CLI elsewhere, a quarantine); drop the grace pins whose period ended."""
+        cache, now = self.engine.adapters, time.monotonic()
         with self._pins_lock:
             for key, until in list(self._grace_pins.items()):
                 if until <= now:
@@ -171,36 +198,24 @@ class Server:
                     if getattr(cache.entries.get(key), "pinned", None) == "cpu":
                         cache.unpin(key)
             for adapter in self.registry.list_adapters():
-                serving = _serving_revisions(adapter)
-                before = self._serving.get(adapter.name)
-                if before == serving:
-                    continue
-                for record in adapter.revisions:
-                    if before is None or record.revision not in before or record.revision in serving:
-                        continue
-                    if not self.resolver.may_see(record.base_model_digest):
-                        continue
-                    ref = self.resolver.ref_for(record, adapter.owner_tenant or "default")
-                    tier = self._rule_pins.pop(ref.key, None)
-                    entry = cache.entries.get(ref.key)
-                    if tier is not None and getattr(entry, "pinned", None) == tier:
-                        cache.unpin(ref.key)
-                    if grace_s > 0 and record.status != "quarantined" and cache.tier_of(ref.key) in ("gpu", "cpu") \
-                            and getattr(cache.entries.get(ref.key), "pinned", None) is None:
-                        try:
-                            cache.pin(ref, "cpu")
-                        except CapacityExceeded:
-                            continue  # no room to keep it: it is evicted as any other copy
-                        self._grace_pins[ref.key] = now + grace_s
-                self.warm(adapter)
+                if self._serving.get(adapter.name) != _serving_revisions(adapter):
+                    self.warm(adapter)
 
     def released(self, keys) -> None:
-        """An operator's call took these keys' pins over (an explicit pin, an unpin or an evict): traffic no longer
-        moves them."""
+        """An operator unpinned or evicted these keys: no pin of theirs is kept or moved by traffic any more."""
         with self._pins_lock:
             for key in keys:
                 self._rule_pins.pop(key, None)
                 self._grace_pins.pop(key, None)
+                self._operator_pins.discard(key)
+
+    def operator_pinned(self, keys) -> None:
+        """An operator pinned these revisions themselves: traffic neither moves nor drops those pins."""
+        with self._pins_lock:
+            for key in keys:
+                self._rule_pins.pop(key, None)
+                self._grace_pins.pop(key, None)
+                self._operator_pins.add(key)
 
     def _watch_registry(self) -> None:
         seen = None
