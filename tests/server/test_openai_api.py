@@ -261,7 +261,7 @@ def test_loads_check_the_registered_pieces(start, adapter_variants):
         listed = json.loads(registry.pieces(record.digest).to_json())
         listed["files"][-1][listed["algorithm"]][0] = "0" * 64
         with registry.engine.begin() as conn:
-            conn.execute(text("UPDATE artifact_pieces SET pieces = :p WHERE digest = :d"),
+            conn.execute(text("UPDATE artifact_pieces_blake3 SET pieces = :p WHERE digest = :d"),
                          {"p": json.dumps(listed), "d": record.digest})
 
     with start(registry_setup=register) as running:

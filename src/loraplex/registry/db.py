@@ -114,6 +114,16 @@ class ArtifactPieces(Base):
     pieces: Mapped[str] = mapped_column(Text)
 
 
+class ArtifactPiecesBlake3(Base):
+    """The BLAKE3 piece list of an artifact (`store.Pieces`, JSON): what this version's loads check. Kept apart from
+    `artifact_pieces`, which keeps the sha256 list that earlier versions read (they refuse a list of another hash),
+    so that servers of both versions can share one registry."""
+
+    __tablename__ = "artifact_pieces_blake3"
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    pieces: Mapped[str] = mapped_column(Text)
+
+
 class PinTier(Base):
     """The tier a pinned adapter is pinned in (`gpu` or `cpu`), so that a restart pins it there again. Added after
     `adapters.pinned`: a pinned adapter without a row (pinned by an older version) is pinned in cpu, or in the tier

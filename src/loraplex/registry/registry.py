@@ -29,6 +29,7 @@ from loraplex.registry.db import (
     Adapter,
     ApiKey,
     ArtifactPieces,
+    ArtifactPiecesBlake3,
     AuditEvent,
     Generation,
     Grant,
@@ -193,17 +194,18 @@ class Registry:
             verify_digest(actual, signature, self.trusted_keys)
         if self.store is None:
             raise RegistryError("no artifact store configured for this registry (pass store=ArtifactStore(DIR))")
-        stored, pieces = self.store.put_with_pieces(src)  # the pieces of the stored copy, from the read hashing it
+        stored, (pieces, sha256_pieces) = self.store.put_with_piece_lists(src)  # from the read hashing the copy
         if stored != actual:
             raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
         with self._write() as session:
             if not self.store.has(actual) and self.store.put(src) != actual:  # removed by a gc since the put
                 raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
-            listed = session.get(ArtifactPieces, actual)
-            if listed is None:  # also for bytes registered before the table
-                session.add(ArtifactPieces(digest=actual, pieces=pieces.to_json()))
-            elif json.loads(listed.pieces).get("algorithm") != pieces.algorithm:  # a sha256 list: BLAKE3 is faster
-                listed.pieces = pieces.to_json()
+            # Both lists, also for bytes registered before the tables: the BLAKE3 one this version checks, and the
+            # sha256 one earlier versions read (they refuse another hash), for servers of both sharing a registry.
+            if session.get(ArtifactPiecesBlake3, actual) is None:
+                session.add(ArtifactPiecesBlake3(digest=actual, pieces=pieces.to_json()))
+            if session.get(ArtifactPieces, actual) is None:
+                session.add(ArtifactPieces(digest=actual, pieces=sha256_pieces.to_json()))
             adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
             existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
@@ -337,7 +339,7 @@ class Registry:
         """The piece list recorded for an artifact at registration (None for one registered before there were
         piece lists): what lets a load check its bytes on several cores."""
         with self._read() as session:
-            row = session.get(ArtifactPieces, digest)
+            row = session.get(ArtifactPiecesBlake3, digest) or session.get(ArtifactPieces, digest)
             return Pieces.from_json(row.pieces) if row is not None else None
 
     def tenant_may_use(self, tenant: str, name: str) -> bool:

@@ -123,28 +123,34 @@ def canonical_digest(directory: str | Path) -> str:
 
 
 def digest_and_pieces(directory: str | Path) -> tuple[str, Pieces]:
-    """The canonical digest and the piece list, from one read of the files."""
-    return _digest(Path(directory), pieces=True)
+    """The canonical digest and the (BLAKE3) piece list, from one read of the files."""
+    digest, lists = _digest(Path(directory), pieces=True)
+    return digest, lists[0]
 
 
-def _digest(directory: Path, pieces: bool) -> tuple[str, Pieces | None]:
+def _digest(directory: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
+    """The digest and, with `pieces`, the BLAKE3 and the sha256 piece lists, from one read."""
     names = artifact_files(directory)
     piece = piece_bytes(sum((directory / name).stat().st_size for name in names)) if pieces else _CHUNK
-    h, files = hashlib.sha256(), []
+    h, files, sha_files = hashlib.sha256(), [], []
     for name in names:
         with (directory / name).open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             h.update(_file_prefix(name, size))
-            hashes, read = [], 0
+            hashes, sha_hashes, read = [], [], 0
             while chunk := f.read(piece):
                 h.update(chunk)
                 read += len(chunk)
                 if pieces:
                     hashes.append(blake3.blake3(chunk).hexdigest())
+                    sha_hashes.append(hashlib.sha256(chunk).hexdigest())
         if pieces and read != size:  # the digest says `size`: the pieces must describe the same bytes
             raise ArtifactUnavailable(f"{directory / name} changed while it was hashed")
         files.append((name, size, tuple(hashes)))
-    return "sha256:" + h.hexdigest(), Pieces(piece, tuple(files), "blake3") if pieces else None
+        sha_files.append((name, size, tuple(sha_hashes)))
+    if not pieces:
+        return "sha256:" + h.hexdigest(), None
+    return "sha256:" + h.hexdigest(), (Pieces(piece, tuple(files), "blake3"), Pieces(piece, tuple(sha_files), "sha256"))
 
 
 def read_artifact(directory: str | Path, digest: str, use: Callable | None = None, pieces: Pieces | None = None):
@@ -403,10 +409,15 @@ class ArtifactStore:
         return self._put(Path(src_dir), pieces=False)[0]
 
     def put_with_pieces(self, src_dir: str | Path) -> tuple[str, Pieces]:
-        """As `put`, with the piece list of the copy taken in the read that hashes it."""
+        """As `put`, with the (BLAKE3) piece list of the copy taken in the read that hashes it."""
+        digest, lists = self._put(Path(src_dir), pieces=True)
+        return digest, lists[0]
+
+    def put_with_piece_lists(self, src_dir: str | Path) -> tuple[str, tuple[Pieces, Pieces]]:
+        """As `put`, with the BLAKE3 and the sha256 piece lists of the copy (what a registration records)."""
         return self._put(Path(src_dir), pieces=True)
 
-    def _put(self, src: Path, pieces: bool) -> tuple[str, Pieces | None]:
+    def _put(self, src: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
         names = _source_files(src)
         work = self.temp_dir()
         try:
