@@ -211,11 +211,10 @@ class Server:
 
     def operator_pinned(self, keys) -> None:
         """An operator pinned these revisions themselves: traffic neither moves nor drops those pins."""
+        keys = list(keys)
         with self._pins_lock:
-            for key in keys:
-                self._rule_pins.pop(key, None)
-                self._grace_pins.pop(key, None)
-                self._operator_pins.add(key)
+            self.released(keys)
+            self._operator_pins.update(keys)
 
     def _watch_registry(self) -> None:
         seen = None
