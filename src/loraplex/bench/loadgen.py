@@ -206,8 +206,8 @@ async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None,
         if "error" in chunk:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {}
             return f"stream:{error.get('code') or 'error'}", ttft, text_chunks
-        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)] \
-            if isinstance(chunk.get("choices"), list) else []
+        listed = chunk.get("choices")
+        choices = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
         has_text = any(c.get("text") for c in choices)
         text_chunks += has_text
         if ttft is None and (has_text or any(c.get("finish_reason") for c in choices)):
@@ -269,8 +269,8 @@ async def preflight(client: httpx.AsyncClient, config: LoadConfig, trace: Sequen
         listing = r.json() if r.status_code == 200 else {}
     except ValueError:
         listing = {}
-    cards = listing.get("data") if isinstance(listing, dict) else None
-    cards = [c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(cards, list) else []
+    listed = listing.get("data") if isinstance(listing, dict) else None
+    cards = [c for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(listed, list) else []
     bases = [c["id"] for c in cards if not c.get("parent")]
     if not bases:
         raise LoadError(f"the trace asks for the base model and {config.url}/v1/models names none "

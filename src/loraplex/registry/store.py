@@ -629,7 +629,12 @@ def fetch_and_read(
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         download_s = time.perf_counter() - start
         try:
-            result = read_artifact(work, digest, use, pieces)
+            if use is None and pieces is None:  # nothing to keep: hashed as it is read, not held in memory
+                actual, result = canonical_digest(work), None
+                if actual != digest:
+                    raise DigestMismatch(digest, actual, storage_uri)
+            else:
+                result = read_artifact(work, digest, use, pieces)
         except DigestMismatch as exc:
             raise DigestMismatch(digest, exc.actual, storage_uri) from None
         return Fetched(dest.adopt(work, digest), result, download_s)

@@ -104,7 +104,6 @@ class Server:
         self._serving: dict[str, frozenset[str]] = {}
         self._pins_lock = threading.RLock()
         self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
         engine.adapters.on_event = self.on_cache_event
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -114,8 +113,7 @@ class Server:
             self.warm_start()
         except Exception:  # serving cold is better than not serving
             log.exception("warm start failed; adapters will load on demand")
-        self._watcher = threading.Thread(target=self._watch_registry, name="registry-watch", daemon=True)
-        self._watcher.start()
+        threading.Thread(target=self._watch_registry, name="registry-watch", daemon=True).start()
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503); requests in flight go on."""
@@ -190,6 +188,13 @@ class Server:
     def follow_traffic(self) -> None:
         """Move pins along with traffic (`warm`) for every name whose serving revisions changed since the last look
         (an admin call here, the registry CLI elsewhere, a quarantine); drop the grace pins whose period ended."""
+        with self._pins_lock:
+            self._end_grace()
+            for adapter in self.registry.list_adapters():
+                if self._serving.get(adapter.name) != _serving_revisions(adapter):
+                    self.warm(adapter)
+
+    def _end_grace(self) -> None:
         cache, now = self.engine.adapters, time.monotonic()
         with self._pins_lock:
             for key, until in list(self._grace_pins.items()):
@@ -197,9 +202,6 @@ class Server:
                     del self._grace_pins[key]
                     if getattr(cache.entries.get(key), "pinned", None) == "cpu":
                         cache.unpin(key)
-            for adapter in self.registry.list_adapters():
-                if self._serving.get(adapter.name) != _serving_revisions(adapter):
-                    self.warm(adapter)
 
     def released(self, keys) -> None:
         """An operator unpinned or evicted these keys: no pin of theirs is kept or moved by traffic any more."""
@@ -221,9 +223,11 @@ class Server:
         while not self._watch_stop.wait(self.config.registry_watch_s):
             try:
                 generation = self.registry.generation()
-                if generation != seen or self._grace_pins:
+                if generation != seen:  # the whole registry is read only when it changed
                     self.follow_traffic()
                     seen = generation
+                else:
+                    self._end_grace()
             except Exception:  # a registry that is briefly unreachable: look again at the next turn
                 if not self._watch_stop.is_set():  # (not the registry closed under a stopping server)
                     log.exception("could not follow the registry's traffic changes")
