@@ -27,3 +27,13 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (path, code, stderr[-600:])
         assert lines[0].startswith(f"error: {flag}") and path.name in lines[0], lines
+
+
+def test_the_commands_that_do_not_serve_do_not_load_torch():
+    """`loraplex router`, `registry`, `simulate`, `plan` and `bench` start without torch (about 2.5 s and 300 MB
+    less per process): only `serve` and `demo` load it, when they build the engine."""
+    probe = ("import sys, loraplex.cli, loraplex.router.serve, loraplex.server.serve; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

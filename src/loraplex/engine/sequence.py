@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.errors import InvalidRequest, NonFiniteLogits  # noqa: F401  (raised here; defined without torch)
+
 SAMPLING_EPS = 1e-5
 
 
@@ -58,19 +60,6 @@ class SamplingParams:
         return bool(
             self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
         )
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model gave NaN or infinite logits for a sequence (its adapter's weights, say): that request fails, the
-    others in the batch go on."""
-
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot run; `param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class Status(enum.Enum):

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
-from loraplex.engine.sequence import InvalidRequest, NonFiniteLogits
+from loraplex.engine.errors import InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,

@@ -13,20 +13,21 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
 from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.registry import AdapterNotFound, ArtifactStore, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
-from loraplex.server.app import ServerConfig, create_admin_app, create_app
 from loraplex.server.auth import read_admin_token, read_api_keys
+
+if TYPE_CHECKING:
+    from loraplex.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
@@ -142,6 +143,8 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
 
 def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
+    from loraplex.server.app import ServerConfig, create_admin_app, create_app  # torch: only when serving
+
     check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
@@ -170,6 +173,8 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
 
 
 def load_engine(config: EngineConfig) -> LLMEngine:
+    from loraplex.engine.llm_engine import LLMEngine
+
     try:
         return LLMEngine(config)
     except ModelConfigError as exc:  # its message names the directory's missing or unsupported part, or the device
