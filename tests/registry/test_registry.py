@@ -276,6 +276,11 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
     assert registry.show("chat").pin_tier == "gpu"
     unpinned = registry.unpin("chat")
     assert unpinned.pin_tier is None and not unpinned.pinned and unpinned.to_dict()["pin_tier"] is None
+    # A warm policy of gpu or cpu is a pin too: unpinning ends it (the operator's call overrides the manifest's).
+    assert registry.unpin("code").warm_policy == "on_demand"
+    assert registry.audit_events(target="code")[0].action == "unpin"
+    registry.add_revision(adapter_v1, "code", revision="r2", warm_policy="gpu")  # registered again with one
+    assert registry.show("code").warm_policy == "gpu"
     # Pinned by a version that kept no tier (no row): the warm policy's tier, else cpu, as those versions did.
     with registry.engine.begin() as conn:
         conn.execute(text("UPDATE adapters SET pinned = :p"), {"p": True})

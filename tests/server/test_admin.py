@@ -220,6 +220,60 @@ def test_an_operator_s_pin_of_one_revision_is_not_moved_by_traffic(start, adapte
         assert _pin_of(running, "shared-a", "r1") is None
 
 
+def test_a_pin_or_unpin_made_by_another_process_reaches_the_running_server(start):
+    """`registry pin` and `unpin` (the CLI, another process) reached a running server only with the name's next
+    traffic change or the next start: the watcher follows a name's pin as it follows its traffic."""
+    with start(registry_watch_s=0.1) as running:
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
+        elsewhere.pin("alice-a", tier="gpu")
+        running.wait_for(lambda: _pin_of(running, "alice-a", "r1") == "gpu" and _tier(running, "alice-a") == "gpu",
+                         what="alice-a pinned in a slot")
+        elsewhere.pin("alice-a", tier="cpu")
+        running.wait_for(lambda: _pin_of(running, "alice-a", "r1") == "cpu", what="alice-a pinned in host memory")
+        elsewhere.unpin("alice-a")
+        running.wait_for(lambda: _pin_of(running, "alice-a", "r1") is None, what="alice-a unpinned")
+        assert _tier(running, "alice-a") in ("gpu", "cpu")  # unpinned, not evicted
+        elsewhere.close()
+
+
+def test_unpinning_a_warm_policy_lasts_past_traffic_changes(start, adapter_variants):
+    """The admin unpin of an adapter whose manifest says warm gpu: the policy pinned it again at the next traffic
+    change (and the next start). Unpinning ends the policy, in the registry too."""
+    def register(registry):
+        registry.add_revision(adapter_variants[0], "warm-gpu", shared=True, status="stable", warm_policy="gpu")
+
+    roots = (str(adapter_variants[0].parent),)
+    with start(registry_setup=register, allowed_roots=roots, registry_watch_s=0.1) as running:
+        running.registry.grace_period = timedelta(0)
+        running.wait_for(lambda: _pin_of(running, "warm-gpu", "r1") == "gpu", what="warm-gpu pinned by its policy")
+        assert running.admin("POST", "/admin/adapters/warm-gpu/unpin").status_code == 200
+        assert _pin_of(running, "warm-gpu", "r1") is None
+        assert running.registry.show("warm-gpu").warm_policy == "on_demand"
+        body = {"name": "warm-gpu", "path": str(adapter_variants[1]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        promoted = running.admin("POST", "/admin/adapters/warm-gpu/promote", json={"revision": "r2", "force": True})
+        assert promoted.status_code == 200, promoted.text
+        running.client().completions.create(model="warm-gpu", prompt="x", max_tokens=1)
+        running.server.follow_traffic()  # the watcher's look
+        assert _pin_of(running, "warm-gpu", "r2") is None
+
+
+def test_a_revision_rolled_back_into_service_gives_up_its_grace_pin(start, adapter_variants):
+    """A revision that leaves traffic is pinned in host memory for the grace period; when a rollback puts it back
+    into service it is kept by its traffic again, not held there until the period ends."""
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots, registry_watch_s=3600) as running:
+        running.client().completions.create(model="shared-a", prompt="x", max_tokens=1)  # r1 resident
+        body = {"name": "shared-a", "path": str(adapter_variants[4]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        promoted = running.admin("POST", "/admin/adapters/shared-a/promote", json={"revision": "r2", "force": True})
+        assert promoted.status_code == 200, promoted.text
+        running.client().completions.create(model="shared-a", prompt="x", max_tokens=1)  # r2 resident
+        assert _pin_of(running, "shared-a", "r1") == "cpu"  # its grace period
+        assert running.admin("POST", "/admin/adapters/shared-a/rollback").status_code == 200
+        assert (_pin_of(running, "shared-a", "r1"), _pin_of(running, "shared-a", "r2")) == (None, "cpu")
+
+
 def test_evict_in_flight_is_409(start):
     with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
         stream = running.client().completions.create(model="shared-a", prompt="x", max_tokens=4000, stream=True,

@@ -542,7 +542,8 @@ class Registry:
 
     def pin(self, name: str, pinned: bool = True, tier: str = "cpu") -> AdapterRecord:
         """A pinned adapter is kept resident by the cache in `tier` (never chosen for eviction from it); a server
-        pins it there again at its next start."""
+        pins it there again at its next start. Unpinning also ends a warm policy of gpu or cpu (it becomes
+        `on_demand`): that policy is a pin too, and the operator's call overrides the manifest's."""
         if pinned and tier not in PIN_TIERS:
             raise RegistryError(f"a pin's tier is gpu or cpu, not {tier!r}")
         with self._write() as session:
@@ -550,6 +551,8 @@ class Registry:
             adapter.pinned = pinned
             row = session.get(PinTier, name)
             if not pinned:
+                if adapter.warm_policy in PIN_TIERS:
+                    adapter.warm_policy = "on_demand"
                 if row is not None:
                     session.delete(row)
             elif row is None:

@@ -102,6 +102,7 @@ class Server:
         self._grace_pins: dict[AdapterKey, float] = {}  # key -> time.monotonic() its grace period ends
         self._operator_pins: set[AdapterKey] = set()  # pinned by revision through the admin API
         self._serving: dict[str, frozenset[str]] = {}
+        self._rule_tiers: dict[str, str | None] = {}  # each name's pin tier (its pin, else warm policy) at the last look
         self._pins_lock = threading.RLock()
         self._watch_stop = threading.Event()
         engine.adapters.on_event = self.on_cache_event
@@ -139,26 +140,34 @@ class Server:
         rollback finds it warm; ARCHITECTURE: "the old revision stays resident for a grace period"). The serving
         revisions are pinned when the adapter is pinned, in the tier of its pin, or else has a warm policy of gpu or
         cpu, in that tier (the operator's pin overrides the manifest's policy). A pin one revision got from an
-        operator (`operator_pinned`) is theirs: neither made nor dropped here. A pin that cannot be made (beyond
-        capacity, a failed load) is logged and serving goes on."""
-        tier = adapter.pin_tier if adapter.pinned else (
-            adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
+        operator (`operator_pinned`) is theirs: neither made nor dropped here. When the name is unpinned, the serving
+        revisions lose the pins its rule made, and a revision serving again gives up its grace pin. A pin that cannot
+        be made (beyond capacity, a failed load) is logged and serving goes on."""
+        tier = _rule_tier(adapter)
         cache, serving = self.engine.adapters, _serving_revisions(adapter)
         owner = adapter.owner_tenant or "default"
         with self._pins_lock:
             before = self._serving.get(adapter.name)
             self._serving[adapter.name] = serving
+            self._rule_tiers[adapter.name] = tier
             for record in adapter.revisions:
                 if not self.resolver.may_see(record.base_model_digest):
                     continue
                 if before is not None and record.revision in before and record.revision not in serving:
                     self._retire(self.resolver.ref_for(record, owner), record.status != "quarantined")
-            if tier is None:
-                return
+            if tier is None and not any(k.name == adapter.name for k in (*self._rule_pins, *self._grace_pins)):
+                return  # no rule and no pin of its to drop
             for record in adapter.revisions:
                 if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
                     ref = self.resolver.ref_for(record, owner)
                     if ref.key in self._operator_pins:
+                        continue
+                    if tier is None:  # no rule (any more): traffic keeps it resident, not a pin
+                        made = self._rule_pins.pop(ref.key, None)
+                        if self._grace_pins.pop(ref.key, None) is not None:
+                            made = made or "cpu"
+                        if made is not None and getattr(cache.entries.get(ref.key), "pinned", None) == made:
+                            cache.unpin(ref.key)
                         continue
                     self._grace_pins.pop(ref.key, None)  # serving again: the rule's pin replaces the grace one
                     try:
@@ -186,12 +195,13 @@ class Server:
             self._grace_pins[key] = time.monotonic() + grace_s
 
     def follow_traffic(self) -> None:
-        """Move pins along with traffic (`warm`) for every name whose serving revisions changed since the last look
-        (an admin call here, the registry CLI elsewhere, a quarantine); drop the grace pins whose period ended."""
+        """Move pins along with traffic (`warm`) for every name whose serving revisions or pin changed since the last
+        look (an admin call here, the registry CLI elsewhere, a quarantine); drop the grace pins whose period ended."""
         with self._pins_lock:
             self._end_grace()
             for adapter in self.registry.list_adapters():
-                if self._serving.get(adapter.name) != _serving_revisions(adapter):
+                if self._serving.get(adapter.name) != _serving_revisions(adapter) \
+                        or self._rule_tiers.get(adapter.name) != _rule_tier(adapter):
                     self.warm(adapter)
 
     def _end_grace(self) -> None:
@@ -468,6 +478,12 @@ async def metrics(request: Request):
     if server.config.metrics_token:
         check_token(request.headers.get("authorization"), server.config.metrics_token, "metrics")
     return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _rule_tier(adapter: AdapterRecord) -> str | None:
+    """The tier a name's serving revisions are pinned in: its pin's, else its warm policy's (gpu or cpu)."""
+    return adapter.pin_tier if adapter.pinned else (
+        adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
 
 
 def _serving_revisions(adapter: AdapterRecord) -> frozenset[str]:
