@@ -1,10 +1,11 @@
 """How fast the simulator runs: requests simulated per second of CPU time, per workload and policy.
 
-    python bench/sim_speed.py [--repeat 3] [--quick] [--json bench/results/sim_speed.json]
+    python bench/sim_speed.py [--repeat 3] [--quick] [--cases zipf,overloaded] [--json bench/results/sim_speed.json]
 
-The five named workloads at their default capacities (what `loraplex simulate` runs), a hit-heavy single worker
-and an 8-worker fleet behind the affinity router. CPU time (`time.process_time`) is the figure to compare: on a
-shared machine wall time also counts the other jobs; both are reported, each the best of `--repeat` runs.
+The five named workloads at their default capacities (what `loraplex simulate` runs), a hit-heavy single worker,
+an 8-worker fleet behind the affinity router and an overloaded one (waiting queues of hundreds). CPU time
+(`time.process_time`) is the figure to compare: on a shared machine wall time also counts the other jobs; both are
+reported, each the best of `--repeat` runs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def cases(quick: bool) -> dict[str, tuple]:
     out["fleet"] = (W.generate(W.WorkloadSpec(name="fleet", rate=48.0, duration_s=300.0)),
                     {"gpu_slots": 8, "cpu_bytes": 4 * GiB, "workers": 8},
                     "8 workers × 8 slots, Zipf(0.9) over 200 adapters, 48 req/s")
+    out["overloaded"] = (W.generate(W.WorkloadSpec(name="overloaded", rate=300.0, duration_s=20.0, num_adapters=1000)),
+                         {"gpu_slots": 16, "cpu_bytes": 8 * GiB, "workers": 8},
+                         "8 workers × 16 slots, Zipf(0.9) over 1,000 adapters, 300 req/s: queues of hundreds")
     if quick:
         out = {k: v for k, v in out.items() if k in ("zipf", "hit-heavy")}
     return out
@@ -61,13 +65,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="zipf and hit-heavy only, shorter")
     parser.add_argument("--policy", default="lru,score")
+    parser.add_argument("--cases", help="only these cases, comma-separated (default: all)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
     table = Table(title=f"simulator speed (best of {args.repeat})")
     for col in ("case", "policy", "requests", "cpu s", "requests / cpu s", "wall s", "simulated s / cpu s"):
         table.add_column(col, justify="left" if col in ("case", "policy") else "right")
-    for name, (trace, kw, what) in cases(args.quick).items():
+    chosen = cases(args.quick)
+    if args.cases:
+        unknown = set(args.cases.split(",")) - set(chosen)
+        if unknown:
+            parser.error(f"unknown cases {', '.join(sorted(unknown))}: use {', '.join(chosen)}")
+        chosen = {k: v for k, v in chosen.items() if k in args.cases.split(",")}
+    for name, (trace, kw, what) in chosen.items():
         for policy in args.policy.split(","):
             r = {"case": name, "what": what, "policy": policy, **measure(trace, SimConfig(**kw), policy, args.repeat)}
             rows.append(r)

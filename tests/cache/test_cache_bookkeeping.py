@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from loraplex.cache.cache import AdapterCache, Loaded
+from loraplex.cache.cache import WANTED_FOR_S, AdapterCache, Loaded
 from loraplex.cache.errors import CapacityExceeded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
@@ -48,6 +48,20 @@ class Loads:
             self.pending.remove((fn, ref, future))
 
 
+def fresh_room_for(cache, key, now):
+    """`_room_for` as it was written before its result was kept: every waiting request's key walked each time."""
+    entries = cache.entries
+    held = [k for k, asked in cache._wanted.items()
+            if k != key and k in entries and now - asked <= WANTED_FOR_S and (k in cache.cpu or k in cache.loading)]
+    if not held:
+        return True
+    pinned = [e for k, e in entries.items() if e.pinned == "cpu" and k not in held]
+    if cache.max_cpu_loras is not None and len(pinned) + len(held) + 1 > cache.max_cpu_loras:
+        return False
+    held_bytes = sum(e.nbytes for e in pinned) + sum(entries[k].nbytes for k in held)
+    return held_bytes + entries[key].nbytes <= cache.cpu_bytes
+
+
 def fresh_preferred(cache, now):
     """The tier A and B sets computed again, nothing kept."""
     memo, cache._preferred_memo = cache._preferred_memo, {}
@@ -57,7 +71,7 @@ def fresh_preferred(cache, now):
         cache._preferred_memo = memo
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(24))
 def test_byte_total_and_preferred_sets_follow_every_change(seed):
     rng = random.Random(seed)
     now = [0.0]
@@ -96,6 +110,10 @@ def test_byte_total_and_preferred_sets_follow_every_change(seed):
         elif op == "gpu_cap":
             cache.max_gpu_preferred = rng.choice([0, 1, 3])
         assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+        for tier, pins in (("gpu", cache._gpu_pins), ("cpu", cache._cpu_pins)):
+            assert pins == {k for k, e in cache.entries.items() if e.pinned == tier}
+        for key in [r.key for r in refs if r.key in cache.entries]:  # kept between calls, and the same answers
+            assert cache._room_for(key, now[0]) == fresh_room_for(cache, key, now[0]), key
         # Asked twice, with and without what was kept: the same sets, in the same order.
         for _ in range(2):
             kept = cache._gpu_preferred(now[0]), cache._cpu_preferred(now[0])

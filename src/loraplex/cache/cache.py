@@ -112,7 +112,12 @@ class AdapterCache:
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
         self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
-        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu (kept with `pinned`)
+        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu and to cpu (kept with `pinned`)
+        self._cpu_pins: set[AdapterKey] = set()
+        self._copies_version = 0
+        """Moves when the host copies, the loads, the cpu pins or which keys waiting requests asked for change: what
+        `_room_for` derives from them is kept until it moves."""
+        self._copies_memo: tuple[tuple[int, int], float, tuple[set[AdapterKey], int, int]] | None = None
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
@@ -153,8 +158,13 @@ class AdapterCache:
                     # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
                     "warm": "A" if key in tier_a else "B" if key in tier_b else None,
                 })
+            copies = {"gpu": [k for k in self.slots if k is not None], "cpu": list(self.cpu),
+                      "disk": [k for k in self.entries if self._on_disk(k)]}
             return {
                 "adapters": adapters,
+                # Per tier, the adapters with a copy there (one in a slot has its host copy too) and their bytes.
+                "resident": {tier: {"count": len(keys), "bytes": sum(self.entries[k].nbytes for k in keys)}
+                             for tier, keys in copies.items()},
                 "num_slots": len(self.slots),
                 "free_slots": self.free_slots(),
                 "recent_evictions": sum(1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S),
@@ -187,7 +197,8 @@ class AdapterCache:
                     self._start_load(ref)
                 self.mark_wanted(key, now)
                 return None
-            self._wanted.pop(key, None)
+            if self._wanted.pop(key, None) is not None:
+                self._copies_version += 1
             self._waiting_since.pop(key, None)
             entry.restored = False
             entry.refcount += 1
@@ -210,7 +221,15 @@ class AdapterCache:
         could only fail)."""
         if now - self._wanted.get(key, -math.inf) > WANTED_FOR_S:
             self._waiting_since[key] = now  # a new wait (an older one went away)
+            self._copies_version += 1
         self._wanted[key] = now
+
+    def touch_waiting(self, keys, at: float) -> None:
+        """Requests that waited for `keys` asked for them last at `at` (a simulator's steps that it skipped)."""
+        for key in keys:
+            self.entries[key].last_access = at
+            self._wanted[key] = at
+        self._copies_version += 1
 
     def queue(self, key: AdapterKey) -> None:
         """A request for `key` joined the scheduler's waiting queue (new, or preempted)."""
@@ -244,6 +263,7 @@ class AdapterCache:
                 if not future.done():
                     continue
                 del self.loading[key]
+                self._copies_version += 1
                 error = future.exception()
                 if error is not None:
                     if key in self.entries:
@@ -264,7 +284,7 @@ class AdapterCache:
                 self._put_cpu(key, loaded.packed)  # load first, then evict: a failed load never evicted anything
                 if entry.pinned == "cpu" and self._cpu_pinned_bytes() > self.cpu_bytes:
                     # Pinned before its bytes were known: kept as an ordinary host copy rather than overfill the tier.
-                    entry.pinned = None
+                    self._set_pin(key, None)
                     self.on_event("pin_refused", {"key": key, "tier": "cpu", "error": (
                         f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would exceed "
                         f"cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned")})
@@ -315,10 +335,12 @@ class AdapterCache:
 
     def _set_pin(self, key: AdapterKey, pinned: str | None) -> None:
         self.entries[key].pinned = pinned
-        if pinned == "gpu":
-            self._gpu_pins.add(key)
-        else:
-            self._gpu_pins.discard(key)
+        self._copies_version += 1
+        for tier, pins in (("gpu", self._gpu_pins), ("cpu", self._cpu_pins)):
+            if pinned == tier:
+                pins.add(key)
+            else:
+                pins.discard(key)
 
     def unpin(self, key: AdapterKey) -> None:
         with self._lock:
@@ -363,6 +385,7 @@ class AdapterCache:
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
             self._nbytes_version += 1
+            self._copies_version += 1
             self.demand.discard(key)
             self.activations.discard(key)
 
@@ -370,6 +393,7 @@ class AdapterCache:
     def _start_load(self, ref: AdapterRef) -> None:
         if ref.key not in self.loading:
             self.loading[ref.key] = self._executor.submit(self._loader, ref)
+            self._copies_version += 1
 
     def _load(self, ref: AdapterRef) -> Loaded:
         """Worker thread: bytes from disk or the remote store, digest checked, packed into a host buffer."""
@@ -467,6 +491,7 @@ class AdapterCache:
         for key, asked in list(self._wanted.items()):
             if now - asked > WANTED_FOR_S:
                 del self._wanted[key]  # its request went away
+                self._copies_version += 1
                 self._waiting_since.pop(key, None)
         if self._wanted:
             return  # requests are waiting for a slot: they come first
@@ -503,16 +528,33 @@ class AdapterCache:
         over (thrash: tens of loads per request with one slot and a backlog); instead such a request waits until
         earlier ones have taken their slots. The scheduler asks in queue order, so the first ones load first. With
         no other waiting request's copy held, a load always may (there is always a first)."""
-        entries, cpu, loading = self.entries, self.cpu, self.loading
-        held = [k for k, asked in self._wanted.items()
-                if k != key and k in entries and now - asked <= WANTED_FOR_S and (k in cpu or k in loading)]
-        if not held:
+        held, count, nbytes = self._wanted_copies(now)
+        if not held or len(held) == 1 and key in held:
             return True
-        pinned = [e for k, e in entries.items() if e.pinned == "cpu" and k not in held]  # never dropped either
-        if self.max_cpu_loras is not None and len(pinned) + len(held) + 1 > self.max_cpu_loras:
+        entries = self.entries
+        if key in held and key not in self._cpu_pins:  # its own copy is not another's
+            count, nbytes = count - 1, nbytes - entries[key].nbytes
+        if self.max_cpu_loras is not None and count + 1 > self.max_cpu_loras:
             return False
-        held_bytes = sum(e.nbytes for e in pinned) + sum(entries[k].nbytes for k in held)
-        return held_bytes + entries[key].nbytes <= self.cpu_bytes
+        return nbytes + entries[key].nbytes <= self.cpu_bytes
+
+    def _wanted_copies(self, now: float) -> tuple[set[AdapterKey], int, int]:
+        """The host copies and loads that waiting requests asked for; their count and bytes with the cpu pins' (never
+        dropped either). `_room_for` is asked for each waiting request whose adapter is not in host memory, at every
+        step, so this is kept while nothing it depends on changes: the copies, loads, pins and asks (versions), and
+        time only by the oldest ask leaving the window (the clock only moves forward)."""
+        memo = self._copies_memo
+        if memo is not None and memo[0] == (self._copies_version, self._nbytes_version) \
+                and now - memo[1] <= WANTED_FOR_S:
+            return memo[2]
+        wanted, entries = self._wanted, self.entries
+        held = {k for k in itertools.chain(self.cpu, self.loading)
+                if now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k in entries}
+        both = held | self._cpu_pins
+        value = (held, len(both), sum(entries[k].nbytes for k in both))
+        oldest = min((wanted[k] for k in held), default=math.inf)  # later asks only keep the others in longer
+        self._copies_memo = ((self._copies_version, self._nbytes_version), oldest, value)
+        return value
 
     def _restore_pinned(self, now: float) -> None:
         """A gpu-pinned adapter that found every slot in use (when it was pinned, or when its load landed) takes a
@@ -531,9 +573,9 @@ class AdapterCache:
         limit = getattr(self.policy, "yields_for_s", 0.0)
         if now - self._waiting_since.get(key, now) >= limit:
             return False  # none, or it has waited long enough: it takes its turn
-        waiting = [
-            k for k, asked in self._wanted.items()
-            if k != key and now - asked <= WANTED_FOR_S and k in self.cpu and k not in self.slots
+        wanted, slots = self._wanted, set(self.slots)
+        waiting = [  # walked from the host copies (tens), not the waiting requests' keys (hundreds under a backlog)
+            k for k in self.cpu if k != key and now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k not in slots
         ]
         if not waiting:
             return False
@@ -583,10 +625,12 @@ class AdapterCache:
         self._drop_cpu(key)
         self.cpu[key] = packed
         self.cpu_bytes_used += packed.nbytes
+        self._copies_version += 1
 
     def _drop_cpu(self, key: AdapterKey) -> None:
         if key in self.cpu:
             self.cpu_bytes_used -= self.cpu.pop(key).nbytes
+            self._copies_version += 1
 
     def _shrink_cpu(self, keep: AdapterKey) -> None:
         now, candidates, left = self.clock(), [], 0
@@ -616,7 +660,7 @@ class AdapterCache:
             self.on_event("eviction", {"tier": "cpu"})
 
     def _cpu_pinned_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values() if e.pinned == "cpu")
+        return sum(self.entries[k].nbytes for k in self._cpu_pins)
 
     def _cpu_over(self) -> bool:
         return self.cpu_bytes_used > self.cpu_bytes or (

@@ -485,9 +485,7 @@ class Worker:
         if self.touch is not None:
             keys, last = self.touch
             self.touch = None
-            for key in keys:
-                self.cache.entries[key].last_access = last
-                self.cache._wanted[key] = last
+            self.cache.touch_waiting(keys, last)
         now = self.sim.now
         self.step_index += self.steps_in_flight
         for seq in self.prefilled:
