@@ -89,7 +89,7 @@ def test_registering_outside_the_allowed_roots_is_refused(running, tmp_path, ada
 
 
 def test_prewarm_and_pin_load_ahead_of_traffic(running):
-    assert running.admin("POST", "/admin/adapters/bob-a/prewarm", json={"tier": "cpu"}).status_code == 200
+    assert running.admin("POST", "/admin/adapters/bob-a/prewarm").status_code == 200  # no body: cpu
     running.wait_for(lambda: _tier(running, "bob-a") in ("cpu", "gpu"), what="the prewarm")
     pinned = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "gpu"})
     assert pinned.status_code == 200, pinned.text
@@ -106,7 +106,7 @@ def test_pin_unpin_evict(running):
     assert running.admin("POST", "/admin/adapters/alice-a/unpin").status_code == 200
     assert _entry(running, "alice-a")["pinned"] is None
     assert running.registry.show("alice-a").pin_tier is None and not running.registry.show("alice-a").pinned
-    evicted = running.admin("POST", "/admin/adapters/alice-a/evict", json={})
+    evicted = running.admin("POST", "/admin/adapters/alice-a/evict")  # no body: every default (it was a 400)
     assert evicted.status_code == 200 and evicted.json()["evicted"] == ["alice-a@r1"]
     assert _tier(running, "alice-a") not in ("gpu", "cpu")
     assert running.admin("POST", "/admin/adapters/nope/evict", json={}).json()["evicted"] == []

@@ -64,6 +64,13 @@ def test_cache_series_follow_the_adapter_loads(served):
     assert _value(s, "loraplex_adapter_activation_seconds_count") == 1
     assert _value(s, "loraplex_adapter_resident_count", tier="gpu") == 1
     assert _value(s, "loraplex_adapter_resident_bytes", tier="gpu") > 0
+    # Its host copy is kept while it is in a slot, and it is on local disk: it counts in each tier that holds a copy
+    # (only its top tier counted, so cpu read 0 bytes while host memory held the adapter).
+    used = served.state()["cache"]["cpu_bytes_used"]
+    assert _value(s, "loraplex_adapter_resident_count", tier="cpu") == 1
+    assert _value(s, "loraplex_adapter_resident_bytes", tier="cpu") == used == \
+        _value(s, "loraplex_adapter_resident_bytes", tier="gpu")
+    assert _value(s, "loraplex_adapter_resident_count", tier="disk") >= 1
     assert _value(s, "loraplex_adapter_thrash_ratio") == 0
     assert _value(s, "loraplex_request_ttft_seconds_count", tier="disk") == 1
     assert _value(s, "loraplex_request_ttft_seconds_count", tier="gpu") == 2
@@ -100,7 +107,8 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert first["cache_tier"] == "disk" and first["rank"] == 8 and first["digest"].startswith("sha256:")
     assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 2
     assert first["ttft_ms"] > 0 and first["base_model"] == MODEL
-    assert set(first["load_ms"]) == {"disk", "h2d", "activation"}  # the stages its tier went through
+    # the stages its tier went through, and its own first one (name → revision → key; ARCHITECTURE lists it)
+    assert set(first["load_ms"]) == {"resolve", "disk", "h2d", "activation"} and first["load_ms"]["resolve"] >= 0
     assert rows[1]["cache_tier"] == "gpu" and rows[1]["load_ms"] is None
     assert rows[2]["adapter"] is None and rows[2]["endpoint"] == "chat.completions"
     assert len({r["request_id"] for r in rows}) == len(rows)

@@ -236,7 +236,8 @@ def _resident_keys(server: Server, name: str, revision: str | None = None) -> li
 PIN_LOAD_WAIT_S = 30.0
 
 
-async def pin(name: str, body: TierBody, request: Request) -> dict:
+async def pin(name: str, request: Request, body: TierBody | None = None) -> dict:
+    body = body or TierBody()  # no body: every default
     server = _server(request)
     records = await _records(server, name, body.revision)
     cache = server.engine.adapters
@@ -291,7 +292,8 @@ async def unpin(name: str, request: Request) -> dict:
     return {"unpinned": [str(k) for k in keys]}
 
 
-async def prewarm(name: str, body: TierBody, request: Request) -> dict:
+async def prewarm(name: str, request: Request, body: TierBody | None = None) -> dict:
+    body = body or TierBody()  # no body: every default
     server = _server(request)
     records = await _records(server, name, body.revision)
     for record in records:
@@ -299,7 +301,8 @@ async def prewarm(name: str, body: TierBody, request: Request) -> dict:
     return {"prewarming": [r.model_id for r in records], "tier": body.tier}
 
 
-async def evict(name: str, body: RevisionBody, request: Request) -> dict:
+async def evict(name: str, request: Request, body: RevisionBody | None = None) -> dict:
+    body = body or RevisionBody()  # no body: every default
     server = _server(request)
     cache = server.engine.adapters
     keys = _resident_keys(server, name, body.revision)

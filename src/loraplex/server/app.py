@@ -261,7 +261,8 @@ class Server:
             ctx.tier = "gpu"
         else:
             # the first stage of an adapter's path to a slot: name → revision → key (the registry, maybe its files)
-            self.metrics.on_cache_event("load_stage", {"stage": "resolve", "seconds": time.perf_counter() - start})
+            ctx.audit["resolve_s"] = time.perf_counter() - start
+            self.metrics.on_cache_event("load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]})
             ctx.adapter_name, ctx.revision, ctx.rank = target.record.name, target.record.revision, target.record.rank
             ctx.tier = self.tier_on_arrival(target)
         return target
@@ -331,6 +332,8 @@ class Server:
         if ctx.tier in _TIER_STAGES and ctx.adapter_name:  # the stages this request's tier went through, not older ones
             stages = self.load_stages.get(ctx.adapter, {})
             load_ms = {k: v for k, v in stages.items() if k in _TIER_STAGES[ctx.tier]} or None
+            if load_ms is not None and a.get("resolve_s") is not None:  # this request's own first stage
+                load_ms = {"resolve": _ms(a["resolve_s"]), **load_ms}
         self.audit.write({
             "ts": round(time.time(), 3), "request_id": ctx.request_id, "endpoint": ctx.endpoint,
             "tenant": ctx.tenant, "base_model": self.config.served_model_name, "adapter": ctx.adapter_name,

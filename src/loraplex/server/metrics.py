@@ -118,9 +118,8 @@ class _LiveCollector:
         size = GaugeMetricFamily("loraplex_adapter_resident_bytes", "Bytes of adapters resident per tier",
                                  labels=["tier"])
         for tier in TIERS[:3]:
-            in_tier = [a for a in cache["adapters"] if a["tier"] == tier]
-            count.add_metric([tier], len(in_tier))
-            size.add_metric([tier], sum(a.get("bytes") or 0 for a in in_tier))
+            count.add_metric([tier], cache["resident"][tier]["count"])
+            size.add_metric([tier], cache["resident"][tier]["bytes"])
         yield count
         yield size
         yield GaugeMetricFamily("loraplex_adapter_thrash_ratio", "Reloads after eviction per eviction",
