@@ -454,6 +454,8 @@ class AdapterCache:
         ]
         if getattr(self.policy, "spares_queued", False):  # an adapter whose request is about to be admitted stays
             evictable = [k for k in evictable if k not in self.queued]
+        if not evictable:
+            return None  # every slot in use, pinned or spared: nothing to weigh (under a backlog, most calls)
         tenant = self.entries[incoming].ref.tenant
         quota = max(1, math.floor(len(self.slots) * self.tenant_share))
         if quota < len(self.slots):  # (at a quota of every slot, a tenant at it holds them all: nothing to filter)
