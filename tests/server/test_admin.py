@@ -236,6 +236,42 @@ def test_a_pin_or_unpin_made_by_another_process_reaches_the_running_server(start
         elsewhere.close()
 
 
+def test_a_pin_of_one_revision_stays_on_it_and_an_unpin_elsewhere_releases_it(start, adapter_variants):
+    """An operator's pin of r1 in a canary split: the registry records a pin of the name (what a start pins again),
+    which the watcher took for a pin of every serving revision (review: r2 pinned within 2 s). And `registry unpin`
+    from another process left that revision pin in place for good, while the admin unpin releases it."""
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots, registry_watch_s=3600) as running:  # the watcher's looks made here, in order
+        body = {"name": "shared-a", "path": str(adapter_variants[4]), "revision": "r2", "shared": True}
+        assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
+        canary = running.admin("PUT", "/admin/adapters/shared-a/traffic",
+                               json={"weights": {"r1": 90, "r2": 10}, "force": True})
+        assert canary.status_code == 200, canary.text
+        pinned = running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "cpu", "revision": "r1"})
+        assert pinned.status_code == 200, pinned.text
+        running.server.follow_traffic()
+        assert (_pin_of(running, "shared-a", "r1"), _pin_of(running, "shared-a", "r2")) == ("cpu", None)
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
+        elsewhere.unpin("shared-a")
+        elsewhere.close()
+        running.server.follow_traffic()
+        assert _pin_of(running, "shared-a", "r1") is None
+
+
+def test_a_pin_moved_to_a_tier_that_refuses_it_leaves_no_pin_in_the_old_tier(start):
+    """`registry pin --tier gpu`, then `--tier cpu` elsewhere, where the cpu pin cannot be made: the gpu pin stayed
+    for good although the registry no longer asks for it (and a start would not make it)."""
+    with start(engine={"max_cpu_loras": 1}, registry_watch_s=3600) as running:  # one host copy: no cpu pin fits
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
+        elsewhere.pin("alice-a", tier="gpu")
+        running.server.follow_traffic()
+        running.wait_for(lambda: _pin_of(running, "alice-a", "r1") == "gpu", what="alice-a pinned in gpu")
+        elsewhere.pin("alice-a", tier="cpu")
+        elsewhere.close()
+        running.server.follow_traffic()
+        assert _pin_of(running, "alice-a", "r1") is None
+
+
 def test_unpinning_a_warm_policy_lasts_past_traffic_changes(start, adapter_variants):
     """The admin unpin of an adapter whose manifest says warm gpu: the policy pinned it again at the next traffic
     change (and the next start). Unpinning ends the policy, in the registry too."""

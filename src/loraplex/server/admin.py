@@ -138,7 +138,7 @@ async def register(body: RegisterBody, request: Request) -> dict:
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
     record = await run_in_threadpool(_register, server, body)
-    await run_in_threadpool(lambda: server.warm(server.registry.show(record.name)))  # its pin or warm policy
+    await run_in_threadpool(server.warm_name, record.name)  # its pin or warm policy
     return record.to_dict()
 
 
@@ -274,11 +274,11 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
             raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
                            "adapter_unavailable")
         pending = [str(r.key) for r in refs if r.key in cache.loading]
-    await run_in_threadpool(server.registry.pin, name, True, body.tier)
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
-        await run_in_threadpool(lambda: server.warm(server.registry.show(name)))
+        await run_in_threadpool(server.registry.pin, name, True, body.tier)
+        await run_in_threadpool(server.warm_name, name)
     else:  # this revision's: an operator's, traffic does not move it
-        server.operator_pinned([r.key for r in refs])
+        await run_in_threadpool(server.operator_pinned, [r.key for r in refs], name, body.tier)
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 

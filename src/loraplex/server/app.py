@@ -140,15 +140,22 @@ class Server:
         rollback finds it warm; ARCHITECTURE: "the old revision stays resident for a grace period"). The serving
         revisions are pinned when the adapter is pinned, in the tier of its pin, or else has a warm policy of gpu or
         cpu, in that tier (the operator's pin overrides the manifest's policy). A pin one revision got from an
-        operator (`operator_pinned`) is theirs: neither made nor dropped here. When the name is unpinned, the serving
-        revisions lose the pins its rule made, and a revision serving again gives up its grace pin. A pin that cannot
-        be made (beyond capacity, a failed load) is logged and serving goes on."""
+        operator (`operator_pinned`) is theirs: neither made nor dropped here, until the name is unpinned. When the
+        name is unpinned, the serving revisions lose the pins its rule made, and a revision serving again gives up its
+        grace pin. A pin that cannot be made (beyond capacity, a failed load) is logged and serving goes on; the
+        revision loses the pin of the name's previous tier."""
         tier = _rule_tier(adapter)
         cache, serving = self.engine.adapters, _serving_revisions(adapter)
         owner = adapter.owner_tenant or "default"
         with self._pins_lock:
             before = self._serving.get(adapter.name)
             self._serving[adapter.name] = serving
+            if tier is None and self._rule_tiers.get(adapter.name) is not None:  # unpinned (elsewhere too)
+                mine = [k for k in self._operator_pins if k.name == adapter.name]
+                for key in mine:
+                    if getattr(cache.entries.get(key), "pinned", None) is not None:
+                        cache.unpin(key)
+                self.released(mine)
             self._rule_tiers[adapter.name] = tier
             for record in adapter.revisions:
                 if not self.resolver.may_see(record.base_model_digest):
@@ -174,6 +181,9 @@ class Server:
                         cache.pin(ref, tier)
                     except Exception as exc:  # a warm start that cannot happen must not stop serving
                         log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
+                        old = self._rule_pins.pop(ref.key, None)  # nor keep the pin of the name's previous tier
+                        if old is not None and getattr(cache.entries.get(ref.key), "pinned", None) == old:
+                            cache.unpin(ref.key)
                         continue
                     self._rule_pins[ref.key] = tier
 
@@ -213,6 +223,12 @@ class Server:
                     if getattr(cache.entries.get(key), "pinned", None) == "cpu":
                         cache.unpin(key)
 
+    def warm_name(self, name: str) -> None:
+        """`warm` with the adapter read under the pins' lock, so that a call made for an admin request cannot apply
+        an older reading after the watcher applied a newer one."""
+        with self._pins_lock:
+            self.warm(self.registry.show(name))
+
     def released(self, keys) -> None:
         """An operator unpinned or evicted these keys: no pin of theirs is kept or moved by traffic any more."""
         with self._pins_lock:
@@ -221,12 +237,17 @@ class Server:
                 self._grace_pins.pop(key, None)
                 self._operator_pins.discard(key)
 
-    def operator_pinned(self, keys) -> None:
-        """An operator pinned these revisions themselves: traffic neither moves nor drops those pins."""
+    def operator_pinned(self, keys, name: str, tier: str) -> None:
+        """An operator pinned these revisions of `name` themselves, in `tier`: traffic neither moves nor drops those
+        pins. The registry records a pin of the name (what a start pins again), under the pins' lock: the watcher is
+        not to take that record for a pin of the name's other serving revisions."""
         keys = list(keys)
         with self._pins_lock:
+            self.registry.pin(name, True, tier)
             self.released(keys)
             self._operator_pins.update(keys)
+            if self._rule_tiers.get(name) is None:
+                self._rule_tiers[name] = tier
 
     def _watch_registry(self) -> None:
         seen = None
