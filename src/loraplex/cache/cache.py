@@ -145,21 +145,24 @@ class AdapterCache:
     def state(self) -> dict:
         now = self.clock()
         with self._lock:
-            adapters = []
-            tier_a, tier_b = self._gpu_preferred(now), self._cpu_preferred(now)
+            adapters, on_disk = [], []
+            tier_a, tier_b, in_slots = self._gpu_preferred(now), self._cpu_preferred(now), set(self.slots)
             for key, e in self.entries.items():
+                disk = self._on_disk(key)  # a file system look per adapter: once
+                if disk:
+                    on_disk.append(key)
+                tier = "gpu" if key in in_slots else "cpu" if key in self.cpu else "disk" if disk else "remote"
                 adapters.append({
                     "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
                     "base_model_digest": key.base_model_digest, "tenant": e.ref.tenant,
-                    "tier": self.tier_of(key), "loading": key in self.loading, "bytes": e.nbytes,
+                    "tier": tier, "loading": key in self.loading, "bytes": e.nbytes,
                     "pinned": e.pinned, "in_flight": e.refcount, "hits": e.hits, "loads": e.loads,
                     "evictions": e.evictions, "last_access_s_ago": round(now - e.last_access, 3),
                     "demand_5m": round(self.demand.short(key, now), 3),
                     # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
                     "warm": "A" if key in tier_a else "B" if key in tier_b else None,
                 })
-            copies = {"gpu": [k for k in self.slots if k is not None], "cpu": list(self.cpu),
-                      "disk": [k for k in self.entries if self._on_disk(k)]}
+            copies = {"gpu": [k for k in self.slots if k is not None], "cpu": list(self.cpu), "disk": on_disk}
             return {
                 "adapters": adapters,
                 # Per tier, the adapters with a copy there (one in a slot has its host copy too) and their bytes.
