@@ -129,3 +129,23 @@ def test_qwen_sliding_layers_follow_transformers_without_layer_types():
         expected = tuple(4 if t == "sliding_attention" else None for t in config_class(**raw).layer_types)
         assert _sliding_windows(raw, model_type) == expected
         assert expected[27:] == (None, 4, 4)
+
+
+def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(llama_dir, llama_adapters):
+    """The scheduler walks the waiting queue at every step; the requests behind the first one whose adapter is
+    loading skip the cache (its acquire could only fail until the load is taken in, between steps), as the
+    simulator does: under a backlog each asked the cache, at every step."""
+    eng = engine_for(llama_dir, dtype="float32", max_loras=2)
+    ref = eng.adapter_ref("a", llama_adapters["attn-r8"])
+    ids = [eng.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), ref)
+           for _ in range(5)]
+    asked, acquire = [], eng.adapters.acquire
+    eng.adapters.acquire = lambda r: asked.append(r.key) or acquire(r)
+    eng.step()
+    assert asked == [ref.key]  # the first request started the load; the four behind it waited without asking
+    done = {}
+    while eng.has_work():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == sorted(ids) and all(o.num_output_tokens == 2 and o.error is None for o in done.values())

@@ -61,12 +61,17 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch) -> None:
         budget = self.config.max_num_batched_tokens - len(batch.decodes)
         lora_bytes = self._lora_bytes(self.running)
+        loading = set()  # adapters a waiting request found loading in this step: their other requests wait too
         for seq in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or len(seq) > budget:
                 break
             if not self.blocks.can_allocate(seq):
                 break  # first come, first served for memory: later requests do not overtake
+            if seq.adapter is not None and seq.adapter.key in loading:
+                continue  # its acquire could only fail (a load ends between steps, when the cache polls)
             if seq.adapter is not None and not self.take_adapter(seq, lora_bytes):
+                if seq.adapter.key in self.adapters.loading:
+                    loading.add(seq.adapter.key)
                 continue  # its adapter is loading or over the step's LoRA budget: others go ahead
             self._leave_queue(seq)
             self.blocks.allocate(seq)
