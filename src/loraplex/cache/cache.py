@@ -112,7 +112,7 @@ class AdapterCache:
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
         self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
-        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu and to cpu (kept with `pinned`)
+        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._cpu_pins: set[AdapterKey] = set()
         self._copies_version = 0
         """Moves when the host copies, the loads, the cpu pins or which keys waiting requests asked for change: what
@@ -314,7 +314,8 @@ class AdapterCache:
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
             entry = self.entries.setdefault(ref.key, Entry(ref))
-            pinned = [e for e in self.entries.values() if e.pinned == tier and e is not entry]
+            pins = self._gpu_pins if tier == "gpu" else self._cpu_pins
+            pinned = [self.entries[k] for k in pins if k != ref.key]
             if tier == "gpu" and len(pinned) + 1 > len(self.slots) - 1:
                 raise CapacityExceeded(
                     f"cannot pin {ref.key} to gpu: {len(pinned)} of {len(self.slots)} slots are pinned and one "

@@ -153,8 +153,7 @@ class Server:
             if tier is None and self._rule_tiers.get(adapter.name) is not None:  # unpinned (elsewhere too)
                 mine = [k for k in self._operator_pins if k.name == adapter.name]
                 for key in mine:
-                    if getattr(cache.entries.get(key), "pinned", None) is not None:
-                        cache.unpin(key)
+                    cache.unpin(key)
                 self.released(mine)
             self._rule_tiers[adapter.name] = tier
             for record in adapter.revisions:
