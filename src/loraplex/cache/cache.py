@@ -135,6 +135,18 @@ class AdapterCache:
                 return "cpu"
             return "disk" if self._on_disk(key) else "remote"
 
+    def pinned(self, key: AdapterKey) -> str | None:
+        """The tier the adapter is pinned to (gpu or cpu), or None."""
+        entry = self.entries.get(key)
+        return entry.pinned if entry is not None else None
+
+    def is_loading(self, key: AdapterKey) -> bool:
+        return key in self.loading
+
+    def in_host(self, key: AdapterKey) -> bool:
+        """Whether host memory holds the adapter's copy."""
+        return key in self.cpu
+
     def nbytes_of(self, key: AdapterKey) -> int:
         entry = self.entries.get(key)
         return entry.nbytes if entry else 0

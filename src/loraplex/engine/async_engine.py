@@ -25,6 +25,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() or self._stopping
+
     def _run(self) -> None:
         while not self._stopping:
             if not self.engine.has_work():

@@ -44,6 +44,8 @@ from loraplex.registry.store import AllowList, digest_and_pieces
 
 
 class LLMEngine:
+    kind = "native"
+
     def __init__(self, config: EngineConfig, policy=None):
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
@@ -146,6 +148,19 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
             self._inbox.append(("abort", request_id))
+
+    def live_figures(self) -> dict:
+        """What /admin/state, the metrics and gateways read: residency, queue and KV figures."""
+        cache = self.adapters.state()
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        on_gpu = sorted({a["name"] for a in cache["adapters"] if a["tier"] == "gpu"})
+        waiting_names = {s.adapter.key.name for s in waiting if s.adapter is not None}
+        return {
+            "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
+            "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.blocks.usage,
+            "running_adapters": on_gpu, "waiting_adapters": sorted(waiting_names - set(on_gpu)),
+            "max_lora": self.config.max_loras,
+        }
 
     def has_work(self) -> bool:
         """Requests to run, or adapter loads to take in (a prewarm on an idle server finishes too)."""

@@ -206,6 +206,8 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 
 
 async def _complete(server: Server, ref, prompt: str) -> str:
+    if server.engine.kind == "vllm":
+        return await server.engine.complete_text(prompt, ref, max_tokens=32)
     ids = server.engine.tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=32, temperature=0)
     return "".join([out.text async for out in server.async_engine.generate(ids, params, ref)])
@@ -242,7 +244,7 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
     records = await _records(server, name, body.revision)
     cache = server.engine.adapters
     refs = [server.resolver.ref_for(record, record.owner_tenant or "default") for record in records]
-    before = {r.key: getattr(cache.entries.get(r.key), "pinned", None) for r in refs}
+    before = {r.key: cache.pinned(r.key) for r in refs}
 
     def undo() -> None:  # a refused call leaves every pin as it was
         for ref in refs:
@@ -260,20 +262,20 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         # that a pin the budget cannot hold is refused here rather than dropped later with only a log line.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PIN_LOAD_WAIT_S
-        while any(r.key in cache.loading for r in refs) and loop.time() < deadline:
+        while any(cache.is_loading(r.key) for r in refs) and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        landed = [r for r in refs if r.key not in cache.loading]
-        refused = [r for r in landed if getattr(cache.entries.get(r.key), "pinned", None) != "cpu"]
+        landed = [r for r in refs if not cache.is_loading(r.key)]
+        refused = [r for r in landed if cache.pinned(r.key) != "cpu"]
         if refused:
             undo()
             raise APIError(409, f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
                                 "adapters would exceed cpu_cache_bytes", "capacity_exceeded")
-        failed = [r for r in landed if r.key not in cache.cpu]
+        failed = [r for r in landed if not cache.in_host(r.key)]
         if failed:  # its load failed (logged with the cause): nothing is pinned
             undo()
             raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
                            "adapter_unavailable")
-        pending = [str(r.key) for r in refs if r.key in cache.loading]
+        pending = [str(r.key) for r in refs if cache.is_loading(r.key)]
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(server.registry.pin, name, True, body.tier)
         await run_in_threadpool(server.warm_name, name)
@@ -306,11 +308,11 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
     server = _server(request)
     cache = server.engine.adapters
     keys = _resident_keys(server, name, body.revision)
-    was_pinned = any(getattr(cache.entries.get(k), "pinned", None) for k in keys)
+    was_pinned = any(cache.pinned(k) for k in keys)
     for key in keys:
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
         server.released([key])
-    if was_pinned and not any(getattr(cache.entries.get(k), "pinned", None) for k in _resident_keys(server, name)):
+    if was_pinned and not any(cache.pinned(k) for k in _resident_keys(server, name)):
         await run_in_threadpool(server.registry.unpin, name)  # else the next start would pin it again
     return {"evicted": [str(k) for k in keys]}
 

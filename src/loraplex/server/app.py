@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
@@ -31,6 +32,9 @@ from loraplex.server.generation import Generation
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext, RequestMiddleware
 from loraplex.server.schemas import model_card
+
+if TYPE_CHECKING:
+    from loraplex.engines.vllm.engine import VllmEngine
 
 log = logging.getLogger("loraplex.server")
 QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
@@ -81,7 +85,7 @@ class ServerConfig:
 class Server:
     """Everything a request needs, kept on the app (`app.state.server`)."""
 
-    def __init__(self, engine: LLMEngine, registry: Registry, config: ServerConfig,
+    def __init__(self, engine: LLMEngine | VllmEngine, registry: Registry, config: ServerConfig,
                  api_keys: dict[str, str] | None = None):
         self.engine = engine
         self.registry = registry
@@ -109,7 +113,8 @@ class Server:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.async_engine = AsyncEngine(self.engine)
+        # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
+        self.async_engine = AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
         try:
             self.warm_start()
         except Exception:  # serving cold is better than not serving
@@ -172,7 +177,7 @@ class Server:
                         made = self._rule_pins.pop(ref.key, None)
                         if self._grace_pins.pop(ref.key, None) is not None:
                             made = made or "cpu"
-                        if made is not None and getattr(cache.entries.get(ref.key), "pinned", None) == made:
+                        if made is not None and cache.pinned(ref.key) == made:
                             cache.unpin(ref.key)
                         continue
                     self._grace_pins.pop(ref.key, None)  # serving again: the rule's pin replaces the grace one
@@ -181,7 +186,7 @@ class Server:
                     except Exception as exc:  # a warm start that cannot happen must not stop serving
                         log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
                         old = self._rule_pins.pop(ref.key, None)  # nor keep the pin of the name's previous tier
-                        if old is not None and getattr(cache.entries.get(ref.key), "pinned", None) == old:
+                        if old is not None and cache.pinned(ref.key) == old:
                             cache.unpin(ref.key)
                         continue
                     self._rule_pins[ref.key] = tier
@@ -192,11 +197,11 @@ class Server:
         if key in self._operator_pins:
             return
         tier = self._rule_pins.pop(key, None)
-        if tier is not None and getattr(cache.entries.get(key), "pinned", None) == tier:
+        if tier is not None and cache.pinned(key) == tier:
             cache.unpin(key)
         grace_s = self.registry.grace_period.total_seconds()
         if keep_warm and grace_s > 0 and cache.tier_of(key) in ("gpu", "cpu") \
-                and getattr(cache.entries.get(key), "pinned", None) is None:
+                and cache.pinned(key) is None:
             try:
                 cache.pin(ref, "cpu")
             except CapacityExceeded:
@@ -219,7 +224,7 @@ class Server:
             for key, until in list(self._grace_pins.items()):
                 if until <= now:
                     del self._grace_pins[key]
-                    if getattr(cache.entries.get(key), "pinned", None) == "cpu":
+                    if cache.pinned(key) == "cpu":
                         cache.unpin(key)
 
     def warm_name(self, name: str) -> None:
@@ -265,6 +270,13 @@ class Server:
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
             raise APIError(503, "The server is shutting down; retry on another worker.", "shutting_down")
+        if not self.engine_alive():
+            raise APIError(503, "The engine has stopped; retry on another worker.", "engine_unavailable")
+
+    def engine_alive(self) -> bool:
+        if self.engine.kind == "native":
+            return self.async_engine is None or self.async_engine.is_alive
+        return self.engine.is_alive
 
     # -- request steps ---------------------------------------------------------------------------
     def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
@@ -401,17 +413,7 @@ class Server:
         return cards
 
     def live_figures(self) -> dict:
-        cache = self.engine.adapters.state()
-        scheduler = self.engine.scheduler
-        running, waiting = list(scheduler.running), list(scheduler.waiting)
-        on_gpu = sorted({a["name"] for a in cache["adapters"] if a["tier"] == "gpu"})
-        waiting_names = {s.adapter.key.name for s in waiting if s.adapter is not None}
-        return {
-            "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
-            "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.engine.blocks.usage,
-            "running_adapters": on_gpu, "waiting_adapters": sorted(waiting_names - set(on_gpu)),
-            "max_lora": self.engine.config.max_loras,
-        }
+        return self.engine.live_figures()
 
     def state(self) -> dict:
         """GET /admin/state: residency of every adapter and the load figures the router needs."""
@@ -442,13 +444,15 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def create_app(engine: LLMEngine, registry: Registry, config: ServerConfig,
+def create_app(engine: LLMEngine | VllmEngine, registry: Registry, config: ServerConfig,
                api_keys: dict[str, str] | None = None) -> FastAPI:
     """The OpenAI-compatible app (and the admin API on it unless `config.admin_on_main_app` is False)."""
     server = Server(engine, registry, config, api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if engine.kind == "vllm":
+            await engine.start()  # vLLM's serving layer, on this loop
         server.start()
         try:
             yield
@@ -483,7 +487,10 @@ health = APIRouter()
 
 
 @health.get("/health")
-async def alive():
+async def alive(request: Request):
+    server: Server = request.app.state.server
+    if not server.engine_alive():
+        raise APIError(503, "unhealthy: the engine has stopped", "engine_unavailable")
     return {"status": "ok"}
 
 

@@ -43,6 +43,14 @@ def serve(
                                                                  "line (no file: /metrics is open, as vLLM's)")] = None,
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
+    engine: Annotated[str, typer.Option(help="native (our engine, the default) | vllm (vLLM's AsyncLLM)")] = "native",
+    tensor_parallel_size: Annotated[int | None, typer.Option(help="vLLM: GPUs the model is split over")] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(help="vLLM: share KV blocks of common "
+                                                                    "prefixes")] = None,
+    base_as_zero_adapter: Annotated[str, typer.Option(help="vLLM: carry base requests as an all-zero adapter: "
+                                                           "auto (on vLLM's CPU backend) | on | off")] = "auto",
+    vllm_arg: Annotated[list[str] | None, typer.Option(help="vLLM: another engine option as `vllm serve` takes "
+                                                            "it, e.g. --vllm-arg=--enforce-eager; repeat it")] = None,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""
@@ -56,7 +64,9 @@ def serve(
             eviction_policy=eviction_policy, dtype=dtype, device=device, host=host, port=port, registry=registry,
             api_keys=api_keys, admin_token_file=admin_token_file, admin_port=admin_port,
             metrics_token_file=metrics_token_file,
-            allowed_roots=tuple(roots),
+            allowed_roots=tuple(roots), engine=engine,
+            vllm_args=_vllm_args(tensor_parallel_size, enable_prefix_caching, vllm_arg),
+            base_as_zero_adapter=base_as_zero_adapter,
         )
         run(options)
     except StartupError as exc:
@@ -75,6 +85,18 @@ def _variadic(modules: list[str], roots: list[str], extra: list[str]) -> tuple[l
         else:
             raise StartupError(f"unexpected argument {value!r}")
     return modules, roots
+
+
+def _vllm_args(tensor_parallel_size: int | None, prefix_caching: bool | None,
+               more: list[str] | None) -> tuple[str, ...]:
+    out = []
+    if tensor_parallel_size is not None:
+        out += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if prefix_caching is not None:
+        out.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    for arg in more or ():
+        out += arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg]
+    return tuple(out)
 
 
 def _size(text: str | None, flag: str) -> int | None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from loraplex.server import schemas
+from loraplex.server import schemas, vllm_api
 from loraplex.server.errors import APIError, as_api_error, validation_error
 from loraplex.server.generation import Generation
 from loraplex.server.middleware import CLIENT_CLOSED
@@ -29,6 +29,9 @@ DONE = b"data: [DONE]\n\n"
 @router.post("/v1/completions")
 async def completions(request: Request):
     server, ctx = _begin(request, "completions")
+    if server.engine.kind == "vllm":
+        body = await _read_body(request, server.config.max_body_bytes)
+        return await vllm_api.respond(request, server, ctx, body, chat=False)
     req = await _parse(request, server, CompletionRequest)
     target = server.resolve(ctx, req.model, req.user)
     prompts = [server.encode_prompt(p) for p in req.prompts()]
@@ -40,6 +43,9 @@ async def completions(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     server, ctx = _begin(request, "chat.completions")
+    if server.engine.kind == "vllm":
+        body = await _read_body(request, server.config.max_body_bytes)
+        return await vllm_api.respond(request, server, ctx, body, chat=True)
     req = await _parse(request, server, ChatCompletionRequest)
     target = server.resolve(ctx, req.model, req.user)
     prompt = server.encode_chat([m.for_template() for m in req.messages])

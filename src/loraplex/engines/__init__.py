@@ -1,0 +1,1 @@
+"""Engines besides the native one (loraplex.engine), behind the same interface."""

