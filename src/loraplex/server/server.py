@@ -1,0 +1,308 @@
+"""The `Server`: everything a request needs (tenancy, resolution, admission, generation, metrics, audit) over
+one engine, and the views /admin/state and the metrics read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
+from loraplex.cache.errors import ArtifactCorrupt
+from loraplex.cache.key import AdapterKey
+from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.server.admission import Admission
+from loraplex.server.adapters import AdapterResolver, Target
+from loraplex.server.pins import PinReconciler
+from loraplex.server.audit import AuditLog
+from loraplex.server.auth import Authenticator
+from loraplex.server.errors import APIError
+from loraplex.server.generation import Generation
+from loraplex.server.metrics import ServerMetrics
+from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
+from loraplex.server.schemas import model_card
+
+if TYPE_CHECKING:
+    from loraplex.engines.vllm.engine import VllmEngine
+
+log = logging.getLogger("loraplex.server")
+QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    """The base model's name in `model` fields and /v1/models."""
+    admin_token: str | None = None
+    """Bearer token of the admin API; None turns the admin API off (its paths answer 404)."""
+    admin_on_main_app: bool = True
+    """False when the admin API is served on its own port (`create_admin_app`)."""
+    allowed_roots: tuple[str, ...] = ()
+    """Directories (and URL prefixes) the admin API may register adapters from."""
+    audit_log: str | Path | None = None
+    """JSONL file, `-` for stdout, None for none."""
+    max_waiting: int = 512
+    """Requests admitted but without a first token yet; beyond this, 429 with Retry-After."""
+    max_requests_per_tenant: int | None = 256
+    """Requests in flight per tenant; beyond this, 429 with Retry-After (None: no limit)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt accepted (default: the engine's max_model_len - 1)."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body (413 beyond)."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM: how long requests in flight may take to finish before they are aborted."""
+    unload_timeout_s: float = 60.0
+    """How long an unload waits for the adapter's requests in flight."""
+    top_k_adapter_metrics: int = 0
+    """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
+    metrics_token: str | None = None
+    """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
+    key_cache_ttl_s: float = 5.0
+    """How long a registry API key lookup is trusted (revocations take effect within this)."""
+    registry_watch_s: float = 2.0
+    """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins along."""
+
+    def __post_init__(self):
+        if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
+            raise ValueError("max_waiting must be >= 0 and max_requests_per_tenant >= 1")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ValueError("the metrics token must be at least 16 characters")
+
+
+class Server:
+    """Everything a request needs, kept on the app (`app.state.server`)."""
+
+    def __init__(self, engine: LLMEngine | VllmEngine, registry: Registry, config: ServerConfig,
+                 api_keys: dict[str, str] | None = None):
+        self.engine = engine
+        self.registry = registry
+        self.config = config
+        self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
+        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name)
+        self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
+        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
+        self.audit = AuditLog(config.audit_log)
+        self.allowed = AllowList.parse(list(config.allowed_roots))
+        self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
+        self.async_engine: AsyncEngine | None = None
+        self.is_draining = False
+        self.load_stages: dict[str, dict[str, float]] = {}  # str(key) -> {stage: ms} of its last load
+        self.pins = PinReconciler(registry, self.resolver, engine.adapters, config.registry_watch_s,
+                                  self.on_registry_change)
+        engine.adapters.on_event = self.on_cache_event
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
+        self.async_engine = AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
+        try:
+            self.pins.warm_start()
+        except Exception:  # serving cold is better than not serving
+            log.exception("warm start failed; adapters will load on demand")
+        self.pins.start()
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting (503); requests in flight go on."""
+        if not self.is_draining:
+            log.info("shutting down: no new requests, finishing those in flight")
+        self.is_draining = True
+
+    def stop(self) -> None:
+        self.pins.stop()
+        self.begin_shutdown()
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        self.audit.close()
+
+    def follow_traffic(self) -> None:
+        """Move pins along with traffic now (what the registry watcher does at its next look)."""
+        self.pins.follow_traffic()
+
+    def on_registry_change(self) -> None:
+        """The registry changed (here or elsewhere): what the server keeps of it is read again."""
+
+    def check_accepting(self) -> None:
+        if self.is_draining or self.async_engine is None:
+            raise APIError(503, "The server is shutting down; retry on another worker.", "shutting_down")
+        if not self.engine_alive():
+            raise APIError(503, "The engine has stopped; retry on another worker.", "engine_unavailable")
+
+    def engine_alive(self) -> bool:
+        if self.engine.kind == "native":
+            return self.async_engine is None or self.async_engine.is_alive
+        return self.engine.is_alive
+
+    # -- request steps ---------------------------------------------------------------------------
+    def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+        start = time.perf_counter()
+        try:
+            target = self.resolver.resolve(ctx.tenant, model, user)
+        except AdapterNotFound:
+            # Counted for another tenant's name and for an unknown one alike: the 404s are the same, and so is the
+            # count, or /metrics would tell a tenant which private names exist.
+            ctx.denied = True
+            raise
+        ctx.adapter, ctx.digest = target.label, target.digest
+        if target.ref is None:
+            ctx.tier = "gpu"
+        else:
+            # the first stage of an adapter's path to a slot: name → revision → key (the registry, maybe its files)
+            ctx.audit["resolve_s"] = time.perf_counter() - start
+            self.metrics.on_cache_event("load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]})
+            ctx.adapter_name, ctx.revision, ctx.rank = target.record.name, target.record.revision, target.record.rank
+            ctx.tier = self.tier_on_arrival(target)
+        return target
+
+    def tier_on_arrival(self, target: Target) -> str:
+        tier = self.engine.adapters.tier_of(target.ref.key)
+        # The cache learns a key's local path at the request's first acquire; the bytes are on disk already.
+        return "disk" if tier == "remote" and target.ref.path is not None else tier
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        limit = self.max_prompt_tokens
+        if isinstance(prompt, str):
+            # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip tokenizing it.
+            if len(prompt) > 64 * limit:
+                raise APIError(400, f"The prompt is longer than the limit of {limit} tokens (max_prompt_tokens).",
+                               "prompt_too_long", "prompt")
+            prompt = self.engine.tokenizer.encode(prompt)
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", "invalid_value", "prompt")
+        if len(prompt) > limit:
+            raise APIError(400, f"The prompt has {len(prompt)} tokens, more than the limit of {limit} "
+                           "(max_prompt_tokens).", "prompt_too_long", "prompt")
+        return prompt
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value", "messages") from None
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)  # the template adds them itself
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"The messages make a prompt of {len(ids)} tokens, more than the limit of "
+                           f"{self.max_prompt_tokens} (max_prompt_tokens).", "prompt_too_long", "messages")
+        return ids
+
+    async def generate(self, ctx: RequestContext, target: Target, prompts: list[list[int]],
+                       params: SamplingParams, gone: asyncio.Future) -> Generation | None:
+        """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
+        the generation is then closed, and the request recorded as the client's leaving."""
+        try:
+            ticket = self.admission.admit(ctx.tenant)
+        except APIError as exc:
+            ctx.denied = exc.code == "tenant_quota_exceeded"
+            raise
+        gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        start = asyncio.ensure_future(gen.start())
+        try:
+            await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled: no start left running on its own
+            if not start.done():  # start() closes the generation: the request leaves the queue, no load waited for
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                ctx.status = CLIENT_CLOSED
+        if start.cancelled():
+            return None
+        start.result()  # the engine's error (bad request, adapter unavailable) is the answer
+        return gen
+
+    def finish_request(self, ctx: RequestContext, status: int) -> None:
+        """The middleware's last call for each inference request: metrics and the audit line."""
+        a = ctx.audit
+        self.metrics.on_request(ctx.tenant or "unauthenticated", status, ctx.adapter_name, ctx.tier or None,
+                                ctx.denied)
+        if ctx.tier:
+            self.metrics.on_timings(ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s"))
+        load_ms = None
+        if ctx.tier in _TIER_STAGES and ctx.adapter_name:  # the stages this request's tier went through, not older ones
+            stages = self.load_stages.get(ctx.adapter, {})
+            load_ms = {k: v for k, v in stages.items() if k in _TIER_STAGES[ctx.tier]} or None
+            if load_ms is not None and a.get("resolve_s") is not None:  # this request's own first stage
+                load_ms = {"resolve": _ms(a["resolve_s"]), **load_ms}
+        self.audit.write({
+            "ts": round(time.time(), 3), "request_id": ctx.request_id, "endpoint": ctx.endpoint,
+            "tenant": ctx.tenant, "base_model": self.config.served_model_name, "adapter": ctx.adapter_name,
+            "revision": ctx.revision, "digest": ctx.digest or None, "rank": ctx.rank, "cache_tier": ctx.tier or None,
+            "queue_wait_ms": _ms(a.get("queue_wait_s")), "load_ms": load_ms, "ttft_ms": _ms(a.get("ttft_s")),
+            "tpot_ms": _ms(a.get("tpot_s")), "prompt_tokens": a.get("prompt_tokens"),
+            "completion_tokens": a.get("completion_tokens"), "finish_reason": a.get("finish_reason"),
+            "status": status, "error_code": ctx.error_code,
+        })
+
+    def on_cache_event(self, kind: str, fields: dict) -> None:
+        self.metrics.on_cache_event(kind, fields)
+        if kind == "load_stage" and fields.get("key") is not None:
+            if fields["stage"] == "disk":  # a new load (its download, if any, is reported right after)
+                self.load_stages[str(fields["key"])] = {}
+            stages = self.load_stages.setdefault(str(fields["key"]), {})
+            stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
+        if kind == "load_failed":
+            log.warning("load of %s failed: %s", fields["key"], fields["exception"])
+        if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
+            self.quarantine_corrupt(fields["key"], fields["exception"])
+        if kind == "pin_refused":
+            log.warning("%s", fields["error"])
+
+    def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
+        """A revision whose bytes fail their digest is never served again; its traffic returns to the stable. The
+        reason recorded is the same for every revision (tenants see it in the 404 for `name@revision`): the error
+        names the store's paths or URLs, so it goes to the server log only."""
+        try:
+            self.registry.quarantine(key.name, key.revision, QUARANTINE_REASON)
+            log.error("quarantined %s@%s: %s", key.name, key.revision, error)
+        except RegistryError as exc:  # already quarantined, or removed meanwhile
+            log.warning("could not quarantine %s@%s: %s", key.name, key.revision, exc)
+
+    # -- views -----------------------------------------------------------------------------------
+    def model_cards(self, tenant: str) -> list[dict]:
+        name = self.config.served_model_name
+        cards = [model_card(name, "loraplex", None)]
+        for adapter in self.registry.list_adapters(tenant):
+            serving = [r for r in adapter.revisions if r.traffic_weight and self.resolver.may_see(r.base_model_digest)]
+            if serving and adapter.name not in self.resolver.draining:
+                owner = "shared" if adapter.shared else adapter.owner_tenant or "shared"
+                main = max(serving, key=lambda r: r.traffic_weight)
+                cards.append(model_card(adapter.name, owner, name, root=main.model_id))
+        return cards
+
+    def live_figures(self) -> dict:
+        return self.engine.live_figures()
+
+    def state(self) -> dict:
+        """GET /admin/state: residency of every adapter and the load figures the router needs."""
+        live = self.live_figures()
+        cache = live["cache"]
+        return {
+            "base_model": self.config.served_model_name,
+            "base_model_digest": self.engine.base_model_digest,
+            "max_loras": live["max_lora"],
+            "draining": self.is_draining,
+            "adapters": cache["adapters"],
+            "load": {
+                "waiting": live["num_waiting"], "running": live["num_running"],
+                "active_tokens": live["active_tokens"], "recent_evictions": cache["recent_evictions"],
+                "free_slots": cache["free_slots"], "num_slots": cache["num_slots"],
+                "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
+                "in_flight": self.admission.num_in_flight,
+            },
+            "cache": {k: v for k, v in cache.items() if k not in ("adapters",)},
+        }
+
+
+_TIER_STAGES = {"cpu": {"h2d", "activation"}, "disk": {"disk", "h2d", "activation"},
+                "remote": {"download", "disk", "h2d", "activation"}}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
