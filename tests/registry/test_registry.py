@@ -498,3 +498,17 @@ def test_a_registration_whose_artifact_a_gc_removed_puts_it_back(registry, adapt
     finally:
         store.put = put
     assert store.has(record.digest) and registry.store.get(record.digest)
+
+
+def test_a_name_with_only_staged_revisions_says_how_to_promote(registry, adapter_v1, adapter_v2):
+    registry.add_revision(adapter_v1, "chat")
+    with pytest.raises(RevisionUnavailable) as info:
+        registry.resolve("default", "chat")
+    assert str(info.value) == (
+        "chat has no revision in service: r1 is staged, not promoted; promote one with "
+        "`loraplex registry promote chat r1` (or POST /admin/adapters/chat/promote)")
+    registry.add_revision(adapter_v2, "chat")
+    with pytest.raises(RevisionUnavailable, match="r1, r2 are staged.* promote chat r2`"):
+        registry.resolve("default", "chat")
+    registry.promote("chat", "r2", 100)
+    assert registry.resolve("default", "chat").revision == "r2"

@@ -43,6 +43,8 @@ def serve(
                                                                  "line (no file: /metrics is open, as vLLM's)")] = None,
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
+    strict_base_model_name: Annotated[bool, typer.Option(
+        help="Refuse an adapter whose config names another base model (default: a warning)")] = False,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""
@@ -56,7 +58,7 @@ def serve(
             eviction_policy=eviction_policy, dtype=dtype, device=device, host=host, port=port, registry=registry,
             api_keys=api_keys, admin_token_file=admin_token_file, admin_port=admin_port,
             metrics_token_file=metrics_token_file,
-            allowed_roots=tuple(roots),
+            allowed_roots=tuple(roots), strict_base_model_name=strict_base_model_name,
         )
         run(options)
     except StartupError as exc:
