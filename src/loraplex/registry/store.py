@@ -92,7 +92,8 @@ class Pieces:
         try:
             data = json.loads(text)
             size = int(data["piece_bytes"])
-            algorithm = data.get("algorithm", "sha256")  # lists recorded by session-7 versions name none
+            # a list recorded by a version without BLAKE3 pieces names no algorithm
+            algorithm = data.get("algorithm", "sha256")
             if algorithm not in PIECE_HASHES:
                 raise ValueError(f"unknown piece hash {algorithm!r}")
             files = tuple((str(f["name"]), int(f["size"]), tuple(map(str, f[algorithm]))) for f in data["files"])
