@@ -121,8 +121,11 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
     hot = [r for r in records if r["group"] == "hot"]
     shifted = [r for r in records if r["group"] == "shifted"]
 
+    def during_burst(r) -> bool:
+        return window is not None and window[0] <= r["arrival"] <= window[1]
+
     def in_window(recs):
-        return [r["ttft"] for r in recs if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]]
+        return [r["ttft"] for r in recs if r["group"] == "hot" and during_burst(r)]
 
     return {
         "requests": len(records),
@@ -145,7 +148,7 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         "slowest_hot_in_burst": sorted(
             ({"arrival_s": round(r["arrival"], 3), "adapter": r["adapter"], "tier": r["tier"],
               "ttft_ms": round(r["ttft"] * 1000, 1)} for r in records
-             if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]),
+             if r["group"] == "hot" and during_burst(r)),
             key=lambda r: -r["ttft_ms"])[:5],
     }
 

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     seed = {server: results[server]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms")
             for server in ("vllm", "loraplex")}
-    goals = {  # from the measured values (the inverse of the rounded ratio was off by up to 1%)
+    goals = {  # from the measured values (the inverse of a rounded ratio is off by up to 1%)
         "seed_hot_p99_vllm_over_ours": round(seed["vllm"] / seed["loraplex"], 2) if all(seed.values()) else None,
         "throughput_ours_over_vllm": {w: r.get("throughput_req_s") for w, r in ratios.items()},
     }

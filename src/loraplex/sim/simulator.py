@@ -66,8 +66,7 @@ class LoadCosts:
         rows = data.get("rows", data) if isinstance(data, dict) else data
         fits = {}
         for tier, name in (("remote", "remote"), ("disk", "disk"), ("h2d", "h2d")):
-            points = [(r["bytes"], r["seconds"]) for r in rows
-                      if isinstance(r, dict) and r.get("tier") == name and "bytes" in r and "seconds" in r]
+            points = [(r["bytes"], r["seconds"]) for r in rows if _is_timing(r, name)]
             if len(points) >= 2:
                 fits[tier] = _fit_line(points)
         if not fits:
@@ -90,6 +89,11 @@ class LoadCosts:
                for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))},
             "source": self.source,
         }
+
+
+def _is_timing(row, tier: str) -> bool:
+    """A benchmark row that times one load of `tier`: {tier, bytes, seconds}."""
+    return isinstance(row, dict) and row.get("tier") == tier and {"bytes", "seconds"} <= row.keys()
 
 
 def _fit_line(points: list[tuple[float, float]]) -> TierCost:
@@ -589,7 +593,9 @@ class Simulation:
         requests, events = self.requests, self._events
         while self._next < len(requests) or events:
             i = self._next
-            if i < len(requests) and (not events or requests[i].req.time <= events[0][0]):
+            next_arrival = requests[i].req.time if i < len(requests) else math.inf
+            next_event = events[0][0] if events else math.inf
+            if next_arrival <= next_event and i < len(requests):  # an arrival first, on a tie too
                 seq = requests[i]
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)
