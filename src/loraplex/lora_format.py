@@ -364,7 +364,8 @@ def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
     """
     if not spec.base_model_name or _model_stem(spec.base_model_name) == _model_stem(base_name):
         return None
-    return f"the adapter was trained on {spec.base_model_name!r}, not on the base model {base_name!r}"
+    return (f"the adapter was trained on {spec.base_model_name!r}, "
+            f"not on the base model {base_name!r}")
 
 
 def _model_stem(name: str) -> str:

@@ -196,7 +196,7 @@ def test_rebuild_gives_identical_bytes(tmp_path):
 
 
 def test_a_build_whose_output_is_not_a_terminal_prints_one_line_per_stage():
-    """Piped or logged, a progress bar shows nothing until the end: each stage prints a line instead."""
+    """Piped or logged, a progress bar shows nothing until the end: a line per stage instead."""
     import io
 
     from loraplex.demo.build import StageResult
@@ -211,9 +211,10 @@ def test_a_build_whose_output_is_not_a_terminal_prints_one_line_per_stage():
             on_result(StageResult(name, 1.0, 10.0 + i))
             after.append(len(out.getvalue().splitlines()))
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith(f"building the demo world: the base model and {len(plan.adapters)} adapters")
+    first = f"building the demo world: the base model and {len(plan.adapters)} adapters"
+    assert lines[0].startswith(first)
     assert after == list(range(2, len(stages) + 2))  # each line printed as its stage ends
-    assert lines[1] == f"[1/{len(stages)}] base (copy): {plan.base_steps} steps, exact match 100.0%, 10 s"
+    n = len(stages)
+    assert lines[1] == f"[1/{n}] base (copy): {plan.base_steps} steps, exact match 100.0%, 10 s"
     last = plan.adapters[-1]
-    assert lines[-1] == (f"[{len(stages)}/{len(stages)}] {last.name}: {last.steps} steps, exact match 100.0%, "
-                         f"{9 + len(stages):.0f} s")
+    assert lines[-1] == f"[{n}/{n}] {last.name}: {last.steps} steps, exact match 100.0%, {9 + n} s"

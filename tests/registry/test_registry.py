@@ -350,9 +350,10 @@ def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_regist
     assert again.pieces(record.digest) == pieces
     other = again.add_revision(adapter_v2, "chat")
     assert again.pieces(other.digest) == digest_and_pieces(adapter_v2)[1]
-    # The sha256 list stays in artifact_pieces, in the format versions without BLAKE3 pieces read (they
-    # refuse another hash): servers of both can share the registry. A database with only that list (made
-    # by such a version) is checked by it, and gets the BLAKE3 list when the bytes are added again.
+    # The sha256 list stays in artifact_pieces, in the format versions without BLAKE3 pieces read
+    # (they refuse another hash): servers of both can share the registry. A database with only that
+    # list (made by such a version) is checked by it, and gets the BLAKE3 list when the bytes are
+    # added again.
     with again.engine.begin() as conn:
         sha_list = conn.execute(text("SELECT pieces FROM artifact_pieces WHERE digest = :d"),
                                 {"d": record.digest}).scalar_one()

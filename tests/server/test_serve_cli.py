@@ -102,9 +102,9 @@ def test_bad_lora_module_stops_serve_with_exit_code_2_and_one_line(llama_dir, ll
             proc.wait()
 
 
-def test_other_base_model_name_warns_at_start_and_refuses_only_when_strict(llama_dir, llama_adapters,
-                                                                          tmp_path):
-    """Trained on a hub id, served from a directory of another name: the shapes fit, so it serves."""
+def test_other_base_model_name_warns_at_start_and_refuses_only_when_strict(
+        llama_dir, llama_adapters, tmp_path):
+    """Trained on a hub id, served from a directory named otherwise: the shapes fit: it serves."""
     hub_named = tmp_path / "hub-named"
     shutil.copytree(llama_adapters["attn-r8"], hub_named)
     config = json.loads((hub_named / "adapter_config.json").read_text())
@@ -127,8 +127,9 @@ def test_other_base_model_name_warns_at_start_and_refuses_only_when_strict(llama
     try:
         url = _address(proc)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        assert client.completions.create(model="hub", prompt="hi", max_tokens=2,
-                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+        done = client.completions.create(model="hub", prompt="hi", max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 2
         warnings = [line for line in (tmp_path / "stderr.log").read_text().splitlines()
                     if "trained on 'meta-llama/Llama-3.1-8B-Instruct'" in line]
         assert len(warnings) == 1 and "--strict-base-model-name" in warnings[0]

@@ -23,8 +23,8 @@ class Proc:
         self.args, self.log_path = args, log
         self.log = log.open("w")
         command = [sys.executable, "-m", "loraplex.cli", *args]
-        self.p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         address: Future[str | None] = Future()
         self._copier = threading.Thread(target=self._copy_output,
                                         args=(re.compile(pattern), address), daemon=True)

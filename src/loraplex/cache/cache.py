@@ -250,8 +250,8 @@ class AdapterCache:
         self._wanted[key] = now
 
     def record_wait(self, key: AdapterKey, now: float) -> None:
-        """What a failed acquire records: the access and the wait (for a caller that skips an acquire
-        that can only fail)."""
+        """What a failed acquire records: the access and the wait (for a caller that skips an
+        acquire that can only fail)."""
         self.entries[key].last_access = now
         self.mark_wanted(key, now)
 

@@ -60,8 +60,8 @@ class StageResult:
 
 def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Report | None,
               on_result: Callable[[StageResult], None] | None = None) -> list[StageResult]:
-    """Train and save the base and every adapter; the results come back in training order ("copy" first),
-    each also to `on_result` as its stage ends."""
+    """Train and save the base and every adapter; the results come back in training order ("copy"
+    first), each also to `on_result` as its stage ends."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")

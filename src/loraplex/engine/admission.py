@@ -25,7 +25,8 @@ class Take(enum.Enum):
     BLOCKED = "blocked"
     """Nothing this step can change: the adapter is loading (or every slot is held)."""
     REFUSED = "refused"
-    """Not now: no slot could be freed, or the step's LoRA bytes are spent; a later step may differ."""
+    """Not now: no slot could be freed, or the step's LoRA bytes are spent; a later step may
+    differ."""
 
 
 @dataclass

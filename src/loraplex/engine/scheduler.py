@@ -97,7 +97,7 @@ class Scheduler:
         return True
 
     def _over_lora_budget(self, key, lora_bytes: int) -> bool:
-        """A new adapter would take the step's LoRA bytes past the limit (the first one always fits)."""
+        """A new adapter would take the step's LoRA bytes past the limit (the first always fits)."""
         limit = self.config.max_lora_bytes_per_step
         if limit is None or not lora_bytes:
             return False

@@ -143,7 +143,8 @@ def add(
     signing_key: Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")] = None,
     digest: Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")] = None,
     strict_base_model_name: Annotated[bool, typer.Option(
-        help="Refuse an adapter whose config names another base model (default: a warning)")] = False,
+        help="Refuse an adapter whose config names another base model (default: a warning)",
+    )] = False,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""

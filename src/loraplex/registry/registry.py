@@ -96,8 +96,8 @@ class Registry:
 
         `allowed`: when set, `add_revision` only reads adapter directories under its roots.
         `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are refused.
-        `strict_base_model_name`: refuse an adapter whose config names another base model (by default a
-        warning: its shapes are checked against the base model either way).
+        `strict_base_model_name`: refuse an adapter whose config names another base model (by
+        default a warning: its shapes are checked against the base model either way).
         """
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -769,13 +769,14 @@ def _check_names(name: str, revision: str | None, warm_policy: str | None, statu
 
 
 def _nothing_in_service(name: str, records) -> str:
-    """Why a name serves nothing: its revisions are staged (with how to promote one), or all retired."""
+    """Why a name serves nothing: its revisions are staged (how to promote one), or retired."""
     staged = [r.revision for r in records if r.status == "staging"]
     if not staged:
         return f"{name} has no revision in service (all deprecated or quarantined)"
     which = f"{staged[-1]} is" if len(staged) == 1 else f"{', '.join(staged)} are"
     return (f"{name} has no revision in service: {which} staged, not promoted; promote one with "
-            f"`loraplex registry promote {name} {staged[-1]}` (or POST /admin/adapters/{name}/promote)")
+            f"`loraplex registry promote {name} {staged[-1]}` "
+            f"(or POST /admin/adapters/{name}/promote)")
 
 
 def _base_dir_named_by(src: Path) -> Path | None:

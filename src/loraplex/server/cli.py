@@ -44,7 +44,8 @@ def serve(
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
     strict_base_model_name: Annotated[bool, typer.Option(
-        help="Refuse an adapter whose config names another base model (default: a warning)")] = False,
+        help="Refuse an adapter whose config names another base model (default: a warning)",
+    )] = False,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""

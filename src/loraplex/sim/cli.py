@@ -84,8 +84,8 @@ def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], s
 def compact_table(runs: list[dict]) -> Table:
     """The figures a reader decides on: hit rates, miss cost and its gap to the optimum, hot p99.
 
-    The sweep's axes (workload, gpu slots, cpu) are columns only where they vary; the title holds the
-    others, so that the table fits a terminal of 80 columns.
+    The sweep's axes (workload, gpu slots, cpu) are columns only where they vary; the title holds
+    the others, so that the table fits a terminal of 80 columns.
     """
     axes = {"workload": lambda r: Path(r["workload"]).name, "slots": lambda r: str(r["gpu_slots"]),
             "cpu": lambda r: _size_label(r["cpu_bytes"])}
@@ -93,8 +93,8 @@ def compact_table(runs: list[dict]) -> Table:
     fixed = [f"{a} {axes[a](runs[0])}" for a in axes if a not in varying]
     table = Table(title=", ".join(["simulation", *fixed]),
                   caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
-                          "miss s: seconds of loads and copies; hot p99: TTFT of the hot adapters, ms; "
-                          "--wide: every column")
+                          "miss s: seconds of loads and copies; "
+                          "hot p99: TTFT of the hot adapters, ms; --wide: every column")
     for col in (*varying, "policy", "gpu hit", "cpu hit", "cold", "miss s", "gap", "hot p99"):
         justify = "left" if col in ("workload", "policy") else "right"
         table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
@@ -206,7 +206,8 @@ def simulate(
     workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
     json_out: Path | None = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
-    wide: bool = typer.Option(False, "--wide", help="Every column (about 200 wide) and the per-tenant table."),
+    wide: bool = typer.Option(False, "--wide",
+                              help="Every column (about 200 wide) and the per-tenant table."),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()

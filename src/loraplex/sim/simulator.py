@@ -518,7 +518,8 @@ class Worker:
         cache = self.cache
         return WorkerView(
             self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
-            recent_evictions=cache.num_recent_evictions(self.sim.now), free_slots=cache.free_slots(),
+            recent_evictions=cache.num_recent_evictions(self.sim.now),
+            free_slots=cache.free_slots(),
             gpu=frozenset(map(_label, cache.resident("gpu"))),
             cpu=frozenset(map(_label, cache.resident("cpu"))),
             loading=frozenset(map(_label, cache.loading_keys())),
