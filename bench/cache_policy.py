@@ -101,7 +101,7 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
                 record["error"] = str(out.error)
         if not engine.scheduler.running:
             # Nothing to compute: wait for an arrival or a load, as the server's step loop does (AsyncEngine). A
-            # loop that steps again at once holds the GIL the load threads need (a 2 MB load took 3-4 s that way).
+            # loop that steps again at once holds the GIL the load threads need (a 2 MB load takes 3-4 s so).
             wait = 0.001 if engine.adapters.loading or not pending else 0.002
             if pending:
                 wait = min(wait, max(0.0, pending[0][0] - (time.perf_counter() - start)))
