@@ -152,8 +152,8 @@ def test_add_of_an_adapter_naming_another_base_model_warns_unless_strict(cli, ad
     config = json.loads((hub_named / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B-Instruct"
     (hub_named / "adapter_config.json").write_text(json.dumps(config))
-    command = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", str(tmp_path / "data"), "add",
-               str(hub_named), "--name", "chat", "--base-model", str(llama_dir)]
+    command = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", str(tmp_path / "data"),
+               "add", str(hub_named), "--name", "chat", "--base-model", str(llama_dir)]
     strict = subprocess.run([*command, "--strict-base-model-name"], capture_output=True, text=True,
                             timeout=120)
     assert strict.returncode == 1 and len(strict.stderr.strip().splitlines()) == 1, strict.stderr
