@@ -101,7 +101,7 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
                 record["error"] = str(out.error)
         if not engine.scheduler.running:
             # Nothing to compute: wait for an arrival or a load, as the server's step loop does (AsyncEngine). A
-            # loop that steps again at once holds the GIL the load threads need (a 2 MB load took 3-4 s that way).
+            # loop that steps again at once holds the GIL the load threads need (a 2 MB load takes 3-4 s so).
             wait = 0.001 if engine.adapters.loading or not pending else 0.002
             if pending:
                 wait = min(wait, max(0.0, pending[0][0] - (time.perf_counter() - start)))
@@ -121,8 +121,11 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
     hot = [r for r in records if r["group"] == "hot"]
     shifted = [r for r in records if r["group"] == "shifted"]
 
+    def during_burst(r) -> bool:
+        return window is not None and window[0] <= r["arrival"] <= window[1]
+
     def in_window(recs):
-        return [r["ttft"] for r in recs if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]]
+        return [r["ttft"] for r in recs if r["group"] == "hot" and during_burst(r)]
 
     return {
         "requests": len(records),
@@ -145,7 +148,7 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         "slowest_hot_in_burst": sorted(
             ({"arrival_s": round(r["arrival"], 3), "adapter": r["adapter"], "tier": r["tier"],
               "ttft_ms": round(r["ttft"] * 1000, 1)} for r in records
-             if r["group"] == "hot" and window and window[0] <= r["arrival"] <= window[1]),
+             if r["group"] == "hot" and during_burst(r)),
             key=lambda r: -r["ttft_ms"])[:5],
     }
 

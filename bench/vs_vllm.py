@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     goals = {}
     for server in ratios:
         seed = [results[s]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms") for s in ("vllm", server)]
-        goals[server] = {  # from the measured values (the inverse of the rounded ratio was off by up to 1%)
+        goals[server] = {  # from the measured values (the inverse of a rounded ratio is off by up to 1%)
             "seed_hot_p99_vllm_over_ours": round(seed[0] / seed[1], 2) if all(seed) else None,
             "throughput_ours_over_vllm": {w: r.get("throughput_req_s") for w, r in ratios[server].items()},
         }

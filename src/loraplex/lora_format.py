@@ -356,19 +356,16 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
     )
 
 
-def check_base_model(spec: AdapterSpec, base_name: str) -> None:
-    """Refuse an adapter whose config names another base model than `base_name`.
+def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
+    """Why the adapter's config names another base model than `base_name`; None when it does not.
 
     Names compare by their last path component, case-insensitively, so that a hub id `org/Model` and a
-    local directory `/models/Model` match. An adapter that names no base model is accepted.
+    local directory `/models/Model` match. An adapter that names no base model names no other one.
     """
-    if not spec.base_model_name:
-        return
-    if _model_stem(spec.base_model_name) != _model_stem(base_name):
-        raise AdapterRejected(
-            "base_model_name_or_path",
-            f"the adapter was trained on {spec.base_model_name!r}, not on the base model {base_name!r}",
-        )
+    if not spec.base_model_name or _model_stem(spec.base_model_name) == _model_stem(base_name):
+        return None
+    return (f"the adapter was trained on {spec.base_model_name!r}, "
+            f"not on the base model {base_name!r}")
 
 
 def _model_stem(name: str) -> str:

@@ -193,3 +193,28 @@ def test_rebuild_gives_identical_bytes(tmp_path):
                       adapter_dir / "adapter_config.json"])
     for first, second in zip(*files):
         assert first.read_bytes() == second.read_bytes(), f"{first.name} differs between two builds"
+
+
+def test_a_build_whose_output_is_not_a_terminal_prints_one_line_per_stage():
+    """Piped or logged, a progress bar shows nothing until the end: a line per stage instead."""
+    import io
+
+    from loraplex.demo.build import StageResult
+    from loraplex.demo.world import _progress_reporter, build_plan
+
+    plan, out = build_plan(), io.StringIO()
+    stages = ["copy", *(r.name for r in plan.adapters)]
+    with _progress_reporter(plan, True, out) as (report, on_result):
+        assert report is None
+        after = []
+        for i, name in enumerate(stages):
+            on_result(StageResult(name, 1.0, 10.0 + i))
+            after.append(len(out.getvalue().splitlines()))
+    lines = out.getvalue().splitlines()
+    first = f"building the demo world: the base model and {len(plan.adapters)} adapters"
+    assert lines[0].startswith(first)
+    assert after == list(range(2, len(stages) + 2))  # each line printed as its stage ends
+    n = len(stages)
+    assert lines[1] == f"[1/{n}] base (copy): {plan.base_steps} steps, exact match 100.0%, 10 s"
+    last = plan.adapters[-1]
+    assert lines[-1] == f"[{n}/{n}] {last.name}: {last.steps} steps, exact match 100.0%, {9 + n} s"

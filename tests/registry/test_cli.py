@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -142,3 +143,23 @@ def test_a_file_that_is_not_a_registry_is_one_line_too(tmp_path):
     assert result.exit_code == 1
     assert result.stderr.startswith("error: the registry database: file is not a database")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_add_of_an_adapter_naming_another_base_model_warns_unless_strict(cli, adapter_v1, llama_dir,
+                                                                          tmp_path):
+    hub_named = tmp_path / "hub-named"
+    shutil.copytree(adapter_v1, hub_named)
+    config = json.loads((hub_named / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B-Instruct"
+    (hub_named / "adapter_config.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", str(tmp_path / "data"),
+               "add", str(hub_named), "--name", "chat", "--base-model", str(llama_dir)]
+    strict = subprocess.run([*command, "--strict-base-model-name"], capture_output=True, text=True,
+                            timeout=120)
+    assert strict.returncode == 1 and len(strict.stderr.strip().splitlines()) == 1, strict.stderr
+    assert strict.stderr.startswith("error: base_model_name_or_path: the adapter was trained on "
+                                    "'meta-llama/Llama-3.1-8B-Instruct'")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "added chat@r1" in done.stdout, done.stderr
+    assert "trained on 'meta-llama/Llama-3.1-8B-Instruct'" in done.stderr
+    assert "--strict-base-model-name" in done.stderr

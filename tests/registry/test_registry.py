@@ -350,9 +350,10 @@ def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_regist
     assert again.pieces(record.digest) == pieces
     other = again.add_revision(adapter_v2, "chat")
     assert again.pieces(other.digest) == digest_and_pieces(adapter_v2)[1]
-    # The sha256 list stays in artifact_pieces, in the format session-7 versions read (they refuse another hash):
-    # servers of both versions can share the registry. A database with only that list (made by session 7) is
-    # checked by it, and gets the BLAKE3 list when the bytes are added again.
+    # The sha256 list stays in artifact_pieces, in the format versions without BLAKE3 pieces read
+    # (they refuse another hash): servers of both can share the registry. A database with only that
+    # list (made by such a version) is checked by it, and gets the BLAKE3 list when the bytes are
+    # added again.
     with again.engine.begin() as conn:
         sha_list = conn.execute(text("SELECT pieces FROM artifact_pieces WHERE digest = :d"),
                                 {"d": record.digest}).scalar_one()
@@ -498,3 +499,17 @@ def test_a_registration_whose_artifact_a_gc_removed_puts_it_back(registry, adapt
     finally:
         store.put = put
     assert store.has(record.digest) and registry.store.get(record.digest)
+
+
+def test_a_name_with_only_staged_revisions_says_how_to_promote(registry, adapter_v1, adapter_v2):
+    registry.add_revision(adapter_v1, "chat")
+    with pytest.raises(RevisionUnavailable) as info:
+        registry.resolve("default", "chat")
+    assert str(info.value) == (
+        "chat has no revision in service: r1 is staged, not promoted; promote one with "
+        "`loraplex registry promote chat r1` (or POST /admin/adapters/chat/promote)")
+    registry.add_revision(adapter_v2, "chat")
+    with pytest.raises(RevisionUnavailable, match="r1, r2 are staged.* promote chat r2`"):
+        registry.resolve("default", "chat")
+    registry.promote("chat", "r2", 100)
+    assert registry.resolve("default", "chat").revision == "r2"

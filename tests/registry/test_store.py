@@ -100,7 +100,8 @@ def test_flipped_byte_is_refused_by_get(tmp_path):
 
 def check_by(src: Path, by_pieces: bool | str) -> dict:
     """read_artifact's keywords for the check: none (one sha256), the piece list taken now, as at registration
-    (BLAKE3), or with "sha256" the same pieces hashed by sha256, as lists recorded by session-7 versions are."""
+    (BLAKE3), or with "sha256" the same pieces hashed by sha256, as lists recorded
+    by versions without BLAKE3 pieces are."""
     if not by_pieces:
         return {}
     pieces = digest_and_pieces(src)[1]
@@ -143,7 +144,7 @@ def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     assert pieces.algorithm == "blake3"
     assert Pieces.from_json(pieces.to_json()) == pieces
     listed = json.loads(pieces.to_json())
-    # A list recorded by a session-7 version: sha256 pieces, no "algorithm" field.
+    # A list recorded by a version without BLAKE3 pieces: sha256 pieces, no "algorithm" field.
     old = sha256_pieces(src, pieces)
     unnamed = json.loads(old.to_json())
     del unnamed["algorithm"]

@@ -115,10 +115,24 @@ def test_disallowed_dtype_is_refused(sqlite_registry, adapter_v1, tmp_path):
     assert_refused(sqlite_registry, src, "dtype", "has dtype F64; allowed: F32, BF16, F16")
 
 
-def test_wrong_base_model_is_refused(sqlite_registry, adapter_factory, other_base_dir, llama_dir):
+def test_other_base_model_name_is_refused_when_strict(sqlite_registry, adapter_factory,
+                                                      other_base_dir, llama_dir):
     src = adapter_factory("other-base", base=other_base_dir)
+    sqlite_registry.strict_base_model_name = True
     assert_refused(sqlite_registry, src, "base_model_name_or_path",
                    f"trained on '{other_base_dir}', not on the base model '{llama_dir.name}'")
+
+
+def test_other_base_model_name_with_fitting_shapes_is_a_warning(sqlite_registry, adapter_v1,
+                                                                llama_dir, tmp_path, caplog):
+    hub_id = "meta-llama/Llama-3.1-8B-Instruct"
+    src = rewrite_config(adapter_v1, tmp_path / "hub-named", base_model_name_or_path=hub_id)
+    with caplog.at_level("WARNING", logger="loraplex.registry"):
+        record = sqlite_registry.add_revision(src, "chat", base_model_dir=llama_dir)
+    assert record.base_model == llama_dir.name and record.status == "staging"
+    (warning,) = [r for r in caplog.records if r.name == "loraplex.registry"]
+    assert f"trained on '{hub_id}'" in warning.getMessage()
+    assert "--strict-base-model-name" in warning.getMessage()
 
 
 def test_digest_mismatch_is_refused(sqlite_registry, adapter_v1):

@@ -7,7 +7,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from harness import MODEL
+from harness import KEYS, MODEL
 
 NO_EOS = {"ignore_eos": True}  # vLLM extras go in extra_body with the official client
 
@@ -279,3 +279,26 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it(running):
     response = httpx.post(f"{running.url}/v1/completions", headers=_auth(),
                           json={"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 1})
     assert response.status_code == 400 and response.json()["error"]["code"] == "prompt_too_long"
+
+
+def test_openapi_and_docs_publish_the_request_models_as_bodies(running):
+    spec = httpx.get(f"{running.url}/openapi.json")
+    assert spec.status_code == 200
+    paths = spec.json()["paths"]
+    wanted = {"/v1/completions": {"model", "prompt", "max_tokens", "stream", "ignore_eos"},
+              "/v1/chat/completions": {"model", "messages", "max_tokens", "stream"}}
+    for path, fields in wanted.items():
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert fields <= set(body["properties"]) and "model" in body["required"]
+        assert "$ref" not in json.dumps(body)  # self-contained: nested models inlined
+    message = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert "role" in message["schema"]["properties"]["messages"]["items"]["properties"]
+    assert "/v1/models" in paths
+    docs = httpx.get(f"{running.url}/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+    assert "swagger" in docs.text.lower()
+    # The documented body is documentation only: a bad body still gets the OpenAI error shape
+    refused = httpx.post(f"{running.url}/v1/completions",
+                         json={"model": MODEL, "prompt": "x", "n": "many"},
+                         headers={"Authorization": f"Bearer {KEYS['alice']}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"

@@ -100,3 +100,39 @@ def test_bad_lora_module_stops_serve_with_exit_code_2_and_one_line(llama_dir, ll
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_other_base_model_name_warns_at_start_and_refuses_only_when_strict(
+        llama_dir, llama_adapters, tmp_path):
+    """Trained on a hub id, served from a directory named otherwise: the shapes fit: it serves."""
+    hub_named = tmp_path / "hub-named"
+    shutil.copytree(llama_adapters["attn-r8"], hub_named)
+    config = json.loads((hub_named / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B-Instruct"
+    (hub_named / "adapter_config.json").write_text(json.dumps(config))
+    args = ["--model", llama_dir, "--port", "0", "--dtype", "float32", "--device", "cpu",
+            "--max-lora-rank", "16", "--lora-modules", f"hub={hub_named}"]
+    proc = _serve([*args, "--data-dir", tmp_path / "strict", "--strict-base-model-name"], tmp_path)
+    try:
+        assert proc.wait(180) == 2
+        lines = (tmp_path / "stderr.log").read_text().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("error: --lora-modules hub:")
+        assert "trained on 'meta-llama/Llama-3.1-8B-Instruct'" in lines[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    proc = _serve([*args, "--data-dir", tmp_path / "lenient"], tmp_path)
+    try:
+        url = _address(proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="hub", prompt="hi", max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 2
+        warnings = [line for line in (tmp_path / "stderr.log").read_text().splitlines()
+                    if "trained on 'meta-llama/Llama-3.1-8B-Instruct'" in line]
+        assert len(warnings) == 1 and "--strict-base-model-name" in warnings[0]
+    finally:
+        proc.terminate()
+        proc.wait(60)

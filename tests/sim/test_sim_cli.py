@@ -157,3 +157,26 @@ def test_plan_refuses_bad_inputs_with_one_line(llama_dir, llama_adapters, tmp_pa
         assert result.exit_code == 2, (case, result.output)
         assert result.stderr.startswith("error: ") and message in result.stderr, case
         assert len(result.stderr.strip().splitlines()) == 1, case
+
+
+def test_simulate_default_table_fits_80_columns_and_wide_shows_the_rest(tmp_path):
+    trace = small_trace(tmp_path / "trace.jsonl")
+    args = ["simulate", "--workload", str(trace), "--policy", "lru,score", "--gpu-slots", "2"]
+    compact = runner.invoke(app, args, env={"COLUMNS": "80"})
+    assert compact.exit_code == 0, compact.output
+    lines = compact.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    header = next(line for line in lines if "policy" in line)
+    for col in ("policy", "gpu hit", "cpu hit", "cold", "miss s", "gap", "hot p99"):
+        assert col in header  # whole, not cut to "…"
+    assert "…" not in compact.output and "thrash" not in compact.output
+    assert "slots 2" in compact.output  # the fixed capacity in the title
+    rows = {line.split("│")[1].strip(): line for line in lines if line.count("│") > 5}
+    assert {"lru", "score", "optimal"} <= set(rows)
+    swept = runner.invoke(app, ["simulate", "--workload", str(trace), "--gpu-slots", "1,2"],
+                          env={"COLUMNS": "80"})
+    assert swept.exit_code == 0 and "…" not in swept.output
+    assert max(map(len, swept.output.splitlines())) <= 80
+    wide = runner.invoke(app, [*args, "--wide"], env={"COLUMNS": "250"})
+    assert wide.exit_code == 0, wide.output
+    assert "thrash" in wide.output and "TPOT p99" in wide.output and "per tenant" in wide.output

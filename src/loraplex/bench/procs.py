@@ -7,7 +7,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -16,22 +17,41 @@ ADMIN_TOKEN = "e2e-admin-token-0123456789"
 
 
 class Proc:
+    """A `loraplex` command, its output copied to `log`; ready once a line matches `pattern`."""
+
     def __init__(self, args: list[str], log: Path, pattern: str = r"on (http://[0-9.:]+)"):
         self.args, self.log_path = args, log
         self.log = log.open("w")
-        self.p = subprocess.Popen([sys.executable, "-m", "loraplex.cli", *args], stdout=self.log,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            match = re.search(pattern, log.read_text())
-            if match:
-                self.url = match[1]
-                return
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited {self.p.returncode}:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{args[0]} did not start:\n{log.read_text()[-3000:]}")
+        command = [sys.executable, "-m", "loraplex.cli", *args]
+        self.p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        address: Future[str | None] = Future()
+        self._copier = threading.Thread(target=self._copy_output,
+                                        args=(re.compile(pattern), address), daemon=True)
+        self._copier.start()
+        try:
+            url = address.result(timeout=180)
+        except TimeoutError:
+            url = None
+        if url is None:
+            exited = self.p.poll()
+            self.stop()
+            what = "did not start" if exited is None else f"exited {exited}"
+            raise RuntimeError(f"{args[0]} {what}:\n{log.read_text()[-3000:]}")
+        self.url = url
+
+    def _copy_output(self, pattern: re.Pattern, address: Future) -> None:
+        """Copy every output line to the log, and the first match of `pattern` to `address` (None
+        when the output ends first: the process exited)."""
+        for line in self.p.stdout:
+            if not self.log.closed:  # a child that outlives the stop may still hold the pipe
+                self.log.write(line)
+                self.log.flush()
+            match = pattern.search(line)
+            if match and not address.done():
+                address.set_result(match[1])
+        if not address.done():
+            address.set_result(None)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 20) -> int | None:
         if self.p.poll() is None:
@@ -41,6 +61,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
+        self._copier.join(10)  # the rest of the output, up to the end of the pipe
         self.log.close()
         return self.p.returncode
 

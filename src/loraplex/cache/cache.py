@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
@@ -140,13 +141,6 @@ class AdapterCache:
         entry = self.entries.get(key)
         return entry.pinned if entry is not None else None
 
-    def is_loading(self, key: AdapterKey) -> bool:
-        return key in self.loading
-
-    def in_host(self, key: AdapterKey) -> bool:
-        """Whether host memory holds the adapter's copy."""
-        return key in self.cpu
-
     def nbytes_of(self, key: AdapterKey) -> int:
         entry = self.entries.get(key)
         return entry.nbytes if entry else 0
@@ -195,6 +189,27 @@ class AdapterCache:
         with self._lock:
             return [k for k in self.slots if k is not None] if tier == "gpu" else list(self.cpu)
 
+    def in_slot(self, key: AdapterKey) -> bool:
+        return key in self.slots
+
+    def in_host_memory(self, key: AdapterKey) -> bool:
+        return key in self.cpu
+
+    def is_loading(self, key: AdapterKey) -> bool:
+        return key in self.loading
+
+    def num_loading(self) -> int:
+        return len(self.loading)
+
+    def loading_keys(self) -> list[AdapterKey]:
+        with self._lock:
+            return list(self.loading)
+
+    def num_recent_evictions(self, now: float) -> int:
+        """Evictions in the last THRASH_WINDOW_S seconds before `now`."""
+        times = self.recent_evictions  # oldest first
+        return len(times) - bisect.bisect_left(times, True, key=lambda t: now - t < THRASH_WINDOW_S)
+
     # -- the step loop's calls -------------------------------------------------------------------
     def acquire(self, ref: AdapterRef) -> int | None:
         """The slot holding the adapter, with a reference taken; None while it loads or no slot can free."""
@@ -238,6 +253,12 @@ class AdapterCache:
             self._waiting_since[key] = now  # a new wait (an older one went away)
             self._copies_version += 1
         self._wanted[key] = now
+
+    def record_wait(self, key: AdapterKey, now: float) -> None:
+        """What a failed acquire records: the access and the wait (for a caller that skips an
+        acquire that can only fail)."""
+        self.entries[key].last_access = now
+        self.mark_wanted(key, now)
 
     def touch_waiting(self, keys, at: float) -> None:
         """Requests that waited for `keys` asked for them last at `at` (a simulator's steps that it skipped)."""

@@ -58,8 +58,10 @@ class StageResult:
     seconds: float
 
 
-def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Report | None) -> list[StageResult]:
-    """Train and save the base and every adapter; the results come back in training order ("copy" first)."""
+def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Report | None,
+              on_result: Callable[[StageResult], None] | None = None) -> list[StageResult]:
+    """Train and save the base and every adapter; the results come back in training order ("copy"
+    first), each also to `on_result` as its stage ends."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -78,12 +80,16 @@ def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Repo
                     report(*payload)
                 elif kind == "result":
                     results.append(StageResult(*payload))
+                    if on_result:
+                        on_result(results[-1])
             if procs.join(timeout=0.2):  # raises, naming the rank and its traceback, if a rank failed
                 break
     while not messages.empty():
         kind, *payload = messages.get()
         if kind == "result":
             results.append(StageResult(*payload))
+            if on_result:
+                on_result(results[-1])
     return results
 
 

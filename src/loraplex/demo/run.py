@@ -82,18 +82,37 @@ def setup_registry(world, data_dir: Path, plan: Plan) -> tuple[Registry, dict[st
     return registry, keys
 
 
+class _Server(uvicorn.Server):
+    """A uvicorn server that sets `up` once it listens, or once it gives up starting."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.up = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.up.set()
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets=sockets)
+        finally:
+            self.up.set()  # also when the app's startup failed before listening
+
+
 @contextlib.contextmanager
 def serving(app):
     """The app on a free loopback port in a thread; yields the base URL and stops it at the end."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the demo server did not start")
-        time.sleep(0.02)
+    server.up.wait()
+    if not server.started:
+        raise RuntimeError("the demo server did not start")
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
@@ -238,6 +257,5 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
             if serve:
                 console.print(f"serving on {url} until Ctrl-C (admin token {token})")
                 with contextlib.suppress(KeyboardInterrupt):
-                    while True:
-                        time.sleep(1)
+                    threading.Event().wait()  # until Ctrl-C
         return 0 if correct == checked else 1

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TextIO
 
 from loraplex.demo.build import NUM_RANKS, AdapterRecipe, BuildPlan, StageResult
 from loraplex.demo.tokenizer import make_prompt
@@ -148,8 +148,8 @@ def _build(root: Path, progress: bool) -> World:
     model_dir.mkdir()
     adapters_dir.mkdir()
     start, cpu_start = time.monotonic(), _children_cpu_seconds()
-    with _progress_reporter(plan, progress) as report:
-        results = run_build(plan, model_dir, adapters_dir, report)
+    with _progress_reporter(plan, progress) as (report, on_result):
+        results = run_build(plan, model_dir, adapters_dir, report, on_result)
     seconds, cpu_seconds = time.monotonic() - start, _children_cpu_seconds() - cpu_start
     write_tokenizer_files(model_dir)
     table = _format_table(plan, results, seconds, cpu_seconds)
@@ -226,9 +226,15 @@ def _format_table(plan: BuildPlan, results: list[StageResult], seconds: float, c
 
 
 @contextlib.contextmanager
-def _progress_reporter(plan: BuildPlan, enabled: bool):
+def _progress_reporter(plan: BuildPlan, enabled: bool, out: TextIO | None = None):
+    """(steps report, stage-end report): a bar per stage on a terminal; elsewhere (piped, in a log),
+    where a bar shows nothing until the end, one line per stage as it ends."""
+    out = out or sys.stdout
     if not enabled:
-        yield None
+        yield None, None
+        return
+    if not out.isatty():
+        yield None, _stage_lines(plan, out)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -236,7 +242,22 @@ def _progress_reporter(plan: BuildPlan, enabled: bool):
     with Progress(*columns, transient=False) as bar:
         tasks = {"copy": bar.add_task("base (copy)", total=plan.base_steps)}
         tasks |= {r.name: bar.add_task(r.name, total=r.steps) for r in plan.adapters}
-        yield lambda stage, steps: bar.advance(tasks[stage], steps)
+        yield (lambda stage, steps: bar.advance(tasks[stage], steps)), None
+
+
+def _stage_lines(plan: BuildPlan, out: TextIO):
+    steps = {"copy": plan.base_steps} | {r.name: r.steps for r in plan.adapters}
+    done = []
+    print(f"building the demo world: the base model and {len(plan.adapters)} adapters "
+          f"({sum(steps.values())} training steps, a few minutes)", file=out, flush=True)
+
+    def on_result(result: StageResult) -> None:
+        done.append(result.name)
+        label = "base (copy)" if result.name == "copy" else result.name
+        print(f"[{len(done)}/{len(steps)}] {label}: {steps[result.name]} steps, exact match "
+              f"{result.accuracy:.1%}, {result.seconds:.0f} s", file=out, flush=True)
+
+    return on_result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from loraplex.cache.cache import AdapterCache
 from loraplex.config import EngineConfig
+from loraplex.engine.admission import Take, admit_waiting
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.sequence import Sequence, Status
 
@@ -61,18 +62,19 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch) -> None:
         budget = self.config.max_num_batched_tokens - len(batch.decodes)
         lora_bytes = self._lora_bytes(self.running)
-        loading = set()  # adapters a waiting request found loading in this step: their other requests wait too
-        for seq in list(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs or len(seq) > budget:
-                break
-            if not self.blocks.can_allocate(seq):
-                break  # first come, first served for memory: later requests do not overtake
-            if seq.adapter is not None and seq.adapter.key in loading:
-                continue  # its acquire could only fail (a load ends between steps, when the cache polls)
-            if seq.adapter is not None and not self.take_adapter(seq, lora_bytes):
-                if seq.adapter.key in self.adapters.loading:
-                    loading.add(seq.adapter.key)
-                continue  # its adapter is loading or over the step's LoRA budget: others go ahead
+
+        def has_room(seq: Sequence) -> bool:
+            # First come, first served for memory too: later requests do not overtake.
+            return (len(self.running) < self.config.max_num_seqs and len(seq) <= budget
+                    and self.blocks.can_allocate(seq))
+
+        def take(seq: Sequence) -> Take:
+            if self.take_adapter(seq, lora_bytes):
+                return Take.TAKEN
+            return Take.BLOCKED if seq.adapter.key in self.adapters.loading else Take.REFUSED
+
+        def admit(seq: Sequence) -> None:
+            nonlocal budget, lora_bytes
             self._leave_queue(seq)
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
@@ -82,17 +84,25 @@ class Scheduler:
             budget -= len(seq)
             lora_bytes = self._lora_bytes(self.running)
 
+        admit_waiting(self.waiting, has_room=has_room, take_adapter=take, admit=admit,
+                      adapter_of=lambda seq: None if seq.adapter is None else seq.adapter.key)
+
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
-        key = seq.adapter.key
-        limit = self.config.max_lora_bytes_per_step
-        in_batch = any(s.adapter is not None and s.adapter.key == key for s in self.running)
-        if limit is not None and not in_batch and lora_bytes and lora_bytes + self.adapters.nbytes_of(key) > limit:
+        if self._over_lora_budget(seq.adapter.key, lora_bytes):
             return False
         slot = self.adapters.acquire(seq.adapter)
         if slot is None:
             return False
         seq.lora_slot, seq.holds_adapter = slot, True
         return True
+
+    def _over_lora_budget(self, key, lora_bytes: int) -> bool:
+        """A new adapter would take the step's LoRA bytes past the limit (the first always fits)."""
+        limit = self.config.max_lora_bytes_per_step
+        if limit is None or not lora_bytes:
+            return False
+        in_batch = any(s.adapter is not None and s.adapter.key == key for s in self.running)
+        return not in_batch and lora_bytes + self.adapters.nbytes_of(key) > limit
 
     def _lora_bytes(self, seqs: list[Sequence]) -> int:
         keys = {s.adapter.key for s in seqs if s.adapter is not None}

@@ -142,12 +142,17 @@ def add(
     signature: Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")] = None,
     signing_key: Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")] = None,
     digest: Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")] = None,
+    strict_base_model_name: Annotated[bool, typer.Option(
+        help="Refuse an adapter whose config names another base model (default: a warning)",
+    )] = False,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
     if signing_key is not None:
         signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
-    record = _open(ctx).add_revision(
+    registry = _open(ctx)
+    registry.strict_base_model_name = strict_base_model_name
+    record = registry.add_revision(
         directory, name, revision=revision, tenant=tenant, shared=True if shared else None,
         base_model_dir=base_model, warm_policy=warm, priority=priority, status="stable" if stable else "staging",
         eval_set=eval_set, signature=signature, digest=digest,

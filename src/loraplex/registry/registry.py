@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import random
 import re
 import secrets
@@ -21,7 +22,7 @@ from sqlalchemy import Row, bindparam, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from loraplex.lora_format import CONFIG_FILE, check_base_model, read_adapter
+from loraplex.lora_format import CONFIG_FILE, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import db
 from loraplex.registry import queries as q
@@ -61,6 +62,8 @@ PIN_TIERS = ("gpu", "cpu")
 KEY_PREFIX = "lpx-"
 MAX_CACHED_NAMES = 100_000
 
+log = logging.getLogger("loraplex.registry")
+
 
 def _hash_key(key: str) -> str:
     # Keys are 256-bit random strings, so a plain sha256 is enough (no password-style stretching needed).
@@ -87,11 +90,14 @@ class Registry:
         storage_base: str | None = None,
         grace_period_s: float = 600.0,
         actor: str = "loraplex",
+        strict_base_model_name: bool = False,
     ):
         """`storage_base`: URL under which the store's `<hex>` directories are served (else file:// URIs).
 
         `allowed`: when set, `add_revision` only reads adapter directories under its roots.
         `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are refused.
+        `strict_base_model_name`: refuse an adapter whose config names another base model (by
+        default a warning: its shapes are checked against the base model either way).
         """
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +108,7 @@ class Registry:
         self.store = store if store is not None else default_store_for(url)
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
         self.max_lora_rank = max_lora_rank
+        self.strict_base_model_name = strict_base_model_name
         self.trusted_keys = tuple(trusted_keys)
         self.allowed = allowed
         self.storage_base = storage_base.rstrip("/") if storage_base else None
@@ -253,7 +260,12 @@ class Registry:
             raise AdapterRejected("base_model", f"{base_dir}: {exc}") from None
         spec = read_adapter(src, model, self.max_lora_rank)
         base_name = base_model or base_dir.resolve().name
-        check_base_model(spec, base_name)
+        mismatch = base_model_mismatch(spec, base_name)
+        if mismatch and self.strict_base_model_name:
+            raise AdapterRejected("base_model_name_or_path", mismatch)
+        if mismatch:
+            log.warning("%s: %s; accepted, as its shapes fit (--strict-base-model-name refuses it)",
+                        src, mismatch)
         return spec, base_name, base_model_digest(base_dir)
 
     def _adapter_for_add(self, session, name, tenant, shared, task_type, warm_policy, priority) -> Adapter:
@@ -304,7 +316,7 @@ class Registry:
                 raise RevisionUnavailable(f"{model} is quarantined ({record.status_reason}); it is never served")
             return record
         if not snapshot.serving:
-            raise RevisionUnavailable(f"{name} has no revision in service (all deprecated or quarantined)")
+            raise RevisionUnavailable(_nothing_in_service(name, snapshot.records.values()))
         return snapshot.records[pick(name, snapshot.serving, user, self._rng)]
 
     def generation(self) -> int:
@@ -754,6 +766,17 @@ def _check_names(name: str, revision: str | None, warm_policy: str | None, statu
         raise AdapterRejected("warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}")
     if status not in ("staging", "stable"):
         raise AdapterRejected("status", f"a new revision starts as staging or stable, not {status!r}")
+
+
+def _nothing_in_service(name: str, records) -> str:
+    """Why a name serves nothing: its revisions are staged (how to promote one), or retired."""
+    staged = [r.revision for r in records if r.status == "staging"]
+    if not staged:
+        return f"{name} has no revision in service (all deprecated or quarantined)"
+    which = f"{staged[-1]} is" if len(staged) == 1 else f"{', '.join(staged)} are"
+    return (f"{name} has no revision in service: {which} staged, not promoted; promote one with "
+            f"`loraplex registry promote {name} {staged[-1]}` "
+            f"(or POST /admin/adapters/{name}/promote)")
 
 
 def _base_dir_named_by(src: Path) -> Path | None:

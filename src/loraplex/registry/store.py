@@ -80,7 +80,7 @@ class Pieces:
     files: tuple[tuple[str, int, tuple[str, ...]], ...]
     """(name, bytes, hex hash of each piece), in name order."""
     algorithm: str = "blake3"
-    """`blake3` (256-bit output), or `sha256` in lists recorded before BLAKE3 was used."""
+    """`blake3` (256-bit output), or `sha256` in lists recorded by versions without BLAKE3."""
 
     def to_json(self) -> str:
         return json.dumps({"piece_bytes": self.size, "algorithm": self.algorithm,
@@ -92,7 +92,8 @@ class Pieces:
         try:
             data = json.loads(text)
             size = int(data["piece_bytes"])
-            algorithm = data.get("algorithm", "sha256")  # lists recorded by session-7 versions name none
+            # a list recorded by a version without BLAKE3 pieces names no algorithm
+            algorithm = data.get("algorithm", "sha256")
             if algorithm not in PIECE_HASHES:
                 raise ValueError(f"unknown piece hash {algorithm!r}")
             files = tuple((str(f["name"]), int(f["size"]), tuple(map(str, f[algorithm]))) for f in data["files"])
@@ -175,8 +176,9 @@ def read_artifact(directory: str | Path, digest: str, use: Callable | None = Non
         raise DigestMismatch(digest, f"other files ({', '.join(names) or 'none'})", str(directory))
     # sha256 and BLAKE3 release the GIL on large buffers, so helper threads hash each chunk while the next one is
     # read (and while `use` runs). One running sha256 has one worker (its updates stay in order); pieces have one
-    # per core but the one this thread reads and packs on (a third thread on two cores was 5-20% slower), up to 8,
-    # and this thread hashes those no helper has begun when it waits for them (`_PieceCheck.wait`).
+    # per core but the one this thread reads and packs on (a third thread on two cores is 5-20%
+    # slower), up to 8, and this thread hashes those no helper has begun when it waits for them
+    # (`_PieceCheck.wait`).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = 1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
     with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as hasher:

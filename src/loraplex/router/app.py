@@ -1,4 +1,5 @@
-"""The gateway in front of several workers: pick a worker per request, proxy it (streaming too), retry once."""
+"""The gateway in front of several workers: pick a worker per request, proxy it (streaming too),
+retry once."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ import json
 import logging
 import math
 import random
-import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
+from loraplex.bearer import bearer, carries_token
 from loraplex.router.fleet import Fleet
 from loraplex.router.picker import Picker, PickerConfig
 
@@ -35,7 +42,8 @@ class RouterConfig:
     poll_s: float = 0.5
     request_timeout_s: float = 300.0
     priority_of: Callable[[str], int] = lambda key: 0
-    """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has one)."""
+    """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
+    one)."""
     picker: PickerConfig = field(default_factory=PickerConfig)
     seed: int | None = None
     metrics_token: str | None = None
@@ -45,22 +53,28 @@ class RouterConfig:
 class RouterMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.picks = Counter("loraplex_router_picks_total", "Routing decisions by reason", ["reason"],
+        self.picks = Counter("loraplex_router_picks_total", "Routing decisions by reason",
+                             ["reason"], registry=self.registry)
+        self.retries = Counter("loraplex_router_retries_total",
+                               "Requests retried on another worker", registry=self.registry)
+        self.healthy = Gauge("loraplex_router_worker_healthy",
+                             "1 while the worker passes its health checks", ["worker"],
                              registry=self.registry)
-        self.retries = Counter("loraplex_router_retries_total", "Requests retried on another worker",
+        self.in_flight = Gauge("loraplex_router_worker_in_flight",
+                               "Requests proxied to the worker and not done", ["worker"],
                                registry=self.registry)
-        self.healthy = Gauge("loraplex_router_worker_healthy", "1 while the worker passes its health checks",
-                             ["worker"], registry=self.registry)
-        self.in_flight = Gauge("loraplex_router_worker_in_flight", "Requests proxied to the worker and not done",
-                               ["worker"], registry=self.registry)
 
 
-def _error(status: int, message: str, code: str, type_: str = "invalid_request_error", headers=None):
+def _error(status: int, message: str, code: str, type_: str = "invalid_request_error",
+           headers=None):
     body = {"error": {"message": message, "type": type_, "code": code, "param": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _valid_url(url: str) -> bool:
+def _worker_url(url) -> bool:
+    """An http(s) URL with a host."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return False
     try:
         return bool(httpx.URL(url).host)
     except (httpx.InvalidURL, ValueError):
@@ -75,182 +89,229 @@ async def _json_object(request: Request) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
+@dataclass
+class RouterState:
+    """What the router's handlers share, kept on `app.state.router`."""
+
+    config: RouterConfig
+    fleet: Fleet
+    picker: Picker
+    metrics: RouterMetrics
+    proxy: httpx.AsyncClient
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """Requests proxied to each worker and not done."""
+
+    def admin_ok(self, request: Request) -> bool:
+        token = self.config.admin_token
+        return bool(token) and carries_token(request.headers.get("authorization"), token)
+
+    def sent(self, url: str, adapter: str | None) -> None:
+        """A request went to the worker: in flight there (its adapter as sent) until done."""
+        worker = self.fleet.workers.get(url)
+        if worker is not None:
+            worker.in_flight += 1
+            if adapter is not None:
+                worker.sent.add(adapter)
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+
+    def done(self, url: str) -> None:
+        self.in_flight[url] = max(0, self.in_flight.get(url, 0) - 1)
+        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+
+
 def create_router_app(config: RouterConfig) -> FastAPI:
+    # No cap on connections: with httpx's default of 100 the 101st concurrent request waits for
+    # one, and its PoolTimeout looks like a failed worker.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0),
+                              limits=limits)
     fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
-    metrics = RouterMetrics()
-    # No cap on connections: httpx's default of 100 made the 101st concurrent request wait for one, and its
-    # PoolTimeout looked like a failed worker.
-    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0),
-                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    in_flight: dict[str, int] = {}
+    state = RouterState(config, fleet, picker, RouterMetrics(), proxy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await fleet.poll_once()
-        fleet.start()
+        await state.fleet.poll_once()
+        state.fleet.start()
         try:
             yield
         finally:
-            await fleet.stop()
+            await state.fleet.stop()
             await proxy.aclose()
 
-    app = FastAPI(title="loraplex router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.fleet, app.state.picker = fleet, picker
-
-    def admin_ok(request: Request) -> bool:
-        return bool(config.admin_token) and token_ok(request, config.admin_token)
-
-    def token_ok(request: Request, token: str) -> bool:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        # bytes: compare_digest refuses str with non-ASCII characters (a 500 for a header anyone can send)
-        return secrets.compare_digest(given.encode(), token.encode())
-
-    async def forward(request: Request, path: str):
-        body = await request.body()
-        try:
-            payload = json.loads(body or b"{}")
-        except ValueError:  # not JSON, or not UTF-8
-            return _error(400, "request body is not valid JSON", "invalid_json")
-        model = payload.get("model") if isinstance(payload, dict) else None
-        adapter = model if isinstance(model, str) else None
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        pick = picker.pick(fleet.views(), adapter, config.priority_of(key))
-        if pick.url is None:
-            metrics.picks.labels(pick.reason).inc()
-            status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
-            return _error(status, f"no worker can take the request now ({pick.reason})", code,
-                          "server_error", {"Retry-After": "1"})
-        log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        for attempt, url in enumerate(pick.ranking[:2]):
-            worker = fleet.workers.get(url)
-            if worker is not None:
-                worker.in_flight += 1
-                if adapter is not None:
-                    worker.sent.add(adapter)
-            in_flight[url] = in_flight.get(url, 0) + 1
-            metrics.in_flight.labels(url).set(in_flight[url])
-            try:
-                upstream = proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)
-                response = await proxy.send(upstream, stream=True)
-            except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
-                # The worker has the request and is slow (a non-streamed answer comes whole): neither a failed
-                # worker nor one to run the generation again on.
-                metrics.picks.labels(pick.reason).inc()
-                done(url)
-                return _error(504, f"worker {url} did not answer in time: {type(exc).__name__}", "gateway_timeout",
-                              "server_error")
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
-                done(url)
-                log.warning("worker %s failed before the first byte: %s", url, exc)
-                if worker is not None:
-                    worker.healthy = False
-                if attempt == 0 and len(pick.ranking) > 1:
-                    metrics.retries.inc()
-                    continue
-                metrics.picks.labels(pick.reason).inc()
-                return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
-            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-            # The pick was made from the model name alone, before any worker checked the caller's key: where the
-            # worker refuses the caller (401, 403, or 404 for another tenant's adapter), neither the answer nor the
-            # pick counts may tell where that adapter is resident.
-            if response.status_code not in TENANCY_REFUSALS:
-                metrics.picks.labels(pick.reason).inc()
-                if response.status_code < 400:
-                    out_headers["x-loraplex-worker"] = url
-                    out_headers["x-loraplex-route"] = pick.reason
-
-            async def relay(response=response, url=url):
-                try:
-                    async for chunk in response.aiter_raw():
-                        yield chunk
-                finally:
-                    await response.aclose()
-                    done(url)
-
-            return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
-        return _error(502, "no worker answered", "bad_gateway", "server_error")
-
-    def done(url: str) -> None:
-        in_flight[url] = max(0, in_flight.get(url, 0) - 1)
-        metrics.in_flight.labels(url).set(in_flight[url])
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await forward(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        for worker in fleet.workers.values():
-            if worker.healthy:
-                try:
-                    r = await proxy.get(f"{worker.url}/v1/models", headers=headers)
-                    return Response(r.content, r.status_code, media_type="application/json")
-                except httpx.HTTPError:
-                    continue
-        return _error(503, "no healthy worker", "no_worker", "server_error")
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready():
-        if any(w.healthy for w in fleet.workers.values()):
-            return {"status": "ready"}
-        return _error(503, "no healthy worker", "no_worker", "server_error")
-
-    @app.get("/metrics")
-    async def metrics_page(request: Request):
-        if config.metrics_token and not token_ok(request, config.metrics_token):
-            return _error(401, "This endpoint needs the metrics token: send `Authorization: Bearer METRICS_TOKEN`.",
-                          "invalid_metrics_token", "authentication_error")
-        for worker in fleet.workers.values():
-            metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/admin/workers")
-    async def list_workers(request: Request):
-        if not admin_ok(request):
-            return _error(401, "admin token required", "unauthorized", "authentication_error")
-        views = {v.url: v for v in fleet.views()}
-        return {"workers": [{"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": views[w.url].waiting,
-                             "running": views[w.url].running, "gpu": sorted(views[w.url].gpu),
-                             "in_flight": in_flight.get(w.url, 0)} for w in fleet.workers.values()]}
-
-    @app.post("/admin/workers")
-    async def add_worker(request: Request):
-        if not admin_ok(request):
-            return _error(401, "admin token required", "unauthorized", "authentication_error")
-        body = await _json_object(request)
-        if body is None:
-            return _error(400, "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}", "invalid_json")
-        url = body.get("url", "")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not _valid_url(url):
-            return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
-        fleet.add(url)
-        await fleet.poll_once()
-        return {"added": url.rstrip("/")}
-
-    @app.delete("/admin/workers")
-    async def remove_worker(request: Request):
-        if not admin_ok(request):
-            return _error(401, "admin token required", "unauthorized", "authentication_error")
-        body = await _json_object(request)
-        if body is None:
-            return _error(400, "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}", "invalid_json")
-        url = body.get("url", "")
-        if not fleet.remove(str(url)):
-            return _error(404, f"no worker {url}", "not_found")
-        return {"removed": url}
-
+    app = FastAPI(title="loraplex router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router, app.state.fleet, app.state.picker = state, state.fleet, state.picker
+    app.include_router(routes)
     return app
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+async def completions(request: Request):
+    return await forward(_state(request), request, "/v1/completions")
+
+
+async def chat_completions(request: Request):
+    return await forward(_state(request), request, "/v1/chat/completions")
+
+
+async def forward(state: RouterState, request: Request, path: str):
+    body = await request.body()
+    try:
+        payload = json.loads(body or b"{}")
+    except ValueError:  # not JSON, or not UTF-8
+        return _error(400, "request body is not valid JSON", "invalid_json")
+    model = payload.get("model") if isinstance(payload, dict) else None
+    adapter = model if isinstance(model, str) else None
+    key = bearer(request.headers.get("authorization")) or ""
+    pick = state.picker.pick(state.fleet.views(), adapter, state.config.priority_of(key))
+    if pick.url is None:
+        state.metrics.picks.labels(pick.reason).inc()
+        status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
+        return _error(status, f"no worker can take the request now ({pick.reason})", code,
+                      "server_error", {"Retry-After": "1"})
+    log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    for attempt, url in enumerate(pick.ranking[:2]):
+        state.sent(url, adapter)
+        try:
+            upstream = state.proxy.build_request("POST", f"{url}{path}", content=body,
+                                                 headers=headers)
+            response = await state.proxy.send(upstream, stream=True)
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+            # The worker has the request and is slow (a non-streamed answer comes whole): neither a
+            # failed worker nor one to run the generation again on.
+            state.metrics.picks.labels(pick.reason).inc()
+            state.done(url)
+            return _error(504, f"worker {url} did not answer in time: {type(exc).__name__}",
+                          "gateway_timeout", "server_error")
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            state.done(url)
+            log.warning("worker %s failed before the first byte: %s", url, exc)
+            if (worker := state.fleet.workers.get(url)) is not None:
+                worker.healthy = False
+            if attempt == 0 and len(pick.ranking) > 1:
+                state.metrics.retries.inc()
+                continue
+            state.metrics.picks.labels(pick.reason).inc()
+            return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway",
+                          "server_error")
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+        # The pick is made from the model name alone, before any worker checks the caller's key:
+        # where the worker refuses the caller (401, 403, or 404 for another tenant's adapter),
+        # neither the answer nor the pick counts may tell where that adapter is resident.
+        if response.status_code not in TENANCY_REFUSALS:
+            state.metrics.picks.labels(pick.reason).inc()
+            if response.status_code < 400:
+                out_headers["x-loraplex-worker"] = url
+                out_headers["x-loraplex-route"] = pick.reason
+        return StreamingResponse(_relay(state, response, url), status_code=response.status_code,
+                                 headers=out_headers)
+    return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+
+async def _relay(state: RouterState, response: httpx.Response, url: str):
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
+        state.done(url)
+
+
+async def models(request: Request):
+    state = _state(request)
+    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    for worker in state.fleet.workers.values():
+        if worker.healthy:
+            try:
+                r = await state.proxy.get(f"{worker.url}/v1/models", headers=headers)
+                return Response(r.content, r.status_code, media_type="application/json")
+            except httpx.HTTPError:
+                continue
+    return _error(503, "no healthy worker", "no_worker", "server_error")
+
+
+async def health():
+    return {"status": "ok"}
+
+
+async def ready(request: Request):
+    if any(w.healthy for w in _state(request).fleet.workers.values()):
+        return {"status": "ready"}
+    return _error(503, "no healthy worker", "no_worker", "server_error")
+
+
+async def metrics_page(request: Request):
+    state = _state(request)
+    token = state.config.metrics_token
+    if token and not carries_token(request.headers.get("authorization"), token):
+        return _error(401, "This endpoint needs the metrics token: send `Authorization: Bearer "
+                      "METRICS_TOKEN`.", "invalid_metrics_token", "authentication_error")
+    for worker in state.fleet.workers.values():
+        state.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+ADMIN_REFUSAL = (401, "admin token required", "unauthorized", "authentication_error")
+URL_BODY_HINT = "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}"
+
+
+async def list_workers(request: Request):
+    state = _state(request)
+    if not state.admin_ok(request):
+        return _error(*ADMIN_REFUSAL)
+    views = {v.url: v for v in state.fleet.views()}
+    return {"workers": [
+        {"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": views[w.url].waiting,
+         "running": views[w.url].running, "gpu": sorted(views[w.url].gpu),
+         "in_flight": state.in_flight.get(w.url, 0)}
+        for w in state.fleet.workers.values()
+    ]}
+
+
+async def add_worker(request: Request):
+    state = _state(request)
+    if not state.admin_ok(request):
+        return _error(*ADMIN_REFUSAL)
+    body = await _json_object(request)
+    if body is None:
+        return _error(400, URL_BODY_HINT, "invalid_json")
+    url = body.get("url", "")
+    if not _worker_url(url):
+        return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
+    state.fleet.add(url)
+    await state.fleet.poll_once()
+    return {"added": url.rstrip("/")}
+
+
+async def remove_worker(request: Request):
+    state = _state(request)
+    if not state.admin_ok(request):
+        return _error(*ADMIN_REFUSAL)
+    body = await _json_object(request)
+    if body is None:
+        return _error(400, URL_BODY_HINT, "invalid_json")
+    url = body.get("url", "")
+    if not state.fleet.remove(str(url)):
+        return _error(404, f"no worker {url}", "not_found")
+    return {"removed": url}
+
+
+routes = APIRouter()
+routes.add_api_route("/v1/completions", completions, methods=["POST"])
+routes.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+routes.add_api_route("/v1/models", models, methods=["GET"])
+routes.add_api_route("/health", health, methods=["GET"])
+routes.add_api_route("/ready", ready, methods=["GET"])
+routes.add_api_route("/metrics", metrics_page, methods=["GET"])
+routes.add_api_route("/admin/workers", list_workers, methods=["GET"])
+routes.add_api_route("/admin/workers", add_worker, methods=["POST"])
+routes.add_api_route("/admin/workers", remove_worker, methods=["DELETE"])
 
 
 def registry_priorities(url: str) -> Callable[[str], int]:

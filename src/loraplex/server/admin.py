@@ -270,7 +270,7 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
             undo()
             raise APIError(409, f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
                                 "adapters would exceed cpu_cache_bytes", "capacity_exceeded")
-        failed = [r for r in landed if not cache.in_host(r.key)]
+        failed = [r for r in landed if not cache.in_host_memory(r.key)]
         if failed:  # its load failed (logged with the cause): nothing is pinned
             undo()
             raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",

@@ -39,7 +39,7 @@ def create_app(engine: LLMEngine | VllmEngine, registry: Registry, config: Serve
         finally:
             server.stop()
 
-    app = FastAPI(title="loraplex", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="loraplex", lifespan=lifespan, redoc_url=None)  # /docs and /openapi.json
     app.state.server = server
     install_handlers(app)
     app.add_middleware(RequestMiddleware, on_done=server.finish_request)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from loraplex.bearer import bearer, carries_token
 from loraplex.registry import Registry
 from loraplex.server.errors import APIError, unauthorized
 
@@ -51,13 +51,6 @@ def read_admin_token(path: str | Path) -> str:
     if len(token) < 16:
         raise ValueError(f"{path}: the token on its first line must be at least 16 characters")
     return token
-
-
-def bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 class Authenticator:
@@ -118,7 +111,6 @@ def check_admin(authorization: str | None, token: str) -> None:
 
 def check_token(authorization: str | None, token: str, kind: str) -> None:
     """401 unless the request carries `token` (the admin or the metrics token)."""
-    given = bearer(authorization)
-    if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+    if not carries_token(authorization, token):
         raise APIError(401, f"This endpoint needs the {kind} token: send `Authorization: Bearer "
                        f"{kind.upper()}_TOKEN`.", f"invalid_{kind}_token")

@@ -51,6 +51,9 @@ def serve(
                                                            "auto (on vLLM's CPU backend) | on | off")] = "auto",
     vllm_arg: Annotated[list[str] | None, typer.Option(help="vLLM: another engine option as `vllm serve` takes "
                                                             "it, e.g. --vllm-arg=--enforce-eager; repeat it")] = None,
+    strict_base_model_name: Annotated[bool, typer.Option(
+        help="Refuse an adapter whose config names another base model (default: a warning)",
+    )] = False,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""
@@ -64,7 +67,7 @@ def serve(
             eviction_policy=eviction_policy, dtype=dtype, device=device, host=host, port=port, registry=registry,
             api_keys=api_keys, admin_token_file=admin_token_file, admin_port=admin_port,
             metrics_token_file=metrics_token_file,
-            allowed_roots=tuple(roots), engine=engine,
+            allowed_roots=tuple(roots), engine=engine, strict_base_model_name=strict_base_model_name,
             vllm_args=_vllm_args(tensor_parallel_size, enable_prefix_caching, vllm_arg),
             base_as_zero_adapter=base_as_zero_adapter,
         )

@@ -26,7 +26,28 @@ router = APIRouter()
 DONE = b"data: [DONE]\n\n"
 
 
-@router.post("/v1/completions")
+def _documented_body(model) -> dict:
+    """The operation's OpenAPI request body: `model`'s schema with its definitions inlined.
+
+    The handlers read the body themselves, to answer a bad one in the OpenAI error shape, so FastAPI
+    does not see the model: this puts it in /openapi.json and /docs.
+    """
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+@router.post("/v1/completions", openapi_extra=_documented_body(CompletionRequest))
 async def completions(request: Request):
     server, ctx = _begin(request, "completions")
     if server.engine.kind == "vllm":
@@ -40,7 +61,7 @@ async def completions(request: Request):
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=_documented_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     server, ctx = _begin(request, "chat.completions")
     if server.engine.kind == "vllm":

@@ -62,6 +62,7 @@ class ServeOptions:
     engine: str = "native"
     vllm_args: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
+    strict_base_model_name: bool = False
 
     @property
     def registry_url(self) -> str:
@@ -117,7 +118,7 @@ def open_registry(options: ServeOptions) -> Registry:
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
         registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
-                            actor="serve")
+                            actor="serve", strict_base_model_name=options.strict_base_model_name)
         registry.init()
     except (RegistryError, OSError, ImportError) as exc:  # ImportError: the database's driver is not installed
         raise StartupError(f"{flag}: cannot open the registry: {exc}") from None

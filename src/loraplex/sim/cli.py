@@ -81,7 +81,38 @@ def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], s
     return runs
 
 
+def compact_table(runs: list[dict]) -> Table:
+    """The figures a reader decides on: hit rates, miss cost and its gap to the optimum, hot p99.
+
+    The sweep's axes (workload, gpu slots, cpu) are columns only where they vary; the title holds
+    the others, so that the table fits a terminal of 80 columns.
+    """
+    axes = {"workload": lambda r: Path(r["workload"]).name, "slots": lambda r: str(r["gpu_slots"]),
+            "cpu": lambda r: _size_label(r["cpu_bytes"])}
+    varying = [a for a, value in axes.items() if len({value(r) for r in runs}) > 1]
+    fixed = [f"{a} {axes[a](runs[0])}" for a in axes if a not in varying]
+    table = Table(title=", ".join(["simulation", *fixed]),
+                  caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
+                          "miss s: seconds of loads and copies; "
+                          "hot p99: TTFT of the hot adapters, ms; --wide: every column")
+    for col in (*varying, "policy", "gpu hit", "cpu hit", "cold", "miss s", "gap", "hot p99"):
+        justify = "left" if col in ("workload", "policy") else "right"
+        table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
+    for run in runs:
+        for name, e in run["policies"].items():
+            rates = e["hit_rate"]
+            table.add_row(
+                *(axes[a](run) for a in varying), name,
+                _pct(rates["gpu"]), _pct(rates["cpu"]), _pct(rates["disk"] + rates["remote"]),
+                f"{e['miss_cost']:.1f}", _gap(e["gap"]), _ms(e["latency"]["hot"]["ttft_s"]["p99"]),
+            )
+        if len(runs) > 1:
+            table.add_section()
+    return table
+
+
 def results_table(runs: list[dict], title: str = "simulation") -> Table:
+    """Every figure of every run (`--wide`)."""
     table = Table(title=title)
     for col in ("workload", "slots", "cpu", "policy", "gpu", "cpu hit", "disk", "remote", "byte hit",
                 "thrash", "miss cost s", "gap", "vs oracle", "TTFT p50 ms", "p99", "warm p99", "cold p99",
@@ -175,6 +206,8 @@ def simulate(
     workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
     json_out: Path | None = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
+    wide: bool = typer.Option(False, "--wide",
+                              help="Every column (about 200 wide) and the per-tenant table."),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
@@ -195,9 +228,12 @@ def simulate(
         raise typer.BadParameter("--workers and --gpu-slots must be at least 1")
     traces = {name: _load_workload(name) for name in names}
     runs = run_sweep(traces, policies, slots, cpu, workers, console)
-    console.print(results_table(runs))
-    if len(runs) == 1:
-        console.print(tenant_table(runs[0]))
+    if wide:
+        console.print(results_table(runs))
+        if len(runs) == 1:
+            console.print(tenant_table(runs[0]))
+    else:
+        console.print(compact_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {"config": config_dict(SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())),
                 "note": "config: the defaults of every run; each run lists its capacities"}

@@ -1,17 +1,16 @@
 """Discrete-event simulation of workers running the real adapter cache, policies and router picker.
 
-Nothing of the cache is re-implemented: each simulated worker owns a real `AdapterCache` whose clock is the
-simulation's, whose slot pool records host-to-device copies instead of moving tensors, whose executor is this
-event loop (a load's future completes at its simulated finish time) and whose loader models the disk and
-remote tiers by bandwidth and fixed latency. The scheduler of one worker follows `engine.scheduler`: every
-step the running requests decode one token each, then waiting requests are admitted first come, first served,
-a request whose adapter is loading (or finds no slot) is skipped for that step, and a request holds its
-adapter's slot until it finishes.
+Nothing of the cache is re-implemented: each simulated worker owns a real `AdapterCache` whose clock
+is the simulation's, whose slot pool records host-to-device copies instead of moving tensors, whose
+executor is this event loop (a load's future completes at its simulated finish time) and whose
+loader models the disk and remote tiers by bandwidth and fixed latency. A worker's step is the
+engine's: the running requests decode one token each, then waiting requests are admitted by the
+scheduler's own rule (`engine.admission.admit_waiting`), and a request holds its adapter's slot
+until it finishes.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import json
 import math
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
+from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.engine.admission import Take, admit_waiting
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
 
@@ -66,8 +66,7 @@ class LoadCosts:
         rows = data.get("rows", data) if isinstance(data, dict) else data
         fits = {}
         for tier, name in (("remote", "remote"), ("disk", "disk"), ("h2d", "h2d")):
-            points = [(r["bytes"], r["seconds"]) for r in rows
-                      if isinstance(r, dict) and r.get("tier") == name and "bytes" in r and "seconds" in r]
+            points = [(r["bytes"], r["seconds"]) for r in rows if _is_timing(r, name)]
             if len(points) >= 2:
                 fits[tier] = _fit_line(points)
         if not fits:
@@ -90,6 +89,11 @@ class LoadCosts:
                for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))},
             "source": self.source,
         }
+
+
+def _is_timing(row, tier: str) -> bool:
+    """A benchmark row that times one load of `tier`: {tier, bytes, seconds}."""
+    return isinstance(row, dict) and row.get("tier") == tier and {"bytes", "seconds"} <= row.keys()
 
 
 def _fit_line(points: list[tuple[float, float]]) -> TierCost:
@@ -364,55 +368,32 @@ class Worker:
         now = sim.now
         if self.loads_landed:  # the cache's poll can only take in loads that have ended
             self.loads_landed = 0
-            took = len(cache.loading)
+            took = cache.num_loading()
             cache.poll()
-            if len(cache.loading) != took:
+            if cache.num_loading() != took:
                 self._check_capacity()
         decodes = self.num_running
         budget = config.max_num_batched_tokens - decodes
-        admitted, prefill_tokens = [], 0
-        blocked: dict[AdapterKey, None] = {}  # waiting keys that only a load's end or a slot's release can unblock
-        stuck = False  # a waiting request found no slot, and time alone may free one
-        for seq in list(self.waiting):
-            prompt_tokens = seq.req.prompt_tokens
-            if self.num_running >= config.max_num_seqs or prompt_tokens > budget:
-                break
-            if seq.ref is not None:
-                key = seq.ref.key
-                if config.skip_blocked and key in blocked:
-                    continue  # a blocked key stays blocked until the step ends: admissions only take more slots
-                if config.skip_blocked and self._acquire_can_only_fail(key):
-                    # The cache's acquire could only fail: make its side effects, the access time and the mark
-                    # that a request waits for the key.
-                    cache.entries[key].last_access = now
-                    cache.mark_wanted(key, now)
-                    blocked[key] = None
-                    continue
-                if cache.acquire(seq.ref) is None:
-                    # Its adapter is loading or no slot can be freed: others go ahead.
-                    if key in cache.loading:
-                        blocked[key] = None
-                    else:
-                        stuck = True
-                    continue
-            self.waiting.remove(seq)
-            if seq.ref is not None:
-                cache.unqueue(seq.ref.key)
-            seq.admitted_at = now
+        admitted: list[SimRequest] = []
+
+        def has_room(seq: SimRequest) -> bool:
+            return self.num_running < config.max_num_seqs and seq.req.prompt_tokens <= budget
+
+        def admit(seq: SimRequest) -> None:
+            nonlocal budget
+            self._admit(seq, now)
             admitted.append(seq)
-            self.num_running += 1
-            self.running_tokens += prompt_tokens + seq.req.output_tokens
-            if seq.ref is not None:
-                self.running_adapters[seq.ref.key] += 1
-                sim.admitted(seq)
-            budget -= prompt_tokens
-            prefill_tokens += prompt_tokens
+            budget -= seq.req.prompt_tokens
+
+        step = admit_waiting(self.waiting, has_room=has_room, adapter_of=_adapter_key,
+                             take_adapter=lambda seq: self._take_adapter(seq.ref, now), admit=admit)
+        prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
         copies = self.pool.take_pending()
         if admitted:
             self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.free_slots())
         if not decodes and not admitted:
             self.busy = False
-            if self.waiting and not cache.loading and not self.wake_pending:
+            if self.waiting and not cache.num_loading() and not self.wake_pending:
                 self.wake_pending = True  # nothing will wake it: look again shortly (as the engine loop does)
                 sim.schedule(now + config.idle_poll_s, self._retry, None)
             return
@@ -420,8 +401,8 @@ class Worker:
         self.prefilled = admitted
         step_s = config.service.step_seconds(prefill_tokens, decodes, len(self.running_adapters))
         end, self.steps_in_flight = now + (step_s + copies), 1
-        if config.skip_quiet_steps and not admitted and not stuck:
-            end = self._skip_quiet_steps(end, step_s, list(blocked))
+        if config.skip_quiet_steps and not admitted and not step.refused:
+            end = self._skip_quiet_steps(end, step_s, list(step.blocked))
         self._schedule_end(end)
 
     def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
@@ -461,14 +442,34 @@ class Worker:
             self.touch = None if last is None else (blocked, last)
             self._schedule_end(end)
 
-    def _acquire_can_only_fail(self, key: AdapterKey) -> bool:
-        """The adapter is loading, or in host memory while every slot is held by running requests (the cache would
-        rank every adapter only to find no victim)."""
+    def _take_adapter(self, ref: AdapterRef, now: float) -> Take:
         cache = self.cache
-        if key in cache.slots:
+        if self.sim.config.skip_blocked and self._acquire_can_only_fail(ref.key):
+            cache.record_wait(ref.key, now)  # what the failed acquire would have recorded
+            return Take.BLOCKED
+        if cache.acquire(ref) is not None:
+            return Take.TAKEN
+        return Take.BLOCKED if cache.is_loading(ref.key) else Take.REFUSED
+
+    def _admit(self, seq: SimRequest, now: float) -> None:
+        self.waiting.remove(seq)
+        seq.admitted_at = now
+        self.num_running += 1
+        self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
+        if seq.ref is not None:
+            self.cache.unqueue(seq.ref.key)
+            self.running_adapters[seq.ref.key] += 1
+            self.sim.admitted(seq)
+
+    def _acquire_can_only_fail(self, key: AdapterKey) -> bool:
+        """The adapter is loading, or in host memory while every slot is held by running requests
+        (the cache would rank every adapter only to find no victim)."""
+        cache = self.cache
+        if cache.in_slot(key):
             return False
         # Each running adapter holds one slot (and the simulator pins none).
-        return key in cache.loading or (key in cache.cpu and len(self.running_adapters) == self.pool.num_slots)
+        every_slot_held = len(self.running_adapters) == self.pool.num_slots
+        return cache.is_loading(key) or (cache.in_host_memory(key) and every_slot_held)
 
     def _schedule_end(self, end: float) -> None:
         self.end_token += 1
@@ -517,14 +518,16 @@ class Worker:
         cache = self.cache
         return WorkerView(
             self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
-            recent_evictions=self._recent_evictions(), free_slots=cache.free_slots(),
-            gpu=frozenset(map(_label, filter(None, cache.slots))),
-            cpu=frozenset(map(_label, cache.cpu)), loading=frozenset(map(_label, cache.loading)),
+            recent_evictions=cache.num_recent_evictions(self.sim.now),
+            free_slots=cache.free_slots(),
+            gpu=frozenset(map(_label, cache.resident("gpu"))),
+            cpu=frozenset(map(_label, cache.resident("cpu"))),
+            loading=frozenset(map(_label, cache.loading_keys())),
         )
 
-    def _recent_evictions(self) -> int:
-        now, times = self.sim.now, self.cache.recent_evictions  # oldest first
-        return len(times) - bisect.bisect_left(times, True, key=lambda t: now - t < THRASH_WINDOW_S)
+
+def _adapter_key(seq: SimRequest) -> AdapterKey | None:
+    return None if seq.ref is None else seq.ref.key
 
 
 # -- the simulation --------------------------------------------------------------------------------
@@ -591,7 +594,9 @@ class Simulation:
         requests, events = self.requests, self._events
         while self._next < len(requests) or events:
             i = self._next
-            if i < len(requests) and (not events or requests[i].req.time <= events[0][0]):
+            next_arrival = requests[i].req.time if i < len(requests) else math.inf
+            next_event = events[0][0] if events else math.inf
+            if next_arrival <= next_event and i < len(requests):  # an arrival first, on a tie too
                 seq = requests[i]
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)

@@ -116,7 +116,7 @@ class VllmResidency:
     def is_loading(self, key: AdapterKey) -> bool:
         return key in self.loading
 
-    def in_host(self, key: AdapterKey) -> bool:
+    def in_host_memory(self, key: AdapterKey) -> bool:
         entry = self.entries.get(key)
         return entry is not None and entry.in_vllm
 
