@@ -62,7 +62,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - len(batch.decodes)
         lora_bytes = self._lora_bytes(self.running)
         loading = set()  # adapters a waiting request found loading in this step: their other requests wait too
-        for seq in list(self.waiting):
+        for seq in self._in_turn():
             if len(self.running) >= self.config.max_num_seqs or len(seq) > budget:
                 break
             if not self.blocks.can_allocate(seq):
@@ -81,6 +81,16 @@ class Scheduler:
             batch.prefills.append(seq)
             budget -= len(seq)
             lora_bytes = self._lora_bytes(self.running)
+
+    def _in_turn(self) -> list[Sequence]:
+        """The waiting requests in arrival order, those that their tenant's budget keeps waiting after the others
+        (for a bounded time: `AdapterCache.defers`), so that a slot that frees goes to a tenant within budget."""
+        if not self.adapters.budget_waiting:
+            return list(self.waiting)
+        first, later = [], []
+        for seq in self.waiting:
+            (later if seq.adapter is not None and self.adapters.defers(seq.adapter) else first).append(seq)
+        return first + later
 
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
         key = seq.adapter.key
@@ -125,5 +135,5 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         if seq.holds_adapter:
-            self.adapters.release(seq.adapter.key)
+            self.adapters.release(seq.adapter.key, seq.adapter.tenant)
             seq.holds_adapter, seq.lora_slot = False, -1

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.cache import THRASH_WINDOW_S, AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
@@ -167,7 +168,11 @@ class SimConfig:
     """How old the router's view of each worker may be (it polls /admin/state)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
-    tenant_share: float = 1.0
+    tenant_budgets: dict[str, Budget] | None = None
+    """Residency budgets per tenant (`loraplex.cache.budgets`), as the registry keeps them."""
+    tenant_gpu_share: float = 1.0
+    tenant_cpu_share: float = 1.0
+    """The default budget of a tenant without its own, as `serve --tenant-gpu-share/--tenant-cpu-share`."""
     bytes_per_rank: int = LLAMA7B_BYTES_PER_RANK
     """An adapter's host-copy bytes are its rank times this, unless `adapter_bytes` names it."""
     adapter_bytes: dict[str, int] | None = None
@@ -187,6 +192,11 @@ class SimConfig:
     def __post_init__(self):
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
+        self.budgets()  # refuses a budget beyond the capacity, or a share outside [0, 1]
+
+    def budgets(self) -> TenantBudgets:
+        return TenantBudgets(self.gpu_slots, self.cpu_bytes, dict(self.tenant_budgets or {}),
+                             self.tenant_gpu_share, self.tenant_cpu_share)
 
 
 # -- the simulated device and tiers ----------------------------------------------------------------
@@ -289,7 +299,7 @@ class Worker:
         self.disk = SimDisk(c.disk_bytes)
         self.cache = AdapterCache(
             self.pool, lambda path: None, cpu_bytes=c.cpu_bytes, max_cpu_loras=c.max_cpu_loras, disk=self.disk,
-            policy=policy, tenant_share=c.tenant_share, executor=self, loader=self._load, clock=sim.clock,
+            policy=policy, budgets=c.budgets(), executor=self, loader=self._load, clock=sim.clock,
         )
         self.waiting: deque[SimRequest] = deque()
         self.num_running = 0
@@ -373,7 +383,13 @@ class Worker:
         admitted, prefill_tokens = [], 0
         blocked: dict[AdapterKey, None] = {}  # waiting keys that only a load's end or a slot's release can unblock
         stuck = False  # a waiting request found no slot, and time alone may free one
-        for seq in list(self.waiting):
+        waiting = list(self.waiting)
+        if cache.budget_waiting:  # as the engine's scheduler: those their budget holds back go after the others
+            deferred = [s for s in waiting if s.ref is not None and cache.defers(s.ref)]
+            if deferred:
+                held = set(map(id, deferred))
+                waiting = [s for s in waiting if id(s) not in held] + deferred
+        for seq in waiting:
             prompt_tokens = seq.req.prompt_tokens
             if self.num_running >= config.max_num_seqs or prompt_tokens > budget:
                 break
@@ -506,7 +522,7 @@ class Worker:
             self.running_adapters[key] -= 1
             if not self.running_adapters[key]:
                 del self.running_adapters[key]
-            self.cache.release(key)
+            self.cache.release(key, seq.ref.tenant)
         self.sim.finished += 1
 
     def _check_capacity(self) -> None:
@@ -659,7 +675,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
         adapter = [s for s in group if s.ref is not None]
         m = len(adapter) or 1
-        return {"requests": len(group), "adapter_requests": len(adapter),
+        budget_waits = sum(c.budget_waits.get(group[0].req.tenant, 0) for c in caches) if group else 0
+        return {"requests": len(group), "adapter_requests": len(adapter), "budget_waits": budget_waits,
                 "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
                 "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m, **latency(group)}
 
