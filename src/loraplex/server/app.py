@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
+from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.registry import AdapterNotFound, AdapterRecord, AllowList, Registry, RegistryError
@@ -110,6 +112,10 @@ class Server:
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.async_engine = AsyncEngine(self.engine)
+        try:
+            self.apply_budgets()
+        except Exception:  # a registry briefly unreachable: the watcher applies them at its next look
+            log.exception("could not read the tenants' residency budgets")
         try:
             self.warm_start()
         except Exception:  # serving cold is better than not serving
@@ -255,12 +261,39 @@ class Server:
                 generation = self.registry.generation()
                 if generation != seen:  # the whole registry is read only when it changed
                     self.follow_traffic()
+                    self.apply_budgets()
                     seen = generation
                 else:
                     self._end_grace()
             except Exception:  # a registry that is briefly unreachable: look again at the next turn
                 if not self._watch_stop.is_set():  # (not the registry closed under a stopping server)
                     log.exception("could not follow the registry's traffic changes")
+
+    def budgets_from(self, tenants) -> TenantBudgets:
+        """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's default shares.
+        Raises ValueError naming the field for a budget beyond this server's capacity."""
+        cache, config = self.engine.adapters, self.engine.config
+        own = {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in tenants
+               if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
+        return TenantBudgets(len(cache.slots), cache.cpu_bytes, own, config.tenant_gpu_share,
+                             config.tenant_cpu_share)
+
+    def apply_budgets(self) -> None:
+        """The tenants' residency budgets from the registry, onto the cache. A budget beyond this server's
+        capacity (the registry serves workers of several sizes) is capped at the capacity here, and logged."""
+        cache = self.engine.adapters
+        tenants = self.registry.list_tenants()
+        try:
+            budgets = self.budgets_from(tenants)
+        except ValueError as exc:
+            log.warning("residency budgets: %s; capped at this server's capacity", exc)
+            capped = [dataclasses.replace(
+                t, max_gpu_slots=None if t.max_gpu_slots is None else min(t.max_gpu_slots, len(cache.slots)),
+                max_cpu_bytes=None if t.max_cpu_bytes is None else min(t.max_cpu_bytes, cache.cpu_bytes))
+                for t in tenants]
+            budgets = self.budgets_from(capped)
+        if budgets != cache.budgets:
+            cache.set_budgets(budgets)
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
@@ -430,7 +463,9 @@ class Server:
                 "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
                 "in_flight": self.admission.num_in_flight,
             },
-            "cache": {k: v for k, v in cache.items() if k not in ("adapters",)},
+            # Per tenant: the slots and host bytes charged to it against its budget (None: no limit).
+            "tenants": cache["tenants"],
+            "cache": {k: v for k, v in cache.items() if k not in ("adapters", "tenants")},
         }
 
 

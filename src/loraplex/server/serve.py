@@ -59,6 +59,9 @@ class ServeOptions:
     admin_port: int | None = None
     metrics_token_file: Path | None = None
     allowed_roots: tuple[str, ...] = ()
+    # residency budgets of tenants without their own (`loraplex registry tenant set`)
+    tenant_gpu_share: float = 1.0
+    tenant_cpu_share: float = 1.0
 
     @property
     def registry_url(self) -> str:
@@ -148,6 +151,10 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
+    for flag, share in (("--tenant-gpu-share", options.tenant_gpu_share),
+                        ("--tenant-cpu-share", options.tenant_cpu_share)):
+        if not 0.0 <= share <= 1.0:  # NaN too
+            raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     metrics_token = read_option_file(read_admin_token, options.metrics_token_file, "--metrics-token-file")
@@ -197,7 +204,8 @@ def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
             model_dir=options.model, dtype=options.dtype, device=options.device, max_loras=options.max_loras,
             max_lora_rank=options.max_lora_rank, max_cpu_loras=options.max_cpu_loras,
             eviction_policy=options.eviction_policy, disk_cache_dir=options.data_dir / "cache",
-            allowed_roots=tuple(roots), **sizes,
+            allowed_roots=tuple(roots), tenant_gpu_share=options.tenant_gpu_share,
+            tenant_cpu_share=options.tenant_cpu_share, **sizes,
         )
     except ValueError as exc:
         raise StartupError(str(exc)) from None
