@@ -414,6 +414,8 @@ def tenant_set(ctx: typer.Context, name: str, priority: Annotated[int | None, ty
 
 
 def _budget_line(t) -> str:
+    if t.max_gpu_slots is None and t.max_cpu_bytes is None:
+        return ""
     return (f", gpu slots {_budget_text(t.max_gpu_slots, False)}, "
             f"cpu bytes {_budget_text(t.max_cpu_bytes, True)}")
 

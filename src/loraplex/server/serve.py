@@ -63,6 +63,12 @@ class ServeOptions:
     tenant_gpu_share: float = 1.0
     tenant_cpu_share: float = 1.0
 
+    def __post_init__(self):
+        for flag, share in (("--tenant-gpu-share", self.tenant_gpu_share),
+                            ("--tenant-cpu-share", self.tenant_cpu_share)):
+            if not 0.0 <= share <= 1.0:  # NaN too
+                raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
+
     @property
     def registry_url(self) -> str:
         return self.registry or f"sqlite:///{self.data_dir / 'registry.db'}"
@@ -151,10 +157,6 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
-    for flag, share in (("--tenant-gpu-share", options.tenant_gpu_share),
-                        ("--tenant-cpu-share", options.tenant_cpu_share)):
-        if not 0.0 <= share <= 1.0:  # NaN too
-            raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     metrics_token = read_option_file(read_admin_token, options.metrics_token_file, "--metrics-token-file")
