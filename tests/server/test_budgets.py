@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+
 import httpx
 import openai
 import pytest
+from harness import ADMIN_TOKEN, MODEL, Running, serving, variant
 from prometheus_client.parser import text_string_to_metric_families
 from test_startup_errors import assert_one_line_errors, run_side_by_side
 
-from harness import ADMIN_TOKEN, MODEL, Running, serving, variant
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.registry import ArtifactStore, Registry

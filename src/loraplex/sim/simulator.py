@@ -192,11 +192,14 @@ class SimConfig:
     def __post_init__(self):
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
-        self.budgets()  # refuses a budget beyond the capacity, or a share outside [0, 1]
+        self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:
-        return TenantBudgets(self.gpu_slots, self.cpu_bytes, dict(self.tenant_budgets or {}),
-                             self.tenant_gpu_share, self.tenant_cpu_share)
+        """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller caches)."""
+        capped = {t: Budget(None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
+                            None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes))
+                  for t, b in (self.tenant_budgets or {}).items()}
+        return TenantBudgets(self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share)
 
 
 # -- the simulated device and tiers ----------------------------------------------------------------
