@@ -73,7 +73,9 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: use auto, cpu or cuda")
-        for name, share in (("tenant_gpu_share", self.tenant_gpu_share), ("tenant_cpu_share", self.tenant_cpu_share)):
+        shares = (("tenant_gpu_share", self.tenant_gpu_share),
+                  ("tenant_cpu_share", self.tenant_cpu_share))
+        for name, share in shares:
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], not {share}")
         if self.eviction_policy not in ("score", "lru"):

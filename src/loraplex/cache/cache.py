@@ -54,7 +54,7 @@ class Entry:
     evicted_at: float | None = None
     prewarm_gpu: bool = False
     restored: bool = False  # put back in its slot by the cache (tier A), not asked for since
-    users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests holding the slot now
+    users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests holding the slot
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
 
     def __post_init__(self):
@@ -122,7 +122,8 @@ class AdapterCache:
         self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
-        self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}  # key -> (tenant, since): over its budget
+        # key -> (tenant, since): waiting requests that their tenant's budget holds back
+        self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
         self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
         self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu, and to cpu (kept with `pinned`)
@@ -200,8 +201,8 @@ class AdapterCache:
 
     # -- the step loop's calls -------------------------------------------------------------------
     def acquire(self, ref: AdapterRef) -> int | None:
-        """The slot holding the adapter, with a reference taken for the ref's tenant; None while it loads, no slot
-        can free, or the tenant's budget keeps it waiting."""
+        """The slot holding the adapter, with a reference taken for the ref's tenant; None while it
+        loads, no slot can free, or the tenant's budget keeps it waiting."""
         with self._lock:
             key, now, tenant = ref.key, self.clock(), ref.tenant
             entry = self.entries.setdefault(key, Entry(ref))
@@ -214,7 +215,7 @@ class AdapterCache:
             if slot is None:
                 if key not in self.cpu and key not in self.loading and self._room_for(key, now):
                     if self._host_budget_allows(key, tenant):
-                        entry.last_tenant = tenant  # its host copy counts for the tenant that asked for it
+                        entry.last_tenant = tenant  # its host copy counts for the tenant asking
                         self._start_load(ref)
                     else:
                         self._wait_for_budget(key, tenant, now)
@@ -463,8 +464,9 @@ class AdapterCache:
         return Loaded(packed, source, stages)
 
     def _activate(self, key: AdapterKey, now: float, tenant: str | None = None) -> int | None:
-        """Put the host copy in a slot: a free one, else one the policy frees. `tenant`: the tenant whose request
-        asks, held to its budget (None: an operator's pin or prewarm, placed as asked)."""
+        """Put the host copy in a slot: a free one, else one the policy frees. `tenant`: the tenant
+        whose request asks, held to its budget (None: an operator's pin or prewarm, placed as
+        asked)."""
         slot = self.slots.index(None) if None in self.slots else self._evict_slot(key, now, tenant)
         if slot is None:
             return None
@@ -499,8 +501,8 @@ class AdapterCache:
             if not allowed:
                 self._wait_for_budget(incoming, tenant, now)
                 return None
-            # Within its budget, the excess of tenants beyond theirs goes first; the policy's protections may
-            # refuse all of it, and then any adapter may go, as without budgets.
+            # Within its budget, the excess of tenants beyond theirs goes first; the policy's
+            # protections may refuse all of it, and then any adapter may go, as without budgets.
             partial = len(allowed) < len(evictable) and not self._over_budget(tenant, "gpu")
             rounds = [allowed, evictable] if partial else [allowed]
         victim = None
@@ -515,18 +517,21 @@ class AdapterCache:
         self._clear(slot, now)
         return slot
 
-    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ---------------------
+    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ----------------
     def set_budgets(self, budgets: TenantBudgets) -> None:
-        """New budgets (from the registry); they apply to the next placement, nothing is evicted for them."""
+        """New budgets (from the registry); they apply to the next placement, nothing is evicted for
+        them."""
         with self._lock:
             self.budgets = budgets
 
     def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of the adapters charged to it there."""
+        """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of the adapters charged to it there.
+        """
         with self._lock:
             entries = self.entries
             out: dict[str, dict[str, dict[str, int]]] = {}
-            for tier, keys in (("gpu", [k for k in self.slots if k is not None]), ("cpu", list(self.cpu))):
+            in_slots = [k for k in self.slots if k is not None]
+            for tier, keys in (("gpu", in_slots), ("cpu", list(self.cpu))):
                 per = out[tier] = {}
                 for key in keys:
                     e = entries[key]
@@ -537,7 +542,8 @@ class AdapterCache:
             return out
 
     def budget_state(self) -> dict[str, dict]:
-        """Per tenant: slots and host bytes used against its budget, and its requests' budget waits."""
+        """Per tenant: slots and host bytes used against its budget, and its requests' budget waits.
+        """
         with self._lock:
             used = self.tenant_usage()
             report = self.budgets.report({"gpu": {t: r["count"] for t, r in used["gpu"].items()},
@@ -554,10 +560,12 @@ class AdapterCache:
             return report
 
     def defers(self, ref: AdapterRef) -> bool:
-        """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its tenant's
-        budget keeps it waiting, for at most the budgets' `yield_s`."""
+        """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
+        tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
         waiting = self.budget_waiting.get(ref.key)
-        return waiting is not None and waiting[0] == ref.tenant and self.budgets.defers(self.clock() - waiting[1])
+        if waiting is None or waiting[0] != ref.tenant:
+            return False
+        return self.budgets.defers(self.clock() - waiting[1])
 
     def _slot_usage(self) -> dict[str, int]:
         entries = self.entries
@@ -575,11 +583,13 @@ class AdapterCache:
     def _budget_victims(self, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
         """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""
         entries = self.entries
-        return self.budgets.victims("gpu", tenant, self._slot_usage(), 1, [(k, entries[k].charged) for k in keys])
+        candidates = [(k, entries[k].charged) for k in keys]
+        return self.budgets.victims("gpu", tenant, self._slot_usage(), 1, candidates)
 
     def _host_budget_allows(self, key: AdapterKey, tenant: str) -> bool:
-        """Whether a load of `key` for `tenant` may start: into free host memory, within its budget, or with
-        copies of its own to give up for it (the copy lands and `_shrink_cpu` drops them)."""
+        """Whether a load of `key` for `tenant` may start: into free host memory, within its budget,
+        or with copies of its own to give up for it (the copy lands and `_shrink_cpu` drops them).
+        """
         budgets = self.budgets
         if not budgets.limits_anyone:
             return True
@@ -591,12 +601,13 @@ class AdapterCache:
         return budgets.may_take("cpu", tenant, self._host_usage(), need, has_free, own)
 
     def _host_budget_victims(self, keep: AdapterKey, keys: list[AdapterKey]) -> list[AdapterKey]:
-        """Of the droppable host copies `keys`, those that the landing copy `keep` may push out. Its tenant beyond
-        its budget gives up its own, the landing copy included when it has no other (its request then waits, and
-        its next load waits for room: `_host_budget_allows`)."""
+        """Of the droppable host copies `keys`, those that the landing copy `keep` may push out. Its
+        tenant beyond its budget gives up its own, the landing copy included when it has no other
+        (its request then waits, and its next load waits for room: `_host_budget_allows`)."""
         entries = self.entries
         tenant, used = entries[keep].last_tenant, self._host_usage()
-        allowed = self.budgets.victims("cpu", tenant, used, 0, [(k, entries[k].charged) for k in keys])
+        candidates = [(k, entries[k].charged) for k in keys]
+        allowed = self.budgets.victims("cpu", tenant, used, 0, candidates)
         if not allowed and self.budgets.is_over(tenant, "cpu", used, 0) and keep in self.cpu \
                 and entries[keep].pinned != "cpu":
             return [keep]

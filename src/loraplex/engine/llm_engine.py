@@ -76,7 +76,8 @@ class LLMEngine:
             max_cpu_loras=config.max_cpu_loras,
             disk=disk,
             policy=policy or make_policy(config.eviction_policy),
-            budgets=TenantBudgets(config.max_loras, config.cpu_cache_bytes, gpu_share=config.tenant_gpu_share,
+            budgets=TenantBudgets(config.max_loras, config.cpu_cache_bytes,
+                                  gpu_share=config.tenant_gpu_share,
                                   cpu_share=config.tenant_cpu_share),
         )
         num_blocks = config.kv_cache_bytes // (config.block_size * kv_bytes_per_token(self.model, self.dtype))

@@ -83,13 +83,15 @@ class Scheduler:
             lora_bytes = self._lora_bytes(self.running)
 
     def _in_turn(self) -> list[Sequence]:
-        """The waiting requests in arrival order, those that their tenant's budget keeps waiting after the others
-        (for a bounded time: `AdapterCache.defers`), so that a slot that frees goes to a tenant within budget."""
+        """The waiting requests in arrival order, those that their tenant's budget keeps waiting
+        after the others (for a bounded time: `AdapterCache.defers`), so that a slot that frees goes
+        to a tenant within budget."""
         if not self.adapters.budget_waiting:
             return list(self.waiting)
         first, later = [], []
         for seq in self.waiting:
-            (later if seq.adapter is not None and self.adapters.defers(seq.adapter) else first).append(seq)
+            held = seq.adapter is not None and self.adapters.defers(seq.adapter)
+            (later if held else first).append(seq)
         return first + later
 
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:

@@ -351,14 +351,17 @@ def gc(ctx: typer.Context, min_age_s: Annotated[float, typer.Option(help="Keep e
 GpuSlotsOption = Annotated[str | None, typer.Option(
     "--max-gpu-slots", help="Residency budget in device slots; `none`: the server's default share")]
 CpuBytesOption = Annotated[str | None, typer.Option(
-    "--max-cpu-bytes", help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share")]
+    "--max-cpu-bytes",
+    help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share")]
 
 
 def _budget(max_gpu_slots: str | None, max_cpu_bytes: str | None) -> dict[str, int | None]:
-    """The budget fields given on the command line (`none` clears one); a bad value names its flag."""
+    """The budget fields given on the command line (`none` clears one); a bad value names its flag.
+    """
     budget: dict[str, int | None] = {}
-    for flag, text, parse in (("--max-gpu-slots", max_gpu_slots, int), ("--max-cpu-bytes", max_cpu_bytes,
-                                                                        parse_size)):
+    given = (("--max-gpu-slots", max_gpu_slots, int),
+             ("--max-cpu-bytes", max_cpu_bytes, parse_size))
+    for flag, text, parse in given:
         if text is None:
             continue
         try:
@@ -398,14 +401,17 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
 
 @tenant_app.command("set")
 @_errors
-def tenant_set(ctx: typer.Context, name: str, priority: Annotated[int | None, typer.Option()] = None,
+def tenant_set(ctx: typer.Context, name: str,
+               priority: Annotated[int | None, typer.Option()] = None,
                max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None):
-    """Change a tenant's priority or residency budgets (running servers follow within their watch interval)."""
+    """Change a tenant's priority or residency budgets (running servers follow within their watch
+    interval)."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
     registry = _open(ctx)
     tenant = next((t for t in registry.list_tenants() if t.name == name), None)
     if tenant is None:
-        raise RegistryError(f"unknown tenant {name!r}; add it with `loraplex registry tenant add {name}`")
+        raise RegistryError(f"unknown tenant {name!r}; "
+                            f"add it with `loraplex registry tenant add {name}`")
     if priority is not None:
         tenant = registry.add_tenant(name, priority)
     if budget:
@@ -425,8 +431,9 @@ def _budget_line(t) -> str:
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     tenants = _open(ctx).list_tenants()
     if json_out:
-        _print_json([{"name": t.name, "priority": t.priority, "created_at": t.created_at.isoformat(),
-                      "max_gpu_slots": t.max_gpu_slots, "max_cpu_bytes": t.max_cpu_bytes} for t in tenants])
+        _print_json([{"name": t.name, "priority": t.priority,
+                      "created_at": t.created_at.isoformat(), "max_gpu_slots": t.max_gpu_slots,
+                      "max_cpu_bytes": t.max_cpu_bytes} for t in tenants])
         return
     table = Table(title="tenants")
     for column in ("name", "priority", "max gpu slots", "max cpu bytes", "created"):

@@ -63,7 +63,8 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # Residency budgets (NULL: the server's default share); added after the table, by `add_missing_columns`.
+    # Residency budgets (NULL: the server's default share); added to older tables by
+    # `add_missing_columns`.
     max_gpu_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_cpu_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
@@ -245,14 +246,14 @@ def add_missing_tables(engine: Engine) -> None:
 
 
 def add_missing_columns(engine: Engine) -> None:
-    """Add the nullable columns added to existing tables since the database was made (older versions ignore
-    them, so the schema version stays), as `add_missing_tables` does for tables."""
+    """Add the nullable columns added to existing tables since the database was made (older versions
+    ignore them, so the schema version stays), as `add_missing_tables` does for tables."""
     inspector = inspect(engine)
-    missing = [
-        (table, column) for table in Base.metadata.sorted_tables if inspector.has_table(table.name)
-        for column in table.columns
-        if column.nullable and column.name not in {c["name"] for c in inspector.get_columns(table.name)}
-    ]
+    missing = []
+    for table in Base.metadata.sorted_tables:
+        if inspector.has_table(table.name):
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            missing += [(table, c) for c in table.columns if c.nullable and c.name not in present]
     if not missing:
         return
     with writer(engine).begin() as conn:

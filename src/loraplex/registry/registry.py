@@ -603,11 +603,12 @@ class Registry:
 
     def add_tenant(self, name: str, priority: int = 0, max_gpu_slots: int | None = None,
                    max_cpu_bytes: int | None = None) -> TenantRecord:
-        """Create a tenant, or set the priority of an existing one; budgets given are set too (`set_budget`)."""
+        """Create a tenant, or set the priority of an existing one; budgets given are set too
+        (`set_budget`)."""
         if not TENANT_RE.fullmatch(name):
             raise RegistryError(f"tenant name {name!r} must match {TENANT_RE.pattern}")
-        budget = {k: v for k, v in (("max_gpu_slots", max_gpu_slots), ("max_cpu_bytes", max_cpu_bytes))
-                  if v is not None}
+        given = (("max_gpu_slots", max_gpu_slots), ("max_cpu_bytes", max_cpu_bytes))
+        budget = {k: v for k, v in given if v is not None}
         _check_budget(budget)
         with self._write() as session:
             tenant = session.get(Tenant, name)
@@ -623,8 +624,9 @@ class Registry:
             return _tenant_record(tenant)
 
     def set_budget(self, name: str, **budget: int | None) -> TenantRecord:
-        """Set a tenant's residency budgets: `max_gpu_slots` (device slots) and `max_cpu_bytes` (host bytes);
-        None clears one (the server's default share applies). Fields not given stay as they are."""
+        """Set a tenant's residency budgets: `max_gpu_slots` (device slots) and `max_cpu_bytes`
+        (host bytes); None clears one (the server's default share applies). Fields not given stay as
+        they are."""
         _check_budget(budget)
         with self._write() as session:
             tenant = q.tenant_or_error(session, name)
@@ -793,10 +795,12 @@ BUDGET_FIELDS = ("max_gpu_slots", "max_cpu_bytes")
 
 
 def _check_budget(budget: dict) -> None:
-    """Refuse an unknown field, a value that is not a whole number, or a negative one, naming the field."""
+    """Refuse an unknown field, a value that is not a whole number, or a negative one, naming the
+    field."""
     for field_name, value in budget.items():
         if field_name not in BUDGET_FIELDS:
-            raise RegistryError(f"unknown budget field {field_name!r}: use {' or '.join(BUDGET_FIELDS)}")
+            raise RegistryError(f"unknown budget field {field_name!r}: "
+                                f"use {' or '.join(BUDGET_FIELDS)}")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise RegistryError(f"{field_name} must be a whole number, not {value!r}")
         if value is not None and value < 0:

@@ -68,7 +68,8 @@ class RevisionBody(_Body):
 
 
 class BudgetBody(_Body):
-    """The fields given are set (null clears one: the server's default share); those left out stay."""
+    """The fields given are set (null clears one: the server's default share); those left out stay.
+    """
 
     max_gpu_slots: int | None = None
     max_cpu_bytes: int | str | None = None
@@ -128,12 +129,13 @@ async def state(request: Request) -> dict:
 
 
 async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
-    """Set a tenant's residency budgets in the registry and apply them here at once (other servers follow within
-    their watch interval). A negative value, one that is not a size, or one beyond this server's capacity is
-    refused, naming the field, and nothing changes."""
+    """Set a tenant's residency budgets in the registry and apply them here at once (other servers
+    follow within their watch interval). A negative value, one that is not a size, or one beyond
+    this server's capacity is refused, naming the field, and nothing changes."""
     server = _server(request)
     cache = server.engine.adapters
-    capacity = {"max_gpu_slots": (len(cache.slots), "slots"), "max_cpu_bytes": (cache.cpu_bytes, "bytes")}
+    capacity = {"max_gpu_slots": (len(cache.slots), "slots"),
+                "max_cpu_bytes": (cache.cpu_bytes, "bytes")}
     budget = {}
     for field_name in sorted(body.model_fields_set):
         value = getattr(body, field_name)
@@ -144,7 +146,8 @@ async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
                 raise APIError(400, f"{field_name}: {exc}", "invalid_value", field_name) from None
         limit, unit = capacity[field_name]
         if value is not None and value < 0:
-            raise APIError(400, f"{field_name} must be >= 0, not {value}", "invalid_value", field_name)
+            raise APIError(400, f"{field_name} must be >= 0, not {value}", "invalid_value",
+                           field_name)
         if value is not None and value > limit:
             raise APIError(400, f"{field_name} {value} is more than this server's {limit} {unit}",
                            "invalid_value", field_name)

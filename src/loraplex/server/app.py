@@ -114,7 +114,7 @@ class Server:
         self.async_engine = AsyncEngine(self.engine)
         try:
             self.apply_budgets()
-        except Exception:  # a registry briefly unreachable: the watcher applies them at its next look
+        except Exception:  # a registry briefly unreachable: the watcher applies them later
             log.exception("could not read the tenants' residency budgets")
         try:
             self.warm_start()
@@ -270,8 +270,9 @@ class Server:
                     log.exception("could not follow the registry's traffic changes")
 
     def budgets_from(self, tenants) -> TenantBudgets:
-        """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's default shares.
-        Raises ValueError naming the field for a budget beyond this server's capacity."""
+        """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's
+        default shares. Raises ValueError naming the field for a budget beyond this server's
+        capacity."""
         cache, config = self.engine.adapters, self.engine.config
         own = {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in tenants
                if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
@@ -279,18 +280,18 @@ class Server:
                              config.tenant_cpu_share)
 
     def apply_budgets(self) -> None:
-        """The tenants' residency budgets from the registry, onto the cache. A budget beyond this server's
-        capacity (the registry serves workers of several sizes) is capped at the capacity here, and logged."""
+        """The tenants' residency budgets from the registry, onto the cache. A budget beyond this
+        server's capacity (the registry serves workers of several sizes) is capped at the capacity
+        here, and logged."""
         cache = self.engine.adapters
         tenants = self.registry.list_tenants()
         try:
             budgets = self.budgets_from(tenants)
         except ValueError as exc:
             log.warning("residency budgets: %s; capped at this server's capacity", exc)
-            capped = [dataclasses.replace(
-                t, max_gpu_slots=None if t.max_gpu_slots is None else min(t.max_gpu_slots, len(cache.slots)),
-                max_cpu_bytes=None if t.max_cpu_bytes is None else min(t.max_cpu_bytes, cache.cpu_bytes))
-                for t in tenants]
+            capped = [dataclasses.replace(t, max_gpu_slots=_cap(t.max_gpu_slots, len(cache.slots)),
+                                          max_cpu_bytes=_cap(t.max_cpu_bytes, cache.cpu_bytes))
+                      for t in tenants]
             budgets = self.budgets_from(capped)
         if budgets != cache.budgets:
             cache.set_budgets(budgets)
@@ -463,7 +464,7 @@ class Server:
                 "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
                 "in_flight": self.admission.num_in_flight,
             },
-            # Per tenant: the slots and host bytes charged to it against its budget (None: no limit).
+            # Per tenant: the slots and host bytes charged to it against its budget (None: none).
             "tenants": cache["tenants"],
             "cache": {k: v for k, v in cache.items() if k not in ("adapters", "tenants")},
         }
@@ -471,6 +472,10 @@ class Server:
 
 _TIER_STAGES = {"cpu": {"h2d", "activation"}, "disk": {"disk", "h2d", "activation"},
                 "remote": {"download", "disk", "h2d", "activation"}}
+
+
+def _cap(value: int | None, capacity: int) -> int | None:
+    return None if value is None else min(value, capacity)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -43,10 +43,12 @@ def serve(
                                                                  "line (no file: /metrics is open, as vLLM's)")] = None,
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
-    tenant_gpu_share: Annotated[float, typer.Option(help="Device slots a tenant without a budget of its own "
-                                                        "may hold, as a share (1.0: no limit)")] = 1.0,
-    tenant_cpu_share: Annotated[float, typer.Option(help="Host memory a tenant without a budget of its own "
-                                                        "may hold, as a share (1.0: no limit)")] = 1.0,
+    tenant_gpu_share: Annotated[float, typer.Option(
+        help="Share of the device slots a tenant without a budget of its own may hold "
+             "(1.0: no limit)")] = 1.0,
+    tenant_cpu_share: Annotated[float, typer.Option(
+        help="Share of the host memory a tenant without a budget of its own may hold "
+             "(1.0: no limit)")] = 1.0,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""
@@ -60,7 +62,8 @@ def serve(
             eviction_policy=eviction_policy, dtype=dtype, device=device, host=host, port=port, registry=registry,
             api_keys=api_keys, admin_token_file=admin_token_file, admin_port=admin_port,
             metrics_token_file=metrics_token_file,
-            allowed_roots=tuple(roots), tenant_gpu_share=tenant_gpu_share, tenant_cpu_share=tenant_cpu_share,
+            allowed_roots=tuple(roots),
+            tenant_gpu_share=tenant_gpu_share, tenant_cpu_share=tenant_cpu_share,
         )
         run(options)
     except StartupError as exc:

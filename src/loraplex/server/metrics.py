@@ -57,8 +57,10 @@ class ServerMetrics:
                                    "(disk or remote) on arrival", registry=r)
         self.tenant_denied = Counter("loraplex_tenant_denied_total", "Requests refused by tenancy: another "
                                      "tenant's adapter, or the tenant's concurrency quota", ["tenant"], registry=r)
-        self.budget_waits = Counter("loraplex_tenant_budget_waits_total", "Requests that waited because their "
-                                    "tenant was at its residency budget (once per wait)", ["tenant"], registry=r)
+        self.budget_waits = Counter(
+            "loraplex_tenant_budget_waits_total",
+            "Requests that waited because their tenant was at its residency budget (once per wait)",
+            ["tenant"], registry=r)
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
         self.top_k_adapters = top_k_adapters
@@ -107,10 +109,13 @@ class ServerMetrics:
 
 def _tenant_gauges(tenants: dict):
     """Per tenant and tier (gpu, cpu), the adapters charged to it there and their bytes."""
-    count = GaugeMetricFamily("loraplex_tenant_resident_count", "Adapters charged to a tenant per tier (those its "
-                              "requests hold, or used last)", labels=["tenant", "tier"])
-    size = GaugeMetricFamily("loraplex_tenant_resident_bytes", "Bytes of the adapters charged to a tenant per tier",
-                             labels=["tenant", "tier"])
+    count = GaugeMetricFamily(
+        "loraplex_tenant_resident_count",
+        "Adapters charged to a tenant per tier (those its requests hold, or used last)",
+        labels=["tenant", "tier"])
+    size = GaugeMetricFamily(
+        "loraplex_tenant_resident_bytes", "Bytes of the adapters charged to a tenant per tier",
+        labels=["tenant", "tier"])
     for tenant, row in tenants.items():
         count.add_metric([tenant, "gpu"], row["gpu"]["slots"])
         count.add_metric([tenant, "cpu"], row["cpu"]["count"])

@@ -70,7 +70,8 @@ def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], s
             cap = workloads.default_capacity(name)
             config = SimConfig(
                 gpu_slots=n_slots or cap.gpu_slots, cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
-                disk_bytes=cap.disk_bytes, workers=workers, service=service, costs=costs, tenant_budgets=budgets,
+                disk_bytes=cap.disk_bytes, workers=workers, service=service, costs=costs,
+                tenant_budgets=budgets,
             )
             progress.update(task, description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}")
             hot = hot_adapters(trace, config.gpu_slots * workers)
@@ -107,14 +108,15 @@ def results_table(runs: list[dict], title: str = "simulation") -> Table:
 
 def tenant_table(run: dict) -> Table:
     table = Table(title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}")
-    for col in ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms", "TTFT p99 ms", "wait p99 ms",
-                "budget waits"):
+    columns = ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms",
+               "TTFT p99 ms", "wait p99 ms", "budget waits")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
     for name, e in run["policies"].items():
         for tenant, t in e["tenants"].items():
             table.add_row(name, tenant, str(t["requests"]), _pct(t["gpu_hit_rate"]), _pct(t["cold_start_rate"]),
-                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]), _ms(t["queue_wait_s"]["p99"]),
-                          str(t.get("budget_waits", "-")))
+                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]),
+                          _ms(t["queue_wait_s"]["p99"]), str(t.get("budget_waits", "-")))
     return table
 
 
@@ -179,8 +181,10 @@ def simulate(
     workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
     json_out: Path | None = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
-    tenant_budget: list[str] | None = typer.Option(None, "--tenant-budget", help="TENANT=SLOTS[:SIZE] (or "
-                                                   "TENANT=:SIZE): a tenant's residency budget; repeat per tenant."),
+    tenant_budget: list[str] | None = typer.Option(
+        None, "--tenant-budget",
+        help="TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; "
+             "repeat per tenant."),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
@@ -218,8 +222,8 @@ def simulate(
             for run in runs:
                 base = run["gpu_slots"]
                 around = sorted({max(1, base // 2), base, base * 2, base * 4})
-                sweep += run_sweep({run["workload"]: traces[run["workload"]]}, policies, around, cpu, workers, console,
-                                   budgets)
+                one = {run["workload"]: traces[run["workload"]]}
+                sweep += run_sweep(one, policies, around, cpu, workers, console, budgets)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
 

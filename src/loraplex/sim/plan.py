@@ -87,7 +87,8 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
 
 
 def budgets_from_registry(url: str) -> dict[str, Budget]:
-    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it)."""
+    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it).
+    """
     from loraplex.registry.registry import Registry
 
     registry = Registry(url)
@@ -149,7 +150,8 @@ def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path |
     defaults = EngineConfig(model_dir=model_dir)
     sizes = from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
     plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
-                sizes, defaults, workload=workload, budgets=budgets_from_registry(registry) if registry else {})
+                sizes, defaults, workload=workload,
+                budgets=budgets_from_registry(registry) if registry else {})
     if workload:
         trace = load_workload(workload)
         with progress or contextlib.nullcontext():

@@ -172,7 +172,8 @@ class SimConfig:
     """Residency budgets per tenant (`loraplex.cache.budgets`), as the registry keeps them."""
     tenant_gpu_share: float = 1.0
     tenant_cpu_share: float = 1.0
-    """The default budget of a tenant without its own, as `serve --tenant-gpu-share/--tenant-cpu-share`."""
+    """The default budget of a tenant without its own, as `serve
+    --tenant-gpu-share/--tenant-cpu-share`."""
     bytes_per_rank: int = LLAMA7B_BYTES_PER_RANK
     """An adapter's host-copy bytes are its rank times this, unless `adapter_bytes` names it."""
     adapter_bytes: dict[str, int] | None = None
@@ -195,11 +196,13 @@ class SimConfig:
         self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:
-        """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller caches)."""
+        """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller
+        caches)."""
         capped = {t: Budget(None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
                             None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes))
                   for t, b in (self.tenant_budgets or {}).items()}
-        return TenantBudgets(self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share)
+        return TenantBudgets(self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share,
+                             self.tenant_cpu_share)
 
 
 # -- the simulated device and tiers ----------------------------------------------------------------
@@ -387,7 +390,7 @@ class Worker:
         blocked: dict[AdapterKey, None] = {}  # waiting keys that only a load's end or a slot's release can unblock
         stuck = False  # a waiting request found no slot, and time alone may free one
         waiting = list(self.waiting)
-        if cache.budget_waiting:  # as the engine's scheduler: those their budget holds back go after the others
+        if cache.budget_waiting:  # as the engine's scheduler: those held back by budget go last
             deferred = [s for s in waiting if s.ref is not None and cache.defers(s.ref)]
             if deferred:
                 held = set(map(id, deferred))
@@ -678,8 +681,10 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
         adapter = [s for s in group if s.ref is not None]
         m = len(adapter) or 1
-        budget_waits = sum(c.budget_waits.get(group[0].req.tenant, 0) for c in caches) if group else 0
-        return {"requests": len(group), "adapter_requests": len(adapter), "budget_waits": budget_waits,
+        name = group[0].req.tenant if group else None
+        budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
+        return {"requests": len(group), "adapter_requests": len(adapter),
+                "budget_waits": budget_waits,
                 "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
                 "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m, **latency(group)}
 

@@ -1,5 +1,5 @@
-"""Per-tenant residency budgets: the rule over plain data (loraplex.cache.budgets), and the cache applying it to
-slots and host copies (no torch)."""
+"""Per-tenant residency budgets: the rule over plain data (loraplex.cache.budgets), and the cache
+applying it to slots and host copies (no torch)."""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from loraplex.cache.policy import LRUPolicy
 MiB = 2**20
 
 
-# -- the rule ------------------------------------------------------------------------------------------------
+# -- the rule -------------------------------------------------------------------------------
 def test_an_adapter_counts_for_the_tenants_holding_it_else_the_last_user():
     assert charged({"a": 1, "b": 2}, "c") == {"a", "b"}
     assert charged({"a": 0}, "c") == {"c"}
@@ -24,8 +24,11 @@ def test_an_adapter_counts_for_the_tenants_holding_it_else_the_last_user():
 def test_over_its_budget_a_tenant_may_displace_only_what_counts_for_it_alone():
     budgets = TenantBudgets(8, 1000, {"batch": Budget(gpu_slots=2)})
     used = {"batch": 2, "online": 4}
-    candidates = [("b1", frozenset({"batch"})), ("o1", frozenset({"online"})),
-                  ("s1", frozenset({"batch", "online"}))]
+    candidates = [
+        ("b1", frozenset({"batch"})),
+        ("o1", frozenset({"online"})),
+        ("s1", frozenset({"batch", "online"})),
+    ]
     assert budgets.victims("gpu", "batch", used, 1, candidates) == ["b1"]
     assert budgets.may_take("gpu", "batch", used, 1, False, candidates[1:]) is False
     assert budgets.may_take("gpu", "batch", used, 1, True, []) is True  # a free slot: anyone's
@@ -44,18 +47,21 @@ def test_zero_is_served_only_from_free_capacity_and_shares_are_the_default():
     assert budgets.defers(0.0) and not budgets.defers(budgets.yield_s)
 
 
-@pytest.mark.parametrize(("make", "field"), [
-    (lambda: Budget(gpu_slots=-1), "gpu_slots"),
-    (lambda: TenantBudgets(4, 1000, {"t": Budget(gpu_slots=5)}), "max_gpu_slots"),
-    (lambda: TenantBudgets(4, 1000, {"t": Budget(cpu_bytes=1001)}), "max_cpu_bytes"),
-    (lambda: TenantBudgets(4, 1000, gpu_share=1.5), "tenant_gpu_share"),
-])
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: Budget(gpu_slots=-1), "gpu_slots"),
+        (lambda: TenantBudgets(4, 1000, {"t": Budget(gpu_slots=5)}), "max_gpu_slots"),
+        (lambda: TenantBudgets(4, 1000, {"t": Budget(cpu_bytes=1001)}), "max_cpu_bytes"),
+        (lambda: TenantBudgets(4, 1000, gpu_share=1.5), "tenant_gpu_share"),
+    ],
+)
 def test_bad_budgets_are_refused_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
 
 
-# -- the cache applying it -------------------------------------------------------------------------------------
+# -- the cache applying it -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Packed:
     nbytes: int
@@ -81,15 +87,23 @@ class Instant:
 
 def make_cache(slots: int, cpu_mib: int, budgets: dict[str, Budget]):
     now = [0.0]
-    cache = AdapterCache(Pool(slots), lambda files, hashed: None, cpu_bytes=cpu_mib * MiB, policy=LRUPolicy(),
-                         budgets=TenantBudgets(slots, cpu_mib * MiB, budgets), executor=Instant(),
-                         loader=lambda ref: Loaded(Packed(10 * MiB), "disk", {"disk": 0.01}),
-                         clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(slots),
+        lambda files, hashed: None,
+        cpu_bytes=cpu_mib * MiB,
+        policy=LRUPolicy(),
+        budgets=TenantBudgets(slots, cpu_mib * MiB, budgets),
+        executor=Instant(),
+        loader=lambda ref: Loaded(Packed(10 * MiB), "disk", {"disk": 0.01}),
+        clock=lambda: now[0],
+    )
     return cache, now
 
 
 def ref(name: str, tenant: str) -> AdapterRef:
-    return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}", tenant=tenant)
+    return AdapterRef(
+        AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}", tenant=tenant
+    )
 
 
 def serve(cache, now, r, hold: bool = False) -> int | None:
@@ -109,7 +123,9 @@ def test_a_tenant_at_its_slot_budget_reuses_its_own_slots_and_waits_while_they_a
     for i in range(3):
         serve(cache, now, ref(f"o{i}", "online"))
     assert serve(cache, now, ref("b0", "batch"), hold=True) is not None  # a free slot
-    assert serve(cache, now, ref("b1", "batch")) is None  # its one slot is busy: it waits, online's stay
+    assert (
+        serve(cache, now, ref("b1", "batch")) is None
+    )  # its one slot is busy: it waits, online's stay
     assert cache.budget_waits == {"batch": 1}
     assert cache.defers(ref("b1", "batch")) and not cache.defers(ref("b1", "online"))
     cache.release(ref("b0", "batch").key, "batch")
@@ -124,9 +140,16 @@ def test_a_shared_adapter_counts_for_each_tenant_using_it():
     shared = ref("shared", "online")
     serve(cache, now, ref("o0", "online"))
     assert serve(cache, now, shared, hold=True) is not None
-    assert serve(cache, now, AdapterRef(shared.key, shared.path, shared.storage_uri, "batch"), hold=True) is not None
+    assert (
+        serve(
+            cache, now, AdapterRef(shared.key, shared.path, shared.storage_uri, "batch"), hold=True
+        )
+        is not None
+    )
     assert cache.entries[shared.key].charged == {"online", "batch"}
-    assert serve(cache, now, ref("b0", "batch")) is None  # batch holds its one slot through the shared adapter
+    assert (
+        serve(cache, now, ref("b0", "batch")) is None
+    )  # batch holds its one slot through the shared adapter
     cache.release(shared.key, "online")
     cache.release(shared.key, "batch")
     assert cache.entries[shared.key].charged == {"batch"}  # the last to use it
@@ -144,7 +167,9 @@ def test_a_zero_budget_is_served_only_from_free_slots():
 
 
 def test_over_its_host_budget_a_tenant_drops_its_own_copies_and_never_another_tenants():
-    cache, now = make_cache(1, 50, {"batch": Budget(cpu_bytes=20 * MiB)})  # room for 5 copies, batch 2
+    cache, now = make_cache(
+        1, 50, {"batch": Budget(cpu_bytes=20 * MiB)}
+    )  # room for 5 copies, batch 2
     for i in range(3):
         serve(cache, now, ref(f"o{i}", "online"))
     for i in range(4):
