@@ -20,6 +20,25 @@ The rule:
 - A tenant's requests that wait for their budget come after other tenants' waiting requests for
   `yield_s` seconds, then take their turn in arrival order (`defers`): nothing waits behind others
   for ever.
+
+The API, as an engine uses it (tiers are "gpu", counted in slots, and "cpu", counted in bytes):
+- `TenantBudgets(gpu_slots, cpu_bytes, {tenant: Budget(gpu_slots, cpu_bytes)}, gpu_share,
+  cpu_share)`: the server's budgets; a budget beyond the capacity raises ValueError naming the
+  field. `limit(tenant, tier)` is a tenant's budget (None: no limit); `limits_anyone` is False
+  when no budget can bind, and the caller may skip the counting.
+- `charged(users, last)`: the tenants one resident adapter counts for, from its holders
+  (tenant -> requests holding it) and the tenant that used it last.
+- `usage(pairs)`: per-tenant usage from `(charged tenants, amount)` pairs over what is resident
+  in a tier (amount 1 per slot, or the copy's bytes).
+- `victims(tier, tenant, used, need, candidates)`: of the evictable `(key, charged tenants)`
+  candidates, the keys `tenant` may displace to take `need` more (1 slot, or the bytes of the
+  copy it brings); an empty list means it waits, unless there is free capacity. The caller's
+  policy chooses among them (pins and in-use adapters are never candidates).
+- `may_take(tier, tenant, used, need, has_free, candidates)`: whether a placement (or a load
+  into host memory) may start now.
+- `defers(waited_s)`: whether a request waiting for its budget since `waited_s` ago still lets
+  other tenants' waiting requests go first.
+- `report(used)`: per tenant and tier, usage against budget, for display.
 """
 
 from __future__ import annotations

@@ -519,14 +519,13 @@ class AdapterCache:
 
     # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ----------------
     def set_budgets(self, budgets: TenantBudgets) -> None:
-        """New budgets (from the registry); they apply to the next placement, nothing is evicted for
-        them."""
+        """New budgets (from the registry): they apply from the next placement on; nothing is
+        evicted for them."""
         with self._lock:
             self.budgets = budgets
 
     def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of the adapters charged to it there.
-        """
+        """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of what is charged to it there."""
         with self._lock:
             entries = self.entries
             out: dict[str, dict[str, dict[str, int]]] = {}
@@ -542,8 +541,7 @@ class AdapterCache:
             return out
 
     def budget_state(self) -> dict[str, dict]:
-        """Per tenant: slots and host bytes used against its budget, and its requests' budget waits.
-        """
+        """Per tenant: slots and host bytes used against its budget, and its budget waits."""
         with self._lock:
             used = self.tenant_usage()
             report = self.budgets.report({"gpu": {t: r["count"] for t, r in used["gpu"].items()},
@@ -588,8 +586,7 @@ class AdapterCache:
 
     def _host_budget_allows(self, key: AdapterKey, tenant: str) -> bool:
         """Whether a load of `key` for `tenant` may start: into free host memory, within its budget,
-        or with copies of its own to give up for it (the copy lands and `_shrink_cpu` drops them).
-        """
+        or with copies of its own to give up for it (`_shrink_cpu` drops them when it lands)."""
         budgets = self.budgets
         if not budgets.limits_anyone:
             return True

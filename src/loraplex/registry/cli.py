@@ -356,8 +356,7 @@ CpuBytesOption = Annotated[str | None, typer.Option(
 
 
 def _budget(max_gpu_slots: str | None, max_cpu_bytes: str | None) -> dict[str, int | None]:
-    """The budget fields given on the command line (`none` clears one); a bad value names its flag.
-    """
+    """The budget fields given on the command line (`none` clears one); a bad one names its flag."""
     budget: dict[str, int | None] = {}
     given = (("--max-gpu-slots", max_gpu_slots, int),
              ("--max-cpu-bytes", max_cpu_bytes, parse_size))
