@@ -1,5 +1,6 @@
-"""The simulator applies the tenants' residency budgets as the server does: a sweeping tenant held to one slot
-leaves the steady tenant's adapters on the device, waits instead, and every request still finishes."""
+"""The simulator applies the tenants' residency budgets as the server does: a sweeping tenant held
+to one slot leaves the steady tenant's adapters on the device, waits instead, and every request
+still finishes."""
 
 from loraplex.cache.budgets import Budget
 from loraplex.sim import workload as W
