@@ -9,9 +9,9 @@ to other tenants'.
 The rule:
 - A resident adapter counts for each tenant whose requests hold it now, else for the tenant whose
   request used it last (`charged`): a shared adapter counts in full for every tenant using it.
-- Free capacity (an empty slot, unused host bytes) is taken by anyone, over budget or not: a budget
-  limits what a tenant takes from the others, never what no one uses. A budget of zero is served
-  only from free capacity.
+- Free capacity (an empty slot, unused host bytes) is taken by anyone, over budget or not, while
+  no other tenant's request waits for it: a budget limits what a tenant takes from the others,
+  never what no one uses. A budget of zero is served only from free capacity.
 - A tenant whose usage plus what it asks for would go beyond its budget makes room only from the
   adapters that count for it alone (`victims`), or waits: it never evicts what counts for another
   tenant.
@@ -32,8 +32,9 @@ The API, as an engine uses it (tiers are "gpu", counted in slots, and "cpu", cou
   in a tier (amount 1 per slot, or the copy's bytes).
 - `victims(tier, tenant, used, need, candidates)`: of the evictable `(key, charged tenants)`
   candidates, the keys `tenant` may displace to take `need` more (1 slot, or the bytes of the
-  copy it brings); an empty list means it waits, unless there is free capacity. The caller's
-  policy chooses among them (pins and in-use adapters are never candidates).
+  copy it brings); an empty list means it waits, unless there is free capacity that no other
+  tenant's request waits for. The caller's policy chooses among them (pins and in-use adapters
+  are never candidates).
 - `may_take(tier, tenant, used, need, has_free, candidates)`: whether a placement (or a load
   into host memory) may start now.
 - `defers(waited_s)`: whether a request waiting for its budget since `waited_s` ago still lets

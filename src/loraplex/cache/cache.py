@@ -467,7 +467,13 @@ class AdapterCache:
         """Put the host copy in a slot: a free one, else one the policy frees. `tenant`: the tenant
         whose request asks, held to its budget (None: an operator's pin or prewarm, placed as
         asked)."""
-        slot = self.slots.index(None) if None in self.slots else self._evict_slot(key, now, tenant)
+        if None not in self.slots:
+            slot = self._evict_slot(key, now, tenant)
+        elif tenant is not None and self._budget_yields_free_slot(key, tenant, now):
+            self._wait_for_budget(key, tenant, now)
+            slot = None
+        else:
+            slot = self.slots.index(None)
         if slot is None:
             return None
         entry = self.entries[key]
@@ -577,6 +583,20 @@ class AdapterCache:
         """Whether one more slot (gpu) or any more bytes (cpu) puts the tenant beyond its budget."""
         used = self._slot_usage() if tier == "gpu" else self._host_usage()
         return self.budgets.is_over(tenant, tier, used, 1)
+
+    def _budget_yields_free_slot(self, key: AdapterKey, tenant: str, now: float) -> bool:
+        """Whether a request of a tenant beyond its budget leaves a free slot to another tenant's
+        request that waits for one (its adapter loading, or in host memory): free capacity is
+        anyone's only while no one else wants it. It yields for the budgets' `yield_s` at most (then
+        it takes the slot: nothing starves)."""
+        if not self.budgets.limits_anyone or not self._over_budget(tenant, "gpu"):
+            return False
+        waiting = self.budget_waiting.get(key)
+        if waiting is not None and not self.budgets.defers(now - waiting[1]):
+            return False
+        entries, slots = self.entries, self.slots
+        return any(now - asked <= WANTED_FOR_S and k not in slots
+                   and entries[k].last_tenant != tenant for k, asked in self._wanted.items())
 
     def _budget_victims(self, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
         """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""
