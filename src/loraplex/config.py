@@ -56,8 +56,10 @@ class EngineConfig:
     """Byte budget of the disk tier."""
     allowed_roots: tuple[str, ...] = ()
     """Directories and URL prefixes that adapter storage URIs may point into."""
-    tenant_share: float = 1.0
-    """Largest share of gpu slots one tenant may hold while others need slots."""
+    tenant_gpu_share: float = 1.0
+    """Default budget of a tenant without its own: this share of the gpu slots (1.0: no limit)."""
+    tenant_cpu_share: float = 1.0
+    """Default budget of a tenant without its own: this share of cpu_cache_bytes (1.0: no limit)."""
     seed: int = 0
 
     def __post_init__(self):
@@ -71,6 +73,11 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: use auto, cpu or cuda")
+        shares = (("tenant_gpu_share", self.tenant_gpu_share),
+                  ("tenant_cpu_share", self.tenant_cpu_share))
+        for name, share in shares:
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], not {share}")
         if self.eviction_policy not in ("score", "lru"):
             raise ValueError(f"eviction_policy {self.eviction_policy!r}: use score or lru")
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -13,6 +13,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loraplex.cache.budgets import TenantBudgets, charged, usage
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import (
     AdapterInFlight,
@@ -54,6 +55,16 @@ class Entry:
     evicted_at: float | None = None
     prewarm_gpu: bool = False
     restored: bool = False  # put back in its slot by the cache (tier A), not asked for since
+    users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests holding the slot
+    last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
+
+    def __post_init__(self):
+        self.last_tenant = self.last_tenant or self.ref.tenant
+
+    @property
+    def charged(self) -> frozenset[str]:
+        """The tenants its residency counts for (`budgets.charged`)."""
+        return charged(self.users, self.last_tenant)
 
 
 @dataclass
@@ -79,7 +90,7 @@ class AdapterCache:
         max_cpu_loras: int | None = None,
         disk: DiskTier | None = None,
         policy=None,
-        tenant_share: float = 1.0,
+        budgets: TenantBudgets | None = None,
         max_gpu_preferred: int | None = None,
         load_threads: int = 2,
         executor: Executor | None = None,
@@ -92,7 +103,7 @@ class AdapterCache:
         self.max_cpu_loras = max_cpu_loras
         self.disk = disk
         self.policy = policy or LRUPolicy()
-        self.tenant_share = tenant_share
+        self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
         self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
         self.clock = clock
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
@@ -112,6 +123,9 @@ class AdapterCache:
         self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
         self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
         self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
+        # key -> (tenant, since): waiting requests that their tenant's budget holds back
+        self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
+        self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
         self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
         self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._cpu_pins: set[AdapterKey] = set()
@@ -161,6 +175,7 @@ class AdapterCache:
                 adapters.append({
                     "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
                     "base_model_digest": key.base_model_digest, "tenant": e.ref.tenant,
+                    "charged_to": sorted(e.charged),
                     "tier": tier, "loading": key in self.loading, "bytes": e.nbytes,
                     "pinned": e.pinned, "in_flight": e.refcount, "hits": e.hits, "loads": e.loads,
                     "evictions": e.evictions, "last_access_s_ago": round(now - e.last_access, 3),
@@ -180,6 +195,7 @@ class AdapterCache:
                 "cpu_bytes_used": self.cpu_bytes_used,
                 "cpu_bytes_capacity": self.cpu_bytes,
                 "thrash_ratio": self.thrash_ratio(),
+                "tenants": self.budget_state(),
             }
 
     def thrash_ratio(self) -> float:
@@ -212,26 +228,34 @@ class AdapterCache:
 
     # -- the step loop's calls -------------------------------------------------------------------
     def acquire(self, ref: AdapterRef) -> int | None:
-        """The slot holding the adapter, with a reference taken; None while it loads or no slot can free."""
+        """The slot holding the adapter, with a reference taken for the ref's tenant; None while it
+        loads, no slot can free, or the tenant's budget keeps it waiting."""
         with self._lock:
-            key, now = ref.key, self.clock()
+            key, now, tenant = ref.key, self.clock(), ref.tenant
             entry = self.entries.setdefault(key, Entry(ref))
             entry.last_access = now
             slot = self.slot_of(key)
             if slot is None and key in self.cpu and not self._yields(key, now):
-                slot = self._activate(key, now)
+                slot = self._activate(key, now, tenant)
                 if slot is not None:
                     self.slot_loads.record("gpu", now)
             if slot is None:
                 if key not in self.cpu and key not in self.loading and self._room_for(key, now):
-                    self._start_load(ref)
+                    if self._host_budget_allows(key, tenant):
+                        entry.last_tenant = tenant  # its host copy counts for the tenant asking
+                        self._start_load(ref)
+                    else:
+                        self._wait_for_budget(key, tenant, now)
                 self.mark_wanted(key, now)
                 return None
             if self._wanted.pop(key, None) is not None:
                 self._copies_version += 1
             self._waiting_since.pop(key, None)
+            self.budget_waiting.pop(key, None)
             entry.restored = False
             entry.refcount += 1
+            entry.users[tenant] = entry.users.get(tenant, 0) + 1
+            entry.last_tenant = tenant
             entry.hits += 1
             return slot
 
@@ -281,11 +305,18 @@ class AdapterCache:
             else:
                 del self.queued[key]
 
-    def release(self, key: AdapterKey) -> None:
+    def release(self, key: AdapterKey, tenant: str | None = None) -> None:
+        """Drop a reference `acquire` took for `tenant` (None: for any tenant holding one)."""
         with self._lock:
             entry = self.entries[key]
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
+            users = entry.users
+            holder = tenant if users.get(tenant) else next((t for t, n in users.items() if n), None)
+            if holder is not None:
+                users[holder] -= 1
+                if not users[holder]:
+                    del users[holder]
             if entry.refcount == 0 and self._gpu_pins:
                 self._restore_pinned(self.clock())
             if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
@@ -421,6 +452,7 @@ class AdapterCache:
             self.entries.pop(key, None)
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
+            self.budget_waiting.pop(key, None)
             self._nbytes_version += 1
             self._copies_version += 1
             self.demand.discard(key)
@@ -464,8 +496,17 @@ class AdapterCache:
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
         return Loaded(packed, source, stages)
 
-    def _activate(self, key: AdapterKey, now: float) -> int | None:
-        slot = self.slots.index(None) if None in self.slots else self._evict_slot(key, now)
+    def _activate(self, key: AdapterKey, now: float, tenant: str | None = None) -> int | None:
+        """Put the host copy in a slot: a free one, else one the policy frees. `tenant`: the tenant
+        whose request asks, held to its budget (None: an operator's pin or prewarm, placed as
+        asked)."""
+        if None not in self.slots:
+            slot = self._evict_slot(key, now, tenant)
+        elif tenant is not None and self._budget_yields_free_slot(key, tenant, now):
+            self._wait_for_budget(key, tenant, now)
+            slot = None
+        else:
+            slot = self.slots.index(None)
         if slot is None:
             return None
         entry = self.entries[key]
@@ -484,7 +525,7 @@ class AdapterCache:
         self.on_event("load_stage", {"stage": "activation", "seconds": time.perf_counter() - start, "key": key})
         return slot
 
-    def _evict_slot(self, incoming: AdapterKey, now: float) -> int | None:
+    def _evict_slot(self, incoming: AdapterKey, now: float, tenant: str | None) -> int | None:
         entries = self.entries
         evictable = [
             k for k in self.slots if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
@@ -493,19 +534,142 @@ class AdapterCache:
             evictable = [k for k in evictable if k not in self.queued]
         if not evictable:
             return None  # every slot in use, pinned or spared: nothing to weigh (under a backlog, most calls)
-        tenant = self.entries[incoming].ref.tenant
-        quota = max(1, math.floor(len(self.slots) * self.tenant_share))
-        if quota < len(self.slots):  # (at a quota of every slot, a tenant at it holds them all: nothing to filter)
-            held = [k for k in self.slots if k is not None and self.entries[k].ref.tenant == tenant]
-            if len(held) >= quota:  # over its share: the tenant makes room from its own adapters
-                evictable = [k for k in evictable if self.entries[k].ref.tenant == tenant]
-        candidates = self._slot_candidates([*evictable, incoming], now)
-        victim = self.policy.choose_victim(candidates[:-1], now, candidates[-1])
+        rounds = [evictable]
+        if tenant is not None and self.budgets.limits_anyone:
+            allowed = self._budget_victims(tenant, evictable)
+            if not allowed:
+                self._wait_for_budget(incoming, tenant, now)
+                return None
+            # Within its budget, the excess of tenants beyond theirs goes first; the policy's
+            # protections may refuse all of it, and then any adapter may go, as without budgets.
+            partial = len(allowed) < len(evictable) and not self._over_budget(tenant, "gpu")
+            rounds = [allowed, evictable] if partial else [allowed]
+        victim = None
+        for keys in rounds:
+            candidates = self._slot_candidates([*keys, incoming], now)
+            victim = self.policy.choose_victim(candidates[:-1], now, candidates[-1])
+            if victim is not None:
+                break
         if victim is None:
             return None
         slot = self.slots.index(victim)
         self._clear(slot, now)
         return slot
+
+    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ----------------
+    def set_budgets(self, budgets: TenantBudgets) -> None:
+        """New budgets (from the registry): they apply from the next placement on; nothing is
+        evicted for them."""
+        with self._lock:
+            self.budgets = budgets
+
+    def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of what is charged to it there."""
+        with self._lock:
+            entries = self.entries
+            out: dict[str, dict[str, dict[str, int]]] = {}
+            in_slots = [k for k in self.slots if k is not None]
+            for tier, keys in (("gpu", in_slots), ("cpu", list(self.cpu))):
+                per = out[tier] = {}
+                for key in keys:
+                    e = entries[key]
+                    for t in e.charged:
+                        row = per.setdefault(t, {"count": 0, "bytes": 0})
+                        row["count"] += 1
+                        row["bytes"] += e.nbytes
+            return out
+
+    def budget_state(self) -> dict[str, dict]:
+        """Per tenant: slots and host bytes used against its budget, and its budget waits."""
+        with self._lock:
+            used = self.tenant_usage()
+            report = self.budgets.report({"gpu": {t: r["count"] for t, r in used["gpu"].items()},
+                                          "cpu": {t: r["bytes"] for t, r in used["cpu"].items()}})
+            for t in self.budget_waits:
+                report.setdefault(t, {tier: {"used": 0, "budget": self.budgets.limit(t, tier)}
+                                      for tier in ("gpu", "cpu")})
+            for t, row in report.items():
+                row["gpu"] = {"slots": row["gpu"]["used"], "max_slots": row["gpu"]["budget"],
+                              "bytes": used["gpu"].get(t, {}).get("bytes", 0)}
+                row["cpu"] = {"bytes": row["cpu"]["used"], "max_bytes": row["cpu"]["budget"],
+                              "count": used["cpu"].get(t, {}).get("count", 0)}
+                row["budget_waits"] = self.budget_waits.get(t, 0)
+            return report
+
+    def defers(self, ref: AdapterRef) -> bool:
+        """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
+        tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
+        waiting = self.budget_waiting.get(ref.key)
+        if waiting is None or waiting[0] != ref.tenant:
+            return False
+        return self.budgets.defers(self.clock() - waiting[1])
+
+    def _slot_usage(self) -> dict[str, int]:
+        entries = self.entries
+        return usage((entries[k].charged, 1) for k in self.slots if k is not None)
+
+    def _host_usage(self) -> dict[str, int]:
+        entries = self.entries
+        return usage((entries[k].charged, entries[k].nbytes) for k in self.cpu)
+
+    def _over_budget(self, tenant: str, tier: str) -> bool:
+        """Whether one more slot (gpu) or any more bytes (cpu) puts the tenant beyond its budget."""
+        used = self._slot_usage() if tier == "gpu" else self._host_usage()
+        return self.budgets.is_over(tenant, tier, used, 1)
+
+    def _budget_yields_free_slot(self, key: AdapterKey, tenant: str, now: float) -> bool:
+        """Whether a request of a tenant beyond its budget leaves a free slot to another tenant's
+        request that waits for one (its adapter loading, or in host memory): free capacity is
+        anyone's only while no one else wants it. It yields for the budgets' `yield_s` at most (then
+        it takes the slot: nothing starves)."""
+        if not self.budgets.limits_anyone or not self._over_budget(tenant, "gpu"):
+            return False
+        waiting = self.budget_waiting.get(key)
+        if waiting is not None and not self.budgets.defers(now - waiting[1]):
+            return False
+        entries, slots = self.entries, self.slots
+        return any(now - asked <= WANTED_FOR_S and k not in slots
+                   and entries[k].last_tenant != tenant for k, asked in self._wanted.items())
+
+    def _budget_victims(self, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
+        """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""
+        entries = self.entries
+        candidates = [(k, entries[k].charged) for k in keys]
+        return self.budgets.victims("gpu", tenant, self._slot_usage(), 1, candidates)
+
+    def _host_budget_allows(self, key: AdapterKey, tenant: str) -> bool:
+        """Whether a load of `key` for `tenant` may start: into free host memory, within its budget,
+        or with copies of its own to give up for it (`_shrink_cpu` drops them when it lands)."""
+        budgets = self.budgets
+        if not budgets.limits_anyone:
+            return True
+        need = max(self.entries[key].nbytes, 1)  # 0 before its first load: any more bytes
+        has_free = self.cpu_bytes_used + need <= self.cpu_bytes and (
+            self.max_cpu_loras is None or len(self.cpu) < self.max_cpu_loras)
+        entries = self.entries
+        own = [(k, entries[k].charged) for k in self.cpu if entries[k].pinned != "cpu"]
+        return budgets.may_take("cpu", tenant, self._host_usage(), need, has_free, own)
+
+    def _host_budget_victims(self, keep: AdapterKey, keys: list[AdapterKey]) -> list[AdapterKey]:
+        """Of the droppable host copies `keys`, those that the landing copy `keep` may push out. Its
+        tenant beyond its budget gives up its own, the landing copy included when it has no other
+        (its request then waits, and its next load waits for room: `_host_budget_allows`)."""
+        entries = self.entries
+        tenant, used = entries[keep].last_tenant, self._host_usage()
+        candidates = [(k, entries[k].charged) for k in keys]
+        allowed = self.budgets.victims("cpu", tenant, used, 0, candidates)
+        if not allowed and self.budgets.is_over(tenant, "cpu", used, 0) and keep in self.cpu \
+                and entries[keep].pinned != "cpu":
+            return [keep]
+        return allowed
+
+    def _wait_for_budget(self, key: AdapterKey, tenant: str, now: float) -> None:
+        """A request of `tenant` for `key` waits because of its budget: counted once per wait."""
+        if key in self.budget_waiting and now - self._wanted.get(key, -math.inf) <= WANTED_FOR_S:
+            return  # the same wait, asked again at this step
+        self.budget_waiting[key] = (tenant, now)
+        self.budget_waits[tenant] = self.budget_waits.get(tenant, 0) + 1
+        self.on_event("budget_wait", {"tenant": tenant, "key": key})
 
     def _clear(self, slot: int, now: float) -> None:
         key = self.slots[slot]
@@ -550,6 +714,8 @@ class AdapterCache:
                 if k is not None and k not in preferred and self.entries[k].refcount == 0
                 and self.entries[k].pinned != "gpu" and k not in self.loading and k not in self.queued
             ]
+            if None not in self.slots and holders and self.budgets.limits_anyone:
+                holders = self._budget_victims(self.entries[key].last_tenant, holders)
             if None not in self.slots and not holders:
                 return
             if None not in self.slots:
@@ -680,6 +846,8 @@ class AdapterCache:
             if not left:
                 entries = self.entries
                 keys = [k for k in self.cpu if k != keep and entries[k].pinned != "cpu"]
+                if self.budgets.limits_anyone and keep in entries:
+                    keys = self._host_budget_victims(keep, keys)
                 # A host copy that a waiting request asked for goes last: dropping it means loading it again.
                 keys = [k for k in keys if k not in self._wanted] or keys
                 if not by_use:  # copies of adapters in a slot go last: a slot eviction falls back to them

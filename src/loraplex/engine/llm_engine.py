@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.cache import AdapterCache
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import AdapterUnavailable
@@ -77,7 +78,9 @@ class LLMEngine:
             max_cpu_loras=config.max_cpu_loras,
             disk=disk,
             policy=policy or make_policy(config.eviction_policy),
-            tenant_share=config.tenant_share,
+            budgets=TenantBudgets(config.max_loras, config.cpu_cache_bytes,
+                                  gpu_share=config.tenant_gpu_share,
+                                  cpu_share=config.tenant_cpu_share),
         )
         num_blocks = config.kv_cache_bytes // (config.block_size * kv_bytes_per_token(self.model, self.dtype))
         if num_blocks * config.block_size < self.max_model_len:

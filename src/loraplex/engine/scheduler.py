@@ -84,8 +84,20 @@ class Scheduler:
             budget -= len(seq)
             lora_bytes = self._lora_bytes(self.running)
 
-        admit_waiting(self.waiting, has_room=has_room, take_adapter=take, admit=admit,
+        admit_waiting(self._in_turn(), has_room=has_room, take_adapter=take, admit=admit,
                       adapter_of=lambda seq: None if seq.adapter is None else seq.adapter.key)
+
+    def _in_turn(self) -> list[Sequence]:
+        """The waiting requests in arrival order, those that their tenant's budget keeps waiting
+        after the others (for a bounded time: `AdapterCache.defers`), so that a slot that frees goes
+        to a tenant within budget."""
+        if not self.adapters.budget_waiting:
+            return list(self.waiting)
+        first, later = [], []
+        for seq in self.waiting:
+            held = seq.adapter is not None and self.adapters.defers(seq.adapter)
+            (later if held else first).append(seq)
+        return first + later
 
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
         if self._over_lora_budget(seq.adapter.key, lora_bytes):
@@ -135,5 +147,5 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         if seq.holds_adapter:
-            self.adapters.release(seq.adapter.key)
+            self.adapters.release(seq.adapter.key, seq.adapter.tenant)
             seq.holds_adapter, seq.lora_slot = False, -1

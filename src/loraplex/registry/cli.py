@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
+from loraplex.config import parse_size
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
@@ -352,12 +353,81 @@ def gc(ctx: typer.Context, min_age_s: Annotated[float, typer.Option(help="Keep e
     typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
 
 
+GpuSlotsOption = Annotated[str | None, typer.Option(
+    "--max-gpu-slots", help="Residency budget in device slots; `none`: the server's default share")]
+CpuBytesOption = Annotated[str | None, typer.Option(
+    "--max-cpu-bytes",
+    help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share")]
+
+
+def _budget(max_gpu_slots: str | None, max_cpu_bytes: str | None) -> dict[str, int | None]:
+    """The budget fields given on the command line (`none` clears one); a bad one names its flag."""
+    budget: dict[str, int | None] = {}
+    given = (("--max-gpu-slots", max_gpu_slots, int),
+             ("--max-cpu-bytes", max_cpu_bytes, parse_size))
+    for flag, text, parse in given:
+        if text is None:
+            continue
+        try:
+            value = None if text.strip().lower() == "none" else parse(text)
+        except ValueError:
+            what = "a whole number of slots" if parse is int else "a size such as 512MiB"
+            raise RegistryError(f"{flag}: {text!r} is not {what}") from None
+        if value is not None and value < 0:
+            raise RegistryError(f"{flag}: must be >= 0, not {value}")
+        budget[flag[2:].replace("-", "_")] = value
+    return budget
+
+
+def _budget_text(value: int | None, size: bool) -> str:
+    return "default" if value is None else _size_text(value) if size else str(value)
+
+
+def _size_text(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 @tenant_app.command("add")
 @_errors
-def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0):
-    """Create a tenant (or set its priority)."""
-    tenant = _open(ctx).add_tenant(name, priority)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority})")
+def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0,
+               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None):
+    """Create a tenant (or set its priority), with its residency budgets."""
+    budget = _budget(max_gpu_slots, max_cpu_bytes)
+    registry = _open(ctx)
+    tenant = registry.add_tenant(name, priority)
+    if budget:
+        tenant = registry.set_budget(name, **budget)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)})")
+
+
+@tenant_app.command("set")
+@_errors
+def tenant_set(ctx: typer.Context, name: str,
+               priority: Annotated[int | None, typer.Option()] = None,
+               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None):
+    """Change a tenant's priority or residency budgets (running servers follow within their watch
+    interval)."""
+    budget = _budget(max_gpu_slots, max_cpu_bytes)
+    registry = _open(ctx)
+    tenant = next((t for t in registry.list_tenants() if t.name == name), None)
+    if tenant is None:
+        raise RegistryError(f"unknown tenant {name!r}; "
+                            f"add it with `loraplex registry tenant add {name}`")
+    if priority is not None:
+        tenant = registry.add_tenant(name, priority)
+    if budget:
+        tenant = registry.set_budget(name, **budget)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)})")
+
+
+def _budget_line(t) -> str:
+    if t.max_gpu_slots is None and t.max_cpu_bytes is None:
+        return ""
+    return (f", gpu slots {_budget_text(t.max_gpu_slots, False)}, "
+            f"cpu bytes {_budget_text(t.max_cpu_bytes, True)}")
 
 
 @tenant_app.command("list")
@@ -365,13 +435,16 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     tenants = _open(ctx).list_tenants()
     if json_out:
-        _print_json([{"name": t.name, "priority": t.priority, "created_at": t.created_at.isoformat()} for t in tenants])
+        _print_json([{"name": t.name, "priority": t.priority,
+                      "created_at": t.created_at.isoformat(), "max_gpu_slots": t.max_gpu_slots,
+                      "max_cpu_bytes": t.max_cpu_bytes} for t in tenants])
         return
     table = Table(title="tenants")
-    for column in ("name", "priority", "created"):
+    for column in ("name", "priority", "max gpu slots", "max cpu bytes", "created"):
         table.add_column(column)
     for t in tenants:
-        table.add_row(t.name, str(t.priority), t.created_at.strftime("%Y-%m-%d %H:%M"))
+        table.add_row(t.name, str(t.priority), _budget_text(t.max_gpu_slots, False),
+                      _budget_text(t.max_cpu_bytes, True), t.created_at.strftime("%Y-%m-%d %H:%M"))
     Console().print(table)
 
 

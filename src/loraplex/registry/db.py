@@ -63,6 +63,10 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Residency budgets (NULL: the server's default share); added to older tables by
+    # `add_missing_columns`.
+    max_gpu_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_cpu_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Adapter(Base):
@@ -241,11 +245,31 @@ def add_missing_tables(engine: Engine) -> None:
             Base.metadata.create_all(conn, tables=missing)  # checkfirst: a process that made them meanwhile is fine
 
 
+def add_missing_columns(engine: Engine) -> None:
+    """Add the nullable columns added to existing tables since the database was made (older versions
+    ignore them, so the schema version stays), as `add_missing_tables` does for tables."""
+    inspector = inspect(engine)
+    missing = []
+    for table in Base.metadata.sorted_tables:
+        if inspector.has_table(table.name):
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            missing += [(table, c) for c in table.columns if c.nullable and c.name not in present]
+    if not missing:
+        return
+    with writer(engine).begin() as conn:
+        for table, column in missing:
+            kind = column.type.compile(dialect=engine.dialect)
+            if column.name in {c["name"] for c in inspect(conn).get_columns(table.name)}:
+                continue  # a process that added it meanwhile
+            conn.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}')
+
+
 def create_schema(engine: Engine) -> None:
     """Create the tables and record the schema version (idempotent)."""
     if schema_version(engine) is not None:
         check_schema(engine)
         add_missing_tables(engine)
+        add_missing_columns(engine)
         return
     # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh registry waits for
     # the first and then finds its tables, instead of failing on the lock or inserting the same rows twice.

@@ -94,6 +94,10 @@ class TenantRecord:
     name: str
     priority: int
     created_at: datetime
+    max_gpu_slots: int | None = None
+    """Residency budget in device slots (None: the server's default share)."""
+    max_cpu_bytes: int | None = None
+    """Residency budget in host-memory bytes (None: the server's default share)."""
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ class Registry:
         ready = db.check_schema(self.engine)
         if ready:
             db.add_missing_tables(self.engine)  # a database made by an older version: the tables added since
+            db.add_missing_columns(self.engine)  # and the columns
         return ready
 
     def close(self) -> None:
@@ -612,25 +613,49 @@ class Registry:
 
     # ---- tenants, grants, keys --------------------------------------------------------------------------
 
-    def add_tenant(self, name: str, priority: int = 0) -> TenantRecord:
-        """Create a tenant, or set the priority of an existing one."""
+    def add_tenant(self, name: str, priority: int = 0, max_gpu_slots: int | None = None,
+                   max_cpu_bytes: int | None = None) -> TenantRecord:
+        """Create a tenant, or set the priority of an existing one; budgets given are set too
+        (`set_budget`)."""
         if not TENANT_RE.fullmatch(name):
             raise RegistryError(f"tenant name {name!r} must match {TENANT_RE.pattern}")
+        given = (("max_gpu_slots", max_gpu_slots), ("max_cpu_bytes", max_cpu_bytes))
+        budget = {k: v for k, v in given if v is not None}
+        _check_budget(budget)
         with self._write() as session:
             tenant = session.get(Tenant, name)
             if tenant is None:
-                tenant = Tenant(name=name, priority=priority, created_at=utcnow())
+                tenant = Tenant(name=name, priority=priority, created_at=utcnow(), **budget)
                 session.add(tenant)
-                self._audit(session, "tenant_add", name, priority=priority)
-            elif tenant.priority != priority:
+                self._audit(session, "tenant_add", name, priority=priority, **budget)
+                return _tenant_record(tenant)
+            if tenant.priority != priority:
                 tenant.priority = priority
                 self._audit(session, "tenant_priority", name, priority=priority)
-            return TenantRecord(tenant.name, tenant.priority, as_utc(tenant.created_at))
+            self._set_budget(session, tenant, budget)
+            return _tenant_record(tenant)
+
+    def set_budget(self, name: str, **budget: int | None) -> TenantRecord:
+        """Set a tenant's residency budgets: `max_gpu_slots` (device slots) and `max_cpu_bytes`
+        (host bytes); None clears one (the server's default share applies). Fields not given stay as
+        they are."""
+        _check_budget(budget)
+        with self._write() as session:
+            tenant = q.tenant_or_error(session, name)
+            self._set_budget(session, tenant, budget)
+            return _tenant_record(tenant)
+
+    def _set_budget(self, session: Session, tenant: Tenant, budget: dict[str, int | None]) -> None:
+        changed = {k: v for k, v in budget.items() if getattr(tenant, k) != v}
+        if changed:
+            for field_name, value in changed.items():
+                setattr(tenant, field_name, value)
+            self._audit(session, "tenant_budget", tenant.name, **changed)
 
     def list_tenants(self) -> list[TenantRecord]:
         with self._read() as session:
             rows = session.scalars(select(Tenant).order_by(Tenant.name))
-            return [TenantRecord(t.name, t.priority, as_utc(t.created_at)) for t in rows]
+            return [_tenant_record(t) for t in rows]
 
     def grant(self, name: str, tenant: str) -> None:
         with self._write() as session:
@@ -787,3 +812,23 @@ def _base_dir_named_by(src: Path) -> Path | None:
         return None
     path = Path(named) if named else None
     return path if path is not None and (path / "config.json").is_file() else None
+
+
+BUDGET_FIELDS = ("max_gpu_slots", "max_cpu_bytes")
+
+
+def _check_budget(budget: dict) -> None:
+    """Refuse an unknown field, a value that is not a whole number, or a negative one, naming the
+    field."""
+    for field_name, value in budget.items():
+        if field_name not in BUDGET_FIELDS:
+            raise RegistryError(f"unknown budget field {field_name!r}: "
+                                f"use {' or '.join(BUDGET_FIELDS)}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RegistryError(f"{field_name} must be a whole number, not {value!r}")
+        if value is not None and value < 0:
+            raise RegistryError(f"{field_name} must be >= 0, not {value}")
+
+
+def _tenant_record(t: Tenant) -> TenantRecord:
+    return TenantRecord(t.name, t.priority, as_utc(t.created_at), t.max_gpu_slots, t.max_cpu_bytes)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
+from loraplex.config import parse_size
 from loraplex.engine.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord, UnsafeLocation, fetch_artifact
 from loraplex.registry.store import artifact_files
@@ -66,6 +67,15 @@ class RevisionBody(_Body):
     revision: str | None = None
 
 
+class BudgetBody(_Body):
+    """The fields given are set (null clears one: the server's default share); those left out stay.
+    """
+
+    max_gpu_slots: int | None = None
+    max_cpu_bytes: int | str | None = None
+    """Bytes, or a size such as 512MiB."""
+
+
 class LoadLoraBody(BaseModel):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
     lora_name: str
     lora_path: str
@@ -101,6 +111,7 @@ def router(token: str) -> APIRouter:
     r.add_api_route("/admin/adapters/{name}/unpin", unpin, methods=["POST"])
     r.add_api_route("/admin/adapters/{name}/prewarm", prewarm, methods=["POST"])
     r.add_api_route("/admin/adapters/{name}/evict", evict, methods=["POST"])
+    r.add_api_route("/admin/tenants/{tenant}/budget", set_budget, methods=["PUT"])
     r.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
     r.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
     return r
@@ -115,6 +126,36 @@ def _server(request: Request) -> Server:
 
 async def state(request: Request) -> dict:
     return _server(request).state()
+
+
+async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
+    """Set a tenant's residency budgets in the registry and apply them here at once (other servers
+    follow within their watch interval). A negative value, one that is not a size, or one beyond
+    this server's capacity is refused, naming the field, and nothing changes."""
+    server = _server(request)
+    cache = server.engine.adapters
+    capacity = {"max_gpu_slots": (len(cache.slots), "slots"),
+                "max_cpu_bytes": (cache.cpu_bytes, "bytes")}
+    budget = {}
+    for field_name in sorted(body.model_fields_set):
+        value = getattr(body, field_name)
+        if isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except ValueError as exc:
+                raise APIError(400, f"{field_name}: {exc}", "invalid_value", field_name) from None
+        limit, unit = capacity[field_name]
+        if value is not None and value < 0:
+            raise APIError(400, f"{field_name} must be >= 0, not {value}", "invalid_value",
+                           field_name)
+        if value is not None and value > limit:
+            raise APIError(400, f"{field_name} {value} is more than this server's {limit} {unit}",
+                           "invalid_value", field_name)
+        budget[field_name] = value
+    await run_in_threadpool(server.registry.set_budget, tenant, **budget)  # an unknown tenant: 404
+    await run_in_threadpool(server.apply_budgets)
+    row = cache.budget_state().get(tenant)
+    return {"tenant": tenant, **(row or {})}
 
 
 async def list_adapters(request: Request) -> dict:

@@ -54,6 +54,12 @@ def serve(
     strict_base_model_name: Annotated[bool, typer.Option(
         help="Refuse an adapter whose config names another base model (default: a warning)",
     )] = False,
+    tenant_gpu_share: Annotated[float, typer.Option(
+        help="Share of the device slots a tenant without a budget of its own may hold "
+             "(1.0: no limit)")] = 1.0,
+    tenant_cpu_share: Annotated[float, typer.Option(
+        help="Share of the host memory a tenant without a budget of its own may hold "
+             "(1.0: no limit)")] = 1.0,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
 ):
     """Serve the OpenAI-compatible API over one base model and its adapters."""
@@ -70,6 +76,7 @@ def serve(
             allowed_roots=tuple(roots), engine=engine, strict_base_model_name=strict_base_model_name,
             vllm_args=_vllm_args(tensor_parallel_size, enable_prefix_caching, vllm_arg),
             base_as_zero_adapter=base_as_zero_adapter,
+            tenant_gpu_share=tenant_gpu_share, tenant_cpu_share=tenant_cpu_share,
         )
         run(options)
     except StartupError as exc:

@@ -57,6 +57,10 @@ class ServerMetrics:
                                    "(disk or remote) on arrival", registry=r)
         self.tenant_denied = Counter("loraplex_tenant_denied_total", "Requests refused by tenancy: another "
                                      "tenant's adapter, or the tenant's concurrency quota", ["tenant"], registry=r)
+        self.budget_waits = Counter(
+            "loraplex_tenant_budget_waits_total",
+            "Requests that waited because their tenant was at its residency budget (once per wait)",
+            ["tenant"], registry=r)
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
         self.top_k_adapters = top_k_adapters
@@ -77,6 +81,8 @@ class ServerMetrics:
             self.reloads.inc()
         elif kind == "load_stage" and fields.get("stage") in self.stages:
             self.stages[fields["stage"]].observe(fields.get("seconds", 0.0))
+        elif kind == "budget_wait":
+            self.budget_waits.labels(fields["tenant"]).inc()
         elif kind == "load_failed":
             self.load_failures.labels(str(fields.get("error", "unknown"))).inc()
 
@@ -101,6 +107,24 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _tenant_gauges(tenants: dict):
+    """Per tenant and tier (gpu, cpu), the adapters charged to it there and their bytes."""
+    count = GaugeMetricFamily(
+        "loraplex_tenant_resident_count",
+        "Adapters charged to a tenant per tier (those its requests hold, or used last)",
+        labels=["tenant", "tier"])
+    size = GaugeMetricFamily(
+        "loraplex_tenant_resident_bytes", "Bytes of the adapters charged to a tenant per tier",
+        labels=["tenant", "tier"])
+    for tenant, row in tenants.items():
+        count.add_metric([tenant, "gpu"], row["gpu"]["slots"])
+        count.add_metric([tenant, "cpu"], row["cpu"]["count"])
+        size.add_metric([tenant, "gpu"], row["gpu"]["bytes"])
+        size.add_metric([tenant, "cpu"], row["cpu"]["bytes"])
+    yield count
+    yield size
+
+
 class _LiveCollector:
     """Gauges read at scrape time from the cache and the scheduler."""
 
@@ -122,6 +146,7 @@ class _LiveCollector:
             size.add_metric([tier], cache["resident"][tier]["bytes"])
         yield count
         yield size
+        yield from _tenant_gauges(cache.get("tenants", {}))
         yield GaugeMetricFamily("loraplex_adapter_thrash_ratio", "Reloads after eviction per eviction",
                                 value=cache.get("thrash_ratio", 0.0))
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running (gpu-resident) and waiting adapters; the "

@@ -63,6 +63,15 @@ class ServeOptions:
     vllm_args: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
     strict_base_model_name: bool = False
+    # residency budgets of tenants without their own (`loraplex registry tenant set`)
+    tenant_gpu_share: float = 1.0
+    tenant_cpu_share: float = 1.0
+
+    def __post_init__(self):
+        for flag, share in (("--tenant-gpu-share", self.tenant_gpu_share),
+                            ("--tenant-cpu-share", self.tenant_cpu_share)):
+            if not 0.0 <= share <= 1.0:  # NaN too
+                raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
 
     @property
     def registry_url(self) -> str:
@@ -234,7 +243,8 @@ def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
             model_dir=options.model, dtype=options.dtype, device=options.device, max_loras=options.max_loras,
             max_lora_rank=options.max_lora_rank, max_cpu_loras=options.max_cpu_loras,
             eviction_policy=options.eviction_policy, disk_cache_dir=options.data_dir / "cache",
-            allowed_roots=tuple(roots), **sizes,
+            allowed_roots=tuple(roots), tenant_gpu_share=options.tenant_gpu_share,
+            tenant_cpu_share=options.tenant_cpu_share, **sizes,
         )
     except ValueError as exc:
         raise StartupError(str(exc)) from None

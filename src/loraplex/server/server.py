@@ -4,6 +4,7 @@ one engine, and the views /admin/state and the metrics read."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
+from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
 from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
@@ -104,6 +106,10 @@ class Server:
         # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
         self.async_engine = AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
         try:
+            self.apply_budgets()
+        except Exception:  # a registry briefly unreachable: the watcher applies them later
+            log.exception("could not read the tenants' residency budgets")
+        try:
             self.pins.warm_start()
         except Exception:  # serving cold is better than not serving
             log.exception("warm start failed; adapters will load on demand")
@@ -128,6 +134,36 @@ class Server:
 
     def on_registry_change(self) -> None:
         """The registry changed (here or elsewhere): what the server keeps of it is read again."""
+        self.apply_budgets()
+
+    def budgets_from(self, tenants) -> TenantBudgets:
+        """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's
+        default shares. Raises ValueError naming the field for a budget beyond this server's
+        capacity."""
+        cache, config = self.engine.adapters, self.engine.config
+        own = {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in tenants
+               if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
+        return TenantBudgets(len(cache.slots), cache.cpu_bytes, own, config.tenant_gpu_share,
+                             config.tenant_cpu_share)
+
+    def apply_budgets(self) -> None:
+        """The tenants' residency budgets from the registry, onto the cache. A budget beyond this
+        server's capacity (the registry serves workers of several sizes) is capped at the capacity
+        here, and logged. The native engine's cache applies them; the vLLM engine does not yet."""
+        if self.engine.kind != "native":
+            return
+        cache = self.engine.adapters
+        tenants = self.registry.list_tenants()
+        try:
+            budgets = self.budgets_from(tenants)
+        except ValueError as exc:
+            log.warning("residency budgets: %s; capped at this server's capacity", exc)
+            capped = [dataclasses.replace(t, max_gpu_slots=_cap(t.max_gpu_slots, len(cache.slots)),
+                                          max_cpu_bytes=_cap(t.max_cpu_bytes, cache.cpu_bytes))
+                      for t in tenants]
+            budgets = self.budgets_from(capped)
+        if budgets != cache.budgets:
+            cache.set_budgets(budgets)
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
@@ -294,12 +330,18 @@ class Server:
                 "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
                 "in_flight": self.admission.num_in_flight,
             },
-            "cache": {k: v for k, v in cache.items() if k not in ("adapters",)},
+            # Per tenant: the slots and host bytes charged to it against its budget (None: none).
+            "tenants": cache.get("tenants", {}),
+            "cache": {k: v for k, v in cache.items() if k not in ("adapters", "tenants")},
         }
 
 
 _TIER_STAGES = {"cpu": {"h2d", "activation"}, "disk": {"disk", "h2d", "activation"},
                 "remote": {"download", "disk", "h2d", "activation"}}
+
+
+def _cap(value: int | None, capacity: int) -> int | None:
+    return None if value is None else min(value, capacity)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from loraplex.cache.budgets import Budget
 from loraplex.config import parse_size
 from loraplex.sim import workload as workloads
 from loraplex.sim.simulator import (
@@ -56,7 +57,8 @@ def _gap(x: float) -> str:
 
 
 def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], slots: list[int | None],
-              cpu: list[int | None], workers: int, console: Console) -> list[dict]:
+              cpu: list[int | None], workers: int, console: Console,
+              budgets: dict[str, Budget] | None = None) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum."""
     cells = [(w, s, c) for w in traces for s in slots for c in cpu]
     service, costs = ServiceModel.default(), LoadCosts.default()
@@ -69,6 +71,7 @@ def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], s
             config = SimConfig(
                 gpu_slots=n_slots or cap.gpu_slots, cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
                 disk_bytes=cap.disk_bytes, workers=workers, service=service, costs=costs,
+                tenant_budgets=budgets,
             )
             progress.update(task, description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}")
             hot = hot_adapters(trace, config.gpu_slots * workers)
@@ -136,12 +139,15 @@ def results_table(runs: list[dict], title: str = "simulation") -> Table:
 
 def tenant_table(run: dict) -> Table:
     table = Table(title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}")
-    for col in ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms", "TTFT p99 ms", "wait p99 ms"):
+    columns = ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms",
+               "TTFT p99 ms", "wait p99 ms", "budget waits")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
     for name, e in run["policies"].items():
         for tenant, t in e["tenants"].items():
             table.add_row(name, tenant, str(t["requests"]), _pct(t["gpu_hit_rate"]), _pct(t["cold_start_rate"]),
-                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]), _ms(t["queue_wait_s"]["p99"]))
+                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]),
+                          _ms(t["queue_wait_s"]["p99"]), str(t.get("budget_waits", "-")))
     return table
 
 
@@ -208,6 +214,10 @@ def simulate(
     plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
     wide: bool = typer.Option(False, "--wide",
                               help="Every column (about 200 wide) and the per-tenant table."),
+    tenant_budget: list[str] | None = typer.Option(
+        None, "--tenant-budget",
+        help="TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; "
+             "repeat per tenant."),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
@@ -226,8 +236,9 @@ def simulate(
         raise typer.BadParameter(str(exc)) from None
     if workers < 1 or any(s is not None and s < 1 for s in slots):
         raise typer.BadParameter("--workers and --gpu-slots must be at least 1")
+    budgets = dict(_tenant_budget(text) for text in tenant_budget or ())
     traces = {name: _load_workload(name) for name in names}
-    runs = run_sweep(traces, policies, slots, cpu, workers, console)
+    runs = run_sweep(traces, policies, slots, cpu, workers, console, budgets)
     if wide:
         console.print(results_table(runs))
         if len(runs) == 1:
@@ -247,7 +258,8 @@ def simulate(
             for run in runs:
                 base = run["gpu_slots"]
                 around = sorted({max(1, base // 2), base, base * 2, base * 4})
-                sweep += run_sweep({run["workload"]: traces[run["workload"]]}, policies, around, cpu, workers, console)
+                one = {run["workload"]: traces[run["workload"]]}
+                sweep += run_sweep(one, policies, around, cpu, workers, console, budgets)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
 
@@ -261,6 +273,18 @@ def _load_workload(name: str) -> list[workloads.Request]:
     if not trace:
         raise typer.BadParameter(f"{name}: the trace has no requests to simulate", param_hint="--workload")
     return trace
+
+
+def _tenant_budget(text: str) -> tuple[str, Budget]:
+    """`batch=2`, `batch=2:512MiB`, `batch=:512MiB` -> (tenant, Budget)."""
+    tenant, _, spec = text.partition("=")
+    slots, _, size = spec.partition(":")
+    try:
+        if not tenant or not spec:
+            raise ValueError("use TENANT=SLOTS[:SIZE]")
+        return tenant, Budget(int(slots) if slots else None, parse_size(size) if size else None)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r}: {exc}", param_hint="--tenant-budget") from None
 
 
 def plan(

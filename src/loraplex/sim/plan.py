@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from loraplex.cache.budgets import Budget
 from loraplex.config import EngineConfig
 from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
 from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
@@ -53,6 +54,8 @@ class Plan:
     defaults: EngineConfig
     sizing: list[dict] = field(default_factory=list)
     workload: str | None = None
+    budgets: dict[str, Budget] = field(default_factory=dict)
+    """The registry tenants' residency budgets: the sizing simulations run with them."""
 
 
 def serving_dtype(config: ModelConfig) -> str:
@@ -81,6 +84,19 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
         out.append(AdapterSize(path.name, spec.rank, spec.estimated_bytes, spec.actual_bytes, files,
                                spec.elements * dtype_bytes))
     return out
+
+
+def budgets_from_registry(url: str) -> dict[str, Budget]:
+    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it).
+    """
+    from loraplex.registry.registry import Registry
+
+    registry = Registry(url)
+    try:
+        return {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in registry.list_tenants()
+                if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
+    finally:
+        registry.close()
 
 
 def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
@@ -134,7 +150,8 @@ def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path |
     defaults = EngineConfig(model_dir=model_dir)
     sizes = from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
     plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
-                sizes, defaults, workload=workload)
+                sizes, defaults, workload=workload,
+                budgets=budgets_from_registry(registry) if registry else {})
     if workload:
         trace = load_workload(workload)
         with progress or contextlib.nullcontext():
@@ -163,7 +180,7 @@ def size_for_workload(plan: Plan, workload: str, trace: list[workloads.Request],
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
     base = SimConfig(gpu_slots=cap.gpu_slots, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes,
-                     bytes_per_rank=int(per_rank))
+                     bytes_per_rank=int(per_rank), tenant_budgets=plan.budgets)
     working_set = sum(int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values())
     cache: dict[tuple[int, int], dict] = {}
     task = progress.add_task("sizing", total=None) if progress else None

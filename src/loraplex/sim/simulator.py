@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engine.admission import Take, admit_waiting
@@ -171,7 +172,12 @@ class SimConfig:
     """How old the router's view of each worker may be (it polls /admin/state)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
-    tenant_share: float = 1.0
+    tenant_budgets: dict[str, Budget] | None = None
+    """Residency budgets per tenant (`loraplex.cache.budgets`), as the registry keeps them."""
+    tenant_gpu_share: float = 1.0
+    tenant_cpu_share: float = 1.0
+    """The default budget of a tenant without its own, as `serve
+    --tenant-gpu-share/--tenant-cpu-share`."""
     bytes_per_rank: int = LLAMA7B_BYTES_PER_RANK
     """An adapter's host-copy bytes are its rank times this, unless `adapter_bytes` names it."""
     adapter_bytes: dict[str, int] | None = None
@@ -191,6 +197,16 @@ class SimConfig:
     def __post_init__(self):
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
+        self.budgets()  # refuses a share outside [0, 1]
+
+    def budgets(self) -> TenantBudgets:
+        """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller
+        caches)."""
+        capped = {t: Budget(None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
+                            None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes))
+                  for t, b in (self.tenant_budgets or {}).items()}
+        return TenantBudgets(self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share,
+                             self.tenant_cpu_share)
 
 
 # -- the simulated device and tiers ----------------------------------------------------------------
@@ -293,7 +309,7 @@ class Worker:
         self.disk = SimDisk(c.disk_bytes)
         self.cache = AdapterCache(
             self.pool, lambda path: None, cpu_bytes=c.cpu_bytes, max_cpu_loras=c.max_cpu_loras, disk=self.disk,
-            policy=policy, tenant_share=c.tenant_share, executor=self, loader=self._load, clock=sim.clock,
+            policy=policy, budgets=c.budgets(), executor=self, loader=self._load, clock=sim.clock,
         )
         self.waiting: deque[SimRequest] = deque()
         self.num_running = 0
@@ -385,7 +401,7 @@ class Worker:
             admitted.append(seq)
             budget -= seq.req.prompt_tokens
 
-        step = admit_waiting(self.waiting, has_room=has_room, adapter_of=_adapter_key,
+        step = admit_waiting(self._in_turn(), has_room=has_room, adapter_of=_adapter_key,
                              take_adapter=lambda seq: self._take_adapter(seq.ref, now), admit=admit)
         prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
         copies = self.pool.take_pending()
@@ -404,6 +420,15 @@ class Worker:
         if config.skip_quiet_steps and not admitted and not step.refused:
             end = self._skip_quiet_steps(end, step_s, list(step.blocked))
         self._schedule_end(end)
+
+    def _in_turn(self) -> list[SimRequest]:
+        """The waiting requests in arrival order, those their tenant's budget holds back after the others (as
+        the engine's scheduler orders them)."""
+        waiting, cache = list(self.waiting), self.cache
+        if not cache.budget_waiting:
+            return waiting
+        held = {id(s) for s in waiting if s.ref is not None and cache.defers(s.ref)}
+        return [s for s in waiting if id(s) not in held] + [s for s in waiting if id(s) in held]
 
     def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
         """The end of the last of the decode-only steps that follow this one and change nothing.
@@ -507,7 +532,7 @@ class Worker:
             self.running_adapters[key] -= 1
             if not self.running_adapters[key]:
                 del self.running_adapters[key]
-            self.cache.release(key)
+            self.cache.release(key, seq.ref.tenant)
         self.sim.finished += 1
 
     def _check_capacity(self) -> None:
@@ -664,7 +689,10 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
         adapter = [s for s in group if s.ref is not None]
         m = len(adapter) or 1
+        name = group[0].req.tenant if group else None
+        budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
         return {"requests": len(group), "adapter_requests": len(adapter),
+                "budget_waits": budget_waits,
                 "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
                 "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m, **latency(group)}
 
