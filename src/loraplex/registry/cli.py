@@ -347,12 +347,28 @@ def gc(ctx: typer.Context, min_age_s: Annotated[float, typer.Option(help="Keep e
     typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
 
 
+LimitFlag = Annotated[int | None, typer.Option(help="Per server; 0: the server's default")]
+
+
 @tenant_app.command("add")
 @_errors
-def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0):
-    """Create a tenant (or set its priority)."""
-    tenant = _open(ctx).add_tenant(name, priority)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority})")
+def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0,
+               max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
+    """Create a tenant (or set its priority), and set its request limits when given."""
+    registry = _open(ctx)
+    tenant = registry.add_tenant(name, priority)
+    limits = {field: value or None for field, value in
+              (("max_concurrent_requests", max_concurrent_requests), ("max_waiting", max_waiting))
+              if value is not None}
+    if limits:
+        tenant = registry.set_tenant_limits(name, **limits)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_limits_text(tenant)})")
+
+
+def _limits_text(tenant) -> str:
+    parts = [f"{label} {value}" for label, value in (("max concurrent requests", tenant.max_concurrent_requests),
+                                                    ("max waiting", tenant.max_waiting)) if value is not None]
+    return "".join(f", {p}" for p in parts)
 
 
 @tenant_app.command("list")
@@ -360,14 +376,20 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     tenants = _open(ctx).list_tenants()
     if json_out:
-        _print_json([{"name": t.name, "priority": t.priority, "created_at": t.created_at.isoformat()} for t in tenants])
+        _print_json([{"name": t.name, "priority": t.priority, "max_concurrent_requests": t.max_concurrent_requests,
+                      "max_waiting": t.max_waiting, "created_at": t.created_at.isoformat()} for t in tenants])
         return
     table = Table(title="tenants")
-    for column in ("name", "priority", "created"):
+    for column in ("name", "priority", "max concurrent", "max waiting", "created"):
         table.add_column(column)
     for t in tenants:
-        table.add_row(t.name, str(t.priority), t.created_at.strftime("%Y-%m-%d %H:%M"))
+        table.add_row(t.name, str(t.priority), _or_default(t.max_concurrent_requests), _or_default(t.max_waiting),
+                      t.created_at.strftime("%Y-%m-%d %H:%M"))
     Console().print(table)
+
+
+def _or_default(value: int | None) -> str:
+    return "server default" if value is None else str(value)
 
 
 @key_app.command("create")

@@ -94,6 +94,10 @@ class TenantRecord:
     name: str
     priority: int
     created_at: datetime
+    max_concurrent_requests: int | None = None
+    """Requests in flight on one server at a time (None: the server's --max-requests-per-tenant)."""
+    max_waiting: int | None = None
+    """Requests waiting for their first token on one server (None: only the server's --max-waiting)."""
 
 
 @dataclass(frozen=True)

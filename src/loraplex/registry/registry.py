@@ -49,7 +49,7 @@ from loraplex.registry.errors import (
 )
 from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
-from loraplex.registry.signing import verify_digest
+from loraplex.registry.signing import read_signature_file, verify_digest
 from loraplex.registry.store import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
 from loraplex.registry.traffic import pick
 
@@ -59,6 +59,7 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WARM_POLICIES = ("gpu", "cpu", "on_demand")
 PIN_TIERS = ("gpu", "cpu")
 KEY_PREFIX = "lpx-"
+TENANT_LIMITS = ("max_concurrent_requests", "max_waiting")
 MAX_CACHED_NAMES = 100_000
 
 
@@ -115,6 +116,7 @@ class Registry:
         ready = db.check_schema(self.engine)
         if ready:
             db.add_missing_tables(self.engine)  # a database made by an older version: the tables added since
+            db.add_missing_columns(self.engine)
         return ready
 
     def close(self) -> None:
@@ -190,6 +192,8 @@ class Registry:
         actual = canonical_digest(src)
         if digest is not None and digest != actual:
             raise AdapterRejected("digest", f"the files hash to {actual}, not to the expected {digest}")
+        if signature is None:
+            signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
         if self.store is None:
@@ -613,12 +617,30 @@ class Registry:
             elif tenant.priority != priority:
                 tenant.priority = priority
                 self._audit(session, "tenant_priority", name, priority=priority)
-            return TenantRecord(tenant.name, tenant.priority, as_utc(tenant.created_at))
+            return _tenant_record(tenant)
+
+    def set_tenant_limits(self, name: str, **limits: int | None) -> TenantRecord:
+        """Set `max_concurrent_requests` and/or `max_waiting` of a tenant (None: the server's
+        default); the limits not named stay as they are."""
+        unknown = set(limits) - set(TENANT_LIMITS)
+        if unknown:
+            raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: use {', '.join(TENANT_LIMITS)}")
+        for field, value in limits.items():
+            if value is not None and value < 1:
+                raise RegistryError(f"{field} {value}: give at least 1 (or none for the server's default)")
+        with self._write() as session:
+            tenant = q.tenant_or_error(session, name)
+            changed = {f: v for f, v in limits.items() if getattr(tenant, f) != v}
+            for field, value in changed.items():
+                setattr(tenant, field, value)
+            if changed:
+                self._audit(session, "tenant_limits", name, **changed)
+            return _tenant_record(tenant)
 
     def list_tenants(self) -> list[TenantRecord]:
         with self._read() as session:
             rows = session.scalars(select(Tenant).order_by(Tenant.name))
-            return [TenantRecord(t.name, t.priority, as_utc(t.created_at)) for t in rows]
+            return [_tenant_record(t) for t in rows]
 
     def grant(self, name: str, tenant: str) -> None:
         with self._write() as session:
@@ -764,3 +786,8 @@ def _base_dir_named_by(src: Path) -> Path | None:
         return None
     path = Path(named) if named else None
     return path if path is not None and (path / "config.json").is_file() else None
+
+
+def _tenant_record(tenant: Tenant) -> TenantRecord:
+    return TenantRecord(tenant.name, tenant.priority, as_utc(tenant.created_at),
+                        tenant.max_concurrent_requests, tenant.max_waiting)

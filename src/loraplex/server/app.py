@@ -21,6 +21,7 @@ from loraplex.engine.sequence import SamplingParams
 from loraplex.cache.errors import ArtifactCorrupt, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.registry import AdapterNotFound, AdapterRecord, AllowList, Registry, RegistryError
+from loraplex.registry.records import TenantRecord
 from loraplex.server import admin, openai_api
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
@@ -68,6 +69,8 @@ class ServerConfig:
     """How long a registry API key lookup is trusted (revocations take effect within this)."""
     registry_watch_s: float = 2.0
     """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins along."""
+    release_min_pass_rate: float = 1.0
+    """Share of a revision's eval-set cases that must pass for a promotion out of staging."""
 
     def __post_init__(self):
         if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
@@ -76,6 +79,10 @@ class ServerConfig:
             raise ValueError("the admin token must be at least 16 characters")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ValueError("the metrics token must be at least 16 characters")
+        if not 0.0 <= self.release_min_pass_rate <= 1.0:
+            raise ValueError(f"release_min_pass_rate {self.release_min_pass_rate}: use a share in [0, 1]")
+        if self.max_body_bytes < 1 or (self.max_prompt_tokens is not None and self.max_prompt_tokens < 1):
+            raise ValueError("max_body_bytes and max_prompt_tokens must be at least 1")
 
 
 class Server:
@@ -87,7 +94,10 @@ class Server:
         self.registry = registry
         self.config = config
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
-        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name)
+        self.tenants: dict[str, TenantRecord] = {}
+        """The registry's tenants (priority, request limits), read again when the registry changes."""
+        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name,
+                                        self.tenant_priority, registry.trusted_keys)
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
         self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
         self.audit = AuditLog(config.audit_log)
@@ -109,6 +119,7 @@ class Server:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        self.read_tenants()
         self.async_engine = AsyncEngine(self.engine)
         try:
             self.warm_start()
@@ -165,6 +176,10 @@ class Server:
                 return  # no rule and no pin of its to drop
             for record in adapter.revisions:
                 if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
+                    problem = self.resolver.signature_problem(record)
+                    if problem is not None:  # never loaded, so never pinned
+                        log.warning("not pinning %s: %s", record.model_id, problem)
+                        continue
                     ref = self.resolver.ref_for(record, owner)
                     if ref.key in self._operator_pins:
                         continue
@@ -254,6 +269,7 @@ class Server:
             try:
                 generation = self.registry.generation()
                 if generation != seen:  # the whole registry is read only when it changed
+                    self.read_tenants()
                     self.follow_traffic()
                     seen = generation
                 else:
@@ -261,6 +277,14 @@ class Server:
             except Exception:  # a registry that is briefly unreachable: look again at the next turn
                 if not self._watch_stop.is_set():  # (not the registry closed under a stopping server)
                     log.exception("could not follow the registry's traffic changes")
+
+    def read_tenants(self) -> None:
+        self.tenants = {t.name: t for t in self.registry.list_tenants()}
+
+    def tenant_priority(self, tenant: str) -> int:
+        """The tenant's registry priority: the keep_score's tenant term for the adapters it brings in."""
+        record = self.tenants.get(tenant)
+        return record.priority if record is not None else 0
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
@@ -323,7 +347,9 @@ class Server:
         """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
         the generation is then closed, and the request recorded as the client's leaving."""
         try:
-            ticket = self.admission.admit(ctx.tenant)
+            limits = self.tenants.get(ctx.tenant)
+            ticket = self.admission.admit(ctx.tenant, limits and limits.max_concurrent_requests,
+                                          limits and limits.max_waiting)
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
