@@ -18,7 +18,7 @@ from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import AdapterRecord
-from loraplex.registry.registry import Registry, default_store_for
+from loraplex.registry.registry import Registry, check_tenant_limits, default_store_for
 from loraplex.registry.signing import generate_keypair, load_private_key, load_public_key, sign_digest
 from loraplex.registry.stats import revision_stats
 from loraplex.registry.store import ArtifactStore, canonical_digest
@@ -355,11 +355,12 @@ LimitFlag = Annotated[int | None, typer.Option(help="Per server; 0: the server's
 def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0,
                max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
     """Create a tenant (or set its priority), and set its request limits when given."""
-    registry = _open(ctx)
-    tenant = registry.add_tenant(name, priority)
     limits = {field: value or None for field, value in
               (("max_concurrent_requests", max_concurrent_requests), ("max_waiting", max_waiting))
               if value is not None}
+    check_tenant_limits(limits)  # before any change
+    registry = _open(ctx)
+    tenant = registry.add_tenant(name, priority)
     if limits:
         tenant = registry.set_tenant_limits(name, **limits)
     typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_limits_text(tenant)})")

@@ -622,12 +622,7 @@ class Registry:
     def set_tenant_limits(self, name: str, **limits: int | None) -> TenantRecord:
         """Set `max_concurrent_requests` and/or `max_waiting` of a tenant (None: the server's
         default); the limits not named stay as they are."""
-        unknown = set(limits) - set(TENANT_LIMITS)
-        if unknown:
-            raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: use {', '.join(TENANT_LIMITS)}")
-        for field, value in limits.items():
-            if value is not None and value < 1:
-                raise RegistryError(f"{field} {value}: give at least 1 (or none for the server's default)")
+        check_tenant_limits(limits)
         with self._write() as session:
             tenant = q.tenant_or_error(session, name)
             changed = {f: v for f, v in limits.items() if getattr(tenant, f) != v}
@@ -786,6 +781,16 @@ def _base_dir_named_by(src: Path) -> Path | None:
         return None
     path = Path(named) if named else None
     return path if path is not None and (path / "config.json").is_file() else None
+
+
+def check_tenant_limits(limits: dict) -> None:
+    """RegistryError for an unknown limit or one below 1 (None stands for the server's default)."""
+    unknown = set(limits) - set(TENANT_LIMITS)
+    if unknown:
+        raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: use {', '.join(TENANT_LIMITS)}")
+    for field, value in limits.items():
+        if value is not None and value < 1:
+            raise RegistryError(f"{field} {value}: give at least 1 (or none for the server's default)")
 
 
 def _tenant_record(tenant: Tenant) -> TenantRecord:
