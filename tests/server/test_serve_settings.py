@@ -141,3 +141,17 @@ def test_bad_config_file_is_one_line_naming_the_key(kv8b_dir, tmp_path, text, me
     config.write_text(text)
     line = _refusal([*_base(kv8b_dir, tmp_path), "--config", config], tmp_path)
     assert line.startswith("error: ") and message in line, line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--score-weights", "fame=1"], "error: --score-weights 'fame=1': expected NAME=WEIGHT"),
+    (["--load-factor", "0.5"], "error: --load-factor 0.5: must be at least 1 (the mean load)"),
+    (["--saturation-kv-usage", "2"], "error: --saturation-waiting must be >= 0 and --saturation-kv-usage"),
+    (["--poll-timeout-s", "0"], "error: --poll-timeout-s 0.0: must be positive"),
+])
+def test_router_tuning_flags_are_checked(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "router", "--worker", "http://127.0.0.1:9",
+                           "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines

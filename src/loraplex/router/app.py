@@ -34,6 +34,8 @@ class RouterConfig:
     stale_s: float = 2.0
     poll_s: float = 0.5
     request_timeout_s: float = 300.0
+    poll_timeout_s: float = 2.0
+    """How long a worker's /admin/state poll may take before the worker is marked out."""
     priority_of: Callable[[str], int] = lambda key: 0
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has one)."""
     picker: PickerConfig = field(default_factory=PickerConfig)
@@ -76,7 +78,8 @@ async def _json_object(request: Request) -> dict | None:
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
-    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
+    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s,
+                  config.poll_timeout_s)
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
     metrics = RouterMetrics()
     # No cap on connections: httpx's default of 100 made the 101st concurrent request wait for one, and its
