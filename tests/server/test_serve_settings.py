@@ -155,3 +155,40 @@ def test_router_tuning_flags_are_checked(args, message, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
+def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, llama_dir):
+    from loraplex.registry import Registry
+    from loraplex.server.serve import (
+        ServeOptions,
+        StartupError,
+        engine_config,
+        eviction_policy,
+        server_config,
+    )
+
+    options = ServeOptions(
+        model=llama_dir, data_dir=tmp_path, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=256,
+        block_size=8, seed=7, kv_cache_memory_bytes=2**20, gpu_memory_utilization=0.5,
+        max_lora_bytes_per_step=4096, max_gpu_preferred=1, thrash_window_s=5.0, load_threads=3,
+        tenant_share=0.5, score_weights=(("priority", 3.0), ("size", 0.0)), min_residency_s=0.0,
+        max_requests_per_tenant=9, max_waiting=10, max_prompt_tokens=100, max_body_bytes=1000,
+        unload_timeout_s=1.0, shutdown_timeout_s=2.0, release_min_pass_rate=0.5, key_cache_ttl_s=1.5,
+        audit_log="off", top_k_adapter_metrics=4, registry_watch_s=0.5)
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    e = engine_config(options, registry)
+    assert (e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.seed) == (128, 3, 256, 8, 7)
+    assert (e.kv_cache_bytes, e.gpu_memory_utilization, e.max_lora_bytes_per_step) == (2**20, 0.5, 4096)
+    assert (e.max_gpu_preferred, e.thrash_window_s, e.load_threads, e.tenant_share) == (1, 5.0, 3, 0.5)
+    s = server_config(options, None, None)
+    assert (s.max_requests_per_tenant, s.max_waiting, s.max_prompt_tokens, s.max_body_bytes) == (9, 10, 100, 1000)
+    assert (s.unload_timeout_s, s.shutdown_timeout_s, s.release_min_pass_rate) == (1.0, 2.0, 0.5)
+    assert (s.key_cache_ttl_s, s.audit_log, s.top_k_adapter_metrics, s.registry_watch_s) == (1.5, None, 4, 0.5)
+    policy = eviction_policy(options)
+    assert (policy.w_priority, policy.w_size_per_gib, policy.min_residency_s, policy.w_frequency) == (3.0, 0, 0, 2.0)
+    with pytest.raises(StartupError, match="--score-weights and --min-residency-s apply to --eviction-policy score"):
+        eviction_policy(ServeOptions(model=llama_dir, data_dir=tmp_path, eviction_policy="lru",
+                                     min_residency_s=1.0))
+    with pytest.raises(StartupError, match="^--max-waiting must be >= 0"):
+        server_config(ServeOptions(model=llama_dir, data_dir=tmp_path, max_waiting=-1), None, None)
+    registry.close()

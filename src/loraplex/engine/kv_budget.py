@@ -70,15 +70,21 @@ def kv_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     if config.kv_cache_bytes is not None:
         return KVBudget(config.kv_cache_bytes, "kv_cache_bytes", {})
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used, activations = total - free, activation_bytes(cfg, config, dtype)
-        nbytes = max(0, int(total * config.gpu_memory_utilization) - used - activations)
-        detail = {"total": total, "used": used, "activations": activations}
-        return KVBudget(nbytes, "gpu_memory_utilization", detail)
+        return gpu_budget(config, cfg, dtype, *torch.cuda.mem_get_info(device))
     available = host_available_bytes()
     wanted = config.max_num_seqs * max_model_len * kv_bytes_per_token(cfg, dtype)
     detail = {"available": available, "wanted": wanted}
     return KVBudget(min(wanted, int(available * HOST_SHARE)), "host", detail)
+
+
+def gpu_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, free: int,
+               total: int) -> KVBudget:
+    """What gpu_memory_utilization of the device leaves for the KV cache: everything in use now (the
+    weights, the adapter slots, other processes) and the activation estimate come off its share."""
+    used, activations = total - free, activation_bytes(cfg, config, dtype)
+    nbytes = max(0, int(total * config.gpu_memory_utilization) - used - activations)
+    detail = {"total": total, "used": used, "activations": activations}
+    return KVBudget(nbytes, "gpu_memory_utilization", detail)
 
 
 def num_blocks(budget: KVBudget, cfg: ModelConfig, dtype: torch.dtype, block_size: int,
