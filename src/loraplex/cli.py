@@ -52,24 +52,30 @@ def router(
     port: int = typer.Option(8080, "--port", help="0 picks a free port and prints it."),
     metrics_token_file: Optional[Path] = typer.Option(None, "--metrics-token-file",
                                                       help="Token /metrics requires (no file: /metrics is open)."),
-    saturation_waiting: int = typer.Option(5, help="A worker with more requests waiting than this is saturated "
-                                           "(affinity gives way)", rich_help_panel=ROUTING),
-    saturation_kv_usage: float = typer.Option(0.8, help="...or with more of its KV cache in use than this share",
-                                              rich_help_panel=ROUTING),
-    score_weights: Optional[str] = typer.Option(None, help="NAME=W,...: affinity (1), queue (0.5), tokens (0.2), "
-                                                "evictions (0.2)", rich_help_panel=ROUTING),
-    load_factor: float = typer.Option(1.25, help="Bounded-load hashing: a cold adapter's worker may carry this "
-                                      "times the mean load", rich_help_panel=ROUTING),
-    shed_priority_below: int = typer.Option(0, help="When every worker is saturated, tenants below this "
-                                            "priority get 429", rich_help_panel=ROUTING),
-    poll_interval_s: float = typer.Option(0.5, help="Seconds between polls of each worker's state",
-                                          rich_help_panel=TIMING),
-    stale_after_s: float = typer.Option(2.0, help="A worker's state older than this is not used for affinity",
-                                        rich_help_panel=TIMING),
-    poll_timeout_s: float = typer.Option(2.0, help="A poll slower than this marks the worker out",
-                                         rich_help_panel=TIMING),
-    request_timeout_s: float = typer.Option(300.0, help="Longest wait for a worker's answer (504 beyond)",
-                                            rich_help_panel=TIMING),
+    saturation_waiting: int = typer.Option(
+        5, help="A worker with more requests waiting than this is saturated (affinity gives way)",
+        rich_help_panel=ROUTING),
+    saturation_kv_usage: float = typer.Option(
+        0.8, help="...or with more of its KV cache in use than this share",
+        rich_help_panel=ROUTING),
+    score_weights: str | None = typer.Option(
+        None, help="NAME=W,...: affinity (1), queue (0.5), tokens (0.2), evictions (0.2)",
+        rich_help_panel=ROUTING),
+    load_factor: float = typer.Option(
+        1.25, help="Bounded-load hashing: a cold adapter's worker carries up to this x the mean load",
+        rich_help_panel=ROUTING),
+    shed_priority_below: int = typer.Option(
+        0, help="When every worker is saturated, tenants below this priority get 429",
+        rich_help_panel=ROUTING),
+    poll_interval_s: float = typer.Option(
+        0.5, help="Seconds between polls of each worker's state", rich_help_panel=TIMING),
+    stale_after_s: float = typer.Option(
+        2.0, help="A worker's state older than this is not used for affinity",
+        rich_help_panel=TIMING),
+    poll_timeout_s: float = typer.Option(
+        2.0, help="A poll slower than this marks the worker out", rich_help_panel=TIMING),
+    request_timeout_s: float = typer.Option(
+        300.0, help="Longest wait for a worker's answer (504 beyond)", rich_help_panel=TIMING),
 ) -> None:
     """Route requests to the worker that has their adapter, until it is saturated."""
     from loraplex.router.picker import PickerConfig
@@ -85,14 +91,23 @@ def router(
             _or_exit_2(_refuse, f"{flag} {value}: must be positive")
     try:
         picker = PickerConfig(max_waiting=saturation_waiting, max_kv_usage=saturation_kv_usage,
-                              load_factor=load_factor, shed_priority_below=shed_priority_below, **weights)
+                              load_factor=load_factor, shed_priority_below=shed_priority_below,
+                              **weights)
     except ValueError as exc:
-        _or_exit_2(_refuse, str(exc).replace("max_waiting", "--saturation-waiting")
-                   .replace("max_kv_usage", "--saturation-kv-usage").replace("load_factor", "--load-factor")
-                   .replace("the score weights", "--score-weights"))
-    raise typer.Exit(serve_router(worker, policy, token, registry, host, port, metrics_token, picker=picker,
-                                  poll_s=poll_interval_s, stale_s=stale_after_s, poll_timeout_s=poll_timeout_s,
-                                  request_timeout_s=request_timeout_s))
+        _or_exit_2(_refuse, _router_flags(str(exc)))
+    timing = {"poll_s": poll_interval_s, "stale_s": stale_after_s, "poll_timeout_s": poll_timeout_s,
+              "request_timeout_s": request_timeout_s}
+    raise typer.Exit(serve_router(worker, policy, token, registry, host, port, metrics_token,
+                                  picker=picker, **timing))
+
+
+def _router_flags(message: str) -> str:
+    """PickerConfig's message with its field names written as the router's flags."""
+    flags = (("max_waiting", "--saturation-waiting"), ("max_kv_usage", "--saturation-kv-usage"),
+             ("load_factor", "--load-factor"), ("the score weights", "--score-weights"))
+    for field, flag in flags:
+        message = message.replace(field, flag)
+    return message
 
 
 def _router_weights(text: str) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""The KV cache's budget: the operator's figure, the CUDA share of the device, the CPU host rule, and
-the one-line refusal that says which flag to change and by how much."""
+"""The KV cache's budget: the operator's figure, the CUDA share of the device, the CPU host rule,
+and the one-line refusal that says which flag to change and by how much."""
 
 import pytest
 import torch
@@ -15,11 +15,22 @@ GiB = 2**30
 @pytest.fixture
 def llama3_8b(tmp_path):
     """Llama-3-8B's config.json numbers (no weights: the budget needs the shapes only)."""
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192, "rope_theta": 500000.0, "torch_dtype": "bfloat16"})
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "torch_dtype": "bfloat16",
+        }
+    )
 
 
 def test_llama3_8b_needs_128_kib_a_token_in_bf16(llama3_8b):
@@ -47,20 +58,25 @@ def test_too_small_a_gpu_share_says_which_share_would_do(llama3_8b, tmp_path):
     line = kv_budget_message(refused.value)
     needed = 15 * GiB + kv.activation_bytes(llama3_8b, config, torch.bfloat16) + 512 * 2**20
     share = f"{-(-needed * 100 // total) / 100:.2f}"
-    assert line == (f"--gpu-memory-utilization leaves 0 for the KV cache (0 tokens; 15GiB of the "
-                    f"device's 24GiB are in use), fewer than --max-model-len 4096 needs (512MiB): raise "
-                    f"it to {share} if the device has the room, give --kv-cache-memory-bytes 512MiB, "
-                    f"or lower --max-model-len")
+    assert line == (
+        f"--gpu-memory-utilization leaves 0 for the KV cache (0 tokens; 15GiB of the "
+        f"device's 24GiB are in use), fewer than --max-model-len 4096 needs (512MiB): raise "
+        f"it to {share} if the device has the room, give --kv-cache-memory-bytes 512MiB, "
+        f"or lower --max-model-len"
+    )
 
 
-def test_host_rule_is_the_smaller_of_the_sequences_and_a_quarter_of_memory(llama3_8b, tmp_path,
-                                                                          monkeypatch):
+def test_host_rule_is_the_smaller_of_the_sequences_and_a_quarter_of_memory(
+    llama3_8b, tmp_path, monkeypatch
+):
     monkeypatch.setattr(kv, "host_available_bytes", lambda: 16 * GiB)
     few = EngineConfig(model_dir=tmp_path, max_num_seqs=2)
     budget = kv.kv_budget(few, llama3_8b, torch.bfloat16, torch.device("cpu"), 4096)
     assert (budget.source, budget.nbytes) == ("host", 2 * 4096 * 128 * 2**10)  # 1 GiB: what 2 need
     many = EngineConfig(model_dir=tmp_path, max_num_seqs=64)
-    assert kv.kv_budget(many, llama3_8b, torch.bfloat16, torch.device("cpu"), 4096).nbytes == 4 * GiB
+    assert (
+        kv.kv_budget(many, llama3_8b, torch.bfloat16, torch.device("cpu"), 4096).nbytes == 4 * GiB
+    )
     monkeypatch.setattr(kv, "host_available_bytes", lambda: 1 * GiB)  # a quarter: 2048 tokens
     budget = kv.kv_budget(many, llama3_8b, torch.bfloat16, torch.device("cpu"), 4096)
     with pytest.raises(kv.KVBudgetTooSmall) as refused:
@@ -68,7 +84,8 @@ def test_host_rule_is_the_smaller_of_the_sequences_and_a_quarter_of_memory(llama
     assert kv_budget_message(refused.value) == (
         "the KV cache's default on this host (a quarter of the 1GiB available) holds 2048 tokens, "
         "fewer than --max-model-len 4096: give --kv-cache-memory-bytes 512MiB or more, or lower "
-        "--max-model-len to 2048")
+        "--max-model-len to 2048"
+    )
 
 
 @pytest.mark.parametrize("n", [0, 1000, 512 * 2**20, 3 * GiB // 2, 5 * 2**40])

@@ -26,8 +26,17 @@ def cli(tmp_path):
 
 
 def test_tenant_limits_are_set_listed_and_audited(cli, tmp_path):
-    added = cli("tenant", "add", "acme", "--priority", "2", "--max-concurrent-requests", "8",
-                "--max-waiting", "16").stdout.strip()
+    added = cli(
+        "tenant",
+        "add",
+        "acme",
+        "--priority",
+        "2",
+        "--max-concurrent-requests",
+        "8",
+        "--max-waiting",
+        "16",
+    ).stdout.strip()
     assert added == "tenant acme (priority 2, max concurrent requests 8, max waiting 16)"
     cli("tenant", "add", "beta")
     rows = {t["name"]: t for t in json.loads(cli("tenant", "list", "--json").stdout)}
@@ -43,9 +52,13 @@ def test_tenant_limits_are_set_listed_and_audited(cli, tmp_path):
     registry = Registry(f"sqlite:///{tmp_path / 'data' / 'registry.db'}")
     events = [(e.action, e.detail) for e in registry.audit_events() if e.action == "tenant_limits"]
     registry.close()
-    assert events == [("tenant_limits", {"max_waiting": None}),  # the newest first
-                      ("tenant_limits", {"max_concurrent_requests": 8, "max_waiting": 16})]
-    assert json.loads(cli("tenant", "list", "--json").stdout)[0]["priority"] == 2  # refused: no change
+    assert events == [
+        ("tenant_limits", {"max_waiting": None}),  # the newest first
+        ("tenant_limits", {"max_concurrent_requests": 8, "max_waiting": 16}),
+    ]
+    assert (
+        json.loads(cli("tenant", "list", "--json").stdout)[0]["priority"] == 2
+    )  # refused: no change
 
 
 def test_a_registry_made_before_the_limit_columns_gains_them_on_open(tmp_path):
@@ -58,6 +71,8 @@ def test_a_registry_made_before_the_limit_columns_gains_them_on_open(tmp_path):
         conn.execute("ALTER TABLE tenants DROP COLUMN max_concurrent_requests")
         conn.execute("ALTER TABLE tenants DROP COLUMN max_waiting")
     registry = Registry(url)
-    assert [(t.name, t.priority, t.max_waiting) for t in registry.list_tenants()] == [("acme", 3, None)]
+    assert [(t.name, t.priority, t.max_waiting) for t in registry.list_tenants()] == [
+        ("acme", 3, None)
+    ]
     assert registry.set_tenant_limits("acme", max_waiting=4).max_waiting == 4
     registry.close()

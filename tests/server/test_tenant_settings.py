@@ -7,15 +7,24 @@ import openai
 import pytest
 
 from harness import MODEL
-from loraplex.registry.signing import SIGNATURE_FILE, generate_keypair, load_private_key, sign_digest
+from loraplex.registry.signing import (
+    SIGNATURE_FILE,
+    generate_keypair,
+    load_private_key,
+    sign_digest,
+)
 from loraplex.registry.store import canonical_digest
 
-LONG = {"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}  # room for a stream that outlives the test steps
+LONG = {
+    "max_model_len": 4096,
+    "kv_cache_bytes": 16 * 2**20,
+}  # room for a stream that outlives the test steps
 
 
 def _open_stream(running, tenant: str, model: str):
-    stream = running.client(tenant).completions.create(model=model, prompt="x", max_tokens=4000,
-                                                       stream=True, extra_body={"ignore_eos": True})
+    stream = running.client(tenant).completions.create(
+        model=model, prompt="x", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     return stream
 
@@ -47,11 +56,14 @@ def test_tenant_waiting_limit_from_the_registry(start):
 
         def wait_for_slot():
             queued["result"] = running.client("alice").completions.create(
-                model="alice-a", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+                model="alice-a", prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
+            )
 
         thread = threading.Thread(target=wait_for_slot)
         thread.start()
-        running.wait_for(lambda: running.state()["load"]["admitted_waiting"] == 1, what="a queued request")
+        running.wait_for(
+            lambda: running.state()["load"]["admitted_waiting"] == 1, what="a queued request"
+        )
         with pytest.raises(openai.RateLimitError) as refused:
             running.client("alice").completions.create(model="alice-a", prompt="x", max_tokens=1)
         assert "1 requests waiting" in refused.value.body["message"]
@@ -60,8 +72,9 @@ def test_tenant_waiting_limit_from_the_registry(start):
         assert queued["result"].usage.completion_tokens == 2
 
 
-@pytest.mark.parametrize("priorities, kept", [({"alice": 5, "bob": 0}, "alice-a"),
-                                              ({"alice": 0, "bob": 5}, "bob-a")])
+@pytest.mark.parametrize(
+    "priorities, kept", [({"alice": 5, "bob": 0}, "alice-a"), ({"alice": 0, "bob": 5}, "bob-a")]
+)
 def test_tenant_priority_changes_what_the_cache_keeps(start, priorities, kept):
     """Two slots: alice-a, then bob-a, then shared-a needs a slot. Equal demand, so the victim is
     the adapter whose tenant has the lower priority, whichever was used last."""
@@ -93,8 +106,9 @@ def _signed_copy(src, out, key):
     return out
 
 
-def test_trusted_keys_guard_admin_register_vllm_load_and_registry_loads(start, keys, llama_adapters,
-                                                                        tmp_path):
+def test_trusted_keys_guard_admin_register_vllm_load_and_registry_loads(
+    start, keys, llama_adapters, tmp_path
+):
     from loraplex.registry.signing import load_public_key
 
     private, public = keys
@@ -116,12 +130,20 @@ def test_trusted_keys_guard_admin_register_vllm_load_and_registry_loads(start, k
         assert response.status_code == 400 and response.json()["error"]["param"] == "signature"
         body["signature"] = sign_digest(canonical_digest(unsigned), private)
         assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
-        assert running.client("alice").completions.create(model="ops", prompt="x", max_tokens=1).usage
+        assert (
+            running.client("alice").completions.create(model="ops", prompt="x", max_tokens=1).usage
+        )
         # vLLM's load call: the unsigned directory is refused, the signed one serves
-        response = running.admin("POST", "/v1/load_lora_adapter",
-                                 json={"lora_name": "loaded", "lora_path": str(unsigned)})
+        response = running.admin(
+            "POST",
+            "/v1/load_lora_adapter",
+            json={"lora_name": "loaded", "lora_path": str(unsigned)},
+        )
         assert response.status_code == 400 and "unsigned" in response.json()["error"]["message"]
-        response = running.admin("POST", "/v1/load_lora_adapter",
-                                 json={"lora_name": "loaded", "lora_path": str(signed)})
+        response = running.admin(
+            "POST", "/v1/load_lora_adapter", json={"lora_name": "loaded", "lora_path": str(signed)}
+        )
         assert response.status_code == 200, response.text
-        assert running.client("bob").completions.create(model="loaded", prompt="x", max_tokens=1).usage
+        assert (
+            running.client("bob").completions.create(model="loaded", prompt="x", max_tokens=1).usage
+        )

@@ -35,9 +35,11 @@ class KVBudgetTooSmall(ValueError):
     def __init__(self, budget: KVBudget, holds: int, max_model_len: int, needed_bytes: int):
         self.budget, self.holds = budget, holds
         self.max_model_len, self.needed_bytes = max_model_len, needed_bytes
-        super().__init__(f"{budget.source}: the KV cache ({budget.nbytes} bytes) holds {holds} "
-                         f"tokens, fewer than max_model_len {max_model_len} (which needs "
-                         f"{needed_bytes} bytes)")
+        super().__init__(
+            f"{budget.source}: the KV cache ({budget.nbytes} bytes) holds {holds} "
+            f"tokens, fewer than max_model_len {max_model_len} (which needs "
+            f"{needed_bytes} bytes)"
+        )
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -64,8 +66,13 @@ def host_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-              max_model_len: int) -> KVBudget:
+def kv_budget(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> KVBudget:
     """The KV cache's bytes; call it once the weights and the adapter slots are on the device."""
     if config.kv_cache_bytes is not None:
         return KVBudget(config.kv_cache_bytes, "kv_cache_bytes", {})
@@ -77,8 +84,9 @@ def kv_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     return KVBudget(min(wanted, int(available * HOST_SHARE)), "host", detail)
 
 
-def gpu_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, free: int,
-               total: int) -> KVBudget:
+def gpu_budget(
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, free: int, total: int
+) -> KVBudget:
     """What gpu_memory_utilization of the device leaves for the KV cache: everything in use now (the
     weights, the adapter slots, other processes) and the activation estimate come off its share."""
     used, activations = total - free, activation_bytes(cfg, config, dtype)
@@ -87,8 +95,9 @@ def gpu_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, free:
     return KVBudget(nbytes, "gpu_memory_utilization", detail)
 
 
-def num_blocks(budget: KVBudget, cfg: ModelConfig, dtype: torch.dtype, block_size: int,
-               max_model_len: int) -> int:
+def num_blocks(
+    budget: KVBudget, cfg: ModelConfig, dtype: torch.dtype, block_size: int, max_model_len: int
+) -> int:
     """Blocks the budget holds; KVBudgetTooSmall when they hold fewer tokens than max_model_len."""
     per_block = block_size * kv_bytes_per_token(cfg, dtype)
     blocks = budget.nbytes // per_block

@@ -367,9 +367,9 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
 
 
 def _limits_text(tenant) -> str:
-    parts = [f"{label} {value}" for label, value in (("max concurrent requests", tenant.max_concurrent_requests),
-                                                    ("max waiting", tenant.max_waiting)) if value is not None]
-    return "".join(f", {p}" for p in parts)
+    limits = (("max concurrent requests", tenant.max_concurrent_requests),
+              ("max waiting", tenant.max_waiting))
+    return "".join(f", {label} {value}" for label, value in limits if value is not None)
 
 
 @tenant_app.command("list")
@@ -377,15 +377,17 @@ def _limits_text(tenant) -> str:
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     tenants = _open(ctx).list_tenants()
     if json_out:
-        _print_json([{"name": t.name, "priority": t.priority, "max_concurrent_requests": t.max_concurrent_requests,
-                      "max_waiting": t.max_waiting, "created_at": t.created_at.isoformat()} for t in tenants])
+        _print_json([{"name": t.name, "priority": t.priority,
+                      "max_concurrent_requests": t.max_concurrent_requests,
+                      "max_waiting": t.max_waiting, "created_at": t.created_at.isoformat()}
+                     for t in tenants])
         return
     table = Table(title="tenants")
     for column in ("name", "priority", "max concurrent", "max waiting", "created"):
         table.add_column(column)
     for t in tenants:
-        table.add_row(t.name, str(t.priority), _or_default(t.max_concurrent_requests), _or_default(t.max_waiting),
-                      t.created_at.strftime("%Y-%m-%d %H:%M"))
+        table.add_row(t.name, str(t.priority), _or_default(t.max_concurrent_requests),
+                      _or_default(t.max_waiting), t.created_at.strftime("%Y-%m-%d %H:%M"))
     Console().print(table)
 
 

@@ -64,7 +64,8 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # Limits of the tenant's requests on each server; NULL: the server's default (columns added on open).
+    # Limits of the tenant's requests on each server; NULL: the server's default. Added to an
+    # existing registry on open (add_missing_columns).
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_waiting: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
@@ -249,21 +250,24 @@ def add_missing_columns(engine: Engine) -> None:
     """Add the nullable columns added to existing tables since the database was made (older versions
     ignore them, so the schema version stays); run on open, as add_missing_tables."""
     inspector = inspect(engine)
-    missing = [(table, column) for table in Base.metadata.sorted_tables if inspector.has_table(table.name)
-               for column in table.columns
-               if column.name not in {c["name"] for c in inspector.get_columns(table.name)}]
+    missing = []
+    for table in Base.metadata.sorted_tables:
+        if inspector.has_table(table.name):
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            missing += [(table, c) for c in table.columns if c.name not in present]
     if not missing:
         return
     with writer(engine).begin() as conn:
         for table, column in missing:
             if not column.nullable:
-                raise RegistryError(f"column {table.name}.{column.name} cannot be added to an existing "
-                                    "registry: it has no NULL to fill the rows with")
+                raise RegistryError(f"column {table.name}.{column.name} cannot be added to an "
+                                    "existing registry: it has no NULL to fill the rows with")
             kind = column.type.compile(dialect=engine.dialect)
             # IF NOT EXISTS where the database has it: another process may add it meanwhile.
             guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
             try:
-                conn.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN {guard}{column.name} {kind}')
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {table.name} ADD COLUMN {guard}{column.name} {kind}")
             except OperationalError as exc:  # SQLite: a process that opened it meanwhile added it
                 if "duplicate column" not in str(exc):
                     raise

@@ -97,7 +97,7 @@ class TenantRecord:
     max_concurrent_requests: int | None = None
     """Requests in flight on one server at a time (None: the server's --max-requests-per-tenant)."""
     max_waiting: int | None = None
-    """Requests waiting for their first token on one server (None: only the server's --max-waiting)."""
+    """Requests waiting for a first token on one server (None: only the server's --max-waiting)."""
 
 
 @dataclass(frozen=True)

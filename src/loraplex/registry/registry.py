@@ -787,10 +787,12 @@ def check_tenant_limits(limits: dict) -> None:
     """RegistryError for an unknown limit or one below 1 (None stands for the server's default)."""
     unknown = set(limits) - set(TENANT_LIMITS)
     if unknown:
-        raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: use {', '.join(TENANT_LIMITS)}")
+        raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: "
+                            f"use {', '.join(TENANT_LIMITS)}")
     for field, value in limits.items():
         if value is not None and value < 1:
-            raise RegistryError(f"{field} {value}: give at least 1 (or none for the server's default)")
+            raise RegistryError(f"{field} {value}: give at least 1 "
+                                "(or none for the server's default)")
 
 
 def _tenant_record(tenant: Tenant) -> TenantRecord:

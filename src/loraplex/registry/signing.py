@@ -18,7 +18,8 @@ from loraplex.registry.errors import AdapterRejected
 PREFIX = "ed25519:"
 SIGNATURE_FILE = "adapter.sig"
 """A detached signature beside an adapter's files (not one of them: the digest leaves it out), read
-when a registration gives no signature of its own (`serve --lora-modules`, `/v1/load_lora_adapter`)."""
+when a registration gives no signature of its own (`serve --lora-modules`,
+`/v1/load_lora_adapter`)."""
 
 
 def generate_keypair() -> tuple[bytes, bytes]:

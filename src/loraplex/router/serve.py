@@ -24,7 +24,8 @@ def serve_router(workers: list[str], policy: str, admin_token: str | None, regis
         return 2
     if registry:
         tuning["priority_of"] = registry_priorities(registry)
-    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token, **tuning)
+    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token,
+                          **tuning)
     app = create_router_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -30,7 +30,8 @@ class Target:
 
 class AdapterResolver:
     def __init__(self, registry: Registry, base_model_digest: str, served_name: str,
-                 tenant_priority: Callable[[str], int] = lambda tenant: 0, trusted_keys: tuple = ()):
+                 tenant_priority: Callable[[str], int] = lambda tenant: 0,
+                 trusted_keys: tuple = ()):
         """`tenant_priority`: a tenant's priority, given to the cache with the adapters it asks for.
         `trusted_keys`: with any, a revision is loaded only if one of them signed its digest."""
         self.registry = registry
@@ -61,7 +62,8 @@ class AdapterResolver:
                            f"not the one this server runs ({self.served_name})", "model_not_available", "model")
         problem = self.signature_problem(record)
         if problem is not None:
-            raise APIError(503, f"{record.model_id} cannot be loaded: {problem}", "adapter_unavailable", "model")
+            raise APIError(503, f"{record.model_id} cannot be loaded: {problem}",
+                           "adapter_unavailable", "model")
         return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
 
     def signature_problem(self, record: RevisionRecord) -> str | None:

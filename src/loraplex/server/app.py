@@ -80,8 +80,10 @@ class ServerConfig:
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ValueError("the metrics token must be at least 16 characters")
         if not 0.0 <= self.release_min_pass_rate <= 1.0:
-            raise ValueError(f"release_min_pass_rate {self.release_min_pass_rate}: use a share in [0, 1]")
-        if self.max_body_bytes < 1 or (self.max_prompt_tokens is not None and self.max_prompt_tokens < 1):
+            raise ValueError(f"release_min_pass_rate {self.release_min_pass_rate}: "
+                             "use a share in [0, 1]")
+        too_short = self.max_prompt_tokens is not None and self.max_prompt_tokens < 1
+        if self.max_body_bytes < 1 or too_short:
             raise ValueError("max_body_bytes and max_prompt_tokens must be at least 1")
 
 
@@ -95,9 +97,10 @@ class Server:
         self.config = config
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
         self.tenants: dict[str, TenantRecord] = {}
-        """The registry's tenants (priority, request limits), read again when the registry changes."""
-        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name,
-                                        self.tenant_priority, registry.trusted_keys)
+        """The registry's tenants (priority, request limits), read again when it changes."""
+        self.resolver = AdapterResolver(registry, engine.base_model_digest,
+                                        config.served_model_name, self.tenant_priority,
+                                        registry.trusted_keys)
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
         self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
         self.audit = AuditLog(config.audit_log)
@@ -282,7 +285,7 @@ class Server:
         self.tenants = {t.name: t for t in self.registry.list_tenants()}
 
     def tenant_priority(self, tenant: str) -> int:
-        """The tenant's registry priority: the keep_score's tenant term for the adapters it brings in."""
+        """The tenant's registry priority: keep_score's tenant term for adapters it brings in."""
         record = self.tenants.get(tenant)
         return record.priority if record is not None else 0
 

@@ -114,7 +114,7 @@ class ServeOptions:
 
 SCORE_WEIGHTS = {"recency": "w_recency", "frequency": "w_frequency", "priority": "w_priority",
                  "cost": "w_cost", "size": "w_size_per_gib", "preferred": "w_preferred"}
-"""`--score-weights NAME=W,...`: the terms of the score policy's keep_score, by their short names."""
+"""`--score-weights NAME=W,...`: the score policy's keep_score terms, by their short names."""
 
 
 def parse_score_weights(text: str) -> tuple[tuple[str, float], ...]:
@@ -270,7 +270,7 @@ def load_engine(config: EngineConfig, policy=None) -> LLMEngine:
         raise StartupError(f"--model {message}" if message.startswith(f"{config.model_dir}:") else message) from None
     except (OSError, json.JSONDecodeError) as exc:  # a model file that cannot be read, or is not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
-    except ValueError as exc:  # a setting the model cannot take (max_num_batched_tokens < max_model_len)
+    except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
         raise StartupError(str(exc)) from None
     budget = engine.kv_budget
     log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes),
@@ -290,15 +290,17 @@ def kv_budget_message(exc) -> str:
                 f"than --max-model-len {length}: raise it by {more} to {needed}, {lower}")
     if budget.source == "gpu_memory_utilization":
         d = budget.detail
-        share = math.ceil((d["used"] + d["activations"] + exc.needed_bytes) / d["total"] * 100) / 100
+        wanted = d["used"] + d["activations"] + exc.needed_bytes
+        share = math.ceil(wanted / d["total"] * 100) / 100
         return (f"--gpu-memory-utilization leaves {format_size(budget.nbytes)} for the KV cache "
                 f"({holds} tokens; {format_size(d['used'])} of the device's "
                 f"{format_size(d['total'])} are in use), fewer than --max-model-len {length} needs "
                 f"({needed}): raise it to {share:.2f} if the device has the room, "
                 f"give --kv-cache-memory-bytes {needed}, {lower}")
-    return (f"the KV cache's default on this host (a quarter of the "
-            f"{format_size(budget.detail['available'])} available) holds {holds} tokens, fewer than "
-            f"--max-model-len {length}: give --kv-cache-memory-bytes {needed} or more, {lower}")
+    available = format_size(budget.detail["available"])
+    return (f"the KV cache's default on this host (a quarter of the {available} available) holds "
+            f"{holds} tokens, fewer than --max-model-len {length}: give --kv-cache-memory-bytes "
+            f"{needed} or more, {lower}")
 
 
 def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
@@ -315,8 +317,9 @@ def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
     try:
         return EngineConfig(
             model_dir=o.model, dtype=o.dtype, device=o.device, max_loras=o.max_loras,
-            max_lora_rank=o.max_lora_rank, max_num_seqs=o.max_num_seqs, max_model_len=o.max_model_len,
-            max_num_batched_tokens=o.max_num_batched_tokens, kv_cache_bytes=o.kv_cache_memory_bytes,
+            max_lora_rank=o.max_lora_rank, max_num_seqs=o.max_num_seqs,
+            max_model_len=o.max_model_len, max_num_batched_tokens=o.max_num_batched_tokens,
+            kv_cache_bytes=o.kv_cache_memory_bytes,
             gpu_memory_utilization=o.gpu_memory_utilization, block_size=o.block_size,
             max_lora_bytes_per_step=o.max_lora_bytes_per_step, max_cpu_loras=o.max_cpu_loras,
             eviction_policy=o.eviction_policy, disk_cache_dir=o.data_dir / "cache",
@@ -338,7 +341,8 @@ def server_config(options: ServeOptions, admin_token: str | None, metrics_token:
             admin_token=admin_token, metrics_token=metrics_token,
             admin_on_main_app=o.admin_port is None, allowed_roots=o.allowed_roots,
             audit_log=o.audit_log_target, max_waiting=o.max_waiting,
-            max_requests_per_tenant=o.max_requests_per_tenant, max_prompt_tokens=o.max_prompt_tokens,
+            max_requests_per_tenant=o.max_requests_per_tenant,
+            max_prompt_tokens=o.max_prompt_tokens,
             max_body_bytes=o.max_body_bytes, shutdown_timeout_s=o.shutdown_timeout_s,
             unload_timeout_s=o.unload_timeout_s, top_k_adapter_metrics=o.top_k_adapter_metrics,
             key_cache_ttl_s=o.key_cache_ttl_s, registry_watch_s=o.registry_watch_s,

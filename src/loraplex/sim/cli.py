@@ -232,10 +232,10 @@ def plan(
     adapters: Path | None = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
     model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
     workload: str | None = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
-    max_loras: int | None = typer.Option(None, "--max-loras", help="Slots, as serve's (default 4)."),
-    max_lora_rank: int | None = typer.Option(None, "--max-lora-rank", help="As serve's (default 64)."),
-    cpu_cache_bytes: str | None = typer.Option(None, "--cpu-cache-bytes", help="As serve's (default 2GiB)."),
-    disk_cache_bytes: str | None = typer.Option(None, "--disk-cache-bytes", help="As serve's (default 20GiB)."),
+    max_loras: int | None = typer.Option(None, help="Slots, as serve's (default 4)."),
+    max_lora_rank: int | None = typer.Option(None, help="As serve's (default 64)."),
+    cpu_cache_bytes: str | None = typer.Option(None, help="As serve's (default 2GiB)."),
+    disk_cache_bytes: str | None = typer.Option(None, help="As serve's (default 20GiB)."),
 ) -> None:
     """Bytes per adapter (formula and actual), how many fit per tier, and the smallest cache for a workload."""
     from loraplex.sim import plan as planner
@@ -243,8 +243,8 @@ def plan(
     console = Console()
     if (registry is None) == (adapters is None):
         raise typer.BadParameter("give one of --registry or --adapters")
-    given = {"max_loras": max_loras, "max_lora_rank": max_lora_rank, "cpu_cache_bytes": cpu_cache_bytes,
-             "disk_cache_bytes": disk_cache_bytes}
+    given = {"max_loras": max_loras, "max_lora_rank": max_lora_rank,
+             "cpu_cache_bytes": cpu_cache_bytes, "disk_cache_bytes": disk_cache_bytes}
     capacities = {k: v for k, v in given.items() if v is not None}
     try:
         for name in ("cpu_cache_bytes", "disk_cache_bytes"):

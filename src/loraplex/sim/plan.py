@@ -238,13 +238,18 @@ def tables(plan: Plan) -> list[Table]:
     kept_host = sum(a.serving_bytes for a in (*kept["gpu"], *kept["cpu"]))
     tiers = Table(title=f"what fits (max-loras {d.max_loras}, cpu {_size(d.cpu_cache_bytes)}, "
                         f"disk {_size(d.disk_cache_bytes)})")
-    for col in ("tier", "capacity", "per adapter", "adapters that fit", "of", "kept by pins / warm"):
+    columns = ("tier", "capacity", "per adapter", "adapters that fit", "of", "kept by pins / warm")
+    for col in columns:
         tiers.add_column(col, justify="left" if col == "tier" else "right")
-    slots_kept = f"{len(kept['gpu'])} slots" + (" (more than the slots)" if len(kept["gpu"]) > d.max_loras else "")
+    slots_kept = f"{len(kept['gpu'])} slots"
+    if len(kept["gpu"]) > d.max_loras:
+        slots_kept += " (more than the slots)"
     tiers.add_row("gpu slots", f"{d.max_loras} × {_size(plan.slot_bytes)} (rank {plan.max_lora_rank})",
                   _size(plan.slot_bytes), f"{d.max_loras} at a time" + (f"; {over} over max rank" if over else ""),
                   str(len(plan.adapters)), slots_kept)
-    host_kept = _size(kept_host) + (" (more than the cache)" if kept_host > d.cpu_cache_bytes else "")
+    host_kept = _size(kept_host)
+    if kept_host > d.cpu_cache_bytes:
+        host_kept += " (more than the cache)"
     tiers.add_row("cpu", _size(d.cpu_cache_bytes), _size(sum(host) // len(host)), str(fits(host, d.cpu_cache_bytes)),
                   str(len(plan.adapters)), host_kept)
     tiers.add_row("disk", _size(d.disk_cache_bytes), _size(sum(disk) // len(disk)),
