@@ -268,7 +268,8 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         registry_watch_s=0.5,
     )
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
-    e = engine_config(options, registry)
+    e = engine_config(options, registry.store)
+    assert str(registry.store.root.resolve()) in e.allowed_roots
     assert (e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.seed) == (
         128,
         3,

@@ -243,12 +243,14 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
         raise StartupError("--admin-port needs --admin-token-file")
     trusted = tuple(read_option_file(load_public_key, path, "--trusted-key")
                     for path in options.trusted_keys)
+    # Every option checked before anything is written (the registry, --lora-modules' revisions).
+    config = server_config(options, token, metrics_token)
     policy = eviction_policy(options)
+    engine_config(options)
     make_dir(options.data_dir, "--data-dir")
     registry = open_registry(options, trusted)
     register_lora_modules(registry, options.lora_modules)
-    engine = load_engine(engine_config(options, registry), policy)
-    config = server_config(options, token, metrics_token)
+    engine = load_engine(engine_config(options, registry.store), policy)
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
@@ -303,16 +305,16 @@ def kv_budget_message(exc) -> str:
             f"{needed} or more, {lower}")
 
 
-def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
+def engine_config(options: ServeOptions, store: ArtifactStore | None = None) -> EngineConfig:
+    """`store`: the registry's artifact store, a trusted source of artifacts for the disk tier."""
     sizes = {}
     if options.cpu_cache_bytes is not None:
         sizes["cpu_cache_bytes"] = options.cpu_cache_bytes
     if options.disk_cache_bytes is not None:
         sizes["disk_cache_bytes"] = options.disk_cache_bytes
-    # The registry's own store is a trusted source of artifacts for the cache's disk tier.
     roots = options.allowed_roots
-    if registry.store:
-        roots = (*roots, str(registry.store.root.resolve()))
+    if store is not None:
+        roots = (*roots, str(store.root.resolve()))
     o = options
     try:
         return EngineConfig(
