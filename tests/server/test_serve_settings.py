@@ -320,3 +320,40 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
     with pytest.raises(StartupError, match="^--max-waiting must be >= 0"):
         server_config(ServeOptions(model=llama_dir, data_dir=tmp_path, max_waiting=-1), None, None)
     registry.close()
+
+
+def test_trusted_key_refuses_an_unsigned_lora_module_and_serves_a_signed_one(
+    llama_dir, llama_adapters, tmp_path
+):
+    from loraplex.registry.signing import (
+        SIGNATURE_FILE,
+        generate_keypair,
+        load_private_key,
+        sign_digest,
+    )
+    from loraplex.registry.store import canonical_digest
+
+    private, public = generate_keypair()
+    (tmp_path / "release.key").write_bytes(private)
+    (tmp_path / "release.pub").write_bytes(public)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    for f in llama_adapters["attn-r8"].iterdir():
+        (adapter / f.name).write_bytes(f.read_bytes())
+    base = ["--model", llama_dir, "--port", "0", "--device", "cpu", "--dtype", "float32",
+            "--data-dir", tmp_path / "data", "--trusted-key", tmp_path / "release.pub",
+            "--max-lora-rank", "16", "--lora-modules", f"one={adapter}"]
+    line = _refusal(base, tmp_path)
+    assert line == ("error: --lora-modules one: signature: the revision is unsigned and trusted "
+                    "keys are configured")
+    signature = sign_digest(canonical_digest(adapter), load_private_key(tmp_path / "release.key"))
+    (adapter / SIGNATURE_FILE).write_text(signature + "\n")
+    proc = _serve(base, tmp_path)
+    try:
+        url = _address(proc)
+        assert url is not None, (tmp_path / "stderr.log").read_text()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model="one", prompt="hi", max_tokens=1).usage
+    finally:
+        proc.kill()
+        proc.wait()
