@@ -62,7 +62,7 @@ def router(
         None, help="NAME=W,...: affinity (1), queue (0.5), tokens (0.2), evictions (0.2)",
         rich_help_panel=ROUTING),
     load_factor: float = typer.Option(
-        1.25, help="Bounded-load hashing: a cold adapter's worker carries up to this x the mean load",
+        1.25, help="Bounded-load hashing: a cold adapter's worker carries up to this x mean load",
         rich_help_panel=ROUTING),
     shed_priority_below: int = typer.Option(
         0, help="When every worker is saturated, tenants below this priority get 429",

@@ -1,5 +1,5 @@
-"""`EngineConfig.seed` (`serve --seed`): requests without a seed of their own sample from the engine's
-generator, so the same seed gives the same samples and another seed others."""
+"""`EngineConfig.seed` (`serve --seed`): requests without a seed of their own sample from the
+engine's generator, so the same seed gives the same samples and another seed others."""
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
