@@ -20,6 +20,15 @@ def parse_size(text: str | int) -> int:
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
+def format_size(nbytes: int) -> str:
+    """`512MiB`, `1.5GiB`: the largest binary unit it reaches, to a tenth (parse_size reads it)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.lower()]
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f}".removesuffix(".0") + unit
+    return str(nbytes)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
@@ -38,8 +47,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     """Tokens one step may process (prefill tokens plus one per decoding sequence); at least max_model_len (a prompt
     is prefilled in one step)."""
-    kv_cache_bytes: int = 256 * 2**20
-    """Memory for the paged KV cache."""
+    kv_cache_bytes: int | None = None
+    """Memory for the paged KV cache (vLLM's kv_cache_memory_bytes). None: on CUDA, what
+    `gpu_memory_utilization` leaves after the weights; on CPU, the smaller of what `max_num_seqs`
+    sequences of `max_model_len` tokens need and a quarter of the host's available memory."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA without kv_cache_bytes: the share of the device's memory this engine may fill
+    (weights, adapter slots, activations and the KV cache, which gets the rest), as vLLM's."""
     block_size: int = 16
     """Tokens per KV block."""
     max_lora_bytes_per_step: int | None = None
@@ -60,7 +74,14 @@ class EngineConfig:
     """Default budget of a tenant without its own: this share of the gpu slots (1.0: no limit)."""
     tenant_cpu_share: float = 1.0
     """Default budget of a tenant without its own: this share of cpu_cache_bytes (1.0: no limit)."""
+    max_gpu_preferred: int | None = None
+    """Adapters that demand may promote to the gpu warm set (tier A); None: max_loras."""
+    load_threads: int = 2
+    """Threads that download, verify and read adapters (loads of different adapters overlap)."""
+    thrash_window_s: float = 60.0
+    """An eviction followed by a reload within this many seconds counts as thrash (metrics)."""
     seed: int = 0
+    """Seed of sampling for requests that give none of their own."""
 
     def __post_init__(self):
         if self.max_loras < 1:
@@ -69,6 +90,19 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be at least 1")
         if self.max_num_seqs < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs and block_size must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization}: "
+                             "use a share in (0, 1]")
+        if self.load_threads < 1:
+            raise ValueError("load_threads must be at least 1")
+        if self.max_gpu_preferred is not None and self.max_gpu_preferred < 0:
+            raise ValueError("max_gpu_preferred must be at least 0")
+        if self.thrash_window_s <= 0:
+            raise ValueError("thrash_window_s must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

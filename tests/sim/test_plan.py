@@ -83,3 +83,25 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     assert slots["gpu_slots"] is not None and slots["rate"] <= planner.SLOT_MISS_TARGET
     assert len(planner.tables(plan)) == 3
     assert planner.fits([3, 1, 2], 3) == 2
+
+
+def test_plan_reads_pins_and_warm_policies_and_takes_capacities(llama_dir, llama_adapters,
+                                                                tmp_path):
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = Registry(url, base_model_dir=llama_dir)
+    registry.init()
+    registry.add_revision(llama_adapters["attn-r8"], "pinned", status="stable")
+    registry.add_revision(llama_adapters["mlp-r4"], "warm", status="stable", warm_policy="cpu")
+    registry.add_revision(llama_adapters["regex-r4"], "cold", status="stable")
+    registry.pin("pinned", True, "gpu")
+    registry.close()
+    plan = planner.make_plan(llama_dir, registry=url, max_loras=1, cpu_cache_bytes=2**20)
+    kept_in = {a.name: a.kept_in for a in plan.adapters}
+    assert kept_in == {"pinned": "gpu", "warm": "cpu", "cold": None}
+    assert (plan.defaults.max_loras, plan.defaults.cpu_cache_bytes) == (1, 2**20)
+    _, tiers = planner.tables(plan)
+    kept = {row: tiers.columns[-1]._cells[i] for i, row in enumerate(tiers.columns[0]._cells)}
+    host = sum(a.serving_bytes for a in plan.adapters if a.kept_in)
+    assert kept["gpu slots"] == "1 slots" and kept["cpu"] == planner._size(host)
+    with pytest.raises(planner.PlanError, match="max_loras must be at least 1"):
+        planner.make_plan(llama_dir, registry=url, max_loras=0)

@@ -93,6 +93,7 @@ class AdapterCache:
         budgets: TenantBudgets | None = None,
         max_gpu_preferred: int | None = None,
         load_threads: int = 2,
+        thrash_window_s: float = THRASH_WINDOW_S,
         executor: Executor | None = None,
         loader: Callable[[AdapterRef], Loaded] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +107,7 @@ class AdapterCache:
         self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
         self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
         self.clock = clock
+        self.thrash_window_s = thrash_window_s
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
         self.cpu: dict[AdapterKey, object] = {}  # changed only by _put_cpu and _drop_cpu, which keep the total
         self.cpu_bytes_used = 0  # bytes of the host copies in self.cpu
@@ -191,7 +193,8 @@ class AdapterCache:
                              for tier, keys in copies.items()},
                 "num_slots": len(self.slots),
                 "free_slots": self.free_slots(),
-                "recent_evictions": sum(1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S),
+                "recent_evictions": sum(1 for t in self.recent_evictions
+                                        if now - t < self.thrash_window_s),
                 "cpu_bytes_used": self.cpu_bytes_used,
                 "cpu_bytes_capacity": self.cpu_bytes,
                 "thrash_ratio": self.thrash_ratio(),
@@ -519,7 +522,7 @@ class AdapterCache:
         entry.loaded_at = now
         entry.restored = False  # _restore_preferred marks its own activations
         self.activations.record(key, now)
-        if entry.evicted_at is not None and now - entry.evicted_at < THRASH_WINDOW_S:
+        if entry.evicted_at is not None and now - entry.evicted_at < self.thrash_window_s:
             self.reloads_after_eviction += 1
             self.on_event("reload_after_eviction", {})
         self.on_event("load_stage", {"stage": "activation", "seconds": time.perf_counter() - start, "key": key})

@@ -19,9 +19,10 @@ from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import make_policy
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engine.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
-from loraplex.engine.runner import ModelRunner, kv_bytes_per_token
+from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import sample
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import (
@@ -53,8 +54,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.device = resolve_device(config.device)
-        self.model = load_model(config.model_dir, self.dtype, self.device)
-        self.base_model_digest = base_model_digest(config.model_dir)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
         if config.max_num_batched_tokens < self.max_model_len:  # as vLLM without chunked prefill
             raise ValueError(
@@ -62,6 +61,10 @@ class LLMEngine:
                 f"{self.max_model_len}: a sequence that long (or one preempted at that length, recomputed in one "
                 "prefill) could never be scheduled, and would hold up the queue behind it"
             )
+        if config.kv_cache_bytes is not None:  # the operator's figure: checked before loading
+            self._kv_blocks(self._kv_budget())
+        self.model = load_model(config.model_dir, self.dtype, self.device)
+        self.base_model_digest = base_model_digest(config.model_dir)
         self.eos_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -81,16 +84,17 @@ class LLMEngine:
             budgets=TenantBudgets(config.max_loras, config.cpu_cache_bytes,
                                   gpu_share=config.tenant_gpu_share,
                                   cpu_share=config.tenant_cpu_share),
+            max_gpu_preferred=config.max_gpu_preferred,
+            load_threads=config.load_threads,
+            thrash_window_s=config.thrash_window_s,
         )
-        num_blocks = config.kv_cache_bytes // (config.block_size * kv_bytes_per_token(self.model, self.dtype))
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_bytes {config.kv_cache_bytes} holds {num_blocks * config.block_size} tokens, "
-                f"fewer than max_model_len {self.max_model_len}"
-            )
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        # After the weights and the slots: on CUDA the budget is what they leave of the device.
+        self.kv_budget = self._kv_budget()
+        self.blocks = BlockManager(self._kv_blocks(self.kv_budget), config.block_size)
         self.scheduler = Scheduler(config, self.blocks, self.adapters)
         self.runner = ModelRunner(self.model, self.pool, self.blocks, self.dtype, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        """Samples requests that give no seed of their own (used on the step thread only)."""
         self.requests: dict[str, Sequence] = {}
         self._inbox: list[tuple[str, object]] = []
         self._inbox_lock = threading.Lock()
@@ -100,6 +104,14 @@ class LLMEngine:
         # the step thread (bench/cache_policy.py, during the seed scenario's burst of loads).
         gc.collect()
         gc.freeze()
+
+    def _kv_budget(self) -> KVBudget:
+        config, model, length = self.config, self.model_config, self.max_model_len
+        return kv_budget(config, model, self.dtype, self.device, length)
+
+    def _kv_blocks(self, budget: KVBudget) -> int:
+        block_size = self.config.block_size
+        return num_blocks(budget, self.model_config, self.dtype, block_size, self.max_model_len)
 
     # -- adapters --------------------------------------------------------------------------------
     def validate_adapter(self, path: str | Path) -> AdapterSpec:
@@ -143,6 +155,8 @@ class LLMEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        else:
+            seq.generator = self.generator
         seq.cache_tier = self.adapters.record_request(adapter, counted) if adapter else "gpu"
         with self._inbox_lock:
             self._inbox.append(("add", seq))

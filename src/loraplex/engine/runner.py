@@ -11,11 +11,6 @@ from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 
 
-def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
-    cfg = model.config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: LoRASlotPool, blocks: BlockManager, dtype, device):
         self.model = model

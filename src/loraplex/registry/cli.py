@@ -19,7 +19,7 @@ from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import AdapterRecord
-from loraplex.registry.registry import Registry, default_store_for
+from loraplex.registry.registry import Registry, check_tenant_limits, default_store_for
 from loraplex.registry.signing import generate_keypair, load_private_key, load_public_key, sign_digest
 from loraplex.registry.stats import revision_stats
 from loraplex.registry.store import ArtifactStore, canonical_digest
@@ -390,27 +390,37 @@ def _size_text(n: int) -> str:
     return str(n)
 
 
+LimitFlag = Annotated[int | None, typer.Option(help="Per server; 0: the server's default")]
+
+
 @tenant_app.command("add")
 @_errors
 def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0,
-               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None):
-    """Create a tenant (or set its priority), with its residency budgets."""
+               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None,
+               max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
+    """Create a tenant (or set its priority), with its residency budgets and request limits when given."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
+    limits = _limits(max_concurrent_requests, max_waiting)
     registry = _open(ctx)
     tenant = registry.add_tenant(name, priority)
     if budget:
         tenant = registry.set_budget(name, **budget)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)})")
+    if limits:
+        tenant = registry.set_tenant_limits(name, **limits)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
+               f"{_limits_text(tenant)})")
 
 
 @tenant_app.command("set")
 @_errors
 def tenant_set(ctx: typer.Context, name: str,
                priority: Annotated[int | None, typer.Option()] = None,
-               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None):
-    """Change a tenant's priority or residency budgets (running servers follow within their watch
-    interval)."""
+               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None,
+               max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
+    """Change a tenant's priority, residency budgets or request limits (running servers follow
+    within their watch interval)."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
+    limits = _limits(max_concurrent_requests, max_waiting)
     registry = _open(ctx)
     tenant = next((t for t in registry.list_tenants() if t.name == name), None)
     if tenant is None:
@@ -420,7 +430,19 @@ def tenant_set(ctx: typer.Context, name: str,
         tenant = registry.add_tenant(name, priority)
     if budget:
         tenant = registry.set_budget(name, **budget)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)})")
+    if limits:
+        tenant = registry.set_tenant_limits(name, **limits)
+    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
+               f"{_limits_text(tenant)})")
+
+
+def _limits(max_concurrent_requests: int | None, max_waiting: int | None) -> dict[str, int | None]:
+    """The request limits given (0: back to the server's default), checked before any change."""
+    limits = {field: value or None for field, value in
+              (("max_concurrent_requests", max_concurrent_requests), ("max_waiting", max_waiting))
+              if value is not None}
+    check_tenant_limits(limits)
+    return limits
 
 
 def _budget_line(t) -> str:
@@ -430,6 +452,12 @@ def _budget_line(t) -> str:
             f"cpu bytes {_budget_text(t.max_cpu_bytes, True)}")
 
 
+def _limits_text(tenant) -> str:
+    limits = (("max concurrent requests", tenant.max_concurrent_requests),
+              ("max waiting", tenant.max_waiting))
+    return "".join(f", {label} {value}" for label, value in limits if value is not None)
+
+
 @tenant_app.command("list")
 @_errors
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
@@ -437,15 +465,23 @@ def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     if json_out:
         _print_json([{"name": t.name, "priority": t.priority,
                       "created_at": t.created_at.isoformat(), "max_gpu_slots": t.max_gpu_slots,
-                      "max_cpu_bytes": t.max_cpu_bytes} for t in tenants])
+                      "max_cpu_bytes": t.max_cpu_bytes,
+                      "max_concurrent_requests": t.max_concurrent_requests,
+                      "max_waiting": t.max_waiting} for t in tenants])
         return
     table = Table(title="tenants")
-    for column in ("name", "priority", "max gpu slots", "max cpu bytes", "created"):
+    for column in ("name", "priority", "max gpu slots", "max cpu bytes", "max concurrent", "max waiting",
+                   "created"):
         table.add_column(column)
     for t in tenants:
         table.add_row(t.name, str(t.priority), _budget_text(t.max_gpu_slots, False),
-                      _budget_text(t.max_cpu_bytes, True), t.created_at.strftime("%Y-%m-%d %H:%M"))
+                      _budget_text(t.max_cpu_bytes, True), _or_default(t.max_concurrent_requests),
+                      _or_default(t.max_waiting), t.created_at.strftime("%Y-%m-%d %H:%M"))
     Console().print(table)
+
+
+def _or_default(value: int | None) -> str:
+    return "server default" if value is None else str(value)
 
 
 @key_app.command("create")

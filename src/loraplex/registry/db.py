@@ -20,6 +20,7 @@ from sqlalchemy import (
     inspect,
     select,
 )
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from loraplex.registry.errors import RegistryError, SchemaTooNew
@@ -67,6 +68,10 @@ class Tenant(Base):
     # `add_missing_columns`.
     max_gpu_slots: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_cpu_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Limits of the tenant's requests on each server; NULL: the server's default. Added to an
+    # existing registry on open (add_missing_columns).
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_waiting: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Adapter(Base):
@@ -247,21 +252,29 @@ def add_missing_tables(engine: Engine) -> None:
 
 def add_missing_columns(engine: Engine) -> None:
     """Add the nullable columns added to existing tables since the database was made (older versions
-    ignore them, so the schema version stays), as `add_missing_tables` does for tables."""
+    ignore them, so the schema version stays); run on open, as add_missing_tables."""
     inspector = inspect(engine)
     missing = []
     for table in Base.metadata.sorted_tables:
         if inspector.has_table(table.name):
             present = {c["name"] for c in inspector.get_columns(table.name)}
-            missing += [(table, c) for c in table.columns if c.nullable and c.name not in present]
+            missing += [(table, c) for c in table.columns if c.name not in present]
     if not missing:
         return
     with writer(engine).begin() as conn:
         for table, column in missing:
+            if not column.nullable:
+                raise RegistryError(f"column {table.name}.{column.name} cannot be added to an "
+                                    "existing registry: it has no NULL to fill the rows with")
             kind = column.type.compile(dialect=engine.dialect)
-            if column.name in {c["name"] for c in inspect(conn).get_columns(table.name)}:
-                continue  # a process that added it meanwhile
-            conn.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}')
+            # IF NOT EXISTS where the database has it: another process may add it meanwhile.
+            guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
+            try:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE {table.name} ADD COLUMN {guard}{column.name} {kind}")
+            except OperationalError as exc:  # SQLite: a process that opened it meanwhile added it
+                if "duplicate column" not in str(exc):
+                    raise
 
 
 def create_schema(engine: Engine) -> None:

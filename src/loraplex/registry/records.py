@@ -98,6 +98,10 @@ class TenantRecord:
     """Residency budget in device slots (None: the server's default share)."""
     max_cpu_bytes: int | None = None
     """Residency budget in host-memory bytes (None: the server's default share)."""
+    max_concurrent_requests: int | None = None
+    """Requests in flight on one server at a time (None: the server's --max-requests-per-tenant)."""
+    max_waiting: int | None = None
+    """Requests waiting for a first token on one server (None: only the server's --max-waiting)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from loraplex.registry.errors import (
 )
 from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
-from loraplex.registry.signing import verify_digest
+from loraplex.registry.signing import read_signature_file, verify_digest
 from loraplex.registry.store import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
 from loraplex.registry.traffic import pick
 
@@ -60,6 +60,7 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 WARM_POLICIES = ("gpu", "cpu", "on_demand")
 PIN_TIERS = ("gpu", "cpu")
 KEY_PREFIX = "lpx-"
+TENANT_LIMITS = ("max_concurrent_requests", "max_waiting")
 MAX_CACHED_NAMES = 100_000
 
 log = logging.getLogger("loraplex.registry")
@@ -198,6 +199,8 @@ class Registry:
         actual = canonical_digest(src)
         if digest is not None and digest != actual:
             raise AdapterRejected("digest", f"the files hash to {actual}, not to the expected {digest}")
+        if signature is None:
+            signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
         if self.store is None:
@@ -652,6 +655,19 @@ class Registry:
                 setattr(tenant, field_name, value)
             self._audit(session, "tenant_budget", tenant.name, **changed)
 
+    def set_tenant_limits(self, name: str, **limits: int | None) -> TenantRecord:
+        """Set `max_concurrent_requests` and/or `max_waiting` of a tenant (None: the server's
+        default); the limits not named stay as they are."""
+        check_tenant_limits(limits)
+        with self._write() as session:
+            tenant = q.tenant_or_error(session, name)
+            changed = {f: v for f, v in limits.items() if getattr(tenant, f) != v}
+            for field, value in changed.items():
+                setattr(tenant, field, value)
+            if changed:
+                self._audit(session, "tenant_limits", name, **changed)
+            return _tenant_record(tenant)
+
     def list_tenants(self) -> list[TenantRecord]:
         with self._read() as session:
             rows = session.scalars(select(Tenant).order_by(Tenant.name))
@@ -830,5 +846,19 @@ def _check_budget(budget: dict) -> None:
             raise RegistryError(f"{field_name} must be >= 0, not {value}")
 
 
+def check_tenant_limits(limits: dict) -> None:
+    """RegistryError for an unknown limit or one below 1 (None stands for the server's default)."""
+    unknown = set(limits) - set(TENANT_LIMITS)
+    if unknown:
+        raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: "
+                            f"use {', '.join(TENANT_LIMITS)}")
+    for field, value in limits.items():
+        if value is not None and value < 1:
+            raise RegistryError(f"{field} {value}: give at least 1 "
+                                "(or none for the server's default)")
+
+
 def _tenant_record(t: Tenant) -> TenantRecord:
-    return TenantRecord(t.name, t.priority, as_utc(t.created_at), t.max_gpu_slots, t.max_cpu_bytes)
+    return TenantRecord(t.name, t.priority, as_utc(t.created_at), max_gpu_slots=t.max_gpu_slots,
+                        max_cpu_bytes=t.max_cpu_bytes, max_concurrent_requests=t.max_concurrent_requests,
+                        max_waiting=t.max_waiting)

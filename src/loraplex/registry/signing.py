@@ -16,6 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from loraplex.registry.errors import AdapterRejected
 
 PREFIX = "ed25519:"
+SIGNATURE_FILE = "adapter.sig"
+"""A detached signature beside an adapter's files (not one of them: the digest leaves it out), read
+when a registration gives no signature of its own (`serve --lora-modules`,
+`/v1/load_lora_adapter`)."""
 
 
 def generate_keypair() -> tuple[bytes, bytes]:
@@ -63,3 +67,9 @@ def verify_digest(digest: str, signature: str | None, trusted: tuple[Ed25519Publ
         except InvalidSignature:
             continue
     raise AdapterRejected("signature", f"no trusted key signed {digest}")
+
+
+def read_signature_file(directory: str | Path) -> str | None:
+    """The signature in DIR/adapter.sig, None without one."""
+    path = Path(directory) / SIGNATURE_FILE
+    return path.read_text().strip() or None if path.is_file() else None

@@ -41,6 +41,8 @@ class RouterConfig:
     stale_s: float = 2.0
     poll_s: float = 0.5
     request_timeout_s: float = 300.0
+    poll_timeout_s: float = 2.0
+    """How long a worker's /admin/state poll may take before the worker is marked out."""
     priority_of: Callable[[str], int] = lambda key: 0
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
     one)."""
@@ -126,7 +128,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0),
                               limits=limits)
-    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s)
+    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s,
+                  config.poll_timeout_s)
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
     state = RouterState(config, fleet, picker, RouterMetrics(), proxy)
 

@@ -69,6 +69,15 @@ class PickerConfig:
     """When every worker is saturated, tenants with a priority below this get 429 instead of a worker."""
     virtual_nodes: int = 64
 
+    def __post_init__(self):
+        if self.max_waiting < 0 or not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError("max_waiting must be >= 0 and max_kv_usage a share in (0, 1]")
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor {self.load_factor}: must be at least 1 (the mean load)")
+        weights = (self.w_affinity, self.w_queue, self.w_tokens, self.w_evictions)
+        if min(weights) < 0:
+            raise ValueError("the score weights must be >= 0")
+
 
 @dataclass(frozen=True)
 class Pick:

@@ -12,7 +12,9 @@ from loraplex.router.picker import POLICIES
 
 
 def serve_router(workers: list[str], policy: str, admin_token: str | None, registry: str | None,
-                 host: str, port: int, metrics_token: str | None = None) -> int:
+                 host: str, port: int, metrics_token: str | None = None, **tuning) -> int:
+    """`tuning`: RouterConfig's timing fields (stale_s, poll_s, poll_timeout_s,
+    request_timeout_s) and `picker`, a PickerConfig."""
     if policy not in POLICIES:
         print(f"error: --policy {policy!r}: use one of {', '.join(POLICIES)}", file=sys.stderr)
         return 2
@@ -20,10 +22,10 @@ def serve_router(workers: list[str], policy: str, admin_token: str | None, regis
     if bad:
         print(f"error: --worker {bad[0]!r} is not an http(s) URL", file=sys.stderr)
         return 2
-    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token)
     if registry:
-        config = RouterConfig(tuple(workers), policy, admin_token, priority_of=registry_priorities(registry),
-                              metrics_token=metrics_token)
+        tuning["priority_of"] = registry_priorities(registry)
+    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token,
+                          **tuning)
     app = create_router_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

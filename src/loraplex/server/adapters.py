@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.registry import Pieces, Registry, RevisionRecord
+from loraplex.registry.errors import AdapterRejected
+from loraplex.registry.signing import verify_digest
 from loraplex.server.errors import APIError, not_found
 
 
@@ -26,8 +29,15 @@ class Target:
 
 
 class AdapterResolver:
-    def __init__(self, registry: Registry, base_model_digest: str, served_name: str):
+    def __init__(self, registry: Registry, base_model_digest: str, served_name: str,
+                 tenant_priority: Callable[[str], int] = lambda tenant: 0,
+                 trusted_keys: tuple = ()):
+        """`tenant_priority`: a tenant's priority, given to the cache with the adapters it asks for.
+        `trusted_keys`: with any, a revision is loaded only if one of them signed its digest."""
         self.registry = registry
+        self.tenant_priority = tenant_priority
+        self.trusted_keys = trusted_keys
+        self._verified: dict[tuple[str, str | None], AdapterRejected | None] = {}
         self.base_model_digest = base_model_digest
         self.served_name = served_name
         self.base = Target(None, served_name, base_model_digest)
@@ -50,7 +60,27 @@ class AdapterResolver:
         if record.base_model_digest and record.base_model_digest != self.base_model_digest:
             raise APIError(404, f"{record.model_id} was registered for base model {record.base_model}, "
                            f"not the one this server runs ({self.served_name})", "model_not_available", "model")
+        problem = self.signature_problem(record)
+        if problem is not None:
+            raise APIError(503, f"{record.model_id} cannot be loaded: {problem}",
+                           "adapter_unavailable", "model")
         return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
+
+    def signature_problem(self, record: RevisionRecord) -> str | None:
+        """Why the revision's signature does not pass the trusted keys (None: it does, or none are
+        configured). Checked at each load's resolve, not only at registration: a revision registered
+        before the keys were configured, or by another server, is checked here too."""
+        if not self.trusted_keys:
+            return None
+        seen = (record.digest, record.signature)
+        if seen not in self._verified:  # records are immutable: one check per digest and signature
+            try:
+                verify_digest(record.digest, record.signature, self.trusted_keys)
+                self._verified[seen] = None
+            except AdapterRejected as exc:
+                self._verified[seen] = exc
+        problem = self._verified[seen]
+        return None if problem is None else str(problem)
 
     def ref_for(self, record: RevisionRecord, tenant: str = "default") -> AdapterRef:
         """A local path when the registry's own store holds the bytes (the cache checks the digest when it
@@ -58,8 +88,8 @@ class AdapterResolver:
         key = AdapterKey(self.base_model_digest, record.name, record.revision, record.digest)
         if record.digest not in self._pieces:
             self._pieces[record.digest] = self.registry.pieces(record.digest)
-        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant, record.priority,
-                          self._pieces[record.digest])
+        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant,
+                          self.tenant_priority(tenant), self._pieces[record.digest])
 
     def _local_path(self, digest: str):
         path = self._paths.get(digest)

@@ -45,6 +45,8 @@ class RegisterBody(_Body):
     warm: Literal["gpu", "cpu", "on_demand"] | None = None
     priority: int | None = None
     stable: bool = False
+    signature: str | None = None
+    """ed25519:<base64> over the digest; without it, DIR/adapter.sig when the path has one."""
 
 
 class PromoteBody(_Body):
@@ -193,7 +195,7 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
     return server.registry.add_revision(
         src, body.name, revision=body.revision, tenant=body.tenant, shared=body.shared,
         base_model_dir=server.engine.config.model_dir, warm_policy=body.warm, priority=body.priority,
-        status="stable" if body.stable else "staging", digest=body.digest,
+        status="stable" if body.stable else "staging", digest=body.digest, signature=body.signature,
     )
 
 
@@ -243,7 +245,8 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
         ref = server.resolver.ref_for(record)
         return asyncio.run_coroutine_threadsafe(_complete(server, ref, prompt), loop).result(timeout=120)
 
-    return ReleaseChecks(prewarm=prewarm, complete=complete)
+    return ReleaseChecks(prewarm=prewarm, complete=complete,
+                         min_pass_rate=server.config.release_min_pass_rate)
 
 
 async def _complete(server: Server, ref, prompt: str) -> str:

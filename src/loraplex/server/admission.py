@@ -1,4 +1,5 @@
-"""Admission control: a bounded waiting queue and a per-tenant concurrency limit (429 with Retry-After)."""
+"""Admission control: a bounded waiting queue and per-tenant limits on requests in flight and
+waiting (429 with Retry-After)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,25 @@ class Ticket:
         if self.is_waiting:
             self.is_waiting = False
             self.admission.num_waiting -= 1
+            _decrement(self.admission.waiting, self.tenant)
 
     def close(self) -> None:
         if self.is_closed:
             return
         self.started()
         self.is_closed = True
-        self.admission.in_flight[self.tenant] -= 1
-        if not self.admission.in_flight[self.tenant]:
-            del self.admission.in_flight[self.tenant]
+        _decrement(self.admission.in_flight, self.tenant)
+
+
+def _decrement(counts: dict[str, int], tenant: str) -> None:
+    counts[tenant] -= 1
+    if not counts[tenant]:
+        del counts[tenant]
 
 
 class Admission:
-    """Counts requests on the event loop thread (no locks); refuses instead of queueing without bound."""
+    """Counts requests on the event loop thread (no locks); refuses instead of queueing without
+    bound."""
 
     def __init__(self, max_waiting: int, max_per_tenant: int | None, retry_after_s: int = 1):
         self.max_waiting = max_waiting
@@ -38,20 +45,28 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.num_waiting = 0
         self.in_flight: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
 
-    def admit(self, tenant: str) -> Ticket:
-        """A ticket, or a 429 APIError (code `server_overloaded` or `tenant_quota_exceeded`)."""
+    def admit(self, tenant: str, max_in_flight: int | None = None,
+              max_waiting: int | None = None) -> Ticket:
+        """A ticket, or a 429 APIError (code `server_overloaded` or `tenant_quota_exceeded`).
+        `max_in_flight` and `max_waiting`: the tenant's own limits (its registry fields), which
+        replace the server's per-tenant limit and add one under the server's queue bound."""
         if self.num_waiting >= self.max_waiting:
             raise overloaded(f"The server is at capacity ({self.num_waiting} requests waiting); retry later.",
                              self.retry_after_s, "server_overloaded")
-        if self.max_per_tenant is not None and self.in_flight.get(tenant, 0) >= self.max_per_tenant:
-            raise overloaded(f"Tenant {tenant!r} has {self.max_per_tenant} requests in flight, its limit; "
+        limit = max_in_flight if max_in_flight is not None else self.max_per_tenant
+        if limit is not None and self.in_flight.get(tenant, 0) >= limit:
+            raise overloaded(f"Tenant {tenant!r} has {limit} requests in flight, its limit; "
+                             "retry later.", self.retry_after_s, "tenant_quota_exceeded")
+        if max_waiting is not None and self.waiting.get(tenant, 0) >= max_waiting:
+            raise overloaded(f"Tenant {tenant!r} has {max_waiting} requests waiting, its limit; "
                              "retry later.", self.retry_after_s, "tenant_quota_exceeded")
         self.num_waiting += 1
+        self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
         self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
         return Ticket(self, tenant)
 
     @property
     def num_in_flight(self) -> int:
         return sum(self.in_flight.values())
-

@@ -79,6 +79,10 @@ class PinReconciler:
                 return  # no rule and no pin of its to drop
             for record in adapter.revisions:
                 if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
+                    problem = self.resolver.signature_problem(record)
+                    if problem is not None:  # never loaded, so never pinned
+                        log.warning("not pinning %s: %s", record.model_id, problem)
+                        continue
                     ref = self.resolver.ref_for(record, owner)
                     if ref.key in self._operator_pins:
                         continue

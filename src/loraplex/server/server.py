@@ -18,6 +18,7 @@ from loraplex.engine.sequence import SamplingParams
 from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
+from loraplex.registry.records import TenantRecord
 from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
@@ -69,6 +70,8 @@ class ServerConfig:
     """How long a registry API key lookup is trusted (revocations take effect within this)."""
     registry_watch_s: float = 2.0
     """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins along."""
+    release_min_pass_rate: float = 1.0
+    """Share of a revision's eval-set cases that must pass for a promotion out of staging."""
 
     def __post_init__(self):
         if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
@@ -77,6 +80,12 @@ class ServerConfig:
             raise ValueError("the admin token must be at least 16 characters")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ValueError("the metrics token must be at least 16 characters")
+        if not 0.0 <= self.release_min_pass_rate <= 1.0:
+            raise ValueError(f"release_min_pass_rate {self.release_min_pass_rate}: "
+                             "use a share in [0, 1]")
+        too_short = self.max_prompt_tokens is not None and self.max_prompt_tokens < 1
+        if self.max_body_bytes < 1 or too_short:
+            raise ValueError("max_body_bytes and max_prompt_tokens must be at least 1")
 
 
 class Server:
@@ -88,7 +97,11 @@ class Server:
         self.registry = registry
         self.config = config
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
-        self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name)
+        self.tenants: dict[str, TenantRecord] = {}
+        """The registry's tenants (priority, request limits), read again when it changes."""
+        self.resolver = AdapterResolver(registry, engine.base_model_digest,
+                                        config.served_model_name, self.tenant_priority,
+                                        registry.trusted_keys)
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
         self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
         self.audit = AuditLog(config.audit_log)
@@ -103,6 +116,7 @@ class Server:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        self.read_tenants()
         # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
         self.async_engine = AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
         try:
@@ -134,7 +148,22 @@ class Server:
 
     def on_registry_change(self) -> None:
         """The registry changed (here or elsewhere): what the server keeps of it is read again."""
+        self.read_tenants()
         self.apply_budgets()
+
+    def read_tenants(self) -> None:
+        self.tenants = {t.name: t for t in self.registry.list_tenants()}
+
+    def tenant_priority(self, tenant: str) -> int:
+        """The tenant's registry priority: keep_score's tenant term for adapters it brings in."""
+        record = self.tenants.get(tenant)
+        return record.priority if record is not None else 0
+
+    def admit(self, tenant: str):
+        """An admission ticket within the tenant's request limits (its own, else the server's)."""
+        limits = self.tenants.get(tenant)
+        return self.admission.admit(tenant, limits and limits.max_concurrent_requests,
+                                    limits and limits.max_waiting)
 
     def budgets_from(self, tenants) -> TenantBudgets:
         """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's
@@ -233,7 +262,7 @@ class Server:
         """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
         the generation is then closed, and the request recorded as the client's leaving."""
         try:
-            ticket = self.admission.admit(ctx.tenant)
+            ticket = self.admit(ctx.tenant)
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise

@@ -32,7 +32,11 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
     asked = req.model
     target = server.resolve(ctx, asked, req.user)
     engine = server.engine
-    ticket = server.admission.admit(ctx.tenant)
+    try:
+        ticket = server.admit(ctx.tenant)
+    except APIError as exc:
+        ctx.denied = exc.code == "tenant_quota_exceeded"
+        raise
     server.resolver.started(target)
     our_id = uuid.uuid4().hex
     engine.track(our_id)

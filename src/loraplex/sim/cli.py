@@ -292,6 +292,10 @@ def plan(
     adapters: Path | None = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
     model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
     workload: str | None = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
+    max_loras: int | None = typer.Option(None, help="Slots, as serve's (default 4)."),
+    max_lora_rank: int | None = typer.Option(None, help="As serve's (default 64)."),
+    cpu_cache_bytes: str | None = typer.Option(None, help="As serve's (default 2GiB)."),
+    disk_cache_bytes: str | None = typer.Option(None, help="As serve's (default 20GiB)."),
 ) -> None:
     """Bytes per adapter (formula and actual), how many fit per tier, and the smallest cache for a workload."""
     from loraplex.sim import plan as planner
@@ -299,14 +303,29 @@ def plan(
     console = Console()
     if (registry is None) == (adapters is None):
         raise typer.BadParameter("give one of --registry or --adapters")
+    given = {"max_loras": max_loras, "max_lora_rank": max_lora_rank,
+             "cpu_cache_bytes": cpu_cache_bytes, "disk_cache_bytes": disk_cache_bytes}
+    capacities = {k: v for k, v in given.items() if v is not None}
     try:
+        for name in ("cpu_cache_bytes", "disk_cache_bytes"):
+            if name in capacities:
+                capacities[name] = _plan_size(capacities[name], "--" + name.replace("_", "-"))
         report = planner.make_plan(model, registry=registry, adapters_dir=adapters, workload=workload,
-                                   progress=Progress(console=console, transient=True))
+                                   progress=Progress(console=console, transient=True), **capacities)
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     for table in planner.tables(report):
         console.print(table)
+
+
+def _plan_size(text: str, flag: str) -> int:
+    from loraplex.sim.plan import PlanError
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise PlanError(f"{flag}: {exc}") from None
 
 
 def routers(

@@ -41,6 +41,9 @@ class AdapterSize:
     """Bytes on disk (None from a registry)."""
     serving_bytes: int
     """The host copy at the serving dtype: what the cpu tier holds and a slot load copies."""
+    kept_in: str | None = None
+    """gpu or cpu when the registry pins the adapter there or its warm policy keeps it there (what a
+    server pins at start, ahead of demand); None: on demand."""
 
 
 @dataclass
@@ -123,10 +126,17 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
         # the narrower one, so its host copy is over- rather than under-estimated.
         stored = DTYPE_BYTES.get(rev.dtype, 2)
         out.append(AdapterSize(record.name, rev.rank, rev.estimated_bytes, rev.actual_bytes, None,
-                               rev.estimated_bytes * dtype_bytes // stored))
+                               rev.estimated_bytes * dtype_bytes // stored, _kept_in(record)))
     if not out:
         raise PlanError(f"the registry at {url} lists no adapters")
     return out
+
+
+def _kept_in(record) -> str | None:
+    """The tier the server pins a name's serving revisions in: its pin's, else its warm policy's."""
+    if record.pinned:
+        return record.pin_tier or "cpu"
+    return record.warm_policy if record.warm_policy in ("gpu", "cpu") else None
 
 
 def fits(sizes: list[int], budget: int) -> int:
@@ -140,14 +150,19 @@ def fits(sizes: list[int], budget: int) -> int:
 
 
 def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path | None = None,
-              workload: str | None = None, progress=None) -> Plan:
+              workload: str | None = None, progress=None, **capacities) -> Plan:
+    """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
+    (serve's flags; the engine's defaults otherwise)."""
     try:
         config = ModelConfig.from_dir(model_dir)
     except ModelConfigError as exc:
         raise PlanError(str(exc)) from None
     dtype = serving_dtype(config)
     nbytes = SERVING_DTYPE_BYTES[dtype]
-    defaults = EngineConfig(model_dir=model_dir)
+    try:
+        defaults = EngineConfig(model_dir=model_dir, **capacities)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     sizes = from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
     plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
                 sizes, defaults, workload=workload,
@@ -226,25 +241,36 @@ def _size(n: int | None) -> str:
 
 def tables(plan: Plan) -> list[Table]:
     sizes = Table(title=f"adapters for {plan.model} (serving dtype {plan.serving_dtype})")
-    for col in ("adapter", "rank", "formula", "tensors", "files", "host copy"):
+    for col in ("adapter", "rank", "formula", "tensors", "files", "host copy", "kept in"):
         sizes.add_column(col, justify="left" if col == "adapter" else "right")
     for a in plan.adapters:
         sizes.add_row(a.name, str(a.rank), _size(a.estimated_bytes), _size(a.actual_bytes), _size(a.file_bytes),
-                      _size(a.serving_bytes))
+                      _size(a.serving_bytes), a.kept_in or "on demand")
     d = plan.defaults
     host = [a.serving_bytes for a in plan.adapters]
     disk = [a.file_bytes or a.actual_bytes for a in plan.adapters]
     over = sum(a.rank > plan.max_lora_rank for a in plan.adapters)
-    tiers = Table(title="what fits (engine defaults)")
-    for col in ("tier", "capacity", "per adapter", "adapters that fit", "of"):
+    kept = {tier: [a for a in plan.adapters if a.kept_in == tier] for tier in ("gpu", "cpu")}
+    # Pinned in gpu: a slot each and a host copy; in cpu: a host copy.
+    kept_host = sum(a.serving_bytes for a in (*kept["gpu"], *kept["cpu"]))
+    tiers = Table(title=f"what fits (max-loras {d.max_loras}, cpu {_size(d.cpu_cache_bytes)}, "
+                        f"disk {_size(d.disk_cache_bytes)})")
+    columns = ("tier", "capacity", "per adapter", "adapters that fit", "of", "kept by pins / warm")
+    for col in columns:
         tiers.add_column(col, justify="left" if col == "tier" else "right")
+    slots_kept = f"{len(kept['gpu'])} slots"
+    if len(kept["gpu"]) > d.max_loras:
+        slots_kept += " (more than the slots)"
     tiers.add_row("gpu slots", f"{d.max_loras} × {_size(plan.slot_bytes)} (rank {plan.max_lora_rank})",
                   _size(plan.slot_bytes), f"{d.max_loras} at a time" + (f"; {over} over max rank" if over else ""),
-                  str(len(plan.adapters)))
+                  str(len(plan.adapters)), slots_kept)
+    host_kept = _size(kept_host)
+    if kept_host > d.cpu_cache_bytes:
+        host_kept += " (more than the cache)"
     tiers.add_row("cpu", _size(d.cpu_cache_bytes), _size(sum(host) // len(host)), str(fits(host, d.cpu_cache_bytes)),
-                  str(len(plan.adapters)))
+                  str(len(plan.adapters)), host_kept)
     tiers.add_row("disk", _size(d.disk_cache_bytes), _size(sum(disk) // len(disk)),
-                  str(fits(disk, d.disk_cache_bytes)), str(len(plan.adapters)))
+                  str(fits(disk, d.disk_cache_bytes)), str(len(plan.adapters)), "")
     out = [sizes, tiers]
     if plan.sizing:
         sizing = Table(title=f"smallest capacity for workload {plan.workload} (simulated, policy score)")
