@@ -252,7 +252,8 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         max_gpu_preferred=1,
         thrash_window_s=5.0,
         load_threads=3,
-        tenant_share=0.5,
+        tenant_gpu_share=0.5,
+        tenant_cpu_share=0.25,
         score_weights=(("priority", 3.0), ("size", 0.0)),
         min_residency_s=0.0,
         max_requests_per_tenant=9,
@@ -282,12 +283,8 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         0.5,
         4096,
     )
-    assert (e.max_gpu_preferred, e.thrash_window_s, e.load_threads, e.tenant_share) == (
-        1,
-        5.0,
-        3,
-        0.5,
-    )
+    assert (e.max_gpu_preferred, e.thrash_window_s, e.load_threads) == (1, 5.0, 3)
+    assert (e.tenant_gpu_share, e.tenant_cpu_share) == (0.5, 0.25)
     s = server_config(options, None, None)
     assert (s.max_requests_per_tenant, s.max_waiting, s.max_prompt_tokens, s.max_body_bytes) == (
         9,
