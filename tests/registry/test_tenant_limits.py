@@ -42,7 +42,7 @@ def test_tenant_limits_are_set_listed_and_audited(cli, tmp_path):
     rows = {t["name"]: t for t in json.loads(cli("tenant", "list", "--json").stdout)}
     assert (rows["acme"]["max_concurrent_requests"], rows["acme"]["max_waiting"]) == (8, 16)
     assert (rows["beta"]["max_concurrent_requests"], rows["beta"]["max_waiting"]) == (None, None)
-    assert "server default" in cli("tenant", "list").stdout
+    assert "default" in cli("tenant", "list").stdout
     # 0 gives the limit back to the server; a negative one is refused
     cli("tenant", "add", "acme", "--priority", "2", "--max-waiting", "0")
     acme = json.loads(cli("tenant", "list", "--json").stdout)[0]

@@ -470,18 +470,18 @@ def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
                       "max_waiting": t.max_waiting} for t in tenants])
         return
     table = Table(title="tenants")
-    for column in ("name", "priority", "max gpu slots", "max cpu bytes", "max concurrent", "max waiting",
-                   "created"):
+    # Budgets, then request limits (concurrent, waiting); the creation time is in --json.
+    for column in ("name", "priority", "max gpu slots", "max cpu bytes", "requests", "waiting"):
         table.add_column(column)
     for t in tenants:
         table.add_row(t.name, str(t.priority), _budget_text(t.max_gpu_slots, False),
                       _budget_text(t.max_cpu_bytes, True), _or_default(t.max_concurrent_requests),
-                      _or_default(t.max_waiting), t.created_at.strftime("%Y-%m-%d %H:%M"))
+                      _or_default(t.max_waiting))
     Console().print(table)
 
 
 def _or_default(value: int | None) -> str:
-    return "server default" if value is None else str(value)
+    return "default" if value is None else str(value)
 
 
 @key_app.command("create")
