@@ -21,6 +21,7 @@ from loraplex.engine.sequence import SamplingParams
 from loraplex.cache.errors import ArtifactCorrupt, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.registry import AdapterNotFound, AdapterRecord, AllowList, Registry, RegistryError
+from loraplex.registry.traffic import gateway_model
 from loraplex.server import admin, openai_api
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
@@ -62,6 +63,8 @@ class ServerConfig:
     """How long an unload waits for the adapter's requests in flight."""
     top_k_adapter_metrics: int = 0
     """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
+    lora_load_state_metrics: int = 0
+    """Residency series (`vllm:lora_adapter_loaded`, ...) for the K best-placed adapters in /metrics (0: none)."""
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
     key_cache_ttl_s: float = 5.0
@@ -89,7 +92,8 @@ class Server:
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
         self.resolver = AdapterResolver(registry, engine.base_model_digest, config.served_model_name)
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
-        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
+        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics,
+                                     config.lora_load_state_metrics, self.adapter_rank)
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
@@ -404,14 +408,23 @@ class Server:
         cache = self.engine.adapters.state()
         scheduler = self.engine.scheduler
         running, waiting = list(scheduler.running), list(scheduler.waiting)
-        on_gpu = sorted({a["name"] for a in cache["adapters"] if a["tier"] == "gpu"})
-        waiting_names = {s.adapter.key.name for s in waiting if s.adapter is not None}
+        for a in cache["adapters"]:  # the name a gateway routes this revision by
+            a["model"] = gateway_model(a["name"], a["revision"], self._serving.get(a["name"]))
+        on_gpu = sorted({a["model"] for a in cache["adapters"] if a["tier"] == "gpu"})
+        keys = {s.adapter.key for s in waiting if s.adapter is not None}
+        waiting_names = {gateway_model(k.name, k.revision, self._serving.get(k.name)) for k in keys}
         return {
             "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.engine.blocks.usage,
             "running_adapters": on_gpu, "waiting_adapters": sorted(waiting_names - set(on_gpu)),
             "max_lora": self.engine.config.max_loras,
         }
+
+    def adapter_rank(self, name: str, revision: str) -> int | None:
+        try:
+            return next((r.rank for r in self.registry.show(name).revisions if r.revision == revision), None)
+        except RegistryError:  # removed meanwhile
+            return None
 
     def state(self) -> dict:
         """GET /admin/state: residency of every adapter and the load figures the router needs."""

@@ -41,6 +41,8 @@ def serve(
     admin_port: Annotated[int | None, typer.Option(help="Serve the admin API on this port instead")] = None,
     metrics_token_file: Annotated[Path | None, typer.Option(help="Token /metrics requires, on the file's first "
                                                                  "line (no file: /metrics is open, as vLLM's)")] = None,
+    lora_load_state_metrics: Annotated[int, typer.Option(help="Export vllm:lora_adapter_loaded for the K "
+                                                              "best-placed adapters (0: off)")] = 0,
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,
@@ -55,7 +57,7 @@ def serve(
             disk_cache_bytes=_size(disk_cache_bytes, "--disk-cache-bytes"), max_lora_rank=max_lora_rank,
             eviction_policy=eviction_policy, dtype=dtype, device=device, host=host, port=port, registry=registry,
             api_keys=api_keys, admin_token_file=admin_token_file, admin_port=admin_port,
-            metrics_token_file=metrics_token_file,
+            metrics_token_file=metrics_token_file, lora_load_state_metrics=lora_load_state_metrics,
             allowed_roots=tuple(roots),
         )
         run(options)

@@ -58,6 +58,7 @@ class ServeOptions:
     admin_token_file: Path | None = None
     admin_port: int | None = None
     metrics_token_file: Path | None = None
+    lora_load_state_metrics: int = 0
     allowed_roots: tuple[str, ...] = ()
 
     @property
@@ -151,6 +152,8 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     metrics_token = read_option_file(read_admin_token, options.metrics_token_file, "--metrics-token-file")
+    if options.lora_load_state_metrics < 0:
+        raise StartupError("--lora-load-state-metrics: a number of adapters, 0 or more")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
     make_dir(options.data_dir, "--data-dir")
@@ -161,6 +164,7 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
         served_model_name=options.served_model_name or options.model.resolve().name,
         admin_token=token,
         metrics_token=metrics_token,
+        lora_load_state_metrics=options.lora_load_state_metrics,
         admin_on_main_app=options.admin_port is None,
         allowed_roots=options.allowed_roots,
         audit_log=options.data_dir / "audit.jsonl",
