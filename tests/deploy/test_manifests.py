@@ -23,13 +23,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 SCHEMAS = ROOT / "deploy" / "schemas"
 K8S_VERSION = kubernetes_validate.latest_version()
-CUSTOM = {("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool.inference.networking.k8s.io-v1.json",
-          ("llm-d.ai/v1alpha2", "InferenceModelRewrite"): "inferencemodelrewrite.llm-d.ai-v1alpha2.json"}
+CUSTOM = {
+    (
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+    ): "inferencepool.inference.networking.k8s.io-v1.json",
+    ("llm-d.ai/v1alpha2", "InferenceModelRewrite"): "inferencemodelrewrite.llm-d.ai-v1alpha2.json",
+}
 EPP_CONFIG = "endpointpickerconfig.llm-d.ai-v1alpha1.json"
 
 
 def _objects() -> list[dict]:
-    return [doc for path in sorted(MANIFESTS.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())]
+    return [
+        doc
+        for path in sorted(MANIFESTS.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+    ]
 
 
 def _by_kind(kind: str, name: str) -> dict:
@@ -77,7 +86,12 @@ def test_the_epp_config_scores_the_pool_by_lora_affinity_queue_and_kv():
     config = _epp_config()
     jsonschema.validate(config, json.loads((SCHEMAS / EPP_CONFIG).read_text()))
     types = {p["type"] for p in config["plugins"]}
-    assert {"lora-affinity-scorer", "queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= types
+    assert {
+        "lora-affinity-scorer",
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "max-score-picker",
+    } <= types
     refs = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
     assert refs <= {p.get("name", p["type"]) for p in config["plugins"]}
     extractor = next(p for p in config["plugins"] if p["type"] == "core-metrics-extractor")
@@ -95,7 +109,9 @@ def test_the_pool_selects_the_workers_on_their_inference_port():
     http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     assert pool["spec"]["targetPorts"] == [{"number": http}]
     epp = _by_kind("Service", pool["spec"]["endpointPickerRef"]["name"])
-    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in {p["port"] for p in epp["spec"]["ports"]}
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in {
+        p["port"] for p in epp["spec"]["ports"]
+    }
 
 
 def test_the_worker_probes_health_and_readiness_and_reads_its_secrets_and_disk_volume():
@@ -112,17 +128,34 @@ def test_the_worker_probes_health_and_readiness_and_reads_its_secrets_and_disk_v
     assert "--data-dir=/var/lib/loraplex" in container["args"]
 
 
-def test_export_k8s_writes_valid_rewrites_of_the_registry_split(llama_dir, llama_adapters, tmp_path):
-    registry = Registry(f"sqlite:///{tmp_path}/registry.db", ArtifactStore(tmp_path / "artifacts"),
-                        base_model_dir=llama_dir, max_lora_rank=16)
+def test_export_k8s_writes_valid_rewrites_of_the_registry_split(
+    llama_dir, llama_adapters, tmp_path
+):
+    registry = Registry(
+        f"sqlite:///{tmp_path}/registry.db",
+        ArtifactStore(tmp_path / "artifacts"),
+        base_model_dir=llama_dir,
+        max_lora_rank=16,
+    )
     registry.init()
     registry.add_revision(llama_adapters["attn-r8"], "sql_v", shared=True, status="stable")
     registry.add_revision(llama_adapters["mlp-r4"], "sql_v", revision="canary")
     registry.promote("sql_v", "canary", 10, force=True)
     registry.add_revision(llama_adapters["regex-r4"], "idle")  # staging: no traffic, no rewrite
     registry.close()
-    out = CliRunner().invoke(registry_cli, ["--registry", f"sqlite:///{tmp_path}/registry.db", "--store",
-                                            str(tmp_path / "artifacts"), "export", "k8s", "--namespace", "ml"])
+    out = CliRunner().invoke(
+        registry_cli,
+        [
+            "--registry",
+            f"sqlite:///{tmp_path}/registry.db",
+            "--store",
+            str(tmp_path / "artifacts"),
+            "export",
+            "k8s",
+            "--namespace",
+            "ml",
+        ],
+    )
     assert out.exit_code == 0, out.output
     objects = list(yaml.safe_load_all(out.output))
     assert len(objects) == 1
@@ -131,9 +164,13 @@ def test_export_k8s_writes_valid_rewrites_of_the_registry_split(llama_dir, llama
     rewrite = objects[0]
     assert re.fullmatch(r"loraplex-sql-v-[0-9a-f]{8}", rewrite["metadata"]["name"])
     assert rewrite["metadata"]["namespace"] == "ml"
-    assert rewrite["spec"]["poolRef"]["name"] == _by_kind("InferencePool", "loraplex")["metadata"]["name"]
-    assert sorted((t["modelRewrite"], t["weight"]) for t in rewrite["spec"]["rules"][0]["targets"]) == [
-        ("sql_v@canary", 10), ("sql_v@r1", 90)]
+    assert (
+        rewrite["spec"]["poolRef"]["name"]
+        == _by_kind("InferencePool", "loraplex")["metadata"]["name"]
+    )
+    assert sorted(
+        (t["modelRewrite"], t["weight"]) for t in rewrite["spec"]["rules"][0]["targets"]
+    ) == [("sql_v@canary", 10), ("sql_v@r1", 90)]
 
 
 def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[str]:
@@ -157,20 +194,30 @@ def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[st
 def _secret_files(tmp_path: Path, keys: bool = True, admin: bool = True) -> None:
     if keys:
         (tmp_path / "var/run/secrets/loraplex-keys").mkdir(parents=True)
-        (tmp_path / "var/run/secrets/loraplex-keys/api-keys").write_text("acme acme-key-0123456789\n")
+        (tmp_path / "var/run/secrets/loraplex-keys/api-keys").write_text(
+            "acme acme-key-0123456789\n"
+        )
     if admin:
         (tmp_path / "var/run/secrets/loraplex-admin").mkdir(parents=True)
         (tmp_path / "var/run/secrets/loraplex-admin/token").write_text("admin-token-0123456789\n")
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_a_missing_secret_stops_the_worker_with_a_line_naming_it(llama_dir, tmp_path):
     _secret_files(tmp_path, keys=False)
-    done = _run(_serve_args(tmp_path, llama_dir, {"LORAPLEX_REGISTRY_URL": f"sqlite:///{tmp_path}/r.db"}))
+    done = _run(
+        _serve_args(tmp_path, llama_dir, {"LORAPLEX_REGISTRY_URL": f"sqlite:///{tmp_path}/r.db"})
+    )
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1].startswith("error: --api-keys: ")
     assert "loraplex-keys/api-keys" in done.stderr and "Traceback" not in done.stderr
@@ -181,8 +228,10 @@ def test_a_missing_registry_secret_names_the_variable(llama_dir, tmp_path):
     done = _run(_serve_args(tmp_path, llama_dir, {}))
     assert done.returncode == 2
     last = done.stderr.splitlines()[-1]
-    assert last == ("error: --registry $(LORAPLEX_REGISTRY_URL): the environment variable LORAPLEX_REGISTRY_URL "
-                    "is not set (in Kubernetes: the Secret or key it comes from is missing)")
+    assert last == (
+        "error: --registry $(LORAPLEX_REGISTRY_URL): the environment variable LORAPLEX_REGISTRY_URL "
+        "is not set (in Kubernetes: the Secret or key it comes from is missing)"
+    )
 
 
 def test_a_wrong_registry_url_stops_the_worker_with_a_line_naming_the_registry(llama_dir, tmp_path):

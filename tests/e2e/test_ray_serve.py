@@ -36,13 +36,23 @@ def fleet(demo_world, tmp_path_factory):
     for name, path in sorted(demo_world.adapters.items()):
         registry.add_revision(path, name, shared=True, status="stable")
     registry.close()
-    options = ServeOptions(model=demo_world.model_dir, data_dir=root / "data", registry=url, max_loras=2,
-                           max_lora_rank=32, dtype="float32", device="cpu")
+    options = ServeOptions(
+        model=demo_world.model_dir,
+        data_dir=root / "data",
+        registry=url,
+        max_loras=2,
+        max_lora_rank=32,
+        dtype="float32",
+        device="cpu",
+    )
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     serve.start(proxy_location="Disabled")
     try:
-        handle = serve.run(deployment(options, num_replicas=2, admin_token=TOKEN), name="loraplex",
-                           route_prefix=None)
+        handle = serve.run(
+            deployment(options, num_replicas=2, admin_token=TOKEN),
+            name="loraplex",
+            route_prefix=None,
+        )
         yield handle, checked_inputs(demo_world, n=30), root / "data"
     finally:
         serve.shutdown()
@@ -53,7 +63,11 @@ async def _ask(handle, model: str, text: str) -> dict:
     body = {"prompt": make_prompt(text), "max_tokens": 40, "temperature": 0}
     answer = await handle.options(multiplexed_model_id=model).completions.remote(body)
     assert answer["status"] == 200, answer
-    assert answer["body"]["choices"][0]["text"].strip() == TRANSFORMS[model](text), (model, text, answer)
+    assert answer["body"]["choices"][0]["text"].strip() == TRANSFORMS[model](text), (
+        model,
+        text,
+        answer,
+    )
     return answer
 
 
@@ -92,13 +106,15 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
 
     victim, in_flight, results, after = asyncio.run(run())
     failed = [r for r in results if isinstance(r, BaseException)]
-    assert all(isinstance(r, ray.exceptions.RayError) for r in failed), failed  # never a wrong answer
+    assert all(isinstance(r, ray.exceptions.RayError) for r in failed), (
+        failed
+    )  # never a wrong answer
     assert len(failed) <= in_flight
     # The survivors serve every adapter, those of the dead replica too, from memory (a slot, or host memory
     # where the cache policy keeps the slots for hotter adapters) from their second request on.
     assert victim["replica"] not in {a["replica"] for a in after}
     by_adapter = collections.defaultdict(list)
-    for (name, a) in zip([n for n in ADAPTERS for _ in range(2)], after):
+    for name, a in zip([n for n in ADAPTERS for _ in range(2)], after):
         by_adapter[name].append(a["tier"])
     assert all(tiers[-1] in ("gpu", "cpu") for tiers in by_adapter.values()), by_adapter
 
@@ -136,7 +152,9 @@ def test_the_router_ranks_a_replica_holding_the_adapter_in_host_memory_first(fle
     """Ray's multiplexed routing knows only which replicas were asked for a model; loraplex's view has each
     worker's tiers: a replica with the adapter in host memory ranks before one with a free slot."""
     handle, _, data_dir = fleet
-    urls = [json.loads(p.read_text())["url"] for p in sorted(data_dir.glob("replica-*/worker.json"))]
+    urls = [
+        json.loads(p.read_text())["url"] for p in sorted(data_dir.glob("replica-*/worker.json"))
+    ]
     states = {}
     for url in urls:
         try:
@@ -145,12 +163,18 @@ def test_the_router_ranks_a_replica_holding_the_adapter_in_host_memory_first(fle
             continue
     live = [u for u, r in states.items() if r.status_code == 200][:2]
     holder = live[-1]
-    httpx.post(f"{holder}/admin/adapters/double-letters/prewarm", json={"tier": "cpu"}, headers=ADMIN,
-               timeout=10).raise_for_status()
+    httpx.post(
+        f"{holder}/admin/adapters/double-letters/prewarm",
+        json={"tier": "cpu"},
+        headers=ADMIN,
+        timeout=10,
+    ).raise_for_status()
     workers = []
     for url in live:
         worker = Worker(url)
-        worker.apply_state(_wait_state(url, lambda s: url != holder or _tier(s, "double-letters") == "cpu"))
+        worker.apply_state(
+            _wait_state(url, lambda s: url != holder or _tier(s, "double-letters") == "cpu")
+        )
         workers.append(worker.last)
     assert Picker().pick(workers, "double-letters").ranking[0] == holder
     assert Picker().pick(workers, "double-letters@r1").ranking[0] == holder

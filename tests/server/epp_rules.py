@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 # The loraplex mapping: the names the engine config in deploy/kubernetes declares (the vLLM names).
-MAPPING = {"queue": "vllm:num_requests_waiting", "running": "vllm:num_requests_running",
-           "kv": "vllm:kv_cache_usage_perc", "lora": "vllm:lora_requests_info"}
+MAPPING = {
+    "queue": "vllm:num_requests_waiting",
+    "running": "vllm:num_requests_running",
+    "kv": "vllm:kv_cache_usage_perc",
+    "lora": "vllm:lora_requests_info",
+}
 LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 LEGACY_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 ATOI = re.compile(r"^[+-]?[0-9]+$")
@@ -67,7 +71,10 @@ def _gauge(families, name: str) -> float:
     if name not in families or not families[name][1]:
         raise ExtractError(f"metric family {name!r} not found")
     kind, series = families[name]
-    if kind not in ("gauge", "counter"):  # extractValue reads only gauges and counters (anything else is 0)
+    if kind not in (
+        "gauge",
+        "counter",
+    ):  # extractValue reads only gauges and counters (anything else is 0)
         raise ExtractError(f"{name} is a {kind}, not a gauge")
     latest, recent = None, -1.0
     for s in series:

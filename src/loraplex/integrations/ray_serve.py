@@ -23,11 +23,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+import ray
 import uvicorn
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import (MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
-                                      RunningReplica)
+from ray.serve.request_router import (
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView
@@ -39,7 +45,8 @@ MAX_ADAPTERS_PER_REPLICA = 4096
 
 
 class LoraplexReplica:
-    """One replica: a loraplex worker on 127.0.0.1 and the calls Ray routes to it."""
+    """One replica: a loraplex worker on a local port (`options.host`, 127.0.0.1 by default: routers on the
+    same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls Ray routes to it."""
 
     def __init__(self, options: ServeOptions, admin_token: str):
         replica = serve.get_replica_context().replica_id.unique_id
@@ -49,20 +56,32 @@ class LoraplexReplica:
         token_file = data_dir / "admin-token"
         token_file.write_text(admin_token + "\n")
         token_file.chmod(0o600)
-        options = dataclasses.replace(options, data_dir=data_dir, registry=options.registry_url,
-                                      admin_token_file=token_file, admin_port=None, host="127.0.0.1", port=0)
+        options = dataclasses.replace(
+            options,
+            data_dir=data_dir,
+            registry=options.registry_url,
+            admin_token_file=token_file,
+            admin_port=None,
+            port=0,
+        )
         app, _ = build(options)
         self.replica = replica
         self.admin = {"Authorization": f"Bearer {admin_token}"}
-        self._sock = bind("127.0.0.1", 0)
+        self._sock = bind(options.host, 0)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        ).start()
+        # Routers on other nodes reach a worker listening on every address through its node's address.
+        host = ray.util.get_node_ip_address() if options.host in ("0.0.0.0", "::") else options.host
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         # Where this replica's worker listens, for an operator's curl of its admin API.
         (data_dir / "worker.json").write_text(json.dumps({"url": self.url}))
         self.http = httpx.AsyncClient(base_url=self.url, timeout=None)
         deadline = time.monotonic() + 120
-        while not self._server.started:  # the engine and the registry are up once uvicorn's lifespan ran
+        while (
+            not self._server.started
+        ):  # the engine and the registry are up once uvicorn's lifespan ran
             if time.monotonic() > deadline:
                 raise RuntimeError("the loraplex worker did not start")
             time.sleep(0.05)
@@ -72,8 +91,12 @@ class LoraplexReplica:
         """Ray's loader for an adapter: loraplex's cache brings it into host memory (its digest checked)."""
         name, _, revision = model_id.partition("@")
         body = {"tier": "cpu", **({"revision": revision} if revision else {})}
-        response = await self.http.post(f"/admin/adapters/{name}/prewarm", json=body, headers=self.admin)
-        if response.status_code != 200:  # unknown here: the request itself answers 404 as the worker does
+        response = await self.http.post(
+            f"/admin/adapters/{name}/prewarm", json=body, headers=self.admin
+        )
+        if (
+            response.status_code != 200
+        ):  # unknown here: the request itself answers 404 as the worker does
             log.info("prewarm of %s: %s", model_id, response.text)
         return model_id
 
@@ -91,8 +114,13 @@ class LoraplexReplica:
             body = {**body, "model": model}
         headers = {"Authorization": authorization} if authorization else {}
         response = await self.http.post(path, json=body, headers=headers)
-        return {"status": response.status_code, "body": response.json(), "replica": self.replica,
-                "worker": self.url, "tier": response.headers.get("x-loraplex-cache-tier")}
+        return {
+            "status": response.status_code,
+            "body": response.json(),
+            "replica": self.replica,
+            "worker": self.url,
+            "tier": response.headers.get("x-loraplex-cache-tier"),
+        }
 
     def record_replica_metadata(self) -> dict:
         """Ray passes this to the routers once the replica is up: where they poll its worker."""
@@ -114,9 +142,16 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
     queue_len_response_deadline_s = 1.0
     max_queue_len_response_deadline_s = 5.0
 
-    def initialize_state(self, admin_token: str, policy: str = "affinity", max_waiting: int = 5,
-                         max_kv_usage: float = 0.8, w_tokens: float = 0.0, poll_s: float = 0.25,
-                         stale_s: float = 2.0):
+    def initialize_state(
+        self,
+        admin_token: str,
+        policy: str = "affinity",
+        max_waiting: int = 5,
+        max_kv_usage: float = 0.8,
+        w_tokens: float = 0.0,
+        poll_s: float = 0.25,
+        stale_s: float = 2.0,
+    ):
         """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while its own
         count of requests in flight is current, so load is weighed by requests alone."""
         config = PickerConfig(max_waiting=max_waiting, max_kv_usage=max_kv_usage, w_tokens=w_tokens)
@@ -126,19 +161,30 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self.workers: dict[ReplicaID, Worker] = {}
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)  # routed here and not completed
         self._requests: dict[str, ReplicaID] = {}  # internal request id -> replica
-        self.completed_at: dict[ReplicaID, float] = {}  # when this router's last request there ended
+        self.completed_at: dict[
+            ReplicaID, float
+        ] = {}  # when this router's last request there ended
         self._poller: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
         if self._poller is None:
             self._http = httpx.AsyncClient(timeout=5)
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-        new = [w for w in map(self._worker, candidate_replicas) if not w.polled_at and not w.failures]
-        if new:  # a replica's first state before its first request, so that request lands by residency
+        new = [
+            w for w in map(self._worker, candidate_replicas) if not w.polled_at and not w.failures
+        ]
+        if (
+            new
+        ):  # a replica's first state before its first request, so that request lands by residency
             await asyncio.gather(*(self._poll(w) for w in new))
-        model = (pending_request.metadata.multiplexed_model_id if pending_request is not None else "") or None
+        model = (
+            pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        ) or None
         by_url = {self._worker(r).url: r for r in candidate_replicas}
         now = time.monotonic()
         views = [self._view(r.replica_id, now) for r in candidate_replicas]
@@ -182,10 +228,17 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         current = fresh and worker.polled_at >= self.completed_at.get(replica, 0.0)
         queued = last.waiting + last.running if current else 0
         in_slot = frozenset(worker.sent) if last.free_slots > 0 else frozenset()
-        return dataclasses.replace(last, healthy=worker.healthy, fresh=fresh, waiting=0, running=0,
-                                   in_flight=max(self.in_flight[replica], queued),
-                                   active_tokens=last.active_tokens if current else 0,
-                                   gpu=last.gpu | in_slot, loading=last.loading | (worker.sent - in_slot))
+        return dataclasses.replace(
+            last,
+            healthy=worker.healthy,
+            fresh=fresh,
+            waiting=0,
+            running=0,
+            in_flight=max(self.in_flight[replica], queued),
+            active_tokens=last.active_tokens if current else 0,
+            gpu=last.gpu | in_slot,
+            loading=last.loading | (worker.sent - in_slot),
+        )
 
     async def _poll_forever(self) -> None:
         while True:
@@ -209,7 +262,9 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         worker.polled_at, worker.healthy = asked_at, not state["draining"]
         worker.sent -= sent
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result
+    ) -> None:
         self._count(pending_request, replica_id)  # Ray may have sent it past the first rank
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -223,9 +278,15 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self.in_flight.pop(replica_id, None)
 
 
-def deployment(options: ServeOptions, num_replicas: int = 2, max_ongoing_requests: int = 64,
-               policy: str = "affinity", max_waiting: int = 5, num_cpus: float = 0,
-               admin_token: str | None = None):
+def deployment(
+    options: ServeOptions,
+    num_replicas: int = 2,
+    max_ongoing_requests: int = 64,
+    policy: str = "affinity",
+    max_waiting: int = 5,
+    num_cpus: float = 0,
+    admin_token: str | None = None,
+):
     """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for `serve.run`. The
     workers' admin token (one for all, which the router polls with) is made here unless given."""
     token = admin_token or secrets.token_urlsafe(24)
@@ -233,7 +294,13 @@ def deployment(options: ServeOptions, num_replicas: int = 2, max_ongoing_request
         request_router_class=LoraplexRequestRouter,
         request_router_kwargs={"admin_token": token, "policy": policy, "max_waiting": max_waiting},
     )
-    return serve.deployment(LoraplexReplica, name="loraplex").options(
-        num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests, request_router_config=router,
-        ray_actor_options={"num_cpus": num_cpus},
-    ).bind(options, token)
+    return (
+        serve.deployment(LoraplexReplica, name="loraplex")
+        .options(
+            num_replicas=num_replicas,
+            max_ongoing_requests=max_ongoing_requests,
+            request_router_config=router,
+            ray_actor_options={"num_cpus": num_cpus},
+        )
+        .bind(options, token)
+    )

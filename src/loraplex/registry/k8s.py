@@ -29,16 +29,32 @@ def model_rewrite(adapter: AdapterRecord, pool: str, namespace: str | None) -> d
     if not weights:
         return None
     serving = frozenset(revision for revision, _ in weights)
-    metadata = {"name": object_name(pool, adapter.name), "labels": {**MANAGED_BY, "loraplex.dev/pool": pool}}
+    metadata = {
+        "name": object_name(pool, adapter.name),
+        "labels": {**MANAGED_BY, "loraplex.dev/pool": pool},
+    }
     if namespace:
         metadata["namespace"] = namespace
-    targets = [{"modelRewrite": gateway_model(adapter.name, revision, serving), "weight": weight}
-               for revision, weight in weights]
+    targets = [
+        {"modelRewrite": gateway_model(adapter.name, revision, serving), "weight": weight}
+        for revision, weight in weights
+    ]
     return {
-        "apiVersion": REWRITE_API, "kind": "InferenceModelRewrite", "metadata": metadata,
+        "apiVersion": REWRITE_API,
+        "kind": "InferenceModelRewrite",
+        "metadata": metadata,
         "spec": {
-            "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool},
-            "rules": [{"matches": [{"model": {"type": "Exact", "value": adapter.name}}], "targets": targets}],
+            "poolRef": {
+                "group": "inference.networking.k8s.io",
+                "kind": "InferencePool",
+                "name": pool,
+            },
+            "rules": [
+                {
+                    "matches": [{"model": {"type": "Exact", "value": adapter.name}}],
+                    "targets": targets,
+                }
+            ],
         },
     }
 
@@ -46,9 +62,13 @@ def model_rewrite(adapter: AdapterRecord, pool: str, namespace: str | None) -> d
 def check_names(pool: str, namespace: str | None) -> None:
     for flag, value in (("--pool", pool), ("--namespace", namespace)):
         if value is not None and (len(value) > 63 or not _DNS_LABEL.match(value)):
-            raise ValueError(f"{flag} {value!r}: not a Kubernetes name (lowercase letters, digits and '-')")
+            raise ValueError(
+                f"{flag} {value!r}: not a Kubernetes name (lowercase letters, digits and '-')"
+            )
 
 
-def model_rewrites(adapters: list[AdapterRecord], pool: str, namespace: str | None = None) -> list[dict]:
+def model_rewrites(
+    adapters: list[AdapterRecord], pool: str, namespace: str | None = None
+) -> list[dict]:
     check_names(pool, namespace)
     return [obj for obj in (model_rewrite(a, pool, namespace) for a in adapters) if obj is not None]
