@@ -1,6 +1,7 @@
-"""deploy/kubernetes/ checked offline: core objects by kubernetes-validate (its bundled schemas of the newest
-Kubernetes it knows), the custom resources and the EPP's config by jsonschema against deploy/schemas/, and the
-worker's command line run for real with a missing Secret and a wrong registry URL."""
+"""deploy/kubernetes/ checked offline: core objects by kubernetes-validate (its bundled schemas of
+the newest Kubernetes it knows), the custom resources and the EPP's config by jsonschema against
+deploy/schemas/, and the worker's command line run for real with a missing Secret and a wrong
+registry URL."""
 
 from __future__ import annotations
 
@@ -174,8 +175,8 @@ def test_export_k8s_writes_valid_rewrites_of_the_registry_split(
 
 
 def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[str]:
-    """The worker container's command line, run here: its paths under tmp_path, `$(VAR)` expanded from `env`
-    as the kubelet does (an unset variable stays as written), on a free local port."""
+    """The worker container's command line, run here: its paths under tmp_path, `$(VAR)` expanded
+    from `env` as the kubelet does (an unset variable stays as written), on a free local port."""
     container = _worker()["spec"]["containers"][0]
     args = []
     for arg in container["args"]:
@@ -208,6 +209,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
     )
@@ -229,7 +231,8 @@ def test_a_missing_registry_secret_names_the_variable(llama_dir, tmp_path):
     assert done.returncode == 2
     last = done.stderr.splitlines()[-1]
     assert last == (
-        "error: --registry $(LORAPLEX_REGISTRY_URL): the environment variable LORAPLEX_REGISTRY_URL "
+        "error: --registry $(LORAPLEX_REGISTRY_URL): the environment variable "
+        "LORAPLEX_REGISTRY_URL "
         "is not set (in Kubernetes: the Secret or key it comes from is missing)"
     )
 

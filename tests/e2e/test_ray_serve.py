@@ -1,5 +1,5 @@
-"""Ray Serve with two real replicas, each a loraplex worker over the demo world: affinity until saturated,
-a replica killed mid-run, every answer checked against its adapter's transform."""
+"""Ray Serve with two real replicas, each a loraplex worker over the demo world: affinity until
+saturated, a replica killed mid-run, every answer checked against its adapter's transform."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from world_fleet import checked_inputs  # noqa: E402
 
 from loraplex.demo.world import TRANSFORMS, make_prompt  # noqa: E402
 from loraplex.integrations.ray_serve import deployment  # noqa: E402
-from loraplex.router.fleet import Worker  # noqa: E402
 from loraplex.registry import Registry  # noqa: E402
+from loraplex.router.fleet import Worker  # noqa: E402
 from loraplex.router.picker import Picker  # noqa: E402
 from loraplex.server.serve import ServeOptions  # noqa: E402
-from world_fleet import checked_inputs  # noqa: E402
 
 ADAPTERS = ("reverse", "rot13", "rotate")
 TOKEN = "ray-admin-token-0123456789"
@@ -82,10 +82,12 @@ def test_a_warm_adapter_stays_on_its_holder_until_it_saturates_then_spreads(flee
 
     first, sequential, burst = asyncio.run(run())
     holder = first["replica"]
-    # One at a time the holder never saturates: every request stays with the adapter, warm in its slot.
+    # One at a time the holder never saturates: every request stays with the adapter, warm in
+    # its slot.
     assert {a["replica"] for a in sequential} == {holder}
     assert [a["tier"] for a in sequential] == ["gpu"] * len(sequential)
-    # 24 at once: the holder takes its share until it is loaded, then the other replica takes the rest.
+    # 24 at once: the holder takes its share until it is loaded, then the other replica takes
+    # the rest.
     counts = collections.Counter(a["replica"] for a in burst)
     assert len(counts) == 2 and counts[holder] >= 3, counts
 
@@ -110,8 +112,9 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
         failed
     )  # never a wrong answer
     assert len(failed) <= in_flight
-    # The survivors serve every adapter, those of the dead replica too, from memory (a slot, or host memory
-    # where the cache policy keeps the slots for hotter adapters) from their second request on.
+    # The survivors serve every adapter, those of the dead replica too, from memory (a slot, or
+    # host memory where the cache policy keeps the slots for hotter adapters) from their second
+    # request on.
     assert victim["replica"] not in {a["replica"] for a in after}
     by_adapter = collections.defaultdict(list)
     for name, a in zip([n for n in ADAPTERS for _ in range(2)], after):
@@ -120,8 +123,9 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
 
 
 async def _in_flight_on(victim: dict, tasks: list, data_dir) -> int:
-    """The victim's requests in flight, read from its worker once every request not yet answered has reached a
-    worker (none is still being routed): from then on that count can only fall until the kill."""
+    """The victim's requests in flight, read from its worker once every request not yet answered has
+    reached a worker (none is still being routed): from then on that count can only fall until
+    the kill."""
     workers = [json.loads(p.read_text()) for p in data_dir.glob("replica-*/worker.json")]
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
@@ -149,9 +153,10 @@ def _kill(replica: str) -> None:
 
 
 def test_the_router_ranks_a_replica_holding_the_adapter_in_host_memory_first(fleet):
-    """Ray's multiplexed routing knows only which replicas were asked for a model; loraplex's view has each
-    worker's tiers: a replica with the adapter in host memory ranks before one with a free slot."""
-    handle, _, data_dir = fleet
+    """Ray's multiplexed routing knows only which replicas were asked for a model; loraplex's view
+    has each worker's tiers: a replica with the adapter in host memory ranks before one with a
+    free slot."""
+    _, _, data_dir = fleet
     urls = [
         json.loads(p.read_text())["url"] for p in sorted(data_dir.glob("replica-*/worker.json"))
     ]
@@ -172,8 +177,9 @@ def test_the_router_ranks_a_replica_holding_the_adapter_in_host_memory_first(fle
     workers = []
     for url in live:
         worker = Worker(url)
+        held = url == holder
         worker.apply_state(
-            _wait_state(url, lambda s: url != holder or _tier(s, "double-letters") == "cpu")
+            _wait_state(url, lambda s, held=held: not held or _tier(s, "double-letters") == "cpu")
         )
         workers.append(worker.last)
     assert Picker().pick(workers, "double-letters").ranking[0] == holder

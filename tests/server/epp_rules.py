@@ -1,14 +1,15 @@
-"""The llm-d Endpoint Picker's reading of a model server's /metrics, restated in Python for the conformance tests.
+"""The llm-d Endpoint Picker's reading of a model server's /metrics, restated in Python for the
+conformance tests.
 
-Source: llm-d/llm-d-router at ebab687 (2026-08-22), pkg/epp/framework/plugins/datalayer/extractor/metrics
-(extractor.go, spec.go, loraspec.go, factories.go) and scheduling/scorer/loraaffinity. The EPP parses the text
-format with Prometheus' expfmt TextParser (legacy name validation), then per engine mapping:
-- a gauge spec takes the matching series with the highest timestamp (the first one when none has a timestamp),
-  and a missing family or series is an error;
-- the LoRA spec takes the series with the highest value (each label set is its own series, its value the time
-  it was current); running and waiting lists are split on commas, trimmed, empties dropped; `max_lora` must
-  be an integer (strconv.Atoi) when not empty.
-"""
+Source: llm-d/llm-d-router at ebab687 (2026-08-22),
+pkg/epp/framework/plugins/datalayer/extractor/metrics (extractor.go, spec.go, loraspec.go,
+factories.go) and scheduling/scorer/loraaffinity. The EPP parses the text format with Prometheus'
+expfmt TextParser (legacy name validation), then per engine mapping:
+- a gauge spec takes the matching series with the highest timestamp (the first one when none has
+  a timestamp), and a missing family or series is an error;
+- the LoRA spec takes the series with the highest value (each label set is its own series, its
+  value the time it was current); running and waiting lists are split on commas, trimmed, empties
+  dropped; `max_lora` must be an integer (strconv.Atoi) when not empty."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ class Series:
 
 
 def parse(text: str) -> dict[str, tuple[str, list[Series]]]:
-    """Families by name: (type, series). Names and labels must pass the legacy validation the EPP uses."""
+    """Families by name: (type, series). Names and labels must pass the legacy validation the EPP
+    uses."""
     families = {}
     for family in text_string_to_metric_families(text):
         if not LEGACY_NAME.match(family.name):
@@ -89,7 +91,8 @@ def _adapters(csv: str) -> set[str]:
 
 
 def extract(text: str) -> EndpointMetrics:
-    """The EPP's per-endpoint figures from a /metrics body; ExtractError where the EPP would record an error."""
+    """The EPP's per-endpoint figures from a /metrics body; ExtractError where the EPP would record
+    an error."""
     families = parse(text)
     out = EndpointMetrics(
         waiting_queue_size=int(_gauge(families, MAPPING["queue"])),

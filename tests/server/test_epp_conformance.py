@@ -1,5 +1,6 @@
-"""The model-server protocol of the llm-d Endpoint Picker: a real server under load, its /metrics read with the
-EPP's rules (epp_rules.py), and the figures checked against the server's own state (/admin/state)."""
+"""The model-server protocol of the llm-d Endpoint Picker: a real server under load, its /metrics
+read with the EPP's rules (epp_rules.py), and the figures checked against the server's own state
+(/admin/state)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import time
 
 import httpx
 import yaml
-from typer.testing import CliRunner
-
 from epp_rules import extract, lora_affinity, parse
 from harness import KEYS, MODEL, variant
+from typer.testing import CliRunner
+
 from loraplex.registry.cli import app as registry_cli
 
 NO_EOS = {"ignore_eos": True}
@@ -46,8 +47,9 @@ def _figures(state: dict) -> tuple:
 
 
 def _steady_scrape(running, until) -> tuple[dict, str, float, float]:
-    """State, /metrics, state again, until both states agree and `until(state)` holds: then the scrape between
-    them saw the same figures (while requests only decode, KV usage only grows, so equal ends mean no change)."""
+    """State, /metrics, state again, until both states agree and `until(state)` holds: then the
+    scrape between them saw the same figures (while requests only decode, KV usage only grows, so
+    equal ends mean no change)."""
 
     def attempt():
         before = running.state()
@@ -63,8 +65,8 @@ def _steady_scrape(running, until) -> tuple[dict, str, float, float]:
 
 
 def test_the_epp_reads_the_real_running_waiting_queue_and_kv_figures(start):
-    # One slot: shared-a's long requests hold it, so alice-a's requests wait; blocks of 64 tokens keep the KV
-    # figure still for 64 decode steps at a time.
+    # One slot: shared-a's long requests hold it, so alice-a's requests wait; blocks of 64
+    # tokens keep the KV figure still for 64 decode steps at a time.
     with start(engine={"max_loras": 1, "block_size": 64}, lora_load_state_metrics=1) as running:
         results: list = []
         for t in _send(running, "alice", "shared-a", 1, 1, results):  # warm: shared-a in the slot
@@ -127,8 +129,9 @@ def test_without_the_flag_there_are_no_load_state_series(running):
 def test_a_canary_is_exported_as_rewrites_whose_targets_are_served_and_reported(
     start, llama_adapters, tmp_path
 ):
-    """`registry export k8s` writes the registry's split; each target name is served as that revision, and a
-    resident revision of a split name is reported under the target's name, so lora-affinity finds it."""
+    """`registry export k8s` writes the registry's split; each target name is served as that
+    revision, and a resident revision of a split name is reported under the target's name, so
+    lora-affinity finds it."""
 
     def canary(registry):
         registry.add_revision(

@@ -1,12 +1,15 @@
-"""Ray Serve: a loraplex worker per replica, adapters as multiplexed models, routed by loraplex's picker.
+"""Ray Serve: a loraplex worker per replica, adapters as multiplexed models, routed by loraplex's
+picker.
 
-Each replica runs a whole `loraplex serve` worker (registry, tiers, policy, audit) on a local port and answers
-handle calls by forwarding them to it. Ray's multiplexing names the adapter (`multiplexed_model_id`); the
-replica's model loader is loraplex's cache (a prewarm into host memory). The request router ranks replicas
-with `loraplex.router.picker` (affinity until saturated) over what each replica reports of its residency,
-device slots and host memory both, which Ray's own multiplexed routing does not see.
+Each replica runs a whole `loraplex serve` worker (registry, tiers, policy, audit) on a local
+port and answers handle calls by forwarding them to it. Ray's multiplexing names the adapter
+(`multiplexed_model_id`); the replica's model loader is loraplex's cache (a prewarm into host
+memory). The request router ranks replicas with `loraplex.router.picker` (affinity until
+saturated) over what each replica reports of its residency, device slots and host memory both,
+which Ray's own multiplexed routing does not see.
 
-    handle = serve.run(deployment(ServeOptions(model=..., data_dir=..., registry=URL), num_replicas=2))
+    options = ServeOptions(model=..., data_dir=..., registry=URL)
+    handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
 """
 
@@ -41,16 +44,19 @@ from loraplex.server.serve import ServeOptions, bind, build
 
 log = logging.getLogger("loraplex.ray")
 MAX_ADAPTERS_PER_REPLICA = 4096
-"""Ray's multiplexed set per replica: loraplex's cache decides residency, so Ray is not to unload on its own."""
+"""Ray's multiplexed set per replica: loraplex's cache decides residency, so Ray is not to unload on
+its own."""
 
 
 class LoraplexReplica:
-    """One replica: a loraplex worker on a local port (`options.host`, 127.0.0.1 by default: routers on the
-    same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls Ray routes to it."""
+    """One replica: a loraplex worker on a local port (`options.host`, 127.0.0.1 by default: routers
+    on the same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls
+    Ray routes to it."""
 
     def __init__(self, options: ServeOptions, admin_token: str):
         replica = serve.get_replica_context().replica_id.unique_id
-        # The registry is the fleet's; the disk cache, audit log and admin token are the replica's own.
+        # The registry is the fleet's; the disk cache, audit log and admin token are the
+        # replica's own.
         data_dir = Path(options.data_dir) / f"replica-{replica}"
         data_dir.mkdir(parents=True, exist_ok=True)
         token_file = data_dir / "admin-token"
@@ -72,7 +78,8 @@ class LoraplexReplica:
         threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
         ).start()
-        # Routers on other nodes reach a worker listening on every address through its node's address.
+        # Routers on other nodes reach a worker listening on every address through its
+        # node's address.
         host = ray.util.get_node_ip_address() if options.host in ("0.0.0.0", "::") else options.host
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         # Where this replica's worker listens, for an operator's curl of its admin API.
@@ -88,7 +95,8 @@ class LoraplexReplica:
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def load_adapter(self, model_id: str) -> str:
-        """Ray's loader for an adapter: loraplex's cache brings it into host memory (its digest checked)."""
+        """Ray's loader for an adapter: loraplex's cache brings it into host memory (its digest
+        checked)."""
         name, _, revision = model_id.partition("@")
         body = {"tier": "cpu", **({"revision": revision} if revision else {})}
         response = await self.http.post(
@@ -101,7 +109,8 @@ class LoraplexReplica:
         return model_id
 
     async def completions(self, body: dict, authorization: str | None = None) -> dict:
-        """POST /v1/completions on this replica's worker, for the multiplexed model (else `body["model"]`)."""
+        """POST /v1/completions on this replica's worker, for the multiplexed model (else
+        `body["model"]`)."""
         return await self._forward("/v1/completions", body, authorization)
 
     async def chat_completions(self, body: dict, authorization: str | None = None) -> dict:
@@ -133,12 +142,14 @@ class LoraplexReplica:
 
 
 class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
-    """Ranks replicas by loraplex's affinity-until-saturated picker, one replica per rank (Ray takes the first
-    rank whose replica has room). It polls each replica's worker (`GET /admin/state`, as `loraplex router`
-    does): Ray's routing stats reach a router only when the replica set changes, too late for residency."""
+    """Ranks replicas by loraplex's affinity-until-saturated picker, one replica per rank (Ray takes
+    the first rank whose replica has room). It polls each replica's worker (`GET /admin/state`,
+    as `loraplex router` does): Ray's routing stats reach a router only when the replica set
+    changes, too late for residency."""
 
-    # Ray probes a replica's queue length before sending, and skips to the next rank when the answer is late: a
-    # replica busy in its engine steps answers late, and a skip is a request sent away from its adapter.
+    # Ray probes a replica's queue length before sending, and skips to the next rank when the
+    # answer is late: a replica busy in its engine steps answers late, and a skip is a request
+    # sent away from its adapter.
     queue_len_response_deadline_s = 1.0
     max_queue_len_response_deadline_s = 5.0
 
@@ -152,8 +163,8 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         poll_s: float = 0.25,
         stale_s: float = 2.0,
     ):
-        """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while its own
-        count of requests in flight is current, so load is weighed by requests alone."""
+        """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while
+        its own count of requests in flight is current, so load is weighed by requests alone."""
         config = PickerConfig(max_waiting=max_waiting, max_kv_usage=max_kv_usage, w_tokens=w_tokens)
         self.picker = Picker(policy, config)
         self.headers = {"Authorization": f"Bearer {admin_token}"}
@@ -196,7 +207,8 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         return [[by_url[url]] for url in pick.ranking]
 
     def _count(self, pending_request: PendingRequest, replica: ReplicaID) -> None:
-        """The request counts as in flight at `replica` (and no longer where an earlier pick placed it)."""
+        """The request counts as in flight at `replica` (and no longer where an earlier pick placed
+        it)."""
         request_id = pending_request.metadata.internal_request_id
         before = self._requests.get(request_id)
         if before == replica:
@@ -217,14 +229,15 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         return worker
 
     def _view(self, replica: ReplicaID, now: float) -> WorkerView:
-        """The last polled state, with this router's requests in flight there (a replica's own queue counts
-        other routers' requests too, this router's count is newer) and the adapters sent there since: a worker
-        takes a request's adapter into a device slot when it admits it, so with a slot free they count as in
-        one, else as loading."""
+        """The last polled state, with this router's requests in flight there (a replica's own queue
+        counts other routers' requests too, this router's count is newer) and the adapters sent
+        there since: a worker takes a request's adapter into a device slot when it admits it, so
+        with a slot free they count as in one, else as loading."""
         worker = self.workers[replica]
         last = worker.last or WorkerView(worker.url)
         fresh = now - worker.polled_at <= self.stale_s
-        # A state read before this router's last request there ended still counts that request's load.
+        # A state read before this router's last request there ended still counts that
+        # request's load.
         current = fresh and worker.polled_at >= self.completed_at.get(replica, 0.0)
         queued = last.waiting + last.running if current else 0
         in_slot = frozenset(worker.sent) if last.free_slots > 0 else frozenset()
@@ -287,8 +300,9 @@ def deployment(
     num_cpus: float = 0,
     admin_token: str | None = None,
 ):
-    """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for `serve.run`. The
-    workers' admin token (one for all, which the router polls with) is made here unless given."""
+    """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for
+    `serve.run`. The workers' admin token (one for all, which the router polls with) is made here
+    unless given."""
     token = admin_token or secrets.token_urlsafe(24)
     router = RequestRouterConfig(
         request_router_class=LoraplexRequestRouter,

@@ -1,5 +1,6 @@
-"""The registry's traffic split as Kubernetes objects: one llm-d `InferenceModelRewrite` per adapter name, so the
-split the registry holds (a canary at 10%, a rollback) is the one the gateway applies."""
+"""The registry's traffic split as Kubernetes objects: one llm-d `InferenceModelRewrite` per adapter
+name, so the split the registry holds (a canary at 10%, a rollback) is the one the gateway
+applies."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def object_name(pool: str, name: str) -> str:
-    """A DNS subdomain for the name's object. Adapter names may hold `_`, which Kubernetes names may not: such a
-    name gets a hash of itself, so `a_b` and `a-b` stay two objects."""
+    """A DNS subdomain for the name's object. Adapter names may hold `_`, which Kubernetes names may
+    not: such a name gets a hash of itself, so `a_b` and `a-b` stay two objects."""
     cleaned = _NOT_DNS.sub("-", name)
     suffix = "" if cleaned == name else "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
     return f"{pool}-{cleaned}{suffix}".strip(".-")
 
 
 def model_rewrite(adapter: AdapterRecord, pool: str, namespace: str | None) -> dict | None:
-    """The rewrite of requests for `adapter.name` to its serving revisions by weight; None when none serves."""
+    """The rewrite of requests for `adapter.name` to its serving revisions by weight; None when none
+    serves."""
     weights = [(revision, weight) for revision, weight in adapter.traffic if weight > 0]
     if not weights:
         return None
