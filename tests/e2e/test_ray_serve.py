@@ -142,6 +142,7 @@ async def _in_flight_on(victim: dict, tasks: list, data_dir) -> int:
                 return mine
             if done == len(tasks):
                 raise AssertionError("the requests ended before the victim held any")
+            await asyncio.sleep(0.01)
 
 
 def _kill(replica: str) -> None:
