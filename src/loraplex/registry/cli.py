@@ -404,7 +404,8 @@ if __name__ == "__main__":
     app()
 
 
-export_app = typer.Typer(help="The registry as another system's configuration.", no_args_is_help=True)
+export_app = typer.Typer(help="The registry as another system's configuration.",
+                         no_args_is_help=True)
 app.add_typer(export_app, name="export")
 
 
@@ -415,7 +416,7 @@ def export_k8s(
     pool: Annotated[str, typer.Option(help="InferencePool the rewrites apply to")] = "loraplex",
     namespace: Annotated[str | None, typer.Option(help="Namespace of the objects")] = None,
 ):
-    """Print one InferenceModelRewrite per adapter name with traffic (YAML, for `kubectl apply -f -`)."""
+    """Print one InferenceModelRewrite per adapter name with traffic (YAML for `kubectl apply`)."""
     import yaml
 
     from loraplex.registry.k8s import check_names, model_rewrites

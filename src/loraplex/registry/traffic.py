@@ -33,6 +33,7 @@ def pick(name: str, weights: list[tuple[str, int]], user: str | None, rng: rando
 
 
 def gateway_model(name: str, revision: str, serving: frozenset[str] | None) -> str:
-    """The `model` a gateway sends for this revision: the bare name while it is the name's only serving revision,
-    else `name@revision` (the targets `registry export k8s` writes for a split, and what a client pins)."""
+    """The `model` a gateway sends for this revision: the bare name while it is the name's only
+    serving revision, else `name@revision` (the targets `registry export k8s` writes for a split,
+    and what a client pins)."""
     return name if serving is None or serving == {revision} else f"{name}@{revision}"

@@ -64,7 +64,7 @@ class ServerConfig:
     top_k_adapter_metrics: int = 0
     """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
     lora_load_state_metrics: int = 0
-    """Residency series (`vllm:lora_adapter_loaded`, ...) for the K best-placed adapters in /metrics (0: none)."""
+    """Residency series (`vllm:lora_adapter_loaded`, ...) of the K best-placed adapters (0: off)."""
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
     key_cache_ttl_s: float = 5.0
@@ -412,7 +412,8 @@ class Server:
             a["model"] = gateway_model(a["name"], a["revision"], self._serving.get(a["name"]))
         on_gpu = sorted({a["model"] for a in cache["adapters"] if a["tier"] == "gpu"})
         keys = {s.adapter.key for s in waiting if s.adapter is not None}
-        waiting_names = {gateway_model(k.name, k.revision, self._serving.get(k.name)) for k in keys}
+        serving = self._serving.get
+        waiting_names = {gateway_model(k.name, k.revision, serving(k.name)) for k in keys}
         return {
             "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.engine.blocks.usage,
@@ -422,7 +423,8 @@ class Server:
 
     def adapter_rank(self, name: str, revision: str) -> int | None:
         try:
-            return next((r.rank for r in self.registry.show(name).revisions if r.revision == revision), None)
+            revisions = self.registry.show(name).revisions
+            return next((r.rank for r in revisions if r.revision == revision), None)
         except RegistryError:  # removed meanwhile
             return None
 

@@ -41,8 +41,8 @@ def serve(
     admin_port: Annotated[int | None, typer.Option(help="Serve the admin API on this port instead")] = None,
     metrics_token_file: Annotated[Path | None, typer.Option(help="Token /metrics requires, on the file's first "
                                                                  "line (no file: /metrics is open, as vLLM's)")] = None,
-    lora_load_state_metrics: Annotated[int, typer.Option(help="Export vllm:lora_adapter_loaded for the K "
-                                                              "best-placed adapters (0: off)")] = 0,
+    lora_load_state_metrics: Annotated[int, typer.Option(
+        help="Export vllm:lora_adapter_loaded for the K best-placed adapters (0: off)")] = 0,
     allowed_roots: Annotated[list[str] | None, typer.Option(help="Directories the admin API may register "
                                                                   "adapters from; several after one flag")] = None,
     extra: Annotated[list[str] | None, typer.Argument(hidden=True)] = None,

@@ -113,10 +113,10 @@ def open_registry(options: ServeOptions) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
-    unset = re.fullmatch(r"\$\((\w+)\)", url)  # a Kubernetes reference to a variable that is not set
+    unset = re.fullmatch(r"\$\((\w+)\)", url)  # a Kubernetes reference to an unset variable
     if unset:
-        raise StartupError(f"--registry {url}: the environment variable {unset[1]} is not set (in Kubernetes: "
-                           "the Secret or key it comes from is missing)")
+        raise StartupError(f"--registry {url}: the environment variable {unset[1]} is not set "
+                           "(in Kubernetes: the Secret or key it comes from is missing)")
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
         registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
