@@ -1,4 +1,4 @@
-"""The load-state series' top K, over plain cache state (no server): which resident adapters get a series."""
+"""The load-state series' top K over plain cache state (no server): which adapters get a series."""
 
 from __future__ import annotations
 
