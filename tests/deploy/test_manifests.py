@@ -165,13 +165,11 @@ def test_export_k8s_writes_valid_rewrites_of_the_registry_split(
     rewrite = objects[0]
     assert re.fullmatch(r"loraplex-sql-v-[0-9a-f]{8}", rewrite["metadata"]["name"])
     assert rewrite["metadata"]["namespace"] == "ml"
-    assert (
-        rewrite["spec"]["poolRef"]["name"]
-        == _by_kind("InferencePool", "loraplex")["metadata"]["name"]
-    )
-    assert sorted(
-        (t["modelRewrite"], t["weight"]) for t in rewrite["spec"]["rules"][0]["targets"]
-    ) == [("sql_v@canary", 10), ("sql_v@r1", 90)]
+    pool = _by_kind("InferencePool", "loraplex")
+    assert rewrite["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
+    targets = rewrite["spec"]["rules"][0]["targets"]
+    assert sorted((t["modelRewrite"], t["weight"]) for t in targets) == [
+        ("sql_v@canary", 10), ("sql_v@r1", 90)]
 
 
 def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[str]:

@@ -73,10 +73,8 @@ def _gauge(families, name: str) -> float:
     if name not in families or not families[name][1]:
         raise ExtractError(f"metric family {name!r} not found")
     kind, series = families[name]
-    if kind not in (
-        "gauge",
-        "counter",
-    ):  # extractValue reads only gauges and counters (anything else is 0)
+    # extractValue reads only gauges and counters (anything else is 0)
+    if kind not in ("gauge", "counter"):
         raise ExtractError(f"{name} is a {kind}, not a gauge")
     latest, recent = None, -1.0
     for s in series:

@@ -80,22 +80,15 @@ def test_the_epp_reads_the_real_running_waiting_queue_and_kv_figures(start):
 
         m = extract(text)
         load = state["load"]
-        assert (
-            (m.waiting_queue_size, m.running_requests_size)
-            == (load["waiting"], load["running"])
-            == (2, 3)
-        )
+        epp = (m.waiting_queue_size, m.running_requests_size)
+        assert epp == (load["waiting"], load["running"]) == (2, 3)
         assert m.kv_cache_usage_percent == load["kv_cache_usage"] > 0
-        assert (
-            m.active_models
-            == {a["model"] for a in state["adapters"] if a["tier"] == "gpu"}
-            == {"shared-a"}
-        )
+        in_slots = {a["model"] for a in state["adapters"] if a["tier"] == "gpu"}
+        assert m.active_models == in_slots == {"shared-a"}
         assert m.waiting_models == {"alice-a"}
         assert m.max_active_models == state["max_loras"] == 1
-        assert (
-            t0 <= m.lora_info_value <= t1
-        )  # the one series is the current one: its value is the read's time
+        # The one series is the current one: its value is the time of the read.
+        assert t0 <= m.lora_info_value <= t1
         assert [lora_affinity(m, a) for a in ("shared-a", "alice-a", "bob-a")] == [1.0, 0.6, 0.0]
 
         # The load-state series (top 1): the adapter in the slot, at its rank, and the slot counts.
@@ -111,18 +104,14 @@ def test_the_epp_reads_the_real_running_waiting_queue_and_kv_figures(start):
         assert [code for _, code, _ in results] == [200] * 6
 
         idle = extract(httpx.get(f"{running.url}/metrics", timeout=30).text)
-        assert (idle.waiting_queue_size, idle.running_requests_size, idle.waiting_models) == (
-            0,
-            0,
-            set(),
-        )
+        assert idle.waiting_queue_size == idle.running_requests_size == 0
+        assert idle.waiting_models == set()
 
 
 def test_without_the_flag_there_are_no_load_state_series(running):
     families = parse(httpx.get(f"{running.url}/metrics", timeout=30).text)
-    assert (
-        "vllm:lora_adapter_loaded" not in families and "vllm:max_gpu_lora_adapters" not in families
-    )
+    assert "vllm:lora_adapter_loaded" not in families
+    assert "vllm:max_gpu_lora_adapters" not in families
     assert families["vllm:lora_requests_info"][1][0].labels["max_lora"] == "2"
 
 

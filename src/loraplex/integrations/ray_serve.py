@@ -86,9 +86,8 @@ class LoraplexReplica:
         (data_dir / "worker.json").write_text(json.dumps({"url": self.url}))
         self.http = httpx.AsyncClient(base_url=self.url, timeout=None)
         deadline = time.monotonic() + 120
-        while (
-            not self._server.started
-        ):  # the engine and the registry are up once uvicorn's lifespan ran
+        # The engine and the registry are up once uvicorn's lifespan ran.
+        while not self._server.started:
             if time.monotonic() > deadline:
                 raise RuntimeError("the loraplex worker did not start")
             time.sleep(0.05)
@@ -102,9 +101,7 @@ class LoraplexReplica:
         response = await self.http.post(
             f"/admin/adapters/{name}/prewarm", json=body, headers=self.admin
         )
-        if (
-            response.status_code != 200
-        ):  # unknown here: the request itself answers 404 as the worker does
+        if response.status_code != 200:  # unknown here: the request itself answers 404
             log.info("prewarm of %s: %s", model_id, response.text)
         return model_id
 
@@ -172,9 +169,8 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self.workers: dict[ReplicaID, Worker] = {}
         self.in_flight: dict[ReplicaID, int] = defaultdict(int)  # routed here and not completed
         self._requests: dict[str, ReplicaID] = {}  # internal request id -> replica
-        self.completed_at: dict[
-            ReplicaID, float
-        ] = {}  # when this router's last request there ended
+        # When this router's last request there ended.
+        self.completed_at: dict[ReplicaID, float] = {}
         self._poller: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
 
@@ -186,12 +182,10 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         if self._poller is None:
             self._http = httpx.AsyncClient(timeout=5)
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-        new = [
-            w for w in map(self._worker, candidate_replicas) if not w.polled_at and not w.failures
-        ]
-        if (
-            new
-        ):  # a replica's first state before its first request, so that request lands by residency
+        # A replica's first state before its first request, so that request lands by residency.
+        workers = [self._worker(r) for r in candidate_replicas]
+        new = [w for w in workers if not w.polled_at and not w.failures]
+        if new:
             await asyncio.gather(*(self._poll(w) for w in new))
         model = (
             pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
