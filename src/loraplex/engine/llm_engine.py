@@ -170,12 +170,10 @@ class LLMEngine:
         """What /admin/state, the metrics and gateways read: residency, queue and KV figures."""
         cache = self.adapters.state()
         running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
-        on_gpu = sorted({a["name"] for a in cache["adapters"] if a["tier"] == "gpu"})
-        waiting_names = {s.adapter.key.name for s in waiting if s.adapter is not None}
         return {
             "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.blocks.usage,
-            "running_adapters": on_gpu, "waiting_adapters": sorted(waiting_names - set(on_gpu)),
+            "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_lora": self.config.max_loras,
         }
 

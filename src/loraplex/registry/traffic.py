@@ -30,3 +30,10 @@ def pick(name: str, weights: list[tuple[str, int]], user: str | None, rng: rando
     """Sticky by `user` when given, random otherwise."""
     point = user_point(name, user) if user is not None else (rng or random).random()
     return choose(weights, point)
+
+
+def gateway_model(name: str, revision: str, serving: frozenset[str] | None) -> str:
+    """The `model` a gateway sends for this revision: the bare name while it is the name's only
+    serving revision, else `name@revision` (the targets `registry export k8s` writes for a split,
+    and what a client pins)."""
+    return name if serving is None or serving == {revision} else f"{name}@{revision}"

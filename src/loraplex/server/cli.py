@@ -371,6 +371,13 @@ def serve(
             rich_help_panel=OBSERVABILITY,
         ),
     ] = 0,
+    lora_load_state_metrics: Annotated[
+        int,
+        Opt(
+            help="Export vllm:lora_adapter_loaded for the K best-placed adapters (0: off)",
+            rich_help_panel=OBSERVABILITY,
+        ),
+    ] = 0,
     # where
     host: Annotated[str, Opt(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, Opt(help="Port (0: a free one, printed at start)")] = 8000,

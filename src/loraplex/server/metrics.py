@@ -15,6 +15,7 @@ LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIERS = ("gpu", "cpu", "disk", "remote")
+RankOf = Callable[[str, str], "int | None"]  # (name, revision) -> rank
 # The cache's load stages, and the histogram each one feeds.
 STAGE_SERIES = {"resolve": "resolve", "download": "remote_download", "disk": "disk_load", "h2d": "h2d",
                 "activation": "activation"}
@@ -24,10 +25,13 @@ class ServerMetrics:
     """Counters and histograms fed by the server and the cache's events; gauges read live at scrape time.
 
     `snapshot()` returns the live figures: {"cache": AdapterCache.state(), "num_waiting", "num_running",
-    "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}.
+    "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}. With `load_state_top_k`,
+    the residency series of the load-state proposal cover the K best-placed adapters;
+    `rank_of(name, revision)` gives their rank label.
     """
 
-    def __init__(self, snapshot: Callable[[], dict], top_k_adapters: int = 0):
+    def __init__(self, snapshot: Callable[[], dict], top_k_adapters: int = 0,
+                 load_state_top_k: int = 0, rank_of: RankOf | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.cache_hits = Counter("loraplex_adapter_cache_hits_total", "Requests whose adapter was found in a "
@@ -64,6 +68,10 @@ class ServerMetrics:
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
         self.top_k_adapters = top_k_adapters
+        self.load_state_top_k = load_state_top_k
+        self.rank_of = rank_of or (lambda name, revision: None)
+        # (name, revision, digest) -> rank: fixed once known
+        self._ranks: dict[tuple[str, str, str], int | None] = {}
         self.adapter_requests: Tally[str] = Tally()
         r.register(_LiveCollector(snapshot, self))
 
@@ -105,6 +113,35 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def rank(self, adapter: dict) -> int | None:
+        """The rank of a cache state entry, looked up once per revision (its bytes never change)."""
+        key = (adapter["name"], adapter["revision"], adapter["digest"])
+        if key not in self._ranks:
+            self._ranks[key] = self.rank_of(adapter["name"], adapter["revision"])
+        return self._ranks[key]
+
+
+def load_state_series(live: dict, top_k: int, rank: Callable[[dict], int | None]):
+    """The per-adapter residency series of the load-state proposal (llm-d-router PR 2792): the K
+    adapters in a device slot or host memory that matter most (slots first, then pinned, then the
+    busiest), so the number of series stays bounded whatever the catalog's size."""
+    resident = [a for a in live["cache"]["adapters"] if a["tier"] in ("gpu", "cpu")]
+    resident.sort(key=lambda a: (a["tier"] != "gpu", a["pinned"] is None, -a["demand_5m"],
+                                 a["last_access_s_ago"], a["name"], a["revision"]))
+    loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 per resident adapter (top K): its "
+                               "level is gpu (a device slot) or cpu (host memory)",
+                               labels=["adapter_name", "level", "pinned", "rank"])
+    for a in resident[:top_k]:
+        r = rank(a)
+        loaded.add_metric([a["model"], a["tier"], "true" if a["pinned"] else "false",
+                           "" if r is None else str(r)], 1)
+    yield loaded
+    on_gpu = sum(1 for a in resident if a["tier"] == "gpu")
+    yield GaugeMetricFamily("vllm:num_gpu_loaded_lora_adapters", "Adapters in a device slot",
+                            value=on_gpu)
+    yield GaugeMetricFamily("vllm:max_gpu_lora_adapters", "Device slots for adapters",
+                            value=live["max_lora"])
 
 
 def _tenant_gauges(tenants: dict):
@@ -158,6 +195,8 @@ class _LiveCollector:
         yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"])
         yield GaugeMetricFamily("vllm:num_requests_running", "Requests running", value=live["num_running"])
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"])
+        if self.metrics.load_state_top_k:
+            yield from load_state_series(live, self.metrics.load_state_top_k, self.metrics.rank)
         if self.metrics.top_k_adapters:
             top = CounterMetricFamily("loraplex_adapter_requests", "Requests of the top-K adapters",
                                       labels=["adapter"])

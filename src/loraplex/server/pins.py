@@ -37,6 +37,11 @@ class PinReconciler:
         self._pins_lock = threading.RLock()
         self._stop = threading.Event()
 
+    @property
+    def serving(self) -> dict[str, frozenset[str]]:
+        """Each name's serving revisions at the last look."""
+        return self._serving
+
     def start(self) -> None:
         threading.Thread(target=self._watch_registry, name="registry-watch", daemon=True).start()
 

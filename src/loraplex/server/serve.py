@@ -94,6 +94,7 @@ class ServeOptions:
     admin_token_file: Path | None = None
     admin_port: int | None = None
     metrics_token_file: Path | None = None
+    lora_load_state_metrics: int = 0
     allowed_roots: tuple[str, ...] = ()
     trusted_keys: tuple[Path, ...] = ()
     strict_base_model_name: bool = False
@@ -215,6 +216,10 @@ def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
+    unset = re.fullmatch(r"\$\((\w+)\)", url)  # a Kubernetes reference to an unset variable
+    if unset:
+        raise StartupError(f"--registry {url}: the environment variable {unset[1]} is not set "
+                           "(in Kubernetes: the Secret or key it comes from is missing)")
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
         registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
@@ -257,6 +262,8 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     metrics_token = read_option_file(read_admin_token, options.metrics_token_file,
                                      "--metrics-token-file")
+    if options.lora_load_state_metrics < 0:
+        raise StartupError("--lora-load-state-metrics: a number of adapters, 0 or more")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
     trusted = tuple(read_option_file(load_public_key, path, "--trusted-key")
@@ -408,6 +415,7 @@ def server_config(options: ServeOptions, admin_token: str | None, metrics_token:
             max_prompt_tokens=o.max_prompt_tokens,
             max_body_bytes=o.max_body_bytes, shutdown_timeout_s=o.shutdown_timeout_s,
             unload_timeout_s=o.unload_timeout_s, top_k_adapter_metrics=o.top_k_adapter_metrics,
+            lora_load_state_metrics=o.lora_load_state_metrics,
             key_cache_ttl_s=o.key_cache_ttl_s, registry_watch_s=o.registry_watch_s,
             release_min_pass_rate=o.release_min_pass_rate,
         )

@@ -20,6 +20,7 @@ from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
 from loraplex.registry.records import TenantRecord
 from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.registry.traffic import gateway_model
 from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.pins import PinReconciler
@@ -64,6 +65,8 @@ class ServerConfig:
     """How long an unload waits for the adapter's requests in flight."""
     top_k_adapter_metrics: int = 0
     """Per-adapter request counts for the K busiest adapters in /metrics (0: none)."""
+    lora_load_state_metrics: int = 0
+    """Residency series (`vllm:lora_adapter_loaded`, ...) of the K best-placed adapters (0: off)."""
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
     key_cache_ttl_s: float = 5.0
@@ -103,7 +106,8 @@ class Server:
                                         config.served_model_name, self.tenant_priority,
                                         registry.trusted_keys)
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
-        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics)
+        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics,
+                                     config.lora_load_state_metrics, self.adapter_rank)
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
@@ -340,7 +344,21 @@ class Server:
         return cards
 
     def live_figures(self) -> dict:
-        return self.engine.live_figures()
+        """The engine's figures, with adapters named as a gateway routes them (`gateway_model`)."""
+        live = self.engine.live_figures()
+        serving = self.pins.serving
+        for a in live["cache"]["adapters"]:
+            a["model"] = gateway_model(a["name"], a["revision"], serving.get(a["name"]))
+        on_gpu = sorted({a["model"] for a in live["cache"]["adapters"] if a["tier"] == "gpu"})
+        waiting = {gateway_model(k.name, k.revision, serving.get(k.name)) for k in live.pop("waiting_keys")}
+        return {**live, "running_adapters": on_gpu, "waiting_adapters": sorted(waiting - set(on_gpu))}
+
+    def adapter_rank(self, name: str, revision: str) -> int | None:
+        try:
+            revisions = self.registry.show(name).revisions
+            return next((r.rank for r in revisions if r.revision == revision), None)
+        except RegistryError:  # removed meanwhile
+            return None
 
     def state(self) -> dict:
         """GET /admin/state: residency of every adapter and the load figures the router needs."""

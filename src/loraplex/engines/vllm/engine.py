@@ -221,14 +221,15 @@ class VllmEngine:
 
     def live_figures(self) -> dict:
         cache = self.adapters.state()
-        running = self.adapters.running_names()
         idle = not self.tracked  # the stat logger reports at steps: none come once vLLM is idle
-        waiting = sorted({k.name for k, e in self.adapters.entries.items() if e.refcount} - set(running))
+        waiting = {k for k, e in list(self.adapters.entries.items()) if e.refcount and not e.in_vllm}
         return {
             "cache": cache, "num_running": 0 if idle else self.figures.num_running,
-            "num_waiting": 0 if idle else self.figures.num_waiting, "active_tokens": None,
+            "num_waiting": 0 if idle else self.figures.num_waiting,
+            "active_tokens": sum(t.prompt_tokens + sum(t.completion_tokens.values())
+                                 for t in list(self.tracked.values())),
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
-            "running_adapters": running, "waiting_adapters": waiting, "max_lora": self.config.max_loras,
+            "waiting_keys": waiting, "max_lora": self.config.max_loras,
         }
 
 

@@ -1,0 +1,314 @@
+"""Ray Serve: a loraplex worker per replica, adapters as multiplexed models, routed by loraplex's
+picker.
+
+Each replica runs a whole `loraplex serve` worker (registry, tiers, policy, audit) on a local
+port and answers handle calls by forwarding them to it. Ray's multiplexing names the adapter
+(`multiplexed_model_id`); the replica's model loader is loraplex's cache (a prewarm into host
+memory). The request router ranks replicas with `loraplex.router.picker` (affinity until
+saturated) over what each replica reports of its residency, device slots and host memory both,
+which Ray's own multiplexed routing does not see.
+
+    options = ServeOptions(model=..., data_dir=..., registry=URL)
+    handle = serve.run(deployment(options, num_replicas=2))
+    answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import ray
+import uvicorn
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import (
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from loraplex.router.fleet import Worker
+from loraplex.router.picker import Picker, PickerConfig, WorkerView
+from loraplex.server.serve import ServeOptions, bind, build
+
+log = logging.getLogger("loraplex.ray")
+MAX_ADAPTERS_PER_REPLICA = 4096
+"""Ray's multiplexed set per replica: loraplex's cache decides residency, so Ray is not to unload on
+its own."""
+
+
+class LoraplexReplica:
+    """One replica: a loraplex worker on a local port (`options.host`, 127.0.0.1 by default: routers
+    on the same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls
+    Ray routes to it."""
+
+    def __init__(self, options: ServeOptions, admin_token: str):
+        replica = serve.get_replica_context().replica_id.unique_id
+        # The registry is the fleet's; the disk cache, audit log and admin token are the
+        # replica's own.
+        data_dir = Path(options.data_dir) / f"replica-{replica}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        token_file = data_dir / "admin-token"
+        token_file.write_text(admin_token + "\n")
+        token_file.chmod(0o600)
+        options = dataclasses.replace(
+            options,
+            data_dir=data_dir,
+            registry=options.registry_url,
+            admin_token_file=token_file,
+            admin_port=None,
+            port=0,
+        )
+        app, _ = build(options)
+        self.replica = replica
+        self.admin = {"Authorization": f"Bearer {admin_token}"}
+        self._sock = bind(options.host, 0)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        ).start()
+        # Routers on other nodes reach a worker listening on every address through its
+        # node's address.
+        host = ray.util.get_node_ip_address() if options.host in ("0.0.0.0", "::") else options.host
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        # Where this replica's worker listens, for an operator's curl of its admin API.
+        (data_dir / "worker.json").write_text(json.dumps({"url": self.url}))
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=None)
+        deadline = time.monotonic() + 120
+        # The engine and the registry are up once uvicorn's lifespan ran.
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the loraplex worker did not start")
+            time.sleep(0.05)
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
+    async def load_adapter(self, model_id: str) -> str:
+        """Ray's loader for an adapter: loraplex's cache brings it into host memory (its digest
+        checked)."""
+        name, _, revision = model_id.partition("@")
+        body = {"tier": "cpu", **({"revision": revision} if revision else {})}
+        response = await self.http.post(
+            f"/admin/adapters/{name}/prewarm", json=body, headers=self.admin
+        )
+        if response.status_code != 200:  # unknown here: the request itself answers 404
+            log.info("prewarm of %s: %s", model_id, response.text)
+        return model_id
+
+    async def completions(self, body: dict, authorization: str | None = None) -> dict:
+        """POST /v1/completions on this replica's worker, for the multiplexed model (else
+        `body["model"]`)."""
+        return await self._forward("/v1/completions", body, authorization)
+
+    async def chat_completions(self, body: dict, authorization: str | None = None) -> dict:
+        return await self._forward("/v1/chat/completions", body, authorization)
+
+    async def _forward(self, path: str, body: dict, authorization: str | None) -> dict:
+        model = serve.get_multiplexed_model_id()
+        if model:
+            await self.load_adapter(model)
+            body = {**body, "model": model}
+        headers = {"Authorization": authorization} if authorization else {}
+        response = await self.http.post(path, json=body, headers=headers)
+        return {
+            "status": response.status_code,
+            "body": response.json(),
+            "replica": self.replica,
+            "worker": self.url,
+            "tier": response.headers.get("x-loraplex-cache-tier"),
+        }
+
+    def record_replica_metadata(self) -> dict:
+        """Ray passes this to the routers once the replica is up: where they poll its worker."""
+        return {"worker_url": self.url}
+
+    def __del__(self):
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.should_exit = True
+
+
+class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
+    """Ranks replicas by loraplex's affinity-until-saturated picker, one replica per rank (Ray takes
+    the first rank whose replica has room). It polls each replica's worker (`GET /admin/state`,
+    as `loraplex router` does): Ray's routing stats reach a router only when the replica set
+    changes, too late for residency."""
+
+    # Ray probes a replica's queue length before sending, and skips to the next rank when the
+    # answer is late: a replica busy in its engine steps answers late, and a skip is a request
+    # sent away from its adapter.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 5.0
+
+    def initialize_state(
+        self,
+        admin_token: str,
+        policy: str = "affinity",
+        max_waiting: int = 5,
+        max_kv_usage: float = 0.8,
+        w_tokens: float = 0.0,
+        poll_s: float = 0.25,
+        stale_s: float = 2.0,
+    ):
+        """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while
+        its own count of requests in flight is current, so load is weighed by requests alone."""
+        config = PickerConfig(max_waiting=max_waiting, max_kv_usage=max_kv_usage, w_tokens=w_tokens)
+        self.picker = Picker(policy, config)
+        self.headers = {"Authorization": f"Bearer {admin_token}"}
+        self.poll_s, self.stale_s = poll_s, stale_s
+        self.workers: dict[ReplicaID, Worker] = {}
+        self.in_flight: dict[ReplicaID, int] = defaultdict(int)  # routed here and not completed
+        self._requests: dict[str, ReplicaID] = {}  # internal request id -> replica
+        # When this router's last request there ended.
+        self.completed_at: dict[ReplicaID, float] = {}
+        self._poller: asyncio.Task | None = None
+        self._http: httpx.AsyncClient | None = None
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if self._poller is None:
+            self._http = httpx.AsyncClient(timeout=5)
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        # A replica's first state before its first request, so that request lands by residency.
+        workers = [self._worker(r) for r in candidate_replicas]
+        new = [w for w in workers if not w.polled_at and not w.failures]
+        if new:
+            await asyncio.gather(*(self._poll(w) for w in new))
+        model = (
+            pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        ) or None
+        by_url = {self._worker(r).url: r for r in candidate_replicas}
+        now = time.monotonic()
+        views = [self._view(r.replica_id, now) for r in candidate_replicas]
+        pick = self.picker.pick(views, model)
+        if not pick.ranking:  # no worker answered its last poll: let Ray try them all
+            return [candidate_replicas]
+        if pending_request is not None:  # counted at once, so that a burst picked together spreads
+            self._count(pending_request, by_url[pick.ranking[0]].replica_id)
+        return [[by_url[url]] for url in pick.ranking]
+
+    def _count(self, pending_request: PendingRequest, replica: ReplicaID) -> None:
+        """The request counts as in flight at `replica` (and no longer where an earlier pick placed
+        it)."""
+        request_id = pending_request.metadata.internal_request_id
+        before = self._requests.get(request_id)
+        if before == replica:
+            return
+        if before is not None:
+            self.in_flight[before] = max(0, self.in_flight[before] - 1)
+        self._requests[request_id] = replica
+        self.in_flight[replica] += 1
+        model = pending_request.metadata.multiplexed_model_id
+        if model and replica in self.workers:
+            self.workers[replica].sent.add(model)
+
+    def _worker(self, replica: RunningReplica) -> Worker:
+        worker = self.workers.get(replica.replica_id)
+        if worker is None:
+            url = replica.replica_metadata.get("worker_url", replica.replica_id.unique_id)
+            worker = self.workers[replica.replica_id] = Worker(url, healthy=False)
+        return worker
+
+    def _view(self, replica: ReplicaID, now: float) -> WorkerView:
+        """The last polled state, with this router's requests in flight there (a replica's own queue
+        counts other routers' requests too, this router's count is newer) and the adapters sent
+        there since: a worker takes a request's adapter into a device slot when it admits it, so
+        with a slot free they count as in one, else as loading."""
+        worker = self.workers[replica]
+        last = worker.last or WorkerView(worker.url)
+        fresh = now - worker.polled_at <= self.stale_s
+        # A state read before this router's last request there ended still counts that
+        # request's load.
+        current = fresh and worker.polled_at >= self.completed_at.get(replica, 0.0)
+        queued = last.waiting + last.running if current else 0
+        in_slot = frozenset(worker.sent) if last.free_slots > 0 else frozenset()
+        return dataclasses.replace(
+            last,
+            healthy=worker.healthy,
+            fresh=fresh,
+            waiting=0,
+            running=0,
+            in_flight=max(self.in_flight[replica], queued),
+            active_tokens=last.active_tokens if current else 0,
+            gpu=last.gpu | in_slot,
+            loading=last.loading | (worker.sent - in_slot),
+        )
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.poll_s)
+
+    async def _poll(self, worker: Worker) -> None:
+        sent = set(worker.sent)  # what the answer will already hold
+        asked_at = time.monotonic()
+        try:
+            response = await self._http.get(f"{worker.url}/admin/state", headers=self.headers)
+            response.raise_for_status()
+            state = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            worker.failures += 1
+            if worker.healthy:
+                log.warning("replica worker %s marked out: %s", worker.url, exc)
+            worker.healthy = False
+            return
+        worker.apply_state(state)
+        worker.polled_at, worker.healthy = asked_at, not state["draining"]
+        worker.sent -= sent
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result
+    ) -> None:
+        self._count(pending_request, replica_id)  # Ray may have sent it past the first rank
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._requests.pop(internal_request_id, None) is not None:
+            self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+            self.completed_at[replica_id] = time.monotonic()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.workers.pop(replica_id, None)
+        self.in_flight.pop(replica_id, None)
+
+
+def deployment(
+    options: ServeOptions,
+    num_replicas: int = 2,
+    max_ongoing_requests: int = 64,
+    policy: str = "affinity",
+    max_waiting: int = 5,
+    num_cpus: float = 0,
+    admin_token: str | None = None,
+):
+    """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for
+    `serve.run`. The workers' admin token (one for all, which the router polls with) is made here
+    unless given."""
+    token = admin_token or secrets.token_urlsafe(24)
+    router = RequestRouterConfig(
+        request_router_class=LoraplexRequestRouter,
+        request_router_kwargs={"admin_token": token, "policy": policy, "max_waiting": max_waiting},
+    )
+    return (
+        serve.deployment(LoraplexReplica, name="loraplex")
+        .options(
+            num_replicas=num_replicas,
+            max_ongoing_requests=max_ongoing_requests,
+            request_router_config=router,
+            ray_actor_options={"num_cpus": num_cpus},
+        )
+        .bind(options, token)
+    )
