@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from loraplex.engine.block_manager import BlockManager
@@ -9,6 +11,16 @@ from loraplex.engine.lora import LoRASlotPool, build_lora_groups
 from loraplex.engine.model import AttentionMeta, CausalLM
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
+
+
+class StepLogits(NamedTuple):
+    seqs: list[Sequence]
+    """The batch's sequences, ordered by adapter slot."""
+    logits: torch.Tensor
+    """[B, V] next-token logits (with all_tokens, [T, V] of every token of the step)."""
+    prompt_logits: dict[int, torch.Tensor]
+    """For the prefilled sequences that ask for prompt logprobs (by position in `seqs`): [len(prompt) - 1, V],
+    the logits that predict each prompt token after the first."""
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -40,7 +52,18 @@ class ModelRunner:
         return table[:, index // size] * size + index % size
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> tuple[list[Sequence], torch.Tensor]:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: a forked sequence's own copy of a shared block."""
+        size = self.blocks.block_size
+        offsets = torch.arange(size)
+        src = torch.cat([s * size + offsets for s, _ in pairs]).to(self.device)
+        dst = torch.cat([d * size + offsets for _, d in pairs]).to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> StepLogits:
         """The batch's sequences, ordered by adapter slot, and their next-token logits [B, V].
 
         With all_tokens, the logits of every token of the step instead ([T, V], sequences in the returned order).
@@ -60,7 +83,7 @@ class ModelRunner:
         decode_start = len(ids)
         for seq in decodes:
             n = len(seq)
-            ids.append(seq.all_ids[-1])
+            ids.append(seq.last_token)
             positions.append(n - 1)
             slots.append(torch.tensor([self.blocks.position(seq, n - 1)]))
             token_slots.append(seq.lora_slot)
@@ -78,4 +101,9 @@ class ModelRunner:
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
         logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])
-        return prefills + decodes, logits
+        prompt_logits = {
+            i: self.model.logits(hidden[start : start + len(seq.prompt_ids) - 1])
+            for i, (seq, (start, _)) in enumerate(zip(prefills, prefill_spans))
+            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
+        }
+        return StepLogits(prefills + decodes, logits, prompt_logits)

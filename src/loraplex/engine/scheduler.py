@@ -63,7 +63,7 @@ class Scheduler:
         lora_bytes = self._lora_bytes(self.running)
         loading = set()  # adapters a waiting request found loading in this step: their other requests wait too
         for seq in list(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs or len(seq) > budget:
+            if len(self.running) + seq.num_forks >= self.config.max_num_seqs or len(seq) > budget:
                 break
             if not self.blocks.can_allocate(seq):
                 break  # first come, first served for memory: later requests do not overtake
@@ -81,6 +81,16 @@ class Scheduler:
             batch.prefills.append(seq)
             budget -= len(seq)
             lora_bytes = self._lora_bytes(self.running)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Run `child` beside its prefilled parent on the parent's KV blocks and adapter slot; returns the block
+        the runner copies for it, if any (`BlockManager.fork`)."""
+        pair = self.blocks.fork(parent, child)
+        if child.adapter is not None:
+            child.lora_slot, child.holds_adapter = self.adapters.acquire(child.adapter), True
+        child.status, child.admitted_at = Status.RUNNING, parent.admitted_at
+        self.running.append(child)
+        return pair
 
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
         key = seq.adapter.key
