@@ -77,6 +77,9 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(running):
     chunks = list(client.completions.create(echo=True, stream=True, **args))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[0].choices[0].text.startswith("hello world")
+    alone = client.completions.create(echo=True, logprobs=1, **{**args, "max_tokens": 0})  # the prompt only
+    assert alone.choices[0].text == "hello world"
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
 
 
 def test_chat_echo_puts_the_last_assistant_message_first(running):

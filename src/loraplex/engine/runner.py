@@ -81,13 +81,15 @@ class ModelRunner:
             token_slots += [seq.lora_slot] * n
             last.append(len(ids) - 1)
         decode_start = len(ids)
-        for seq in decodes:
-            n = len(seq)
-            ids.append(seq.last_token)
-            positions.append(n - 1)
-            slots.append(torch.tensor([self.blocks.position(seq, n - 1)]))
-            token_slots.append(seq.lora_slot)
-            last.append(len(ids) - 1)
+        # Decoding rows: one token each, its KV position from the last block of its table.
+        lens = [len(s) for s in decodes]
+        ids += [s.last_token for s in decodes]
+        positions += [n - 1 for n in lens]
+        size = self.blocks.block_size
+        slots.append(torch.tensor([s.block_table[(n - 1) // size] * size + (n - 1) % size
+                                   for s, n in zip(decodes, lens)], dtype=torch.long))
+        token_slots += [s.lora_slot for s in decodes]
+        last += range(decode_start, len(ids))
         dev = self.device
         attn = AttentionMeta(
             slot_mapping=torch.cat(slots).to(dev),
@@ -96,8 +98,8 @@ class ModelRunner:
         )
         if decodes:
             attn.decode_tokens = torch.arange(decode_start, len(ids), device=dev)
-            attn.decode_lens = torch.tensor([len(s) for s in decodes], device=dev)
-            attn.decode_kv = self._kv_positions(decodes, max(len(s) for s in decodes)).to(dev)
+            attn.decode_lens = torch.tensor(lens, device=dev)
+            attn.decode_kv = self._kv_positions(decodes, max(lens)).to(dev)
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
         logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])

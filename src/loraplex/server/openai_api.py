@@ -37,9 +37,12 @@ async def completions(request: Request):
     if req.echo:  # as vLLM: the prompt's text, and with logprobs its tokens' logprobs, before each choice's
         decode = server.engine.tokenizer.decode
         echo = [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts)]
+    prompt_only = bool(req.echo) and req.max_tokens == 0
+    if prompt_only:  # as vLLM: one token is generated, the prompt alone is answered
+        req.max_tokens = 1
     prompt_logprobs = req.logprobs if req.echo else None
     params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs, prompt_logprobs)
-    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts)
+    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts, prompt_only)
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
@@ -199,10 +202,11 @@ class _EventStream(StreamingResponse):
 
 class CompletionFormat:
     def __init__(self, request_id: str, model: str, decode, echo: list[str] | None = None,
-                 prompts: list[list[int]] | None = None):
-        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids."""
+                 prompts: list[list[int]] | None = None, prompt_only: bool = False):
+        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids; `prompt_only`:
+        the echoed prompt without the output (echo with max_tokens 0)."""
         self.request_id, self.model, self.decode = request_id, model, decode
-        self.echo, self.prompts = echo, prompts
+        self.echo, self.prompts, self.prompt_only = echo, prompts, prompt_only
         self.offsets: dict[int, int] = {}
         self.echoed: set[int] = set()
 
@@ -225,6 +229,8 @@ class CompletionFormat:
     def _echoed(self, gen: Generation, choice, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
         if self.echo is None:
             return text, entries
+        if self.prompt_only:
+            text, entries = "", []
         if gen.params.prompt_logprobs is not None:
             entries = self._prompt_entries(choice) + entries
         return self.echo[choice.prompt_index] + text, entries
