@@ -54,12 +54,6 @@ class LLMEngine:
         self.model = load_model(config.model_dir, self.dtype, self.device)
         self.base_model_digest = base_model_digest(config.model_dir)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
-        if config.max_num_batched_tokens < self.max_model_len:  # as vLLM without chunked prefill
-            raise ValueError(
-                f"max_num_batched_tokens {config.max_num_batched_tokens} is smaller than max_model_len "
-                f"{self.max_model_len}: a sequence that long (or one preempted at that length, recomputed in one "
-                "prefill) could never be scheduled, and would hold up the queue behind it"
-            )
         self.eos_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -84,7 +78,7 @@ class LLMEngine:
                 f"kv_cache_bytes {config.kv_cache_bytes} holds {num_blocks * config.block_size} tokens, "
                 f"fewer than max_model_len {self.max_model_len}"
             )
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, self.adapters)
         self.runner = ModelRunner(self.model, self.pool, self.blocks, self.dtype, self.device)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids, self.device)
@@ -180,8 +174,12 @@ class LLMEngine:
             if not batch:
                 return outputs
             step = self.runner.run(batch)
-            for i, logits in step.prompt_logits.items():
-                self._set_prompt_logprobs(step.seqs[i], logits)
+            for seq in batch.seqs:
+                seq.num_computed += seq.num_scheduled
+                if seq.num_hashed < len(seq.prompt_ids) // self.blocks.block_size:
+                    self.blocks.cache_computed(seq)
+            for part in step.prompt_logits:
+                self._add_prompt_logprobs(part.seq, part.start, part.logits)
             seqs, logits = self._fork(step.seqs, step.logits)
             sampled = self.sampler(logits, seqs)
             self.sampler.record(seqs, sampled.tokens)
@@ -230,18 +228,18 @@ class LLMEngine:
         self.requests[parent.request_id].append(child)
         return child
 
-    def _set_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Each prompt token's logprob and the most likely alternatives there (none for the first token)."""
-        # logits: [len(prompt) - 1, V], row j predicts prompt token j + 1
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens a prefill chunk predicts, and the most likely alternatives there
+        (the first prompt token has none). A chunk computed again (after a preemption) replaces its entries."""
+        # logits: [n, V], row j predicts prompt token start + 1 + j
         k = seq.params.prompt_logprobs
         lp = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(seq.prompt_ids[1:], device=lp.device)
-        picked = lp.gather(1, targets[:, None])[:, 0].tolist()
+        tokens = seq.prompt_ids[start + 1 : start + 1 + len(lp)]
+        picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
-        entries: list[dict | None] = [None]
-        for token, logprob, ts, vs in zip(seq.prompt_ids[1:], picked, top_t.tolist(), top_v.tolist()):
-            entries.append({"token": token, "logprob": logprob, "top": list(zip(ts, vs))})
-        seq.prompt_logprobs = entries
+        entries = [{"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
+                   for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(), top_v.tolist())]
+        seq.prompt_logprobs = (seq.prompt_logprobs or [None])[: start + 1] + entries
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -382,6 +380,7 @@ class LLMEngine:
                 if not self.blocks.can_allocate(seq):
                     raise InvalidRequest("prompt", "prompts do not fit in the KV cache together")
                 self.blocks.allocate(seq)
+                seq.num_scheduled = len(seq)  # every prompt in one prefill, whatever max_num_batched_tokens
             ordered, logits, _ = self.runner.run(ScheduledBatch(prefills=seqs), all_tokens=True)
         finally:
             for seq in seqs:

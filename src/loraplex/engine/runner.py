@@ -8,19 +8,26 @@ import torch
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.lora import LoRASlotPool, build_lora_groups
-from loraplex.engine.model import AttentionMeta, CausalLM
+from loraplex.engine.model import AttentionMeta, CausalLM, PrefillSpan
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 
 
+class PromptLogits(NamedTuple):
+    """Logits [n, V] of a prefill chunk that predict the prompt's tokens start + 1 .. start + n."""
+
+    seq: Sequence
+    start: int
+    logits: torch.Tensor
+
+
 class StepLogits(NamedTuple):
     seqs: list[Sequence]
-    """The batch's sequences, ordered by adapter slot."""
+    """The sequences whose last token the step computed (decodes, prefills done), ordered by adapter slot."""
     logits: torch.Tensor
-    """[B, V] next-token logits (with all_tokens, [T, V] of every token of the step)."""
-    prompt_logits: dict[int, torch.Tensor]
-    """For the prefilled sequences that ask for prompt logprobs (by position in `seqs`): [len(prompt) - 1, V],
-    the logits that predict each prompt token after the first."""
+    """[B, V] their next-token logits (with all_tokens, [T, V] of every token of the step)."""
+    prompt_logits: list[PromptLogits]
+    """For the prefill chunks of the sequences that ask for prompt logprobs."""
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -72,14 +79,20 @@ class ModelRunner:
         prefills = sorted(batch.prefills, key=lambda s: s.lora_slot)
         decodes = sorted(batch.decodes, key=lambda s: s.lora_slot)
         ids, positions, slots, token_slots, prefill_spans, last = [], [], [], [], [], []
+        done: list[Sequence] = []  # prefills whose chunk ends the sequence: their logits are sampled
+        dev = self.device
         for seq in prefills:
-            n = len(seq)
-            prefill_spans.append((len(ids), n))
-            ids += seq.all_ids
-            positions += range(n)
-            slots.append(self._kv_positions([seq], n)[0])
+            start, n = seq.num_computed, seq.num_scheduled
+            end = start + n
+            kv = self._kv_positions([seq], end)[0]
+            prefill_spans.append(PrefillSpan(len(ids), n, start, kv.to(dev) if start else None))
+            ids += seq.all_ids[start:end]
+            positions += range(start, end)
+            slots.append(kv[start:])
             token_slots += [seq.lora_slot] * n
-            last.append(len(ids) - 1)
+            if end == len(seq):
+                done.append(seq)
+                last.append(len(ids) - 1)
         decode_start = len(ids)
         # Decoding rows: one token each, its KV position from the last block of its table.
         lens = [len(s) for s in decodes]
@@ -90,7 +103,6 @@ class ModelRunner:
                                    for s, n in zip(decodes, lens)], dtype=torch.long))
         token_slots += [s.lora_slot for s in decodes]
         last += range(decode_start, len(ids))
-        dev = self.device
         attn = AttentionMeta(
             slot_mapping=torch.cat(slots).to(dev),
             positions=torch.tensor(positions, device=dev),
@@ -102,10 +114,12 @@ class ModelRunner:
             attn.decode_kv = self._kv_positions(decodes, max(lens)).to(dev)
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
-        logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])
-        prompt_logits = {
-            i: self.model.logits(hidden[start : start + len(seq.prompt_ids) - 1])
-            for i, (seq, (start, _)) in enumerate(zip(prefills, prefill_spans))
-            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
-        }
-        return StepLogits(prefills + decodes, logits, prompt_logits)
+        last_rows = torch.tensor(last, dtype=torch.long, device=dev)
+        logits = self.model.logits(hidden if all_tokens else hidden[last_rows])
+        prompt_logits = []
+        for seq, span in zip(prefills, prefill_spans):
+            wanted = min(span.start + span.length, len(seq.prompt_ids) - 1) - span.start  # rows predicting prompt
+            if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:  # not a recompute
+                rows = hidden[span.first : span.first + wanted]
+                prompt_logits.append(PromptLogits(seq, span.start, self.model.logits(rows)))
+        return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)

@@ -43,10 +43,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        """The running sequences first, in admission order (a decode, or the next chunk of a prefill), then the
+        waiting ones, within max_num_batched_tokens."""
         batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue  # preempted a moment ago to make room for an earlier sequence
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue  # preempted a moment ago to make room for an earlier sequence, or no budget left
+            remaining = len(seq) - seq.num_computed
+            if remaining > 1:  # a prefill that did not fit in one step: its next chunk (its blocks are there)
+                seq.num_scheduled = min(remaining, budget)
+                batch.prefills.append(seq)
+                budget -= seq.num_scheduled
+                continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]  # the latest admitted gives way
                 self.preempt(victim)
@@ -54,18 +63,20 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 self.blocks.append(seq)
+                seq.num_scheduled = 1
                 batch.decodes.append(seq)
-        self._admit(batch)
+                budget -= 1
+        self._admit(batch, budget)
         return batch
 
-    def _admit(self, batch: ScheduledBatch) -> None:
-        budget = self.config.max_num_batched_tokens - len(batch.decodes)
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         lora_bytes = self._lora_bytes(self.running)
         loading = set()  # adapters a waiting request found loading in this step: their other requests wait too
         for seq in list(self.waiting):
-            if len(self.running) + seq.num_forks >= self.config.max_num_seqs or len(seq) > budget:
+            if len(self.running) + seq.num_forks >= self.config.max_num_seqs or budget == 0:
                 break
-            if not self.blocks.can_allocate(seq):
+            hits = self.blocks.prefix_hits(seq)
+            if not self.blocks.can_allocate(seq, hits):
                 break  # first come, first served for memory: later requests do not overtake
             if seq.adapter is not None and seq.adapter.key in loading:
                 continue  # its acquire could only fail (a load ends between steps, when the cache polls)
@@ -74,12 +85,13 @@ class Scheduler:
                     loading.add(seq.adapter.key)
                 continue  # its adapter is loading or over the step's LoRA budget: others go ahead
             self._leave_queue(seq)
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, hits)
             seq.status = Status.RUNNING
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self.running.append(seq)
+            seq.num_scheduled = min(len(seq) - seq.num_computed, budget)  # the rest in later steps
             batch.prefills.append(seq)
-            budget -= len(seq)
+            budget -= seq.num_scheduled
             lora_bytes = self._lora_bytes(self.running)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
@@ -89,6 +101,8 @@ class Scheduler:
         if child.adapter is not None:
             child.lora_slot, child.holds_adapter = self.adapters.acquire(child.adapter), True
         child.status, child.admitted_at = Status.RUNNING, parent.admitted_at
+        child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
+        child.prefix_hash = parent.prefix_hash
         self.running.append(child)
         return pair
 
@@ -112,7 +126,7 @@ class Scheduler:
         """Free the sequence's memory; it waits at the front and recomputes its tokens when readmitted."""
         self.running.remove(seq)
         self.release(seq)
-        seq.status = Status.WAITING
+        seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
         if seq.adapter is not None:
             self.adapters.queue(seq.adapter.key)

@@ -108,6 +108,15 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    fork_blocks: list[int] = field(default_factory=list)
+    """Blocks kept for the copies of the last prompt block that the sequence's forks take."""
+    num_hashed: int = 0
+    """Prompt blocks whose hash is known (`BlockManager.cache_computed`); `prefix_hash` is the last one's."""
+    prefix_hash: bytes = b""
+    num_computed: int = 0
+    """Tokens whose keys and values are in the KV cache."""
+    num_scheduled: int = 0
+    """Tokens this step computes (a prefill chunk, or 1 for a decode)."""
     lora_slot: int = -1
     holds_adapter: bool = False
     finish_reason: str | None = None
