@@ -10,11 +10,11 @@ request i uses adapter i % N. Ours: every request through one `LLMEngine.generat
 max_loras and max_num_seqs 64), after a warm-up run that makes the adapters resident. HF + PEFT: requests
 grouped by adapter, one `model.generate` per group after `set_adapter` (`disable_adapter` for base-only).
 TPOT of a request: time between its first and last token (step end times) / (tokens - 1), averaged by the
-rank of its adapter. Tokens per CPU-second (the process's CPU time) is the figure to compare on a shared
-machine, where wall time carries the other processes' load. One more row runs the 64-adapter workload with `max_lora_bytes_per_step` set.
-`--sampling mixed` gives request i the parameter mix MIXES[i % 4] (temperature, top-p, top-k, penalties,
-seeds, logit bias: the sampler's and the host path's work); HF + PEFT runs greedy regardless, or not at all
-with `--skip-hf`.
+rank of its adapter. One more row runs the 64-adapter workload with `max_lora_bytes_per_step` set.
+Tokens per CPU-second (the process's CPU time) is the figure to compare on a shared machine, where
+wall time carries the other processes' load. `--sampling mixed` gives request i the parameter mix
+i % 4 of `sampling_mixes` (temperature, top-p, top-k, penalties, seeds, logit bias: the sampler's
+and the host path's work); HF + PEFT runs greedy regardless, or not at all with `--skip-hf`.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def sampling_mixes(output_len: int) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common),
         SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1, **common),
-        SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=2, **common),
+        SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=2,
+                       **common),
         SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (9, -3.0)), **common),
     ]
 
@@ -195,7 +196,8 @@ def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dic
 
 def ours_engine(model_dir: Path, adapters: list[Adapter], max_lora_bytes_per_step: int | None,
                 device: str = "cpu") -> tuple:
-    # The runs repeat the same prompts: with the prefix cache on, later runs would skip part of their prefill.
+    # The runs repeat the same prompts: with the prefix cache on, later runs would skip part of
+    # their prefill.
     config = EngineConfig(model_dir=model_dir, dtype="float32", device=device, max_loras=64, max_lora_rank=64,
                           max_num_seqs=64, max_lora_bytes_per_step=max_lora_bytes_per_step,
                           enable_prefix_caching=False)
@@ -287,8 +289,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
     parser.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy",
-                        help="mixed: each request samples with one of four parameter mixes (ours only)")
-    parser.add_argument("--skip-hf", action="store_true", help="ours only (HF + PEFT columns empty)")
+                        help="mixed: each request samples with one of four mixes (ours only)")
+    parser.add_argument("--skip-hf", action="store_true", help="ours only (no HF + PEFT runs)")
     args = parser.parse_args()
     args.requests = args.requests or (16 if args.quick else 64)
     args.output_len = args.output_len or (8 if args.quick else 32)
@@ -323,7 +325,8 @@ def main() -> None:
     engine, refs = ours_engine(model_dir, adapters, cap, args.device)
     prompts, chosen = make_requests(capped, shape.vocab, adapters)
     run_ours(engine, capped, prompts, chosen, refs)
-    ours = median_run([run_ours(engine, capped, prompts, chosen, refs, args.sampling) for _ in range(repeats)])
+    ours = median_run([run_ours(engine, capped, prompts, chosen, refs, args.sampling)
+                       for _ in range(repeats)])
     results.append({"workload": capped, "ours": ours})
     console.log(f"ours {capped.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()

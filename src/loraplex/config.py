@@ -36,14 +36,14 @@ class EngineConfig:
     max_model_len: int | None = None
     """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
     max_num_batched_tokens: int = 4096
-    """Tokens one step may process (prefill tokens plus one per decoding sequence); a longer prompt is prefilled in
-    chunks over several steps."""
+    """Tokens one step may process (prefill tokens plus one per decoding sequence); a longer prompt
+    is prefilled in chunks over several steps."""
     kv_cache_bytes: int = 256 * 2**20
     """Memory for the paged KV cache."""
     block_size: int = 16
     """Tokens per KV block."""
     enable_prefix_caching: bool = True
-    """Share the KV blocks of a common prompt prefix between requests of the same adapter revision."""
+    """Share the KV blocks of a prompt prefix between requests of one adapter revision."""
     max_lora_bytes_per_step: int | None = None
     """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None: no cap)."""
     max_cpu_loras: int | None = None
@@ -68,7 +68,8 @@ class EngineConfig:
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be at least 1")
         if self.max_num_seqs < 1 or self.block_size < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs, block_size and max_num_batched_tokens must be at least 1")
+            raise ValueError(
+                "max_num_seqs, block_size and max_num_batched_tokens must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -110,8 +110,9 @@ def test_rank_aware_admission_keeps_a_second_big_adapter_out_of_the_step(llama_d
 
 
 def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(llama_dir):
-    """A sequence longer than one step's token budget (a long prompt, or a request preempted late and recomputed)
-    is prefilled over several steps, beside the decodes, and gives what one prefill gives."""
+    """A sequence longer than one step's token budget (a long prompt, or a request preempted late
+    and recomputed) is prefilled over several steps, beside the decodes, and gives what one prefill
+    gives."""
     chunked = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=16)
     whole = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

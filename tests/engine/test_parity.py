@@ -84,8 +84,9 @@ def test_greedy_generation_matches_token_for_token_with_join_and_leave(world):
 
 
 def test_chunked_prefill_matches_peft_logits_and_greedy_tokens(world):
-    """Prompts prefilled in chunks of at most 7 tokens a step (beside the decodes of the others): every prompt
-    position's logprob, and the greedy tokens after it, are HF + PEFT's (the sliding window model too)."""
+    """Prompts prefilled in chunks of at most 7 tokens a step (beside the decodes of the others):
+    every prompt position's logprob, and the greedy tokens after it, are HF + PEFT's (the sliding
+    window model too)."""
     engine, refs, ref_model = world
     names = [None, *refs]
     config = engine.scheduler.config
@@ -116,33 +117,35 @@ def test_chunked_prefill_matches_peft_logits_and_greedy_tokens(world):
 def _greedy_with_hits(engine, prompt, ref, max_tokens=5):
     """Greedy tokens of one request, and the prompt tokens it found in the prefix cache."""
     before = engine.blocks.num_hit_tokens
-    tokens = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                             [ref])[0]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    tokens = engine.generate([prompt], params, [ref])[0]
     return tokens, engine.blocks.num_hit_tokens - before
 
 
 def test_prefix_cache_shares_blocks_within_one_adapter_revision_only(world):
-    """A prompt that starts as an earlier one of the same adapter revision reuses its full blocks and gives HF +
-    PEFT's tokens; the same prompt under another adapter, the base model, or another revision of the adapter
-    finds nothing."""
+    """A prompt that starts as an earlier one of the same adapter revision reuses its full blocks
+    and gives HF + PEFT's tokens; the same prompt under another adapter, the base model, or another
+    revision of the adapter finds nothing."""
     engine, refs, ref_model = world
     size = engine.blocks.block_size
     names = [None, *refs]
     for k, name in enumerate(names):
-        prefix = [100 + k * 3 + i % 50 for i in range(2 * size)]  # two full blocks, a prefix of its own
+        # two full blocks, a prefix of its own
+        prefix = [100 + k * 3 + i % 50 for i in range(2 * size)]
         ref = refs[name] if name else None
-        first, hits = _greedy_with_hits(engine, prefix + [1, 2, 3], ref)
-        assert hits == 0
+        assert _greedy_with_hits(engine, prefix + [1, 2, 3], ref)[1] == 0
         second, hits = _greedy_with_hits(engine, prefix + [4, 5], ref)
         assert hits == 2 * size
         assert second == reference_greedy(ref_model, prefix + [4, 5], name, 5), name
         for other in names:  # nobody else's blocks
             if other != name:
-                tokens, hits = _greedy_with_hits(engine, prefix + [4, 5], refs[other] if other else None)
-                assert hits == 0, (name, other)
+                other_ref = refs[other] if other else None
+                assert _greedy_with_hits(engine, prefix + [4, 5], other_ref)[1] == 0, (name, other)
     name = next(iter(refs))
-    again = engine.adapter_ref(name, refs[name].path, revision="r2", digest=refs[name].key.adapter_digest)
+    digest = refs[name].key.adapter_digest
+    again = engine.adapter_ref(name, refs[name].path, revision="r2", digest=digest)
     prefix = [300 + i % 40 for i in range(2 * size)]
     _greedy_with_hits(engine, prefix + [1], refs[name])
-    assert _greedy_with_hits(engine, prefix + [2], again)[1] == 0  # same bytes, another revision: its own blocks
+    # same bytes, another revision: its own blocks
+    assert _greedy_with_hits(engine, prefix + [2], again)[1] == 0
     assert _greedy_with_hits(engine, prefix + [3], refs[name])[1] == 2 * size

@@ -1,5 +1,5 @@
-"""n and best_of on shared KV blocks, min_p, prompt logprobs, penalties in one batch and structured outputs,
-against HF transformers + PEFT (and xgrammar's own matcher for the grammar)."""
+"""n and best_of on shared KV blocks, min_p, prompt logprobs, penalties in one batch and structured
+outputs, against HF transformers + PEFT (and xgrammar's own matcher for the grammar)."""
 
 import json
 
@@ -11,13 +11,32 @@ from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams, StructuredOutput
 from tinymodels import peft_reference, reference_greedy, reference_logits
 
-PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens: 2 full blocks of 4 and a partly filled one
+PROMPT = [
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    14,
+]  # 10 tokens: 2 full blocks of 4 and a partly filled one
 
 
 @pytest.fixture(scope="module")
 def world(llama_dir, llama_adapters):
-    engine = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=2, block_size=4,
-                                    kv_cache_bytes=2 * 2**20, max_lora_rank=16))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=llama_dir,
+            dtype="float32",
+            max_loras=2,
+            block_size=4,
+            kv_cache_bytes=2 * 2**20,
+            max_lora_rank=16,
+        )
+    )
     adapters = {"attn-r8": llama_adapters["attn-r8"]}
     refs = {n: engine.adapter_ref(n, p) for n, p in adapters.items()}
     yield engine, refs, peft_reference(llama_dir, adapters)
@@ -25,7 +44,8 @@ def world(llama_dir, llama_adapters):
 
 
 def _run(engine, requests):
-    """Add (prompt, params, adapter) requests, step until done: {(request index, seq index): output list}."""
+    """Add (prompt, params, adapter) requests, step until done: {(request index, seq index): output
+    list}."""
     ids = [engine.add_request(p, sp, a) for p, sp, a in requests]
     got = {}
     while engine.has_work():
@@ -45,36 +65,62 @@ def test_n_sequences_share_the_prompt_blocks_and_match_separate_requests(world, 
     engine, refs, ref_model = world
     ref = refs[adapter] if adapter else None
     free = engine.blocks.num_free
-    rid = engine.add_request(prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True),
-                             ref)
+    rid = engine.add_request(
+        prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True), ref
+    )
     outs = {}
     while not outs:  # the adapter's load, then the prefill and the fork into 3 sequences
         for out in engine.step():
             outs.setdefault(out.index, []).append(out)
     assert sorted(outs) == [0, 1, 2]
-    # One copy of the prompt's blocks, and a copy of a partly filled last block for each further sequence.
+    # One copy of the prompt's blocks, and a copy of a partly filled last block for each further
+    # sequence.
     copies = 2 if len(prompt) % engine.blocks.block_size else 0
     assert free - engine.blocks.num_free == engine.blocks.blocks_for(len(prompt)) + copies
     while engine.has_work():
         for out in engine.step():
             assert out.request_id == rid
             outs[out.index].append(out)
-    assert engine.blocks.num_free == free  # every shared block went back once, when its last sequence ended
-    # Each sequence is what a request of its own with the child's seed (seed + index, as vLLM) gives.
-    alone = _run(engine, [(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True),
-                           ref) for i in range(3)])
+    assert (
+        engine.blocks.num_free == free
+    )  # every shared block went back once, when its last sequence ended
+    # Each sequence is what a request of its own with the child's seed (seed + index, as vLLM)
+    # gives.
+    alone = _run(
+        engine,
+        [
+            (
+                prompt,
+                SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True),
+                ref,
+            )
+            for i in range(3)
+        ],
+    )
     for i in range(3):
         assert _tokens(outs[i]) == _tokens(alone[(i, 0)])
     # Greedy: every sequence is HF + PEFT's greedy continuation (the forked KV is read right).
-    greedy = _run(engine, [(prompt, SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True), ref)])
+    greedy = _run(
+        engine, [(prompt, SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True), ref)]
+    )
     expected = reference_greedy(ref_model, prompt, adapter, 6)
     assert _tokens(greedy[(0, 0)]) == _tokens(greedy[(0, 1)]) == expected
 
 
 def test_best_of_reports_each_sequences_cumulative_logprob_under_the_model(world):
     engine, refs, ref_model = world
-    got = _run(engine, [(PROMPT, SamplingParams(n=1, best_of=3, max_tokens=5, temperature=1.0, seed=3,
-                                                ignore_eos=True), refs["attn-r8"])])
+    got = _run(
+        engine,
+        [
+            (
+                PROMPT,
+                SamplingParams(
+                    n=1, best_of=3, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True
+                ),
+                refs["attn-r8"],
+            )
+        ],
+    )
     assert sorted(got) == [(0, 0), (0, 1), (0, 2)]
     for outs in got.values():
         tokens = _tokens(outs)
@@ -106,7 +152,9 @@ def _penalized(logits, params, prompt, output):
         row[token] += bias
     seen = torch.tensor(sorted(set(prompt + output)))
     values = row[seen]
-    row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    row[seen] = torch.where(
+        values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+    )
     if output:
         ids, counts = torch.tensor(output).unique(return_counts=True)
         row[ids] -= params.presence_penalty + params.frequency_penalty * counts.float()
@@ -117,15 +165,30 @@ def test_penalties_and_bias_in_one_mixed_batch_match_a_per_row_reference(world):
     engine, refs, ref_model = world
     mixes = [
         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.5),
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.7),
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias=((300, 3.0), (7, -2.0)),
-                       repetition_penalty=0.8),
+        SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            ignore_eos=True,
+            presence_penalty=1.0,
+            frequency_penalty=0.7,
+        ),
+        SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            ignore_eos=True,
+            logit_bias=((300, 3.0), (7, -2.0)),
+            repetition_penalty=0.8,
+        ),
         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, ignore_eos=True),
+        SamplingParams(
+            max_tokens=8, temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, ignore_eos=True
+        ),
     ]
     prompts = [PROMPT, PROMPT[:5], [40, 41, 42, 43], [20, 21, 22], PROMPT]
     adapters = [None, "attn-r8", None, "attn-r8", None]
-    got = _run(engine, [(p, sp, refs[a] if a else None) for p, sp, a in zip(prompts, mixes, adapters)])
+    got = _run(
+        engine, [(p, sp, refs[a] if a else None) for p, sp, a in zip(prompts, mixes, adapters)]
+    )
     for i in range(4):  # the greedy rows, each against its own reference loop
         output = []
         for _ in range(8):
@@ -136,35 +199,73 @@ def test_penalties_and_bias_in_one_mixed_batch_match_a_per_row_reference(world):
 
 def test_min_p_keeps_only_tokens_near_the_most_likely(world):
     engine, _, ref_model = world
-    greedy = _run(engine, [(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), None)])
-    full = _run(engine, [(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=2,
-                                                 ignore_eos=True), None)])
-    assert _tokens(full[(0, 0)]) == _tokens(greedy[(0, 0)])  # min_p 1: only the most likely token is left
-    got = _run(engine, [(PROMPT, SamplingParams(max_tokens=12, temperature=1.5, min_p=0.3, seed=s,
-                                                ignore_eos=True), None) for s in range(4)])
+    greedy = _run(
+        engine, [(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), None)]
+    )
+    full = _run(
+        engine,
+        [
+            (
+                PROMPT,
+                SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=2, ignore_eos=True),
+                None,
+            )
+        ],
+    )
+    assert _tokens(full[(0, 0)]) == _tokens(
+        greedy[(0, 0)]
+    )  # min_p 1: only the most likely token is left
+    got = _run(
+        engine,
+        [
+            (
+                PROMPT,
+                SamplingParams(max_tokens=12, temperature=1.5, min_p=0.3, seed=s, ignore_eos=True),
+                None,
+            )
+            for s in range(4)
+        ],
+    )
     for outs in got.values():
         tokens = _tokens(outs)
-        probs = reference_logits(ref_model, PROMPT + tokens, None)[len(PROMPT) - 1 : -1].div(1.5).softmax(-1)
+        probs = (
+            reference_logits(ref_model, PROMPT + tokens, None)[len(PROMPT) - 1 : -1]
+            .div(1.5)
+            .softmax(-1)
+        )
         chosen = probs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert bool((chosen >= 0.3 * probs.max(-1).values - 1e-6).all())
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
-@pytest.mark.parametrize("spec", [StructuredOutput(json_schema=json.dumps(SCHEMA)),
-                                  StructuredOutput(json_object=True)], ids=["json_schema", "json_object"])
+@pytest.mark.parametrize(
+    "spec",
+    [StructuredOutput(json_schema=json.dumps(SCHEMA)), StructuredOutput(json_object=True)],
+    ids=["json_schema", "json_object"],
+)
 def test_structured_rows_follow_their_grammar_and_leave_the_others_alone(world, spec):
-    """Greedy under the grammar is HF + PEFT's argmax over the tokens xgrammar's own matcher allows; the plain
-    requests in the same batch are HF's plain greedy."""
+    """Greedy under the grammar is HF + PEFT's argmax over the tokens xgrammar's own matcher allows;
+    the plain requests in the same batch are HF's plain greedy."""
     import xgrammar as xgr
 
     engine, refs, ref_model = world
     structured = SamplingParams(max_tokens=24, temperature=0, structured=spec)
     plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    got = _run(engine, [(PROMPT, structured, refs["attn-r8"]), (PROMPT, plain, None),
-                        (PROMPT[:6], plain, refs["attn-r8"])])
+    got = _run(
+        engine,
+        [
+            (PROMPT, structured, refs["attn-r8"]),
+            (PROMPT, plain, None),
+            (PROMPT[:6], plain, refs["attn-r8"]),
+        ],
+    )
     assert _tokens(got[(1, 0)]) == reference_greedy(ref_model, PROMPT, None, 8)
     assert _tokens(got[(2, 0)]) == reference_greedy(ref_model, PROMPT[:6], "attn-r8", 8)
     matcher = engine.grammars.matcher(spec)
@@ -191,10 +292,14 @@ def test_structured_rows_follow_their_grammar_and_leave_the_others_alone(world, 
 def test_a_refused_schema_or_a_group_too_big_is_an_invalid_request_and_serving_goes_on(world):
     engine = world[0]
     with pytest.raises(InvalidRequest) as bad:
-        engine.add_request(PROMPT, SamplingParams(structured=StructuredOutput(json_schema='{"type": "wizard"}')))
+        engine.add_request(
+            PROMPT, SamplingParams(structured=StructuredOutput(json_schema='{"type": "wizard"}'))
+        )
     assert bad.value.param == "response_format"
     with pytest.raises(InvalidRequest) as bad:
-        engine.add_request(PROMPT, SamplingParams(structured=StructuredOutput(json_schema="{not json")))
+        engine.add_request(
+            PROMPT, SamplingParams(structured=StructuredOutput(json_schema="{not json"))
+        )
     assert bad.value.param == "response_format"
     with pytest.raises(InvalidRequest) as big:
         engine.add_request(PROMPT, SamplingParams(n=2, best_of=engine.config.max_num_seqs + 1))
@@ -202,24 +307,45 @@ def test_a_refused_schema_or_a_group_too_big_is_an_invalid_request_and_serving_g
     with pytest.raises(InvalidRequest) as small:
         SamplingParams(n=3, best_of=2)
     assert small.value.param == "best_of"
-    got = _run(engine, [(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), None)])
+    got = _run(
+        engine, [(PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), None)]
+    )
     assert len(_tokens(got[(0, 0)])) == 3
     assert not engine.requests and engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_n_times_the_prompt_that_does_not_fit_the_kv_cache_is_refused(llama_dir):
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
-    engine = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", block_size=4, max_model_len=32,
-                                    kv_cache_bytes=64 * per_token))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=llama_dir,
+            dtype="float32",
+            block_size=4,
+            max_model_len=32,
+            kv_cache_bytes=64 * per_token,
+        )
+    )
     assert engine.blocks.num_blocks == 16
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
-    with pytest.raises(InvalidRequest) as big:  # 3 blocks for the prompt, one more for each further sequence
+    with pytest.raises(
+        InvalidRequest
+    ) as big:  # 3 blocks for the prompt, one more for each further sequence
         engine.add_request(PROMPT, SamplingParams(n=15, max_tokens=4))
     assert big.value.param == "n" and "KV blocks" in str(big.value)
     # 14 sequences fit together (3 + 13 blocks): they run, preempting and recomputing as they grow.
-    got = _run(engine, [(PROMPT, SamplingParams(n=14, max_tokens=4, temperature=1.0, seed=0, ignore_eos=True),
-                         None)])
-    assert sorted(i for _, i in got) == list(range(14)) and all(len(_tokens(o)) == 4 for o in got.values())
+    got = _run(
+        engine,
+        [
+            (
+                PROMPT,
+                SamplingParams(n=14, max_tokens=4, temperature=1.0, seed=0, ignore_eos=True),
+                None,
+            )
+        ],
+    )
+    assert sorted(i for _, i in got) == list(range(14)) and all(
+        len(_tokens(o)) == 4 for o in got.values()
+    )
     assert _tokens(got[(0, 0)]) == _tokens(_run(engine, [(PROMPT, params, None)])[(0, 0)])
     assert engine.blocks.num_free == 16
     engine.close()
@@ -229,7 +355,9 @@ def test_abort_ends_every_sequence_of_the_request(world):
     engine, refs, _ = world
     params = SamplingParams(n=4, max_tokens=50, ignore_eos=True, repetition_penalty=1.2)
     rid = engine.add_request(PROMPT, params, refs["attn-r8"])
-    while len(engine.requests.get(rid, ())) < 4:  # its adapter's load, then the prefill and the fork
+    while (
+        len(engine.requests.get(rid, ())) < 4
+    ):  # its adapter's load, then the prefill and the fork
         engine.step()
     assert len(engine.sampler.penalties.rows) == 4
     engine.abort(rid)

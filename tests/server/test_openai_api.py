@@ -152,7 +152,8 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": "x", "best_of": 2, "stream": true}', "best_of"),
     (b'{"model": "tiny", "prompt": "x", "min_p": 1.5}', "min_p"),
     (b'{"model": "tiny", "prompt": "x", "response_format": {"type": "yaml"}}', "response_format"),
-    (b'{"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}', "response_format"),
+    (b'{"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}',
+     "response_format"),
     (b'{"model": "tiny", "prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
     ('{"model": "tiny", "prompt": "x", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias"),  # "²".isdigit()
@@ -176,7 +177,8 @@ def test_bad_requests_get_400_in_the_openai_shape(running, body, param):
 
 CHAT_REFUSALS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wizard"}}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "wizard"}}}},
      "response_format"),
     ({"n": 65}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),

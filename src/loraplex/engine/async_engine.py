@@ -49,8 +49,9 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
                        request_id: str | None = None, counted: bool = True) -> AsyncIterator[RequestOutput]:
-        """Outputs as the request advances (of all its sequences, told apart by `index`); leaving the loop early (a
-        client gone) aborts it at once. `counted`: as in `LLMEngine.add_request`."""
+        """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
+        the loop early (a client gone) aborts it at once. `counted`: as in
+        `LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # its outputs and aborts would reach the other request
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,10 +1,11 @@
-"""Paged KV memory: fixed-size blocks handed to sequences as they grow, shared by reference counts between the
-sequences of one prompt (n > 1) and, through the prefix cache, between requests whose prompts start alike.
+"""Paged KV memory: fixed-size blocks handed to sequences as they grow, shared by reference counts
+between the sequences of one prompt (n > 1) and, through the prefix cache, between requests whose
+prompts start alike.
 
-A full prompt block is cached under a hash of every token up to its end and of the adapter's full key (vLLM
-salts its block hashes by LoRA the same way), so a block is only ever shared by requests of the same adapter
-revision. A cached block nobody holds stays findable until its memory is needed (least recently freed first).
-"""
+A full prompt block is cached under a hash of every token up to its end and of the adapter's full
+key (vLLM salts its block hashes by LoRA the same way), so a block is only ever shared by requests
+of the same adapter revision. A cached block nobody holds stays findable until its memory is needed
+(least recently freed first)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from loraplex.engine.sequence import Sequence
 
 
 def block_hash(parent: bytes, tokens: list[int], salt: str) -> bytes:
-    """The hash of a full block: its tokens, the hash of the blocks before it, and the adapter's key."""
+    """The hash of a full block: its tokens, the hash of the blocks before it, and the adapter's
+    key."""
     return hashlib.sha256(repr((parent, tokens, salt)).encode()).digest()
 
 
@@ -32,7 +34,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.cached: dict[bytes, int] = {}  # block hash -> block
         self.hash_of: dict[int, bytes] = {}  # block -> its hash, for cached blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached blocks nobody holds, oldest first
         self.num_hit_tokens = 0
         """Prompt tokens found in the prefix cache (not computed again), since the start."""
 
@@ -48,13 +52,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def blocks_for_group(self, num_tokens: int, num_seqs: int) -> int:
-        """Blocks a prompt's sequences need once it is prefilled: its blocks, and one of its own for each further
-        sequence (the copy of a partly filled last block, or the block its first token opens)."""
+        """Blocks a prompt's sequences need once it is prefilled: its blocks, and one of its own for
+        each further sequence (the copy of a partly filled last block, or the block its first token
+        opens)."""
         return self.blocks_for(num_tokens) + num_seqs - 1
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
-        """The cached blocks that hold the start of the sequence's prompt (at least its last token is left to
-        compute, for its logits). None with prompt logprobs, whose every position must be computed."""
+        """The cached blocks that hold the start of the sequence's prompt (at least its last token
+        is left to compute, for its logits). None with prompt logprobs, whose every position must be
+        computed."""
         if not self.prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits, parent, salt = [], b"", salt_of(seq)
@@ -69,7 +75,9 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, hits: list[int] = ()) -> bool:
         """Room for the sequence (and its forks) beside the cached blocks it takes."""
-        idle_hits = sum(1 for b in hits if b in self.evictable)  # taking them leaves less memory free
+        idle_hits = sum(
+            1 for b in hits if b in self.evictable
+        )  # taking them leaves less memory free
         needed = self.blocks_for_group(len(seq), seq.num_forks + 1) - len(hits)
         return needed <= self.num_free - idle_hits
 
@@ -83,9 +91,9 @@ class BlockManager:
         return block
 
     def allocate(self, seq: Sequence, hits: list[int] = ()) -> None:
-        """Blocks for every token the sequence has now (prompt, and output when recomputing), the cached `hits`
-        first (their tokens are computed), and the copies of a partly filled last block that its forks take once
-        its prefill is done (kept aside until then)."""
+        """Blocks for every token the sequence has now (prompt, and output when recomputing), the
+        cached `hits` first (their tokens are computed), and the copies of a partly filled last
+        block that its forks take once its prefill is done (kept aside until then)."""
         for block in hits:
             self.evictable.pop(block, None)
             self.ref_counts[block] += 1
@@ -99,8 +107,9 @@ class BlockManager:
             seq.fork_blocks = [self._take() for _ in range(seq.num_forks)]
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """The child shares the parent's full blocks; a partly filled last block is copied, since both write
-        their next tokens into it. Returns that (source, destination) block pair, for the runner to copy."""
+        """The child shares the parent's full blocks; a partly filled last block is copied, since
+        both write their next tokens into it. Returns that (source, destination) block pair, for the
+        runner to copy."""
         table = parent.block_table
         for block in table:
             self.ref_counts[block] += 1
@@ -130,13 +139,16 @@ class BlockManager:
         for i in range(seq.num_hashed, done):
             parent = block_hash(parent, seq.prompt_ids[i * size : (i + 1) * size], salt)
             block = seq.block_table[i]
-            if parent not in self.cached and block not in self.hash_of:  # else an equal block is cached already
+            if (
+                parent not in self.cached and block not in self.hash_of
+            ):  # else an equal block is cached already
                 self.cached[parent], self.hash_of[block] = block, parent
         if done > seq.num_hashed:
             seq.num_hashed, seq.prefix_hash = done, parent
 
     def free(self, seq: Sequence) -> None:
-        # The last blocks first among the cached ones to lose their memory: a prefix outlives its continuations.
+        # The last blocks first among the cached ones to lose their memory: a prefix outlives its
+        # continuations.
         for block in reversed(seq.block_table + seq.fork_blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

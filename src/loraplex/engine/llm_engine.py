@@ -137,7 +137,8 @@ class LLMEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
         seq.num_forks = params.num_seqs - 1
         seq.detokenizer = self.tokenizer.output_decoder(seq.prompt_ids)
-        if params.structured is not None:  # a schema the library refuses fails here, before the request runs
+        # a schema the library refuses fails here, before the request runs
+        if params.structured is not None:
             seq.matcher = self.grammars.matcher(params.structured)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -147,14 +148,17 @@ class LLMEngine:
         return seq.request_id
 
     def _check_group_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together."""
+        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together.
+        """
         name, count = ("best_of", params.best_of) if params.best_of else ("n", params.n)
         if count > self.config.max_num_seqs:
-            raise InvalidRequest(name, f"{name}={count} is more than max_num_seqs {self.config.max_num_seqs}")
+            raise InvalidRequest(
+                name, f"{name}={count} is more than max_num_seqs {self.config.max_num_seqs}")
         needed = self.blocks.blocks_for_group(num_prompt_tokens, count)
         if needed > self.blocks.num_blocks:
-            raise InvalidRequest(name, f"{name}={count} sequences of a {num_prompt_tokens}-token prompt need "
-                                       f"{needed} KV blocks; the KV cache has {self.blocks.num_blocks}")
+            raise InvalidRequest(
+                name, f"{name}={count} sequences of a {num_prompt_tokens}-token prompt need "
+                f"{needed} KV blocks; the KV cache has {self.blocks.num_blocks}")
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
@@ -184,7 +188,8 @@ class LLMEngine:
             sampled = self.sampler(logits, seqs)
             self.sampler.record(seqs, sampled.tokens)
             for i, seq in enumerate(seqs):
-                if sampled.tokens[i] is None:  # NaN or infinite logits: this request fails, the batch goes on
+                # NaN or infinite logits: this request fails, the batch goes on
+                if sampled.tokens[i] is None:
                     self._end(seq, "error")
                     adapter = f" with adapter {seq.adapter.key}" if seq.adapter is not None else ""
                     outputs.append(self._output(seq, [], "", [], error=NonFiniteLogits(
@@ -197,9 +202,10 @@ class LLMEngine:
             raise
         return outputs
 
-    def _fork(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        """The further sequences of each newly prefilled prompt (n, best_of): they share its KV blocks and start
-        from its logits."""
+    def _fork(self, seqs: list[Sequence],
+              logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The further sequences of each newly prefilled prompt (n, best_of): they share its KV
+        blocks and start from its logits."""
         rows, copies = list(range(len(seqs))), []
         for i, parent in enumerate(list(seqs)):
             for index in range(1, parent.num_forks + 1):
@@ -218,19 +224,22 @@ class LLMEngine:
 
     def _child(self, parent: Sequence, index: int) -> Sequence:
         p = parent.params
-        child = Sequence(parent.request_id, parent.prompt_ids, p, parent.adapter, parent.arrival, index=index,
-                         prompt_logprobs=parent.prompt_logprobs, cache_tier=parent.cache_tier)
+        child = Sequence(parent.request_id, parent.prompt_ids, p, parent.adapter, parent.arrival,
+                         index=index, prompt_logprobs=parent.prompt_logprobs,
+                         cache_tier=parent.cache_tier)
         child.detokenizer = self.tokenizer.output_decoder(child.prompt_ids)
         if parent.matcher is not None:
             child.matcher = parent.matcher.fork()
         if p.seed is not None:  # a seed of its own, as vLLM's children
-            child.generator = torch.Generator(device=self.device).manual_seed((p.seed + index) % 2**64)
+            seed = (p.seed + index) % 2**64
+            child.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests[parent.request_id].append(child)
         return child
 
     def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        """The logprobs of the prompt tokens a prefill chunk predicts, and the most likely alternatives there
-        (the first prompt token has none). A chunk computed again (after a preemption) replaces its entries."""
+        """The logprobs of the prompt tokens a prefill chunk predicts, and the most likely
+        alternatives there (the first prompt token has none). A chunk computed again (after a
+        preemption) replaces its entries."""
         # logits: [n, V], row j predicts prompt token start + 1 + j
         k = seq.params.prompt_logprobs
         lp = torch.log_softmax(logits, dim=-1)
@@ -238,7 +247,8 @@ class LLMEngine:
         picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
         entries = [{"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
-                   for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(), top_v.tolist())]
+                   for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(),
+                                                     top_v.tolist())]
         seq.prompt_logprobs = (seq.prompt_logprobs or [None])[: start + 1] + entries
 
     def _end(self, seq: Sequence, reason: str) -> None:
@@ -283,7 +293,8 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> RequestOutput:
-        token, logprob, token_logprob = sampled.tokens[i], sampled.logprobs[i], sampled.token_logprobs[i]
+        token, logprob = sampled.tokens[i], sampled.logprobs[i]
+        token_logprob = sampled.token_logprobs[i]
         seq.first_token_at = seq.first_token_at or time.monotonic()
         seq.output_ids.append(token)
         if logprob is not None:
@@ -334,7 +345,8 @@ class LLMEngine:
             seq.request_id, ids, text, logprobs, seq.status is Status.FINISHED, seq.finish_reason,
             len(seq.prompt_ids), len(seq.output_ids), error, index=seq.index,
             cumulative_logprob=seq.cumulative_logprob if seq.params.best_of else None,
-            prompt_logprobs=seq.prompt_logprobs if first else None, cache_tier=seq.cache_tier, queue_wait_s=wait,
+            prompt_logprobs=seq.prompt_logprobs if first else None, cache_tier=seq.cache_tier,
+            queue_wait_s=wait,
         )
 
     # -- convenience -----------------------------------------------------------------------------
@@ -380,7 +392,8 @@ class LLMEngine:
                 if not self.blocks.can_allocate(seq):
                     raise InvalidRequest("prompt", "prompts do not fit in the KV cache together")
                 self.blocks.allocate(seq)
-                seq.num_scheduled = len(seq)  # every prompt in one prefill, whatever max_num_batched_tokens
+                # every prompt in one prefill, whatever max_num_batched_tokens
+                seq.num_scheduled = len(seq)
             ordered, logits, _ = self.runner.run(ScheduledBatch(prefills=seqs), all_tokens=True)
         finally:
             for seq in seqs:

@@ -15,13 +15,14 @@ from loraplex.model_config import ModelConfig
 
 @dataclass
 class PrefillSpan:
-    """One sequence's prefill chunk in the step: its tokens [first, first + length) of the step, at positions
-    [start, start + length) of the sequence."""
+    """One sequence's prefill chunk in the step: its tokens [first, first + length) of the step, at
+    positions [start, start + length) of the sequence."""
 
     first: int
     length: int
     start: int = 0
-    context: torch.Tensor | None = None  # [start + length] flat KV positions it attends to, when start > 0
+    # [start + length] flat KV positions it attends to, when start > 0
+    context: torch.Tensor | None = None
 
 
 @dataclass
@@ -132,7 +133,8 @@ class Attention(nn.Module):
         v_cache[attn.slot_mapping] = v
         out = torch.empty_like(q)
         for span in attn.prefills:
-            out[span.first : span.first + span.length] = self._prefill(q, k, v, span, k_cache, v_cache)
+            rows = slice(span.first, span.first + span.length)
+            out[rows] = self._prefill(q, k, v, span, k_cache, v_cache)
         if attn.decode_tokens is not None:
             out[attn.decode_tokens] = self._decode(q[attn.decode_tokens], k_cache, v_cache, attn)
         return self.o_proj(out.view(n, -1), lora)
@@ -143,7 +145,9 @@ class Attention(nn.Module):
         q = q[first : first + length].transpose(0, 1).unsqueeze(0)
         if span.context is None:  # from position 0: the chunk's own keys and values
             k, v = (t[first : first + length].transpose(0, 1).unsqueeze(0) for t in (k, v))
-        else:  # a later chunk: every earlier position's keys and values, from the cache (this chunk's are in)
+        # a later chunk: every earlier position's keys and values, from the cache (this chunk's are
+        # in)
+        else:
             k, v = (c[span.context].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
         if span.start == 0 and (self.window is None or length <= self.window):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)

@@ -23,7 +23,8 @@ class PromptLogits(NamedTuple):
 
 class StepLogits(NamedTuple):
     seqs: list[Sequence]
-    """The sequences whose last token the step computed (decodes, prefills done), ordered by adapter slot."""
+    """The sequences whose last token the step computed (decodes, prefills done), ordered by adapter
+    slot."""
     logits: torch.Tensor
     """[B, V] their next-token logits (with all_tokens, [T, V] of every token of the step)."""
     prompt_logits: list[PromptLogits]
@@ -60,7 +61,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KV blocks (source, destination) in every layer: a forked sequence's own copy of a shared block."""
+        """Copy KV blocks (source, destination) in every layer: a forked sequence's own copy of a
+        shared block."""
         size = self.blocks.block_size
         offsets = torch.arange(size)
         src = torch.cat([s * size + offsets for s, _ in pairs]).to(self.device)
@@ -79,7 +81,8 @@ class ModelRunner:
         prefills = sorted(batch.prefills, key=lambda s: s.lora_slot)
         decodes = sorted(batch.decodes, key=lambda s: s.lora_slot)
         ids, positions, slots, token_slots, prefill_spans, last = [], [], [], [], [], []
-        done: list[Sequence] = []  # prefills whose chunk ends the sequence: their logits are sampled
+        # prefills whose chunk ends the sequence: their logits are sampled
+        done: list[Sequence] = []
         dev = self.device
         for seq in prefills:
             start, n = seq.num_computed, seq.num_scheduled
@@ -118,8 +121,10 @@ class ModelRunner:
         logits = self.model.logits(hidden if all_tokens else hidden[last_rows])
         prompt_logits = []
         for seq, span in zip(prefills, prefill_spans):
-            wanted = min(span.start + span.length, len(seq.prompt_ids) - 1) - span.start  # rows predicting prompt
-            if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:  # not a recompute
+            # rows predicting prompt
+            wanted = min(span.start + span.length, len(seq.prompt_ids) - 1) - span.start
+            # not a recompute
+            if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:
                 rows = hidden[span.first : span.first + wanted]
                 prompt_logits.append(PromptLogits(seq, span.start, self.model.logits(rows)))
         return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)

@@ -1,9 +1,9 @@
 """Sampling over one step's last-token logits: every parameter mix in one batch of tensor ops.
 
-The order is vLLM's: grammar mask, logit bias, min_tokens, penalties; then greedy rows take the argmax, and the
-others are scaled by temperature, cut by min_p, top-k and top-p, and drawn with the exponential race
-(argmax of p / q, q ~ Exp(1)), where only a seeded row draws its own q from its generator.
-"""
+The order is vLLM's: grammar mask, logit bias, min_tokens, penalties; then greedy rows take the
+argmax, and the others are scaled by temperature, cut by min_p, top-k and top-p (only the rows that
+have them are sorted), and drawn by inverting their cumulative sums at one uniform number per row (a
+seeded row's from its own generator)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Sampled:
-    """One step's draw: per sequence, the token (None: the row could not be sampled), its logprob entry when
-    asked, and the token's logprob under the model (None when nobody asked)."""
+    """One step's draw: per sequence, the token (None: the row could not be sampled), its logprob
+    entry when asked, and the token's logprob under the model (None when nobody asked)."""
 
     tokens: list[int | None]
     logprobs: list[dict | None]
@@ -28,8 +28,9 @@ class Sampled:
 
 
 class PenaltyRows:
-    """Per sequence that has penalties, a persistent row of output token counts and of tokens seen (prompt and
-    output): a step gathers its rows and adds the sampled tokens, instead of rebuilding them from token lists."""
+    """Per sequence that has penalties, a persistent row of output token counts and of tokens seen
+    (prompt and output): a step gathers its rows and adds the sampled tokens, instead of rebuilding
+    them from token lists."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
@@ -56,13 +57,19 @@ class PenaltyRows:
             old = self.counts.shape[0]
             grown = max(8, 2 * old)
             pad = (grown - old, self.vocab_size)
-            self.counts = torch.cat((self.counts, torch.zeros(pad, dtype=torch.int32, device=self.device)))
-            self.seen = torch.cat((self.seen, torch.zeros(pad, dtype=torch.bool, device=self.device)))
+            self.counts = torch.cat(
+                (self.counts, torch.zeros(pad, dtype=torch.int32, device=self.device))
+            )
+            self.seen = torch.cat(
+                (self.seen, torch.zeros(pad, dtype=torch.bool, device=self.device))
+            )
             self.free_rows = list(range(grown - 1, old - 1, -1))
         return self.free_rows.pop()
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.counts.index_put_(
+            (rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+        )
         self.seen[rows, tokens] = True
 
     def release(self, seq: Sequence) -> None:
@@ -80,8 +87,6 @@ class SamplingBatch:
     top_k: torch.Tensor  # [B] int, V where none
     top_p: torch.Tensor  # [B]
     min_p: torch.Tensor  # [B]
-    any_top_k: bool
-    any_top_p: bool
     any_min_p: bool
 
     @classmethod
@@ -93,12 +98,12 @@ class SamplingBatch:
         min_p = [p.min_p for p in params]
         return cls(
             greedy=torch.tensor(greedy, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device
+            ),
             top_k=torch.tensor(top_k, device=device),
             top_p=torch.tensor(top_p, device=device),
             min_p=torch.tensor(min_p, device=device),
-            any_top_k=any(k < vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(p > 0 for p in min_p),
         )
 
@@ -115,10 +120,13 @@ class Sampler:
         self.penalties.release(seq)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-        """A sequence whose logits hold NaN or +inf (its adapter's weights, say), or whose row cannot be sampled
-        (every token banned), gets None: it fails alone, instead of failing the whole batch."""
+        """A sequence whose logits hold NaN or +inf (its adapter's weights, say), or whose row
+        cannot be sampled (every token banned), gets None: it fails alone, instead of failing the
+        whole batch."""
         # logits: [B, V] float32, one row per sequence
-        top_values, top_tokens = logits.max(-1)  # NaN and +inf are a row's max: one pass finds the rows to fail
+        top_values, top_tokens = logits.max(
+            -1
+        )  # NaN and +inf are a row's max: one pass finds the rows to fail
         finite = torch.isfinite(top_values)
         if all(_is_plain(s) for s in seqs):
             chosen, ok = top_tokens, finite
@@ -128,32 +136,49 @@ class Sampler:
         tokens = [t if good else None for t, good in zip(chosen.tolist(), ok.tolist())]
         return self._logprobs(logits, seqs, chosen, tokens)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.clone()
         grammar_mask(logits, seqs)
         self._bias_and_ban(logits, seqs)
         penalized = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
         if penalized:
-            self._penalize(logits, [seqs[i] for i in penalized], torch.tensor(penalized, device=self.device))
+            at = torch.tensor(penalized, device=self.device)
+            self._penalize(logits, [seqs[i] for i in penalized], at)
         meta = SamplingBatch.build(seqs, self.vocab_size, self.device)
         greedy_tokens = logits.argmax(-1)
-        ok = torch.isfinite(logits.max(-1).values)  # a row with every token banned cannot be sampled
+        ok = torch.isfinite(logits.max(-1).values)  # a row with every token banned: no sample
         if bool(meta.greedy.all()):
             return greedy_tokens, ok
-        logits = logits / meta.temperature[:, None]
-        probs = logits.softmax(-1)
+        probs = (logits / meta.temperature[:, None]).softmax(-1)
         if meta.any_min_p:
             floor = meta.min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        if meta.any_top_k or meta.any_top_p:
-            probs = _top_k_top_p(probs, meta)
-        q = torch.empty_like(probs).exponential_()
-        for i, seq in enumerate(seqs):  # only seeded rows: each draws from its own generator, as in vLLM
-            if seq.generator is not None and not seq.params.is_greedy:
-                q[i].exponential_(generator=seq.generator)
-        drawn = (probs / q).argmax(-1)
+        only_k = [i for i, s in enumerate(seqs)
+                  if 0 < s.params.top_k < self.vocab_size and s.params.top_p == 1.0]
+        if only_k:  # no sort: the k-th value is the threshold
+            at = torch.tensor(only_k, device=self.device)
+            probs[at] = _top_k(probs[at], meta.top_k[at])
+        with_p = [i for i, s in enumerate(seqs) if s.params.top_p < 1.0]
+        if with_p:
+            at = torch.tensor(with_p, device=self.device)
+            probs[at] = _top_k_top_p(probs[at], meta.top_k[at], meta.top_p[at])
+        drawn = self._draw(probs, seqs)
         ok &= torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
         return torch.where(meta.greedy, greedy_tokens, drawn), ok
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A token per row from its (unnormalized) probabilities, by inverting the cumulative sum at a
+        uniform draw: one number per row, and a seeded row draws its number from its own generator."""
+        cdf = probs.cumsum(-1)
+        u = torch.rand(len(seqs), device=self.device)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        if seeded:
+            own = [torch.rand((), generator=seqs[i].generator, device=self.device) for i in seeded]
+            u[torch.tensor(seeded, device=self.device)] = torch.stack(own)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        return drawn.clamp_(max=probs.shape[-1] - 1)
 
     def _bias_and_ban(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """logit_bias added; the end tokens banned for a sequence under its min_tokens."""
@@ -170,16 +195,24 @@ class Sampler:
             index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
             logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
         if ban_rows:
-            logits[torch.tensor(ban_rows, device=self.device), torch.tensor(ban_cols, device=self.device)] = NEG_INF
+            logits[
+                torch.tensor(ban_rows, device=self.device),
+                torch.tensor(ban_cols, device=self.device),
+            ] = NEG_INF
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence], at: torch.Tensor) -> None:
-        """Repetition (over prompt and output), presence and frequency (over the output) penalties, as vLLM."""
+        """Repetition (over prompt and output), presence and frequency (over the output) penalties,
+        as vLLM."""
         rows = torch.tensor([self.penalties.row_of(s) for s in seqs], device=self.device)
         counts = self.penalties.counts[rows].to(logits.dtype)
         seen = self.penalties.seen[rows]
         rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=self.device)[:, None]
-        presence = torch.tensor([s.params.presence_penalty for s in seqs], device=self.device)[:, None]
-        frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=self.device)[:, None]
+        presence = torch.tensor([s.params.presence_penalty for s in seqs], device=self.device)[
+            :, None
+        ]
+        frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=self.device)[
+            :, None
+        ]
         part = logits[at]
         scaled = torch.where(part > 0, part / rep, part * rep)
         part = torch.where(seen, scaled, part)
@@ -189,16 +222,29 @@ class Sampler:
     def record(self, seqs: list[Sequence], tokens: list[int | None]) -> None:
         """The sampled tokens join the penalty rows of the sequences that have them."""
         rows = self.penalties.rows
-        picked = [(rows[_key(s)], t) for s, t in zip(seqs, tokens) if t is not None and _key(s) in rows]
+        picked = [
+            (rows[_key(s)], t) for s, t in zip(seqs, tokens) if t is not None and _key(s) in rows
+        ]
         if picked:
             rows, toks = zip(*picked)
-            self.penalties.add(torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device))
+            self.penalties.add(
+                torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)
+            )
 
-    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], chosen: torch.Tensor,
-                  tokens: list[int | None]) -> Sampled:
-        """Logprobs from the model's distribution (before penalties and temperature), as vLLM returns them."""
-        wanted = [i for i, s in enumerate(seqs)
-                  if tokens[i] is not None and (s.params.logprobs is not None or s.params.best_of)]
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        chosen: torch.Tensor,
+        tokens: list[int | None],
+    ) -> Sampled:
+        """Logprobs from the model's distribution (before penalties and temperature), as vLLM
+        returns them."""
+        wanted = [
+            i
+            for i, s in enumerate(seqs)
+            if tokens[i] is not None and (s.params.logprobs is not None or s.params.best_of)
+        ]
         entries: list[dict | None] = [None] * len(seqs)
         token_lp: list[float | None] = [None] * len(seqs)
         if not wanted:
@@ -207,7 +253,7 @@ class Sampler:
         lp = torch.log_softmax(logits[at], dim=-1)
         picked = lp.gather(1, chosen[at][:, None])[:, 0].tolist()
         k = max((seqs[i].params.logprobs or 0) for i in wanted)
-        top_v, top_t = (lp.topk(k) if k else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
         top_v, top_t = top_v.tolist(), top_t.tolist()
         for j, i in enumerate(wanted):
             token_lp[i] = picked[j]
@@ -228,16 +274,22 @@ def _is_plain(seq: Sequence) -> bool:
     return p.is_greedy and not p.needs_penalties and not p.min_tokens and seq.matcher is None
 
 
-def _top_k_top_p(probs: torch.Tensor, meta: SamplingBatch) -> torch.Tensor:
-    """Keep each row's top_k most likely tokens, then the smallest set of them reaching top_p (never less than
-    the most likely one)."""
+def _top_k(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k most likely tokens (and any tied with the k-th)."""
+    values = probs.topk(int(top_k.max()), -1).values
+    kth = values.gather(1, top_k[:, None] - 1)
+    return probs.masked_fill(probs < kth, 0.0)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k most likely tokens, then the smallest set of them reaching top_p (never
+    less than the most likely one)."""
     sorted_probs, order = probs.sort(-1, descending=True)
     ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    sorted_probs = sorted_probs.masked_fill(ranks >= meta.top_k[:, None], 0.0)
-    if meta.any_top_p:
-        total = sorted_probs.sum(-1, keepdim=True)
-        before = (sorted_probs.cumsum(-1) - sorted_probs) / total  # mass of the likelier tokens, renormalized
-        drop = before >= meta.top_p[:, None]
-        drop[:, 0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    sorted_probs = sorted_probs.masked_fill(ranks >= top_k[:, None], 0.0)
+    total = sorted_probs.sum(-1, keepdim=True)
+    before = (sorted_probs.cumsum(-1) - sorted_probs) / total  # mass of the likelier tokens
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -43,15 +43,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """The running sequences first, in admission order (a decode, or the next chunk of a prefill), then the
-        waiting ones, within max_num_batched_tokens."""
+        """The running sequences first, in admission order (a decode, or the next chunk of a
+        prefill), then the waiting ones, within max_num_batched_tokens."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
-                continue  # preempted a moment ago to make room for an earlier sequence, or no budget left
+                # preempted a moment ago to make room for an earlier sequence, or no budget left
+                continue
             remaining = len(seq) - seq.num_computed
-            if remaining > 1:  # a prefill that did not fit in one step: its next chunk (its blocks are there)
+            # a prefill that did not fit in one step: its next chunk (its blocks are there)
+            if remaining > 1:
                 seq.num_scheduled = min(remaining, budget)
                 batch.prefills.append(seq)
                 budget -= seq.num_scheduled
@@ -95,8 +97,8 @@ class Scheduler:
             lora_bytes = self._lora_bytes(self.running)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Run `child` beside its prefilled parent on the parent's KV blocks and adapter slot; returns the block
-        the runner copies for it, if any (`BlockManager.fork`)."""
+        """Run `child` beside its prefilled parent on the parent's KV blocks and adapter slot;
+        returns the block the runner copies for it, if any (`BlockManager.fork`)."""
         pair = self.blocks.fork(parent, child)
         if child.adapter is not None:
             child.lora_slot, child.holds_adapter = self.adapters.acquire(child.adapter), True

@@ -15,7 +15,8 @@ SAMPLING_EPS = 1e-5
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the output follows, as vLLM's StructuredOutputsParams (`json`, `json_object`): one is set."""
+    """A grammar the output follows, as vLLM's StructuredOutputsParams (`json`, `json_object`): one
+    is set."""
 
     json_schema: str | None = None
     """A JSON schema, serialized."""
@@ -48,7 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs; N: the chosen token's logprob and the N most likely alternatives."""
     prompt_logprobs: int | None = None
-    """None: none; N: each prompt token's logprob (the first has none) and its N most likely alternatives."""
+    """None: none; N: each prompt token's logprob (the first has none) and its N most likely
+    alternatives."""
     structured: StructuredOutput | None = None
 
     def __post_init__(self):
@@ -111,7 +113,8 @@ class Sequence:
     fork_blocks: list[int] = field(default_factory=list)
     """Blocks kept for the copies of the last prompt block that the sequence's forks take."""
     num_hashed: int = 0
-    """Prompt blocks whose hash is known (`BlockManager.cache_computed`); `prefix_hash` is the last one's."""
+    """Prompt blocks whose hash is known (`BlockManager.cache_computed`); `prefix_hash` is the last
+    one's."""
     prefix_hash: bytes = b""
     num_computed: int = 0
     """Tokens whose keys and values are in the KV cache."""
@@ -171,7 +174,8 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     """Of all the sequence's tokens so far, when best_of asks for it."""
     prompt_logprobs: list[dict | None] | None = None
-    """On the request's first output, when asked: one entry per prompt token (None for the first)."""
+    """On the request's first output, when asked: one entry per prompt token (None for the first).
+    """
     cache_tier: str | None = None
     """The tier the request's adapter was in when the request arrived (gpu, cpu, disk or remote)."""
     queue_wait_s: float | None = None

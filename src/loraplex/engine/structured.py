@@ -1,5 +1,6 @@
-"""Structured outputs (`response_format`): JSON grammars compiled by xgrammar, one matcher per sequence, and
-each structured row's allowed tokens applied to its row of the step's logits (the other rows untouched)."""
+"""Structured outputs (`response_format`): JSON grammars compiled by xgrammar, one matcher per
+sequence, and each structured row's allowed tokens applied to its row of the step's logits (the
+other rows untouched)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from loraplex.engine.tokenizer import Tokenizer
 
 
 class Grammars:
-    """Compiles a request's grammar into a fresh matcher; the compiler (and its cache) is built at first use."""
+    """Compiles a request's grammar into a fresh matcher; the compiler (and its cache) is built at
+    first use."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         self._tokenizer = tokenizer
@@ -29,13 +31,15 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
-                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self._vocab_size,
-                                                          stop_token_ids=list(self._eos_ids) or None)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    hf, vocab_size=self._vocab_size, stop_token_ids=list(self._eos_ids) or None
+                )
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
     def matcher(self, spec: StructuredOutput):
-        """A matcher at the grammar's start; a schema xgrammar refuses is an InvalidRequest on response_format."""
+        """A matcher at the grammar's start; a schema xgrammar refuses is an InvalidRequest on
+        response_format."""
         import xgrammar as xgr
 
         compiler = self._get_compiler()
@@ -44,8 +48,9 @@ class Grammars:
             compiled = compiler.compile_json_schema(schema)
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidRequest("response_format", f"response_format: the JSON schema cannot be used: {reason}"
-                                 ) from None
+            raise InvalidRequest(
+                "response_format", f"response_format: the JSON schema cannot be used: {reason}"
+            ) from None
         return xgr.GrammarMatcher(compiled)
 
 

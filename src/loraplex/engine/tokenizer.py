@@ -83,9 +83,10 @@ def _raise(message: str):
 
 
 class OutputDecoder:
-    """Decodes a sequence's output a token at a time, as vLLM's incremental detokenizer: primed with the last
-    prompt tokens, so the text comes out as it reads after the prompt (a SentencePiece tokenizer drops the space
-    it marks on the first token of a text, which the output's first token is not)."""
+    """Decodes a sequence's output a token at a time, as vLLM's incremental detokenizer: primed with
+    the last prompt tokens, so the text comes out as it reads after the prompt (a SentencePiece
+    tokenizer drops the space it marks on the first token of a text, which the output's first token
+    is not)."""
 
     def __init__(self, tok: HFTokenizer, prompt_ids: list[int]):
         self._tok = tok

@@ -59,9 +59,11 @@ class Generation:
         self.params = params
         self.ticket = ticket
         self.prompts = prompts
-        # One choice per sequence: prompt i's sequence j is choice i * num_seqs + j, as vLLM numbers them.
+        # One choice per sequence: prompt i's sequence j is choice i * num_seqs + j, as vLLM numbers
+        # them.
         self.num_seqs = params.num_seqs
-        self.choices = [ChoiceState(i, i // self.num_seqs) for i in range(len(prompts) * self.num_seqs)]
+        self.choices = [ChoiceState(i, i // self.num_seqs)
+                        for i in range(len(prompts) * self.num_seqs)]
         # The engine's ids are ours: the client's x-request-id names the response and the audit line, but two clients
         # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
         ids = [uuid.uuid4().hex for _ in prompts]
@@ -96,7 +98,8 @@ class Generation:
         """(choice index, output) until every prompt has finished; choice state is updated before each."""
         for index, out in enumerate(self._firsts):  # already counted in the choices by start()
             yield self._choice(index, out).index, out
-        live = [i for i, out in enumerate(self._firsts) if not (out.finished and self.num_seqs == 1)]
+        live = [i for i, out in enumerate(self._firsts)
+                if not (out.finished and self.num_seqs == 1)]  # n > 1: its other sequences go on
         if len(live) == 1:
             async for out in self._streams[live[0]]:
                 choice = self._choice(live[0], out)
@@ -149,8 +152,8 @@ class Generation:
         self._record()
 
     def returned_choices(self) -> list[ChoiceState]:
-        """The choices the answer holds: with best_of, each prompt's n of highest cumulative logprob, numbered
-        again from 0 (as vLLM did)."""
+        """The choices the answer holds: with best_of, each prompt's n of highest cumulative
+        logprob, numbered again from 0 (as vLLM did)."""
         n = self.params.n
         if self.num_seqs == n:
             return self.choices
@@ -176,6 +179,7 @@ class Generation:
 
     @property
     def usage_counts(self) -> tuple[int, int]:
-        """Prompt tokens once per prompt, and the output tokens of the choices returned, as vLLM counts."""
+        """Prompt tokens once per prompt, and the output tokens of the choices returned, as vLLM
+        counts."""
         prompt_tokens = sum(c.num_prompt_tokens for c in self.choices[:: self.num_seqs])
         return prompt_tokens, sum(c.num_output_tokens for c in self.returned_choices())

@@ -34,15 +34,18 @@ async def completions(request: Request):
     texts = req.prompts()
     prompts = [server.encode_prompt(p) for p in texts]
     echo = None
-    if req.echo:  # as vLLM: the prompt's text, and with logprobs its tokens' logprobs, before each choice's
+    # as vLLM: the prompt's text, and with logprobs its tokens' logprobs, before each choice's
+    if req.echo:
         decode = server.engine.tokenizer.decode
         echo = [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts)]
     prompt_only = bool(req.echo) and req.max_tokens == 0
     if prompt_only:  # as vLLM: one token is generated, the prompt alone is answered
         req.max_tokens = 1
     prompt_logprobs = req.logprobs if req.echo else None
-    params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs, prompt_logprobs)
-    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts, prompt_only)
+    vocab_size = server.engine.model_config.vocab_size
+    params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
+    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts,
+                           prompt_only)
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
@@ -203,8 +206,8 @@ class _EventStream(StreamingResponse):
 class CompletionFormat:
     def __init__(self, request_id: str, model: str, decode, echo: list[str] | None = None,
                  prompts: list[list[int]] | None = None, prompt_only: bool = False):
-        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids; `prompt_only`:
-        the echoed prompt without the output (echo with max_tokens 0)."""
+        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids;
+        `prompt_only`: the echoed prompt without the output (echo with max_tokens 0)."""
         self.request_id, self.model, self.decode = request_id, model, decode
         self.echo, self.prompts, self.prompt_only = echo, prompts, prompt_only
         self.offsets: dict[int, int] = {}
@@ -226,7 +229,8 @@ class CompletionFormat:
         given = choice.prompt_logprobs or [None] * len(ids)
         return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
 
-    def _echoed(self, gen: Generation, choice, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
+    def _echoed(self, gen: Generation, choice, text: str,
+                entries: list[dict]) -> tuple[str, list[dict]]:
         if self.echo is None:
             return text, entries
         if self.prompt_only:
@@ -241,7 +245,8 @@ class CompletionFormat:
             self.echoed.add(index)
             text, entries = self._echoed(gen, gen.choices[index], text, entries)
         lp = self._logprobs(index, entries) if gen.params.logprobs is not None else None
-        choice = schemas.completion_choice(index, text, out.finish_reason if out.finished else None, lp)
+        reason = out.finish_reason if out.finished else None
+        choice = schemas.completion_choice(index, text, reason, lp)
         return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -263,8 +268,11 @@ class ChatFormat:
 
     def opening(self, gen: Generation) -> list[dict]:
         """The role first, as OpenAI's API sends it (then the echoed text, as vLLM does)."""
-        deltas = [{"role": "assistant", "content": ""}] + ([{"content": self.echo}] if self.echo else [])
-        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, d, None)], None, chunk=True)
+        deltas = [{"role": "assistant", "content": ""}]
+        if self.echo:
+            deltas.append({"content": self.echo})
+        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, d, None)],
+                             None, chunk=True)
                 for d in deltas for c in gen.choices]
 
     def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:

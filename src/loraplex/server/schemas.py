@@ -1,10 +1,9 @@
 """OpenAI request and response shapes for /v1/completions, /v1/chat/completions and /v1/models.
 
-Every standard OpenAI field is accepted; one we do not implement is refused with 400 only when it is set to
-a value that would change the answer. vLLM's `top_k`, `min_p`, `best_of`, `ignore_eos`, `min_tokens`,
-`repetition_penalty` and `echo` (chat too) are implemented, with vLLM's meanings. Any other field is refused
-with 400 naming it.
-"""
+Every standard OpenAI field is accepted; one we do not implement is refused with 400 only when it is
+set to a value that would change the answer. vLLM's `top_k`, `min_p`, `best_of`, `ignore_eos`,
+`min_tokens`, `repetition_penalty` and `echo` (chat too) are implemented, with vLLM's meanings. Any
+other field is refused with 400 naming it."""
 
 from __future__ import annotations
 
@@ -61,8 +60,8 @@ class _Request(BaseModel):
             if value is not None and not is_default(value):
                 raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
         if self.stream and (self.best_of or 1) > (self.n or 1):
-            raise APIError(400, "best_of greater than n cannot be streamed (the best are known at the end)",
-                           "invalid_value", "best_of")
+            raise APIError(400, "best_of greater than n cannot be streamed (the best are known at "
+                           "the end)", "invalid_value", "best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "invalid_value", "stream_options")
 
@@ -104,7 +103,8 @@ class _Request(BaseModel):
 
 
 def structured_output(response_format: Any) -> StructuredOutput | None:
-    """`response_format` as vLLM reads it: `text` (none), `json_object`, or `json_schema` with its `schema`."""
+    """`response_format` as vLLM reads it: `text` (none), `json_object`, or `json_schema` with its
+    `schema`."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -116,11 +116,11 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict | bool):
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema",
-                           "invalid_value", "response_format")
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema, "
+                           "a JSON schema", "invalid_value", "response_format")
         return StructuredOutput(json_schema=json.dumps(schema))
-    raise APIError(400, "response_format type must be text, json_object or json_schema", "invalid_value",
-                   "response_format")
+    raise APIError(400, "response_format type must be text, json_object or json_schema",
+                   "invalid_value", "response_format")
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -142,7 +142,7 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
-    """The prompt before each choice's text (and its tokens' logprobs before theirs, with logprobs)."""
+    """The prompt before each choice's text (with logprobs, its tokens' logprobs before theirs)."""
     suffix: str | None = None
 
     def _unimplemented(self) -> dict:
@@ -188,7 +188,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     echo: bool | None = None
-    """vLLM's: the last message's content before each choice's, when that message is the assistant's."""
+    """vLLM's: the last message's content before each choice's, when that message is the
+    assistant's."""
     # Standard fields that do not change the answer here: accepted with any value.
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
