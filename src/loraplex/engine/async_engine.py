@@ -59,7 +59,10 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, adapter, request_id, counted)
+            matcher = None
+            if params.structured is not None:  # compiling can take a while: off the event loop
+                matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
+            self.engine.add_request(prompt_ids, params, adapter, request_id, counted, matcher)
             self._wake.set()
             running = params.num_seqs  # each of the prompt's sequences ends with a finished output
             while not finished:

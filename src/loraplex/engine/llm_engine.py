@@ -121,8 +121,9 @@ class LLMEngine:
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                    request_id: str | None = None, counted: bool = True) -> str:
-        """`counted`: reported as a cache hit or miss (a client request of several prompts reports its first)."""
+                    request_id: str | None = None, counted: bool = True, matcher=None) -> str:
+        """`counted`: reported as a cache hit or miss (a client request of several prompts reports
+        its first). `matcher`: the grammar's matcher, if the caller compiled it already."""
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -139,7 +140,7 @@ class LLMEngine:
         seq.detokenizer = self.tokenizer.output_decoder(seq.prompt_ids)
         # a schema the library refuses fails here, before the request runs
         if params.structured is not None:
-            seq.matcher = self.grammars.matcher(params.structured)
+            seq.matcher = matcher or self.grammars.matcher(params.structured)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq.cache_tier = self.adapters.record_request(adapter, counted) if adapter else "gpu"

@@ -169,8 +169,8 @@ class Sampler:
         return torch.where(meta.greedy, greedy_tokens, drawn), ok
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """A token per row from its (unnormalized) probabilities, by inverting the cumulative sum at a
-        uniform draw: one number per row, and a seeded row draws its number from its own generator."""
+        """A token per row from its (unnormalized) probabilities: the cumulative sum inverted at one
+        uniform number per row (a seeded row's from its own generator)."""
         cdf = probs.cumsum(-1)
         u = torch.rand(len(seqs), device=self.device)
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
