@@ -1,6 +1,7 @@
 """Generated tokens/s of our engine against HF transformers + PEFT, for workloads of 0 to 64 distinct adapters.
 
     python bench/engine_throughput.py [--quick] [--threads N] [--device cpu|cuda] [--json OUT] [--cache-dir DIR]
+        [--sampling greedy|mixed] [--skip-hf]
 
 A small random Llama (default 4 layers, hidden 512) and adapters on all seven linear modules with ranks
 8/16/32/64 (adapter j has rank RANKS[j % 4]) are built once with transformers + peft and cached. Every
@@ -10,6 +11,10 @@ max_loras and max_num_seqs 64), after a warm-up run that makes the adapters resi
 grouped by adapter, one `model.generate` per group after `set_adapter` (`disable_adapter` for base-only).
 TPOT of a request: time between its first and last token (step end times) / (tokens - 1), averaged by the
 rank of its adapter. One more row runs the 64-adapter workload with `max_lora_bytes_per_step` set.
+Tokens per CPU-second (the process's CPU time) is the figure to compare on a shared machine, where
+wall time carries the other processes' load. `--sampling mixed` gives request i the parameter mix
+i % 4 of `sampling_mixes` (temperature, top-p, top-k, penalties, seeds, logit bias: the sampler's
+and the host path's work); HF + PEFT runs greedy regardless, or not at all with `--skip-hf`.
 """
 
 from __future__ import annotations
@@ -74,6 +79,18 @@ class Adapter:
     name: str
     path: Path
     rank: int
+
+
+def sampling_mixes(output_len: int) -> list[SamplingParams]:
+    """Parameter mixes for `--sampling mixed`: every row of a batch sampled another way."""
+    common = dict(max_tokens=output_len, ignore_eos=True)
+    return [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common),
+        SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1, **common),
+        SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=2,
+                       **common),
+        SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (9, -3.0)), **common),
+    ]
 
 
 # -- fixtures (built once, cached) ---------------------------------------------------------------
@@ -159,24 +176,31 @@ def _rank_order(rank: str) -> int:
     return 0 if rank == "base" else int(rank)
 
 
-def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dict[str, object]) -> dict:
+def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dict[str, object],
+             sampling: str = "greedy") -> dict:
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
+    if sampling == "mixed":
+        mixes = sampling_mixes(workload.output_len)
+        params = [mixes[i % len(mixes)] for i in range(len(prompts))]
     adapter_refs = [refs[a.name] if a else None for a in chosen]
     engine.reset_timing()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = engine.generate(prompts, params, adapter_refs)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(len(o) for o in outputs)
     assert tokens == workload.num_requests * workload.output_len, "every request runs to max_tokens"
     times = [engine.token_times[rid] for rid in engine.request_ids]
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "tpot_by_rank_s": tpot_by_rank(times, chosen)}
+            "tokens_per_cpu_s": tokens / cpu_seconds, "tpot_by_rank_s": tpot_by_rank(times, chosen)}
 
 
 def ours_engine(model_dir: Path, adapters: list[Adapter], max_lora_bytes_per_step: int | None,
                 device: str = "cpu") -> tuple:
+    # The runs repeat the same prompts: with the prefix cache on, later runs would skip part of
+    # their prefill.
     config = EngineConfig(model_dir=model_dir, dtype="float32", device=device, max_loras=64, max_lora_rank=64,
-                          max_num_seqs=64, max_lora_bytes_per_step=max_lora_bytes_per_step)
+                          max_num_seqs=64, max_lora_bytes_per_step=max_lora_bytes_per_step,
+                          enable_prefix_caching=False)
     engine = TimedEngine(config)
     refs = {a.name: engine.adapter_ref(a.name, a.path) for a in adapters}
     return engine, refs
@@ -227,7 +251,8 @@ def run_hf(model, workload: Workload, prompts, chosen) -> dict:
 # -- report --------------------------------------------------------------------------------------
 def table(rows: list[dict], ranks: list[str]) -> Table:
     out = Table(title="Engine throughput (generated tokens/s) and TPOT per adapter rank (ms)")
-    for column in ("workload", "ours tok/s", "× ours base-only", "HF+PEFT tok/s", "ours × HF+PEFT"):
+    for column in ("workload", "ours tok/s", "ours tok/CPU-s", "× ours base-only", "HF+PEFT tok/s",
+                   "ours × HF+PEFT"):
         out.add_column(column, justify="right")
     for rank in ranks:
         out.add_column(f"TPOT r{rank}" if rank != "base" else "TPOT base", justify="right")
@@ -235,7 +260,8 @@ def table(rows: list[dict], ranks: list[str]) -> Table:
         ours, hf = row["ours"], row["hf_peft"]
         tpot = ours["tpot_by_rank_s"]
         out.add_row(
-            row["label"], f"{ours['tokens_per_s']:.0f}", f"{row['ratio_to_ours_base_only']:.2f}",
+            row["label"], f"{ours['tokens_per_s']:.0f}", f"{ours['tokens_per_cpu_s']:.0f}",
+            f"{row['ratio_to_ours_base_only']:.2f}",
             f"{hf['tokens_per_s']:.0f}", f"{row['ratio_to_hf_peft']:.1f}",
             *[f"{tpot[r] * 1e3:.1f}" if r in tpot else "–" for r in ranks],
         )
@@ -262,6 +288,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
+    parser.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy",
+                        help="mixed: each request samples with one of four mixes (ours only)")
+    parser.add_argument("--skip-hf", action="store_true", help="ours only (no HF + PEFT runs)")
     args = parser.parse_args()
     args.requests = args.requests or (16 if args.quick else 64)
     args.output_len = args.output_len or (8 if args.quick else 32)
@@ -285,7 +314,8 @@ def main() -> None:
     results = []
     for workload in plan:
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
-        ours = median_run([run_ours(engine, workload, prompts, chosen, refs) for _ in range(repeats)])
+        ours = median_run([run_ours(engine, workload, prompts, chosen, refs, args.sampling)
+                           for _ in range(repeats)])
         results.append({"workload": workload, "ours": ours})
         console.log(f"ours {workload.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()
@@ -295,14 +325,15 @@ def main() -> None:
     engine, refs = ours_engine(model_dir, adapters, cap, args.device)
     prompts, chosen = make_requests(capped, shape.vocab, adapters)
     run_ours(engine, capped, prompts, chosen, refs)
-    ours = median_run([run_ours(engine, capped, prompts, chosen, refs) for _ in range(repeats)])
+    ours = median_run([run_ours(engine, capped, prompts, chosen, refs, args.sampling)
+                       for _ in range(repeats)])
     results.append({"workload": capped, "ours": ours})
     console.log(f"ours {capped.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()
 
-    hf_model = hf_peft_model(model_dir, adapters, args.device)
-    hf_by_adapters = {}
-    for workload in plan:
+    hf_model = None if args.skip_hf else hf_peft_model(model_dir, adapters, args.device)
+    hf_by_adapters = {w.num_adapters: {"tokens_per_s": float("nan")} for w in plan}
+    for workload in plan if hf_model is not None else ():
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
         hf_by_adapters[workload.num_adapters] = run_hf(hf_model, workload, prompts, chosen)
         console.log(f"HF+PEFT {workload.label}: {hf_by_adapters[workload.num_adapters]['tokens_per_s']:.0f} tok/s")
@@ -327,6 +358,7 @@ def main() -> None:
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "repeats": repeats,
+        "sampling": args.sampling,
         "adapter_bytes_of_largest_workload": adapter_bytes,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()]},

@@ -45,8 +45,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
     max_num_batched_tokens: int = 4096
-    """Tokens one step may process (prefill tokens plus one per decoding sequence); at least max_model_len (a prompt
-    is prefilled in one step)."""
+    """Tokens one step may process (prefill tokens plus one per decoding sequence); a longer prompt
+    is prefilled in chunks over several steps."""
     kv_cache_bytes: int | None = None
     """Memory for the paged KV cache (vLLM's kv_cache_memory_bytes). None: on CUDA, what
     `gpu_memory_utilization` leaves after the weights; on CPU, the smaller of what `max_num_seqs`
@@ -56,6 +56,8 @@ class EngineConfig:
     (weights, adapter slots, activations and the KV cache, which gets the rest), as vLLM's."""
     block_size: int = 16
     """Tokens per KV block."""
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of a prompt prefix between requests of one adapter revision."""
     max_lora_bytes_per_step: int | None = None
     """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None: no cap)."""
     max_cpu_loras: int | None = None
@@ -88,8 +90,9 @@ class EngineConfig:
             raise ValueError("max_loras must be at least 1")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be at least 1")
-        if self.max_num_seqs < 1 or self.block_size < 1:
-            raise ValueError("max_num_seqs and block_size must be at least 1")
+        if self.max_num_seqs < 1 or self.block_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                "max_num_seqs, block_size and max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

@@ -109,14 +109,15 @@ def test_rank_aware_admission_keeps_a_second_big_adapter_out_of_the_step(llama_d
     assert not capped.requests and a != b
 
 
-def test_a_step_budget_below_max_model_len_is_refused_at_start(llama_dir):
-    """Without chunked prefill, a sequence longer than one step's token budget (a long prompt, or a request
-    preempted late and recomputed in one prefill) would wait forever and hold up every request behind it."""
-    with pytest.raises(ValueError, match="max_num_batched_tokens 16 is smaller than max_model_len 64"):
-        engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=16)
-    engine = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=64)
-    out = engine.generate([[3] * 60], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(out[0]) == 4
+def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(llama_dir):
+    """A sequence longer than one step's token budget (a long prompt, or a request preempted late
+    and recomputed) is prefilled over several steps, beside the decodes, and gives what one prefill
+    gives."""
+    chunked = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=16)
+    whole = engine_for(llama_dir, max_model_len=64, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[3 + i % 50 for i in range(60)], [7, 8, 9]]
+    assert chunked.generate(prompts, params) == whole.generate(prompts, params)
 
 
 def test_qwen_sliding_layers_follow_transformers_without_layer_types():

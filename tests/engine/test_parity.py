@@ -1,5 +1,7 @@
 """Our model and LoRA ops against Hugging Face transformers + PEFT, logits and greedy tokens."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,3 +81,71 @@ def test_greedy_generation_matches_token_for_token_with_join_and_leave(world):
             break
     for rid, (prompt, name, n) in zip(ids, jobs):
         assert got[rid] == reference_greedy(ref_model, prompt, name, n), f"adapter {name}"
+
+
+def test_chunked_prefill_matches_peft_logits_and_greedy_tokens(world):
+    """Prompts prefilled in chunks of at most 7 tokens a step (beside the decodes of the others):
+    every prompt position's logprob, and the greedy tokens after it, are HF + PEFT's (the sliding
+    window model too)."""
+    engine, refs, ref_model = world
+    names = [None, *refs]
+    config = engine.scheduler.config
+    engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=7)
+    try:
+        jobs = [(PROMPTS[i % len(PROMPTS)], names[i % len(names)]) for i in range(6)]
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=0)
+        ids = [engine.add_request(p, params, refs[n] if n else None) for p, n in jobs]
+        tokens, prompt_lp, steps = {i: [] for i in ids}, {}, 0
+        while engine.has_work():
+            for out in engine.step():
+                assert out.error is None
+                tokens[out.request_id] += out.token_ids
+                if out.prompt_logprobs is not None:
+                    prompt_lp[out.request_id] = out.prompt_logprobs
+            steps += 1
+            assert sum(s.num_scheduled for s in engine.scheduler.running) <= 7
+    finally:
+        engine.scheduler.config = config
+    for rid, (prompt, name) in zip(ids, jobs):
+        assert tokens[rid] == reference_greedy(ref_model, prompt, name, 5), name
+        expected = torch.log_softmax(reference_logits(ref_model, prompt, name), -1)
+        got = [e["logprob"] for e in prompt_lp[rid][1:]]
+        want = expected[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
+
+
+def _greedy_with_hits(engine, prompt, ref, max_tokens=5):
+    """Greedy tokens of one request, and the prompt tokens it found in the prefix cache."""
+    before = engine.blocks.num_hit_tokens
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    tokens = engine.generate([prompt], params, [ref])[0]
+    return tokens, engine.blocks.num_hit_tokens - before
+
+
+def test_prefix_cache_shares_blocks_within_one_adapter_revision_only(world):
+    """A prompt that starts as an earlier one of the same adapter revision reuses its full blocks
+    and gives HF + PEFT's tokens; the same prompt under another adapter, the base model, or another
+    revision of the adapter finds nothing."""
+    engine, refs, ref_model = world
+    size = engine.blocks.block_size
+    names = [None, *refs]
+    for k, name in enumerate(names):
+        # two full blocks, a prefix of its own
+        prefix = [100 + k * 3 + i % 50 for i in range(2 * size)]
+        ref = refs[name] if name else None
+        assert _greedy_with_hits(engine, prefix + [1, 2, 3], ref)[1] == 0
+        second, hits = _greedy_with_hits(engine, prefix + [4, 5], ref)
+        assert hits == 2 * size
+        assert second == reference_greedy(ref_model, prefix + [4, 5], name, 5), name
+        for other in names:  # nobody else's blocks
+            if other != name:
+                other_ref = refs[other] if other else None
+                assert _greedy_with_hits(engine, prefix + [4, 5], other_ref)[1] == 0, (name, other)
+    name = next(iter(refs))
+    digest = refs[name].key.adapter_digest
+    again = engine.adapter_ref(name, refs[name].path, revision="r2", digest=digest)
+    prefix = [300 + i % 40 for i in range(2 * size)]
+    _greedy_with_hits(engine, prefix + [1], refs[name])
+    # same bytes, another revision: its own blocks
+    assert _greedy_with_hits(engine, prefix + [2], again)[1] == 0
+    assert _greedy_with_hits(engine, prefix + [3], refs[name])[1] == 2 * size

@@ -147,8 +147,14 @@ BAD_REQUESTS = [
     (b'{"model": "tiny", "prompt": 12.5}', "prompt"),
     (b'{"model": "tiny", "prompt": "x", "temperature": 9}', "temperature"),
     (b'{"model": "tiny", "prompt": "x", "frobnicate": true}', "frobnicate"),
-    (b'{"model": "tiny", "prompt": "x", "n": 2}', "n"),
-    (b'{"model": "tiny", "prompt": "x", "echo": true}', "echo"),
+    (b'{"model": "tiny", "prompt": "x", "n": 0}', "n"),
+    (b'{"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}', "best_of"),
+    (b'{"model": "tiny", "prompt": "x", "best_of": 2, "stream": true}', "best_of"),
+    (b'{"model": "tiny", "prompt": "x", "min_p": 1.5}', "min_p"),
+    (b'{"model": "tiny", "prompt": "x", "response_format": {"type": "yaml"}}', "response_format"),
+    (b'{"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}',
+     "response_format"),
+    (b'{"model": "tiny", "prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
     ('{"model": "tiny", "prompt": "x", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias"),  # "²".isdigit()
     ('{"model": "tiny", "prompt": "x", "logit_bias": {"\u0663": 1}}'.encode(), "logit_bias"),  # Arabic-Indic 3
@@ -171,7 +177,10 @@ def test_bad_requests_get_400_in_the_openai_shape(running, body, param):
 
 CHAT_REFUSALS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "wizard"}}}},
+     "response_format"),
+    ({"n": 65}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),

@@ -53,8 +53,9 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
                        request_id: str | None = None, counted: bool = True) -> AsyncIterator[RequestOutput]:
-        """Outputs as the request advances; leaving the loop early (a client gone) aborts it at once. `counted`: as
-        in `LLMEngine.add_request`."""
+        """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
+        the loop early (a client gone) aborts it at once. `counted`: as in
+        `LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # its outputs and aborts would reach the other request
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -62,11 +63,16 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, adapter, request_id, counted)
+            matcher = None
+            if params.structured is not None:  # compiling can take a while: off the event loop
+                matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
+            self.engine.add_request(prompt_ids, params, adapter, request_id, counted, matcher)
             self._wake.set()
+            running = params.num_seqs  # each of the prompt's sequences ends with a finished output
             while not finished:
                 out = await queue.get()
-                finished = out.finished
+                running -= out.finished
+                finished = running == 0
                 if out.error is not None:
                     raise out.error
                 yield out

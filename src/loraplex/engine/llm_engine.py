@@ -23,7 +23,7 @@ from loraplex.engine.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engine.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.engine.runner import ModelRunner
-from loraplex.engine.sampler import sample
+from loraplex.engine.sampler import Sampled, Sampler
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import (
     InvalidRequest,
@@ -33,6 +33,7 @@ from loraplex.engine.sequence import (
     Sequence,
     Status,
 )
+from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.lora_format import (
     WEIGHTS_FILE,
@@ -55,12 +56,6 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.device = resolve_device(config.device)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
-        if config.max_num_batched_tokens < self.max_model_len:  # as vLLM without chunked prefill
-            raise ValueError(
-                f"max_num_batched_tokens {config.max_num_batched_tokens} is smaller than max_model_len "
-                f"{self.max_model_len}: a sequence that long (or one preempted at that length, recomputed in one "
-                "prefill) could never be scheduled, and would hold up the queue behind it"
-            )
         if config.kv_cache_bytes is not None:  # the operator's figure: checked before loading
             self._kv_blocks(self._kv_budget())
         self.model = load_model(config.model_dir, self.dtype, self.device)
@@ -90,12 +85,16 @@ class LLMEngine:
         )
         # After the weights and the slots: on CUDA the budget is what they leave of the device.
         self.kv_budget = self._kv_budget()
-        self.blocks = BlockManager(self._kv_blocks(self.kv_budget), config.block_size)
+        self.blocks = BlockManager(self._kv_blocks(self.kv_budget), config.block_size,
+                                   config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, self.adapters)
         self.runner = ModelRunner(self.model, self.pool, self.blocks, self.dtype, self.device)
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        """Samples requests that give no seed of their own (used on the step thread only)."""
-        self.requests: dict[str, Sequence] = {}
+        # Requests that give no seed of their own draw from the engine's generator (--seed).
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids, self.device, generator)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        """The live sequences of each request id (several with n > 1 or best_of)."""
         self._inbox: list[tuple[str, object]] = []
         self._inbox_lock = threading.Lock()
         self._failed: list[RequestOutput] = []
@@ -140,8 +139,9 @@ class LLMEngine:
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                    request_id: str | None = None, counted: bool = True) -> str:
-        """`counted`: reported as a cache hit or miss (a client request of several prompts reports its first)."""
+                    request_id: str | None = None, counted: bool = True, matcher=None) -> str:
+        """`counted`: reported as a cache hit or miss (a client request of several prompts reports
+        its first). `matcher`: the grammar's matcher, if the caller compiled it already."""
         if not prompt_ids:
             raise InvalidRequest("prompt", "prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -152,15 +152,32 @@ class LLMEngine:
             )
         if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
             raise InvalidRequest("prompt", f"token ids must be in [0, {self.model_config.vocab_size})")
+        self._check_group_fits(len(prompt_ids), params)
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
+        seq.num_forks = params.num_seqs - 1
+        seq.detokenizer = self.tokenizer.output_decoder(seq.prompt_ids)
+        # a schema the library refuses fails here, before the request runs
+        if params.structured is not None:
+            seq.matcher = matcher or self.grammars.matcher(params.structured)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        else:
-            seq.generator = self.generator
         seq.cache_tier = self.adapters.record_request(adapter, counted) if adapter else "gpu"
         with self._inbox_lock:
             self._inbox.append(("add", seq))
         return seq.request_id
+
+    def _check_group_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together.
+        """
+        name, count = ("best_of", params.best_of) if params.best_of else ("n", params.n)
+        if count > self.config.max_num_seqs:
+            raise InvalidRequest(
+                name, f"{name}={count} is more than max_num_seqs {self.config.max_num_seqs}")
+        needed = self.blocks.blocks_for_group(num_prompt_tokens, count)
+        if needed > self.blocks.num_blocks:
+            raise InvalidRequest(
+                name, f"{name}={count} sequences of a {num_prompt_tokens}-token prompt need "
+                f"{needed} KV blocks; the KV cache has {self.blocks.num_blocks}")
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
@@ -190,33 +207,99 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch:
                 return outputs
-            seqs, logits = self.runner.run(batch)
-            tokens, logprobs = sample(logits, seqs, self.eos_ids)
-            for seq, token, logprob in zip(seqs, tokens, logprobs):
-                if token is None:  # NaN or infinite logits: this request fails, the batch goes on
-                    self.scheduler.finish(seq, "error")
-                    self.requests.pop(seq.request_id, None)
+            step = self.runner.run(batch)
+            for seq in batch.seqs:
+                seq.num_computed += seq.num_scheduled
+                if seq.num_hashed < len(seq.prompt_ids) // self.blocks.block_size:
+                    self.blocks.cache_computed(seq)
+            for part in step.prompt_logits:
+                self._add_prompt_logprobs(part.seq, part.start, part.logits)
+            seqs, logits = self._fork(step.seqs, step.logits)
+            sampled = self.sampler(logits, seqs)
+            self.sampler.record(seqs, sampled.tokens)
+            for i, seq in enumerate(seqs):
+                # NaN or infinite logits: this request fails, the batch goes on
+                if sampled.tokens[i] is None:
+                    self._end(seq, "error")
                     adapter = f" with adapter {seq.adapter.key}" if seq.adapter is not None else ""
                     outputs.append(self._output(seq, [], "", [], error=NonFiniteLogits(
                         f"the model gave non-finite logits (NaN or infinity){adapter}: the request cannot be "
                         "completed")))
                     continue
-                outputs.append(self._append(seq, token, logprob))
+                outputs.append(self._append(seq, sampled, i))
         except BaseException:
             self._failed = outputs + self._failed  # already taken off the books: fail_all delivers them
             raise
         return outputs
+
+    def _fork(self, seqs: list[Sequence],
+              logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The further sequences of each newly prefilled prompt (n, best_of): they share its KV
+        blocks and start from its logits."""
+        rows, copies = list(range(len(seqs))), []
+        for i, parent in enumerate(list(seqs)):
+            for index in range(1, parent.num_forks + 1):
+                child = self._child(parent, index)
+                pair = self.scheduler.fork(parent, child)
+                if pair is not None:
+                    copies.append(pair)
+                seqs.append(child)
+                rows.append(i)
+            parent.num_forks = 0
+        if copies:
+            self.runner.copy_blocks(copies)
+        if len(rows) == len(logits):
+            return seqs, logits
+        return seqs, logits[torch.tensor(rows, device=logits.device)]
+
+    def _child(self, parent: Sequence, index: int) -> Sequence:
+        p = parent.params
+        child = Sequence(parent.request_id, parent.prompt_ids, p, parent.adapter, parent.arrival,
+                         index=index, prompt_logprobs=parent.prompt_logprobs,
+                         cache_tier=parent.cache_tier)
+        child.detokenizer = self.tokenizer.output_decoder(child.prompt_ids)
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.fork()
+        if p.seed is not None:  # a seed of its own, as vLLM's children
+            seed = (p.seed + index) % 2**64
+            child.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.requests[parent.request_id].append(child)
+        return child
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens a prefill chunk predicts, and the most likely
+        alternatives there (the first prompt token has none). A chunk computed again (after a
+        preemption) replaces its entries."""
+        # logits: [n, V], row j predicts prompt token start + 1 + j
+        k = seq.params.prompt_logprobs
+        lp = torch.log_softmax(logits, dim=-1)
+        tokens = seq.prompt_ids[start + 1 : start + 1 + len(lp)]
+        picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
+        entries = [{"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
+                   for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(),
+                                                     top_v.tolist())]
+        seq.prompt_logprobs = (seq.prompt_logprobs or [None])[: start + 1] + entries
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sampler.release(seq)
+        live = self.requests.get(seq.request_id, [])
+        if seq in live:
+            live.remove(seq)
+        if not live:
+            self.requests.pop(seq.request_id, None)
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
-                self.requests[item.request_id] = item
+                self.requests[item.request_id] = [item]
                 self.scheduler.add(item)
-            elif item in self.requests:
-                seq = self.requests.pop(item)
-                self.scheduler.finish(seq, "abort")
+            else:
+                for seq in list(self.requests.get(item, ())):
+                    self._end(seq, "abort")
 
     def _fail_unavailable(self, failures: list[tuple[AdapterKey, Exception]]) -> None:
         """A failed load fails only the requests waiting for that adapter, and not those that its resident copy can
@@ -225,55 +308,50 @@ class LLMEngine:
             if self.adapters.slot_of(key) is not None or key in self.adapters.cpu:
                 continue
             for seq in [s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key]:
-                self.scheduler.finish(seq, "error")
-                self.requests.pop(seq.request_id, None)
+                self._end(seq, "error")
                 self._failed.append(self._output(seq, [], "", [], error=error))
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every request with the error (after a failed step) so that no client waits forever."""
         self._take_inbox()
         outputs, self._failed = self._failed, []
-        for seq in list(self.requests.values()):
+        for seq in [s for live in self.requests.values() for s in live]:
             self.scheduler.finish(seq, "error")
+            self.sampler.release(seq)
             outputs.append(self._output(seq, [], "", [], error=error))
         self.requests.clear()
         return outputs
 
-    def _decode_output(self, seq: Sequence) -> str:
-        """The output's text, decoded after the last prompt tokens as vLLM does: a SentencePiece tokenizer (Llama-2,
-        Mistral) drops the space it marks on the first token of a text, which the output's first token is not."""
-        if seq.context is None:
-            ids = seq.prompt_ids[-4:]
-            seq.context = (ids, self.tokenizer.decode(ids))
-        ids, prefix = seq.context
-        text = self.tokenizer.decode(ids + seq.output_ids)
-        if text.startswith(prefix):
-            return text[len(prefix):]
-        return self.tokenizer.decode(seq.output_ids)  # the prompt's last bytes joined the output's (half a character)
-
-    def _append(self, seq: Sequence, token: int, logprob: dict | None) -> RequestOutput:
+    def _append(self, seq: Sequence, sampled: Sampled, i: int) -> RequestOutput:
+        token, logprob = sampled.tokens[i], sampled.logprobs[i]
+        token_logprob = sampled.token_logprobs[i]
         seq.first_token_at = seq.first_token_at or time.monotonic()
         seq.output_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        if token_logprob is not None:
+            seq.cumulative_logprob += token_logprob
         reason = self._finish_reason(seq, token)
-        text = self._decode_output(seq)
+        if seq.matcher is not None and reason is None:
+            seq.matcher.accept_token(token)
+            if seq.matcher.is_terminated():
+                reason = "stop"
+        before = len(seq.text)
+        text = seq.text + seq.detokenizer.step(token)
         if seq.params.stop and len(seq.output_ids) < seq.params.min_tokens:
             seq.stop_from = len(text)  # as vLLM: no stop string ends the output before min_tokens
         elif seq.params.stop:
-            starts = (max(0, seq.stop_from - len(s) + 1) for s in seq.params.stop)  # one may end in the new text
+            # A stop string may end in the new text: look from where one could start in it.
+            starts = (max(seq.stop_from, before - len(s) + 1) for s in seq.params.stop)
             hits = [i for i in (text.find(s, start) for s, start in zip(seq.params.stop, starts)) if i >= 0]
             if hits:
                 text, reason = text[: min(hits)], "stop"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
+            self._end(seq, reason)
         seq.text = text
-        # Hold back what could still become a stop string, or half of a multi-byte character.
+        # Hold back what could still become a stop string.
         hold = 0 if reason else max((len(s) - 1 for s in seq.params.stop), default=0)
         ready = len(text) - hold
-        if not reason and text.endswith("\ufffd"):
-            ready = min(ready, len(text) - 1)
         delta = text[seq.sent_chars : max(ready, seq.sent_chars)]
         seq.sent_chars += len(delta)
         new_ids = seq.output_ids[seq.sent_tokens :]
@@ -292,9 +370,13 @@ class LLMEngine:
 
     def _output(self, seq, ids, text, logprobs, error=None) -> RequestOutput:
         wait = seq.admitted_at - seq.arrival if seq.admitted_at is not None else None
+        first = seq.sent_tokens <= len(ids)  # the sequence's first output (or an error before any)
         return RequestOutput(
             seq.request_id, ids, text, logprobs, seq.status is Status.FINISHED, seq.finish_reason,
-            len(seq.prompt_ids), len(seq.output_ids), error, seq.cache_tier, wait,
+            len(seq.prompt_ids), len(seq.output_ids), error, index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.best_of else None,
+            prompt_logprobs=seq.prompt_logprobs if first else None, cache_tier=seq.cache_tier,
+            queue_wait_s=wait,
         )
 
     # -- convenience -----------------------------------------------------------------------------
@@ -340,7 +422,9 @@ class LLMEngine:
                 if not self.blocks.can_allocate(seq):
                     raise InvalidRequest("prompt", "prompts do not fit in the KV cache together")
                 self.blocks.allocate(seq)
-            ordered, logits = self.runner.run(ScheduledBatch(prefills=seqs), all_tokens=True)
+                # every prompt in one prefill, whatever max_num_batched_tokens
+                seq.num_scheduled = len(seq)
+            ordered, logits, _ = self.runner.run(ScheduledBatch(prefills=seqs), all_tokens=True)
         finally:
             for seq in seqs:
                 self.scheduler.release(seq)

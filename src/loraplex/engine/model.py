@@ -14,12 +14,24 @@ from loraplex.model_config import ModelConfig
 
 
 @dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk in the step: its tokens [first, first + length) of the step, at
+    positions [start, start + length) of the sequence."""
+
+    first: int
+    length: int
+    start: int = 0
+    # [start + length] flat KV positions it attends to, when start > 0
+    context: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMeta:
     """Where the step's tokens sit; built once per step by the runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] flat KV-cache position each new token writes to
     positions: torch.Tensor  # [T]
-    prefills: list[tuple[int, int]]  # (first token, length) of each sequence prefilled from position 0
+    prefills: list[PrefillSpan]
     decode_tokens: torch.Tensor | None = None  # [B] token index of each decoding sequence
     decode_kv: torch.Tensor | None = None  # [B, L] flat KV-cache positions of each decoding sequence's context
     decode_lens: torch.Tensor | None = None  # [B] context length, the new token included
@@ -120,20 +132,31 @@ class Attention(nn.Module):
         k_cache[attn.slot_mapping] = k
         v_cache[attn.slot_mapping] = v
         out = torch.empty_like(q)
-        for start, length in attn.prefills:
-            out[start : start + length] = self._prefill(q, k, v, start, length)
+        for span in attn.prefills:
+            rows = slice(span.first, span.first + span.length)
+            out[rows] = self._prefill(q, k, v, span, k_cache, v_cache)
         if attn.decode_tokens is not None:
             out[attn.decode_tokens] = self._decode(q[attn.decode_tokens], k_cache, v_cache, attn)
         return self.o_proj(out.view(n, -1), lora)
 
-    def _prefill(self, q, k, v, start, length):
+    def _prefill(self, q, k, v, span: PrefillSpan, k_cache, v_cache):
         # [L, H, D] -> [1, H, L, D]
-        q, k, v = (t[start : start + length].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if self.window is None or length <= self.window:
+        first, length = span.first, span.length
+        q = q[first : first + length].transpose(0, 1).unsqueeze(0)
+        if span.context is None:  # from position 0: the chunk's own keys and values
+            k, v = (t[first : first + length].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        # a later chunk: every earlier position's keys and values, from the cache (this chunk's are
+        # in)
+        else:
+            k, v = (c[span.context].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+        if span.start == 0 and (self.window is None or length <= self.window):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            pos = torch.arange(length, device=q.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+            rows = torch.arange(span.start, span.start + length, device=q.device)[:, None]
+            cols = torch.arange(span.start + length, device=q.device)[None, :]
+            mask = cols <= rows
+            if self.window is not None:
+                mask &= cols > rows - self.window
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.lora import LoRASlotPool, build_lora_groups
-from loraplex.engine.model import AttentionMeta, CausalLM
+from loraplex.engine.model import AttentionMeta, CausalLM, PrefillSpan
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
+
+
+class PromptLogits(NamedTuple):
+    """Logits [n, V] of a prefill chunk that predict the prompt's tokens start + 1 .. start + n."""
+
+    seq: Sequence
+    start: int
+    logits: torch.Tensor
+
+
+class StepLogits(NamedTuple):
+    seqs: list[Sequence]
+    """The sequences whose last token the step computed (decodes, prefills done), ordered by adapter
+    slot."""
+    logits: torch.Tensor
+    """[B, V] their next-token logits (with all_tokens, [T, V] of every token of the step)."""
+    prompt_logits: list[PromptLogits]
+    """For the prefill chunks of the sequences that ask for prompt logprobs."""
 
 
 class ModelRunner:
@@ -35,7 +55,19 @@ class ModelRunner:
         return table[:, index // size] * size + index % size
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> tuple[list[Sequence], torch.Tensor]:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: a forked sequence's own copy of a
+        shared block."""
+        size = self.blocks.block_size
+        offsets = torch.arange(size)
+        src = torch.cat([s * size + offsets for s, _ in pairs]).to(self.device)
+        dst = torch.cat([d * size + offsets for _, d in pairs]).to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> StepLogits:
         """The batch's sequences, ordered by adapter slot, and their next-token logits [B, V].
 
         With all_tokens, the logits of every token of the step instead ([T, V], sequences in the returned order).
@@ -44,23 +76,31 @@ class ModelRunner:
         prefills = sorted(batch.prefills, key=lambda s: s.lora_slot)
         decodes = sorted(batch.decodes, key=lambda s: s.lora_slot)
         ids, positions, slots, token_slots, prefill_spans, last = [], [], [], [], [], []
-        for seq in prefills:
-            n = len(seq)
-            prefill_spans.append((len(ids), n))
-            ids += seq.all_ids
-            positions += range(n)
-            slots.append(self._kv_positions([seq], n)[0])
-            token_slots += [seq.lora_slot] * n
-            last.append(len(ids) - 1)
-        decode_start = len(ids)
-        for seq in decodes:
-            n = len(seq)
-            ids.append(seq.all_ids[-1])
-            positions.append(n - 1)
-            slots.append(torch.tensor([self.blocks.position(seq, n - 1)]))
-            token_slots.append(seq.lora_slot)
-            last.append(len(ids) - 1)
+        # prefills whose chunk ends the sequence: their logits are sampled
+        done: list[Sequence] = []
         dev = self.device
+        for seq in prefills:
+            start, n = seq.num_computed, seq.num_scheduled
+            end = start + n
+            kv = self._kv_positions([seq], end)[0]
+            prefill_spans.append(PrefillSpan(len(ids), n, start, kv.to(dev) if start else None))
+            ids += seq.all_ids[start:end]
+            positions += range(start, end)
+            slots.append(kv[start:])
+            token_slots += [seq.lora_slot] * n
+            if end == len(seq):
+                done.append(seq)
+                last.append(len(ids) - 1)
+        decode_start = len(ids)
+        # Decoding rows: one token each, its KV position from the last block of its table.
+        lens = [len(s) for s in decodes]
+        ids += [s.last_token for s in decodes]
+        positions += [n - 1 for n in lens]
+        size = self.blocks.block_size
+        slots.append(torch.tensor([s.block_table[(n - 1) // size] * size + (n - 1) % size
+                                   for s, n in zip(decodes, lens)], dtype=torch.long))
+        token_slots += [s.lora_slot for s in decodes]
+        last += range(decode_start, len(ids))
         attn = AttentionMeta(
             slot_mapping=torch.cat(slots).to(dev),
             positions=torch.tensor(positions, device=dev),
@@ -68,9 +108,18 @@ class ModelRunner:
         )
         if decodes:
             attn.decode_tokens = torch.arange(decode_start, len(ids), device=dev)
-            attn.decode_lens = torch.tensor([len(s) for s in decodes], device=dev)
-            attn.decode_kv = self._kv_positions(decodes, max(len(s) for s in decodes)).to(dev)
+            attn.decode_lens = torch.tensor(lens, device=dev)
+            attn.decode_kv = self._kv_positions(decodes, max(lens)).to(dev)
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
-        logits = self.model.logits(hidden if all_tokens else hidden[torch.tensor(last, device=dev)])
-        return prefills + decodes, logits
+        last_rows = torch.tensor(last, dtype=torch.long, device=dev)
+        logits = self.model.logits(hidden if all_tokens else hidden[last_rows])
+        prompt_logits = []
+        for seq, span in zip(prefills, prefill_spans):
+            # rows predicting prompt
+            wanted = min(span.start + span.length, len(seq.prompt_ids) - 1) - span.start
+            # not a recompute
+            if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:
+                rows = hidden[span.first : span.first + wanted]
+                prompt_logits.append(PromptLogits(seq, span.start, self.model.logits(rows)))
+        return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)

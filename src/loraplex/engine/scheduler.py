@@ -44,10 +44,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        """The running sequences first, in admission order (a decode, or the next chunk of a
+        prefill), then the waiting ones, within max_num_batched_tokens."""
         batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue  # preempted a moment ago to make room for an earlier sequence
+            if seq.status is not Status.RUNNING or budget == 0:
+                # preempted a moment ago to make room for an earlier sequence, or no budget left
+                continue
+            remaining = len(seq) - seq.num_computed
+            # a prefill that did not fit in one step: its next chunk (its blocks are there)
+            if remaining > 1:
+                seq.num_scheduled = min(remaining, budget)
+                batch.prefills.append(seq)
+                budget -= seq.num_scheduled
+                continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]  # the latest admitted gives way
                 self.preempt(victim)
@@ -55,18 +66,22 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 self.blocks.append(seq)
+                seq.num_scheduled = 1
                 batch.decodes.append(seq)
-        self._admit(batch)
+                budget -= 1
+        self._admit(batch, budget)
         return batch
 
-    def _admit(self, batch: ScheduledBatch) -> None:
-        budget = self.config.max_num_batched_tokens - len(batch.decodes)
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         lora_bytes = self._lora_bytes(self.running)
+        hits: dict[int, object] = {}  # each request's cached prefix blocks, found by has_room
 
         def has_room(seq: Sequence) -> bool:
             # First come, first served for memory too: later requests do not overtake.
-            return (len(self.running) < self.config.max_num_seqs and len(seq) <= budget
-                    and self.blocks.can_allocate(seq))
+            if len(self.running) + seq.num_forks >= self.config.max_num_seqs or budget == 0:
+                return False
+            hits[id(seq)] = self.blocks.prefix_hits(seq)
+            return self.blocks.can_allocate(seq, hits[id(seq)])
 
         def take(seq: Sequence) -> Take:
             if self.take_adapter(seq, lora_bytes):
@@ -76,12 +91,13 @@ class Scheduler:
         def admit(seq: Sequence) -> None:
             nonlocal budget, lora_bytes
             self._leave_queue(seq)
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, hits.pop(id(seq)))
             seq.status = Status.RUNNING
             seq.admitted_at = seq.admitted_at or time.monotonic()
             self.running.append(seq)
+            seq.num_scheduled = min(len(seq) - seq.num_computed, budget)  # the rest in later steps
             batch.prefills.append(seq)
-            budget -= len(seq)
+            budget -= seq.num_scheduled
             lora_bytes = self._lora_bytes(self.running)
 
         admit_waiting(self._in_turn(), has_room=has_room, take_adapter=take, admit=admit,
@@ -98,6 +114,18 @@ class Scheduler:
             held = seq.adapter is not None and self.adapters.defers(seq.adapter)
             (later if held else first).append(seq)
         return first + later
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Run `child` beside its prefilled parent on the parent's KV blocks and adapter slot;
+        returns the block the runner copies for it, if any (`BlockManager.fork`)."""
+        pair = self.blocks.fork(parent, child)
+        if child.adapter is not None:
+            child.lora_slot, child.holds_adapter = self.adapters.acquire(child.adapter), True
+        child.status, child.admitted_at = Status.RUNNING, parent.admitted_at
+        child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
+        child.prefix_hash = parent.prefix_hash
+        self.running.append(child)
+        return pair
 
     def take_adapter(self, seq: Sequence, lora_bytes: int) -> bool:
         if self._over_lora_budget(seq.adapter.key, lora_bytes):
@@ -124,7 +152,7 @@ class Scheduler:
         """Free the sequence's memory; it waits at the front and recomputes its tokens when readmitted."""
         self.running.remove(seq)
         self.release(seq)
-        seq.status = Status.WAITING
+        seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
         if seq.adapter is not None:
             self.adapters.queue(seq.adapter.key)

@@ -8,6 +8,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from loraplex.model_config import ModelConfigError
 
@@ -45,6 +46,11 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (for libraries that build on it, as xgrammar does)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
@@ -53,6 +59,9 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def output_decoder(self, prompt_ids: list[int]) -> OutputDecoder:
+        return OutputDecoder(self._tok, prompt_ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -71,3 +80,25 @@ class Tokenizer:
 
 def _raise(message: str):
     raise jinja2.TemplateError(message)
+
+
+class OutputDecoder:
+    """Decodes a sequence's output a token at a time, as vLLM's incremental detokenizer: primed with
+    the last prompt tokens, so the text comes out as it reads after the prompt (a SentencePiece
+    tokenizer drops the space it marks on the first token of a text, which the output's first token
+    is not)."""
+
+    def __init__(self, tok: HFTokenizer, prompt_ids: list[int]):
+        self._tok = tok
+        self._stream = DecodeStream(ids=prompt_ids[-8:], skip_special_tokens=True)
+
+    def step(self, token: int) -> str:
+        """The text `token` completes ("" while the output ends in half a character)."""
+        try:
+            return self._stream.step(self._tok, token) or ""
+        except Exception as exc:  # tokenizers raises a bare Exception
+            if not str(exc).startswith("Invalid prefix encountered"):
+                raise
+            # Output that is not monotonic UTF-8 breaks the stream's state: start a new one.
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._stream.step(self._tok, token) or ""

@@ -4,6 +4,7 @@ before the first token are proper HTTP errors), then streamed or collected; clos
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,10 +22,13 @@ class ChoiceState:
     """What one prompt has produced so far."""
 
     index: int
+    prompt_index: int = 0
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -34,6 +38,10 @@ class ChoiceState:
         self.num_output_tokens = out.num_output_tokens
         self.text.append(out.text)
         self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.cumulative_logprob is not None:
+            self.cumulative_logprob = out.cumulative_logprob
         if out.token_ids:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
@@ -50,7 +58,12 @@ class Generation:
         self.target = target
         self.params = params
         self.ticket = ticket
-        self.choices = [ChoiceState(i) for i in range(len(prompts))]
+        self.prompts = prompts
+        # One choice per sequence: prompt i's sequence j is choice i * num_seqs + j, as vLLM numbers
+        # them.
+        self.num_seqs = params.num_seqs
+        self.choices = [ChoiceState(i, i // self.num_seqs)
+                        for i in range(len(prompts) * self.num_seqs)]
         # The engine's ids are ours: the client's x-request-id names the response and the audit line, but two clients
         # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
         ids = [uuid.uuid4().hex for _ in prompts]
@@ -69,7 +82,7 @@ class Generation:
         try:
             for index, stream in enumerate(self._streams):
                 first = await anext(stream)
-                self.choices[index].add(first, time.monotonic())
+                self._choice(index, first).add(first, time.monotonic())
                 self._firsts.append(first)
                 if index == 0:
                     self.queue_wait_s = first.queue_wait_s
@@ -78,15 +91,20 @@ class Generation:
             raise
         self.ticket.started()
 
+    def _choice(self, prompt_index: int, out: RequestOutput) -> ChoiceState:
+        return self.choices[prompt_index * self.num_seqs + out.index]
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every prompt has finished; choice state is updated before each."""
         for index, out in enumerate(self._firsts):  # already counted in the choices by start()
-            yield index, out
-        live = [i for i, out in enumerate(self._firsts) if not out.finished]
+            yield self._choice(index, out).index, out
+        live = [i for i, out in enumerate(self._firsts)
+                if not (out.finished and self.num_seqs == 1)]  # n > 1: its other sequences go on
         if len(live) == 1:
             async for out in self._streams[live[0]]:
-                self.choices[live[0]].add(out, time.monotonic())
-                yield live[0], out
+                choice = self._choice(live[0], out)
+                choice.add(out, time.monotonic())
+                yield choice.index, out
         elif live:
             async for index, out in self._merged(live):
                 yield index, out
@@ -112,8 +130,9 @@ class Generation:
                 if out is None:
                     remaining -= 1
                     continue
-                self.choices[index].add(out, time.monotonic())
-                yield index, out
+                choice = self._choice(index, out)
+                choice.add(out, time.monotonic())
+                yield choice.index, out
         finally:  # no await here: this may run inside a cancelled scope; close() waits for the pumps
             for task in self._pumps:
                 task.cancel()
@@ -132,11 +151,24 @@ class Generation:
         self.resolver.finished(self.target)
         self._record()
 
+    def returned_choices(self) -> list[ChoiceState]:
+        """The choices the answer holds: with best_of, each prompt's n of highest cumulative
+        logprob, numbered again from 0 (as vLLM did)."""
+        n = self.params.n
+        if self.num_seqs == n:
+            return self.choices
+        out = []
+        for start in range(0, len(self.choices), self.num_seqs):
+            group = self.choices[start : start + self.num_seqs]
+            best = sorted(group, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+            for choice in best:
+                out.append(dataclasses.replace(choice, index=len(out)))
+        return out
+
     def _record(self) -> None:
         first = self.choices[0]
         audit = self.ctx.audit
-        audit["prompt_tokens"] = sum(c.num_prompt_tokens for c in self.choices)
-        audit["completion_tokens"] = sum(c.num_output_tokens for c in self.choices)
+        audit["prompt_tokens"], audit["completion_tokens"] = self.usage_counts
         audit["finish_reason"] = first.finish_reason
         if self.queue_wait_s is not None:
             audit["queue_wait_s"] = self.queue_wait_s
@@ -147,4 +179,7 @@ class Generation:
 
     @property
     def usage_counts(self) -> tuple[int, int]:
-        return (sum(c.num_prompt_tokens for c in self.choices), sum(c.num_output_tokens for c in self.choices))
+        """Prompt tokens once per prompt, and the output tokens of the choices returned, as vLLM
+        counts."""
+        prompt_tokens = sum(c.num_prompt_tokens for c in self.choices[:: self.num_seqs])
+        return prompt_tokens, sum(c.num_output_tokens for c in self.returned_choices())

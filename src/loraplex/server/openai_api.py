@@ -55,9 +55,21 @@ async def completions(request: Request):
         return await vllm_api.respond(request, server, ctx, body, chat=False)
     req = await _parse(request, server, CompletionRequest)
     target = server.resolve(ctx, req.model, req.user)
-    prompts = [server.encode_prompt(p) for p in req.prompts()]
-    params = req.sampling_params(server.engine.model_config.vocab_size, 16, req.logprobs)
-    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server))
+    texts = req.prompts()
+    prompts = [server.encode_prompt(p) for p in texts]
+    echo = None
+    # as vLLM: the prompt's text, and with logprobs its tokens' logprobs, before each choice's
+    if req.echo:
+        decode = server.engine.tokenizer.decode
+        echo = [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts)]
+    prompt_only = bool(req.echo) and req.max_tokens == 0
+    if prompt_only:  # as vLLM: one token is generated, the prompt alone is answered
+        req.max_tokens = 1
+    prompt_logprobs = req.logprobs if req.echo else None
+    vocab_size = server.engine.model_config.vocab_size
+    params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
+    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts,
+                           prompt_only)
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
@@ -69,10 +81,13 @@ async def chat_completions(request: Request):
         return await vllm_api.respond(request, server, ctx, body, chat=True)
     req = await _parse(request, server, ChatCompletionRequest)
     target = server.resolve(ctx, req.model, req.user)
-    prompt = server.encode_chat([m.for_template() for m in req.messages])
+    messages = [m.for_template() for m in req.messages]
+    prompt = server.encode_chat(messages)
     default_max = max(1, server.engine.max_model_len - len(prompt))
     params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
-    fmt = ChatFormat(ctx.request_id, req.model, _token_text(server))
+    # vLLM's echo: the last message's content first, when it is the assistant's (the role answering)
+    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+    fmt = ChatFormat(ctx.request_id, req.model, _token_text(server), echo)
     return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
 
 
@@ -216,9 +231,14 @@ class _EventStream(StreamingResponse):
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, decode):
+    def __init__(self, request_id: str, model: str, decode, echo: list[str] | None = None,
+                 prompts: list[list[int]] | None = None, prompt_only: bool = False):
+        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids;
+        `prompt_only`: the echoed prompt without the output (echo with max_tokens 0)."""
         self.request_id, self.model, self.decode = request_id, model, decode
+        self.echo, self.prompts, self.prompt_only = echo, prompts, prompt_only
         self.offsets: dict[int, int] = {}
+        self.echoed: set[int] = set()
 
     def opening(self, gen: Generation) -> list[dict]:
         return []
@@ -230,32 +250,57 @@ class CompletionFormat:
         self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
         return out
 
+    def _prompt_entries(self, choice) -> list[dict]:
+        """The prompt's tokens as logprob entries (the first token has no logprob)."""
+        ids = self.prompts[choice.prompt_index]
+        given = choice.prompt_logprobs or [None] * len(ids)
+        return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
+
+    def _echoed(self, gen: Generation, choice, text: str,
+                entries: list[dict]) -> tuple[str, list[dict]]:
+        if self.echo is None:
+            return text, entries
+        if self.prompt_only:
+            text, entries = "", []
+        if gen.params.prompt_logprobs is not None:
+            entries = self._prompt_entries(choice) + entries
+        return self.echo[choice.prompt_index] + text, entries
+
     def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
-        lp = self._logprobs(index, out.logprobs) if gen.params.logprobs is not None else None
-        choice = schemas.completion_choice(index, out.text, out.finish_reason if out.finished else None, lp)
+        text, entries = out.text, out.logprobs
+        if index not in self.echoed:
+            self.echoed.add(index)
+            text, entries = self._echoed(gen, gen.choices[index], text, entries)
+        lp = self._logprobs(index, entries) if gen.params.logprobs is not None else None
+        reason = out.finish_reason if out.finished else None
+        choice = schemas.completion_choice(index, text, reason, lp)
         return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
 
     def usage_chunk(self, usage: dict) -> dict:
         return schemas.completion(self.request_id, self.model, [], usage, chunk=True)
 
     def final(self, gen: Generation) -> dict:
-        choices = [
-            schemas.completion_choice(c.index, "".join(c.text), c.finish_reason,
-                                      self._logprobs(c.index, c.logprobs) if gen.params.logprobs is not None else None)
-            for c in gen.choices
-        ]
+        choices = []
+        for c in gen.returned_choices():
+            text, entries = self._echoed(gen, c, "".join(c.text), c.logprobs)
+            lp = self._logprobs(c.index, entries) if gen.params.logprobs is not None else None
+            choices.append(schemas.completion_choice(c.index, text, c.finish_reason, lp))
         return schemas.completion(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, decode):
-        self.request_id, self.model, self.decode = request_id, model, decode
+    def __init__(self, request_id: str, model: str, decode, echo: str = ""):
+        """`echo`: text put before each choice's content."""
+        self.request_id, self.model, self.decode, self.echo = request_id, model, decode, echo
 
     def opening(self, gen: Generation) -> list[dict]:
-        """The role first, as OpenAI's API sends it."""
-        role = {"role": "assistant", "content": ""}
-        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, role, None)], None, chunk=True)
-                for c in gen.choices]
+        """The role first, as OpenAI's API sends it (then the echoed text, as vLLM does)."""
+        deltas = [{"role": "assistant", "content": ""}]
+        if self.echo:
+            deltas.append({"content": self.echo})
+        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, d, None)],
+                             None, chunk=True)
+                for d in deltas for c in gen.choices]
 
     def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:
         return schemas.chat_logprobs(entries, self.decode) if wanted and entries else None
@@ -270,7 +315,7 @@ class ChatFormat:
         return schemas.chat(self.request_id, self.model, [], usage, chunk=True)
 
     def final(self, gen: Generation) -> dict:
-        choices = [schemas.chat_choice(c.index, "".join(c.text), c.finish_reason,
+        choices = [schemas.chat_choice(c.index, self.echo + "".join(c.text), c.finish_reason,
                                        self._logprobs(c.logprobs, gen.params.logprobs is not None))
-                   for c in gen.choices]
+                   for c in gen.returned_choices()]
         return schemas.chat(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))

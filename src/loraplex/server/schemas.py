@@ -1,19 +1,20 @@
 """OpenAI request and response shapes for /v1/completions, /v1/chat/completions and /v1/models.
 
-Every standard OpenAI field is accepted; one we do not implement is refused with 400 only when it is set to
-a value that would change the answer. vLLM's `top_k`, `ignore_eos`, `min_tokens` and `repetition_penalty`
-are implemented. Any other field is refused with 400 naming it.
-"""
+Every standard OpenAI field is accepted; one we do not implement is refused with 400 only when it is
+set to a value that would change the answer. vLLM's `top_k`, `min_p`, `best_of`, `ignore_eos`,
+`min_tokens`, `repetition_penalty` and `echo` (chat too) are implemented, with vLLM's meanings. Any
+other field is refused with 400 naming it."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engine.sequence import SamplingParams, StructuredOutput
 from loraplex.server.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -43,8 +44,11 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: Any = None
     # vLLM extensions
+    best_of: int | None = None
     top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
@@ -55,8 +59,9 @@ class _Request(BaseModel):
             value = getattr(self, name)
             if value is not None and not is_default(value):
                 raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
-        if self.n not in (None, 1):
-            raise APIError(400, "n > 1 is not supported yet; send n separate requests", "unsupported_parameter", "n")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            raise APIError(400, "best_of greater than n cannot be streamed (the best are known at "
+                           "the end)", "invalid_value", "best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "invalid_value", "stream_options")
 
@@ -67,7 +72,8 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, vocab_size: int, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, vocab_size: int, default_max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Engine parameters; a bad value is an InvalidRequest naming the field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stop) > MAX_STOP_STRINGS:
@@ -79,6 +85,9 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            n=1 if self.n is None else self.n,
+            best_of=self.best_of,
             seed=self.seed,
             stop=tuple(stop),
             ignore_eos=bool(self.ignore_eos),
@@ -88,7 +97,30 @@ class _Request(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=_logit_bias(self.logit_bias, vocab_size),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured=structured_output(self.response_format),
         )
+
+
+def structured_output(response_format: Any) -> StructuredOutput | None:
+    """`response_format` as vLLM reads it: `text` (none), `json_object`, or `json_schema` with its
+    `schema`."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema, "
+                           "a JSON schema", "invalid_value", "response_format")
+        return StructuredOutput(json_schema=json.dumps(schema))
+    raise APIError(400, "response_format type must be text, json_object or json_schema",
+                   "invalid_value", "response_format")
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -110,11 +142,11 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    """The prompt before each choice's text (with logprobs, its tokens' logprobs before theirs)."""
     suffix: str | None = None
-    best_of: int | None = None
 
     def _unimplemented(self) -> dict:
-        return {"echo": lambda v: v is False, "suffix": lambda v: v == "", "best_of": lambda v: v == 1}
+        return {"suffix": lambda v: v == ""}
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: a text or a list of token ids."""
@@ -155,6 +187,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    echo: bool | None = None
+    """vLLM's: the last message's content before each choice's, when that message is the
+    assistant's."""
     # Standard fields that do not change the answer here: accepted with any value.
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -170,7 +205,6 @@ class ChatCompletionRequest(_Request):
     moderation: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
-    response_format: Any = None
     service_tier: Any = None
     store: Any = None
     tool_choice: Any = None
@@ -187,7 +221,6 @@ class ChatCompletionRequest(_Request):
             "moderation": lambda v: False,
             "prediction": lambda v: False,
             "reasoning_effort": lambda v: False,
-            "response_format": lambda v: v == {"type": "text"},
             "service_tier": lambda v: v in ("auto", "default"),
             "store": lambda v: v is False,
             "tool_choice": lambda v: v in ("none", "auto"),
@@ -260,8 +293,9 @@ def completion_logprobs(entries: list[dict], decode, offset: int) -> dict:
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
         # the sampled token too, as vLLM and OpenAI's legacy completions give it (so logprobs=0 names it)
+        # None for a token with no logprob (an echoed prompt's first)
         "top_logprobs": [{**{decode([t]): lp for t, lp in e["top"]}, token: e["logprob"]}
-                         for token, e in zip(tokens, entries)],
+                         if e["top"] is not None else None for token, e in zip(tokens, entries)],
         "text_offset": offsets,
     }
 
