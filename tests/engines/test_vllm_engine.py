@@ -159,6 +159,19 @@ def test_host_cache_holds_what_loraplex_decides_and_counts_evictions(world, serv
     assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
 
 
+def test_more_adapters_at_once_than_slots_all_complete_with_the_engine_alive(world, server):
+    url = server[0]
+    httpx.post(f"{url}/admin/adapters/qv/pin", headers=ADMIN, json={"tier": "gpu"}, timeout=60)
+    names = ["model", *ADAPTERS] * 10  # 4 models, 2 slots (one pinned) and the zero adapter
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        results = list(pool.map(lambda m: _greedy_ids(url, m, [7, 8, 9], 4)[0].status_code, names))
+    assert results == [200] * len(names)
+    assert httpx.get(f"{url}/health").status_code == 200
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    assert [a["pinned"] for a in state["adapters"] if a["name"] == "qv"] == ["gpu"]
+    httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60)
+
+
 def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
     url = server[0]
     client = _client(url)

@@ -89,6 +89,7 @@ class VllmEngine:
         disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
         self.adapters = VllmResidency(self.llm, config.data_dir / "vllm-adapters", max_loras=config.max_loras,
                                       max_cpu_loras=config.host_cache_size, disk=disk,
+                                      reserved_slots=1 if self.zero_adapter else 0,
                                       policy=make_policy(config.eviction_policy))
         self.serving_completion = self.serving_chat = self.models = None
 

@@ -4,8 +4,8 @@ vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in devi
 recently used unpinned one when it must. Here loraplex makes those choices first: it stages each artifact into a
 private, digest-verified directory (the bytes vLLM reads), adds it ahead of traffic (prewarm, warm policies),
 removes its own policy's victim before vLLM's LRU would pick one, never removes an adapter with requests in
-flight, and pins (`pin_lora`) the demand-promoted set and the operator's gpu pins. vLLM still orders the
-unpinned adapters in its device slots.
+flight, pins (`pin_lora`) the operator's gpu pins, and hands vLLM no more distinct unpinned adapters at once
+than it has unpinned slots. vLLM still orders the unpinned adapters in its device slots.
 
 The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry watcher):
 every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the server's loop.
@@ -56,6 +56,7 @@ class Resident:
     ref: AdapterRef
     lora_id: int
     refcount: int = 0  # requests in flight: never removed from vLLM while above 0
+    active: int = 0  # of those, the requests handed to vLLM (the others wait for the load or a slot)
     last_access: float = 0.0
     loaded_at: float = 0.0
     hits: int = 0
@@ -74,10 +75,11 @@ class VllmResidency:
 
     def __init__(self, engine, stage_dir: Path, *, max_loras: int, max_cpu_loras: int,
                  disk: DiskTier | None = None, policy=None, load_threads: int = 2,
-                 clock: Callable[[], float] = time.monotonic):
+                 reserved_slots: int = 0, clock: Callable[[], float] = time.monotonic):
         self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
         self.stage_dir = Path(stage_dir)
         self.max_loras = max_loras
+        self.reserved_slots = reserved_slots  # vLLM's slots pinned outside this table (the zero adapter)
         self.max_cpu_loras = max_cpu_loras
         self.disk = disk
         self.policy = policy or LRUPolicy()
@@ -182,20 +184,41 @@ class VllmResidency:
         try:
             while not entry.in_vllm:
                 await self._load(ref)
+            await self._follow_demand()
+            while not self._has_slot(entry):  # as loads land and requests end, a slot frees
+                self._room.clear()
+                await self._room.wait()
         except BaseException:
-            self.release(ref.key)
+            self._unref(entry, active=False)
             raise
         with self._lock:
             entry.hits += 1
-        await self._follow_demand()
+            entry.active += 1
         return self._request(entry)
 
     def release(self, key: AdapterKey) -> None:
+        """A request handed to vLLM by `acquire` ended."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._unref(entry, active=True)
+
+    def _has_slot(self, entry: Resident) -> bool:
+        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot count of
+        distinct adapters into a batch without counting the pinned slots that adapters outside the batch
+        hold; a batch with more unpinned adapters than unpinned slots fails in its worker. So the distinct
+        unpinned adapters with requests in vLLM stay within the unpinned slots."""
+        if entry.vllm_pinned or entry.active:
+            return True
         with self._lock:
-            entry = self.entries.get(key)
-            if entry is None:
-                return
+            pinned = sum(1 for e in self.entries.values() if e.vllm_pinned)
+            busy = sum(1 for e in self.entries.values() if e.active and not e.vllm_pinned)
+        return busy < self.max_loras - pinned
+
+    def _unref(self, entry: Resident, active: bool) -> None:
+        with self._lock:
             entry.refcount = max(0, entry.refcount - 1)
+            if active:
+                entry.active = max(0, entry.active - 1)
             entry.last_access = self.clock()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
@@ -426,12 +449,13 @@ class VllmResidency:
         return self.demand.top(now, 0, PROMOTE_FLOOR, max(0, self.max_loras - 1))
 
     async def _follow_demand(self) -> None:
-        """Pin in vLLM's slots the operator's gpu pins and tier A (up to max_loras - 1); an adapter that left both
-        is unpinned once idle (vLLM has no unpin: it is removed and added again, from its staged copy)."""
-        now = self.clock()
+        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is unpinned in
+        vLLM once idle (vLLM has no unpin: it is removed and added again, from its staged copy). The demand's
+        tier A is not pinned: every pinned slot is one fewer for the other adapters (`_has_slot`), and vLLM's
+        own LRU keeps adapters that busy in their slots."""
         with self._lock:
             gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
-            wanted = list(dict.fromkeys([*gpu_pins, *self._gpu_preferred(now)]))[:max(0, self.max_loras - 1)]
+            wanted = gpu_pins[:max(0, self.max_loras - 1)]
             to_pin = [k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned]
             to_unpin = [k for k, e in self.entries.items()
                         if e.vllm_pinned and k not in wanted and not e.refcount]
