@@ -402,13 +402,7 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
     budget = _budget(max_gpu_slots, max_cpu_bytes)
     limits = _limits(max_concurrent_requests, max_waiting)
     registry = _open(ctx)
-    tenant = registry.add_tenant(name, priority)
-    if budget:
-        tenant = registry.set_budget(name, **budget)
-    if limits:
-        tenant = registry.set_tenant_limits(name, **limits)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
-               f"{_limits_text(tenant)})")
+    _set_tenant(registry, registry.add_tenant(name, priority), budget, limits)
 
 
 @tenant_app.command("set")
@@ -428,10 +422,15 @@ def tenant_set(ctx: typer.Context, name: str,
                             f"add it with `loraplex registry tenant add {name}`")
     if priority is not None:
         tenant = registry.add_tenant(name, priority)
+    _set_tenant(registry, tenant, budget, limits)
+
+
+def _set_tenant(registry, tenant, budget: dict, limits: dict) -> None:
+    """Apply the budgets and request limits given, then print the tenant as it is now."""
     if budget:
-        tenant = registry.set_budget(name, **budget)
+        tenant = registry.set_budget(tenant.name, **budget)
     if limits:
-        tenant = registry.set_tenant_limits(name, **limits)
+        tenant = registry.set_tenant_limits(tenant.name, **limits)
     typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
                f"{_limits_text(tenant)})")
 
