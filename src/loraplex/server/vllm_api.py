@@ -80,7 +80,7 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
         finish()
         result["model"] = asked
         return JSONResponse(result)
-    return _Stream(_renamed(result, asked, ctx), finish)
+    return _Stream(_renamed(result, req.model, asked, ctx), finish)
 
 
 async def _answer(call):
@@ -119,17 +119,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _renamed(events, asked: str, ctx: RequestContext):
-    """vLLM's server-sent events with `model` as the client named it; an error event recorded as the status."""
+async def _renamed(events, served: str, asked: str, ctx: RequestContext):
+    """vLLM's server-sent events with `model` as the client named it (vLLM writes compact JSON, so the field is
+    replaced as text, without parsing each token's chunk); an error event recorded as the status."""
+    theirs, ours = f'"model":{json.dumps(served)}', f'"model":{json.dumps(asked)}'
     async for event in events:
-        if event.startswith("data: {"):
-            chunk = json.loads(event[6:])
-            if "model" in chunk:
-                chunk["model"] = asked
-            elif "error" in chunk:
-                ctx.status = chunk["error"].get("code") or 500
-            event = "data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n"
-        yield event
+        if event.startswith('data: {"error"'):
+            ctx.status = json.loads(event[6:])["error"].get("code") or 500
+        yield event.replace(theirs, ours, 1)
 
 
 class _Stream(StreamingResponse):

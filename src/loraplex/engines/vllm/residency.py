@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 THRASH_WINDOW_S = 60.0
-PROMOTE_FLOOR = 2.0  # short-window requests an adapter needs before its slot is pinned (as the native tier A)
+PROMOTE_FLOOR = 2.0  # short-window requests that put an adapter in tier A (as on the native engine)
 
 
 def lora_int_id(key: AdapterKey) -> int:
@@ -108,7 +108,7 @@ class VllmResidency:
         with self._lock:
             entry = self.entries.get(key)
             if entry is not None and entry.in_vllm:
-                return "gpu" if entry.vllm_pinned or entry.refcount else "cpu"
+                return "gpu" if entry.vllm_pinned or entry.active else "cpu"
             return "disk" if self._on_disk(key) else "remote"
 
     def pinned(self, key: AdapterKey) -> str | None:
@@ -122,12 +122,6 @@ class VllmResidency:
         entry = self.entries.get(key)
         return entry is not None and entry.in_vllm
 
-    def running_names(self) -> list[str]:
-        """Adapters in a device slot as the model-server protocol counts them: running or pinned in vLLM."""
-        with self._lock:
-            return sorted({k.name for k, e in self.entries.items()
-                           if e.in_vllm and (e.refcount or e.vllm_pinned)})
-
     def thrash_ratio(self) -> float:
         return self.reloads_after_eviction / self.num_evictions if self.num_evictions else 0.0
 
@@ -137,9 +131,11 @@ class VllmResidency:
             preferred = set(self._gpu_preferred(now))
             adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
-                tier = self.tier_of(key)
-                for t in ("gpu", "cpu", "disk"):
-                    if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and self._on_disk(key)):
+                on_disk = self._on_disk(key)  # a file system look per adapter: once
+                tier = ("gpu" if e.vllm_pinned or e.active else "cpu") if e.in_vllm else \
+                    "disk" if on_disk else "remote"
+                for t in ("gpu", "cpu", "disk"):  # an adapter in a slot has its host copy too
+                    if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and on_disk):
                         copies[t].append(e.nbytes)
                 adapters.append({
                     "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
@@ -150,7 +146,7 @@ class VllmResidency:
                     "demand_5m": round(self.demand.short(key, now), 3),
                     "warm": "A" if key in preferred else None, "lora_int_id": e.lora_id,
                 })
-            in_slots = sum(1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.refcount))
+            in_slots = sum(1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.active))
             in_host = [e for e in self.entries.values() if e.in_vllm]
             return {
                 "adapters": adapters,
@@ -266,7 +262,7 @@ class VllmResidency:
             if entry.refcount:
                 raise AdapterInFlight(f"{key} has {entry.refcount} request(s) in flight; try again when they end")
             entry.pinned = None
-        self._schedule(self._remove(key, counted=False))
+        self._schedule(self._remove(key))
 
     def forget(self, key: AdapterKey) -> None:
         """Evict and drop every record of the key (an unloaded adapter)."""
@@ -411,27 +407,26 @@ class VllmResidency:
         """Remove the policy's victim among the removable adapters; False when none can go now."""
         now = self.clock()
         with self._lock:
-            candidates = [self._candidate(k, e, now) for k, e in self.entries.items()
+            preferred = set(self._gpu_preferred(now))
+            candidates = [self._candidate(k, e, now, preferred) for k, e in self.entries.items()
                           if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned]
-            victim = self.policy.choose_victim(candidates, now, self._candidate(incoming.ref.key, incoming, now))
-            if victim is None and not candidates:  # only demand-pinned ones are idle: the least recent goes
-                candidates = [self._candidate(k, e, now) for k, e in self.entries.items()
-                              if e.in_vllm and not e.refcount and not e.pinned]
+            incoming_c = self._candidate(incoming.ref.key, incoming, now, preferred)
+            victim = self.policy.choose_victim(candidates, now, incoming_c)
             if victim is None and candidates:  # protected by the policy, but a request waits: the oldest goes
                 victim = min(candidates, key=lambda c: c.last_access).key
         if victim is None:
             return False
-        await self._remove(victim, counted=True, locked=True)
+        await self._remove(victim, locked=True)
         return True
 
-    def _candidate(self, key: AdapterKey, e: Resident, now: float) -> Candidate:
+    def _candidate(self, key: AdapterKey, e: Resident, now: float, preferred: set) -> Candidate:
         return Candidate(key, e.nbytes, e.last_access, e.loaded_at, self.demand.short(key, now), e.ref.tenant,
-                         e.ref.priority, 0.0, key in self._gpu_preferred(now))
+                         e.ref.priority, 0.0, key in preferred)
 
-    async def _remove(self, key: AdapterKey, counted: bool, locked: bool = False) -> None:
+    async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
         if not locked:
             async with self._vllm_lock:
-                return await self._remove(key, counted, locked=True)
+                return await self._remove(key, locked=True)
         entry = self.entries.get(key)
         if entry is None or not entry.in_vllm or entry.refcount:
             return
