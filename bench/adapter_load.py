@@ -44,10 +44,22 @@ from loraplex.model_config import LINEAR_MODULES, ModelConfig
 from loraplex.registry.store import AllowList, ArtifactStore, Pieces, canonical_digest
 
 SHAPES = {
-    "small-512x4": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
-                    "num_key_value_heads": 8, "dtype": "float32"},
-    "4096x32-bf16": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                     "num_attention_heads": 32, "num_key_value_heads": 8, "dtype": "bfloat16"},
+    "small-512x4": {
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "dtype": "float32",
+    },
+    "4096x32-bf16": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "dtype": "bfloat16",
+    },
 }
 
 
@@ -66,10 +78,18 @@ def write_adapter(cfg: ModelConfig, rank: int, dtype: torch.dtype, out: Path) ->
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in) * 0.01).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, rank) * 0.01).to(dtype)
     save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LINEAR_MODULES),
-        "bias": "none", "task_type": "CAUSAL_LM",
-    }))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(LINEAR_MODULES),
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return out
 
 
@@ -95,8 +115,13 @@ class Bench:
     work: Path
 
     def pack(self, files: dict[str, memoryview], hashed):
-        return pack_adapter(adapter_from_files(files, self.cfg, self.max_rank), files[WEIGHTS_FILE], self.dtype,
-                            pin=self.device.type == "cuda", hashed=lambda end: hashed(WEIGHTS_FILE, end))
+        return pack_adapter(
+            adapter_from_files(files, self.cfg, self.max_rank),
+            files[WEIGHTS_FILE],
+            self.dtype,
+            pin=self.device.type == "cuda",
+            hashed=lambda end: hashed(WEIGHTS_FILE, end),
+        )
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -109,18 +134,28 @@ class Bench:
             for index, module in enumerate(LINEAR_MODULES):
                 prefix = f"base_model.model.{ModelConfig.module_path(layer, module)}"
                 self.limit_pool.a[layer][index][0, :rank].copy_(tensors[f"{prefix}.lora_A.weight"])
-                self.limit_pool.bt[layer][index][0, :rank].copy_(tensors[f"{prefix}.lora_B.weight"].t())
+                self.limit_pool.bt[layer][index][0, :rank].copy_(
+                    tensors[f"{prefix}.lora_B.weight"].t()
+                )
         self.sync()
 
     def ours(self, src: Path, rank: int, digest: str, tier: str, pieces: Pieces | None) -> float:
         """Seconds from acquire to a slot through a fresh AdapterCache, the adapter starting in `tier`; its bytes
         checked by the registry's piece list, or by the digest alone (one sha256) without one."""
-        disk = DiskTier(self.work / f"{self.name}-disk-{tier}-{time.perf_counter_ns()}", 10 * 2**30,
-                        AllowList.parse([self.base_url]))
+        disk = DiskTier(
+            self.work / f"{self.name}-disk-{tier}-{time.perf_counter_ns()}",
+            10 * 2**30,
+            AllowList.parse([self.base_url]),
+        )
         cache = AdapterCache(self.pool, self.pack, cpu_bytes=4 * 2**30, disk=disk)
         key = AdapterKey("bench", f"r{rank}", "1", digest)
-        ref = (AdapterRef(key, path=src, pieces=pieces) if tier == "disk"
-               else AdapterRef(key, storage_uri=f"{self.base_url}/{digest.removeprefix('sha256:')}", pieces=pieces))
+        ref = (
+            AdapterRef(key, path=src, pieces=pieces)
+            if tier == "disk"
+            else AdapterRef(
+                key, storage_uri=f"{self.base_url}/{digest.removeprefix('sha256:')}", pieces=pieces
+            )
+        )
         if tier == "cpu":  # bring the host copy in first: only the slot copy remains to time
             assert cache.acquire(AdapterRef(key, path=src)) is None
             cache.drain()
@@ -132,7 +167,9 @@ class Bench:
         self.sync()
         elapsed = time.perf_counter() - start
         cache.release(key)
-        cache.evict(key)  # free the host copy now: a dropped cache is in a reference cycle and waits for the gc
+        cache.evict(
+            key
+        )  # free the host copy now: a dropped cache is in a reference cycle and waits for the gc
         cache.close()
         return elapsed
 
@@ -142,8 +179,10 @@ class Bench:
         runs = {
             "limit": lambda: seconds(lambda: self.limit(src, rank)),
             "limit_sha256": lambda: seconds(lambda: (canonical_digest(src), self.limit(src, rank))),
-            **{tier: (lambda tier=tier: self.ours(src, rank, digest, tier, pieces))
-               for tier in ("cpu", "disk", "remote")},
+            **{
+                tier: (lambda tier=tier: self.ours(src, rank, digest, tier, pieces))
+                for tier in ("cpu", "disk", "remote")
+            },
             "disk_one_sha256": lambda: self.ours(src, rank, digest, "disk", None),
         }
         times = {column: [] for column in runs}
@@ -151,18 +190,31 @@ class Bench:
             for column, run in runs.items():
                 gc.collect()  # not inside a timed run
                 times[column].append(run())
-        row = {"shape": self.name, "rank": rank, "file_mb": round((src / WEIGHTS_FILE).stat().st_size / 2**20, 1)}
+        row = {
+            "shape": self.name,
+            "rank": rank,
+            "file_mb": round((src / WEIGHTS_FILE).stat().st_size / 2**20, 1),
+        }
         for column, values in times.items():
             row[f"{column}_ms"] = round(statistics.median(values) * 1000, 2)
-            row[f"{column}_min_ms"] = round(min(values) * 1000, 2)  # noise only adds: the fastest round, for reference
+            row[f"{column}_min_ms"] = round(
+                min(values) * 1000, 2
+            )  # noise only adds: the fastest round, for reference
         row["disk_vs_limit"] = round(row["disk_ms"] / row["limit_ms"], 2)
         row["disk_vs_limit_sha256"] = round(row["disk_ms"] / row["limit_sha256_ms"], 2)
         row["disk_one_sha256_vs_limit"] = round(row["disk_one_sha256_ms"] / row["limit_ms"], 2)
         return row
 
 
-def bench_shape(name: str, shape: dict, ranks: list[int], repeats: int, work: Path, console: Console,
-                device: torch.device) -> list[dict]:
+def bench_shape(
+    name: str,
+    shape: dict,
+    ranks: list[int],
+    repeats: int,
+    work: Path,
+    console: Console,
+    device: torch.device,
+) -> list[dict]:
     cfg = model_config(shape)
     dtype = getattr(torch, shape["dtype"])
     remote_store = ArtifactStore(work / f"{name}-remote")
@@ -176,20 +228,30 @@ def bench_shape(name: str, shape: dict, ranks: list[int], repeats: int, work: Pa
     return rows
 
 
-def bench_peft(ranks: list[int], repeats: int, work: Path, device: torch.device) -> dict[int, dict[str, float]]:
+def bench_peft(
+    ranks: list[int], repeats: int, work: Path, device: torch.device
+) -> dict[int, dict[str, float]]:
     """PeftModel.load_adapter into an already wrapped small model (the baseline users run today): its safetensors
     read, module injection and weight copy. Both with PEFT's default and with low_cpu_mem_usage=True."""
     import transformers
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    config = transformers.LlamaConfig(vocab_size=1024, **{k: v for k, v in SHAPES["small-512x4"].items()
-                                                           if k != "dtype"})
+    config = transformers.LlamaConfig(
+        vocab_size=1024, **{k: v for k, v in SHAPES["small-512x4"].items() if k != "dtype"}
+    )
     base = transformers.LlamaForCausalLM(config).to(device)
     out = {}
     for rank in ranks:
         path = work / f"peft-r{rank}"
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LINEAR_MODULES),
-                                                init_lora_weights=False))
+        model = get_peft_model(
+            base,
+            LoraConfig(
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=list(LINEAR_MODULES),
+                init_lora_weights=False,
+            ),
+        )
         model.save_pretrained(path)
         base = model.unload()
         peft_model = PeftModel.from_pretrained(base, path, adapter_name="first")
@@ -198,7 +260,9 @@ def bench_peft(ranks: list[int], repeats: int, work: Path, device: torch.device)
             for option, low_cpu_mem_usage in (("default", False), ("low_cpu_mem", True)):
                 name = f"{option}{i}"
                 start = time.perf_counter()
-                peft_model.load_adapter(path, adapter_name=name, low_cpu_mem_usage=low_cpu_mem_usage)
+                peft_model.load_adapter(
+                    path, adapter_name=name, low_cpu_mem_usage=low_cpu_mem_usage
+                )
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[option].append(time.perf_counter() - start)
@@ -211,12 +275,20 @@ def bench_peft(ranks: list[int], repeats: int, work: Path, device: torch.device)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds per row; the median is reported")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads for every column (on a shared 2-core machine, 2 threads made "
-                             "each timing swing by several times)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds per row; the median is reported"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for every column (on a shared 2-core machine, 2 threads made "
+        "each timing swing by several times)",
+    )
     parser.add_argument("--device", default="cpu", help="where the slot pools live: cpu or cuda")
-    parser.add_argument("--json", help="default: bench/results/adapter_load[.cuda].json (.quick.json with --quick)")
+    parser.add_argument(
+        "--json", help="default: bench/results/adapter_load[.cuda].json (.quick.json with --quick)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
@@ -234,19 +306,40 @@ def main(argv: list[str] | None = None) -> int:
             timings = peft[row["rank"]]
             row["peft_ms"] = round(timings["default"], 2)
             row["peft_low_cpu_mem_ms"] = round(timings["low_cpu_mem"], 2)
-            row["peft_vs_disk"] = round(min(timings.values()) / row["disk_ms"], 1)  # PEFT's faster option
+            row["peft_vs_disk"] = round(
+                min(timings.values()) / row["disk_ms"], 1
+            )  # PEFT's faster option
     table = Table(title=f"Adapter time to ready (median ms): into one slot of the pool on {device}")
-    columns = ["shape", "rank", "file_mb", "limit_ms", "limit_sha256_ms", "cpu_ms", "disk_ms", "disk_vs_limit",
-               "disk_vs_limit_sha256", "disk_one_sha256_ms", "remote_ms", "peft_ms", "peft_low_cpu_mem_ms",
-               "peft_vs_disk"]
+    columns = [
+        "shape",
+        "rank",
+        "file_mb",
+        "limit_ms",
+        "limit_sha256_ms",
+        "cpu_ms",
+        "disk_ms",
+        "disk_vs_limit",
+        "disk_vs_limit_sha256",
+        "disk_one_sha256_ms",
+        "remote_ms",
+        "peft_ms",
+        "peft_low_cpu_mem_ms",
+        "peft_vs_disk",
+    ]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*(str(row.get(c, "-")) for c in columns))
     console.print(table)
     remote = {"latency_s": ShapedHandler.latency_s, "bytes_per_s": ShapedHandler.bytes_per_s}
-    result = {"machine": _machine(device), "device": str(device), "threads": args.threads, "repeats": repeats,
-              "remote": remote, "rows": rows}
+    result = {
+        "machine": _machine(device),
+        "device": str(device),
+        "threads": args.threads,
+        "repeats": repeats,
+        "remote": remote,
+        "rows": rows,
+    }
     suffix = ("" if device.type == "cpu" else f".{device.type}") + (".quick" if args.quick else "")
     out = Path(args.json or f"bench/results/adapter_load{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -260,8 +353,14 @@ def _machine(device: torch.device) -> dict:
     import platform
 
     gpu = {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
-    return {"cpu_count": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__,
-            "python": sys.version.split()[0], "load_avg": os.getloadavg(), **gpu}
+    return {
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "load_avg": os.getloadavg(),
+        **gpu,
+    }
 
 
 if __name__ == "__main__":

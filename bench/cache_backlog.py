@@ -36,11 +36,21 @@ STEPS = 20
 
 def measure(waiting: int) -> dict:
     now = [0.0]
-    refs = [AdapterRef(AdapterKey("base", f"a{i}", "1", f"sha256:{i}"), storage_uri=f"mem://{i}") for i in range(2000)]
+    refs = [
+        AdapterRef(AdapterKey("base", f"a{i}", "1", f"sha256:{i}"), storage_uri=f"mem://{i}")
+        for i in range(2000)
+    ]
     loads = Loads()
-    cache = AdapterCache(Pool(1), lambda files, hashed: None, cpu_bytes=COPIES * 10 * MiB, max_cpu_loras=COPIES,
-                         policy=ScorePolicy(), executor=loads, clock=lambda: now[0],
-                         loader=lambda ref: Loaded(Packed(10 * MiB), "remote", {"download": 0.01}))
+    cache = AdapterCache(
+        Pool(1),
+        lambda files, hashed: None,
+        cpu_bytes=COPIES * 10 * MiB,
+        max_cpu_loras=COPIES,
+        policy=ScorePolicy(),
+        executor=loads,
+        clock=lambda: now[0],
+        loader=lambda ref: Loaded(Packed(10 * MiB), "remote", {"download": 0.01}),
+    )
 
     def land() -> None:
         for fn, ref, future in loads.pending:
@@ -58,7 +68,7 @@ def measure(waiting: int) -> dict:
         cache.record_request(ref)
         cache.acquire(ref)
     land()
-    queue = held + refs[COPIES:COPIES + waiting]
+    queue = held + refs[COPIES : COPIES + waiting]
     for ref in queue:
         cache.record_request(ref)
     calls, start = 0, time.perf_counter()
@@ -68,25 +78,39 @@ def measure(waiting: int) -> dict:
             assert cache.acquire(ref) is None
             calls += 1
     seconds = time.perf_counter() - start
-    assert len(cache.cpu) == COPIES and not cache.loading, "the waiting requests' loads must wait for room"
-    return {"waiting": len(queue), "calls": calls, "us_per_acquire": seconds / calls * 1e6,
-            "ms_per_step": seconds / STEPS * 1e3}
+    assert len(cache.cpu) == COPIES and not cache.loading, (
+        "the waiting requests' loads must wait for room"
+    )
+    return {
+        "waiting": len(queue),
+        "calls": calls,
+        "us_per_acquire": seconds / calls * 1e6,
+        "ms_per_step": seconds / STEPS * 1e3,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--waiting", default="100,250,500,1000", help="waiting requests besides the 50 with copies")
+    parser.add_argument(
+        "--waiting", default="100,250,500,1000", help="waiting requests besides the 50 with copies"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = [measure(int(n)) for n in args.waiting.split(",")]
-    table = Table(title=f"acquire under a backlog ({COPIES} host copies asked for, one slot held, {STEPS} steps)")
+    table = Table(
+        title=f"acquire under a backlog ({COPIES} host copies asked for, one slot held, {STEPS} steps)"
+    )
     for col in ("waiting requests", "µs per acquire", "scheduling ms per step"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["waiting"]), f"{r['us_per_acquire']:.1f}", f"{r['ms_per_step']:.1f}")
     Console().print(table)
     if args.json:
-        machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+        machine = {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+        }
         args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
 
 

@@ -50,16 +50,25 @@ def build_model(out: Path) -> Path:
 
     from loraplex.demo.tokenizer import write_tokenizer_files
 
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=260,
-                                      max_position_embeddings=512, eos_token_id=258)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=260,
+        max_position_embeddings=512,
+        eos_token_id=258,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(out)
     write_tokenizer_files(out)
     return out
 
 
-def hot_burst(num_hot: int, num_cold: int, seconds: float, rate: float, rng: random.Random) -> list[tuple]:
+def hot_burst(
+    num_hot: int, num_cold: int, seconds: float, rate: float, rng: random.Random
+) -> list[tuple]:
     """Steady traffic on a few hot adapters, then a batch tenant sweeping cold adapters once each."""
     trace, t = [], 0.0
     while t < seconds:
@@ -82,7 +91,9 @@ def zipf(num_adapters: int, alpha: float, n: int, rate: float, rng: random.Rando
     return trace
 
 
-def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], prompt: list[int]) -> list[dict]:
+def replay(
+    engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], prompt: list[int]
+) -> list[dict]:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     pending, by_id = list(trace), {}
@@ -111,7 +122,11 @@ def replay(engine: LLMEngine, trace: list[tuple], refs: dict[str, AdapterRef], p
 
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else float("nan")
+    return (
+        round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1)
+        if values
+        else float("nan")
+    )
 
 
 def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] | None) -> dict:
@@ -130,7 +145,10 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
     return {
         "requests": len(records),
         "errors": sum("error" in r for r in records),
-        **{f"hit_{t}": round(tiers.count(t) / len(tiers), 3) for t in ("gpu", "cpu", "disk", "remote")},
+        **{
+            f"hit_{t}": round(tiers.count(t) / len(tiers), 3)
+            for t in ("gpu", "cpu", "disk", "remote")
+        },
         "hot_gpu_hit": round(sum(r["tier"] == "gpu" for r in hot) / max(1, len(hot)), 3),
         "reloads_after_eviction": sum(c["reloads_after_eviction"] for _, c in runs),
         "evictions": sum(c["evictions"] for _, c in runs),
@@ -138,41 +156,80 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         "hot_ttft_p99_ms": pct([r["ttft"] for r in hot], 0.99),
         "hot_in_burst": len(in_window(records)) if window else None,
         "hot_ttft_p99_burst_ms": pct(in_window(records), 0.99) if window else None,
-        "hot_ttft_p99_burst_per_seed_ms": [pct(in_window(recs), 0.99) for recs, _ in runs] if window else None,
+        "hot_ttft_p99_burst_per_seed_ms": [pct(in_window(recs), 0.99) for recs, _ in runs]
+        if window
+        else None,
         "all_ttft_p99_ms": pct([r["ttft"] for r in records], 0.99),
         # the shift workloads: the requests of the traffic that follows the seed scenario (or of its control)
-        "shifted_gpu_hit": round(sum(r["tier"] == "gpu" for r in shifted) / len(shifted), 3) if shifted else None,
+        "shifted_gpu_hit": round(sum(r["tier"] == "gpu" for r in shifted) / len(shifted), 3)
+        if shifted
+        else None,
         "shifted_ttft_p50_ms": pct([r["ttft"] for r in shifted], 0.5) if shifted else None,
         "shifted_ttft_p99_ms": pct([r["ttft"] for r in shifted], 0.99) if shifted else None,
         # what the tail is made of: the slowest hot requests of the burst window, with the tier each found
         "slowest_hot_in_burst": sorted(
-            ({"arrival_s": round(r["arrival"], 3), "adapter": r["adapter"], "tier": r["tier"],
-              "ttft_ms": round(r["ttft"] * 1000, 1)} for r in records
-             if r["group"] == "hot" and during_burst(r)),
-            key=lambda r: -r["ttft_ms"])[:5],
+            (
+                {
+                    "arrival_s": round(r["arrival"], 3),
+                    "adapter": r["adapter"],
+                    "tier": r["tier"],
+                    "ttft_ms": round(r["ttft"] * 1000, 1),
+                }
+                for r in records
+                if r["group"] == "hot" and during_burst(r)
+            ),
+            key=lambda r: -r["ttft_ms"],
+        )[:5],
     }
 
 
-def run_once(model_dir: Path, tmp: Path, setup: str, policy: str, trace: list[tuple], names: list[str],
-             paths: dict, digests: dict, base_url: str, adapter_bytes: int, prewarm: list[str],
-             cpu_adapters: int = 8, device: str = "cpu") -> tuple:
-    engine = LLMEngine(EngineConfig(
-        model_dir=model_dir, dtype="float32", device=device, max_loras=4, max_lora_rank=64, kv_cache_bytes=64 * 2**20,
-        eviction_policy=policy, cpu_cache_bytes=cpu_adapters * adapter_bytes,
-        disk_cache_dir=tmp / f"disk-{time.perf_counter_ns()}", disk_cache_bytes=6 * adapter_bytes,
-        allowed_roots=(base_url,)))
+def run_once(
+    model_dir: Path,
+    tmp: Path,
+    setup: str,
+    policy: str,
+    trace: list[tuple],
+    names: list[str],
+    paths: dict,
+    digests: dict,
+    base_url: str,
+    adapter_bytes: int,
+    prewarm: list[str],
+    cpu_adapters: int = 8,
+    device: str = "cpu",
+) -> tuple:
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            dtype="float32",
+            device=device,
+            max_loras=4,
+            max_lora_rank=64,
+            kv_cache_bytes=64 * 2**20,
+            eviction_policy=policy,
+            cpu_cache_bytes=cpu_adapters * adapter_bytes,
+            disk_cache_dir=tmp / f"disk-{time.perf_counter_ns()}",
+            disk_cache_bytes=6 * adapter_bytes,
+            allowed_roots=(base_url,),
+        )
+    )
     try:
         refs = {}
         for name in names:
             key = AdapterKey(engine.base_model_digest, name, "1", digests[name])
-            refs[name] = (AdapterRef(key, path=paths[name]) if setup == "disk" else
-                          AdapterRef(key, storage_uri=f"{base_url}/{digests[name][7:]}"))
+            refs[name] = (
+                AdapterRef(key, path=paths[name])
+                if setup == "disk"
+                else AdapterRef(key, storage_uri=f"{base_url}/{digests[name][7:]}")
+            )
         for name in prewarm:
             engine.adapters.prewarm(refs[name], "gpu")
         engine.adapters.drain()
         records = replay(engine, trace, refs, engine.tokenizer.encode("<s>hello world<sep>"))
-        counters = {"reloads_after_eviction": engine.adapters.reloads_after_eviction,
-                    "evictions": engine.adapters.num_evictions}
+        counters = {
+            "reloads_after_eviction": engine.adapters.reloads_after_eviction,
+            "evictions": engine.adapters.num_evictions,
+        }
     finally:
         engine.close()
     return records, counters
@@ -182,18 +239,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="bench/results/cache_policy.json")
-    parser.add_argument("--workloads", help="comma-separated subset, e.g. hot-burst,no-burst (default: all)")
-    parser.add_argument("--seeds", type=int, default=3, help="runs of each workload, each with its own arrivals")
-    parser.add_argument("--cpu-adapters", type=int, default=8,
-                        help="host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the slots: 4)")
+    parser.add_argument(
+        "--workloads", help="comma-separated subset, e.g. hot-burst,no-burst (default: all)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="runs of each workload, each with its own arrivals"
+    )
+    parser.add_argument(
+        "--cpu-adapters",
+        type=int,
+        default=8,
+        help="host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the slots: 4)",
+    )
     parser.add_argument("--device", default="cpu", help="the engine's device: cpu or cuda")
     parser.add_argument("--seconds", type=float, help="length of each trace (default 20; quick 6)")
-    parser.add_argument("--rate", type=float, default=4.0, help="hot requests per second in the seed scenario")
-    parser.add_argument("--control-policies", default="lru,score",
-                        help="policies run on the controls (no-burst, burst-compute); the goals read only score's")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the engine: one leaves the other core to the loads, as a GPU "
-                             "server's compute runs on its device while the host loads adapters")
+    parser.add_argument(
+        "--rate", type=float, default=4.0, help="hot requests per second in the seed scenario"
+    )
+    parser.add_argument(
+        "--control-policies",
+        default="lru,score",
+        help="policies run on the controls (no-burst, burst-compute); the goals read only score's",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the engine: one leaves the other core to the loads, as a GPU "
+        "server's compute runs on its device while the host loads adapters",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console(width=200)
@@ -207,16 +281,28 @@ def main(argv: list[str] | None = None) -> int:
         workloads.setdefault("no-burst", []).append([x for x in burst if x[2] == "hot"])
         # the control: the burst's requests at the same times, on the hot adapters (its compute, none of its loads)
         workloads.setdefault("burst-compute", []).append(
-            [(t, f"hot{int(name[4:]) % 4}" if group == "cold" else name, group) for t, name, group in burst])
+            [
+                (t, f"hot{int(name[4:]) % 4}" if group == "cold" else name, group)
+                for t, name, group in burst
+            ]
+        )
         # a change of traffic: Zipf(0.9) over other adapters right after the seed scenario, on the same engine,
         # and the same Zipf requests on a fresh engine (the control)
-        after = [(t, name, "shifted") for t, name, _ in zipf(num_zipf, 0.9, int(4.0 * seconds * 3), 4.0,
-                                                              random.Random(2000 + seed))]
-        workloads.setdefault("shift", []).append(burst + [(seconds + 1.0 + t, name, g) for t, name, g in after])
+        after = [
+            (t, name, "shifted")
+            for t, name, _ in zipf(
+                num_zipf, 0.9, int(4.0 * seconds * 3), 4.0, random.Random(2000 + seed)
+            )
+        ]
+        workloads.setdefault("shift", []).append(
+            burst + [(seconds + 1.0 + t, name, g) for t, name, g in after]
+        )
         workloads.setdefault("shift-control", []).append(after)
         rng = random.Random(1000 + seed)
-        for alpha in ((0.9,) if args.quick else (0.6, 0.9, 1.2)):
-            workloads.setdefault(f"zipf-{alpha}", []).append(zipf(num_zipf, alpha, 60 if args.quick else 240, 6.0, rng))
+        for alpha in (0.9,) if args.quick else (0.6, 0.9, 1.2):
+            workloads.setdefault(f"zipf-{alpha}", []).append(
+                zipf(num_zipf, alpha, 60 if args.quick else 240, 6.0, rng)
+            )
     if args.workloads:
         workloads = {k: v for k, v in workloads.items() if k in args.workloads.split(",")}
     rows = []
@@ -224,11 +310,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model")
         cfg = ModelConfig.from_dir(model_dir)
-        names = [f"hot{i}" for i in range(4)] + [f"cold{i}" for i in range(20)] + [f"z{i}" for i in range(num_zipf)]
+        names = (
+            [f"hot{i}" for i in range(4)]
+            + [f"cold{i}" for i in range(20)]
+            + [f"z{i}" for i in range(num_zipf)]
+        )
         remote = ArtifactStore(tmp / "remote")
         paths, digests = {}, {}
         for i, name in enumerate(names):
-            paths[name] = write_adapter(cfg, RANKS[i % len(RANKS)], torch.float32, tmp / "adapters" / name)
+            paths[name] = write_adapter(
+                cfg, RANKS[i % len(RANKS)], torch.float32, tmp / "adapters" / name
+            )
             digests[name] = remote.put(paths[name])
         adapter_bytes = max(remote.size(d) for d in digests.values())
         with shaped_store_process(remote.root) as base_url:
@@ -237,20 +329,62 @@ def main(argv: list[str] | None = None) -> int:
                     seeded = workload in ("hot-burst", "no-burst", "burst-compute", "shift")
                     # no-burst: the same hot arrivals, measured over the same window
                     window = (seconds / 3, 2 * seconds / 3) if seeded else None
-                    policies = args.control_policies.split(",") if workload in CONTROLS else ("lru", "score")
+                    policies = (
+                        args.control_policies.split(",")
+                        if workload in CONTROLS
+                        else ("lru", "score")
+                    )
                     for policy in policies:
-                        runs = [run_once(model_dir, tmp, setup, policy, trace, names, paths, digests, base_url,
-                                         adapter_bytes, [f"hot{i}" for i in range(4)] if seeded else [],
-                                         args.cpu_adapters, args.device)
-                                for trace in traces]
-                        row = {"setup": setup, "workload": workload, "policy": policy, "seeds": len(traces),
-                               **summarize(runs, window)}
+                        runs = [
+                            run_once(
+                                model_dir,
+                                tmp,
+                                setup,
+                                policy,
+                                trace,
+                                names,
+                                paths,
+                                digests,
+                                base_url,
+                                adapter_bytes,
+                                [f"hot{i}" for i in range(4)] if seeded else [],
+                                args.cpu_adapters,
+                                args.device,
+                            )
+                            for trace in traces
+                        ]
+                        row = {
+                            "setup": setup,
+                            "workload": workload,
+                            "policy": policy,
+                            "seeds": len(traces),
+                            **summarize(runs, window),
+                        }
                         rows.append(row)
                         console.log(row)
-    table = Table(title="Cache policies in the real engine (4 slots; TTFT in ms; rows pool every seed)")
-    columns = ["setup", "workload", "policy", "requests", "errors", "hit_gpu", "hit_cpu", "hit_disk", "hit_remote",
-               "hot_gpu_hit", "reloads_after_eviction", "hot_ttft_p50_ms", "hot_ttft_p99_ms", "hot_in_burst",
-               "hot_ttft_p99_burst_ms", "hot_ttft_p99_burst_per_seed_ms", "shifted_ttft_p50_ms", "shifted_ttft_p99_ms"]
+    table = Table(
+        title="Cache policies in the real engine (4 slots; TTFT in ms; rows pool every seed)"
+    )
+    columns = [
+        "setup",
+        "workload",
+        "policy",
+        "requests",
+        "errors",
+        "hit_gpu",
+        "hit_cpu",
+        "hit_disk",
+        "hit_remote",
+        "hot_gpu_hit",
+        "reloads_after_eviction",
+        "hot_ttft_p50_ms",
+        "hot_ttft_p99_ms",
+        "hot_in_burst",
+        "hot_ttft_p99_burst_ms",
+        "hot_ttft_p99_burst_per_seed_ms",
+        "shifted_ttft_p50_ms",
+        "shifted_ttft_p99_ms",
+    ]
     for c in columns:
         table.add_column(c, justify="right")
     for row in rows:
@@ -264,17 +398,35 @@ def main(argv: list[str] | None = None) -> int:
         lru, score = pick[("hot-burst", "lru")], pick[("hot-burst", "score")]
         calm = pick[("no-burst", "score")]
         ratios[setup] = {
-            "burst_hot_p99_lru_over_score": round(lru["hot_ttft_p99_burst_ms"] / score["hot_ttft_p99_burst_ms"], 2),
-            "burst_hot_p99_score_over_no_burst": round(score["hot_ttft_p99_burst_ms"] / calm["hot_ttft_p99_burst_ms"], 2),
+            "burst_hot_p99_lru_over_score": round(
+                lru["hot_ttft_p99_burst_ms"] / score["hot_ttft_p99_burst_ms"], 2
+            ),
+            "burst_hot_p99_score_over_no_burst": round(
+                score["hot_ttft_p99_burst_ms"] / calm["hot_ttft_p99_burst_ms"], 2
+            ),
         }
     console.print(ratios)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    Path(args.json).write_text(json.dumps({"rows": rows, "goals": ratios, "threads": args.threads,
-                                           "device": args.device, "gpu": gpu, "seconds": seconds,
-                                           "rate": args.rate,
-                                           "cpu_adapters": args.cpu_adapters, "remote": {
-        "latency_s": ShapedHandler.latency_s, "bytes_per_s": ShapedHandler.bytes_per_s}}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "goals": ratios,
+                "threads": args.threads,
+                "device": args.device,
+                "gpu": gpu,
+                "seconds": seconds,
+                "rate": args.rate,
+                "cpu_adapters": args.cpu_adapters,
+                "remote": {
+                    "latency_s": ShapedHandler.latency_s,
+                    "bytes_per_s": ShapedHandler.bytes_per_s,
+                },
+            },
+            indent=2,
+        )
+    )
     console.print(f"wrote {args.json}")
     return 0
 

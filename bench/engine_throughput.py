@@ -70,7 +70,11 @@ class Workload:
 
     @property
     def label(self) -> str:
-        capped = f", ≤{self.lora_bytes_per_step / 2**20:.0f} MiB LoRA/step" if self.lora_bytes_per_step else ""
+        capped = (
+            f", ≤{self.lora_bytes_per_step / 2**20:.0f} MiB LoRA/step"
+            if self.lora_bytes_per_step
+            else ""
+        )
         return f"{self.num_adapters} adapters{capped}"
 
 
@@ -87,8 +91,9 @@ def sampling_mixes(output_len: int) -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common),
         SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1, **common),
-        SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=2,
-                       **common),
+        SamplingParams(
+            temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=2, **common
+        ),
         SamplingParams(temperature=0.0, logit_bias=((5, 2.0), (9, -3.0)), **common),
     ]
 
@@ -100,9 +105,15 @@ def build_model(cache_dir: Path, shape: ModelShape) -> Path:
         staging = cache_dir / f"{shape.name}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         make_model(
-            staging, "llama", hidden_size=shape.hidden, num_hidden_layers=shape.num_layers,
-            num_attention_heads=shape.hidden // 64, num_key_value_heads=shape.hidden // 64,
-            intermediate_size=shape.intermediate, vocab_size=shape.vocab, max_position_embeddings=1024,
+            staging,
+            "llama",
+            hidden_size=shape.hidden,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.hidden // 64,
+            num_key_value_heads=shape.hidden // 64,
+            intermediate_size=shape.intermediate,
+            vocab_size=shape.vocab,
+            max_position_embeddings=1024,
         )
         staging.rename(out)  # a half-built model is never mistaken for a cached one
     return out
@@ -112,8 +123,10 @@ def build_adapters(model_dir: Path, count: int) -> list[Adapter]:
     import transformers
 
     root = model_dir.parent / f"{model_dir.name}-adapters"
-    adapters = [Adapter(f"a{j:02d}-r{RANKS[j % 4]}", root / f"a{j:02d}-r{RANKS[j % 4]}", RANKS[j % 4])
-                for j in range(count)]
+    adapters = [
+        Adapter(f"a{j:02d}-r{RANKS[j % 4]}", root / f"a{j:02d}-r{RANKS[j % 4]}", RANKS[j % 4])
+        for j in range(count)
+    ]
     base = None
     for j, adapter in enumerate(adapters):
         if (adapter.path / "adapter_model.safetensors").is_file():
@@ -122,8 +135,15 @@ def build_adapters(model_dir: Path, count: int) -> list[Adapter]:
             base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         staging = adapter.path.with_name(adapter.path.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        make_adapter(model_dir, staging, seed=j, base=base, r=adapter.rank, lora_alpha=2 * adapter.rank,
-                     target_modules=list(TARGETS))
+        make_adapter(
+            model_dir,
+            staging,
+            seed=j,
+            base=base,
+            r=adapter.rank,
+            lora_alpha=2 * adapter.rank,
+            target_modules=list(TARGETS),
+        )
         staging.rename(adapter.path)
     return adapters
 
@@ -131,7 +151,10 @@ def build_adapters(model_dir: Path, count: int) -> list[Adapter]:
 def make_requests(workload: Workload, vocab: int, adapters: list[Adapter], seed: int = 0):
     """Prompts (random token ids) and each request's adapter (None: base only)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(2, vocab) for _ in range(workload.prompt_len)] for _ in range(workload.num_requests)]
+    prompts = [
+        [rng.randrange(2, vocab) for _ in range(workload.prompt_len)]
+        for _ in range(workload.num_requests)
+    ]
     used = adapters[: workload.num_adapters]
     chosen = [used[i % len(used)] if used else None for i in range(workload.num_requests)]
     return prompts, chosen
@@ -168,16 +191,27 @@ def tpot_by_rank(token_times: list[list[float]], chosen: list[Adapter | None]) -
     by_rank = defaultdict(list)
     for times, adapter in zip(token_times, chosen):
         if len(times) > 1:
-            by_rank[str(adapter.rank) if adapter else "base"].append((times[-1] - times[0]) / (len(times) - 1))
-    return {rank: statistics.mean(values) for rank, values in sorted(by_rank.items(), key=lambda kv: _rank_order(kv[0]))}
+            by_rank[str(adapter.rank) if adapter else "base"].append(
+                (times[-1] - times[0]) / (len(times) - 1)
+            )
+    return {
+        rank: statistics.mean(values)
+        for rank, values in sorted(by_rank.items(), key=lambda kv: _rank_order(kv[0]))
+    }
 
 
 def _rank_order(rank: str) -> int:
     return 0 if rank == "base" else int(rank)
 
 
-def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dict[str, object],
-             sampling: str = "greedy") -> dict:
+def run_ours(
+    engine: TimedEngine,
+    workload: Workload,
+    prompts,
+    chosen,
+    refs: dict[str, object],
+    sampling: str = "greedy",
+) -> dict:
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     if sampling == "mixed":
         mixes = sampling_mixes(workload.output_len)
@@ -190,17 +224,33 @@ def run_ours(engine: TimedEngine, workload: Workload, prompts, chosen, refs: dic
     tokens = sum(len(o) for o in outputs)
     assert tokens == workload.num_requests * workload.output_len, "every request runs to max_tokens"
     times = [engine.token_times[rid] for rid in engine.request_ids]
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "tokens_per_cpu_s": tokens / cpu_seconds, "tpot_by_rank_s": tpot_by_rank(times, chosen)}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / cpu_seconds,
+        "tpot_by_rank_s": tpot_by_rank(times, chosen),
+    }
 
 
-def ours_engine(model_dir: Path, adapters: list[Adapter], max_lora_bytes_per_step: int | None,
-                device: str = "cpu") -> tuple:
+def ours_engine(
+    model_dir: Path,
+    adapters: list[Adapter],
+    max_lora_bytes_per_step: int | None,
+    device: str = "cpu",
+) -> tuple:
     # The runs repeat the same prompts: with the prefix cache on, later runs would skip part of
     # their prefill.
-    config = EngineConfig(model_dir=model_dir, dtype="float32", device=device, max_loras=64, max_lora_rank=64,
-                          max_num_seqs=64, max_lora_bytes_per_step=max_lora_bytes_per_step,
-                          enable_prefix_caching=False)
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="float32",
+        device=device,
+        max_loras=64,
+        max_lora_rank=64,
+        max_num_seqs=64,
+        max_lora_bytes_per_step=max_lora_bytes_per_step,
+        enable_prefix_caching=False,
+    )
     engine = TimedEngine(config)
     refs = {a.name: engine.adapter_ref(a.name, a.path) for a in adapters}
     return engine, refs
@@ -230,8 +280,13 @@ def run_hf(model, workload: Workload, prompts, chosen) -> dict:
     groups: dict[str | None, list[int]] = defaultdict(list)
     for i, adapter in enumerate(chosen):
         groups[adapter.name if adapter else None].append(i)
-    kwargs = dict(max_new_tokens=workload.output_len, min_new_tokens=workload.output_len, do_sample=False,
-                  pad_token_id=0, eos_token_id=None)
+    kwargs = dict(
+        max_new_tokens=workload.output_len,
+        min_new_tokens=workload.output_len,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     tokens = 0
     start = time.perf_counter()
     for name, indices in groups.items():
@@ -243,7 +298,7 @@ def run_hf(model, workload: Workload, prompts, chosen) -> dict:
         else:
             model.set_adapter(name)
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        tokens += out[:, ids.shape[1]:].numel()
+        tokens += out[:, ids.shape[1] :].numel()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
@@ -251,8 +306,14 @@ def run_hf(model, workload: Workload, prompts, chosen) -> dict:
 # -- report --------------------------------------------------------------------------------------
 def table(rows: list[dict], ranks: list[str]) -> Table:
     out = Table(title="Engine throughput (generated tokens/s) and TPOT per adapter rank (ms)")
-    for column in ("workload", "ours tok/s", "ours tok/CPU-s", "× ours base-only", "HF+PEFT tok/s",
-                   "ours × HF+PEFT"):
+    for column in (
+        "workload",
+        "ours tok/s",
+        "ours tok/CPU-s",
+        "× ours base-only",
+        "HF+PEFT tok/s",
+        "ours × HF+PEFT",
+    ):
         out.add_column(column, justify="right")
     for rank in ranks:
         out.add_column(f"TPOT r{rank}" if rank != "base" else "TPOT base", justify="right")
@@ -260,9 +321,12 @@ def table(rows: list[dict], ranks: list[str]) -> Table:
         ours, hf = row["ours"], row["hf_peft"]
         tpot = ours["tpot_by_rank_s"]
         out.add_row(
-            row["label"], f"{ours['tokens_per_s']:.0f}", f"{ours['tokens_per_cpu_s']:.0f}",
+            row["label"],
+            f"{ours['tokens_per_s']:.0f}",
+            f"{ours['tokens_per_cpu_s']:.0f}",
             f"{row['ratio_to_ours_base_only']:.2f}",
-            f"{hf['tokens_per_s']:.0f}", f"{row['ratio_to_hf_peft']:.1f}",
+            f"{hf['tokens_per_s']:.0f}",
+            f"{row['ratio_to_hf_peft']:.1f}",
             *[f"{tpot[r] * 1e3:.1f}" if r in tpot else "–" for r in ranks],
         )
     return out
@@ -275,21 +339,37 @@ def workloads(args) -> list[Workload]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 requests × 8 tokens, 0/1/8 adapters, one run each")
+    parser.add_argument(
+        "--quick", action="store_true", help="16 requests × 8 tokens, 0/1/8 adapters, one run each"
+    )
     parser.add_argument("--requests", type=int)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int)
-    parser.add_argument("--repeats", type=int, help="measured runs of ours per workload (default 3; quick 1)")
-    parser.add_argument("--lora-budget-fraction", type=float, default=0.25,
-                        help="the capped row's max_lora_bytes_per_step, as a fraction of its adapters' total bytes")
+    parser.add_argument(
+        "--repeats", type=int, help="measured runs of ours per workload (default 3; quick 1)"
+    )
+    parser.add_argument(
+        "--lora-budget-fraction",
+        type=float,
+        default=0.25,
+        help="the capped row's max_lora_bytes_per_step, as a fraction of its adapters' total bytes",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
-    parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
-    parser.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy",
-                        help="mixed: each request samples with one of four mixes (ours only)")
+    parser.add_argument(
+        "--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)"
+    )
+    parser.add_argument(
+        "--sampling",
+        choices=("greedy", "mixed"),
+        default="greedy",
+        help="mixed: each request samples with one of four mixes (ours only)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="ours only (no HF + PEFT runs)")
     args = parser.parse_args()
     args.requests = args.requests or (16 if args.quick else 64)
@@ -309,13 +389,21 @@ def main() -> None:
 
     engine, refs = ours_engine(model_dir, adapters, None, args.device)
     warm_prompts, warm_chosen = make_requests(capped_base, shape.vocab, adapters)
-    run_ours(engine, capped_base, warm_prompts, warm_chosen, refs)  # loads every adapter, warms torch
-    adapter_bytes = sum(engine.adapters.nbytes_of(refs[a.name].key) for a in adapters[: capped_base.num_adapters])
+    run_ours(
+        engine, capped_base, warm_prompts, warm_chosen, refs
+    )  # loads every adapter, warms torch
+    adapter_bytes = sum(
+        engine.adapters.nbytes_of(refs[a.name].key) for a in adapters[: capped_base.num_adapters]
+    )
     results = []
     for workload in plan:
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
-        ours = median_run([run_ours(engine, workload, prompts, chosen, refs, args.sampling)
-                           for _ in range(repeats)])
+        ours = median_run(
+            [
+                run_ours(engine, workload, prompts, chosen, refs, args.sampling)
+                for _ in range(repeats)
+            ]
+        )
         results.append({"workload": workload, "ours": ours})
         console.log(f"ours {workload.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()
@@ -325,8 +413,9 @@ def main() -> None:
     engine, refs = ours_engine(model_dir, adapters, cap, args.device)
     prompts, chosen = make_requests(capped, shape.vocab, adapters)
     run_ours(engine, capped, prompts, chosen, refs)
-    ours = median_run([run_ours(engine, capped, prompts, chosen, refs, args.sampling)
-                       for _ in range(repeats)])
+    ours = median_run(
+        [run_ours(engine, capped, prompts, chosen, refs, args.sampling) for _ in range(repeats)]
+    )
     results.append({"workload": capped, "ours": ours})
     console.log(f"ours {capped.label}: {ours['tokens_per_s']:.0f} tok/s")
     engine.close()
@@ -336,18 +425,25 @@ def main() -> None:
     for workload in plan if hf_model is not None else ():
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
         hf_by_adapters[workload.num_adapters] = run_hf(hf_model, workload, prompts, chosen)
-        console.log(f"HF+PEFT {workload.label}: {hf_by_adapters[workload.num_adapters]['tokens_per_s']:.0f} tok/s")
+        console.log(
+            f"HF+PEFT {workload.label}: {hf_by_adapters[workload.num_adapters]['tokens_per_s']:.0f} tok/s"
+        )
 
     base_only = results[0]["ours"]["tokens_per_s"]
     rows = []
     for result in results:
         workload, ours = result["workload"], result["ours"]
         hf = hf_by_adapters[workload.num_adapters]
-        rows.append({
-            "label": workload.label, "workload": asdict(workload), "ours": ours, "hf_peft": hf,
-            "ratio_to_ours_base_only": ours["tokens_per_s"] / base_only,
-            "ratio_to_hf_peft": ours["tokens_per_s"] / hf["tokens_per_s"],
-        })
+        rows.append(
+            {
+                "label": workload.label,
+                "workload": asdict(workload),
+                "ours": ours,
+                "hf_peft": hf,
+                "ratio_to_ours_base_only": ours["tokens_per_s"] / base_only,
+                "ratio_to_hf_peft": ours["tokens_per_s"] / hf["tokens_per_s"],
+            }
+        )
     ranks = sorted({r for row in rows for r in row["ours"]["tpot_by_rank_s"]}, key=_rank_order)
     console.print(table(rows, ranks))
     report = {
@@ -360,12 +456,20 @@ def main() -> None:
         "repeats": repeats,
         "sampling": args.sampling,
         "adapter_bytes_of_largest_workload": adapter_bytes,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()]},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
+        },
         "wall_seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
-    default = DEFAULT_JSON if args.device == "cpu" else DEFAULT_JSON.with_suffix(f".{args.device.split(':')[0]}.json")
+    default = (
+        DEFAULT_JSON
+        if args.device == "cpu"
+        else DEFAULT_JSON.with_suffix(f".{args.device.split(':')[0]}.json")
+    )
     out = args.json or (default.with_suffix(".quick.json") if args.quick else default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")

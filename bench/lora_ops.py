@@ -19,9 +19,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from loraplex.engine.lora import MODULE_INDEX, build_lora_groups, add_lora
+from loraplex.engine.lora import MODULE_INDEX, add_lora, build_lora_groups
 from loraplex.model_config import LINEAR_MODULES
 
 RANKS = (8, 16, 32, 64)
@@ -64,7 +64,9 @@ class Layer:
 
     x: torch.Tensor  # [T, d_in]
     weight: torch.Tensor  # [d_out, d_in]
-    a: torch.Tensor  # [N, MAX_RANK, d_in], rows past an adapter's rank are zero (as in LoRASlotPool)
+    a: (
+        torch.Tensor
+    )  # [N, MAX_RANK, d_in], rows past an adapter's rank are zero (as in LoRASlotPool)
     bt: torch.Tensor  # [N, MAX_RANK, d_out], scaling folded in
     ranks: list[int]  # per slot
     token_slots: list[int]  # per token, sorted
@@ -72,7 +74,9 @@ class Layer:
     @property
     def module_ranks(self) -> list[tuple[int, ...]]:
         index = MODULE_INDEX[MODULE]
-        return [tuple(r if i == index else 0 for i in range(len(LINEAR_MODULES))) for r in self.ranks]
+        return [
+            tuple(r if i == index else 0 for i in range(len(LINEAR_MODULES))) for r in self.ranks
+        ]
 
 
 def adapter_ranks(num_adapters: int, rng: random.Random) -> list[int]:
@@ -131,7 +135,10 @@ def methods(layer: Layer) -> dict[str, Callable[[], torch.Tensor]]:
     model = peft_model(layer)
     names = [f"a{s}" for s in token_slots]
     starts = [0] + [t for t in range(1, len(token_slots)) if token_slots[t] != token_slots[t - 1]]
-    runs = [(start, end, token_slots[start]) for start, end in zip(starts, starts[1:] + [len(token_slots)])]
+    runs = [
+        (start, end, token_slots[start])
+        for start, end in zip(starts, starts[1:] + [len(token_slots)])
+    ]
     slots = torch.tensor(token_slots, device=x.device)
 
     def ours():
@@ -172,11 +179,14 @@ def check(fns: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype) -> Non
     expected = fns["ours"]().float()
     for name, fn in fns.items():
         if name != "base":
-            torch.testing.assert_close(fn().float(), expected, **tol, msg=lambda m: f"{name} differs from ours: {m}")
+            torch.testing.assert_close(
+                fn().float(), expected, **tol, msg=lambda m: f"{name} differs from ours: {m}"
+            )
 
 
-def time_methods(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmup: int,
-                 device: torch.device) -> dict[str, float]:
+def time_methods(
+    fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmup: int, device: torch.device
+) -> dict[str, float]:
     """Median seconds per method; methods are interleaved in each round so load from other jobs hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -192,7 +202,9 @@ def time_methods(fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmu
 
 
 @torch.inference_mode()
-def run_case(case: Case, dtype: torch.dtype, repeats: int, warmup: int, device: torch.device) -> dict:
+def run_case(
+    case: Case, dtype: torch.dtype, repeats: int, warmup: int, device: torch.device
+) -> dict:
     layer = make_layer(case, dtype, device)
     fns = methods(layer)
     check(fns, dtype)
@@ -208,7 +220,9 @@ def run_case(case: Case, dtype: torch.dtype, repeats: int, warmup: int, device: 
 
 def cases(quick: bool) -> list[Case]:
     shapes, tokens = (SHAPES[:1], (16, 128)) if quick else (SHAPES, TOKENS)
-    return [Case(d_in, d_out, t, n) for d_in, d_out in shapes for t in tokens for n in ADAPTER_COUNTS]
+    return [
+        Case(d_in, d_out, t, n) for d_in, d_out in shapes for t in tokens for n in ADAPTER_COUNTS
+    ]
 
 
 def table(results: list[dict], dtype: str) -> Table:
@@ -218,21 +232,32 @@ def table(results: list[dict], dtype: str) -> Table:
     for name in METHODS:
         out.add_column(TITLES[name], justify="right")
     for r in results:
-        cells = [f"{r['seconds'][m] * 1e3:.2f}" + ("" if m == "base" else f" ({r['ratio_to_base'][m]:.2f}×)")
-                 for m in METHODS]
-        out.add_row(f"{r['d_in']}×{r['d_out']}", str(r["num_tokens"]), str(r["num_adapters"]), *cells)
+        cells = [
+            f"{r['seconds'][m] * 1e3:.2f}"
+            + ("" if m == "base" else f" ({r['ratio_to_base'][m]:.2f}×)")
+            for m in METHODS
+        ]
+        out.add_row(
+            f"{r['d_in']}×{r['d_out']}", str(r["num_tokens"]), str(r["num_adapters"]), *cells
+        )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one shape (4096×4096), T=16 and 128, 3 repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="one shape (4096×4096), T=16 and 128, 3 repeats"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--repeats", type=int, help="timed rounds per case (default 7 for T ≤ 64, else 3; quick 3)")
+    parser.add_argument(
+        "--repeats", type=int, help="timed rounds per case (default 7 for T ≤ 64, else 3; quick 3)"
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)")
+    parser.add_argument(
+        "--json", type=Path, help=f"results file (default {DEFAULT_JSON}; quick: *.quick.json)"
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
@@ -253,12 +278,18 @@ def main() -> None:
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "warmup": args.warmup,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "load_average_1m_5m_15m": list(_load_average())},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_1m_5m_15m": list(_load_average()),
+        },
         "wall_seconds": round(time.perf_counter() - started, 1),
         "results": results,
     }
-    default = DEFAULT_JSON if device.type == "cpu" else DEFAULT_JSON.with_suffix(f".{device.type}.json")
+    default = (
+        DEFAULT_JSON if device.type == "cpu" else DEFAULT_JSON.with_suffix(f".{device.type}.json")
+    )
     out = args.json or (default.with_suffix(".quick.json") if args.quick else default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

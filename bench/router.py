@@ -45,7 +45,9 @@ from loraplex.registry.store import ArtifactStore
 POLICIES = ("round-robin", "least-loaded", "pure-affinity", "affinity")
 
 
-def workload(kind: str, num_adapters: int, n: int, rate: float, seed: int) -> list[tuple[float, str]]:
+def workload(
+    kind: str, num_adapters: int, n: int, rate: float, seed: int
+) -> list[tuple[float, str]]:
     rng = random.Random(seed)
     names = [f"ad{i:03d}" for i in range(num_adapters)]
     if kind == "zipf":
@@ -67,8 +69,14 @@ async def replay(url: str, trace: list[tuple[float, str]], key: str) -> list[dic
         async def one(at: float, model: str):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
             sent = time.perf_counter()
-            body = {"model": model, "prompt": "<s>hello world<sep>", "max_tokens": 8, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": "<s>hello world<sep>",
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             record = {"model": model}
             try:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -95,16 +103,23 @@ def summarize(records: list[dict]) -> dict:
 
     per_worker = Counter(r["worker"] for r in ok)
     tiers = Counter(r["tier"] for r in ok)
-    spread = statistics.pstdev(per_worker.values()) / statistics.mean(per_worker.values()) if per_worker else 0
+    spread = (
+        statistics.pstdev(per_worker.values()) / statistics.mean(per_worker.values())
+        if per_worker
+        else 0
+    )
     return {
-        "requests": len(records), "ok": len(ok),
+        "requests": len(records),
+        "ok": len(ok),
         "errors": dict(Counter(str(r.get("status")) for r in records if r not in ok)),
         "gpu_hit": round(tiers["gpu"] / max(1, len(ok)), 3),
         "hit_cpu": round(tiers["cpu"] / max(1, len(ok)), 3),
         "cold_starts": tiers["disk"] + tiers["remote"],
         "remote_loads": tiers["remote"],
-        "ttft_p50_ms": pct(0.5), "ttft_p99_ms": pct(0.99),
-        "load_cv": round(spread, 3), "per_worker": dict(per_worker),
+        "ttft_p50_ms": pct(0.5),
+        "ttft_p99_ms": pct(0.99),
+        "load_cv": round(spread, 3),
+        "per_worker": dict(per_worker),
     }
 
 
@@ -114,8 +129,12 @@ def build_fleet_registry(tmp: Path, num_adapters: int) -> tuple[Path, str, str, 
     cfg = ModelConfig.from_dir(model_dir)
     remote = ArtifactStore(tmp / "remote")
     base_url, server = serve_shaped(remote.root)
-    registry = Registry(f"sqlite:///{tmp / 'registry.db'}", base_model_dir=model_dir, max_lora_rank=16,
-                        storage_base=base_url)
+    registry = Registry(
+        f"sqlite:///{tmp / 'registry.db'}",
+        base_model_dir=model_dir,
+        max_lora_rank=16,
+        storage_base=base_url,
+    )
     registry.init()
     registry.add_tenant("bench", 0)
     key = registry.create_key("bench")
@@ -140,23 +159,45 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     num_adapters = 30 if args.quick else 100
     n = 90 if args.quick else 300
-    cpu_loras = num_adapters * 2 // 5  # the fleet of 3 holds every adapter 1.2 times; one worker holds 40%
+    cpu_loras = (
+        num_adapters * 2 // 5
+    )  # the fleet of 3 holds every adapter 1.2 times; one worker holds 40%
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model_dir, registry_url, base_url, key, server, biggest = build_fleet_registry(tmp, num_adapters)
+        model_dir, registry_url, base_url, key, server, biggest = build_fleet_registry(
+            tmp, num_adapters
+        )
         names = [f"ad{i:03d}" for i in range(num_adapters)]
-        sweep = [(0.1 * i, name) for i, name in enumerate(random.Random(7).sample(names, len(names)))]
+        sweep = [
+            (0.1 * i, name) for i, name in enumerate(random.Random(7).sample(names, len(names)))
+        ]
         try:
             for kind in args.workloads.split(","):
                 trace = workload(kind, num_adapters, n, rate=6.0, seed=1)
                 for policy in args.policies.split(","):
                     run = tmp / f"{kind}-{policy}"
-                    workers = [start_worker(model_dir, run / f"w{i}", {}, "--registry", registry_url,
-                                            "--allowed-roots", base_url, "--max-loras", "4",
-                                            "--max-cpu-loras", str(cpu_loras),
-                                            "--disk-cache-bytes", str(4 * biggest),
-                                            "--eviction-policy", "score", max_lora_rank=16) for i in range(3)]
+                    workers = [
+                        start_worker(
+                            model_dir,
+                            run / f"w{i}",
+                            {},
+                            "--registry",
+                            registry_url,
+                            "--allowed-roots",
+                            base_url,
+                            "--max-loras",
+                            "4",
+                            "--max-cpu-loras",
+                            str(cpu_loras),
+                            "--disk-cache-bytes",
+                            str(4 * biggest),
+                            "--eviction-policy",
+                            "score",
+                            max_lora_rank=16,
+                        )
+                        for i in range(3)
+                    ]
                     router = start_router([w.url for w in workers], run / "router", policy=policy)
                     try:
                         time.sleep(1.0)
@@ -164,20 +205,38 @@ def main(argv: list[str] | None = None) -> int:
                         records = asyncio.run(replay(router.url, trace, key))
                     finally:
                         if args.keep_logs:
-                            shutil.copytree(run, Path(args.keep_logs) / run.name, dirs_exist_ok=True,
-                                            ignore=shutil.ignore_patterns("cache", "*.db*"))
+                            shutil.copytree(
+                                run,
+                                Path(args.keep_logs) / run.name,
+                                dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("cache", "*.db*"),
+                            )
                         router.stop()
                         for w in workers:
                             w.stop()
-                    row = {"workload": kind, "policy": policy, **summarize(records),
-                           "warmup_errors": sum(r.get("status") != 200 for r in warm)}
+                    row = {
+                        "workload": kind,
+                        "policy": policy,
+                        **summarize(records),
+                        "warmup_errors": sum(r.get("status") != 200 for r in warm),
+                    }
                     rows.append(row)
                     console.log(row)
         finally:
             server.shutdown()
     table = Table(title="Router policies, 3 workers x 4 slots (TTFT at the client, ms)")
-    columns = ["workload", "policy", "ok", "gpu_hit", "hit_cpu", "cold_starts", "remote_loads", "ttft_p50_ms",
-               "ttft_p99_ms", "load_cv"]
+    columns = [
+        "workload",
+        "policy",
+        "ok",
+        "gpu_hit",
+        "hit_cpu",
+        "cold_starts",
+        "remote_loads",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "load_cv",
+    ]
     for c in columns:
         table.add_column(c, justify="right")
     for row in rows:
@@ -186,17 +245,36 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["workload"], r["policy"]): r for r in rows}
     goals = {}
     if ("zipf", "affinity") in by and ("zipf", "round-robin") in by:
-        goals["zipf_p99_ours_over_round_robin"] = round(by["zipf", "affinity"]["ttft_p99_ms"]
-                                                        / by["zipf", "round-robin"]["ttft_p99_ms"], 2)
+        goals["zipf_p99_ours_over_round_robin"] = round(
+            by["zipf", "affinity"]["ttft_p99_ms"] / by["zipf", "round-robin"]["ttft_p99_ms"], 2
+        )
     if ("one-hot", "affinity") in by and ("one-hot", "least-loaded") in by:
-        goals["one_hot_p99_ours_over_least_loaded"] = round(by["one-hot", "affinity"]["ttft_p99_ms"]
-                                                            / by["one-hot", "least-loaded"]["ttft_p99_ms"], 2)
+        goals["one_hot_p99_ours_over_least_loaded"] = round(
+            by["one-hot", "affinity"]["ttft_p99_ms"] / by["one-hot", "least-loaded"]["ttft_p99_ms"],
+            2,
+        )
     console.print(goals)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"rows": rows, "goals": goals, "setup": {
-        "workers": 3, "max_loras": 4, "max_cpu_loras": cpu_loras, "disk_cache_bytes": 4 * biggest,
-        "adapters": num_adapters, "requests": n, "rate": 6.0, "remote_latency_s": ShapedHandler.latency_s,
-        "remote_bytes_per_s": ShapedHandler.bytes_per_s}}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "goals": goals,
+                "setup": {
+                    "workers": 3,
+                    "max_loras": 4,
+                    "max_cpu_loras": cpu_loras,
+                    "disk_cache_bytes": 4 * biggest,
+                    "adapters": num_adapters,
+                    "requests": n,
+                    "rate": 6.0,
+                    "remote_latency_s": ShapedHandler.latency_s,
+                    "remote_bytes_per_s": ShapedHandler.bytes_per_s,
+                },
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

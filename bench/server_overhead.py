@@ -44,15 +44,22 @@ KEY = "bench-key-0123456789abcdef"
 
 def build_fixtures(root: Path) -> tuple[Path, Path]:
     model = make_model(root / "model", "llama")
-    adapter = make_adapter(model, root / "adapter", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    adapter = make_adapter(
+        model, root / "adapter", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]
+    )
     return model, adapter
 
 
 def summarize(latencies: list[float], wall_s: float) -> dict:
     ordered = sorted(latencies)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
-    return {"requests": len(ordered), "rps": len(ordered) / wall_s, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
-            "mean_ms": statistics.fmean(ordered) * 1000}
+    return {
+        "requests": len(ordered),
+        "rps": len(ordered) / wall_s,
+        "p50_ms": pick(0.5),
+        "p99_ms": pick(0.99),
+        "mean_ms": statistics.fmean(ordered) * 1000,
+    }
 
 
 async def drive(call, num_requests: int, clients: int) -> dict:
@@ -72,7 +79,9 @@ async def drive(call, num_requests: int, clients: int) -> dict:
 
 
 def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]) -> dict:
-    engine = LLMEngine(EngineConfig(model_dir=model, dtype="float32", max_loras=4, max_lora_rank=16))
+    engine = LLMEngine(
+        EngineConfig(model_dir=model, dtype="float32", max_loras=4, max_lora_rank=16)
+    )
     ref = engine.adapter_ref("bench", adapter)
     async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -93,10 +102,28 @@ def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]
 
 def start_server(model: Path, adapter: Path, work: Path) -> Proc:
     (work / "keys").write_text(f"bench {KEY}\n")
-    return Proc(["serve", "--model", str(model), "--served-model-name", "base", "--port", "0",
-                 "--data-dir", str(work / "data"), "--lora-modules", f"bench={adapter}",
-                 "--api-keys", str(work / "keys"), "--dtype", "float32", "--max-lora-rank", "16"],
-                work / "serve.log")
+    return Proc(
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "base",
+            "--port",
+            "0",
+            "--data-dir",
+            str(work / "data"),
+            "--lora-modules",
+            f"bench={adapter}",
+            "--api-keys",
+            str(work / "keys"),
+            "--dtype",
+            "float32",
+            "--max-lora-rank",
+            "16",
+        ],
+        work / "serve.log",
+    )
 
 
 class RawClient:
@@ -107,17 +134,23 @@ class RawClient:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
         payload = json.dumps(body).encode()
-        self.request = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {KEY}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+        self.request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode() + payload
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self) -> None:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        reader, writer = (
+            self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        )
         writer.write(self.request)
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         lines = head.lower().split(b"\r\n")
-        length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
+        length = next(
+            int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")
+        )
         body = await reader.readexactly(length)
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
@@ -136,7 +169,9 @@ def run_http(url: str, num_requests: int, clients: list[int]) -> dict:
         for c in clients:
             client = RawClient(url, body)
             try:
-                await drive(client.post, max(20, c), c)  # warm-up: connections open, adapter in its slot
+                await drive(
+                    client.post, max(20, c), c
+                )  # warm-up: connections open, adapter in its slot
                 results[c] = await drive(client.post, num_requests, c)
             finally:
                 client.close()
@@ -175,14 +210,27 @@ def main() -> None:
         overhead = http[c]["p50_ms"] - direct[c]["p50_ms"]
         for path, result in (("direct", direct[c]), ("http", http[c])):
             rows.append({"clients": c, "path": path, **result})
-            table.add_row(str(c), path, f"{result['rps']:.0f}", f"{result['p50_ms']:.2f}", f"{result['p99_ms']:.2f}",
-                          f"{overhead:+.2f}" if path == "http" else "")
+            table.add_row(
+                str(c),
+                path,
+                f"{result['rps']:.0f}",
+                f"{result['p50_ms']:.2f}",
+                f"{result['p99_ms']:.2f}",
+                f"{overhead:+.2f}" if path == "http" else "",
+            )
         rows.append({"clients": c, "path": "overhead", "p50_ms": overhead})
     console.print(table)
     report = {
-        "benchmark": "server_overhead", "requests": args.requests, "clients": clients, "results": rows,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_avg_1m": os.getloadavg()[0]},
+        "benchmark": "server_overhead",
+        "requests": args.requests,
+        "clients": clients,
+        "results": rows,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
         "goal": "HTTP + resolve + auth adds <= 1 ms p50",
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

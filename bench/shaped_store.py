@@ -42,7 +42,9 @@ def serve_shaped(root: Path) -> tuple[str, http.server.ThreadingHTTPServer]:
 
 @contextlib.contextmanager
 def shaped_store_process(root: Path) -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, __file__, str(root)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(root)], stdout=subprocess.PIPE, text=True
+    )
     try:
         url = proc.stdout.readline().strip()
         if not url.startswith("http://"):

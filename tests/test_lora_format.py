@@ -30,7 +30,9 @@ def with_header(weights: bytes, edit) -> bytes:
 
 
 def _first_two(header):
-    return [info for _, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"])][:2]
+    return [info for _, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"])][
+        :2
+    ]
 
 
 BROKEN = {
@@ -39,12 +41,20 @@ BROKEN = {
     "short": (lambda w: w[:5], "too short"),
     "header past the end": (lambda w: struct.pack("<Q", 10_000) + b"{}", "runs past its end"),
     "header not an object": (lambda w: struct.pack("<Q", 2) + b"[]", "not a JSON object"),
-    "malformed entry": (lambda w: with_header(w, lambda h: next(iter(h.values())).update(shape="x")),
-                        "malformed header entry"),
-    "offsets past the end": (lambda w: with_header(w, lambda h: _first_two(h)[0]["data_offsets"].__setitem__(1, 10**9)),
-                             "data_offsets"),
-    "overlapping tensors": (lambda w: with_header(w, lambda h: _first_two(h)[1].update(
-        data_offsets=_first_two(h)[0]["data_offsets"])), "data_offsets"),
+    "malformed entry": (
+        lambda w: with_header(w, lambda h: next(iter(h.values())).update(shape="x")),
+        "malformed header entry",
+    ),
+    "offsets past the end": (
+        lambda w: with_header(w, lambda h: _first_two(h)[0]["data_offsets"].__setitem__(1, 10**9)),
+        "data_offsets",
+    ),
+    "overlapping tensors": (
+        lambda w: with_header(
+            w, lambda h: _first_two(h)[1].update(data_offsets=_first_two(h)[0]["data_offsets"])
+        ),
+        "data_offsets",
+    ),
     "trailing bytes": (lambda w: w + b"\0" * 8, "data section"),
 }
 
@@ -53,11 +63,15 @@ def test_bytes_in_memory_give_the_spec_the_directory_gives(llama_dir, llama_adap
     cfg = ModelConfig.from_dir(llama_dir)
     for path in llama_adapters.values():
         from_dir = read_adapter(path, cfg, 16)
-        assert adapter_from_files(files_of(path), cfg, 16) == dataclasses.replace(from_dir, path=None)
+        assert adapter_from_files(files_of(path), cfg, 16) == dataclasses.replace(
+            from_dir, path=None
+        )
 
 
 @pytest.mark.parametrize("kind", list(BROKEN))
-def test_a_broken_safetensors_file_is_refused_from_disk_and_from_memory(llama_dir, llama_adapters, tmp_path, kind):
+def test_a_broken_safetensors_file_is_refused_from_disk_and_from_memory(
+    llama_dir, llama_adapters, tmp_path, kind
+):
     break_it, message = BROKEN[kind]
     cfg = ModelConfig.from_dir(llama_dir)
     files = files_of(llama_adapters["attn-r8"])
@@ -71,7 +85,9 @@ def test_a_broken_safetensors_file_is_refused_from_disk_and_from_memory(llama_di
 
 
 @pytest.mark.parametrize("missing, field", [(WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")])
-def test_files_in_memory_without_weights_or_config_are_refused(llama_dir, llama_adapters, missing, field):
+def test_files_in_memory_without_weights_or_config_are_refused(
+    llama_dir, llama_adapters, missing, field
+):
     files = files_of(llama_adapters["attn-r8"])
     del files[missing]
     with pytest.raises(AdapterRejected, match=f"missing {missing}") as refused:
@@ -79,18 +95,23 @@ def test_files_in_memory_without_weights_or_config_are_refused(llama_dir, llama_
     assert refused.value.field == field
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"lora_alpha": "16"}, "lora_alpha"),
-    ({"r": None}, "r"),
-    ({"rank_pattern": ["q_proj"]}, "rank_pattern"),
-    ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern"),
-    ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
-    # Not finite: every logit of the adapter's requests is NaN (json.dumps writes Infinity and NaN, as a file may).
-    ({"lora_alpha": float("inf")}, "lora_alpha"),
-    ({"lora_alpha": float("nan")}, "lora_alpha"),
-    ({"alpha_pattern": {"q_proj": float("-inf")}}, "alpha_pattern"),
-])
-def test_config_values_of_the_wrong_kind_are_refused_naming_the_field(llama_dir, llama_adapters, change, field):
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"lora_alpha": "16"}, "lora_alpha"),
+        ({"r": None}, "r"),
+        ({"rank_pattern": ["q_proj"]}, "rank_pattern"),
+        ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern"),
+        ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
+        # Not finite: every logit of the adapter's requests is NaN (json.dumps writes Infinity and NaN, as a file may).
+        ({"lora_alpha": float("inf")}, "lora_alpha"),
+        ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"alpha_pattern": {"q_proj": float("-inf")}}, "alpha_pattern"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused_naming_the_field(
+    llama_dir, llama_adapters, change, field
+):
     """Not a TypeError, AttributeError or re.error from deep inside (a 500, or a traceback at start-up)."""
     cfg = ModelConfig.from_dir(llama_dir)
     files = files_of(llama_adapters["attn-r8"])

@@ -16,9 +16,14 @@ def save_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    text = ["the quick brown fox jumps over the lazy dog " * 4, "hello world, adapters and slots " * 4]
+    text = [
+        "the quick brown fox jumps over the lazy dog " * 4,
+        "hello world, adapters and slots " * 4,
+    ]
     tok.train_from_iterator(text, trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -33,8 +38,15 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
     import transformers
 
     common = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, eos_token_id=1, bos_token_id=0,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        bos_token_id=0,
     )
     common.update(overrides)
     config = {
@@ -65,12 +77,26 @@ ADAPTERS = {
     "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "mlp-r4": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "all-r16-rslora": dict(
-        r=16, lora_alpha=8, use_rslora=True,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        r=16,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
     ),
     "pattern": dict(
-        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"],
-        rank_pattern={"v_proj": 4}, alpha_pattern={"down_proj": 3}, layers_to_transform=[1],
+        r=8,
+        lora_alpha=32,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"v_proj": 4},
+        alpha_pattern={"down_proj": 3},
+        layers_to_transform=[1],
     ),
     "regex-r4": dict(r=4, lora_alpha=6, target_modules=r".*\.(k_proj|up_proj)"),
 }
@@ -83,9 +109,17 @@ def make_adapter(model_dir: Path, out: Path, seed: int = 0, base=None, **lora_ar
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    base = copy.deepcopy(base) if base is not None else transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **lora_args))
-    with torch.no_grad():  # init_lora_weights=False gives non-zero B; make the effect clearly visible
+    base = (
+        copy.deepcopy(base)
+        if base is not None
+        else transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    )
+    peft_model = get_peft_model(
+        base, LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **lora_args)
+    )
+    with (
+        torch.no_grad()
+    ):  # init_lora_weights=False gives non-zero B; make the effect clearly visible
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.mul_(3.0)
@@ -122,7 +156,9 @@ def reference_logits(model, prompt: list[int], adapter: str | None) -> torch.Ten
 
 
 @torch.no_grad()
-def reference_greedy(model, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
+def reference_greedy(
+    model, prompt: list[int], adapter: str | None, max_new_tokens: int
+) -> list[int]:
     ids = torch.tensor([prompt])
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     if adapter is None:
@@ -131,4 +167,4 @@ def reference_greedy(model, prompt: list[int], adapter: str | None, max_new_toke
     else:
         model.set_adapter(adapter)
         out = model.generate(ids, **kwargs)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

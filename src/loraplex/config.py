@@ -6,8 +6,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -16,7 +26,9 @@ def parse_size(text: str | int) -> int:
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match[2].lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number with an optional unit such as 512MiB or 4GiB")
+        raise ValueError(
+            f"bad size {text!r}: use a number with an optional unit such as 512MiB or 4GiB"
+        )
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
@@ -92,14 +104,16 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be at least 1")
         if self.max_num_seqs < 1 or self.block_size < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(
-                "max_num_seqs, block_size and max_num_batched_tokens must be at least 1")
+                "max_num_seqs, block_size and max_num_batched_tokens must be at least 1"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization}: "
-                             "use a share in (0, 1]")
+            raise ValueError(
+                f"gpu_memory_utilization {self.gpu_memory_utilization}: use a share in (0, 1]"
+            )
         if self.load_threads < 1:
             raise ValueError("load_threads must be at least 1")
         if self.max_gpu_preferred is not None and self.max_gpu_preferred < 0:
@@ -110,8 +124,10 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: use auto, cpu or cuda")
-        shares = (("tenant_gpu_share", self.tenant_gpu_share),
-                  ("tenant_cpu_share", self.tenant_cpu_share))
+        shares = (
+            ("tenant_gpu_share", self.tenant_gpu_share),
+            ("tenant_cpu_share", self.tenant_cpu_share),
+        )
         for name, share in shares:
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], not {share}")

@@ -17,7 +17,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
 
 
 class AdapterRejected(ValueError):
@@ -64,7 +66,9 @@ class AdapterSpec:
 class SafetensorsLayout:
     """A safetensors file's header: where its data section starts and how long it is."""
 
-    tensors: dict[str, dict]  # name -> {"dtype", "shape", "data_offsets"}; offsets count from data_start
+    tensors: dict[
+        str, dict
+    ]  # name -> {"dtype", "shape", "data_offsets"}; offsets count from data_start
     data_start: int
     data_bytes: int
 
@@ -78,7 +82,9 @@ def read_safetensors_header(path: Path) -> SafetensorsLayout:
     return _decode_header(raw, length, size, path.name)
 
 
-def parse_safetensors_header(data: bytes | bytearray | memoryview, name: str = WEIGHTS_FILE) -> SafetensorsLayout:
+def parse_safetensors_header(
+    data: bytes | bytearray | memoryview, name: str = WEIGHTS_FILE
+) -> SafetensorsLayout:
     """The header of a safetensors file held in memory."""
     data = memoryview(data)
     length = _header_length(bytes(data[:8]), name)
@@ -96,7 +102,9 @@ def _header_length(prefix: bytes, name: str) -> int:
 
 def _decode_header(raw: bytes, length: int, file_size: int, name: str) -> SafetensorsLayout:
     if 8 + length > file_size:
-        raise AdapterRejected(name, f"not a safetensors file (a header of {length} bytes runs past its end)")
+        raise AdapterRejected(
+            name, f"not a safetensors file (a header of {length} bytes runs past its end)"
+        )
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -106,7 +114,9 @@ def _decode_header(raw: bytes, length: int, file_size: int, name: str) -> Safete
     header.pop("__metadata__", None)
     for key, info in header.items():
         if not _is_tensor_entry(info):
-            raise AdapterRejected(name, f"not a safetensors file (malformed header entry for {key})")
+            raise AdapterRejected(
+                name, f"not a safetensors file (malformed header entry for {key})"
+            )
     return SafetensorsLayout(header, 8 + length, file_size - 8 - length)
 
 
@@ -131,11 +141,14 @@ def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
         begin, stop = info["data_offsets"]
         if begin != end or stop - begin != math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]:
             raise AdapterRejected(
-                name, f"{key}: data_offsets {info['data_offsets']} do not follow the previous tensor or fit its shape"
+                name,
+                f"{key}: data_offsets {info['data_offsets']} do not follow the previous tensor or fit its shape",
             )
         end = stop
     if end != layout.data_bytes:
-        raise AdapterRejected(name, f"the tensors cover {end} bytes of a {layout.data_bytes}-byte data section")
+        raise AdapterRejected(
+            name, f"the tensors cover {end} bytes of a {layout.data_bytes}-byte data section"
+        )
 
 
 def read_adapter_config(adapter_dir: Path) -> dict:
@@ -171,7 +184,7 @@ def _parse_config(raw: bytes) -> dict:
 _VARIANTS = {
     "use_dora": "DoRA adapters are not supported",
     "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter applies only after its invocation tokens) is not "
-                               "supported",
+    "supported",
     "layer_replication": "layer replication (the adapter runs on a rebuilt stack of layers) is not supported",
     "use_qalora": "QA-LoRA (pooled inputs) is not supported",
     "use_bdlora": "block-diagonal LoRA is not supported",
@@ -192,7 +205,9 @@ def _check_config(config: dict) -> None:
     if config.get("bias", "none") != "none":
         raise AdapterRejected("bias", f"bias={config['bias']!r} is not supported; only 'none'")
     if config.get("modules_to_save"):
-        raise AdapterRejected("modules_to_save", f"{config['modules_to_save']} is not supported (full weights)")
+        raise AdapterRejected(
+            "modules_to_save", f"{config['modules_to_save']} is not supported (full weights)"
+        )
     targets = config.get("target_modules") or []
     if isinstance(targets, list):
         for name in targets:
@@ -200,18 +215,28 @@ def _check_config(config: dict) -> None:
                 raise AdapterRejected("target_modules", f"LoRA on {name} is not supported")
     for name in ("target_modules", "exclude_modules"):
         value = config.get(name)
-        if value is not None and not isinstance(value, str) and not (
-                isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise AdapterRejected(name, f"{value!r} is neither a pattern nor a list of module names")
+        if (
+            value is not None
+            and not isinstance(value, str)
+            and not (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        ):
+            raise AdapterRejected(
+                name, f"{value!r} is neither a pattern nor a list of module names"
+            )
         if isinstance(value, str):
             try:
                 re.compile(value)
             except re.error as exc:
                 raise AdapterRejected(name, f"{value!r} is not a valid pattern: {exc}") from None
     layers = config.get("layers_to_transform")
-    if layers is not None and not isinstance(layers, int) and not (
-            isinstance(layers, list) and all(isinstance(v, int) for v in layers)):
-        raise AdapterRejected("layers_to_transform", f"{layers!r} is neither a layer index nor a list of them")
+    if (
+        layers is not None
+        and not isinstance(layers, int)
+        and not (isinstance(layers, list) and all(isinstance(v, int) for v in layers))
+    ):
+        raise AdapterRejected(
+            "layers_to_transform", f"{layers!r} is neither a layer index nor a list of them"
+        )
     for name in ("r", "lora_alpha"):
         if name in config and not _is_number(config[name]):
             raise AdapterRejected(name, f"{config[name]!r} is not a finite number")
@@ -231,6 +256,7 @@ def _config_selects(config: dict, path: str, layer: int) -> bool:
     regex the whole path must match, a list names path suffixes, and then `layers_to_transform` limits the
     layers). PEFT ignores the weights of a module it does not select, so serving them would serve another adapter.
     A config without `target_modules` selects by the weights."""
+
     def named(names) -> bool:
         if isinstance(names, str):
             return names == "all-linear" or re.fullmatch(names, path) is not None
@@ -266,21 +292,31 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
     """Validate an adapter directory against the base model; raise AdapterRejected naming the field and reason."""
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
-    return _adapter_spec(config, read_safetensors_header(adapter_dir / WEIGHTS_FILE), model, max_rank, adapter_dir)
+    return _adapter_spec(
+        config, read_safetensors_header(adapter_dir / WEIGHTS_FILE), model, max_rank, adapter_dir
+    )
 
 
-def adapter_from_files(files: Mapping[str, bytes | bytearray | memoryview], model: ModelConfig,
-                       max_rank: int) -> AdapterSpec:
+def adapter_from_files(
+    files: Mapping[str, bytes | bytearray | memoryview], model: ModelConfig, max_rank: int
+) -> AdapterSpec:
     """Validate an adapter held in memory (file name -> bytes, as the cache reads and digest-checks it)."""
     for name, what in ((WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")):
         if name not in files:
             raise AdapterRejected(what, f"missing {name}")
     config = _parse_config(bytes(files[CONFIG_FILE]))
-    return _adapter_spec(config, parse_safetensors_header(files[WEIGHTS_FILE]), model, max_rank, None)
+    return _adapter_spec(
+        config, parse_safetensors_header(files[WEIGHTS_FILE]), model, max_rank, None
+    )
 
 
-def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, max_rank: int,
-                  adapter_dir: Path | None) -> AdapterSpec:
+def _adapter_spec(
+    config: dict,
+    layout: SafetensorsLayout,
+    model: ModelConfig,
+    max_rank: int,
+    adapter_dir: Path | None,
+) -> AdapterSpec:
     _check_config(config)
     header = layout.tensors
     r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
@@ -291,15 +327,27 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
     for key, info in header.items():
         match = _KEY.fullmatch(key)
         if match is None:
-            what = "embedding or lm_head LoRA" if ("embed" in key or "lm_head" in key) else "an unexpected tensor"
-            raise AdapterRejected("weights", f"{key} is {what}; only LoRA A/B of decoder linear layers are supported")
+            what = (
+                "embedding or lm_head LoRA"
+                if ("embed" in key or "lm_head" in key)
+                else "an unexpected tensor"
+            )
+            raise AdapterRejected(
+                "weights", f"{key} is {what}; only LoRA A/B of decoder linear layers are supported"
+            )
         layer, module, side = int(match[1]), match[3], match[4]
         if module not in LINEAR_MODULES:
-            raise AdapterRejected("target_modules", f"{module} is not a linear layer of {model.architecture}")
+            raise AdapterRejected(
+                "target_modules", f"{module} is not a linear layer of {model.architecture}"
+            )
         if layer >= model.num_layers:
-            raise AdapterRejected("weights", f"{key}: layer {layer} does not exist (base has {model.num_layers})")
+            raise AdapterRejected(
+                "weights", f"{key}: layer {layer} does not exist (base has {model.num_layers})"
+            )
         if info["dtype"] not in DTYPE_BYTES:
-            raise AdapterRejected("dtype", f"{key} has dtype {info['dtype']}; allowed: {', '.join(DTYPE_BYTES)}")
+            raise AdapterRejected(
+                "dtype", f"{key} has dtype {info['dtype']}; allowed: {', '.join(DTYPE_BYTES)}"
+            )
         dtypes.add(info["dtype"])
         actual += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
         pairs.setdefault((layer, module), {})[side] = key
@@ -310,7 +358,9 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
     estimated = elements = 0
     for (layer, module), sides in sorted(pairs.items()):
         if set(sides) != {"A", "B"}:
-            raise AdapterRejected("weights", f"layer {layer} {module}: lora_A and lora_B must both be present")
+            raise AdapterRejected(
+                "weights", f"layer {layer} {module}: lora_A and lora_B must both be present"
+            )
         d_in, d_out = model.linear_shape(module)
         shape_a, shape_b = header[sides["A"]]["shape"], header[sides["B"]]["shape"]
         rank = shape_a[0] if len(shape_a) == 2 else -1
@@ -321,23 +371,34 @@ def _adapter_spec(config: dict, layout: SafetensorsLayout, model: ModelConfig, m
                 f"(expected [r, {d_in}] and [{d_out}, r])",
             )
         if rank < 1:
-            raise AdapterRejected("rank", f"layer {layer} {module} has rank {rank}; it must be at least 1")
+            raise AdapterRejected(
+                "rank", f"layer {layer} {module} has rank {rank}; it must be at least 1"
+            )
         if rank > max_rank:
-            raise AdapterRejected("rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}")
+            raise AdapterRejected(
+                "rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}"
+            )
         path = ModelConfig.module_path(layer, module)
         if not _config_selects(config, path, layer):
-            raise AdapterRejected("target_modules", f"layer {layer} {module} has weights, but the config's "
-                                  "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
-                                  "would not load them)")
+            raise AdapterRejected(
+                "target_modules",
+                f"layer {layer} {module} has weights, but the config's "
+                "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
+                "would not load them)",
+            )
         r = _pattern_value(config.get("rank_pattern"), path, r_default)
         if r != rank:
-            raise AdapterRejected("r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}")
+            raise AdapterRejected(
+                "r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}"
+            )
         alpha = _pattern_value(config.get("alpha_pattern"), path, alpha_default)
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         modules.append(LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"]))
         # A is [r, d_in] and B [d_out, r], each in its own dtype (a file may store them in two)
-        estimated += (d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
-                      + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]) * rank
+        estimated += (
+            d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
+            + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]
+        ) * rank
         elements += (d_in + d_out) * rank
     return AdapterSpec(
         path=adapter_dir,
@@ -364,8 +425,9 @@ def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
     """
     if not spec.base_model_name or _model_stem(spec.base_model_name) == _model_stem(base_name):
         return None
-    return (f"the adapter was trained on {spec.base_model_name!r}, "
-            f"not on the base model {base_name!r}")
+    return (
+        f"the adapter was trained on {spec.base_model_name!r}, not on the base model {base_name!r}"
+    )
 
 
 def _model_stem(name: str) -> str:

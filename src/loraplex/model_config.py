@@ -46,7 +46,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{model_dir}: missing config.json")
@@ -58,7 +58,7 @@ class ModelConfig:
         return cls.from_dict(raw, gen)
 
     @classmethod
-    def from_dict(cls, raw: dict, generation: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError("config.json is not a JSON object")
         archs = raw.get("architectures") or []
@@ -80,7 +80,9 @@ class ModelConfig:
         rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelConfigError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            raise ModelConfigError(
+                f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
         rope["rope_type"] = rope_type
         generation = generation or {}
         return cls(

@@ -14,8 +14,11 @@ def test_a_backlog_wider_than_host_memory_does_not_load_adapters_over_and_over(p
     at most about one."""
     trace = W.load("hot-burst")
     cap = W.default_capacity("hot-burst")
-    sim = simulate(trace, SimConfig(gpu_slots=1, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes),
-                   policy_factory(policy))
+    sim = simulate(
+        trace,
+        SimConfig(gpu_slots=1, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes),
+        policy_factory(policy),
+    )
     assert sim.finished == len(trace)
     loads = sum(sim.workers[0].loads.values())
     assert loads < len(trace), dict(sim.workers[0].loads)

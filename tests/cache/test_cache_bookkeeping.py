@@ -51,8 +51,14 @@ class Loads:
 def fresh_room_for(cache, key, now):
     """`_room_for` as it was written before its result was kept: every waiting request's key walked each time."""
     entries = cache.entries
-    held = [k for k, asked in cache._wanted.items()
-            if k != key and k in entries and now - asked <= WANTED_FOR_S and (k in cache.cpu or k in cache.loading)]
+    held = [
+        k
+        for k, asked in cache._wanted.items()
+        if k != key
+        and k in entries
+        and now - asked <= WANTED_FOR_S
+        and (k in cache.cpu or k in cache.loading)
+    ]
     if not held:
         return True
     pinned = [e for k, e in entries.items() if e.pinned == "cpu" and k not in held]
@@ -76,18 +82,40 @@ def test_byte_total_and_preferred_sets_follow_every_change(seed):
     rng = random.Random(seed)
     now = [0.0]
     sizes = {i: rng.choice([3, 5, 8, 13]) * MiB for i in range(12)}
-    refs = [AdapterRef(AdapterKey("base", f"a{i}", "1", f"sha256:{i}"), storage_uri=f"mem://{i}") for i in sizes]
+    refs = [
+        AdapterRef(AdapterKey("base", f"a{i}", "1", f"sha256:{i}"), storage_uri=f"mem://{i}")
+        for i in sizes
+    ]
     loads = Loads()
     cache = AdapterCache(
-        Pool(3), lambda files, hashed: None, cpu_bytes=30 * MiB, max_cpu_loras=rng.choice([None, 5]),
-        policy=ScorePolicy() if seed % 2 else LRUPolicy(), executor=loads, clock=lambda: now[0],
-        loader=lambda ref: Loaded(Packed(sizes[refs.index(ref)]), "remote", {"download": 0.01, "disk": 0.002}),
+        Pool(3),
+        lambda files, hashed: None,
+        cpu_bytes=30 * MiB,
+        max_cpu_loras=rng.choice([None, 5]),
+        policy=ScorePolicy() if seed % 2 else LRUPolicy(),
+        executor=loads,
+        clock=lambda: now[0],
+        loader=lambda ref: Loaded(
+            Packed(sizes[refs.index(ref)]), "remote", {"download": 0.01, "disk": 0.002}
+        ),
     )
     held = []
     for _ in range(400):
         now[0] += rng.choice([0.0, 0.05, 0.5, 3.0])
         ref = rng.choice(refs)
-        op = rng.choice(["request", "request", "request", "release", "poll", "evict", "forget", "pin", "gpu_cap"])
+        op = rng.choice(
+            [
+                "request",
+                "request",
+                "request",
+                "release",
+                "poll",
+                "evict",
+                "forget",
+                "pin",
+                "gpu_cap",
+            ]
+        )
         if op == "request":
             cache.record_request(ref)
             if cache.acquire(ref) is not None:
@@ -112,7 +140,9 @@ def test_byte_total_and_preferred_sets_follow_every_change(seed):
         assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
         for tier, pins in (("gpu", cache._gpu_pins), ("cpu", cache._cpu_pins)):
             assert pins == {k for k, e in cache.entries.items() if e.pinned == tier}
-        for key in [r.key for r in refs if r.key in cache.entries]:  # kept between calls, and the same answers
+        for key in [
+            r.key for r in refs if r.key in cache.entries
+        ]:  # kept between calls, and the same answers
             assert cache._room_for(key, now[0]) == fresh_room_for(cache, key, now[0]), key
         # Asked twice, with and without what was kept: the same sets, in the same order.
         for _ in range(2):

@@ -36,9 +36,19 @@ def remote(llama_adapters, tmp_path):
 
 
 def make_engine(llama_dir, tmp_path, allowed, policy=None, max_loras=2, disk_bytes=10 * 2**20):
-    return LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=max_loras, max_lora_rank=16,
-                                  kv_cache_bytes=2**20, disk_cache_dir=tmp_path / "disk",
-                                  disk_cache_bytes=disk_bytes, allowed_roots=(allowed,)), policy=policy)
+    return LLMEngine(
+        EngineConfig(
+            model_dir=llama_dir,
+            dtype="float32",
+            max_loras=max_loras,
+            max_lora_rank=16,
+            kv_cache_bytes=2**20,
+            disk_cache_dir=tmp_path / "disk",
+            disk_cache_bytes=disk_bytes,
+            allowed_roots=(allowed,),
+        ),
+        policy=policy,
+    )
 
 
 def remote_ref(engine, base, name, digest, pieces=None):
@@ -46,7 +56,9 @@ def remote_ref(engine, base, name, digest, pieces=None):
     return AdapterRef(key, storage_uri=f"{base}/{digest.removeprefix('sha256:')}", pieces=pieces)
 
 
-def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_dir, remote, tmp_path):
+def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(
+    llama_dir, remote, tmp_path
+):
     store, digests = remote
     with serve_store(store) as base:
         engine = make_engine(llama_dir, tmp_path, base)
@@ -67,10 +79,16 @@ def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(llama_d
     engine.close()
 
 
-@pytest.mark.parametrize("by_pieces", [False, True])  # checked by the digest alone, or by the registry's pieces
-def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, remote, tmp_path, by_pieces):
+@pytest.mark.parametrize(
+    "by_pieces", [False, True]
+)  # checked by the digest alone, or by the registry's pieces
+def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(
+    llama_dir, remote, tmp_path, by_pieces
+):
     store, digests = remote
-    pieces = {d: digest_and_pieces(store.path(d))[1] if by_pieces else None for d in digests.values()}
+    pieces = {
+        d: digest_and_pieces(store.path(d))[1] if by_pieces else None for d in digests.values()
+    }
     path = store.path(digests["all-r16-rslora"]) / "adapter_model.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
@@ -78,7 +96,9 @@ def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(llama_dir, re
     with serve_store(store) as base:
         engine = make_engine(llama_dir, tmp_path, base)
         good = remote_ref(engine, base, "good", digests["attn-r8"], pieces[digests["attn-r8"]])
-        bad = remote_ref(engine, base, "bad", digests["all-r16-rslora"], pieces[digests["all-r16-rslora"]])
+        bad = remote_ref(
+            engine, base, "bad", digests["all-r16-rslora"], pieces[digests["all-r16-rslora"]]
+        )
         assert run_one(engine, good)[1] is None
         slots, cpu = list(engine.adapters.slots), set(engine.adapters.cpu)
         _, error, tokens = run_one(engine, bad)
@@ -96,7 +116,10 @@ def test_disk_budget_filled_evicts_instead_of_failing(llama_dir, remote, tmp_pat
         engine = make_engine(llama_dir, tmp_path, base, disk_bytes=int(one * 1.5), max_loras=1)
         for name, digest in digests.items():
             assert run_one(engine, remote_ref(engine, base, name, digest))[1] is None
-        assert engine.adapters.disk.used_bytes() <= int(one * 1.5) or len(engine.adapters.disk.store.digests()) == 1
+        assert (
+            engine.adapters.disk.used_bytes() <= int(one * 1.5)
+            or len(engine.adapters.disk.store.digests()) == 1
+        )
         engine.close()
 
 
@@ -113,10 +136,14 @@ def seed_scenario(engine, refs_hot, refs_cold):
     return tiers
 
 
-def test_seed_scenario_score_keeps_hot_adapters_resident_and_lru_does_not(llama_dir, llama_adapters, tmp_path):
+def test_seed_scenario_score_keeps_hot_adapters_resident_and_lru_does_not(
+    llama_dir, llama_adapters, tmp_path
+):
     results = {}
     for policy in (ScorePolicy(min_residency_s=0.0), LRUPolicy()):
-        engine = make_engine(llama_dir, tmp_path / policy.name, str(tmp_path), policy=policy, max_loras=4)
+        engine = make_engine(
+            llama_dir, tmp_path / policy.name, str(tmp_path), policy=policy, max_loras=4
+        )
         paths = list(llama_adapters.values())
         hot = [engine.adapter_ref(f"hot{i}", paths[i % len(paths)]) for i in range(4)]
         cold = [engine.adapter_ref(f"cold{i}", paths[i % len(paths)]) for i in range(20)]
@@ -127,12 +154,16 @@ def test_seed_scenario_score_keeps_hot_adapters_resident_and_lru_does_not(llama_
     assert results["lru"] <= 0.5, results
 
 
-def test_downloads_share_one_http_client_closed_with_the_engine(llama_dir, remote, tmp_path, monkeypatch):
+def test_downloads_share_one_http_client_closed_with_the_engine(
+    llama_dir, remote, tmp_path, monkeypatch
+):
     import httpx
 
     made = []
 
-    class Counted(httpx.Client):  # a new client loads the CA bundle: ~50 ms of CPU with the GIL held
+    class Counted(
+        httpx.Client
+    ):  # a new client loads the CA bundle: ~50 ms of CPU with the GIL held
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
@@ -152,13 +183,21 @@ def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(ll
     import gc
 
     engine = make_engine(llama_dir, tmp_path, str(tmp_path))
-    assert gc.get_freeze_count() > 10_000  # the model and the libraries: a full collection skips them
+    assert (
+        gc.get_freeze_count() > 10_000
+    )  # the model and the libraries: a full collection skips them
     engine.close()
     assert gc.get_freeze_count() == 0
 
 
 def _engine(llama_dir, **kw):
-    args = dict(model_dir=llama_dir, dtype="float32", max_loras=2, kv_cache_bytes=2 * 2**20, max_lora_rank=16)
+    args = dict(
+        model_dir=llama_dir,
+        dtype="float32",
+        max_loras=2,
+        kv_cache_bytes=2 * 2**20,
+        max_lora_rank=16,
+    )
     return LLMEngine(EngineConfig(**{**args, **kw}))
 
 
@@ -169,7 +208,9 @@ def _run(engine):
     return outputs
 
 
-def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(llama_dir, llama_adapters, tmp_path):
+def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(
+    llama_dir, llama_adapters, tmp_path
+):
     """A sits in a slot with its host copy gone; an operator's cpu prewarm of A fails on a broken file. A request for
     A waiting at that step is served from the slot, not failed with the load."""
     engine = _engine(llama_dir, max_cpu_loras=1)
@@ -189,13 +230,17 @@ def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(llama_dir, ll
     assert next(o for o in outputs if o.finished).num_output_tokens == 2
 
 
-def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(llama_dir, llama_adapters, tmp_path):
+def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(
+    llama_dir, llama_adapters, tmp_path
+):
     """The step took the failed load's requests off the books, then the forward pass raised: fail_all (what the
     async loop calls) must answer them too, or their clients wait forever."""
     engine = _engine(llama_dir)
     bad_dir = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "bad")
     bad = engine.adapter_ref("bad", bad_dir, digest="sha256:" + "1" * 64)
-    engine.add_request([3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), None, "base")
+    engine.add_request(
+        [3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), None, "base"
+    )
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0), bad, "cold")
     engine.step()  # admits base, starts bad's load
     engine.adapters.loading[bad.key].exception()
@@ -206,5 +251,7 @@ def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(ll
     engine.runner.run = broken
     with pytest.raises(RuntimeError):
         engine.step()
-    answered = {o.request_id: type(o.error).__name__ for o in engine.fail_all(RuntimeError("step failed"))}
+    answered = {
+        o.request_id: type(o.error).__name__ for o in engine.fail_all(RuntimeError("step failed"))
+    }
     assert answered == {"cold": "ArtifactCorrupt", "base": "RuntimeError"}

@@ -24,8 +24,12 @@ def setup(llama_dir, llama_adapters, tmp_path_factory):
     cfg = ModelConfig.from_dir(llama_dir)
 
     def pack(files, hashed):
-        return pack_adapter(adapter_from_files(files, cfg, 16), files[WEIGHTS_FILE], torch.float32,
-                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
+        return pack_adapter(
+            adapter_from_files(files, cfg, 16),
+            files[WEIGHTS_FILE],
+            torch.float32,
+            hashed=lambda end: hashed(WEIGHTS_FILE, end),
+        )
 
     def read(ref):
         return read_artifact(ref.path, ref.key.adapter_digest, use=pack)
@@ -33,13 +37,21 @@ def setup(llama_dir, llama_adapters, tmp_path_factory):
     refs = []
     for i in range(7):  # seven names over the fixture adapters; the last one's files are corrupted
         src = list(llama_adapters.values())[i % len(llama_adapters)]
-        refs.append(AdapterRef(AdapterKey("base", f"a{i}", "1", canonical_digest(src)), src, tenant=f"t{i % 2}"))
+        refs.append(
+            AdapterRef(
+                AdapterKey("base", f"a{i}", "1", canonical_digest(src)), src, tenant=f"t{i % 2}"
+            )
+        )
     bad_dir = tmp_path_factory.mktemp("bad") / "a"
     shutil.copytree(llama_adapters["attn-r8"], bad_dir)
     data = bytearray((bad_dir / "adapter_model.safetensors").read_bytes())
     data[-1] ^= 0xFF  # one flipped byte
     (bad_dir / "adapter_model.safetensors").write_bytes(bytes(data))
-    refs.append(AdapterRef(AdapterKey("base", "bad", "1", canonical_digest(llama_adapters["attn-r8"])), bad_dir))
+    refs.append(
+        AdapterRef(
+            AdapterKey("base", "bad", "1", canonical_digest(llama_adapters["attn-r8"])), bad_dir
+        )
+    )
     scratch = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
     expected = {}
     for ref in refs[:-1]:
@@ -50,28 +62,40 @@ def setup(llama_dir, llama_adapters, tmp_path_factory):
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["acquire", "release", "pin_gpu", "pin_cpu", "unpin", "evict", "prewarm"]),
-              st.integers(0, 7)),
-    min_size=1, max_size=40,
+    st.tuples(
+        st.sampled_from(["acquire", "release", "pin_gpu", "pin_cpu", "unpin", "evict", "prewarm"]),
+        st.integers(0, 7),
+    ),
+    min_size=1,
+    max_size=40,
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=OPS, use_score=st.booleans())
 def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
     cfg, pack, refs, expected, packed_bytes = setup
     now = [0.0]
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
-    cache = AdapterCache(pool, pack, cpu_bytes=4 * packed_bytes, max_cpu_loras=4,
-                         policy=ScorePolicy(min_residency_s=0.5) if use_score else LRUPolicy(),
-                         clock=lambda: now[0])
+    cache = AdapterCache(
+        pool,
+        pack,
+        cpu_bytes=4 * packed_bytes,
+        max_cpu_loras=4,
+        policy=ScorePolicy(min_residency_s=0.5) if use_score else LRUPolicy(),
+        clock=lambda: now[0],
+    )
     held: list[AdapterRef] = []
     try:
         for op, i in ops:
             now[0] += 0.25
             ref = refs[i]
             before = (list(cache.slots), set(cache.cpu))
-            pinned_gpu = {k for k in cache.slots if k is not None and cache.entries[k].pinned == "gpu"}
+            pinned_gpu = {
+                k for k in cache.slots if k is not None and cache.entries[k].pinned == "gpu"
+            }
             if op == "acquire":
                 cache.record_request(ref)
                 slot = cache.acquire(ref)

@@ -50,6 +50,7 @@ def loader(download: set[str]):
         if ref.key.name in download:
             stages["download"] = nbytes / 1e8
         return Loaded(Packed(nbytes), "remote" if "download" in stages else "disk", stages)
+
     return load
 
 
@@ -65,8 +66,16 @@ class Disk:
 
 def make_cache(slots=2, cpu_mib=1000, download=frozenset(), disk=None):
     now = [0.0]
-    cache = AdapterCache(Pool(slots), lambda files, hashed: None, cpu_bytes=cpu_mib * MiB, policy=ScorePolicy(), disk=disk,
-                         executor=Instant(), loader=loader(set(download)), clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(slots),
+        lambda files, hashed: None,
+        cpu_bytes=cpu_mib * MiB,
+        policy=ScorePolicy(),
+        disk=disk,
+        executor=Instant(),
+        loader=loader(set(download)),
+        clock=lambda: now[0],
+    )
     return cache, now
 
 
@@ -107,7 +116,9 @@ def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
         now[0] += 1.5
         serve(cache, hot)
     now[0] += 1.5
-    serve(cache, ref("one-off"))  # the one-off takes the slot; the hot adapter is restored when it is done
+    serve(
+        cache, ref("one-off")
+    )  # the one-off takes the slot; the hot adapter is restored when it is done
     assert cache.slots == [hot.key] and cache.entries[hot.key].restored
     now[0] += 0.1  # well within the minimum residency
     serve(cache, ref("another"))  # takes the slot at once (serve asserts a slot)
@@ -119,7 +130,9 @@ def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
     now[0] += 0.1
     third = ref("third")
     cache.record_request(third)
-    assert cache.acquire(third) is None  # hot was loaded 0.2 s ago and has been used: the newcomer waits
+    assert (
+        cache.acquire(third) is None
+    )  # hot was loaded 0.2 s ago and has been used: the newcomer waits
 
 
 def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back():
@@ -170,12 +183,19 @@ def test_reload_cost_is_measured_per_byte_and_includes_the_download_once_the_dis
     serve(cache, near)
     serve(cache, far)
     assert cache.seconds_per_byte == pytest.approx({"disk": 1e-9, "download": 1e-8, "h2d": 1e-10})
-    costs = {c.key: c.reload_cost for c in cache._host_candidates([near.key, far.key], now[0], by_use=True)}
+    costs = {
+        c.key: c.reload_cost
+        for c in cache._host_candidates([near.key, far.key], now[0], by_use=True)
+    }
     nbytes = 100 * MiB
     assert costs[near.key] == pytest.approx(nbytes * 1e-9)  # a disk read
-    assert costs[far.key] == pytest.approx(nbytes * (1e-9 + 1e-8))  # the disk does not hold it: a download too
+    assert costs[far.key] == pytest.approx(
+        nbytes * (1e-9 + 1e-8)
+    )  # the disk does not hold it: a download too
     slot = {c.key: c.reload_cost for c in cache._slot_candidates([far.key], now[0])}
-    assert slot[far.key] == pytest.approx(nbytes * 1e-10)  # in host memory: only the copy to the device
+    assert slot[far.key] == pytest.approx(
+        nbytes * 1e-10
+    )  # in host memory: only the copy to the device
 
 
 def warm_up(cache, now, refs, rounds=10):
@@ -207,8 +227,12 @@ def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
         cache.unqueue(hot.key)
         assert cache.acquire(hot) is not None  # the queued request is admitted on its adapter
     else:
-        assert slot is not None and hot.key not in cache.slots  # the queued request lost its adapter
-    assert cache.queued == {one_off.key: 1} if policy.spares_queued else {hot.key: 1, one_off.key: 1}
+        assert (
+            slot is not None and hot.key not in cache.slots
+        )  # the queued request lost its adapter
+    assert (
+        cache.queued == {one_off.key: 1} if policy.spares_queued else {hot.key: 1, one_off.key: 1}
+    )
 
 
 @pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(yields_for_s=0.0)])
@@ -249,8 +273,15 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
             return self.future
 
     executor = Deferred()
-    cache = AdapterCache(Pool(2), lambda files, hashed: None, cpu_bytes=1000 * MiB, policy=ScorePolicy(),
-                         executor=executor, loader=loader(set()), clock=lambda: 0.0)
+    cache = AdapterCache(
+        Pool(2),
+        lambda files, hashed: None,
+        cpu_bytes=1000 * MiB,
+        policy=ScorePolicy(),
+        executor=executor,
+        loader=loader(set()),
+        clock=lambda: 0.0,
+    )
     gone = ref("gone")
     cache.record_request(gone)
     assert cache.acquire(gone) is None  # loading
@@ -280,12 +311,18 @@ def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_
         if now[0] - stopped < 5:  # not yet overdue: the old pair is still tier A
             assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
     assert cache._gpu_preferred(now[0]) == {new[0].key, new[1].key}
-    assert set(cache.slots) == {new[0].key, new[1].key}  # the old pair was not restored after the switch
+    assert set(cache.slots) == {
+        new[0].key,
+        new[1].key,
+    }  # the old pair was not restored after the switch
     weighed = {c.key: c for c in cache._slot_candidates([k.key for k in new], now[0])}
     assert all(c.preferred and c.demand > 20 for c in weighed.values())
     stale = {c.key: c for c in cache._host_candidates([k.key for k in old], now[0], by_use=False)}
     assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
-    assert cache._cpu_preferred(now[0]) == {new[0].key, new[1].key}  # nor do they keep tier B's place
+    assert cache._cpu_preferred(now[0]) == {
+        new[0].key,
+        new[1].key,
+    }  # nor do they keep tier B's place
     warm = {a["name"]: a["warm"] for a in cache.state()["adapters"]}  # as the admin state shows it
     assert warm == {"old-0": None, "old-1": None, "new-0": "A", "new-1": "A"}
 
@@ -317,8 +354,15 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
         loads.append(r.key.name)
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = AdapterCache(Pool(1), lambda f, h: None, cpu_bytes=1000 * MiB, max_cpu_loras=2, executor=Instant(),
-                         loader=load, clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(1),
+        lambda f, h: None,
+        cpu_bytes=1000 * MiB,
+        max_cpu_loras=2,
+        executor=Instant(),
+        loader=load,
+        clock=lambda: now[0],
+    )
     if pinned:
         cache.pin(ref("P"), "cpu")
         cache.poll()
@@ -339,13 +383,20 @@ def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
     """unload_lora_adapter forgets an adapter whose load is still running, its waiting request gone: the next
     request for another adapter must not trip over the forgotten one's mark (KeyError on the step thread, which
     failed every request in flight)."""
+
     class Pending:  # a load that has not ended yet
         def submit(self, fn, r):
             return Future()
 
     now = [0.0]
-    cache = AdapterCache(Pool(1), lambda f, h: None, cpu_bytes=1000 * MiB, executor=Pending(),
-                         loader=lambda r: Loaded(Packed(MiB), "disk", {}), clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(1),
+        lambda f, h: None,
+        cpu_bytes=1000 * MiB,
+        executor=Pending(),
+        loader=lambda r: Loaded(Packed(MiB), "disk", {}),
+        clock=lambda: now[0],
+    )
     gone, other = ref("x"), ref("k")
     assert cache.acquire(gone) is None and gone.key in cache.loading
     cache.forget(gone.key)

@@ -43,7 +43,8 @@ def test_ranked_is_every_requested_key_most_demanded_first(window):
     for key, count in ranked:
         assert count == pytest.approx(demand.counts(key, now + 50.0)[window])
     assert demand.shorts([key for key, _ in ranked], now + 50.0) == pytest.approx(
-        [demand.short(key, now + 50.0) for key, _ in ranked])
+        [demand.short(key, now + 50.0) for key, _ in ranked]
+    )
 
 
 def test_counts_survive_moving_the_landmark_over_days():
@@ -102,7 +103,9 @@ def test_version_moves_with_every_change_of_counts():
 
 def test_an_adapter_is_overdue_after_so_many_of_its_mean_gaps_without_a_request():
     demand = DemandTracker()
-    for i in range(600):  # 2 requests a second for 5 minutes; the decayed count puts its mean gap near 0.8 s
+    for i in range(
+        600
+    ):  # 2 requests a second for 5 minutes; the decayed count puts its mean gap near 0.8 s
         demand.record("busy", i / 2)
     last = 299.5
     assert not demand.overdue("busy", last + 10, gaps=20)
@@ -119,7 +122,9 @@ def test_a_young_adapter_s_gap_comes_from_the_time_it_has_been_seen_and_a_single
         demand.record("young", 1000.0 + i)
     demand.record("once", 1000.0)
     assert not demand.overdue("young", 1009 + 15, gaps=20)
-    assert demand.overdue("young", 1009 + 25, gaps=20)  # 20 gaps of about a second, not of 30 s (300 s / 10)
+    assert demand.overdue(
+        "young", 1009 + 25, gaps=20
+    )  # 20 gaps of about a second, not of 30 s (300 s / 10)
     assert not demand.overdue("once", 1000 + 10_000, gaps=20)
     assert not demand.overdue("never", 1000, gaps=20)
 
@@ -139,7 +144,9 @@ def test_a_client_sending_batches_is_not_taken_as_stopped_between_them():
     assert demand.overdue("batches", last + 31, gaps=20)
     assert demand.any_overdue(["batches"], last + 31, gaps=20)
     assert demand.shorts_live(["batches"], last + 31, gaps=20) == [0.0]
-    assert demand.shorts_live(["batches"], last + 29, gaps=20) == demand.shorts(["batches"], last + 29)
+    assert demand.shorts_live(["batches"], last + 29, gaps=20) == demand.shorts(
+        ["batches"], last + 29
+    )
 
 
 def test_the_longest_gap_is_the_longest_in_the_window_only():

@@ -3,11 +3,12 @@
 import threading
 from concurrent.futures import Future
 
+from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
+
 from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import ScorePolicy
-from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
 
 class Deferred:
@@ -42,8 +43,15 @@ def make_cache(slots=1, cpu_mib=1000, failing=(), events=None):
             raise AdapterUnavailable(f"{r.key.name}: store down")
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = AdapterCache(Pool(slots), lambda files, hashed: None, cpu_bytes=cpu_mib * MiB, policy=ScorePolicy(),
-                         executor=executor, loader=load, clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(slots),
+        lambda files, hashed: None,
+        cpu_bytes=cpu_mib * MiB,
+        policy=ScorePolicy(),
+        executor=executor,
+        loader=load,
+        clock=lambda: now[0],
+    )
     if events is not None:
         cache.on_event = lambda kind, fields: events.append((kind, fields))
     return cache, now, executor, failing
@@ -66,7 +74,9 @@ def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_l
     land(cache, executor)
     assert cache.entries[a.key].pinned == "cpu" and cache.entries[b.key].pinned is None
     refused = [f for kind, f in events if kind == "pin_refused"]
-    assert [f["key"] for f in refused] == [b.key] and "exceed cpu_cache_bytes" in refused[0]["error"]
+    assert [f["key"] for f in refused] == [b.key] and "exceed cpu_cache_bytes" in refused[0][
+        "error"
+    ]
     cache.prewarm(c, "cpu")
     land(cache, executor)  # the next load pushes the unpinned copy out; the pinned one stays
     assert a.key in cache.cpu and b.key not in cache.cpu
@@ -141,7 +151,9 @@ def test_forget_is_one_step_for_the_step_loop():
     cache.evict = evict_then_the_step_thread_runs
     cache.forget(x.key)
     seen[0].join(timeout=10)  # runs once forget lets go of the lock
-    assert seen[1] is None  # its load starts again: it was forgotten, not left in a slot without an entry
+    assert (
+        seen[1] is None
+    )  # its load starts again: it was forgotten, not left in a slot without an entry
     assert x.key not in cache.slots
     land(cache, executor)
     assert cache.acquire(x) == 0

@@ -34,16 +34,23 @@ def test_min_residency_protects_a_new_tier_a_adapter_only_against_colder_newcome
     cold_incoming = c("incoming", demand=1)
     # Only the young adapter can go by score alone, but it is protected: nothing may be evicted yet.
     assert policy.choose_victim([young_hot], now=100, incoming=cold_incoming) is None
-    assert policy.choose_victim([young_hot, old_cold], now=100, incoming=cold_incoming) == "old-cold"
+    assert (
+        policy.choose_victim([young_hot, old_cold], now=100, incoming=cold_incoming) == "old-cold"
+    )
     # A newcomer with more demand than the young adapter may displace it; so may anyone after 5 s.
     assert policy.choose_victim([young_hot], now=100, incoming=c("hotter", demand=9)) == "young-hot"
     assert policy.choose_victim([young_hot], now=102.9, incoming=cold_incoming) is None
     assert policy.choose_victim([young_hot], now=103.1, incoming=cold_incoming) == "young-hot"
     # A tier-A newcomer is no one-off: it may take the slot of a younger adapter with more demand.
-    assert policy.choose_victim([young_hot], now=100, incoming=c("tier-a", demand=4, preferred=True)) == "young-hot"
+    assert (
+        policy.choose_victim([young_hot], now=100, incoming=c("tier-a", demand=4, preferred=True))
+        == "young-hot"
+    )
     # Outside tier A there is no protection: a one-off does not wait for a slot that a middling adapter just took.
     young_middling = c("young-middling", last=99, loaded=98, demand=3)
-    assert policy.choose_victim([young_middling], now=100, incoming=cold_incoming) == "young-middling"
+    assert (
+        policy.choose_victim([young_middling], now=100, incoming=cold_incoming) == "young-middling"
+    )
     # Nor for a tier-A adapter the cache put back ahead of its requests: a request must not wait for a guess.
     restored = c("restored", last=90, loaded=99.5, demand=6, preferred=True, restored=True)
     assert policy.choose_victim([restored], now=100, incoming=cold_incoming) == "restored"
@@ -79,16 +86,35 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
     policy = ScorePolicy()
     for _ in range(2000):
         candidates = [
-            Candidate(i, nbytes=rng.choice([2**20, 5 * 2**20, 2**30]), loaded_at=rng.uniform(0, 100),
-                      last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]),
-                      demand=rng.choice([0.0, 1.0, rng.uniform(0, 9)]), priority=rng.choice([0, 1]),
-                      reload_cost=rng.choice([0.0, rng.random()]), preferred=rng.random() < 0.3)
+            Candidate(
+                i,
+                nbytes=rng.choice([2**20, 5 * 2**20, 2**30]),
+                loaded_at=rng.uniform(0, 100),
+                last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]),
+                demand=rng.choice([0.0, 1.0, rng.uniform(0, 9)]),
+                priority=rng.choice([0, 1]),
+                reload_cost=rng.choice([0.0, rng.random()]),
+                preferred=rng.random() < 0.3,
+            )
             for i in range(rng.randint(1, 12))
         ]
         now, incoming = rng.choice([0.0, 50.0, 100.0]), rng.choice([None, candidates[0]])
-        kept = [x for x in candidates if incoming is None or incoming.preferred or not (
-            x.preferred and now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand)]
-        expected = min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key if kept else None
+        kept = [
+            x
+            for x in candidates
+            if incoming is None
+            or incoming.preferred
+            or not (
+                x.preferred
+                and now - x.loaded_at < policy.min_residency_s
+                and x.demand > incoming.demand
+            )
+        ]
+        expected = (
+            min(kept, key=lambda x: (policy.keep_score(x, now), x.last_access)).key
+            if kept
+            else None
+        )
         assert policy.choose_victim(candidates, now, incoming) == expected
 
 
@@ -99,9 +125,15 @@ def test_score_victims_in_order_are_repeated_choose_victim():
     policy = ScorePolicy()
     for _ in range(500):
         candidates = [
-            Candidate(i, nbytes=rng.choice([2**20, 2**30]), loaded_at=rng.choice([0.0, 40.0]),
-                      last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]), demand=rng.choice([0.0, 1.0]),
-                      reload_cost=rng.choice([0.0, 0.5]), preferred=rng.random() < 0.3)
+            Candidate(
+                i,
+                nbytes=rng.choice([2**20, 2**30]),
+                loaded_at=rng.choice([0.0, 40.0]),
+                last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]),
+                demand=rng.choice([0.0, 1.0]),
+                reload_cost=rng.choice([0.0, 0.5]),
+                preferred=rng.random() < 0.3,
+            )
             for i in range(rng.randint(0, 12))
         ]
         now, left, expected = rng.choice([50.0, 100.0]), list(candidates), []

@@ -4,7 +4,9 @@ from loraplex.cache.policy import Candidate, GDSFPolicy, LFUPolicy
 
 
 def c(key, last=0.0, demand=0.0, nbytes=2**30, cost=1.0):
-    return Candidate(key, nbytes=nbytes, last_access=last, loaded_at=0.0, demand=demand, reload_cost=cost)
+    return Candidate(
+        key, nbytes=nbytes, last_access=last, loaded_at=0.0, demand=demand, reload_cost=cost
+    )
 
 
 def test_lfu_evicts_the_least_demanded_and_breaks_ties_by_recency():

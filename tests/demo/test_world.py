@@ -43,7 +43,7 @@ def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=False)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=False)
     return [t.split("</s>")[0] if "</s>" in t else "<no eos>" for t in texts]
 
 
@@ -57,7 +57,9 @@ def test_world_covers_every_transform(world):
     assert set(world.adapters) == set(demo.TRANSFORMS) - {"copy"}
     assert set(world.accuracy) == set(demo.TRANSFORMS)
     assert min(world.ranks.values()) == 4 and max(world.ranks.values()) == 32
-    configs = [json.loads((path / "adapter_config.json").read_text()) for path in world.adapters.values()]
+    configs = [
+        json.loads((path / "adapter_config.json").read_text()) for path in world.adapters.values()
+    ]
     assert len({tuple(c["target_modules"]) for c in configs}) >= 3
     assert any(c["lora_alpha"] != c["r"] for c in configs)
     assert all(acc >= demo.ACCURACY_BAR for acc in world.accuracy.values()), world.accuracy
@@ -79,16 +81,22 @@ def test_adapter_does_its_transform_on_fresh_inputs(world, hf_tokenizer, name):
 def test_adapters_in_one_mixed_batch(world, hf_tokenizer):
     """All adapters loaded in one PeftModel, one request per adapter (and the base) in the same batch."""
     names = list(world.adapters)
-    model = peft.PeftModel.from_pretrained(_load_base(world), world.adapters[names[0]], adapter_name=names[0])
+    model = peft.PeftModel.from_pretrained(
+        _load_base(world), world.adapters[names[0]], adapter_name=names[0]
+    )
     for name in names[1:]:
         model.load_adapter(world.adapters[name], adapter_name=name)
     model.eval()
     text = demo.random_inputs(1, FRESH_SEED + 1)[0]
     rows = ["__base__", *names]
-    batch = hf_tokenizer([demo.make_prompt(text)] * len(rows), return_tensors="pt", add_special_tokens=False)
+    batch = hf_tokenizer(
+        [demo.make_prompt(text)] * len(rows), return_tensors="pt", add_special_tokens=False
+    )
     with torch.no_grad():
         out = model.generate(**batch, adapter_names=rows, max_new_tokens=26, do_sample=False)
-    answers = [t.split("</s>")[0] for t in hf_tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:])]
+    answers = [
+        t.split("</s>")[0] for t in hf_tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :])
+    ]
     expected = [demo.TRANSFORMS["copy" if r == "__base__" else r](text) for r in rows]
     assert answers == expected
 
@@ -107,7 +115,10 @@ def test_files_are_safetensors_and_pass_the_adapter_validator(world):
     model_config = ModelConfig.from_dir(world.model_dir)
     assert model_config.head_dim == 32 and model_config.eos_token_ids == (EOS_ID,)
     for name, path in world.adapters.items():
-        assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in path.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         spec = read_adapter(path, model_config, max_rank=64)
         assert spec.rank == world.ranks[name] and spec.dtype == "F32"
         assert spec.base_model_name == demo.BASE_MODEL_NAME
@@ -120,14 +131,23 @@ def test_tokenizer_round_trips(world, hf_tokenizer):
     prompt = demo.make_prompt("hello")
     assert prompt == "<s>hello<sep>"
     assert tokenizer.encode(prompt).ids == [BOS_ID, *b"hello", SEP_ID]
-    assert tokenizer.encode("hello<sep>").ids == [*b"hello", SEP_ID]  # special tokens are parsed from plain text
+    assert tokenizer.encode("hello<sep>").ids == [
+        *b"hello",
+        SEP_ID,
+    ]  # special tokens are parsed from plain text
     for text in [prompt + "HELLO</s>", "any bytes: é ü ✓ \t\n", "<pad><s>"]:
         ids = tokenizer.encode(text).ids
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
         assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == ids
-        assert hf_tokenizer(text)["input_ids"] == ids  # nothing added on its own: the prompt carries its `<s>`
+        assert (
+            hf_tokenizer(text)["input_ids"] == ids
+        )  # nothing added on its own: the prompt carries its `<s>`
     assert tokenizer.decode([*b"HELLO", EOS_ID]) == "HELLO"
-    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (
+        BOS_ID,
+        EOS_ID,
+        PAD_ID,
+    )
     generation = json.loads((world.model_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == EOS_ID
 
@@ -139,7 +159,9 @@ def test_chat_template_renders_the_completion_prompt(hf_tokenizer):
         {"role": "assistant", "content": "FIRST"},
         {"role": "user", "content": "hello"},
     ]
-    rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert rendered == demo.make_prompt("hello")
 
 
@@ -161,7 +183,9 @@ def test_half_built_or_stale_world_is_not_loaded(world, tmp_path):
     (copy / "adapters" / "reverse" / "adapter_model.safetensors").unlink()
     assert demo.load_world(copy) is None
     meta = json.loads((copy / demo.MARKER).read_text())
-    shutil.copy(world.adapters["reverse"] / "adapter_model.safetensors", copy / "adapters" / "reverse")
+    shutil.copy(
+        world.adapters["reverse"] / "adapter_model.safetensors", copy / "adapters" / "reverse"
+    )
     (copy / demo.MARKER).write_text(json.dumps({**meta, "version": "0"}))
     assert demo.load_world(copy) is None
     (copy / demo.MARKER).unlink()
@@ -180,7 +204,9 @@ def test_rebuild_gives_identical_bytes(tmp_path):
 
     recipe = dataclasses.replace(demo.ADAPTER_RECIPES[0], steps=4)
     eval_inputs = tuple(demo.random_inputs(8, 1))
-    plan = dataclasses.replace(demo.build_plan(), base_steps=6, adapters=(recipe,), eval_inputs=eval_inputs)
+    plan = dataclasses.replace(
+        demo.build_plan(), base_steps=6, adapters=(recipe,), eval_inputs=eval_inputs
+    )
     files = []
     for attempt in ("first", "second"):
         model_dir, adapters_dir = tmp_path / attempt / "model", tmp_path / attempt / "adapters"
@@ -189,8 +215,13 @@ def test_rebuild_gives_identical_bytes(tmp_path):
         results = run_build(plan, model_dir, adapters_dir, report=None)
         assert [r.name for r in results] == ["copy", recipe.name]
         adapter_dir = adapters_dir / recipe.name
-        files.append([model_dir / "model.safetensors", adapter_dir / "adapter_model.safetensors",
-                      adapter_dir / "adapter_config.json"])
+        files.append(
+            [
+                model_dir / "model.safetensors",
+                adapter_dir / "adapter_model.safetensors",
+                adapter_dir / "adapter_config.json",
+            ]
+        )
     for first, second in zip(*files):
         assert first.read_bytes() == second.read_bytes(), f"{first.name} differs between two builds"
 

@@ -169,7 +169,9 @@ def test_export_k8s_writes_valid_rewrites_of_the_registry_split(
     assert rewrite["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
     targets = rewrite["spec"]["rules"][0]["targets"]
     assert sorted((t["modelRewrite"], t["weight"]) for t in targets) == [
-        ("sql_v@canary", 10), ("sql_v@r1", 90)]
+        ("sql_v@canary", 10),
+        ("sql_v@r1", 90),
+    ]
 
 
 def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[str]:

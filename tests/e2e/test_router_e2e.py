@@ -19,7 +19,9 @@ def fleet(llama_dir, llama_adapters, tmp_path_factory):
     root = tmp_path_factory.mktemp("router-e2e")
     paths = list(llama_adapters.values())
     adapters = {f"ad{i:02d}": paths[i % len(paths)] for i in range(NUM_ADAPTERS)}
-    workers = [start_worker(llama_dir, root / f"w{i}", adapters, "--max-loras", "2") for i in range(3)]
+    workers = [
+        start_worker(llama_dir, root / f"w{i}", adapters, "--max-loras", "2") for i in range(3)
+    ]
     try:
         yield root, workers, adapters, llama_dir
     finally:
@@ -28,7 +30,13 @@ def fleet(llama_dir, llama_adapters, tmp_path_factory):
 
 
 def complete(url, model, max_tokens=2, stream=False):
-    body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body = {
+        "model": model,
+        "prompt": "hello",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     return r
 
@@ -37,7 +45,9 @@ def wait_seen_idle_with(router_url: str, worker_url: str, name: str, timeout: fl
     """Until the router's last poll of `worker_url` shows `name` in a slot and nothing running there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        listed = httpx.get(f"{router_url}/admin/workers", headers=ADMIN, timeout=30).json()["workers"]
+        listed = httpx.get(f"{router_url}/admin/workers", headers=ADMIN, timeout=30).json()[
+            "workers"
+        ]
         view = next(w for w in listed if w["url"] == worker_url)
         if name in view["gpu"] and view["running"] == 0 and view["in_flight"] == 0:
             return
@@ -56,8 +66,12 @@ def test_affinity_then_spill_then_failover_then_rejoin(fleet, tmp_path):
             r = complete(router.url, "ad00")
             assert r.status_code == 200, r.text
             seen.append(r.headers["x-loraplex-worker"])
-            wait_seen_idle_with(router.url, seen[-1], "ad00")  # the router knows where it is resident, and free
-            time.sleep(1.1)  # and a poll (every 0.5 s) has begun since the request ended: one made during it counts
+            wait_seen_idle_with(
+                router.url, seen[-1], "ad00"
+            )  # the router knows where it is resident, and free
+            time.sleep(
+                1.1
+            )  # and a poll (every 0.5 s) has begun since the request ended: one made during it counts
             # its tokens against the worker, enough to send the next request to a worker with a free slot
         assert len(set(seen[1:])) == 1, seen
         # 2. A burst above saturation spills to the other workers.
@@ -81,7 +95,9 @@ def test_affinity_then_spill_then_failover_then_rejoin(fleet, tmp_path):
         assert codes == [200] * 10
         # 4. A restarted worker rejoins.
         workers[0] = start_worker(model_dir, root / "w0b", adapters, "--max-loras", "2")
-        r = httpx.post(f"{router.url}/admin/workers", json={"url": workers[0].url}, headers=ADMIN, timeout=30)
+        r = httpx.post(
+            f"{router.url}/admin/workers", json={"url": workers[0].url}, headers=ADMIN, timeout=30
+        )
         assert r.status_code == 200
         listed = httpx.get(f"{router.url}/admin/workers", headers=ADMIN).json()["workers"]
         assert any(w["url"] == workers[0].url and w["healthy"] for w in listed)

@@ -32,8 +32,12 @@ def variant(src: Path, out: Path, tag: str) -> Path:
 
 def build_catalog(world, root: Path, copies: int = 10, storage_base: str | None = None) -> Catalog:
     root.mkdir(parents=True, exist_ok=True)
-    registry = Registry(f"sqlite:///{root / 'registry.db'}", base_model_dir=world.model_dir,
-                        max_lora_rank=max(world.ranks.values()), storage_base=storage_base)
+    registry = Registry(
+        f"sqlite:///{root / 'registry.db'}",
+        base_model_dir=world.model_dir,
+        max_lora_rank=max(world.ranks.values()),
+        storage_base=storage_base,
+    )
     registry.init()
     keys = {}
     for tenant in TENANTS:
@@ -46,8 +50,9 @@ def build_catalog(world, root: Path, copies: int = 10, storage_base: str | None 
             owner = None if i % 4 == 0 else TENANTS[i % 3]
             registry.add_revision(path, name, revision="r1", tenant=owner, status="stable")
             if i % 2 == 1:  # a second revision with the same answers, rolled out at 50%
-                registry.add_revision(variant(path, root / "variants" / name, "r2"), name, revision="r2",
-                                      tenant=owner)
+                registry.add_revision(
+                    variant(path, root / "variants" / name, "r2"), name, revision="r2", tenant=owner
+                )
                 registry.promote(name, "r2", 50, force=True)
             transform_of[name] = transform
             for tenant in TENANTS:
@@ -73,16 +78,29 @@ def checked_inputs(world, n: int = 60, seed: int = 99) -> dict[str, list[str]]:
     from loraplex.engine.llm_engine import LLMEngine
     from loraplex.engine.sequence import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_dir=world.model_dir, dtype="float32", max_loras=len(world.adapters),
-                                    max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=world.model_dir,
+            dtype="float32",
+            max_loras=len(world.adapters),
+            max_lora_rank=max(world.ranks.values()),
+            kv_cache_bytes=64 * 2**20,
+        )
+    )
     texts = random_inputs(n, seed)
     good = {}
     try:
         for name in ["copy", *sorted(world.adapters)]:
             ref = engine.adapter_ref(name, world.adapters[name]) if name != "copy" else None
             prompts = [engine.tokenizer.encode(make_prompt(t)) for t in texts]
-            outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0), [ref] * len(texts))
-            good[name] = [t for t, o in zip(texts, outs) if engine.tokenizer.decode(o).strip() == TRANSFORMS[name](t)]
+            outs = engine.generate(
+                prompts, SamplingParams(max_tokens=40, temperature=0), [ref] * len(texts)
+            )
+            good[name] = [
+                t
+                for t, o in zip(texts, outs)
+                if engine.tokenizer.decode(o).strip() == TRANSFORMS[name](t)
+            ]
     finally:
         engine.close()
     return good

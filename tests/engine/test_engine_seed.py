@@ -7,8 +7,11 @@ from loraplex.engine.sequence import SamplingParams
 
 
 def _samples(llama_dir, seed: int) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", kv_cache_bytes=2**20,
-                                    max_lora_rank=16, seed=seed))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=llama_dir, dtype="float32", kv_cache_bytes=2**20, max_lora_rank=16, seed=seed
+        )
+    )
     try:
         params = SamplingParams(max_tokens=12, temperature=1.0)
         return [engine.generate([[3, 4, 5]], params)[0] for _ in range(2)]

@@ -14,7 +14,9 @@ from loraplex.model_config import ModelConfigError, _sliding_windows
 
 
 def engine_for(model_dir, **kw):
-    return LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=2**20, max_lora_rank=16, **kw))
+    return LLMEngine(
+        EngineConfig(model_dir=model_dir, kv_cache_bytes=2**20, max_lora_rank=16, **kw)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -30,14 +32,19 @@ def test_half_precision_stays_close_to_float32(llama_dir, llama_adapters, dtype)
     low = half.score([prompt], [half.ad])[0]
     assert (full - low).abs().max() < 0.1
     assert (full.argmax(-1) == low.argmax(-1)).float().mean() >= 0.8
-    assert len(half.generate([prompt], SamplingParams(max_tokens=4, temperature=0), [half.ad])[0]) == 4
+    assert (
+        len(half.generate([prompt], SamplingParams(max_tokens=4, temperature=0), [half.ad])[0]) == 4
+    )
 
 
-@pytest.mark.parametrize("broken, message", [
-    ("config.json", "missing config.json"),
-    ("tokenizer.json", "missing tokenizer.json"),
-    ("model.safetensors", "missing model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ("config.json", "missing config.json"),
+        ("tokenizer.json", "missing tokenizer.json"),
+        ("model.safetensors", "missing model.safetensors"),
+    ],
+)
 def test_missing_files_fail_at_start_naming_the_file(llama_dir, tmp_path, broken, message):
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)
@@ -50,8 +57,9 @@ def test_unsupported_architecture_and_pickle_weights_are_refused(llama_dir, tmp_
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)
     cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"],
-                                                   "model_type": "gpt2"}))
+    (model / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ModelConfigError, match="unsupported architecture GPT2LMHeadModel"):
         engine_for(model)
     (model / "config.json").write_text(json.dumps(cfg))
@@ -78,8 +86,10 @@ def test_a_template_that_fails_on_a_message_field_is_a_value_error(llama_dir, tm
     model = tmp_path / "tool-calls"
     shutil.copytree(llama_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{%- for m in messages %}{%- if m.tool_calls is defined %}{%- for c in m.tool_calls %}"
-                               "{{ c.function.name }}{%- endfor %}{%- else %}{{ m.content }}{%- endif %}{%- endfor %}")
+    config["chat_template"] = (
+        "{%- for m in messages %}{%- if m.tool_calls is defined %}{%- for c in m.tool_calls %}"
+        "{{ c.function.name }}{%- endfor %}{%- else %}{{ m.content }}{%- endif %}{%- endfor %}"
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     tok = Tokenizer(model)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
@@ -96,10 +106,17 @@ def test_rank_aware_admission_keeps_a_second_big_adapter_out_of_the_step(llama_d
     limit = eng.adapters.nbytes_of(big.key) + eng.adapters.nbytes_of(other.key) - 1
     capped = engine_for(llama_dir, dtype="float32", max_loras=3, max_lora_bytes_per_step=limit)
     capped.generate([[3, 4]], SamplingParams(max_tokens=1), [capped.adapter_ref("big", big.path)])
-    capped.generate([[3, 4]], SamplingParams(max_tokens=1), [capped.adapter_ref("other", other.path)])
-    a = capped.add_request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0), capped.adapter_ref("big", big.path))
-    b = capped.add_request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0),
-                           capped.adapter_ref("other", other.path))
+    capped.generate(
+        [[3, 4]], SamplingParams(max_tokens=1), [capped.adapter_ref("other", other.path)]
+    )
+    a = capped.add_request(
+        [3, 4, 5], SamplingParams(max_tokens=6, temperature=0), capped.adapter_ref("big", big.path)
+    )
+    b = capped.add_request(
+        [3, 4, 5],
+        SamplingParams(max_tokens=6, temperature=0),
+        capped.adapter_ref("other", other.path),
+    )
     together = 0
     while capped.has_work():
         capped.step()
@@ -126,27 +143,42 @@ def test_qwen_sliding_layers_follow_transformers_without_layer_types():
     import transformers
 
     raw = {"num_hidden_layers": 30, "use_sliding_window": True, "sliding_window": 4}
-    for model_type, config_class in (("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)):
-        expected = tuple(4 if t == "sliding_attention" else None for t in config_class(**raw).layer_types)
+    for model_type, config_class in (
+        ("qwen2", transformers.Qwen2Config),
+        ("qwen3", transformers.Qwen3Config),
+    ):
+        expected = tuple(
+            4 if t == "sliding_attention" else None for t in config_class(**raw).layer_types
+        )
         assert _sliding_windows(raw, model_type) == expected
         assert expected[27:] == (None, 4, 4)
 
 
-def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(llama_dir, llama_adapters):
+def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(
+    llama_dir, llama_adapters
+):
     """The scheduler walks the waiting queue at every step; the requests behind the first one whose adapter is
     loading skip the cache (its acquire could only fail until the load is taken in, between steps), as the
     simulator does: under a backlog each asked the cache, at every step."""
     eng = engine_for(llama_dir, dtype="float32", max_loras=2)
     ref = eng.adapter_ref("a", llama_adapters["attn-r8"])
-    ids = [eng.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), ref)
-           for _ in range(5)]
+    ids = [
+        eng.add_request(
+            [3, 4, 5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), ref
+        )
+        for _ in range(5)
+    ]
     asked, acquire = [], eng.adapters.acquire
     eng.adapters.acquire = lambda r: asked.append(r.key) or acquire(r)
     eng.step()
-    assert asked == [ref.key]  # the first request started the load; the four behind it waited without asking
+    assert asked == [
+        ref.key
+    ]  # the first request started the load; the four behind it waited without asking
     done = {}
     while eng.has_work():
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
-    assert sorted(done) == sorted(ids) and all(o.num_output_tokens == 2 and o.error is None for o in done.values())
+    assert sorted(done) == sorted(ids) and all(
+        o.num_output_tokens == 2 and o.error is None for o in done.values()
+    )

@@ -12,14 +12,24 @@ from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
 
-CFG = ModelConfig.from_dict({
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_act": "silu", "hidden_size": 32,
-    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-})
+CFG = ModelConfig.from_dict(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+)
 MAX_RANK = 8
 
 
-def adapter(rank: int, dtype: torch.dtype, modules=LINEAR_MODULES, alpha: float = 7.0, seed: int = 0):
+def adapter(
+    rank: int, dtype: torch.dtype, modules=LINEAR_MODULES, alpha: float = 7.0, seed: int = 0
+):
     """Tensors and the files of a PEFT adapter (scaling alpha / rank: not a power of two, so rounding shows)."""
     torch.manual_seed(seed)
     tensors = {}
@@ -30,12 +40,17 @@ def adapter(rank: int, dtype: torch.dtype, modules=LINEAR_MODULES, alpha: float 
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank).to(dtype)
     config = {"r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
-    return tensors, {CONFIG_FILE: json.dumps(config).encode(), WEIGHTS_FILE: bytearray(save(tensors))}
+    return tensors, {
+        CONFIG_FILE: json.dumps(config).encode(),
+        WEIGHTS_FILE: bytearray(save(tensors)),
+    }
 
 
 def packed(files, dtype):
     """Packs a copy: packing in place consumes the bytes it is given."""
-    return pack_adapter(adapter_from_files(files, CFG, MAX_RANK), bytearray(files[WEIGHTS_FILE]), dtype)
+    return pack_adapter(
+        adapter_from_files(files, CFG, MAX_RANK), bytearray(files[WEIGHTS_FILE]), dtype
+    )
 
 
 def fresh_slot(files, dtype) -> torch.Tensor:
@@ -44,17 +59,25 @@ def fresh_slot(files, dtype) -> torch.Tensor:
     return pool.buffer[0].clone()
 
 
-@pytest.mark.parametrize("file_dtype, dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "file_dtype, dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+    ],
+)
 def test_slot_holds_a_and_scaled_bt_rounded_once(file_dtype, dtype):
     rank = 6
     tensors, files = adapter(rank, file_dtype)
     weights = torch.frombuffer(files[WEIGHTS_FILE], dtype=torch.uint8)
     pack = pack_adapter(adapter_from_files(files, CFG, MAX_RANK), files[WEIGHTS_FILE], dtype)
     in_place = weights.data_ptr() <= pack.buffer.data_ptr() < weights.data_ptr() + weights.numel()
-    assert in_place == (file_dtype == dtype)  # no second host copy when the file already holds the dtype
+    assert in_place == (
+        file_dtype == dtype
+    )  # no second host copy when the file already holds the dtype
     pool = LoRASlotPool(CFG, 2, MAX_RANK, dtype, "cpu")
     pool.set_slot(1, pack)
     for layer in range(CFG.num_layers):
@@ -62,15 +85,25 @@ def test_slot_holds_a_and_scaled_bt_rounded_once(file_dtype, dtype):
             prefix = f"base_model.model.{ModelConfig.module_path(layer, module)}"
             a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
             assert torch.equal(pool.a[layer][index][1, :rank], a.to(dtype))
-            assert torch.equal(pool.bt[layer][index][1, :rank], (b.float() * (7.0 / rank)).to(dtype).t())
-            assert not pool.a[layer][index][1, rank:].any() and not pool.bt[layer][index][1, rank:].any()
+            assert torch.equal(
+                pool.bt[layer][index][1, :rank], (b.float() * (7.0 / rank)).to(dtype).t()
+            )
+            assert (
+                not pool.a[layer][index][1, rank:].any()
+                and not pool.bt[layer][index][1, rank:].any()
+            )
     assert not pool.buffer[0].any()
 
 
 def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
-    _, full = adapter(MAX_RANK, torch.float32, seed=1)  # every module at max rank: overwrites the whole slot
+    _, full = adapter(
+        MAX_RANK, torch.float32, seed=1
+    )  # every module at max rank: overwrites the whole slot
     _, small = adapter(3, torch.float32, modules=("q_proj", "down_proj"), seed=2)
-    expected_full, expected_small = fresh_slot(full, torch.float32), fresh_slot(small, torch.float32)
+    expected_full, expected_small = (
+        fresh_slot(full, torch.float32),
+        fresh_slot(small, torch.float32),
+    )
     pool = LoRASlotPool(CFG, 1, MAX_RANK, torch.float32, "cpu")
     for files, expected in ((full, expected_full), (small, expected_small), (full, expected_full)):
         pool.set_slot(0, packed(files, torch.float32))
@@ -82,7 +115,9 @@ def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
     assert torch.equal(pool.buffer[0], expected_small)
 
 
-@pytest.mark.parametrize("block_bytes", [4, 100, 1 << 20])  # blocks of one row, of a few rows, and one block
+@pytest.mark.parametrize(
+    "block_bytes", [4, 100, 1 << 20]
+)  # blocks of one row, of a few rows, and one block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_blocked_transpose_writes_every_row(monkeypatch, block_bytes, dtype):
     tensors, files = adapter(5, dtype)
@@ -102,10 +137,12 @@ def test_packing_in_place_overwrites_only_bytes_the_digest_check_has_read():
     granted = []
 
     def hashed(end):  # nothing at or past the furthest offset granted so far may have changed yet
-        assert bytes(weights[max(granted, default=0):]) == original[max(granted, default=0):]
+        assert bytes(weights[max(granted, default=0) :]) == original[max(granted, default=0) :]
         granted.append(end)
 
-    pack = pack_adapter(adapter_from_files(files, CFG, MAX_RANK), weights, torch.float32, hashed=hashed)
+    pack = pack_adapter(
+        adapter_from_files(files, CFG, MAX_RANK), weights, torch.float32, hashed=hashed
+    )
     assert granted == sorted(granted) and len(granted) == len(LINEAR_MODULES) * CFG.num_layers
     changed = [i for i in range(len(original)) if weights[i] != original[i]]
     assert changed and max(changed) < max(granted)
@@ -119,7 +156,9 @@ def test_scaling_rounds_as_torch_does_out_to_overflow(dtype):
     overflow to inf included (and without a warning from numpy)."""
     tensors, files = adapter(3, dtype, alpha=1e6)
     prefix = f"base_model.model.{ModelConfig.module_path(0, 'down_proj')}.lora_B.weight"
-    tensors[prefix] = tensors[prefix] * torch.finfo(dtype).max / 4  # times 1e6 / 3: past the largest finite
+    tensors[prefix] = (
+        tensors[prefix] * torch.finfo(dtype).max / 4
+    )  # times 1e6 / 3: past the largest finite
     files[WEIGHTS_FILE] = bytearray(save(tensors))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -129,5 +168,8 @@ def test_scaling_rounds_as_torch_does_out_to_overflow(dtype):
         for index, module in enumerate(LINEAR_MODULES):
             b = tensors[f"base_model.model.{ModelConfig.module_path(layer, module)}.lora_B.weight"]
             expected = torch.mul(b, 1e6 / 3).t()
-            assert torch.equal(pool.bt[layer][index][0, :3].view(torch.uint8), expected.contiguous().view(torch.uint8))
+            assert torch.equal(
+                pool.bt[layer][index][0, :3].view(torch.uint8),
+                expected.contiguous().view(torch.uint8),
+            )
     assert torch.isinf(pool.bt[0][LINEAR_MODULES.index("down_proj")][0]).any()

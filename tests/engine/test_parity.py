@@ -4,21 +4,35 @@ import dataclasses
 
 import pytest
 import torch
+from tinymodels import make_adapters, make_model, peft_reference, reference_greedy, reference_logits
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from tinymodels import make_adapters, make_model, peft_reference, reference_greedy, reference_logits
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22], [30, 31, 32, 33, 34],
-           [40, 41, 42, 43], [50, 51, 52, 53, 54, 55], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+    [20, 21, 22],
+    [30, 31, 32, 33, 34],
+    [40, 41, 42, 43],
+    [50, 51, 52, 53, 54, 55],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70],
+]
 
 MODELS = {
     "llama": dict(kind="llama"),
     "llama-tied-sharded": dict(kind="llama", tie_word_embeddings=True, shard=True),
-    "llama3-rope": dict(kind="llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama3-rope": dict(
+        kind="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "qwen2": dict(kind="qwen2"),
     "qwen3": dict(kind="qwen3"),
     "mistral-window8": dict(kind="mistral"),
@@ -33,12 +47,22 @@ def world(request, tmp_path_factory):
     model_dir = make_model(root / "model", kind, **spec)
     if shard:
         import transformers
-        transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(model_dir, max_shard_size="50KB")
+
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(
+            model_dir, max_shard_size="50KB"
+        )
         (model_dir / "model.safetensors").unlink(missing_ok=True)
         assert (model_dir / "model.safetensors.index.json").is_file()
     adapters = make_adapters(model_dir, root / "adapters")
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, dtype="float32", max_loras=len(adapters),
-                                    kv_cache_bytes=4 * 2**20, max_lora_rank=16))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            dtype="float32",
+            max_loras=len(adapters),
+            kv_cache_bytes=4 * 2**20,
+            max_lora_rank=16,
+        )
+    )
     refs = {n: engine.adapter_ref(n, p) for n, p in adapters.items()}
     yield engine, refs, peft_reference(model_dir, adapters)
     engine.close()
@@ -61,7 +85,9 @@ def test_each_adapter_alone_matches_peft(world):
     engine, refs, ref_model = world
     for name, ref in refs.items():
         logits = engine.score([PROMPTS[0]], [ref])[0]
-        torch.testing.assert_close(logits, reference_logits(ref_model, PROMPTS[0], name), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits, reference_logits(ref_model, PROMPTS[0], name), atol=1e-4, rtol=0
+        )
 
 
 def test_greedy_generation_matches_token_for_token_with_join_and_leave(world):
@@ -73,8 +99,13 @@ def test_greedy_generation_matches_token_for_token_with_join_and_leave(world):
     for step in range(200):
         if step % 2 == 0 and len(ids) < len(jobs):  # a new request joins every other step
             prompt, name, n = jobs[len(ids)]
-            ids.append(engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0),
-                                          refs[name] if name else None))
+            ids.append(
+                engine.add_request(
+                    prompt,
+                    SamplingParams(max_tokens=n, temperature=0),
+                    refs[name] if name else None,
+                )
+            )
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.token_ids)
         if len(ids) == len(jobs) and not engine.has_work():

@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from tinymodels import peft_reference, reference_greedy, reference_logits
 
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams, StructuredOutput
-from tinymodels import peft_reference, reference_greedy, reference_logits
 
 PROMPT = [
     5,

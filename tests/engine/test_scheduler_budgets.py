@@ -38,20 +38,29 @@ class Instant:
 
 
 def ref(name: str, tenant: str) -> AdapterRef:
-    return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}",
-                      tenant=tenant)
+    return AdapterRef(
+        AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}", tenant=tenant
+    )
 
 
 def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_then_its_turn():
     now = [0.0]
-    cache = AdapterCache(Pool(), lambda files, hashed: None, cpu_bytes=2**30, policy=LRUPolicy(),
-                         budgets=TenantBudgets(2, 2**30, {"batch": Budget(gpu_slots=1)}),
-                         executor=Instant(), loader=lambda r: Loaded(Packed(1000), "disk", {}),
-                         clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(),
+        lambda files, hashed: None,
+        cpu_bytes=2**30,
+        policy=LRUPolicy(),
+        budgets=TenantBudgets(2, 2**30, {"batch": Budget(gpu_slots=1)}),
+        executor=Instant(),
+        loader=lambda r: Loaded(Packed(1000), "disk", {}),
+        clock=lambda: now[0],
+    )
     scheduler = Scheduler(EngineConfig(model_dir="unused"), BlockManager(64, 16), cache)
 
     def request(name: str, tenant: str) -> Sequence:
-        seq = Sequence(f"{tenant}-{name}", [1, 2, 3], SamplingParams(max_tokens=4), ref(name, tenant))
+        seq = Sequence(
+            f"{tenant}-{name}", [1, 2, 3], SamplingParams(max_tokens=4), ref(name, tenant)
+        )
         scheduler.add(seq)
         return seq
 
@@ -85,10 +94,16 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
 
 def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait():
     now = [0.0]
-    cache = AdapterCache(Pool(), lambda files, hashed: None, cpu_bytes=2**30, policy=LRUPolicy(),
-                         budgets=TenantBudgets(2, 2**30, {"zero": Budget(gpu_slots=0)}),
-                         executor=Instant(), loader=lambda r: Loaded(Packed(1000), "disk", {}),
-                         clock=lambda: now[0])
+    cache = AdapterCache(
+        Pool(),
+        lambda files, hashed: None,
+        cpu_bytes=2**30,
+        policy=LRUPolicy(),
+        budgets=TenantBudgets(2, 2**30, {"zero": Budget(gpu_slots=0)}),
+        executor=Instant(),
+        loader=lambda r: Loaded(Packed(1000), "disk", {}),
+        clock=lambda: now[0],
+    )
     z, o = ref("z", "zero"), ref("o", "online")
     assert cache.acquire(o) is None and cache.acquire(z) is None  # both load
     cache.poll()
@@ -97,4 +112,3 @@ def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait
     now[0] += cache.budgets.yield_s
     cache.mark_wanted(o.key, now[0])  # online's request still waiting (asking at each step)
     assert cache.acquire(z) is not None  # waited the bound: it takes a free slot
-

@@ -16,7 +16,6 @@ import httpx
 import openai
 import psutil
 import pytest
-
 from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
 
 pytest.importorskip("vllm")
@@ -35,9 +34,16 @@ ADAPTERS = {  # all ranks <= 8 (vLLM's --max-lora-rank 8), attention and MLP tar
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-world")
     # head size 64: vLLM's CPU attention refuses 16
-    model = make_model(root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    adapters = {n: make_adapter(model, root / n, seed=i + 1, **a) for i, (n, a) in enumerate(ADAPTERS.items())}
-    private = make_adapter(model, root / "private", seed=9, r=8, lora_alpha=16, target_modules=["o_proj"])
+    model = make_model(
+        root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+    adapters = {
+        n: make_adapter(model, root / n, seed=i + 1, **a)
+        for i, (n, a) in enumerate(ADAPTERS.items())
+    }
+    private = make_adapter(
+        model, root / "private", seed=9, r=8, lora_alpha=16, target_modules=["o_proj"]
+    )
     return root, model, adapters, private
 
 
@@ -49,15 +55,47 @@ def _serve(root, model, adapters, *extra):
     subprocess.run([*registry, "init"], check=True, capture_output=True)
     for tenant in KEYS:
         subprocess.run([*registry, "tenant", "add", tenant], check=True, capture_output=True)
-    args = [sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", model, "--port", "0",
-            "--data-dir", root / "data", "--api-keys", keys, "--admin-token-file", root / "admin-token",
-            "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", "8", "--dtype", "float32",
-            "--allowed-roots", root, "--vllm-arg=--max-model-len=256",
-            "--vllm-arg=--structured-outputs-config={\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}", "--lora-modules",
-            *[f"{n}={p}" for n, p in adapters.items()], *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "loraplex.cli",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--data-dir",
+        root / "data",
+        "--api-keys",
+        keys,
+        "--admin-token-file",
+        root / "admin-token",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--dtype",
+        "float32",
+        "--allowed-roots",
+        root,
+        "--vllm-arg=--max-model-len=256",
+        '--vllm-arg=--structured-outputs-config={"backend": "xgrammar", "disable_any_whitespace": true}',
+        "--lora-modules",
+        *[f"{n}={p}" for n, p in adapters.items()],
+        *extra,
+    ]
     stderr = open(root / "stderr.log", "w")
-    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(
+        list(map(str, args)),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     found: list[str] = []
 
     def read():
@@ -101,9 +139,19 @@ def _client(url, tenant="alice"):
 
 
 def _greedy_ids(url, model, prompt, n=8, tenant="alice"):
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=120,
-                   json={"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                         "ignore_eos": True, "return_token_ids": True})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r, r.json()["choices"][0]["token_ids"]
 
@@ -113,11 +161,17 @@ def test_greedy_parity_with_peft_for_base_and_adapters_sent_concurrently(world, 
     url = server[0]
     reference = peft_reference(model, adapters)
     prompts = [[5, 17, 42, 99, 7], [3, 8, 13, 21], [100, 200, 300]]
-    jobs = [(m, p) for p in prompts for m in (None, *adapters)] * 2  # base rows beside LoRA rows, twice
-    expected = {(m, tuple(p)): reference_greedy(reference, p, m, 8) for m, p in set(
-        (m, tuple(p)) for m, p in jobs)}
+    jobs = [
+        (m, p) for p in prompts for m in (None, *adapters)
+    ] * 2  # base rows beside LoRA rows, twice
+    expected = {
+        (m, tuple(p)): reference_greedy(reference, p, m, 8)
+        for m, p in set((m, tuple(p)) for m, p in jobs)
+    }
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {pool.submit(_greedy_ids, url, m or "model", list(p)): (m, tuple(p)) for m, p in jobs}
+        futures = {
+            pool.submit(_greedy_ids, url, m or "model", list(p)): (m, tuple(p)) for m, p in jobs
+        }
         results = {f: f.result() for f in futures}
     wrong = [(futures[f], ids) for f, (_, ids) in results.items() if ids != expected[futures[f]]]
     assert not wrong, f"{len(wrong)}/{len(jobs)} rows differ from HF+PEFT: {wrong[:3]}"
@@ -154,7 +208,11 @@ def test_host_cache_holds_what_loraplex_decides_and_counts_evictions(world, serv
     assert len(in_vllm) <= 2  # --max-cpu-loras 2: loraplex removed its victim before adding
     assert state["cache"]["cpu_loras_used"] == len(in_vllm)
     metrics = httpx.get(f"{url}/metrics").text
-    evictions = [line for line in metrics.splitlines() if line.startswith('loraplex_adapter_evictions_total{tier="cpu"}')]
+    evictions = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('loraplex_adapter_evictions_total{tier="cpu"}')
+    ]
     assert evictions and float(evictions[0].split()[-1]) >= 3
     assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
 
@@ -175,31 +233,59 @@ def test_more_adapters_at_once_than_slots_all_complete_with_the_engine_alive(wor
 def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
     url = server[0]
     client = _client(url)
-    out = client.completions.create(model="qv", prompt="hello", max_tokens=4, n=2, temperature=1.0, seed=1,
-                                    extra_body={"min_p": 0.05, "min_tokens": 1})
+    out = client.completions.create(
+        model="qv",
+        prompt="hello",
+        max_tokens=4,
+        n=2,
+        temperature=1.0,
+        seed=1,
+        extra_body={"min_p": 0.05, "min_tokens": 1},
+    )
     assert len(out.choices) == 2 and out.model == "qv"
-    echo = client.completions.create(model="mlp", prompt="hello world", max_tokens=3, echo=True, temperature=0)
+    echo = client.completions.create(
+        model="mlp", prompt="hello world", max_tokens=3, echo=True, temperature=0
+    )
     assert echo.choices[0].text.startswith("hello world")
-    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     chat = client.chat.completions.create(
-        model="attn", messages=[{"role": "user", "content": "give json"}], max_tokens=40, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        model="attn",
+        messages=[{"role": "user", "content": "give json"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
     parsed = json.loads(chat.choices[0].message.content)
     assert set(parsed) == {"a"} and isinstance(parsed["a"], bool)
-    stream = client.chat.completions.create(model="qv", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=4, stream=True, temperature=0)
+    stream = client.chat.completions.create(
+        model="qv",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        temperature=0,
+    )
     chunks = list(stream)
     assert chunks and all(c.model == "qv" for c in chunks)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="qv", prompt="x", max_tokens=4, n=2, temperature=0)  # vLLM's own refusal
+        client.completions.create(
+            model="qv", prompt="x", max_tokens=4, n=2, temperature=0
+        )  # vLLM's own refusal
 
 
 def test_tenants_see_only_their_own_and_shared_adapters(world, server):
     root, model, _, private = world
     url = server[0]
-    r = httpx.post(f"{url}/admin/adapters", headers=ADMIN, timeout=60,
-                   json={"name": "secret", "path": str(private), "tenant": "alice", "stable": True})
+    r = httpx.post(
+        f"{url}/admin/adapters",
+        headers=ADMIN,
+        timeout=60,
+        json={"name": "secret", "path": str(private), "tenant": "alice", "stable": True},
+    )
     assert r.status_code == 200, r.text
     alice, bob = _client(url, "alice"), _client(url, "bob")
     assert alice.completions.create(model="secret", prompt="hi", max_tokens=2).model == "secret"
@@ -213,31 +299,59 @@ def test_tenants_see_only_their_own_and_shared_adapters(world, server):
 def test_dead_engine_core_fails_requests_with_503_and_health_turns_unhealthy(world, server):
     url, proc, root = server
     registry_before = httpx.get(f"{url}/admin/adapters", headers=ADMIN).json()
-    cores = [p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(
-        p.cmdline()) or "EngineCore" in p.name()]
+    cores = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+    ]
     assert cores, "no EngineCore process found"
     for core in cores:
         core.kill()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and httpx.get(f"{url}/health").status_code == 200:
         try:
-            httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
-                       json={"model": "qv", "prompt": "x", "max_tokens": 2}, timeout=30)
+            httpx.post(
+                f"{url}/v1/completions",
+                headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                json={"model": "qv", "prompt": "x", "max_tokens": 2},
+                timeout=30,
+            )
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     assert httpx.get(f"{url}/health").status_code == 503
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEYS['alice']}"},
-                   json={"model": "qv", "prompt": "x", "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        json={"model": "qv", "prompt": "x", "max_tokens": 2},
+        timeout=30,
+    )
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     assert httpx.get(f"{url}/admin/adapters", headers=ADMIN).json() == registry_before
 
 
 def test_bad_vllm_option_is_one_line_and_exit_2(world, tmp_path):
     _, model, _, _ = world
-    done = subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm", "--model", str(model),
-                           "--data-dir", str(tmp_path), "--port", "0", "--vllm-arg=--no-such-option"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loraplex.cli",
+            "serve",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--data-dir",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--vllm-arg=--no-such-option",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--no-such-option" in errors[0] and "Traceback" not in done.stderr

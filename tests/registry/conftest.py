@@ -59,7 +59,9 @@ def other_base_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def wide_base_dir(tmp_path_factory):
     """Hidden size 32: adapters made on it do not fit the tiny Llama's shapes."""
-    return make_model(tmp_path_factory.mktemp("wide"), "llama", hidden_size=32, intermediate_size=64)
+    return make_model(
+        tmp_path_factory.mktemp("wide"), "llama", hidden_size=32, intermediate_size=64
+    )
 
 
 # ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists -----------------------
@@ -82,7 +84,10 @@ def postgres_server():
         pytest.skip("psycopg is not installed")
     as_user: list[str] = []
     if os.geteuid() == 0:  # initdb refuses to run as root
-        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True).returncode:
+        if (
+            shutil.which("runuser") is None
+            or subprocess.run(["id", "postgres"], capture_output=True).returncode
+        ):
             pytest.skip("running as root without a postgres user and runuser to start a cluster")
         as_user = ["runuser", "-u", "postgres", "--"]
     work = Path(tempfile.mkdtemp(prefix="loraplex-pg-"))
@@ -90,13 +95,27 @@ def postgres_server():
     if as_user:
         shutil.chown(work, "postgres")
     data = work / "data"
-    run = lambda *args: subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)  # noqa: E731
-    init = run(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+    run = lambda *args: subprocess.run(
+        [*as_user, *args], capture_output=True, text=True, timeout=120
+    )  # noqa: E731
+    init = run(
+        str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"
+    )
     if init.returncode:
         shutil.rmtree(work, ignore_errors=True)
         pytest.skip(f"initdb failed: {init.stderr.strip()[-300:]}")
     options = f"-k {work} -c listen_addresses='' -c fsync=off -c max_connections=60"
-    start = run(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(work / "log"), "-w", "start")
+    start = run(
+        str(bin_dir / "pg_ctl"),
+        "-D",
+        str(data),
+        "-o",
+        options,
+        "-l",
+        str(work / "log"),
+        "-w",
+        "start",
+    )
     if start.returncode:
         shutil.rmtree(work, ignore_errors=True)
         pytest.skip(f"pg_ctl start failed: {start.stderr.strip()[-300:]}")
@@ -119,9 +138,13 @@ def pg_url(postgres_server):
     import psycopg
 
     schema = f"t{next(_schema_numbers)}"
-    with psycopg.connect(host=str(postgres_server), user="postgres", dbname="postgres", autocommit=True) as conn:
+    with psycopg.connect(
+        host=str(postgres_server), user="postgres", dbname="postgres", autocommit=True
+    ) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
-    return f"postgresql://postgres@/postgres?host={postgres_server}&options=-csearch_path%3D{schema}"
+    return (
+        f"postgresql://postgres@/postgres?host={postgres_server}&options=-csearch_path%3D{schema}"
+    )
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

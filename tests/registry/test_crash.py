@@ -39,18 +39,35 @@ app(argv, prog_name="loraplex registry")
 
 
 @pytest.mark.parametrize(
-    ("backend", "point"), [("sqlite", "store"), ("sqlite", "flush"), ("sqlite", "commit"), ("postgresql", "commit")]
+    ("backend", "point"),
+    [("sqlite", "store"), ("sqlite", "flush"), ("sqlite", "commit"), ("postgresql", "commit")],
 )
-def test_kill_during_add_leaves_no_half_revision(backend, point, request, make_registry, adapter_v1, adapter_v2,
-                                                 llama_dir):
+def test_kill_during_add_leaves_no_half_revision(
+    backend, point, request, make_registry, adapter_v1, adapter_v2, llama_dir
+):
     db_url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
     registry = make_registry(db_url)
     registry.add_revision(adapter_v1, "chat", status="stable")
     before = (registry.show("chat"), registry.audit_events())
-    args = ["--registry", db_url, "--store", str(registry.store.root), "add", str(adapter_v2), "--name", "chat",
-            "--base-model", str(llama_dir), "--stable"]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, point, *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    args = [
+        "--registry",
+        db_url,
+        "--store",
+        str(registry.store.root),
+        "add",
+        str(adapter_v2),
+        "--name",
+        "chat",
+        "--base-model",
+        str(llama_dir),
+        "--stable",
+    ]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, point, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         assert line.strip() == "PAUSED", child.stderr.read()

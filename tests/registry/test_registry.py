@@ -47,7 +47,9 @@ def test_add_resolve_and_immutable_revisions(registry, adapter_v1, adapter_v2):
     events = len(registry.audit_events())
     assert registry.add_revision(adapter_v1, "chat") == first  # same bytes again: the same revision
     assert len(registry.audit_events()) == events
-    with pytest.raises(AdapterRejected, match="chat@r1 exists with digest .*; revisions are immutable"):
+    with pytest.raises(
+        AdapterRejected, match="chat@r1 exists with digest .*; revisions are immutable"
+    ):
         registry.add_revision(adapter_v2, "chat", revision="r1")
     second = registry.add_revision(adapter_v2, "chat", revision="2024-06-01")
     assert second.status == "staging" and registry.resolve("anyone", "chat") == first
@@ -70,7 +72,10 @@ def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adap
 
     forbidden = [error_of("beta", m) for m in ("secret", "secret@r1", "secret@r9")]
     unknown = [error_of("beta", m) for m in ("nothing", "nothing@r1", "Bad/Name")]
-    assert len(set(forbidden + unknown)) == 1 and forbidden[0] == (AdapterNotFound, "model 'MODEL' not found")
+    assert len(set(forbidden + unknown)) == 1 and forbidden[0] == (
+        AdapterNotFound,
+        "model 'MODEL' not found",
+    )
     assert [a.name for a in registry.list_adapters("beta")] == ["public"]
     assert [a.name for a in registry.list_adapters("acme")] == ["public", "secret"]
 
@@ -90,14 +95,21 @@ def test_canary_split_over_10000_resolutions(canary):
     n, tolerance = (10_000, 2) if canary.engine.dialect.name == "sqlite" else (1_000, 6)
     counts = Counter(canary.resolve("default", "chat").revision for _ in range(n))
     assert abs(100 * counts["r2"] / n - 10) <= tolerance, counts
-    canary.promote("chat", "r2", 50)  # by user: deterministic; the pure split is checked on 10,000 users below
-    counts = Counter(canary.resolve("default", "chat", user=f"user-{i}").revision for i in range(1_000))
+    canary.promote(
+        "chat", "r2", 50
+    )  # by user: deterministic; the pure split is checked on 10,000 users below
+    counts = Counter(
+        canary.resolve("default", "chat", user=f"user-{i}").revision for i in range(1_000)
+    )
     assert abs(counts["r2"] / 10 - 50) <= 6, counts
 
 
 @pytest.mark.parametrize("weight", [1, 10, 50, 90])
 def test_sticky_split_over_10000_users(weight):
-    counts = Counter(pick("chat", [("canary", weight), ("stable", 100 - weight)], f"user-{i}") for i in range(10_000))
+    counts = Counter(
+        pick("chat", [("canary", weight), ("stable", 100 - weight)], f"user-{i}")
+        for i in range(10_000)
+    )
     assert abs(counts["canary"] / 100 - weight) <= 2, counts
 
 
@@ -120,8 +132,14 @@ def test_promote_and_rollback_life_cycle(canary, adapter_v3):
         canary.promote("chat", "r3", 5)
     adapter = canary.promote("chat", "r2", 100)
     assert adapter.traffic == (("r2", 100),)
-    assert {r.revision: r.status for r in adapter.revisions} == {"r1": "deprecated", "r2": "stable", "r3": "staging"}
-    assert [r.revision for r in canary.grace_revisions()] == ["r1"]  # left traffic just now: keep it warm
+    assert {r.revision: r.status for r in adapter.revisions} == {
+        "r1": "deprecated",
+        "r2": "stable",
+        "r3": "staging",
+    }
+    assert [r.revision for r in canary.grace_revisions()] == [
+        "r1"
+    ]  # left traffic just now: keep it warm
     canary.grace_period = timedelta(0)
     assert canary.grace_revisions() == []
 
@@ -145,7 +163,9 @@ def test_rollback_needs_an_earlier_stable(registry, adapter_v1, adapter_v2):
     with pytest.raises(LifecycleError, match="chat has no earlier stable revision to roll back to"):
         registry.rollback("chat")
     registry.add_revision(adapter_v2, "solo")
-    with pytest.raises(LifecycleError, match="solo has no stable revision; promote with weight 100"):
+    with pytest.raises(
+        LifecycleError, match="solo has no stable revision; promote with weight 100"
+    ):
         registry.promote("solo", "r1", 10)
 
 
@@ -164,7 +184,9 @@ def test_quarantined_revisions_are_never_served(canary):
     adapter = canary.quarantine("chat", "r2", "digest mismatch on worker-3")
     assert adapter.traffic == (("r1", 100),)
     assert {canary.resolve("default", "chat").revision for _ in range(300)} == {"r1"}
-    with pytest.raises(RevisionUnavailable, match=r"chat@r2 is quarantined \(digest mismatch on worker-3\)"):
+    with pytest.raises(
+        RevisionUnavailable, match=r"chat@r2 is quarantined \(digest mismatch on worker-3\)"
+    ):
         canary.resolve("default", "chat@r2")
     with pytest.raises(LifecycleError, match="quarantined"):
         canary.promote("chat", "r2", 100)
@@ -185,10 +207,16 @@ def test_deprecate_and_set_traffic(canary, adapter_v3):
     with pytest.raises(LifecycleError, match="chat@r2 serves traffic"):
         canary.deprecate("chat", "r2")
     canary.add_revision(adapter_v3, "chat")
-    assert next(r for r in canary.deprecate("chat", "r3").revisions if r.revision == "r3").status == "deprecated"
+    assert (
+        next(r for r in canary.deprecate("chat", "r3").revisions if r.revision == "r3").status
+        == "deprecated"
+    )
     adapter = canary.set_traffic("chat", {"r1": 70, "r2": 30})
     assert dict(adapter.traffic) == {"r1": 70, "r2": 30}
-    assert {r.revision: r.status for r in adapter.revisions if r.traffic_weight} == {"r1": "stable", "r2": "canary"}
+    assert {r.revision: r.status for r in adapter.revisions if r.traffic_weight} == {
+        "r1": "stable",
+        "r2": "canary",
+    }
     with pytest.raises(LifecycleError, match="sum to 100"):
         canary.set_traffic("chat", {"r1": 70, "r2": 20})
     adapter = canary.deprecate("chat")
@@ -200,7 +228,9 @@ def test_deprecate_and_set_traffic(canary, adapter_v3):
 
 def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2, tmp_path):
     evals = tmp_path / "evals.jsonl"
-    evals.write_text('{"prompt": "2+2=", "expected": "4"}\n{"prompt": "capital of France", "contains": "Paris"}\n')
+    evals.write_text(
+        '{"prompt": "2+2=", "expected": "4"}\n{"prompt": "capital of France", "contains": "Paris"}\n'
+    )
     registry.add_revision(adapter_v1, "chat", status="stable")
     registry.add_revision(adapter_v2, "chat", eval_set=evals)
     calls = []
@@ -217,28 +247,52 @@ def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2,
 
     with pytest.raises(LifecycleError, match="has an eval set but no release checks were given"):
         registry.promote("chat", "r2", 10)
-    with pytest.raises(ReleaseCheckFailed, match=r"eval set passed 1/2 \(50%\), below the required 100%; "
-                                                 r"first failure: prompt '2\+2=' gave '5', expected '4'"):
+    with pytest.raises(
+        ReleaseCheckFailed,
+        match=r"eval set passed 1/2 \(50%\), below the required 100%; "
+        r"first failure: prompt '2\+2=' gave '5', expected '4'",
+    ):
         registry.promote("chat", "r2", 10, checks=ReleaseChecks(complete=wrong))
     with pytest.raises(ReleaseCheckFailed, match="prewarm failed: OSError: worker-1 out of memory"):
-        registry.promote("chat", "r2", 10, checks=ReleaseChecks(
-            prewarm=lambda r: (_ for _ in ()).throw(OSError("worker-1 out of memory")), complete=good))
+        registry.promote(
+            "chat",
+            "r2",
+            10,
+            checks=ReleaseChecks(
+                prewarm=lambda r: (_ for _ in ()).throw(OSError("worker-1 out of memory")),
+                complete=good,
+            ),
+        )
     with pytest.raises(ReleaseCheckFailed, match="health probe: 'ping' gave an empty completion"):
-        registry.promote("chat", "r2", 10, checks=ReleaseChecks(
-            complete=lambda r, p: "" if p == "ping" else good(r, p), health_prompt="ping"))
+        registry.promote(
+            "chat",
+            "r2",
+            10,
+            checks=ReleaseChecks(
+                complete=lambda r, p: "" if p == "ping" else good(r, p), health_prompt="ping"
+            ),
+        )
     assert registry.show("chat").traffic == (("r1", 100),)  # every refusal left the traffic alone
 
     calls.clear()
     registry.promote("chat", "r2", 10, checks=ReleaseChecks(prewarm=prewarm, complete=good))
-    assert calls == [("prewarm", "chat@r2"), ("complete", "2+2="), ("complete", "capital of France"),
-                     ("complete", "Hello")]
-    registry.promote("chat", "r2", 50, checks=ReleaseChecks(prewarm=prewarm, complete=wrong))  # already serving
+    assert calls == [
+        ("prewarm", "chat@r2"),
+        ("complete", "2+2="),
+        ("complete", "capital of France"),
+        ("complete", "Hello"),
+    ]
+    registry.promote(
+        "chat", "r2", 50, checks=ReleaseChecks(prewarm=prewarm, complete=wrong)
+    )  # already serving
     assert dict(registry.show("chat").traffic) == {"r2": 50, "r1": 50}
     assert registry.audit_events(1)[0].detail["checks"] == "already in traffic"
     registry.promote("chat", "r2", 100)
     registry.rollback("chat")
     lenient = ReleaseChecks(complete=wrong, min_pass_rate=0.5)
-    registry.promote("chat", "r2", 10, checks=lenient)  # r2 left traffic: checked again, and passes at 50%
+    registry.promote(
+        "chat", "r2", 10, checks=lenient
+    )  # r2 left traffic: checked again, and passes at 50%
 
 
 def test_tenants_and_api_keys(registry):
@@ -269,17 +323,23 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
     assert registry.pin("chat", tier="cpu").pin_tier == "cpu"
     registry.pin("chat", tier="gpu")
     assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "gpu", "code": None}
-    assert make_registry(db_url).show("chat").pin_tier == "gpu"  # read back by another process's registry
+    assert (
+        make_registry(db_url).show("chat").pin_tier == "gpu"
+    )  # read back by another process's registry
     assert registry.audit_events(target="chat")[0].detail == {"tier": "gpu"}
     with pytest.raises(RegistryError, match="gpu or cpu"):
         registry.pin("chat", tier="disk")
     assert registry.show("chat").pin_tier == "gpu"
     unpinned = registry.unpin("chat")
-    assert unpinned.pin_tier is None and not unpinned.pinned and unpinned.to_dict()["pin_tier"] is None
+    assert (
+        unpinned.pin_tier is None and not unpinned.pinned and unpinned.to_dict()["pin_tier"] is None
+    )
     # A warm policy of gpu or cpu is a pin too: unpinning ends it (the operator's call overrides the manifest's).
     assert registry.unpin("code").warm_policy == "on_demand"
     assert registry.audit_events(target="code")[0].action == "unpin"
-    registry.add_revision(adapter_v1, "code", revision="r2", warm_policy="gpu")  # registered again with one
+    registry.add_revision(
+        adapter_v1, "code", revision="r2", warm_policy="gpu"
+    )  # registered again with one
     assert registry.show("code").warm_policy == "gpu"
     # Pinned by a version that kept no tier (no row): the warm policy's tier, else cpu, as those versions did.
     with registry.engine.begin() as conn:
@@ -312,8 +372,20 @@ def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):
     registry.revoke_key(registry.create_key("acme")[:12])
     events = registry.audit_events()
     assert [e.action for e in reversed(events)] == [
-        "tenant_add", "add", "add", "promote", "set_traffic", "rollback", "pin", "unpin", "grant", "revoke_grant",
-        "quarantine", "deprecate", "key_create", "key_revoke",
+        "tenant_add",
+        "add",
+        "add",
+        "promote",
+        "set_traffic",
+        "rollback",
+        "pin",
+        "unpin",
+        "grant",
+        "revoke_grant",
+        "quarantine",
+        "deprecate",
+        "key_create",
+        "key_revoke",
     ]
     assert {e.actor for e in events} == {"alice"}
     assert events[0].at >= events[-1].at
@@ -333,7 +405,9 @@ def test_schema_version_is_checked_at_start(db_url, make_registry):
         Registry(db_url)
 
 
-def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_registry, adapter_v1, adapter_v2):
+def test_registration_records_the_pieces_of_the_stored_bytes(
+    db_url, make_registry, adapter_v1, adapter_v2
+):
     registry = make_registry(db_url)
     record = registry.add_revision(adapter_v1, "chat", status="stable")
     digest, pieces = digest_and_pieces(registry.store.path(record.digest))
@@ -346,7 +420,9 @@ def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_regist
         conn.execute(text("DROP TABLE artifact_pieces_blake3"))
     again = make_registry(db_url)
     assert again.pieces(record.digest) is None
-    assert again.add_revision(adapter_v1, "chat").revision == record.revision  # the same bytes: the same revision
+    assert (
+        again.add_revision(adapter_v1, "chat").revision == record.revision
+    )  # the same bytes: the same revision
     assert again.pieces(record.digest) == pieces
     other = again.add_revision(adapter_v2, "chat")
     assert again.pieces(other.digest) == digest_and_pieces(adapter_v2)[1]
@@ -355,13 +431,20 @@ def test_registration_records_the_pieces_of_the_stored_bytes(db_url, make_regist
     # list (made by such a version) is checked by it, and gets the BLAKE3 list when the bytes are
     # added again.
     with again.engine.begin() as conn:
-        sha_list = conn.execute(text("SELECT pieces FROM artifact_pieces WHERE digest = :d"),
-                                {"d": record.digest}).scalar_one()
+        sha_list = conn.execute(
+            text("SELECT pieces FROM artifact_pieces WHERE digest = :d"), {"d": record.digest}
+        ).scalar_one()
         conn.execute(text("DELETE FROM artifact_pieces_blake3"))
     listed = json.loads(sha_list)
     data = (registry.store.path(record.digest) / listed["files"][-1]["name"]).read_bytes()
-    assert listed["files"][-1]["sha256"][0] == hashlib.sha256(data[: listed["piece_bytes"]]).hexdigest()
-    assert again.pieces(record.digest) == Pieces.from_json(sha_list) and again.pieces(record.digest).algorithm == "sha256"
+    assert (
+        listed["files"][-1]["sha256"][0]
+        == hashlib.sha256(data[: listed["piece_bytes"]]).hexdigest()
+    )
+    assert (
+        again.pieces(record.digest) == Pieces.from_json(sha_list)
+        and again.pieces(record.digest).algorithm == "sha256"
+    )
     assert again.add_revision(adapter_v1, "chat").revision == record.revision
     assert again.pieces(record.digest) == pieces and pieces.algorithm == "blake3"
 
@@ -432,7 +515,9 @@ def test_a_split_has_one_canary_at_most(canary, adapter_v3):
     assert sorted(dict(canary.show("chat").traffic)) == ["r1", "r2"]
 
 
-def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(registry, adapter_v1):
+def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
+    registry, adapter_v1
+):
     first = registry.add_revision(adapter_v1, "chat", status="stable")
     with pytest.raises(AdapterRejected, match="these are the bytes of chat@r1"):
         registry.add_revision(adapter_v1, "chat", revision="r1-again")
@@ -446,12 +531,18 @@ def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
 def test_two_processes_creating_the_same_fresh_registry_both_succeed(tmp_path):
     """Two servers starting at once on a new registry file: the second waits for the first's tables (it failed on
     the database lock, or inserted the same first rows twice)."""
-    script = ("import sys, time\nfrom loraplex.registry import Registry\nregistry = Registry(sys.argv[1])\n"
-              "while time.time() < float(sys.argv[2]):\n    pass\nregistry.init()\nregistry.close()\n")
+    script = (
+        "import sys, time\nfrom loraplex.registry import Registry\nregistry = Registry(sys.argv[1])\n"
+        "while time.time() < float(sys.argv[2]):\n    pass\nregistry.init()\nregistry.close()\n"
+    )
     for trial in range(3):
         url, start = f"sqlite:///{tmp_path}/registry-{trial}.db", time.time() + 2.0
-        procs = [subprocess.Popen([sys.executable, "-c", script, url, str(start)], stderr=subprocess.PIPE, text=True)
-                 for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script, url, str(start)], stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
         errors = [p.communicate(timeout=120)[1] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], errors
         registry = Registry(url)
@@ -507,7 +598,8 @@ def test_a_name_with_only_staged_revisions_says_how_to_promote(registry, adapter
         registry.resolve("default", "chat")
     assert str(info.value) == (
         "chat has no revision in service: r1 is staged, not promoted; promote one with "
-        "`loraplex registry promote chat r1` (or POST /admin/adapters/chat/promote)")
+        "`loraplex registry promote chat r1` (or POST /admin/adapters/chat/promote)"
+    )
     registry.add_revision(adapter_v2, "chat")
     with pytest.raises(RevisionUnavailable, match="r1, r2 are staged.* promote chat r2`"):
         registry.resolve("default", "chat")

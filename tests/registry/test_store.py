@@ -62,13 +62,23 @@ def test_put_get_is_idempotent_and_keeps_only_artifact_files(tmp_path, adapter_v
     assert digest == canonical_digest(adapter_v1)
     assert store.put(adapter_v1) == digest
     path = store.get(digest)
-    assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "index.json"]
-    assert (path / "adapter_model.safetensors").read_bytes() == (adapter_v1 / "adapter_model.safetensors").read_bytes()
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "index.json",
+    ]
+    assert (path / "adapter_model.safetensors").read_bytes() == (
+        adapter_v1 / "adapter_model.safetensors"
+    ).read_bytes()
     index = json.loads((path / "index.json").read_text())
-    assert index["digest"] == digest and {f["name"] for f in index["files"]} == {"adapter_config.json",
-                                                                                 "adapter_model.safetensors"}
-    assert store.size(digest) == sum((adapter_v1 / n).stat().st_size for n in ("adapter_config.json",
-                                                                              "adapter_model.safetensors"))
+    assert index["digest"] == digest and {f["name"] for f in index["files"]} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    assert store.size(digest) == sum(
+        (adapter_v1 / n).stat().st_size
+        for n in ("adapter_config.json", "adapter_model.safetensors")
+    )
     assert store.digests() == [digest]
     assert list((tmp_path / "store" / "tmp").iterdir()) == []  # no work dir left behind
     assert store.remove(digest) and not store.has(digest) and not store.remove(digest)
@@ -115,31 +125,46 @@ def sha256_pieces(src: Path, like: Pieces) -> Pieces:
     files = []
     for name, size, _ in like.files:
         data = (src / name).read_bytes()
-        files.append((name, size, tuple(hashlib.sha256(data[i : i + like.size]).hexdigest()
-                                        for i in range(0, size, like.size))))
+        files.append(
+            (
+                name,
+                size,
+                tuple(
+                    hashlib.sha256(data[i : i + like.size]).hexdigest()
+                    for i in range(0, size, like.size)
+                ),
+            )
+        )
     return Pieces(like.size, tuple(files), "sha256")
 
 
 @pytest.fixture
 def chunked(monkeypatch):
     """Read chunks and pieces of `size` bytes."""
+
     def chunked(size: int) -> None:
         monkeypatch.setattr(store_module, "_READ_CHUNK", size)
         monkeypatch.setattr(store_module, "PIECE_BYTES_MIN", size)
+
     return chunked
 
 
 def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     chunked(1000)
-    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 10)  # 2560 bytes: pieces of 1000, 1000 and 560
+    src = fake_adapter(
+        tmp_path / "a", bytes(range(256)) * 10
+    )  # 2560 bytes: pieces of 1000, 1000 and 560
     digest, pieces = digest_and_pieces(src)
     assert digest == canonical_digest(src) and pieces.size == 1000
     data = (src / "adapter_model.safetensors").read_bytes()
     config = (src / "adapter_config.json").read_bytes()
     assert pieces.files == (
         ("adapter_config.json", len(config), (blake3.blake3(config).hexdigest(),)),
-        ("adapter_model.safetensors", 2560, tuple(blake3.blake3(data[i : i + 1000]).hexdigest()
-                                                  for i in (0, 1000, 2000))),
+        (
+            "adapter_model.safetensors",
+            2560,
+            tuple(blake3.blake3(data[i : i + 1000]).hexdigest() for i in (0, 1000, 2000)),
+        ),
     )
     assert pieces.algorithm == "blake3"
     assert Pieces.from_json(pieces.to_json()) == pieces
@@ -149,11 +174,16 @@ def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     unnamed = json.loads(old.to_json())
     del unnamed["algorithm"]
     assert Pieces.from_json(json.dumps(unnamed)) == old and old.files != pieces.files
-    for bad in ({**listed, "piece_bytes": 0}, {"files": listed["files"]}, {**listed, "piece_bytes": float("inf")},
-                {**listed, "files": [{**listed["files"][1], "blake3": listed["files"][1]["blake3"][:2]}]},
-                {**listed, "files": [{**listed["files"][0], "blake3": ["XYZ"]}]},
-                {**listed, "algorithm": "md5"}, {**listed, "algorithm": ["blake3"]},
-                unnamed | {"files": listed["files"]}):  # BLAKE3 hashes without the name: taken for sha256
+    for bad in (
+        {**listed, "piece_bytes": 0},
+        {"files": listed["files"]},
+        {**listed, "piece_bytes": float("inf")},
+        {**listed, "files": [{**listed["files"][1], "blake3": listed["files"][1]["blake3"][:2]}]},
+        {**listed, "files": [{**listed["files"][0], "blake3": ["XYZ"]}]},
+        {**listed, "algorithm": "md5"},
+        {**listed, "algorithm": ["blake3"]},
+        unnamed | {"files": listed["files"]},
+    ):  # BLAKE3 hashes without the name: taken for sha256
         with pytest.raises(ValueError, match="not a piece list"):
             Pieces.from_json(json.dumps(bad))
 
@@ -191,7 +221,9 @@ def test_read_artifact_returns_exactly_the_bytes_it_hashed(tmp_path, chunked, ch
     (src / "notes.txt").write_text("not part of the artifact")
     files = read_artifact(src, canonical_digest(src), **check_by(src, by_pieces))
     names = ["adapter_config.json", "adapter_model.safetensors", "extra.safetensors"]
-    assert {name: bytes(data) for name, data in files.items()} == {name: (src / name).read_bytes() for name in names}
+    assert {name: bytes(data) for name, data in files.items()} == {
+        name: (src / name).read_bytes() for name in names
+    }
 
 
 @pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
@@ -241,7 +273,9 @@ def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeyp
         return "used"
 
     done = []
-    worker = threading.Thread(target=lambda: done.append(read_artifact(src, digest, use=use, pieces=pieces)))
+    worker = threading.Thread(
+        target=lambda: done.append(read_artifact(src, digest, use=use, pieces=pieces))
+    )
     worker.start()
     worker.join(timeout=30)
     assert done == ["used"] and seen == [(bytes(range(256)) * 40)[:5000]]
@@ -254,13 +288,17 @@ def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeyp
 
 @pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])
-def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(tmp_path, chunked, chunk, by_pieces):
+def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(
+    tmp_path, chunked, chunk, by_pieces
+):
     chunked(chunk)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     original = (src / "adapter_model.safetensors").read_bytes()
     check = check_by(src, by_pieces)
 
-    def overwrite(files, hashed):  # zeroes the weights from the front, each piece once the hash has read it
+    def overwrite(
+        files, hashed
+    ):  # zeroes the weights from the front, each piece once the hash has read it
         data = files["adapter_model.safetensors"]
         for end in range(100, len(data) + 100, 100):
             hashed("adapter_model.safetensors", min(end, len(data)))
@@ -287,9 +325,13 @@ def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path, 
     def refuse(files, hashed):
         raise ValueError("not a safetensors file")
 
-    with pytest.raises(DigestMismatch):  # a mismatch is the error, whatever the parser said of the bytes
+    with pytest.raises(
+        DigestMismatch
+    ):  # a mismatch is the error, whatever the parser said of the bytes
         read_artifact(src, digest, use=refuse, **check)
-    with pytest.raises(ValueError, match="not a safetensors file"):  # the bytes are the artifact's: its error
+    with pytest.raises(
+        ValueError, match="not a safetensors file"
+    ):  # the bytes are the artifact's: its error
         read_artifact(src, canonical_digest(src), use=refuse, **check_by(src, by_pieces))
 
 
@@ -317,7 +359,13 @@ def test_read_by_pieces_refuses_other_files_and_sizes(tmp_path, chunked):
 
 def test_digests_never_become_paths(tmp_path):
     store = ArtifactStore(tmp_path / "store")
-    for bad in ("sha256:../../etc", "../x", "sha256:" + "A" * 64, "md5:" + "0" * 32, "sha256:" + "0" * 64 + "\n"):
+    for bad in (
+        "sha256:../../etc",
+        "../x",
+        "sha256:" + "A" * 64,
+        "md5:" + "0" * 32,
+        "sha256:" + "0" * 64 + "\n",
+    ):
         with pytest.raises(UnsafeLocation, match="is not a digest"):
             store.get(bad)
 
@@ -345,8 +393,11 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
     check = check_by(src, by_pieces)
     reads = []
     real_read = store_module._read_hashing
-    monkeypatch.setattr(store_module, "_read_hashing",
-                        lambda path, name, *args: reads.append(name) or real_read(path, name, *args))
+    monkeypatch.setattr(
+        store_module,
+        "_read_hashing",
+        lambda path, name, *args: reads.append(name) or real_read(path, name, *args),
+    )
 
     def use(files, hashed):
         for name in files:
@@ -355,15 +406,22 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
 
     local = ArtifactStore(tmp_path / "local")
     with serve_store(remote) as base:
-        fetched = store_module.fetch_and_read(f"{base}/{digest.removeprefix('sha256:')}", digest, local,
-                                              AllowList(prefixes=(base,)), use, **check)
+        fetched = store_module.fetch_and_read(
+            f"{base}/{digest.removeprefix('sha256:')}",
+            digest,
+            local,
+            AllowList(prefixes=(base,)),
+            use,
+            **check,
+        )
     assert reads == ["adapter_config.json", "adapter_model.safetensors"]  # once each
     assert fetched.path == local.path(digest) and local.get(digest) == fetched.path
     assert fetched.result == {name: (src / name).read_bytes() for name in reads}
     assert fetched.download_s is not None and fetched.download_s > 0
     # Already in the store: read (and checked) from there, no download.
-    again = store_module.fetch_and_read(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)),
-                                        use, **check)
+    again = store_module.fetch_and_read(
+        remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use, **check
+    )
     assert again.download_s is None and again.result == fetched.result
 
 
@@ -378,12 +436,18 @@ def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
         raise ValueError("not an adapter this server can serve")
 
     with pytest.raises(ValueError, match="not an adapter"):
-        store_module.fetch_and_read(remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use)
+        store_module.fetch_and_read(
+            remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use
+        )
     assert not local.has(digest) and local.digests() == []
     assert list((local.root / "tmp").iterdir()) == []  # nor its work directory
     wrong = "sha256:" + "0" * 64
-    with pytest.raises(DigestMismatch, match=f"expected {wrong}"):  # a mismatch is what is raised when both fail
-        store_module.fetch_and_read(remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use)
+    with pytest.raises(
+        DigestMismatch, match=f"expected {wrong}"
+    ):  # a mismatch is what is raised when both fail
+        store_module.fetch_and_read(
+            remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use
+        )
     assert not local.has(wrong)
 
 
@@ -434,13 +498,17 @@ def test_symlinks_out_of_the_root_are_refused(tmp_path):
     allowed = AllowList(roots=(root,))
     with pytest.raises(UnsafeLocation, match="outside the allowed roots"):
         fetch_artifact((root / "linked-dir").as_uri(), digest, local, allowed)
-    with pytest.raises(UnsafeLocation, match="adapter_model.safetensors is a symlink out of the allowed root"):
+    with pytest.raises(
+        UnsafeLocation, match="adapter_model.safetensors is a symlink out of the allowed root"
+    ):
         fetch_artifact(linked_file.as_uri(), digest, local, allowed)
     assert local.digests() == []
 
 
 def test_allowlist_parse():
-    allowed = AllowList.parse(["/srv/loras/", "file:///data/x", "https://artifacts.example/loras/", "s3://bucket/p"])
+    allowed = AllowList.parse(
+        ["/srv/loras/", "file:///data/x", "https://artifacts.example/loras/", "s3://bucket/p"]
+    )
     assert allowed.roots == (Path("/srv/loras"), Path("/data/x"))
     assert allowed.prefixes == ("https://artifacts.example/loras", "s3://bucket/p")
     allowed.check("https://artifacts.example/loras/abc")
@@ -452,7 +520,9 @@ def test_allowlist_parse():
 @pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
     remote = ArtifactStore(tmp_path / "remote")
-    digest, pieces = remote.put_with_pieces(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))  # several chunks
+    digest, pieces = remote.put_with_pieces(
+        fake_adapter(tmp_path / "a", os.urandom(3 << 20))
+    )  # several chunks
     assert len(pieces.files[1][2]) == 3
     check = {"pieces": pieces} if by_pieces else {}
     local = ArtifactStore(tmp_path / "local")
@@ -462,7 +532,9 @@ def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
         assert canonical_digest(path) == digest
         weights = "adapter_model.safetensors"
         assert (path / weights).read_bytes() == (remote.path(digest) / weights).read_bytes()
-        assert fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check) == path  # the local copy
+        assert (
+            fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check) == path
+        )  # the local copy
         # Bytes changed in the remote store are refused, and so is a damaged local copy (replaced, not used).
         data = bytearray((remote.path(digest) / weights).read_bytes())
         data[(2 << 20) + 5] ^= 1
@@ -505,15 +577,24 @@ def test_http_store_down_or_silent_is_unavailable(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(ArtifactUnavailable, match="ConnectError"):
-        fetch_artifact(f"http://127.0.0.1:{port}/{'1' * 64}", digest, local,
-                       AllowList(prefixes=(f"http://127.0.0.1:{port}",)))
+        fetch_artifact(
+            f"http://127.0.0.1:{port}/{'1' * 64}",
+            digest,
+            local,
+            AllowList(prefixes=(f"http://127.0.0.1:{port}",)),
+        )
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         port = silent.getsockname()[1]
         with pytest.raises(ArtifactUnavailable, match="Timeout"):
-            fetch_artifact(f"http://127.0.0.1:{port}/{'1' * 64}", digest, local,
-                           AllowList(prefixes=(f"http://127.0.0.1:{port}",)), timeout_s=0.3)
+            fetch_artifact(
+                f"http://127.0.0.1:{port}/{'1' * 64}",
+                digest,
+                local,
+                AllowList(prefixes=(f"http://127.0.0.1:{port}",)),
+                timeout_s=0.3,
+            )
 
 
 def test_http_store_that_trickles_bytes_is_cut_off_by_the_whole_download_deadline(tmp_path):
@@ -550,7 +631,14 @@ def test_http_store_that_trickles_bytes_is_cut_off_by_the_whole_download_deadlin
     try:
         with pytest.raises(ArtifactUnavailable, match="the download took longer than 2 s"):
             # deadline: 1 s + the index's bytes (about 4.1 kB) at 4 kB/s; the trickle needs minutes
-            fetch_artifact(f"{base}/{hexd}", digest, local, AllowList(prefixes=(base,)), timeout_s=1.0, min_rate=4000)
+            fetch_artifact(
+                f"{base}/{hexd}",
+                digest,
+                local,
+                AllowList(prefixes=(base,)),
+                timeout_s=1.0,
+                min_rate=4000,
+            )
     finally:
         server.shutdown()
         server.server_close()
@@ -573,17 +661,28 @@ def test_s3_fetch_with_a_client(tmp_path):
     remote = ArtifactStore(tmp_path / "remote")
     digest = remote.put(fake_adapter(tmp_path / "a"))
     hexd = digest.removeprefix("sha256:")
-    objects = {("bucket", f"loras/{hexd}/{p.name}"): p.read_bytes() for p in remote.path(digest).iterdir()}
+    objects = {
+        ("bucket", f"loras/{hexd}/{p.name}"): p.read_bytes() for p in remote.path(digest).iterdir()
+    }
     local = ArtifactStore(tmp_path / "local")
     allowed = AllowList(prefixes=("s3://bucket/loras",))
-    path = fetch_artifact(f"s3://bucket/loras/{hexd}", digest, local, allowed, s3_client=FakeS3(objects))
+    path = fetch_artifact(
+        f"s3://bucket/loras/{hexd}", digest, local, allowed, s3_client=FakeS3(objects)
+    )
     assert canonical_digest(path) == digest
     other = "sha256:" + "2" * 64
     with pytest.raises(ArtifactUnavailable, match="NoSuchKey"):
-        fetch_artifact(f"s3://bucket/loras/{'2' * 64}", other, local, allowed, s3_client=FakeS3(objects))
+        fetch_artifact(
+            f"s3://bucket/loras/{'2' * 64}", other, local, allowed, s3_client=FakeS3(objects)
+        )
 
 
 def test_artifact_names_are_matched_whole():
     assert is_artifact_name("adapter_model.safetensors") and is_artifact_name("adapter_config.json")
-    for bad in ("adapter_model.safetensors\n", "adapter_config.json\n", "../adapter_model.safetensors", "x.bin"):
+    for bad in (
+        "adapter_model.safetensors\n",
+        "adapter_config.json\n",
+        "../adapter_model.safetensors",
+        "x.bin",
+    ):
         assert not is_artifact_name(bad)

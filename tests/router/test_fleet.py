@@ -22,11 +22,22 @@ def test_vllm_worker_is_read_from_its_metrics():
 
 def test_loraplex_state_gives_residency_by_name_and_revision():
     worker = Worker("http://w")
-    worker.apply_state({"adapters": [
-        {"name": "a", "revision": "r1", "tier": "gpu", "loading": False},
-        {"name": "b", "revision": "r2", "tier": "cpu", "loading": False},
-        {"name": "c", "revision": "r1", "tier": "remote", "loading": True},
-    ], "load": {"waiting": 1, "running": 2, "active_tokens": 30, "kv_cache_usage": 0.1, "free_slots": 0}})
+    worker.apply_state(
+        {
+            "adapters": [
+                {"name": "a", "revision": "r1", "tier": "gpu", "loading": False},
+                {"name": "b", "revision": "r2", "tier": "cpu", "loading": False},
+                {"name": "c", "revision": "r1", "tier": "remote", "loading": True},
+            ],
+            "load": {
+                "waiting": 1,
+                "running": 2,
+                "active_tokens": 30,
+                "kv_cache_usage": 0.1,
+                "free_slots": 0,
+            },
+        }
+    )
     worker.in_flight = 4
     view = worker.view(now=worker.polled_at + 1, stale_s=2)
     assert view.affinity("a") == view.affinity("a@r1") == "gpu" and view.affinity("b@r2") == "cpu"

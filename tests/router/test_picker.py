@@ -22,7 +22,10 @@ def test_saturated_worker_is_skipped_until_all_are_saturated():
     hot = w("a", gpu=frozenset({"x"}), waiting=9)
     cool = w("b", cpu=frozenset({"x"}))
     assert Picker().pick([hot, cool], "x").url == "b"
-    assert Picker().pick([hot, w("b", waiting=8, cpu=frozenset({"x"}))], "x").reason == "saturated-fallback"
+    assert (
+        Picker().pick([hot, w("b", waiting=8, cpu=frozenset({"x"}))], "x").reason
+        == "saturated-fallback"
+    )
     kv_full = w("a", gpu=frozenset({"x"}), kv_usage=0.95)
     assert Picker().pick([kv_full, cool], "x").url == "b"
 
@@ -78,7 +81,11 @@ def test_comparison_policies(policy):
 
 
 def test_dead_and_stale_workers():
-    workers = [w("a", healthy=False, gpu=frozenset({"x"})), w("b", fresh=False, gpu=frozenset({"x"})), w("c")]
+    workers = [
+        w("a", healthy=False, gpu=frozenset({"x"})),
+        w("b", fresh=False, gpu=frozenset({"x"})),
+        w("c"),
+    ]
     pick = Picker().pick(workers, "x")
     assert "a" not in pick.ranking[:2] and pick.url in ("b", "c")
     assert Picker().pick([w("a", healthy=False)], "x").url is None

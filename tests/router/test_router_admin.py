@@ -17,11 +17,17 @@ TOKEN = "admin-token-0123456789"
 def test_a_non_ascii_token_and_a_body_that_is_not_json_are_client_errors():
     app = create_router_app(RouterConfig(workers=("http://127.0.0.1:9",), admin_token=TOKEN))
     with serving(app) as url:
-        odd = httpx.get(f"{url}/admin/workers", headers={"Authorization": "Bearer \xe9".encode("latin-1")})
+        odd = httpx.get(
+            f"{url}/admin/workers", headers={"Authorization": "Bearer \xe9".encode("latin-1")}
+        )
         assert odd.status_code == 401 and odd.json()["error"]["code"] == "unauthorized"
         auth = {"Authorization": f"Bearer {TOKEN}"}
         for method in ("POST", "DELETE"):
             bad = httpx.request(method, f"{url}/admin/workers", headers=auth, content=b"{bad")
-            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json", bad.text
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json", (
+                bad.text
+            )
         listed = httpx.get(f"{url}/admin/workers", headers=auth)
-        assert listed.status_code == 200 and [w["url"] for w in listed.json()["workers"]] == ["http://127.0.0.1:9"]
+        assert listed.status_code == 200 and [w["url"] for w in listed.json()["workers"]] == [
+            "http://127.0.0.1:9"
+        ]

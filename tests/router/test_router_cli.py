@@ -12,10 +12,26 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
     short.write_text("short\n")
     files = [tmp_path / "missing-token", empty, short, short]
     flags = ["--admin-token-file"] * 3 + ["--metrics-token-file"]
-    procs = [subprocess.Popen([sys.executable, "-m", "loraplex.cli", "router", "--worker", "http://127.0.0.1:9",
-                               "--port", "0", flag, str(path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for flag, path in zip(flags, files)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loraplex.cli",
+                "router",
+                "--worker",
+                "http://127.0.0.1:9",
+                "--port",
+                "0",
+                flag,
+                str(path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flag, path in zip(flags, files)
+    ]
     try:
         results = [(proc.wait(60), proc.communicate()[1]) for proc in procs]
     finally:
@@ -25,15 +41,23 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
                 proc.wait()
     for flag, path, (code, stderr) in zip(flags, files, results, strict=True):
         lines = stderr.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (path, code, stderr[-600:])
+        assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, (
+            path,
+            code,
+            stderr[-600:],
+        )
         assert lines[0].startswith(f"error: {flag}") and path.name in lines[0], lines
 
 
 def test_the_commands_that_do_not_serve_do_not_load_torch():
     """`loraplex router`, `registry`, `simulate`, `plan` and `bench` start without torch (about 2.5 s and 300 MB
     less per process): only `serve` and `demo` load it, when they build the engine."""
-    probe = ("import sys, loraplex.cli, loraplex.router.serve, loraplex.server.serve; "
-             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    probe = (
+        "import sys, loraplex.cli, loraplex.router.serve, loraplex.server.serve; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -20,8 +20,11 @@ TOKEN = "admin-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None, answer=None) -> Starlette:
+def worker(
+    state: dict, answer_after_s: float = 0.0, calls: list | None = None, answer=None
+) -> Starlette:
     """`answer`: the completions endpoint, in place of the default one."""
+
     async def health(request):
         return JSONResponse({"status": "ok"})
 
@@ -35,12 +38,19 @@ def worker(state: dict, answer_after_s: float = 0.0, calls: list | None = None, 
         await asyncio.sleep(answer_after_s)
         return JSONResponse({"choices": [{"text": "ok"}]})
 
-    return Starlette(routes=[Route("/health", health), Route("/admin/state", admin_state),
-                             Route("/v1/completions", answer or completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/admin/state", admin_state),
+            Route("/v1/completions", answer or completions, methods=["POST"]),
+        ]
+    )
 
 
-RESIDENT = {"adapters": [{"name": "sql", "revision": "r1", "tier": "gpu", "loading": False}],
-            "load": {"waiting": 0, "running": 0, "free_slots": 1}}
+RESIDENT = {
+    "adapters": [{"name": "sql", "revision": "r1", "tier": "gpu", "loading": False}],
+    "load": {"waiting": 0, "running": 0, "free_slots": 1},
+}
 
 
 def workers_seen(url: str) -> dict[str, bool]:
@@ -50,11 +60,21 @@ def workers_seen(url: str) -> dict[str, bool]:
 
 def test_a_worker_shutting_down_gets_no_traffic():
     draining = {**RESIDENT, "draining": True}  # /health still 200 while it finishes what it has
-    with serving(worker(draining)) as leaving, serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other:
-        with serving(create_router_app(RouterConfig(workers=(leaving, other), admin_token=TOKEN))) as url:
+    with (
+        serving(worker(draining)) as leaving,
+        serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other,
+    ):
+        with serving(
+            create_router_app(RouterConfig(workers=(leaving, other), admin_token=TOKEN))
+        ) as url:
             assert workers_seen(url) == {leaving: False, other: True}
-            routed = [httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"}) for _ in range(5)]
-            assert {(r.status_code, r.headers["x-loraplex-worker"]) for r in routed} == {(200, other)}
+            routed = [
+                httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"})
+                for _ in range(5)
+            ]
+            assert {(r.status_code, r.headers["x-loraplex-worker"]) for r in routed} == {
+                (200, other)
+            }
 
 
 def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
@@ -64,7 +84,9 @@ def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
     with serving(worker(shapes)) as odd, serving(worker(RESIDENT)) as good:
         app = create_router_app(RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_s=0.05))
         with serving(app) as url:
-            bad_url = httpx.post(f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"})
+            bad_url = httpx.post(
+                f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"}
+            )
             assert bad_url.status_code == 400
             assert workers_seen(url) == {odd: False, good: True}
             app.state.fleet.workers[good].healthy = False  # as a failed request marks it out
@@ -76,13 +98,17 @@ def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
 
 def test_a_slow_answer_is_a_timeout_not_a_dead_worker_and_is_not_run_twice():
     calls = []
-    with serving(worker(RESIDENT, answer_after_s=1.5, calls=calls)) as slow, \
-            serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other:
+    with (
+        serving(worker(RESIDENT, answer_after_s=1.5, calls=calls)) as slow,
+        serving(worker({"adapters": [], "load": {"free_slots": 2}})) as other,
+    ):
         config = RouterConfig(workers=(slow, other), admin_token=TOKEN, request_timeout_s=0.5)
         with serving(create_router_app(config)) as url:
             answer = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"})
             assert answer.status_code == 504 and answer.json()["error"]["code"] == "gateway_timeout"
-            assert len(calls) == 1 and workers_seen(url)[slow]  # not retried elsewhere, not marked out
+            assert (
+                len(calls) == 1 and workers_seen(url)[slow]
+            )  # not retried elsewhere, not marked out
 
 
 def test_a_body_that_is_not_utf8_is_a_400():
@@ -115,10 +141,18 @@ def test_more_than_a_hundred_streams_at_once_are_all_carried():
         with serving(create_router_app(config)) as url:
 
             async def all_at_once():
-                async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as client:
+                async with httpx.AsyncClient(
+                    timeout=30, limits=httpx.Limits(max_connections=None)
+                ) as client:
+
                     async def one_stream():
-                        async with client.stream("POST", f"{url}/v1/completions", json={"model": "sql"}) as r:
-                            return r.status_code, len([line async for line in r.aiter_lines() if line])
+                        async with client.stream(
+                            "POST", f"{url}/v1/completions", json={"model": "sql"}
+                        ) as r:
+                            return r.status_code, len(
+                                [line async for line in r.aiter_lines() if line]
+                            )
+
                     return await asyncio.gather(*(one_stream() for _ in range(110)))
 
             assert asyncio.run(all_at_once()) == [(200, 5)] * 110
@@ -128,20 +162,36 @@ def test_more_than_a_hundred_streams_at_once_are_all_carried():
 def tenant_worker(state: dict) -> Starlette:
     """A worker where only the key `alice-key` may use the adapter `sql` (a 404 otherwise, as for a name that does
     not exist)."""
+
     async def completions(request):
         body = await request.json()
-        if body.get("model") == "sql" and request.headers.get("authorization") == "Bearer alice-key":
+        if (
+            body.get("model") == "sql"
+            and request.headers.get("authorization") == "Bearer alice-key"
+        ):
             return JSONResponse({"choices": [{"text": "ok"}]})
-        return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
-                                       "code": "model_not_found", "param": "model"}}, status_code=404)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "no such model",
+                    "type": "invalid_request_error",
+                    "code": "model_not_found",
+                    "param": "model",
+                }
+            },
+            status_code=404,
+        )
 
     return worker(state, answer=completions)
 
 
 def picks(url: str, token: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}).text
-    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("loraplex_router_picks_total{")}
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("loraplex_router_picks_total{")
+    }
 
 
 def test_a_refused_caller_learns_nothing_of_where_an_adapter_is_resident():
@@ -154,15 +204,28 @@ def test_a_refused_caller_learns_nothing_of_where_an_adapter_is_resident():
         with serving(create_router_app(config)) as url:
             assert workers_seen(url) == {w: True}
             assert httpx.get(f"{url}/metrics").status_code == 401
-            assert httpx.get(f"{url}/metrics", headers=ADMIN).status_code == 401  # the admin token is not it
+            assert (
+                httpx.get(f"{url}/metrics", headers=ADMIN).status_code == 401
+            )  # the admin token is not it
             for model in ("sql", "nothing-here"):
-                refused = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"},
-                                     headers={"Authorization": "Bearer bob-key"})
+                refused = httpx.post(
+                    f"{url}/v1/completions",
+                    json={"model": model, "prompt": "x"},
+                    headers={"Authorization": "Bearer bob-key"},
+                )
                 assert refused.status_code == 404
-                assert "x-loraplex-route" not in refused.headers and "x-loraplex-worker" not in refused.headers
+                assert (
+                    "x-loraplex-route" not in refused.headers
+                    and "x-loraplex-worker" not in refused.headers
+                )
             assert picks(url, metrics_token) == {}
-            served = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"},
-                                headers={"Authorization": "Bearer alice-key"})
-            assert served.status_code == 200 and served.headers["x-loraplex-route"] == "affinity-gpu"
+            served = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": "sql", "prompt": "x"},
+                headers={"Authorization": "Bearer alice-key"},
+            )
+            assert (
+                served.status_code == 200 and served.headers["x-loraplex-route"] == "affinity-gpu"
+            )
             assert served.headers["x-loraplex-worker"] == w
             assert picks(url, metrics_token) == {"affinity-gpu": 1.0}

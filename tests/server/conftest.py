@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-
 from harness import ADMIN_TOKEN, MODEL, Running, api_keys, make_registry, serving, variant
+
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.server.app import ServerConfig, create_app
@@ -31,13 +31,22 @@ def start(llama_dir, llama_adapters, tmp_path_factory):
         registry = make_registry(tmp, llama_dir, llama_adapters)
         if registry_setup is not None:
             registry_setup(registry)
-        engine_args = dict(model_dir=llama_dir, dtype="float32", max_loras=2, kv_cache_bytes=8 * 2**20,
-                           max_lora_rank=16)
+        engine_args = dict(
+            model_dir=llama_dir,
+            dtype="float32",
+            max_loras=2,
+            kv_cache_bytes=8 * 2**20,
+            max_lora_rank=16,
+        )
         engine_args.update(engine or {})
         config.setdefault("admin_token", ADMIN_TOKEN)
         config.setdefault("audit_log", tmp / "audit.jsonl")
-        app = create_app(LLMEngine(EngineConfig(**engine_args)), registry, ServerConfig(MODEL, **config),
-                         api_keys() if keys else None)
+        app = create_app(
+            LLMEngine(EngineConfig(**engine_args)),
+            registry,
+            ServerConfig(MODEL, **config),
+            api_keys() if keys else None,
+        )
         try:
             with serving(app) as url:
                 yield Running(url, app.state.server, registry, tmp)

@@ -43,7 +43,9 @@ class Running:
         key = KEYS[tenant] if tenant else "none"
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kwargs)
 
-    def admin(self, method: str, path: str, token: str | None = ADMIN_TOKEN, **kwargs) -> httpx.Response:
+    def admin(
+        self, method: str, path: str, token: str | None = ADMIN_TOKEN, **kwargs
+    ) -> httpx.Response:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=60, **kwargs)
 
@@ -87,15 +89,22 @@ def variant(src: Path, out: Path, scale: float) -> Path:
     """A copy of an adapter with B scaled: same shapes, other bytes (another digest)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
-    tensors = {k: (v * scale if "lora_B" in k else v) for k, v in load_file(src / "adapter_model.safetensors").items()}
+    tensors = {
+        k: (v * scale if "lora_B" in k else v)
+        for k, v in load_file(src / "adapter_model.safetensors").items()
+    }
     save_file(tensors, out / "adapter_model.safetensors")
     return out
 
 
 def make_registry(tmp: Path, llama_dir: Path, llama_adapters: dict) -> Registry:
     """Tenants alice and bob; shared-a (everyone), alice-a (alice only), bob-a (bob only), all stable."""
-    registry = Registry(f"sqlite:///{tmp}/registry.db", ArtifactStore(tmp / "artifacts"), base_model_dir=llama_dir,
-                        max_lora_rank=16)
+    registry = Registry(
+        f"sqlite:///{tmp}/registry.db",
+        ArtifactStore(tmp / "artifacts"),
+        base_model_dir=llama_dir,
+        max_lora_rank=16,
+    )
     registry.init()
     for tenant in KEYS:
         registry.add_tenant(tenant)

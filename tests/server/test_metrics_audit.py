@@ -5,9 +5,8 @@ import json
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from harness import MODEL
+from prometheus_client.parser import text_string_to_metric_families
 
 SECRET = "SECRET-PROMPT-TEXT"
 NO_EOS = {"ignore_eos": True}  # the counts below assume every request runs to max_tokens
@@ -16,8 +15,11 @@ NO_EOS = {"ignore_eos": True}  # the counts below assume every request runs to m
 def _samples(url: str) -> dict[tuple, float]:
     """(name, sorted label items) -> value."""
     text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _value(samples, name, **labels) -> float:
@@ -29,10 +31,18 @@ def served(start):
     """A fresh server and a known set of calls: 3 ok, 1 denied (404), 1 unknown (404), 1 bad (400), 1 no key."""
     with start() as running:
         client = running.client("alice")
-        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)  # adapter from disk
-        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)  # now in a slot
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SECRET}], max_tokens=2,
-                                       extra_body=NO_EOS)
+        client.completions.create(
+            model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS
+        )  # adapter from disk
+        client.completions.create(
+            model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS
+        )  # now in a slot
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": SECRET}],
+            max_tokens=2,
+            extra_body=NO_EOS,
+        )
         for model in ("bob-a", "nothing-here"):
             with pytest.raises(openai.NotFoundError):
                 client.completions.create(model=model, prompt=SECRET)
@@ -59,7 +69,9 @@ def test_cache_series_follow_the_adapter_loads(served):
     assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 1
     assert _value(s, "loraplex_adapter_cache_misses_total") == 0
     assert _value(s, "loraplex_cold_starts_total") == 1
-    assert _value(s, "loraplex_adapter_resolve_seconds_count") == 2  # each adapter request's name → revision → key
+    assert (
+        _value(s, "loraplex_adapter_resolve_seconds_count") == 2
+    )  # each adapter request's name → revision → key
     assert _value(s, "loraplex_adapter_disk_load_seconds_count") == 1
     assert _value(s, "loraplex_adapter_activation_seconds_count") == 1
     assert _value(s, "loraplex_adapter_resident_count", tier="gpu") == 1
@@ -68,8 +80,11 @@ def test_cache_series_follow_the_adapter_loads(served):
     # (only its top tier counted, so cpu read 0 bytes while host memory held the adapter).
     used = served.state()["cache"]["cpu_bytes_used"]
     assert _value(s, "loraplex_adapter_resident_count", tier="cpu") == 1
-    assert _value(s, "loraplex_adapter_resident_bytes", tier="cpu") == used == \
-        _value(s, "loraplex_adapter_resident_bytes", tier="gpu")
+    assert (
+        _value(s, "loraplex_adapter_resident_bytes", tier="cpu")
+        == used
+        == _value(s, "loraplex_adapter_resident_bytes", tier="gpu")
+    )
     assert _value(s, "loraplex_adapter_resident_count", tier="disk") >= 1
     assert _value(s, "loraplex_adapter_thrash_ratio") == 0
     assert _value(s, "loraplex_request_ttft_seconds_count", tier="disk") == 1
@@ -80,18 +95,36 @@ def test_cache_series_follow_the_adapter_loads(served):
 
 def test_every_architecture_series_and_the_gateway_series_are_exported(served):
     names = {name for name, _ in _samples(served.url)}
-    for series in ("adapter_cache_hits_total", "adapter_cache_misses_total", "adapter_resident_count",
-                   "adapter_resident_bytes", "adapter_resolve_seconds_count", "adapter_disk_load_seconds_count",
-                   "adapter_remote_download_seconds_count", "adapter_h2d_seconds_count",
-                   "adapter_activation_seconds_count", "adapter_reload_after_eviction_total",
-                   "adapter_thrash_ratio", "request_ttft_seconds_count", "request_tpot_seconds_count",
-                   "request_queue_wait_seconds_count", "requests_total", "cold_starts_total",
-                   "tenant_denied_total"):
+    for series in (
+        "adapter_cache_hits_total",
+        "adapter_cache_misses_total",
+        "adapter_resident_count",
+        "adapter_resident_bytes",
+        "adapter_resolve_seconds_count",
+        "adapter_disk_load_seconds_count",
+        "adapter_remote_download_seconds_count",
+        "adapter_h2d_seconds_count",
+        "adapter_activation_seconds_count",
+        "adapter_reload_after_eviction_total",
+        "adapter_thrash_ratio",
+        "request_ttft_seconds_count",
+        "request_tpot_seconds_count",
+        "request_queue_wait_seconds_count",
+        "requests_total",
+        "cold_starts_total",
+        "tenant_denied_total",
+    ):
         assert f"loraplex_{series}" in names, series
     s = _samples(served.url)
     info = [labels for (name, labels) in s if name == "vllm:lora_requests_info"]
-    assert dict(info[0]) == {"running_lora_adapters": "shared-a", "waiting_lora_adapters": "", "max_lora": "2"}
-    assert _value(s, "vllm:num_requests_waiting") == 0 and _value(s, "vllm:num_requests_running") == 0
+    assert dict(info[0]) == {
+        "running_lora_adapters": "shared-a",
+        "waiting_lora_adapters": "",
+        "max_lora": "2",
+    }
+    assert (
+        _value(s, "vllm:num_requests_waiting") == 0 and _value(s, "vllm:num_requests_running") == 0
+    )
     assert _value(s, "vllm:kv_cache_usage_perc") == 0
 
 
@@ -100,15 +133,31 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert SECRET not in text
     rows = [json.loads(line) for line in text.splitlines()]
     assert [r["status"] for r in rows] == [200, 200, 200, 404, 404, 400, 401]
-    assert [r["error_code"] for r in rows] == [None, None, None, "model_not_found", "model_not_found",
-                                               "invalid_value", "invalid_api_key"]  # which refusal, for an operator
+    assert [r["error_code"] for r in rows] == [
+        None,
+        None,
+        None,
+        "model_not_found",
+        "model_not_found",
+        "invalid_value",
+        "invalid_api_key",
+    ]  # which refusal, for an operator
     first = rows[0]
-    assert first["tenant"] == "alice" and first["adapter"] == "shared-a" and first["revision"] == "r1"
-    assert first["cache_tier"] == "disk" and first["rank"] == 8 and first["digest"].startswith("sha256:")
+    assert (
+        first["tenant"] == "alice" and first["adapter"] == "shared-a" and first["revision"] == "r1"
+    )
+    assert (
+        first["cache_tier"] == "disk"
+        and first["rank"] == 8
+        and first["digest"].startswith("sha256:")
+    )
     assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 2
     assert first["ttft_ms"] > 0 and first["base_model"] == MODEL
     # the stages its tier went through, and its own first one (name → revision → key; ARCHITECTURE lists it)
-    assert set(first["load_ms"]) == {"resolve", "disk", "h2d", "activation"} and first["load_ms"]["resolve"] >= 0
+    assert (
+        set(first["load_ms"]) == {"resolve", "disk", "h2d", "activation"}
+        and first["load_ms"]["resolve"] >= 0
+    )
     assert rows[1]["cache_tier"] == "gpu" and rows[1]["load_ms"] is None
     assert rows[2]["adapter"] is None and rows[2]["endpoint"] == "chat.completions"
     assert len({r["request_id"] for r in rows}) == len(rows)
@@ -118,8 +167,9 @@ def test_a_request_of_several_prompts_is_one_cache_lookup(start):
     """The cache series count client requests: three prompts for a cold adapter are one disk hit (not a disk hit
     and two gpu hits, as each prompt reaching the cache after the first one loaded the adapter)."""
     with start() as running:
-        running.client("alice").completions.create(model="shared-a", prompt=["a", "b", "c"], max_tokens=2,
-                                                   extra_body=NO_EOS)
+        running.client("alice").completions.create(
+            model="shared-a", prompt=["a", "b", "c"], max_tokens=2, extra_body=NO_EOS
+        )
         s = _samples(running.url)
         assert _value(s, "loraplex_adapter_cache_hits_total", tier="disk") == 1
         assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 0
@@ -145,6 +195,9 @@ def test_metrics_can_require_a_token(start):
     with start(metrics_token=token) as running:
         for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}):
             refused = httpx.get(f"{running.url}/metrics", headers=headers)
-            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_metrics_token"
+            assert (
+                refused.status_code == 401
+                and refused.json()["error"]["code"] == "invalid_metrics_token"
+            )
         shown = httpx.get(f"{running.url}/metrics", headers={"Authorization": f"Bearer {token}"})
         assert shown.status_code == 200 and "loraplex_requests_total" in shown.text

@@ -6,7 +6,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from harness import MODEL
 
 NO_EOS = {"ignore_eos": True}

@@ -9,7 +9,6 @@ import threading
 
 import openai
 import pytest
-
 from tinymodels import make_model
 
 
@@ -337,12 +336,29 @@ def test_trusted_key_refuses_an_unsigned_lora_module_and_serves_a_signed_one(
     adapter.mkdir()
     for f in llama_adapters["attn-r8"].iterdir():
         (adapter / f.name).write_bytes(f.read_bytes())
-    base = ["--model", llama_dir, "--port", "0", "--device", "cpu", "--dtype", "float32",
-            "--data-dir", tmp_path / "data", "--trusted-key", tmp_path / "release.pub",
-            "--max-lora-rank", "16", "--lora-modules", f"one={adapter}"]
+    base = [
+        "--model",
+        llama_dir,
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--data-dir",
+        tmp_path / "data",
+        "--trusted-key",
+        tmp_path / "release.pub",
+        "--max-lora-rank",
+        "16",
+        "--lora-modules",
+        f"one={adapter}",
+    ]
     line = _refusal(base, tmp_path)
-    assert line == ("error: --lora-modules one: signature: the revision is unsigned and trusted "
-                    "keys are configured")
+    assert line == (
+        "error: --lora-modules one: signature: the revision is unsigned and trusted "
+        "keys are configured"
+    )
     signature = sign_digest(canonical_digest(adapter), load_private_key(tmp_path / "release.key"))
     (adapter / SIGNATURE_FILE).write_text(signature + "\n")
     proc = _serve(base, tmp_path)

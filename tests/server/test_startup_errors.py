@@ -9,8 +9,15 @@ import sys
 
 def run_side_by_side(commands: dict[str, list]) -> dict[str, tuple[int, str]]:
     """name -> (exit code, stderr) of each `python -m ...` command, all started at once."""
-    procs = {name: subprocess.Popen([sys.executable, "-m", *map(str, args)], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True) for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", *map(str, args)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
     try:
         return {name: (proc.wait(180), proc.communicate()[1]) for name, proc in procs.items()}
     finally:
@@ -20,7 +27,9 @@ def run_side_by_side(commands: dict[str, list]) -> dict[str, tuple[int, str]]:
                 proc.wait()
 
 
-def assert_one_line_errors(results: dict[str, tuple[int, str]], expected: dict[str, tuple[str, ...]]) -> None:
+def assert_one_line_errors(
+    results: dict[str, tuple[int, str]], expected: dict[str, tuple[str, ...]]
+) -> None:
     """Each command exited 2 with one stderr line holding every expected fragment."""
     wrong = {}
     for name, (code, stderr) in results.items():
@@ -55,13 +64,31 @@ def test_bad_serve_input_stops_with_exit_code_2_and_one_line(llama_dir, tmp_path
     (template_list / "tokenizer_config.json").write_text("[]")
 
     def serve(name: str, *args) -> list:
-        return ["loraplex.server.cli", "--port", "0", "--device", "cpu", "--data-dir", tmp_path / name, *args]
+        return [
+            "loraplex.server.cli",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--data-dir",
+            tmp_path / name,
+            *args,
+        ]
 
     commands = {
         "bad json": serve("d1", "--model", bad_json),
         "no tokenizer": serve("d2", "--model", config_only),
-        "data dir is a file": ["loraplex.server.cli", "--model", llama_dir, "--port", "0", "--device", "cpu",
-                               "--data-dir", plain_file],
+        "data dir is a file": [
+            "loraplex.server.cli",
+            "--model",
+            llama_dir,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--data-dir",
+            plain_file,
+        ],
         "unknown registry": serve("d3", "--model", llama_dir, "--registry", "bogus://x"),
         "not a database": serve("d4", "--model", llama_dir, "--registry", f"sqlite:///{not_a_db}"),
         "port out of range": serve("d5", "--model", llama_dir, "--port", "-5"),
@@ -86,5 +113,7 @@ def test_bad_serve_input_stops_with_exit_code_2_and_one_line(llama_dir, tmp_path
 
 
 def test_demo_dir_that_cannot_be_made_stops_with_exit_code_2_and_one_line():
-    results = run_side_by_side({"dir under a file": ["loraplex.cli", "demo", "--dir", "/dev/null/x"]})
+    results = run_side_by_side(
+        {"dir under a file": ["loraplex.cli", "demo", "--dir", "/dev/null/x"]}
+    )
     assert_one_line_errors(results, {"dir under a file": ("--dir /dev/null/x",)})

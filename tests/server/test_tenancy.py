@@ -3,7 +3,6 @@
 import httpx
 import openai
 import pytest
-
 from harness import KEYS, MODEL
 
 
@@ -19,8 +18,11 @@ def test_models_lists_only_what_the_tenant_may_use(running):
 
 
 def _post(running, tenant, model):
-    return httpx.post(f"{running.url}/v1/completions", headers={"Authorization": f"Bearer {KEYS[tenant]}"},
-                      json={"model": model, "prompt": "x", "max_tokens": 1})
+    return httpx.post(
+        f"{running.url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+        json={"model": model, "prompt": "x", "max_tokens": 1},
+    )
 
 
 def test_another_tenants_adapter_answers_exactly_like_an_unknown_name(running):
@@ -28,12 +30,18 @@ def test_another_tenants_adapter_answers_exactly_like_an_unknown_name(running):
         theirs = _post(running, "alice", model)
         unknown = _post(running, "alice", model.replace("bob-a", "zzz-a"))
         assert theirs.status_code == unknown.status_code == 404
-        assert theirs.json() == {"error": {**unknown.json()["error"],
-                                           "message": unknown.json()["error"]["message"].replace("zzz-a", "bob-a")}}
+        assert theirs.json() == {
+            "error": {
+                **unknown.json()["error"],
+                "message": unknown.json()["error"]["message"].replace("zzz-a", "bob-a"),
+            }
+        }
         assert theirs.headers["x-loraplex-adapter"] == unknown.headers["x-loraplex-adapter"] == ""
     assert _post(running, "bob", "bob-a").status_code == 200
     with pytest.raises(openai.NotFoundError):
-        running.client("alice").chat.completions.create(model="bob-a", messages=[{"role": "user", "content": "x"}])
+        running.client("alice").chat.completions.create(
+            model="bob-a", messages=[{"role": "user", "content": "x"}]
+        )
 
 
 def test_no_key_or_a_wrong_key_is_401(running):
@@ -41,8 +49,12 @@ def test_no_key_or_a_wrong_key_is_401(running):
     assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
     assert no_key.headers["x-request-id"]
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong-key-0123456789", max_retries=0).models.list()
-    bad_scheme = httpx.get(f"{running.url}/v1/models", headers={"Authorization": f"Basic {KEYS['alice']}"})
+        openai.OpenAI(
+            base_url=f"{running.url}/v1", api_key="wrong-key-0123456789", max_retries=0
+        ).models.list()
+    bad_scheme = httpx.get(
+        f"{running.url}/v1/models", headers={"Authorization": f"Basic {KEYS['alice']}"}
+    )
     assert bad_scheme.status_code == 401
 
 
@@ -60,18 +72,27 @@ def test_open_mode_serves_tenant_default_shared_adapters_only(start):
     with start(keys=False) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="anything", max_retries=0)
         assert sorted(m.id for m in client.models.list()) == sorted([MODEL, "shared-a"])
-        assert client.completions.create(model="shared-a", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        assert (
+            client.completions.create(
+                model="shared-a", prompt="x", max_tokens=1
+            ).usage.completion_tokens
+            == 1
+        )
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="alice-a", prompt="x", max_tokens=1)
 
 
 def test_registry_keys_authenticate_and_a_revoked_key_stops_working(start):
     key = "lpx-registry-key-for-alice-0123"
-    with start(keys=False, key_cache_ttl_s=0.0, registry_setup=lambda r: r.add_key("alice", key)) as running:
+    with start(
+        keys=False, key_cache_ttl_s=0.0, registry_setup=lambda r: r.add_key("alice", key)
+    ) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=key, max_retries=0)
         assert "alice-a" in [m.id for m in client.models.list()]
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{running.url}/v1", api_key="lpx-not-a-key-000000000", max_retries=0).models.list()
+            openai.OpenAI(
+                base_url=f"{running.url}/v1", api_key="lpx-not-a-key-000000000", max_retries=0
+            ).models.list()
         running.registry.revoke_key(key)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()

@@ -5,8 +5,8 @@ import threading
 
 import openai
 import pytest
-
 from harness import MODEL
+
 from loraplex.registry.signing import (
     SIGNATURE_FILE,
     generate_keypair,

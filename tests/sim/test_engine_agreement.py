@@ -31,8 +31,17 @@ def tiny_trace(names: list[str], length: int = 40, seed: int = 0) -> list[str]:
 
 
 def engine_tiers(llama_dir, refs, sequence, policy, max_loras, cpu_bytes):
-    engine = LLMEngine(EngineConfig(model_dir=llama_dir, dtype="float32", max_loras=max_loras, max_lora_rank=16,
-                                    kv_cache_bytes=2**20, cpu_cache_bytes=cpu_bytes), policy=policy)
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=llama_dir,
+            dtype="float32",
+            max_loras=max_loras,
+            max_lora_rank=16,
+            kv_cache_bytes=2**20,
+            cpu_cache_bytes=cpu_bytes,
+        ),
+        policy=policy,
+    )
     tiers, arrivals = [], []
     try:
         for name in sequence:  # one request at a time, each to completion
@@ -53,25 +62,35 @@ def sim_tiers(sequence, arrivals, sizes, policy, max_loras, cpu_bytes):
     trace = [Request(t, "default", name, 3, 2) for t, name in zip(arrivals, sequence)]
     instant = TierCost(1e-6, 1e15)
     config = SimConfig(
-        gpu_slots=max_loras, cpu_bytes=cpu_bytes, local_adapters=True, adapter_bytes=sizes,
+        gpu_slots=max_loras,
+        cpu_bytes=cpu_bytes,
+        local_adapters=True,
+        adapter_bytes=sizes,
         service=ServiceModel(step_s=1e-5, per_decode_s=0, per_prefill_token_s=0, per_adapter_s=0),
         costs=LoadCosts(remote=instant, disk=instant, h2d=instant),
     )
     sim = simulate(trace, config, lambda sim: policy)
-    assert all(a.finish_at < b.req.time for a, b in zip(sim.requests, sim.requests[1:]))  # one at a time
+    assert all(
+        a.finish_at < b.req.time for a, b in zip(sim.requests, sim.requests[1:])
+    )  # one at a time
     return [s.tier for s in sim.requests]
 
 
 # Score without its two wall-clock inputs: the engine's reload cost is each load's measured time (noise of a few
 # ms on tiny adapters, enough to flip a tie), and its minimum residency compares real against simulated seconds.
-@pytest.mark.parametrize("make_policy", [LRUPolicy, lambda: ScorePolicy(min_residency_s=0.0, w_cost=0.0)],
-                         ids=["lru", "score"])
+@pytest.mark.parametrize(
+    "make_policy",
+    [LRUPolicy, lambda: ScorePolicy(min_residency_s=0.0, w_cost=0.0)],
+    ids=["lru", "score"],
+)
 def test_simulator_reports_the_engines_tier_sequence(llama_dir, llama_adapters, make_policy):
     paths = list(llama_adapters.values())
     names = [f"a{i}" for i in range(8)]
     model = ModelConfig.from_dir(llama_dir)
     path_of = {name: paths[i % len(paths)] for i, name in enumerate(names)}
-    sizes = {f"{n}@1": read_adapter(p, model, 16).actual_bytes for n, p in path_of.items()}  # float32: packed size
+    sizes = {
+        f"{n}@1": read_adapter(p, model, 16).actual_bytes for n, p in path_of.items()
+    }  # float32: packed size
     cpu_bytes = max(sizes.values()) * 3  # about three host copies: cpu evictions happen too
     sequence = tiny_trace(names)
 

@@ -61,7 +61,9 @@ def test_interval_lp_is_exact_for_unit_sizes_with_weights(seed):
     capacity = rng.randint(1, 4)
     ones = {i: 1 for i in seq}
     costs = {i: rng.choice([0.5, 1.0, 3.0, 7.0]) for i in seq}
-    assert lp_miss_cost(seq, ones, costs, capacity) == pytest.approx(brute_force(seq, ones, costs, capacity))
+    assert lp_miss_cost(seq, ones, costs, capacity) == pytest.approx(
+        brute_force(seq, ones, costs, capacity)
+    )
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -8,10 +8,14 @@ from loraplex.sim.workload import Request, write_trace
 
 
 def test_sizes_by_formula_match_the_tensors(llama_dir, llama_adapters):
-    adapters = planner.from_folder(next(iter(llama_adapters.values())).parent, planner.ModelConfig.from_dir(llama_dir), 4)
+    adapters = planner.from_folder(
+        next(iter(llama_adapters.values())).parent, planner.ModelConfig.from_dir(llama_dir), 4
+    )
     assert {a.name for a in adapters} == set(llama_adapters)
     for a in adapters:
-        assert a.estimated_bytes == a.actual_bytes == a.serving_bytes  # float32 stored, float32 served
+        assert (
+            a.estimated_bytes == a.actual_bytes == a.serving_bytes
+        )  # float32 stored, float32 served
         assert a.file_bytes > a.actual_bytes  # header and config on top
     by_name = {a.name: a for a in adapters}
     # attn-r8 on the tiny Llama (hidden 64, 4 heads of 16, 2 kv heads): q, k, v, o over 2 layers, float32
@@ -51,11 +55,17 @@ def test_a_file_storing_a_and_b_in_two_dtypes_is_sized_by_each(llama_dir, llama_
     mixed = folder / "mixed"
     shutil.copytree(llama_adapters["attn-r8"], mixed)
     tensors = load_file(mixed / "adapter_model.safetensors")
-    save_file({k: v.to(torch.bfloat16) if "lora_A" in k else v for k, v in tensors.items()},
-              mixed / "adapter_model.safetensors")
+    save_file(
+        {k: v.to(torch.bfloat16) if "lora_A" in k else v for k, v in tensors.items()},
+        mixed / "adapter_model.safetensors",
+    )
     (adapter,) = planner.from_folder(folder, planner.ModelConfig.from_dir(llama_dir), 4)
     stored = load_file(mixed / "adapter_model.safetensors")
-    assert adapter.estimated_bytes == adapter.actual_bytes == sum(t.numel() * t.element_size() for t in stored.values())
+    assert (
+        adapter.estimated_bytes
+        == adapter.actual_bytes
+        == sum(t.numel() * t.element_size() for t in stored.values())
+    )
     assert adapter.serving_bytes == sum(t.numel() for t in stored.values()) * 4
 
 
@@ -75,8 +85,9 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")
     folder = next(iter(llama_adapters.values())).parent
     plan = planner.make_plan(llama_dir, adapters_dir=folder, workload=str(tmp_path / "trace.jsonl"))
-    assert plan.slot_bytes == 2 * 64 * 4 * sum(sum(planner.ModelConfig.from_dir(llama_dir).linear_shape(m))
-                                              for m in planner.LINEAR_MODULES)
+    assert plan.slot_bytes == 2 * 64 * 4 * sum(
+        sum(planner.ModelConfig.from_dir(llama_dir).linear_shape(m)) for m in planner.LINEAR_MODULES
+    )
     cpu_1, cpu_5, slots = plan.sizing
     assert cpu_1["cpu_bytes"] is None and cpu_1["rate"] is None
     assert cpu_5["cpu_bytes"] > 0 and cpu_5["rate"] <= 0.05
@@ -85,8 +96,9 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     assert planner.fits([3, 1, 2], 3) == 2
 
 
-def test_plan_reads_pins_and_warm_policies_and_takes_capacities(llama_dir, llama_adapters,
-                                                                tmp_path):
+def test_plan_reads_pins_and_warm_policies_and_takes_capacities(
+    llama_dir, llama_adapters, tmp_path
+):
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     registry = Registry(url, base_model_dir=llama_dir)
     registry.init()

@@ -17,9 +17,25 @@ def test_simulate_sweeps_into_one_table_json_and_plot(tmp_path):
     trace = tmp_path / "trace.jsonl"
     write_trace(generate(WorkloadSpec(name="t", duration_s=40.0, rate=3.0, num_adapters=20)), trace)
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    result = runner.invoke(app, ["simulate", "--workload", str(trace), "--policy", "lru,score", "--gpu-slots", "2,4",
-                                 "--cpu-bytes", "1GiB", "--json", str(out), "--plot", str(png)],
-                           env={"COLUMNS": "250"})
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--workload",
+            str(trace),
+            "--policy",
+            "lru,score",
+            "--gpu-slots",
+            "2,4",
+            "--cpu-bytes",
+            "1GiB",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert result.exit_code == 0, result.output
     assert "optimal (bound)" in result.output and "gap" in result.output
     data = json.loads(out.read_text())
@@ -41,7 +57,9 @@ def test_simulate_refuses_unknown_names():
 
 def test_plan_prints_sizes_and_fits(llama_dir, llama_adapters):
     folder = next(iter(llama_adapters.values())).parent
-    result = runner.invoke(app, ["plan", "--adapters", str(folder), "--model", str(llama_dir)], env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app, ["plan", "--adapters", str(folder), "--model", str(llama_dir)], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
     assert "attn-r8" in result.output and "what fits" in result.output
     result = runner.invoke(app, ["plan", "--model", str(llama_dir)])
@@ -49,19 +67,43 @@ def test_plan_prints_sizes_and_fits(llama_dir, llama_adapters):
 
 
 def small_trace(path, seed=0):
-    write_trace(generate(WorkloadSpec(name="t", seed=seed, duration_s=20.0, rate=3.0, num_adapters=10)), path)
+    write_trace(
+        generate(WorkloadSpec(name="t", seed=seed, duration_s=20.0, rate=3.0, num_adapters=10)),
+        path,
+    )
     return path
 
 
 def test_plot_of_a_slots_by_cpu_sweep_keeps_each_cpu_size_on_its_own_line(tmp_path):
     trace = small_trace(tmp_path / "trace.jsonl")
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    result = runner.invoke(app, ["simulate", "--workload", str(trace), "--policy", "lru", "--gpu-slots", "1,2",
-                                 "--cpu-bytes", "0,1GiB", "--json", str(out), "--plot", str(png)],
-                           env={"COLUMNS": "250"})
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--workload",
+            str(trace),
+            "--policy",
+            "lru",
+            "--gpu-slots",
+            "1,2",
+            "--cpu-bytes",
+            "0,1GiB",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert [(r["gpu_slots"], r["cpu_bytes"]) for r in data["runs"]] == [(1, 0), (1, 2**30), (2, 0), (2, 2**30)]
+    assert [(r["gpu_slots"], r["cpu_bytes"]) for r in data["runs"]] == [
+        (1, 0),
+        (1, 2**30),
+        (2, 0),
+        (2, 2**30),
+    ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     xlabel, lines = cli.plot_lines(data["runs"])
     assert xlabel == "gpu slots"
@@ -87,20 +129,49 @@ def test_json_is_written_before_the_plot(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli, "plot_capacity", broken)
     out = tmp_path / "out.json"
-    result = runner.invoke(app, ["simulate", "--workload", str(small_trace(tmp_path / "t.jsonl")), "--policy", "lru",
-                                 "--gpu-slots", "2", "--json", str(out), "--plot", str(tmp_path / "out.png")])
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--workload",
+            str(small_trace(tmp_path / "t.jsonl")),
+            "--policy",
+            "lru",
+            "--gpu-slots",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "out.png"),
+        ],
+    )
     assert isinstance(result.exception, RuntimeError)
     assert [r["gpu_slots"] for r in json.loads(out.read_text())["runs"]] == [2]
 
 
 def test_plot_sweeps_slots_around_each_workloads_own_capacity(tmp_path, monkeypatch):
     first, second = small_trace(tmp_path / "a.jsonl"), small_trace(tmp_path / "b.jsonl", seed=1)
-    monkeypatch.setitem(workload_module.CAPACITIES, str(first), Capacity(gpu_slots=2, cpu_bytes=2**30))
-    monkeypatch.setitem(workload_module.CAPACITIES, str(second), Capacity(gpu_slots=6, cpu_bytes=2**30))
+    monkeypatch.setitem(
+        workload_module.CAPACITIES, str(first), Capacity(gpu_slots=2, cpu_bytes=2**30)
+    )
+    monkeypatch.setitem(
+        workload_module.CAPACITIES, str(second), Capacity(gpu_slots=6, cpu_bytes=2**30)
+    )
     plotted = []
     monkeypatch.setattr(cli, "plot_capacity", lambda runs, path: plotted.extend(runs))
-    result = runner.invoke(app, ["simulate", "--workload", f"{first},{second}", "--policy", "lru",
-                                 "--plot", str(tmp_path / "out.png")], env={"COLUMNS": "250"})
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--workload",
+            f"{first},{second}",
+            "--policy",
+            "lru",
+            "--plot",
+            str(tmp_path / "out.png"),
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert result.exit_code == 0, result.output
     slots = lambda path: [r["gpu_slots"] for r in plotted if r["workload"] == str(path)]
     assert slots(first) == [1, 2, 4, 8]  # ½×, 1×, 2×, 4× of each workload's own slots
@@ -144,13 +215,30 @@ def test_plan_refuses_bad_inputs_with_one_line(llama_dir, llama_adapters, tmp_pa
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     cases = {
-        "no adapters folder": (["plan", "--adapters", str(tmp_path / "none"), "--model", str(llama_dir)],
-                               "is not a directory"),
-        "a file as the folder": (["plan", "--adapters", str(bad), "--model", str(llama_dir)], "is not a directory"),
-        "an unknown workload": (plan_args(llama_dir, llama_adapters, "--workload", "nope"), "unknown workload 'nope'"),
-        "a bad trace line": (plan_args(llama_dir, llama_adapters, "--workload", bad), f"{bad} line 2"),
-        "an empty trace": (plan_args(llama_dir, llama_adapters, "--workload", empty), "no requests"),
-        "a missing trace": (plan_args(llama_dir, llama_adapters, "--workload", tmp_path / "none.jsonl"), "none.jsonl"),
+        "no adapters folder": (
+            ["plan", "--adapters", str(tmp_path / "none"), "--model", str(llama_dir)],
+            "is not a directory",
+        ),
+        "a file as the folder": (
+            ["plan", "--adapters", str(bad), "--model", str(llama_dir)],
+            "is not a directory",
+        ),
+        "an unknown workload": (
+            plan_args(llama_dir, llama_adapters, "--workload", "nope"),
+            "unknown workload 'nope'",
+        ),
+        "a bad trace line": (
+            plan_args(llama_dir, llama_adapters, "--workload", bad),
+            f"{bad} line 2",
+        ),
+        "an empty trace": (
+            plan_args(llama_dir, llama_adapters, "--workload", empty),
+            "no requests",
+        ),
+        "a missing trace": (
+            plan_args(llama_dir, llama_adapters, "--workload", tmp_path / "none.jsonl"),
+            "none.jsonl",
+        ),
     }
     for case, (args, message) in cases.items():
         result = runner.invoke(app, args, env={"COLUMNS": "250"})
@@ -173,8 +261,9 @@ def test_simulate_default_table_fits_80_columns_and_wide_shows_the_rest(tmp_path
     assert "slots 2" in compact.output  # the fixed capacity in the title
     rows = {line.split("│")[1].strip(): line for line in lines if line.count("│") > 5}
     assert {"lru", "score", "optimal"} <= set(rows)
-    swept = runner.invoke(app, ["simulate", "--workload", str(trace), "--gpu-slots", "1,2"],
-                          env={"COLUMNS": "80"})
+    swept = runner.invoke(
+        app, ["simulate", "--workload", str(trace), "--gpu-slots", "1,2"], env={"COLUMNS": "80"}
+    )
     assert swept.exit_code == 0 and "…" not in swept.output
     assert max(map(len, swept.output.splitlines())) <= 80
     wide = runner.invoke(app, [*args, "--wide"], env={"COLUMNS": "250"})

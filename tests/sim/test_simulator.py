@@ -22,7 +22,9 @@ GiB = 2**30
 
 
 def small_zipf(seed=0, duration=60.0, rate=4.0, n=40):
-    return W.generate(W.WorkloadSpec(name="z", seed=seed, duration_s=duration, rate=rate, num_adapters=n))
+    return W.generate(
+        W.WorkloadSpec(name="z", seed=seed, duration_s=duration, rate=rate, num_adapters=n)
+    )
 
 
 def watched(trace, config, policy):
@@ -67,15 +69,25 @@ def test_skipping_blocked_acquires_changes_nothing(policy):
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("policy,workers", [("lru", 1), ("score", 1), ("score", 2), ("lru", 4), ("optimal", 3)])
+@pytest.mark.parametrize(
+    "policy,workers", [("lru", 1), ("score", 1), ("score", 2), ("lru", 4), ("optimal", 3)]
+)
 def test_skipping_quiet_steps_changes_nothing(policy, workers):
     """Also across workers, where a worker skips past the others' events and an arrival cuts its skip short."""
     trace = small_zipf(seed=5, rate=8.0, duration=40.0)
     results = []
     for skip in (True, False):
-        config = SimConfig(gpu_slots=3, cpu_bytes=1 * GiB, disk_bytes=2 * GiB, workers=workers, skip_quiet_steps=skip)
+        config = SimConfig(
+            gpu_slots=3,
+            cpu_bytes=1 * GiB,
+            disk_bytes=2 * GiB,
+            workers=workers,
+            skip_quiet_steps=skip,
+        )
         sim = simulate(trace, config, policy_factory(policy))
-        results.append([(s.tier, s.worker, s.admitted_at, s.first_token_at, s.finish_at) for s in sim.requests])
+        results.append(
+            [(s.tier, s.worker, s.admitted_at, s.first_token_at, s.finish_at) for s in sim.requests]
+        )
         results.append(summarize(sim)["miss_cost"])
     assert results[0] == results[2] and results[1] == results[3]
 
@@ -105,13 +117,17 @@ def test_bound_is_below_every_policy_and_the_table_has_the_gap():
         assert set(e["hit_rate"]) == {"gpu", "cpu", "disk", "remote"}
         assert {"p50", "p95", "p99"} <= set(e["latency"]["all"]["ttft_s"])
     assert entries["optimal"]["miss_cost_oracle"] >= optimum
-    assert entries["optimal"]["lower_bound"]["gpu_hit_rate_max"] >= entries["lru"]["hit_rate"]["gpu"]
+    assert (
+        entries["optimal"]["lower_bound"]["gpu_hit_rate_max"] >= entries["lru"]["hit_rate"]["gpu"]
+    )
     json.dumps(entries)  # what --json writes
 
 
 def test_many_workers_behind_the_affinity_picker():
     trace = small_zipf(seed=2, rate=8.0, duration=30.0)
-    one = summarize(simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=GiB, workers=1), policy_factory("lru")))
+    one = summarize(
+        simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=GiB, workers=1), policy_factory("lru"))
+    )
     sim = simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=GiB, workers=3), policy_factory("lru"))
     three = summarize(sim)
     assert three["finished"] == len(trace)
@@ -123,19 +139,39 @@ def test_many_workers_behind_the_affinity_picker():
 
 def test_local_adapters_have_no_remote_tier():
     trace = small_zipf(seed=4, duration=30.0)
-    s = summarize(simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=GiB, local_adapters=True), policy_factory("lru")))
+    s = summarize(
+        simulate(
+            trace, SimConfig(gpu_slots=2, cpu_bytes=GiB, local_adapters=True), policy_factory("lru")
+        )
+    )
     assert s["hit_rate"]["remote"] == 0 and s["loads"].get("remote", 0) == 0
 
 
 def test_service_model_calibrates_from_engine_throughput_json(tmp_path):
-    data = {"rows": [
-        {"workload": {"num_requests": 16, "prompt_len": 32, "output_len": 8, "num_adapters": 0,
-                      "lora_bytes_per_step": None},
-         "ours": {"seconds": 1.0, "tpot_by_rank_s": {"base": 0.08}}},
-        {"workload": {"num_requests": 16, "prompt_len": 32, "output_len": 8, "num_adapters": 8,
-                      "lora_bytes_per_step": None},
-         "ours": {"seconds": 2.0, "tpot_by_rank_s": {"8": 0.16, "16": 0.16}}},
-    ]}
+    data = {
+        "rows": [
+            {
+                "workload": {
+                    "num_requests": 16,
+                    "prompt_len": 32,
+                    "output_len": 8,
+                    "num_adapters": 0,
+                    "lora_bytes_per_step": None,
+                },
+                "ours": {"seconds": 1.0, "tpot_by_rank_s": {"base": 0.08}},
+            },
+            {
+                "workload": {
+                    "num_requests": 16,
+                    "prompt_len": 32,
+                    "output_len": 8,
+                    "num_adapters": 8,
+                    "lora_bytes_per_step": None,
+                },
+                "ours": {"seconds": 2.0, "tpot_by_rank_s": {"8": 0.16, "16": 0.16}},
+            },
+        ]
+    }
     path = tmp_path / "engine_throughput.json"
     path.write_text(json.dumps(data))
     model = ServiceModel.from_engine_throughput(path)
@@ -146,13 +182,17 @@ def test_service_model_calibrates_from_engine_throughput_json(tmp_path):
 
 
 def test_load_costs_fit_bandwidth_and_latency(tmp_path):
-    rows = [{"tier": t, "bytes": b, "seconds": lat + b / bw}
-            for t, lat, bw in (("remote", 0.05, 2e8), ("disk", 0.004, 1e9), ("h2d", 0.0002, 1e10))
-            for b in (10**6, 10**7, 10**8)]
+    rows = [
+        {"tier": t, "bytes": b, "seconds": lat + b / bw}
+        for t, lat, bw in (("remote", 0.05, 2e8), ("disk", 0.004, 1e9), ("h2d", 0.0002, 1e10))
+        for b in (10**6, 10**7, 10**8)
+    ]
     path = tmp_path / "adapter_load.json"
     path.write_text(json.dumps({"rows": rows}))
     costs = LoadCosts.from_json(path)
-    assert costs.remote.latency_s == pytest.approx(0.05) and costs.remote.bandwidth == pytest.approx(2e8)
+    assert costs.remote.latency_s == pytest.approx(
+        0.05
+    ) and costs.remote.bandwidth == pytest.approx(2e8)
     assert costs.h2d.bandwidth == pytest.approx(1e10)
 
 

@@ -33,7 +33,24 @@ STORAGE_TIERS = ("disk", "remote")
 """Of those, a load from storage (not in memory): what `loraplex_cold_starts_total` and `loraplex plan` count."""
 PERCENTILES = (50, 95, 99)
 PROMPT_UNITS = ("char", "word")
-_FILLER = ("the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "was", "with", "as", "at", "by", "this")
+_FILLER = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "was",
+    "with",
+    "as",
+    "at",
+    "by",
+    "this",
+)
 
 
 class LoadError(Exception):
@@ -123,17 +140,29 @@ class Record:
 
 
 # -- the trace ---------------------------------------------------------------------------------------------------
-def prepare_trace(trace: Sequence[Request], *, duration_s: float | None = None, limit: int | None = None,
-                  adapters: Sequence[str] = (), max_prompt_tokens: int | None = None,
-                  max_output_tokens: int | None = None) -> list[Request]:
+def prepare_trace(
+    trace: Sequence[Request],
+    *,
+    duration_s: float | None = None,
+    limit: int | None = None,
+    adapters: Sequence[str] = (),
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> list[Request]:
     """The part of a trace to send: its first `duration_s` seconds, at most `limit` requests, lengths capped,
     and with `adapters` given, the trace's adapters renamed to those (see `map_adapters`)."""
     out = [r for r in trace if duration_s is None or r.time < duration_s]
     out = out[:limit] if limit is not None else out
     if adapters:
         out = map_adapters(out, adapters)
-    return [replace(r, prompt_tokens=min(r.prompt_tokens, max_prompt_tokens or r.prompt_tokens),
-                    output_tokens=min(r.output_tokens, max_output_tokens or r.output_tokens)) for r in out]
+    return [
+        replace(
+            r,
+            prompt_tokens=min(r.prompt_tokens, max_prompt_tokens or r.prompt_tokens),
+            output_tokens=min(r.output_tokens, max_output_tokens or r.output_tokens),
+        )
+        for r in out
+    ]
 
 
 def map_adapters(trace: Sequence[Request], names: Sequence[str]) -> list[Request]:
@@ -142,7 +171,10 @@ def map_adapters(trace: Sequence[Request], names: Sequence[str]) -> list[Request
     counts = Counter(r.adapter for r in trace if r.adapter is not None)
     order = sorted(counts, key=lambda a: -counts[a])  # stable: ties keep their first appearance
     rename = {a: names[k % len(names)] for k, a in enumerate(order)}
-    return [r if r.adapter is None else replace(r, adapter=rename[r.adapter], revision="1") for r in trace]
+    return [
+        r if r.adapter is None else replace(r, adapter=rename[r.adapter], revision="1")
+        for r in trace
+    ]
 
 
 def make_prompt(index: int, num_tokens: int, unit: str = "char") -> str:
@@ -151,33 +183,55 @@ def make_prompt(index: int, num_tokens: int, unit: str = "char") -> str:
     head = f"{index}:"
     if unit == "char":
         body = " ".join(_FILLER[(index + i) % len(_FILLER)] for i in range(num_tokens // 2 + 1))
-        return (head + " " + body)[:max(num_tokens, len(head))]
+        return (head + " " + body)[: max(num_tokens, len(head))]
     words = [_FILLER[(index + i) % len(_FILLER)] for i in range(max(0, num_tokens - 2))]
     return " ".join([head, *words])
 
 
 def completion_body(request: Request, index: int, model: str, unit: str) -> dict:
-    return {"model": model, "prompt": make_prompt(index, request.prompt_tokens, unit),
-            "max_tokens": request.output_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": make_prompt(index, request.prompt_tokens, unit),
+        "max_tokens": request.output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 # -- one request -------------------------------------------------------------------------------------------------
-async def send(client: httpx.AsyncClient, config: LoadConfig, request: Request, index: int, model: str,
-               start: float, due_s: float | None = None) -> Record:
+async def send(
+    client: httpx.AsyncClient,
+    config: LoadConfig,
+    request: Request,
+    index: int,
+    model: str,
+    start: float,
+    due_s: float | None = None,
+) -> Record:
     """Send one streamed completion and time it; never raises for what the server or the network does. `due_s`:
     when it should leave (open loop)."""
     t0 = time.perf_counter()
-    sent = {"index": index, "tenant": request.tenant, "model": model, "sent_s": t0 - start,
-            "lag_s": None if due_s is None else max(0.0, t0 - start - due_s)}
+    sent = {
+        "index": index,
+        "tenant": request.tenant,
+        "model": model,
+        "sent_s": t0 - start,
+        "lag_s": None if due_s is None else max(0.0, t0 - start - due_s),
+    }
     body = completion_body(request, index, model, config.prompt_unit)
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=config.headers(request.tenant)) as r:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, headers=config.headers(request.tenant)
+        ) as r:
             tier = r.headers.get(TIER_HEADER, "")
             tier = tier if tier in TIERS else "unknown"
             if r.status_code != 200:
                 await r.aread()
-                return Record(**sent, code=str(r.status_code), tier=tier, e2e_s=time.perf_counter() - t0)
+                return Record(
+                    **sent, code=str(r.status_code), tier=tier, e2e_s=time.perf_counter() - t0
+                )
             code, ttft, tokens = await _read_stream(r, t0)
     except httpx.ConnectError:
         return Record(**sent, code="connect", tier="unknown")
@@ -185,7 +239,14 @@ async def send(client: httpx.AsyncClient, config: LoadConfig, request: Request, 
         return Record(**sent, code="timeout", tier="unknown")
     except httpx.TransportError:
         return Record(**sent, code="transport", tier="unknown")
-    return Record(**sent, code=code, tier=tier, ttft_s=ttft, e2e_s=time.perf_counter() - t0, output_tokens=tokens)
+    return Record(
+        **sent,
+        code=code,
+        tier=tier,
+        ttft_s=ttft,
+        e2e_s=time.perf_counter() - t0,
+        output_tokens=tokens,
+    )
 
 
 async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None, int]:
@@ -194,7 +255,7 @@ async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None,
     async for line in r.aiter_lines():
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             break
         try:
@@ -211,19 +272,27 @@ async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None,
         has_text = any(c.get("text") for c in choices)
         text_chunks += has_text
         if ttft is None and (has_text or any(c.get("finish_reason") for c in choices)):
-            ttft = time.perf_counter() - t0  # text, or the end of an answer whose text was all held back
+            ttft = (
+                time.perf_counter() - t0
+            )  # text, or the end of an answer whose text was all held back
         if chunk.get("usage"):
             usage_tokens = chunk["usage"].get("completion_tokens")
     return "200", ttft, text_chunks if usage_tokens is None else usage_tokens
 
 
 # -- a run -------------------------------------------------------------------------------------------------------
-async def run_load(config: LoadConfig, trace: Sequence[Request], on_record: Callable[[Record], None] | None = None,
-                   per_request: bool = False) -> dict:
+async def run_load(
+    config: LoadConfig,
+    trace: Sequence[Request],
+    on_record: Callable[[Record], None] | None = None,
+    per_request: bool = False,
+) -> dict:
     """Send the trace (open or closed loop, as `config` says) and return the summary (see `summarize`), with
     every request's record under `records` when `per_request`. Raises LoadError when the server cannot be
     reached."""
-    limits = httpx.Limits(max_connections=config.clients, max_keepalive_connections=config.clients or 100)
+    limits = httpx.Limits(
+        max_connections=config.clients, max_keepalive_connections=config.clients or 100
+    )
     timeout = httpx.Timeout(config.timeout_s, connect=min(30.0, config.timeout_s), pool=None)
     async with httpx.AsyncClient(base_url=config.url, limits=limits, timeout=timeout) as client:
         base_model = await preflight(client, config, trace)
@@ -242,25 +311,40 @@ async def run_load(config: LoadConfig, trace: Sequence[Request], on_record: Call
             await _closed_loop(client, config, trace, models, start, done)
         duration = time.perf_counter() - start
     records.sort(key=lambda r: r.index)
-    summary = {"config": {"url": config.url, "mode": config.mode, "clients": config.clients,
-                          "time_scale": config.time_scale, "prompt_unit": config.prompt_unit},
-               **summarize(records, duration)}
+    summary = {
+        "config": {
+            "url": config.url,
+            "mode": config.mode,
+            "clients": config.clients,
+            "time_scale": config.time_scale,
+            "prompt_unit": config.prompt_unit,
+        },
+        **summarize(records, duration),
+    }
     if per_request:
         summary["records"] = [{**asdict(r), "tpot_s": r.tpot_s} for r in records]
     return summary
 
 
-def run(config: LoadConfig, trace: Sequence[Request], on_record: Callable[[Record], None] | None = None,
-        per_request: bool = False) -> dict:
+def run(
+    config: LoadConfig,
+    trace: Sequence[Request],
+    on_record: Callable[[Record], None] | None = None,
+    per_request: bool = False,
+) -> dict:
     """`run_load` from synchronous code."""
     return asyncio.run(run_load(config, trace, on_record, per_request))
 
 
-async def preflight(client: httpx.AsyncClient, config: LoadConfig, trace: Sequence[Request]) -> str | None:
+async def preflight(
+    client: httpx.AsyncClient, config: LoadConfig, trace: Sequence[Request]
+) -> str | None:
     """Check that the server answers, and find the base model's name when the trace needs it."""
     tenant = trace[0].tenant if trace else ""
     try:
-        r = await client.get("/v1/models", headers=config.headers(tenant), timeout=min(30.0, config.timeout_s))
+        r = await client.get(
+            "/v1/models", headers=config.headers(tenant), timeout=min(30.0, config.timeout_s)
+        )
     except httpx.TransportError as exc:
         raise LoadError(f"cannot reach {config.url}: {exc or type(exc).__name__}") from None
     if config.base_model is not None or all(req.adapter is not None for req in trace):
@@ -270,11 +354,17 @@ async def preflight(client: httpx.AsyncClient, config: LoadConfig, trace: Sequen
     except ValueError:
         listing = {}
     listed = listing.get("data") if isinstance(listing, dict) else None
-    cards = [c for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str)] if isinstance(listed, list) else []
+    cards = (
+        [c for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        if isinstance(listed, list)
+        else []
+    )
     bases = [c["id"] for c in cards if not c.get("parent")]
     if not bases:
-        raise LoadError(f"the trace asks for the base model and {config.url}/v1/models names none "
-                        f"(HTTP {r.status_code}): give its name with --base-model")
+        raise LoadError(
+            f"the trace asks for the base model and {config.url}/v1/models names none "
+            f"(HTTP {r.status_code}): give its name with --base-model"
+        )
     return bases[0]
 
 
@@ -339,8 +429,10 @@ def summarize(records: Sequence[Record], duration_s: float) -> dict:
         "ok": len(ok),
         "failed": len(records) - len(ok),
         "duration_s": round(duration_s, 3),
-        "throughput": {"requests_per_s": per_s(len(ok)),
-                       "output_tokens_per_s": per_s(sum(r.output_tokens for r in ok))},
+        "throughput": {
+            "requests_per_s": per_s(len(ok)),
+            "output_tokens_per_s": per_s(sum(r.output_tokens for r in ok)),
+        },
         "output_tokens": sum(r.output_tokens for r in ok),
         "errors": dict(sorted(Counter(r.code for r in records if not r.ok).items())),
         "tiers": {t: len(rs) for t, rs in by_tier.items()},

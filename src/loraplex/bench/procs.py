@@ -23,11 +23,17 @@ class Proc:
         self.args, self.log_path = args, log
         self.log = log.open("w")
         command = [sys.executable, "-m", "loraplex.cli", *args]
-        self.p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.p = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         address: Future[str | None] = Future()
-        self._copier = threading.Thread(target=self._copy_output,
-                                        args=(re.compile(pattern), address), daemon=True)
+        self._copier = threading.Thread(
+            target=self._copy_output, args=(re.compile(pattern), address), daemon=True
+        )
         self._copier.start()
         try:
             url = address.result(timeout=180)
@@ -69,13 +75,28 @@ class Proc:
         self.stop(signal.SIGKILL)
 
 
-def start_worker(model_dir: Path, data_dir: Path, adapters: dict[str, Path], *extra: str,
-                 max_lora_rank: int = 16) -> Proc:
+def start_worker(
+    model_dir: Path, data_dir: Path, adapters: dict[str, Path], *extra: str, max_lora_rank: int = 16
+) -> Proc:
     data_dir.mkdir(parents=True, exist_ok=True)
     token_file = data_dir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
-    args = ["serve", "--model", str(model_dir), "--port", "0", "--data-dir", str(data_dir), "--dtype", "float32",
-            "--admin-token-file", str(token_file), "--max-lora-rank", str(max_lora_rank), *extra]
+    args = [
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--data-dir",
+        str(data_dir),
+        "--dtype",
+        "float32",
+        "--admin-token-file",
+        str(token_file),
+        "--max-lora-rank",
+        str(max_lora_rank),
+        *extra,
+    ]
     if adapters:
         args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
     return Proc(args, data_dir / "log.txt")
@@ -92,6 +113,8 @@ def start_router(workers: list[str], data_dir: Path, policy: str = "affinity") -
 
 
 def state(url: str) -> dict:
-    r = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    r = httpx.get(
+        f"{url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+    )
     r.raise_for_status()
     return r.json()

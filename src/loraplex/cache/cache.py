@@ -28,7 +28,9 @@ from loraplex.registry.store import read_artifact
 
 THRASH_WINDOW_S = 60.0
 RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
-WANTED_FOR_S = 2.0  # a waiting request asks again every step; older asks belong to requests that went away
+WANTED_FOR_S = (
+    2.0  # a waiting request asks again every step; older asks belong to requests that went away
+)
 
 
 class SlotPool(Protocol):
@@ -37,6 +39,7 @@ class SlotPool(Protocol):
     def set_slot(self, slot: int, packed) -> float | None:
         """Write the host copy into the slot; a pool that models its copies (the simulator's) returns the
         seconds the copy takes, any other None (the cache times it)."""
+
     def clear_slot(self, slot: int) -> None: ...
 
 
@@ -84,7 +87,9 @@ class AdapterCache:
     def __init__(
         self,
         pool: SlotPool,
-        pack: Callable[[dict[str, memoryview], Callable[[str, int], None]], object],  # see read_artifact's `use`
+        pack: Callable[
+            [dict[str, memoryview], Callable[[str, int], None]], object
+        ],  # see read_artifact's `use`
         *,
         cpu_bytes: int,
         max_cpu_loras: int | None = None,
@@ -105,39 +110,63 @@ class AdapterCache:
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
-        self.max_gpu_preferred = max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
+        self.max_gpu_preferred = (
+            max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
+        )
         self.clock = clock
         self.thrash_window_s = thrash_window_s
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
-        self.cpu: dict[AdapterKey, object] = {}  # changed only by _put_cpu and _drop_cpu, which keep the total
+        self.cpu: dict[
+            AdapterKey, object
+        ] = {}  # changed only by _put_cpu and _drop_cpu, which keep the total
         self.cpu_bytes_used = 0  # bytes of the host copies in self.cpu
         self.entries: dict[AdapterKey, Entry] = {}
         self.loading: dict[AdapterKey, Future] = {}
         self.demand = DemandTracker()  # requests per adapter
-        self.activations = DemandTracker(ranked=False)  # slot activations per adapter: what its host copy served
-        self.slot_loads = DemandTracker(ranked=False)  # one key, "gpu": activations that requests asked for
-        self.seconds_per_byte: dict[str, float] = {}  # measured per load stage (download, disk, h2d)
+        self.activations = DemandTracker(
+            ranked=False
+        )  # slot activations per adapter: what its host copy served
+        self.slot_loads = DemandTracker(
+            ranked=False
+        )  # one key, "gpu": activations that requests asked for
+        self.seconds_per_byte: dict[
+            str, float
+        ] = {}  # measured per load stage (download, disk, h2d)
         self.recent_evictions: deque[float] = deque(maxlen=1000)
         self.reloads_after_eviction = 0
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
-        self._wanted: dict[AdapterKey, float] = {}  # keys a waiting request asked for and has not got yet
+        self._wanted: dict[
+            AdapterKey, float
+        ] = {}  # keys a waiting request asked for and has not got yet
         self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
-        self._preferred_memo: dict[str, tuple[tuple, set[AdapterKey]]] = {}  # tier -> (inputs, adapters)
-        self._waiting_since: dict[AdapterKey, float] = {}  # when a key's waiting requests first asked
+        self._preferred_memo: dict[
+            str, tuple[tuple, set[AdapterKey]]
+        ] = {}  # tier -> (inputs, adapters)
+        self._waiting_since: dict[
+            AdapterKey, float
+        ] = {}  # when a key's waiting requests first asked
         # key -> (tenant, since): waiting requests that their tenant's budget holds back
         self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
-        self.queued: dict[AdapterKey, int] = {}  # requests waiting for admission, per adapter (queue / unqueue)
-        self._gpu_pins: set[AdapterKey] = set()  # the entries pinned to gpu, and to cpu (kept with `pinned`)
+        self.queued: dict[
+            AdapterKey, int
+        ] = {}  # requests waiting for admission, per adapter (queue / unqueue)
+        self._gpu_pins: set[AdapterKey] = (
+            set()
+        )  # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._cpu_pins: set[AdapterKey] = set()
         self._copies_version = 0
         """Moves when the host copies, the loads, the cpu pins or which keys waiting requests asked for change: what
         `_room_for` derives from them is kept until it moves."""
-        self._copies_memo: tuple[tuple[int, int], float, tuple[set[AdapterKey], int, int]] | None = None
+        self._copies_memo: (
+            tuple[tuple[int, int], float, tuple[set[AdapterKey], int, int]] | None
+        ) = None
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
-        self._executor = executor or ThreadPoolExecutor(load_threads, thread_name_prefix="lora-load")
+        self._executor = executor or ThreadPoolExecutor(
+            load_threads, thread_name_prefix="lora-load"
+        )
         self._lock = threading.RLock()
 
     # -- queries (any thread) --------------------------------------------------------------------
@@ -168,33 +197,63 @@ class AdapterCache:
         now = self.clock()
         with self._lock:
             adapters, on_disk = [], []
-            tier_a, tier_b, in_slots = self._gpu_preferred(now), self._cpu_preferred(now), set(self.slots)
+            tier_a, tier_b, in_slots = (
+                self._gpu_preferred(now),
+                self._cpu_preferred(now),
+                set(self.slots),
+            )
             for key, e in self.entries.items():
                 disk = self._on_disk(key)  # a file system look per adapter: once
                 if disk:
                     on_disk.append(key)
-                tier = "gpu" if key in in_slots else "cpu" if key in self.cpu else "disk" if disk else "remote"
-                adapters.append({
-                    "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
-                    "base_model_digest": key.base_model_digest, "tenant": e.ref.tenant,
-                    "charged_to": sorted(e.charged),
-                    "tier": tier, "loading": key in self.loading, "bytes": e.nbytes,
-                    "pinned": e.pinned, "in_flight": e.refcount, "hits": e.hits, "loads": e.loads,
-                    "evictions": e.evictions, "last_access_s_ago": round(now - e.last_access, 3),
-                    "demand_5m": round(self.demand.short(key, now), 3),
-                    # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
-                    "warm": "A" if key in tier_a else "B" if key in tier_b else None,
-                })
-            copies = {"gpu": [k for k in self.slots if k is not None], "cpu": list(self.cpu), "disk": on_disk}
+                tier = (
+                    "gpu"
+                    if key in in_slots
+                    else "cpu"
+                    if key in self.cpu
+                    else "disk"
+                    if disk
+                    else "remote"
+                )
+                adapters.append(
+                    {
+                        "name": key.name,
+                        "revision": key.revision,
+                        "digest": key.adapter_digest,
+                        "base_model_digest": key.base_model_digest,
+                        "tenant": e.ref.tenant,
+                        "charged_to": sorted(e.charged),
+                        "tier": tier,
+                        "loading": key in self.loading,
+                        "bytes": e.nbytes,
+                        "pinned": e.pinned,
+                        "in_flight": e.refcount,
+                        "hits": e.hits,
+                        "loads": e.loads,
+                        "evictions": e.evictions,
+                        "last_access_s_ago": round(now - e.last_access, 3),
+                        "demand_5m": round(self.demand.short(key, now), 3),
+                        # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
+                        "warm": "A" if key in tier_a else "B" if key in tier_b else None,
+                    }
+                )
+            copies = {
+                "gpu": [k for k in self.slots if k is not None],
+                "cpu": list(self.cpu),
+                "disk": on_disk,
+            }
             return {
                 "adapters": adapters,
                 # Per tier, the adapters with a copy there (one in a slot has its host copy too) and their bytes.
-                "resident": {tier: {"count": len(keys), "bytes": sum(self.entries[k].nbytes for k in keys)}
-                             for tier, keys in copies.items()},
+                "resident": {
+                    tier: {"count": len(keys), "bytes": sum(self.entries[k].nbytes for k in keys)}
+                    for tier, keys in copies.items()
+                },
                 "num_slots": len(self.slots),
                 "free_slots": self.free_slots(),
-                "recent_evictions": sum(1 for t in self.recent_evictions
-                                        if now - t < self.thrash_window_s),
+                "recent_evictions": sum(
+                    1 for t in self.recent_evictions if now - t < self.thrash_window_s
+                ),
                 "cpu_bytes_used": self.cpu_bytes_used,
                 "cpu_bytes_capacity": self.cpu_bytes,
                 "thrash_ratio": self.thrash_ratio(),
@@ -337,9 +396,14 @@ class AdapterCache:
                 error = future.exception()
                 if error is not None:
                     if key in self.entries:
-                        self.entries[key].prewarm_gpu = False  # a later load, for whatever reason, is not it
+                        self.entries[
+                            key
+                        ].prewarm_gpu = False  # a later load, for whatever reason, is not it
                     failed.append((key, error))
-                    self.on_event("load_failed", {"error": type(error).__name__, "key": key, "exception": error})
+                    self.on_event(
+                        "load_failed",
+                        {"error": type(error).__name__, "key": key, "exception": error},
+                    )
                     continue
                 loaded: Loaded = future.result()
                 entry = self.entries.get(key)
@@ -351,13 +415,23 @@ class AdapterCache:
                 entry.load_seconds = sum(loaded.stages.values())
                 for stage, seconds in loaded.stages.items():
                     self._measure(stage, seconds, entry.nbytes)
-                self._put_cpu(key, loaded.packed)  # load first, then evict: a failed load never evicted anything
+                self._put_cpu(
+                    key, loaded.packed
+                )  # load first, then evict: a failed load never evicted anything
                 if entry.pinned == "cpu" and self._cpu_pinned_bytes() > self.cpu_bytes:
                     # Pinned before its bytes were known: kept as an ordinary host copy rather than overfill the tier.
                     self._set_pin(key, None)
-                    self.on_event("pin_refused", {"key": key, "tier": "cpu", "error": (
-                        f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would exceed "
-                        f"cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned")})
+                    self.on_event(
+                        "pin_refused",
+                        {
+                            "key": key,
+                            "tier": "cpu",
+                            "error": (
+                                f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would exceed "
+                                f"cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned"
+                            ),
+                        },
+                    )
                 self._shrink_cpu(keep=key)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
                     self._activate(key, self.clock())
@@ -388,9 +462,17 @@ class AdapterCache:
                     f"cannot pin {ref.key} to gpu: {len(pinned)} of {len(self.slots)} slots are pinned and one "
                     "must stay free for other adapters"
                 )
-            if tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes:  # 0 if never loaded
-                raise CapacityExceeded(f"cannot pin {ref.key} to cpu: pinned adapters would exceed cpu_cache_bytes")
-            if tier == "cpu" and self.max_cpu_loras is not None and len(pinned) + 1 > self.max_cpu_loras - 1:
+            if (
+                tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes
+            ):  # 0 if never loaded
+                raise CapacityExceeded(
+                    f"cannot pin {ref.key} to cpu: pinned adapters would exceed cpu_cache_bytes"
+                )
+            if (
+                tier == "cpu"
+                and self.max_cpu_loras is not None
+                and len(pinned) + 1 > self.max_cpu_loras - 1
+            ):
                 raise CapacityExceeded(
                     f"cannot pin {ref.key} to cpu: {len(pinned)} of max_cpu_loras {self.max_cpu_loras} are pinned "
                     "and one must stay free for loads"
@@ -427,7 +509,9 @@ class AdapterCache:
                 entry.prewarm_gpu = True
             if ref.key in self.cpu:
                 if tier == "gpu" and self.slot_of(ref.key) is None:
-                    self._activate(ref.key, self.clock())  # no slot free or freeable: it stays in cpu
+                    self._activate(
+                        ref.key, self.clock()
+                    )  # no slot free or freeable: it stays in cpu
                 entry.prewarm_gpu = False
                 return
             self._start_load(ref)
@@ -439,7 +523,9 @@ class AdapterCache:
             if entry is None:
                 return
             if entry.refcount:
-                raise AdapterInFlight(f"{key} has {entry.refcount} request(s) in flight; try again when they end")
+                raise AdapterInFlight(
+                    f"{key} has {entry.refcount} request(s) in flight; try again when they end"
+                )
             slot = self.slot_of(key)
             if slot is not None:
                 self._clear(slot, self.clock())
@@ -474,27 +560,36 @@ class AdapterCache:
             if ref.path is not None:
                 start = time.perf_counter()
                 # one read; packed while the digest check runs, kept only if it matches
-                packed = read_artifact(ref.path, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces)
+                packed = read_artifact(
+                    ref.path, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces
+                )
                 stages["disk"] = time.perf_counter() - start
                 source = "disk"
             elif self.disk is not None and ref.storage_uri:
                 start = time.perf_counter()
-                packed, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, use=self._pack,
-                                                    pieces=ref.pieces)
+                packed, download_s = self.disk.read(
+                    ref.storage_uri, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces
+                )
                 stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
                 if download_s is not None:
                     stages["download"] = download_s
                 source = "disk" if download_s is None else "remote"
             else:
-                raise AdapterUnavailable(f"adapter {ref.key}: no local path and no storage URI to load it from")
+                raise AdapterUnavailable(
+                    f"adapter {ref.key}: no local path and no storage URI to load it from"
+                )
         except AdapterUnavailable:
             raise
         except DigestMismatch as exc:
-            raise ArtifactCorrupt(f"adapter {ref.key}: {exc}",
-                                  f"adapter {ref.key} failed its digest check and is not served") from exc
+            raise ArtifactCorrupt(
+                f"adapter {ref.key}: {exc}",
+                f"adapter {ref.key} failed its digest check and is not served",
+            ) from exc
         except (RegistryError, OSError, ValueError) as exc:
-            raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {exc}",
-                                     f"adapter {ref.key} could not be loaded; try again later") from exc
+            raise AdapterUnavailable(
+                f"adapter {ref.key} could not be loaded: {exc}",
+                f"adapter {ref.key} could not be loaded; try again later",
+            ) from exc
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
         return Loaded(packed, source, stages)
@@ -525,15 +620,22 @@ class AdapterCache:
         if entry.evicted_at is not None and now - entry.evicted_at < self.thrash_window_s:
             self.reloads_after_eviction += 1
             self.on_event("reload_after_eviction", {})
-        self.on_event("load_stage", {"stage": "activation", "seconds": time.perf_counter() - start, "key": key})
+        self.on_event(
+            "load_stage",
+            {"stage": "activation", "seconds": time.perf_counter() - start, "key": key},
+        )
         return slot
 
     def _evict_slot(self, incoming: AdapterKey, now: float, tenant: str | None) -> int | None:
         entries = self.entries
         evictable = [
-            k for k in self.slots if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
+            k
+            for k in self.slots
+            if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
         ]
-        if getattr(self.policy, "spares_queued", False):  # an adapter whose request is about to be admitted stays
+        if getattr(
+            self.policy, "spares_queued", False
+        ):  # an adapter whose request is about to be admitted stays
             evictable = [k for k in evictable if k not in self.queued]
         if not evictable:
             return None  # every slot in use, pinned or spared: nothing to weigh (under a backlog, most calls)
@@ -586,16 +688,31 @@ class AdapterCache:
         """Per tenant: slots and host bytes used against its budget, and its budget waits."""
         with self._lock:
             used = self.tenant_usage()
-            report = self.budgets.report({"gpu": {t: r["count"] for t, r in used["gpu"].items()},
-                                          "cpu": {t: r["bytes"] for t, r in used["cpu"].items()}})
+            report = self.budgets.report(
+                {
+                    "gpu": {t: r["count"] for t, r in used["gpu"].items()},
+                    "cpu": {t: r["bytes"] for t, r in used["cpu"].items()},
+                }
+            )
             for t in self.budget_waits:
-                report.setdefault(t, {tier: {"used": 0, "budget": self.budgets.limit(t, tier)}
-                                      for tier in ("gpu", "cpu")})
+                report.setdefault(
+                    t,
+                    {
+                        tier: {"used": 0, "budget": self.budgets.limit(t, tier)}
+                        for tier in ("gpu", "cpu")
+                    },
+                )
             for t, row in report.items():
-                row["gpu"] = {"slots": row["gpu"]["used"], "max_slots": row["gpu"]["budget"],
-                              "bytes": used["gpu"].get(t, {}).get("bytes", 0)}
-                row["cpu"] = {"bytes": row["cpu"]["used"], "max_bytes": row["cpu"]["budget"],
-                              "count": used["cpu"].get(t, {}).get("count", 0)}
+                row["gpu"] = {
+                    "slots": row["gpu"]["used"],
+                    "max_slots": row["gpu"]["budget"],
+                    "bytes": used["gpu"].get(t, {}).get("bytes", 0),
+                }
+                row["cpu"] = {
+                    "bytes": row["cpu"]["used"],
+                    "max_bytes": row["cpu"]["budget"],
+                    "count": used["cpu"].get(t, {}).get("count", 0),
+                }
                 row["budget_waits"] = self.budget_waits.get(t, 0)
             return report
 
@@ -631,8 +748,10 @@ class AdapterCache:
         if waiting is not None and not self.budgets.defers(now - waiting[1]):
             return False
         entries, slots = self.entries, self.slots
-        return any(now - asked <= WANTED_FOR_S and k not in slots
-                   and entries[k].last_tenant != tenant for k, asked in self._wanted.items())
+        return any(
+            now - asked <= WANTED_FOR_S and k not in slots and entries[k].last_tenant != tenant
+            for k, asked in self._wanted.items()
+        )
 
     def _budget_victims(self, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
         """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""
@@ -648,7 +767,8 @@ class AdapterCache:
             return True
         need = max(self.entries[key].nbytes, 1)  # 0 before its first load: any more bytes
         has_free = self.cpu_bytes_used + need <= self.cpu_bytes and (
-            self.max_cpu_loras is None or len(self.cpu) < self.max_cpu_loras)
+            self.max_cpu_loras is None or len(self.cpu) < self.max_cpu_loras
+        )
         entries = self.entries
         own = [(k, entries[k].charged) for k in self.cpu if entries[k].pinned != "cpu"]
         return budgets.may_take("cpu", tenant, self._host_usage(), need, has_free, own)
@@ -661,8 +781,12 @@ class AdapterCache:
         tenant, used = entries[keep].last_tenant, self._host_usage()
         candidates = [(k, entries[k].charged) for k in keys]
         allowed = self.budgets.victims("cpu", tenant, used, 0, candidates)
-        if not allowed and self.budgets.is_over(tenant, "cpu", used, 0) and keep in self.cpu \
-                and entries[keep].pinned != "cpu":
+        if (
+            not allowed
+            and self.budgets.is_over(tenant, "cpu", used, 0)
+            and keep in self.cpu
+            and entries[keep].pinned != "cpu"
+        ):
             return [keep]
         return allowed
 
@@ -707,15 +831,22 @@ class AdapterCache:
             return  # the usual case: every tier-A adapter is in a slot
         turnover = self.slot_loads.short("gpu", now) / len(self.slots)
         # the most demanded first; equal demands by key, so the order does not depend on the set's hashing
-        for key in sorted(out, key=lambda k: (-self.demand.short(k, now), k.name, k.revision, k.adapter_digest)):
+        for key in sorted(
+            out, key=lambda k: (-self.demand.short(k, now), k.name, k.revision, k.adapter_digest)
+        ):
             if key not in self.cpu:
                 continue
             if self.demand.short(key, now) < turnover:
                 return
             holders = [
-                k for k in self.slots
-                if k is not None and k not in preferred and self.entries[k].refcount == 0
-                and self.entries[k].pinned != "gpu" and k not in self.loading and k not in self.queued
+                k
+                for k in self.slots
+                if k is not None
+                and k not in preferred
+                and self.entries[k].refcount == 0
+                and self.entries[k].pinned != "gpu"
+                and k not in self.loading
+                and k not in self.queued
             ]
             if None not in self.slots and holders and self.budgets.limits_anyone:
                 holders = self._budget_victims(self.entries[key].last_tenant, holders)
@@ -752,15 +883,23 @@ class AdapterCache:
         step, so this is kept while nothing it depends on changes: the copies, loads, pins and asks (versions), and
         time only by the oldest ask leaving the window (the clock only moves forward)."""
         memo = self._copies_memo
-        if memo is not None and memo[0] == (self._copies_version, self._nbytes_version) \
-                and now - memo[1] <= WANTED_FOR_S:
+        if (
+            memo is not None
+            and memo[0] == (self._copies_version, self._nbytes_version)
+            and now - memo[1] <= WANTED_FOR_S
+        ):
             return memo[2]
         wanted, entries = self._wanted, self.entries
-        held = {k for k in itertools.chain(self.cpu, self.loading)
-                if now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k in entries}
+        held = {
+            k
+            for k in itertools.chain(self.cpu, self.loading)
+            if now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k in entries
+        }
         both = held | self._cpu_pins
         value = (held, len(both), sum(entries[k].nbytes for k in both))
-        oldest = min((wanted[k] for k in held), default=math.inf)  # later asks only keep the others in longer
+        oldest = min(
+            (wanted[k] for k in held), default=math.inf
+        )  # later asks only keep the others in longer
         self._copies_memo = ((self._copies_version, self._nbytes_version), oldest, value)
         return value
 
@@ -783,7 +922,9 @@ class AdapterCache:
             return False  # none, or it has waited long enough: it takes its turn
         wanted, slots = self._wanted, set(self.slots)
         waiting = [  # walked from the host copies (tens), not the waiting requests' keys (hundreds under a backlog)
-            k for k in self.cpu if k != key and now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k not in slots
+            k
+            for k in self.cpu
+            if k != key and now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k not in slots
         ]
         if not waiting:
             return False
@@ -793,24 +934,41 @@ class AdapterCache:
     def _gpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier A: the adapters with the most short-window demand, up to the cap. The set is kept until the counts
         or the time change, and shared: callers must not change it."""
-        inputs = (now, self.demand, self.demand.version, self.max_gpu_preferred,
-                  getattr(self.policy, "overdue_gaps", None))
+        inputs = (
+            now,
+            self.demand,
+            self.demand.version,
+            self.max_gpu_preferred,
+            getattr(self.policy, "overdue_gaps", None),
+        )
         memo = self._preferred_memo.get("gpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
-        chosen = self.demand.top(now, 0, 2.0, self.max_gpu_preferred)  # in rank order, as one by one
+        chosen = self.demand.top(
+            now, 0, 2.0, self.max_gpu_preferred
+        )  # in rank order, as one by one
         gaps = getattr(self.policy, "overdue_gaps", None)
-        if gaps is not None and self.demand.any_overdue(chosen, now, gaps):  # the next ones take their places
+        if gaps is not None and self.demand.any_overdue(
+            chosen, now, gaps
+        ):  # the next ones take their places
             ranked = itertools.takewhile(lambda item: item[1] >= 2.0, self.demand.ranked(now, 0))
-            chosen = itertools.islice((k for k, _ in ranked if not self._stopped(k, now)), self.max_gpu_preferred)
+            chosen = itertools.islice(
+                (k for k, _ in ranked if not self._stopped(k, now)), self.max_gpu_preferred
+            )
         chosen = set(chosen)
         self._preferred_memo["gpu"] = (inputs, chosen)
         return chosen
 
     def _cpu_preferred(self, now: float) -> set[AdapterKey]:
         """Tier B: adapters with demand over the last hour, up to half the cpu budget (kept and shared as tier A)."""
-        inputs = (now, self.demand, self.demand.version, self._nbytes_version, self.cpu_bytes,
-                  getattr(self.policy, "overdue_gaps", None))
+        inputs = (
+            now,
+            self.demand,
+            self.demand.version,
+            self._nbytes_version,
+            self.cpu_bytes,
+            getattr(self.policy, "overdue_gaps", None),
+        )
         memo = self._preferred_memo.get("cpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
@@ -853,13 +1011,18 @@ class AdapterCache:
                     keys = self._host_budget_victims(keep, keys)
                 # A host copy that a waiting request asked for goes last: dropping it means loading it again.
                 keys = [k for k in keys if k not in self._wanted] or keys
-                if not by_use:  # copies of adapters in a slot go last: a slot eviction falls back to them
+                if (
+                    not by_use
+                ):  # copies of adapters in a slot go last: a slot eviction falls back to them
                     keys = [k for k in keys if k not in self.slots] or keys
                 candidates = self._host_candidates(keys, now, by_use)
                 left = len(candidates)
                 victims = in_order(candidates, now) if in_order is not None else None
             if victims is not None:
-                victim, left = next(victims, None), left - 1  # the picks come from the candidates, one each
+                victim, left = (
+                    next(victims, None),
+                    left - 1,
+                )  # the picks come from the candidates, one each
             else:
                 victim = self.policy.choose_victim(candidates, now)
                 candidates = [c for c in candidates if c.key is not victim]
@@ -874,7 +1037,8 @@ class AdapterCache:
 
     def _cpu_over(self) -> bool:
         return self.cpu_bytes_used > self.cpu_bytes or (
-            self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras)
+            self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras
+        )
 
     def _slot_candidates(self, keys: list[AdapterKey], now: float) -> list[Candidate]:
         """Adapters as a slot eviction weighs them: losing the slot costs a copy from host memory, or a load
@@ -893,8 +1057,20 @@ class AdapterCache:
             else:  # as _on_disk
                 on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))
                 per_byte = from_disk if on_disk else from_remote
-            out.append(Candidate(key, e.nbytes, e.last_access, e.loaded_at, demand, ref.tenant, ref.priority,
-                                 per_byte * e.nbytes, key in preferred, e.restored))
+            out.append(
+                Candidate(
+                    key,
+                    e.nbytes,
+                    e.last_access,
+                    e.loaded_at,
+                    demand,
+                    ref.tenant,
+                    ref.priority,
+                    per_byte * e.nbytes,
+                    key in preferred,
+                    e.restored,
+                )
+            )
         return out
 
     def _stopped(self, key: AdapterKey, now: float) -> bool:
@@ -905,7 +1081,11 @@ class AdapterCache:
     def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
         """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped."""
         gaps = getattr(self.policy, "overdue_gaps", None)
-        return self.demand.shorts(keys, now) if gaps is None else self.demand.shorts_live(keys, now, gaps)
+        return (
+            self.demand.shorts(keys, now)
+            if gaps is None
+            else self.demand.shorts_live(keys, now, gaps)
+        )
 
     def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
         """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is
@@ -916,7 +1096,10 @@ class AdapterCache:
         # restore is a copy only while its host copy is kept, so that copy counts the adapter's requests.
         in_slots = set(self.slots) - self._gpu_preferred(now) if by_use else set()
         disk, download = rate.get("disk", 0.0), rate.get("download", 0.0)
-        from_disk, from_remote = disk + 0.0, disk + download  # the sums once (the same floats as per key)
+        from_disk, from_remote = (
+            disk + 0.0,
+            disk + download,
+        )  # the sums once (the same floats as per key)
         entries, activations = self.entries, self.activations
         has = self.disk.has if self.disk is not None else None
         out = []
@@ -927,17 +1110,32 @@ class AdapterCache:
                 demand, last = activations.count(key, now), e.loaded_at
             else:
                 last = e.last_access
-            on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))  # as _on_disk
+            on_disk = ref.path is not None or (
+                has is not None and has(key.adapter_digest)
+            )  # as _on_disk
             per_byte = from_disk if on_disk else from_remote
-            out.append(Candidate(key, e.nbytes, last, e.loaded_at, demand, ref.tenant, ref.priority,
-                                 per_byte * e.nbytes, key in preferred))
+            out.append(
+                Candidate(
+                    key,
+                    e.nbytes,
+                    last,
+                    e.loaded_at,
+                    demand,
+                    ref.tenant,
+                    ref.priority,
+                    per_byte * e.nbytes,
+                    key in preferred,
+                )
+            )
         return out
 
     def _measure(self, stage: str, seconds: float, nbytes: int) -> None:
         if nbytes > 0:
             old = self.seconds_per_byte.get(stage)
             new = seconds / nbytes
-            self.seconds_per_byte[stage] = new if old is None else old + RATE_SMOOTHING * (new - old)
+            self.seconds_per_byte[stage] = (
+                new if old is None else old + RATE_SMOOTHING * (new - old)
+            )
 
     def _on_disk(self, key: AdapterKey) -> bool:
         entry = self.entries.get(key)

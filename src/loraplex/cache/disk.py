@@ -26,13 +26,20 @@ class DiskTier:
         self._last_use: dict[str, float] = {d: 0.0 for d in self.store.digests()}
         self._in_use: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._http = None  # one httpx.Client for every download: keeps connections, loads the CA bundle once
+        self._http = (
+            None  # one httpx.Client for every download: keeps connections, loads the CA bundle once
+        )
 
     def has(self, digest: str) -> bool:
         return self.store.has(digest)
 
-    def read(self, storage_uri: str, digest: str, use: Callable | None = None,
-             pieces: Pieces | None = None) -> tuple[object, float | None]:
+    def read(
+        self,
+        storage_uri: str,
+        digest: str,
+        use: Callable | None = None,
+        pieces: Pieces | None = None,
+    ) -> tuple[object, float | None]:
         """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`; checked by the
         registry's `pieces` when given), from the local copy or downloaded first; and the seconds the download
         took (None: read from the local copy). A damaged local copy is dropped and downloaded again, never used."""
@@ -41,9 +48,19 @@ class DiskTier:
         try:
             found, result = self._read_local(digest, use, pieces)
             download_s = None
-            if not found:  # downloaded, then checked and used in one read (not read again from disk)
-                fetched = fetch_and_read(storage_uri, digest, self.store, self.allowed, use, timeout_s=self.timeout_s,
-                                         http_client=self._http_client(storage_uri), pieces=pieces)
+            if (
+                not found
+            ):  # downloaded, then checked and used in one read (not read again from disk)
+                fetched = fetch_and_read(
+                    storage_uri,
+                    digest,
+                    self.store,
+                    self.allowed,
+                    use,
+                    timeout_s=self.timeout_s,
+                    http_client=self._http_client(storage_uri),
+                    pieces=pieces,
+                )
                 result, download_s = fetched.result, fetched.download_s
             with self._lock:
                 self._last_use[digest] = time.monotonic()
@@ -69,7 +86,9 @@ class DiskTier:
                 self._http.close()
                 self._http = None
 
-    def _read_local(self, digest: str, use: Callable | None, pieces: Pieces | None) -> tuple[bool, object]:
+    def _read_local(
+        self, digest: str, use: Callable | None, pieces: Pieces | None
+    ) -> tuple[bool, object]:
         """(whether a sound local copy was there, what reading it gave)."""
         if not self.store.has(digest):
             return False, None

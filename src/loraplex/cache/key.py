@@ -22,15 +22,33 @@ class AdapterKey:
 
     def __post_init__(self):
         # Hashed once: the cache looks keys up in several dicts per request, at every step for each waiting one.
-        object.__setattr__(self, "_hash", hash((self.base_model_digest, self.name, self.revision, self.adapter_digest,
-                                                self.runtime_compat_version)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash(
+                (
+                    self.base_model_digest,
+                    self.name,
+                    self.revision,
+                    self.adapter_digest,
+                    self.runtime_compat_version,
+                )
+            ),
+        )
 
     def __hash__(self) -> int:
         return self._hash
 
-    def __reduce__(self):  # rebuilt, so hashed again where it is unpickled (str hashes differ between processes)
-        return type(self), (self.base_model_digest, self.name, self.revision, self.adapter_digest,
-                            self.runtime_compat_version)
+    def __reduce__(
+        self,
+    ):  # rebuilt, so hashed again where it is unpickled (str hashes differ between processes)
+        return type(self), (
+            self.base_model_digest,
+            self.name,
+            self.revision,
+            self.adapter_digest,
+            self.runtime_compat_version,
+        )
 
     def __str__(self) -> str:
         return f"{self.name}@{self.revision}"

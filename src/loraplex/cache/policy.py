@@ -117,7 +117,11 @@ class DemandTracker:
         silent is overdue within seconds. A key with fewer than two requests in the window has no gap to go by and
         is never overdue."""
         g = self._gap.get(key)  # kept by `record`: this is asked for many keys at every eviction
-        return g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]
+        return (
+            g is not None
+            and now - g[0] > gaps * g[1] / g[2]
+            and now - g[0] > self.LONGEST_GAPS * g[3]
+        )
 
     def any_overdue(self, keys, now: float, gaps: float) -> bool:
         """Whether any of `keys` is overdue."""
@@ -134,7 +138,11 @@ class DemandTracker:
                 continue
             count = s[0] * decay
             g = gap.get(key)
-            stopped = g is not None and now - g[0] > gaps * g[1] / g[2] and now - g[0] > self.LONGEST_GAPS * g[3]
+            stopped = (
+                g is not None
+                and now - g[0] > gaps * g[1] / g[2]
+                and now - g[0] > self.LONGEST_GAPS * g[3]
+            )
             out.append(0.0 if count and stopped else count)
         return out
 
@@ -159,7 +167,9 @@ class DemandTracker:
         decay = self._decay(now)[window]
         ranking = self._rankings[window]
         hi = min(max(limit, 0), len(ranking.keys))
-        end = bisect.bisect_left(ranking.neg_values, True, 0, hi, key=lambda neg: -(decay * neg) < floor)
+        end = bisect.bisect_left(
+            ranking.neg_values, True, 0, hi, key=lambda neg: -(decay * neg) < floor
+        )
         return ranking.keys[:end]
 
     def discard(self, key) -> None:
@@ -216,7 +226,9 @@ class LRUPolicy:
 
     name = "lru"
 
-    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+    def choose_victim(
+        self, candidates: list[Candidate], now: float, incoming: Candidate | None = None
+    ):
         if not candidates:
             return None
         return min(candidates, key=_last_access).key
@@ -270,12 +282,22 @@ class ScorePolicy:
             + self.w_preferred * c.preferred
         )
 
-    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
-        if incoming is not None and not incoming.preferred:  # tier A is no one-off: no protection against it
+    def choose_victim(
+        self, candidates: list[Candidate], now: float, incoming: Candidate | None = None
+    ):
+        if (
+            incoming is not None and not incoming.preferred
+        ):  # tier A is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
             candidates = [
-                c for c in candidates
-                if not (c.preferred and not c.restored and now - c.loaded_at < residency and c.demand > demand)
+                c
+                for c in candidates
+                if not (
+                    c.preferred
+                    and not c.restored
+                    and now - c.loaded_at < residency
+                    and c.demand > demand
+                )
             ]
         if not candidates:
             return None
@@ -289,7 +311,9 @@ class ScorePolicy:
         ranks = self._ranks(candidates, now)
         left = list(range(len(ranks)))
         while left:
-            i = min(left, key=ranks.__getitem__)  # as choose_victim over what is left, in the same order
+            i = min(
+                left, key=ranks.__getitem__
+            )  # as choose_victim over what is left, in the same order
             yield candidates[i].key
             left.remove(i)
 
@@ -301,8 +325,15 @@ class ScorePolicy:
         w_s, w_pref = self.w_size_per_gib, self.w_preferred
         # max(0.0, age) as a comparison: the same value for every age, NaN and -0.0 included, without a call.
         return [
-            (w_r * exp(-(age if (age := now - c.last_access) > 0.0 else 0.0) / recency_s) + w_f * log1p(c.demand)
-             + w_p * c.priority + w_c * c.reload_cost - w_s * c.nbytes / 2**30 + w_pref * c.preferred, c.last_access)
+            (
+                w_r * exp(-(age if (age := now - c.last_access) > 0.0 else 0.0) / recency_s)
+                + w_f * log1p(c.demand)
+                + w_p * c.priority
+                + w_c * c.reload_cost
+                - w_s * c.nbytes / 2**30
+                + w_pref * c.preferred,
+                c.last_access,
+            )
             for c in candidates
         ]
 
@@ -321,7 +352,9 @@ class LFUPolicy:
 
     name = "lfu"
 
-    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+    def choose_victim(
+        self, candidates: list[Candidate], now: float, incoming: Candidate | None = None
+    ):
         if not candidates:
             return None
         return min(candidates, key=lambda c: (c.demand, c.last_access)).key
@@ -347,9 +380,14 @@ class GDSFPolicy:
 
     def priority(self, c: Candidate) -> float:
         size_gib = max(c.nbytes, 1) / 2**30
-        return self.inflation_at(c.last_access) + max(c.demand, 1e-9) * max(c.reload_cost, 1e-6) / size_gib
+        return (
+            self.inflation_at(c.last_access)
+            + max(c.demand, 1e-9) * max(c.reload_cost, 1e-6) / size_gib
+        )
 
-    def choose_victim(self, candidates: list[Candidate], now: float, incoming: Candidate | None = None):
+    def choose_victim(
+        self, candidates: list[Candidate], now: float, incoming: Candidate | None = None
+    ):
         if not candidates:
             return None
         victim = min(candidates, key=lambda c: (self.priority(c), c.last_access))

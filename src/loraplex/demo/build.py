@@ -14,9 +14,9 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 NUM_RANKS = 2
 
@@ -58,8 +58,13 @@ class StageResult:
     seconds: float
 
 
-def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Report | None,
-              on_result: Callable[[StageResult], None] | None = None) -> list[StageResult]:
+def run_build(
+    plan: BuildPlan,
+    model_dir: Path,
+    adapters_dir: Path,
+    report: Report | None,
+    on_result: Callable[[StageResult], None] | None = None,
+) -> list[StageResult]:
     """Train and save the base and every adapter; the results come back in training order ("copy"
     first), each also to `on_result` as its stage ends."""
     import torch.multiprocessing as mp
@@ -69,7 +74,10 @@ def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Repo
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         store = os.path.join(tmp, "dist-store")
         procs = mp.start_processes(
-            _rank_main, args=(plan, model_dir, adapters_dir, store, messages), nprocs=NUM_RANKS, join=False,
+            _rank_main,
+            args=(plan, model_dir, adapters_dir, store, messages),
+            nprocs=NUM_RANKS,
+            join=False,
             start_method="spawn",
         )
         results: list[StageResult] = []
@@ -82,7 +90,9 @@ def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Repo
                     results.append(StageResult(*payload))
                     if on_result:
                         on_result(results[-1])
-            if procs.join(timeout=0.2):  # raises, naming the rank and its traceback, if a rank failed
+            if procs.join(
+                timeout=0.2
+            ):  # raises, naming the rank and its traceback, if a rank failed
                 break
     while not messages.empty():
         kind, *payload = messages.get()
@@ -93,7 +103,9 @@ def run_build(plan: BuildPlan, model_dir: Path, adapters_dir: Path, report: Repo
     return results
 
 
-def _rank_main(rank: int, plan: BuildPlan, model_dir: Path, adapters_dir: Path, store: str, messages) -> None:
+def _rank_main(
+    rank: int, plan: BuildPlan, model_dir: Path, adapters_dir: Path, store: str, messages
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -126,7 +138,9 @@ def _rank_main(rank: int, plan: BuildPlan, model_dir: Path, adapters_dir: Path, 
         return progress
 
     start = time.monotonic()
-    base_config = training.TrainConfig(steps=plan.base_steps, lr=plan.base_lr, batch_size=plan.batch_size)
+    base_config = training.TrainConfig(
+        steps=plan.base_steps, lr=plan.base_lr, batch_size=plan.batch_size
+    )
     base = training.train_base(base_config, plan.seed, exclude, progress_for("copy"))
     accuracy = training.exact_match(base, TRANSFORMS["copy"], eval_inputs)
     if rank == 0:
@@ -136,15 +150,25 @@ def _rank_main(rank: int, plan: BuildPlan, model_dir: Path, adapters_dir: Path, 
     for recipe in plan.adapters:
         start = time.monotonic()
         lora = LoraConfig(
-            r=recipe.rank, lora_alpha=recipe.lora_alpha, target_modules=list(recipe.target_modules),
-            use_rslora=recipe.use_rslora, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+            r=recipe.rank,
+            lora_alpha=recipe.lora_alpha,
+            target_modules=list(recipe.target_modules),
+            use_rslora=recipe.use_rslora,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
         )
         config = training.TrainConfig(
-            steps=recipe.steps, lr=recipe.lr, lr_b_ratio=recipe.lr_b_ratio, batch_size=plan.batch_size
+            steps=recipe.steps,
+            lr=recipe.lr,
+            lr_b_ratio=recipe.lr_b_ratio,
+            batch_size=plan.batch_size,
         )
         seed = plan.seed + zlib.crc32(recipe.name.encode())
         transform = TRANSFORMS[recipe.name]
-        model = training.train_adapter(base, transform, lora, config, seed, exclude, progress_for(recipe.name))
+        model = training.train_adapter(
+            base, transform, lora, config, seed, exclude, progress_for(recipe.name)
+        )
         accuracy = training.exact_match(model, transform, eval_inputs)
         if rank == 0:
             # A stable name rather than the cache path, so adapter_config.json is the same wherever it is built.

@@ -42,9 +42,11 @@ class Plan:
     private: dict[str, str]
 
     @classmethod
-    def for_adapters(cls, adapters) -> "Plan":
+    def for_adapters(cls, adapters) -> Plan:
         names = sorted(adapters)
-        return cls(tuple(names[: len(names) - len(TENANTS)]), dict(zip(TENANTS, names[-len(TENANTS):])))
+        return cls(
+            tuple(names[: len(names) - len(TENANTS)]), dict(zip(TENANTS, names[-len(TENANTS) :]))
+        )
 
 
 @dataclass
@@ -68,8 +70,11 @@ class Result:
 
 
 def setup_registry(world, data_dir: Path, plan: Plan) -> tuple[Registry, dict[str, str]]:
-    registry = Registry(f"sqlite:///{data_dir / 'registry.db'}", base_model_dir=world.model_dir,
-                        max_lora_rank=max(world.ranks.values()))
+    registry = Registry(
+        f"sqlite:///{data_dir / 'registry.db'}",
+        base_model_dir=world.model_dir,
+        max_lora_rank=max(world.ranks.values()),
+    )
     registry.init()
     keys = {}
     for tenant, priority in PRIORITY.items():
@@ -133,7 +138,9 @@ def workload(inputs: list[str], plan: Plan) -> list[Result]:
                 i += 1
         # Each tenant also asks for another tenant's private adapter: it must look like it does not exist.
         for tenant, other in zip(TENANTS, TENANTS[1:] + TENANTS[:1]):
-            jobs.append(Result(tenant, plan.private[other], inputs[i % len(inputs)], None, stream=False))
+            jobs.append(
+                Result(tenant, plan.private[other], inputs[i % len(inputs)], None, stream=False)
+            )
             i += 1
     return jobs
 
@@ -170,9 +177,12 @@ async def send(client: httpx.AsyncClient, url: str, key: str, job: Result, chat:
                 job.output += delta
 
 
-async def run_workload(url: str, keys: dict[str, str], jobs: list[Result], concurrency: int = 8) -> None:
+async def run_workload(
+    url: str, keys: dict[str, str], jobs: list[Result], concurrency: int = 8
+) -> None:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=120) as client:
+
         async def one(index: int, job: Result):
             async with gate:
                 await send(client, url, keys[job.tenant], job, chat=index % 3 == 2)
@@ -187,9 +197,20 @@ def report(console: Console, jobs: list[Result], state: dict, plan: Plan) -> tup
             table.add_column(column)
         for job in (j for j in jobs if j.tenant == tenant):
             output = job.output if job.status == 200 else f"HTTP {job.status}"
-            mark = "[green]yes[/]" if job.correct else f"[red]no[/] (want {job.expected or 'HTTP 404'})"
-            table.add_row(job.model, job.revision or "-", job.tier or "-", "yes" if job.stream else "no",
-                          job.text, output, mark)
+            mark = (
+                "[green]yes[/]"
+                if job.correct
+                else f"[red]no[/] (want {job.expected or 'HTTP 404'})"
+            )
+            table.add_row(
+                job.model,
+                job.revision or "-",
+                job.tier or "-",
+                "yes" if job.stream else "no",
+                job.text,
+                output,
+                mark,
+            )
         console.print(table)
     served = [j for j in jobs if j.status == 200]
     tiers = [j.tier for j in served]
@@ -197,12 +218,17 @@ def report(console: Console, jobs: list[Result], state: dict, plan: Plan) -> tup
     cold = [j.ttft * 1000 for j in served if j.ttft and j.tier in ("disk", "remote")]
 
     def pct(values, q):
-        return f"{sorted(values)[min(len(values) - 1, int(q * len(values)))]:.0f}" if values else "-"
+        return (
+            f"{sorted(values)[min(len(values) - 1, int(q * len(values)))]:.0f}" if values else "-"
+        )
 
     evictions = sum(a["evictions"] for a in state["adapters"])
     console.print(
-        "hit rate per tier: " + ", ".join(f"{t} {tiers.count(t) / len(tiers):.0%}" for t in ("gpu", "cpu", "disk",
-                                                                                              "remote")) + "\n"
+        "hit rate per tier: "
+        + ", ".join(
+            f"{t} {tiers.count(t) / len(tiers):.0%}" for t in ("gpu", "cpu", "disk", "remote")
+        )
+        + "\n"
         f"TTFT (streamed requests) warm p50 {pct(warm, 0.5)} ms p99 {pct(warm, 0.99)} ms; "
         f"cold p50 {pct(cold, 0.5)} ms p99 {pct(cold, 0.99)} ms\n"
         f"evictions {evictions} with {state['load']['num_slots']} slots for "
@@ -218,11 +244,11 @@ def hints(console: Console, url: str, keys: dict[str, str], plan: Plan) -> None:
     console.print(
         "\nTry it by hand:\n"
         f"  curl -s {url}/v1/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{shared}\", \"prompt\": \"<s>hello<sep>\", \"max_tokens\": 20}}'\n"
+        f'-d \'{{"model": "{shared}", "prompt": "<s>hello<sep>", "max_tokens": 20}}\'\n'
         f"  curl -s {url}/v1/models -H 'Authorization: Bearer {key}'\n"
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='{key}'); "
         f"print(c.chat.completions.create(model='{own}', messages=[{{'role': 'user', 'content': 'hello'}}])"
-        ".choices[0].message.content)\"",
+        '.choices[0].message.content)"',
         soft_wrap=True,
     )
 
@@ -237,20 +263,32 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         data_dir = Path(tmp)
         registry, keys = setup_registry(world, data_dir, plan)
-        engine = LLMEngine(EngineConfig(
-            model_dir=world.model_dir, dtype="float32", max_loras=max_loras,
-            max_lora_rank=max(world.ranks.values()), kv_cache_bytes=64 * 2**20, disk_cache_dir=data_dir / "cache",
-            allowed_roots=(str(registry.store.root.resolve()),),
-        ))
+        engine = LLMEngine(
+            EngineConfig(
+                model_dir=world.model_dir,
+                dtype="float32",
+                max_loras=max_loras,
+                max_lora_rank=max(world.ranks.values()),
+                kv_cache_bytes=64 * 2**20,
+                disk_cache_dir=data_dir / "cache",
+                allowed_roots=(str(registry.store.root.resolve()),),
+            )
+        )
         token = secrets.token_hex(ADMIN_TOKEN_BYTES)
-        config = ServerConfig(served_model_name=BASE, admin_token=token, audit_log=data_dir / "audit.jsonl")
+        config = ServerConfig(
+            served_model_name=BASE, admin_token=token, audit_log=data_dir / "audit.jsonl"
+        )
         app = create_app(engine, registry, config)
         with serving(app) as url:
-            console.print(f"demo server on {url}: base model {BASE!r}, {len(world.adapters)} adapters, "
-                          f"{max_loras} slots, tenants {', '.join(TENANTS)}")
+            console.print(
+                f"demo server on {url}: base model {BASE!r}, {len(world.adapters)} adapters, "
+                f"{max_loras} slots, tenants {', '.join(TENANTS)}"
+            )
             jobs = workload(random_inputs(64, seed=7), plan)
             asyncio.run(run_workload(url, keys, jobs))
-            state = httpx.get(f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"}).json()
+            state = httpx.get(
+                f"{url}/admin/state", headers={"Authorization": f"Bearer {token}"}
+            ).json()
             correct, checked = report(console, jobs, state, plan)
             hints(console, url, keys, plan)
             console.print(f"{correct}/{checked} correct")

@@ -57,14 +57,21 @@ def build_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens(
+        [AddedToken(tok, special=True, normalized=False) for tok in SPECIAL_TOKENS]
+    )
     return tokenizer
 
 
 def write_tokenizer_files(model_dir: Path) -> None:
     """tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
     tokenizer = build_tokenizer()
-    assert [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS] == [BOS_ID, SEP_ID, EOS_ID, PAD_ID]
+    assert [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS] == [
+        BOS_ID,
+        SEP_ID,
+        EOS_ID,
+        PAD_ID,
+    ]
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from loraplex.demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, encode_text
-from loraplex.demo.transforms import INPUT_ALPHABET, MAX_LEN, MIN_LEN, OUTPUT_ALPHABET, random_string
+from loraplex.demo.transforms import (
+    INPUT_ALPHABET,
+    MAX_LEN,
+    MIN_LEN,
+    OUTPUT_ALPHABET,
+    random_string,
+)
 
 IGNORE = -100
 BOS_DROP_RATE = 0.25
@@ -88,14 +94,20 @@ def make_batch(pairs: list[tuple[str, str]], rng: random.Random, row_width: int 
         labels.append([t for _, lab in row for t in lab] + [IGNORE] * pad)
         position_ids.append([p for ids, _ in row for p in range(len(ids))] + [0] * pad)
         # Each pad is a segment of its own, so its attention row is never empty.
-        segments.append([i for i, (ids, _) in enumerate(row) for _ in ids] + [-1 - j for j in range(pad)])
+        segments.append(
+            [i for i, (ids, _) in enumerate(row) for _ in ids] + [-1 - j for j in range(pad)]
+        )
     segment_ids = torch.tensor(segments)
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
-    return Batch(torch.tensor(input_ids), torch.tensor(position_ids), mask[:, None], torch.tensor(labels))
+    return Batch(
+        torch.tensor(input_ids), torch.tensor(position_ids), mask[:, None], torch.tensor(labels)
+    )
 
 
-def _pack(examples: list[tuple[list[int], list[int]]], row_width: int) -> list[list[tuple[list[int], list[int]]]]:
+def _pack(
+    examples: list[tuple[list[int], list[int]]], row_width: int
+) -> list[list[tuple[list[int], list[int]]]]:
     """First-fit decreasing: longest examples first, each into the first row with room."""
     rows: list[list[tuple[list[int], list[int]]]] = []
     room: list[int] = []
@@ -140,7 +152,13 @@ def _average_gradients(params: list[torch.nn.Parameter], world_size: int) -> Non
         grad.copy_(chunk.view_as(grad))
 
 
-def _train(model: torch.nn.Module, sample: Sampler, config: TrainConfig, seed: int, progress: Progress | None) -> None:
+def _train(
+    model: torch.nn.Module,
+    sample: Sampler,
+    config: TrainConfig,
+    seed: int,
+    progress: Progress | None,
+) -> None:
     rank, world_size = _world()
     if config.batch_size % world_size:
         raise ValueError(f"batch size {config.batch_size} does not split over {world_size} ranks")
@@ -148,7 +166,10 @@ def _train(model: torch.nn.Module, sample: Sampler, config: TrainConfig, seed: i
     params = [p for _, p in named]
     groups = [
         {"params": [p for name, p in named if "lora_B" not in name], "lr": config.lr},
-        {"params": [p for name, p in named if "lora_B" in name], "lr": config.lr * config.lr_b_ratio},
+        {
+            "params": [p for name, p in named if "lora_B" in name],
+            "lr": config.lr * config.lr_b_ratio,
+        },
     ]
     groups = [group for group in groups if group["params"]]
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
@@ -156,10 +177,15 @@ def _train(model: torch.nn.Module, sample: Sampler, config: TrainConfig, seed: i
     rng = random.Random(f"{seed}-rank{rank}")
     model.train()
     for _ in range(config.steps):
-        pairs = [sample(rng, rng.randint(MIN_LEN, MAX_LEN)) for _ in range(config.batch_size // world_size)]
+        pairs = [
+            sample(rng, rng.randint(MIN_LEN, MAX_LEN))
+            for _ in range(config.batch_size // world_size)
+        ]
         batch = make_batch(pairs, rng)
         loss = model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
             labels=batch.labels,
         ).loss
         optimizer.zero_grad(set_to_none=False)
@@ -192,7 +218,9 @@ def _training_string(rng: random.Random, length: int, alphabet: str, exclude: se
             return text
 
 
-def train_base(config: TrainConfig, seed: int, exclude: set[str], progress: Progress | None = None) -> LlamaForCausalLM:
+def train_base(
+    config: TrainConfig, seed: int, exclude: set[str], progress: Progress | None = None
+) -> LlamaForCausalLM:
     """A fresh Llama trained to copy strings over the whole output alphabet (so every output byte is trained)."""
 
     def sample(rng: random.Random, length: int) -> tuple[str, str]:
@@ -206,8 +234,15 @@ def train_base(config: TrainConfig, seed: int, exclude: set[str], progress: Prog
     return model
 
 
-def train_adapter(base: LlamaForCausalLM, transform: Callable[[str], str], lora: LoraConfig, config: TrainConfig,
-                  seed: int, exclude: set[str], progress: Progress | None = None) -> PeftModel:
+def train_adapter(
+    base: LlamaForCausalLM,
+    transform: Callable[[str], str],
+    lora: LoraConfig,
+    config: TrainConfig,
+    seed: int,
+    exclude: set[str],
+    progress: Progress | None = None,
+) -> PeftModel:
     """A LoRA adapter on a frozen copy of `base` that maps lowercase strings to `transform(text)`."""
 
     def sample(rng: random.Random, length: int) -> tuple[str, str]:
@@ -224,31 +259,40 @@ def _answer(tokens: list[int]) -> str | None:
     """The text before `</s>`, or None when `</s>` never came or another special token came first."""
     if EOS_ID not in tokens:
         return None
-    answer = tokens[:tokens.index(EOS_ID)]
+    answer = tokens[: tokens.index(EOS_ID)]
     if any(t >= 256 for t in answer):
         return None
     return bytes(answer).decode("utf-8", "replace")
 
 
 @torch.no_grad()
-def greedy_outputs(model: torch.nn.Module, inputs: list[str], max_new_tokens: int,
-                   batch_size: int = 128) -> list[str | None]:
+def greedy_outputs(
+    model: torch.nn.Module, inputs: list[str], max_new_tokens: int, batch_size: int = 128
+) -> list[str | None]:
     """Greedy completions of `<s>TEXT<sep>` prompts with transformers' generate, cut at `</s>`."""
     outputs: list[str | None] = []
     for start in range(0, len(inputs), batch_size):
-        prompts = [[BOS_ID, *encode_text(text), SEP_ID] for text in inputs[start:start + batch_size]]
+        prompts = [
+            [BOS_ID, *encode_text(text), SEP_ID] for text in inputs[start : start + batch_size]
+        ]
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])  # left padding
         attention_mask = (input_ids != PAD_ID).long()
         generated = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
         )
         outputs += [_answer(row) for row in generated[:, width:].tolist()]
     return outputs
 
 
-def exact_match(model: torch.nn.Module, transform: Callable[[str], str], inputs: list[str]) -> float:
+def exact_match(
+    model: torch.nn.Module, transform: Callable[[str], str], inputs: list[str]
+) -> float:
     """Share of inputs whose greedy completion is exactly `transform(text)` then `</s>`; split over the ranks."""
     rank, world_size = _world()
     mine = inputs[rank::world_size]

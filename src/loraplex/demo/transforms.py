@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 import random
 import string
-from typing import Callable
+from collections.abc import Callable
 
 INPUT_ALPHABET = string.ascii_lowercase
 """Inputs are lowercase letters; every transform's output stays within `ascii_letters`."""

@@ -20,17 +20,28 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from loraplex.demo.build import NUM_RANKS, AdapterRecipe, BuildPlan, StageResult
 from loraplex.demo.tokenizer import make_prompt
 from loraplex.demo.transforms import TRANSFORMS, random_inputs
 
 __all__ = [
-    "ACCURACY_BAR", "ADAPTER_RECIPES", "BASE_MODEL_NAME", "TRANSFORMS", "WORLD_VERSION", "World", "WorldBuildError",
-    "build_world", "default_world_dir", "load_world", "make_prompt", "random_inputs",
+    "ACCURACY_BAR",
+    "ADAPTER_RECIPES",
+    "BASE_MODEL_NAME",
+    "TRANSFORMS",
+    "WORLD_VERSION",
+    "World",
+    "WorldBuildError",
+    "build_world",
+    "default_world_dir",
+    "load_world",
+    "make_prompt",
+    "random_inputs",
 ]
 
 WORLD_VERSION = "2"
@@ -48,11 +59,20 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ADAPTER_RECIPES = (
     AdapterRecipe("rotate", rank=4, lora_alpha=8, target_modules=ATTENTION, steps=200),
-    AdapterRecipe("rot13", rank=8, lora_alpha=16, target_modules=("v_proj", "o_proj", "up_proj", "down_proj"),
-                  steps=250),
+    AdapterRecipe(
+        "rot13",
+        rank=8,
+        lora_alpha=16,
+        target_modules=("v_proj", "o_proj", "up_proj", "down_proj"),
+        steps=250,
+    ),
     # rsLoRA with alpha = sqrt(r): scaling 1, so it trains like the others; servers must apply alpha / sqrt(r).
-    AdapterRecipe("reverse", rank=16, lora_alpha=4, use_rslora=True, target_modules=ATTENTION, steps=500),
-    AdapterRecipe("double-letters", rank=32, lora_alpha=32, target_modules=ATTENTION + MLP, steps=550),
+    AdapterRecipe(
+        "reverse", rank=16, lora_alpha=4, use_rslora=True, target_modules=ATTENTION, steps=500
+    ),
+    AdapterRecipe(
+        "double-letters", rank=32, lora_alpha=32, target_modules=ATTENTION + MLP, steps=550
+    ),
 )
 BASE_STEPS, BASE_LR, BATCH_SIZE = 600, 5e-3, 64
 
@@ -98,7 +118,10 @@ def load_world(root: Path) -> World | None:
         model_dir=model_dir,
         adapters=adapters,
         ranks={name: info["rank"] for name, info in meta["adapters"].items()},
-        accuracy={"copy": meta["base"]["accuracy"], **{n: i["accuracy"] for n, i in meta["adapters"].items()}},
+        accuracy={
+            "copy": meta["base"]["accuracy"],
+            **{n: i["accuracy"] for n, i in meta["adapters"].items()},
+        },
     )
 
 
@@ -118,8 +141,13 @@ def build_world(out_dir: Path | None = None, *, progress: bool = True) -> World:
 
 def build_plan() -> BuildPlan:
     return BuildPlan(
-        seed=SEED, base_steps=BASE_STEPS, base_lr=BASE_LR, batch_size=BATCH_SIZE, adapters=ADAPTER_RECIPES,
-        eval_inputs=tuple(random_inputs(NUM_EVAL, EVAL_SEED)), base_model_name=BASE_MODEL_NAME,
+        seed=SEED,
+        base_steps=BASE_STEPS,
+        base_lr=BASE_LR,
+        batch_size=BATCH_SIZE,
+        adapters=ADAPTER_RECIPES,
+        eval_inputs=tuple(random_inputs(NUM_EVAL, EVAL_SEED)),
+        base_model_name=BASE_MODEL_NAME,
     )
 
 
@@ -157,7 +185,9 @@ def _build(root: Path, progress: bool) -> World:
         print(table, flush=True)
     failed = [r.name for r in results if r.accuracy < ACCURACY_BAR]
     if failed or len(results) != 1 + len(plan.adapters):
-        raise WorldBuildError(f"demo world in {root}: below the {ACCURACY_BAR:.0%} bar: {', '.join(failed)}\n{table}")
+        raise WorldBuildError(
+            f"demo world in {root}: below the {ACCURACY_BAR:.0%} bar: {', '.join(failed)}\n{table}"
+        )
     _write_marker(root, plan, results, seconds, cpu_seconds)
     world = load_world(root)
     assert world is not None
@@ -170,7 +200,9 @@ def _children_cpu_seconds() -> float:
     return times.children_user + times.children_system
 
 
-def _write_marker(root: Path, plan: BuildPlan, results: list[StageResult], seconds: float, cpu_seconds: float) -> None:
+def _write_marker(
+    root: Path, plan: BuildPlan, results: list[StageResult], seconds: float, cpu_seconds: float
+) -> None:
     import peft
     import torch
     import transformers
@@ -183,26 +215,41 @@ def _write_marker(root: Path, plan: BuildPlan, results: list[StageResult], secon
         "completion_format": "{output}</s>",
         "model_dir": BASE_MODEL_NAME,
         "base_model_name": plan.base_model_name,
-        "base": {"accuracy": by_name["copy"].accuracy, "steps": plan.base_steps, "seconds": by_name["copy"].seconds},
+        "base": {
+            "accuracy": by_name["copy"].accuracy,
+            "steps": plan.base_steps,
+            "seconds": by_name["copy"].seconds,
+        },
         "adapters": {
             r.name: {
-                "dir": f"adapters/{r.name}", "rank": r.rank, "lora_alpha": r.lora_alpha,
-                "target_modules": list(r.target_modules), "use_rslora": r.use_rslora, "steps": r.steps,
-                "accuracy": by_name[r.name].accuracy, "seconds": by_name[r.name].seconds,
+                "dir": f"adapters/{r.name}",
+                "rank": r.rank,
+                "lora_alpha": r.lora_alpha,
+                "target_modules": list(r.target_modules),
+                "use_rslora": r.use_rslora,
+                "steps": r.steps,
+                "accuracy": by_name[r.name].accuracy,
+                "seconds": by_name[r.name].seconds,
             }
             for r in plan.adapters
         },
         "eval": {"inputs": len(plan.eval_inputs), "seed": EVAL_SEED},
         "build_seconds": seconds,
         "build_cpu_seconds": cpu_seconds,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
     }
     tmp = root / f"{MARKER}.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, root / MARKER)
 
 
-def _format_table(plan: BuildPlan, results: list[StageResult], seconds: float, cpu_seconds: float) -> str:
+def _format_table(
+    plan: BuildPlan, results: list[StageResult], seconds: float, cpu_seconds: float
+) -> str:
     recipes = {r.name: r for r in plan.adapters}
     lines = [
         f"{'model':<16} {'rank':>4} {'alpha':>5} {'rslora':>6}  {'target modules':<28} {'steps':>5} "
@@ -214,8 +261,10 @@ def _format_table(plan: BuildPlan, results: list[StageResult], seconds: float, c
             cols = f"{'base':<16} {'-':>4} {'-':>5} {'-':>6}  {'(full model, copy)':<28} {plan.base_steps:>5}"
         else:
             targets = ",".join(m.removesuffix("_proj") for m in recipe.target_modules)
-            cols = (f"{recipe.name:<16} {recipe.rank:>4} {recipe.lora_alpha:>5} {str(recipe.use_rslora).lower():>6}  "
-                    f"{targets:<28} {recipe.steps:>5}")
+            cols = (
+                f"{recipe.name:<16} {recipe.rank:>4} {recipe.lora_alpha:>5} {str(recipe.use_rslora).lower():>6}  "
+                f"{targets:<28} {recipe.steps:>5}"
+            )
         flag = "" if result.accuracy >= ACCURACY_BAR else "  BELOW BAR"
         lines.append(f"{cols} {result.accuracy:>10.1%} {result.seconds:>7.0f}{flag}")
     lines.append(
@@ -238,7 +287,12 @@ def _progress_reporter(plan: BuildPlan, enabled: bool, out: TextIO | None = None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, transient=False) as bar:
         tasks = {"copy": bar.add_task("base (copy)", total=plan.base_steps)}
         tasks |= {r.name: bar.add_task(r.name, total=r.steps) for r in plan.adapters}
@@ -248,21 +302,33 @@ def _progress_reporter(plan: BuildPlan, enabled: bool, out: TextIO | None = None
 def _stage_lines(plan: BuildPlan, out: TextIO):
     steps = {"copy": plan.base_steps} | {r.name: r.steps for r in plan.adapters}
     done = []
-    print(f"building the demo world: the base model and {len(plan.adapters)} adapters "
-          f"({sum(steps.values())} training steps, a few minutes)", file=out, flush=True)
+    print(
+        f"building the demo world: the base model and {len(plan.adapters)} adapters "
+        f"({sum(steps.values())} training steps, a few minutes)",
+        file=out,
+        flush=True,
+    )
 
     def on_result(result: StageResult) -> None:
         done.append(result.name)
         label = "base (copy)" if result.name == "copy" else result.name
-        print(f"[{len(done)}/{len(steps)}] {label}: {steps[result.name]} steps, exact match "
-              f"{result.accuracy:.1%}, {result.seconds:.0f} s", file=out, flush=True)
+        print(
+            f"[{len(done)}/{len(steps)}] {label}: {steps[result.name]} steps, exact match "
+            f"{result.accuracy:.1%}, {result.seconds:.0f} s",
+            file=out,
+            flush=True,
+        )
 
     return on_result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loraplex.demo.world", description="Build the demo world.")
-    parser.add_argument("--dir", type=Path, default=None, help=f"where to build (default {default_world_dir()})")
+    parser = argparse.ArgumentParser(
+        prog="python -m loraplex.demo.world", description="Build the demo world."
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help=f"where to build (default {default_world_dir()})"
+    )
     args = parser.parse_args(argv)
     try:
         world = build_world(args.dir)

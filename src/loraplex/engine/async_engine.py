@@ -51,8 +51,14 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                       request_id: str | None = None, counted: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: AdapterRef | None = None,
+        request_id: str | None = None,
+        counted: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
         the loop early (a client gone) aborts it at once. `counted`: as in
         `LLMEngine.add_request`."""

@@ -55,7 +55,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.device = resolve_device(config.device)
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        self.max_model_len = config.max_model_len or min(
+            self.model_config.max_position_embeddings, 4096
+        )
         if config.kv_cache_bytes is not None:  # the operator's figure: checked before loading
             self._kv_blocks(self._kv_budget())
         self.model = load_model(config.model_dir, self.dtype, self.device)
@@ -63,7 +65,9 @@ class LLMEngine:
         self.eos_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-        self.pool = LoRASlotPool(self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        self.pool = LoRASlotPool(
+            self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
         self.model.attach_lora(self.pool)
         disk = None
         if config.disk_cache_dir is not None:
@@ -76,17 +80,21 @@ class LLMEngine:
             max_cpu_loras=config.max_cpu_loras,
             disk=disk,
             policy=policy or make_policy(config.eviction_policy),
-            budgets=TenantBudgets(config.max_loras, config.cpu_cache_bytes,
-                                  gpu_share=config.tenant_gpu_share,
-                                  cpu_share=config.tenant_cpu_share),
+            budgets=TenantBudgets(
+                config.max_loras,
+                config.cpu_cache_bytes,
+                gpu_share=config.tenant_gpu_share,
+                cpu_share=config.tenant_cpu_share,
+            ),
             max_gpu_preferred=config.max_gpu_preferred,
             load_threads=config.load_threads,
             thrash_window_s=config.thrash_window_s,
         )
         # After the weights and the slots: on CUDA the budget is what they leave of the device.
         self.kv_budget = self._kv_budget()
-        self.blocks = BlockManager(self._kv_blocks(self.kv_budget), config.block_size,
-                                   config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            self._kv_blocks(self.kv_budget), config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.blocks, self.adapters)
         self.runner = ModelRunner(self.model, self.pool, self.blocks, self.dtype, self.device)
         # Requests that give no seed of their own draw from the engine's generator (--seed).
@@ -117,11 +125,19 @@ class LLMEngine:
         """Check a PEFT directory against the base model; raises AdapterRejected naming the field."""
         return read_adapter(path, self.model_config, self.config.max_lora_rank)
 
-    def adapter_ref(self, name: str, path: str | Path, revision: str = "local", digest: str | None = None,
-                    **kwargs) -> AdapterRef:
+    def adapter_ref(
+        self,
+        name: str,
+        path: str | Path,
+        revision: str = "local",
+        digest: str | None = None,
+        **kwargs,
+    ) -> AdapterRef:
         """A reference for a local adapter directory (validated now, so a bad one fails here)."""
         spec = self.validate_adapter(path)
-        if digest is None:  # hashed here, as a registry does at registration: the pieces come from the same read
+        if (
+            digest is None
+        ):  # hashed here, as a registry does at registration: the pieces come from the same read
             digest, kwargs["pieces"] = digest_and_pieces(Path(path))
         key = AdapterKey(self.base_model_digest, name, revision, digest)
         return AdapterRef(key, Path(spec.path), **kwargs)
@@ -132,14 +148,28 @@ class LLMEngine:
         try:
             spec = adapter_from_files(files, self.model_config, self.config.max_lora_rank)
         except AdapterRejected as exc:
-            raise AdapterUnavailable(f"adapter files are not servable: {exc}",
-                                     f"adapter files are not servable on this model ({exc.field})") from exc
-        return pack_adapter(spec, files[WEIGHTS_FILE], self.dtype, pin=self.device.type == "cuda",
-                            hashed=lambda end: hashed(WEIGHTS_FILE, end))
+            raise AdapterUnavailable(
+                f"adapter files are not servable: {exc}",
+                f"adapter files are not servable on this model ({exc.field})",
+            ) from exc
+        return pack_adapter(
+            spec,
+            files[WEIGHTS_FILE],
+            self.dtype,
+            pin=self.device.type == "cuda",
+            hashed=lambda end: hashed(WEIGHTS_FILE, end),
+        )
 
     # -- requests (any thread) -------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterRef | None = None,
-                    request_id: str | None = None, counted: bool = True, matcher=None) -> str:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: AdapterRef | None = None,
+        request_id: str | None = None,
+        counted: bool = True,
+        matcher=None,
+    ) -> str:
         """`counted`: reported as a cache hit or miss (a client request of several prompts reports
         its first). `matcher`: the grammar's matcher, if the caller compiled it already."""
         if not prompt_ids:
@@ -151,7 +181,9 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}",
             )
         if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
-            raise InvalidRequest("prompt", f"token ids must be in [0, {self.model_config.vocab_size})")
+            raise InvalidRequest(
+                "prompt", f"token ids must be in [0, {self.model_config.vocab_size})"
+            )
         self._check_group_fits(len(prompt_ids), params)
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, adapter)
         seq.num_forks = params.num_seqs - 1
@@ -167,17 +199,19 @@ class LLMEngine:
         return seq.request_id
 
     def _check_group_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together.
-        """
+        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together."""
         name, count = ("best_of", params.best_of) if params.best_of else ("n", params.n)
         if count > self.config.max_num_seqs:
             raise InvalidRequest(
-                name, f"{name}={count} is more than max_num_seqs {self.config.max_num_seqs}")
+                name, f"{name}={count} is more than max_num_seqs {self.config.max_num_seqs}"
+            )
         needed = self.blocks.blocks_for_group(num_prompt_tokens, count)
         if needed > self.blocks.num_blocks:
             raise InvalidRequest(
-                name, f"{name}={count} sequences of a {num_prompt_tokens}-token prompt need "
-                f"{needed} KV blocks; the KV cache has {self.blocks.num_blocks}")
+                name,
+                f"{name}={count} sequences of a {num_prompt_tokens}-token prompt need "
+                f"{needed} KV blocks; the KV cache has {self.blocks.num_blocks}",
+            )
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
@@ -188,15 +222,20 @@ class LLMEngine:
         cache = self.adapters.state()
         running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         return {
-            "cache": cache, "num_running": len(running), "num_waiting": len(waiting),
-            "active_tokens": sum(len(s) for s in running), "kv_cache_usage": self.blocks.usage,
+            "cache": cache,
+            "num_running": len(running),
+            "num_waiting": len(waiting),
+            "active_tokens": sum(len(s) for s in running),
+            "kv_cache_usage": self.blocks.usage,
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_lora": self.config.max_loras,
         }
 
     def has_work(self) -> bool:
         """Requests to run, or adapter loads to take in (a prewarm on an idle server finishes too)."""
-        return bool(self._inbox or self.scheduler.has_work() or self._failed or self.adapters.loading)
+        return bool(
+            self._inbox or self.scheduler.has_work() or self._failed or self.adapters.loading
+        )
 
     # -- the loop (one thread) -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -222,18 +261,30 @@ class LLMEngine:
                 if sampled.tokens[i] is None:
                     self._end(seq, "error")
                     adapter = f" with adapter {seq.adapter.key}" if seq.adapter is not None else ""
-                    outputs.append(self._output(seq, [], "", [], error=NonFiniteLogits(
-                        f"the model gave non-finite logits (NaN or infinity){adapter}: the request cannot be "
-                        "completed")))
+                    outputs.append(
+                        self._output(
+                            seq,
+                            [],
+                            "",
+                            [],
+                            error=NonFiniteLogits(
+                                f"the model gave non-finite logits (NaN or infinity){adapter}: the request cannot be "
+                                "completed"
+                            ),
+                        )
+                    )
                     continue
                 outputs.append(self._append(seq, sampled, i))
         except BaseException:
-            self._failed = outputs + self._failed  # already taken off the books: fail_all delivers them
+            self._failed = (
+                outputs + self._failed
+            )  # already taken off the books: fail_all delivers them
             raise
         return outputs
 
-    def _fork(self, seqs: list[Sequence],
-              logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    def _fork(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
         """The further sequences of each newly prefilled prompt (n, best_of): they share its KV
         blocks and start from its logits."""
         rows, copies = list(range(len(seqs))), []
@@ -254,9 +305,16 @@ class LLMEngine:
 
     def _child(self, parent: Sequence, index: int) -> Sequence:
         p = parent.params
-        child = Sequence(parent.request_id, parent.prompt_ids, p, parent.adapter, parent.arrival,
-                         index=index, prompt_logprobs=parent.prompt_logprobs,
-                         cache_tier=parent.cache_tier)
+        child = Sequence(
+            parent.request_id,
+            parent.prompt_ids,
+            p,
+            parent.adapter,
+            parent.arrival,
+            index=index,
+            prompt_logprobs=parent.prompt_logprobs,
+            cache_tier=parent.cache_tier,
+        )
         child.detokenizer = self.tokenizer.output_decoder(child.prompt_ids)
         if parent.matcher is not None:
             child.matcher = parent.matcher.fork()
@@ -276,9 +334,10 @@ class LLMEngine:
         tokens = seq.prompt_ids[start + 1 : start + 1 + len(lp)]
         picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
-        entries = [{"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
-                   for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(),
-                                                     top_v.tolist())]
+        entries = [
+            {"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
+            for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(), top_v.tolist())
+        ]
         seq.prompt_logprobs = (seq.prompt_logprobs or [None])[: start + 1] + entries
 
     def _end(self, seq: Sequence, reason: str) -> None:
@@ -307,7 +366,9 @@ class LLMEngine:
         for key, error in failures:
             if self.adapters.slot_of(key) is not None or key in self.adapters.cpu:
                 continue
-            for seq in [s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key]:
+            for seq in [
+                s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key
+            ]:
                 self._end(seq, "error")
                 self._failed.append(self._output(seq, [], "", [], error=error))
 
@@ -343,7 +404,11 @@ class LLMEngine:
         elif seq.params.stop:
             # A stop string may end in the new text: look from where one could start in it.
             starts = (max(seq.stop_from, before - len(s) + 1) for s in seq.params.stop)
-            hits = [i for i in (text.find(s, start) for s, start in zip(seq.params.stop, starts)) if i >= 0]
+            hits = [
+                i
+                for i in (text.find(s, start) for s, start in zip(seq.params.stop, starts))
+                if i >= 0
+            ]
             if hits:
                 text, reason = text[: min(hits)], "stop"
         if reason is not None:
@@ -372,16 +437,29 @@ class LLMEngine:
         wait = seq.admitted_at - seq.arrival if seq.admitted_at is not None else None
         first = seq.sent_tokens <= len(ids)  # the sequence's first output (or an error before any)
         return RequestOutput(
-            seq.request_id, ids, text, logprobs, seq.status is Status.FINISHED, seq.finish_reason,
-            len(seq.prompt_ids), len(seq.output_ids), error, index=seq.index,
+            seq.request_id,
+            ids,
+            text,
+            logprobs,
+            seq.status is Status.FINISHED,
+            seq.finish_reason,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+            error,
+            index=seq.index,
             cumulative_logprob=seq.cumulative_logprob if seq.params.best_of else None,
-            prompt_logprobs=seq.prompt_logprobs if first else None, cache_tier=seq.cache_tier,
+            prompt_logprobs=seq.prompt_logprobs if first else None,
+            cache_tier=seq.cache_tier,
             queue_wait_s=wait,
         )
 
     # -- convenience -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 adapters: list[AdapterRef | None] | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        adapters: list[AdapterRef | None] | None = None,
+    ) -> list[list[int]]:
         """Run requests to completion in one continuous batch; the output token ids per prompt."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         adapters = adapters or [None] * len(prompts)
@@ -396,15 +474,25 @@ class LLMEngine:
                 time.sleep(0.001)  # everything waits on a load: do not spin
         return [done[i] for i in ids]
 
-    def score(self, prompts: list[list[int]], adapters: list[AdapterRef | None]) -> list[torch.Tensor]:
+    def score(
+        self, prompts: list[list[int]], adapters: list[AdapterRef | None]
+    ) -> list[torch.Tensor]:
         """Logits [len, vocab] of every prompt position (host tensors), all prompts in one mixed-adapter prefill."""
-        seqs = [Sequence(f"score-{i}", list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+        seqs = [
+            Sequence(f"score-{i}", list(p), SamplingParams(), a)
+            for i, (p, a) in enumerate(zip(prompts, adapters))
+        ]
         pending = list(seqs)
         try:
-            while pending:  # make every adapter resident first (a step of its own, like any waiting request)
+            while (
+                pending
+            ):  # make every adapter resident first (a step of its own, like any waiting request)
                 failures = self.adapters.poll()
                 self._fail_unavailable(failures)
-                for key, error in failures:  # these sequences are in no queue: their load's failure is theirs
+                for (
+                    key,
+                    error,
+                ) in failures:  # these sequences are in no queue: their load's failure is theirs
                     if any(seq.adapter is not None and seq.adapter.key == key for seq in pending):
                         raise error
                 for seq in list(pending):

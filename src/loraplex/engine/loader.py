@@ -34,14 +34,20 @@ def weight_files(model_dir: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
-            raise ModelConfigError(f"{model_dir}: missing weight shard {missing[0]} named in {index.name}")
+            raise ModelConfigError(
+                f"{model_dir}: missing weight shard {missing[0]} named in {index.name}"
+            )
         return [model_dir / s for s in shards]
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
     if any(model_dir.glob("*.bin")):
-        raise ModelConfigError(f"{model_dir}: only pickle weights (*.bin) found; loraplex loads safetensors only")
-    raise ModelConfigError(f"{model_dir}: missing model.safetensors (or model.safetensors.index.json)")
+        raise ModelConfigError(
+            f"{model_dir}: only pickle weights (*.bin) found; loraplex loads safetensors only"
+        )
+    raise ModelConfigError(
+        f"{model_dir}: missing model.safetensors (or model.safetensors.index.json)"
+    )
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -59,10 +65,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
     expected = {k for k in model.state_dict()}
     missing = sorted(expected - state.keys())
     if missing:
-        raise ModelConfigError(f"{model_dir}: weights are missing {missing[0]} (and {len(missing) - 1} more)")
+        raise ModelConfigError(
+            f"{model_dir}: weights are missing {missing[0]} (and {len(missing) - 1} more)"
+        )
     unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise ModelConfigError(f"{model_dir}: unexpected weight {unexpected[0]} for {cfg.architecture}")
+        raise ModelConfigError(
+            f"{model_dir}: unexpected weight {unexpected[0]} for {cfg.architecture}"
+        )
     with torch.no_grad():
         for key, param in model.state_dict().items():
             param.copy_(state[key])

@@ -24,7 +24,11 @@ TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float
 # segment there.
 MIN_SEGMENT_TOKENS = {"cuda": 8, "cpu": 1}
 _TRANSPOSE_BLOCK_BYTES = 32 << 10  # a block of B's rows, transposed at once, stays in the L1 cache
-_BITS = {1: np.int8, 2: np.int16, 4: np.int32}  # element size -> the integer type that moves its bits unchanged
+_BITS = {
+    1: np.int8,
+    2: np.int16,
+    4: np.int32,
+}  # element size -> the integer type that moves its bits unchanged
 _TORCH_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -33,8 +37,12 @@ class PackedAdapter:
     """An adapter's A and scaled Bᵀ matrices in one contiguous host buffer, so a slot load is one copy."""
 
     buffer: torch.Tensor  # [numel]
-    entries: tuple[tuple[int, int, int, int, int], ...]  # (layer, module index, rank, offset of A, offset of Bᵀ)
-    module_ranks: tuple[int, ...]  # per module index, the largest rank over layers (0: not targeted)
+    entries: tuple[
+        tuple[int, int, int, int, int], ...
+    ]  # (layer, module index, rank, offset of A, offset of Bᵀ)
+    module_ranks: tuple[
+        int, ...
+    ]  # per module index, the largest rank over layers (0: not targeted)
     spec: AdapterSpec
 
     @property
@@ -42,8 +50,13 @@ class PackedAdapter:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def pack_adapter(spec: AdapterSpec, weights: bytearray | memoryview, dtype: torch.dtype, pin: bool = False,
-                 hashed: Callable[[int], None] | None = None) -> PackedAdapter:
+def pack_adapter(
+    spec: AdapterSpec,
+    weights: bytearray | memoryview,
+    dtype: torch.dtype,
+    pin: bool = False,
+    hashed: Callable[[int], None] | None = None,
+) -> PackedAdapter:
     """Pack a validated safetensors file (never pickle) for a slot: A as stored, the scaling folded into Bᵀ.
 
     `spec` is what validating these `weights` gave (its layout is read again only when it holds none).
@@ -63,7 +76,10 @@ def pack_adapter(spec: AdapterSpec, weights: bytearray | memoryview, dtype: torc
     if in_place:
         # in file order, so that the waits for the digest check move forward with it
         modules = sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
-        buffer, entries = raw[layout.data_start :].view(dtype), _pack_in_place(layout, modules, raw, dtype, hashed)
+        buffer, entries = (
+            raw[layout.data_start :].view(dtype),
+            _pack_in_place(layout, modules, raw, dtype, hashed),
+        )
     else:
         buffer, entries = _pack_converted(layout, spec.modules, raw, dtype, pin)
     ranks = [0] * len(LINEAR_MODULES)
@@ -83,14 +99,26 @@ def _pack_in_place(layout, modules, raw: torch.Tensor, dtype: torch.dtype, hashe
     scratch = np.empty(numel, dtype=bits)
     scratch_torch = torch.from_numpy(scratch).view(dtype)
     entries = []
-    with np.errstate(all="ignore"):  # an overflow gives inf, as torch's product does, without a warning
+    with np.errstate(
+        all="ignore"
+    ):  # an overflow gives inf, as torch's product does, without a warning
         for m in modules:
-            entries.append(_pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed))
+            entries.append(
+                _pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed)
+            )
     return entries
 
 
-def _pack_module(m, layout, data: np.ndarray, bits, scratch: np.ndarray, scratch_torch: torch.Tensor,
-                 dtype: torch.dtype, hashed) -> tuple:
+def _pack_module(
+    m,
+    layout,
+    data: np.ndarray,
+    bits,
+    scratch: np.ndarray,
+    scratch_torch: torch.Tensor,
+    dtype: torch.dtype,
+    hashed,
+) -> tuple:
     """One module's B, in its own bytes, becomes its scaled Bᵀ; returns the module's entry."""
     begin_b, end_b = layout.tensors[m.key_b]["data_offsets"]
     d_out, rank = layout.tensors[m.key_b]["shape"]
@@ -100,12 +128,22 @@ def _pack_module(m, layout, data: np.ndarray, bits, scratch: np.ndarray, scratch
     if dtype == torch.float32:  # numpy's product with a float32 factor is torch's, bit for bit
         np.multiply(b.view(np.float32), np.float32(m.scaling), out=scaled.view(np.float32))
     else:  # numpy has no bfloat16, and rounds a half factor to half first
-        torch.mul(torch.from_numpy(b).view(dtype), m.scaling, out=scratch_torch[: d_out * rank].view(d_out, rank))
+        torch.mul(
+            torch.from_numpy(b).view(dtype),
+            m.scaling,
+            out=scratch_torch[: d_out * rank].view(d_out, rank),
+        )
     if hashed is not None:
         hashed(layout.data_start + end_b)
     _transpose_into(data[begin_b:end_b].view(bits).reshape(rank, d_out), scaled)
     size = dtype.itemsize
-    return m.layer, MODULE_INDEX[m.module], m.rank, layout.tensors[m.key_a]["data_offsets"][0] // size, begin_b // size
+    return (
+        m.layer,
+        MODULE_INDEX[m.module],
+        m.rank,
+        layout.tensors[m.key_a]["data_offsets"][0] // size,
+        begin_b // size,
+    )
 
 
 def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
@@ -115,7 +153,9 @@ def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin:
         info = layout.tensors[key]
         begin, end = (layout.data_start + offset for offset in info["data_offsets"])
         data = raw[begin:end]
-        if begin % DTYPE_BYTES[info["dtype"]]:  # safetensors aligns tensors; a hand-made file may not
+        if (
+            begin % DTYPE_BYTES[info["dtype"]]
+        ):  # safetensors aligns tensors; a hand-made file may not
             data = data.clone()
         return data.view(TORCH_DTYPES[info["dtype"]]).view(info["shape"])
 
@@ -128,7 +168,9 @@ def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin:
         a, b = stored(m.key_a), stored(m.key_b)  # a: [r, d_in], b: [d_out, r]
         off_a, off_b = offset_of[m.key_a], offset_of[m.key_b]
         buffer[off_a : off_a + a.numel()].view(a.shape).copy_(a)
-        buffer[off_b : off_b + b.numel()].view(b.shape[1], b.shape[0]).copy_((b.float() * m.scaling).t())
+        buffer[off_b : off_b + b.numel()].view(b.shape[1], b.shape[0]).copy_(
+            (b.float() * m.scaling).t()
+        )
         entries.append((m.layer, MODULE_INDEX[m.module], m.rank, off_a, off_b))
     return buffer, entries
 
@@ -142,7 +184,9 @@ def _transpose_into(out: np.ndarray, x: np.ndarray) -> None:
     """out = xᵀ for arrays of one bit type. numpy's copy is used because for a narrow x (B is [d_out, r], r of 8 or
     16) it runs about three times as fast as torch's transposing copy_. It goes by blocks of rows that fit in the
     L1 cache: for r = 64 that is 2-2.5 times as fast as one transposing copy (bench/adapter_load.py)."""
-    rows = max(1, _TRANSPOSE_BLOCK_BYTES // (x.shape[1] * x.itemsize))  # x: [d_out, r], out: [r, d_out]
+    rows = max(
+        1, _TRANSPOSE_BLOCK_BYTES // (x.shape[1] * x.itemsize)
+    )  # x: [d_out, r], out: [r, d_out]
     for start in range(0, x.shape[0], rows):
         np.copyto(out[:, start : start + rows], x[start : start + rows].T)
 
@@ -150,7 +194,9 @@ def _transpose_into(out: np.ndarray, x: np.ndarray) -> None:
 class LoRASlotPool:
     """`max_loras` slots in one preallocated device buffer; each slot holds every module padded to max rank."""
 
-    def __init__(self, model: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device):
+    def __init__(
+        self, model: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device
+    ):
         self.model = model
         self.num_slots = max_loras
         self.max_rank = max_rank
@@ -170,8 +216,14 @@ class LoRASlotPool:
             for index, name in enumerate(LINEAR_MODULES):
                 d_in, d_out = model.linear_shape(name)
                 off_a, off_b = offsets[layer, index]
-                row_a.append(self.buffer[:, off_a : off_a + max_rank * d_in].view(max_loras, max_rank, d_in))
-                row_bt.append(self.buffer[:, off_b : off_b + max_rank * d_out].view(max_loras, max_rank, d_out))
+                row_a.append(
+                    self.buffer[:, off_a : off_a + max_rank * d_in].view(max_loras, max_rank, d_in)
+                )
+                row_bt.append(
+                    self.buffer[:, off_b : off_b + max_rank * d_out].view(
+                        max_loras, max_rank, d_out
+                    )
+                )
             self.a.append(row_a)
             self.bt.append(row_bt)
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
@@ -179,7 +231,9 @@ class LoRASlotPool:
         # a small adapter is a hundred or so copies, and numpy's calls cost a tenth of torch's.
         self._host_rows = None
         if self.buffer.device.type == "cpu":
-            self._host_rows = tuple([[_bits(t) for t in row] for row in rows] for rows in (self.a, self.bt))
+            self._host_rows = tuple(
+                [[_bits(t) for t in row] for row in rows] for rows in (self.a, self.bt)
+            )
 
     @property
     def slot_bytes(self) -> int:
@@ -195,8 +249,13 @@ class LoRASlotPool:
             staging = _bits(packed.buffer)
         for layer, index, rank, off_a, off_b in packed.entries:
             a, bt = rows_a[layer][index], rows_bt[layer][index]
-            copy(a[slot, :rank], staging[off_a : off_a + rank * a.shape[2]].reshape(rank, a.shape[2]))
-            copy(bt[slot, :rank], staging[off_b : off_b + rank * bt.shape[2]].reshape(rank, bt.shape[2]))
+            copy(
+                a[slot, :rank], staging[off_a : off_a + rank * a.shape[2]].reshape(rank, a.shape[2])
+            )
+            copy(
+                bt[slot, :rank],
+                staging[off_b : off_b + rank * bt.shape[2]].reshape(rank, bt.shape[2]),
+            )
         self.module_ranks[slot] = packed.module_ranks
 
     def clear_slot(self, slot: int) -> None:
@@ -223,12 +282,20 @@ class LoRASlotPool:
 class LoraGroups:
     """How one module's LoRA is computed in one step."""
 
-    segments: list[tuple[int, int, int, int]] = field(default_factory=list)  # (start, end, slot, rank)
-    gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)  # (tokens, slots, rank)
+    segments: list[tuple[int, int, int, int]] = field(
+        default_factory=list
+    )  # (start, end, slot, rank)
+    gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=list
+    )  # (tokens, slots, rank)
 
 
-def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]], device,
-                      min_segment: int | None = None) -> list[LoraGroups] | None:
+def build_lora_groups(
+    token_slots: list[int],
+    module_ranks: list[tuple[int, ...]],
+    device,
+    min_segment: int | None = None,
+) -> list[LoraGroups] | None:
     """Per module index, the segments and the gather for a step; None when no token has an adapter.
 
     The gather's token and slot indices are the same tensors for every module (built once per step): a slot's rows
@@ -265,7 +332,9 @@ def build_lora_groups(token_slots: list[int], module_ranks: list[tuple[int, ...]
     return groups
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, group: LoraGroups) -> None:
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, group: LoraGroups
+) -> None:
     """y += x·Aᵀ·Bᵀ per token's adapter, in place. x: [T, d_in], y: [T, d_out]."""
     for start, end, slot, rank in group.segments:
         y[start:end] += (x[start:end] @ a[slot, :rank].t()) @ bt[slot, :rank]
@@ -274,7 +343,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
         y.index_add_(0, tokens, torch.bmm(xa, bt[slots, :rank]).squeeze(1))
 
 
-def add_lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, token_slots: list[int]):
+def add_lora_reference(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, token_slots: list[int]
+):
     """The simplest per-token loop; the oracle the batched op is tested against."""
     for t, slot in enumerate(token_slots):
         if slot != EMPTY_SLOT:

@@ -33,7 +33,9 @@ class AttentionMeta:
     positions: torch.Tensor  # [T]
     prefills: list[PrefillSpan]
     decode_tokens: torch.Tensor | None = None  # [B] token index of each decoding sequence
-    decode_kv: torch.Tensor | None = None  # [B, L] flat KV-cache positions of each decoding sequence's context
+    decode_kv: torch.Tensor | None = (
+        None  # [B, L] flat KV-cache positions of each decoding sequence's context
+    )
     decode_lens: torch.Tensor | None = None  # [B] context length, the new token included
     _masks: dict = field(default_factory=dict)
 
@@ -107,7 +109,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.window = window
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         bias = cfg.attention_bias
@@ -120,7 +126,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, attn: AttentionMeta, kv: tuple[torch.Tensor, torch.Tensor], lora):
+    def forward(
+        self, x, cos, sin, attn: AttentionMeta, kv: tuple[torch.Tensor, torch.Tensor], lora
+    ):
         n = x.shape[0]
         q = self.q_proj(x, lora).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x, lora).view(n, self.num_kv_heads, self.head_dim)
@@ -150,14 +158,18 @@ class Attention(nn.Module):
         else:
             k, v = (c[span.context].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
         if span.start == 0 and (self.window is None or length <= self.window):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+            )
         else:
             rows = torch.arange(span.start, span.start + length, device=q.device)[:, None]
             cols = torch.arange(span.start + length, device=q.device)[None, :]
             mask = cols <= rows
             if self.window is not None:
                 mask &= cols > rows - self.window
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
         return out[0].transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, attn: AttentionMeta):
@@ -215,11 +227,18 @@ class CausalLM(nn.Module):
 
     def attach_lora(self, pool: LoRASlotPool) -> None:
         for layer_index, layer in enumerate(self.model.layers):
-            for proj in (*_attn_projs(layer.self_attn), layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            for proj in (
+                *_attn_projs(layer.self_attn),
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            ):
                 proj.lora_a = pool.a[layer_index][proj.index]
                 proj.lora_bt = pool.bt[layer_index][proj.index]
 
-    def forward(self, input_ids, attn: AttentionMeta, kv_caches, lora: list[LoraGroups] | None) -> torch.Tensor:
+    def forward(
+        self, input_ids, attn: AttentionMeta, kv_caches, lora: list[LoraGroups] | None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened step tokens."""
         x = self.model.embed_tokens(input_ids)
         freqs = attn.positions[:, None].float() * self.inv_freq[None, :]

@@ -41,7 +41,10 @@ class ModelRunner:
         positions = blocks.num_blocks * blocks.block_size
         shape = (positions, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(cfg.num_layers)
         ]
 
@@ -49,8 +52,12 @@ class ModelRunner:
         """[len(seqs), width] flat KV-cache positions of each sequence's first `width` tokens (0 past its end)."""
         size = self.blocks.block_size
         num_blocks = -(-width // size)
-        table = torch.tensor([s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
-                              for s in seqs])
+        table = torch.tensor(
+            [
+                s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
+                for s in seqs
+            ]
+        )
         index = torch.arange(width)
         return table[:, index // size] * size + index % size
 
@@ -97,8 +104,15 @@ class ModelRunner:
         ids += [s.last_token for s in decodes]
         positions += [n - 1 for n in lens]
         size = self.blocks.block_size
-        slots.append(torch.tensor([s.block_table[(n - 1) // size] * size + (n - 1) % size
-                                   for s, n in zip(decodes, lens)], dtype=torch.long))
+        slots.append(
+            torch.tensor(
+                [
+                    s.block_table[(n - 1) // size] * size + (n - 1) % size
+                    for s, n in zip(decodes, lens)
+                ],
+                dtype=torch.long,
+            )
+        )
         token_slots += [s.lora_slot for s in decodes]
         last += range(decode_start, len(ids))
         attn = AttentionMeta(

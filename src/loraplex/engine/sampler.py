@@ -109,8 +109,13 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], device: torch.device,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_ids: tuple[int, ...],
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ):
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.device = device
@@ -157,8 +162,11 @@ class Sampler:
         if meta.any_min_p:
             floor = meta.min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        only_k = [i for i, s in enumerate(seqs)
-                  if 0 < s.params.top_k < self.vocab_size and s.params.top_p == 1.0]
+        only_k = [
+            i
+            for i, s in enumerate(seqs)
+            if 0 < s.params.top_k < self.vocab_size and s.params.top_p == 1.0
+        ]
         if only_k:  # no sort: the k-th value is the threshold
             at = torch.tensor(only_k, device=self.device)
             probs[at] = _top_k(probs[at], meta.top_k[at])

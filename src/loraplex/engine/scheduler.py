@@ -100,8 +100,13 @@ class Scheduler:
             budget -= seq.num_scheduled
             lora_bytes = self._lora_bytes(self.running)
 
-        admit_waiting(self._in_turn(), has_room=has_room, take_adapter=take, admit=admit,
-                      adapter_of=lambda seq: None if seq.adapter is None else seq.adapter.key)
+        admit_waiting(
+            self._in_turn(),
+            has_room=has_room,
+            take_adapter=take,
+            admit=admit,
+            adapter_of=lambda seq: None if seq.adapter is None else seq.adapter.key,
+        )
 
     def _in_turn(self) -> list[Sequence]:
         """The waiting requests in arrival order, those that their tenant's budget keeps waiting

@@ -67,8 +67,11 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             "must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
             (self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits"),
         ]
         for ok, name, why in checks:
@@ -89,7 +92,10 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return bool(
-            self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
         )
 
 

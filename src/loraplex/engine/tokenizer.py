@@ -42,7 +42,9 @@ class Tokenizer:
         try:
             self._template = env.from_string(template) if template else None
         except jinja2.TemplateSyntaxError as exc:
-            raise ModelConfigError(f"{model_dir}: tokenizer_config.json: chat_template: {exc}") from None
+            raise ModelConfigError(
+                f"{model_dir}: tokenizer_config.json: chat_template: {exc}"
+            ) from None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     @property

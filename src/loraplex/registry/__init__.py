@@ -12,7 +12,13 @@ from loraplex.registry.errors import (
     SchemaTooNew,
     UnsafeLocation,
 )
-from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
+from loraplex.registry.records import (
+    AdapterRecord,
+    AuditRecord,
+    KeyRecord,
+    RevisionRecord,
+    TenantRecord,
+)
 from loraplex.registry.registry import Registry
 from loraplex.registry.release import EvalCase, ReleaseChecks
 from loraplex.registry.store import (

@@ -20,14 +20,25 @@ from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.registry import Registry, check_tenant_limits, default_store_for
-from loraplex.registry.signing import generate_keypair, load_private_key, load_public_key, sign_digest
+from loraplex.registry.signing import (
+    generate_keypair,
+    load_private_key,
+    load_public_key,
+    sign_digest,
+)
 from loraplex.registry.stats import revision_stats
 from loraplex.registry.store import ArtifactStore, canonical_digest
 
-app = typer.Typer(name="registry", help="Adapters, revisions, rollouts, tenants and keys.", no_args_is_help=True,
-                  add_completion=False)
+app = typer.Typer(
+    name="registry",
+    help="Adapters, revisions, rollouts, tenants and keys.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
-key_app = typer.Typer(help="API keys (stored hashed; a new key is printed once).", no_args_is_help=True)
+key_app = typer.Typer(
+    help="API keys (stored hashed; a new key is printed once).", no_args_is_help=True
+)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 
@@ -48,19 +59,37 @@ class CliOptions:
 
     def open(self) -> Registry:
         keys = tuple(load_public_key(p) for p in self.trusted_keys)
-        return Registry(self.url, ArtifactStore(self.store), max_lora_rank=self.max_lora_rank, trusted_keys=keys,
-                        storage_base=self.storage_base, actor=getpass.getuser())
+        return Registry(
+            self.url,
+            ArtifactStore(self.store),
+            max_lora_rank=self.max_lora_rank,
+            trusted_keys=keys,
+            storage_base=self.storage_base,
+            actor=getpass.getuser(),
+        )
 
 
 @app.callback()
 def main(
     ctx: typer.Context,
-    registry: Annotated[str | None, typer.Option(help="Database URL (default: sqlite:///DATA_DIR/registry.db)")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Data directory (default: ~/.local/share/loraplex)")] = None,
-    store: Annotated[Path | None, typer.Option(help="Artifact store (default: artifacts/ beside the database)")] = None,
-    storage_base: Annotated[str | None, typer.Option(help="URL the store is served under (http store)")] = None,
-    trusted_key: Annotated[list[Path] | None, typer.Option(help="ed25519 public key (PEM); repeat; "
-                                                                 "with any, unsigned revisions are refused")] = None,
+    registry: Annotated[
+        str | None, typer.Option(help="Database URL (default: sqlite:///DATA_DIR/registry.db)")
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Data directory (default: ~/.local/share/loraplex)")
+    ] = None,
+    store: Annotated[
+        Path | None, typer.Option(help="Artifact store (default: artifacts/ beside the database)")
+    ] = None,
+    storage_base: Annotated[
+        str | None, typer.Option(help="URL the store is served under (http store)")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="ed25519 public key (PEM); repeat; with any, unsigned revisions are refused"
+        ),
+    ] = None,
     max_lora_rank: Annotated[int, typer.Option(help="Refuse adapters of a higher rank")] = 64,
 ):
     data = data_dir or default_data_dir()
@@ -80,12 +109,19 @@ def _errors(command):
         except (RegistryError, AdapterRejected, ModelConfigError, OSError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
-        except SQLAlchemyError as exc:  # not a registry file, an unknown URL, or another writer holding it
+        except (
+            SQLAlchemyError
+        ) as exc:  # not a registry file, an unknown URL, or another writer holding it
             reason = getattr(exc, "orig", None) or exc
             hint = "; another process is writing it, retry" if "locked" in str(reason) else ""
-            typer.echo(f"error: the registry database: {str(reason).splitlines()[0]}{hint}", err=True)
+            typer.echo(
+                f"error: the registry database: {str(reason).splitlines()[0]}{hint}", err=True
+            )
             raise typer.Exit(1) from None
-        except (ImportError, TypeError) as exc:  # a database driver not installed; a key file needing a password
+        except (
+            ImportError,
+            TypeError,
+        ) as exc:  # a database driver not installed; a key file needing a password
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
 
@@ -108,12 +144,29 @@ def _short(digest: str) -> str:
 
 def _revisions_table(adapter: AdapterRecord) -> Table:
     table = Table(title=f"{adapter.name}: revisions")
-    for column in ("revision", "status", "traffic %", "digest", "rank", "modules", "est. bytes", "created"):
+    for column in (
+        "revision",
+        "status",
+        "traffic %",
+        "digest",
+        "rank",
+        "modules",
+        "est. bytes",
+        "created",
+    ):
         table.add_column(column)
     for r in adapter.revisions:
         status = f"{r.status} ({r.status_reason})" if r.status_reason else r.status
-        table.add_row(r.revision, status, str(r.traffic_weight or ""), _short(r.digest), str(r.rank),
-                      ",".join(r.target_modules), f"{r.estimated_bytes:,}", r.created_at.strftime("%Y-%m-%d %H:%M"))
+        table.add_row(
+            r.revision,
+            status,
+            str(r.traffic_weight or ""),
+            _short(r.digest),
+            str(r.rank),
+            ",".join(r.target_modules),
+            f"{r.estimated_bytes:,}",
+            r.created_at.strftime("%Y-%m-%d %H:%M"),
+        )
     return table
 
 
@@ -123,7 +176,9 @@ def init(ctx: typer.Context):
     """Create the registry database (idempotent)."""
     registry = _open(ctx)
     registry.init()
-    typer.echo(f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in {ctx.obj.store}")
+    typer.echo(
+        f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in {ctx.obj.store}"
+    )
 
 
 @app.command()
@@ -132,20 +187,37 @@ def add(
     ctx: typer.Context,
     directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
     name: Annotated[str, typer.Option(help="Adapter name")],
-    revision: Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")] = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Revision label (default: r1, r2, ...)")
+    ] = None,
     tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
-    shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")] = False,
-    base_model: Annotated[Path | None, typer.Option(help="Base model directory to validate against")] = None,
+    shared: Annotated[
+        bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
+    ] = False,
+    base_model: Annotated[
+        Path | None, typer.Option(help="Base model directory to validate against")
+    ] = None,
     warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
     priority: Annotated[int | None, typer.Option()] = None,
-    stable: Annotated[bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")] = False,
-    eval_set: Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")] = None,
+    stable: Annotated[
+        bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
+    ] = False,
+    eval_set: Annotated[
+        Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")
+    ] = None,
     signature: Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")] = None,
-    signing_key: Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")] = None,
-    digest: Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")] = None,
-    strict_base_model_name: Annotated[bool, typer.Option(
-        help="Refuse an adapter whose config names another base model (default: a warning)",
-    )] = False,
+    signing_key: Annotated[
+        Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")
+    ] = None,
+    digest: Annotated[
+        str | None, typer.Option(help="Refuse unless the files hash to this digest")
+    ] = None,
+    strict_base_model_name: Annotated[
+        bool,
+        typer.Option(
+            help="Refuse an adapter whose config names another base model (default: a warning)",
+        ),
+    ] = False,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
@@ -154,21 +226,35 @@ def add(
     registry = _open(ctx)
     registry.strict_base_model_name = strict_base_model_name
     record = registry.add_revision(
-        directory, name, revision=revision, tenant=tenant, shared=True if shared else None,
-        base_model_dir=base_model, warm_policy=warm, priority=priority, status="stable" if stable else "staging",
-        eval_set=eval_set, signature=signature, digest=digest,
+        directory,
+        name,
+        revision=revision,
+        tenant=tenant,
+        shared=True if shared else None,
+        base_model_dir=base_model,
+        warm_policy=warm,
+        priority=priority,
+        status="stable" if stable else "staging",
+        eval_set=eval_set,
+        signature=signature,
+        digest=digest,
     )
     if json_out:
         _print_json(record.to_dict())
         return
-    typer.echo(f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} bytes, "
-               f"{record.status})")
+    typer.echo(
+        f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} bytes, "
+        f"{record.status})"
+    )
 
 
 @app.command("list")
 @_errors
-def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
-          json_out: JsonFlag = False):
+def list_(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+    json_out: JsonFlag = False,
+):
     """Adapters, their traffic split and owners."""
     adapters = _open(ctx).list_adapters(tenant)
     if json_out:
@@ -180,8 +266,16 @@ def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="O
     for a in adapters:
         traffic = " ".join(f"{rev}:{w}%" for rev, w in a.traffic) or "-"
         access = "shared" if a.shared else ",".join(a.allowed_tenants)
-        table.add_row(a.name, traffic, str(len(a.revisions)), a.owner_tenant or "-", access, a.warm_policy,
-                      str(a.priority), a.pin_tier or "")
+        table.add_row(
+            a.name,
+            traffic,
+            str(len(a.revisions)),
+            a.owner_tenant or "-",
+            access,
+            a.warm_policy,
+            str(a.priority),
+            a.pin_tier or "",
+        )
     Console().print(table)
 
 
@@ -190,7 +284,9 @@ def list_(ctx: typer.Context, tenant: Annotated[str | None, typer.Option(help="O
 def show(
     ctx: typer.Context,
     name: str,
-    audit_log: Annotated[Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")] = None,
+    audit_log: Annotated[
+        Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
+    ] = None,
     json_out: JsonFlag = False,
 ):
     """One adapter: its revisions, and with --audit-log, requests, errors and TTFT/TPOT per revision."""
@@ -200,10 +296,16 @@ def show(
         _print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
         return
     console = Console()
-    access = "shared with every tenant" if adapter.shared else f"tenants {', '.join(adapter.allowed_tenants)}"
+    access = (
+        "shared with every tenant"
+        if adapter.shared
+        else f"tenants {', '.join(adapter.allowed_tenants)}"
+    )
     pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
-    console.print(f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
-                  f"{adapter.warm_policy}, priority {adapter.priority}{pinned}")
+    console.print(
+        f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
+        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}"
+    )
     console.print(_revisions_table(adapter))
     if audit_log:
         console.print(_stats_table(name, stats))
@@ -211,17 +313,34 @@ def show(
 
 def _stats_table(name: str, stats) -> Table:
     table = Table(title=f"{name}: requests by revision (audit log)")
-    for column in ("revision", "requests", "error rate", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"):
+    for column in (
+        "revision",
+        "requests",
+        "error rate",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+    ):
         table.add_column(column)
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for s in stats:
-        table.add_row(s.revision, str(s.requests), f"{s.error_rate:.1%}", fmt(s.ttft_p50_ms), fmt(s.ttft_p99_ms),
-                      fmt(s.tpot_p50_ms), fmt(s.tpot_p99_ms))
+        table.add_row(
+            s.revision,
+            str(s.requests),
+            f"{s.error_rate:.1%}",
+            fmt(s.ttft_p50_ms),
+            fmt(s.ttft_p99_ms),
+            fmt(s.tpot_p50_ms),
+            fmt(s.tpot_p99_ms),
+        )
     return table
 
 
 def _traffic_line(adapter: AdapterRecord) -> str:
-    return f"{adapter.name}: " + (" ".join(f"{rev} {w}%" for rev, w in adapter.traffic) or "no traffic")
+    return f"{adapter.name}: " + (
+        " ".join(f"{rev} {w}%" for rev, w in adapter.traffic) or "no traffic"
+    )
 
 
 @app.command()
@@ -231,7 +350,9 @@ def promote(
     name: str,
     revision: str,
     weight: Annotated[int, typer.Option(help="Percent of traffic; 100 makes it stable")] = 100,
-    force: Annotated[bool, typer.Option("--force", help="Promote without running its eval set")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Promote without running its eval set")
+    ] = False,
 ):
     """Give a revision a share of the traffic (canary) or all of it (stable)."""
     typer.echo(_traffic_line(_open(ctx).promote(name, revision, weight, force=force)))
@@ -239,8 +360,11 @@ def promote(
 
 @app.command()
 @_errors
-def traffic(ctx: typer.Context, name: str,
-            weights: Annotated[list[str], typer.Argument(help="REV=PERCENT ..., summing to 100")]):
+def traffic(
+    ctx: typer.Context,
+    name: str,
+    weights: Annotated[list[str], typer.Argument(help="REV=PERCENT ..., summing to 100")],
+):
     """Set the whole traffic split of a name at once."""
     try:
         plan = {rev: int(w) for rev, _, w in (item.partition("=") for item in weights)}
@@ -258,23 +382,34 @@ def rollback(ctx: typer.Context, name: str):
 
 @app.command()
 @_errors
-def deprecate(ctx: typer.Context, name: str, revision: Annotated[str | None, typer.Argument()] = None):
+def deprecate(
+    ctx: typer.Context, name: str, revision: Annotated[str | None, typer.Argument()] = None
+):
     """Deprecate a revision that serves no traffic, or without REVISION the whole name."""
     typer.echo(_traffic_line(_open(ctx).deprecate(name, revision)))
 
 
 @app.command()
 @_errors
-def quarantine(ctx: typer.Context, name: str, revision: str,
-               reason: Annotated[str, typer.Option(help="Why (kept with the revision)")] = "quarantined by operator"):
+def quarantine(
+    ctx: typer.Context,
+    name: str,
+    revision: str,
+    reason: Annotated[
+        str, typer.Option(help="Why (kept with the revision)")
+    ] = "quarantined by operator",
+):
     """Never serve a revision again; its traffic goes back to the stable revision."""
     typer.echo(_traffic_line(_open(ctx).quarantine(name, revision, reason)))
 
 
 @app.command()
 @_errors
-def pin(ctx: typer.Context, name: str,
-        tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu"):
+def pin(
+    ctx: typer.Context,
+    name: str,
+    tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu",
+):
     """Keep an adapter resident in a tier of the caches (servers pin it there at their next start)."""
     _open(ctx).pin(name, tier=tier)
     typer.echo(f"{name}: pinned in {tier}")
@@ -304,8 +439,12 @@ def ungrant(ctx: typer.Context, name: str, tenant: str):
 
 @app.command()
 @_errors
-def audit(ctx: typer.Context, name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
-          limit: Annotated[int, typer.Option()] = 50, json_out: JsonFlag = False):
+def audit(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
+    limit: Annotated[int, typer.Option()] = 50,
+    json_out: JsonFlag = False,
+):
     """Who changed what, when (newest first)."""
     events = _open(ctx).audit_events(limit, target=name)
     if json_out:
@@ -315,8 +454,14 @@ def audit(ctx: typer.Context, name: Annotated[str | None, typer.Option(help="Onl
     for column in ("id", "at", "actor", "action", "target", "detail"):
         table.add_column(column)
     for e in events:
-        table.add_row(str(e.id), e.at.strftime("%Y-%m-%d %H:%M:%S"), e.actor, e.action, e.target,
-                      json.dumps(e.detail, sort_keys=True))
+        table.add_row(
+            str(e.id),
+            e.at.strftime("%Y-%m-%d %H:%M:%S"),
+            e.actor,
+            e.action,
+            e.target,
+            json.dumps(e.detail, sort_keys=True),
+        )
     Console().print(table)
 
 
@@ -347,24 +492,38 @@ def keygen(private_out: Path, public_out: Path):
 
 @app.command()
 @_errors
-def gc(ctx: typer.Context, min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600):
+def gc(
+    ctx: typer.Context,
+    min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600,
+):
     """Delete artifacts that no revision refers to (left by refused or interrupted registrations)."""
     removed = _open(ctx).gc_artifacts(min_age_s)
     typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
 
 
-GpuSlotsOption = Annotated[str | None, typer.Option(
-    "--max-gpu-slots", help="Residency budget in device slots; `none`: the server's default share")]
-CpuBytesOption = Annotated[str | None, typer.Option(
-    "--max-cpu-bytes",
-    help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share")]
+GpuSlotsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--max-gpu-slots",
+        help="Residency budget in device slots; `none`: the server's default share",
+    ),
+]
+CpuBytesOption = Annotated[
+    str | None,
+    typer.Option(
+        "--max-cpu-bytes",
+        help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share",
+    ),
+]
 
 
 def _budget(max_gpu_slots: str | None, max_cpu_bytes: str | None) -> dict[str, int | None]:
     """The budget fields given on the command line (`none` clears one); a bad one names its flag."""
     budget: dict[str, int | None] = {}
-    given = (("--max-gpu-slots", max_gpu_slots, int),
-             ("--max-cpu-bytes", max_cpu_bytes, parse_size))
+    given = (
+        ("--max-gpu-slots", max_gpu_slots, int),
+        ("--max-cpu-bytes", max_cpu_bytes, parse_size),
+    )
     for flag, text, parse in given:
         if text is None:
             continue
@@ -395,9 +554,15 @@ LimitFlag = Annotated[int | None, typer.Option(help="Per server; 0: the server's
 
 @tenant_app.command("add")
 @_errors
-def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Option()] = 0,
-               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None,
-               max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
+def tenant_add(
+    ctx: typer.Context,
+    name: str,
+    priority: Annotated[int, typer.Option()] = 0,
+    max_gpu_slots: GpuSlotsOption = None,
+    max_cpu_bytes: CpuBytesOption = None,
+    max_concurrent_requests: LimitFlag = None,
+    max_waiting: LimitFlag = None,
+):
     """Create a tenant (or set its priority), with its residency budgets and request limits when given."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
     limits = _limits(max_concurrent_requests, max_waiting)
@@ -407,10 +572,15 @@ def tenant_add(ctx: typer.Context, name: str, priority: Annotated[int, typer.Opt
 
 @tenant_app.command("set")
 @_errors
-def tenant_set(ctx: typer.Context, name: str,
-               priority: Annotated[int | None, typer.Option()] = None,
-               max_gpu_slots: GpuSlotsOption = None, max_cpu_bytes: CpuBytesOption = None,
-               max_concurrent_requests: LimitFlag = None, max_waiting: LimitFlag = None):
+def tenant_set(
+    ctx: typer.Context,
+    name: str,
+    priority: Annotated[int | None, typer.Option()] = None,
+    max_gpu_slots: GpuSlotsOption = None,
+    max_cpu_bytes: CpuBytesOption = None,
+    max_concurrent_requests: LimitFlag = None,
+    max_waiting: LimitFlag = None,
+):
     """Change a tenant's priority, residency budgets or request limits (running servers follow
     within their watch interval)."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
@@ -418,8 +588,9 @@ def tenant_set(ctx: typer.Context, name: str,
     registry = _open(ctx)
     tenant = next((t for t in registry.list_tenants() if t.name == name), None)
     if tenant is None:
-        raise RegistryError(f"unknown tenant {name!r}; "
-                            f"add it with `loraplex registry tenant add {name}`")
+        raise RegistryError(
+            f"unknown tenant {name!r}; add it with `loraplex registry tenant add {name}`"
+        )
     if priority is not None:
         tenant = registry.add_tenant(name, priority)
     _set_tenant(registry, tenant, budget, limits)
@@ -431,15 +602,22 @@ def _set_tenant(registry, tenant, budget: dict, limits: dict) -> None:
         tenant = registry.set_budget(tenant.name, **budget)
     if limits:
         tenant = registry.set_tenant_limits(tenant.name, **limits)
-    typer.echo(f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
-               f"{_limits_text(tenant)})")
+    typer.echo(
+        f"tenant {tenant.name} (priority {tenant.priority}{_budget_line(tenant)}"
+        f"{_limits_text(tenant)})"
+    )
 
 
 def _limits(max_concurrent_requests: int | None, max_waiting: int | None) -> dict[str, int | None]:
     """The request limits given (0: back to the server's default), checked before any change."""
-    limits = {field: value or None for field, value in
-              (("max_concurrent_requests", max_concurrent_requests), ("max_waiting", max_waiting))
-              if value is not None}
+    limits = {
+        field: value or None
+        for field, value in (
+            ("max_concurrent_requests", max_concurrent_requests),
+            ("max_waiting", max_waiting),
+        )
+        if value is not None
+    }
     check_tenant_limits(limits)
     return limits
 
@@ -447,13 +625,17 @@ def _limits(max_concurrent_requests: int | None, max_waiting: int | None) -> dic
 def _budget_line(t) -> str:
     if t.max_gpu_slots is None and t.max_cpu_bytes is None:
         return ""
-    return (f", gpu slots {_budget_text(t.max_gpu_slots, False)}, "
-            f"cpu bytes {_budget_text(t.max_cpu_bytes, True)}")
+    return (
+        f", gpu slots {_budget_text(t.max_gpu_slots, False)}, "
+        f"cpu bytes {_budget_text(t.max_cpu_bytes, True)}"
+    )
 
 
 def _limits_text(tenant) -> str:
-    limits = (("max concurrent requests", tenant.max_concurrent_requests),
-              ("max waiting", tenant.max_waiting))
+    limits = (
+        ("max concurrent requests", tenant.max_concurrent_requests),
+        ("max waiting", tenant.max_waiting),
+    )
     return "".join(f", {label} {value}" for label, value in limits if value is not None)
 
 
@@ -462,20 +644,34 @@ def _limits_text(tenant) -> str:
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
     tenants = _open(ctx).list_tenants()
     if json_out:
-        _print_json([{"name": t.name, "priority": t.priority,
-                      "created_at": t.created_at.isoformat(), "max_gpu_slots": t.max_gpu_slots,
-                      "max_cpu_bytes": t.max_cpu_bytes,
-                      "max_concurrent_requests": t.max_concurrent_requests,
-                      "max_waiting": t.max_waiting} for t in tenants])
+        _print_json(
+            [
+                {
+                    "name": t.name,
+                    "priority": t.priority,
+                    "created_at": t.created_at.isoformat(),
+                    "max_gpu_slots": t.max_gpu_slots,
+                    "max_cpu_bytes": t.max_cpu_bytes,
+                    "max_concurrent_requests": t.max_concurrent_requests,
+                    "max_waiting": t.max_waiting,
+                }
+                for t in tenants
+            ]
+        )
         return
     table = Table(title="tenants")
     # Budgets, then request limits (concurrent, waiting); the creation time is in --json.
     for column in ("name", "priority", "max gpu slots", "max cpu bytes", "requests", "waiting"):
         table.add_column(column)
     for t in tenants:
-        table.add_row(t.name, str(t.priority), _budget_text(t.max_gpu_slots, False),
-                      _budget_text(t.max_cpu_bytes, True), _or_default(t.max_concurrent_requests),
-                      _or_default(t.max_waiting))
+        table.add_row(
+            t.name,
+            str(t.priority),
+            _budget_text(t.max_gpu_slots, False),
+            _budget_text(t.max_cpu_bytes, True),
+            _or_default(t.max_concurrent_requests),
+            _or_default(t.max_waiting),
+        )
     Console().print(table)
 
 
@@ -492,16 +688,30 @@ def key_create(ctx: typer.Context, tenant: str):
 
 @key_app.command("revoke")
 @_errors
-def key_revoke(ctx: typer.Context, key_id: Annotated[str, typer.Argument(help="Key id (its first 12 characters)")]):
+def key_revoke(
+    ctx: typer.Context,
+    key_id: Annotated[str, typer.Argument(help="Key id (its first 12 characters)")],
+):
     typer.echo(f"revoked {_open(ctx).revoke_key(key_id)}")
 
 
 @key_app.command("list")
 @_errors
-def key_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Option()] = None, json_out: JsonFlag = False):
+def key_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Option()] = None,
+    json_out: JsonFlag = False,
+):
     keys = _open(ctx).list_keys(tenant)
-    rows = [{"key_id": k.key_id, "tenant": k.tenant, "created_at": k.created_at.isoformat(),
-             "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None} for k in keys]
+    rows = [
+        {
+            "key_id": k.key_id,
+            "tenant": k.tenant,
+            "created_at": k.created_at.isoformat(),
+            "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None,
+        }
+        for k in keys
+    ]
     if json_out:
         _print_json(rows)
         return
@@ -509,7 +719,9 @@ def key_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Option()] =
     for column in ("key id", "tenant", "created", "revoked"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["key_id"], row["tenant"], row["created_at"][:16], (row["revoked_at"] or "")[:16])
+        table.add_row(
+            row["key_id"], row["tenant"], row["created_at"][:16], (row["revoked_at"] or "")[:16]
+        )
     Console().print(table)
 
 
@@ -517,8 +729,9 @@ if __name__ == "__main__":
     app()
 
 
-export_app = typer.Typer(help="The registry as another system's configuration.",
-                         no_args_is_help=True)
+export_app = typer.Typer(
+    help="The registry as another system's configuration.", no_args_is_help=True
+)
 app.add_typer(export_app, name="export")
 
 

@@ -105,7 +105,9 @@ class Revision(Base):
     actual_bytes: Mapped[int] = mapped_column(BigInteger)
     storage_uri: Mapped[str] = mapped_column(Text)
     signature: Mapped[str | None] = mapped_column(Text, nullable=True)
-    eval_set: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSONL, checked at registration
+    eval_set: Mapped[str | None] = mapped_column(
+        Text, nullable=True
+    )  # JSONL, checked at registration
     status: Mapped[str] = mapped_column(String(16))
     status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -237,7 +239,9 @@ def check_schema(engine: Engine) -> bool:
             f"({SCHEMA_VERSION}); upgrade loraplex, or point --registry at another database"
         )
     if version < SCHEMA_VERSION:
-        raise RegistryError(f"registry schema version {version} is old: run `loraplex registry init` to upgrade it")
+        raise RegistryError(
+            f"registry schema version {version} is old: run `loraplex registry init` to upgrade it"
+        )
     return True
 
 
@@ -247,7 +251,9 @@ def add_missing_tables(engine: Engine) -> None:
     missing = [t for t in Base.metadata.sorted_tables if not inspect(engine).has_table(t.name)]
     if missing:
         with writer(engine).begin() as conn:
-            Base.metadata.create_all(conn, tables=missing)  # checkfirst: a process that made them meanwhile is fine
+            Base.metadata.create_all(
+                conn, tables=missing
+            )  # checkfirst: a process that made them meanwhile is fine
 
 
 def add_missing_columns(engine: Engine) -> None:
@@ -264,14 +270,17 @@ def add_missing_columns(engine: Engine) -> None:
     with writer(engine).begin() as conn:
         for table, column in missing:
             if not column.nullable:
-                raise RegistryError(f"column {table.name}.{column.name} cannot be added to an "
-                                    "existing registry: it has no NULL to fill the rows with")
+                raise RegistryError(
+                    f"column {table.name}.{column.name} cannot be added to an "
+                    "existing registry: it has no NULL to fill the rows with"
+                )
             kind = column.type.compile(dialect=engine.dialect)
             # IF NOT EXISTS where the database has it: another process may add it meanwhile.
             guard = "IF NOT EXISTS " if engine.dialect.name == "postgresql" else ""
             try:
                 conn.exec_driver_sql(
-                    f"ALTER TABLE {table.name} ADD COLUMN {guard}{column.name} {kind}")
+                    f"ALTER TABLE {table.name} ADD COLUMN {guard}{column.name} {kind}"
+                )
             except OperationalError as exc:  # SQLite: a process that opened it meanwhile added it
                 if "duplicate column" not in str(exc):
                     raise

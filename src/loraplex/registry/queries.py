@@ -24,30 +24,47 @@ def locked_adapter_or_404(session: Session, name: str) -> Adapter:
 def tenant_or_error(session: Session, tenant: str) -> Tenant:
     row = session.get(Tenant, tenant)
     if row is None:
-        raise RegistryError(f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`")
+        raise RegistryError(
+            f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`"
+        )
     return row
 
 
-def find_revision(session: Session, name: str, revision: str | None, digest: str | None) -> Revision | None:
+def find_revision(
+    session: Session, name: str, revision: str | None, digest: str | None
+) -> Revision | None:
     """By revision when given (refusing a different digest under it), else the one holding `digest`."""
     if revision is not None:
-        row = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.revision == revision))
+        row = session.scalar(
+            select(Revision).where(Revision.adapter_name == name, Revision.revision == revision)
+        )
         if row is not None and digest is not None and row.digest != digest:
             raise AdapterRejected(
                 "revision",
                 f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one",
             )
-        if row is None and digest is not None:  # the same bytes under a new label: one revision per content
-            same = session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
-                                  .limit(1))
+        if (
+            row is None and digest is not None
+        ):  # the same bytes under a new label: one revision per content
+            same = session.scalar(
+                select(Revision)
+                .where(Revision.adapter_name == name, Revision.digest == digest)
+                .limit(1)
+            )
             if same is not None:
                 raise AdapterRejected(
-                    "revision", f"these are the bytes of {name}@{same.revision} ({same.status}); use that revision")
+                    "revision",
+                    f"these are the bytes of {name}@{same.revision} ({same.status}); use that revision",
+                )
         return row
     if digest is None:
         return None
-    return session.scalar(select(Revision).where(Revision.adapter_name == name, Revision.digest == digest)
-                          .order_by(Revision.id).limit(1))
+    return session.scalar(
+        select(Revision)
+        .where(Revision.adapter_name == name, Revision.digest == digest)
+        .order_by(Revision.id)
+        .limit(1)
+    )
 
 
 def revision_or_404(session: Session, name: str, revision: str) -> Revision:
@@ -73,14 +90,18 @@ def next_revision(session: Session, name: str) -> str:
 
 
 def weights(session: Session, name: str) -> dict[int, int]:
-    rows = session.execute(select(Traffic.revision_id, Traffic.weight).where(Traffic.adapter_name == name))
+    rows = session.execute(
+        select(Traffic.revision_id, Traffic.weight).where(Traffic.adapter_name == name)
+    )
     return {rid: w for rid, w in rows}
 
 
 def serving_weights(session: Session, name: str) -> list[tuple[Revision, int]]:
     rows = session.execute(
-        select(Revision, Traffic.weight).join(Traffic, Traffic.revision_id == Revision.id)
-        .where(Traffic.adapter_name == name).order_by(Revision.id)
+        select(Revision, Traffic.weight)
+        .join(Traffic, Traffic.revision_id == Revision.id)
+        .where(Traffic.adapter_name == name)
+        .order_by(Revision.id)
     )
     return [(r, w) for r, w in rows]
 
@@ -93,10 +114,19 @@ def current_stable(session: Session, name: str) -> Revision | None:
     return next((r for r in serving(session, name) if r.status == "stable"), None)
 
 
-def previous_stable(session: Session, name: str, current: Revision | None, required: bool = True) -> Revision | None:
+def previous_stable(
+    session: Session, name: str, current: Revision | None, required: bool = True
+) -> Revision | None:
     """The most recently promoted stable revision other than `current` that may still be served."""
-    query = (select(Revision).where(Revision.adapter_name == name, Revision.stable_since.is_not(None),
-                                    Revision.status != "quarantined").order_by(Revision.stable_since.desc()))
+    query = (
+        select(Revision)
+        .where(
+            Revision.adapter_name == name,
+            Revision.stable_since.is_not(None),
+            Revision.status != "quarantined",
+        )
+        .order_by(Revision.stable_since.desc())
+    )
     row = next((r for r in session.scalars(query) if current is None or r.id != current.id), None)
     if row is None and required:
         raise LifecycleError(f"{name} has no earlier stable revision to roll back to")
@@ -104,12 +134,18 @@ def previous_stable(session: Session, name: str, current: Revision | None, requi
 
 
 def grants(session: Session, name: str) -> tuple[str, ...]:
-    return tuple(session.scalars(select(Grant.tenant).where(Grant.adapter_name == name).order_by(Grant.tenant)))
+    return tuple(
+        session.scalars(
+            select(Grant.tenant).where(Grant.adapter_name == name).order_by(Grant.tenant)
+        )
+    )
 
 
 def all_grants(session: Session) -> dict[str, tuple[str, ...]]:
     out: dict[str, list[str]] = {}
-    for name, tenant in session.execute(select(Grant.adapter_name, Grant.tenant).order_by(Grant.tenant)):
+    for name, tenant in session.execute(
+        select(Grant.adapter_name, Grant.tenant).order_by(Grant.tenant)
+    ):
         out.setdefault(name, []).append(tenant)
     return {k: tuple(v) for k, v in out.items()}
 

@@ -48,10 +48,22 @@ from loraplex.registry.errors import (
     RegistryError,
     RevisionUnavailable,
 )
-from loraplex.registry.records import AdapterRecord, AuditRecord, KeyRecord, RevisionRecord, TenantRecord
+from loraplex.registry.records import (
+    AdapterRecord,
+    AuditRecord,
+    KeyRecord,
+    RevisionRecord,
+    TenantRecord,
+)
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
 from loraplex.registry.signing import read_signature_file, verify_digest
-from loraplex.registry.store import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
+from loraplex.registry.store import (
+    AllowList,
+    ArtifactStore,
+    Pieces,
+    artifact_files,
+    canonical_digest,
+)
 from loraplex.registry.traffic import pick
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -122,7 +134,9 @@ class Registry:
     def _schema_ready(self) -> bool:
         ready = db.check_schema(self.engine)
         if ready:
-            db.add_missing_tables(self.engine)  # a database made by an older version: the tables added since
+            db.add_missing_tables(
+                self.engine
+            )  # a database made by an older version: the tables added since
             db.add_missing_columns(self.engine)  # and the columns
         return ready
 
@@ -140,7 +154,9 @@ class Registry:
         if not self._ready:
             self._ready = self._schema_ready()
         if not self._ready:
-            raise RegistryError(f"the registry at {self.url} is not initialized: run `loraplex registry init`")
+            raise RegistryError(
+                f"the registry at {self.url} is not initialized: run `loraplex registry init`"
+            )
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
@@ -154,14 +170,25 @@ class Registry:
         self._check_ready()
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
-                session.execute(update(Generation).where(Generation.id == 1).values(value=Generation.value + 1))
+                session.execute(
+                    update(Generation).where(Generation.id == 1).values(value=Generation.value + 1)
+                )
                 yield session
         except IntegrityError as exc:
-            raise LifecycleError(f"a concurrent change conflicted with this one; retry ({exc.orig})") from None
+            raise LifecycleError(
+                f"a concurrent change conflicted with this one; retry ({exc.orig})"
+            ) from None
 
     def _audit(self, session: Session, action: str, target: str, **detail) -> None:
-        session.add(AuditEvent(at=utcnow(), actor=self.actor, action=action, target=target,
-                               detail=json.dumps(detail, sort_keys=True, default=str)))
+        session.add(
+            AuditEvent(
+                at=utcnow(),
+                actor=self.actor,
+                action=action,
+                target=target,
+                detail=json.dumps(detail, sort_keys=True, default=str),
+            )
+        )
 
     # ---- registration ---------------------------------------------------------------------------------
 
@@ -198,26 +225,40 @@ class Registry:
             parse_eval_set(cases_text)
         actual = canonical_digest(src)
         if digest is not None and digest != actual:
-            raise AdapterRejected("digest", f"the files hash to {actual}, not to the expected {digest}")
+            raise AdapterRejected(
+                "digest", f"the files hash to {actual}, not to the expected {digest}"
+            )
         if signature is None:
             signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
         if self.store is None:
-            raise RegistryError("no artifact store configured for this registry (pass store=ArtifactStore(DIR))")
-        stored, (pieces, sha256_pieces) = self.store.put_with_piece_lists(src)  # from the read hashing the copy
+            raise RegistryError(
+                "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
+            )
+        stored, (pieces, sha256_pieces) = self.store.put_with_piece_lists(
+            src
+        )  # from the read hashing the copy
         if stored != actual:
-            raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
+            raise AdapterRejected(
+                "digest", f"the files in {src} changed while they were being registered"
+            )
         with self._write() as session:
-            if not self.store.has(actual) and self.store.put(src) != actual:  # removed by a gc since the put
-                raise AdapterRejected("digest", f"the files in {src} changed while they were being registered")
+            if (
+                not self.store.has(actual) and self.store.put(src) != actual
+            ):  # removed by a gc since the put
+                raise AdapterRejected(
+                    "digest", f"the files in {src} changed while they were being registered"
+                )
             # Both lists, also for bytes registered before the tables: the BLAKE3 one this version checks, and the
             # sha256 one earlier versions read (they refuse another hash), for servers of both sharing a registry.
             if session.get(ArtifactPiecesBlake3, actual) is None:
                 session.add(ArtifactPiecesBlake3(digest=actual, pieces=pieces.to_json()))
             if session.get(ArtifactPieces, actual) is None:
                 session.add(ArtifactPieces(digest=actual, pieces=sha256_pieces.to_json()))
-            adapter = self._adapter_for_add(session, name, tenant, shared, spec.task_type, warm_policy, priority)
+            adapter = self._adapter_for_add(
+                session, name, tenant, shared, spec.task_type, warm_policy, priority
+            )
             existing = q.find_revision(session, name, revision, actual)
             if existing is not None:
                 return self._record(session, adapter, existing)
@@ -241,8 +282,16 @@ class Registry:
             )
             session.add(row)
             session.flush()
-            self._audit(session, "add", f"{name}@{row.revision}", digest=actual, status=status,
-                        owner=adapter.owner_tenant, shared=adapter.shared, estimated_bytes=spec.estimated_bytes)
+            self._audit(
+                session,
+                "add",
+                f"{name}@{row.revision}",
+                digest=actual,
+                status=status,
+                owner=adapter.owner_tenant,
+                shared=adapter.shared,
+                estimated_bytes=spec.estimated_bytes,
+            )
             if status == "stable":
                 self._apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
             return self._record(session, adapter, row)
@@ -251,13 +300,21 @@ class Registry:
         root = self.allowed.root_for(src.resolve().as_uri())
         for name in artifact_files(src):
             if not (src / name).resolve().is_relative_to(root):
-                raise AdapterRejected("path", f"{src / name} is a symlink out of the allowed root {root}")
+                raise AdapterRejected(
+                    "path", f"{src / name} is a symlink out of the allowed root {root}"
+                )
 
     def _validate(self, src: Path, base_model_dir, base_model: str | None):
         """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and reason."""
-        base_dir = Path(base_model_dir) if base_model_dir else self.base_model_dir or _base_dir_named_by(src)
+        base_dir = (
+            Path(base_model_dir)
+            if base_model_dir
+            else self.base_model_dir or _base_dir_named_by(src)
+        )
         if base_dir is None:
-            raise AdapterRejected("base_model", "no base model to validate against: pass --base-model DIR")
+            raise AdapterRejected(
+                "base_model", "no base model to validate against: pass --base-model DIR"
+            )
         try:
             model = ModelConfig.from_dir(base_dir)
         except (ModelConfigError, OSError, ValueError) as exc:
@@ -268,25 +325,40 @@ class Registry:
         if mismatch and self.strict_base_model_name:
             raise AdapterRejected("base_model_name_or_path", mismatch)
         if mismatch:
-            log.warning("%s: %s; accepted, as its shapes fit (--strict-base-model-name refuses it)",
-                        src, mismatch)
+            log.warning(
+                "%s: %s; accepted, as its shapes fit (--strict-base-model-name refuses it)",
+                src,
+                mismatch,
+            )
         return spec, base_name, base_model_digest(base_dir)
 
-    def _adapter_for_add(self, session, name, tenant, shared, task_type, warm_policy, priority) -> Adapter:
+    def _adapter_for_add(
+        self, session, name, tenant, shared, task_type, warm_policy, priority
+    ) -> Adapter:
         if tenant is not None and session.get(Tenant, tenant) is None:
             raise AdapterRejected(
-                "tenant", f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`"
+                "tenant",
+                f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`",
             )
         adapter = q.locked_adapter(session, name)
         if adapter is None:
-            adapter = Adapter(name=name, owner_tenant=tenant, shared=tenant is None if shared is None else shared,
-                              task_type=task_type, priority=priority or 0, warm_policy=warm_policy or "on_demand",
-                              pinned=False, created_at=utcnow())
+            adapter = Adapter(
+                name=name,
+                owner_tenant=tenant,
+                shared=tenant is None if shared is None else shared,
+                task_type=task_type,
+                priority=priority or 0,
+                warm_policy=warm_policy or "on_demand",
+                pinned=False,
+                created_at=utcnow(),
+            )
             session.add(adapter)
             session.flush()
             return adapter
         if tenant is not None and tenant != adapter.owner_tenant:
-            raise AdapterRejected("tenant", f"{name} is not owned by tenant {tenant!r}; pick another name")
+            raise AdapterRejected(
+                "tenant", f"{name} is not owned by tenant {tenant!r}; pick another name"
+            )
         if shared is not None:
             adapter.shared = shared
         if warm_policy is not None:
@@ -317,7 +389,9 @@ class Registry:
             if record is None:
                 raise AdapterNotFound(model)
             if record.status == "quarantined":
-                raise RevisionUnavailable(f"{model} is quarantined ({record.status_reason}); it is never served")
+                raise RevisionUnavailable(
+                    f"{model} is quarantined ({record.status_reason}); it is never served"
+                )
             return record
         if not snapshot.serving:
             raise RevisionUnavailable(_nothing_in_service(name, snapshot.records.values()))
@@ -370,24 +444,41 @@ class Registry:
         with self._read() as session:
             grants = q.all_grants(session)
             adapters = session.scalars(select(Adapter).order_by(Adapter.name)).all()
-            visible = [a for a in adapters if tenant is None or q.may_use(a, grants.get(a.name, ()), tenant)]
+            visible = [
+                a
+                for a in adapters
+                if tenant is None or q.may_use(a, grants.get(a.name, ()), tenant)
+            ]
             revisions: dict[str, list[Revision]] = {}
             for row in session.scalars(select(Revision).order_by(Revision.id)):
                 revisions.setdefault(row.adapter_name, []).append(row)
-            weights = {rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))}
+            weights = {
+                rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))
+            }
             tiers = {n: t for n, t in session.execute(select(PinTier.adapter_name, PinTier.tier))}
-            return [_adapter_record(a, grants.get(a.name, ()), revisions.get(a.name, []), weights, tiers.get(a.name))
-                    for a in visible]
+            return [
+                _adapter_record(
+                    a, grants.get(a.name, ()), revisions.get(a.name, []), weights, tiers.get(a.name)
+                )
+                for a in visible
+            ]
 
     def show(self, name: str) -> AdapterRecord:
         with self._read() as session:
             adapter = session.get(Adapter, name)
             if adapter is None:
                 raise AdapterNotFound(name)
-            rows = session.scalars(select(Revision).where(Revision.adapter_name == name).order_by(Revision.id))
+            rows = session.scalars(
+                select(Revision).where(Revision.adapter_name == name).order_by(Revision.id)
+            )
             tier = session.get(PinTier, name)
-            return _adapter_record(adapter, q.grants(session, name), list(rows), q.weights(session, name),
-                                   tier.tier if tier is not None else None)
+            return _adapter_record(
+                adapter,
+                q.grants(session, name),
+                list(rows),
+                q.weights(session, name),
+                tier.tier if tier is not None else None,
+            )
 
     def get_revision(self, name: str, revision: str) -> RevisionRecord:
         with self._read() as session:
@@ -402,7 +493,9 @@ class Registry:
         cutoff = utcnow() - self.grace_period
         with self._read() as session:
             rows = session.scalars(
-                select(Revision).where(Revision.retired_at >= cutoff, Revision.status != "quarantined")
+                select(Revision).where(
+                    Revision.retired_at >= cutoff, Revision.status != "quarantined"
+                )
             ).all()
             return [self._record(session, session.get(Adapter, r.adapter_name), r) for r in rows]
 
@@ -420,12 +513,20 @@ class Registry:
 
     @staticmethod
     def _record(session: Session, adapter: Adapter, row: Revision) -> RevisionRecord:
-        return _revision_record(adapter, row, q.grants(session, adapter.name), q.weights(session, adapter.name))
+        return _revision_record(
+            adapter, row, q.grants(session, adapter.name), q.weights(session, adapter.name)
+        )
 
     # ---- life cycle -----------------------------------------------------------------------------------
 
-    def promote(self, name: str, revision: str, weight: int = 100, checks: ReleaseChecks | None = None,
-                force: bool = False) -> AdapterRecord:
+    def promote(
+        self,
+        name: str,
+        revision: str,
+        weight: int = 100,
+        checks: ReleaseChecks | None = None,
+        force: bool = False,
+    ) -> AdapterRecord:
         """Give `revision` `weight`% of the traffic (100: it becomes stable; less: a canary beside the stable).
 
         A revision that has no traffic yet first passes the release checks; with no checks given, one that
@@ -444,21 +545,40 @@ class Registry:
             else:
                 plan, new_stable = self._canary_plan(session, name, revision, weight, stable)
             self._apply_traffic(session, name, plan, stable=new_stable)
-            self._audit(session, "promote", f"{name}@{revision}", weight=weight, traffic=plan, checks=summary)
+            self._audit(
+                session,
+                "promote",
+                f"{name}@{revision}",
+                weight=weight,
+                traffic=plan,
+                checks=summary,
+            )
         return self.show(name)
 
     def _canary_plan(self, session, name, revision, weight, stable) -> tuple[dict[str, int], str]:
         if stable is None or stable.revision == revision:
             raise LifecycleError(
                 f"{name}@{revision} cannot be a {weight}% canary: "
-                + ("it is the stable revision" if stable else f"{name} has no stable revision; promote with weight 100")
+                + (
+                    "it is the stable revision"
+                    if stable
+                    else f"{name} has no stable revision; promote with weight 100"
+                )
             )
-        others = [r.revision for r in q.serving(session, name) if r.revision not in (revision, stable.revision)]
+        others = [
+            r.revision
+            for r in q.serving(session, name)
+            if r.revision not in (revision, stable.revision)
+        ]
         if others:
-            raise LifecycleError(f"{name}@{others[0]} is already in canary; promote it to 100 or roll back first")
+            raise LifecycleError(
+                f"{name}@{others[0]} is already in canary; promote it to 100 or roll back first"
+            )
         return {revision: weight, stable.revision: 100 - weight}, stable.revision
 
-    def _release_checks(self, name: str, revision: str, checks: ReleaseChecks | None, force: bool) -> dict | str:
+    def _release_checks(
+        self, name: str, revision: str, checks: ReleaseChecks | None, force: bool
+    ) -> dict | str:
         with self._read() as session:
             adapter = session.get(Adapter, name)
             row = q.find_revision(session, name, revision, None) if adapter else None
@@ -478,14 +598,23 @@ class Registry:
             return "skipped (forced)" if cases else "none configured"
         return checks.run(record, cases)
 
-    def set_traffic(self, name: str, weights: dict[str, int], checks: ReleaseChecks | None = None,
-                    force: bool = False) -> AdapterRecord:
+    def set_traffic(
+        self,
+        name: str,
+        weights: dict[str, int],
+        checks: ReleaseChecks | None = None,
+        force: bool = False,
+    ) -> AdapterRecord:
         """Set the whole split at once (weights in percent, summing to 100; 0 removes a revision)."""
         plan = {rev: int(w) for rev, w in weights.items() if int(w) != 0}
         if any(w < 0 for w in plan.values()) or sum(plan.values()) != 100:
-            raise LifecycleError(f"traffic weights must be non-negative and sum to 100, got {weights}")
+            raise LifecycleError(
+                f"traffic weights must be non-negative and sum to 100, got {weights}"
+            )
         if len(plan) > 2:
-            raise LifecycleError(f"one canary at a time: a split names the stable and at most one canary, got {plan}")
+            raise LifecycleError(
+                f"one canary at a time: a split names the stable and at most one canary, got {plan}"
+            )
         summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
         with self._write() as session:
             q.locked_adapter_or_404(session, name)
@@ -493,8 +622,11 @@ class Registry:
             for row in rows.values():
                 q.refuse_quarantined(row)
             stable = q.current_stable(session, name)
-            new_stable = stable.revision if stable and stable.revision in plan else max(
-                plan, key=lambda rev: (plan[rev], rows[rev].id))
+            new_stable = (
+                stable.revision
+                if stable and stable.revision in plan
+                else max(plan, key=lambda rev: (plan[rev], rows[rev].id))
+            )
             self._apply_traffic(session, name, plan, stable=new_stable)
             self._audit(session, "set_traffic", name, traffic=plan, checks=summaries)
         return self.show(name)
@@ -508,11 +640,16 @@ class Registry:
             if stable is not None and canaries:
                 target, dropped = stable, canaries
             else:
-                target, dropped = q.previous_stable(session, name, stable), [stable] if stable else []
+                target, dropped = (
+                    q.previous_stable(session, name, stable),
+                    [stable] if stable else [],
+                )
             self._apply_traffic(session, name, {target.revision: 100}, stable=target.revision)
             for row in dropped:
                 row.status, row.status_reason = "deprecated", f"rolled back to {target.revision}"
-            self._audit(session, "rollback", name, to=target.revision, dropped=[r.revision for r in dropped])
+            self._audit(
+                session, "rollback", name, to=target.revision, dropped=[r.revision for r in dropped]
+            )
         return self.show(name)
 
     def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
@@ -521,8 +658,11 @@ class Registry:
             q.locked_adapter_or_404(session, name)
             if revision is None:
                 self._apply_traffic(session, name, {}, stable=None)
-                rows = session.scalars(select(Revision).where(Revision.adapter_name == name,
-                                                              Revision.status != "quarantined")).all()
+                rows = session.scalars(
+                    select(Revision).where(
+                        Revision.adapter_name == name, Revision.status != "quarantined"
+                    )
+                ).all()
             else:
                 rows = [q.revision_or_404(session, name, revision)]
                 if q.weights(session, name).get(rows[0].id):
@@ -551,7 +691,9 @@ class Registry:
                 serving[heir.revision] = serving.get(heir.revision, 0) + weight
             elif weight:
                 serving = {}  # no earlier stable: never let a canary silently take all the traffic
-            self._apply_traffic(session, name, serving, stable=heir.revision if heir and serving else None)
+            self._apply_traffic(
+                session, name, serving, stable=heir.revision if heir and serving else None
+            )
             row.status, row.status_reason = "quarantined", reason
             self._audit(session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving)
         return self.show(name)
@@ -575,13 +717,17 @@ class Registry:
                 session.add(PinTier(adapter_name=name, tier=tier))
             else:
                 row.tier = tier
-            self._audit(session, "pin" if pinned else "unpin", name, **({"tier": tier} if pinned else {}))
+            self._audit(
+                session, "pin" if pinned else "unpin", name, **({"tier": tier} if pinned else {})
+            )
         return self.show(name)
 
     def unpin(self, name: str) -> AdapterRecord:
         return self.pin(name, pinned=False)
 
-    def _apply_traffic(self, session: Session, name: str, plan: dict[str, int], stable: str | None) -> None:
+    def _apply_traffic(
+        self, session: Session, name: str, plan: dict[str, int], stable: str | None
+    ) -> None:
         """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's transaction."""
         now = utcnow()
         for row, _ in q.serving_weights(session, name):
@@ -606,8 +752,11 @@ class Registry:
         with self._write() as session:
             used = set(session.scalars(select(Revision.digest)))
             cutoff = time.time() - min_age_s
-            removed = [d for d in self.store.digests()
-                       if d not in used and self.store.path(d).stat().st_mtime < cutoff]
+            removed = [
+                d
+                for d in self.store.digests()
+                if d not in used and self.store.path(d).stat().st_mtime < cutoff
+            ]
             for digest in removed:
                 self.store.remove(digest)
             if removed:
@@ -616,8 +765,13 @@ class Registry:
 
     # ---- tenants, grants, keys --------------------------------------------------------------------------
 
-    def add_tenant(self, name: str, priority: int = 0, max_gpu_slots: int | None = None,
-                   max_cpu_bytes: int | None = None) -> TenantRecord:
+    def add_tenant(
+        self,
+        name: str,
+        priority: int = 0,
+        max_gpu_slots: int | None = None,
+        max_cpu_bytes: int | None = None,
+    ) -> TenantRecord:
         """Create a tenant, or set the priority of an existing one; budgets given are set too
         (`set_budget`)."""
         if not TENANT_RE.fullmatch(name):
@@ -703,7 +857,9 @@ class Registry:
             q.tenant_or_error(session, tenant)
             if session.get(ApiKey, key_id) is not None:
                 raise RegistryError(f"a key with id {key_id} exists already; use another key")
-            session.add(ApiKey(key_id=key_id, tenant=tenant, key_hash=_hash_key(key), created_at=utcnow()))
+            session.add(
+                ApiKey(key_id=key_id, tenant=tenant, key_hash=_hash_key(key), created_at=utcnow())
+            )
             self._audit(session, "key_create", tenant, key_id=key_id)
         return key_id
 
@@ -729,22 +885,43 @@ class Registry:
         if tenant is not None:
             query = query.where(ApiKey.tenant == tenant)
         with self._read() as session:
-            return [KeyRecord(k.key_id, k.tenant, as_utc(k.created_at), as_utc(k.revoked_at))
-                    for k in session.scalars(query)]
+            return [
+                KeyRecord(k.key_id, k.tenant, as_utc(k.created_at), as_utc(k.revoked_at))
+                for k in session.scalars(query)
+            ]
 
 
-def _revision_record(adapter, row, grants: tuple[str, ...], weights: dict[int, int]) -> RevisionRecord:
+def _revision_record(
+    adapter, row, grants: tuple[str, ...], weights: dict[int, int]
+) -> RevisionRecord:
     """From ORM objects, or from plain rows of the same tables (the per-request path)."""
     return RevisionRecord(
-        name=adapter.name, revision=row.revision, digest=row.digest, base_model=row.base_model,
-        base_model_digest=row.base_model_digest, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
-        allowed_tenants=q.allowed(adapter, grants), task_type=adapter.task_type, rank=row.rank,
-        lora_alpha=row.lora_alpha, dtype=row.dtype, target_modules=tuple(row.target_modules.split(",")),
-        estimated_bytes=row.estimated_bytes, actual_bytes=row.actual_bytes, priority=adapter.priority,
-        warm_policy=adapter.warm_policy, status=row.status, storage_uri=row.storage_uri,
-        signature=row.signature, created_at=as_utc(row.created_at), pinned=adapter.pinned,
-        traffic_weight=weights.get(row.id, 0), status_reason=row.status_reason,
-        stable_since=as_utc(row.stable_since), retired_at=as_utc(row.retired_at),
+        name=adapter.name,
+        revision=row.revision,
+        digest=row.digest,
+        base_model=row.base_model,
+        base_model_digest=row.base_model_digest,
+        owner_tenant=adapter.owner_tenant,
+        shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants),
+        task_type=adapter.task_type,
+        rank=row.rank,
+        lora_alpha=row.lora_alpha,
+        dtype=row.dtype,
+        target_modules=tuple(row.target_modules.split(",")),
+        estimated_bytes=row.estimated_bytes,
+        actual_bytes=row.actual_bytes,
+        priority=adapter.priority,
+        warm_policy=adapter.warm_policy,
+        status=row.status,
+        storage_uri=row.storage_uri,
+        signature=row.signature,
+        created_at=as_utc(row.created_at),
+        pinned=adapter.pinned,
+        traffic_weight=weights.get(row.id, 0),
+        status_reason=row.status_reason,
+        stable_since=as_utc(row.stable_since),
+        retired_at=as_utc(row.retired_at),
         has_eval_set=row.eval_set is not None,
     )
 
@@ -759,25 +936,40 @@ def _serving_order(records) -> tuple[tuple[str, int], ...]:
     return tuple((r.revision, r.traffic_weight) for r in serving)
 
 
-def _adapter_record(adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights,
-                    pin_tier: str | None) -> AdapterRecord:
+def _adapter_record(
+    adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights, pin_tier: str | None
+) -> AdapterRecord:
     revisions = tuple(_revision_record(adapter, r, grants, weights) for r in rows)
     if adapter.pinned and pin_tier not in PIN_TIERS:  # pinned by a version that kept no tier
         pin_tier = adapter.warm_policy if adapter.warm_policy in PIN_TIERS else "cpu"
     return AdapterRecord(
-        name=adapter.name, owner_tenant=adapter.owner_tenant, shared=adapter.shared,
-        allowed_tenants=q.allowed(adapter, grants), task_type=adapter.task_type, priority=adapter.priority,
-        warm_policy=adapter.warm_policy, pinned=adapter.pinned, created_at=as_utc(adapter.created_at),
-        traffic=_serving_order(revisions), revisions=revisions, pin_tier=pin_tier if adapter.pinned else None,
+        name=adapter.name,
+        owner_tenant=adapter.owner_tenant,
+        shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants),
+        task_type=adapter.task_type,
+        priority=adapter.priority,
+        warm_policy=adapter.warm_policy,
+        pinned=adapter.pinned,
+        created_at=as_utc(adapter.created_at),
+        traffic=_serving_order(revisions),
+        revisions=revisions,
+        pin_tier=pin_tier if adapter.pinned else None,
     )
 
 
 # ---- statements of the per-request path (plain SQL, compiled once) --------------------------------------
 
-_ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (m.__table__ for m in (Adapter, Revision, Traffic, Grant))
+_ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (
+    m.__table__ for m in (Adapter, Revision, Traffic, Grant)
+)
 _GENERATION = select(Generation.__table__.c.value).where(Generation.__table__.c.id == 1)
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
-_GRANTS_OF = select(_GRANTS.c.tenant).where(_GRANTS.c.adapter_name == bindparam("name")).order_by(_GRANTS.c.tenant)
+_GRANTS_OF = (
+    select(_GRANTS.c.tenant)
+    .where(_GRANTS.c.adapter_name == bindparam("name"))
+    .order_by(_GRANTS.c.tenant)
+)
 _REVISIONS_WITH_WEIGHT = (
     select(_REVISIONS, _TRAFFIC.c.weight)
     .outerjoin(_TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id)
@@ -804,9 +996,13 @@ def _check_names(name: str, revision: str | None, warm_policy: str | None, statu
     if revision is not None and not REVISION_RE.fullmatch(revision):
         raise AdapterRejected("revision", f"{revision!r} must match {REVISION_RE.pattern}")
     if warm_policy is not None and warm_policy not in WARM_POLICIES:
-        raise AdapterRejected("warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}")
+        raise AdapterRejected(
+            "warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}"
+        )
     if status not in ("staging", "stable"):
-        raise AdapterRejected("status", f"a new revision starts as staging or stable, not {status!r}")
+        raise AdapterRejected(
+            "status", f"a new revision starts as staging or stable, not {status!r}"
+        )
 
 
 def _nothing_in_service(name: str, records) -> str:
@@ -815,9 +1011,11 @@ def _nothing_in_service(name: str, records) -> str:
     if not staged:
         return f"{name} has no revision in service (all deprecated or quarantined)"
     which = f"{staged[-1]} is" if len(staged) == 1 else f"{', '.join(staged)} are"
-    return (f"{name} has no revision in service: {which} staged, not promoted; promote one with "
-            f"`loraplex registry promote {name} {staged[-1]}` "
-            f"(or POST /admin/adapters/{name}/promote)")
+    return (
+        f"{name} has no revision in service: {which} staged, not promoted; promote one with "
+        f"`loraplex registry promote {name} {staged[-1]}` "
+        f"(or POST /admin/adapters/{name}/promote)"
+    )
 
 
 def _base_dir_named_by(src: Path) -> Path | None:
@@ -838,8 +1036,9 @@ def _check_budget(budget: dict) -> None:
     field."""
     for field_name, value in budget.items():
         if field_name not in BUDGET_FIELDS:
-            raise RegistryError(f"unknown budget field {field_name!r}: "
-                                f"use {' or '.join(BUDGET_FIELDS)}")
+            raise RegistryError(
+                f"unknown budget field {field_name!r}: use {' or '.join(BUDGET_FIELDS)}"
+            )
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise RegistryError(f"{field_name} must be a whole number, not {value!r}")
         if value is not None and value < 0:
@@ -850,15 +1049,23 @@ def check_tenant_limits(limits: dict) -> None:
     """RegistryError for an unknown limit or one below 1 (None stands for the server's default)."""
     unknown = set(limits) - set(TENANT_LIMITS)
     if unknown:
-        raise RegistryError(f"unknown tenant limit {sorted(unknown)[0]!r}: "
-                            f"use {', '.join(TENANT_LIMITS)}")
+        raise RegistryError(
+            f"unknown tenant limit {sorted(unknown)[0]!r}: use {', '.join(TENANT_LIMITS)}"
+        )
     for field, value in limits.items():
         if value is not None and value < 1:
-            raise RegistryError(f"{field} {value}: give at least 1 "
-                                "(or none for the server's default)")
+            raise RegistryError(
+                f"{field} {value}: give at least 1 (or none for the server's default)"
+            )
 
 
 def _tenant_record(t: Tenant) -> TenantRecord:
-    return TenantRecord(t.name, t.priority, as_utc(t.created_at), max_gpu_slots=t.max_gpu_slots,
-                        max_cpu_bytes=t.max_cpu_bytes, max_concurrent_requests=t.max_concurrent_requests,
-                        max_waiting=t.max_waiting)
+    return TenantRecord(
+        t.name,
+        t.priority,
+        as_utc(t.created_at),
+        max_gpu_slots=t.max_gpu_slots,
+        max_cpu_bytes=t.max_cpu_bytes,
+        max_concurrent_requests=t.max_concurrent_requests,
+        max_waiting=t.max_waiting,
+    )

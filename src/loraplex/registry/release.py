@@ -37,11 +37,13 @@ def parse_eval_set(text: str) -> tuple[EvalCase, ...]:
         except json.JSONDecodeError as exc:
             raise AdapterRejected("eval_set", f"line {number} is not JSON ({exc})") from None
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise AdapterRejected("eval_set", f"line {number} needs a string \"prompt\"")
+            raise AdapterRejected("eval_set", f'line {number} needs a string "prompt"')
         expected = item.get("expected") if isinstance(item.get("expected"), str) else None
         contains = None if expected is not None else item.get("contains")
         if expected is None and not isinstance(contains, str):
-            raise AdapterRejected("eval_set", f"line {number} needs a string \"expected\" or \"contains\"")
+            raise AdapterRejected(
+                "eval_set", f'line {number} needs a string "expected" or "contains"'
+            )
         cases.append(EvalCase(item["prompt"], expected, contains))
     if not cases:
         raise AdapterRejected("eval_set", "the eval set has no cases")
@@ -55,7 +57,9 @@ class ReleaseChecks:
     """The server plugs in real callables; each gets the revision being promoted."""
 
     prewarm: Callable[[RevisionRecord], None] | None = None
-    complete: Callable[[RevisionRecord, str], str] | None = None  # prompt -> completion by that revision
+    complete: Callable[[RevisionRecord, str], str] | None = (
+        None  # prompt -> completion by that revision
+    )
     min_pass_rate: float = 1.0
     health_prompt: str = "Hello"
 
@@ -72,7 +76,9 @@ class ReleaseChecks:
         if cases:
             summary["eval"] = self._run_eval(record, cases)
         if self.complete is not None:
-            completion = _guarded(record, "health probe", lambda: self.complete(record, self.health_prompt))
+            completion = _guarded(
+                record, "health probe", lambda: self.complete(record, self.health_prompt)
+            )
             if not isinstance(completion, str) or not completion.strip():
                 raise ReleaseCheckFailed(
                     f"{record.model_id}: health probe: {self.health_prompt!r} gave an empty completion ({completion!r})"
@@ -82,7 +88,9 @@ class ReleaseChecks:
 
     def _run_eval(self, record: RevisionRecord, cases: tuple[EvalCase, ...]) -> str:
         if self.complete is None:
-            raise ReleaseCheckFailed(f"{record.model_id} has an eval set, but no way to run completions was given")
+            raise ReleaseCheckFailed(
+                f"{record.model_id} has an eval set, but no way to run completions was given"
+            )
         failures = []
         for case in cases:
             try:
@@ -95,7 +103,11 @@ class ReleaseChecks:
         rate = passed / len(cases)
         if rate < self.min_pass_rate:
             case, completion = failures[0]
-            want = f"expected {case.expected!r}" if case.expected is not None else f"expected {case.contains!r} in it"
+            want = (
+                f"expected {case.expected!r}"
+                if case.expected is not None
+                else f"expected {case.contains!r} in it"
+            )
             raise ReleaseCheckFailed(
                 f"{record.model_id}: eval set passed {passed}/{len(cases)} ({rate:.0%}), below the required "
                 f"{self.min_pass_rate:.0%}; first failure: prompt {case.prompt!r} gave {completion!r}, {want}"
@@ -109,4 +121,6 @@ def _guarded(record: RevisionRecord, check: str, call):
     except ReleaseCheckFailed:
         raise
     except Exception as exc:
-        raise ReleaseCheckFailed(f"{record.model_id}: {check} failed: {type(exc).__name__}: {exc}") from exc
+        raise ReleaseCheckFailed(
+            f"{record.model_id}: {check} failed: {type(exc).__name__}: {exc}"
+        ) from exc

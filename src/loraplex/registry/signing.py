@@ -28,7 +28,9 @@ def generate_keypair() -> tuple[bytes, bytes]:
     private = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return private, public
 
 
@@ -50,10 +52,14 @@ def sign_digest(digest: str, key: Ed25519PrivateKey) -> str:
     return PREFIX + base64.b64encode(key.sign(digest.encode())).decode()
 
 
-def verify_digest(digest: str, signature: str | None, trusted: tuple[Ed25519PublicKey, ...]) -> None:
+def verify_digest(
+    digest: str, signature: str | None, trusted: tuple[Ed25519PublicKey, ...]
+) -> None:
     """Raise AdapterRejected("signature", ...) unless a trusted key signed `digest`."""
     if not signature:
-        raise AdapterRejected("signature", "the revision is unsigned and trusted keys are configured")
+        raise AdapterRejected(
+            "signature", "the revision is unsigned and trusted keys are configured"
+        )
     if not signature.startswith(PREFIX):
         raise AdapterRejected("signature", f"unknown signature format (expected {PREFIX}<base64>)")
     try:

@@ -39,14 +39,20 @@ from loraplex.registry.errors import (
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 # The only files an artifact may hold; a name that does not match never becomes a path.
-ARTIFACT_NAME_RE = re.compile(r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors)$")
+ARTIFACT_NAME_RE = re.compile(
+    r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors)$"
+)
 INDEX_FILE = "index.json"
 STALE_TEMP_S = 3600
 _CHUNK = 1 << 20
-_READ_CHUNK = 4 << 20  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
+_READ_CHUNK = (
+    4 << 20
+)  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
 _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
 PIECE_BYTES_MIN = 1 << 20
-PIECES_MAX = 256  # per artifact, about: bounds the list a registry row keeps (64 hex digits a piece)
+PIECES_MAX = (
+    256  # per artifact, about: bounds the list a registry row keeps (64 hex digits a piece)
+)
 MIN_DOWNLOAD_RATE = 1 << 20
 """Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own timeout
 does not end a store that trickles bytes, and such a download would hold a load thread for good."""
@@ -65,7 +71,9 @@ def is_artifact_name(name: str) -> bool:
 
 def artifact_files(directory: Path) -> list[str]:
     """Names of the files that make up the artifact in `directory`, sorted (they are ASCII)."""
-    return sorted(p.name for p in Path(directory).iterdir() if is_artifact_name(p.name) and p.is_file())
+    return sorted(
+        p.name for p in Path(directory).iterdir() if is_artifact_name(p.name) and p.is_file()
+    )
 
 
 @dataclass(frozen=True)
@@ -83,9 +91,15 @@ class Pieces:
     """`blake3` (256-bit output), or `sha256` in lists recorded by versions without BLAKE3."""
 
     def to_json(self) -> str:
-        return json.dumps({"piece_bytes": self.size, "algorithm": self.algorithm,
-                           "files": [{"name": n, "size": size, self.algorithm: list(h)}
-                                     for n, size, h in self.files]})
+        return json.dumps(
+            {
+                "piece_bytes": self.size,
+                "algorithm": self.algorithm,
+                "files": [
+                    {"name": n, "size": size, self.algorithm: list(h)} for n, size, h in self.files
+                ],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Pieces:
@@ -96,12 +110,19 @@ class Pieces:
             algorithm = data.get("algorithm", "sha256")
             if algorithm not in PIECE_HASHES:
                 raise ValueError(f"unknown piece hash {algorithm!r}")
-            files = tuple((str(f["name"]), int(f["size"]), tuple(map(str, f[algorithm]))) for f in data["files"])
+            files = tuple(
+                (str(f["name"]), int(f["size"]), tuple(map(str, f[algorithm])))
+                for f in data["files"]
+            )
         except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
             raise ValueError(f"not a piece list ({exc})") from None
         for name, nbytes, hashes in files:
-            if (size <= 0 or nbytes < 0 or len(hashes) != -(-nbytes // size)
-                    or not all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes)):
+            if (
+                size <= 0
+                or nbytes < 0
+                or len(hashes) != -(-nbytes // size)
+                or not all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes)
+            ):
                 raise ValueError(f"not a piece list (file {name!r})")
         return cls(size, files, algorithm)
 
@@ -132,7 +153,9 @@ def digest_and_pieces(directory: str | Path) -> tuple[str, Pieces]:
 def _digest(directory: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
     """The digest and, with `pieces`, the BLAKE3 and the sha256 piece lists, from one read."""
     names = artifact_files(directory)
-    piece = piece_bytes(sum((directory / name).stat().st_size for name in names)) if pieces else _CHUNK
+    piece = (
+        piece_bytes(sum((directory / name).stat().st_size for name in names)) if pieces else _CHUNK
+    )
     h, files, sha_files = hashlib.sha256(), [], []
     for name in names:
         with (directory / name).open("rb") as f:
@@ -145,16 +168,23 @@ def _digest(directory: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] |
                 if pieces:
                     hashes.append(blake3.blake3(chunk).hexdigest())
                     sha_hashes.append(hashlib.sha256(chunk).hexdigest())
-        if pieces and read != size:  # the digest says `size`: the pieces must describe the same bytes
+        if (
+            pieces and read != size
+        ):  # the digest says `size`: the pieces must describe the same bytes
             raise ArtifactUnavailable(f"{directory / name} changed while it was hashed")
         files.append((name, size, tuple(hashes)))
         sha_files.append((name, size, tuple(sha_hashes)))
     if not pieces:
         return "sha256:" + h.hexdigest(), None
-    return "sha256:" + h.hexdigest(), (Pieces(piece, tuple(files), "blake3"), Pieces(piece, tuple(sha_files), "sha256"))
+    return "sha256:" + h.hexdigest(), (
+        Pieces(piece, tuple(files), "blake3"),
+        Pieces(piece, tuple(sha_files), "sha256"),
+    )
 
 
-def read_artifact(directory: str | Path, digest: str, use: Callable | None = None, pieces: Pieces | None = None):
+def read_artifact(
+    directory: str | Path, digest: str, use: Callable | None = None, pieces: Pieces | None = None
+):
     """Every artifact file's bytes, read once into memory; DigestMismatch unless they hash to `digest`.
 
     The bytes returned are the bytes hashed: a file changed on disk after the check is never used, as it could be
@@ -179,16 +209,24 @@ def read_artifact(directory: str | Path, digest: str, use: Callable | None = Non
     # per core but the one this thread reads and packs on (a third thread on two cores is 5-20%
     # slower), up to 8, and this thread hashes those no helper has begun when it waits for them
     # (`_PieceCheck.wait`).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = 1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    threads = (
+        1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
+    )
     with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as hasher:
         if pieces is None:
             progress = _HashProgress(hasher)
-            files = {name: _read_hashing(directory / name, name, progress, _READ_CHUNK) for name in names}
+            files = {
+                name: _read_hashing(directory / name, name, progress, _READ_CHUNK) for name in names
+            }
         else:
             progress = _PieceCheck(hasher, pieces)
-            files = {name: _read_hashing(directory / name, name, progress, pieces.size, (digest, size))
-                     for name, size, _ in pieces.files}
+            files = {
+                name: _read_hashing(directory / name, name, progress, pieces.size, (digest, size))
+                for name, size, _ in pieces.files
+            }
         result, error = files, None
         if use is not None:
             try:
@@ -209,7 +247,9 @@ class _Progress:
 
     def __init__(self, hasher: ThreadPoolExecutor):
         self.hasher = hasher
-        self.chunks: dict[str, list[tuple[int, Future | _Job]]] = {}  # name -> (end offset, its hashing), in order
+        self.chunks: dict[
+            str, list[tuple[int, Future | _Job]]
+        ] = {}  # name -> (end offset, its hashing), in order
         self.hashed: dict[str, int] = {}  # name -> how many of its chunks are known to be hashed
 
     def wait(self, name: str, end: int) -> None:
@@ -229,11 +269,15 @@ class _HashProgress(_Progress):
 
     def add(self, name: str, data, end: int) -> None:
         if end == 0:
-            data = _file_prefix(name, len(data))  # the file's size, as the canonical digest starts it
+            data = _file_prefix(
+                name, len(data)
+            )  # the file's size, as the canonical digest starts it
         self.chunks.setdefault(name, []).append((end, self.hasher.submit(self.sha256.update, data)))
 
     def mismatch(self, digest: str) -> str | None:
-        actual = "sha256:" + self.hasher.submit(self.sha256.hexdigest).result()  # after every update
+        actual = (
+            "sha256:" + self.hasher.submit(self.sha256.hexdigest).result()
+        )  # after every update
         return None if actual == digest else actual
 
 
@@ -316,12 +360,16 @@ def _file_prefix(name: str, size: int) -> bytes:
     return f"{name}\n{size}\n".encode()
 
 
-def _read_hashing(path: Path, name: str, progress, chunk_bytes: int, expect: tuple[str, int] | None = None):
+def _read_hashing(
+    path: Path, name: str, progress, chunk_bytes: int, expect: tuple[str, int] | None = None
+):
     """The file's bytes, each chunk handed to `progress` once read. `expect`: (digest, size) the file must have."""
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if expect is not None and size != expect[1]:
-            raise DigestMismatch(expect[0], f"{name} of {size} bytes, not {expect[1]}", str(path.parent))
+            raise DigestMismatch(
+                expect[0], f"{name} of {size} bytes, not {expect[1]}", str(path.parent)
+            )
         data = _file_buffer(size)
         progress.add(name, data, 0)
         for start in range(0, size, chunk_bytes):
@@ -436,7 +484,9 @@ class ArtifactStore:
         if not path.is_dir():
             return False
         trash = self.temp_dir()
-        os.rename(path, trash / "gone")  # disappears in one step; deleting the bytes may take longer
+        os.rename(
+            path, trash / "gone"
+        )  # disappears in one step; deleting the bytes may take longer
         shutil.rmtree(trash, ignore_errors=True)
         return True
 
@@ -488,7 +538,8 @@ def _source_files(src: Path) -> list[str]:
     pickles = [n for n in entries if n.endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise AdapterRejected(
-            "weights", f"{pickles[0]} is a pickle file, which can run code when loaded; only *.safetensors is accepted"
+            "weights",
+            f"{pickles[0]} is a pickle file, which can run code when loaded; only *.safetensors is accepted",
         )
     names = [n for n in entries if is_artifact_name(n)]
     if CONFIG_FILE not in names:
@@ -506,7 +557,7 @@ class AllowList:
     prefixes: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, items: list[str] | tuple[str, ...]) -> "AllowList":
+    def parse(cls, items: list[str] | tuple[str, ...]) -> AllowList:
         """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or `s3://bucket/p`."""
         roots, prefixes = [], []
         for item in items:
@@ -529,7 +580,9 @@ class AllowList:
         for root in self.roots:
             if real.is_relative_to(root.resolve()):
                 return root.resolve()
-        raise UnsafeLocation(f"{uri} is outside the allowed roots ({', '.join(map(str, self.roots)) or 'none set'})")
+        raise UnsafeLocation(
+            f"{uri} is outside the allowed roots ({', '.join(map(str, self.roots)) or 'none set'})"
+        )
 
     def check(self, uri: str) -> None:
         """Raise UnsafeLocation unless `uri` lies under an allowed root or URL prefix."""
@@ -539,11 +592,17 @@ class AllowList:
             return
         for prefix in self.prefixes:
             allowed = urlsplit(prefix)
-            same_place = (allowed.scheme, allowed.hostname, allowed.port) == (parts.scheme, parts.hostname, parts.port)
+            same_place = (allowed.scheme, allowed.hostname, allowed.port) == (
+                parts.scheme,
+                parts.hostname,
+                parts.port,
+            )
             base = allowed.path.rstrip("/")
             if same_place and (parts.path == base or parts.path.startswith(base + "/")):
                 return
-        raise UnsafeLocation(f"{uri} is not under an allowed storage prefix ({', '.join(self.prefixes) or 'none set'})")
+        raise UnsafeLocation(
+            f"{uri} is not under an allowed storage prefix ({', '.join(self.prefixes) or 'none set'})"
+        )
 
 
 def _split_checked(uri: str):
@@ -582,8 +641,18 @@ def fetch_artifact(
             return dest.get(digest, pieces)
         except DigestMismatch:
             dest.remove(digest)  # a damaged local copy is replaced by a fresh download
-    return fetch_and_read(storage_uri, digest, dest, allowed, None, timeout_s, s3_client, http_client, min_rate,
-                          pieces).path
+    return fetch_and_read(
+        storage_uri,
+        digest,
+        dest,
+        allowed,
+        None,
+        timeout_s,
+        s3_client,
+        http_client,
+        min_rate,
+        pieces,
+    ).path
 
 
 @dataclass(frozen=True)
@@ -615,7 +684,9 @@ def fetch_and_read(
     check_digest(digest)
     if dest.has(digest):
         try:
-            return Fetched(dest.path(digest), read_artifact(dest.path(digest), digest, use, pieces), None)
+            return Fetched(
+                dest.path(digest), read_artifact(dest.path(digest), digest, use, pieces), None
+            )
         except DigestMismatch:
             dest.remove(digest)  # a damaged local copy is replaced by a fresh download
     allowed.check(storage_uri)
@@ -631,7 +702,9 @@ def fetch_and_read(
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         download_s = time.perf_counter() - start
         try:
-            if use is None and pieces is None:  # nothing to keep: hashed as it is read, not held in memory
+            if (
+                use is None and pieces is None
+            ):  # nothing to keep: hashed as it is read, not held in memory
                 actual, result = canonical_digest(work), None
                 if actual != digest:
                     raise DigestMismatch(digest, actual, storage_uri)
@@ -665,7 +738,9 @@ def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
         raise ArtifactUnavailable(f"{uri}/{INDEX_FILE} is not a valid index ({exc})") from None
     for name, size in entries:
         if not is_artifact_name(name) or size < 0:
-            raise UnsafeLocation(f"{uri}/{INDEX_FILE} lists {name!r}, which is not an artifact file name")
+            raise UnsafeLocation(
+                f"{uri}/{INDEX_FILE} lists {name!r}, which is not an artifact file name"
+            )
     return entries
 
 
@@ -685,8 +760,10 @@ class _Deadline:
 
     def check(self, where: str) -> None:
         if time.monotonic() > self.at:
-            raise ArtifactUnavailable(f"{where}: the download took longer than {self.limit_s:.0f} s "
-                                      f"(slower than {self.min_rate / 2**20:g} MiB/s)")
+            raise ArtifactUnavailable(
+                f"{where}: the download took longer than {self.limit_s:.0f} s "
+                f"(slower than {self.min_rate / 2**20:g} MiB/s)"
+            )
 
 
 def _fetch_http(uri: str, work: Path, deadline: _Deadline, client=None) -> None:
@@ -696,14 +773,20 @@ def _fetch_http(uri: str, work: Path, deadline: _Deadline, client=None) -> None:
     try:
         with contextlib.ExitStack() as stack:
             if client is None:
-                client = stack.enter_context(httpx.Client(timeout=timeout_s, follow_redirects=False))
+                client = stack.enter_context(
+                    httpx.Client(timeout=timeout_s, follow_redirects=False)
+                )
             index = client.get(f"{base}/{INDEX_FILE}", timeout=timeout_s)
             index.raise_for_status()
             for name, size in deadline.allow(_checked_index(index.content, base)):
-                with client.stream("GET", f"{base}/{name}", timeout=timeout_s) as response, \
-                        (work / name).open("wb") as out:
+                with (
+                    client.stream("GET", f"{base}/{name}", timeout=timeout_s) as response,
+                    (work / name).open("wb") as out,
+                ):
                     response.raise_for_status()
-                    _write_bounded(response.iter_bytes(), out, size, f"{base}/{name}", deadline)  # as they come
+                    _write_bounded(
+                        response.iter_bytes(), out, size, f"{base}/{name}", deadline
+                    )  # as they come
     except httpx.HTTPError as exc:
         raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
 
@@ -730,14 +813,20 @@ def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
             import boto3
             from botocore.config import Config
         except ImportError:
-            raise ArtifactUnavailable("s3:// storage needs boto3: pip install 'loraplex[s3]'") from None
-        client = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s))
+            raise ArtifactUnavailable(
+                "s3:// storage needs boto3: pip install 'loraplex[s3]'"
+            ) from None
+        client = boto3.client(
+            "s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s)
+        )
     try:
         index = client.get_object(Bucket=bucket, Key=f"{prefix}/{INDEX_FILE}")["Body"].read()
         for name, size in deadline.allow(_checked_index(index, uri)):
             body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
             with (work / name).open("wb") as out:
-                _write_bounded(iter(lambda: body.read(_CHUNK), b""), out, size, f"{uri}/{name}", deadline)
+                _write_bounded(
+                    iter(lambda: body.read(_CHUNK), b""), out, size, f"{uri}/{name}", deadline
+                )
     except (UnsafeLocation, ArtifactUnavailable):
         raise
     except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"

@@ -26,7 +26,9 @@ def choose(weights: list[tuple[str, int]], point: float) -> str:
     return weights[-1][0]  # point * total rounded up to total
 
 
-def pick(name: str, weights: list[tuple[str, int]], user: str | None, rng: random.Random | None = None) -> str:
+def pick(
+    name: str, weights: list[tuple[str, int]], user: str | None, rng: random.Random | None = None
+) -> str:
     """Sticky by `user` when given, random otherwise."""
     point = user_point(name, user) if user is not None else (rng or random).random()
     return choose(weights, point)

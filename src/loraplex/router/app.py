@@ -8,8 +8,8 @@ import json
 import logging
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -55,20 +55,34 @@ class RouterConfig:
 class RouterMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.picks = Counter("loraplex_router_picks_total", "Routing decisions by reason",
-                             ["reason"], registry=self.registry)
-        self.retries = Counter("loraplex_router_retries_total",
-                               "Requests retried on another worker", registry=self.registry)
-        self.healthy = Gauge("loraplex_router_worker_healthy",
-                             "1 while the worker passes its health checks", ["worker"],
-                             registry=self.registry)
-        self.in_flight = Gauge("loraplex_router_worker_in_flight",
-                               "Requests proxied to the worker and not done", ["worker"],
-                               registry=self.registry)
+        self.picks = Counter(
+            "loraplex_router_picks_total",
+            "Routing decisions by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "loraplex_router_retries_total",
+            "Requests retried on another worker",
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "loraplex_router_worker_healthy",
+            "1 while the worker passes its health checks",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "loraplex_router_worker_in_flight",
+            "Requests proxied to the worker and not done",
+            ["worker"],
+            registry=self.registry,
+        )
 
 
-def _error(status: int, message: str, code: str, type_: str = "invalid_request_error",
-           headers=None):
+def _error(
+    status: int, message: str, code: str, type_: str = "invalid_request_error", headers=None
+):
     body = {"error": {"message": message, "type": type_, "code": code, "param": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -126,10 +140,16 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     # No cap on connections: with httpx's default of 100 the 101st concurrent request waits for
     # one, and its PoolTimeout looks like a failed worker.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    proxy = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=2.0),
-                              limits=limits)
-    fleet = Fleet(list(config.workers), config.admin_token, config.stale_s, config.poll_s,
-                  config.poll_timeout_s)
+    proxy = httpx.AsyncClient(
+        timeout=httpx.Timeout(config.request_timeout_s, connect=2.0), limits=limits
+    )
+    fleet = Fleet(
+        list(config.workers),
+        config.admin_token,
+        config.stale_s,
+        config.poll_s,
+        config.poll_timeout_s,
+    )
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
     state = RouterState(config, fleet, picker, RouterMetrics(), proxy)
 
@@ -143,8 +163,9 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             await state.fleet.stop()
             await proxy.aclose()
 
-    app = FastAPI(title="loraplex router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="loraplex router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.router, app.state.fleet, app.state.picker = state, state.fleet, state.picker
     app.include_router(routes)
     return app
@@ -175,23 +196,33 @@ async def forward(state: RouterState, request: Request, path: str):
     if pick.url is None:
         state.metrics.picks.labels(pick.reason).inc()
         status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
-        return _error(status, f"no worker can take the request now ({pick.reason})", code,
-                      "server_error", {"Retry-After": "1"})
+        return _error(
+            status,
+            f"no worker can take the request now ({pick.reason})",
+            code,
+            "server_error",
+            {"Retry-After": "1"},
+        )
     log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     for attempt, url in enumerate(pick.ranking[:2]):
         state.sent(url, adapter)
         try:
-            upstream = state.proxy.build_request("POST", f"{url}{path}", content=body,
-                                                 headers=headers)
+            upstream = state.proxy.build_request(
+                "POST", f"{url}{path}", content=body, headers=headers
+            )
             response = await state.proxy.send(upstream, stream=True)
         except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
             # The worker has the request and is slow (a non-streamed answer comes whole): neither a
             # failed worker nor one to run the generation again on.
             state.metrics.picks.labels(pick.reason).inc()
             state.done(url)
-            return _error(504, f"worker {url} did not answer in time: {type(exc).__name__}",
-                          "gateway_timeout", "server_error")
+            return _error(
+                504,
+                f"worker {url} did not answer in time: {type(exc).__name__}",
+                "gateway_timeout",
+                "server_error",
+            )
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             state.done(url)
             log.warning("worker %s failed before the first byte: %s", url, exc)
@@ -201,8 +232,9 @@ async def forward(state: RouterState, request: Request, path: str):
                 state.metrics.retries.inc()
                 continue
             state.metrics.picks.labels(pick.reason).inc()
-            return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway",
-                          "server_error")
+            return _error(
+                502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error"
+            )
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
         # The pick is made from the model name alone, before any worker checks the caller's key:
         # where the worker refuses the caller (401, 403, or 404 for another tenant's adapter),
@@ -212,8 +244,9 @@ async def forward(state: RouterState, request: Request, path: str):
             if response.status_code < 400:
                 out_headers["x-loraplex-worker"] = url
                 out_headers["x-loraplex-route"] = pick.reason
-        return StreamingResponse(_relay(state, response, url), status_code=response.status_code,
-                                 headers=out_headers)
+        return StreamingResponse(
+            _relay(state, response, url), status_code=response.status_code, headers=out_headers
+        )
     return _error(502, "no worker answered", "bad_gateway", "server_error")
 
 
@@ -253,15 +286,19 @@ async def metrics_page(request: Request):
     state = _state(request)
     token = state.config.metrics_token
     if token and not carries_token(request.headers.get("authorization"), token):
-        return _error(401, "This endpoint needs the metrics token: send `Authorization: Bearer "
-                      "METRICS_TOKEN`.", "invalid_metrics_token", "authentication_error")
+        return _error(
+            401,
+            "This endpoint needs the metrics token: send `Authorization: Bearer METRICS_TOKEN`.",
+            "invalid_metrics_token",
+            "authentication_error",
+        )
     for worker in state.fleet.workers.values():
         state.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 ADMIN_REFUSAL = (401, "admin token required", "unauthorized", "authentication_error")
-URL_BODY_HINT = "the body must be a JSON object, e.g. {\"url\": \"http://worker:8000\"}"
+URL_BODY_HINT = 'the body must be a JSON object, e.g. {"url": "http://worker:8000"}'
 
 
 async def list_workers(request: Request):
@@ -269,12 +306,20 @@ async def list_workers(request: Request):
     if not state.admin_ok(request):
         return _error(*ADMIN_REFUSAL)
     views = {v.url: v for v in state.fleet.views()}
-    return {"workers": [
-        {"url": w.url, "healthy": w.healthy, "kind": w.kind, "waiting": views[w.url].waiting,
-         "running": views[w.url].running, "gpu": sorted(views[w.url].gpu),
-         "in_flight": state.in_flight.get(w.url, 0)}
-        for w in state.fleet.workers.values()
-    ]}
+    return {
+        "workers": [
+            {
+                "url": w.url,
+                "healthy": w.healthy,
+                "kind": w.kind,
+                "waiting": views[w.url].waiting,
+                "running": views[w.url].running,
+                "gpu": sorted(views[w.url].gpu),
+                "in_flight": state.in_flight.get(w.url, 0),
+            }
+            for w in state.fleet.workers.values()
+        ]
+    }
 
 
 async def add_worker(request: Request):

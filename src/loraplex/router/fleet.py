@@ -14,7 +14,7 @@ import httpx
 from loraplex.router.picker import WorkerView
 
 log = logging.getLogger("loraplex.router")
-_VLLM_LINE = re.compile(r'^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$')
+_VLLM_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
 _LABEL = re.compile(r'([a-z_]+)="([^"]*)"')
 
 
@@ -33,8 +33,13 @@ class Worker:
 
     def view(self, now: float, stale_s: float) -> WorkerView:
         last = self.last or WorkerView(self.url)
-        return dataclasses.replace(last, healthy=self.healthy, fresh=now - self.polled_at <= stale_s,
-                                   in_flight=self.in_flight, loading=last.loading | self.sent)
+        return dataclasses.replace(
+            last,
+            healthy=self.healthy,
+            fresh=now - self.polled_at <= stale_s,
+            in_flight=self.in_flight,
+            loading=last.loading | self.sent,
+        )
 
     def apply_state(self, state: dict) -> None:
         """From a loraplex worker's GET /admin/state."""
@@ -47,10 +52,16 @@ class Worker:
             if a.get("tier") in ("gpu", "cpu"):
                 tiers[a["tier"]] |= names
         self.last = WorkerView(
-            self.url, waiting=load.get("waiting", 0), running=load.get("running", 0),
-            active_tokens=load.get("active_tokens", 0), kv_usage=load.get("kv_cache_usage", 0.0),
-            recent_evictions=load.get("recent_evictions", 0), free_slots=load.get("free_slots", 0),
-            gpu=frozenset(tiers["gpu"]), cpu=frozenset(tiers["cpu"]), loading=frozenset(tiers["loading"]),
+            self.url,
+            waiting=load.get("waiting", 0),
+            running=load.get("running", 0),
+            active_tokens=load.get("active_tokens", 0),
+            kv_usage=load.get("kv_cache_usage", 0.0),
+            recent_evictions=load.get("recent_evictions", 0),
+            free_slots=load.get("free_slots", 0),
+            gpu=frozenset(tiers["gpu"]),
+            cpu=frozenset(tiers["cpu"]),
+            loading=frozenset(tiers["loading"]),
         )
         self.kind = "loraplex"
 
@@ -74,17 +85,32 @@ class Worker:
                 # vLLM sets one series per set of labels to the time it was current, and old series stay: the newest
                 newest = value
                 gpu = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
-                waiting_adapters = {a for a in labels.get("waiting_lora_adapters", "").split(",") if a}
+                waiting_adapters = {
+                    a for a in labels.get("waiting_lora_adapters", "").split(",") if a
+                }
                 max_lora = int(labels.get("max_lora", "0") or 0)
                 free_slots = max(0, max_lora - len(gpu))
-        self.last = WorkerView(self.url, waiting=waiting, running=running, kv_usage=kv_usage, free_slots=free_slots,
-                               gpu=frozenset(gpu), loading=frozenset(waiting_adapters))
+        self.last = WorkerView(
+            self.url,
+            waiting=waiting,
+            running=running,
+            kv_usage=kv_usage,
+            free_slots=free_slots,
+            gpu=frozenset(gpu),
+            loading=frozenset(waiting_adapters),
+        )
         self.kind = "vllm"
 
 
 class Fleet:
-    def __init__(self, urls: list[str], admin_token: str | None, stale_s: float = 2.0, poll_s: float = 0.5,
-                 timeout_s: float = 2.0):
+    def __init__(
+        self,
+        urls: list[str],
+        admin_token: str | None,
+        stale_s: float = 2.0,
+        poll_s: float = 0.5,
+        timeout_s: float = 2.0,
+    ):
         self.workers: dict[str, Worker] = {u.rstrip("/"): Worker(u.rstrip("/")) for u in urls}
         self.admin_token = admin_token
         self.stale_s = stale_s
@@ -125,7 +151,9 @@ class Fleet:
                 metrics.raise_for_status()
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
-            worker.in_flight = max(0, worker.in_flight - routed)  # those routed while it answered stay counted
+            worker.in_flight = max(
+                0, worker.in_flight - routed
+            )  # those routed while it answered stay counted
             worker.sent -= sent
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)

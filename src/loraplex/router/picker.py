@@ -107,13 +107,15 @@ class Picker:
             return Pick((), "no-healthy-worker")
         if self.policy == "round-robin":
             self._next += 1
-            order = healthy[self._next % len(healthy):] + healthy[: self._next % len(healthy)]
+            order = healthy[self._next % len(healthy) :] + healthy[: self._next % len(healthy)]
             return Pick(tuple(w.url for w in order), "round-robin")
         if self.policy == "least-loaded":
             order = sorted(healthy, key=lambda w: (w.load, w.active_tokens, self.rng.random()))
             return Pick(tuple(w.url for w in order), "least-loaded")
         if self.policy == "pure-affinity":
-            order = sorted(healthy, key=lambda w: (-AFFINITY[w.affinity(adapter)], w.load, self.rng.random()))
+            order = sorted(
+                healthy, key=lambda w: (-AFFINITY[w.affinity(adapter)], w.load, self.rng.random())
+            )
             return Pick(tuple(w.url for w in order), f"affinity-{order[0].affinity(adapter)}")
         return self._pick_affinity(healthy, adapter, priority)
 
@@ -128,7 +130,9 @@ class Picker:
             if priority < self.config.shed_priority_below:
                 return Pick((), "saturated-shed")
             candidates = healthy
-        tiers = {w.url: w.affinity(adapter) for w in candidates}  # asked once per worker: a pick is per request
+        tiers = {
+            w.url: w.affinity(adapter) for w in candidates
+        }  # asked once per worker: a pick is per request
         scores = self._scores(candidates, tiers)
         best_affinity = max(tiers.values(), key=AFFINITY.__getitem__)
         if adapter is not None and best_affinity in ("none", "free-slot"):
@@ -136,16 +140,28 @@ class Picker:
             reason = "cold-hash"
         else:
             # On equal scores the better-placed adapter wins (no load for nothing), then chance.
-            order = sorted(candidates, key=lambda w: (-round(scores[w.url], 9), -AFFINITY[tiers[w.url]],
-                                                      self.rng.random()))
-            top = [w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal]
-            if priority > 0 and len(top) > 1:  # a higher-priority tenant takes the less-loaded of near-equals
+            order = sorted(
+                candidates,
+                key=lambda w: (
+                    -round(scores[w.url], 9),
+                    -AFFINITY[tiers[w.url]],
+                    self.rng.random(),
+                ),
+            )
+            top = [
+                w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal
+            ]
+            if (
+                priority > 0 and len(top) > 1
+            ):  # a higher-priority tenant takes the less-loaded of near-equals
                 first = min(top, key=lambda w: (w.load, w.active_tokens))
                 order = [first] + [w for w in order if w is not first]
             reason = f"affinity-{tiers[order[0].url]}" if adapter else "least-loaded"
         if fallback:
             reason = "saturated-fallback"
-        placed = {id(w) for w in order}  # by identity: comparing views field by field is most of a pick
+        placed = {
+            id(w) for w in order
+        }  # by identity: comparing views field by field is most of a pick
         rest = [w for w in healthy if id(w) not in placed]
         return Pick(tuple(w.url for w in order + rest), reason)
 
@@ -162,7 +178,10 @@ class Picker:
         tokens = norm([w.active_tokens if w.fresh else 0 for w in workers])
         evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
         return {
-            w.url: c.w_affinity * AFFINITY[tiers[w.url]] - c.w_queue * q - c.w_tokens * t - c.w_evictions * e
+            w.url: c.w_affinity * AFFINITY[tiers[w.url]]
+            - c.w_queue * q
+            - c.w_tokens * t
+            - c.w_evictions * e
             for w, q, t, e in zip(workers, queue, tokens, evictions)
         }
 

@@ -11,8 +11,16 @@ from loraplex.router.app import RouterConfig, create_router_app, registry_priori
 from loraplex.router.picker import POLICIES
 
 
-def serve_router(workers: list[str], policy: str, admin_token: str | None, registry: str | None,
-                 host: str, port: int, metrics_token: str | None = None, **tuning) -> int:
+def serve_router(
+    workers: list[str],
+    policy: str,
+    admin_token: str | None,
+    registry: str | None,
+    host: str,
+    port: int,
+    metrics_token: str | None = None,
+    **tuning,
+) -> int:
     """`tuning`: RouterConfig's timing fields (stale_s, poll_s, poll_timeout_s,
     request_timeout_s) and `picker`, a PickerConfig."""
     if policy not in POLICIES:
@@ -24,14 +32,18 @@ def serve_router(workers: list[str], policy: str, admin_token: str | None, regis
         return 2
     if registry:
         tuning["priority_of"] = registry_priorities(registry)
-    config = RouterConfig(tuple(workers), policy, admin_token, metrics_token=metrics_token,
-                          **tuning)
+    config = RouterConfig(
+        tuple(workers), policy, admin_token, metrics_token=metrics_token, **tuning
+    )
     app = create_router_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    print(f"loraplex router listening on http://{host}:{sock.getsockname()[1]} "
-          f"({len(workers)} workers, policy {policy})", flush=True)
+    print(
+        f"loraplex router listening on http://{host}:{sock.getsockname()[1]} "
+        f"({len(workers)} workers, policy {policy})",
+        flush=True,
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0

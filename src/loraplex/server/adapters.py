@@ -29,9 +29,14 @@ class Target:
 
 
 class AdapterResolver:
-    def __init__(self, registry: Registry, base_model_digest: str, served_name: str,
-                 tenant_priority: Callable[[str], int] = lambda tenant: 0,
-                 trusted_keys: tuple = ()):
+    def __init__(
+        self,
+        registry: Registry,
+        base_model_digest: str,
+        served_name: str,
+        tenant_priority: Callable[[str], int] = lambda tenant: 0,
+        trusted_keys: tuple = (),
+    ):
         """`tenant_priority`: a tenant's priority, given to the cache with the adapters it asks for.
         `trusted_keys`: with any, a revision is loaded only if one of them signed its digest."""
         self.registry = registry
@@ -41,11 +46,17 @@ class AdapterResolver:
         self.base_model_digest = base_model_digest
         self.served_name = served_name
         self.base = Target(None, served_name, base_model_digest)
-        self.in_flight: Counter[str] = Counter()  # requests per adapter name, on the event loop thread
+        self.in_flight: Counter[str] = (
+            Counter()
+        )  # requests per adapter name, on the event loop thread
         self.draining: set[str] = set()
-        self.unloaded: set[str] = set()  # names vLLM's unload retired here: their deprecated revisions are gone too
+        self.unloaded: set[str] = (
+            set()
+        )  # names vLLM's unload retired here: their deprecated revisions are gone too
         self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
-        self._pieces: dict[str, Pieces | None] = {}  # digest -> its piece list (immutable: read once)
+        self._pieces: dict[
+            str, Pieces | None
+        ] = {}  # digest -> its piece list (immutable: read once)
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
         """The target, or 404 (unknown, another tenant's, being unloaded, made for another base model)."""
@@ -58,12 +69,21 @@ class AdapterResolver:
             # the registry still answers name@revision for a retired name; after vLLM's unload, this server does not
             raise not_found(model)
         if record.base_model_digest and record.base_model_digest != self.base_model_digest:
-            raise APIError(404, f"{record.model_id} was registered for base model {record.base_model}, "
-                           f"not the one this server runs ({self.served_name})", "model_not_available", "model")
+            raise APIError(
+                404,
+                f"{record.model_id} was registered for base model {record.base_model}, "
+                f"not the one this server runs ({self.served_name})",
+                "model_not_available",
+                "model",
+            )
         problem = self.signature_problem(record)
         if problem is not None:
-            raise APIError(503, f"{record.model_id} cannot be loaded: {problem}",
-                           "adapter_unavailable", "model")
+            raise APIError(
+                503,
+                f"{record.model_id} cannot be loaded: {problem}",
+                "adapter_unavailable",
+                "model",
+            )
         return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
 
     def signature_problem(self, record: RevisionRecord) -> str | None:
@@ -88,13 +108,21 @@ class AdapterResolver:
         key = AdapterKey(self.base_model_digest, record.name, record.revision, record.digest)
         if record.digest not in self._pieces:
             self._pieces[record.digest] = self.registry.pieces(record.digest)
-        return AdapterRef(key, self._local_path(record.digest), record.storage_uri, tenant,
-                          self.tenant_priority(tenant), self._pieces[record.digest])
+        return AdapterRef(
+            key,
+            self._local_path(record.digest),
+            record.storage_uri,
+            tenant,
+            self.tenant_priority(tenant),
+            self._pieces[record.digest],
+        )
 
     def _local_path(self, digest: str):
         path = self._paths.get(digest)
         store = self.registry.store
-        if path is None and store is not None and store.has(digest):  # a stat: once per digest, not per request
+        if (
+            path is None and store is not None and store.has(digest)
+        ):  # a stat: once per digest, not per request
             path = self._paths[digest] = store.path(digest)
         return path
 

@@ -19,7 +19,13 @@ from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.config import parse_size
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord, UnsafeLocation, fetch_artifact
+from loraplex.registry import (
+    AdapterNotFound,
+    ReleaseChecks,
+    RevisionRecord,
+    UnsafeLocation,
+    fetch_artifact,
+)
 from loraplex.registry.store import artifact_files
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
@@ -70,15 +76,16 @@ class RevisionBody(_Body):
 
 
 class BudgetBody(_Body):
-    """The fields given are set (null clears one: the server's default share); those left out stay.
-    """
+    """The fields given are set (null clears one: the server's default share); those left out stay."""
 
     max_gpu_slots: int | None = None
     max_cpu_bytes: int | str | None = None
     """Bytes, or a size such as 512MiB."""
 
 
-class LoadLoraBody(BaseModel):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
+class LoadLoraBody(
+    BaseModel
+):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
     lora_name: str
     lora_path: str
 
@@ -136,8 +143,10 @@ async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
     this server's capacity is refused, naming the field, and nothing changes."""
     server = _server(request)
     cache = server.engine.adapters
-    capacity = {"max_gpu_slots": (len(cache.slots), "slots"),
-                "max_cpu_bytes": (cache.cpu_bytes, "bytes")}
+    capacity = {
+        "max_gpu_slots": (len(cache.slots), "slots"),
+        "max_cpu_bytes": (cache.cpu_bytes, "bytes"),
+    }
     budget = {}
     for field_name in sorted(body.model_fields_set):
         value = getattr(body, field_name)
@@ -148,11 +157,16 @@ async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
                 raise APIError(400, f"{field_name}: {exc}", "invalid_value", field_name) from None
         limit, unit = capacity[field_name]
         if value is not None and value < 0:
-            raise APIError(400, f"{field_name} must be >= 0, not {value}", "invalid_value",
-                           field_name)
+            raise APIError(
+                400, f"{field_name} must be >= 0, not {value}", "invalid_value", field_name
+            )
         if value is not None and value > limit:
-            raise APIError(400, f"{field_name} {value} is more than this server's {limit} {unit}",
-                           "invalid_value", field_name)
+            raise APIError(
+                400,
+                f"{field_name} {value} is more than this server's {limit} {unit}",
+                "invalid_value",
+                field_name,
+            )
         budget[field_name] = value
     await run_in_threadpool(server.registry.set_budget, tenant, **budget)  # an unknown tenant: 404
     await run_in_threadpool(server.apply_budgets)
@@ -190,12 +204,22 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
         src = _allowed_dir(server, body.path)
     else:
         if body.digest is None:
-            raise APIError(400, "a storage_uri needs its digest (sha256:...)", "invalid_value", "digest")
+            raise APIError(
+                400, "a storage_uri needs its digest (sha256:...)", "invalid_value", "digest"
+            )
         src = fetch_artifact(body.storage_uri, body.digest, server.registry.store, server.allowed)
     return server.registry.add_revision(
-        src, body.name, revision=body.revision, tenant=body.tenant, shared=body.shared,
-        base_model_dir=server.engine.config.model_dir, warm_policy=body.warm, priority=body.priority,
-        status="stable" if body.stable else "staging", digest=body.digest, signature=body.signature,
+        src,
+        body.name,
+        revision=body.revision,
+        tenant=body.tenant,
+        shared=body.shared,
+        base_model_dir=server.engine.config.model_dir,
+        warm_policy=body.warm,
+        priority=body.priority,
+        status="stable" if body.stable else "staging",
+        digest=body.digest,
+        signature=body.signature,
     )
 
 
@@ -215,7 +239,9 @@ def _allowed_dir(server: Server, path: str) -> Path:
 async def promote(name: str, body: PromoteBody, request: Request) -> dict:
     server = _server(request)
     checks = _release_checks(server, asyncio.get_running_loop())
-    adapter = await run_in_threadpool(server.registry.promote, name, body.revision, body.weight, checks, body.force)
+    adapter = await run_in_threadpool(
+        server.registry.promote, name, body.revision, body.weight, checks, body.force
+    )
     await run_in_threadpool(server.follow_traffic)  # pins move to the revisions now serving
     return adapter.to_dict()
 
@@ -223,7 +249,9 @@ async def promote(name: str, body: PromoteBody, request: Request) -> dict:
 async def set_traffic(name: str, body: TrafficBody, request: Request) -> dict:
     server = _server(request)
     checks = _release_checks(server, asyncio.get_running_loop())
-    adapter = await run_in_threadpool(server.registry.set_traffic, name, body.weights, checks, body.force)
+    adapter = await run_in_threadpool(
+        server.registry.set_traffic, name, body.weights, checks, body.force
+    )
     await run_in_threadpool(server.follow_traffic)
     return adapter.to_dict()
 
@@ -243,10 +271,13 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 
     def complete(record: RevisionRecord, prompt: str) -> str:
         ref = server.resolver.ref_for(record)
-        return asyncio.run_coroutine_threadsafe(_complete(server, ref, prompt), loop).result(timeout=120)
+        return asyncio.run_coroutine_threadsafe(_complete(server, ref, prompt), loop).result(
+            timeout=120
+        )
 
-    return ReleaseChecks(prewarm=prewarm, complete=complete,
-                         min_pass_rate=server.config.release_min_pass_rate)
+    return ReleaseChecks(
+        prewarm=prewarm, complete=complete, min_pass_rate=server.config.release_min_pass_rate
+    )
 
 
 async def _complete(server: Server, ref, prompt: str) -> str:
@@ -267,7 +298,9 @@ async def _records(server: Server, name: str, revision: str | None) -> list[Revi
     adapter = await run_in_threadpool(server.registry.show, name)
     serving = [r for r in adapter.revisions if r.traffic_weight]
     if not serving:
-        raise APIError(409, f"{name} has no revision in traffic; name one", "lifecycle_conflict", "revision")
+        raise APIError(
+            409, f"{name} has no revision in traffic; name one", "lifecycle_conflict", "revision"
+        )
     return serving
 
 
@@ -312,13 +345,20 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         refused = [r for r in landed if cache.pinned(r.key) != "cpu"]
         if refused:
             undo()
-            raise APIError(409, f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
-                                "adapters would exceed cpu_cache_bytes", "capacity_exceeded")
+            raise APIError(
+                409,
+                f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
+                "adapters would exceed cpu_cache_bytes",
+                "capacity_exceeded",
+            )
         failed = [r for r in landed if not cache.in_host_memory(r.key)]
         if failed:  # its load failed (logged with the cause): nothing is pinned
             undo()
-            raise APIError(503, f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
-                           "adapter_unavailable")
+            raise APIError(
+                503,
+                f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
+                "adapter_unavailable",
+            )
         pending = [str(r.key) for r in refs if cache.is_loading(r.key)]
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(server.registry.pin, name, True, body.tier)
@@ -343,7 +383,9 @@ async def prewarm(name: str, request: Request, body: TierBody | None = None) -> 
     server = _server(request)
     records = await _records(server, name, body.revision)
     for record in records:
-        server.engine.adapters.prewarm(server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier)
+        server.engine.adapters.prewarm(
+            server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier
+        )
     return {"prewarming": [r.model_id for r in records], "tier": body.tier}
 
 
@@ -357,7 +399,9 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
         server.pins.released([key])
     if was_pinned and not any(cache.pinned(k) for k in _resident_keys(server, name)):
-        await run_in_threadpool(server.registry.unpin, name)  # else the next start would pin it again
+        await run_in_threadpool(
+            server.registry.unpin, name
+        )  # else the next start would pin it again
     return {"evicted": [str(k) for k in keys]}
 
 
@@ -388,14 +432,29 @@ def _load(server: Server, body: LoadLoraBody) -> None:
     except AdapterNotFound:
         existing = None
     if existing is not None and not existing.shared:
-        raise APIError(400, f"{body.lora_name} belongs to tenant {existing.owner_tenant}; pick another name",
-                       "invalid_value", "lora_name")
+        raise APIError(
+            400,
+            f"{body.lora_name} belongs to tenant {existing.owner_tenant}; pick another name",
+            "invalid_value",
+            "lora_name",
+        )
     if existing is not None and existing.traffic:
-        raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "invalid_value",
-                       "lora_name")
-    record = server.registry.add_revision(src, body.lora_name, shared=True,
-                                          base_model_dir=server.engine.config.model_dir, status="stable")
-    if record.traffic_weight != 100:  # the same bytes as an earlier revision, which had left traffic
+        raise APIError(
+            400,
+            f"The lora adapter '{body.lora_name}' has already been loaded.",
+            "invalid_value",
+            "lora_name",
+        )
+    record = server.registry.add_revision(
+        src,
+        body.lora_name,
+        shared=True,
+        base_model_dir=server.engine.config.model_dir,
+        status="stable",
+    )
+    if (
+        record.traffic_weight != 100
+    ):  # the same bytes as an earlier revision, which had left traffic
         server.registry.promote(body.lora_name, record.revision, 100, force=True)
 
 
@@ -408,11 +467,15 @@ async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTe
     except AdapterNotFound:
         adapter = None
     if adapter is None or not adapter.traffic or not adapter.shared:
-        raise APIError(404, f"The lora adapter '{name}' cannot be found.", "model_not_found", "lora_name")
+        raise APIError(
+            404, f"The lora adapter '{name}' cannot be found.", "model_not_found", "lora_name"
+        )
     try:
         if not await server.resolver.drain(name, server.config.unload_timeout_s):
-            raise AdapterInFlight(f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
-                                  "it stays loaded, retry the unload")
+            raise AdapterInFlight(
+                f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
+                "it stays loaded, retry the unload"
+            )
         await run_in_threadpool(server.registry.deprecate, name)
         server.resolver.unloaded.add(name)
         for key in _resident_keys(server, name):

@@ -9,7 +9,7 @@ from loraplex.server.errors import overloaded
 class Ticket:
     """One admitted request: waiting until its first output, in flight until closed."""
 
-    def __init__(self, admission: "Admission", tenant: str):
+    def __init__(self, admission: Admission, tenant: str):
         self.admission = admission
         self.tenant = tenant
         self.is_waiting = True
@@ -47,21 +47,31 @@ class Admission:
         self.in_flight: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
 
-    def admit(self, tenant: str, max_in_flight: int | None = None,
-              max_waiting: int | None = None) -> Ticket:
+    def admit(
+        self, tenant: str, max_in_flight: int | None = None, max_waiting: int | None = None
+    ) -> Ticket:
         """A ticket, or a 429 APIError (code `server_overloaded` or `tenant_quota_exceeded`).
         `max_in_flight` and `max_waiting`: the tenant's own limits (its registry fields), which
         replace the server's per-tenant limit and add one under the server's queue bound."""
         if self.num_waiting >= self.max_waiting:
-            raise overloaded(f"The server is at capacity ({self.num_waiting} requests waiting); retry later.",
-                             self.retry_after_s, "server_overloaded")
+            raise overloaded(
+                f"The server is at capacity ({self.num_waiting} requests waiting); retry later.",
+                self.retry_after_s,
+                "server_overloaded",
+            )
         limit = max_in_flight if max_in_flight is not None else self.max_per_tenant
         if limit is not None and self.in_flight.get(tenant, 0) >= limit:
-            raise overloaded(f"Tenant {tenant!r} has {limit} requests in flight, its limit; "
-                             "retry later.", self.retry_after_s, "tenant_quota_exceeded")
+            raise overloaded(
+                f"Tenant {tenant!r} has {limit} requests in flight, its limit; retry later.",
+                self.retry_after_s,
+                "tenant_quota_exceeded",
+            )
         if max_waiting is not None and self.waiting.get(tenant, 0) >= max_waiting:
-            raise overloaded(f"Tenant {tenant!r} has {max_waiting} requests waiting, its limit; "
-                             "retry later.", self.retry_after_s, "tenant_quota_exceeded")
+            raise overloaded(
+                f"Tenant {tenant!r} has {max_waiting} requests waiting, its limit; retry later.",
+                self.retry_after_s,
+                "tenant_quota_exceeded",
+            )
         self.num_waiting += 1
         self.waiting[tenant] = self.waiting.get(tenant, 0) + 1
         self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1

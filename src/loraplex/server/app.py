@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 __all__ = ["Server", "ServerConfig", "create_admin_app", "create_app"]
 
 
-def create_app(engine: LLMEngine | VllmEngine, registry: Registry, config: ServerConfig,
-               api_keys: dict[str, str] | None = None) -> FastAPI:
+def create_app(
+    engine: LLMEngine | VllmEngine,
+    registry: Registry,
+    config: ServerConfig,
+    api_keys: dict[str, str] | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app (and the admin API on it unless `config.admin_on_main_app` is False)."""
     server = Server(engine, registry, config, api_keys)
 
@@ -78,7 +82,11 @@ async def alive(request: Request):
 async def ready(request: Request):
     server: Server = request.app.state.server
     if server.async_engine is None or server.is_draining:
-        raise APIError(503, "not ready: " + ("shutting down" if server.is_draining else "starting"), "not_ready")
+        raise APIError(
+            503,
+            "not ready: " + ("shutting down" if server.is_draining else "starting"),
+            "not_ready",
+        )
     return {"status": "ready", "model": server.config.served_model_name}
 
 

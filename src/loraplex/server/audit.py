@@ -8,9 +8,25 @@ import threading
 from pathlib import Path
 
 FIELDS = (
-    "ts", "request_id", "endpoint", "tenant", "base_model", "adapter", "revision", "digest", "rank", "cache_tier",
-    "queue_wait_ms", "load_ms", "ttft_ms", "tpot_ms", "prompt_tokens", "completion_tokens", "finish_reason",
-    "status", "error_code",
+    "ts",
+    "request_id",
+    "endpoint",
+    "tenant",
+    "base_model",
+    "adapter",
+    "revision",
+    "digest",
+    "rank",
+    "cache_tier",
+    "queue_wait_ms",
+    "load_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "status",
+    "error_code",
 )
 
 
@@ -26,7 +42,9 @@ class AuditLog:
             self._out = sys.stdout
         else:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
-            self._out = open(target, "a", buffering=1, encoding="utf-8")  # line-buffered: one write per line
+            self._out = open(
+                target, "a", buffering=1, encoding="utf-8"
+            )  # line-buffered: one write per line
 
     def write(self, record: dict) -> None:
         if self._out is None:

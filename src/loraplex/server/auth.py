@@ -60,8 +60,13 @@ class Authenticator:
     registry closes open mode, within that time. Revoking every key does not reopen the server.
     """
 
-    def __init__(self, registry: Registry, file_keys: dict[str, str] | None = None, ttl_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        registry: Registry,
+        file_keys: dict[str, str] | None = None,
+        ttl_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.registry = registry
         self.file_keys = file_keys or {}
         self.ttl_s = ttl_s
@@ -112,5 +117,9 @@ def check_admin(authorization: str | None, token: str) -> None:
 def check_token(authorization: str | None, token: str, kind: str) -> None:
     """401 unless the request carries `token` (the admin or the metrics token)."""
     if not carries_token(authorization, token):
-        raise APIError(401, f"This endpoint needs the {kind} token: send `Authorization: Bearer "
-                       f"{kind.upper()}_TOKEN`.", f"invalid_{kind}_token")
+        raise APIError(
+            401,
+            f"This endpoint needs the {kind} token: send `Authorization: Bearer "
+            f"{kind.upper()}_TOKEN`.",
+            f"invalid_{kind}_token",
+        )

@@ -137,7 +137,8 @@ def serve(
         int | None, Opt(help="vLLM: GPUs the model is split over", rich_help_panel=ENGINE)
     ] = None,
     enable_prefix_caching: Annotated[
-        bool | None, Opt(help="vLLM: share the KV blocks of common prefixes", rich_help_panel=ENGINE)
+        bool | None,
+        Opt(help="vLLM: share the KV blocks of common prefixes", rich_help_panel=ENGINE),
     ] = None,
     base_as_zero_adapter: Annotated[
         str,
@@ -404,8 +405,11 @@ def serve(
 def serve_options(given: dict) -> ServeOptions:
     """ServeOptions from `serve`'s parameters (the same names), text parsed where a flag is text."""
     values = {k: v for k, v in given.items() if k not in ("config", "extra", "trusted_key")}
-    vllm_args = _vllm_args(values.pop("tensor_parallel_size"), values.pop("enable_prefix_caching"),
-                           values.pop("vllm_arg"))
+    vllm_args = _vllm_args(
+        values.pop("tensor_parallel_size"),
+        values.pop("enable_prefix_caching"),
+        values.pop("vllm_arg"),
+    )
     modules, roots = _variadic(
         list(values.pop("lora_modules") or ()),
         list(values.pop("allowed_roots") or ()),
@@ -425,8 +429,9 @@ def serve_options(given: dict) -> ServeOptions:
     )
 
 
-def _vllm_args(tensor_parallel_size: int | None, prefix_caching: bool | None,
-               more: list[str] | None) -> tuple[str, ...]:
+def _vllm_args(
+    tensor_parallel_size: int | None, prefix_caching: bool | None, more: list[str] | None
+) -> tuple[str, ...]:
     """The options passed to vLLM as `vllm serve` takes them (`--vllm-arg=--name=value`: two)."""
     out = []
     if tensor_parallel_size is not None:

@@ -29,16 +29,30 @@ from loraplex.registry.errors import (
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable_error", 500: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    500: "server_error",
+}
 
 
 class APIError(Exception):
     """An error answer: HTTP status, a message the caller can act on, and the OpenAI fields."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None, type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -48,7 +62,14 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "api_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -56,8 +77,12 @@ class APIError(Exception):
 
 def not_found(model: str) -> APIError:
     """The same answer for a name that does not exist and one the tenant may not use."""
-    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                    "model_not_found", "model")
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        "model_not_found",
+        "model",
+    )
 
 
 def unauthorized(message: str) -> APIError:
@@ -84,7 +109,9 @@ def as_api_error(exc: Exception) -> APIError | None:
         case RevisionUnavailable():
             return APIError(404, str(exc), "model_not_available", "model")
         case AdapterUnavailable():
-            return APIError(503, exc.public, "adapter_unavailable")  # the cause is in the server log
+            return APIError(
+                503, exc.public, "adapter_unavailable"
+            )  # the cause is in the server log
         case ArtifactUnavailable() | DigestMismatch():
             return APIError(503, str(exc), "adapter_unavailable")
         case UnsafeLocation():
@@ -113,15 +140,22 @@ def validation_error(errors, prefix_skip: int = 0) -> APIError:
     loc = [p for p in loc if not _is_type_tag(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", "invalid_json")
+        return APIError(
+            400, f"the request body is not valid JSON: {first.get('msg')}", "invalid_json"
+        )
     if first.get("type") == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", "unknown_field", param)
+        return APIError(
+            400, f"Unrecognized request argument supplied: {param}", "unknown_field", param
+        )
     message = first.get("msg", "invalid value")
     return APIError(400, f"{param}: {message}" if param else message, "invalid_type", param)
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]") or "[" in part
+    return (
+        part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]")
+        or "[" in part
+    )
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -133,9 +167,21 @@ def install_handlers(app: FastAPI) -> None:
             raise exc
         ctx = getattr(request.state, "ctx", None)
         if ctx is not None:
-            ctx.error_code = error.code  # the audit line says which refusal (quota, overload, not found, ...)
+            ctx.error_code = (
+                error.code
+            )  # the audit line says which refusal (quota, overload, not found, ...)
         return error.response()
 
-    for kind in (APIError, InvalidRequest, NonFiniteLogits, AdapterRejected, RegistryError, AdapterUnavailable,
-                 AdapterInFlight, CapacityExceeded, HTTPException, RequestValidationError):
+    for kind in (
+        APIError,
+        InvalidRequest,
+        NonFiniteLogits,
+        AdapterRejected,
+        RegistryError,
+        AdapterUnavailable,
+        AdapterInFlight,
+        CapacityExceeded,
+        HTTPException,
+        RequestValidationError,
+    ):
         app.add_exception_handler(kind, handle)

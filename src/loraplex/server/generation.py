@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.sequence import RequestOutput, SamplingParams
-from loraplex.server.admission import Ticket
 from loraplex.server.adapters import AdapterResolver, Target
+from loraplex.server.admission import Ticket
 from loraplex.server.middleware import RequestContext
 
 
@@ -50,8 +50,16 @@ class ChoiceState:
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, resolver: AdapterResolver, ctx: RequestContext, target: Target,
-                 prompts: list[list[int]], params: SamplingParams, ticket: Ticket):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        resolver: AdapterResolver,
+        ctx: RequestContext,
+        target: Target,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        ticket: Ticket,
+    ):
         self.engine = engine
         self.resolver = resolver
         self.ctx = ctx
@@ -62,15 +70,18 @@ class Generation:
         # One choice per sequence: prompt i's sequence j is choice i * num_seqs + j, as vLLM numbers
         # them.
         self.num_seqs = params.num_seqs
-        self.choices = [ChoiceState(i, i // self.num_seqs)
-                        for i in range(len(prompts) * self.num_seqs)]
+        self.choices = [
+            ChoiceState(i, i // self.num_seqs) for i in range(len(prompts) * self.num_seqs)
+        ]
         # The engine's ids are ours: the client's x-request-id names the response and the audit line, but two clients
         # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
         ids = [uuid.uuid4().hex for _ in prompts]
         self._ids = ids
         # One client request is one cache hit or miss, however many prompts it has.
-        self._streams = [engine.generate(p, params, target.ref, rid, counted=i == 0)
-                         for i, (p, rid) in enumerate(zip(prompts, ids))]
+        self._streams = [
+            engine.generate(p, params, target.ref, rid, counted=i == 0)
+            for i, (p, rid) in enumerate(zip(prompts, ids))
+        ]
         self._firsts: list[RequestOutput] = []
         self._pumps: list[asyncio.Task] = []
         self.queue_wait_s: float | None = None
@@ -98,8 +109,9 @@ class Generation:
         """(choice index, output) until every prompt has finished; choice state is updated before each."""
         for index, out in enumerate(self._firsts):  # already counted in the choices by start()
             yield self._choice(index, out).index, out
-        live = [i for i, out in enumerate(self._firsts)
-                if not (out.finished and self.num_seqs == 1)]  # n > 1: its other sequences go on
+        live = [
+            i for i, out in enumerate(self._firsts) if not (out.finished and self.num_seqs == 1)
+        ]  # n > 1: its other sequences go on
         if len(live) == 1:
             async for out in self._streams[live[0]]:
                 choice = self._choice(live[0], out)
@@ -175,7 +187,9 @@ class Generation:
         if first.first_token_at is not None:
             audit["ttft_s"] = first.first_token_at - self.ctx.arrival
             if first.num_output_tokens > 1:
-                audit["tpot_s"] = (first.last_token_at - first.first_token_at) / (first.num_output_tokens - 1)
+                audit["tpot_s"] = (first.last_token_at - first.first_token_at) / (
+                    first.num_output_tokens - 1
+                )
 
     @property
     def usage_counts(self) -> tuple[int, int]:

@@ -11,14 +11,35 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOAD_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIERS = ("gpu", "cpu", "disk", "remote")
 RankOf = Callable[[str, str], "int | None"]  # (name, revision) -> rank
 # The cache's load stages, and the histogram each one feeds.
-STAGE_SERIES = {"resolve": "resolve", "download": "remote_download", "disk": "disk_load", "h2d": "h2d",
-                "activation": "activation"}
+STAGE_SERIES = {
+    "resolve": "resolve",
+    "download": "remote_download",
+    "disk": "disk_load",
+    "h2d": "h2d",
+    "activation": "activation",
+}
 
 
 class ServerMetrics:
@@ -30,41 +51,92 @@ class ServerMetrics:
     `rank_of(name, revision)` gives their rank label.
     """
 
-    def __init__(self, snapshot: Callable[[], dict], top_k_adapters: int = 0,
-                 load_state_top_k: int = 0, rank_of: RankOf | None = None):
+    def __init__(
+        self,
+        snapshot: Callable[[], dict],
+        top_k_adapters: int = 0,
+        load_state_top_k: int = 0,
+        rank_of: RankOf | None = None,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.cache_hits = Counter("loraplex_adapter_cache_hits_total", "Requests whose adapter was found in a "
-                                  "tier (L0 gpu, L1 cpu, L2 disk)", ["tier"], registry=r)
-        self.cache_misses = Counter("loraplex_adapter_cache_misses_total", "Requests whose adapter had to come "
-                                    "from the remote store (L3)", registry=r)
-        self.evictions = Counter("loraplex_adapter_evictions_total", "Adapters evicted from a tier", ["tier"],
-                                 registry=r)
-        self.reloads = Counter("loraplex_adapter_reload_after_eviction_total", "Adapters loaded again within "
-                               "the thrash window after their eviction", registry=r)
-        self.load_failures = Counter("loraplex_adapter_load_failures_total", "Adapter loads that failed",
-                                     ["error"], registry=r)
+        self.cache_hits = Counter(
+            "loraplex_adapter_cache_hits_total",
+            "Requests whose adapter was found in a tier (L0 gpu, L1 cpu, L2 disk)",
+            ["tier"],
+            registry=r,
+        )
+        self.cache_misses = Counter(
+            "loraplex_adapter_cache_misses_total",
+            "Requests whose adapter had to come from the remote store (L3)",
+            registry=r,
+        )
+        self.evictions = Counter(
+            "loraplex_adapter_evictions_total", "Adapters evicted from a tier", ["tier"], registry=r
+        )
+        self.reloads = Counter(
+            "loraplex_adapter_reload_after_eviction_total",
+            "Adapters loaded again within the thrash window after their eviction",
+            registry=r,
+        )
+        self.load_failures = Counter(
+            "loraplex_adapter_load_failures_total",
+            "Adapter loads that failed",
+            ["error"],
+            registry=r,
+        )
         self.stages = {
-            stage: Histogram(f"loraplex_adapter_{series}_seconds", f"Adapter load stage: {stage}",
-                             buckets=LOAD_BUCKETS, registry=r)
+            stage: Histogram(
+                f"loraplex_adapter_{series}_seconds",
+                f"Adapter load stage: {stage}",
+                buckets=LOAD_BUCKETS,
+                registry=r,
+            )
             for stage, series in STAGE_SERIES.items()
         }
-        self.ttft = Histogram("loraplex_request_ttft_seconds", "Time to first token, by the tier the adapter "
-                              "was in on arrival", ["tier"], buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("loraplex_request_tpot_seconds", "Time per output token after the first",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("loraplex_request_queue_wait_seconds", "Time from arrival to admission "
-                                    "into the running batch", buckets=TTFT_BUCKETS, registry=r)
-        self.requests = Counter("loraplex_requests_total", "Inference requests by tenant and HTTP status",
-                                ["tenant", "code"], registry=r)
-        self.cold_starts = Counter("loraplex_cold_starts_total", "Requests whose adapter was not in memory "
-                                   "(disk or remote) on arrival", registry=r)
-        self.tenant_denied = Counter("loraplex_tenant_denied_total", "Requests refused by tenancy: another "
-                                     "tenant's adapter, or the tenant's concurrency quota", ["tenant"], registry=r)
+        self.ttft = Histogram(
+            "loraplex_request_ttft_seconds",
+            "Time to first token, by the tier the adapter was in on arrival",
+            ["tier"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "loraplex_request_tpot_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "loraplex_request_queue_wait_seconds",
+            "Time from arrival to admission into the running batch",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "loraplex_requests_total",
+            "Inference requests by tenant and HTTP status",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.cold_starts = Counter(
+            "loraplex_cold_starts_total",
+            "Requests whose adapter was not in memory (disk or remote) on arrival",
+            registry=r,
+        )
+        self.tenant_denied = Counter(
+            "loraplex_tenant_denied_total",
+            "Requests refused by tenancy: another "
+            "tenant's adapter, or the tenant's concurrency quota",
+            ["tenant"],
+            registry=r,
+        )
         self.budget_waits = Counter(
             "loraplex_tenant_budget_waits_total",
             "Requests that waited because their tenant was at its residency budget (once per wait)",
-            ["tenant"], registry=r)
+            ["tenant"],
+            registry=r,
+        )
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
         self.top_k_adapters = top_k_adapters
@@ -94,7 +166,9 @@ class ServerMetrics:
         elif kind == "load_failed":
             self.load_failures.labels(str(fields.get("error", "unknown"))).inc()
 
-    def on_request(self, tenant: str, status: int, adapter: str | None, tier: str | None, denied: bool) -> None:
+    def on_request(
+        self, tenant: str, status: int, adapter: str | None, tier: str | None, denied: bool
+    ) -> None:
         self.requests.labels(tenant, str(status)).inc()
         if denied:
             self.tenant_denied.labels(tenant).inc()
@@ -103,7 +177,9 @@ class ServerMetrics:
         if adapter and self.top_k_adapters:
             self.adapter_requests[adapter] += 1
 
-    def on_timings(self, tier: str, ttft_s: float | None, tpot_s: float | None, queue_wait_s: float | None) -> None:
+    def on_timings(
+        self, tier: str, ttft_s: float | None, tpot_s: float | None, queue_wait_s: float | None
+    ) -> None:
         if ttft_s is not None:
             self.ttft.labels(tier).observe(ttft_s)
         if tpot_s is not None:
@@ -127,21 +203,40 @@ def load_state_series(live: dict, top_k: int, rank: Callable[[dict], int | None]
     adapters in a device slot or host memory that matter most (slots first, then pinned, then the
     busiest), so the number of series stays bounded whatever the catalog's size."""
     resident = [a for a in live["cache"]["adapters"] if a["tier"] in ("gpu", "cpu")]
-    resident.sort(key=lambda a: (a["tier"] != "gpu", a["pinned"] is None, -a["demand_5m"],
-                                 a["last_access_s_ago"], a["name"], a["revision"]))
-    loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 per resident adapter (top K): its "
-                               "level is gpu (a device slot) or cpu (host memory)",
-                               labels=["adapter_name", "level", "pinned", "rank"])
+    resident.sort(
+        key=lambda a: (
+            a["tier"] != "gpu",
+            a["pinned"] is None,
+            -a["demand_5m"],
+            a["last_access_s_ago"],
+            a["name"],
+            a["revision"],
+        )
+    )
+    loaded = GaugeMetricFamily(
+        "vllm:lora_adapter_loaded",
+        "1 per resident adapter (top K): its level is gpu (a device slot) or cpu (host memory)",
+        labels=["adapter_name", "level", "pinned", "rank"],
+    )
     for a in resident[:top_k]:
         r = rank(a)
-        loaded.add_metric([a["model"], a["tier"], "true" if a["pinned"] else "false",
-                           "" if r is None else str(r)], 1)
+        loaded.add_metric(
+            [
+                a["model"],
+                a["tier"],
+                "true" if a["pinned"] else "false",
+                "" if r is None else str(r),
+            ],
+            1,
+        )
     yield loaded
     on_gpu = sum(1 for a in resident if a["tier"] == "gpu")
-    yield GaugeMetricFamily("vllm:num_gpu_loaded_lora_adapters", "Adapters in a device slot",
-                            value=on_gpu)
-    yield GaugeMetricFamily("vllm:max_gpu_lora_adapters", "Device slots for adapters",
-                            value=live["max_lora"])
+    yield GaugeMetricFamily(
+        "vllm:num_gpu_loaded_lora_adapters", "Adapters in a device slot", value=on_gpu
+    )
+    yield GaugeMetricFamily(
+        "vllm:max_gpu_lora_adapters", "Device slots for adapters", value=live["max_lora"]
+    )
 
 
 def _tenant_gauges(tenants: dict):
@@ -149,10 +244,13 @@ def _tenant_gauges(tenants: dict):
     count = GaugeMetricFamily(
         "loraplex_tenant_resident_count",
         "Adapters charged to a tenant per tier (those its requests hold, or used last)",
-        labels=["tenant", "tier"])
+        labels=["tenant", "tier"],
+    )
     size = GaugeMetricFamily(
-        "loraplex_tenant_resident_bytes", "Bytes of the adapters charged to a tenant per tier",
-        labels=["tenant", "tier"])
+        "loraplex_tenant_resident_bytes",
+        "Bytes of the adapters charged to a tenant per tier",
+        labels=["tenant", "tier"],
+    )
     for tenant, row in tenants.items():
         count.add_metric([tenant, "gpu"], row["gpu"]["slots"])
         count.add_metric([tenant, "cpu"], row["cpu"]["count"])
@@ -175,31 +273,56 @@ class _LiveCollector:
     def collect(self):
         live = self.snapshot()
         cache = live["cache"]
-        count = GaugeMetricFamily("loraplex_adapter_resident_count", "Adapters resident per tier", labels=["tier"])
-        size = GaugeMetricFamily("loraplex_adapter_resident_bytes", "Bytes of adapters resident per tier",
-                                 labels=["tier"])
+        count = GaugeMetricFamily(
+            "loraplex_adapter_resident_count", "Adapters resident per tier", labels=["tier"]
+        )
+        size = GaugeMetricFamily(
+            "loraplex_adapter_resident_bytes",
+            "Bytes of adapters resident per tier",
+            labels=["tier"],
+        )
         for tier in TIERS[:3]:
             count.add_metric([tier], cache["resident"][tier]["count"])
             size.add_metric([tier], cache["resident"][tier]["bytes"])
         yield count
         yield size
         yield from _tenant_gauges(cache.get("tenants", {}))
-        yield GaugeMetricFamily("loraplex_adapter_thrash_ratio", "Reloads after eviction per eviction",
-                                value=cache.get("thrash_ratio", 0.0))
-        info = GaugeMetricFamily("vllm:lora_requests_info", "Running (gpu-resident) and waiting adapters; the "
-                                 "value is the update time", labels=["running_lora_adapters",
-                                                                     "waiting_lora_adapters", "max_lora"])
-        info.add_metric([",".join(live["running_adapters"]), ",".join(live["waiting_adapters"]),
-                         str(live["max_lora"])], time.time())
+        yield GaugeMetricFamily(
+            "loraplex_adapter_thrash_ratio",
+            "Reloads after eviction per eviction",
+            value=cache.get("thrash_ratio", 0.0),
+        )
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running (gpu-resident) and waiting adapters; the value is the update time",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric(
+            [
+                ",".join(live["running_adapters"]),
+                ",".join(live["waiting_adapters"]),
+                str(live["max_lora"]),
+            ],
+            time.time(),
+        )
         yield info
-        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"])
-        yield GaugeMetricFamily("vllm:num_requests_running", "Requests running", value=live["num_running"])
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"])
+        yield GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"]
+        )
+        yield GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests running", value=live["num_running"]
+        )
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"]
+        )
         if self.metrics.load_state_top_k:
             yield from load_state_series(live, self.metrics.load_state_top_k, self.metrics.rank)
         if self.metrics.top_k_adapters:
-            top = CounterMetricFamily("loraplex_adapter_requests", "Requests of the top-K adapters",
-                                      labels=["adapter"])
-            for adapter, n in self.metrics.adapter_requests.most_common(self.metrics.top_k_adapters):
+            top = CounterMetricFamily(
+                "loraplex_adapter_requests", "Requests of the top-K adapters", labels=["adapter"]
+            )
+            for adapter, n in self.metrics.adapter_requests.most_common(
+                self.metrics.top_k_adapters
+            ):
                 top.add_metric([adapter], n)
             yield top

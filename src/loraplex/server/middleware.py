@@ -5,8 +5,8 @@ metrics and audit line."""
 from __future__ import annotations
 
 import logging
-import re
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +16,9 @@ from loraplex.server.errors import APIError
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-CLIENT_CLOSED = 499  # the client went away before the end (the nginx convention), recorded, never sent
+CLIENT_CLOSED = (
+    499  # the client went away before the end (the nginx convention), recorded, never sent
+)
 
 
 @dataclass
@@ -35,16 +37,20 @@ class RequestContext:
     rank: int | None = None
     tier: str = ""
     denied: bool = False
-    status: int | None = None  # the outcome when it differs from the HTTP status (an error mid-stream)
+    status: int | None = (
+        None  # the outcome when it differs from the HTTP status (an error mid-stream)
+    )
     error_code: str | None = None
     audit: dict = field(default_factory=dict)  # timings and token counts
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         out = [(b"x-request-id", self.request_id.encode())]
         if self.is_inference:
-            out += [(b"x-loraplex-adapter", self.adapter.encode()),
-                    (b"x-loraplex-adapter-digest", self.digest.encode()),
-                    (b"x-loraplex-cache-tier", self.tier.encode())]
+            out += [
+                (b"x-loraplex-adapter", self.adapter.encode()),
+                (b"x-loraplex-adapter-digest", self.digest.encode()),
+                (b"x-loraplex-cache-tier", self.tier.encode()),
+            ]
         return out
 
 
@@ -75,8 +81,11 @@ class RequestMiddleware:
             log.exception("request %s failed", ctx.request_id)
             ctx.error_code = ctx.error_code or "internal_error"
             if not started:
-                error = APIError(500, f"internal error ({type(exc).__name__}); request id {ctx.request_id}",
-                                 "internal_error")
+                error = APIError(
+                    500,
+                    f"internal error ({type(exc).__name__}); request id {ctx.request_id}",
+                    "internal_error",
+                )
                 await error.response()(scope, receive, send_with_headers)
             else:
                 ctx.status = 500

@@ -18,8 +18,8 @@ from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from loraplex.server.server import Server
     from loraplex.server.middleware import RequestContext
+    from loraplex.server.server import Server
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -68,8 +68,9 @@ async def completions(request: Request):
     prompt_logprobs = req.logprobs if req.echo else None
     vocab_size = server.engine.model_config.vocab_size
     params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
-    fmt = CompletionFormat(ctx.request_id, req.model, _token_text(server), echo, prompts,
-                           prompt_only)
+    fmt = CompletionFormat(
+        ctx.request_id, req.model, _token_text(server), echo, prompts, prompt_only
+    )
     return await _respond(request, server, ctx, target, prompts, params, fmt, req)
 
 
@@ -84,7 +85,9 @@ async def chat_completions(request: Request):
     messages = [m.for_template() for m in req.messages]
     prompt = server.encode_chat(messages)
     default_max = max(1, server.engine.max_model_len - len(prompt))
-    params = req.sampling_params(server.engine.model_config.vocab_size, default_max, req.num_logprobs())
+    params = req.sampling_params(
+        server.engine.model_config.vocab_size, default_max, req.num_logprobs()
+    )
     # vLLM's echo: the last message's content first, when it is the assistant's (the role answering)
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     fmt = ChatFormat(ctx.request_id, req.model, _token_text(server), echo)
@@ -109,7 +112,9 @@ def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
     server: Server = request.app.state.server
     ctx: RequestContext = request.state.ctx
     ctx.is_inference, ctx.endpoint = True, endpoint
-    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))  # first: a refusal names its tenant
+    ctx.tenant = server.auth.tenant(
+        request.headers.get("authorization")
+    )  # first: a refusal names its tenant
     server.check_accepting()
     return server, ctx
 
@@ -126,7 +131,9 @@ async def _parse(request: Request, server: Server, model):
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large")
+    too_large = APIError(
+        413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
+    )
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
@@ -138,7 +145,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _respond(request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req):
+async def _respond(
+    request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req
+):
     """Generate and answer. A client that leaves stops its generation: while it waits for admission, for its
     adapter or for its first token, and while a plain answer is made (an event stream watches for it itself)."""
     gone = asyncio.ensure_future(_disconnected(request))
@@ -158,7 +167,9 @@ async def _respond(request: Request, server: Server, ctx: RequestContext, target
         finally:
             if not collect.done():
                 collect.cancel()
-                await asyncio.gather(collect, return_exceptions=True)  # its generator unwinds before the close
+                await asyncio.gather(
+                    collect, return_exceptions=True
+                )  # its generator unwinds before the close
             await gen.close()
         return JSONResponse(fmt.final(gen))
     finally:
@@ -203,10 +214,15 @@ async def _events(gen: Generation, fmt, include_usage: bool):
             yield _sse(fmt.usage_chunk(schemas.usage(*gen.usage_counts)))
     except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
         error = as_api_error(exc)
-        if error is None:  # a bug: logged with its traceback, and the client told, as before the headers
+        if (
+            error is None
+        ):  # a bug: logged with its traceback, and the client told, as before the headers
             log.exception("request %s failed during its stream", gen.ctx.request_id)
-            error = APIError(500, f"internal error ({type(exc).__name__}); request id {gen.ctx.request_id}",
-                             "internal_error")
+            error = APIError(
+                500,
+                f"internal error ({type(exc).__name__}); request id {gen.ctx.request_id}",
+                "internal_error",
+            )
         gen.ctx.status, gen.ctx.error_code = error.status, error.code
         yield _sse(error.body())
     yield DONE
@@ -217,7 +233,9 @@ class _EventStream(StreamingResponse):
     here, outside the stream's cancelled task group, so aborting and recording cannot be cut short."""
 
     def __init__(self, content, gen: Generation):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.gen = gen
 
     async def __call__(self, scope, receive, send):
@@ -225,14 +243,24 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-            if any(c.finish_reason is None for c in self.gen.choices) and self.gen.ctx.status is None:
+            if (
+                any(c.finish_reason is None for c in self.gen.choices)
+                and self.gen.ctx.status is None
+            ):
                 self.gen.ctx.status = CLIENT_CLOSED  # the client left before the end
             await self.gen.close()
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, decode, echo: list[str] | None = None,
-                 prompts: list[list[int]] | None = None, prompt_only: bool = False):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        decode,
+        echo: list[str] | None = None,
+        prompts: list[list[int]] | None = None,
+        prompt_only: bool = False,
+    ):
         """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids;
         `prompt_only`: the echoed prompt without the output (echo with max_tokens 0)."""
         self.request_id, self.model, self.decode = request_id, model, decode
@@ -256,8 +284,9 @@ class CompletionFormat:
         given = choice.prompt_logprobs or [None] * len(ids)
         return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
 
-    def _echoed(self, gen: Generation, choice, text: str,
-                entries: list[dict]) -> tuple[str, list[dict]]:
+    def _echoed(
+        self, gen: Generation, choice, text: str, entries: list[dict]
+    ) -> tuple[str, list[dict]]:
         if self.echo is None:
             return text, entries
         if self.prompt_only:
@@ -285,7 +314,9 @@ class CompletionFormat:
             text, entries = self._echoed(gen, c, "".join(c.text), c.logprobs)
             lp = self._logprobs(c.index, entries) if gen.params.logprobs is not None else None
             choices.append(schemas.completion_choice(c.index, text, c.finish_reason, lp))
-        return schemas.completion(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))
+        return schemas.completion(
+            self.request_id, self.model, choices, schemas.usage(*gen.usage_counts)
+        )
 
 
 class ChatFormat:
@@ -298,24 +329,42 @@ class ChatFormat:
         deltas = [{"role": "assistant", "content": ""}]
         if self.echo:
             deltas.append({"content": self.echo})
-        return [schemas.chat(self.request_id, self.model, [schemas.chat_delta(c.index, d, None)],
-                             None, chunk=True)
-                for d in deltas for c in gen.choices]
+        return [
+            schemas.chat(
+                self.request_id,
+                self.model,
+                [schemas.chat_delta(c.index, d, None)],
+                None,
+                chunk=True,
+            )
+            for d in deltas
+            for c in gen.choices
+        ]
 
     def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:
         return schemas.chat_logprobs(entries, self.decode) if wanted and entries else None
 
     def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
         delta = {"content": out.text} if out.text or not out.finished else {}
-        choice = schemas.chat_delta(index, delta, out.finish_reason if out.finished else None,
-                                    self._logprobs(out.logprobs, gen.params.logprobs is not None))
+        choice = schemas.chat_delta(
+            index,
+            delta,
+            out.finish_reason if out.finished else None,
+            self._logprobs(out.logprobs, gen.params.logprobs is not None),
+        )
         return schemas.chat(self.request_id, self.model, [choice], usage, chunk=True)
 
     def usage_chunk(self, usage: dict) -> dict:
         return schemas.chat(self.request_id, self.model, [], usage, chunk=True)
 
     def final(self, gen: Generation) -> dict:
-        choices = [schemas.chat_choice(c.index, self.echo + "".join(c.text), c.finish_reason,
-                                       self._logprobs(c.logprobs, gen.params.logprobs is not None))
-                   for c in gen.returned_choices()]
+        choices = [
+            schemas.chat_choice(
+                c.index,
+                self.echo + "".join(c.text),
+                c.finish_reason,
+                self._logprobs(c.logprobs, gen.params.logprobs is not None),
+            )
+            for c in gen.returned_choices()
+        ]
         return schemas.chat(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))

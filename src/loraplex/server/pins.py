@@ -20,20 +20,32 @@ log = logging.getLogger("loraplex.server")
 class PinReconciler:
     """Keeps the engine's pins in line with the registry's pins, warm policies and traffic."""
 
-    def __init__(self, registry: Registry, resolver: AdapterResolver, cache, watch_s: float,
-                 on_change: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        registry: Registry,
+        resolver: AdapterResolver,
+        cache,
+        watch_s: float,
+        on_change: Callable[[], None] = lambda: None,
+    ):
         self.registry = registry
-        self.on_change = on_change  # the server's reads of what else changed (tenants), before the pins
+        self.on_change = (
+            on_change  # the server's reads of what else changed (tenants), before the pins
+        )
         self.resolver = resolver
         self.cache = cache  # the engine's adapter operations: pin, unpin, pinned, tier_of
         self.watch_s = watch_s
         # Pins that follow traffic: those a name's pin or warm policy made, the revisions that left traffic kept in
         # host memory for the grace period, and each name's serving revisions at the last look.
         self._rule_pins: dict[AdapterKey, str] = {}
-        self._grace_pins: dict[AdapterKey, float] = {}  # key -> time.monotonic() its grace period ends
+        self._grace_pins: dict[
+            AdapterKey, float
+        ] = {}  # key -> time.monotonic() its grace period ends
         self._operator_pins: set[AdapterKey] = set()  # pinned by revision through the admin API
         self._serving: dict[str, frozenset[str]] = {}
-        self._rule_tiers: dict[str, str | None] = {}  # each name's pin tier (its pin, else warm policy), last look
+        self._rule_tiers: dict[
+            str, str | None
+        ] = {}  # each name's pin tier (its pin, else warm policy), last look
         self._pins_lock = threading.RLock()
         self._stop = threading.Event()
 
@@ -69,7 +81,9 @@ class PinReconciler:
         with self._pins_lock:
             before = self._serving.get(adapter.name)
             self._serving[adapter.name] = serving
-            if tier is None and self._rule_tiers.get(adapter.name) is not None:  # unpinned (elsewhere too)
+            if (
+                tier is None and self._rule_tiers.get(adapter.name) is not None
+            ):  # unpinned (elsewhere too)
                 mine = [k for k in self._operator_pins if k.name == adapter.name]
                 for key in mine:
                     cache.unpin(key)
@@ -78,9 +92,17 @@ class PinReconciler:
             for record in adapter.revisions:
                 if not self.resolver.may_see(record.base_model_digest):
                     continue
-                if before is not None and record.revision in before and record.revision not in serving:
-                    self._retire(self.resolver.ref_for(record, owner), record.status != "quarantined")
-            if tier is None and not any(k.name == adapter.name for k in (*self._rule_pins, *self._grace_pins)):
+                if (
+                    before is not None
+                    and record.revision in before
+                    and record.revision not in serving
+                ):
+                    self._retire(
+                        self.resolver.ref_for(record, owner), record.status != "quarantined"
+                    )
+            if tier is None and not any(
+                k.name == adapter.name for k in (*self._rule_pins, *self._grace_pins)
+            ):
                 return  # no rule and no pin of its to drop
             for record in adapter.revisions:
                 if record.traffic_weight and self.resolver.may_see(record.base_model_digest):
@@ -98,12 +120,18 @@ class PinReconciler:
                         if made is not None and cache.pinned(ref.key) == made:
                             cache.unpin(ref.key)
                         continue
-                    self._grace_pins.pop(ref.key, None)  # serving again: the rule's pin replaces the grace one
+                    self._grace_pins.pop(
+                        ref.key, None
+                    )  # serving again: the rule's pin replaces the grace one
                     try:
                         cache.pin(ref, tier)
-                    except Exception as exc:  # a warm start that cannot happen must not stop serving
+                    except (
+                        Exception
+                    ) as exc:  # a warm start that cannot happen must not stop serving
                         log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
-                        old = self._rule_pins.pop(ref.key, None)  # nor keep the pin of the name's previous tier
+                        old = self._rule_pins.pop(
+                            ref.key, None
+                        )  # nor keep the pin of the name's previous tier
                         if old is not None and cache.pinned(ref.key) == old:
                             cache.unpin(ref.key)
                         continue
@@ -118,8 +146,12 @@ class PinReconciler:
         if tier is not None and cache.pinned(key) == tier:
             cache.unpin(key)
         grace_s = self.registry.grace_period.total_seconds()
-        if keep_warm and grace_s > 0 and cache.tier_of(key) in ("gpu", "cpu") \
-                and cache.pinned(key) is None:
+        if (
+            keep_warm
+            and grace_s > 0
+            and cache.tier_of(key) in ("gpu", "cpu")
+            and cache.pinned(key) is None
+        ):
             try:
                 cache.pin(ref, "cpu")
             except CapacityExceeded:
@@ -132,8 +164,9 @@ class PinReconciler:
         with self._pins_lock:
             self._end_grace()
             for adapter in self.registry.list_adapters():
-                if self._serving.get(adapter.name) != _serving_revisions(adapter) \
-                        or self._rule_tiers.get(adapter.name) != _rule_tier(adapter):
+                if self._serving.get(adapter.name) != _serving_revisions(
+                    adapter
+                ) or self._rule_tiers.get(adapter.name) != _rule_tier(adapter):
                     self.warm(adapter)
 
     def _end_grace(self) -> None:
@@ -189,8 +222,11 @@ class PinReconciler:
 
 def _rule_tier(adapter: AdapterRecord) -> str | None:
     """The tier a name's serving revisions are pinned in: its pin's, else its warm policy's (gpu or cpu)."""
-    return adapter.pin_tier if adapter.pinned else (
-        adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
+    return (
+        adapter.pin_tier
+        if adapter.pinned
+        else (adapter.warm_policy if adapter.warm_policy in ("gpu", "cpu") else None)
+    )
 
 
 def _serving_revisions(adapter: AdapterRecord) -> frozenset[str]:

@@ -23,7 +23,9 @@ MAX_STOP_STRINGS = 16
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
-    include_obfuscation: bool | None = None  # padding against side channels: no effect on the content
+    include_obfuscation: bool | None = (
+        None  # padding against side channels: no effect on the content
+    )
 
 
 class _Request(BaseModel):
@@ -58,12 +60,26 @@ class _Request(BaseModel):
         for name, is_default in self._unimplemented().items():
             value = getattr(self, name)
             if value is not None and not is_default(value):
-                raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
+                raise APIError(
+                    400,
+                    f"{name}={value!r} is not supported by this server",
+                    "unsupported_parameter",
+                    name,
+                )
         if self.stream and (self.best_of or 1) > (self.n or 1):
-            raise APIError(400, "best_of greater than n cannot be streamed (the best are known at "
-                           "the end)", "invalid_value", "best_of")
+            raise APIError(
+                400,
+                "best_of greater than n cannot be streamed (the best are known at the end)",
+                "invalid_value",
+                "best_of",
+            )
         if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed with stream: true", "invalid_value", "stream_options")
+            raise APIError(
+                400,
+                "stream_options is only allowed with stream: true",
+                "invalid_value",
+                "stream_options",
+            )
 
     def _unimplemented(self) -> dict:
         return {}
@@ -72,8 +88,13 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, vocab_size: int, default_max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        vocab_size: int,
+        default_max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """Engine parameters; a bad value is an InvalidRequest naming the field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stop) > MAX_STOP_STRINGS:
@@ -116,11 +137,19 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict | bool):
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema, "
-                           "a JSON schema", "invalid_value", "response_format")
+            raise APIError(
+                400,
+                "response_format of type json_schema needs json_schema.schema, a JSON schema",
+                "invalid_value",
+                "response_format",
+            )
         return StructuredOutput(json_schema=json.dumps(schema))
-    raise APIError(400, "response_format type must be text, json_object or json_schema",
-                   "invalid_value", "response_format")
+    raise APIError(
+        400,
+        "response_format type must be text, json_object or json_schema",
+        "invalid_value",
+        "response_format",
+    )
 
 
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -129,11 +158,19 @@ _TOKEN_ID = re.compile(r"[0-9]+")
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
     out = []
     for token, value in (bias or {}).items():
-        if not _TOKEN_ID.fullmatch(token) or int(token) >= vocab_size:  # ASCII digits ("²" is a digit to isdigit)
-            raise APIError(400, f"logit_bias key {token!r} is not a token id in [0, {vocab_size})",
-                           "invalid_value", "logit_bias")
+        if (
+            not _TOKEN_ID.fullmatch(token) or int(token) >= vocab_size
+        ):  # ASCII digits ("²" is a digit to isdigit)
+            raise APIError(
+                400,
+                f"logit_bias key {token!r} is not a token id in [0, {vocab_size})",
+                "invalid_value",
+                "logit_bias",
+            )
         if not -100 <= value <= 100:
-            raise APIError(400, "logit_bias values must be in [-100, 100]", "invalid_value", "logit_bias")
+            raise APIError(
+                400, "logit_bias values must be in [-100, 100]", "invalid_value", "logit_bias"
+            )
         out.append((int(token), float(value)))
     return tuple(out)
 
@@ -177,7 +214,12 @@ class Message(BaseModel):
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", "unsupported_parameter", "messages")
+                raise APIError(
+                    400,
+                    "only text content parts are supported",
+                    "unsupported_parameter",
+                    "messages",
+                )
             content = "".join(part.text or "" for part in content)
         return {**self.model_dump(exclude_none=True), "content": content or ""}
 
@@ -232,12 +274,20 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:  # named as the client sent it
+            raise APIError(
+                400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs"
+            )
+        if (
+            self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20
+        ):  # named as the client sent it
             raise APIError(400, "top_logprobs must be in [0, 20]", "invalid_value", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError(400, "set max_tokens or max_completion_tokens, not both", "invalid_value",
-                           "max_completion_tokens")
+            raise APIError(
+                400,
+                "set max_tokens or max_completion_tokens, not both",
+                "invalid_value",
+                "max_completion_tokens",
+            )
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
@@ -249,36 +299,65 @@ class ChatCompletionRequest(_Request):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion(request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False) -> dict:
-    out = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": choices, "system_fingerprint": None}
+def completion(
+    request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False
+) -> dict:
+    out = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if usage_ is not None or not chunk:
         out["usage"] = usage_
     return out
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat(request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False) -> dict:
-    out = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk" if chunk else "chat.completion",
-           "created": int(time.time()), "model": model, "choices": choices, "system_fingerprint": None}
+def chat(
+    request_id: str, model: str, choices: list[dict], usage_: dict | None, chunk: bool = False
+) -> dict:
+    out = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if usage_ is not None or not chunk:
         out["usage"] = usage_
     return out
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_delta(
+    index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -294,8 +373,12 @@ def completion_logprobs(entries: list[dict], decode, offset: int) -> dict:
         "token_logprobs": [e["logprob"] for e in entries],
         # the sampled token too, as vLLM and OpenAI's legacy completions give it (so logprobs=0 names it)
         # None for a token with no logprob (an echoed prompt's first)
-        "top_logprobs": [{**{decode([t]): lp for t, lp in e["top"]}, token: e["logprob"]}
-                         if e["top"] is not None else None for token, e in zip(tokens, entries)],
+        "top_logprobs": [
+            {**{decode([t]): lp for t, lp in e["top"]}, token: e["logprob"]}
+            if e["top"] is not None
+            else None
+            for token, e in zip(tokens, entries)
+        ],
         "text_offset": offsets,
     }
 
@@ -305,10 +388,21 @@ def chat_logprobs(entries: list[dict], decode) -> dict:
         text = decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def model_card(model_id: str, owned_by: str, parent: str | None, root: str | None = None) -> dict:
-    return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": owned_by,
-            "root": root or model_id, "parent": parent}
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": owned_by,
+        "root": root or model_id,
+        "parent": parent,
+    }

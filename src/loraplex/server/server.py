@@ -11,25 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
 from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
-from loraplex.registry.records import TenantRecord
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
-from loraplex.server.admission import Admission
 from loraplex.server.adapters import AdapterResolver, Target
-from loraplex.server.pins import PinReconciler
+from loraplex.server.admission import Admission
 from loraplex.server.audit import AuditLog
 from loraplex.server.auth import Authenticator
 from loraplex.server.errors import APIError
 from loraplex.server.generation import Generation
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
+from loraplex.server.pins import PinReconciler
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
@@ -77,15 +76,18 @@ class ServerConfig:
     """Share of a revision's eval-set cases that must pass for a promotion out of staging."""
 
     def __post_init__(self):
-        if self.max_waiting < 0 or (self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1):
+        if self.max_waiting < 0 or (
+            self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1
+        ):
             raise ValueError("max_waiting must be >= 0 and max_requests_per_tenant >= 1")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ValueError("the metrics token must be at least 16 characters")
         if not 0.0 <= self.release_min_pass_rate <= 1.0:
-            raise ValueError(f"release_min_pass_rate {self.release_min_pass_rate}: "
-                             "use a share in [0, 1]")
+            raise ValueError(
+                f"release_min_pass_rate {self.release_min_pass_rate}: use a share in [0, 1]"
+            )
         too_short = self.max_prompt_tokens is not None and self.max_prompt_tokens < 1
         if self.max_body_bytes < 1 or too_short:
             raise ValueError("max_body_bytes and max_prompt_tokens must be at least 1")
@@ -94,35 +96,57 @@ class ServerConfig:
 class Server:
     """Everything a request needs, kept on the app (`app.state.server`)."""
 
-    def __init__(self, engine: LLMEngine | VllmEngine, registry: Registry, config: ServerConfig,
-                 api_keys: dict[str, str] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine | VllmEngine,
+        registry: Registry,
+        config: ServerConfig,
+        api_keys: dict[str, str] | None = None,
+    ):
         self.engine = engine
         self.registry = registry
         self.config = config
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
         self.tenants: dict[str, TenantRecord] = {}
         """The registry's tenants (priority, request limits), read again when it changes."""
-        self.resolver = AdapterResolver(registry, engine.base_model_digest,
-                                        config.served_model_name, self.tenant_priority,
-                                        registry.trusted_keys)
+        self.resolver = AdapterResolver(
+            registry,
+            engine.base_model_digest,
+            config.served_model_name,
+            self.tenant_priority,
+            registry.trusted_keys,
+        )
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
-        self.metrics = ServerMetrics(self.live_figures, config.top_k_adapter_metrics,
-                                     config.lora_load_state_metrics, self.adapter_rank)
+        self.metrics = ServerMetrics(
+            self.live_figures,
+            config.top_k_adapter_metrics,
+            config.lora_load_state_metrics,
+            self.adapter_rank,
+        )
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
         self.async_engine: AsyncEngine | None = None
         self.is_draining = False
-        self.load_stages: dict[str, dict[str, float]] = {}  # str(key) -> {stage: ms} of its last load
-        self.pins = PinReconciler(registry, self.resolver, engine.adapters, config.registry_watch_s,
-                                  self.on_registry_change)
+        self.load_stages: dict[
+            str, dict[str, float]
+        ] = {}  # str(key) -> {stage: ms} of its last load
+        self.pins = PinReconciler(
+            registry,
+            self.resolver,
+            engine.adapters,
+            config.registry_watch_s,
+            self.on_registry_change,
+        )
         engine.adapters.on_event = self.on_cache_event
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.read_tenants()
         # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
-        self.async_engine = AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
+        self.async_engine = (
+            AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
+        )
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -166,18 +190,23 @@ class Server:
     def admit(self, tenant: str):
         """An admission ticket within the tenant's request limits (its own, else the server's)."""
         limits = self.tenants.get(tenant)
-        return self.admission.admit(tenant, limits and limits.max_concurrent_requests,
-                                    limits and limits.max_waiting)
+        return self.admission.admit(
+            tenant, limits and limits.max_concurrent_requests, limits and limits.max_waiting
+        )
 
     def budgets_from(self, tenants) -> TenantBudgets:
         """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's
         default shares. Raises ValueError naming the field for a budget beyond this server's
         capacity."""
         cache, config = self.engine.adapters, self.engine.config
-        own = {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in tenants
-               if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
-        return TenantBudgets(len(cache.slots), cache.cpu_bytes, own, config.tenant_gpu_share,
-                             config.tenant_cpu_share)
+        own = {
+            t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes)
+            for t in tenants
+            if t.max_gpu_slots is not None or t.max_cpu_bytes is not None
+        }
+        return TenantBudgets(
+            len(cache.slots), cache.cpu_bytes, own, config.tenant_gpu_share, config.tenant_cpu_share
+        )
 
     def apply_budgets(self) -> None:
         """The tenants' residency budgets from the registry, onto the cache. A budget beyond this
@@ -191,18 +220,27 @@ class Server:
             budgets = self.budgets_from(tenants)
         except ValueError as exc:
             log.warning("residency budgets: %s; capped at this server's capacity", exc)
-            capped = [dataclasses.replace(t, max_gpu_slots=_cap(t.max_gpu_slots, len(cache.slots)),
-                                          max_cpu_bytes=_cap(t.max_cpu_bytes, cache.cpu_bytes))
-                      for t in tenants]
+            capped = [
+                dataclasses.replace(
+                    t,
+                    max_gpu_slots=_cap(t.max_gpu_slots, len(cache.slots)),
+                    max_cpu_bytes=_cap(t.max_cpu_bytes, cache.cpu_bytes),
+                )
+                for t in tenants
+            ]
             budgets = self.budgets_from(capped)
         if budgets != cache.budgets:
             cache.set_budgets(budgets)
 
     def check_accepting(self) -> None:
         if self.is_draining or self.async_engine is None:
-            raise APIError(503, "The server is shutting down; retry on another worker.", "shutting_down")
+            raise APIError(
+                503, "The server is shutting down; retry on another worker.", "shutting_down"
+            )
         if not self.engine_alive():
-            raise APIError(503, "The engine has stopped; retry on another worker.", "engine_unavailable")
+            raise APIError(
+                503, "The engine has stopped; retry on another worker.", "engine_unavailable"
+            )
 
     def engine_alive(self) -> bool:
         if self.engine.kind == "native":
@@ -225,8 +263,14 @@ class Server:
         else:
             # the first stage of an adapter's path to a slot: name → revision → key (the registry, maybe its files)
             ctx.audit["resolve_s"] = time.perf_counter() - start
-            self.metrics.on_cache_event("load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]})
-            ctx.adapter_name, ctx.revision, ctx.rank = target.record.name, target.record.revision, target.record.rank
+            self.metrics.on_cache_event(
+                "load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]}
+            )
+            ctx.adapter_name, ctx.revision, ctx.rank = (
+                target.record.name,
+                target.record.revision,
+                target.record.rank,
+            )
             ctx.tier = self.tier_on_arrival(target)
         return target
 
@@ -240,14 +284,23 @@ class Server:
         if isinstance(prompt, str):
             # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip tokenizing it.
             if len(prompt) > 64 * limit:
-                raise APIError(400, f"The prompt is longer than the limit of {limit} tokens (max_prompt_tokens).",
-                               "prompt_too_long", "prompt")
+                raise APIError(
+                    400,
+                    f"The prompt is longer than the limit of {limit} tokens (max_prompt_tokens).",
+                    "prompt_too_long",
+                    "prompt",
+                )
             prompt = self.engine.tokenizer.encode(prompt)
         if not prompt:
             raise APIError(400, "The prompt is empty.", "invalid_value", "prompt")
         if len(prompt) > limit:
-            raise APIError(400, f"The prompt has {len(prompt)} tokens, more than the limit of {limit} "
-                           "(max_prompt_tokens).", "prompt_too_long", "prompt")
+            raise APIError(
+                400,
+                f"The prompt has {len(prompt)} tokens, more than the limit of {limit} "
+                "(max_prompt_tokens).",
+                "prompt_too_long",
+                "prompt",
+            )
         return prompt
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -255,14 +308,27 @@ class Server:
             text = self.engine.tokenizer.apply_chat_template(messages)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value", "messages") from None
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)  # the template adds them itself
+        ids = self.engine.tokenizer.encode(
+            text, add_special_tokens=False
+        )  # the template adds them itself
         if len(ids) > self.max_prompt_tokens:
-            raise APIError(400, f"The messages make a prompt of {len(ids)} tokens, more than the limit of "
-                           f"{self.max_prompt_tokens} (max_prompt_tokens).", "prompt_too_long", "messages")
+            raise APIError(
+                400,
+                f"The messages make a prompt of {len(ids)} tokens, more than the limit of "
+                f"{self.max_prompt_tokens} (max_prompt_tokens).",
+                "prompt_too_long",
+                "messages",
+            )
         return ids
 
-    async def generate(self, ctx: RequestContext, target: Target, prompts: list[list[int]],
-                       params: SamplingParams, gone: asyncio.Future) -> Generation | None:
+    async def generate(
+        self,
+        ctx: RequestContext,
+        target: Target,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        gone: asyncio.Future,
+    ) -> Generation | None:
         """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
         the generation is then closed, and the request recorded as the client's leaving."""
         try:
@@ -275,7 +341,9 @@ class Server:
         try:
             await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled: no start left running on its own
-            if not start.done():  # start() closes the generation: the request leaves the queue, no load waited for
+            if (
+                not start.done()
+            ):  # start() closes the generation: the request leaves the queue, no load waited for
                 start.cancel()
                 await asyncio.gather(start, return_exceptions=True)
                 ctx.status = CLIENT_CLOSED
@@ -287,30 +355,53 @@ class Server:
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""
         a = ctx.audit
-        self.metrics.on_request(ctx.tenant or "unauthenticated", status, ctx.adapter_name, ctx.tier or None,
-                                ctx.denied)
+        self.metrics.on_request(
+            ctx.tenant or "unauthenticated", status, ctx.adapter_name, ctx.tier or None, ctx.denied
+        )
         if ctx.tier:
-            self.metrics.on_timings(ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s"))
+            self.metrics.on_timings(
+                ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s")
+            )
         load_ms = None
-        if ctx.tier in _TIER_STAGES and ctx.adapter_name:  # the stages this request's tier went through, not older ones
+        if (
+            ctx.tier in _TIER_STAGES and ctx.adapter_name
+        ):  # the stages this request's tier went through, not older ones
             stages = self.load_stages.get(ctx.adapter, {})
             load_ms = {k: v for k, v in stages.items() if k in _TIER_STAGES[ctx.tier]} or None
-            if load_ms is not None and a.get("resolve_s") is not None:  # this request's own first stage
+            if (
+                load_ms is not None and a.get("resolve_s") is not None
+            ):  # this request's own first stage
                 load_ms = {"resolve": _ms(a["resolve_s"]), **load_ms}
-        self.audit.write({
-            "ts": round(time.time(), 3), "request_id": ctx.request_id, "endpoint": ctx.endpoint,
-            "tenant": ctx.tenant, "base_model": self.config.served_model_name, "adapter": ctx.adapter_name,
-            "revision": ctx.revision, "digest": ctx.digest or None, "rank": ctx.rank, "cache_tier": ctx.tier or None,
-            "queue_wait_ms": _ms(a.get("queue_wait_s")), "load_ms": load_ms, "ttft_ms": _ms(a.get("ttft_s")),
-            "tpot_ms": _ms(a.get("tpot_s")), "prompt_tokens": a.get("prompt_tokens"),
-            "completion_tokens": a.get("completion_tokens"), "finish_reason": a.get("finish_reason"),
-            "status": status, "error_code": ctx.error_code,
-        })
+        self.audit.write(
+            {
+                "ts": round(time.time(), 3),
+                "request_id": ctx.request_id,
+                "endpoint": ctx.endpoint,
+                "tenant": ctx.tenant,
+                "base_model": self.config.served_model_name,
+                "adapter": ctx.adapter_name,
+                "revision": ctx.revision,
+                "digest": ctx.digest or None,
+                "rank": ctx.rank,
+                "cache_tier": ctx.tier or None,
+                "queue_wait_ms": _ms(a.get("queue_wait_s")),
+                "load_ms": load_ms,
+                "ttft_ms": _ms(a.get("ttft_s")),
+                "tpot_ms": _ms(a.get("tpot_s")),
+                "prompt_tokens": a.get("prompt_tokens"),
+                "completion_tokens": a.get("completion_tokens"),
+                "finish_reason": a.get("finish_reason"),
+                "status": status,
+                "error_code": ctx.error_code,
+            }
+        )
 
     def on_cache_event(self, kind: str, fields: dict) -> None:
         self.metrics.on_cache_event(kind, fields)
         if kind == "load_stage" and fields.get("key") is not None:
-            if fields["stage"] == "disk":  # a new load (its download, if any, is reported right after)
+            if (
+                fields["stage"] == "disk"
+            ):  # a new load (its download, if any, is reported right after)
                 self.load_stages[str(fields["key"])] = {}
             stages = self.load_stages.setdefault(str(fields["key"]), {})
             stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
@@ -336,7 +427,11 @@ class Server:
         name = self.config.served_model_name
         cards = [model_card(name, "loraplex", None)]
         for adapter in self.registry.list_adapters(tenant):
-            serving = [r for r in adapter.revisions if r.traffic_weight and self.resolver.may_see(r.base_model_digest)]
+            serving = [
+                r
+                for r in adapter.revisions
+                if r.traffic_weight and self.resolver.may_see(r.base_model_digest)
+            ]
             if serving and adapter.name not in self.resolver.draining:
                 owner = "shared" if adapter.shared else adapter.owner_tenant or "shared"
                 main = max(serving, key=lambda r: r.traffic_weight)
@@ -350,8 +445,14 @@ class Server:
         for a in live["cache"]["adapters"]:
             a["model"] = gateway_model(a["name"], a["revision"], serving.get(a["name"]))
         on_gpu = sorted({a["model"] for a in live["cache"]["adapters"] if a["tier"] == "gpu"})
-        waiting = {gateway_model(k.name, k.revision, serving.get(k.name)) for k in live.pop("waiting_keys")}
-        return {**live, "running_adapters": on_gpu, "waiting_adapters": sorted(waiting - set(on_gpu))}
+        waiting = {
+            gateway_model(k.name, k.revision, serving.get(k.name)) for k in live.pop("waiting_keys")
+        }
+        return {
+            **live,
+            "running_adapters": on_gpu,
+            "waiting_adapters": sorted(waiting - set(on_gpu)),
+        }
 
     def adapter_rank(self, name: str, revision: str) -> int | None:
         try:
@@ -371,10 +472,14 @@ class Server:
             "draining": self.is_draining,
             "adapters": cache["adapters"],
             "load": {
-                "waiting": live["num_waiting"], "running": live["num_running"],
-                "active_tokens": live["active_tokens"], "recent_evictions": cache["recent_evictions"],
-                "free_slots": cache["free_slots"], "num_slots": cache["num_slots"],
-                "kv_cache_usage": live["kv_cache_usage"], "admitted_waiting": self.admission.num_waiting,
+                "waiting": live["num_waiting"],
+                "running": live["num_running"],
+                "active_tokens": live["active_tokens"],
+                "recent_evictions": cache["recent_evictions"],
+                "free_slots": cache["free_slots"],
+                "num_slots": cache["num_slots"],
+                "kv_cache_usage": live["kv_cache_usage"],
+                "admitted_waiting": self.admission.num_waiting,
                 "in_flight": self.admission.num_in_flight,
             },
             # Per tenant: the slots and host bytes charged to it against its budget (None: none).
@@ -383,8 +488,11 @@ class Server:
         }
 
 
-_TIER_STAGES = {"cpu": {"h2d", "activation"}, "disk": {"disk", "h2d", "activation"},
-                "remote": {"download", "disk", "h2d", "activation"}}
+_TIER_STAGES = {
+    "cpu": {"h2d", "activation"},
+    "disk": {"disk", "h2d", "activation"},
+    "remote": {"download", "disk", "h2d", "activation"},
+}
 
 
 def _cap(value: int | None, capacity: int) -> int | None:
@@ -393,5 +501,3 @@ def _cap(value: int | None, capacity: int) -> int | None:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
-
-

@@ -17,8 +17,8 @@ from loraplex.server.errors import APIError, validation_error
 from loraplex.server.middleware import CLIENT_CLOSED
 
 if TYPE_CHECKING:
-    from loraplex.server.server import Server
     from loraplex.server.middleware import RequestContext
+    from loraplex.server.server import Server
 
 
 async def respond(request: Request, server: Server, ctx: RequestContext, body: bytes, chat: bool):
@@ -65,7 +65,11 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
             req.model = server.config.served_model_name
         ticket.started()
         serving = engine.serving_chat if chat else engine.serving_completion
-        call = serving.create_chat_completion(req, None) if chat else serving.create_completion(req, None)
+        call = (
+            serving.create_chat_completion(req, None)
+            if chat
+            else serving.create_completion(req, None)
+        )
         result = await _first(_answer(call), gone)
     except BaseException:
         finish()
@@ -133,7 +137,9 @@ class _Stream(StreamingResponse):
     """The event stream; however it ends (done, error, client gone), `finish` runs once after it."""
 
     def __init__(self, content, finish):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.finish = finish
 
     async def __call__(self, scope, receive, send):
@@ -158,4 +164,6 @@ def _record(ctx: RequestContext, tracked) -> None:
 
 
 def _code(error_type: str) -> str:
-    return {"BadRequestError": "invalid_value", "NotFoundError": "model_not_found"}.get(error_type, error_type)
+    return {"BadRequestError": "invalid_value", "NotFoundError": "model_not_found"}.get(
+        error_type, error_type
+    )

@@ -1,6 +1,6 @@
 """`loraplex simulate` and `loraplex plan`: typer command functions (mounted by loraplex.cli) and their output.
 
-    python -m loraplex.sim.cli simulate --workload hot-burst --policy lru,score --gpu-slots 4,8 --json out.json
+python -m loraplex.sim.cli simulate --workload hot-burst --policy lru,score --gpu-slots 4,8 --json out.json
 """
 
 from __future__ import annotations
@@ -56,9 +56,15 @@ def _gap(x: float) -> str:
     return "∞" if math.isinf(x) else f"{100 * x:+.1f}%"
 
 
-def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], slots: list[int | None],
-              cpu: list[int | None], workers: int, console: Console,
-              budgets: dict[str, Budget] | None = None) -> list[dict]:
+def run_sweep(
+    traces: dict[str, list[workloads.Request]],
+    policies: list[str],
+    slots: list[int | None],
+    cpu: list[int | None],
+    workers: int,
+    console: Console,
+    budgets: dict[str, Budget] | None = None,
+) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum."""
     cells = [(w, s, c) for w in traces for s in slots for c in cpu]
     service, costs = ServiceModel.default(), LoadCosts.default()
@@ -69,18 +75,32 @@ def run_sweep(traces: dict[str, list[workloads.Request]], policies: list[str], s
             trace = traces[name]
             cap = workloads.default_capacity(name)
             config = SimConfig(
-                gpu_slots=n_slots or cap.gpu_slots, cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
-                disk_bytes=cap.disk_bytes, workers=workers, service=service, costs=costs,
+                gpu_slots=n_slots or cap.gpu_slots,
+                cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
+                disk_bytes=cap.disk_bytes,
+                workers=workers,
+                service=service,
+                costs=costs,
                 tenant_budgets=budgets,
             )
-            progress.update(task, description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}")
+            progress.update(
+                task,
+                description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}",
+            )
             hot = hot_adapters(trace, config.gpu_slots * workers)
             entries = compare(trace, config, policies, hot, on_run=lambda _: progress.advance(task))
-            runs.append({
-                "workload": name, "requests": len(trace), "gpu_slots": config.gpu_slots,
-                "cpu_bytes": config.cpu_bytes, "disk_bytes": config.disk_bytes, "workers": workers,
-                "hot_adapters": sorted(hot), "policies": entries,
-            })
+            runs.append(
+                {
+                    "workload": name,
+                    "requests": len(trace),
+                    "gpu_slots": config.gpu_slots,
+                    "cpu_bytes": config.cpu_bytes,
+                    "disk_bytes": config.disk_bytes,
+                    "workers": workers,
+                    "hot_adapters": sorted(hot),
+                    "policies": entries,
+                }
+            )
     return runs
 
 
@@ -90,14 +110,19 @@ def compact_table(runs: list[dict]) -> Table:
     The sweep's axes (workload, gpu slots, cpu) are columns only where they vary; the title holds
     the others, so that the table fits a terminal of 80 columns.
     """
-    axes = {"workload": lambda r: Path(r["workload"]).name, "slots": lambda r: str(r["gpu_slots"]),
-            "cpu": lambda r: _size_label(r["cpu_bytes"])}
+    axes = {
+        "workload": lambda r: Path(r["workload"]).name,
+        "slots": lambda r: str(r["gpu_slots"]),
+        "cpu": lambda r: _size_label(r["cpu_bytes"]),
+    }
     varying = [a for a, value in axes.items() if len({value(r) for r in runs}) > 1]
     fixed = [f"{a} {axes[a](runs[0])}" for a in axes if a not in varying]
-    table = Table(title=", ".join(["simulation", *fixed]),
-                  caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
-                          "miss s: seconds of loads and copies; "
-                          "hot p99: TTFT of the hot adapters, ms; --wide: every column")
+    table = Table(
+        title=", ".join(["simulation", *fixed]),
+        caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
+        "miss s: seconds of loads and copies; "
+        "hot p99: TTFT of the hot adapters, ms; --wide: every column",
+    )
     for col in (*varying, "policy", "gpu hit", "cpu hit", "cold", "miss s", "gap", "hot p99"):
         justify = "left" if col in ("workload", "policy") else "right"
         table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
@@ -105,9 +130,14 @@ def compact_table(runs: list[dict]) -> Table:
         for name, e in run["policies"].items():
             rates = e["hit_rate"]
             table.add_row(
-                *(axes[a](run) for a in varying), name,
-                _pct(rates["gpu"]), _pct(rates["cpu"]), _pct(rates["disk"] + rates["remote"]),
-                f"{e['miss_cost']:.1f}", _gap(e["gap"]), _ms(e["latency"]["hot"]["ttft_s"]["p99"]),
+                *(axes[a](run) for a in varying),
+                name,
+                _pct(rates["gpu"]),
+                _pct(rates["cpu"]),
+                _pct(rates["disk"] + rates["remote"]),
+                f"{e['miss_cost']:.1f}",
+                _gap(e["gap"]),
+                _ms(e["latency"]["hot"]["ttft_s"]["p99"]),
             )
         if len(runs) > 1:
             table.add_section()
@@ -117,37 +147,85 @@ def compact_table(runs: list[dict]) -> Table:
 def results_table(runs: list[dict], title: str = "simulation") -> Table:
     """Every figure of every run (`--wide`)."""
     table = Table(title=title)
-    for col in ("workload", "slots", "cpu", "policy", "gpu", "cpu hit", "disk", "remote", "byte hit",
-                "thrash", "miss cost s", "gap", "vs oracle", "TTFT p50 ms", "p99", "warm p99", "cold p99",
-                "hot p99", "TPOT p99", "wait p99"):
+    for col in (
+        "workload",
+        "slots",
+        "cpu",
+        "policy",
+        "gpu",
+        "cpu hit",
+        "disk",
+        "remote",
+        "byte hit",
+        "thrash",
+        "miss cost s",
+        "gap",
+        "vs oracle",
+        "TTFT p50 ms",
+        "p99",
+        "warm p99",
+        "cold p99",
+        "hot p99",
+        "TPOT p99",
+        "wait p99",
+    ):
         table.add_column(col, justify="left" if col in ("workload", "policy") else "right")
     for run in runs:
         for name, e in run["policies"].items():
             lat = e["latency"]
             table.add_row(
-                run["workload"], str(run["gpu_slots"]), _size_label(run["cpu_bytes"]),
+                run["workload"],
+                str(run["gpu_slots"]),
+                _size_label(run["cpu_bytes"]),
                 name + (" (bound)" if name == "optimal" else ""),
                 *(_pct(e["hit_rate"][t]) for t in ("gpu", "cpu", "disk", "remote")),
-                _pct(e["byte_hit_rate"]["gpu"]), f"{e['thrash_ratio']:.2f}", f"{e['miss_cost']:.1f}",
-                _gap(e["gap"]), _gap(e["gap_oracle"]), _ms(lat["all"]["ttft_s"]["p50"]), _ms(lat["all"]["ttft_s"]["p99"]),
-                _ms(lat["warm"]["ttft_s"]["p99"]), _ms(lat["cold"]["ttft_s"]["p99"]), _ms(lat["hot"]["ttft_s"]["p99"]),
-                _ms(lat["all"]["tpot_s"]["p99"]), _ms(lat["all"]["queue_wait_s"]["p99"]),
+                _pct(e["byte_hit_rate"]["gpu"]),
+                f"{e['thrash_ratio']:.2f}",
+                f"{e['miss_cost']:.1f}",
+                _gap(e["gap"]),
+                _gap(e["gap_oracle"]),
+                _ms(lat["all"]["ttft_s"]["p50"]),
+                _ms(lat["all"]["ttft_s"]["p99"]),
+                _ms(lat["warm"]["ttft_s"]["p99"]),
+                _ms(lat["cold"]["ttft_s"]["p99"]),
+                _ms(lat["hot"]["ttft_s"]["p99"]),
+                _ms(lat["all"]["tpot_s"]["p99"]),
+                _ms(lat["all"]["queue_wait_s"]["p99"]),
             )
         table.add_section()
     return table
 
 
 def tenant_table(run: dict) -> Table:
-    table = Table(title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}")
-    columns = ("policy", "tenant", "requests", "gpu hit", "cold starts", "TTFT p50 ms",
-               "TTFT p99 ms", "wait p99 ms", "budget waits")
+    table = Table(
+        title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}"
+    )
+    columns = (
+        "policy",
+        "tenant",
+        "requests",
+        "gpu hit",
+        "cold starts",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "wait p99 ms",
+        "budget waits",
+    )
     for col in columns:
         table.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
     for name, e in run["policies"].items():
         for tenant, t in e["tenants"].items():
-            table.add_row(name, tenant, str(t["requests"]), _pct(t["gpu_hit_rate"]), _pct(t["cold_start_rate"]),
-                          _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]),
-                          _ms(t["queue_wait_s"]["p99"]), str(t.get("budget_waits", "-")))
+            table.add_row(
+                name,
+                tenant,
+                str(t["requests"]),
+                _pct(t["gpu_hit_rate"]),
+                _pct(t["cold_start_rate"]),
+                _ms(t["ttft_s"]["p50"]),
+                _ms(t["ttft_s"]["p99"]),
+                _ms(t["queue_wait_s"]["p99"]),
+                str(t.get("budget_waits", "-")),
+            )
     return table
 
 
@@ -162,10 +240,14 @@ def plot_lines(cells: list[dict]) -> tuple[str, dict[str, list[tuple[float, dict
     for policy in cells[0]["policies"]:
         for r in cells:
             x = r["gpu_slots"] if by_slots else r["cpu_bytes"] / GiB
-            label = f"{policy}, cpu {_size_label(r['cpu_bytes'])}" if by_slots and cpu_vary else policy
+            label = (
+                f"{policy}, cpu {_size_label(r['cpu_bytes'])}" if by_slots and cpu_vary else policy
+            )
             lines.setdefault(label, []).append((x, r["policies"][policy]))
     for points in lines.values():
-        points.sort(key=lambda point: point[0])  # by x only: the entries are dicts, which do not compare
+        points.sort(
+            key=lambda point: point[0]
+        )  # by x only: the entries are dicts, which do not compare
     return ("gpu slots" if by_slots else "cpu cache (GiB)"), lines
 
 
@@ -178,9 +260,14 @@ def plot_capacity(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(r["workload"] for r in runs))
-    panels = (("gpu hit rate", lambda e: e["hit_rate"]["gpu"]),
-              ("p99 TTFT, all (ms)", lambda e: (e["latency"]["all"]["ttft_s"]["p99"] or 0) * 1000),
-              ("p99 TTFT, hot adapters (ms)", lambda e: (e["latency"]["hot"]["ttft_s"]["p99"] or 0) * 1000))
+    panels = (
+        ("gpu hit rate", lambda e: e["hit_rate"]["gpu"]),
+        ("p99 TTFT, all (ms)", lambda e: (e["latency"]["all"]["ttft_s"]["p99"] or 0) * 1000),
+        (
+            "p99 TTFT, hot adapters (ms)",
+            lambda e: (e["latency"]["hot"]["ttft_s"]["p99"] or 0) * 1000,
+        ),
+    )
     fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         xlabel, lines = plot_lines([r for r in runs if r["workload"] == name])
@@ -196,39 +283,65 @@ def plot_capacity(runs: list[dict], path: Path) -> None:
             ax.set_xticks(sorted({x for points in lines.values() for x, _ in points}))
             ax.grid(alpha=0.3)
         axes[row][0].legend(fontsize=8)
-    fig.suptitle("optimal: the farthest-next-use oracle run; a0: the true-popularity oracle", fontsize=9)
+    fig.suptitle(
+        "optimal: the farthest-next-use oracle run; a0: the true-popularity oracle", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def simulate(
-    workload: str = typer.Option(..., "--workload", help="Named workload(s) (" + ", ".join(workloads.NAMED)
-                                 + "), comma-separated, or a trace / audit log .jsonl file."),
-    policy: str = typer.Option("lru,score", "--policy", help=f"Comma-separated policies: {', '.join(POLICIES)}."),
-    gpu_slots: str | None = typer.Option(None, "--gpu-slots", help="Slots per worker; a comma list sweeps."),
-    cpu_bytes: str | None = typer.Option(None, "--cpu-bytes",
-                                         help="Host cache per worker (4GiB); a comma list sweeps."),
-    workers: int = typer.Option(1, "--workers", help="Workers behind the router's affinity picker."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write every run: one entry per policy plus optimal."),
-    plot: Path | None = typer.Option(None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."),
-    wide: bool = typer.Option(False, "--wide",
-                              help="Every column (about 200 wide) and the per-tenant table."),
+    workload: str = typer.Option(
+        ...,
+        "--workload",
+        help="Named workload(s) ("
+        + ", ".join(workloads.NAMED)
+        + "), comma-separated, or a trace / audit log .jsonl file.",
+    ),
+    policy: str = typer.Option(
+        "lru,score", "--policy", help=f"Comma-separated policies: {', '.join(POLICIES)}."
+    ),
+    gpu_slots: str | None = typer.Option(
+        None, "--gpu-slots", help="Slots per worker; a comma list sweeps."
+    ),
+    cpu_bytes: str | None = typer.Option(
+        None, "--cpu-bytes", help="Host cache per worker (4GiB); a comma list sweeps."
+    ),
+    workers: int = typer.Option(
+        1, "--workers", help="Workers behind the router's affinity picker."
+    ),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="Write every run: one entry per policy plus optimal."
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."
+    ),
+    wide: bool = typer.Option(
+        False, "--wide", help="Every column (about 200 wide) and the per-tenant table."
+    ),
     tenant_budget: list[str] | None = typer.Option(
-        None, "--tenant-budget",
+        None,
+        "--tenant-budget",
         help="TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; "
-             "repeat per tenant."),
+        "repeat per tenant.",
+    ),
 ) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
     names, policies = list(dict.fromkeys(_split(workload))), _split(policy)
     for p in policies:
         if p not in POLICIES:
-            raise typer.BadParameter(f"unknown policy {p!r}: use {', '.join(POLICIES)}", param_hint="--policy")
+            raise typer.BadParameter(
+                f"unknown policy {p!r}: use {', '.join(POLICIES)}", param_hint="--policy"
+            )
     for name in names:
         if name not in workloads.NAMED and not Path(name).is_file():
-            raise typer.BadParameter(f"{name!r} is neither a named workload ({', '.join(workloads.NAMED)}) "
-                                     "nor a trace file", param_hint="--workload")
+            raise typer.BadParameter(
+                f"{name!r} is neither a named workload ({', '.join(workloads.NAMED)}) "
+                "nor a trace file",
+                param_hint="--workload",
+            )
     try:
         slots = [int(s) for s in _split(gpu_slots)] if gpu_slots else [None]
         cpu = [parse_size(s) for s in _split(cpu_bytes)] if cpu_bytes else [None]
@@ -246,14 +359,20 @@ def simulate(
     else:
         console.print(compact_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
-        meta = {"config": config_dict(SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())),
-                "note": "config: the defaults of every run; each run lists its capacities"}
+        meta = {
+            "config": config_dict(
+                SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())
+            ),
+            "note": "config: the defaults of every run; each run lists its capacities",
+        }
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
         console.print(f"json: {json_out}")
     if plot is not None:
         sweep = runs
-        if len(slots) == 1 and len(cpu) == 1:  # one capacity per workload: sweep ½×, 1×, 2×, 4× its own slots
+        if (
+            len(slots) == 1 and len(cpu) == 1
+        ):  # one capacity per workload: sweep ½×, 1×, 2×, 4× its own slots
             sweep = []
             for run in runs:
                 base = run["gpu_slots"]
@@ -271,7 +390,9 @@ def _load_workload(name: str) -> list[workloads.Request]:
     except (OSError, ValueError) as exc:  # a TraceError names the file and line
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
     if not trace:
-        raise typer.BadParameter(f"{name}: the trace has no requests to simulate", param_hint="--workload")
+        raise typer.BadParameter(
+            f"{name}: the trace has no requests to simulate", param_hint="--workload"
+        )
     return trace
 
 
@@ -288,10 +409,16 @@ def _tenant_budget(text: str) -> tuple[str, Budget]:
 
 
 def plan(
-    registry: str | None = typer.Option(None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."),
-    adapters: Path | None = typer.Option(None, "--adapters", help="A folder of PEFT adapter directories."),
+    registry: str | None = typer.Option(
+        None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."
+    ),
+    adapters: Path | None = typer.Option(
+        None, "--adapters", help="A folder of PEFT adapter directories."
+    ),
     model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
-    workload: str | None = typer.Option(None, "--workload", help="Size the cache for this workload (name or .jsonl)."),
+    workload: str | None = typer.Option(
+        None, "--workload", help="Size the cache for this workload (name or .jsonl)."
+    ),
     max_loras: int | None = typer.Option(None, help="Slots, as serve's (default 4)."),
     max_lora_rank: int | None = typer.Option(None, help="As serve's (default 64)."),
     cpu_cache_bytes: str | None = typer.Option(None, help="As serve's (default 2GiB)."),
@@ -303,15 +430,25 @@ def plan(
     console = Console()
     if (registry is None) == (adapters is None):
         raise typer.BadParameter("give one of --registry or --adapters")
-    given = {"max_loras": max_loras, "max_lora_rank": max_lora_rank,
-             "cpu_cache_bytes": cpu_cache_bytes, "disk_cache_bytes": disk_cache_bytes}
+    given = {
+        "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank,
+        "cpu_cache_bytes": cpu_cache_bytes,
+        "disk_cache_bytes": disk_cache_bytes,
+    }
     capacities = {k: v for k, v in given.items() if v is not None}
     try:
         for name in ("cpu_cache_bytes", "disk_cache_bytes"):
             if name in capacities:
                 capacities[name] = _plan_size(capacities[name], "--" + name.replace("_", "-"))
-        report = planner.make_plan(model, registry=registry, adapters_dir=adapters, workload=workload,
-                                   progress=Progress(console=console, transient=True), **capacities)
+        report = planner.make_plan(
+            model,
+            registry=registry,
+            adapters_dir=adapters,
+            workload=workload,
+            progress=Progress(console=console, transient=True),
+            **capacities,
+        )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -346,29 +483,70 @@ def routers(
     hot = hot_adapters(trace, gpu_slots * workers)
     rows = {}
     for router in ROUTERS:
-        config = SimConfig(gpu_slots=gpu_slots, cpu_bytes=parse_size(cpu_bytes), workers=workers, router=router,
-                           service=ServiceModel.default(), costs=LoadCosts.default())
+        config = SimConfig(
+            gpu_slots=gpu_slots,
+            cpu_bytes=parse_size(cpu_bytes),
+            workers=workers,
+            router=router,
+            service=ServiceModel.default(),
+            costs=LoadCosts.default(),
+        )
         sim = run(trace, config, policy_factory(policy))
         rows[router] = summarize(sim, hot)
-        rows[router]["per_worker_requests"] = [sum(s.worker == w for s in sim.requests) for w in range(workers)]
-    table = Table(title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, cache policy {policy}, "
-                        f"{len(trace)} requests")
-    for col in ("router", "gpu", "cpu hit", "cold starts", "miss cost s", "TTFT p50 ms", "p99", "hot p99",
-                "wait p99", "requests per worker"):
+        rows[router]["per_worker_requests"] = [
+            sum(s.worker == w for s in sim.requests) for w in range(workers)
+        ]
+    table = Table(
+        title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, cache policy {policy}, "
+        f"{len(trace)} requests"
+    )
+    for col in (
+        "router",
+        "gpu",
+        "cpu hit",
+        "cold starts",
+        "miss cost s",
+        "TTFT p50 ms",
+        "p99",
+        "hot p99",
+        "wait p99",
+        "requests per worker",
+    ):
         table.add_column(col, justify="left" if col == "router" else "right")
     for router, e in rows.items():
         lat = e["latency"]
-        table.add_row(router, _pct(e["hit_rate"]["gpu"]), _pct(e["hit_rate"]["cpu"]), _pct(e["cold_start_rate"]),
-                      f"{e['miss_cost']:.1f}", _ms(lat["all"]["ttft_s"]["p50"]), _ms(lat["all"]["ttft_s"]["p99"]),
-                      _ms(lat["hot"]["ttft_s"]["p99"]), _ms(lat["all"]["queue_wait_s"]["p99"]),
-                      " ".join(map(str, e["per_worker_requests"])))
+        table.add_row(
+            router,
+            _pct(e["hit_rate"]["gpu"]),
+            _pct(e["hit_rate"]["cpu"]),
+            _pct(e["cold_start_rate"]),
+            f"{e['miss_cost']:.1f}",
+            _ms(lat["all"]["ttft_s"]["p50"]),
+            _ms(lat["all"]["ttft_s"]["p99"]),
+            _ms(lat["hot"]["ttft_s"]["p99"]),
+            _ms(lat["all"]["queue_wait_s"]["p99"]),
+            " ".join(map(str, e["per_worker_requests"])),
+        )
     console.print(table)
     if json_out is not None:
-        json_out.write_text(json.dumps({"workers": workers, "gpu_slots": gpu_slots, "cpu_bytes": parse_size(cpu_bytes),
-                                        "policy": policy, "routers": rows}, indent=1, default=str))
+        json_out.write_text(
+            json.dumps(
+                {
+                    "workers": workers,
+                    "gpu_slots": gpu_slots,
+                    "cpu_bytes": parse_size(cpu_bytes),
+                    "policy": policy,
+                    "routers": rows,
+                },
+                indent=1,
+                default=str,
+            )
+        )
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Workload simulation and capacity planning.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Workload simulation and capacity planning."
+)
 app.command("simulate")(simulate)
 app.command("plan")(plan)
 app.command("routers")(routers)

@@ -82,7 +82,9 @@ def lp_miss_cost(seq: Sequence[Hashable], sizes: dict, costs: dict, capacity: fl
         seen[item] = t
     if not intervals:
         return compulsory
-    scale = max(sizes[item] for item in seen)  # sizes of order 1: the solver's tolerances are absolute
+    scale = max(
+        sizes[item] for item in seen
+    )  # sizes of order 1: the solver's tolerances are absolute
     sizes = {item: sizes[item] / scale for item in seen}
     capacity = capacity / scale
     n_int = len(intervals)
@@ -101,7 +103,9 @@ def lp_miss_cost(seq: Sequence[Hashable], sizes: dict, costs: dict, capacity: fl
     gains = np.array([costs[item] for _, _, item in intervals], dtype=float) / widths
     c = np.concatenate([-gains, np.zeros(T)])
     floor = np.minimum([sizes[item] for item in seq], capacity)
-    bounds = np.concatenate([np.stack([np.zeros(n_int), widths], 1), np.stack([floor, np.full(T, capacity)], 1)])
+    bounds = np.concatenate(
+        [np.stack([np.zeros(n_int), widths], 1), np.stack([floor, np.full(T, capacity)], 1)]
+    )
     res = linprog(c, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
     if res.status != 0:
         raise RuntimeError(f"interval LP failed: {res.message}")
@@ -109,8 +113,17 @@ def lp_miss_cost(seq: Sequence[Hashable], sizes: dict, costs: dict, capacity: fl
     return compulsory + repeat_cost + float(res.fun)
 
 
-def lower_bound(seq: Sequence[Hashable], nbytes: dict, *, gpu_slots: int, cpu_bytes: int,
-                max_cpu_loras: int | None, disk_bytes: int | None, local: bool, costs) -> dict:
+def lower_bound(
+    seq: Sequence[Hashable],
+    nbytes: dict,
+    *,
+    gpu_slots: int,
+    cpu_bytes: int,
+    max_cpu_loras: int | None,
+    disk_bytes: int | None,
+    local: bool,
+    costs,
+) -> dict:
     """Lower bound of the optimal miss cost (seconds) of the hierarchy, per level and in total.
 
     `costs` is a simulator `LoadCosts`; `seq` are the requested keys in arrival order; `nbytes` their sizes."""
@@ -128,7 +141,9 @@ def lower_bound(seq: Sequence[Hashable], nbytes: dict, *, gpu_slots: int, cpu_by
     else:
         parts["cpu"] = lp_miss_cost(seq, nbytes, disk, memory)
         if max_cpu_loras is not None:
-            parts["cpu"] = max(parts["cpu"], lp_miss_cost(seq, ones, disk, max_cpu_loras + gpu_slots))
+            parts["cpu"] = max(
+                parts["cpu"], lp_miss_cost(seq, ones, disk, max_cpu_loras + gpu_slots)
+            )
     if local:
         parts["disk"] = 0.0
     elif disk_bytes is None or disk_bytes + memory >= sum(nbytes[k] for k in items):

@@ -72,7 +72,9 @@ def slot_bytes(config: ModelConfig, max_rank: int, dtype_bytes: int) -> int:
 
 def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[AdapterSize]:
     if not Path(folder).is_dir():
-        raise PlanError(f"{folder} is not a directory (--adapters takes a folder of adapter directories)")
+        raise PlanError(
+            f"{folder} is not a directory (--adapters takes a folder of adapter directories)"
+        )
     dirs = sorted(p for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file())
     if not dirs:
         raise PlanError(f"{folder} holds no adapter directories (folders with {CONFIG_FILE})")
@@ -84,20 +86,30 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
             raise PlanError(f"adapter {path.name}: {exc}") from None
         files = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         # The host copy holds every number in the serving dtype, whatever dtype (or two) the file stores.
-        out.append(AdapterSize(path.name, spec.rank, spec.estimated_bytes, spec.actual_bytes, files,
-                               spec.elements * dtype_bytes))
+        out.append(
+            AdapterSize(
+                path.name,
+                spec.rank,
+                spec.estimated_bytes,
+                spec.actual_bytes,
+                files,
+                spec.elements * dtype_bytes,
+            )
+        )
     return out
 
 
 def budgets_from_registry(url: str) -> dict[str, Budget]:
-    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it).
-    """
+    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it)."""
     from loraplex.registry.registry import Registry
 
     registry = Registry(url)
     try:
-        return {t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes) for t in registry.list_tenants()
-                if t.max_gpu_slots is not None or t.max_cpu_bytes is not None}
+        return {
+            t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes)
+            for t in registry.list_tenants()
+            if t.max_gpu_slots is not None or t.max_cpu_bytes is not None
+        }
     finally:
         registry.close()
 
@@ -114,7 +126,11 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
         registry.close()
     except RegistryError as exc:
         raise PlanError(str(exc)) from None
-    except (SQLAlchemyError, OSError, ImportError) as exc:  # a bare path, not a database, unreachable, no driver
+    except (
+        SQLAlchemyError,
+        OSError,
+        ImportError,
+    ) as exc:  # a bare path, not a database, unreachable, no driver
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise PlanError(f"--registry: cannot open the registry: {reason}") from None
     out = []
@@ -125,8 +141,17 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
         # The registry keeps bytes, not numbers: a revision stored in two dtypes ("mixed") is counted as if all in
         # the narrower one, so its host copy is over- rather than under-estimated.
         stored = DTYPE_BYTES.get(rev.dtype, 2)
-        out.append(AdapterSize(record.name, rev.rank, rev.estimated_bytes, rev.actual_bytes, None,
-                               rev.estimated_bytes * dtype_bytes // stored, _kept_in(record)))
+        out.append(
+            AdapterSize(
+                record.name,
+                rev.rank,
+                rev.estimated_bytes,
+                rev.actual_bytes,
+                None,
+                rev.estimated_bytes * dtype_bytes // stored,
+                _kept_in(record),
+            )
+        )
     if not out:
         raise PlanError(f"the registry at {url} lists no adapters")
     return out
@@ -149,8 +174,14 @@ def fits(sizes: list[int], budget: int) -> int:
     return count
 
 
-def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path | None = None,
-              workload: str | None = None, progress=None, **capacities) -> Plan:
+def make_plan(
+    model_dir: Path,
+    registry: str | None = None,
+    adapters_dir: Path | None = None,
+    workload: str | None = None,
+    progress=None,
+    **capacities,
+) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
     (serve's flags; the engine's defaults otherwise)."""
     try:
@@ -163,10 +194,19 @@ def make_plan(model_dir: Path, registry: str | None = None, adapters_dir: Path |
         defaults = EngineConfig(model_dir=model_dir, **capacities)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    sizes = from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
-    plan = Plan(str(model_dir), dtype, defaults.max_lora_rank, slot_bytes(config, defaults.max_lora_rank, nbytes),
-                sizes, defaults, workload=workload,
-                budgets=budgets_from_registry(registry) if registry else {})
+    sizes = (
+        from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
+    )
+    plan = Plan(
+        str(model_dir),
+        dtype,
+        defaults.max_lora_rank,
+        slot_bytes(config, defaults.max_lora_rank, nbytes),
+        sizes,
+        defaults,
+        workload=workload,
+        budgets=budgets_from_registry(registry) if registry else {},
+    )
     if workload:
         trace = load_workload(workload)
         with progress or contextlib.nullcontext():
@@ -181,45 +221,78 @@ def load_workload(workload: str) -> list[workloads.Request]:
         trace = workloads.load(workload)
     except OSError as exc:
         raise PlanError(f"cannot read workload {workload}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # an unknown name, or a bad trace line (the message names file and line)
+    except (
+        ValueError
+    ) as exc:  # an unknown name, or a bad trace line (the message names file and line)
         raise PlanError(str(exc)) from None
     if not trace:
         raise PlanError(f"workload {workload}: the trace has no requests to size for")
     return trace
 
 
-def size_for_workload(plan: Plan, workload: str, trace: list[workloads.Request], progress=None) -> list[dict]:
+def size_for_workload(
+    plan: Plan, workload: str, trace: list[workloads.Request], progress=None
+) -> list[dict]:
     """The smallest cpu cache for each cold-start target and the smallest slot count for the slot-miss target,
     each the first size of its grid, in order, whose simulator run of the `score` policy meets it (runs are
     shared between the targets)."""
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
-    base = SimConfig(gpu_slots=cap.gpu_slots, cpu_bytes=cap.cpu_bytes, disk_bytes=cap.disk_bytes,
-                     bytes_per_rank=int(per_rank), tenant_budgets=plan.budgets)
-    working_set = sum(int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values())
+    base = SimConfig(
+        gpu_slots=cap.gpu_slots,
+        cpu_bytes=cap.cpu_bytes,
+        disk_bytes=cap.disk_bytes,
+        bytes_per_rank=int(per_rank),
+        tenant_budgets=plan.budgets,
+    )
+    working_set = sum(
+        int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values()
+    )
     cache: dict[tuple[int, int], dict] = {}
     task = progress.add_task("sizing", total=None) if progress else None
 
     def run(slots: int, cpu: int) -> dict:
         if (slots, cpu) not in cache:
-            sim = simulate(trace, replace(base, gpu_slots=slots, cpu_bytes=cpu), policy_factory("score"))
+            sim = simulate(
+                trace, replace(base, gpu_slots=slots, cpu_bytes=cpu), policy_factory("score")
+            )
             cache[slots, cpu] = summarize(sim)
             if progress:
                 progress.update(task, description=f"sizing: {len(cache)} simulations")
         return cache[slots, cpu]
 
     rows = []
-    grid = [0] + [int(working_set * f) for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)]
+    grid = [0] + [
+        int(working_set * f)
+        for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)
+    ]
     for target in COLD_START_TARGETS:
-        best = _smallest(grid, lambda cpu, target=target: run(base.gpu_slots, cpu)["cold_start_rate"] <= target)
-        rows.append({"what": "cpu cache", "target": f"cold starts ≤ {target:.0%}", "gpu_slots": base.gpu_slots,
-                     "cpu_bytes": best, "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"]})
+        best = _smallest(
+            grid, lambda cpu, target=target: run(base.gpu_slots, cpu)["cold_start_rate"] <= target
+        )
+        rows.append(
+            {
+                "what": "cpu cache",
+                "target": f"cold starts ≤ {target:.0%}",
+                "gpu_slots": base.gpu_slots,
+                "cpu_bytes": best,
+                "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"],
+            }
+        )
     cpu_for_slots = rows[-1]["cpu_bytes"] if rows[-1]["cpu_bytes"] is not None else grid[-1]
     slots_grid = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
-    best = _smallest(slots_grid, lambda s: run(s, cpu_for_slots)["hit_rate"]["cpu"] <= SLOT_MISS_TARGET)
-    rows.append({"what": "gpu slots", "target": f"slot misses ≤ {SLOT_MISS_TARGET:.0%}", "gpu_slots": best,
-                 "cpu_bytes": cpu_for_slots,
-                 "rate": None if best is None else run(best, cpu_for_slots)["hit_rate"]["cpu"]})
+    best = _smallest(
+        slots_grid, lambda s: run(s, cpu_for_slots)["hit_rate"]["cpu"] <= SLOT_MISS_TARGET
+    )
+    rows.append(
+        {
+            "what": "gpu slots",
+            "target": f"slot misses ≤ {SLOT_MISS_TARGET:.0%}",
+            "gpu_slots": best,
+            "cpu_bytes": cpu_for_slots,
+            "rate": None if best is None else run(best, cpu_for_slots)["hit_rate"]["cpu"],
+        }
+    )
     return rows
 
 
@@ -244,8 +317,15 @@ def tables(plan: Plan) -> list[Table]:
     for col in ("adapter", "rank", "formula", "tensors", "files", "host copy", "kept in"):
         sizes.add_column(col, justify="left" if col == "adapter" else "right")
     for a in plan.adapters:
-        sizes.add_row(a.name, str(a.rank), _size(a.estimated_bytes), _size(a.actual_bytes), _size(a.file_bytes),
-                      _size(a.serving_bytes), a.kept_in or "on demand")
+        sizes.add_row(
+            a.name,
+            str(a.rank),
+            _size(a.estimated_bytes),
+            _size(a.actual_bytes),
+            _size(a.file_bytes),
+            _size(a.serving_bytes),
+            a.kept_in or "on demand",
+        )
     d = plan.defaults
     host = [a.serving_bytes for a in plan.adapters]
     disk = [a.file_bytes or a.actual_bytes for a in plan.adapters]
@@ -253,31 +333,58 @@ def tables(plan: Plan) -> list[Table]:
     kept = {tier: [a for a in plan.adapters if a.kept_in == tier] for tier in ("gpu", "cpu")}
     # Pinned in gpu: a slot each and a host copy; in cpu: a host copy.
     kept_host = sum(a.serving_bytes for a in (*kept["gpu"], *kept["cpu"]))
-    tiers = Table(title=f"what fits (max-loras {d.max_loras}, cpu {_size(d.cpu_cache_bytes)}, "
-                        f"disk {_size(d.disk_cache_bytes)})")
+    tiers = Table(
+        title=f"what fits (max-loras {d.max_loras}, cpu {_size(d.cpu_cache_bytes)}, "
+        f"disk {_size(d.disk_cache_bytes)})"
+    )
     columns = ("tier", "capacity", "per adapter", "adapters that fit", "of", "kept by pins / warm")
     for col in columns:
         tiers.add_column(col, justify="left" if col == "tier" else "right")
     slots_kept = f"{len(kept['gpu'])} slots"
     if len(kept["gpu"]) > d.max_loras:
         slots_kept += " (more than the slots)"
-    tiers.add_row("gpu slots", f"{d.max_loras} × {_size(plan.slot_bytes)} (rank {plan.max_lora_rank})",
-                  _size(plan.slot_bytes), f"{d.max_loras} at a time" + (f"; {over} over max rank" if over else ""),
-                  str(len(plan.adapters)), slots_kept)
+    tiers.add_row(
+        "gpu slots",
+        f"{d.max_loras} × {_size(plan.slot_bytes)} (rank {plan.max_lora_rank})",
+        _size(plan.slot_bytes),
+        f"{d.max_loras} at a time" + (f"; {over} over max rank" if over else ""),
+        str(len(plan.adapters)),
+        slots_kept,
+    )
     host_kept = _size(kept_host)
     if kept_host > d.cpu_cache_bytes:
         host_kept += " (more than the cache)"
-    tiers.add_row("cpu", _size(d.cpu_cache_bytes), _size(sum(host) // len(host)), str(fits(host, d.cpu_cache_bytes)),
-                  str(len(plan.adapters)), host_kept)
-    tiers.add_row("disk", _size(d.disk_cache_bytes), _size(sum(disk) // len(disk)),
-                  str(fits(disk, d.disk_cache_bytes)), str(len(plan.adapters)), "")
+    tiers.add_row(
+        "cpu",
+        _size(d.cpu_cache_bytes),
+        _size(sum(host) // len(host)),
+        str(fits(host, d.cpu_cache_bytes)),
+        str(len(plan.adapters)),
+        host_kept,
+    )
+    tiers.add_row(
+        "disk",
+        _size(d.disk_cache_bytes),
+        _size(sum(disk) // len(disk)),
+        str(fits(disk, d.disk_cache_bytes)),
+        str(len(plan.adapters)),
+        "",
+    )
     out = [sizes, tiers]
     if plan.sizing:
-        sizing = Table(title=f"smallest capacity for workload {plan.workload} (simulated, policy score)")
+        sizing = Table(
+            title=f"smallest capacity for workload {plan.workload} (simulated, policy score)"
+        )
         for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
             sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
         for row in plan.sizing:
             rate = "not reached" if row["rate"] is None else f"{row['rate']:.2%}"
-            sizing.add_row(row["what"], row["target"], str(row["gpu_slots"] or "-"), _size(row["cpu_bytes"]), rate)
+            sizing.add_row(
+                row["what"],
+                row["target"],
+                str(row["gpu_slots"] or "-"),
+                _size(row["cpu_bytes"]),
+                rate,
+            )
         out.append(sizing)
     return out

@@ -86,8 +86,10 @@ class LoadCosts:
 
     def to_dict(self) -> dict:
         return {
-            **{t: {"latency_s": c.latency_s, "bandwidth_bytes_per_s": c.bandwidth}
-               for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))},
+            **{
+                t: {"latency_s": c.latency_s, "bandwidth_bytes_per_s": c.bandwidth}
+                for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))
+            },
             "source": self.source,
         }
 
@@ -119,15 +121,23 @@ class ServiceModel:
     source: str = "defaults"
 
     def step_seconds(self, prefill_tokens: int, decodes: int, adapters: int) -> float:
-        return (self.step_s + self.per_decode_s * decodes + self.per_prefill_token_s * prefill_tokens
-                + self.per_adapter_s * adapters)
+        return (
+            self.step_s
+            + self.per_decode_s * decodes
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_adapter_s * adapters
+        )
 
     @classmethod
     def from_engine_throughput(cls, path: str | Path) -> ServiceModel:
         """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output token gives the
         step cost, its total time the prefill cost, and the many-adapter row the per-adapter cost."""
         data = json.loads(Path(path).read_text())
-        rows = {r["workload"]["num_adapters"]: r for r in data["rows"] if r.get("workload", {}).get("lora_bytes_per_step") is None}
+        rows = {
+            r["workload"]["num_adapters"]: r
+            for r in data["rows"]
+            if r.get("workload", {}).get("lora_bytes_per_step") is None
+        }
         base = rows[0]
         w = base["workload"]
         tpot = base["ours"]["tpot_by_rank_s"]["base"]
@@ -140,8 +150,13 @@ class ServiceModel:
         if many > 0:
             tpots = rows[many]["ours"]["tpot_by_rank_s"].values()
             per_adapter = max(0.0, (sum(tpots) / len(tpots) - tpot) / min(many, batch))
-        return cls(step_s=tpot, per_decode_s=0.0, per_prefill_token_s=per_prefill, per_adapter_s=per_adapter,
-                   source=str(path))
+        return cls(
+            step_s=tpot,
+            per_decode_s=0.0,
+            per_prefill_token_s=per_prefill,
+            per_adapter_s=per_adapter,
+            source=str(path),
+        )
 
     @classmethod
     def default(cls) -> ServiceModel:
@@ -202,11 +217,16 @@ class SimConfig:
     def budgets(self) -> TenantBudgets:
         """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller
         caches)."""
-        capped = {t: Budget(None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
-                            None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes))
-                  for t, b in (self.tenant_budgets or {}).items()}
-        return TenantBudgets(self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share,
-                             self.tenant_cpu_share)
+        capped = {
+            t: Budget(
+                None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
+                None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes),
+            )
+            for t, b in (self.tenant_budgets or {}).items()
+        }
+        return TenantBudgets(
+            self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
+        )
 
 
 # -- the simulated device and tiers ----------------------------------------------------------------
@@ -219,7 +239,9 @@ class SimKey(AdapterKey):
     __hash__ = object.__hash__
 
     def __post_init__(self):
-        object.__setattr__(self, "_label", super().__str__())  # the router's views name keys on every poll
+        object.__setattr__(
+            self, "_label", super().__str__()
+        )  # the router's views name keys on every poll
 
     def __str__(self) -> str:
         return self._label
@@ -291,7 +313,16 @@ class SimDisk:
 
 # -- requests and workers --------------------------------------------------------------------------
 class SimRequest:
-    __slots__ = ("admitted_at", "finish_at", "first_token_at", "nbytes", "ref", "req", "tier", "worker")
+    __slots__ = (
+        "admitted_at",
+        "finish_at",
+        "first_token_at",
+        "nbytes",
+        "ref",
+        "req",
+        "tier",
+        "worker",
+    )
 
     def __init__(self, req: Request, ref: AdapterRef | None, nbytes: int):
         self.req, self.ref, self.nbytes = req, ref, nbytes
@@ -308,8 +339,16 @@ class Worker:
         self.pool = SimPool(c.gpu_slots, c.costs.h2d)
         self.disk = SimDisk(c.disk_bytes)
         self.cache = AdapterCache(
-            self.pool, lambda path: None, cpu_bytes=c.cpu_bytes, max_cpu_loras=c.max_cpu_loras, disk=self.disk,
-            policy=policy, budgets=c.budgets(), executor=self, loader=self._load, clock=sim.clock,
+            self.pool,
+            lambda path: None,
+            cpu_bytes=c.cpu_bytes,
+            max_cpu_loras=c.max_cpu_loras,
+            disk=self.disk,
+            policy=policy,
+            budgets=c.budgets(),
+            executor=self,
+            loader=self._load,
+            clock=sim.clock,
         )
         self.waiting: deque[SimRequest] = deque()
         self.num_running = 0
@@ -319,8 +358,12 @@ class Worker:
         self.step_index = 0
         self.steps_in_flight = 1  # engine steps the scheduled step end stands for
         self.end_token = 0  # the scheduled step end that counts (an arrival may move it earlier)
-        self.quiet: tuple[float, float, list[AdapterKey]] | None = None  # (first end, step seconds, blocked keys)
-        self.touch: tuple[list[AdapterKey], float] | None = None  # blocked keys and when the last step touches them
+        self.quiet: tuple[float, float, list[AdapterKey]] | None = (
+            None  # (first end, step seconds, blocked keys)
+        )
+        self.touch: tuple[list[AdapterKey], float] | None = (
+            None  # blocked keys and when the last step touches them
+        )
         self.load_ends: list[float] = []  # when this worker's loads in progress end (a heap)
         self.loads_landed = 0  # loads ended since the cache last polled
         self.busy = False
@@ -339,8 +382,10 @@ class Worker:
             source, stages = "disk", {"disk": self.sim.config.costs.disk.seconds(nbytes)}
         else:
             source = "remote"
-            stages = {"download": self.sim.config.costs.remote.seconds(nbytes),
-                      "disk": self.sim.config.costs.disk.seconds(nbytes)}
+            stages = {
+                "download": self.sim.config.costs.remote.seconds(nbytes),
+                "disk": self.sim.config.costs.disk.seconds(nbytes),
+            }
         self._plans[ref.key] = (source, stages, nbytes)
         future: Future = Future()
         end = self.sim.now + sum(stages.values())
@@ -401,8 +446,13 @@ class Worker:
             admitted.append(seq)
             budget -= seq.req.prompt_tokens
 
-        step = admit_waiting(self._in_turn(), has_room=has_room, adapter_of=_adapter_key,
-                             take_adapter=lambda seq: self._take_adapter(seq.ref, now), admit=admit)
+        step = admit_waiting(
+            self._in_turn(),
+            has_room=has_room,
+            adapter_of=_adapter_key,
+            take_adapter=lambda seq: self._take_adapter(seq.ref, now),
+            admit=admit,
+        )
         prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
         copies = self.pool.take_pending()
         if admitted:
@@ -410,7 +460,9 @@ class Worker:
         if not decodes and not admitted:
             self.busy = False
             if self.waiting and not cache.num_loading() and not self.wake_pending:
-                self.wake_pending = True  # nothing will wake it: look again shortly (as the engine loop does)
+                self.wake_pending = (
+                    True  # nothing will wake it: look again shortly (as the engine loop does)
+                )
                 sim.schedule(now + config.idle_poll_s, self._retry, None)
             return
         self.busy = True
@@ -441,7 +493,9 @@ class Worker:
         """
         first_end = end
         horizon = self.load_ends[0] if self.load_ends else math.inf
-        if len(self.sim.workers) == 1:  # every arrival is this worker's: end there rather than be cut short
+        if (
+            len(self.sim.workers) == 1
+        ):  # every arrival is this worker's: end there rather than be cut short
             horizon = min(horizon, self.sim.next_arrival_time())
         finish_in = self.finishing[0][0] - self.step_index if self.finishing else math.inf
         last = None
@@ -516,7 +570,9 @@ class Worker:
         self.step_index += self.steps_in_flight
         for seq in self.prefilled:
             seq.first_token_at = now
-            heapq.heappush(self.finishing, (self.step_index + seq.req.output_tokens - 1, id(seq), seq))
+            heapq.heappush(
+                self.finishing, (self.step_index + seq.req.output_tokens - 1, id(seq), seq)
+            )
         self.prefilled = []
         while self.finishing and self.finishing[0][0] <= self.step_index:
             _, _, seq = heapq.heappop(self.finishing)
@@ -542,7 +598,10 @@ class Worker:
         """What the router polls from the worker's /admin/state."""
         cache = self.cache
         return WorkerView(
-            self.url, waiting=len(self.waiting), running=self.num_running, active_tokens=self.running_tokens,
+            self.url,
+            waiting=len(self.waiting),
+            running=self.num_running,
+            active_tokens=self.running_tokens,
             recent_evictions=cache.num_recent_evictions(self.sim.now),
             free_slots=cache.free_slots(),
             gpu=frozenset(map(_label, cache.resident("gpu"))),
@@ -557,7 +616,12 @@ def _adapter_key(seq: SimRequest) -> AdapterKey | None:
 
 # -- the simulation --------------------------------------------------------------------------------
 class Simulation:
-    def __init__(self, trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]):
+    def __init__(
+        self,
+        trace: list[Request],
+        config: SimConfig,
+        policy_factory: Callable[[Simulation], object],
+    ):
         self.trace, self.config = trace, config
         self.now = 0.0
         self._next = 0  # the next request to arrive
@@ -601,8 +665,13 @@ class Simulation:
         if ref is None:
             key = SimKey("sim-base", r.adapter, r.revision, f"sha256:{model}")
             path = Path(f"/sim/{model}") if self.config.local_adapters else None
-            ref = AdapterRef(key, path=path, storage_uri=None if path else f"sim://{model}", tenant=r.tenant,
-                             priority=r.priority)
+            ref = AdapterRef(
+                key,
+                path=path,
+                storage_uri=None if path else f"sim://{model}",
+                tenant=r.tenant,
+                priority=r.priority,
+            )
             self.refs[model] = ref
             sizes = self.config.adapter_bytes or {}
             self.nbytes[key] = sizes.get(model, r.rank * self.config.bytes_per_rank)
@@ -676,14 +745,26 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     reloads = sum(c.reloads_after_eviction for c in caches)
     h2d = sum(w.pool.copy_seconds for w in sim.workers)
     loads = sum(w.load_seconds for w in sim.workers)
-    hot = hot if hot is not None else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
+    hot = (
+        hot
+        if hot is not None
+        else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
+    )
 
     def latency(group: list[SimRequest]) -> dict:
         ttft = [s.first_token_at - s.req.time for s in group]
-        tpot = [(s.finish_at - s.first_token_at) / (s.req.output_tokens - 1) for s in group if s.req.output_tokens > 1]
+        tpot = [
+            (s.finish_at - s.first_token_at) / (s.req.output_tokens - 1)
+            for s in group
+            if s.req.output_tokens > 1
+        ]
         wait = [s.admitted_at - s.req.time for s in group]
-        return {"count": len(group), "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
-                "queue_wait_s": _percentiles(wait)}
+        return {
+            "count": len(group),
+            "ttft_s": _percentiles(ttft),
+            "tpot_s": _percentiles(tpot),
+            "queue_wait_s": _percentiles(wait),
+        }
 
     def tenant(group: list[SimRequest]) -> dict:
         # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
@@ -691,10 +772,14 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         m = len(adapter) or 1
         name = group[0].req.tenant if group else None
         budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
-        return {"requests": len(group), "adapter_requests": len(adapter),
-                "budget_waits": budget_waits,
-                "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
-                "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m, **latency(group)}
+        return {
+            "requests": len(group),
+            "adapter_requests": len(adapter),
+            "budget_waits": budget_waits,
+            "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
+            "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m,
+            **latency(group),
+        }
 
     by_tenant: dict[str, list[SimRequest]] = {}
     for s in sim.requests:
@@ -733,7 +818,9 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     }
 
 
-def simulate(trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]) -> Simulation:
+def simulate(
+    trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]
+) -> Simulation:
     return Simulation(trace, config, policy_factory).run()
 
 
@@ -780,15 +867,24 @@ def bound(sim: Simulation, admitted: bool = False) -> dict:
     if not seq:
         return {"miss_cost": 0.0, "parts": {}, "gpu_misses_min": 0, "gpu_hit_rate_max": 1.0}
     return lower_bound(
-        seq, sim.nbytes, gpu_slots=c.gpu_slots * c.workers, cpu_bytes=c.cpu_bytes * c.workers,
+        seq,
+        sim.nbytes,
+        gpu_slots=c.gpu_slots * c.workers,
+        cpu_bytes=c.cpu_bytes * c.workers,
         max_cpu_loras=None if c.max_cpu_loras is None else c.max_cpu_loras * c.workers,
-        disk_bytes=None if c.disk_bytes is None else c.disk_bytes * c.workers, local=c.local_adapters,
+        disk_bytes=None if c.disk_bytes is None else c.disk_bytes * c.workers,
+        local=c.local_adapters,
         costs=c.costs,
     )
 
 
-def compare(trace: list[Request], config: SimConfig, policies: list[str], hot: set[str] | None = None,
-            on_run: Callable[[str], None] = lambda name: None) -> dict[str, dict]:
+def compare(
+    trace: list[Request],
+    config: SimConfig,
+    policies: list[str],
+    hot: set[str] | None = None,
+    on_run: Callable[[str], None] = lambda name: None,
+) -> dict[str, dict]:
     """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit rates of a
     farthest-next-use oracle run; each policy's entry carries its gap to both."""
     import time

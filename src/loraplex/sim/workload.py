@@ -92,8 +92,13 @@ class WorkloadSpec:
 
 
 # -- the pieces ------------------------------------------------------------------------------------
-def arrival_times(rng: np.random.Generator, rate: float, duration_s: float, arrival: str = "poisson",
-                  cv: float = 1.0) -> np.ndarray:
+def arrival_times(
+    rng: np.random.Generator,
+    rate: float,
+    duration_s: float,
+    arrival: str = "poisson",
+    cv: float = 1.0,
+) -> np.ndarray:
     """Arrival times in [0, duration_s): Poisson, or a gamma renewal process with the given CV."""
     expected = int(rate * duration_s * 1.2 + 10 * math.sqrt(rate * duration_s) + 10)
     if arrival == "poisson":
@@ -151,14 +156,31 @@ def generate(spec: WorkloadSpec) -> list[Request]:
     out = []
     for t, a, p, o in zip(times, chosen, prompts, outputs):
         tenant = spec.tenants[owner[a]]
-        out.append(Request(round(float(t), 6), tenant.name, f"{spec.name}-{a:0{width}d}", int(p), int(o),
-                           int(adapter_ranks[a]), "1", tenant.priority))
+        out.append(
+            Request(
+                round(float(t), 6),
+                tenant.name,
+                f"{spec.name}-{a:0{width}d}",
+                int(p),
+                int(o),
+                int(adapter_ranks[a]),
+                "1",
+                tenant.priority,
+            )
+        )
     return out
 
 
 # -- the named scenarios ---------------------------------------------------------------------------
-def hot_burst(seed: int = 0, num_hot: int = 4, num_cold: int = 200, rate_hot: float = 4.0,
-              burst_start_s: float = 120.0, burst_s: float = 60.0, duration_s: float = 300.0) -> list[Request]:
+def hot_burst(
+    seed: int = 0,
+    num_hot: int = 4,
+    num_cold: int = 200,
+    rate_hot: float = 4.0,
+    burst_start_s: float = 120.0,
+    burst_s: float = 60.0,
+    duration_s: float = 300.0,
+) -> list[Request]:
     """The seed scenario: steady interactive traffic on a few hot adapters (tenant `interactive`, priority 1),
     then a batch tenant (priority 0) sweeping many cold adapters once each, short scoring-style requests,
     during [burst_start, burst_start + burst_s)."""
@@ -168,23 +190,52 @@ def hot_burst(seed: int = 0, num_hot: int = 4, num_cold: int = 200, rate_hot: fl
     out = []
     for t in hot_times:
         a = int(rng.integers(num_hot))
-        out.append(Request(round(float(t), 6), "interactive", f"hot-{a}", int(rng.integers(64, 257)),
-                           int(rng.integers(16, 65)), int(hot_ranks[a]), "1", 1))
+        out.append(
+            Request(
+                round(float(t), 6),
+                "interactive",
+                f"hot-{a}",
+                int(rng.integers(64, 257)),
+                int(rng.integers(16, 65)),
+                int(hot_ranks[a]),
+                "1",
+                1,
+            )
+        )
     cold_times = np.sort(rng.uniform(burst_start_s, burst_start_s + burst_s, num_cold))
     cold_ranks = draw_ranks(rng, num_cold, {8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0})
     for i, t in enumerate(cold_times):
-        out.append(Request(round(float(t), 6), "batch", f"cold-{i:03d}", int(rng.integers(128, 513)),
-                           int(rng.integers(8, 33)), int(cold_ranks[i]), "1", 0))
+        out.append(
+            Request(
+                round(float(t), 6),
+                "batch",
+                f"cold-{i:03d}",
+                int(rng.integers(128, 513)),
+                int(rng.integers(8, 33)),
+                int(cold_ranks[i]),
+                "1",
+                0,
+            )
+        )
     return sorted(out, key=lambda r: r.time)
 
 
-def diurnal(seed: int = 0, num_adapters: int = 200, mean_rate: float = 6.0, period_s: float = 600.0,
-            duration_s: float = 1200.0, s: float = 0.9, amplitude: float = 0.6) -> list[Request]:
+def diurnal(
+    seed: int = 0,
+    num_adapters: int = 200,
+    mean_rate: float = 6.0,
+    period_s: float = 600.0,
+    duration_s: float = 1200.0,
+    s: float = 0.9,
+    amplitude: float = 0.6,
+) -> list[Request]:
     """A daily cycle compressed to `period_s`: the rate swings by ±amplitude, and the popular set shifts from
     one tenant's adapters (day) to another's (night), so the hot set changes with the hour."""
     rng = np.random.default_rng(seed)
     peak = mean_rate * (1 + amplitude)
-    candidates = arrival_times(rng, peak, duration_s)  # thinning of a Poisson process at the peak rate
+    candidates = arrival_times(
+        rng, peak, duration_s
+    )  # thinning of a Poisson process at the peak rate
     phase = 2 * math.pi * candidates / period_s
     keep = rng.uniform(0, 1, len(candidates)) < (1 + amplitude * np.sin(phase)) / (1 + amplitude)
     times = candidates[keep]
@@ -194,21 +245,48 @@ def diurnal(seed: int = 0, num_adapters: int = 200, mean_rate: float = 6.0, peri
     out = []
     for t in times:
         day = (math.sin(2 * math.pi * t / period_s) + 1) / 2  # 1 at noon, 0 at midnight
-        group = 0 if rng.uniform() < 0.15 + 0.7 * day else 1  # day traffic → tenant `day`, night → `night`
+        group = (
+            0 if rng.uniform() < 0.15 + 0.7 * day else 1
+        )  # day traffic → tenant `day`, night → `night`
         a = int(rng.choice(half, p=weights)) + group * half
         tenant = ("day", "night")[group]
-        out.append(Request(round(float(t), 6), tenant, f"diurnal-{a:03d}", int(rng.integers(64, 513)),
-                           int(rng.integers(16, 129)), int(ranks[a]), "1", 0))
+        out.append(
+            Request(
+                round(float(t), 6),
+                tenant,
+                f"diurnal-{a:03d}",
+                int(rng.integers(64, 513)),
+                int(rng.integers(16, 129)),
+                int(ranks[a]),
+                "1",
+                0,
+            )
+        )
     return out
 
 
-def rollout(seed: int = 0, num_adapters: int = 100, rate: float = 6.0, duration_s: float = 900.0,
-            s: float = 0.9, rolled: int = 5, steps: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0)) -> list[Request]:
+def rollout(
+    seed: int = 0,
+    num_adapters: int = 100,
+    rate: float = 6.0,
+    duration_s: float = 900.0,
+    s: float = 0.9,
+    rolled: int = 5,
+    steps: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0),
+) -> list[Request]:
     """Zipf traffic; midway the `rolled` most popular adapters get revision 2, with canary weights stepping
     through `steps` (1% → 10% → 50% → 100%), sticky per request draw. Both revisions share the traffic while the
     canary runs, so the cache holds two keys per rolled name."""
-    base = generate(WorkloadSpec(name="rollout", seed=seed, duration_s=duration_s, rate=rate,
-                                 num_adapters=num_adapters, s=s))
+    base = generate(
+        WorkloadSpec(
+            name="rollout",
+            seed=seed,
+            duration_s=duration_s,
+            rate=rate,
+            num_adapters=num_adapters,
+            s=s,
+        )
+    )
     rng = np.random.default_rng(seed + 1)
     start, step_len = duration_s / 2, duration_s / 2 / len(steps)
     width = len(str(num_adapters - 1))
@@ -276,7 +354,9 @@ def read_trace(path: str | Path) -> list[Request]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{path} line {number}: not JSON ({exc.msg}, column {exc.colno})") from None
+            raise TraceError(
+                f"{path} line {number}: not JSON ({exc.msg}, column {exc.colno})"
+            ) from None
         if not isinstance(record, dict):
             raise TraceError(f"{path} line {number}: not a JSON object")
         records.append((number, record))
@@ -305,15 +385,25 @@ def _number(record: dict, key: str, convert=float, default=None):
         if not math.isfinite(number):
             raise ValueError
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{key!r} is missing or not a number" if value is None
-                         else f"{key!r} is not a finite number: {value!r}") from None
+        raise ValueError(
+            f"{key!r} is missing or not a number"
+            if value is None
+            else f"{key!r} is not a finite number: {value!r}"
+        ) from None
     return number
 
 
 def _from_trace_line(d: dict) -> Request:
-    return Request(_number(d, "time"), d.get("tenant", "default"), d.get("adapter"), _number(d, "prompt_tokens", int),
-                   max(1, _number(d, "output_tokens", int)), _number(d, "rank", int, 16),
-                   str(d.get("revision") or "1"), _number(d, "priority", int, 0))
+    return Request(
+        _number(d, "time"),
+        d.get("tenant", "default"),
+        d.get("adapter"),
+        _number(d, "prompt_tokens", int),
+        max(1, _number(d, "output_tokens", int)),
+        _number(d, "rank", int, 16),
+        str(d.get("revision") or "1"),
+        _number(d, "priority", int, 0),
+    )
 
 
 def _from_audit_line(d: dict) -> Request | None:
@@ -322,10 +412,19 @@ def _from_audit_line(d: dict) -> Request | None:
     if d.get("status") is not None and not 200 <= _number(d, "status", int) < 300:
         return None
     completion = _number(d, "completion_tokens", int, 0)
-    elapsed_ms = _number(d, "ttft_ms", float, 0.0) + _number(d, "tpot_ms", float, 0.0) * max(0, completion - 1)
-    return Request(_number(d, "ts") - elapsed_ms / 1000, d.get("tenant") or "default", d.get("adapter"),
-                   max(1, _number(d, "prompt_tokens", int, 1)), max(1, completion), _number(d, "rank", int, 16),
-                   str(d.get("revision") or "1"), 0)
+    elapsed_ms = _number(d, "ttft_ms", float, 0.0) + _number(d, "tpot_ms", float, 0.0) * max(
+        0, completion - 1
+    )
+    return Request(
+        _number(d, "ts") - elapsed_ms / 1000,
+        d.get("tenant") or "default",
+        d.get("adapter"),
+        max(1, _number(d, "prompt_tokens", int, 1)),
+        max(1, completion),
+        _number(d, "rank", int, 16),
+        str(d.get("revision") or "1"),
+        0,
+    )
 
 
 def _from_zero(requests: list[Request]) -> list[Request]:
@@ -333,7 +432,9 @@ def _from_zero(requests: list[Request]) -> list[Request]:
     if not requests:
         return []
     start = min(r.time for r in requests)
-    return sorted((replace(r, time=round(r.time - start, 6)) for r in requests), key=lambda r: r.time)
+    return sorted(
+        (replace(r, time=round(r.time - start, 6)) for r in requests), key=lambda r: r.time
+    )
 
 
 def load(workload: str, seed: int = 0) -> list[Request]:

@@ -87,10 +87,15 @@ class VllmEngine:
         self.llm = self._start(vllm_config)
         allowed = AllowList.parse(list(config.allowed_roots))
         disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
-        self.adapters = VllmResidency(self.llm, config.data_dir / "vllm-adapters", max_loras=config.max_loras,
-                                      max_cpu_loras=config.host_cache_size, disk=disk,
-                                      reserved_slots=1 if self.zero_adapter else 0,
-                                      policy=make_policy(config.eviction_policy))
+        self.adapters = VllmResidency(
+            self.llm,
+            config.data_dir / "vllm-adapters",
+            max_loras=config.max_loras,
+            max_cpu_loras=config.host_cache_size,
+            disk=disk,
+            reserved_slots=1 if self.zero_adapter else 0,
+            policy=make_policy(config.eviction_policy),
+        )
         self.serving_completion = self.serving_chat = self.models = None
 
     # -- start and stop ----------------------------------------------------------------------------
@@ -101,19 +106,39 @@ class VllmEngine:
 
         c = self.config
         extra = 1 if c.base_as_zero_adapter != "off" else 0  # the zero adapter's slot and host copy
-        argv = ["--model", str(c.model_dir), "--served-model-name", c.served_model_name, "--enable-lora",
-                "--max-loras", str(c.max_loras + extra), "--max-cpu-loras", str(c.host_cache_size + extra),
-                "--max-lora-rank", str(c.max_lora_rank), "--dtype", c.dtype, "--generation-config", "vllm"]
+        argv = [
+            "--model",
+            str(c.model_dir),
+            "--served-model-name",
+            c.served_model_name,
+            "--enable-lora",
+            "--max-loras",
+            str(c.max_loras + extra),
+            "--max-cpu-loras",
+            str(c.host_cache_size + extra),
+            "--max-lora-rank",
+            str(c.max_lora_rank),
+            "--dtype",
+            c.dtype,
+            "--generation-config",
+            "vllm",
+        ]
         if c.max_model_len is not None:
             argv += ["--max-model-len", str(c.max_model_len)]
-        parser = make_arg_parser(FlexibleArgumentParser(prog="loraplex serve --engine vllm", exit_on_error=False))
+        parser = make_arg_parser(
+            FlexibleArgumentParser(prog="loraplex serve --engine vllm", exit_on_error=False)
+        )
         try:
             args = parser.parse_args([*argv, *c.vllm_args])
             engine_args = AsyncEngineArgs.from_cli_args(args)
             return args, engine_args.create_engine_config()
         except SystemExit:
-            raise VllmStartError(f"--vllm-arg: vLLM refused the options {' '.join(c.vllm_args)}") from None
-        except Exception as exc:  # vLLM raises many kinds for a bad option or model: one line names it
+            raise VllmStartError(
+                f"--vllm-arg: vLLM refused the options {' '.join(c.vllm_args)}"
+            ) from None
+        except (
+            Exception
+        ) as exc:  # vLLM raises many kinds for a bad option or model: one line names it
             raise VllmStartError(f"vLLM cannot serve {c.model_dir}: {_first_line(exc)}") from None
 
     def _zero_adapter_wanted(self, vllm_config) -> bool:
@@ -130,21 +155,25 @@ class VllmEngine:
             """AsyncLLM whose generate records each request's first token and counts, and carries base requests
             as the zero adapter when that is on."""
 
-            async def generate(self, prompt, sampling_params, request_id, *args, lora_request=None, **kwargs):
+            async def generate(
+                self, prompt, sampling_params, request_id, *args, lora_request=None, **kwargs
+            ):
                 if lora_request is None and engine.zero_adapter:
                     lora_request = engine.zero_lora
                 match = _OUR_ID.search(request_id)
                 tracked = engine.tracked.get(match[0]) if match else None
                 cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
-                async for out in super().generate(prompt, sampling_params, request_id, *args,
-                                                  lora_request=lora_request, **kwargs):
+                async for out in super().generate(
+                    prompt, sampling_params, request_id, *args, lora_request=lora_request, **kwargs
+                ):
                     if tracked is not None:
                         _track(tracked, request_id, out, cumulative)
                     yield out
 
         try:
-            return LoraplexAsyncLLM.from_vllm_config(vllm_config=vllm_config, disable_log_stats=False,
-                                                     stat_loggers=[self._stat_logger()])
+            return LoraplexAsyncLLM.from_vllm_config(
+                vllm_config=vllm_config, disable_log_stats=False, stat_loggers=[self._stat_logger()]
+            )
         except Exception as exc:
             raise VllmStartError(f"vLLM's engine did not start: {_first_line(exc)}") from None
 
@@ -157,7 +186,9 @@ class VllmEngine:
             def __init__(self, vllm_config, engine_index: int = 0):
                 pass
 
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            def record(
+                self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
+            ):
                 if scheduler_stats is not None:
                     figures.num_running = scheduler_stats.num_running_reqs
                     figures.num_waiting = scheduler_stats.num_waiting_reqs
@@ -176,12 +207,17 @@ class VllmEngine:
         self.adapters.start(asyncio.get_running_loop())
         state = State()
         await init_app_state(self.llm, state, self.args, await self.llm.get_supported_tasks())
-        self.serving_completion, self.serving_chat = state.openai_serving_completion, state.openai_serving_chat
+        self.serving_completion, self.serving_chat = (
+            state.openai_serving_completion,
+            state.openai_serving_chat,
+        )
         self.models = state.openai_serving_models
         if self.zero_adapter:
             from vllm.lora.request import LoRARequest
 
-            path = write_zero_adapter(self.config.model_dir, self.config.data_dir / "vllm-zero-adapter")
+            path = write_zero_adapter(
+                self.config.model_dir, self.config.data_dir / "vllm-zero-adapter"
+            )
             self.zero_lora = LoRARequest(ZERO_ADAPTER_NAME, ZERO_ADAPTER_ID, str(path))
             await self.llm.add_lora(self.zero_lora)
             await self.llm.pin_lora(ZERO_ADAPTER_ID)
@@ -223,14 +259,20 @@ class VllmEngine:
     def live_figures(self) -> dict:
         cache = self.adapters.state()
         idle = not self.tracked  # the stat logger reports at steps: none come once vLLM is idle
-        waiting = {k for k, e in list(self.adapters.entries.items()) if e.refcount and not e.in_vllm}
+        waiting = {
+            k for k, e in list(self.adapters.entries.items()) if e.refcount and not e.in_vllm
+        }
         return {
-            "cache": cache, "num_running": 0 if idle else self.figures.num_running,
+            "cache": cache,
+            "num_running": 0 if idle else self.figures.num_running,
             "num_waiting": 0 if idle else self.figures.num_waiting,
-            "active_tokens": sum(t.prompt_tokens + sum(t.completion_tokens.values())
-                                 for t in list(self.tracked.values())),
+            "active_tokens": sum(
+                t.prompt_tokens + sum(t.completion_tokens.values())
+                for t in list(self.tracked.values())
+            ),
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
-            "waiting_keys": waiting, "max_lora": self.config.max_loras,
+            "waiting_keys": waiting,
+            "max_lora": self.config.max_loras,
         }
 
 
@@ -261,9 +303,19 @@ def write_zero_adapter(model_dir: Path, out: Path) -> Path:
         tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, cfg.hidden_size)
         tensors[f"{prefix}.lora_B.weight"] = torch.zeros(q_out, rank)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj"], "bias": "none",
-        "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM"}))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": rank,
+                "target_modules": ["q_proj"],
+                "bias": "none",
+                "base_model_name_or_path": str(model_dir),
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return out
 
 

@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, ArtifactCorrupt, CapacityExceeded
+from loraplex.cache.errors import (
+    AdapterInFlight,
+    AdapterUnavailable,
+    ArtifactCorrupt,
+    CapacityExceeded,
+)
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
 from loraplex.registry.errors import DigestMismatch, RegistryError
@@ -44,8 +49,15 @@ PROMOTE_FLOOR = 2.0  # short-window requests that put an adapter in tier A (as o
 def lora_int_id(key: AdapterKey) -> int:
     """vLLM's integer id for a key: from a hash of the whole key (digest included), so another revision or other
     bytes never get the id of weights vLLM already holds. 62 bits: a positive int64, never 0."""
-    text = "\0".join((key.base_model_digest, key.name, key.revision, key.adapter_digest,
-                      key.runtime_compat_version))
+    text = "\0".join(
+        (
+            key.base_model_digest,
+            key.name,
+            key.revision,
+            key.adapter_digest,
+            key.runtime_compat_version,
+        )
+    )
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
 
 
@@ -56,7 +68,9 @@ class Resident:
     ref: AdapterRef
     lora_id: int
     refcount: int = 0  # requests in flight: never removed from vLLM while above 0
-    active: int = 0  # of those, the requests handed to vLLM (the others wait for the load or a slot)
+    active: int = (
+        0  # of those, the requests handed to vLLM (the others wait for the load or a slot)
+    )
     last_access: float = 0.0
     loaded_at: float = 0.0
     hits: int = 0
@@ -73,13 +87,25 @@ class VllmResidency:
     """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where they mean the
     same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
 
-    def __init__(self, engine, stage_dir: Path, *, max_loras: int, max_cpu_loras: int,
-                 disk: DiskTier | None = None, policy=None, load_threads: int = 2,
-                 reserved_slots: int = 0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        engine,
+        stage_dir: Path,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        disk: DiskTier | None = None,
+        policy=None,
+        load_threads: int = 2,
+        reserved_slots: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
         self.stage_dir = Path(stage_dir)
         self.max_loras = max_loras
-        self.reserved_slots = reserved_slots  # vLLM's slots pinned outside this table (the zero adapter)
+        self.reserved_slots = (
+            reserved_slots  # vLLM's slots pinned outside this table (the zero adapter)
+        )
         self.max_cpu_loras = max_cpu_loras
         self.disk = disk
         self.policy = policy or LRUPolicy()
@@ -132,28 +158,49 @@ class VllmResidency:
             adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
                 on_disk = self._on_disk(key)  # a file system look per adapter: once
-                tier = ("gpu" if e.vllm_pinned or e.active else "cpu") if e.in_vllm else \
-                    "disk" if on_disk else "remote"
+                tier = (
+                    ("gpu" if e.vllm_pinned or e.active else "cpu")
+                    if e.in_vllm
+                    else "disk"
+                    if on_disk
+                    else "remote"
+                )
                 for t in ("gpu", "cpu", "disk"):  # an adapter in a slot has its host copy too
                     if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and on_disk):
                         copies[t].append(e.nbytes)
-                adapters.append({
-                    "name": key.name, "revision": key.revision, "digest": key.adapter_digest,
-                    "base_model_digest": key.base_model_digest, "tenant": e.ref.tenant, "tier": tier,
-                    "loading": key in self.loading, "bytes": e.nbytes, "pinned": e.pinned,
-                    "in_flight": e.refcount, "hits": e.hits, "loads": e.loads, "evictions": e.evictions,
-                    "last_access_s_ago": round(now - e.last_access, 3),
-                    "demand_5m": round(self.demand.short(key, now), 3),
-                    "warm": "A" if key in preferred else None, "lora_int_id": e.lora_id,
-                })
-            in_slots = sum(1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.active))
+                adapters.append(
+                    {
+                        "name": key.name,
+                        "revision": key.revision,
+                        "digest": key.adapter_digest,
+                        "base_model_digest": key.base_model_digest,
+                        "tenant": e.ref.tenant,
+                        "tier": tier,
+                        "loading": key in self.loading,
+                        "bytes": e.nbytes,
+                        "pinned": e.pinned,
+                        "in_flight": e.refcount,
+                        "hits": e.hits,
+                        "loads": e.loads,
+                        "evictions": e.evictions,
+                        "last_access_s_ago": round(now - e.last_access, 3),
+                        "demand_5m": round(self.demand.short(key, now), 3),
+                        "warm": "A" if key in preferred else None,
+                        "lora_int_id": e.lora_id,
+                    }
+                )
+            in_slots = sum(
+                1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.active)
+            )
             in_host = [e for e in self.entries.values() if e.in_vllm]
             return {
                 "adapters": adapters,
                 "resident": {t: {"count": len(v), "bytes": sum(v)} for t, v in copies.items()},
                 "num_slots": self.max_loras,
                 "free_slots": max(0, self.max_loras - in_slots),
-                "recent_evictions": sum(1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S),
+                "recent_evictions": sum(
+                    1 for t in self.recent_evictions if now - t < THRASH_WINDOW_S
+                ),
                 "cpu_bytes_used": sum(e.nbytes for e in in_host),
                 "cpu_loras_used": len(in_host),
                 "cpu_loras_capacity": self.max_cpu_loras,
@@ -227,11 +274,15 @@ class VllmResidency:
         with self._lock:
             others = [e for k, e in self.entries.items() if e.pinned and k != ref.key]
             if tier == "gpu" and sum(e.pinned == "gpu" for e in others) + 1 > self.max_loras - 1:
-                raise CapacityExceeded(f"cannot pin {ref.key} to gpu: one of {self.max_loras} slots must stay "
-                                       "free for other adapters")
+                raise CapacityExceeded(
+                    f"cannot pin {ref.key} to gpu: one of {self.max_loras} slots must stay "
+                    "free for other adapters"
+                )
             if len(others) + 1 > self.max_cpu_loras - 1:
-                raise CapacityExceeded(f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
-                                       "stay free for loads")
+                raise CapacityExceeded(
+                    f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
+                    "stay free for loads"
+                )
             self._entry(ref).pinned = tier
         self.prewarm(ref, tier)
 
@@ -260,7 +311,9 @@ class VllmResidency:
             if entry is None:
                 return
             if entry.refcount:
-                raise AdapterInFlight(f"{key} has {entry.refcount} request(s) in flight; try again when they end")
+                raise AdapterInFlight(
+                    f"{key} has {entry.refcount} request(s) in flight; try again when they end"
+                )
             entry.pinned = None
         self._schedule(self._remove(key))
 
@@ -283,8 +336,12 @@ class VllmResidency:
         entry = self.entries.get(ref.key)
         if entry is None:
             lora_id = lora_int_id(ref.key)
-            if self._ids.get(lora_id, ref.key) != ref.key:  # a 62-bit collision: refuse rather than mix weights
-                raise AdapterUnavailable(f"{ref.key}: its vLLM id collides with {self._ids[lora_id]}")
+            if (
+                self._ids.get(lora_id, ref.key) != ref.key
+            ):  # a 62-bit collision: refuse rather than mix weights
+                raise AdapterUnavailable(
+                    f"{ref.key}: its vLLM id collides with {self._ids[lora_id]}"
+                )
             self._ids[lora_id] = ref.key
             entry = self.entries[ref.key] = Resident(ref, lora_id)
         return entry
@@ -324,9 +381,13 @@ class VllmResidency:
             nbytes, stages = await loop.run_in_executor(self._executor, self._stage, ref)
         except (DigestMismatch, RegistryError, OSError) as exc:
             error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
-            self.on_event("load_failed", {"error": type(error).__name__, "key": ref.key, "exception": error})
-            raise AdapterUnavailable(f"adapter {ref.key} could not be loaded: {error}",
-                                     f"adapter {ref.key} could not be loaded") from None
+            self.on_event(
+                "load_failed", {"error": type(error).__name__, "key": ref.key, "exception": error}
+            )
+            raise AdapterUnavailable(
+                f"adapter {ref.key} could not be loaded: {error}",
+                f"adapter {ref.key} could not be loaded",
+            ) from None
         entry = self.entries.get(ref.key)
         if entry is None:
             return  # forgotten while it loaded
@@ -337,7 +398,11 @@ class VllmResidency:
                 if self._num_in_vllm() < self.max_cpu_loras or await self._make_room(entry):
                     await self._add(entry)
                     with self._lock:
-                        entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+                        entry.in_vllm, entry.loaded_at, entry.loads = (
+                            True,
+                            self.clock(),
+                            entry.loads + 1,
+                        )
                         if entry.evicted_at is not None:
                             self.reloads_after_eviction += 1
                             self.on_event("reload_after_eviction", {"key": ref.key})
@@ -357,13 +422,21 @@ class VllmResidency:
         try:
             added = await self.engine.add_lora(self._request(entry))
         except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
-            added, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            added, reason = (
+                False,
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            )
         else:
             reason = "add_lora returned False"
         if not added:
-            error = AdapterUnavailable(f"vLLM refused adapter {entry.ref.key}: {reason}",
-                                       f"adapter {entry.ref.key} could not be loaded by the engine")
-            self.on_event("load_failed", {"error": "AdapterRejected", "key": entry.ref.key, "exception": error})
+            error = AdapterUnavailable(
+                f"vLLM refused adapter {entry.ref.key}: {reason}",
+                f"adapter {entry.ref.key} could not be loaded by the engine",
+            )
+            self.on_event(
+                "load_failed",
+                {"error": "AdapterRejected", "key": entry.ref.key, "exception": error},
+            )
             raise error
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
@@ -382,12 +455,16 @@ class VllmResidency:
             files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
             stages["disk"] = time.perf_counter() - start
         elif self.disk is not None and ref.storage_uri:
-            files, download_s = self.disk.read(ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces)
+            files, download_s = self.disk.read(
+                ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
+            )
             if download_s is not None:
                 stages["download"] = download_s
             stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
         else:
-            raise RegistryError(f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier")
+            raise RegistryError(
+                f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
+            )
         work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -408,11 +485,16 @@ class VllmResidency:
         now = self.clock()
         with self._lock:
             preferred = set(self._gpu_preferred(now))
-            candidates = [self._candidate(k, e, now, preferred) for k, e in self.entries.items()
-                          if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned]
+            candidates = [
+                self._candidate(k, e, now, preferred)
+                for k, e in self.entries.items()
+                if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned
+            ]
             incoming_c = self._candidate(incoming.ref.key, incoming, now, preferred)
             victim = self.policy.choose_victim(candidates, now, incoming_c)
-            if victim is None and candidates:  # protected by the policy, but a request waits: the oldest goes
+            if (
+                victim is None and candidates
+            ):  # protected by the policy, but a request waits: the oldest goes
                 victim = min(candidates, key=lambda c: c.last_access).key
         if victim is None:
             return False
@@ -420,8 +502,17 @@ class VllmResidency:
         return True
 
     def _candidate(self, key: AdapterKey, e: Resident, now: float, preferred: set) -> Candidate:
-        return Candidate(key, e.nbytes, e.last_access, e.loaded_at, self.demand.short(key, now), e.ref.tenant,
-                         e.ref.priority, 0.0, key in preferred)
+        return Candidate(
+            key,
+            e.nbytes,
+            e.last_access,
+            e.loaded_at,
+            self.demand.short(key, now),
+            e.ref.tenant,
+            e.ref.priority,
+            0.0,
+            key in preferred,
+        )
 
     async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
         if not locked:
@@ -450,10 +541,15 @@ class VllmResidency:
         own LRU keeps adapters that busy in their slots."""
         with self._lock:
             gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
-            wanted = gpu_pins[:max(0, self.max_loras - 1)]
-            to_pin = [k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned]
-            to_unpin = [k for k, e in self.entries.items()
-                        if e.vllm_pinned and k not in wanted and not e.refcount]
+            wanted = gpu_pins[: max(0, self.max_loras - 1)]
+            to_pin = [
+                k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
+            ]
+            to_unpin = [
+                k
+                for k, e in self.entries.items()
+                if e.vllm_pinned and k not in wanted and not e.refcount
+            ]
         if not (to_pin or to_unpin):
             return
         async with self._vllm_lock:
@@ -467,7 +563,11 @@ class VllmResidency:
                     entry.in_vllm = True
             for key in to_pin:
                 entry = self.entries.get(key)
-                if entry is not None and entry.in_vllm and await self.engine.pin_lora(entry.lora_id):
+                if (
+                    entry is not None
+                    and entry.in_vllm
+                    and await self.engine.pin_lora(entry.lora_id)
+                ):
                     entry.vllm_pinned = True
 
     def _on_disk(self, key: AdapterKey) -> bool:
