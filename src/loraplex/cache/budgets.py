@@ -40,6 +40,8 @@ The API, as an engine uses it (tiers are "gpu", counted in slots, and "cpu", cou
 - `defers(waited_s)`: whether a request waiting for its budget since `waited_s` ago still lets
   other tenants' waiting requests go first.
 - `report(used)`: per tenant and tier, usage against budget, for display.
+- `tenant_rows(budgets, used, waits)`: the `tenants` block of `/admin/state` (and the per-tenant
+  gauges), from an engine's per-tier counts and bytes: one shape on every engine.
 """
 
 from __future__ import annotations
@@ -205,3 +207,37 @@ class TenantBudgets:
             }
             for t in names
         }
+
+
+def tenant_rows(
+    budgets: TenantBudgets,
+    used: Mapping[str, Mapping[str, Mapping[str, int]]],
+    waits: Mapping[str, int],
+) -> dict[str, dict]:
+    """Per tenant (with a budget, usage or budget waits): its slots and host bytes against its
+    budget, and its budget waits. `used`: per tier (gpu, cpu), per tenant, {"count", "bytes"} of
+    what is charged to it there."""
+    gpu, cpu = used.get("gpu", {}), used.get("cpu", {})
+    report = budgets.report(
+        {
+            "gpu": {t: r["count"] for t, r in gpu.items()},
+            "cpu": {t: r["bytes"] for t, r in cpu.items()},
+        }
+    )
+    for t in waits:
+        report.setdefault(
+            t, {tier: {"used": 0, "budget": budgets.limit(t, tier)} for tier in TIERS}
+        )
+    for t, row in report.items():
+        row["gpu"] = {
+            "slots": row["gpu"]["used"],
+            "max_slots": row["gpu"]["budget"],
+            "bytes": gpu.get(t, {}).get("bytes", 0),
+        }
+        row["cpu"] = {
+            "bytes": row["cpu"]["used"],
+            "max_bytes": row["cpu"]["budget"],
+            "count": cpu.get(t, {}).get("count", 0),
+        }
+        row["budget_waits"] = waits.get(t, 0)
+    return report

@@ -1,6 +1,8 @@
-"""The admin API under /admin/ (bearer admin token), and vLLM's load/unload endpoints behind the same token.
+"""The admin API under /admin/ (bearer admin token), and vLLM's load/unload endpoints behind the
+same token.
 
-Registry changes run in a worker thread (they are blocking database calls); cache operations are quick.
+Registry changes run in a worker thread (they are blocking database calls); cache operations are
+quick.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class RevisionBody(_Body):
 
 
 class BudgetBody(_Body):
-    """The fields given are set (null clears one: the server's default share); those left out stay."""
+    """The fields given are set (null clears one: the server's default share); those left out
+    stay."""
 
     max_gpu_slots: int | None = None
     max_cpu_bytes: int | str | None = None
@@ -96,8 +99,9 @@ class UnloadLoraBody(BaseModel):
 
 def router(token: str) -> APIRouter:
     class AdminRoute(APIRoute):
-        """Checks the admin token before anything else: FastAPI reads and parses a route's body before it runs the
-        route's dependencies, so a check there let anyone make the server buffer a body of any size."""
+        """Checks the admin token before anything else: FastAPI reads and parses a route's body
+        before it runs the route's dependencies, so a check there let anyone make the server buffer
+        a body of any size."""
 
         def get_route_handler(self):
             handler = super().get_route_handler()
@@ -130,7 +134,7 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-# ---- reading ------------------------------------------------------------------------------------------
+# ---- reading -------------------------------------------------------------------------------------
 
 
 async def state(request: Request) -> dict:
@@ -144,8 +148,8 @@ async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
     server = _server(request)
     cache = server.engine.adapters
     capacity = {
-        "max_gpu_slots": (len(cache.slots), "slots"),
-        "max_cpu_bytes": (cache.cpu_bytes, "bytes"),
+        "max_gpu_slots": (cache.budgets.gpu_slots, "slots"),
+        "max_cpu_bytes": (cache.budgets.cpu_bytes, "bytes"),
     }
     budget = {}
     for field_name in sorted(body.model_fields_set):
@@ -186,11 +190,12 @@ async def show(name: str, request: Request) -> dict:
     return {**adapter.to_dict(), "residency": resident}
 
 
-# ---- registry changes ---------------------------------------------------------------------------------
+# ---- registry changes ----------------------------------------------------------------------------
 
 
 async def register(body: RegisterBody, request: Request) -> dict:
-    """From a directory inside the allowed roots, or a storage URI (with its digest) under an allowed prefix."""
+    """From a directory inside the allowed roots, or a storage URI (with its digest) under an
+    allowed prefix."""
     server = _server(request)
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
@@ -224,7 +229,8 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
 
 
 def _allowed_dir(server: Server, path: str) -> Path:
-    """The directory, if it and every artifact file in it (symlinks followed) lie inside an allowed root."""
+    """The directory, if it and every artifact file in it (symlinks followed) lie inside an allowed
+    root."""
     src = Path(path)
     if not src.is_absolute():
         raise UnsafeLocation(f"{path}: give an absolute path")
@@ -288,7 +294,7 @@ async def _complete(server: Server, ref, prompt: str) -> str:
     return "".join([out.text async for out in server.async_engine.generate(ids, params, ref)])
 
 
-# ---- cache operations -------------------------------------------------------------------------------
+# ---- cache operations ----------------------------------------------------------------------------
 
 
 async def _records(server: Server, name: str, revision: str | None) -> list[RevisionRecord]:
@@ -335,8 +341,9 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         raise
     pending = []
     if body.tier == "cpu":
-        # An adapter never loaded has no known size: its cpu pin is checked when the load lands. Wait for that, so
-        # that a pin the budget cannot hold is refused here rather than dropped later with only a log line.
+        # An adapter never loaded has no known size: its cpu pin is checked when the load lands.
+        # Wait for that, so that a pin the budget cannot hold is refused here rather than dropped
+        # later with only a log line.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PIN_LOAD_WAIT_S
         while any(cache.is_loading(r.key) for r in refs) and loop.time() < deadline:
@@ -347,8 +354,8 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
             undo()
             raise APIError(
                 409,
-                f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
-                "adapters would exceed cpu_cache_bytes",
+                f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, "
+                "pinned adapters would exceed cpu_cache_bytes",
                 "capacity_exceeded",
             )
         failed = [r for r in landed if not cache.in_host_memory(r.key)]
@@ -415,11 +422,12 @@ async def _forget(server: Server, key: AdapterKey, attempts: int = 100) -> None:
     server.engine.adapters.forget(key)
 
 
-# ---- vLLM's dynamic LoRA endpoints --------------------------------------------------------------------
+# ---- vLLM's dynamic LoRA endpoints ---------------------------------------------------------------
 
 
 async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextResponse:
-    """Register a directory inside the allowed roots as a shared adapter serving all of its name's traffic."""
+    """Register a directory inside the allowed roots as a shared adapter serving all of its name's
+    traffic."""
     server = _server(request)
     await run_in_threadpool(_load, server, body)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -459,7 +467,8 @@ def _load(server: Server, body: LoadLoraBody) -> None:
 
 
 async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTextResponse:
-    """Drain: new requests get 404 at once, those in flight finish; then the adapter leaves traffic and memory."""
+    """Drain: new requests get 404 at once, those in flight finish; then the adapter leaves traffic
+    and memory."""
     server = _server(request)
     name = body.lora_name
     try:

@@ -1,5 +1,5 @@
-"""`loraplex serve`: build the registry, the engine and the app from the command line's options, and run
-uvicorn (one port, or two with the admin API on its own) with a graceful SIGTERM."""
+"""`loraplex serve`: build the registry, the engine and the app from the command line's options, and
+run uvicorn (one port, or two with the admin API on its own) with a graceful SIGTERM."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class StartupError(Exception):
-    """A bad option or input found before serving; the message is the one line printed (exit code 2)."""
+    """A bad option or input found before serving; the message is the one line printed (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class ServeOptions:
     max_requests_per_tenant: int = 256
     max_waiting: int = 512
     tenant_gpu_share: float = 1.0
-    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of the
-    slots."""
+    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of
+    the slots."""
     tenant_cpu_share: float = 1.0
     """... and of the host-memory cache."""
     max_prompt_tokens: int | None = None
@@ -191,7 +191,8 @@ def parse_lora_module(text: str) -> tuple[str, Path]:
 
 
 def read_option_file(read: Callable[[Path], T], path: Path | None, flag: str) -> T | None:
-    """`read(path)` for a file option (None without one); what is wrong with the file as a StartupError."""
+    """`read(path)` for a file option (None without one); what is wrong with the file as a
+    StartupError."""
     if path is None:
         return None
     try:
@@ -269,7 +270,8 @@ def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
 
 
 def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], ...]) -> None:
-    """Each `--lora-modules` adapter as a shared, stable revision (validated against the base model first)."""
+    """Each `--lora-modules` adapter as a shared, stable revision (validated against the base model
+    first)."""
     for name, path in modules:
         try:
             try:
@@ -440,6 +442,11 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
             "use --max-cpu-loras"
         )
+    if options.tenant_cpu_share < 1.0:
+        raise StartupError(
+            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not bytes; "
+            "give tenants a host budget in bytes (loraplex registry tenant set T --max-cpu-bytes)"
+        )
     try:
         from loraplex.engines.vllm.engine import (
             VllmConfig,
@@ -483,6 +490,7 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             allowed_roots=tuple(roots),
             base_as_zero_adapter=o.base_as_zero_adapter,
             vllm_args=(*shared, *o.vllm_args),
+            tenant_gpu_share=o.tenant_gpu_share,
             **sizes,
         )
         return VllmEngine(config)
@@ -527,12 +535,13 @@ def flag_message(message: str) -> str:
     return message
 
 
-# ---- running -------------------------------------------------------------------------------------------
+# ---- running -------------------------------------------------------------------------------------
 
 
 class _Uvicorn(uvicorn.Server):
-    """Calls `on_exit` when a signal asks to stop (stop admitting), and exits 0 after a graceful shutdown
-    (uvicorn would raise the signal again); `handles_signals=False` for a second server in the process."""
+    """Calls `on_exit` when a signal asks to stop (stop admitting), and exits 0 after a graceful
+    shutdown (uvicorn would raise the signal again); `handles_signals=False` for a second server in
+    the process."""
 
     def __init__(self, config: uvicorn.Config, on_exit=None, handles_signals: bool = True):
         super().__init__(config)
@@ -558,8 +567,8 @@ class _Uvicorn(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (connections queue from now on, before the app has started)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it every
-    # response's second write waits for the client's delayed ACK (about 40 ms).
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without
+    # it every response's second write waits for the client's delayed ACK (about 40 ms).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -1,6 +1,7 @@
-"""`POST /v1/completions` and `POST /v1/chat/completions` on the vLLM engine: loraplex's tenancy, resolution,
-admission and residency in front, vLLM's OpenAI serving layer for the request itself (so every parameter vLLM
-serves works: n, best_of, min_p, echo, response_format, tools, logprobs, ...)."""
+"""`POST /v1/completions` and `POST /v1/chat/completions` on the vLLM engine: loraplex's tenancy,
+resolution, admission and residency in front, vLLM's OpenAI serving layer for the request itself (so
+every parameter vLLM serves works: n, best_of, min_p, echo, response_format, tools, logprobs,
+...)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
 
     def finish() -> None:
         if held is not None:
-            engine.adapters.release(target.ref.key)
+            engine.adapters.release(target.ref.key, target.ref.tenant)
         ticket.close()
         server.resolver.finished(target)
         _record(ctx, engine.untrack(our_id))
@@ -124,8 +125,9 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _renamed(events, served: str, asked: str, ctx: RequestContext):
-    """vLLM's server-sent events with `model` as the client named it (vLLM writes compact JSON, so the field is
-    replaced as text, without parsing each token's chunk); an error event recorded as the status."""
+    """vLLM's server-sent events with `model` as the client named it (vLLM writes compact JSON, so
+    the field is replaced as text, without parsing each token's chunk); an error event recorded as
+    the status."""
     theirs, ours = f'"model":{json.dumps(served)}', f'"model":{json.dumps(asked)}'
     async for event in events:
         if event.startswith('data: {"error"'):

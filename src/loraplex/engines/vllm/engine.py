@@ -1,5 +1,6 @@
-"""`serve --engine vllm`: vLLM's AsyncLLM in this process (its engine core in a process of its own), vLLM's
-OpenAI serving layer for the request surface, and loraplex's residency deciding which adapters vLLM holds."""
+"""`serve --engine vllm`: vLLM's AsyncLLM in this process (its engine core in a process of its own),
+vLLM's OpenAI serving layer for the request surface, and loraplex's residency deciding which
+adapters vLLM holds."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
-from loraplex.engines.vllm.residency import VllmResidency
+from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
 from loraplex.registry.store import AllowList
 
@@ -26,7 +28,8 @@ ZERO_ADAPTER_ID = 1 << 62  # outside lora_int_id's 62 bits
 
 
 class VllmStartError(Exception):
-    """vLLM could not start (missing package, bad option, no memory); the message is the one line printed."""
+    """vLLM could not start (missing package, bad option, no memory); the message is the line
+    printed."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,12 @@ class VllmConfig:
     disk_cache_bytes: int = 20 * 2**30
     allowed_roots: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
-    """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU backend, whose mixed
-    base/LoRA batches give base rows another row's LoRA)."""
+    """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU
+    backend, whose mixed base/LoRA batches give base rows another row's LoRA)."""
     vllm_args: tuple[str, ...] = ()
     """Further vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
+    tenant_gpu_share: float = 1.0
+    """Default budget of a tenant without its own: this share of the slots (1.0: no limit)."""
 
     @property
     def host_cache_size(self) -> int:
@@ -95,6 +100,9 @@ class VllmEngine:
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
             policy=make_policy(config.eviction_policy),
+            budgets=TenantBudgets(
+                config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share
+            ),
         )
         self.serving_completion = self.serving_chat = self.models = None
 
@@ -152,8 +160,8 @@ class VllmEngine:
         engine = self
 
         class LoraplexAsyncLLM(AsyncLLM):
-            """AsyncLLM whose generate records each request's first token and counts, and carries base requests
-            as the zero adapter when that is on."""
+            """AsyncLLM whose generate records each request's first token and counts, and carries
+            base requests as the zero adapter when that is on."""
 
             async def generate(
                 self, prompt, sampling_params, request_id, *args, lora_request=None, **kwargs
@@ -200,7 +208,8 @@ class VllmEngine:
         return Figures
 
     async def start(self) -> None:
-        """On the server's loop: the serving layer (vLLM's OpenAI request handling), the zero adapter."""
+        """On the server's loop: the serving layer (vLLM's OpenAI request handling), the zero
+        adapter."""
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
@@ -239,7 +248,7 @@ class VllmEngine:
         return self.tracked.pop(request_id, None)
 
     def serve_as(self, name: str, lora_request) -> None:
-        """Make `name` a model of vLLM's serving layer, meaning exactly this adapter key's request."""
+        """Make `name` a model of vLLM's serving layer, meaning exactly this key's request."""
         self.models.lora_requests[name] = lora_request
 
     async def complete_text(self, prompt: str, ref, max_tokens: int = 32) -> str:
@@ -254,7 +263,7 @@ class VllmEngine:
                 text = out.outputs[0].text
             return text
         finally:
-            self.adapters.release(ref.key)
+            self.adapters.release(ref.key, ref.tenant)
 
     def live_figures(self) -> dict:
         cache = self.adapters.state()
@@ -325,5 +334,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 def cpu_env_defaults() -> None:
-    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); 1 unless the operator set it."""
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); 1 unless the
+    operator set it."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

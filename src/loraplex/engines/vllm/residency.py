@@ -1,31 +1,42 @@
-"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned set.
+"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned
+set.
 
-vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts the least
-recently used unpinned one when it must. Here loraplex makes those choices first: it stages each artifact into a
-private, digest-verified directory (the bytes vLLM reads), adds it ahead of traffic (prewarm, warm policies),
-removes its own policy's victim before vLLM's LRU would pick one, never removes an adapter with requests in
-flight, pins (`pin_lora`) the operator's gpu pins, and hands vLLM no more distinct unpinned adapters at once
-than it has unpinned slots. vLLM still orders the unpinned adapters in its device slots.
+vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
+the least recently used unpinned one when it must. Here loraplex makes those choices first: it
+stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it ahead
+of traffic (prewarm, warm policies), removes its own policy's victim before vLLM's LRU would pick
+one, never removes an adapter with requests in flight, pins (`pin_lora`) the operator's gpu pins,
+and hands vLLM no more distinct unpinned adapters at once than it has unpinned slots. vLLM still
+orders the unpinned adapters in its device slots.
 
-The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry watcher):
-every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the server's loop.
+Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
+counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
+adapters in vLLM's host cache. A tenant beyond its gpu budget leaves a free slot to other tenants'
+waiting requests (for a bounded time); one beyond its host budget pushes out only its own adapters.
+
+The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry
+watcher): every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the
+server's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import shutil
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplex.cache.budgets import TenantBudgets, charged, tenant_rows, usage
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import (
     AdapterInFlight,
@@ -44,11 +55,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 THRASH_WINDOW_S = 60.0
 PROMOTE_FLOOR = 2.0  # short-window requests that put an adapter in tier A (as on the native engine)
+# vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
+# tenant's host-bytes budget.
+HOST_BYTES_UNBOUNDED = sys.maxsize
 
 
 def lora_int_id(key: AdapterKey) -> int:
-    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another revision or other
-    bytes never get the id of weights vLLM already holds. 62 bits: a positive int64, never 0."""
+    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another
+    revision or other bytes never get the id of weights vLLM already holds. 62 bits: a positive
+    int64, never 0."""
     text = "\0".join(
         (
             key.base_model_digest,
@@ -81,11 +96,26 @@ class Resident:
     in_vllm: bool = False  # added to vLLM's host cache
     vllm_pinned: bool = False  # pin_lora'd: kept in a device slot by vLLM
     evicted_at: float | None = None
+    users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests handed to vLLM
+    last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
+
+    def __post_init__(self):
+        self.last_tenant = self.last_tenant or self.ref.tenant
+
+    @property
+    def in_slot(self) -> bool:
+        """Holding one of vLLM's device slots as loraplex counts them: pinned, or running."""
+        return self.in_vllm and (self.vllm_pinned or self.active > 0)
+
+    @property
+    def charged(self) -> frozenset[str]:
+        """The tenants its residency counts for (`budgets.charged`)."""
+        return charged(self.users, self.last_tenant)
 
 
 class VllmResidency:
-    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where they mean the
-    same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
+    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where
+    they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
 
     def __init__(
         self,
@@ -96,6 +126,7 @@ class VllmResidency:
         max_cpu_loras: int,
         disk: DiskTier | None = None,
         policy=None,
+        budgets: TenantBudgets | None = None,
         load_threads: int = 2,
         reserved_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -109,6 +140,10 @@ class VllmResidency:
         self.max_cpu_loras = max_cpu_loras
         self.disk = disk
         self.policy = policy or LRUPolicy()
+        self.budgets = budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED)
+        self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
+        self._slot_waiting: dict[str, int] = {}  # per tenant, its requests waiting for a slot
+        self._host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
         self.clock = clock
         self.entries: dict[AdapterKey, Resident] = {}
         self.loading: dict[AdapterKey, asyncio.Future] = {}
@@ -130,7 +165,7 @@ class VllmResidency:
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def tier_of(self, key: AdapterKey) -> str:
-        """gpu when pinned or running in vLLM, cpu when in vLLM's host cache, else where its bytes are."""
+        """gpu when pinned or running in vLLM, cpu in vLLM's host cache, else disk or remote."""
         with self._lock:
             entry = self.entries.get(key)
             if entry is not None and entry.in_vllm:
@@ -205,11 +240,12 @@ class VllmResidency:
                 "cpu_loras_used": len(in_host),
                 "cpu_loras_capacity": self.max_cpu_loras,
                 "thrash_ratio": self.thrash_ratio(),
+                "tenants": self.budget_state(),
             }
 
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:
-        """Count one request's demand; the tier it finds its adapter in (a hit or miss event too)."""
+        """Count one request's demand; the tier it finds its adapter in (also a hit or miss)."""
         with self._lock:
             self._entry(ref)
             self.demand.record(ref.key, self.clock())
@@ -218,38 +254,66 @@ class VllmResidency:
         return tier
 
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
-        """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads it first
-        when needed. Raises AdapterUnavailable when its bytes cannot be had."""
+        """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
+        it first when needed. Raises AdapterUnavailable when its bytes cannot be had."""
+        tenant = ref.tenant
         with self._lock:
             entry = self._entry(ref)
             entry.refcount += 1
             entry.last_access = self.clock()
+            if not entry.in_vllm and ref.key not in self.loading:
+                entry.last_tenant = tenant  # its host copy counts for the tenant whose load it is
         try:
             while not entry.in_vllm:
                 await self._load(ref)
+            self._host_waiting.discard(ref.key)
             await self._follow_demand()
-            while not self._has_slot(entry):  # as loads land and requests end, a slot frees
-                self._room.clear()
-                await self._room.wait()
+            await self._wait_for_slot(entry, tenant)
         except BaseException:
-            self._unref(entry, active=False)
+            self._unref(entry, None)
             raise
         with self._lock:
             entry.hits += 1
             entry.active += 1
+            entry.users[tenant] = entry.users.get(tenant, 0) + 1
+            entry.last_tenant = tenant
         return self._request(entry)
 
-    def release(self, key: AdapterKey) -> None:
-        """A request handed to vLLM by `acquire` ended."""
+    def release(self, key: AdapterKey, tenant: str | None = None) -> None:
+        """A request of `tenant` handed to vLLM by `acquire` ended (None: any tenant's)."""
         entry = self.entries.get(key)
         if entry is not None:
-            self._unref(entry, active=True)
+            holder = tenant if entry.users.get(tenant) else next(iter(entry.users), "")
+            self._unref(entry, holder)
+
+    async def _wait_for_slot(self, entry: Resident, tenant: str) -> None:
+        """Until a request of `tenant` for `entry` may go to vLLM: as loads land and requests end, a
+        slot frees (`_has_slot`). A tenant beyond its gpu budget leaves a free slot to other
+        tenants' waiting requests for up to the budgets' `yield_s` (`_yields_slot`)."""
+        deferred_at = None
+        self._slot_waiting[tenant] = self._slot_waiting.get(tenant, 0) + 1
+        try:
+            while True:
+                if self._has_slot(entry):
+                    if not self._yields_slot(entry, tenant, deferred_at):
+                        return
+                    if deferred_at is None:
+                        deferred_at = self.clock()
+                        self._count_budget_wait(tenant, entry.ref.key)
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), self._defer_left(deferred_at))
+        finally:
+            self._slot_waiting[tenant] -= 1
+            if not self._slot_waiting[tenant]:
+                del self._slot_waiting[tenant]
 
     def _has_slot(self, entry: Resident) -> bool:
-        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot count of
-        distinct adapters into a batch without counting the pinned slots that adapters outside the batch
-        hold; a batch with more unpinned adapters than unpinned slots fails in its worker. So the distinct
-        unpinned adapters with requests in vLLM stay within the unpinned slots."""
+        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot
+        count of distinct adapters into a batch without counting the pinned slots that adapters
+        outside the batch hold; a batch with more unpinned adapters than unpinned slots fails in its
+        worker. So the distinct unpinned adapters with requests in vLLM stay within the unpinned
+        slots."""
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
@@ -257,18 +321,25 @@ class VllmResidency:
             busy = sum(1 for e in self.entries.values() if e.active and not e.vllm_pinned)
         return busy < self.max_loras - pinned
 
-    def _unref(self, entry: Resident, active: bool) -> None:
+    def _unref(self, entry: Resident, holder: str | None) -> None:
+        """Drop a request's reference; `holder`: the tenant whose request vLLM ran (None: one that
+        never reached vLLM)."""
         with self._lock:
             entry.refcount = max(0, entry.refcount - 1)
-            if active:
+            if holder is not None:
                 entry.active = max(0, entry.active - 1)
+                if entry.users.get(holder, 0) > 1:
+                    entry.users[holder] -= 1
+                else:
+                    entry.users.pop(holder, None)
             entry.last_access = self.clock()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
 
     # -- operator calls (any thread) ---------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
-        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until unpinned."""
+        """Keep the adapter in vLLM until unpinned (gpu: pinned in a device slot; cpu: in its host
+        cache)."""
         if tier not in ("gpu", "cpu"):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
@@ -299,7 +370,8 @@ class VllmResidency:
         self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
-        """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and it is pinned)."""
+        """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and
+        it is pinned)."""
         with self._lock:
             self._entry(ref).last_access = self.clock()
         self._schedule(self._prewarm(ref))
@@ -331,6 +403,74 @@ class VllmResidency:
         if self.disk is not None:
             self.disk.close()
 
+    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ------------------
+    def set_budgets(self, budgets: TenantBudgets) -> None:
+        """New budgets (from the registry): they apply from the next placement on; nothing is
+        removed for them. Waiting requests look again."""
+        with self._lock:
+            self.budgets = budgets
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._room.set)
+
+    def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per tier (gpu: the slots `_has_slot` counts; cpu: vLLM's host cache), per tenant:
+        {"count", "bytes"} of what is charged to it there."""
+        with self._lock:
+            out: dict[str, dict[str, dict[str, int]]] = {"gpu": {}, "cpu": {}}
+            for e in self.entries.values():
+                tiers = ("gpu", "cpu") if e.in_slot else ("cpu",) if e.in_vllm else ()
+                for tier in tiers:
+                    for t in e.charged:
+                        row = out[tier].setdefault(t, {"count": 0, "bytes": 0})
+                        row["count"] += 1
+                        row["bytes"] += e.nbytes
+            return out
+
+    def budget_state(self) -> dict[str, dict]:
+        """Per tenant: slots and host bytes used against its budget, and its budget waits."""
+        with self._lock:
+            return tenant_rows(self.budgets, self.tenant_usage(), self.budget_waits)
+
+    def _slot_usage(self) -> dict[str, int]:
+        return usage((e.charged, 1) for e in self.entries.values() if e.in_slot)
+
+    def _host_usage(self) -> dict[str, int]:
+        return usage((e.charged, e.nbytes) for e in self.entries.values() if e.in_vllm)
+
+    def _yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
+        """Whether a request of `tenant` that needs a slot of its own leaves a free one to another
+        tenant's waiting request: its tenant is beyond its gpu budget, and it has not yet deferred
+        for the budgets' `yield_s` (`TenantBudgets.defers`). Free capacity is anyone's only while
+        no one else wants it."""
+        budgets = self.budgets
+        if entry.in_slot or not budgets.limits_anyone:
+            return False
+        if not any(n for t, n in self._slot_waiting.items() if t != tenant):
+            return False
+        if deferred_at is not None and not budgets.defers(self.clock() - deferred_at):
+            return False
+        with self._lock:
+            return budgets.is_over(tenant, "gpu", self._slot_usage(), 1)
+
+    def _defer_left(self, deferred_at: float | None) -> float | None:
+        """Seconds a deferring request still lets others go first (None: it does not)."""
+        if deferred_at is None:
+            return None
+        left = self.budgets.yield_s - (self.clock() - deferred_at)
+        return left if left > 0 else None
+
+    def _host_budget_victims(self, incoming: Resident, keys: list[AdapterKey]) -> list[AdapterKey]:
+        """Of the removable adapters `keys`, those that the load of `incoming` may push out of
+        vLLM's host cache for the tenant whose load it is: beyond its budget, only its own."""
+        entries = self.entries
+        pairs = [(k, entries[k].charged) for k in keys]
+        need = max(incoming.nbytes, 1)
+        return self.budgets.victims("cpu", incoming.last_tenant, self._host_usage(), need, pairs)
+
+    def _count_budget_wait(self, tenant: str, key: AdapterKey) -> None:
+        self.budget_waits[tenant] = self.budget_waits.get(tenant, 0) + 1
+        self.on_event("budget_wait", {"tenant": tenant, "key": key})
+
     # -- internals -------------------------------------------------------------------------------
     def _entry(self, ref: AdapterRef) -> Resident:
         entry = self.entries.get(ref.key)
@@ -352,7 +492,8 @@ class VllmResidency:
         return LoRARequest(str(entry.ref.key), entry.lora_id, str(self._staged(entry.ref.key)))
 
     def _schedule(self, coro: Coroutine) -> None:
-        """Run `coro` on the server's loop, from that loop or any other thread; errors are logged."""
+        """Run `coro` on the server's loop, from that loop or any other thread; errors are
+        logged."""
         if self.loop is None:
             coro.close()
             return
@@ -368,7 +509,8 @@ class VllmResidency:
         await self._follow_demand()
 
     async def _load(self, ref: AdapterRef) -> None:
-        """Stage (verify) and add to vLLM; one load per key at a time, shared by its waiting requests."""
+        """Stage (verify) and add to vLLM; one load per key at a time, shared by its waiting
+        requests."""
         future = self.loading.get(ref.key)
         if future is None:
             future = self.loading[ref.key] = asyncio.ensure_future(self._stage_and_add(ref))
@@ -418,7 +560,8 @@ class VllmResidency:
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
 
     async def _add(self, entry: Resident) -> None:
-        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails alone."""
+        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails
+        alone."""
         try:
             added = await self.engine.add_lora(self._request(entry))
         except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
@@ -440,8 +583,9 @@ class VllmResidency:
             raise error
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
-        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what vLLM reads);
-        a staged copy is checked again before each add, so a file changed there is never served."""
+        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
+        vLLM reads); a staged copy is checked again before each add, so a file changed there is
+        never served."""
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
@@ -481,15 +625,23 @@ class VllmResidency:
         return sum(1 for e in self.entries.values() if e.in_vllm)
 
     async def _make_room(self, incoming: Resident) -> bool:
-        """Remove the policy's victim among the removable adapters; False when none can go now."""
+        """Remove the policy's victim among the removable adapters that the load's tenant may push
+        out (`_host_budget_victims`); False when none can go now."""
         now = self.clock()
         with self._lock:
             preferred = set(self._gpu_preferred(now))
-            candidates = [
-                self._candidate(k, e, now, preferred)
-                for k, e in self.entries.items()
+            entries = self.entries
+            removable = [
+                k
+                for k, e in entries.items()
                 if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned
             ]
+            if removable and self.budgets.limits_anyone and not incoming.pinned:
+                removable = self._host_budget_victims(incoming, removable)
+                if not removable and incoming.ref.key not in self._host_waiting:
+                    self._host_waiting.add(incoming.ref.key)  # counted once per wait
+                    self._count_budget_wait(incoming.last_tenant, incoming.ref.key)
+            candidates = [self._candidate(k, entries[k], now, preferred) for k in removable]
             incoming_c = self._candidate(incoming.ref.key, incoming, now, preferred)
             victim = self.policy.choose_victim(candidates, now, incoming_c)
             if (
@@ -498,6 +650,7 @@ class VllmResidency:
                 victim = min(candidates, key=lambda c: c.last_access).key
         if victim is None:
             return False
+        self._host_waiting.discard(incoming.ref.key)
         await self._remove(victim, locked=True)
         return True
 
@@ -531,14 +684,15 @@ class VllmResidency:
         self.on_event("eviction", {"tier": "cpu"})
 
     def _gpu_preferred(self, now: float) -> list[AdapterKey]:
-        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM has."""
+        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM
+        has."""
         return self.demand.top(now, 0, PROMOTE_FLOOR, max(0, self.max_loras - 1))
 
     async def _follow_demand(self) -> None:
-        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is unpinned in
-        vLLM once idle (vLLM has no unpin: it is removed and added again, from its staged copy). The demand's
-        tier A is not pinned: every pinned slot is one fewer for the other adapters (`_has_slot`), and vLLM's
-        own LRU keeps adapters that busy in their slots."""
+        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is
+        unpinned in vLLM once idle (vLLM has no unpin: it is removed and added again, from its
+        staged copy). The demand's tier A is not pinned: every pinned slot is one fewer for the
+        other adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
         with self._lock:
             gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
             wanted = gpu_pins[: max(0, self.max_loras - 1)]
