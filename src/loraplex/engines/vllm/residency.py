@@ -439,18 +439,22 @@ class VllmResidency:
 
     def _yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
         """Whether a request of `tenant` that needs a slot of its own leaves a free one to another
-        tenant's waiting request: its tenant is beyond its gpu budget, and it has not yet deferred
-        for the budgets' `yield_s` (`TenantBudgets.defers`). Free capacity is anyone's only while
-        no one else wants it."""
+        tenant's waiting request: its tenant is beyond its gpu budget, the other's is not, and it
+        has not yet deferred for the budgets' `yield_s` (`TenantBudgets.defers`). Free capacity is
+        anyone's only while no one else wants it."""
         budgets = self.budgets
         if entry.in_slot or not budgets.limits_anyone:
             return False
-        if not any(n for t, n in self._slot_waiting.items() if t != tenant):
+        others = [t for t, n in self._slot_waiting.items() if n and t != tenant]
+        if not others:
             return False
         if deferred_at is not None and not budgets.defers(self.clock() - deferred_at):
             return False
         with self._lock:
-            return budgets.is_over(tenant, "gpu", self._slot_usage(), 1)
+            used = self._slot_usage()
+        return budgets.is_over(tenant, "gpu", used, 1) and any(
+            not budgets.is_over(t, "gpu", used, 1) for t in others
+        )
 
     def _defer_left(self, deferred_at: float | None) -> float | None:
         """Seconds a deferring request still lets others go first (None: it does not)."""
