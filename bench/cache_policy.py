@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from adapter_load import write_adapter
 from shaped_store import ShapedHandler, shaped_store_process
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
 from loraplex.model_config import ModelConfig
-from loraplex.registry.store import ArtifactStore
 
 RANKS = (8, 16, 32, 64)
 CONTROLS = ("no-burst", "burst-compute", "shift-control")

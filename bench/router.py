@@ -37,10 +37,10 @@ from adapter_load import write_adapter
 from cache_policy import build_model
 from shaped_store import ShapedHandler, serve_shaped
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.bench.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig
 from loraplex.registry import Registry
-from loraplex.registry.store import ArtifactStore
 
 POLICIES = ("round-robin", "least-loaded", "pure-affinity", "affinity")
 

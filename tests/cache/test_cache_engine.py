@@ -5,13 +5,13 @@ import shutil
 import pytest
 from ports import held
 
+from loraplex.artifacts import ArtifactStore, digest_and_pieces, serve_store
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry.store import ArtifactStore, digest_and_pieces, serve_store
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
 

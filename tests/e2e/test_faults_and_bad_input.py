@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from ports import held
 from world_fleet import checked_inputs
 
+from loraplex.artifacts import ArtifactStore, serve_store
 from loraplex.bench.procs import start_worker, state
 from loraplex.demo.world import TRANSFORMS, make_prompt
-from loraplex.registry import ArtifactStore, Registry, serve_store
+from loraplex.registry import Registry
 
 
 @pytest.fixture(scope="module")

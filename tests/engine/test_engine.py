@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinymodels import peft_reference, reference_greedy
 
+from loraplex.artifacts import canonical_digest
 from loraplex.cache.key import AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams
 from loraplex.lora_format import AdapterRejected
-from loraplex.registry.store import canonical_digest
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from tinymodels import make_adapter, make_model
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 
 ATTN = ["q_proj", "v_proj"]
 

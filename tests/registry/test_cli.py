@@ -10,7 +10,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 from loraplex.registry.cli import app
 
 

@@ -16,7 +16,7 @@ import sys, time
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session
 from loraplex.registry.cli import app
-from loraplex.registry.store import ArtifactStore
+from loraplex.artifacts import ArtifactStore
 
 point, argv = sys.argv[1], sys.argv[2:]
 

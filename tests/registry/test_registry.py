@@ -15,6 +15,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
+from loraplex.artifacts import Pieces, digest_and_pieces
 from loraplex.registry import (
     AdapterNotFound,
     AdapterRejected,
@@ -26,7 +27,6 @@ from loraplex.registry import (
     RevisionUnavailable,
     SchemaTooNew,
 )
-from loraplex.registry.store import Pieces, digest_and_pieces
 from loraplex.registry.traffic import pick
 
 

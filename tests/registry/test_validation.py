@@ -10,9 +10,9 @@ import torch
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 from safetensors.torch import load_file, save_file
 
-from loraplex.registry import AdapterRejected, AllowList, ArtifactStore, Registry
+from loraplex.artifacts import AllowList, ArtifactStore, canonical_digest
+from loraplex.registry import AdapterRejected, Registry
 from loraplex.registry.signing import generate_keypair, sign_digest
-from loraplex.registry.store import canonical_digest
 
 
 def rewrite_weights(src, dst, change):

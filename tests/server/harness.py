@@ -19,7 +19,8 @@ import openai
 import uvicorn
 from safetensors.torch import load_file, save_file
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 from loraplex.server.app import Server
 from loraplex.server.serve import bind
 

@@ -16,9 +16,10 @@ from harness import ADMIN_TOKEN, MODEL, Running, serving, variant
 from prometheus_client.parser import text_string_to_metric_families
 from test_startup_errors import assert_one_line_errors, run_side_by_side
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.registry import Registry
 from loraplex.server.app import ServerConfig, create_app
 
 KEYS = {"online": "online-key-0123456789", "batch": "batch-key-01234567890"}

@@ -7,13 +7,13 @@ import openai
 import pytest
 from harness import MODEL
 
+from loraplex.artifacts import canonical_digest
 from loraplex.registry.signing import (
     SIGNATURE_FILE,
     generate_keypair,
     load_private_key,
     sign_digest,
 )
-from loraplex.registry.store import canonical_digest
 
 LONG = {
     "max_model_len": 4096,

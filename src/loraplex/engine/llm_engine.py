@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.artifacts import AllowList, digest_and_pieces
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.cache import AdapterCache
 from loraplex.cache.disk import DiskTier
@@ -43,7 +44,6 @@ from loraplex.lora_format import (
     read_adapter,
 )
 from loraplex.model_config import ModelConfig, base_model_digest
-from loraplex.registry.store import AllowList, digest_and_pieces
 
 
 class LLMEngine:

@@ -3,14 +3,11 @@
 from loraplex.registry.errors import (
     AdapterNotFound,
     AdapterRejected,
-    ArtifactUnavailable,
-    DigestMismatch,
     LifecycleError,
     RegistryError,
     ReleaseCheckFailed,
     RevisionUnavailable,
     SchemaTooNew,
-    UnsafeLocation,
 )
 from loraplex.registry.records import (
     AdapterRecord,
@@ -21,29 +18,15 @@ from loraplex.registry.records import (
 )
 from loraplex.registry.registry import Registry
 from loraplex.registry.release import EvalCase, ReleaseChecks
-from loraplex.registry.store import (
-    AllowList,
-    ArtifactStore,
-    Pieces,
-    canonical_digest,
-    digest_and_pieces,
-    fetch_artifact,
-    serve_store,
-)
 
 __all__ = [
     "AdapterNotFound",
     "AdapterRecord",
     "AdapterRejected",
-    "AllowList",
-    "ArtifactStore",
-    "ArtifactUnavailable",
     "AuditRecord",
-    "DigestMismatch",
     "EvalCase",
     "KeyRecord",
     "LifecycleError",
-    "Pieces",
     "Registry",
     "RegistryError",
     "ReleaseCheckFailed",
@@ -52,9 +35,4 @@ __all__ = [
     "RevisionUnavailable",
     "SchemaTooNew",
     "TenantRecord",
-    "UnsafeLocation",
-    "canonical_digest",
-    "digest_and_pieces",
-    "fetch_artifact",
-    "serve_store",
 ]

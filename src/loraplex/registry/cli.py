@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
+from loraplex.artifacts import ArtifactError, ArtifactStore, canonical_digest
 from loraplex.config import parse_size
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
@@ -27,7 +28,6 @@ from loraplex.registry.signing import (
     sign_digest,
 )
 from loraplex.registry.stats import revision_stats
-from loraplex.registry.store import ArtifactStore, canonical_digest
 
 app = typer.Typer(
     name="registry",
@@ -106,7 +106,14 @@ def _errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (RegistryError, AdapterRejected, ModelConfigError, OSError, ValueError) as exc:
+        except (
+            RegistryError,
+            ArtifactError,
+            AdapterRejected,
+            ModelConfigError,
+            OSError,
+            ValueError,
+        ) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         except (

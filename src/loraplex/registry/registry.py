@@ -22,6 +22,7 @@ from sqlalchemy import Row, bindparam, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from loraplex.artifacts import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
 from loraplex.lora_format import CONFIG_FILE, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import db
@@ -57,13 +58,6 @@ from loraplex.registry.records import (
 )
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
 from loraplex.registry.signing import read_signature_file, verify_digest
-from loraplex.registry.store import (
-    AllowList,
-    ArtifactStore,
-    Pieces,
-    artifact_files,
-    canonical_digest,
-)
 from loraplex.registry.traffic import pick
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.artifacts import Pieces
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.registry import Pieces, Registry, RevisionRecord
+from loraplex.registry import Registry, RevisionRecord
 from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.signing import verify_digest
 from loraplex.server.errors import APIError, not_found

@@ -15,18 +15,12 @@ from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
+from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.config import parse_size
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import (
-    AdapterNotFound,
-    ReleaseChecks,
-    RevisionRecord,
-    UnsafeLocation,
-    fetch_artifact,
-)
-from loraplex.registry.store import artifact_files
+from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 

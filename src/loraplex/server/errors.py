@@ -14,17 +14,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
 from loraplex.engine.errors import InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
-    ArtifactUnavailable,
-    DigestMismatch,
     LifecycleError,
     RegistryError,
     RevisionUnavailable,
-    UnsafeLocation,
 )
 
 log = logging.getLogger(__name__)
@@ -178,6 +176,7 @@ def install_handlers(app: FastAPI) -> None:
         NonFiniteLogits,
         AdapterRejected,
         RegistryError,
+        ArtifactError,
         AdapterUnavailable,
         AdapterInFlight,
         CapacityExceeded,

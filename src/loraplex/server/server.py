@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
 from loraplex.server.adapters import AdapterResolver, Target

@@ -15,19 +15,23 @@ from pathlib import Path
 import blake3
 import pytest
 
-from loraplex.registry import (
-    AdapterRejected,
+from loraplex.artifacts import (
     AllowList,
     ArtifactStore,
     ArtifactUnavailable,
     DigestMismatch,
+    Pieces,
     UnsafeLocation,
     canonical_digest,
+    digest_and_pieces,
+    fetch_and_read,
     fetch_artifact,
+    is_artifact_name,
+    read_artifact,
     serve_store,
 )
-from loraplex.registry import store as store_module
-from loraplex.registry.store import Pieces, digest_and_pieces, is_artifact_name, read_artifact
+from loraplex.artifacts import digests as digests_module
+from loraplex.lora_format import AdapterRejected
 
 
 def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
@@ -143,8 +147,8 @@ def chunked(monkeypatch):
     """Read chunks and pieces of `size` bytes."""
 
     def chunked(size: int) -> None:
-        monkeypatch.setattr(store_module, "_READ_CHUNK", size)
-        monkeypatch.setattr(store_module, "PIECE_BYTES_MIN", size)
+        monkeypatch.setattr(digests_module, "_READ_CHUNK", size)
+        monkeypatch.setattr(digests_module, "PIECE_BYTES_MIN", size)
 
     return chunked
 
@@ -201,14 +205,14 @@ def test_a_file_that_changes_while_its_pieces_are_taken_is_refused(tmp_path, mon
                 f.write(b"EVIL")
         return result
 
-    monkeypatch.setattr(store_module.os, "fstat", fstat_then_append)
+    monkeypatch.setattr(digests_module.os, "fstat", fstat_then_append)
     with pytest.raises(ArtifactUnavailable, match="changed while it was hashed"):
         digest_and_pieces(src)
 
 
 def test_piece_size_keeps_the_list_short():
     mib = 1 << 20
-    sizes = [store_module.piece_bytes(n) for n in (0, 256 * mib, 256 * mib + 1, 4096 * mib)]
+    sizes = [digests_module.piece_bytes(n) for n in (0, 256 * mib, 256 * mib + 1, 4096 * mib)]
     assert sizes == [mib, mib, 2 * mib, 16 * mib]
 
 
@@ -264,7 +268,7 @@ def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeyp
     chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     digest, pieces = digest_and_pieces(src)
-    monkeypatch.setattr(store_module, "ThreadPoolExecutor", StalledHashers)
+    monkeypatch.setattr(digests_module, "ThreadPoolExecutor", StalledHashers)
     seen = []
 
     def use(files, hashed):
@@ -392,9 +396,9 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
     digest = remote.put(src)
     check = check_by(src, by_pieces)
     reads = []
-    real_read = store_module._read_hashing
+    real_read = digests_module._read_hashing
     monkeypatch.setattr(
-        store_module,
+        digests_module,
         "_read_hashing",
         lambda path, name, *args: reads.append(name) or real_read(path, name, *args),
     )
@@ -406,7 +410,7 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
 
     local = ArtifactStore(tmp_path / "local")
     with serve_store(remote) as base:
-        fetched = store_module.fetch_and_read(
+        fetched = fetch_and_read(
             f"{base}/{digest.removeprefix('sha256:')}",
             digest,
             local,
@@ -419,7 +423,7 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
     assert fetched.result == {name: (src / name).read_bytes() for name in reads}
     assert fetched.download_s is not None and fetched.download_s > 0
     # Already in the store: read (and checked) from there, no download.
-    again = store_module.fetch_and_read(
+    again = fetch_and_read(
         remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use, **check
     )
     assert again.download_s is None and again.result == fetched.result
@@ -436,7 +440,7 @@ def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
         raise ValueError("not an adapter this server can serve")
 
     with pytest.raises(ValueError, match="not an adapter"):
-        store_module.fetch_and_read(
+        fetch_and_read(
             remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use
         )
     assert not local.has(digest) and local.digests() == []
@@ -445,7 +449,7 @@ def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
     with pytest.raises(
         DigestMismatch, match=f"expected {wrong}"
     ):  # a mismatch is what is raised when both fail
-        store_module.fetch_and_read(
+        fetch_and_read(
             remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use
         )
     assert not local.has(wrong)
