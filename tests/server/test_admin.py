@@ -625,6 +625,43 @@ def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running,
     )
 
 
+def test_a_failed_digest_check_is_quarantined_off_the_step_thread(start, adapter_variants):
+    """The step reports the failed load; the registry write runs on the server's registry writer,
+    and no registry call runs on the engine's step thread."""
+    threads: dict[str, set[str]] = {}
+
+    def corrupt(registry):
+        record = registry.add_revision(
+            adapter_variants[17], "brittle", shared=True, status="stable"
+        )
+        weights = registry.store.path(record.digest) / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        for name in dir(Registry):
+            method = getattr(registry, name)
+            if not name.startswith("_") and callable(method):
+                setattr(registry, name, recorded(name, method))
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            threads.setdefault(name, set()).add(threading.current_thread().name)
+            return method(*args, **kwargs)
+
+        return call
+
+    with start(registry_setup=corrupt) as running:
+        with pytest.raises(openai.InternalServerError) as failed:
+            running.client().completions.create(model="brittle", prompt="x", max_tokens=2)
+        assert failed.value.status_code == 503
+        running.wait_for(
+            lambda: running.registry.show("brittle").revisions[0].status == "quarantined",
+            what="quarantine",
+        )
+    assert {name.rsplit("_", 1)[0] for name in threads["quarantine"]} == {"registry-write"}
+    assert not [name for name, seen in threads.items() if "engine-loop" in seen]
+
+
 def test_a_cpu_pin_the_budget_cannot_hold_is_refused_once_its_size_is_known(start):
     """An adapter never loaded has no known size, so the pin waits for its load and answers then: 409, the pin
     undone, the registry not marked; the adapter still serves."""

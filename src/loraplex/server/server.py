@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -140,6 +141,8 @@ class Server:
             self.on_registry_change,
         )
         engine.adapters.on_event = self.on_cache_event
+        # A registry write waits on the database: never on the step thread or the event loop.
+        self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +172,7 @@ class Server:
         self.begin_shutdown()
         if self.async_engine is not None:
             self.async_engine.stop()
+        self.registry_writer.shutdown(wait=True)
         self.audit.close()
 
     def follow_traffic(self) -> None:
@@ -409,7 +413,7 @@ class Server:
         if kind == "load_failed":
             log.warning("load of %s failed: %s", fields["key"], fields["exception"])
         if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
-            self.quarantine_corrupt(fields["key"], fields["exception"])
+            self.registry_writer.submit(self.quarantine_corrupt, fields["key"], fields["exception"])
         if kind == "pin_refused":
             log.warning("%s", fields["error"])
 
@@ -422,6 +426,8 @@ class Server:
             log.error("quarantined %s@%s: %s", key.name, key.revision, error)
         except RegistryError as exc:  # already quarantined, or removed meanwhile
             log.warning("could not quarantine %s@%s: %s", key.name, key.revision, exc)
+        except Exception:  # the database unreachable: the next failed load tries again
+            log.exception("could not quarantine %s@%s", key.name, key.revision)
 
     # -- views -----------------------------------------------------------------------------------
     def model_cards(self, tenant: str) -> list[dict]:
