@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -471,8 +472,14 @@ class LLMEngine:
                     raise out.error
                 done[out.request_id] += out.token_ids
             if not self.scheduler.running and self.adapters.loading:
-                time.sleep(0.001)  # everything waits on a load: do not spin
+                self._wait_for_a_load()
         return [done[i] for i in ids]
+
+    def _wait_for_a_load(self) -> None:
+        """Block until one of the cache's loads lands: nothing else moves while every request
+        waits on one."""
+        loads = list(self.adapters.loading.values())
+        futures.wait(loads, return_when=futures.FIRST_COMPLETED)
 
     def score(
         self, prompts: list[list[int]], adapters: list[AdapterRef | None]
@@ -499,7 +506,7 @@ class LLMEngine:
                     if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
                         pending.remove(seq)
                 if pending:
-                    time.sleep(0.001)
+                    self._wait_for_a_load()
         except BaseException:
             for seq in seqs:
                 if seq not in pending:

@@ -7,7 +7,7 @@ requests are refused while their last requests finish.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +51,8 @@ class AdapterResolver:
             Counter()
         )  # requests per adapter name, on the event loop thread
         self.draining: set[str] = set()
+        self._idle: dict[str, asyncio.Event] = {}
+        """Per name being drained: set when its last request in flight ends."""
         self.unloaded: set[str] = (
             set()
         )  # names vLLM's unload retired here: their deprecated revisions are gone too
@@ -140,12 +142,15 @@ class AdapterResolver:
             self.in_flight[name] -= 1
             if self.in_flight[name] <= 0:
                 del self.in_flight[name]
+                if name in self._idle:
+                    self._idle.pop(name).set()
 
     async def drain(self, name: str, timeout_s: float) -> bool:
         """Refuse new requests for `name` and wait for those in flight; False when the timeout came first.
         The caller removes the name from `draining` once the adapter is gone from the registry."""
         self.draining.add(name)
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight.get(name) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        if self.in_flight.get(name):
+            idle = self._idle.setdefault(name, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), timeout_s)
         return not self.in_flight.get(name)
