@@ -159,7 +159,7 @@ def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(
 ):
     """The scheduler walks the waiting queue at every step; the requests behind the first one whose adapter is
     loading skip the cache (its acquire could only fail until the load is taken in, between steps), as the
-    simulator does: under a backlog each asked the cache, at every step."""
+    simulator does: with many requests waiting each asked the cache, at every step."""
     eng = engine_for(llama_dir, dtype="float32", max_loras=2)
     ref = eng.adapter_ref("a", llama_adapters["attn-r8"])
     ids = [

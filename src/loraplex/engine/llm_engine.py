@@ -489,10 +489,10 @@ class LLMEngine:
             Sequence(f"score-{i}", list(p), SamplingParams(), a)
             for i, (p, a) in enumerate(zip(prompts, adapters))
         ]
-        pending = list(seqs)
+        waiting = list(seqs)
         try:
             while (
-                pending
+                waiting
             ):  # make every adapter resident first (a step of its own, like any waiting request)
                 failures = self.adapters.poll()
                 self._fail_unavailable(failures)
@@ -500,16 +500,16 @@ class LLMEngine:
                     key,
                     error,
                 ) in failures:  # these sequences are in no queue: their load's failure is theirs
-                    if any(seq.adapter is not None and seq.adapter.key == key for seq in pending):
+                    if any(seq.adapter is not None and seq.adapter.key == key for seq in waiting):
                         raise error
-                for seq in list(pending):
+                for seq in list(waiting):
                     if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
-                        pending.remove(seq)
-                if pending:
+                        waiting.remove(seq)
+                if waiting:
                     self._wait_for_a_load()
         except BaseException:
             for seq in seqs:
-                if seq not in pending:
+                if seq not in waiting:
                     self.scheduler.release(seq)  # the adapters already taken
             raise
         try:

@@ -51,8 +51,9 @@ class SchemaVersion(Base):
     version: Mapped[int] = mapped_column(Integer)
 
 
-class Generation(Base):
-    """Bumped by every change; a reader that keeps what it read compares it to know it is still current."""
+class ChangeCounter(Base):
+    """Bumped by every change; a reader that keeps what it read compares it to know it is still
+    current."""
 
     __tablename__ = "generation"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -298,8 +299,8 @@ def create_schema(engine: Engine) -> None:
     with writer(engine).begin() as conn:
         Base.metadata.create_all(conn)
         with Session(bind=conn) as session:
-            if session.get(Generation, 1) is None:
-                session.add(Generation(id=1, value=0))
+            if session.get(ChangeCounter, 1) is None:
+                session.add(ChangeCounter(id=1, value=0))
             if session.get(SchemaVersion, 1) is None:
                 session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))
             session.flush()

@@ -33,7 +33,7 @@ from loraplex.registry.db import (
     ArtifactPieces,
     ArtifactPiecesBlake3,
     AuditEvent,
-    Generation,
+    ChangeCounter,
     Grant,
     PinTier,
     Revision,
@@ -160,12 +160,15 @@ class Registry:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
-        """One transaction; it first bumps the generation, which also queues writers one at a time."""
+        """One transaction; it first bumps the change count, which also makes writers wait one at a
+        time."""
         self._check_ready()
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
                 session.execute(
-                    update(Generation).where(Generation.id == 1).values(value=Generation.value + 1)
+                    update(ChangeCounter)
+                    .where(ChangeCounter.id == 1)
+                    .values(value=ChangeCounter.value + 1)
                 )
                 yield session
         except IntegrityError as exc:
@@ -391,19 +394,19 @@ class Registry:
             raise RevisionUnavailable(_nothing_in_service(name, snapshot.records.values()))
         return snapshot.records[pick(name, snapshot.serving, user, self._rng)]
 
-    def generation(self) -> int:
+    def change_count(self) -> int:
         """A number every registry change moves (one query): a reader may keep what it read until it moves."""
         self._check_ready()
         with self._reader.connect() as conn:
-            return conn.execute(_GENERATION).scalar_one()
+            return conn.execute(_CHANGE_COUNT).scalar_one()
 
     def _snapshot(self, name: str) -> _Snapshot | None:
         """What resolution needs about `name`, read again only when the registry changed since (one query)."""
         self._check_ready()
         with self._reader.connect() as conn:
-            generation = conn.execute(_GENERATION).scalar_one()
+            change_count = conn.execute(_CHANGE_COUNT).scalar_one()
             cached = self._snapshots.get(name)
-            if cached is not None and cached.generation == generation:
+            if cached is not None and cached.change_count == change_count:
                 return cached
             adapter = conn.execute(_ADAPTER_BY_NAME, {"name": name}).first()
             if adapter is None:
@@ -413,7 +416,9 @@ class Registry:
             rows = conn.execute(_REVISIONS_WITH_WEIGHT, {"name": name}).all()
         weights = {r.id: r.weight for r in rows if r.weight}
         records = {r.revision: _revision_record(adapter, r, grants, weights) for r in rows}
-        snapshot = _Snapshot(generation, adapter, grants, records, _serving_order(records.values()))
+        snapshot = _Snapshot(
+            change_count, adapter, grants, records, _serving_order(records.values())
+        )
         if len(self._snapshots) >= MAX_CACHED_NAMES:
             self._snapshots.clear()
         self._snapshots[name] = snapshot
@@ -957,7 +962,7 @@ def _adapter_record(
 _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (
     m.__table__ for m in (Adapter, Revision, Traffic, Grant)
 )
-_GENERATION = select(Generation.__table__.c.value).where(Generation.__table__.c.id == 1)
+_CHANGE_COUNT = select(ChangeCounter.__table__.c.value).where(ChangeCounter.__table__.c.id == 1)
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
 _GRANTS_OF = (
     select(_GRANTS.c.tenant)
@@ -974,7 +979,7 @@ _REVISIONS_WITH_WEIGHT = (
 
 @dataclass(frozen=True)
 class _Snapshot:
-    generation: int
+    change_count: int
     adapter: Row
     grants: tuple[str, ...]
     records: dict[str, RevisionRecord]  # every revision of the name, by label

@@ -57,10 +57,10 @@ class PickerConfig:
     max_kv_usage: float = 0.8
     w_affinity: float = 1.0
     w_queue: float = 0.5
-    """Weight of queue depth, as load / max_waiting: at the defaults each queued or running request costs 0.1,
+    """Weight of queue depth, as load / max_waiting: at the defaults each waiting or running request costs 0.1,
     so a gpu-resident worker keeps an adapter's traffic until it carries two more requests than a worker that
     holds the adapter in cpu, or three more than one with a free slot (where it is a cold load from disk or the
-    store); then the hot adapter spreads to a second worker instead of queueing on one."""
+    store); then the hot adapter spreads to a second worker instead of waiting on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
     load_factor: float = 1.25

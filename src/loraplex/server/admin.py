@@ -327,7 +327,7 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
     except CapacityExceeded:
         undo()
         raise
-    pending = []
+    still_loading = []
     if body.tier == "cpu":
         # An adapter never loaded has no known size: its cpu pin is checked when the load lands. Wait for that, so
         # that a pin the budget cannot hold is refused here rather than dropped later with only a log line.
@@ -353,13 +353,13 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
                 f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
                 "adapter_unavailable",
             )
-        pending = [str(r.key) for r in refs if cache.is_loading(r.key)]
+        still_loading = [str(r.key) for r in refs if cache.is_loading(r.key)]
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(server.registry.pin, name, True, body.tier)
         await run_in_threadpool(server.pins.warm_name, name)
     else:  # this revision's: an operator's, traffic does not move it
         await run_in_threadpool(server.pins.operator_pinned, [r.key for r in refs], name, body.tier)
-    return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
+    return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": still_loading}
 
 
 async def unpin(name: str, request: Request) -> dict:

@@ -49,7 +49,9 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
-class Generation:
+class RequestRun:
+    """One request's sequences in the engine, from submission to its answer."""
+
     def __init__(
         self,
         engine: AsyncEngine,

@@ -27,7 +27,7 @@ from loraplex.server.admission import Admission
 from loraplex.server.audit import AuditLog
 from loraplex.server.auth import Authenticator
 from loraplex.server.errors import APIError
-from loraplex.server.generation import Generation
+from loraplex.server.generation import RequestRun
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
@@ -333,7 +333,7 @@ class Server:
         prompts: list[list[int]],
         params: SamplingParams,
         gone: asyncio.Future,
-    ) -> Generation | None:
+    ) -> RequestRun | None:
         """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
         the generation is then closed, and the request recorded as the client's leaving."""
         try:
@@ -341,8 +341,8 @@ class Server:
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
-        gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
-        start = asyncio.ensure_future(gen.start())
+        run = RequestRun(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        start = asyncio.ensure_future(run.start())
         try:
             await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled: no start left running on its own
@@ -355,7 +355,7 @@ class Server:
         if start.cancelled():
             return None
         start.result()  # the engine's error (bad request, adapter unavailable) is the answer
-        return gen
+        return run
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""

@@ -910,7 +910,7 @@ def compare(
         on_run(name)
     least = min(e.get("miss_cost_oracle", e["miss_cost"]) for e in entries.values())
     if least < entries["optimal"]["miss_cost"]:
-        # A run paid less than the bound on the arrival order allows: queued requests of one adapter were admitted
+        # A run paid less than the bound on the arrival order allows: waiting requests of one adapter were admitted
         # together, with one load. Each run's cost is at least the bound on the order it admitted; the least of
         # those holds for every run.
         lb = min((bound(sim, admitted=True) for sim in sims.values()), key=lambda b: b["miss_cost"])
