@@ -25,9 +25,8 @@ ARTIFACT_NAME_RE = re.compile(
     r"^(adapter_config\.json|[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.safetensors)$"
 )
 CHUNK_BYTES = 1 << 20
-_READ_CHUNK = (
-    4 << 20
-)  # bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
+# bytes read, then handed to the hasher, at a time: the packing waits on whole chunks
+_READ_CHUNK = 4 << 20
 _HUGE_PAGES_FROM = 16 << 20  # bytes; below, a file is read into heap memory
 PIECE_BYTES_MIN = 1 << 20
 PIECES_MAX = (
@@ -55,11 +54,12 @@ def artifact_files(directory: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The hash of every piece of every artifact file (pieces of `size` bytes from each file's start, the last one
-    shorter), taken at registration in the same read as the digest. The same file names, sizes and piece hashes are
-    the same bytes, so a load can check an artifact faster than by one sha256 over it: on several cores, and with
-    BLAKE3, about twice sha256's speed on one core here (SHA-NI included). A piece list is trusted from the
-    registry only, never from the store that holds the bytes."""
+    """The hash of every piece of every artifact file (pieces of `size` bytes from each file's
+    start, the last one shorter), taken at registration in the same read as the digest. The same
+    file names, sizes and piece hashes are the same bytes, so a load can check an artifact faster
+    than by one sha256 over it: on several cores, and with BLAKE3, about twice sha256's speed on one
+    core here (SHA-NI included). A piece list is trusted from the registry only, never from the
+    store that holds the bytes."""
 
     size: int
     files: tuple[tuple[str, int, tuple[str, ...]], ...]
@@ -105,11 +105,13 @@ class Pieces:
 
 
 PIECE_HASHES: dict[str, Callable] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
-"""Piece hash name → constructor. Both release the GIL over a large buffer, so hasher threads run in parallel."""
+"""Piece hash name → constructor. Both release the GIL over a large buffer, so hasher threads run in
+parallel."""
 
 
 def piece_bytes(total: int) -> int:
-    """The piece size for an artifact of `total` bytes: 1 MiB, doubled until it has about PIECES_MAX pieces."""
+    """The piece size for an artifact of `total` bytes: 1 MiB, doubled until it has about PIECES_MAX
+    pieces."""
     size = PIECE_BYTES_MIN
     while size * PIECES_MAX < total:
         size *= 2
@@ -117,7 +119,8 @@ def piece_bytes(total: int) -> int:
 
 
 def canonical_digest(directory: str | Path) -> str:
-    """sha256 over, for each artifact file in name order: b"<name>\\n<size>\\n" then the file's bytes."""
+    """sha256 over, for each artifact file in name order: b"<name>\\n<size>\\n" then the file's
+    bytes."""
     return hash_artifact(Path(directory), pieces=False)[0]
 
 
@@ -147,9 +150,8 @@ def hash_artifact(directory: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pie
                 if pieces:
                     hashes.append(blake3.blake3(chunk).hexdigest())
                     sha_hashes.append(hashlib.sha256(chunk).hexdigest())
-        if (
-            pieces and read != size
-        ):  # the digest says `size`: the pieces must describe the same bytes
+        if pieces and read != size:
+            # the digest says `size`: the pieces must describe the same bytes
             raise ArtifactUnavailable(f"{directory / name} changed while it was hashed")
         files.append((name, size, tuple(hashes)))
         sha_files.append((name, size, tuple(sha_hashes)))
@@ -164,30 +166,32 @@ def hash_artifact(directory: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pie
 def read_artifact(
     directory: str | Path, digest: str, use: Callable | None = None, pieces: Pieces | None = None
 ):
-    """Every artifact file's bytes, read once into memory; DigestMismatch unless they hash to `digest`.
+    """Every artifact file's bytes, read once into memory; DigestMismatch unless they hash to
+    `digest`.
 
-    The bytes returned are the bytes hashed: a file changed on disk after the check is never used, as it could be
-    by hashing the file and then opening it again to parse it.
+    The bytes returned are the bytes hashed: a file changed on disk after the check is never used,
+    as it could be by hashing the file and then opening it again to parse it.
 
-    With `use`, returns `use(files, hashed)` instead, which runs while a helper thread is still hashing, so that
-    parsing and packing overlap the digest check. `hashed(name, end)` returns once the first `end` bytes of file
-    `name` are hashed: `use` may overwrite bytes only below that. Its result is returned only when the digest
-    matches and dropped otherwise; when both fail, the mismatch is what is raised.
+    With `use`, returns `use(files, hashed)` instead, which runs while a helper thread is still
+    hashing, so that parsing and packing overlap the digest check. `hashed(name, end)` returns once
+    the first `end` bytes of file `name` are hashed: `use` may overwrite bytes only below that. Its
+    result is returned only when the digest matches and dropped otherwise; when both fail, the
+    mismatch is what is raised.
 
-    With `pieces` (the registry's piece list for `digest`), the files must have the listed names and sizes and
-    each piece its listed hash, checked by a pool of threads (one sha256 runs on one core at about 1.4 GB/s, one
-    BLAKE3 at about 2.7 GB/s).
+    With `pieces` (the registry's piece list for `digest`), the files must have the listed names and
+    sizes and each piece its listed hash, checked by a pool of threads (one sha256 runs on one core
+    at about 1.4 GB/s, one BLAKE3 at about 2.7 GB/s).
     """
     check_digest(digest)
     directory = Path(directory)
     names = artifact_files(directory)
     if pieces is not None and names != [name for name, _, _ in pieces.files]:
         raise DigestMismatch(digest, f"other files ({', '.join(names) or 'none'})", str(directory))
-    # sha256 and BLAKE3 release the GIL on large buffers, so helper threads hash each chunk while the next one is
-    # read (and while `use` runs). One running sha256 has one worker (its updates stay in order); pieces have one
-    # per core but the one this thread reads and packs on (a third thread on two cores is 5-20%
-    # slower), up to 8, and this thread hashes those no helper has begun when it waits for them
-    # (`_PieceCheck.wait`).
+    # sha256 and BLAKE3 release the GIL on large buffers, so helper threads hash each chunk while
+    # the next one is read (and while `use` runs). One running sha256 has one worker (its updates
+    # stay in order); pieces have one per core but the one this thread reads and packs on (a third
+    # thread on two cores is 5-20% slower), up to 8, and this thread hashes those no helper has
+    # begun when it waits for them (`_PieceCheck.wait`).
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
@@ -221,14 +225,13 @@ def read_artifact(
 
 
 class _Progress:
-    """Chunks handed to the hasher threads, per file in order; `wait(name, end)` blocks until the first `end` bytes
-    of `name` are hashed."""
+    """Chunks handed to the hasher threads, per file in order; `wait(name, end)` blocks until the
+    first `end` bytes of `name` are hashed."""
 
     def __init__(self, hasher: ThreadPoolExecutor):
         self.hasher = hasher
-        self.chunks: dict[
-            str, list[tuple[int, Future | _Job]]
-        ] = {}  # name -> (end offset, its hashing), in order
+        # name -> (end offset, its hashing), in order
+        self.chunks: dict[str, list[tuple[int, Future | _Job]]] = {}
         self.hashed: dict[str, int] = {}  # name -> how many of its chunks are known to be hashed
 
     def wait(self, name: str, end: int) -> None:
@@ -248,22 +251,21 @@ class _HashProgress(_Progress):
 
     def add(self, name: str, data, end: int) -> None:
         if end == 0:
-            data = _file_prefix(
-                name, len(data)
-            )  # the file's size, as the canonical digest starts it
+            # the file's size, as the canonical digest starts it
+            data = _file_prefix(name, len(data))
         self.chunks.setdefault(name, []).append((end, self.hasher.submit(self.sha256.update, data)))
 
     def mismatch(self, digest: str) -> str | None:
-        actual = (
-            "sha256:" + self.hasher.submit(self.sha256.hexdigest).result()
-        )  # after every update
+        # after every update
+        actual = "sha256:" + self.hasher.submit(self.sha256.hexdigest).result()
         return None if actual == digest else actual
 
 
 class _PieceCheck(_Progress):
-    """Each piece hashed on its own and compared with the registered list. A thread that waits for pieces hashes
-    the ones no hasher thread has begun, instead of sitting idle: on two cores the load thread, once it has read
-    the files, is the second hasher while packing waits for the check."""
+    """Each piece hashed on its own and compared with the registered list. A thread that waits for
+    pieces hashes the ones no hasher thread has begun, instead of sitting idle: on two cores the
+    load thread, once it has read the files, is the second hasher while packing waits for the
+    check."""
 
     def __init__(self, hasher: ThreadPoolExecutor, pieces: Pieces):
         super().__init__(hasher)
@@ -302,8 +304,8 @@ class _PieceCheck(_Progress):
 
 
 class _Job:
-    """A call run once, by whichever thread comes to it first (`run`); `result` runs it unless it has begun, then
-    waits for it and returns its value or raises its error."""
+    """A call run once, by whichever thread comes to it first (`run`); `result` runs it unless it
+    has begun, then waits for it and returns its value or raises its error."""
 
     __slots__ = ("fn", "args", "claim", "done", "value", "error")
 
@@ -342,7 +344,8 @@ def _file_prefix(name: str, size: int) -> bytes:
 def _read_hashing(
     path: Path, name: str, progress, chunk_bytes: int, expect: tuple[str, int] | None = None
 ):
-    """The file's bytes, each chunk handed to `progress` once read. `expect`: (digest, size) the file must have."""
+    """The file's bytes, each chunk handed to `progress` once read. `expect`: (digest, size) the
+    file must have."""
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if expect is not None and size != expect[1]:
@@ -359,9 +362,10 @@ def _read_hashing(
 
 
 def _file_buffer(size: int) -> memoryview:
-    """Private memory for a file's bytes. A large file goes on huge pages where the kernel grants them: a read into
-    fresh 4 KiB pages spends two thirds of its time faulting them in (600 ms against 190 ms for 320 MB, x86_64
-    Linux). A small one goes on the heap, whose freed pages malloc hands out again without a fault."""
+    """Private memory for a file's bytes. A large file goes on huge pages where the kernel grants
+    them: a read into fresh 4 KiB pages spends two thirds of its time faulting them in (600 ms
+    against 190 ms for 320 MB, x86_64 Linux). A small one goes on the heap, whose freed pages malloc
+    hands out again without a fault."""
     if size < _HUGE_PAGES_FROM:
         return memoryview(bytearray(size))
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -4,6 +4,7 @@ before its one rename into place, and the allowlist of places they may read from
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -26,20 +27,23 @@ from loraplex.artifacts.errors import ArtifactUnavailable, DigestMismatch, Unsaf
 from loraplex.artifacts.store import INDEX_FILE, ArtifactStore, copy_synced
 
 MIN_DOWNLOAD_RATE = 1 << 20
-"""Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own timeout
-does not end a store that trickles bytes, and such a download would hold a load thread for good."""
+"""Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own
+timeout does not end a store that trickles bytes, and such a download would hold a load thread for
+good."""
 
 
 @dataclass(frozen=True)
 class AllowList:
-    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s):// and s3://."""
+    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s):// and
+    s3://."""
 
     roots: tuple[Path, ...] = ()
     prefixes: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> AllowList:
-        """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or `s3://bucket/p`."""
+        """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or
+        `s3://bucket/p`."""
         roots, prefixes = [], []
         for item in items:
             if item.startswith(("http://", "https://", "s3://")):
@@ -82,7 +86,8 @@ class AllowList:
             if same_place and (parts.path == base or parts.path.startswith(base + "/")):
                 return
         raise UnsafeLocation(
-            f"{uri} is not under an allowed storage prefix ({', '.join(self.prefixes) or 'none set'})"
+            f"{uri} is not under an allowed storage prefix "
+            f"({', '.join(self.prefixes) or 'none set'})"
         )
 
 
@@ -109,13 +114,14 @@ def fetch_artifact(
     min_rate: float = MIN_DOWNLOAD_RATE,
     pieces: Pieces | None = None,
 ) -> Path:
-    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory. A caller that
-    fetches often passes its own `http_client` (an httpx.Client): a new one loads the CA bundle, about 50 ms of CPU
-    with the GIL held.
+    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory.
+    A caller that fetches often passes its own `http_client` (an httpx.Client): a new one loads the
+    CA bundle, about 50 ms of CPU with the GIL held.
 
-    `timeout_s` bounds each network operation; a download as a whole must also end within `timeout_s` plus its
-    bytes (from the store's index) at `min_rate` bytes per second, or it fails with ArtifactUnavailable.
-    `pieces`: the registry's piece list for `digest`, to check the bytes on several cores."""
+    `timeout_s` bounds each network operation; a download as a whole must also end within
+    `timeout_s` plus its bytes (from the store's index) at `min_rate` bytes per second, or it fails
+    with ArtifactUnavailable. `pieces`: the registry's piece list for `digest`, to check the bytes
+    on several cores."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -158,10 +164,11 @@ def fetch_and_read(
     min_rate: float = MIN_DOWNLOAD_RATE,
     pieces: Pieces | None = None,
 ) -> Fetched:
-    """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give, taken from the read
-    that verifies the download before its rename: a remote load reads and hashes its bytes once, not twice. When
-    the bytes match but `use` fails (an adapter this server cannot serve), the download is not kept: a failed load
-    leaves the store as it was (its budget would push out an artifact that serves)."""
+    """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give,
+    taken from the read that verifies the download before its rename: a remote load reads and hashes
+    its bytes once, not twice. When the bytes match but `use` fails (an adapter this server cannot
+    serve), the download is not kept: a failed load leaves the store as it was (its budget would
+    push out an artifact that serves)."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -183,9 +190,8 @@ def fetch_and_read(
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         download_s = time.perf_counter() - start
         try:
-            if (
-                use is None and pieces is None
-            ):  # nothing to keep: hashed as it is read, not held in memory
+            if use is None and pieces is None:
+                # nothing to keep: hashed as it is read, not held in memory
                 actual, result = canonical_digest(work), None
                 if actual != digest:
                     raise DigestMismatch(digest, actual, storage_uri)
@@ -226,7 +232,8 @@ def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
 
 
 class _Deadline:
-    """When a download must be done by: `timeout_s` from now, plus its bytes at `min_rate`, once they are known."""
+    """When a download must be done by: `timeout_s` from now, plus its bytes at `min_rate`, once
+    they are known."""
 
     def __init__(self, timeout_s: float, min_rate: float):
         self.timeout_s, self.min_rate = timeout_s, min_rate
@@ -265,9 +272,8 @@ def _fetch_http(uri: str, work: Path, deadline: _Deadline, client=None) -> None:
                     (work / name).open("wb") as out,
                 ):
                     response.raise_for_status()
-                    _write_bounded(
-                        response.iter_bytes(), out, size, f"{base}/{name}", deadline
-                    )  # as they come
+                    # as they come
+                    _write_bounded(response.iter_bytes(), out, size, f"{base}/{name}", deadline)
     except httpx.HTTPError as exc:
         raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
 
@@ -306,7 +312,11 @@ def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
             body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
             with (work / name).open("wb") as out:
                 _write_bounded(
-                    iter(lambda: body.read(CHUNK_BYTES), b""), out, size, f"{uri}/{name}", deadline
+                    iter(functools.partial(body.read, CHUNK_BYTES), b""),
+                    out,
+                    size,
+                    f"{uri}/{name}",
+                    deadline,
                 )
     except (UnsafeLocation, ArtifactUnavailable):
         raise

@@ -4,8 +4,8 @@ Layout under the root (the same tree serves as an http store, see `serve_store`)
 
     <root>/sha256/<hex>/adapter_config.json
     <root>/sha256/<hex>/adapter_model.safetensors
-    <root>/sha256/<hex>/index.json        # {"digest", "files": [{"name", "size"}]}; not part of the digest
-    <root>/tmp/                           # work dirs; an entry becomes visible only by one rename
+    <root>/sha256/<hex>/index.json   # {"digest", "files": [{"name", "size"}]}; not in the digest
+    <root>/tmp/                      # work dirs; an entry becomes visible only by one rename
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class ArtifactStore:
         return self.path(digest).is_dir()
 
     def get(self, digest: str, pieces: Pieces | None = None) -> Path:
-        """The artifact's directory, after checking that its bytes still hash to `digest` (by its registered
-        `pieces`, when given)."""
+        """The artifact's directory, after checking that its bytes still hash to `digest` (by its
+        registered `pieces`, when given)."""
         path = self.path(digest)
         if not path.is_dir():
             raise ArtifactUnavailable(f"{digest} is not in the artifact store {self.root}")
@@ -93,7 +93,8 @@ class ArtifactStore:
         return sorted("sha256:" + p.name for p in base.iterdir()) if base.is_dir() else []
 
     def put(self, src_dir: str | Path) -> str:
-        """Copy an adapter directory in (adapter_config.json and *.safetensors only); returns its digest."""
+        """Copy an adapter directory in (adapter_config.json and *.safetensors only); returns its
+        digest."""
         return self._put(Path(src_dir), pieces=False)[0]
 
     def put_with_pieces(self, src_dir: str | Path) -> tuple[str, Pieces]:
@@ -102,7 +103,8 @@ class ArtifactStore:
         return digest, lists[0]
 
     def put_with_piece_lists(self, src_dir: str | Path) -> tuple[str, tuple[Pieces, Pieces]]:
-        """As `put`, with the BLAKE3 and the sha256 piece lists of the copy (what a registration records)."""
+        """As `put`, with the BLAKE3 and the sha256 piece lists of the copy (what a registration
+        records)."""
         return self._put(Path(src_dir), pieces=True)
 
     def _put(self, src: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
@@ -122,9 +124,8 @@ class ArtifactStore:
         if not path.is_dir():
             return False
         trash = self.temp_dir()
-        os.rename(
-            path, trash / "gone"
-        )  # disappears in one step; deleting the bytes may take longer
+        # disappears in one step; deleting the bytes may take longer
+        os.rename(path, trash / "gone")
         shutil.rmtree(trash, ignore_errors=True)
         return True
 
@@ -138,7 +139,8 @@ class ArtifactStore:
         return path
 
     def adopt(self, work: Path, digest: str) -> Path:
-        """Move a verified work directory into place as `digest`; the caller has checked the digest."""
+        """Move a verified work directory into place as `digest`; the caller has checked the
+        digest."""
         target = self.path(digest)
         if target.is_dir():
             if canonical_digest(target) == digest:
@@ -177,7 +179,8 @@ def _source_files(src: Path) -> list[str]:
     if pickles:
         raise AdapterRejected(
             "weights",
-            f"{pickles[0]} is a pickle file, which can run code when loaded; only *.safetensors is accepted",
+            f"{pickles[0]} is a pickle file, which can run code when loaded; only *.safetensors is "
+            "accepted",
         )
     names = [n for n in entries if is_artifact_name(n)]
     if CONFIG_FILE not in names:
@@ -189,7 +192,8 @@ def _source_files(src: Path) -> list[str]:
 
 @contextlib.contextmanager
 def serve_store(store: ArtifactStore, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve the store read-only over http in a thread; yields the base URL (`<base>/<hex>` is an artifact).
+    """Serve the store read-only over http in a thread; yields the base URL (`<base>/<hex>` is an
+    artifact).
 
     The same as `python -m http.server --directory <root>/sha256 --bind 127.0.0.1 PORT`.
     """

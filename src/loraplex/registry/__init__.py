@@ -1,4 +1,5 @@
-"""The control plane: which adapters exist, which revision a name means, who may use it, where its bytes are."""
+"""The control plane: which adapters exist, which revision a name means, who may use it, where its
+bytes are."""
 
 from loraplex.registry.errors import (
     AdapterNotFound,

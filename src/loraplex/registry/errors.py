@@ -28,7 +28,8 @@ class AdapterNotFound(RegistryError):
 
 
 class RevisionUnavailable(RegistryError):
-    """The name exists for this tenant but no revision may be served (quarantined, or no traffic)."""
+    """The name exists for this tenant but no revision may be served (quarantined, or no
+    traffic)."""
 
 
 class LifecycleError(RegistryError):

@@ -1,6 +1,8 @@
-"""The admin API under /admin/ (bearer admin token), and vLLM's load/unload endpoints behind the same token.
+"""The admin API under /admin/ (bearer admin token), and vLLM's load/unload endpoints behind the
+same token.
 
-Registry changes run in a worker thread (they are blocking database calls); cache operations are quick.
+Registry changes run in a worker thread (they are blocking database calls); cache operations are
+quick.
 """
 
 from __future__ import annotations
@@ -70,16 +72,16 @@ class RevisionBody(_Body):
 
 
 class BudgetBody(_Body):
-    """The fields given are set (null clears one: the server's default share); those left out stay."""
+    """The fields given are set (null clears one: the server's default share); those left out
+    stay."""
 
     max_gpu_slots: int | None = None
     max_cpu_bytes: int | str | None = None
     """Bytes, or a size such as 512MiB."""
 
 
-class LoadLoraBody(
-    BaseModel
-):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
+class LoadLoraBody(BaseModel):
+    # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
     lora_name: str
     lora_path: str
 
@@ -90,8 +92,9 @@ class UnloadLoraBody(BaseModel):
 
 def router(token: str) -> APIRouter:
     class AdminRoute(APIRoute):
-        """Checks the admin token before anything else: FastAPI reads and parses a route's body before it runs the
-        route's dependencies, so a check there let anyone make the server buffer a body of any size."""
+        """Checks the admin token before anything else: FastAPI reads and parses a route's body
+        before it runs the route's dependencies, so a check there let anyone make the server buffer
+        a body of any size."""
 
         def get_route_handler(self):
             handler = super().get_route_handler()
@@ -124,7 +127,7 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-# ---- reading ------------------------------------------------------------------------------------------
+# ---- reading -------------------------------------------------------------------------------------
 
 
 async def state(request: Request) -> dict:
@@ -180,11 +183,12 @@ async def show(name: str, request: Request) -> dict:
     return {**adapter.to_dict(), "residency": resident}
 
 
-# ---- registry changes ---------------------------------------------------------------------------------
+# ---- registry changes ----------------------------------------------------------------------------
 
 
 async def register(body: RegisterBody, request: Request) -> dict:
-    """From a directory inside the allowed roots, or a storage URI (with its digest) under an allowed prefix."""
+    """From a directory inside the allowed roots, or a storage URI (with its digest) under an
+    allowed prefix."""
     server = _server(request)
     if (body.path is None) == (body.storage_uri is None):
         raise APIError(400, "give exactly one of path and storage_uri", "invalid_value", "path")
@@ -218,7 +222,8 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
 
 
 def _allowed_dir(server: Server, path: str) -> Path:
-    """The directory, if it and every artifact file in it (symlinks followed) lie inside an allowed root."""
+    """The directory, if it and every artifact file in it (symlinks followed) lie inside an allowed
+    root."""
     src = Path(path)
     if not src.is_absolute():
         raise UnsafeLocation(f"{path}: give an absolute path")
@@ -282,7 +287,7 @@ async def _complete(server: Server, ref, prompt: str) -> str:
     return "".join([out.text async for out in server.async_engine.generate(ids, params, ref)])
 
 
-# ---- cache operations -------------------------------------------------------------------------------
+# ---- cache operations ----------------------------------------------------------------------------
 
 
 async def _records(server: Server, name: str, revision: str | None) -> list[RevisionRecord]:
@@ -329,8 +334,9 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         raise
     still_loading = []
     if body.tier == "cpu":
-        # An adapter never loaded has no known size: its cpu pin is checked when the load lands. Wait for that, so
-        # that a pin the budget cannot hold is refused here rather than dropped later with only a log line.
+        # An adapter never loaded has no known size: its cpu pin is checked when the load lands.
+        # Wait for that, so that a pin the budget cannot hold is refused here rather than dropped
+        # later with only a log line.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PIN_LOAD_WAIT_S
         while any(cache.is_loading(r.key) for r in refs) and loop.time() < deadline:
@@ -341,8 +347,8 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
             undo()
             raise APIError(
                 409,
-                f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, pinned "
-                "adapters would exceed cpu_cache_bytes",
+                f"cannot pin {', '.join(str(r.key) for r in refused)} to cpu: with its bytes, "
+                "pinned adapters would exceed cpu_cache_bytes",
                 "capacity_exceeded",
             )
         failed = [r for r in landed if not cache.in_host_memory(r.key)]
@@ -393,9 +399,8 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
         server.pins.released([key])
     if was_pinned and not any(cache.pinned(k) for k in _resident_keys(server, name)):
-        await run_in_threadpool(
-            server.registry.unpin, name
-        )  # else the next start would pin it again
+        # else the next start would pin it again
+        await run_in_threadpool(server.registry.unpin, name)
     return {"evicted": [str(k) for k in keys]}
 
 
@@ -409,11 +414,12 @@ async def _forget(server: Server, key: AdapterKey, attempts: int = 100) -> None:
     server.engine.adapters.forget(key)
 
 
-# ---- vLLM's dynamic LoRA endpoints --------------------------------------------------------------------
+# ---- vLLM's dynamic LoRA endpoints ---------------------------------------------------------------
 
 
 async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextResponse:
-    """Register a directory inside the allowed roots as a shared adapter serving all of its name's traffic."""
+    """Register a directory inside the allowed roots as a shared adapter serving all of its name's
+    traffic."""
     server = _server(request)
     await run_in_threadpool(_load, server, body)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -446,14 +452,14 @@ def _load(server: Server, body: LoadLoraBody) -> None:
         base_model_dir=server.engine.config.model_dir,
         status="stable",
     )
-    if (
-        record.traffic_weight != 100
-    ):  # the same bytes as an earlier revision, which had left traffic
+    if record.traffic_weight != 100:
+        # the same bytes as an earlier revision, which had left traffic
         server.registry.promote(body.lora_name, record.revision, 100, force=True)
 
 
 async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTextResponse:
-    """Drain: new requests get 404 at once, those in flight finish; then the adapter leaves traffic and memory."""
+    """Drain: new requests get 404 at once, those in flight finish; then the adapter leaves traffic
+    and memory."""
     server = _server(request)
     name = body.lora_name
     try:

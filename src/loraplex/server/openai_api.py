@@ -1,4 +1,5 @@
-"""`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET /v1/models`."""
+"""`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET
+/v1/models`."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ async def models(request: Request):
 
 
 def _token_text(server: Server):
-    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in vLLM), so a client
-    sees in them why the output stopped."""
+    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in
+    vLLM), so a client sees in them why the output stopped."""
     decode = server.engine.tokenizer.decode
     return lambda ids: decode(ids, skip_special_tokens=False)
 
@@ -112,9 +113,8 @@ def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
     server: Server = request.app.state.server
     ctx: RequestContext = request.state.ctx
     ctx.is_inference, ctx.endpoint = True, endpoint
-    ctx.tenant = server.auth.tenant(
-        request.headers.get("authorization")
-    )  # first: a refusal names its tenant
+    # first: a refusal names its tenant
+    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))
     server.check_accepting()
     return server, ctx
 
@@ -148,8 +148,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _respond(
     request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req
 ):
-    """Generate and answer. A client that leaves stops its generation: while it waits for admission, for its
-    adapter or for its first token, and while a plain answer is made (an event stream watches for it itself)."""
+    """Generate and answer. A client that leaves stops its generation: while it waits for admission,
+    for its adapter or for its first token, and while a plain answer is made (an event stream
+    watches for it itself)."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         run = await server.generate(ctx, target, prompts, params, gone)
@@ -167,9 +168,8 @@ async def _respond(
         finally:
             if not collect.done():
                 collect.cancel()
-                await asyncio.gather(
-                    collect, return_exceptions=True
-                )  # its generator unwinds before the close
+                # its generator unwinds before the close
+                await asyncio.gather(collect, return_exceptions=True)
             await run.close()
         return JSONResponse(fmt.final(run))
     finally:
@@ -182,7 +182,8 @@ async def _drain(run: RequestRun) -> None:
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is read: the next message the server gives is the disconnect)."""
+    """Returns when the client has gone (the body is read: the next message the server gives is the
+    disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -192,7 +193,8 @@ def _sse(obj: dict) -> bytes:
 
 
 async def _events(run: RequestRun, fmt, include_usage: bool):
-    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the others)."""
+    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the
+    others)."""
 
     def event(chunk: dict) -> bytes:
         if include_usage:
@@ -205,7 +207,8 @@ async def _events(run: RequestRun, fmt, include_usage: bool):
         num_finished = 0
         async for index, out in run.outputs():
             if not (out.text or out.finished or out.logprobs):
-                continue  # tokens held back (half a character, a possible stop string): nothing to send yet
+                # tokens held back (half a character, a possible stop string): nothing to send yet
+                continue
             num_finished += out.finished
             last = num_finished == len(run.choices)
             usage = schemas.usage(*run.usage_counts) if last and not include_usage else None
@@ -214,9 +217,8 @@ async def _events(run: RequestRun, fmt, include_usage: bool):
             yield _sse(fmt.usage_chunk(schemas.usage(*run.usage_counts)))
     except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
         error = as_api_error(exc)
-        if (
-            error is None
-        ):  # a bug: logged with its traceback, and the client told, as before the headers
+        if error is None:
+            # a bug: logged with its traceback, and the client told, as before the headers
             log.exception("request %s failed during its stream", run.ctx.request_id)
             error = APIError(
                 500,
@@ -229,8 +231,9 @@ async def _events(run: RequestRun, fmt, include_usage: bool):
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation is closed
-    here, outside the stream's cancelled task group, so aborting and recording cannot be cut short."""
+    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation
+    is closed here, outside the stream's cancelled task group, so aborting and recording cannot be
+    cut short."""
 
     def __init__(self, content, run: RequestRun):
         super().__init__(
