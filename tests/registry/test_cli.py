@@ -17,7 +17,8 @@ from loraplex.registry.cli import app
 
 @pytest.fixture
 def cli(tmp_path):
-    """cli(*args) -> result, on a registry under tmp_path/data (the default layout of --data-dir)."""
+    """cli(*args) -> result, on a registry under tmp_path/data (the default layout of
+    --data-dir)."""
     runner = CliRunner()
 
     def run(*args: str, ok: bool = True):

@@ -10,7 +10,8 @@ import sys
 import pytest
 from sqlalchemy import text
 
-# Runs `registry add` in a child process that stops at one point and says so; the test then kills it.
+# Runs `registry add` in a child process that stops at one point and says so; the test then kills
+# it.
 CHILD = r"""
 import sys, time
 from sqlalchemy import Engine, event

@@ -1,4 +1,5 @@
-"""Admission control: a bounded waiting queue and per-tenant concurrency (429 + Retry-After), body limit."""
+"""Admission control: a bounded waiting queue and per-tenant concurrency (429 + Retry-After), body
+limit."""
 
 import threading
 
@@ -7,10 +8,11 @@ import openai
 import pytest
 from harness import KEYS, MODEL
 
+# room for a stream that outlives the test steps
 LONG = {
     "max_model_len": 4096,
     "kv_cache_bytes": 16 * 2**20,
-}  # room for a stream that outlives the test steps
+}
 
 
 def _open_stream(running, tenant: str, model: str):

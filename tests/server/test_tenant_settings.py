@@ -15,10 +15,11 @@ from loraplex.registry.signing import (
     sign_digest,
 )
 
+# room for a stream that outlives the test steps
 LONG = {
     "max_model_len": 4096,
     "kv_cache_bytes": 16 * 2**20,
-}  # room for a stream that outlives the test steps
+}
 
 
 def _open_stream(running, tenant: str, model: str):
