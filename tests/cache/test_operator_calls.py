@@ -171,8 +171,8 @@ def test_forget_is_one_step_for_the_step_loop():
 
 def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees():
     """Pinned to gpu while both slots run requests: its load lands in cpu with no slot to take. It
-    used to stay there for good ("pinned: gpu", tier cpu) while unpinned adapters kept the slots;
-    now it takes the first slot that a finished request leaves, when no request waits for one."""
+    takes the first slot that a finished request leaves, when no request waits for one, rather than
+    stay in cpu for good ("pinned: gpu", tier cpu) while unpinned adapters keep the slots."""
     cache, now, executor, _ = make_cache(slots=2)
     busy = [ref("a"), ref("b")]
     for r in busy:

@@ -225,10 +225,10 @@ def _pin_of(running, name, revision):
 def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_period(
     start, adapter_variants
 ):
-    """A name's pin moves to the revision promoted after it (it stayed on the old one, holding a
-    slot for good, and pinning the name again answered 409), for a promote here and for a rollback
-    made by another process (the registry CLI); the revision that leaves traffic is kept in host
-    memory for the registry's grace period."""
+    """A name's pin moves to the revision promoted after it (rather than hold a slot for the old
+    one for good, with a second pin of the name answered 409), for a promote here and for a
+    rollback made by another process (the registry CLI); the revision that leaves traffic is kept
+    in host memory for the registry's grace period."""
 
     def register(registry):
         registry.pin("shared-a", tier="gpu")
@@ -413,8 +413,7 @@ def test_a_pin_of_one_revision_stays_on_it_and_an_unpin_elsewhere_releases_it(
 
 def test_a_pin_moved_to_a_tier_that_refuses_it_leaves_no_pin_in_the_old_tier(start):
     """`registry pin --tier gpu`, then `--tier cpu` elsewhere, where the cpu pin cannot be made: the
-    gpu pin stayed for good although the registry no longer asks for it (and a start would not make
-    it)."""
+    gpu pin goes too, since the registry no longer asks for it (and a start would not make it)."""
     with start(engine={"max_cpu_loras": 1}, registry_watch_s=3600) as running:
         # one host copy: no cpu pin fits
         elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")

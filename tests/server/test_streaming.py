@@ -71,7 +71,7 @@ def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(
 ):
     """An adapter whose bytes are behind a store that never answers: its requests wait for the load.
     Their clients leave (a plain request and a stream), and both requests leave the queue at once
-    (they used to stay until their first token: a load, then a prefill, for nobody)."""
+    rather than stay until their first token (a load, then a prefill, for nobody)."""
     silent = socket.socket()  # accepts connections, never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen()
