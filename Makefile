@@ -1,4 +1,4 @@
-# Two entry points a fresh machine needs: `make demo` and `make test`. Both set up .venv first.
+# Entry points a fresh machine needs: `make demo`, `make test` and `make lint`. Each sets up .venv first.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ $(BIN)/loraplex: pyproject.toml requirements.lock
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: setup demo test
+.PHONY: setup demo test lint
 setup: $(BIN)/loraplex
 
 demo: setup
@@ -18,3 +18,8 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# What CI holds the tree to: ruff's rules (pyproject.toml) and its formatting, no finding left.
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench

@@ -1,20 +1,23 @@
-"""Time to ready per tier: adapter bytes from remote / disk / cpu into a device slot, ours vs the limit and PEFT.
+"""Time to ready per tier: adapter bytes from remote / disk / cpu into a device slot, ours vs the
+limit and PEFT.
 
-    python bench/adapter_load.py [--quick] [--repeats 5] [--threads 1] [--device cpu|cuda] [--json OUT]
+    python bench/adapter_load.py [--quick] [--repeats 5] [--threads 1] [--device cpu|cuda]
+        [--json OUT]
 
-Shapes: a small Llama (4 layers, hidden 512) and the adapter tensors of a 4096-hidden, 32-layer model in
-bfloat16 (only the slot pool of that shape is allocated; no base weights are needed). Ours goes through the real
-AdapterCache: digest check (by the piece list a registration records, BLAKE3 pieces hashed on several threads; the
-`disk_one_sha256` column checks the digest alone, one sha256, as for revisions registered without pieces),
-validation, packing, one slot copy. The limit is `safetensors.torch.load_file` plus
-the copies into the slot (no digest check, no validation, no host copy kept); "limit + sha256" adds the mandatory
-digest check to it as its own pass over the file. Each repeat runs the limit and every tier of ours once, in turn,
-so that a change in the machine's load hits them alike. The baseline is `PeftModel.load_adapter` on the small model,
-with its default and with `low_cpu_mem_usage=True` (which skips initialising weights that are then overwritten).
-The remote tier is a real local HTTP server in its own process, with an added latency and bandwidth cap.
-With `--device cuda` the slot pools live on the GPU, our host copies are pinned, the limit copies from
-`load_file`'s host tensors into the GPU pool, PEFT's model is on the GPU, and every timing ends with a
-`torch.cuda.synchronize()`, so a copy still in flight is counted.
+Shapes: a small Llama (4 layers, hidden 512) and the adapter tensors of a 4096-hidden, 32-layer
+model in bfloat16 (only the slot pool of that shape is allocated; no base weights are needed). Ours
+goes through the real AdapterCache: digest check (by the piece list a registration records, BLAKE3
+pieces hashed on several threads; the `disk_one_sha256` column checks the digest alone, one sha256,
+as for revisions registered without pieces), validation, packing, one slot copy. The limit is
+`safetensors.torch.load_file` plus the copies into the slot (no digest check, no validation, no host
+copy kept); "limit + sha256" adds the mandatory digest check to it as its own pass over the file.
+Each repeat runs the limit and every tier of ours once, in turn, so that a change in the machine's
+load hits them alike. The baseline is `PeftModel.load_adapter` on the small model, with its default
+and with `low_cpu_mem_usage=True` (which skips initialising weights that are then overwritten). The
+remote tier is a real local HTTP server in its own process, with an added latency and bandwidth cap.
+With `--device cuda` the slot pools live on the GPU, our host copies are pinned, the limit copies
+from `load_file`'s host tensors into the GPU pool, PEFT's model is on the GPU, and every timing ends
+with a `torch.cuda.synchronize()`, so a copy still in flight is counted.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ from rich.table import Table
 from safetensors.torch import load_file, save_file
 from shaped_store import ShapedHandler, shaped_store_process
 
+from loraplex.artifacts import AllowList, ArtifactStore, Pieces, canonical_digest
 from loraplex.cache.cache import AdapterCache
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engine.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
-from loraplex.registry.store import AllowList, ArtifactStore, Pieces, canonical_digest
 
 SHAPES = {
     "small-512x4": {
@@ -101,8 +104,8 @@ def seconds(fn) -> float:
 
 @dataclass
 class Bench:
-    """One shape's fixtures: the slot pools (ours, and one the limit writes into directly), the remote store's URL
-    and where the work files go."""
+    """One shape's fixtures: the slot pools (ours, and one the limit writes into directly), the
+    remote store's URL and where the work files go."""
 
     name: str
     cfg: ModelConfig
@@ -140,8 +143,9 @@ class Bench:
         self.sync()
 
     def ours(self, src: Path, rank: int, digest: str, tier: str, pieces: Pieces | None) -> float:
-        """Seconds from acquire to a slot through a fresh AdapterCache, the adapter starting in `tier`; its bytes
-        checked by the registry's piece list, or by the digest alone (one sha256) without one."""
+        """Seconds from acquire to a slot through a fresh AdapterCache, the adapter starting in
+        `tier`; its bytes checked by the registry's piece list, or by the digest alone (one sha256)
+        without one."""
         disk = DiskTier(
             self.work / f"{self.name}-disk-{tier}-{time.perf_counter_ns()}",
             10 * 2**30,
@@ -167,9 +171,8 @@ class Bench:
         self.sync()
         elapsed = time.perf_counter() - start
         cache.release(key)
-        cache.evict(
-            key
-        )  # free the host copy now: a dropped cache is in a reference cycle and waits for the gc
+        # free the host copy now: a dropped cache is in a reference cycle and waits for the gc
+        cache.evict(key)
         cache.close()
         return elapsed
 
@@ -197,9 +200,8 @@ class Bench:
         }
         for column, values in times.items():
             row[f"{column}_ms"] = round(statistics.median(values) * 1000, 2)
-            row[f"{column}_min_ms"] = round(
-                min(values) * 1000, 2
-            )  # noise only adds: the fastest round, for reference
+            # noise only adds: the fastest round, for reference
+            row[f"{column}_min_ms"] = round(min(values) * 1000, 2)
         row["disk_vs_limit"] = round(row["disk_ms"] / row["limit_ms"], 2)
         row["disk_vs_limit_sha256"] = round(row["disk_ms"] / row["limit_sha256_ms"], 2)
         row["disk_one_sha256_vs_limit"] = round(row["disk_one_sha256_ms"] / row["limit_ms"], 2)
@@ -231,8 +233,9 @@ def bench_shape(
 def bench_peft(
     ranks: list[int], repeats: int, work: Path, device: torch.device
 ) -> dict[int, dict[str, float]]:
-    """PeftModel.load_adapter into an already wrapped small model (the baseline users run today): its safetensors
-    read, module injection and weight copy. Both with PEFT's default and with low_cpu_mem_usage=True."""
+    """PeftModel.load_adapter into an already wrapped small model (the baseline users run today):
+    its safetensors read, module injection and weight copy. Both with PEFT's default and with
+    low_cpu_mem_usage=True."""
     import transformers
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -306,9 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             timings = peft[row["rank"]]
             row["peft_ms"] = round(timings["default"], 2)
             row["peft_low_cpu_mem_ms"] = round(timings["low_cpu_mem"], 2)
-            row["peft_vs_disk"] = round(
-                min(timings.values()) / row["disk_ms"], 1
-            )  # PEFT's faster option
+            # PEFT's faster option
+            row["peft_vs_disk"] = round(min(timings.values()) / row["disk_ms"], 1)
     table = Table(title=f"Adapter time to ready (median ms): into one slot of the pool on {device}")
     columns = [
         "shape",

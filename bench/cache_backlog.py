@@ -1,12 +1,15 @@
-"""What the cache's `acquire` costs the step loop under a backlog: microseconds per call as the waiting queue grows.
+"""What the cache's `acquire` costs the step loop with many requests waiting: microseconds per call
+as the number of waiting requests grows.
 
-    python bench/cache_backlog.py [--waiting 100,250,500,1000] [--json bench/results/cache_backlog.json]
+    python bench/cache_backlog.py [--waiting 100,250,500,1000]
+        [--json bench/results/cache_backlog.json]
 
-The real `AdapterCache` (`score`) with the fake slot pool and executor of the cache tests (no torch): 2,000 adapters
-seen, one slot held by a running request, host memory for 50 copies (`max_cpu_loras` 50) all asked for by waiting
-requests, and N more waiting requests whose adapters are not in host memory (their loads wait for room). The engine's
-scheduler calls `acquire` for every waiting request at every step, so a step's scheduling costs N times the figure
-here; a cost per call that grows with N makes a backlog's steps quadratic.
+The real `AdapterCache` (`score`) with the fake slot pool and executor of the cache tests (no
+torch): 2,000 adapters seen, one slot held by a running request, host memory for 50 copies
+(`max_cpu_loras` 50) all asked for by waiting requests, and N more waiting requests whose adapters
+are not in host memory (their loads wait for room). The engine's scheduler calls `acquire` for every
+waiting request at every step, so a step's scheduling costs N times the figure here; a cost per call
+that grows with N makes the steps quadratic in the waiting requests.
 """
 
 from __future__ import annotations
@@ -98,7 +101,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(int(n)) for n in args.waiting.split(",")]
     table = Table(
-        title=f"acquire under a backlog ({COPIES} host copies asked for, one slot held, {STEPS} steps)"
+        title=(
+            f"acquire with many requests waiting ({COPIES} host copies asked for, one slot held, "
+            f"{STEPS} steps)"
+        )
     )
     for col in ("waiting requests", "µs per acquire", "scheduling ms per step"):
         table.add_column(col, justify="right")

@@ -1,19 +1,22 @@
 """Cache policies in the real engine: the seed scenario and Zipf workloads, `lru` vs `score`.
 
-    python bench/cache_policy.py [--quick] [--seeds 3] [--threads 1] [--workloads hot-burst,no-burst]
-                                 [--device cpu|cuda] [--seconds 20] [--rate 4] [--json bench/results/cache_policy.json]
+    python bench/cache_policy.py [--quick] [--seeds 3] [--threads 1]
+        [--workloads hot-burst,no-burst] [--device cpu|cuda] [--seconds 20] [--rate 4]
+        [--json bench/results/cache_policy.json]
 
-Each workload is replayed open-loop against an LLMEngine (arrivals at their trace times, the step loop running
-as fast as it can): time to first token is measured from a request's arrival to its first token. Two set-ups:
-`disk` (every adapter on local disk; an eviction costs a disk reload) and `remote` (a disk budget of a few
-adapters, so evicted adapters fall back to a real local HTTP store in its own process, with 50 ms latency and
-200 MB/s). Every workload runs once per seed (its own arrivals); a row pools the requests of all seeds, so a p99
-rests on a few slow requests rather than on the slowest one. The seed scenario starts with its hot adapters
-loaded (their cold start is not what it measures). `burst-compute` is its control: the burst's requests at the
-same times but on the hot adapters, so the compute they add without any load or eviction. `shift` is a change of
-traffic: the seed scenario, then Zipf(0.9) over other adapters at 4 requests/s for three times as long, on the
-same engine (how soon the cache stops favouring the adapters whose traffic stopped); `shift-control` replays the
-same Zipf requests on a fresh engine.
+Each workload is replayed open-loop against an LLMEngine (arrivals at their trace times, the step
+loop running as fast as it can): time to first token is measured from a request's arrival to its
+first token. Two set-ups:
+`disk` (every adapter on local disk; an eviction costs a disk reload) and `remote` (a disk budget of
+a few adapters, so evicted adapters fall back to a real local HTTP store in its own process, with 50
+ms latency and 200 MB/s). Every workload runs once per seed (its own arrivals); a row pools the
+requests of all seeds, so a p99 rests on a few slow requests rather than on the slowest one. The
+seed scenario starts with its hot adapters loaded (their cold start is not what it measures).
+`burst-compute` is its control: the burst's requests at the same times but on the hot adapters, so
+the compute they add without any load or eviction. `shift` is a change of traffic: the seed
+scenario, then Zipf(0.9) over other adapters at 4 requests/s for three times as long, on the same
+engine (how soon the cache stops favouring the adapters whose traffic stopped); `shift-control`
+replays the same Zipf requests on a fresh engine.
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from adapter_load import write_adapter
 from shaped_store import ShapedHandler, shaped_store_process
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
 from loraplex.model_config import ModelConfig
-from loraplex.registry.store import ArtifactStore
 
 RANKS = (8, 16, 32, 64)
 CONTROLS = ("no-burst", "burst-compute", "shift-control")
@@ -69,7 +72,8 @@ def build_model(out: Path) -> Path:
 def hot_burst(
     num_hot: int, num_cold: int, seconds: float, rate: float, rng: random.Random
 ) -> list[tuple]:
-    """Steady traffic on a few hot adapters, then a batch tenant sweeping cold adapters once each."""
+    """Steady traffic on a few hot adapters, then a batch tenant sweeping cold adapters once
+    each."""
     trace, t = [], 0.0
     while t < seconds:
         t += rng.expovariate(rate)
@@ -111,8 +115,9 @@ def replay(
             if out.error is not None:
                 record["error"] = str(out.error)
         if not engine.scheduler.running:
-            # Nothing to compute: wait for an arrival or a load, as the server's step loop does (AsyncEngine). A
-            # loop that steps again at once holds the GIL the load threads need (a 2 MB load takes 3-4 s so).
+            # Nothing to compute: wait for an arrival or a load, as the server's step loop does
+            # (AsyncEngine). A loop that steps again at once holds the GIL the load threads need (a
+            # 2 MB load takes 3-4 s so).
             wait = 0.001 if engine.adapters.loading or not pending else 0.002
             if pending:
                 wait = min(wait, max(0.0, pending[0][0] - (time.perf_counter() - start)))
@@ -160,13 +165,15 @@ def summarize(runs: list[tuple[list[dict], dict]], window: tuple[float, float] |
         if window
         else None,
         "all_ttft_p99_ms": pct([r["ttft"] for r in records], 0.99),
-        # the shift workloads: the requests of the traffic that follows the seed scenario (or of its control)
+        # the shift workloads: the requests of the traffic that follows the seed scenario (or of its
+        # control)
         "shifted_gpu_hit": round(sum(r["tier"] == "gpu" for r in shifted) / len(shifted), 3)
         if shifted
         else None,
         "shifted_ttft_p50_ms": pct([r["ttft"] for r in shifted], 0.5) if shifted else None,
         "shifted_ttft_p99_ms": pct([r["ttft"] for r in shifted], 0.99) if shifted else None,
-        # what the tail is made of: the slowest hot requests of the burst window, with the tier each found
+        # what the tail is made of: the slowest hot requests of the burst window, with the tier each
+        # found
         "slowest_hot_in_burst": sorted(
             (
                 {
@@ -249,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-adapters",
         type=int,
         default=8,
-        help="host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the slots: 4)",
+        help=(
+            "host memory, in adapters of the largest size (vLLM's max_cpu_loras defaults to the "
+            "slots: 4)"
+        ),
     )
     parser.add_argument("--device", default="cpu", help="the engine's device: cpu or cuda")
     parser.add_argument("--seconds", type=float, help="length of each trace (default 20; quick 6)")
@@ -279,15 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         burst = hot_burst(4, 20, seconds, args.rate, random.Random(seed))
         workloads.setdefault("hot-burst", []).append(burst)
         workloads.setdefault("no-burst", []).append([x for x in burst if x[2] == "hot"])
-        # the control: the burst's requests at the same times, on the hot adapters (its compute, none of its loads)
+        # the control: the burst's requests at the same times, on the hot adapters (its compute,
+        # none of its loads)
         workloads.setdefault("burst-compute", []).append(
             [
                 (t, f"hot{int(name[4:]) % 4}" if group == "cold" else name, group)
                 for t, name, group in burst
             ]
         )
-        # a change of traffic: Zipf(0.9) over other adapters right after the seed scenario, on the same engine,
-        # and the same Zipf requests on a fresh engine (the control)
+        # a change of traffic: Zipf(0.9) over other adapters right after the seed scenario, on the
+        # same engine, and the same Zipf requests on a fresh engine (the control)
         after = [
             (t, name, "shifted")
             for t, name, _ in zipf(

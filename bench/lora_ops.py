@@ -1,12 +1,15 @@
-"""One LoRA linear layer, many adapters in one batch: our op against the base matmul, PEFT and pad-to-max-rank.
+"""One LoRA linear layer, many adapters in one batch: our op against the base matmul, PEFT and
+pad-to-max-rank.
 
-    python bench/lora_ops.py [--quick] [--dtype float32|bfloat16] [--threads N] [--device cpu|cuda] [--json OUT]
+    python bench/lora_ops.py [--quick] [--dtype float32|bfloat16] [--threads N] [--device cpu|cuda]
+        [--json OUT]
 
-Each case is one linear layer (d_in × d_out) and T tokens spread over N adapters whose ranks are drawn from
-{8, 16, 32, 64}. Tokens are sorted by slot, as the engine's runner sorts them, so an adapter's tokens sit
-together: T=16 (decode) on CUDA gives runs shorter than MIN_SEGMENT_TOKENS["cuda"] (gathered path); on CPU every run is a segment, T=512
-(prefill) gives segments. With N > T only T adapters appear in the batch. Every method's output is checked
-against ours before it is timed. On CUDA each timed call ends with a synchronize.
+Each case is one linear layer (d_in × d_out) and T tokens spread over N adapters whose ranks are
+drawn from {8, 16, 32, 64}. Tokens are sorted by slot, as the engine's runner sorts them, so an
+adapter's tokens sit together: T=16 (decode) on CUDA gives runs shorter than
+MIN_SEGMENT_TOKENS["cuda"] (gathered path); on CPU every run is a segment, T=512 (prefill) gives
+segments. With N > T only T adapters appear in the batch. Every method's output is checked against
+ours before it is timed. On CUDA each timed call ends with a synchronize.
 """
 
 from __future__ import annotations
@@ -64,9 +67,8 @@ class Layer:
 
     x: torch.Tensor  # [T, d_in]
     weight: torch.Tensor  # [d_out, d_in]
-    a: (
-        torch.Tensor
-    )  # [N, MAX_RANK, d_in], rows past an adapter's rank are zero (as in LoRASlotPool)
+    # [N, MAX_RANK, d_in], rows past an adapter's rank are zero (as in LoRASlotPool)
+    a: torch.Tensor
     bt: torch.Tensor  # [N, MAX_RANK, d_out], scaling folded in
     ranks: list[int]  # per slot
     token_slots: list[int]  # per token, sorted
@@ -112,7 +114,8 @@ class OneLinear(nn.Module):
 
 
 def peft_model(layer: Layer):
-    """PEFT's LoRA on one q_proj, adapter `a{slot}` holding the same A and B as the slot (alpha = r: scaling 1)."""
+    """PEFT's LoRA on one q_proj, adapter `a{slot}` holding the same A and B as the slot (alpha = r:
+    scaling 1)."""
     from peft import LoraConfig, get_peft_model
 
     model = None
@@ -180,14 +183,18 @@ def check(fns: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype) -> Non
     for name, fn in fns.items():
         if name != "base":
             torch.testing.assert_close(
-                fn().float(), expected, **tol, msg=lambda m: f"{name} differs from ours: {m}"
+                fn().float(),
+                expected,
+                **tol,
+                msg=lambda m, name=name: f"{name} differs from ours: {m}",
             )
 
 
 def time_methods(
     fns: dict[str, Callable[[], torch.Tensor]], repeats: int, warmup: int, device: torch.device
 ) -> dict[str, float]:
-    """Median seconds per method; methods are interleaved in each round so load from other jobs hits all alike."""
+    """Median seconds per method; methods are interleaved in each round so load from other jobs hits
+    all alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for round_ in range(warmup + repeats):

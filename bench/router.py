@@ -1,16 +1,18 @@
-"""Router policies over real worker processes: Zipf(0.9) over 100 adapters, and one adapter taking half the traffic.
+"""Router policies over real worker processes: Zipf(0.9) over 100 adapters, and one adapter taking
+half the traffic.
 
     python bench/router.py [--quick] [--json bench/results/router.json]
 
-Three `loraplex serve` workers (tiny model, `max_loras` 4, `--eviction-policy score`) and one `loraplex router`
-per policy, restarted for each run so every policy starts cold. The adapters live in a registry whose artifact
-store is a real local HTTP server with 50 ms latency per request and 200 MB/s (as a remote object store);
-each worker keeps 4 adapters in gpu slots, `--max-cpu-loras` in host memory (together the fleet can hold every
-adapter once, one worker cannot) and a small disk budget, so a miss on every local tier goes to the store.
-Each run starts with a warm-up sweep that sends every adapter once through the router under test (the fleet
-has served all of them before, as in production); then the measured trace is streamed open-loop at Poisson
-arrival times. Time to first token is measured at the client from send to the first streamed chunk; the tier
-header of each response says where the worker found the adapter (gpu, cpu, or a cold start from disk/remote).
+Three `loraplex serve` workers (tiny model, `max_loras` 4, `--eviction-policy score`) and one
+`loraplex router` per policy, restarted for each run so every policy starts cold. The adapters live
+in a registry whose artifact store is a real local HTTP server with 50 ms latency per request and
+200 MB/s (as a remote object store); each worker keeps 4 adapters in gpu slots, `--max-cpu-loras` in
+host memory (together the fleet can hold every adapter once, one worker cannot) and a small disk
+budget, so a miss on every local tier goes to the store. Each run starts with a warm-up sweep that
+sends every adapter once through the router under test (the fleet has served all of them before, as
+in production); then the measured trace is streamed open-loop at Poisson arrival times. Time to
+first token is measured at the client from send to the first streamed chunk; the tier header of each
+response says where the worker found the adapter (gpu, cpu, or a cold start from disk/remote).
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from adapter_load import write_adapter
 from cache_policy import build_model
 from shaped_store import ShapedHandler, serve_shaped
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.bench.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig
 from loraplex.registry import Registry
-from loraplex.registry.store import ArtifactStore
 
 POLICIES = ("round-robin", "least-loaded", "pure-affinity", "affinity")
 
@@ -124,7 +126,8 @@ def summarize(records: list[dict]) -> dict:
 
 
 def build_fleet_registry(tmp: Path, num_adapters: int) -> tuple[Path, str, str, str, object, int]:
-    """The model, a registry of `num_adapters` shared adapters whose bytes live only behind a shaped HTTP store."""
+    """The model, a registry of `num_adapters` shared adapters whose bytes live only behind a shaped
+    HTTP store."""
     model_dir = build_model(tmp / "model")
     cfg = ModelConfig.from_dir(model_dir)
     remote = ArtifactStore(tmp / "remote")
@@ -159,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     num_adapters = 30 if args.quick else 100
     n = 90 if args.quick else 300
-    cpu_loras = (
-        num_adapters * 2 // 5
-    )  # the fleet of 3 holds every adapter 1.2 times; one worker holds 40%
+    # the fleet of 3 holds every adapter 1.2 times; one worker holds 40%
+    cpu_loras = num_adapters * 2 // 5
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -1,6 +1,7 @@
-"""A static HTTP artifact store with a fixed latency per request and a bandwidth cap: the remote tier of the
-benchmarks. `serve_shaped` runs it on a thread of the calling process; `shaped_store_process` in a process of its
-own, as a real remote store is, so that its work never shares the interpreter (and its GIL) with the engine.
+"""A static HTTP artifact store with a fixed latency per request and a bandwidth cap: the remote
+tier of the benchmarks. `serve_shaped` runs it on a thread of the calling process;
+`shaped_store_process` in a process of its own, as a real remote store is, so that its work never
+shares the interpreter (and its GIL) with the engine.
 
     python bench/shaped_store.py ROOT    # serves ROOT/sha256, prints its URL
 """

@@ -1,11 +1,12 @@
 """How fast the simulator runs: requests simulated per second of CPU time, per workload and policy.
 
-    python bench/sim_speed.py [--repeat 3] [--quick] [--cases zipf,overloaded] [--json bench/results/sim_speed.json]
+    python bench/sim_speed.py [--repeat 3] [--quick] [--cases zipf,overloaded]
+        [--json bench/results/sim_speed.json]
 
-The five named workloads at their default capacities (what `loraplex simulate` runs), a hit-heavy single worker,
-an 8-worker fleet behind the affinity router and an overloaded one (waiting queues of hundreds). CPU time
-(`time.process_time`) is the figure to compare: on a shared machine wall time also counts the other jobs; both are
-reported, each the best of `--repeat` runs.
+The five named workloads at their default capacities (what `loraplex simulate` runs), a hit-heavy
+single worker, an 8-worker fleet behind the affinity router and an overloaded one (waiting queues of
+hundreds). CPU time (`time.process_time`) is the figure to compare: on a shared machine wall time
+also counts the other jobs; both are reported, each the best of `--repeat` runs.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""On one GPU: plain vLLM against loraplex on vLLM (`serve --engine vllm`), the same model, adapters and traces.
+"""On one GPU: plain vLLM against loraplex on vLLM (`serve --engine vllm`), the same model, adapters
+and traces.
 
     python bench/vs_vllm_gpu.py OUT_DIR [--adapters 64] [--quick] [--json OUT.json]
 
-The model is built here with random weights in the shape of Llama-3-8B (32 layers, hidden 4096, 32 heads, 8 KV
-heads, bf16; nothing is downloaded), the adapters too (ranks 8 to 64 over the attention projections). Both
-servers get the same limits (`--max-loras 8`, `--max-cpu-loras 32`, `--max-lora-rank 64`); the workloads are the
-seed scenario (4 hot adapters, then a sweep of cold ones), Zipf(0.9) and uniform over every adapter, replayed
-open-loop (TTFT, TPOT) and closed-loop (throughput) by `loraplex bench serve`. Goals: loraplex's throughput at
-least 0.95x plain vLLM's, and a better hot-adapter p99 TTFT in the seed scenario. Before the traces, a greedy
-request per adapter of a sample must give the same text on both servers.
+The model is built here with random weights in the shape of Llama-3-8B (32 layers, hidden 4096, 32
+heads, 8 KV heads, bf16; nothing is downloaded), the adapters too (ranks 8 to 64 over the attention
+projections). Both servers get the same limits (`--max-loras 8`, `--max-cpu-loras 32`,
+`--max-lora-rank 64`); the workloads are the seed scenario (4 hot adapters, then a sweep of cold
+ones), Zipf(0.9) and uniform over every adapter, replayed open-loop (TTFT, TPOT) and closed-loop
+(throughput) by `loraplex bench serve`. Goals: loraplex's throughput at least 0.95x plain vLLM's,
+and a better hot-adapter p99 TTFT in the seed scenario. Before the traces, a greedy request per
+adapter of a sample must give the same text on both servers.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def build_model(out: Path) -> Path:
 
 
 def build_adapters(model_dir: Path, out: Path, count: int) -> dict[str, Path]:
-    """`count` PEFT adapters with random weights, ranks cycling 8, 16, 32, 64, on q/k/v/o of every layer."""
+    """`count` PEFT adapters with random weights, ranks cycling 8, 16, 32, 64, on q/k/v/o of every
+    layer."""
     import torch
     from safetensors.torch import save_file
 

@@ -1,4 +1,5 @@
-"""Validating an adapter from its directory or from its bytes in memory: the same spec, the same refusals."""
+"""Validating an adapter from its directory or from its bytes in memory: the same spec, the same
+refusals."""
 
 import dataclasses
 import json
@@ -103,7 +104,8 @@ def test_files_in_memory_without_weights_or_config_are_refused(
         ({"rank_pattern": ["q_proj"]}, "rank_pattern"),
         ({"alpha_pattern": {"q_proj": "8"}}, "alpha_pattern"),
         ({"rank_pattern": {"q_proj(": 4}}, "rank_pattern"),
-        # Not finite: every logit of the adapter's requests is NaN (json.dumps writes Infinity and NaN, as a file may).
+        # Not finite: every logit of the adapter's requests is NaN (json.dumps writes Infinity and
+        # NaN, as a file may).
         ({"lora_alpha": float("inf")}, "lora_alpha"),
         ({"lora_alpha": float("nan")}, "lora_alpha"),
         ({"alpha_pattern": {"q_proj": float("-inf")}}, "alpha_pattern"),
@@ -112,7 +114,8 @@ def test_files_in_memory_without_weights_or_config_are_refused(
 def test_config_values_of_the_wrong_kind_are_refused_naming_the_field(
     llama_dir, llama_adapters, change, field
 ):
-    """Not a TypeError, AttributeError or re.error from deep inside (a 500, or a traceback at start-up)."""
+    """Not a TypeError, AttributeError or re.error from deep inside (a 500, or a traceback at
+    start-up)."""
     cfg = ModelConfig.from_dir(llama_dir)
     files = files_of(llama_adapters["attn-r8"])
     files[CONFIG_FILE] = json.dumps({**json.loads(files[CONFIG_FILE]), **change}).encode()

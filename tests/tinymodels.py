@@ -1,4 +1,5 @@
-"""Tiny random models (transformers) and adapters (peft) built locally for the tests; nothing is downloaded."""
+"""Tiny random models (transformers) and adapters (peft) built locally for the tests; nothing is
+downloaded."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
     return out
 
 
-# name -> LoraConfig arguments; covers ranks 4/8/16, alpha != r, rslora, attention-only, MLP-only, patterns.
+# name -> LoraConfig arguments; covers ranks 4/8/16, alpha != r, rslora, attention-only, MLP-only,
+# patterns.
 ADAPTERS = {
     "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "mlp-r4": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
@@ -138,7 +140,8 @@ def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
 
 
 def peft_reference(model_dir: Path, adapters: dict[str, Path]):
-    """HF transformers + PEFT with every adapter loaded: the reference our numbers are checked against."""
+    """HF transformers + PEFT with every adapter loaded: the reference our numbers are checked
+    against."""
     import transformers
     from peft import PeftModel
 

@@ -1,4 +1,5 @@
-"""Reading and validating a PEFT LoRA adapter from its config and safetensors header only (no torch)."""
+"""Reading and validating a PEFT LoRA adapter from its config and safetensors header only (no
+torch)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class AdapterSpec:
     estimated_bytes: int
     actual_bytes: int
     elements: int = 0
-    """Numbers in the LoRA weights (A and B of every module): times the serving dtype's size, the host copy."""
-    # the weights file's layout when validated from its bytes (pack_adapter then need not read the header again)
+    """Numbers in the LoRA weights (A and B of every module): times the serving dtype's size, the
+    host copy."""
+    # the weights file's layout when validated from its bytes (pack_adapter then need not read the
+    # header again)
     layout: SafetensorsLayout | None = field(default=None, compare=False, repr=False)
 
 
@@ -66,9 +69,8 @@ class AdapterSpec:
 class SafetensorsLayout:
     """A safetensors file's header: where its data section starts and how long it is."""
 
-    tensors: dict[
-        str, dict
-    ]  # name -> {"dtype", "shape", "data_offsets"}; offsets count from data_start
+    # name -> {"dtype", "shape", "data_offsets"}; offsets count from data_start
+    tensors: dict[str, dict]
     data_start: int
     data_bytes: int
 
@@ -134,7 +136,8 @@ def _naturals(values) -> bool:
 def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
     """The tensors fill the data section exactly, in order, each as long as its shape and dtype say.
 
-    So that a view of any tensor's bytes stays inside the file (as the safetensors library itself requires).
+    So that a view of any tensor's bytes stays inside the file (as the safetensors library itself
+    requires).
     """
     end = 0
     for key, info in sorted(layout.tensors.items(), key=lambda item: item[1]["data_offsets"]):
@@ -142,7 +145,8 @@ def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
         if begin != end or stop - begin != math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]:
             raise AdapterRejected(
                 name,
-                f"{key}: data_offsets {info['data_offsets']} do not follow the previous tensor or fit its shape",
+                f"{key}: data_offsets {info['data_offsets']} do not follow the previous tensor or "
+                "fit its shape",
             )
         end = stop
     if end != layout.data_bytes:
@@ -179,13 +183,18 @@ def _parse_config(raw: bytes) -> dict:
     return config
 
 
-# PEFT LoRA variants whose forward pass is not the plain x·Aᵀ·Bᵀ·scaling on every token, keyed by the config field
-# that turns them on. Their weights can look like a plain LoRA's, so serving one would compute another function.
+# PEFT LoRA variants whose forward pass is not the plain x·Aᵀ·Bᵀ·scaling on every token, keyed by
+# the config field that turns them on. Their weights can look like a plain LoRA's, so serving one
+# would compute another function.
 _VARIANTS = {
     "use_dora": "DoRA adapters are not supported",
-    "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter applies only after its invocation tokens) is not "
-    "supported",
-    "layer_replication": "layer replication (the adapter runs on a rebuilt stack of layers) is not supported",
+    "alora_invocation_tokens": (
+        "activated LoRA (aLoRA: the adapter applies only after its invocation tokens) is not "
+        "supported"
+    ),
+    "layer_replication": (
+        "layer replication (the adapter runs on a rebuilt stack of layers) is not supported"
+    ),
     "use_qalora": "QA-LoRA (pooled inputs) is not supported",
     "use_bdlora": "block-diagonal LoRA is not supported",
     "arrow_config": "Arrow (routing among several LoRAs) is not supported",
@@ -252,10 +261,11 @@ def _check_config(config: dict) -> None:
 
 
 def _config_selects(config: dict, path: str, layer: int) -> bool:
-    """Whether PEFT, reading this config, puts a LoRA on the module at `path` (its matching rules: a string is a
-    regex the whole path must match, a list names path suffixes, and then `layers_to_transform` limits the
-    layers). PEFT ignores the weights of a module it does not select, so serving them would serve another adapter.
-    A config without `target_modules` selects by the weights."""
+    """Whether PEFT, reading this config, puts a LoRA on the module at `path` (its matching rules: a
+    string is a regex the whole path must match, a list names path suffixes, and then
+    `layers_to_transform` limits the layers). PEFT ignores the weights of a module it does not
+    select, so serving them would serve another adapter. A config without `target_modules` selects
+    by the weights."""
 
     def named(names) -> bool:
         if isinstance(names, str):
@@ -289,7 +299,8 @@ def _pattern_value(patterns: dict, key: str, default):
 
 
 def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> AdapterSpec:
-    """Validate an adapter directory against the base model; raise AdapterRejected naming the field and reason."""
+    """Validate an adapter directory against the base model; raise AdapterRejected naming the field
+    and reason."""
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
     return _adapter_spec(
@@ -300,7 +311,8 @@ def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> 
 def adapter_from_files(
     files: Mapping[str, bytes | bytearray | memoryview], model: ModelConfig, max_rank: int
 ) -> AdapterSpec:
-    """Validate an adapter held in memory (file name -> bytes, as the cache reads and digest-checks it)."""
+    """Validate an adapter held in memory (file name -> bytes, as the cache reads and digest-checks
+    it)."""
     for name, what in ((WEIGHTS_FILE, "weights"), (CONFIG_FILE, "config")):
         if name not in files:
             raise AdapterRejected(what, f"missing {name}")
@@ -420,8 +432,8 @@ def _adapter_spec(
 def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
     """Why the adapter's config names another base model than `base_name`; None when it does not.
 
-    Names compare by their last path component, case-insensitively, so that a hub id `org/Model` and a
-    local directory `/models/Model` match. An adapter that names no base model names no other one.
+    Names compare by their last path component, case-insensitively, so that a hub id `org/Model` and
+    a local directory `/models/Model` match. An adapter that names no base model names no other one.
     """
     if not spec.base_model_name or _model_stem(spec.base_model_name) == _model_stem(base_name):
         return None

@@ -1,4 +1,5 @@
-"""The base model's shape, read from a Hugging Face `config.json` (no torch: the registry uses it too)."""
+"""The base model's shape, read from a Hugging Face `config.json` (no torch: the registry uses it
+too)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class ModelConfig:
             if archs or model_type not in by_type:
                 found = ", ".join(archs) or model_type or "none"
                 raise ModelConfigError(
-                    f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                    f"unsupported architecture {found}; supported: "
+                    f"{', '.join(SUPPORTED_ARCHITECTURES)}"
                 )
             arch = by_type[model_type]
         model_type = SUPPORTED_ARCHITECTURES[arch]
@@ -124,7 +126,8 @@ class ModelConfig:
 
     @staticmethod
     def module_path(layer: int, module: str) -> str:
-        """The module's name inside the HF model, as PEFT keys it (`model.layers.3.self_attn.q_proj`)."""
+        """The module's name inside the HF model, as PEFT keys it
+        (`model.layers.3.self_attn.q_proj`)."""
         block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
         return f"model.layers.{layer}.{block}.{module}"
 
@@ -150,7 +153,8 @@ def _as_ids(value) -> tuple[int, ...]:
 
 
 def base_model_digest(model_dir: str | Path) -> str:
-    """sha256 over config.json and the weights' names and sizes (cheap; identifies a base model build)."""
+    """sha256 over config.json and the weights' names and sizes (cheap; identifies a base model
+    build)."""
     root = Path(model_dir)
     h = hashlib.sha256()
     h.update((root / "config.json").read_bytes())

@@ -1,4 +1,5 @@
-"""`loraplex bench serve` against a real worker (more adapters than slots), and its summary on fake records."""
+"""`loraplex bench serve` against a real worker (more adapters than slots), and its summary on fake
+records."""
 
 import asyncio
 import json
@@ -46,7 +47,8 @@ def worker(llama_dir, llama_adapters, tmp_path_factory):
 
 
 def small_trace(n: int = 24) -> list[Request]:
-    """Zipf over the worker's four adapters (`ad-0` the most popular), two tenants, short requests."""
+    """Zipf over the worker's four adapters (`ad-0` the most popular), two tenants, short
+    requests."""
     spec = WorkloadSpec(
         name="ad",
         seed=3,
@@ -62,6 +64,7 @@ def small_trace(n: int = 24) -> list[Request]:
 
 
 def bench(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    # pytest sets 80: keep table rows whole
     return subprocess.run(
         [sys.executable, "-m", "loraplex.cli", "bench", "serve", *map(str, args)],
         capture_output=True,
@@ -69,7 +72,7 @@ def bench(*args, timeout: float = 300) -> subprocess.CompletedProcess:
         timeout=timeout,
         check=False,
         env={**os.environ, "COLUMNS": "200"},
-    )  # pytest sets 80: keep table rows whole
+    )
 
 
 def requests_total(url: str) -> Counter:
@@ -92,9 +95,8 @@ def check_summary(summary: dict, n: int) -> None:
     tiers = summary["tiers"]
     assert sum(tiers.values()) == n
     assert tiers["unknown"] == 0  # a loraplex worker always says
-    assert tiers["gpu"] > 0 and summary["cold_starts"] > 0, (
-        tiers
-    )  # 4 adapters, 2 slots: hits and cold starts
+    # 4 adapters, 2 slots: hits and cold starts
+    assert tiers["gpu"] > 0 and summary["cold_starts"] > 0, tiers
     assert summary["cold_starts"] == tiers["cpu"] + tiers["disk"] + tiers["remote"]
     assert summary["cold_start_rate"] == pytest.approx(summary["cold_starts"] / n, abs=1e-3)
     assert summary["latency"]["all"]["n"] == n
@@ -132,9 +134,8 @@ def test_open_loop_replays_a_trace_file_with_tenant_keys(worker, tmp_path):
     assert summary["trace"]["requests"] == len(trace)
     records = summary["records"]
     assert [r["model"] for r in records] == [r.adapter for r in trace]
-    assert all(
-        r["output_tokens"] == req.output_tokens for r, req in zip(records, trace)
-    )  # ignore_eos held
+    # ignore_eos held
+    assert all(r["output_tokens"] == req.output_tokens for r, req in zip(records, trace))
     # The worker counted every request, each under its trace tenant's key.
     sent = Counter((r.tenant, "200") for r in trace)
     assert delta(requests_total(url), before) == sent
@@ -181,11 +182,12 @@ def test_closed_loop_maps_a_named_workload_onto_served_adapters(worker, tmp_path
     }
     assert summary["trace"] == {"source": "zipf", "seed": 0, "requests": 20}
     assert "records" not in summary  # no per-request list without --per-request
+    # no trace times to be late for
     assert summary["send_lag_ms"] == {
         "p50": None,
         "p95": None,
         "p99": None,
-    }  # no trace times to be late for
+    }
     assert delta(requests_total(url), before) == Counter({("bob", "200"): 20})
 
 
@@ -193,6 +195,7 @@ def test_errors_are_counted_by_code(worker, tmp_path):
     url, _ = worker
     keys = tmp_path / "keys.txt"  # alice's key is right, bob's is wrong
     keys.write_text(f"alice {KEYS['alice']}\nbob wrong-key-0123456789abcdef\n")
+    # 3 × 404, 3 ok
     alice = [
         "no-such-adapter",
         "ad-0",
@@ -200,7 +203,7 @@ def test_errors_are_counted_by_code(worker, tmp_path):
         None,
         "no-such-adapter",
         "ad-0",
-    ]  # 3 × 404, 3 ok
+    ]
     sent = [("alice", a) for a in alice] + [("bob", "ad-0")] * 6  # 6 × 401
     trace = [Request(0.01 * i, tenant, adapter, 8, 3) for i, (tenant, adapter) in enumerate(sent)]
     write_trace(trace, tmp_path / "trace.jsonl")
@@ -223,11 +226,12 @@ def test_errors_are_counted_by_code(worker, tmp_path):
     assert summary["ok"] == 3 and summary["failed"] == 9
     assert sum(summary["tiers"].values()) == 3
     ok = [r for r in summary["records"] if r["code"] == "200"]
+    # the base model's name from /v1/models
     assert sorted(r["model"] for r in ok) == [
         "ad-0",
         "ad-0",
         "base",
-    ]  # the base model's name from /v1/models
+    ]
     assert all(r["tier"] == "unknown" for r in summary["records"] if r["code"] == "401")
     assert delta(requests_total(url), before) == Counter(
         {("unauthenticated", "401"): 6, ("alice", "404"): 3, ("alice", "200"): 3}
@@ -259,7 +263,7 @@ def test_unknown_workload_is_a_clear_error():
     assert "unknown workload 'nope'" in done.stderr and "zipf" in done.stderr
 
 
-# -- pure: the summary of fake records ---------------------------------------------------------------------------
+# -- pure: the summary of fake records -------------------------------------------------------------
 def rec(i, tier="gpu", code="200", ttft=0.1, e2e=0.5, tokens=5) -> Record:
     return Record(i, "t", "m", code, tier, sent_s=0.0, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens)
 
@@ -287,9 +291,8 @@ def test_summary_splits_by_tier_and_counts_cold_starts_and_errors():
     assert s["errors"] == {"404": 1, "connect": 1, "stream:adapter_unavailable": 1}
     assert s["tiers"] == {"gpu": 2, "cpu": 1, "disk": 0, "remote": 1, "unknown": 1}
     assert s["cold_starts"] == 2 and s["cold_start_rate"] == 0.5  # unknown is neither warm nor cold
-    assert (
-        s["storage_loads"] == 1 and s["storage_load_rate"] == 0.25
-    )  # as loraplex plan counts: disk and remote
+    # as loraplex plan counts: disk and remote
+    assert s["storage_loads"] == 1 and s["storage_load_rate"] == 0.25
     assert s["throughput"] == {"requests_per_s": 2.5, "output_tokens_per_s": 12.5}
     assert set(s["latency"]) == {"all", "gpu", "cpu", "remote", "unknown"}
     assert s["latency"]["gpu"]["ttft_ms"]["p50"] == 20.0
@@ -306,6 +309,7 @@ def test_tpot_needs_two_tokens():
 def test_adapters_map_by_popularity_and_prompts_are_deterministic():
     trace = [Request(i, "t", a, 10, 2) for i, a in enumerate(["x", "y", "y", None, "z", "y", "x"])]
     mapped = loadgen.prepare_trace(trace, adapters=["hot", "warm"], limit=6, max_prompt_tokens=4)
+    # y→hot, x→warm, z→hot
     assert [r.adapter for r in mapped] == [
         "warm",
         "hot",
@@ -313,7 +317,7 @@ def test_adapters_map_by_popularity_and_prompts_are_deterministic():
         None,
         "hot",
         "hot",
-    ]  # y→hot, x→warm, z→hot
+    ]
     assert all(r.prompt_tokens == 4 for r in mapped)
     assert loadgen.make_prompt(7, 40) == loadgen.make_prompt(7, 40) != loadgen.make_prompt(8, 40)
     assert len(loadgen.make_prompt(7, 40)) == 40 and loadgen.make_prompt(7, 40).startswith("7:")
@@ -321,7 +325,8 @@ def test_adapters_map_by_popularity_and_prompts_are_deterministic():
 
 
 def test_stream_parsing_against_a_fake_server_without_tier_header():
-    """As against vLLM: no tier header → unknown; tokens from `usage`; an error event inside a 200 stream."""
+    """As against vLLM: no tier header → unknown; tokens from `usage`; an error event inside a 200
+    stream."""
     events = {
         "good": [
             {"choices": [{"text": ""}]},
@@ -333,10 +338,11 @@ def test_stream_parsing_against_a_fake_server_without_tier_header():
             {"choices": [{"text": "a"}]},
             {"error": {"message": "store down", "code": "adapter_unavailable"}},
         ],
+        # JSON, but no event (a TypeError ended the whole run)
         "null": [
             {"choices": [{"text": "a"}]},
             None,
-        ],  # JSON, but no event (a TypeError ended the whole run)
+        ],
     }
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -1,4 +1,5 @@
-"""What the cache keeps instead of recomputing: the host copies' byte total and the tier A and B sets (no torch)."""
+"""What the cache keeps instead of recomputing: the host copies' byte total and the tier A and B
+sets (no torch)."""
 
 import contextlib
 import random
@@ -49,7 +50,8 @@ class Loads:
 
 
 def fresh_room_for(cache, key, now):
-    """`_room_for` as it was written before its result was kept: every waiting request's key walked each time."""
+    """`_room_for` as it was written before its result was kept: every waiting request's key walked
+    each time."""
     entries = cache.entries
     held = [
         k

@@ -123,9 +123,8 @@ def test_a_tenant_at_its_slot_budget_reuses_its_own_slots_and_waits_while_they_a
     for i in range(3):
         serve(cache, now, ref(f"o{i}", "online"))
     assert serve(cache, now, ref("b0", "batch"), hold=True) is not None  # a free slot
-    assert (
-        serve(cache, now, ref("b1", "batch")) is None
-    )  # its one slot is busy: it waits, online's stay
+    # its one slot is busy: it waits, online's stay
+    assert serve(cache, now, ref("b1", "batch")) is None
     assert cache.budget_waits == {"batch": 1}
     assert cache.defers(ref("b1", "batch")) and not cache.defers(ref("b1", "online"))
     cache.release(ref("b0", "batch").key, "batch")
@@ -147,9 +146,8 @@ def test_a_shared_adapter_counts_for_each_tenant_using_it():
         is not None
     )
     assert cache.entries[shared.key].charged == {"online", "batch"}
-    assert (
-        serve(cache, now, ref("b0", "batch")) is None
-    )  # batch holds its one slot through the shared adapter
+    # batch holds its one slot through the shared adapter
+    assert serve(cache, now, ref("b0", "batch")) is None
     cache.release(shared.key, "online")
     cache.release(shared.key, "batch")
     assert cache.entries[shared.key].charged == {"batch"}  # the last to use it
@@ -167,9 +165,8 @@ def test_a_zero_budget_is_served_only_from_free_slots():
 
 
 def test_over_its_host_budget_a_tenant_drops_its_own_copies_and_never_another_tenants():
-    cache, now = make_cache(
-        1, 50, {"batch": Budget(cpu_bytes=20 * MiB)}
-    )  # room for 5 copies, batch 2
+    # room for 5 copies, batch 2
+    cache, now = make_cache(1, 50, {"batch": Budget(cpu_bytes=20 * MiB)})
     for i in range(3):
         serve(cache, now, ref(f"o{i}", "online"))
     for i in range(4):

@@ -1,17 +1,18 @@
-"""The cache inside the real engine: remote store over real HTTP, corrupted artifacts, the seed scenario."""
+"""The cache inside the real engine: remote store over real HTTP, corrupted artifacts, the seed
+scenario."""
 
 import shutil
 
 import pytest
 from ports import held
 
+from loraplex.artifacts import ArtifactStore, digest_and_pieces, serve_store
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry.store import ArtifactStore, digest_and_pieces, serve_store
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
 
@@ -79,9 +80,8 @@ def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(
     engine.close()
 
 
-@pytest.mark.parametrize(
-    "by_pieces", [False, True]
-)  # checked by the digest alone, or by the registry's pieces
+# checked by the digest alone, or by the registry's pieces
+@pytest.mark.parametrize("by_pieces", [False, True])
 def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(
     llama_dir, remote, tmp_path, by_pieces
 ):
@@ -161,9 +161,8 @@ def test_downloads_share_one_http_client_closed_with_the_engine(
 
     made = []
 
-    class Counted(
-        httpx.Client
-    ):  # a new client loads the CA bundle: ~50 ms of CPU with the GIL held
+    class Counted(httpx.Client):
+        # a new client loads the CA bundle: ~50 ms of CPU with the GIL held
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
@@ -183,9 +182,8 @@ def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(ll
     import gc
 
     engine = make_engine(llama_dir, tmp_path, str(tmp_path))
-    assert (
-        gc.get_freeze_count() > 10_000
-    )  # the model and the libraries: a full collection skips them
+    # the model and the libraries: a full collection skips them
+    assert gc.get_freeze_count() > 10_000
     engine.close()
     assert gc.get_freeze_count() == 0
 
@@ -211,8 +209,8 @@ def _run(engine):
 def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(
     llama_dir, llama_adapters, tmp_path
 ):
-    """A sits in a slot with its host copy gone; an operator's cpu prewarm of A fails on a broken file. A request for
-    A waiting at that step is served from the slot, not failed with the load."""
+    """A sits in a slot with its host copy gone; an operator's cpu prewarm of A fails on a broken
+    file. A request for A waiting at that step is served from the slot, not failed with the load."""
     engine = _engine(llama_dir, max_cpu_loras=1)
     a_dir = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "a")
     a, b = engine.adapter_ref("a", a_dir), engine.adapter_ref("b", llama_adapters["mlp-r4"])
@@ -233,8 +231,8 @@ def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(
 def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(
     llama_dir, llama_adapters, tmp_path
 ):
-    """The step took the failed load's requests off the books, then the forward pass raised: fail_all (what the
-    async loop calls) must answer them too, or their clients wait forever."""
+    """The step took the failed load's requests off the books, then the forward pass raised:
+    fail_all (what the async loop calls) must answer them too, or their clients wait forever."""
     engine = _engine(llama_dir)
     bad_dir = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "bad")
     bad = engine.adapter_ref("bad", bad_dir, digest="sha256:" + "1" * 64)

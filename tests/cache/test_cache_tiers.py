@@ -1,5 +1,5 @@
-"""The cache's own decisions over plain data (no torch): restoring tier-A adapters, weighing host copies,
-measured reload costs."""
+"""The cache's own decisions over plain data (no torch): restoring tier-A adapters, weighing host
+copies, measured reload costs."""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,7 +32,8 @@ class Pool:
 
 
 class Instant:
-    """An executor whose loads finish at once: 1 ms of disk read per MiB, plus a download if asked."""
+    """An executor whose loads finish at once: 1 ms of disk read per MiB, plus a download if
+    asked."""
 
     def __init__(self, download: set[str] = frozenset()):
         self.download = download
@@ -107,18 +108,18 @@ def test_a_hot_adapter_pushed_out_by_a_one_off_comes_back_when_it_is_done():
 
 
 def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
-    """The minimum residency protects a tier-A adapter loaded for its request; one the cache restored ahead of any
-    request is a guess, and a request that needs its slot takes it without waiting (after the seed scenario, the
-    restores of its stale hot adapters made the next traffic's requests wait for slots)."""
+    """The minimum residency protects a tier-A adapter loaded for its request; one the cache
+    restored ahead of any request is a guess, and a request that needs its slot takes it without
+    waiting (after the seed scenario, the restores of its stale hot adapters made the next traffic's
+    requests wait for slots)."""
     cache, now = make_cache(slots=1)
     hot = ref("hot")
     for _ in range(10):
         now[0] += 1.5
         serve(cache, hot)
     now[0] += 1.5
-    serve(
-        cache, ref("one-off")
-    )  # the one-off takes the slot; the hot adapter is restored when it is done
+    # the one-off takes the slot; the hot adapter is restored when it is done
+    serve(cache, ref("one-off"))
     assert cache.slots == [hot.key] and cache.entries[hot.key].restored
     now[0] += 0.1  # well within the minimum residency
     serve(cache, ref("another"))  # takes the slot at once (serve asserts a slot)
@@ -130,9 +131,8 @@ def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
     now[0] += 0.1
     third = ref("third")
     cache.record_request(third)
-    assert (
-        cache.acquire(third) is None
-    )  # hot was loaded 0.2 s ago and has been used: the newcomer waits
+    # hot was loaded 0.2 s ago and has been used: the newcomer waits
+    assert cache.acquire(third) is None
 
 
 def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back():
@@ -154,8 +154,9 @@ def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back(
 
 
 def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requests():
-    """Except in tier A: a gpu-preferred adapter pushed out of its slot is restored at once, and only its host copy
-    makes that restore a copy rather than a load, so that copy keeps counting its requests."""
+    """Except in tier A: a gpu-preferred adapter pushed out of its slot is restored at once, and
+    only its host copy makes that restore a copy rather than a load, so that copy keeps counting its
+    requests."""
     cache, now = make_cache(slots=2)
     hot, other = ref("hot"), ref("other")
     for _ in range(20):
@@ -177,7 +178,7 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
     assert slot_view[hot.key].demand > 18  # a slot eviction still weighs its requests
 
 
-def test_reload_cost_is_measured_per_byte_and_includes_the_download_once_the_disk_lost_the_artifact():
+def test_reload_cost_is_per_byte_and_includes_the_download_once_the_disk_lost_the_artifact():
     cache, now = make_cache(slots=1, download={"far"}, disk=Disk({"sha256:near"}))
     near, far = ref("near"), ref("far")
     serve(cache, near)
@@ -189,17 +190,16 @@ def test_reload_cost_is_measured_per_byte_and_includes_the_download_once_the_dis
     }
     nbytes = 100 * MiB
     assert costs[near.key] == pytest.approx(nbytes * 1e-9)  # a disk read
-    assert costs[far.key] == pytest.approx(
-        nbytes * (1e-9 + 1e-8)
-    )  # the disk does not hold it: a download too
+    # the disk does not hold it: a download too
+    assert costs[far.key] == pytest.approx(nbytes * (1e-9 + 1e-8))
     slot = {c.key: c.reload_cost for c in cache._slot_candidates([far.key], now[0])}
-    assert slot[far.key] == pytest.approx(
-        nbytes * 1e-10
-    )  # in host memory: only the copy to the device
+    # in host memory: only the copy to the device
+    assert slot[far.key] == pytest.approx(nbytes * 1e-10)
 
 
 def warm_up(cache, now, refs, rounds=10):
-    """Each adapter of `refs` requested once per 1.5 s, `rounds` times: all of them end up in tier A."""
+    """Each adapter of `refs` requested once per 1.5 s, `rounds` times: all of them end up in tier
+    A."""
     for _ in range(rounds):
         now[0] += 1.5
         for r in refs:
@@ -227,9 +227,8 @@ def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
         cache.unqueue(hot.key)
         assert cache.acquire(hot) is not None  # the queued request is admitted on its adapter
     else:
-        assert (
-            slot is not None and hot.key not in cache.slots
-        )  # the queued request lost its adapter
+        # the queued request lost its adapter
+        assert slot is not None and hot.key not in cache.slots
     assert (
         cache.queued == {one_off.key: 1} if policy.spares_queued else {hot.key: 1, one_off.key: 1}
     )
@@ -293,9 +292,10 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
 
 
 def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_count():
-    """A change of traffic: two adapters busy for two minutes go silent and two others take over. The old ones'
-    5-minute counts stay far above the new ones' for minutes; after 20 of their mean gaps without a request they
-    leave tier A, are not restored, and weigh nothing for their count when a slot is to be freed."""
+    """A change of traffic: two adapters busy for two minutes go silent and two others take over.
+    The old ones' 5-minute counts stay far above the new ones' for minutes; after 20 of their mean
+    gaps without a request they leave tier A, are not restored, and weigh nothing for their count
+    when a slot is to be freed."""
     cache, now = make_cache(slots=2, cpu_mib=10_000)
     old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
     for _ in range(480):  # 4 requests a second for 2 minutes
@@ -311,24 +311,27 @@ def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_
         if now[0] - stopped < 5:  # not yet overdue: the old pair is still tier A
             assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
     assert cache._gpu_preferred(now[0]) == {new[0].key, new[1].key}
+    # the old pair was not restored after the switch
     assert set(cache.slots) == {
         new[0].key,
         new[1].key,
-    }  # the old pair was not restored after the switch
+    }
     weighed = {c.key: c for c in cache._slot_candidates([k.key for k in new], now[0])}
     assert all(c.preferred and c.demand > 20 for c in weighed.values())
     stale = {c.key: c for c in cache._host_candidates([k.key for k in old], now[0], by_use=False)}
     assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
+    # nor do they keep tier B's place
     assert cache._cpu_preferred(now[0]) == {
         new[0].key,
         new[1].key,
-    }  # nor do they keep tier B's place
+    }
     warm = {a["name"]: a["warm"] for a in cache.state()["adapters"]}  # as the admin state shows it
     assert warm == {"old-0": None, "old-1": None, "new-0": "A", "new-1": "A"}
 
 
 def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
-    """The same traffic with the rule off (`overdue_gaps=None`): the old pair keeps tier A on its count."""
+    """The same traffic with the rule off (`overdue_gaps=None`): the old pair keeps tier A on its
+    count."""
     cache, now = make_cache(slots=2, cpu_mib=10_000)
     cache.policy = ScorePolicy(overdue_gaps=None)
     old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
@@ -345,9 +348,10 @@ def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
-    """One slot busy, room for two host copies, two waiting requests: each loads once. A cpu-pinned copy takes one
-    of the two places, so the second waits for the first to get its slot instead of pushing its copy out (the
-    pin is never dropped: the shrink would drop the waiting one's copy, which would load again, every step)."""
+    """One slot busy, room for two host copies, two waiting requests: each loads once. A cpu-pinned
+    copy takes one of the two places, so the second waits for the first to get its slot instead of
+    pushing its copy out (the pin is never dropped: the shrink would drop the waiting one's copy,
+    which would load again, every step)."""
     now, loads = [0.0], []
 
     def load(r):
@@ -380,9 +384,9 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
 
 
 def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
-    """unload_lora_adapter forgets an adapter whose load is still running, its waiting request gone: the next
-    request for another adapter must not trip over the forgotten one's mark (KeyError on the step thread, which
-    failed every request in flight)."""
+    """unload_lora_adapter forgets an adapter whose load is still running, its waiting request gone:
+    the next request for another adapter must not trip over the forgotten one's mark (KeyError on
+    the step thread, which failed every request in flight)."""
 
     class Pending:  # a load that has not ended yet
         def submit(self, fn, r):

@@ -103,9 +103,8 @@ def test_version_moves_with_every_change_of_counts():
 
 def test_an_adapter_is_overdue_after_so_many_of_its_mean_gaps_without_a_request():
     demand = DemandTracker()
-    for i in range(
-        600
-    ):  # 2 requests a second for 5 minutes; the decayed count puts its mean gap near 0.8 s
+    for i in range(600):
+        # 2 requests a second for 5 minutes; the decayed count puts its mean gap near 0.8 s
         demand.record("busy", i / 2)
     last = 299.5
     assert not demand.overdue("busy", last + 10, gaps=20)
@@ -122,16 +121,16 @@ def test_a_young_adapter_s_gap_comes_from_the_time_it_has_been_seen_and_a_single
         demand.record("young", 1000.0 + i)
     demand.record("once", 1000.0)
     assert not demand.overdue("young", 1009 + 15, gaps=20)
-    assert demand.overdue(
-        "young", 1009 + 25, gaps=20
-    )  # 20 gaps of about a second, not of 30 s (300 s / 10)
+    # 20 gaps of about a second, not of 30 s (300 s / 10)
+    assert demand.overdue("young", 1009 + 25, gaps=20)
     assert not demand.overdue("once", 1000 + 10_000, gaps=20)
     assert not demand.overdue("never", 1000, gaps=20)
 
 
 def test_a_client_sending_batches_is_not_taken_as_stopped_between_them():
-    """32 requests at once every 10 s: a mean gap of a third of a second, but pauses of 10 s. The longest gap in the
-    window keeps it from being overdue between batches; once the batches stop, it is overdue after 3 pauses."""
+    """32 requests at once every 10 s: a mean gap of a third of a second, but pauses of 10 s. The
+    longest gap in the window keeps it from being overdue between batches; once the batches stop, it
+    is overdue after 3 pauses."""
     demand, t = DemandTracker(), 0.0
     for batch in range(30):
         for i in range(32):
@@ -156,6 +155,7 @@ def test_the_longest_gap_is_the_longest_in_the_window_only():
     for i in range(1, 800):  # then a request a second
         demand.record("k", 100.0 + i)
     last = 899.0
-    # The 100 s pause left the 5-minute window long ago: the rule goes by the mean gap (about 1 s) again.
+    # The 100 s pause left the 5-minute window long ago: the rule goes by the mean gap (about 1 s)
+    # again.
     assert demand.overdue("k", last + 25, gaps=20)
     assert not demand.overdue("k", last + 15, gaps=20)

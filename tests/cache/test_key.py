@@ -1,4 +1,5 @@
-"""The cache key: equal keys hash alike, in this process and in another (the hash is kept, not pickled)."""
+"""The cache key: equal keys hash alike, in this process and in another (the hash is kept, not
+pickled)."""
 
 import dataclasses
 import os
@@ -25,7 +26,10 @@ def test_equal_keys_hash_alike_and_any_field_makes_another_key():
 
 def test_a_key_unpickled_in_another_process_finds_the_entry_of_an_equal_key():
     make = "AdapterKey('sha256:base', 'support', 'r2', 'sha256:bytes')"
-    dump = f"import pickle, sys; from loraplex.cache.key import AdapterKey; sys.stdout.buffer.write(pickle.dumps({make}))"
+    dump = (
+        "import pickle, sys; from loraplex.cache.key import AdapterKey; "
+        f"sys.stdout.buffer.write(pickle.dumps({make}))"
+    )
     load = (
         f"import pickle, sys; from loraplex.cache.key import AdapterKey; print({{{make}: 'found'}}"
         "[pickle.loads(sys.stdin.buffer.read())])"
@@ -36,11 +40,12 @@ def test_a_key_unpickled_in_another_process_finds_the_entry_of_an_equal_key():
         check=True,
         env={**os.environ, "PYTHONHASHSEED": "1"},
     ).stdout
+    # other str hashes: a kept hash would miss
     found = subprocess.run(
         [sys.executable, "-c", load],
         input=blob,
         capture_output=True,
         check=True,
         env={**os.environ, "PYTHONHASHSEED": "2"},
-    )  # other str hashes: a kept hash would miss
+    )
     assert found.stdout.decode().strip() == "found"

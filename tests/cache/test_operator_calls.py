@@ -1,4 +1,5 @@
-"""Operator calls (pin, prewarm, evict, forget) against loads in flight and failed loads (no torch)."""
+"""Operator calls (pin, prewarm, evict, forget) against loads in flight and failed loads (no
+torch)."""
 
 import threading
 from concurrent.futures import Future
@@ -12,7 +13,8 @@ from loraplex.cache.policy import ScorePolicy
 
 
 class Deferred:
-    """An executor whose loads finish when the test says so (as a worker thread would, some time later)."""
+    """An executor whose loads finish when the test says so (as a worker thread would, some time
+    later)."""
 
     def __init__(self):
         self.pending = []
@@ -63,9 +65,9 @@ def land(cache, executor):
 
 
 def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_lands():
-    """Before its first load an adapter's size is unknown (0), so pin(cpu) cannot refuse it; when the bytes land
-    and the pins would overfill host memory, the late pin is dropped with an event, and the copy is an ordinary one
-    that the next load may push out. The pin that fitted stays."""
+    """Before its first load an adapter's size is unknown (0), so pin(cpu) cannot refuse it; when
+    the bytes land and the pins would overfill host memory, the late pin is dropped with an event,
+    and the copy is an ordinary one that the next load may push out. The pin that fitted stays."""
     events = []
     cache, now, executor, _ = make_cache(slots=2, cpu_mib=150, events=events)
     a, b, c = ref("a"), ref("b"), ref("c")
@@ -80,7 +82,8 @@ def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_l
     cache.prewarm(c, "cpu")
     land(cache, executor)  # the next load pushes the unpinned copy out; the pinned one stays
     assert a.key in cache.cpu and b.key not in cache.cpu
-    # The pin fills the budget: the copy that just landed is kept for its request, the tier over by that copy alone.
+    # The pin fills the budget: the copy that just landed is kept for its request, the tier over by
+    # that copy alone.
     assert cache.cpu_bytes_used - cache.cpu[c.key].nbytes <= cache.cpu_bytes
 
 
@@ -110,7 +113,8 @@ def test_a_gpu_prewarm_without_a_slot_is_not_left_pending():
     assert cache.acquire(busy) == 0  # in flight: its slot cannot be taken
     cache.prewarm(x, "gpu")  # in cpu, no slot to be had: stays in cpu
     assert cache.slots == [busy.key]
-    # Nothing is left pending: a later load of x (after its copy was pushed out) would put it in a slot.
+    # Nothing is left pending: a later load of x (after its copy was pushed out) would put it in a
+    # slot.
     assert not cache.entries[x.key].prewarm_gpu
 
 
@@ -127,9 +131,10 @@ def test_evict_during_a_gpu_prewarm_keeps_the_adapter_out_of_the_slots():
 
 
 def test_forget_is_one_step_for_the_step_loop():
-    """forget evicts and drops the bookkeeping under one lock hold: a step thread that takes the lock in between
-    (here, run from inside evict, where a thread switch would put it) cannot put the adapter in a slot and then
-    find its entry gone (KeyError on release and on every later slot eviction)."""
+    """forget evicts and drops the bookkeeping under one lock hold: a step thread that takes the
+    lock in between (here, run from inside evict, where a thread switch would put it) cannot put the
+    adapter in a slot and then find its entry gone (KeyError on release and on every later slot
+    eviction)."""
     cache, now, executor, _ = make_cache(slots=1)
     x, y = ref("x"), ref("y")
     cache.prewarm(x, "cpu")  # a load in flight
@@ -151,9 +156,8 @@ def test_forget_is_one_step_for_the_step_loop():
     cache.evict = evict_then_the_step_thread_runs
     cache.forget(x.key)
     seen[0].join(timeout=10)  # runs once forget lets go of the lock
-    assert (
-        seen[1] is None
-    )  # its load starts again: it was forgotten, not left in a slot without an entry
+    # its load starts again: it was forgotten, not left in a slot without an entry
+    assert seen[1] is None
     assert x.key not in cache.slots
     land(cache, executor)
     assert cache.acquire(x) == 0
@@ -166,9 +170,9 @@ def test_forget_is_one_step_for_the_step_loop():
 
 
 def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees():
-    """Pinned to gpu while both slots run requests: its load lands in cpu with no slot to take. It used to stay
-    there for good ("pinned: gpu", tier cpu) while unpinned adapters kept the slots; now it takes the first slot
-    that a finished request leaves, when no request waits for one."""
+    """Pinned to gpu while both slots run requests: its load lands in cpu with no slot to take. It
+    takes the first slot that a finished request leaves, when no request waits for one, rather than
+    stay in cpu for good ("pinned: gpu", tier cpu) while unpinned adapters keep the slots."""
     cache, now, executor, _ = make_cache(slots=2)
     busy = [ref("a"), ref("b")]
     for r in busy:

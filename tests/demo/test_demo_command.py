@@ -1,4 +1,5 @@
-"""`loraplex demo` as a user runs it: a real process, every checked answer right, the last line N/N correct."""
+"""`loraplex demo` as a user runs it: a real process, every checked answer right, the last line N/N
+correct."""
 
 import re
 import subprocess

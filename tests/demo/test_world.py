@@ -1,4 +1,5 @@
-"""The demo world: every adapter does its transform (checked with transformers + peft), formats, reproducibility."""
+"""The demo world: every adapter does its transform (checked with transformers + peft), formats,
+reproducibility."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def test_adapter_does_its_transform_on_fresh_inputs(world, hf_tokenizer, name):
 
 
 def test_adapters_in_one_mixed_batch(world, hf_tokenizer):
-    """All adapters loaded in one PeftModel, one request per adapter (and the base) in the same batch."""
+    """All adapters loaded in one PeftModel, one request per adapter (and the base) in the same
+    batch."""
     names = list(world.adapters)
     model = peft.PeftModel.from_pretrained(
         _load_base(world), world.adapters[names[0]], adapter_name=names[0]
@@ -102,7 +104,8 @@ def test_adapters_in_one_mixed_batch(world, hf_tokenizer):
 
 
 def test_prompt_without_bos_still_works(world, hf_tokenizer):
-    """A client that sends `TEXT<sep>` (no `<s>`) gets the same answers: a quarter of training prompts had none."""
+    """A client that sends `TEXT<sep>` (no `<s>`) gets the same answers: a quarter of training
+    prompts had none."""
     inputs = demo.random_inputs(50, FRESH_SEED)
     answers = _generate(_load_base(world), hf_tokenizer, [f"{text}<sep>" for text in inputs], 14)
     assert sum(a == t for a, t in zip(answers, inputs)) / len(inputs) >= 0.9
@@ -131,17 +134,17 @@ def test_tokenizer_round_trips(world, hf_tokenizer):
     prompt = demo.make_prompt("hello")
     assert prompt == "<s>hello<sep>"
     assert tokenizer.encode(prompt).ids == [BOS_ID, *b"hello", SEP_ID]
+    # special tokens are parsed from plain text
     assert tokenizer.encode("hello<sep>").ids == [
         *b"hello",
         SEP_ID,
-    ]  # special tokens are parsed from plain text
+    ]
     for text in [prompt + "HELLO</s>", "any bytes: é ü ✓ \t\n", "<pad><s>"]:
         ids = tokenizer.encode(text).ids
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
         assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == ids
-        assert (
-            hf_tokenizer(text)["input_ids"] == ids
-        )  # nothing added on its own: the prompt carries its `<s>`
+        # nothing added on its own: the prompt carries its `<s>`
+        assert hf_tokenizer(text)["input_ids"] == ids
     assert tokenizer.decode([*b"HELLO", EOS_ID]) == "HELLO"
     assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (
         BOS_ID,
@@ -195,10 +198,11 @@ def test_half_built_or_stale_world_is_not_loaded(world, tmp_path):
 def test_rebuild_gives_identical_bytes(tmp_path):
     """Same plan, same seed: two builds write byte-identical weights and configs.
 
-    Bytes, not just outputs: training runs on CPU in a fixed number of single-threaded processes with a
-    deterministic all-reduce, so nothing depends on timing. The steps are cut short to keep this test quick;
-    the code path is the full build's. (Another CPU model or torch build may round differently, so a world
-    is reproducible on the same kind of machine and library versions, which world.json records.)
+    Bytes, not just outputs: training runs on CPU in a fixed number of single-threaded processes
+    with a deterministic all-reduce, so nothing depends on timing. The steps are cut short to keep
+    this test quick; the code path is the full build's. (Another CPU model or torch build may round
+    differently, so a world is reproducible on the same kind of machine and library versions, which
+    world.json records.)
     """
     from loraplex.demo.build import run_build
 

@@ -17,7 +17,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 from loraplex.registry.cli import app as registry_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,5 @@
-"""Faults with requests in flight (remote store down, disk budget full) and hostile input, on real processes."""
+"""Faults with requests in flight (remote store down, disk budget full) and hostile input, on real
+processes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from hypothesis import strategies as st
 from ports import held
 from world_fleet import checked_inputs
 
+from loraplex.artifacts import ArtifactStore, serve_store
 from loraplex.bench.procs import start_worker, state
 from loraplex.demo.world import TRANSFORMS, make_prompt
-from loraplex.registry import ArtifactStore, Registry, serve_store
+from loraplex.registry import Registry
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,9 @@ def complete(url, key, model, text="hello", **extra):
 
 
 def test_remote_store_down_and_disk_budget_full(demo_world, good_inputs, tmp_path):
-    """Artifacts only in a remote HTTP store: resident adapters keep serving while it is down, cold ones get
-    503 and recover when it returns; a disk budget smaller than the adapters evicts instead of failing."""
+    """Artifacts only in a remote HTTP store: resident adapters keep serving while it is down, cold
+    ones get 503 and recover when it returns; a disk budget smaller than the adapters evicts instead
+    of failing."""
     port_holder = ArtifactStore(tmp_path / "remote")
     with serve_store(port_holder) as base:
         registry = Registry(

@@ -1,4 +1,5 @@
-"""Proof under load on the demo world: every answer is checked against its adapter's known transform.
+"""Proof under load on the demo world: every answer is checked against its adapter's known
+transform.
 
 Sizes: LORAPLEX_SOAK_REQUESTS (default 2000) scales the soak for a long run.
 """
@@ -246,7 +247,7 @@ def test_killed_worker_fails_only_requests_that_had_started_streaming_on_it(soak
 
     results = asyncio.run(run())[:-1]
     failed = [r for r in results if r[0] != 200 or (r[3] == victim.url and r[4] == 0)]
-    for status, out, adapter, worker, chunks in failed:
+    for status, _out, _adapter, worker, _chunks in failed:
         assert worker == victim.url or status == "error", (status, worker)
     served_elsewhere = [r for r in results if r[0] == 200 and r[3] != victim.url]
     assert served_elsewhere and len(failed) < len(results)
@@ -264,7 +265,8 @@ async def _burst(url, catalog, tenant, names):
 
 
 def test_release_checks_refuse_a_canary_that_fails_its_eval_set(demo_world, good_inputs, tmp_path):
-    """Promotion through the admin API prewarms the revision and runs its eval set on the worker's engine."""
+    """Promotion through the admin API prewarms the revision and runs its eval set on the worker's
+    engine."""
     from loraplex.registry import Registry
 
     registry = Registry(

@@ -108,9 +108,8 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
 
     victim, in_flight, results, after = asyncio.run(run())
     failed = [r for r in results if isinstance(r, BaseException)]
-    assert all(isinstance(r, ray.exceptions.RayError) for r in failed), (
-        failed
-    )  # never a wrong answer
+    # never a wrong answer
+    assert all(isinstance(r, ray.exceptions.RayError) for r in failed), failed
     assert len(failed) <= in_flight
     # The survivors serve every adapter, those of the dead replica too, from memory (a slot, or
     # host memory where the cache policy keeps the slots for hotter adapters) from their second

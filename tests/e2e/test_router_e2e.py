@@ -42,7 +42,8 @@ def complete(url, model, max_tokens=2, stream=False):
 
 
 def wait_seen_idle_with(router_url: str, worker_url: str, name: str, timeout: float = 30.0) -> None:
-    """Until the router's last poll of `worker_url` shows `name` in a slot and nothing running there."""
+    """Until the router's last poll of `worker_url` shows `name` in a slot and nothing running
+    there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         listed = httpx.get(f"{router_url}/admin/workers", headers=ADMIN, timeout=30).json()[
@@ -66,13 +67,12 @@ def test_affinity_then_spill_then_failover_then_rejoin(fleet, tmp_path):
             r = complete(router.url, "ad00")
             assert r.status_code == 200, r.text
             seen.append(r.headers["x-loraplex-worker"])
-            wait_seen_idle_with(
-                router.url, seen[-1], "ad00"
-            )  # the router knows where it is resident, and free
-            time.sleep(
-                1.1
-            )  # and a poll (every 0.5 s) has begun since the request ended: one made during it counts
-            # its tokens against the worker, enough to send the next request to a worker with a free slot
+            # the router knows where it is resident, and free
+            wait_seen_idle_with(router.url, seen[-1], "ad00")
+            # and a poll (every 0.5 s) has begun since the request ended: one made during it counts
+            # its tokens against the worker, enough to send the next request to a worker with a free
+            # slot
+            time.sleep(1.1)
         assert len(set(seen[1:])) == 1, seen
         # 2. A burst above saturation spills to the other workers.
         burst = []
@@ -109,9 +109,9 @@ def test_affinity_then_spill_then_failover_then_rejoin(fleet, tmp_path):
 
 
 def test_zipf_residency_concentrates_under_affinity(fleet, tmp_path):
-    """The same Zipf sequence under each policy, each over twelve adapters no other test has used: the workers hold
-    fewer copies of each adapter under affinity than under round-robin (which, from a fresh start, puts this
-    sequence on exactly 24 worker slots)."""
+    """The same Zipf sequence under each policy, each over twelve adapters no other test has used:
+    the workers hold fewer copies of each adapter under affinity than under round-robin (which, from
+    a fresh start, puts this sequence on exactly 24 worker slots)."""
     root, workers, adapters, _ = fleet
     spreads = {}
     for offset, policy in ((10, "affinity"), (22, "round-robin")):

@@ -1,4 +1,5 @@
-"""A registry of demo-world adapters under many names, tenants and revisions, for the proof-under-load tests."""
+"""A registry of demo-world adapters under many names, tenants and revisions, for the
+proof-under-load tests."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def pick(catalog: Catalog, rng: random.Random) -> tuple[str, str]:
 def checked_inputs(world, n: int = 60, seed: int = 99) -> dict[str, list[str]]:
     """Per transform (and "copy" for the base), inputs its adapter answers right when run alone.
 
-    The adapters are ~96-100% exact; under load any answer that differs from this isolated run is a serving
-    error (wrong adapter, wrong version, corrupted batch), not a model error.
+    The adapters are ~96-100% exact; under load any answer that differs from this isolated run is a
+    serving error (wrong adapter, wrong version, corrupted batch), not a model error.
     """
     from loraplex.config import EngineConfig
     from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs

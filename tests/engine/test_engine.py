@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinymodels import peft_reference, reference_greedy
 
+from loraplex.artifacts import canonical_digest
 from loraplex.cache.key import AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams
 from loraplex.lora_format import AdapterRejected
-from loraplex.registry.store import canonical_digest
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,8 @@ def test_rank_above_max_lora_rank_is_refused(llama_dir, llama_adapters):
 
 
 def _serve_side_by_side(engine, *refs, max_tokens):
-    """Run one request per adapter ref together until done: (tokens, error) per request, in order."""
+    """Run one request per adapter ref together until done: (tokens, error) per request, in
+    order."""
     ids = [
         engine.add_request([7, 8, 9], SamplingParams(max_tokens=max_tokens, temperature=0), r)
         for r in refs
@@ -154,7 +155,8 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(
     else:
         torch.save(load_file(weights), bad_dir / "adapter_model.bin")
         weights.unlink()
-    # The key names the digest of the bytes now there: the digest check passes, the bytes check must not.
+    # The key names the digest of the bytes now there: the digest check passes, the bytes check must
+    # not.
     bad = AdapterRef(
         dataclasses.replace(valid.key, adapter_digest=canonical_digest(bad_dir)), bad_dir
     )
@@ -166,8 +168,9 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(
 
 
 def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_adapters, tmp_path):
-    """NaN in an adapter's weights gives its sequences NaN logits; sampling them raised in the step and failed every
-    request in the batch. Now that request fails alone, with the reason, sampled or greedy."""
+    """NaN in an adapter's weights gives its sequences NaN logits; sampling them raised in the step
+    and failed every request in the batch. Now that request fails alone, with the reason, sampled or
+    greedy."""
     nan_dir = _copy(
         llama_adapters["attn-r8"],
         tmp_path / "nan",
@@ -192,8 +195,9 @@ def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_a
     "extreme", [{"temperature": 1e-300}, {"temperature": 1e-6}, {"top_p": 1e-320}]
 )
 def test_extreme_sampling_values_sample_instead_of_failing_the_batch(engine, extreme):
-    """A temperature under 1e-5 is greedy, as in vLLM (dividing by 1e-300 made NaN, and the error in the step failed
-    every request in the batch); a top_p that is 0 in float32 keeps the most likely token."""
+    """A temperature under 1e-5 is greedy, as in vLLM (dividing by 1e-300 made NaN, and the error in
+    the step failed every request in the batch); a top_p that is 0 in float32 keeps the most likely
+    token."""
     greedy = engine.generate(
         [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )[0]
@@ -211,7 +215,8 @@ def test_extreme_sampling_values_sample_instead_of_failing_the_batch(engine, ext
 
 
 def test_score_raises_a_failed_load_instead_of_retrying_it(engine, llama_adapters, tmp_path):
-    """score()'s sequences wait in no queue, so a failed load was dropped and started again, in a loop, for good."""
+    """score()'s sequences wait in no queue, so a failed load was dropped and started again, in a
+    loop, for good."""
     bad = engine.adapter_ref(
         "score-bad",
         _copy(llama_adapters["attn-r8"], tmp_path / "score-bad"),
@@ -222,15 +227,15 @@ def test_score_raises_a_failed_load_instead_of_retrying_it(engine, llama_adapter
     with pytest.raises(Exception, match="digest") as failed:
         engine.score([[1, 2, 3], [4, 5, 6]], [good, bad])
     assert "score-bad" in str(failed.value)
-    assert all(
-        e.refcount == 0 for e in engine.adapters.entries.values()
-    )  # the good one's reference is back
+    # the good one's reference is back
+    assert all(e.refcount == 0 for e in engine.adapters.entries.values())
     assert engine.adapters.entries[bad.key].loads == 0 and loads is None
     assert len(engine.score([[1, 2, 3]], [good])[0]) == 3  # and scoring goes on
 
 
 def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir, llama_adapters):
-    # 12 blocks of 4 tokens: 8 sequences of 20 tokens cannot all fit, so some must wait or be preempted.
+    # 12 blocks of 4 tokens: 8 sequences of 20 tokens cannot all fit, so some must wait or be
+    # preempted.
     cfg = EngineConfig(
         model_dir=llama_dir,
         dtype="float32",
@@ -247,9 +252,8 @@ def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir
     out = eng.generate(prompts, SamplingParams(max_tokens=15, temperature=0), adapters)
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == 12
-    assert (
-        eng.adapters.queued == {}
-    )  # preempted requests queued again, and left the queue once readmitted
+    # preempted requests queued again, and left the queue once readmitted
+    assert eng.adapters.queued == {}
     model = peft_reference(llama_dir, {"attn-r8": llama_adapters["attn-r8"]})
     for prompt, adapter, tokens in zip(prompts, adapters, out):
         assert tokens == reference_greedy(model, prompt, "attn-r8" if adapter else None, 15)
@@ -303,13 +307,13 @@ def test_seeded_sampling_is_reproducible_and_options_apply(engine):
 
 
 def test_min_tokens_holds_back_stop_strings_too(engine):
-    """As vLLM: before min_tokens, a stop string does not end the output (only eos and stop ids were held back)."""
+    """As vLLM: before min_tokens, a stop string does not end the output (only eos and stop ids were
+    held back)."""
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.add_request([3, 4, 5], plain, request_id="plain")
     text = "".join(o.text for o in _drain(engine) if o.request_id == "plain")
-    at = next(
-        i for i in range(len(text) - 1) if "\ufffd" not in text[i : i + 2]
-    )  # (a tiny model's bytes)
+    # (a tiny model's bytes)
+    at = next(i for i in range(len(text) - 1) if "\ufffd" not in text[i : i + 2])
     stop = text[at : at + 2]
     early = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,))
     late = SamplingParams(
@@ -322,9 +326,8 @@ def test_min_tokens_holds_back_stop_strings_too(engine):
     assert ended["early"].finish_reason == "stop" and ended["early"].num_output_tokens < 10
     assert ended["late"].num_output_tokens >= 10
     late_text = "".join(o.text for o in outs if o.request_id == "late")
-    assert late_text.startswith(
-        text[: at + 2]
-    )  # the early occurrence is kept: it came before min_tokens
+    # the early occurrence is kept: it came before min_tokens
+    assert late_text.startswith(text[: at + 2])
 
 
 def test_a_seed_beyond_64_bits_is_an_invalid_request(engine):
@@ -386,9 +389,8 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
         async for _ in gen:
             break  # the client goes away after the first token
         await gen.aclose()
-        deadline = (
-            time.monotonic() + 30
-        )  # the engine thread takes the abort between steps: a loaded box is slow
+        # the engine thread takes the abort between steps: a loaded box is slow
+        deadline = time.monotonic() + 30
         while engine.has_work():
             assert time.monotonic() < deadline, "the aborted request never left the engine"
             await asyncio.sleep(0.01)
@@ -408,9 +410,10 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
 def test_output_text_keeps_the_space_a_sentencepiece_tokenizer_marks_on_its_first_token(
     llama_dir, tmp_path
 ):
-    """Llama-2 and Mistral tokenizers (Metaspace) drop the space marked on the first token of a decoded text. The
-    output's first token is not the text's first: decoded after the prompt's last tokens (as vLLM does), prompt and
-    output join into the right text ("the quick brown fox", not "the quick brownfox")."""
+    """Llama-2 and Mistral tokenizers (Metaspace) drop the space marked on the first token of a
+    decoded text. The output's first token is not the text's first: decoded after the prompt's last
+    tokens (as vLLM does), prompt and output join into the right text ("the quick brown fox", not
+    "the quick brownfox")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     model = shutil.copytree(llama_dir, tmp_path / "sp")
@@ -430,9 +433,8 @@ def test_output_text_keeps_the_space_a_sentencepiece_tokenizer_marks_on_its_firs
         fox = engine.tokenizer.encode(" fox", add_special_tokens=False)
         assert len(fox) == 1
         forced = SamplingParams(max_tokens=1, temperature=0, logit_bias=((fox[0], 100.0),))
-        assert (
-            engine.tokenizer.decode(engine.generate([prompt], forced)[0]) == "fox"
-        )  # the drop, out of context
+        # the drop, out of context
+        assert engine.tokenizer.decode(engine.generate([prompt], forced)[0]) == "fox"
         engine.add_request(prompt, forced)
         text = ""
         while engine.has_work():

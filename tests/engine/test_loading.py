@@ -81,8 +81,9 @@ def test_chat_template_and_plain_fallback(llama_dir, tmp_path):
 
 
 def test_a_template_that_fails_on_a_message_field_is_a_value_error(llama_dir, tmp_path):
-    """Extra message fields reach the template (as `tool_calls` does in Qwen's and Llama's): a TypeError there comes
-    from the request's data, so it is a ValueError (400) like a template error, not a 500."""
+    """Extra message fields reach the template (as `tool_calls` does in Qwen's and Llama's): a
+    TypeError there comes from the request's data, so it is a ValueError (400) like a template
+    error, not a 500."""
     model = tmp_path / "tool-calls"
     shutil.copytree(llama_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
@@ -138,7 +139,8 @@ def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(llama_dir):
 
 
 def test_qwen_sliding_layers_follow_transformers_without_layer_types():
-    """A hand-written Qwen2/Qwen3 config.json with use_sliding_window and no `layer_types` nor `max_window_layers`:
+    """A hand-written Qwen2/Qwen3 config.json with use_sliding_window and no `layer_types` nor
+    `max_window_layers`:
     transformers slides from layer 28 (its default), so must we."""
     import transformers
 
@@ -157,9 +159,10 @@ def test_qwen_sliding_layers_follow_transformers_without_layer_types():
 def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(
     llama_dir, llama_adapters
 ):
-    """The scheduler walks the waiting queue at every step; the requests behind the first one whose adapter is
-    loading skip the cache (its acquire could only fail until the load is taken in, between steps), as the
-    simulator does: under a backlog each asked the cache, at every step."""
+    """The scheduler walks the waiting queue at every step; the requests behind the first one whose
+    adapter is loading skip the cache (its acquire could only fail until the load is taken in,
+    between steps), as the simulator does: with many requests waiting each asked the cache, at every
+    step."""
     eng = engine_for(llama_dir, dtype="float32", max_loras=2)
     ref = eng.adapter_ref("a", llama_adapters["attn-r8"])
     ids = [
@@ -171,9 +174,8 @@ def test_requests_waiting_for_a_loading_adapter_ask_the_cache_once_per_step(
     asked, acquire = [], eng.adapters.acquire
     eng.adapters.acquire = lambda r: asked.append(r.key) or acquire(r)
     eng.step()
-    assert asked == [
-        ref.key
-    ]  # the first request started the load; the four behind it waited without asking
+    # the first request started the load; the four behind it waited without asking
+    assert asked == [ref.key]
     done = {}
     while eng.has_work():
         for out in eng.step():

@@ -44,9 +44,8 @@ def test_groups_use_segments_for_long_runs_and_one_gather_at_the_largest_rank_fo
     assert groups[0].segments == [(0, 10, 0, 8)]
     [(tokens, slots, rank)] = groups[0].gathered
     assert (tokens.tolist(), slots.tolist(), rank) == ([10, 11, 12, 17], [1, 2, 1, 3], 64)
-    assert (
-        groups[1].gathered[0][2] == 16
-    )  # module 1: only slot 1 targets it among the gathered tokens
+    # module 1: only slot 1 targets it among the gathered tokens
+    assert groups[1].gathered[0][2] == 16
     assert all(g.gathered[0][0] is tokens for g in groups)  # the indices are built once per step
 
 

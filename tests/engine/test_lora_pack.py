@@ -1,4 +1,5 @@
-"""Packing an adapter's bytes for a slot (in place when the dtypes match) and writing it into a slot."""
+"""Packing an adapter's bytes for a slot (in place when the dtypes match) and writing it into a
+slot."""
 
 import json
 import warnings
@@ -30,7 +31,8 @@ MAX_RANK = 8
 def adapter(
     rank: int, dtype: torch.dtype, modules=LINEAR_MODULES, alpha: float = 7.0, seed: int = 0
 ):
-    """Tensors and the files of a PEFT adapter (scaling alpha / rank: not a power of two, so rounding shows)."""
+    """Tensors and the files of a PEFT adapter (scaling alpha / rank: not a power of two, so
+    rounding shows)."""
     torch.manual_seed(seed)
     tensors = {}
     for layer in range(CFG.num_layers):
@@ -75,9 +77,8 @@ def test_slot_holds_a_and_scaled_bt_rounded_once(file_dtype, dtype):
     weights = torch.frombuffer(files[WEIGHTS_FILE], dtype=torch.uint8)
     pack = pack_adapter(adapter_from_files(files, CFG, MAX_RANK), files[WEIGHTS_FILE], dtype)
     in_place = weights.data_ptr() <= pack.buffer.data_ptr() < weights.data_ptr() + weights.numel()
-    assert in_place == (
-        file_dtype == dtype
-    )  # no second host copy when the file already holds the dtype
+    # no second host copy when the file already holds the dtype
+    assert in_place == (file_dtype == dtype)
     pool = LoRASlotPool(CFG, 2, MAX_RANK, dtype, "cpu")
     pool.set_slot(1, pack)
     for layer in range(CFG.num_layers):
@@ -96,9 +97,8 @@ def test_slot_holds_a_and_scaled_bt_rounded_once(file_dtype, dtype):
 
 
 def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
-    _, full = adapter(
-        MAX_RANK, torch.float32, seed=1
-    )  # every module at max rank: overwrites the whole slot
+    # every module at max rank: overwrites the whole slot
+    _, full = adapter(MAX_RANK, torch.float32, seed=1)
     _, small = adapter(3, torch.float32, modules=("q_proj", "down_proj"), seed=2)
     expected_full, expected_small = (
         fresh_slot(full, torch.float32),
@@ -115,9 +115,8 @@ def test_a_reused_slot_keeps_nothing_of_its_previous_adapter():
     assert torch.equal(pool.buffer[0], expected_small)
 
 
-@pytest.mark.parametrize(
-    "block_bytes", [4, 100, 1 << 20]
-)  # blocks of one row, of a few rows, and one block
+# blocks of one row, of a few rows, and one block
+@pytest.mark.parametrize("block_bytes", [4, 100, 1 << 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_blocked_transpose_writes_every_row(monkeypatch, block_bytes, dtype):
     tensors, files = adapter(5, dtype)
@@ -152,13 +151,12 @@ def test_packing_in_place_overwrites_only_bytes_the_digest_check_has_read():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_scaling_rounds_as_torch_does_out_to_overflow(dtype):
-    """float32 is scaled in numpy, the others in torch: each B*scaling must match torch's product bit for bit, an
-    overflow to inf included (and without a warning from numpy)."""
+    """float32 is scaled in numpy, the others in torch: each B*scaling must match torch's product
+    bit for bit, an overflow to inf included (and without a warning from numpy)."""
     tensors, files = adapter(3, dtype, alpha=1e6)
     prefix = f"base_model.model.{ModelConfig.module_path(0, 'down_proj')}.lora_B.weight"
-    tensors[prefix] = (
-        tensors[prefix] * torch.finfo(dtype).max / 4
-    )  # times 1e6 / 3: past the largest finite
+    # times 1e6 / 3: past the largest finite
+    tensors[prefix] = tensors[prefix] * torch.finfo(dtype).max / 4
     files[WEIGHTS_FILE] = bytearray(save(tensors))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -11,6 +11,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import InvalidRequest, SamplingParams, StructuredOutput
 
+# 10 tokens: 2 full blocks of 4 and a partly filled one
 PROMPT = [
     5,
     6,
@@ -22,7 +23,7 @@ PROMPT = [
     12,
     13,
     14,
-]  # 10 tokens: 2 full blocks of 4 and a partly filled one
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,8 @@ def test_n_sequences_share_the_prompt_blocks_and_match_separate_requests(world, 
         for out in engine.step():
             assert out.request_id == rid
             outs[out.index].append(out)
-    assert (
-        engine.blocks.num_free == free
-    )  # every shared block went back once, when its last sequence ended
+    # every shared block went back once, when its last sequence ended
+    assert engine.blocks.num_free == free
     # Each sequence is what a request of its own with the child's seed (seed + index, as vLLM)
     # gives.
     alone = _run(
@@ -212,9 +212,8 @@ def test_min_p_keeps_only_tokens_near_the_most_likely(world):
             )
         ],
     )
-    assert _tokens(full[(0, 0)]) == _tokens(
-        greedy[(0, 0)]
-    )  # min_p 1: only the most likely token is left
+    # min_p 1: only the most likely token is left
+    assert _tokens(full[(0, 0)]) == _tokens(greedy[(0, 0)])
     got = _run(
         engine,
         [
@@ -327,9 +326,8 @@ def test_n_times_the_prompt_that_does_not_fit_the_kv_cache_is_refused(llama_dir)
     )
     assert engine.blocks.num_blocks == 16
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
-    with pytest.raises(
-        InvalidRequest
-    ) as big:  # 3 blocks for the prompt, one more for each further sequence
+    with pytest.raises(InvalidRequest) as big:
+        # 3 blocks for the prompt, one more for each further sequence
         engine.add_request(PROMPT, SamplingParams(n=15, max_tokens=4))
     assert big.value.param == "n" and "KV blocks" in str(big.value)
     # 14 sequences fit together (3 + 13 blocks): they run, preempting and recomputing as they grow.
@@ -355,9 +353,8 @@ def test_abort_ends_every_sequence_of_the_request(world):
     engine, refs, _ = world
     params = SamplingParams(n=4, max_tokens=50, ignore_eos=True, repetition_penalty=1.2)
     rid = engine.add_request(PROMPT, params, refs["attn-r8"])
-    while (
-        len(engine.requests.get(rid, ())) < 4
-    ):  # its adapter's load, then the prefill and the fork
+    while len(engine.requests.get(rid, ())) < 4:
+        # its adapter's load, then the prefill and the fork
         engine.step()
     assert len(engine.sampler.penalties.rows) == 4
     engine.abort(rid)

@@ -1,6 +1,6 @@
-"""The scheduler's lower-priority queue for budgets: a request that its tenant's budget holds back lets
-other tenants' waiting requests take a freed slot first, for a bounded time (the real scheduler, block
-manager and cache over a slot pool that only records)."""
+"""The scheduler's lower-priority queue for budgets: a request that its tenant's budget holds back
+lets other tenants' waiting requests take a freed slot first, for a bounded time (the real
+scheduler, block manager and cache over a slot pool that only records)."""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -87,7 +87,7 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
     now[0] += cache.budgets.yield_s  # the bound: b1 no longer gives way, and takes its turn
     scheduler.finish(o0, "stop")
     scheduler.finish(b0, "stop")
-    o1 = request("o1", "online")
+    request("o1", "online")
     assert step() == ["batch-b1"]  # in arrival order now, from its own slot; o1's load lands
     assert step() == ["online-o1"]
 

@@ -1,5 +1,5 @@
-"""Fixtures: real PEFT adapters on the tiny Llama (tests/tinymodels.py), registries on SQLite files and on a
-throwaway PostgreSQL cluster when the machine has one."""
+"""Fixtures: real PEFT adapters on the tiny Llama (tests/tinymodels.py), registries on SQLite files
+and on a throwaway PostgreSQL cluster when the machine has one."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 from tinymodels import make_adapter, make_model
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 
 ATTN = ["q_proj", "v_proj"]
 
 
 @pytest.fixture(scope="session")
 def adapter_factory(llama_dir, tmp_path_factory):
-    """make(key, **lora_args) -> directory of a real PEFT adapter on `llama_dir`, built once per key."""
+    """make(key, **lora_args) -> directory of a real PEFT adapter on `llama_dir`, built once per
+    key."""
     root = tmp_path_factory.mktemp("registry-adapters")
     made: dict[str, Path] = {}
 
@@ -52,7 +54,8 @@ def adapter_v3(adapter_factory):
 
 @pytest.fixture(scope="session")
 def other_base_dir(tmp_path_factory):
-    """Same shapes as the tiny Llama, another name: adapters made on it belong to another base model."""
+    """Same shapes as the tiny Llama, another name: adapters made on it belong to another base
+    model."""
     return make_model(tmp_path_factory.mktemp("other-base"), "llama")
 
 
@@ -64,7 +67,7 @@ def wide_base_dir(tmp_path_factory):
     )
 
 
-# ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists -----------------------
+# ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists ---------------
 
 
 def _pg_bin() -> Path | None:
@@ -74,7 +77,8 @@ def _pg_bin() -> Path | None:
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """(socket dir, run-as prefix) of a running throwaway cluster, or skip saying why there is none."""
+    """(socket dir, run-as prefix) of a running throwaway cluster, or skip saying why there is
+    none."""
     bin_dir = _pg_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)")
@@ -95,9 +99,10 @@ def postgres_server():
     if as_user:
         shutil.chown(work, "postgres")
     data = work / "data"
-    run = lambda *args: subprocess.run(
-        [*as_user, *args], capture_output=True, text=True, timeout=120
-    )  # noqa: E731
+
+    def run(*args):
+        return subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)
+
     init = run(
         str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"
     )
@@ -131,7 +136,8 @@ _schema_numbers = itertools.count()
 
 @pytest.fixture
 def pg_url(postgres_server):
-    """A fresh, empty PostgreSQL schema, as its own database URL (skips when no cluster could start).
+    """A fresh, empty PostgreSQL schema, as its own database URL (skips when no cluster could
+    start).
 
     A schema per test rather than a database: CREATE DATABASE copies a template on disk each time.
     """
@@ -162,7 +168,8 @@ def sqlite_url(tmp_path):
 
 @pytest.fixture
 def make_registry(tmp_path, llama_dir):
-    """make(url, **kwargs) -> an initialized Registry with a store in tmp_path; closed at the end."""
+    """make(url, **kwargs) -> an initialized Registry with a store in tmp_path; closed at the
+    end."""
     opened: list[Registry] = []
 
     def make(url: str, **kwargs) -> Registry:

@@ -10,13 +10,15 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 from loraplex.registry.cli import app
 
 
 @pytest.fixture
 def cli(tmp_path):
-    """cli(*args) -> result, on a registry under tmp_path/data (the default layout of --data-dir)."""
+    """cli(*args) -> result, on a registry under tmp_path/data (the default layout of
+    --data-dir)."""
     runner = CliRunner()
 
     def run(*args: str, ok: bool = True):

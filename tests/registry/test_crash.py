@@ -10,13 +10,14 @@ import sys
 import pytest
 from sqlalchemy import text
 
-# Runs `registry add` in a child process that stops at one point and says so; the test then kills it.
+# Runs `registry add` in a child process that stops at one point and says so; the test then kills
+# it.
 CHILD = r"""
 import sys, time
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session
 from loraplex.registry.cli import app
-from loraplex.registry.store import ArtifactStore
+from loraplex.artifacts import ArtifactStore
 
 point, argv = sys.argv[1], sys.argv[2:]
 

@@ -1,4 +1,5 @@
-"""The registry's core behaviour, run against a SQLite file and against PostgreSQL (when a cluster can start)."""
+"""The registry's core behaviour, run against a SQLite file and against PostgreSQL (when a cluster
+can start)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
+from loraplex.artifacts import Pieces, digest_and_pieces
 from loraplex.registry import (
     AdapterNotFound,
     AdapterRejected,
@@ -26,7 +28,6 @@ from loraplex.registry import (
     RevisionUnavailable,
     SchemaTooNew,
 )
-from loraplex.registry.store import Pieces, digest_and_pieces
 from loraplex.registry.traffic import pick
 
 
@@ -90,14 +91,13 @@ def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adap
 
 
 def test_canary_split_over_10000_resolutions(canary):
-    # 10,000 on SQLite: ±2 points is 6.7 sigma at 10%. PostgreSQL costs a round trip per resolution, so
-    # there 1,000 within ±6 points (6.3 sigma): the same code path, a smaller sample.
+    # 10,000 on SQLite: ±2 points is 6.7 sigma at 10%. PostgreSQL costs a round trip per resolution,
+    # so there 1,000 within ±6 points (6.3 sigma): the same code path, a smaller sample.
     n, tolerance = (10_000, 2) if canary.engine.dialect.name == "sqlite" else (1_000, 6)
     counts = Counter(canary.resolve("default", "chat").revision for _ in range(n))
     assert abs(100 * counts["r2"] / n - 10) <= tolerance, counts
-    canary.promote(
-        "chat", "r2", 50
-    )  # by user: deterministic; the pure split is checked on 10,000 users below
+    # by user: deterministic; the pure split is checked on 10,000 users below
+    canary.promote("chat", "r2", 50)
     counts = Counter(
         canary.resolve("default", "chat", user=f"user-{i}").revision for i in range(1_000)
     )
@@ -137,9 +137,8 @@ def test_promote_and_rollback_life_cycle(canary, adapter_v3):
         "r2": "stable",
         "r3": "staging",
     }
-    assert [r.revision for r in canary.grace_revisions()] == [
-        "r1"
-    ]  # left traffic just now: keep it warm
+    # left traffic just now: keep it warm
+    assert [r.revision for r in canary.grace_revisions()] == ["r1"]
     canary.grace_period = timedelta(0)
     assert canary.grace_revisions() == []
 
@@ -190,7 +189,8 @@ def test_quarantined_revisions_are_never_served(canary):
         canary.resolve("default", "chat@r2")
     with pytest.raises(LifecycleError, match="quarantined"):
         canary.promote("chat", "r2", 100)
-    # quarantining the stable hands its traffic to the previous stable, if any; else nothing is served
+    # quarantining the stable hands its traffic to the previous stable, if any; else nothing is
+    # served
     canary.quarantine("chat", "r1", "bad")
     with pytest.raises(RevisionUnavailable, match="chat has no revision in service"):
         canary.resolve("default", "chat")
@@ -229,7 +229,8 @@ def test_deprecate_and_set_traffic(canary, adapter_v3):
 def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2, tmp_path):
     evals = tmp_path / "evals.jsonl"
     evals.write_text(
-        '{"prompt": "2+2=", "expected": "4"}\n{"prompt": "capital of France", "contains": "Paris"}\n'
+        '{"prompt": "2+2=", "expected": "4"}\n{"prompt": "capital of France", "contains": '
+        '"Paris"}\n'
     )
     registry.add_revision(adapter_v1, "chat", status="stable")
     registry.add_revision(adapter_v2, "chat", eval_set=evals)
@@ -282,17 +283,15 @@ def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2,
         ("complete", "capital of France"),
         ("complete", "Hello"),
     ]
-    registry.promote(
-        "chat", "r2", 50, checks=ReleaseChecks(prewarm=prewarm, complete=wrong)
-    )  # already serving
+    # already serving
+    registry.promote("chat", "r2", 50, checks=ReleaseChecks(prewarm=prewarm, complete=wrong))
     assert dict(registry.show("chat").traffic) == {"r2": 50, "r1": 50}
     assert registry.audit_events(1)[0].detail["checks"] == "already in traffic"
     registry.promote("chat", "r2", 100)
     registry.rollback("chat")
     lenient = ReleaseChecks(complete=wrong, min_pass_rate=0.5)
-    registry.promote(
-        "chat", "r2", 10, checks=lenient
-    )  # r2 left traffic: checked again, and passes at 50%
+    # r2 left traffic: checked again, and passes at 50%
+    registry.promote("chat", "r2", 10, checks=lenient)
 
 
 def test_tenants_and_api_keys(registry):
@@ -323,9 +322,8 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
     assert registry.pin("chat", tier="cpu").pin_tier == "cpu"
     registry.pin("chat", tier="gpu")
     assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "gpu", "code": None}
-    assert (
-        make_registry(db_url).show("chat").pin_tier == "gpu"
-    )  # read back by another process's registry
+    # read back by another process's registry
+    assert make_registry(db_url).show("chat").pin_tier == "gpu"
     assert registry.audit_events(target="chat")[0].detail == {"tier": "gpu"}
     with pytest.raises(RegistryError, match="gpu or cpu"):
         registry.pin("chat", tier="disk")
@@ -334,19 +332,21 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
     assert (
         unpinned.pin_tier is None and not unpinned.pinned and unpinned.to_dict()["pin_tier"] is None
     )
-    # A warm policy of gpu or cpu is a pin too: unpinning ends it (the operator's call overrides the manifest's).
+    # A warm policy of gpu or cpu is a pin too: unpinning ends it (the operator's call overrides the
+    # manifest's).
     assert registry.unpin("code").warm_policy == "on_demand"
     assert registry.audit_events(target="code")[0].action == "unpin"
-    registry.add_revision(
-        adapter_v1, "code", revision="r2", warm_policy="gpu"
-    )  # registered again with one
+    # registered again with one
+    registry.add_revision(adapter_v1, "code", revision="r2", warm_policy="gpu")
     assert registry.show("code").warm_policy == "gpu"
-    # Pinned by a version that kept no tier (no row): the warm policy's tier, else cpu, as those versions did.
+    # Pinned by a version that kept no tier (no row): the warm policy's tier, else cpu, as those
+    # versions did.
     with registry.engine.begin() as conn:
         conn.execute(text("UPDATE adapters SET pinned = :p"), {"p": True})
     assert {a.name: a.pin_tier for a in registry.list_adapters()} == {"chat": "cpu", "code": "gpu"}
-    # A database made by the previous version has no pin_tiers table: a process that only reads it (`registry list`,
-    # `plan --registry`) adds it, as `init` does, instead of failing on "no such table".
+    # A database made by the previous version has no pin_tiers table: a process that only reads it
+    # (`registry list`, `plan --registry`) adds it, as `init` does, instead of failing on "no such
+    # table".
     with registry.engine.begin() as conn:
         conn.execute(text("DROP TABLE pin_tiers"))
     reader = Registry(db_url)
@@ -413,16 +413,16 @@ def test_registration_records_the_pieces_of_the_stored_bytes(
     digest, pieces = digest_and_pieces(registry.store.path(record.digest))
     assert digest == record.digest and registry.pieces(record.digest) == pieces
     assert registry.pieces("sha256:" + "0" * 64) is None
-    # A database from before the piece tables: opening it adds them (older versions ignore them); revisions
-    # registered before have no pieces (their loads check the digest alone) until their bytes are added again.
+    # A database from before the piece tables: opening it adds them (older versions ignore them);
+    # revisions registered before have no pieces (their loads check the digest alone) until their
+    # bytes are added again.
     with registry.engine.begin() as conn:
         conn.execute(text("DROP TABLE artifact_pieces"))
         conn.execute(text("DROP TABLE artifact_pieces_blake3"))
     again = make_registry(db_url)
     assert again.pieces(record.digest) is None
-    assert (
-        again.add_revision(adapter_v1, "chat").revision == record.revision
-    )  # the same bytes: the same revision
+    # the same bytes: the same revision
+    assert again.add_revision(adapter_v1, "chat").revision == record.revision
     assert again.pieces(record.digest) == pieces
     other = again.add_revision(adapter_v2, "chat")
     assert again.pieces(other.digest) == digest_and_pieces(adapter_v2)[1]
@@ -492,14 +492,16 @@ def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adap
     assert [p[2] for p in phases] == ["r1", "r2", "r1", "r2", "r1", "r2"]
     boundaries = [(0, 0, "r2"), *phases, (2**63, 2**63, None)]
     for (_, done, serving), (next_start, _, _) in zip(boundaries, boundaries[1:]):
-        # a resolution that began after one rollback returned and ended before the next began sees only that state
+        # a resolution that began after one rollback returned and ended before the next began sees
+        # only that state
         inside = {rev for start, end, rev in seen if start >= done and end <= next_start}
         assert inside == {serving}, (serving, inside)
     assert {rev for _, _, rev in seen} == {"r1", "r2"}
 
 
 def test_names_and_revisions_are_matched_whole(registry, adapter_v1):
-    """A trailing newline would pass a pattern ending in `$` and then break the response header that names it."""
+    """A trailing newline would pass a pattern ending in `$` and then break the response header that
+    names it."""
     with pytest.raises(AdapterRejected, match="must match"):
         registry.add_revision(adapter_v1, "chat\n")
     with pytest.raises(AdapterRejected, match="must match"):
@@ -529,10 +531,11 @@ def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
 
 
 def test_two_processes_creating_the_same_fresh_registry_both_succeed(tmp_path):
-    """Two servers starting at once on a new registry file: the second waits for the first's tables (it failed on
-    the database lock, or inserted the same first rows twice)."""
+    """Two servers starting at once on a new registry file: the second waits for the first's tables
+    (it failed on the database lock, or inserted the same first rows twice)."""
     script = (
-        "import sys, time\nfrom loraplex.registry import Registry\nregistry = Registry(sys.argv[1])\n"
+        "import sys, time\nfrom loraplex.registry import Registry\nregistry = "
+        "Registry(sys.argv[1])\n"
         "while time.time() < float(sys.argv[2]):\n    pass\nregistry.init()\nregistry.close()\n"
     )
     for trial in range(3):
@@ -573,8 +576,8 @@ def test_an_old_entry_used_again_is_young_for_gc(registry, adapter_v2):
 
 
 def test_a_registration_whose_artifact_a_gc_removed_puts_it_back(registry, adapter_v2):
-    """The artifact is put before the registration's transaction; a gc may remove it in between (it was an old
-    orphan): the registration, under the write lock, finds it gone and puts it back."""
+    """The artifact is put before the registration's transaction; a gc may remove it in between (it
+    was an old orphan): the registration, under the write lock, finds it gone and puts it back."""
     store, put, calls = registry.store, registry.store.put, []
 
     def put_then_gc(src):

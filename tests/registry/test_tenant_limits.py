@@ -56,9 +56,8 @@ def test_tenant_limits_are_set_listed_and_audited(cli, tmp_path):
         ("tenant_limits", {"max_waiting": None}),  # the newest first
         ("tenant_limits", {"max_concurrent_requests": 8, "max_waiting": 16}),
     ]
-    assert (
-        json.loads(cli("tenant", "list", "--json").stdout)[0]["priority"] == 2
-    )  # refused: no change
+    # refused: no change
+    assert json.loads(cli("tenant", "list", "--json").stdout)[0]["priority"] == 2
 
 
 def test_a_registry_made_before_the_limit_columns_gains_them_on_open(tmp_path):

@@ -1,4 +1,5 @@
-"""Every refusal at registration, with its message, on real PEFT adapters; a refusal leaves nothing behind."""
+"""Every refusal at registration, with its message, on real PEFT adapters; a refusal leaves nothing
+behind."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 from safetensors.torch import load_file, save_file
 
-from loraplex.registry import AdapterRejected, AllowList, ArtifactStore, Registry
+from loraplex.artifacts import AllowList, ArtifactStore, canonical_digest
+from loraplex.registry import AdapterRejected, Registry
 from loraplex.registry.signing import generate_keypair, sign_digest
-from loraplex.registry.store import canonical_digest
 
 
 def rewrite_weights(src, dst, change):
@@ -56,8 +57,9 @@ def assert_refused(registry: Registry, src, field: str, message: str, **kwargs) 
             "LoRA on embed_tokens is not supported",
         ),
         ("rank16", dict(r=16), "rank", "rank 16 of layer 0 q_proj is above max_lora_rank 8"),
-        # weights like a plain LoRA's, another forward pass: PEFT applies an aLoRA only after its invocation
-        # tokens, and a replicated stack runs the adapter on layers the base does not have as such
+        # weights like a plain LoRA's, another forward pass: PEFT applies an aLoRA only after its
+        # invocation tokens, and a replicated stack runs the adapter on layers the base does not
+        # have as such
         (
             "alora",
             dict(alora_invocation_tokens=[7, 8]),
@@ -96,7 +98,10 @@ def test_pickle_beside_safetensors_is_refused(sqlite_registry, adapter_v1, tmp_p
 
 def test_shape_mismatch_is_refused(sqlite_registry, adapter_factory, wide_base_dir):
     src = adapter_factory("wide", base=wide_base_dir)
-    message = r"layer 0 q_proj: A \[4, 32\] and B \[32, 4\] do not fit the base \(expected \[r, 64\] and \[64, r\]\)"
+    message = (
+        r"layer 0 q_proj: A \[4, 32\] and B \[32, 4\] do not fit the base \(expected \[r, 64\] and "
+        r"\[64, r\]\)"
+    )
     assert_refused(sqlite_registry, src, "shape", message)
 
 
@@ -123,8 +128,8 @@ def rewrite_config(src, dst, **changes):
 
 
 def test_weights_the_config_does_not_select_are_refused(sqlite_registry, adapter_v1, tmp_path):
-    """PEFT loads only the modules its config selects and ignores other weights: serving those would serve another
-    adapter than PEFT's."""
+    """PEFT loads only the modules its config selects and ignores other weights: serving those would
+    serve another adapter than PEFT's."""
     cases = {
         "narrowed": dict(target_modules=["q_proj"]),
         "regex": dict(target_modules=r".*\.q_proj"),
@@ -250,9 +255,8 @@ def test_manifest_fields_from_a_valid_adapter(sqlite_registry, adapter_v3, llama
 
 
 def test_base_model_named_by_the_adapter_is_used(tmp_path, adapter_v1, llama_dir):
-    registry = Registry(
-        f"sqlite:///{tmp_path}/r.db", ArtifactStore(tmp_path / "store")
-    )  # no base model given
+    # no base model given
+    registry = Registry(f"sqlite:///{tmp_path}/r.db", ArtifactStore(tmp_path / "store"))
     registry.init()
     assert registry.add_revision(adapter_v1, "chat").base_model == llama_dir.name
     src = shutil.copytree(adapter_v1, tmp_path / "nameless")

@@ -4,7 +4,8 @@ from loraplex.router.fleet import Worker
 
 VLLM_METRICS = """
 # HELP vllm:lora_requests_info Running stats on lora requests.
-vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",\
+waiting_lora_adapters="math"} 1.7e9
 vllm:num_requests_waiting{model_name="m"} 3.0
 vllm:num_requests_running{model_name="m"} 5.0
 vllm:kv_cache_usage_perc{model_name="m"} 0.42
@@ -55,10 +56,12 @@ def test_adapters_routed_since_the_last_poll_count_as_loading_there():
 
 
 def test_vllm_s_newest_lora_series_is_the_current_one_and_engines_add_up():
-    """vLLM keeps one lora_requests_info series per label set, valued at the time it was current; old ones stay."""
+    """vLLM keeps one lora_requests_info series per label set, valued at the time it was current;
+    old ones stay."""
     text = """
 vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7e9
-vllm:lora_requests_info{max_lora="4",running_lora_adapters="chat,code,math,sql",waiting_lora_adapters=""} 1.5e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="chat,code,math,sql",\
+waiting_lora_adapters=""} 1.5e9
 vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
 vllm:num_requests_running{engine="0",model_name="m"} 3.0

@@ -94,8 +94,9 @@ def test_dead_and_stale_workers():
 
 
 def test_queue_depth_outweighs_affinity_only_by_whole_requests():
-    """At the defaults each request of load costs 0.1: a gpu-resident worker keeps its adapter's traffic until it
-    carries two more requests than a cpu-resident one or three more than a worker with a free slot."""
+    """At the defaults each request of load costs 0.1: a gpu-resident worker keeps its adapter's
+    traffic until it carries two more requests than a cpu-resident one or three more than a worker
+    with a free slot."""
     picker = Picker(rng=random.Random(3))
     for load, expected in ((0, "a"), (1, "a"), (2, "a"), (3, "b"), (4, "b")):
         workers = [w("a", gpu=frozenset({"x"}), running=load), w("b", free_slots=1)]
@@ -103,7 +104,8 @@ def test_queue_depth_outweighs_affinity_only_by_whole_requests():
     for load, expected in ((1, "a"), (2, "b")):
         workers = [w("a", gpu=frozenset({"x"}), running=load), w("b", cpu=frozenset({"x"}))]
         assert picker.pick(workers, "x").url == expected, load
-    # Against a worker with no free slot (a cold load and an eviction there) affinity holds until saturation.
+    # Against a worker with no free slot (a cold load and an eviction there) affinity holds until
+    # saturation.
     workers = [w("a", gpu=frozenset({"x"}), running=4), w("b")]
     assert picker.pick(workers, "x").url == "a"
     # Resident on two workers: the less loaded one takes it.

@@ -1,5 +1,5 @@
-"""The router's admin routes over a real socket: a token anyone can send and a body that is not JSON get answers in
-the OpenAI error shape, not a server error."""
+"""The router's admin routes over a real socket: a token anyone can send and a body that is not JSON
+get answers in the OpenAI error shape, not a server error."""
 
 import sys
 from pathlib import Path

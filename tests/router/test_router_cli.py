@@ -1,5 +1,5 @@
-"""`loraplex router` as a real process: an admin token file that is missing or too short stops it with exit code 2
-and one line on stderr naming the flag, as `serve` does."""
+"""`loraplex router` as a real process: an admin token file that is missing or too short stops it
+with exit code 2 and one line on stderr naming the flag, as `serve` does."""
 
 import subprocess
 import sys
@@ -50,8 +50,8 @@ def test_bad_admin_token_file_stops_the_router_with_exit_code_2_and_one_line(tmp
 
 
 def test_the_commands_that_do_not_serve_do_not_load_torch():
-    """`loraplex router`, `registry`, `simulate`, `plan` and `bench` start without torch (about 2.5 s and 300 MB
-    less per process): only `serve` and `demo` load it, when they build the engine."""
+    """`loraplex router`, `registry`, `simulate`, `plan` and `bench` start without torch (about 2.5
+    s and 300 MB less per process): only `serve` and `demo` load it, when they build the engine."""
     probe = (
         "import sys, loraplex.cli, loraplex.router.serve, loraplex.server.serve; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"

@@ -1,5 +1,6 @@
-"""The router against workers that misbehave, over real sockets. The workers are small stand-ins at the HTTP boundary
-(a worker shutting down, one that answers its state in an unexpected shape, one that is slow to answer)."""
+"""The router against workers that misbehave, over real sockets. The workers are small stand-ins at
+the HTTP boundary (a worker shutting down, one that answers its state in an unexpected shape, one
+that is slow to answer)."""
 
 import asyncio
 import sys
@@ -78,8 +79,8 @@ def test_a_worker_shutting_down_gets_no_traffic():
 
 
 def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
-    """A state of an unexpected shape, or a worker URL httpx cannot use, marked out that one worker and stopped the
-    fleet's polling for good (a worker once marked out never came back)."""
+    """A state of an unexpected shape, or a worker URL httpx cannot use, marked out that one worker
+    and stopped the fleet's polling for good (a worker once marked out never came back)."""
     shapes = {"load": None, "adapters": [{"name": "x"}]}
     with serving(worker(shapes)) as odd, serving(worker(RESIDENT)) as good:
         app = create_router_app(RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_s=0.05))
@@ -106,9 +107,8 @@ def test_a_slow_answer_is_a_timeout_not_a_dead_worker_and_is_not_run_twice():
         with serving(create_router_app(config)) as url:
             answer = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "x"})
             assert answer.status_code == 504 and answer.json()["error"]["code"] == "gateway_timeout"
-            assert (
-                len(calls) == 1 and workers_seen(url)[slow]
-            )  # not retried elsewhere, not marked out
+            # not retried elsewhere, not marked out
+            assert len(calls) == 1 and workers_seen(url)[slow]
 
 
 def test_a_body_that_is_not_utf8_is_a_400():
@@ -119,15 +119,16 @@ def test_a_body_that_is_not_utf8_is_a_400():
 
 
 def test_more_than_a_hundred_streams_at_once_are_all_carried():
-    """httpx's default pool of 100 connections made the 101st request wait for one and fail as if its worker had
-    (PoolTimeout: the worker marked out, the client answered 502)."""
+    """httpx's default pool of 100 connections made the 101st request wait for one and fail as if
+    its worker had (PoolTimeout: the worker marked out, the client answered 502)."""
 
     async def stream(request):
         await request.body()
 
         async def chunks():
-            # Each stream outlasts the proxy's pool timeout (1.5 s, the request timeout) by a second, with gaps a
-            # second shorter than its read timeout (0.6 s gaps against 1.0 s failed once on a loaded machine).
+            # Each stream outlasts the proxy's pool timeout (1.5 s, the request timeout) by a
+            # second, with gaps a second shorter than its read timeout (0.6 s gaps against 1.0 s
+            # failed once on a loaded machine).
             for i in range(5):
                 yield f"data: {i}\n\n".encode()
                 await asyncio.sleep(0.5)
@@ -160,8 +161,8 @@ def test_more_than_a_hundred_streams_at_once_are_all_carried():
 
 
 def tenant_worker(state: dict) -> Starlette:
-    """A worker where only the key `alice-key` may use the adapter `sql` (a 404 otherwise, as for a name that does
-    not exist)."""
+    """A worker where only the key `alice-key` may use the adapter `sql` (a 404 otherwise, as for a
+    name that does not exist)."""
 
     async def completions(request):
         body = await request.json()
@@ -195,18 +196,18 @@ def picks(url: str, token: str) -> dict[str, float]:
 
 
 def test_a_refused_caller_learns_nothing_of_where_an_adapter_is_resident():
-    """The router picks from the model name before a worker checks the key: a 404 for another tenant's adapter
-    carried `x-loraplex-route: affinity-gpu` (an unknown name `cold-hash`), and the picks counter moved the same
-    way. Now refusals carry no route or worker header and are not counted; /metrics can require a token."""
+    """The router picks from the model name before a worker checks the key: a 404 for another
+    tenant's adapter carried `x-loraplex-route: affinity-gpu` (an unknown name `cold-hash`), and the
+    picks counter moved the same way. Now refusals carry no route or worker header and are not
+    counted; /metrics can require a token."""
     metrics_token = "metrics-token-0123456789"
     with serving(tenant_worker(RESIDENT)) as w:
         config = RouterConfig(workers=(w,), admin_token=TOKEN, metrics_token=metrics_token)
         with serving(create_router_app(config)) as url:
             assert workers_seen(url) == {w: True}
             assert httpx.get(f"{url}/metrics").status_code == 401
-            assert (
-                httpx.get(f"{url}/metrics", headers=ADMIN).status_code == 401
-            )  # the admin token is not it
+            # the admin token is not it
+            assert httpx.get(f"{url}/metrics", headers=ADMIN).status_code == 401
             for model in ("sql", "nothing-here"):
                 refused = httpx.post(
                     f"{url}/v1/completions",

@@ -1,5 +1,5 @@
-"""Fixtures of the server tests (helpers in harness.py): `start(...)` runs a server, `running` is one shared
-by a module's tests, `adapter_variants` gives 20 adapters with distinct bytes."""
+"""Fixtures of the server tests (helpers in harness.py): `start(...)` runs a server, `running` is
+one shared by a module's tests, `adapter_variants` gives 20 adapters with distinct bytes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def adapter_variants(llama_adapters, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def start(llama_dir, llama_adapters, tmp_path_factory):
-    """start(keys=True, engine={...}, **server_config) -> context manager yielding a Running server."""
+    """start(keys=True, engine={...}, **server_config) -> context manager yielding a Running
+    server."""
 
     @contextlib.contextmanager
     def run(keys: bool = True, engine: dict | None = None, registry_setup=None, **config):

@@ -1,8 +1,8 @@
-"""Helpers for the server tests: a real server on a real port (uvicorn in a thread) over a tiny engine and a
-SQLite registry.
+"""Helpers for the server tests: a real server on a real port (uvicorn in a thread) over a tiny
+engine and a SQLite registry.
 
-Tenants: `alice` and `bob` (keys below); adapters `shared-a` (everyone), `alice-a` (alice only), `bob-a`
-(bob only), all stable.
+Tenants: `alice` and `bob` (keys below); adapters `shared-a` (everyone), `alice-a` (alice only),
+`bob-a` (bob only), all stable.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import openai
 import uvicorn
 from safetensors.torch import load_file, save_file
 
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import Registry
 from loraplex.server.app import Server
 from loraplex.server.serve import bind
 
@@ -98,7 +99,8 @@ def variant(src: Path, out: Path, scale: float) -> Path:
 
 
 def make_registry(tmp: Path, llama_dir: Path, llama_adapters: dict) -> Registry:
-    """Tenants alice and bob; shared-a (everyone), alice-a (alice only), bob-a (bob only), all stable."""
+    """Tenants alice and bob; shared-a (everyone), alice-a (alice only), bob-a (bob only), all
+    stable."""
     registry = Registry(
         f"sqlite:///{tmp}/registry.db",
         ArtifactStore(tmp / "artifacts"),

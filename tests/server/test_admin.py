@@ -1,4 +1,5 @@
-"""The admin API: the token, residency state, registry changes, cache operations, vLLM's load/unload."""
+"""The admin API: the token, residency state, registry changes, cache operations, vLLM's
+load/unload."""
 
 import threading
 from datetime import timedelta
@@ -18,17 +19,16 @@ def test_admin_without_token_is_401_and_with_a_wrong_one_too(running):
             response = running.admin(method, path, token=token, json={})
             assert response.status_code == 401, (path, response.text)
             assert response.json()["error"]["type"] == "authentication_error"
-    assert (
-        running.admin("GET", "/admin/state", token=KEYS["alice"]).status_code == 401
-    )  # a tenant key is not it
+    # a tenant key is not it
+    assert running.admin("GET", "/admin/state", token=KEYS["alice"]).status_code == 401
 
 
 JSON = {"content-type": "application/json"}
 
 
 def test_without_the_token_the_body_is_not_read(running):
-    """401 comes before the body: not JSON is no 400 (which would tell anyone the admin API is there), and a large
-    body is refused as small ones are."""
+    """401 comes before the body: not JSON is no 400 (which would tell anyone the admin API is
+    there), and a large body is refused as small ones are."""
     for path in ("/v1/load_lora_adapter", "/admin/adapters", "/admin/adapters/shared-a/promote"):
         response = httpx.post(f"{running.url}{path}", content=b"{not json", headers=JSON)
         assert (
@@ -43,9 +43,8 @@ def test_without_the_token_the_body_is_not_read(running):
         content=b"{not json",
         headers={"content-type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"},
     )
-    assert with_token.status_code == 400, (
-        with_token.text
-    )  # with the token, the body is read and checked
+    # with the token, the body is read and checked
+    assert with_token.status_code == 400, with_token.text
 
 
 def test_admin_api_is_404_when_off(start):
@@ -147,9 +146,8 @@ def test_pin_unpin_evict(running):
         running.registry.show("alice-a").pin_tier is None
         and not running.registry.show("alice-a").pinned
     )
-    evicted = running.admin(
-        "POST", "/admin/adapters/alice-a/evict"
-    )  # no body: every default (it was a 400)
+    # no body: every default (it was a 400)
+    evicted = running.admin("POST", "/admin/adapters/alice-a/evict")
     assert evicted.status_code == 200 and evicted.json()["evicted"] == ["alice-a@r1"]
     assert _tier(running, "alice-a") not in ("gpu", "cpu")
     assert running.admin("POST", "/admin/adapters/nope/evict", json={}).json()["evicted"] == []
@@ -157,8 +155,9 @@ def test_pin_unpin_evict(running):
 
 
 def test_a_start_pins_each_pinned_adapter_again_in_its_tier(start):
-    """What a pin recorded in the registry (by the admin API of an earlier run, or `registry pin --tier`) is pinned
-    again at the next start, in the same tier: a gpu pin stayed a cpu pin after a restart before."""
+    """What a pin recorded in the registry (by the admin API of an earlier run, or `registry pin
+    --tier`) is pinned again at the next start, in the same tier: a gpu pin stayed a cpu pin after a
+    restart before."""
 
     def register(registry):
         registry.pin("alice-a", tier="gpu")
@@ -181,8 +180,8 @@ def test_a_start_pins_each_pinned_adapter_again_in_its_tier(start):
 
 
 def test_a_warm_policy_pins_in_its_tier_at_start_and_at_registration(start, adapter_variants):
-    """A manifest's warm policy of gpu or cpu is a pin (issue: "Pins (gpu or cpu), from the manifest's
-    warm_policy or the admin API"); it was a prewarm, evictable like any other copy."""
+    """A manifest's warm policy of gpu or cpu is a pin (issue: "Pins (gpu or cpu), from the
+    manifest's warm_policy or the admin API"); it was a prewarm, evictable like any other copy."""
 
     def register(registry):
         registry.add_revision(
@@ -211,9 +210,8 @@ def test_a_warm_policy_pins_in_its_tier_at_start_and_at_registration(start, adap
             lambda: _entry(running, "warm-cpu") and _entry(running, "warm-cpu")["pinned"] == "cpu",
             what="warm-cpu pinned in host memory",
         )
-        assert not running.registry.show(
-            "warm-cpu"
-        ).pinned  # the policy pins; no operator pin is recorded
+        # the policy pins; no operator pin is recorded
+        assert not running.registry.show("warm-cpu").pinned
 
 
 def _pin_of(running, name, revision):
@@ -227,9 +225,10 @@ def _pin_of(running, name, revision):
 def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_period(
     start, adapter_variants
 ):
-    """A name's pin moves to the revision promoted after it (it stayed on the old one, holding a slot for good, and
-    pinning the name again answered 409), for a promote here and for a rollback made by another process (the
-    registry CLI); the revision that leaves traffic is kept in host memory for the registry's grace period."""
+    """A name's pin moves to the revision promoted after it (rather than hold a slot for the old
+    one for good, with a second pin of the name answered 409), for a promote here and for a
+    rollback made by another process (the registry CLI); the revision that leaves traffic is kept
+    in host memory for the registry's grace period."""
 
     def register(registry):
         registry.pin("shared-a", tier="gpu")
@@ -251,9 +250,8 @@ def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_per
         )
         assert promoted.status_code == 200, promoted.text
         assert _pin_of(running, "shared-a", "r2") == "gpu"
-        assert (
-            _pin_of(running, "shared-a", "r1") == "cpu"
-        )  # the grace period: a rollback finds it warm
+        # the grace period: a rollback finds it warm
+        assert _pin_of(running, "shared-a", "r1") == "cpu"
         again = running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "gpu"})
         assert again.status_code == 200, again.text
         # A rollback by another process: the server sees the registry change and moves the pins.
@@ -281,16 +279,16 @@ def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_per
 def test_a_pin_made_before_the_watcher_looks_still_moves_off_the_retired_revision(
     start, adapter_variants
 ):
-    """A traffic change made elsewhere, then an admin pin of the name before the watcher's next look: the pin call
-    recorded the new serving set without moving the pin off the revision that left, so it kept it for good."""
+    """A traffic change made elsewhere, then an admin pin of the name before the watcher's next
+    look: the pin call recorded the new serving set without moving the pin off the revision that
+    left, so it kept it for good."""
 
     def setup(registry):
         registry.pin("shared-a", tier="cpu")
 
     roots = (str(adapter_variants[0].parent),)
-    with start(
-        registry_setup=setup, allowed_roots=roots, registry_watch_s=3600
-    ) as running:  # no watcher turn
+    with start(registry_setup=setup, allowed_roots=roots, registry_watch_s=3600) as running:
+        # no watcher turn
         running.wait_for(
             lambda: _pin_of(running, "shared-a", "r1") == "cpu", what="r1 pinned at start"
         )
@@ -302,9 +300,8 @@ def test_a_pin_made_before_the_watcher_looks_still_moves_off_the_retired_revisio
         }
         assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
         running.registry.grace_period = timedelta(0)  # no grace pin: r1 ends unpinned
-        elsewhere = Registry(
-            f"sqlite:///{running.tmp}/registry.db"
-        )  # the registry CLI, another process
+        # the registry CLI, another process
+        elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
         elsewhere.promote("shared-a", "r2", force=True)
         elsewhere.close()
         assert (
@@ -346,16 +343,16 @@ def test_an_operator_s_pin_of_one_revision_is_not_moved_by_traffic(start, adapte
             "POST", "/admin/adapters/shared-a/promote", json={"revision": "r2", "force": True}
         )
         assert promoted.status_code == 200, promoted.text
-        assert (
-            _pin_of(running, "shared-a", "r1") == "cpu"
-        )  # it left traffic; the operator's pin stays
+        # it left traffic; the operator's pin stays
+        assert _pin_of(running, "shared-a", "r1") == "cpu"
         assert running.admin("POST", "/admin/adapters/shared-a/unpin").status_code == 200
         assert _pin_of(running, "shared-a", "r1") is None
 
 
 def test_a_pin_or_unpin_made_by_another_process_reaches_the_running_server(start):
-    """`registry pin` and `unpin` (the CLI, another process) reached a running server only with the name's next
-    traffic change or the next start: the watcher follows a name's pin as it follows its traffic."""
+    """`registry pin` and `unpin` (the CLI, another process) reached a running server only with the
+    name's next traffic change or the next start: the watcher follows a name's pin as it follows its
+    traffic."""
     with start(registry_watch_s=0.1) as running:
         elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
         elsewhere.pin("alice-a", tier="gpu")
@@ -378,13 +375,13 @@ def test_a_pin_or_unpin_made_by_another_process_reaches_the_running_server(start
 def test_a_pin_of_one_revision_stays_on_it_and_an_unpin_elsewhere_releases_it(
     start, adapter_variants
 ):
-    """An operator's pin of r1 in a canary split: the registry records a pin of the name (what a start pins again),
-    which the watcher took for a pin of every serving revision (review: r2 pinned within 2 s). And `registry unpin`
-    from another process left that revision pin in place for good, while the admin unpin releases it."""
+    """An operator's pin of r1 in a canary split: the registry records a pin of the name (what a
+    start pins again), which the watcher took for a pin of every serving revision (review: r2 pinned
+    within 2 s). And `registry unpin` from another process left that revision pin in place for good,
+    while the admin unpin releases it."""
     roots = (str(adapter_variants[0].parent),)
-    with start(
-        allowed_roots=roots, registry_watch_s=3600
-    ) as running:  # the watcher's looks made here, in order
+    with start(allowed_roots=roots, registry_watch_s=3600) as running:
+        # the watcher's looks made here, in order
         body = {
             "name": "shared-a",
             "path": str(adapter_variants[4]),
@@ -415,11 +412,10 @@ def test_a_pin_of_one_revision_stays_on_it_and_an_unpin_elsewhere_releases_it(
 
 
 def test_a_pin_moved_to_a_tier_that_refuses_it_leaves_no_pin_in_the_old_tier(start):
-    """`registry pin --tier gpu`, then `--tier cpu` elsewhere, where the cpu pin cannot be made: the gpu pin stayed
-    for good although the registry no longer asks for it (and a start would not make it)."""
-    with start(
-        engine={"max_cpu_loras": 1}, registry_watch_s=3600
-    ) as running:  # one host copy: no cpu pin fits
+    """`registry pin --tier gpu`, then `--tier cpu` elsewhere, where the cpu pin cannot be made: the
+    gpu pin goes too, since the registry no longer asks for it (and a start would not make it)."""
+    with start(engine={"max_cpu_loras": 1}, registry_watch_s=3600) as running:
+        # one host copy: no cpu pin fits
         elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
         elsewhere.pin("alice-a", tier="gpu")
         running.server.follow_traffic()
@@ -433,8 +429,8 @@ def test_a_pin_moved_to_a_tier_that_refuses_it_leaves_no_pin_in_the_old_tier(sta
 
 
 def test_unpinning_a_warm_policy_lasts_past_traffic_changes(start, adapter_variants):
-    """The admin unpin of an adapter whose manifest says warm gpu: the policy pinned it again at the next traffic
-    change (and the next start). Unpinning ends the policy, in the registry too."""
+    """The admin unpin of an adapter whose manifest says warm gpu: the policy pinned it again at the
+    next traffic change (and the next start). Unpinning ends the policy, in the registry too."""
 
     def register(registry):
         registry.add_revision(
@@ -468,13 +464,13 @@ def test_unpinning_a_warm_policy_lasts_past_traffic_changes(start, adapter_varia
 
 
 def test_a_revision_rolled_back_into_service_gives_up_its_grace_pin(start, adapter_variants):
-    """A revision that leaves traffic is pinned in host memory for the grace period; when a rollback puts it back
-    into service it is kept by its traffic again, not held there until the period ends."""
+    """A revision that leaves traffic is pinned in host memory for the grace period; when a rollback
+    puts it back into service it is kept by its traffic again, not held there until the period
+    ends."""
     roots = (str(adapter_variants[0].parent),)
     with start(allowed_roots=roots, registry_watch_s=3600) as running:
-        running.client().completions.create(
-            model="shared-a", prompt="x", max_tokens=1
-        )  # r1 resident
+        # r1 resident
+        running.client().completions.create(model="shared-a", prompt="x", max_tokens=1)
         body = {
             "name": "shared-a",
             "path": str(adapter_variants[4]),
@@ -486,9 +482,8 @@ def test_a_revision_rolled_back_into_service_gives_up_its_grace_pin(start, adapt
             "POST", "/admin/adapters/shared-a/promote", json={"revision": "r2", "force": True}
         )
         assert promoted.status_code == 200, promoted.text
-        running.client().completions.create(
-            model="shared-a", prompt="x", max_tokens=1
-        )  # r2 resident
+        # r2 resident
+        running.client().completions.create(model="shared-a", prompt="x", max_tokens=1)
         assert _pin_of(running, "shared-a", "r1") == "cpu"  # its grace period
         assert running.admin("POST", "/admin/adapters/shared-a/rollback").status_code == 200
         assert (_pin_of(running, "shared-a", "r1"), _pin_of(running, "shared-a", "r2")) == (
@@ -533,9 +528,8 @@ def test_vllm_load_and_unload_with_drain(start, adapter_variants):
         load = {"lora_name": "dyn", "lora_path": str(adapter_variants[1])}
         loaded = running.admin("POST", "/v1/load_lora_adapter", json=load)
         assert loaded.status_code == 200 and "added successfully" in loaded.text
-        assert (
-            running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 400
-        )  # already loaded
+        # already loaded
+        assert running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 400
         for tenant in ("alice", "bob"):
             assert "dyn" in [m.id for m in running.client(tenant).models.list()]
 
@@ -569,9 +563,8 @@ def test_vllm_load_and_unload_with_drain(start, adapter_variants):
         assert _entry(running, "dyn") is None
         again = running.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn"})
         assert again.status_code == 404
-        assert (
-            running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 200
-        )  # loads again
+        # loads again
+        assert running.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 200
         assert (
             running.client()
             .completions.create(model="dyn", prompt="x", max_tokens=1)
@@ -592,7 +585,8 @@ def test_admin_api_on_its_own_port(start):
 
 
 def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running, adapter_variants):
-    """A canary whose stored bytes are damaged fails its load once, is quarantined, and never served again."""
+    """A canary whose stored bytes are damaged fails its load once, is quarantined, and never served
+    again."""
     registry = running.registry
     good, other = adapter_variants[18], adapter_variants[19]
     registry.add_revision(good, "fragile", revision="r1", shared=True, status="stable")
@@ -618,16 +612,54 @@ def test_corrupted_revision_is_quarantined_and_the_stable_keeps_serving(running,
         assert response.headers["x-loraplex-adapter"] == "fragile@r1"
     with pytest.raises(openai.NotFoundError) as gone:
         client.completions.create(model="fragile@r2", prompt="hello", max_tokens=2)
-    # The reason tenants read names no path or URL of the store (the error with them is in the server log).
+    # The reason tenants read names no path or URL of the store (the error with them is in the
+    # server log).
     assert "failed their digest check" in gone.value.message
     assert (
         str(registry.store.root) not in gone.value.message and "sha256/" not in gone.value.message
     )
 
 
+def test_a_failed_digest_check_is_quarantined_off_the_step_thread(start, adapter_variants):
+    """The step reports the failed load; the registry write runs on the server's registry writer,
+    and no registry call runs on the engine's step thread."""
+    threads: dict[str, set[str]] = {}
+
+    def corrupt(registry):
+        record = registry.add_revision(
+            adapter_variants[17], "brittle", shared=True, status="stable"
+        )
+        weights = registry.store.path(record.digest) / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        for name in dir(Registry):
+            method = getattr(registry, name)
+            if not name.startswith("_") and callable(method):
+                setattr(registry, name, recorded(name, method))
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            threads.setdefault(name, set()).add(threading.current_thread().name)
+            return method(*args, **kwargs)
+
+        return call
+
+    with start(registry_setup=corrupt) as running:
+        with pytest.raises(openai.InternalServerError) as failed:
+            running.client().completions.create(model="brittle", prompt="x", max_tokens=2)
+        assert failed.value.status_code == 503
+        running.wait_for(
+            lambda: running.registry.show("brittle").revisions[0].status == "quarantined",
+            what="quarantine",
+        )
+    assert {name.rsplit("_", 1)[0] for name in threads["quarantine"]} == {"registry-write"}
+    assert not [name for name, seen in threads.items() if "engine-loop" in seen]
+
+
 def test_a_cpu_pin_the_budget_cannot_hold_is_refused_once_its_size_is_known(start):
-    """An adapter never loaded has no known size, so the pin waits for its load and answers then: 409, the pin
-    undone, the registry not marked; the adapter still serves."""
+    """An adapter never loaded has no known size, so the pin waits for its load and answers then:
+    409, the pin undone, the registry not marked; the adapter still serves."""
     with start(engine={"cpu_cache_bytes": 1}) as running:
         response = running.admin("POST", "/admin/adapters/alice-a/pin", json={"tier": "cpu"})
         assert response.status_code == 409, response.text
@@ -648,9 +680,10 @@ def test_a_cpu_pin_that_fits_answers_after_its_load(running):
 
 
 def test_pins_that_fail_leave_nothing_pinned_and_evict_unpins(start, adapter_variants):
-    """A gpu pin of a name with two revisions in traffic, where only one gpu pin fits: 409 and neither stays
-    pinned (the first did, holding the only pin). A cpu pin whose load fails: 503, not 200 with nothing loaded.
-    An evicted pinned adapter is unpinned in the registry too (the next start would pin it again)."""
+    """A gpu pin of a name with two revisions in traffic, where only one gpu pin fits: 409 and
+    neither stays pinned (the first did, holding the only pin). A cpu pin whose load fails: 503, not
+    200 with nothing loaded. An evicted pinned adapter is unpinned in the registry too (the next
+    start would pin it again)."""
 
     def register(registry):
         registry.add_revision(

@@ -1,4 +1,5 @@
-"""Admission control: a bounded waiting queue and per-tenant concurrency (429 + Retry-After), body limit."""
+"""Admission control: a bounded waiting queue and per-tenant concurrency (429 + Retry-After), body
+limit."""
 
 import threading
 
@@ -7,10 +8,11 @@ import openai
 import pytest
 from harness import KEYS, MODEL
 
+# room for a stream that outlives the test steps
 LONG = {
     "max_model_len": 4096,
     "kv_cache_bytes": 16 * 2**20,
-}  # room for a stream that outlives the test steps
+}
 
 
 def _open_stream(running, tenant: str, model: str):
@@ -40,28 +42,28 @@ def test_per_tenant_concurrency_limit_answers_429_with_retry_after(start):
         assert _metric_line(running, 'loraplex_tenant_denied_total{tenant="alice"} 1.0')
 
 
-def test_full_waiting_queue_answers_429_and_the_queued_request_still_completes(start):
+def test_full_waiting_queue_answers_429_and_the_waiting_request_still_completes(start):
     with start(max_waiting=1, engine={"max_loras": 1, **LONG}) as running:
         holder = _open_stream(running, "alice", "shared-a")  # holds the only slot
-        queued: dict = {}
+        waiting: dict = {}
 
         def wait_for_slot():
-            queued["result"] = running.client("alice").completions.create(
+            waiting["result"] = running.client("alice").completions.create(
                 model="alice-a", prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
             )
 
         thread = threading.Thread(target=wait_for_slot)
         thread.start()
         running.wait_for(
-            lambda: running.state()["load"]["admitted_waiting"] == 1, what="a queued request"
+            lambda: running.state()["load"]["admitted_waiting"] == 1, what="a waiting request"
         )
         with pytest.raises(openai.RateLimitError) as refused:
             running.client("bob").completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert refused.value.body["code"] == "server_overloaded"
         assert refused.value.response.headers["retry-after"].isdigit()
-        holder.close()  # frees the slot: the queued request goes on
+        holder.close()  # frees the slot: the waiting request goes on
         thread.join(60)
-        assert queued["result"].usage.completion_tokens == 2
+        assert waiting["result"].usage.completion_tokens == 2
 
 
 def test_body_larger_than_the_limit_is_413_and_serving_goes_on(start):

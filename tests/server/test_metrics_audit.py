@@ -1,4 +1,5 @@
-"""/metrics counters match the calls made; the audit log has one line per request and never the text."""
+"""/metrics counters match the calls made; the audit log has one line per request and never the
+text."""
 
 import json
 
@@ -28,15 +29,14 @@ def _value(samples, name, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def served(start):
-    """A fresh server and a known set of calls: 3 ok, 1 denied (404), 1 unknown (404), 1 bad (400), 1 no key."""
+    """A fresh server and a known set of calls: 3 ok, 1 denied (404), 1 unknown (404), 1 bad (400),
+    1 no key."""
     with start() as running:
         client = running.client("alice")
-        client.completions.create(
-            model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS
-        )  # adapter from disk
-        client.completions.create(
-            model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS
-        )  # now in a slot
+        # adapter from disk
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)
+        # now in a slot
+        client.completions.create(model="shared-a", prompt=SECRET, max_tokens=2, extra_body=NO_EOS)
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": SECRET}],
@@ -58,8 +58,8 @@ def test_request_counters_by_tenant_and_code(served):
     assert _value(s, "loraplex_requests_total", tenant="alice", code="404") == 2
     assert _value(s, "loraplex_requests_total", tenant="alice", code="400") == 1
     assert _value(s, "loraplex_requests_total", tenant="unauthenticated", code="401") == 1
-    # Another tenant's adapter and a name that does not exist count alike, as their 404s are alike: a different count
-    # would tell a tenant reading /metrics which private names exist.
+    # Another tenant's adapter and a name that does not exist count alike, as their 404s are alike:
+    # a different count would tell a tenant reading /metrics which private names exist.
     assert _value(s, "loraplex_tenant_denied_total", tenant="alice") == 2
 
 
@@ -69,15 +69,15 @@ def test_cache_series_follow_the_adapter_loads(served):
     assert _value(s, "loraplex_adapter_cache_hits_total", tier="gpu") == 1
     assert _value(s, "loraplex_adapter_cache_misses_total") == 0
     assert _value(s, "loraplex_cold_starts_total") == 1
-    assert (
-        _value(s, "loraplex_adapter_resolve_seconds_count") == 2
-    )  # each adapter request's name → revision → key
+    # each adapter request's name → revision → key
+    assert _value(s, "loraplex_adapter_resolve_seconds_count") == 2
     assert _value(s, "loraplex_adapter_disk_load_seconds_count") == 1
     assert _value(s, "loraplex_adapter_activation_seconds_count") == 1
     assert _value(s, "loraplex_adapter_resident_count", tier="gpu") == 1
     assert _value(s, "loraplex_adapter_resident_bytes", tier="gpu") > 0
-    # Its host copy is kept while it is in a slot, and it is on local disk: it counts in each tier that holds a copy
-    # (only its top tier counted, so cpu read 0 bytes while host memory held the adapter).
+    # Its host copy is kept while it is in a slot, and it is on local disk: it counts in each tier
+    # that holds a copy (only its top tier counted, so cpu read 0 bytes while host memory held the
+    # adapter).
     used = served.state()["cache"]["cpu_bytes_used"]
     assert _value(s, "loraplex_adapter_resident_count", tier="cpu") == 1
     assert (
@@ -133,6 +133,7 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     assert SECRET not in text
     rows = [json.loads(line) for line in text.splitlines()]
     assert [r["status"] for r in rows] == [200, 200, 200, 404, 404, 400, 401]
+    # which refusal, for an operator
     assert [r["error_code"] for r in rows] == [
         None,
         None,
@@ -141,7 +142,7 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
         "model_not_found",
         "invalid_value",
         "invalid_api_key",
-    ]  # which refusal, for an operator
+    ]
     first = rows[0]
     assert (
         first["tenant"] == "alice" and first["adapter"] == "shared-a" and first["revision"] == "r1"
@@ -153,7 +154,8 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
     )
     assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 2
     assert first["ttft_ms"] > 0 and first["base_model"] == MODEL
-    # the stages its tier went through, and its own first one (name → revision → key; ARCHITECTURE lists it)
+    # the stages its tier went through, and its own first one (name → revision → key; ARCHITECTURE
+    # lists it)
     assert (
         set(first["load_ms"]) == {"resolve", "disk", "h2d", "activation"}
         and first["load_ms"]["resolve"] >= 0
@@ -164,8 +166,9 @@ def test_audit_log_has_one_line_per_request_and_no_text(served):
 
 
 def test_a_request_of_several_prompts_is_one_cache_lookup(start):
-    """The cache series count client requests: three prompts for a cold adapter are one disk hit (not a disk hit
-    and two gpu hits, as each prompt reaching the cache after the first one loaded the adapter)."""
+    """The cache series count client requests: three prompts for a cold adapter are one disk hit
+    (not a disk hit and two gpu hits, as each prompt reaching the cache after the first one loaded
+    the adapter)."""
     with start() as running:
         running.client("alice").completions.create(
             model="shared-a", prompt=["a", "b", "c"], max_tokens=2, extra_body=NO_EOS
@@ -189,8 +192,8 @@ def test_a_request_refused_while_draining_is_counted_for_its_tenant(start):
 
 
 def test_metrics_can_require_a_token(start):
-    """/metrics names the running adapters (the Gateway API series) and every tenant: `--metrics-token-file` keeps
-    it from whoever can reach the port."""
+    """/metrics names the running adapters (the Gateway API series) and every tenant:
+    `--metrics-token-file` keeps it from whoever can reach the port."""
     token = "metrics-token-0123456789"
     with start(metrics_token=token) as running:
         for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}):

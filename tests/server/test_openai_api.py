@@ -1,4 +1,5 @@
-"""The OpenAI API through the official `openai` client: plain, streamed and chat calls, headers, refusals."""
+"""The OpenAI API through the official `openai` client: plain, streamed and chat calls, headers,
+refusals."""
 
 import json
 
@@ -33,17 +34,20 @@ def test_completion_for_base_and_adapter_with_usage_and_headers(running):
 
 def test_adapter_changes_the_answer_and_greedy_is_repeatable(running):
     client = running.client()
-    ask = lambda model: (
-        client.completions.create(
-            model=model,
-            prompt="the quick brown",
-            max_tokens=8,  # noqa: E731
-            temperature=0,
-            extra_body=NO_EOS,
+
+    def ask(model):
+        return (
+            client.completions.create(
+                model=model,
+                prompt="the quick brown",
+                max_tokens=8,
+                temperature=0,
+                extra_body=NO_EOS,
+            )
+            .choices[0]
+            .text
         )
-        .choices[0]
-        .text
-    )
+
     base, adapted = ask(MODEL), ask("shared-a")
     assert base != adapted
     assert ask("shared-a") == adapted
@@ -121,8 +125,9 @@ def test_logprobs_in_both_shapes(running):
 
 
 def test_logprobs_name_the_sampled_token_and_special_tokens_as_vllm(running):
-    """Completions' top_logprobs hold the sampled token besides the top k (so logprobs=0 names it), and a special
-    token such as EOS is named by its text (it was "": a client could not see why the output stopped)."""
+    """Completions' top_logprobs hold the sampled token besides the top k (so logprobs=0 names it),
+    and a special token such as EOS is named by its text (it was "": a client could not see why the
+    output stopped)."""
     client = running.client()
     for k in (0, 1):
         completion = client.completions.create(
@@ -169,9 +174,8 @@ def test_prompt_as_token_ids_and_as_a_list_of_strings(running):
         )
     )
     assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
-    assert [c.usage.completion_tokens for c in streamed if c.usage] == [
-        6
-    ]  # once, on the last chunk
+    # once, on the last chunk
+    assert [c.usage.completion_tokens for c in streamed if c.usage] == [6]
 
 
 def test_stop_strings_seed_and_vllm_extras(running):
@@ -255,14 +259,16 @@ BAD_REQUESTS = [
     ),
     (b'{"model": "tiny", "prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
+    # "²".isdigit()
     (
         '{"model": "tiny", "prompt": "x", "logit_bias": {"\u00b2": 1}}'.encode(),
         "logit_bias",
-    ),  # "²".isdigit()
+    ),
+    # Arabic-Indic 3
     (
         '{"model": "tiny", "prompt": "x", "logit_bias": {"\u0663": 1}}'.encode(),
         "logit_bias",
-    ),  # Arabic-Indic 3
+    ),
     (b'{"model": "tiny", "prompt": []}', "prompt"),
     (b'{"model": "tiny", "prompt": [1, 2, 99999]}', "prompt"),
     (b'{"prompt": "x"}', "model"),
@@ -379,10 +385,10 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
             failed.value.status_code == 503 and failed.value.body["code"] == "adapter_unavailable"
         )
         assert "digest" in failed.value.message
-        assert (
-            str(running.tmp) not in failed.value.message and "/" not in failed.value.message
-        )  # no server paths
-        # The revision is quarantined: never served again, and with no other revision the name is gone.
+        # no server paths
+        assert str(running.tmp) not in failed.value.message and "/" not in failed.value.message
+        # The revision is quarantined: never served again, and with no other revision the name is
+        # gone.
         running.wait_for(
             lambda: running.registry.show("broken").revisions[0].status == "quarantined",
             what="quarantine",
@@ -402,8 +408,9 @@ def test_adapter_that_cannot_load_is_503_and_the_others_keep_serving(start, adap
 
 
 def test_loads_check_the_registered_pieces(start, adapter_variants):
-    """The served adapters' bytes are checked against the piece list the registry took at registration: with one
-    piece hash of that list changed, loading the (intact) bytes fails as a digest mismatch."""
+    """The served adapters' bytes are checked against the piece list the registry took at
+    registration: with one piece hash of that list changed, loading the (intact) bytes fails as a
+    digest mismatch."""
 
     def register(registry):
         record = registry.add_revision(adapter_variants[2], "listed", shared=True, status="stable")

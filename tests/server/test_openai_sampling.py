@@ -23,9 +23,8 @@ def test_n_choices_per_prompt_numbered_as_vllm_with_usage_counting_each_prompt_o
     alone = [client.completions.create(prompt=p, **args) for p in ("hello world", "the lazy dog")]
     both = client.completions.create(prompt=["hello world", "the lazy dog"], n=3, **args)
     assert [c.index for c in both.choices] == list(range(6))
-    for i, choice in enumerate(
-        both.choices
-    ):  # greedy: every choice of a prompt is its one greedy answer
+    for i, choice in enumerate(both.choices):
+        # greedy: every choice of a prompt is its one greedy answer
         assert choice.text == alone[i // 3].choices[0].text
     assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert both.usage.completion_tokens == 6 * 5
@@ -97,18 +96,16 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(running):
     lp = choice.logprobs
     num_prompt = echoed.usage.prompt_tokens
     assert len(lp.tokens) == num_prompt + 4
-    assert (
-        lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    )  # the first prompt token has none
+    # the first prompt token has none
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens[num_prompt:]) == plain.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset)
     chunks = list(client.completions.create(echo=True, stream=True, **args))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[0].choices[0].text.startswith("hello world")
-    alone = client.completions.create(
-        echo=True, logprobs=1, **{**args, "max_tokens": 0}
-    )  # the prompt only
+    # the prompt only
+    alone = client.completions.create(echo=True, logprobs=1, **{**args, "max_tokens": 0})
     assert alone.choices[0].text == "hello world"
     assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
 

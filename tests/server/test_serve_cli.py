@@ -1,4 +1,5 @@
-"""`serve` as a real process: --port 0, --lora-modules, keys and admin files, graceful SIGTERM, fail-fast."""
+"""`serve` as a real process: --port 0, --lora-modules, keys and admin files, graceful SIGTERM,
+fail-fast."""
 
 import json
 import shutil

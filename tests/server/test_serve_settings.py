@@ -321,13 +321,13 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
 def test_trusted_key_refuses_an_unsigned_lora_module_and_serves_a_signed_one(
     llama_dir, llama_adapters, tmp_path
 ):
+    from loraplex.artifacts import canonical_digest
     from loraplex.registry.signing import (
         SIGNATURE_FILE,
         generate_keypair,
         load_private_key,
         sign_digest,
     )
-    from loraplex.registry.store import canonical_digest
 
     private, public = generate_keypair()
     (tmp_path / "release.key").write_bytes(private)

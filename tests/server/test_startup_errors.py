@@ -1,6 +1,6 @@
-"""Bad input at start-up, as a user meets it: `serve` and `demo` as real processes end with exit code 2 and one
-line on stderr naming the flag or file, never a traceback. The processes of one test run side by side (each
-imports torch)."""
+"""Bad input at start-up, as a user meets it: `serve` and `demo` as real processes end with exit
+code 2 and one line on stderr naming the flag or file, never a traceback. The processes of one test
+run side by side (each imports torch)."""
 
 import shutil
 import subprocess

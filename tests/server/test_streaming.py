@@ -44,7 +44,8 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
 
 
 def test_a_plain_request_whose_client_leaves_is_aborted_and_recorded_as_499(start):
-    """Not streamed: the client's timeout ends its wait, and the server stops the generation (as for a stream)."""
+    """Not streamed: the client's timeout ends its wait, and the server stops the generation (as for
+    a stream)."""
     with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
         body = {"model": "shared-a", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}
         headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "impatient"}
@@ -68,9 +69,9 @@ def test_a_plain_request_whose_client_leaves_is_aborted_and_recorded_as_499(star
 def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(
     start, adapter_variants, tmp_path
 ):
-    """An adapter whose bytes are behind a store that never answers: its requests wait for the load. Their clients
-    leave (a plain request and a stream), and both requests leave the queue at once (they used to stay until
-    their first token: a load, then a prefill, for nobody)."""
+    """An adapter whose bytes are behind a store that never answers: its requests wait for the load.
+    Their clients leave (a plain request and a stream), and both requests leave the queue at once
+    rather than stay until their first token (a load, then a prefill, for nobody)."""
     silent = socket.socket()  # accepts connections, never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen()
@@ -102,7 +103,7 @@ def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(
                 except httpx.ReadTimeout:
                     pass
                 row = running.wait_for(
-                    lambda: [r for r in _audit(running) if r["request_id"] == rid], what=rid
+                    lambda rid=rid: [r for r in _audit(running) if r["request_id"] == rid], what=rid
                 )
                 assert row[0]["status"] == 499 and not row[0]["completion_tokens"], row[0]
             state = running.state()["load"]
@@ -114,8 +115,8 @@ def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(
 
 
 def test_a_bug_during_a_stream_ends_it_with_an_error_event(start, monkeypatch):
-    """A bug after the headers went out: the client gets a 500 error event and [DONE], not a cut connection. (The
-    bug is injected: no input of ours raises one.)"""
+    """A bug after the headers went out: the client gets a 500 error event and [DONE], not a cut
+    connection. (The bug is injected: no input of ours raises one.)"""
     from loraplex.server import schemas
 
     def buggy(
@@ -147,8 +148,8 @@ def test_a_bug_during_a_stream_ends_it_with_an_error_event(start, monkeypatch):
 
 
 def test_two_requests_with_the_same_x_request_id_each_get_their_own_answer(start):
-    """A client retrying with the same id (or two clients choosing one) must not cross streams: the engine's ids are
-    the server's own; the client's id names both responses."""
+    """A client retrying with the same id (or two clients choosing one) must not cross streams: the
+    engine's ids are the server's own; the client's id names both responses."""
     with start() as running:
         headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "retry-1"}
         long = {
@@ -227,7 +228,7 @@ def test_100_concurrent_streaming_clients_over_20_adapters_with_4_slots(start, a
 
         results = asyncio.run(run_all())
         tokenizer = running.server.engine.tokenizer
-        for (model, max_tokens, prompt), (text, usage) in zip(jobs, results):
+        for (_model, max_tokens, prompt), (_text, usage) in zip(jobs, results):
             assert usage.completion_tokens == max_tokens
             assert usage.prompt_tokens == len(tokenizer.encode(prompt))
         state = running.state()

@@ -1,4 +1,5 @@
-"""Tenancy: keys map to tenants; a tenant sees and uses only its own, shared and granted adapters."""
+"""Tenancy: keys map to tenants; a tenant sees and uses only its own, shared and granted
+adapters."""
 
 import httpx
 import openai

@@ -16,9 +16,10 @@ from harness import ADMIN_TOKEN, MODEL, Running, serving, variant
 from prometheus_client.parser import text_string_to_metric_families
 from test_startup_errors import assert_one_line_errors, run_side_by_side
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.registry import ArtifactStore, Registry
+from loraplex.registry import Registry
 from loraplex.server.app import ServerConfig, create_app
 
 KEYS = {"online": "online-key-0123456789", "batch": "batch-key-01234567890"}
@@ -141,9 +142,8 @@ def test_a_batch_tenant_at_its_budget_leaves_the_hot_adapters_in_their_slots(
 ):
     with budget_server(llama_dir, adapter_dirs, tmp_path_factory, batch_slots=2) as running:
         online_tiers, batch_tiers = asyncio.run(seed_scenario(running))
-        assert online_tiers and set(online_tiers) == {"gpu"}, (
-            online_tiers
-        )  # never pushed out of a slot
+        # never pushed out of a slot
+        assert online_tiers and set(online_tiers) == {"gpu"}, online_tiers
         assert len(batch_tiers) == len(SWEEP)  # every batch request completed (200)
         s = samples(running.url)
         assert value(s, "loraplex_tenant_resident_count", tenant="batch", tier="gpu") == 2
@@ -177,9 +177,8 @@ def test_without_budgets_the_sweep_pushes_the_hot_adapters_out(
     with budget_server(llama_dir, adapter_dirs, tmp_path_factory, batch_slots=None) as running:
         online_tiers, batch_tiers = asyncio.run(seed_scenario(running))
         assert len(batch_tiers) == len(SWEEP)
-        assert set(online_tiers) - {"gpu"}, (
-            online_tiers
-        )  # some found their adapter pushed out to host memory
+        # some found their adapter pushed out to host memory
+        assert set(online_tiers) - {"gpu"}, online_tiers
         assert (
             value(samples(running.url), "loraplex_tenant_budget_waits_total", tenant="batch") == 0
         )
@@ -191,9 +190,8 @@ def test_budgets_reach_the_server_from_the_registry_and_bad_ones_change_nothing(
     with budget_server(llama_dir, adapter_dirs, tmp_path_factory, batch_slots=None) as running:
         cache = running.server.engine.adapters
         assert cache.budgets.limit("batch", "gpu") is None
-        running.registry.set_budget(
-            "batch", max_gpu_slots=3, max_cpu_bytes=2**20
-        )  # as `tenant set` elsewhere
+        # as `tenant set` elsewhere
+        running.registry.set_budget("batch", max_gpu_slots=3, max_cpu_bytes=2**20)
         running.wait_for(
             lambda: (
                 running.state()["tenants"].get("batch", {}).get("gpu", {}).get("max_slots") == 3
@@ -235,10 +233,11 @@ def test_budgets_reach_the_server_from_the_registry_and_bad_ones_change_nothing(
             for e in running.registry.audit_events(target="batch")
             if e.action == "tenant_budget"
         ]
+        # newest first
         assert audit[:2] == [
             {"max_gpu_slots": None},
             {"max_gpu_slots": 3, "max_cpu_bytes": 2**20},
-        ]  # newest first
+        ]
 
 
 def test_bad_default_shares_stop_serve_with_one_line(llama_dir, tmp_path):

@@ -7,18 +7,19 @@ import openai
 import pytest
 from harness import MODEL
 
+from loraplex.artifacts import canonical_digest
 from loraplex.registry.signing import (
     SIGNATURE_FILE,
     generate_keypair,
     load_private_key,
     sign_digest,
 )
-from loraplex.registry.store import canonical_digest
 
+# room for a stream that outlives the test steps
 LONG = {
     "max_model_len": 4096,
     "kv_cache_bytes": 16 * 2**20,
-}  # room for a stream that outlives the test steps
+}
 
 
 def _open_stream(running, tenant: str, model: str):
@@ -52,24 +53,24 @@ def test_tenant_waiting_limit_from_the_registry(start):
 
     with start(engine={"max_loras": 1, **LONG}, registry_setup=limits) as running:
         holder = _open_stream(running, "bob", "shared-a")  # holds the only slot
-        queued: dict = {}
+        waiting: dict = {}
 
         def wait_for_slot():
-            queued["result"] = running.client("alice").completions.create(
+            waiting["result"] = running.client("alice").completions.create(
                 model="alice-a", prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
             )
 
         thread = threading.Thread(target=wait_for_slot)
         thread.start()
         running.wait_for(
-            lambda: running.state()["load"]["admitted_waiting"] == 1, what="a queued request"
+            lambda: running.state()["load"]["admitted_waiting"] == 1, what="a waiting request"
         )
         with pytest.raises(openai.RateLimitError) as refused:
             running.client("alice").completions.create(model="alice-a", prompt="x", max_tokens=1)
         assert "1 requests waiting" in refused.value.body["message"]
         holder.close()
         thread.join(60)
-        assert queued["result"].usage.completion_tokens == 2
+        assert waiting["result"].usage.completion_tokens == 2
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The simulator against the real engine: the same trace, policy and capacities give the same tier sequence."""
+"""The simulator against the real engine: the same trace, policy and capacities give the same tier
+sequence."""
 
 import random
 import time
@@ -58,7 +59,8 @@ def engine_tiers(llama_dir, refs, sequence, policy, max_loras, cpu_bytes):
 
 
 def sim_tiers(sequence, arrivals, sizes, policy, max_loras, cpu_bytes):
-    """The same requests at the engine's arrival times (the demand ranking depends on when requests came)."""
+    """The same requests at the engine's arrival times (the demand ranking depends on when requests
+    came)."""
     trace = [Request(t, "default", name, 3, 2) for t, name in zip(arrivals, sequence)]
     instant = TierCost(1e-6, 1e15)
     config = SimConfig(
@@ -70,14 +72,14 @@ def sim_tiers(sequence, arrivals, sizes, policy, max_loras, cpu_bytes):
         costs=LoadCosts(remote=instant, disk=instant, h2d=instant),
     )
     sim = simulate(trace, config, lambda sim: policy)
-    assert all(
-        a.finish_at < b.req.time for a, b in zip(sim.requests, sim.requests[1:])
-    )  # one at a time
+    # one at a time
+    assert all(a.finish_at < b.req.time for a, b in zip(sim.requests, sim.requests[1:]))
     return [s.tier for s in sim.requests]
 
 
-# Score without its two wall-clock inputs: the engine's reload cost is each load's measured time (noise of a few
-# ms on tiny adapters, enough to flip a tie), and its minimum residency compares real against simulated seconds.
+# Score without its two wall-clock inputs: the engine's reload cost is each load's measured time
+# (noise of a few ms on tiny adapters, enough to flip a tie), and its minimum residency compares
+# real against simulated seconds.
 @pytest.mark.parametrize(
     "make_policy",
     [LRUPolicy, lambda: ScorePolicy(min_residency_s=0.0, w_cost=0.0)],
@@ -88,9 +90,8 @@ def test_simulator_reports_the_engines_tier_sequence(llama_dir, llama_adapters, 
     names = [f"a{i}" for i in range(8)]
     model = ModelConfig.from_dir(llama_dir)
     path_of = {name: paths[i % len(paths)] for i, name in enumerate(names)}
-    sizes = {
-        f"{n}@1": read_adapter(p, model, 16).actual_bytes for n, p in path_of.items()
-    }  # float32: packed size
+    # float32: packed size
+    sizes = {f"{n}@1": read_adapter(p, model, 16).actual_bytes for n, p in path_of.items()}
     cpu_bytes = max(sizes.values()) * 3  # about three host copies: cpu evictions happen too
     sequence = tiny_trace(names)
 

@@ -105,9 +105,10 @@ def test_gap():
 
 
 def test_the_bound_holds_when_queued_requests_are_admitted_together():
-    """Overloaded (20 requests/s over 12 adapters on 4 slots): requests of one adapter queue up and are admitted
-    together, with one load, so the runs pay less (10.7 s) than the bound on the arrival order (13.7 s). The
-    reported bound is then the least of the bounds on the orders the runs admitted, below every run's cost."""
+    """Overloaded (20 requests/s over 12 adapters on 4 slots): requests of one adapter queue up and
+    are admitted together, with one load, so the runs pay less (10.7 s) than the bound on the
+    arrival order (13.7 s). The reported bound is then the least of the bounds on the orders the
+    runs admitted, below every run's cost."""
     from loraplex.sim import workload as W
     from loraplex.sim.simulator import SimConfig, compare
 

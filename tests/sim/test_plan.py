@@ -1,4 +1,5 @@
-"""The capacity planner: sizes by the formula and on disk, what fits, the smallest cache for a workload."""
+"""The capacity planner: sizes by the formula and on disk, what fits, the smallest cache for a
+workload."""
 
 import pytest
 
@@ -13,12 +14,12 @@ def test_sizes_by_formula_match_the_tensors(llama_dir, llama_adapters):
     )
     assert {a.name for a in adapters} == set(llama_adapters)
     for a in adapters:
-        assert (
-            a.estimated_bytes == a.actual_bytes == a.serving_bytes
-        )  # float32 stored, float32 served
+        # float32 stored, float32 served
+        assert a.estimated_bytes == a.actual_bytes == a.serving_bytes
         assert a.file_bytes > a.actual_bytes  # header and config on top
     by_name = {a.name: a for a in adapters}
-    # attn-r8 on the tiny Llama (hidden 64, 4 heads of 16, 2 kv heads): q, k, v, o over 2 layers, float32
+    # attn-r8 on the tiny Llama (hidden 64, 4 heads of 16, 2 kv heads): q, k, v, o over 2 layers,
+    # float32
     per_layer = (64 + 64) + (64 + 32) + (64 + 32) + (64 + 64)
     assert by_name["attn-r8"].estimated_bytes == 2 * per_layer * 8 * 4
 
@@ -44,8 +45,8 @@ def test_plan_from_a_registry(llama_dir, llama_adapters, tmp_path):
 
 
 def test_a_file_storing_a_and_b_in_two_dtypes_is_sized_by_each(llama_dir, llama_adapters, tmp_path):
-    """A in bfloat16 and B in float32: the formula took A's dtype for both, and the host copy (float32 served)
-    came out at half its size."""
+    """A in bfloat16 and B in float32: the formula took A's dtype for both, and the host copy
+    (float32 served) came out at half its size."""
     import shutil
 
     import torch
@@ -70,16 +71,16 @@ def test_a_file_storing_a_and_b_in_two_dtypes_is_sized_by_each(llama_dir, llama_
 
 
 def test_the_smallest_size_is_found_where_the_rate_does_not_fall_at_every_step():
-    """Slot misses of a Zipf trace went 17.1%, 5.7%, 2.7%, 3.7%, 0% over 1, 2, 4, 8, 12 slots: a bisection for 2.74%
-    answered 12 where 4 meets it."""
+    """Slot misses of a Zipf trace went 17.1%, 5.7%, 2.7%, 3.7%, 0% over 1, 2, 4, 8, 12 slots: a
+    bisection for 2.74% answered 12 where 4 meets it."""
     rates = {1: 0.171, 2: 0.057, 4: 0.027, 8: 0.037, 12: 0.0}
     assert planner._smallest(list(rates), lambda slots: rates[slots] <= 0.0274) == 4
     assert planner._smallest(list(rates), lambda slots: rates[slots] <= -1) is None
 
 
 def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, tmp_path):
-    # Ten warm adapters taking turns on 8 slots, and a few cold ones: no cache keeps cold starts under 1%
-    # (18 compulsory misses in 408 requests); under 5% needs host memory for the warm set.
+    # Ten warm adapters taking turns on 8 slots, and a few cold ones: no cache keeps cold starts
+    # under 1% (18 compulsory misses in 408 requests); under 5% needs host memory for the warm set.
     trace = [Request(0.5 * i, "t", f"warm{i % 10}", 16, 4, rank=8) for i in range(400)]
     trace += [Request(0.5 * i + 0.25, "t", f"cold{i}", 16, 4, rank=8) for i in range(0, 400, 50)]
     write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")

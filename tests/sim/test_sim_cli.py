@@ -1,4 +1,5 @@
-"""`simulate` and `plan` as typer commands: flags, table, JSON entries per policy plus optimal, the plot."""
+"""`simulate` and `plan` as typer commands: flags, table, JSON entries per policy plus optimal, the
+plot."""
 
 import json
 
@@ -173,7 +174,10 @@ def test_plot_sweeps_slots_around_each_workloads_own_capacity(tmp_path, monkeypa
         env={"COLUMNS": "250"},
     )
     assert result.exit_code == 0, result.output
-    slots = lambda path: [r["gpu_slots"] for r in plotted if r["workload"] == str(path)]
+
+    def slots(path):
+        return [r["gpu_slots"] for r in plotted if r["workload"] == str(path)]
+
     assert slots(first) == [1, 2, 4, 8]  # ½×, 1×, 2×, 4× of each workload's own slots
     assert slots(second) == [3, 6, 12, 24]
 

@@ -1,4 +1,5 @@
-"""The simulator around the real cache: capacities, in-flight protection, the seed scenario, the bound."""
+"""The simulator around the real cache: capacities, in-flight protection, the seed scenario, the
+bound."""
 
 import json
 
@@ -28,7 +29,8 @@ def small_zipf(seed=0, duration=60.0, rate=4.0, n=40):
 
 
 def watched(trace, config, policy):
-    """A simulation whose caches check, at every eviction, that the victim has no request in flight."""
+    """A simulation whose caches check, at every eviction, that the victim has no request in
+    flight."""
     sim = Simulation(trace, config, policy_factory(policy))
     for worker in sim.workers:
         cache, clear = worker.cache, worker.cache._clear
@@ -73,7 +75,8 @@ def test_skipping_blocked_acquires_changes_nothing(policy):
     "policy,workers", [("lru", 1), ("score", 1), ("score", 2), ("lru", 4), ("optimal", 3)]
 )
 def test_skipping_quiet_steps_changes_nothing(policy, workers):
-    """Also across workers, where a worker skips past the others' events and an arrival cuts its skip short."""
+    """Also across workers, where a worker skips past the others' events and an arrival cuts its
+    skip short."""
     trace = small_zipf(seed=5, rate=8.0, duration=40.0)
     results = []
     for skip in (True, False):
@@ -197,8 +200,8 @@ def test_load_costs_fit_bandwidth_and_latency(tmp_path):
 
 
 def test_tenant_hit_rates_count_adapter_requests_only():
-    # One tenant, every other request for the base model: its rates must be the run's (adapter requests only),
-    # while its request count and latency cover all 40.
+    # One tenant, every other request for the base model: its rates must be the run's (adapter
+    # requests only), while its request count and latency cover all 40.
     trace = [W.Request(0.5 * i, "t", None if i % 2 else f"a{i % 8}", 100, 20) for i in range(40)]
     summary = summarize(simulate(trace, SimConfig(gpu_slots=2, cpu_bytes=0), policy_factory("lru")))
     tenant = summary["tenants"]["t"]

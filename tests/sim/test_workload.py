@@ -96,9 +96,10 @@ def test_diurnal_rate_and_hot_set_follow_the_day():
         np.sum((phase > 0.65) & (phase < 0.85)),
     )
     assert noon > 2 * midnight
-    day_share = lambda lo, hi: np.mean(
-        [r.tenant == "day" for r, p in zip(trace, phase) if lo < p < hi]
-    )
+
+    def day_share(lo, hi):
+        return np.mean([r.tenant == "day" for r, p in zip(trace, phase) if lo < p < hi])
+
     assert day_share(0.15, 0.35) > 0.7 and day_share(0.65, 0.85) < 0.3
 
 
@@ -157,7 +158,8 @@ def test_audit_log_is_replayed_from_its_arrivals(tmp_path):
         ("y", "1", 16, "t2"),
         ("x", "3", 8, "t1"),
     ]
-    # x arrived at 1000.5 - (0.1 + 10 × 0.01) = 1000.3; y at 1000.0 - 0.05 = 999.95; the trace starts at 0.
+    # x arrived at 1000.5 - (0.1 + 10 × 0.01) = 1000.3; y at 1000.0 - 0.05 = 999.95; the trace
+    # starts at 0.
     assert [r.time for r in trace] == pytest.approx([0.0, 0.35])
     assert trace[1].prompt_tokens == 12 and trace[1].output_tokens == 11
 

@@ -1,6 +1,8 @@
-"""`loraplex bench serve`: the load generator from the command line (mounted by loraplex.cli as `bench`).
+"""`loraplex bench serve`: the load generator from the command line (mounted by loraplex.cli as
+`bench`).
 
-loraplex bench serve --url http://127.0.0.1:8000 --workload zipf --adapters sql,support --clients 8 --json out.json
+    loraplex bench serve --url http://127.0.0.1:8000 --workload zipf --adapters sql,support \\
+        --clients 8 --json out.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from loraplex.sim import workload as workloads
 
 
 def load_trace(trace: Path | None, workload: str | None, seed: int) -> list[workloads.Request]:
-    """The requests of `--trace FILE` or `--workload NAME`; a BadParameter that says what is wrong."""
+    """The requests of `--trace FILE` or `--workload NAME`; a BadParameter that says what is
+    wrong."""
     if (trace is None) == (workload is None):
         raise typer.BadParameter("give one of --trace FILE or --workload NAME")
     if trace is not None:
@@ -92,24 +95,28 @@ def summary_lines(summary: dict) -> list[str]:
     lines = [
         (
             f"{summary['ok']}/{summary['requests']} ok in {summary['duration_s']:.1f} s: "
-            f"{t['requests_per_s'] or 0:.2f} req/s, {t['output_tokens_per_s'] or 0:.1f} output tok/s"
+            f"{t['requests_per_s'] or 0:.2f} req/s, {t['output_tokens_per_s'] or 0:.1f} output "
+            "tok/s"
         ),
         (
-            f"cold starts (adapter not in a gpu slot on arrival): {summary['cold_starts']} ({cold}), of which "
-            f"from disk or remote (as loraplex plan and loraplex_cold_starts_total count): {summary['storage_loads']} "
+            f"cold starts (adapter not in a gpu slot on arrival): {summary['cold_starts']} "
+            f"({cold}), of which "
+            "from disk or remote (as loraplex plan and loraplex_cold_starts_total count): "
+            f"{summary['storage_loads']} "
             f"({storage}); tier unknown: {summary['tiers']['unknown']}"
         ),
         f"errors: {errors}",
     ]
     if "404" in summary["errors"]:
         lines.append(
-            "hint: 404 is an unknown model name; map the trace onto the served adapters with --adapters"
+            "hint: 404 is an unknown model name; map the trace onto the served adapters with "
+            "--adapters"
         )
     lag = summary["send_lag_ms"]["p99"]
     if summary["config"]["mode"] == "open" and lag is not None and lag > 100:
         lines.append(
-            f"note: requests left late (p99 {lag:.0f} ms after their trace time): the load generator "
-            "itself is a bottleneck"
+            f"note: requests left late (p99 {lag:.0f} ms after their trace time): the load "
+            "generator itself is a bottleneck"
         )
     return lines
 
@@ -201,7 +208,8 @@ def serve(
         bool, typer.Option("--per-request", help="Also write every request's record in the JSON")
     ] = False,
 ) -> None:
-    """Replay a trace against a server or router over the OpenAI API and report latency by cache tier."""
+    """Replay a trace against a server or router over the OpenAI API and report latency by cache
+    tier."""
     console, err = Console(), Console(stderr=True)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=120)  # piped to a file: keep the table's rows on one line each

@@ -1,11 +1,11 @@
-"""The load generator behind `loraplex bench serve`: replay a trace against an OpenAI-compatible server (a
-loraplex worker, a router, or vLLM) over HTTP, and summarize what came back by the cache tier each answer
-reports in `x-loraplex-cache-tier`.
+"""The load generator behind `loraplex bench serve`: replay a trace against an OpenAI-compatible
+server (a loraplex worker, a router, or vLLM) over HTTP, and summarize what came back by the cache
+tier each answer reports in `x-loraplex-cache-tier`.
 
-Open loop (the default): each request is sent at its trace time × `time_scale`, whether or not earlier ones have
-finished. Closed loop (`clients=N`): N clients, each sends the next request of the trace as soon as its previous
-one has finished. Every request is a streamed `/v1/completions` call, so TTFT is the time to the first chunk that
-carries text.
+Open loop (the default): each request is sent at its trace time × `time_scale`, whether or not
+earlier ones have finished. Closed loop (`clients=N`): N clients, each sends the next request of the
+trace as soon as its previous one has finished. Every request is a streamed `/v1/completions` call,
+so TTFT is the time to the first chunk that carries text.
 
     summary = run(LoadConfig(url="http://127.0.0.1:8000", clients=4), workload.named("zipf")[:200])
 """
@@ -30,7 +30,8 @@ TIERS = ("gpu", "cpu", "disk", "remote", "unknown")
 COLD_TIERS = ("cpu", "disk", "remote")
 """A cold start: the adapter was not in a gpu slot when the request arrived."""
 STORAGE_TIERS = ("disk", "remote")
-"""Of those, a load from storage (not in memory): what `loraplex_cold_starts_total` and `loraplex plan` count."""
+"""Of those, a load from storage (not in memory): what `loraplex_cold_starts_total` and `loraplex
+plan` count."""
 PERCENTILES = (50, 95, 99)
 PROMPT_UNITS = ("char", "word")
 _FILLER = (
@@ -54,7 +55,8 @@ _FILLER = (
 
 
 class LoadError(Exception):
-    """The run cannot start (server unreachable, bad URL, no base model name); the message is one line."""
+    """The run cannot start (server unreachable, bad URL, no base model name); the message is one
+    line."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,15 @@ class LoadConfig:
     time_scale: float = 1.0
     """Open loop: send at trace time × time_scale (0.5 replays the trace twice as fast)."""
     base_model: str | None = None
-    """`model` for requests without an adapter; None asks `/v1/models` for the model without a parent."""
+    """`model` for requests without an adapter; None asks `/v1/models` for the model without a
+    parent."""
     api_key: str | None = None
     """The bearer for every request, or for tenants missing from `tenant_keys`."""
     tenant_keys: dict[str, str] = field(default_factory=dict)
     """tenant -> key: each trace request uses its tenant's key."""
     prompt_unit: str = "char"
-    """How a prompt of N tokens is built: N characters (byte-level tokenizers) or N words (BPE tokenizers)."""
+    """How a prompt of N tokens is built: N characters (byte-level tokenizers) or N words (BPE
+    tokenizers)."""
     timeout_s: float = 600.0
     """Per request: connect and the wait for each chunk."""
 
@@ -122,7 +126,8 @@ class Record:
     tier: str
     sent_s: float
     lag_s: float | None = 0.0
-    """How late it left against its trace time (open loop); None in closed loop, where it has no time."""
+    """How late it left against its trace time (open loop); None in closed loop, where it has no
+    time."""
     """Open loop: how late it was sent against its trace time (the generator's own delay)."""
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -139,7 +144,7 @@ class Record:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-# -- the trace ---------------------------------------------------------------------------------------------------
+# -- the trace -------------------------------------------------------------------------------------
 def prepare_trace(
     trace: Sequence[Request],
     *,
@@ -149,8 +154,9 @@ def prepare_trace(
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
 ) -> list[Request]:
-    """The part of a trace to send: its first `duration_s` seconds, at most `limit` requests, lengths capped,
-    and with `adapters` given, the trace's adapters renamed to those (see `map_adapters`)."""
+    """The part of a trace to send: its first `duration_s` seconds, at most `limit` requests,
+    lengths capped, and with `adapters` given, the trace's adapters renamed to those (see
+    `map_adapters`)."""
     out = [r for r in trace if duration_s is None or r.time < duration_s]
     out = out[:limit] if limit is not None else out
     if adapters:
@@ -166,8 +172,9 @@ def prepare_trace(
 
 
 def map_adapters(trace: Sequence[Request], names: Sequence[str]) -> list[Request]:
-    """Rename the trace's adapters to the served `names`: the k-th most requested adapter becomes names[k mod n],
-    so the popular ones stay popular. Requests for the base model stay as they are."""
+    """Rename the trace's adapters to the served `names`: the k-th most requested adapter becomes
+    names[k mod n], so the popular ones stay popular. Requests for the base model stay as they
+    are."""
     counts = Counter(r.adapter for r in trace if r.adapter is not None)
     order = sorted(counts, key=lambda a: -counts[a])  # stable: ties keep their first appearance
     rename = {a: names[k % len(names)] for k, a in enumerate(order)}
@@ -178,8 +185,9 @@ def map_adapters(trace: Sequence[Request], names: Sequence[str]) -> list[Request
 
 
 def make_prompt(index: int, num_tokens: int, unit: str = "char") -> str:
-    """A deterministic prompt of about `num_tokens` tokens. It starts with the request's index, so no two
-    requests share a prefix (a server's prefix cache would otherwise make every prompt after the first free)."""
+    """A deterministic prompt of about `num_tokens` tokens. It starts with the request's index, so
+    no two requests share a prefix (a server's prefix cache would otherwise make every prompt after
+    the first free)."""
     head = f"{index}:"
     if unit == "char":
         body = " ".join(_FILLER[(index + i) % len(_FILLER)] for i in range(num_tokens // 2 + 1))
@@ -200,7 +208,7 @@ def completion_body(request: Request, index: int, model: str, unit: str) -> dict
     }
 
 
-# -- one request -------------------------------------------------------------------------------------------------
+# -- one request -----------------------------------------------------------------------------------
 async def send(
     client: httpx.AsyncClient,
     config: LoadConfig,
@@ -210,7 +218,8 @@ async def send(
     start: float,
     due_s: float | None = None,
 ) -> Record:
-    """Send one streamed completion and time it; never raises for what the server or the network does. `due_s`:
+    """Send one streamed completion and time it; never raises for what the server or the network
+    does. `due_s`:
     when it should leave (open loop)."""
     t0 = time.perf_counter()
     sent = {
@@ -250,7 +259,8 @@ async def send(
 
 
 async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None, int]:
-    """(code, ttft, completion tokens) from server-sent events; tokens from `usage`, else the text chunks."""
+    """(code, ttft, completion tokens) from server-sent events; tokens from `usage`, else the text
+    chunks."""
     ttft, text_chunks, usage_tokens = None, 0, None
     async for line in r.aiter_lines():
         if not line.startswith("data:"):
@@ -272,24 +282,23 @@ async def _read_stream(r: httpx.Response, t0: float) -> tuple[str, float | None,
         has_text = any(c.get("text") for c in choices)
         text_chunks += has_text
         if ttft is None and (has_text or any(c.get("finish_reason") for c in choices)):
-            ttft = (
-                time.perf_counter() - t0
-            )  # text, or the end of an answer whose text was all held back
+            # text, or the end of an answer whose text was all held back
+            ttft = time.perf_counter() - t0
         if chunk.get("usage"):
             usage_tokens = chunk["usage"].get("completion_tokens")
     return "200", ttft, text_chunks if usage_tokens is None else usage_tokens
 
 
-# -- a run -------------------------------------------------------------------------------------------------------
+# -- a run -----------------------------------------------------------------------------------------
 async def run_load(
     config: LoadConfig,
     trace: Sequence[Request],
     on_record: Callable[[Record], None] | None = None,
     per_request: bool = False,
 ) -> dict:
-    """Send the trace (open or closed loop, as `config` says) and return the summary (see `summarize`), with
-    every request's record under `records` when `per_request`. Raises LoadError when the server cannot be
-    reached."""
+    """Send the trace (open or closed loop, as `config` says) and return the summary (see
+    `summarize`), with every request's record under `records` when `per_request`. Raises LoadError
+    when the server cannot be reached."""
     limits = httpx.Limits(
         max_connections=config.clients, max_keepalive_connections=config.clients or 100
     )
@@ -393,7 +402,7 @@ async def _closed_loop(client, config: LoadConfig, trace, models, start: float, 
     await asyncio.gather(*(client_loop() for _ in range(min(config.clients, len(trace)) or 1)))
 
 
-# -- the summary -------------------------------------------------------------------------------------------------
+# -- the summary -----------------------------------------------------------------------------------
 def percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
     """p50/p95/p99 (linear interpolation) of the values × scale; None for an empty list."""
     if not values:
@@ -415,8 +424,8 @@ def latency(records: Sequence[Record]) -> dict:
 def summarize(records: Sequence[Record], duration_s: float) -> dict:
     """Throughput, errors by code, the tier split and cold starts, and latency overall and per tier.
 
-    The tier split, the latencies and the cold starts count successful requests only; `cold_start_rate` is
-    over those whose tier is known."""
+    The tier split, the latencies and the cold starts count successful requests only;
+    `cold_start_rate` is over those whose tier is known."""
     ok = [r for r in records if r.ok]
     by_tier = {t: [r for r in ok if r.tier == t] for t in TIERS}
     num_known = len(ok) - len(by_tier["unknown"])

@@ -13,6 +13,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
 from loraplex.cache.budgets import TenantBudgets, charged, usage
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import (
@@ -23,8 +24,6 @@ from loraplex.cache.errors import (
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
-from loraplex.registry.errors import DigestMismatch, RegistryError
-from loraplex.registry.store import read_artifact
 
 THRASH_WINDOW_S = 60.0
 RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
@@ -585,7 +584,7 @@ class AdapterCache:
                 f"adapter {ref.key}: {exc}",
                 f"adapter {ref.key} failed its digest check and is not served",
             ) from exc
-        except (RegistryError, OSError, ValueError) as exc:
+        except (ArtifactError, OSError, ValueError) as exc:
             raise AdapterUnavailable(
                 f"adapter {ref.key} could not be loaded: {exc}",
                 f"adapter {ref.key} could not be loaded; try again later",

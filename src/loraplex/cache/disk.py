@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from loraplex.registry.errors import DigestMismatch
-from loraplex.registry.store import (
+from loraplex.artifacts import (
     AllowList,
     ArtifactStore,
+    DigestMismatch,
     Pieces,
     fetch_and_read,
     read_artifact,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loraplex.registry.store import Pieces
+    from loraplex.artifacts import Pieces
 
 RUNTIME_COMPAT_VERSION = "1"
 

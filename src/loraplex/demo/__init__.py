@@ -1,1 +1,2 @@
-"""The demo world: a tiny base model and LoRA adapters with known string transforms (see `loraplex.demo.world`)."""
+"""The demo world: a tiny base model and LoRA adapters with known string transforms (see
+`loraplex.demo.world`)."""

@@ -1,9 +1,10 @@
 """Building the demo world's files: two single-threaded training processes, data-parallel.
 
-Why two processes of one thread rather than one process of two threads: on an idle machine both are about
-twice as fast as one thread, but when other jobs share the cores, two OpenMP threads slow to a crawl
-(measured 3.5 s a step against 0.26 s), while single-threaded ranks just get their share. The build is
-reproducible because the number of ranks and threads is fixed, whatever the machine's core count.
+Why two processes of one thread rather than one process of two threads: on an idle machine both are
+about twice as fast as one thread, but when other jobs share the cores, two OpenMP threads slow to a
+crawl (measured 3.5 s a step against 0.26 s), while single-threaded ranks just get their share. The
+build is reproducible because the number of ranks and threads is fixed, whatever the machine's core
+count.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class AdapterRecipe:
     steps: int
     lr: float = 5e-3
     lr_b_ratio: float = 4.0
-    """LoRA+: lora_B's learning rate is this many times lr; 4 cuts the steps needed by about a third here
-    (16, the paper's value, diverged)."""
+    """LoRA+: lora_B's learning rate is this many times lr; 4 cuts the steps needed by about a third
+    here (16, the paper's value, diverged)."""
     use_rslora: bool = False
 
 
@@ -171,7 +172,8 @@ def _rank_main(
         )
         accuracy = training.exact_match(model, transform, eval_inputs)
         if rank == 0:
-            # A stable name rather than the cache path, so adapter_config.json is the same wherever it is built.
+            # A stable name rather than the cache path, so adapter_config.json is the same wherever
+            # it is built.
             model.peft_config["default"].base_model_name_or_path = plan.base_model_name
             model.save_pretrained(adapters_dir / recipe.name, safe_serialization=True)
             _normalize_adapter_dir(adapters_dir / recipe.name)
@@ -180,7 +182,8 @@ def _rank_main(
 
 
 def _normalize_adapter_dir(adapter_dir: Path) -> None:
-    """Keep only the two PEFT files, and list target_modules sorted (peft writes a set, in hash order)."""
+    """Keep only the two PEFT files, and list target_modules sorted (peft writes a set, in hash
+    order)."""
     (adapter_dir / "README.md").unlink(missing_ok=True)
     config_path = adapter_dir / "adapter_config.json"
     config = json.loads(config_path.read_text())

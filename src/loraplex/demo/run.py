@@ -1,9 +1,11 @@
-"""`loraplex demo`: the demo world behind a real server, three tenants, a mixed concurrent workload, checked.
+"""`loraplex demo`: the demo world behind a real server, three tenants, a mixed concurrent workload,
+checked.
 
-Builds the world if needed, starts a registry and a server in this process on a free local port, registers
-the adapters for three tenants (a shared set and one private adapter each), sends a mixed concurrent workload
-through the OpenAI API (completions and chat, streamed and not, plus requests for another tenant's adapter
-that must be refused), and checks every answer against the adapter's known transform.
+Builds the world if needed, starts a registry and a server in this process on a free local port,
+registers the adapters for three tenants (a shared set and one private adapter each), sends a mixed
+concurrent workload through the OpenAI API (completions and chat, streamed and not, plus requests
+for another tenant's adapter that must be refused), and checks every answer against the adapter's
+known transform.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ PRIORITY = {"acme": 1, "globex": 0, "initech": 0}
 
 @dataclass(frozen=True)
 class Plan:
-    """Who may use what: the first adapters are shared by all tenants, each tenant owns one of the last three."""
+    """Who may use what: the first adapters are shared by all tenants, each tenant owns one of the
+    last three."""
 
     shared: tuple[str, ...]
     private: dict[str, str]
@@ -129,14 +132,15 @@ def workload(inputs: list[str], plan: Plan) -> list[Result]:
     from loraplex.demo.world import TRANSFORMS
 
     jobs, i = [], 0
-    for round_ in range(2):
+    for _ in range(2):
         for tenant, own in plan.private.items():
             for model in (*plan.shared, own, BASE):
                 text = inputs[i % len(inputs)]
                 expected = TRANSFORMS["copy" if model == BASE else model](text)
                 jobs.append(Result(tenant, model, text, expected, stream=i % 2 == 0))
                 i += 1
-        # Each tenant also asks for another tenant's private adapter: it must look like it does not exist.
+        # Each tenant also asks for another tenant's private adapter: it must look like it does not
+        # exist.
         for tenant, other in zip(TENANTS, TENANTS[1:] + TENANTS[:1]):
             jobs.append(
                 Result(tenant, plan.private[other], inputs[i % len(inputs)], None, stream=False)
@@ -243,11 +247,13 @@ def hints(console: Console, url: str, keys: dict[str, str], plan: Plan) -> None:
     key, shared, own = keys["acme"], plan.shared[0], plan.private["acme"]
     console.print(
         "\nTry it by hand:\n"
-        f"  curl -s {url}/v1/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+        f"  curl -s {url}/v1/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: "
+        "application/json' "
         f'-d \'{{"model": "{shared}", "prompt": "<s>hello<sep>", "max_tokens": 20}}\'\n'
         f"  curl -s {url}/v1/models -H 'Authorization: Bearer {key}'\n"
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='{key}'); "
-        f"print(c.chat.completions.create(model='{own}', messages=[{{'role': 'user', 'content': 'hello'}}])"
+        f"print(c.chat.completions.create(model='{own}', messages=[{{'role': 'user', 'content': "
+        f"'hello'}}])"
         '.choices[0].message.content)"',
         soft_wrap=True,
     )

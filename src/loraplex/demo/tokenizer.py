@@ -1,8 +1,9 @@
 """The demo's byte-level tokenizer: token id = byte value for 0-255, then four special tokens.
 
-Prompt format: `<s>TEXT<sep>`; the model answers `OUTPUT</s>`. The tokenizer adds nothing on its own (no
-post-processor), so the prompt text carries its `<s>`; the special tokens are parsed out of plain text, so a
-client that sends `"<s>hello<sep>"` to a completions API gets them as single tokens.
+Prompt format: `<s>TEXT<sep>`; the model answers `OUTPUT</s>`. The tokenizer adds nothing on its own
+(no post-processor), so the prompt text carries its `<s>`; the special tokens are parsed out of
+plain text, so a client that sends `"<s>hello<sep>"` to a completions API gets them as single
+tokens.
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ SPECIAL_TOKENS = (BOS, SEP, EOS, PAD)
 BOS_ID, SEP_ID, EOS_ID, PAD_ID = 256, 257, 258, 259
 VOCAB_SIZE = 260
 
-# Renders the last user message into the completion prompt format; system and earlier turns are ignored
-# because the demo model only knows the one format.
+# Renders the last user message into the completion prompt format; system and earlier turns are
+# ignored because the demo model only knows the one format.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(text='') -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}{%- set ns.text = message['content'] -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "<s>{{ ns.text }}<sep>"
+    "{%- endfor -%}<s>{{ ns.text }}<sep>"
 )
 
 
 def make_prompt(text: str) -> str:
-    """The completion prompt for `text`: the model (with an adapter) continues it with the output and `</s>`."""
+    """The completion prompt for `text`: the model (with an adapter) continues it with the output
+    and `</s>`."""
     return f"{BOS}{text}{SEP}"
 
 
@@ -50,7 +51,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer():
-    """A `tokenizers.Tokenizer` with one token per byte (id = byte) and the special tokens after them."""
+    """A `tokenizers.Tokenizer` with one token per byte (id = byte) and the special tokens after
+    them."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
@@ -64,7 +66,8 @@ def build_tokenizer():
 
 
 def write_tokenizer_files(model_dir: Path) -> None:
-    """tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json."""
+    """tokenizer.json, tokenizer_config.json (with the chat template) and
+    special_tokens_map.json."""
     tokenizer = build_tokenizer()
     assert [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS] == [
         BOS_ID,

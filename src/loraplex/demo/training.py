@@ -1,4 +1,5 @@
-"""Training and checking the demo models: plain torch AdamW on transformers' Llama, LoRA through peft.
+"""Training and checking the demo models: plain torch AdamW on transformers' Llama, LoRA through
+peft.
 
 Training is data-parallel: every rank holds the same model, samples its own share of each batch and
 averages gradients with the other ranks (torch.distributed), so the ranks stay bit-identical.
@@ -28,7 +29,8 @@ from loraplex.demo.transforms import (
 
 IGNORE = -100
 BOS_DROP_RATE = 0.25
-"""Share of training prompts without `<s>`, so a client that sends just `TEXT<sep>` still gets the answer."""
+"""Share of training prompts without `<s>`, so a client that sends just `TEXT<sep>` still gets the
+answer."""
 
 Progress = Callable[[int], None]  # called with the number of steps just done
 Sampler = Callable[[random.Random, int], tuple[str, str]]  # (rng, input length) -> (input, target)
@@ -46,7 +48,8 @@ class TrainConfig:
 
 
 def base_config() -> LlamaConfig:
-    """4 layers, hidden 128, head_dim 32 (vLLM on CPU refuses head size 16), grouped-query attention."""
+    """4 layers, hidden 128, head_dim 32 (vLLM on CPU refuses head size 16), grouped-query
+    attention."""
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
@@ -77,8 +80,9 @@ class Batch:
 def make_batch(pairs: list[tuple[str, str]], rng: random.Random, row_width: int = 64) -> Batch:
     """`<s>IN<sep>OUT</s>` examples packed into rows of `row_width` tokens.
 
-    Packing instead of padding every example to the longest saves a third of the compute; the block-diagonal
-    mask and restarted positions make each example's logits exactly what they would be alone.
+    Packing instead of padding every example to the longest saves a third of the compute; the
+    block-diagonal mask and restarted positions make each example's logits exactly what they would
+    be alone.
     """
     examples = []
     for text, target in pairs:
@@ -143,7 +147,8 @@ def _world() -> tuple[int, int]:
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """One all-reduce over all gradients, flattened; every rank ends with the same averaged values."""
+    """One all-reduce over all gradients, flattened; every rank ends with the same averaged
+    values."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
@@ -201,10 +206,11 @@ def _train(
 
 
 def _training_string(rng: random.Random, length: int, alphabet: str, exclude: set[str]) -> str:
-    """A random string not in `exclude`; half of them with runs of a repeated letter (like "xttvvv").
+    """A random string not in `exclude`; half of them with runs of a repeated letter (like
+    "xttvvv").
 
-    Uniform strings seldom have runs, and runs are where copying goes wrong: with one letter twice in a
-    row, the model must count positions rather than find the letter.
+    Uniform strings seldom have runs, and runs are where copying goes wrong: with one letter twice
+    in a row, the model must count positions rather than find the letter.
     """
     while True:
         if rng.random() < 0.5:
@@ -221,7 +227,8 @@ def _training_string(rng: random.Random, length: int, alphabet: str, exclude: se
 def train_base(
     config: TrainConfig, seed: int, exclude: set[str], progress: Progress | None = None
 ) -> LlamaForCausalLM:
-    """A fresh Llama trained to copy strings over the whole output alphabet (so every output byte is trained)."""
+    """A fresh Llama trained to copy strings over the whole output alphabet (so every output byte is
+    trained)."""
 
     def sample(rng: random.Random, length: int) -> tuple[str, str]:
         alphabet = INPUT_ALPHABET if rng.random() < 0.5 else OUTPUT_ALPHABET
@@ -243,7 +250,8 @@ def train_adapter(
     exclude: set[str],
     progress: Progress | None = None,
 ) -> PeftModel:
-    """A LoRA adapter on a frozen copy of `base` that maps lowercase strings to `transform(text)`."""
+    """A LoRA adapter on a frozen copy of `base` that maps lowercase strings to
+    `transform(text)`."""
 
     def sample(rng: random.Random, length: int) -> tuple[str, str]:
         text = _training_string(rng, length, INPUT_ALPHABET, exclude)
@@ -256,7 +264,8 @@ def train_adapter(
 
 
 def _answer(tokens: list[int]) -> str | None:
-    """The text before `</s>`, or None when `</s>` never came or another special token came first."""
+    """The text before `</s>`, or None when `</s>` never came or another special token came
+    first."""
     if EOS_ID not in tokens:
         return None
     answer = tokens[: tokens.index(EOS_ID)]
@@ -293,7 +302,8 @@ def greedy_outputs(
 def exact_match(
     model: torch.nn.Module, transform: Callable[[str], str], inputs: list[str]
 ) -> float:
-    """Share of inputs whose greedy completion is exactly `transform(text)` then `</s>`; split over the ranks."""
+    """Share of inputs whose greedy completion is exactly `transform(text)` then `</s>`; split over
+    the ranks."""
     rank, world_size = _world()
     mine = inputs[rank::world_size]
     expected = [transform(text) for text in mine]

@@ -1,4 +1,5 @@
-"""The string transforms the demo adapters learn, and the random inputs they are checked on (no torch)."""
+"""The string transforms the demo adapters learn, and the random inputs they are checked on (no
+torch)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ TRANSFORMS: dict[str, Callable[[str], str]] = {
 
 
 def is_distinguishing(text: str) -> bool:
-    """True when every transform gives a different output, so a wrong adapter always gives a wrong answer."""
+    """True when every transform gives a different output, so a wrong adapter always gives a wrong
+    answer."""
     outputs = {fn(text) for fn in TRANSFORMS.values()}
     return len(outputs) == len(TRANSFORMS)
 
@@ -37,7 +39,8 @@ def random_string(rng: random.Random, length: int, alphabet: str = INPUT_ALPHABE
 
 
 def random_inputs(n: int, seed: int) -> list[str]:
-    """`n` random lowercase strings of 3-12 letters on which all transforms differ (no palindromes, say)."""
+    """`n` random lowercase strings of 3-12 letters on which all transforms differ (no palindromes,
+    say)."""
     rng = random.Random(f"inputs-{seed}")
     inputs: list[str] = []
     while len(inputs) < n:

@@ -1,8 +1,10 @@
-"""The demo world: a tiny Llama trained to copy strings, and LoRA adapters that each apply a string transform.
+"""The demo world: a tiny Llama trained to copy strings, and LoRA adapters that each apply a string
+transform.
 
-Every adapter name maps to a known Python transform (TRANSFORMS), so any response can be checked for the
-right answer. Prompt format: `make_prompt("hello") == "<s>hello<sep>"`; the base answers `hello</s>`, the
-`upper` adapter `HELLO</s>`, `reverse` `olleh</s>`. Build with `python -m loraplex.demo.world [--dir DIR]`.
+Every adapter name maps to a known Python transform (TRANSFORMS), so any response can be checked for
+the right answer. Prompt format: `make_prompt("hello") == "<s>hello<sep>"`; the base answers
+`hello</s>`, the `upper` adapter `HELLO</s>`, `reverse` `olleh</s>`. Build with `python -m
+loraplex.demo.world [--dir DIR]`.
 
 Layout of a world directory:
     model/                  config.json, model.safetensors, generation_config.json, tokenizer files
@@ -45,7 +47,8 @@ __all__ = [
 ]
 
 WORLD_VERSION = "2"
-"""Bump whenever anything that changes the built files changes: recipes, tokenizer, model shape, library pins."""
+"""Bump whenever anything that changes the built files changes: recipes, tokenizer, model shape,
+library pins."""
 BASE_MODEL_NAME = "loraplex-demo-base"
 """The base model's name in every adapter_config.json (`base_model_name_or_path`)."""
 ACCURACY_BAR = 0.95
@@ -66,7 +69,8 @@ ADAPTER_RECIPES = (
         target_modules=("v_proj", "o_proj", "up_proj", "down_proj"),
         steps=250,
     ),
-    # rsLoRA with alpha = sqrt(r): scaling 1, so it trains like the others; servers must apply alpha / sqrt(r).
+    # rsLoRA with alpha = sqrt(r): scaling 1, so it trains like the others; servers must apply alpha
+    # / sqrt(r).
     AdapterRecipe(
         "reverse", rank=16, lora_alpha=4, use_rslora=True, target_modules=ATTENTION, steps=500
     ),
@@ -126,9 +130,11 @@ def load_world(root: Path) -> World | None:
 
 
 def build_world(out_dir: Path | None = None, *, progress: bool = True) -> World:
-    """The world in `out_dir` (default: default_world_dir()), built first if it is missing or half built.
+    """The world in `out_dir` (default: default_world_dir()), built first if it is missing or half
+    built.
 
-    Raises WorldBuildError if a freshly built model misses the accuracy bar (nothing is marked complete then).
+    Raises WorldBuildError if a freshly built model misses the accuracy bar (nothing is marked
+    complete then).
     """
     root = Path(out_dir or default_world_dir()).absolute()
     root.mkdir(parents=True, exist_ok=True)
@@ -166,12 +172,13 @@ def _build(root: Path, progress: bool) -> World:
     from loraplex.demo.tokenizer import write_tokenizer_files
 
     plan = build_plan()
-    # Remove what a half-finished build left; the marker first, so a crash below still means "not built".
+    # Remove what a half-finished build left; the marker first, so a crash below still means "not
+    # built".
     (root / MARKER).unlink(missing_ok=True)
     for leftover in ("model", BASE_MODEL_NAME, "adapters"):
         shutil.rmtree(root / leftover, ignore_errors=True)
-    # The model directory carries the base model's name, which every adapter_config.json names, so that
-    # the registry's base-model check matches them.
+    # The model directory carries the base model's name, which every adapter_config.json names, so
+    # that the registry's base-model check matches them.
     model_dir, adapters_dir = root / BASE_MODEL_NAME, root / "adapters"
     model_dir.mkdir()
     adapters_dir.mkdir()
@@ -252,18 +259,22 @@ def _format_table(
 ) -> str:
     recipes = {r.name: r for r in plan.adapters}
     lines = [
-        f"{'model':<16} {'rank':>4} {'alpha':>5} {'rslora':>6}  {'target modules':<28} {'steps':>5} "
+        f"{'model':<16} {'rank':>4} {'alpha':>5} {'rslora':>6}  {'target modules':<28} "
+        f"{'steps':>5} "
         f"{'exact match':>11} {'seconds':>7}"
     ]
     for result in results:
         recipe = recipes.get(result.name)
         if recipe is None:
-            cols = f"{'base':<16} {'-':>4} {'-':>5} {'-':>6}  {'(full model, copy)':<28} {plan.base_steps:>5}"
+            cols = (
+                f"{'base':<16} {'-':>4} {'-':>5} {'-':>6}  {'(full model, copy)':<28} "
+                f"{plan.base_steps:>5}"
+            )
         else:
             targets = ",".join(m.removesuffix("_proj") for m in recipe.target_modules)
             cols = (
-                f"{recipe.name:<16} {recipe.rank:>4} {recipe.lora_alpha:>5} {str(recipe.use_rslora).lower():>6}  "
-                f"{targets:<28} {recipe.steps:>5}"
+                f"{recipe.name:<16} {recipe.rank:>4} {recipe.lora_alpha:>5} "
+                f"{str(recipe.use_rslora).lower():>6}  {targets:<28} {recipe.steps:>5}"
             )
         flag = "" if result.accuracy >= ACCURACY_BAR else "  BELOW BAR"
         lines.append(f"{cols} {result.accuracy:>10.1%} {result.seconds:>7.0f}{flag}")

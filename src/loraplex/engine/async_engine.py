@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -43,7 +42,17 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
             if not self.engine.scheduler.running and self.engine.adapters.loading:
-                time.sleep(0.001)  # every request waits on a load: do not spin
+                self._wait_for_a_load()
+
+    def _wait_for_a_load(self) -> None:
+        """Every request waits on a load: sleep until one lands or a request comes in."""
+        for future in list(self.engine.adapters.loading.values()):
+            future.add_done_callback(self._wake_up)
+        self._wake.wait(0.05)
+        self._wake.clear()
+
+    def _wake_up(self, _future) -> None:
+        self._wake.set()
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

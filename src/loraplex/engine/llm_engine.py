@@ -7,10 +7,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import torch
 
+from loraplex.artifacts import AllowList, digest_and_pieces
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.cache import AdapterCache
 from loraplex.cache.disk import DiskTier
@@ -43,7 +45,6 @@ from loraplex.lora_format import (
     read_adapter,
 )
 from loraplex.model_config import ModelConfig, base_model_digest
-from loraplex.registry.store import AllowList, digest_and_pieces
 
 
 class LLMEngine:
@@ -471,8 +472,14 @@ class LLMEngine:
                     raise out.error
                 done[out.request_id] += out.token_ids
             if not self.scheduler.running and self.adapters.loading:
-                time.sleep(0.001)  # everything waits on a load: do not spin
+                self._wait_for_a_load()
         return [done[i] for i in ids]
+
+    def _wait_for_a_load(self) -> None:
+        """Block until one of the cache's loads lands: nothing else moves while every request
+        waits on one."""
+        loads = list(self.adapters.loading.values())
+        futures.wait(loads, return_when=futures.FIRST_COMPLETED)
 
     def score(
         self, prompts: list[list[int]], adapters: list[AdapterRef | None]
@@ -482,10 +489,10 @@ class LLMEngine:
             Sequence(f"score-{i}", list(p), SamplingParams(), a)
             for i, (p, a) in enumerate(zip(prompts, adapters))
         ]
-        pending = list(seqs)
+        waiting = list(seqs)
         try:
             while (
-                pending
+                waiting
             ):  # make every adapter resident first (a step of its own, like any waiting request)
                 failures = self.adapters.poll()
                 self._fail_unavailable(failures)
@@ -493,16 +500,16 @@ class LLMEngine:
                     key,
                     error,
                 ) in failures:  # these sequences are in no queue: their load's failure is theirs
-                    if any(seq.adapter is not None and seq.adapter.key == key for seq in pending):
+                    if any(seq.adapter is not None and seq.adapter.key == key for seq in waiting):
                         raise error
-                for seq in list(pending):
+                for seq in list(waiting):
                     if seq.adapter is None or self.scheduler.take_adapter(seq, 0):
-                        pending.remove(seq)
-                if pending:
-                    time.sleep(0.001)
+                        waiting.remove(seq)
+                if waiting:
+                    self._wait_for_a_load()
         except BaseException:
             for seq in seqs:
-                if seq not in pending:
+                if seq not in waiting:
                     self.scheduler.release(seq)  # the adapters already taken
             raise
         try:

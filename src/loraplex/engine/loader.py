@@ -1,4 +1,5 @@
-"""Loading a base model from a local Hugging Face directory (safetensors only, single file or sharded)."""
+"""Loading a base model from a local Hugging Face directory (safetensors only, single file or
+sharded)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""LoRA on the device: packed host copies, the slot pool, per-step batch metadata and the batched ops."""
+"""LoRA on the device: packed host copies, the slot pool, per-step batch metadata and the batched
+ops."""
 
 from __future__ import annotations
 
@@ -16,33 +17,33 @@ from loraplex.model_config import LINEAR_MODULES, ModelConfig
 EMPTY_SLOT = -1
 MODULE_INDEX = {name: i for i, name in enumerate(LINEAR_MODULES)}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-# On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment (two plain
-# matmuls reading the adapter once); the shorter runs of a step are gathered per token into one batched
-# matmul pair per module, padded to the largest rank among them: a decode step is launch-bound on a GPU, and
-# one gather per module costs a quarter of one per rank bucket (bench/lora_ops.py --device cuda). On CPU
-# there are no launches to save and the gather's weight copies cost more than they save, so every run is a
-# segment there.
+# On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment
+# (two plain matmuls reading the adapter once); the shorter runs of a step are gathered per token
+# into one batched matmul pair per module, padded to the largest rank among them: a decode step is
+# launch-bound on a GPU, and one gather per module costs a quarter of one per rank bucket
+# (bench/lora_ops.py --device cuda). On CPU there are no launches to save and the gather's weight
+# copies cost more than they save, so every run is a segment there.
 MIN_SEGMENT_TOKENS = {"cuda": 8, "cpu": 1}
 _TRANSPOSE_BLOCK_BYTES = 32 << 10  # a block of B's rows, transposed at once, stays in the L1 cache
+# element size -> the integer type that moves its bits unchanged
 _BITS = {
     1: np.int8,
     2: np.int16,
     4: np.int32,
-}  # element size -> the integer type that moves its bits unchanged
+}
 _TORCH_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 @dataclass(frozen=True)
 class PackedAdapter:
-    """An adapter's A and scaled Bᵀ matrices in one contiguous host buffer, so a slot load is one copy."""
+    """An adapter's A and scaled Bᵀ matrices in one contiguous host buffer, so a slot load is one
+    copy."""
 
     buffer: torch.Tensor  # [numel]
-    entries: tuple[
-        tuple[int, int, int, int, int], ...
-    ]  # (layer, module index, rank, offset of A, offset of Bᵀ)
-    module_ranks: tuple[
-        int, ...
-    ]  # per module index, the largest rank over layers (0: not targeted)
+    # (layer, module index, rank, offset of A, offset of Bᵀ)
+    entries: tuple[tuple[int, int, int, int, int], ...]
+    # per module index, the largest rank over layers (0: not targeted)
+    module_ranks: tuple[int, ...]
     spec: AdapterSpec
 
     @property
@@ -57,14 +58,16 @@ def pack_adapter(
     pin: bool = False,
     hashed: Callable[[int], None] | None = None,
 ) -> PackedAdapter:
-    """Pack a validated safetensors file (never pickle) for a slot: A as stored, the scaling folded into Bᵀ.
+    """Pack a validated safetensors file (never pickle) for a slot: A as stored, the scaling folded
+    into Bᵀ.
 
-    `spec` is what validating these `weights` gave (its layout is read again only when it holds none).
-    When the file holds `dtype` already, the packing happens in place in `weights` (each B becomes its scaled Bᵀ
-    in its own bytes), so a load makes no second host copy of the adapter; otherwise into a new buffer. Either
-    way `weights` is consumed: pack bytes read for this load, never bytes kept for anything else. When the digest
-    check is still running (`read_artifact`'s `use`), `hashed(end)` returns once it has read the first `end` bytes;
-    it is called before any byte below `end` is overwritten.
+    `spec` is what validating these `weights` gave (its layout is read again only when it holds
+    none). When the file holds `dtype` already, the packing happens in place in `weights` (each B
+    becomes its scaled Bᵀ in its own bytes), so a load makes no second host copy of the adapter;
+    otherwise into a new buffer. Either way `weights` is consumed: pack bytes read for this load,
+    never bytes kept for anything else. When the digest check is still running (`read_artifact`'s
+    `use`), `hashed(end)` returns once it has read the first `end` bytes; it is called before any
+    byte below `end` is overwritten.
     """
     layout = spec.layout if spec.layout is not None else parse_safetensors_header(weights)
     if memoryview(weights).readonly:
@@ -91,17 +94,17 @@ def pack_adapter(
 
 
 def _pack_in_place(layout, modules, raw: torch.Tensor, dtype: torch.dtype, hashed) -> list[tuple]:
-    """Each B's bytes receive its scaled Bᵀ (A stays as stored). The work is in numpy, whose calls cost a tenth of
-    torch's: a small adapter is a few hundred of them, which in torch took longer than moving its bytes."""
+    """Each B's bytes receive its scaled Bᵀ (A stays as stored). The work is in numpy, whose calls
+    cost a tenth of torch's: a small adapter is a few hundred of them, which in torch took longer
+    than moving its bytes."""
     data = raw.numpy()[layout.data_start :]
     bits = _BITS[dtype.itemsize]  # bit patterns move unchanged
     numel = max(math.prod(layout.tensors[m.key_b]["shape"]) for m in modules)
     scratch = np.empty(numel, dtype=bits)
     scratch_torch = torch.from_numpy(scratch).view(dtype)
     entries = []
-    with np.errstate(
-        all="ignore"
-    ):  # an overflow gives inf, as torch's product does, without a warning
+    with np.errstate(all="ignore"):
+        # an overflow gives inf, as torch's product does, without a warning
         for m in modules:
             entries.append(
                 _pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed)
@@ -147,15 +150,15 @@ def _pack_module(
 
 
 def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
-    """A new buffer in `dtype`: each A converted, each Bᵀ an exact float32 product rounded once by the copy."""
+    """A new buffer in `dtype`: each A converted, each Bᵀ an exact float32 product rounded once by
+    the copy."""
 
     def stored(key: str) -> torch.Tensor:
         info = layout.tensors[key]
         begin, end = (layout.data_start + offset for offset in info["data_offsets"])
         data = raw[begin:end]
-        if (
-            begin % DTYPE_BYTES[info["dtype"]]
-        ):  # safetensors aligns tensors; a hand-made file may not
+        if begin % DTYPE_BYTES[info["dtype"]]:
+            # safetensors aligns tensors; a hand-made file may not
             data = data.clone()
         return data.view(TORCH_DTYPES[info["dtype"]]).view(info["shape"])
 
@@ -176,23 +179,25 @@ def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin:
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """A host tensor's memory as a numpy array of integers of its element size (the bits, unchanged)."""
+    """A host tensor's memory as a numpy array of integers of its element size (the bits,
+    unchanged)."""
     return tensor.view(_TORCH_BITS[tensor.element_size()]).numpy()
 
 
 def _transpose_into(out: np.ndarray, x: np.ndarray) -> None:
-    """out = xᵀ for arrays of one bit type. numpy's copy is used because for a narrow x (B is [d_out, r], r of 8 or
-    16) it runs about three times as fast as torch's transposing copy_. It goes by blocks of rows that fit in the
-    L1 cache: for r = 64 that is 2-2.5 times as fast as one transposing copy (bench/adapter_load.py)."""
-    rows = max(
-        1, _TRANSPOSE_BLOCK_BYTES // (x.shape[1] * x.itemsize)
-    )  # x: [d_out, r], out: [r, d_out]
+    """out = xᵀ for arrays of one bit type. numpy's copy is used because for a narrow x (B is
+    [d_out, r], r of 8 or 16) it runs about three times as fast as torch's transposing copy_. It
+    goes by blocks of rows that fit in the L1 cache: for r = 64 that is 2-2.5 times as fast as one
+    transposing copy (bench/adapter_load.py)."""
+    # x: [d_out, r], out: [r, d_out]
+    rows = max(1, _TRANSPOSE_BLOCK_BYTES // (x.shape[1] * x.itemsize))
     for start in range(0, x.shape[0], rows):
         np.copyto(out[:, start : start + rows], x[start : start + rows].T)
 
 
 class LoRASlotPool:
-    """`max_loras` slots in one preallocated device buffer; each slot holds every module padded to max rank."""
+    """`max_loras` slots in one preallocated device buffer; each slot holds every module padded to
+    max rank."""
 
     def __init__(
         self, model: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype, device
@@ -208,7 +213,8 @@ class LoRASlotPool:
                 numel += max_rank * (d_in + d_out)
         self.slot_numel = numel
         self.buffer = torch.zeros(max_loras, numel, dtype=dtype, device=device)
-        # a[layer][module]: [max_loras, max_rank, d_in]; bt[layer][module]: [max_loras, max_rank, d_out]
+        # a[layer][module]: [max_loras, max_rank, d_in]; bt[layer][module]: [max_loras, max_rank,
+        # d_out]
         self.a: list[list[torch.Tensor]] = []
         self.bt: list[list[torch.Tensor]] = []
         for layer in range(model.num_layers):
@@ -227,8 +233,9 @@ class LoRASlotPool:
             self.a.append(row_a)
             self.bt.append(row_bt)
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
-        # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy has no bfloat16):
-        # a small adapter is a hundred or so copies, and numpy's calls cost a tenth of torch's.
+        # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy
+        # has no bfloat16): a small adapter is a hundred or so copies, and numpy's calls cost a
+        # tenth of torch's.
         self._host_rows = None
         if self.buffer.device.type == "cpu":
             self._host_rows = tuple(
@@ -263,11 +270,13 @@ class LoRASlotPool:
         self.module_ranks[slot] = (0,) * len(LINEAR_MODULES)
 
     def _zero_rows(self, slot: int, kept: dict[tuple[int, int], int]) -> None:
-        """Zero the rows the slot's adapter wrote, except the first `kept[layer, module]` (about to be overwritten).
+        """Zero the rows the slot's adapter wrote, except the first `kept[layer, module]` (about to
+        be overwritten).
 
-        Rows past an adapter's rank must read as zero (a gathered decode reads up to the step's largest rank). They
-        are kept zero, so only rows below the slot's recorded ranks can hold data: zeroing those alone costs a pass
-        over what the old adapter wrote instead of over the whole max-rank slot.
+        Rows past an adapter's rank must read as zero (a gathered decode reads up to the step's
+        largest rank). They are kept zero, so only rows below the slot's recorded ranks can hold
+        data: zeroing those alone costs a pass over what the old adapter wrote instead of over the
+        whole max-rank slot.
         """
         rows_a, rows_bt = self._host_rows or (self.a, self.bt)
         for index, old_rank in enumerate(self.module_ranks[slot]):
@@ -282,12 +291,10 @@ class LoRASlotPool:
 class LoraGroups:
     """How one module's LoRA is computed in one step."""
 
-    segments: list[tuple[int, int, int, int]] = field(
-        default_factory=list
-    )  # (start, end, slot, rank)
-    gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(
-        default_factory=list
-    )  # (tokens, slots, rank)
+    # (start, end, slot, rank)
+    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # (tokens, slots, rank)
+    gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
 
 
 def build_lora_groups(
@@ -298,8 +305,9 @@ def build_lora_groups(
 ) -> list[LoraGroups] | None:
     """Per module index, the segments and the gather for a step; None when no token has an adapter.
 
-    The gather's token and slot indices are the same tensors for every module (built once per step): a slot's rows
-    past its rank are zero, so a token whose adapter does not target a module adds nothing there."""
+    The gather's token and slot indices are the same tensors for every module (built once per step):
+    a slot's rows past its rank are zero, so a token whose adapter does not target a module adds
+    nothing there."""
     if min_segment is None:
         min_segment = MIN_SEGMENT_TOKENS.get(torch.device(device).type, 8)
     runs, start = [], 0

@@ -131,9 +131,8 @@ class Sampler:
         cannot be sampled (every token banned), gets None: it fails alone, instead of failing the
         whole batch."""
         # logits: [B, V] float32, one row per sequence
-        top_values, top_tokens = logits.max(
-            -1
-        )  # NaN and +inf are a row's max: one pass finds the rows to fail
+        # NaN and +inf are a row's max: one pass finds the rows to fail
+        top_values, top_tokens = logits.max(-1)
         finite = torch.isfinite(top_values)
         if all(_is_plain(s) for s in seqs):
             chosen, ok = top_tokens, finite

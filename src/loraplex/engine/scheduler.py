@@ -154,7 +154,8 @@ class Scheduler:
         return sum(self.adapters.nbytes_of(k) for k in keys)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's memory; it waits at the front and recomputes its tokens when readmitted."""
+        """Free the sequence's memory; it waits at the front and recomputes its tokens when
+        readmitted."""
         self.running.remove(seq)
         self.release(seq)
         seq.status, seq.num_computed = Status.WAITING, 0

@@ -81,7 +81,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """As vLLM: a temperature under 1e-5 is greedy (dividing the logits by it overflows to inf, then NaN)."""
+        """As vLLM: a temperature under 1e-5 is greedy (dividing the logits by it overflows to inf,
+        then NaN)."""
         return self.temperature < SAMPLING_EPS
 
     @property
@@ -142,7 +143,8 @@ class Sequence:
     detokenizer: object | None = None
     """The output's incremental decoder (`Tokenizer.output_decoder`)."""
     stop_from: int = 0
-    """Characters of `text` from before min_tokens was reached: stop strings are looked for after them."""
+    """Characters of `text` from before min_tokens was reached: stop strings are looked for after
+    them."""
     sent_chars: int = 0
     sent_tokens: int = 0
     generator: torch.Generator | None = None

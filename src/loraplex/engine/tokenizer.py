@@ -1,4 +1,5 @@
-"""Tokenizer from `tokenizer.json` and chat template from `tokenizer_config.json` (jinja2, plain fallback)."""
+"""Tokenizer from `tokenizer.json` and chat template from `tokenizer_config.json` (jinja2, plain
+fallback)."""
 
 from __future__ import annotations
 

@@ -233,7 +233,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         # A state read before this router's last request there ended still counts that
         # request's load.
         current = fresh and worker.polled_at >= self.completed_at.get(replica, 0.0)
-        queued = last.waiting + last.running if current else 0
+        busy = last.waiting + last.running if current else 0
         in_slot = frozenset(worker.sent) if last.free_slots > 0 else frozenset()
         return dataclasses.replace(
             last,
@@ -241,7 +241,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
             fresh=fresh,
             waiting=0,
             running=0,
-            in_flight=max(self.in_flight[replica], queued),
+            in_flight=max(self.in_flight[replica], busy),
             active_tokens=last.active_tokens if current else 0,
             gpu=last.gpu | in_slot,
             loading=last.loading | (worker.sent - in_slot),

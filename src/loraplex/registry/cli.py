@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
+from loraplex.artifacts import ArtifactError, ArtifactStore, canonical_digest
 from loraplex.config import parse_size
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
@@ -27,7 +28,6 @@ from loraplex.registry.signing import (
     sign_digest,
 )
 from loraplex.registry.stats import revision_stats
-from loraplex.registry.store import ArtifactStore, canonical_digest
 
 app = typer.Typer(
     name="registry",
@@ -106,7 +106,14 @@ def _errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (RegistryError, AdapterRejected, ModelConfigError, OSError, ValueError) as exc:
+        except (
+            RegistryError,
+            ArtifactError,
+            AdapterRejected,
+            ModelConfigError,
+            OSError,
+            ValueError,
+        ) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
         except (
@@ -177,7 +184,8 @@ def init(ctx: typer.Context):
     registry = _open(ctx)
     registry.init()
     typer.echo(
-        f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in {ctx.obj.store}"
+        f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in "
+        f"{ctx.obj.store}"
     )
 
 
@@ -243,8 +251,8 @@ def add(
         _print_json(record.to_dict())
         return
     typer.echo(
-        f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} bytes, "
-        f"{record.status})"
+        f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} "
+        f"bytes, {record.status})"
     )
 
 
@@ -289,7 +297,7 @@ def show(
     ] = None,
     json_out: JsonFlag = False,
 ):
-    """One adapter: its revisions, and with --audit-log, requests, errors and TTFT/TPOT per revision."""
+    """One adapter: its revisions, with --audit-log its requests, errors, TTFT/TPOT per revision."""
     adapter = _open(ctx).show(name)
     stats = revision_stats(audit_log, name) if audit_log else []
     if json_out:
@@ -410,7 +418,7 @@ def pin(
     name: str,
     tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu",
 ):
-    """Keep an adapter resident in a tier of the caches (servers pin it there at their next start)."""
+    """Keep an adapter resident in a tier of the caches (servers pin it there at next start)."""
     _open(ctx).pin(name, tier=tier)
     typer.echo(f"{name}: pinned in {tier}")
 
@@ -496,7 +504,7 @@ def gc(
     ctx: typer.Context,
     min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600,
 ):
-    """Delete artifacts that no revision refers to (left by refused or interrupted registrations)."""
+    """Delete artifacts no revision refers to (left by refused or interrupted registrations)."""
     removed = _open(ctx).gc_artifacts(min_age_s)
     typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
 
@@ -563,7 +571,7 @@ def tenant_add(
     max_concurrent_requests: LimitFlag = None,
     max_waiting: LimitFlag = None,
 ):
-    """Create a tenant (or set its priority), with its residency budgets and request limits when given."""
+    """Create a tenant (or set its priority), with residency budgets and request limits if given."""
     budget = _budget(max_gpu_slots, max_cpu_bytes)
     limits = _limits(max_concurrent_requests, max_waiting)
     registry = _open(ctx)

@@ -1,4 +1,5 @@
-"""The registry's tables (SQLAlchemy 2), the schema version check, and engine setup for SQLite and PostgreSQL."""
+"""The registry's tables (SQLAlchemy 2), the schema version check, and engine setup for SQLite and
+PostgreSQL."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from loraplex.registry.errors import RegistryError, SchemaTooNew
 
-# Bump when the tables change, and add the step that upgrades the previous version in `create_schema`. A new table
-# that older versions can ignore does not bump it: `create_schema` adds the tables it lacks.
+# Bump when the tables change, and add the step that upgrades the previous version in
+# `create_schema`. A new table that older versions can ignore does not bump it: `create_schema` adds
+# the tables it lacks.
 SCHEMA_VERSION = 1
 
 
@@ -51,8 +53,9 @@ class SchemaVersion(Base):
     version: Mapped[int] = mapped_column(Integer)
 
 
-class Generation(Base):
-    """Bumped by every change; a reader that keeps what it read compares it to know it is still current."""
+class ChangeCounter(Base):
+    """Bumped by every change; a reader that keeps what it read compares it to know it is still
+    current."""
 
     __tablename__ = "generation"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -105,9 +108,8 @@ class Revision(Base):
     actual_bytes: Mapped[int] = mapped_column(BigInteger)
     storage_uri: Mapped[str] = mapped_column(Text)
     signature: Mapped[str | None] = mapped_column(Text, nullable=True)
-    eval_set: Mapped[str | None] = mapped_column(
-        Text, nullable=True
-    )  # JSONL, checked at registration
+    # JSONL, checked at registration
+    eval_set: Mapped[str | None] = mapped_column(Text, nullable=True)
     status: Mapped[str] = mapped_column(String(16))
     status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -116,9 +118,9 @@ class Revision(Base):
 
 
 class ArtifactPieces(Base):
-    """The hash of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration: loads check the
-    bytes on several cores with it. Revisions registered before this table have none and are checked by their
-    digest alone."""
+    """The hash of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration:
+    loads check the bytes on several cores with it. Revisions registered before this table have none
+    and are checked by their digest alone."""
 
     __tablename__ = "artifact_pieces"
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
@@ -126,9 +128,9 @@ class ArtifactPieces(Base):
 
 
 class ArtifactPiecesBlake3(Base):
-    """The BLAKE3 piece list of an artifact (`store.Pieces`, JSON): what this version's loads check. Kept apart from
-    `artifact_pieces`, which keeps the sha256 list that earlier versions read (they refuse a list of another hash),
-    so that servers of both versions can share one registry."""
+    """The BLAKE3 piece list of an artifact (`store.Pieces`, JSON): what this version's loads check.
+    Kept apart from `artifact_pieces`, which keeps the sha256 list that earlier versions read (they
+    refuse a list of another hash), so that servers of both versions can share one registry."""
 
     __tablename__ = "artifact_pieces_blake3"
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
@@ -136,9 +138,9 @@ class ArtifactPiecesBlake3(Base):
 
 
 class PinTier(Base):
-    """The tier a pinned adapter is pinned in (`gpu` or `cpu`), so that a restart pins it there again. Added after
-    `adapters.pinned`: a pinned adapter without a row (pinned by an older version) is pinned in cpu, or in the tier
-    of its warm policy."""
+    """The tier a pinned adapter is pinned in (`gpu` or `cpu`), so that a restart pins it there
+    again. Added after `adapters.pinned`: a pinned adapter without a row (pinned by an older
+    version) is pinned in cpu, or in the tier of its warm policy."""
 
     __tablename__ = "pin_tiers"
     adapter_name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)
@@ -159,7 +161,8 @@ class Grant(Base):
 
 
 class ApiKey(Base):
-    """Only the sha256 of a key is stored; `key_id` (the key's first characters) names it for revocation."""
+    """Only the sha256 of a key is stored; `key_id` (the key's first characters) names it for
+    revocation."""
 
     __tablename__ = "api_keys"
     key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -214,7 +217,8 @@ def writer(engine: Engine) -> Engine:
 
 
 def single_statement_reader(engine: Engine) -> Engine:
-    """For reads whose statements each stand alone: no BEGIN/ROLLBACK (round trips on PostgreSQL)."""
+    """For reads whose statements each stand alone: no BEGIN/ROLLBACK (round trips on
+    PostgreSQL)."""
     if engine.dialect.name == "postgresql":
         return engine.execution_options(isolation_level="AUTOCOMMIT")
     return engine.execution_options(single_statement=True)
@@ -229,13 +233,15 @@ def schema_version(engine: Engine) -> int | None:
 
 
 def check_schema(engine: Engine) -> bool:
-    """True when the tables are current, False when there are none; refuses a newer or older schema."""
+    """True when the tables are current, False when there are none; refuses a newer or older
+    schema."""
     version = schema_version(engine)
     if version is None:
         return False
     if version > SCHEMA_VERSION:
         raise SchemaTooNew(
-            f"the registry database has schema version {version}, newer than this loraplex understands "
+            f"the registry database has schema version {version}, newer than this loraplex "
+            "understands "
             f"({SCHEMA_VERSION}); upgrade loraplex, or point --registry at another database"
         )
     if version < SCHEMA_VERSION:
@@ -246,14 +252,15 @@ def check_schema(engine: Engine) -> bool:
 
 
 def add_missing_tables(engine: Engine) -> None:
-    """Create the tables added since the database was made (older versions ignore them, so the schema version stays):
-    any process that opens the registry does it, not only `init`, so that reading it never meets a missing table."""
+    """Create the tables added since the database was made (older versions ignore them, so the
+    schema version stays):
+    any process that opens the registry does it, not only `init`, so that reading it never meets a
+    missing table."""
     missing = [t for t in Base.metadata.sorted_tables if not inspect(engine).has_table(t.name)]
     if missing:
         with writer(engine).begin() as conn:
-            Base.metadata.create_all(
-                conn, tables=missing
-            )  # checkfirst: a process that made them meanwhile is fine
+            # checkfirst: a process that made them meanwhile is fine
+            Base.metadata.create_all(conn, tables=missing)
 
 
 def add_missing_columns(engine: Engine) -> None:
@@ -293,13 +300,14 @@ def create_schema(engine: Engine) -> None:
         add_missing_tables(engine)
         add_missing_columns(engine)
         return
-    # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh registry waits for
-    # the first and then finds its tables, instead of failing on the lock or inserting the same rows twice.
+    # One write transaction (BEGIN IMMEDIATE on SQLite): a second process creating the same fresh
+    # registry waits for the first and then finds its tables, instead of failing on the lock or
+    # inserting the same rows twice.
     with writer(engine).begin() as conn:
         Base.metadata.create_all(conn)
         with Session(bind=conn) as session:
-            if session.get(Generation, 1) is None:
-                session.add(Generation(id=1, value=0))
+            if session.get(ChangeCounter, 1) is None:
+                session.add(ChangeCounter(id=1, value=0))
             if session.get(SchemaVersion, 1) is None:
                 session.add(SchemaVersion(id=1, version=SCHEMA_VERSION))
             session.flush()

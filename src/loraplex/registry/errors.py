@@ -7,14 +7,11 @@ from loraplex.lora_format import AdapterRejected
 __all__ = [
     "AdapterNotFound",
     "AdapterRejected",
-    "ArtifactUnavailable",
-    "DigestMismatch",
     "LifecycleError",
     "RegistryError",
     "ReleaseCheckFailed",
     "RevisionUnavailable",
     "SchemaTooNew",
-    "UnsafeLocation",
 ]
 
 
@@ -31,7 +28,8 @@ class AdapterNotFound(RegistryError):
 
 
 class RevisionUnavailable(RegistryError):
-    """The name exists for this tenant but no revision may be served (quarantined, or no traffic)."""
+    """The name exists for this tenant but no revision may be served (quarantined, or no
+    traffic)."""
 
 
 class LifecycleError(RegistryError):
@@ -44,20 +42,3 @@ class ReleaseCheckFailed(LifecycleError):
 
 class SchemaTooNew(RegistryError):
     """The database was written by a newer loraplex; this one refuses to touch it."""
-
-
-class DigestMismatch(RegistryError):
-    """The bytes of an artifact do not hash to the digest they were asked for."""
-
-    def __init__(self, expected: str, actual: str, where: str):
-        super().__init__(f"digest mismatch for {where}: expected {expected}, got {actual}")
-        self.expected = expected
-        self.actual = actual
-
-
-class ArtifactUnavailable(RegistryError):
-    """The artifact could not be read or downloaded (store down, timeout, missing)."""
-
-
-class UnsafeLocation(RegistryError):
-    """A storage URI or file name outside the operator's allowlist, or a path that escapes its root."""

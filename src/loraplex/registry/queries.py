@@ -10,7 +10,8 @@ from loraplex.registry.errors import AdapterNotFound, AdapterRejected, Lifecycle
 
 
 def locked_adapter(session: Session, name: str) -> Adapter | None:
-    """The adapter row, locked for the rest of the transaction (PostgreSQL; SQLite writers hold the db lock)."""
+    """The adapter row, locked for the rest of the transaction (PostgreSQL; SQLite writers hold the
+    db lock)."""
     return session.scalar(select(Adapter).where(Adapter.name == name).with_for_update())
 
 
@@ -33,7 +34,8 @@ def tenant_or_error(session: Session, tenant: str) -> Tenant:
 def find_revision(
     session: Session, name: str, revision: str | None, digest: str | None
 ) -> Revision | None:
-    """By revision when given (refusing a different digest under it), else the one holding `digest`."""
+    """By revision when given (refusing a different digest under it), else the one holding
+    `digest`."""
     if revision is not None:
         row = session.scalar(
             select(Revision).where(Revision.adapter_name == name, Revision.revision == revision)
@@ -41,7 +43,8 @@ def find_revision(
         if row is not None and digest is not None and row.digest != digest:
             raise AdapterRejected(
                 "revision",
-                f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick a new one",
+                f"{name}@{revision} exists with digest {row.digest}; revisions are immutable, pick "
+                "a new one",
             )
         if (
             row is None and digest is not None
@@ -54,7 +57,8 @@ def find_revision(
             if same is not None:
                 raise AdapterRejected(
                     "revision",
-                    f"these are the bytes of {name}@{same.revision} ({same.status}); use that revision",
+                    f"these are the bytes of {name}@{same.revision} ({same.status}); use that "
+                    "revision",
                 )
         return row
     if digest is None:
@@ -77,7 +81,8 @@ def revision_or_404(session: Session, name: str, revision: str) -> Revision:
 def refuse_quarantined(row: Revision) -> None:
     if row.status == "quarantined":
         raise LifecycleError(
-            f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never served"
+            f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never "
+            "served"
         )
 
 

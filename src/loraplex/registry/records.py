@@ -1,4 +1,5 @@
-"""What the registry hands out: frozen records, detached from the database session that read them."""
+"""What the registry hands out: frozen records, detached from the database session that read
+them."""
 
 from __future__ import annotations
 

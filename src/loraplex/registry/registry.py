@@ -1,6 +1,8 @@
-"""The registry's Python API: register, resolve, roll out and roll back adapter revisions, tenants and keys.
+"""The registry's Python API: register, resolve, roll out and roll back adapter revisions, tenants
+and keys.
 
-Every change is one database transaction that also writes its audit event; reads see one committed state.
+Every change is one database transaction that also writes its audit event; reads see one committed
+state.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sqlalchemy import Row, bindparam, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from loraplex.artifacts import AllowList, ArtifactStore, Pieces, artifact_files, canonical_digest
 from loraplex.lora_format import CONFIG_FILE, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import db
@@ -32,7 +35,7 @@ from loraplex.registry.db import (
     ArtifactPieces,
     ArtifactPiecesBlake3,
     AuditEvent,
-    Generation,
+    ChangeCounter,
     Grant,
     PinTier,
     Revision,
@@ -57,13 +60,6 @@ from loraplex.registry.records import (
 )
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
 from loraplex.registry.signing import read_signature_file, verify_digest
-from loraplex.registry.store import (
-    AllowList,
-    ArtifactStore,
-    Pieces,
-    artifact_files,
-    canonical_digest,
-)
 from loraplex.registry.traffic import pick
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -79,12 +75,14 @@ log = logging.getLogger("loraplex.registry")
 
 
 def _hash_key(key: str) -> str:
-    # Keys are 256-bit random strings, so a plain sha256 is enough (no password-style stretching needed).
+    # Keys are 256-bit random strings, so a plain sha256 is enough (no password-style stretching
+    # needed).
     return hashlib.sha256(key.encode()).hexdigest()
 
 
 def default_store_for(url: str) -> ArtifactStore | None:
-    """`<db dir>/artifacts` for a SQLite file; None for a server database (the operator names a store)."""
+    """`<db dir>/artifacts` for a SQLite file; None for a server database (the operator names a
+    store)."""
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
         return ArtifactStore(Path(url.removeprefix("sqlite:///")).parent / "artifacts")
     return None
@@ -105,12 +103,13 @@ class Registry:
         actor: str = "loraplex",
         strict_base_model_name: bool = False,
     ):
-        """`storage_base`: URL under which the store's `<hex>` directories are served (else file:// URIs).
+        """`storage_base`: URL under which the store's `<hex>` directories are served (else file://
+        URIs).
 
         `allowed`: when set, `add_revision` only reads adapter directories under its roots.
-        `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are refused.
-        `strict_base_model_name`: refuse an adapter whose config names another base model (by
-        default a warning: its shapes are checked against the base model either way).
+        `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are
+        refused. `strict_base_model_name`: refuse an adapter whose config names another base model
+        (by default a warning: its shapes are checked against the base model either way).
         """
         if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -134,9 +133,8 @@ class Registry:
     def _schema_ready(self) -> bool:
         ready = db.check_schema(self.engine)
         if ready:
-            db.add_missing_tables(
-                self.engine
-            )  # a database made by an older version: the tables added since
+            # a database made by an older version: the tables added since
+            db.add_missing_tables(self.engine)
             db.add_missing_columns(self.engine)  # and the columns
         return ready
 
@@ -148,7 +146,7 @@ class Registry:
         db.create_schema(self.engine)
         self._ready = True
 
-    # ---- sessions -------------------------------------------------------------------------------------
+    # ---- sessions --------------------------------------------------------------------------------
 
     def _check_ready(self) -> None:
         if not self._ready:
@@ -166,12 +164,15 @@ class Registry:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
-        """One transaction; it first bumps the generation, which also queues writers one at a time."""
+        """One transaction; it first bumps the change count, which also makes writers wait one at a
+        time."""
         self._check_ready()
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
                 session.execute(
-                    update(Generation).where(Generation.id == 1).values(value=Generation.value + 1)
+                    update(ChangeCounter)
+                    .where(ChangeCounter.id == 1)
+                    .values(value=ChangeCounter.value + 1)
                 )
                 yield session
         except IntegrityError as exc:
@@ -190,7 +191,7 @@ class Registry:
             )
         )
 
-    # ---- registration ---------------------------------------------------------------------------------
+    # ---- registration ----------------------------------------------------------------------------
 
     def add_revision(
         self,
@@ -210,10 +211,10 @@ class Registry:
     ) -> RevisionRecord:
         """Validate an adapter directory, put it into the store and record it, in one transaction.
 
-        `tenant` owns the adapter (None: shared by all); `shared=True` with a tenant makes an owned adapter
-        usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no traffic yet)
-        or "stable" (100% of the name's traffic at once, as `serve --lora-modules` does).
-        Registering the same bytes again under the same name returns the existing revision.
+        `tenant` owns the adapter (None: shared by all); `shared=True` with a tenant makes an owned
+        adapter usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no
+        traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
+        does). Registering the same bytes again under the same name returns the existing revision.
         """
         _check_names(name, revision, warm_policy, status)
         src = Path(src_dir)
@@ -236,22 +237,21 @@ class Registry:
             raise RegistryError(
                 "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
             )
-        stored, (pieces, sha256_pieces) = self.store.put_with_piece_lists(
-            src
-        )  # from the read hashing the copy
+        # from the read hashing the copy
+        stored, (pieces, sha256_pieces) = self.store.put_with_piece_lists(src)
         if stored != actual:
             raise AdapterRejected(
                 "digest", f"the files in {src} changed while they were being registered"
             )
         with self._write() as session:
-            if (
-                not self.store.has(actual) and self.store.put(src) != actual
-            ):  # removed by a gc since the put
+            if not self.store.has(actual) and self.store.put(src) != actual:
+                # removed by a gc since the put
                 raise AdapterRejected(
                     "digest", f"the files in {src} changed while they were being registered"
                 )
-            # Both lists, also for bytes registered before the tables: the BLAKE3 one this version checks, and the
-            # sha256 one earlier versions read (they refuse another hash), for servers of both sharing a registry.
+            # Both lists, also for bytes registered before the tables: the BLAKE3 one this version
+            # checks, and the sha256 one earlier versions read (they refuse another hash), for
+            # servers of both sharing a registry.
             if session.get(ArtifactPiecesBlake3, actual) is None:
                 session.add(ArtifactPiecesBlake3(digest=actual, pieces=pieces.to_json()))
             if session.get(ArtifactPieces, actual) is None:
@@ -305,7 +305,8 @@ class Registry:
                 )
 
     def _validate(self, src: Path, base_model_dir, base_model: str | None):
-        """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and reason."""
+        """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and
+        reason."""
         base_dir = (
             Path(base_model_dir)
             if base_model_dir
@@ -372,13 +373,13 @@ class Registry:
             return f"{self.storage_base}/{digest.removeprefix('sha256:')}"
         return self.store.uri(digest)
 
-    # ---- resolution -----------------------------------------------------------------------------------
+    # ---- resolution ------------------------------------------------------------------------------
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:
         """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets.
 
-        Weighted by the traffic split, sticky per `user` when given. A name the tenant may not use raises
-        exactly the same AdapterNotFound as a name that does not exist.
+        Weighted by the traffic split, sticky per `user` when given. A name the tenant may not use
+        raises exactly the same AdapterNotFound as a name that does not exist.
         """
         name, _, revision = model.partition("@")
         snapshot = self._snapshot(name) if NAME_RE.fullmatch(name) else None
@@ -397,37 +398,42 @@ class Registry:
             raise RevisionUnavailable(_nothing_in_service(name, snapshot.records.values()))
         return snapshot.records[pick(name, snapshot.serving, user, self._rng)]
 
-    def generation(self) -> int:
-        """A number every registry change moves (one query): a reader may keep what it read until it moves."""
+    def change_count(self) -> int:
+        """A number every registry change moves (one query): a reader may keep what it read until it
+        moves."""
         self._check_ready()
         with self._reader.connect() as conn:
-            return conn.execute(_GENERATION).scalar_one()
+            return conn.execute(_CHANGE_COUNT).scalar_one()
 
     def _snapshot(self, name: str) -> _Snapshot | None:
-        """What resolution needs about `name`, read again only when the registry changed since (one query)."""
+        """What resolution needs about `name`, read again only when the registry changed since (one
+        query)."""
         self._check_ready()
         with self._reader.connect() as conn:
-            generation = conn.execute(_GENERATION).scalar_one()
+            change_count = conn.execute(_CHANGE_COUNT).scalar_one()
             cached = self._snapshots.get(name)
-            if cached is not None and cached.generation == generation:
+            if cached is not None and cached.change_count == change_count:
                 return cached
             adapter = conn.execute(_ADAPTER_BY_NAME, {"name": name}).first()
             if adapter is None:
                 return None
             grants = tuple(conn.execute(_GRANTS_OF, {"name": name}).scalars())
-            # One statement for revisions and weights, so that statuses and the split come from one commit.
+            # One statement for revisions and weights, so that statuses and the split come from one
+            # commit.
             rows = conn.execute(_REVISIONS_WITH_WEIGHT, {"name": name}).all()
         weights = {r.id: r.weight for r in rows if r.weight}
         records = {r.revision: _revision_record(adapter, r, grants, weights) for r in rows}
-        snapshot = _Snapshot(generation, adapter, grants, records, _serving_order(records.values()))
+        snapshot = _Snapshot(
+            change_count, adapter, grants, records, _serving_order(records.values())
+        )
         if len(self._snapshots) >= MAX_CACHED_NAMES:
             self._snapshots.clear()
         self._snapshots[name] = snapshot
         return snapshot
 
     def pieces(self, digest: str) -> Pieces | None:
-        """The piece list recorded for an artifact at registration (None for one registered before there were
-        piece lists): what lets a load check its bytes on several cores."""
+        """The piece list recorded for an artifact at registration (None for one registered before
+        there were piece lists): what lets a load check its bytes on several cores."""
         with self._read() as session:
             row = session.get(ArtifactPiecesBlake3, digest) or session.get(ArtifactPieces, digest)
             return Pieces.from_json(row.pieces) if row is not None else None
@@ -437,7 +443,7 @@ class Registry:
             adapter = session.get(Adapter, name)
             return adapter is not None and q.may_use(adapter, q.grants(session, name), tenant)
 
-    # ---- reading --------------------------------------------------------------------------------------
+    # ---- reading ---------------------------------------------------------------------------------
 
     def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
         """Every adapter, or only those `tenant` may use."""
@@ -489,7 +495,8 @@ class Registry:
             return self._record(session, adapter, row)
 
     def grace_revisions(self) -> list[RevisionRecord]:
-        """Revisions that left traffic less than the grace period ago: keep them warm, do not evict yet."""
+        """Revisions that left traffic less than the grace period ago: keep them warm, do not evict
+        yet."""
         cutoff = utcnow() - self.grace_period
         with self._read() as session:
             rows = session.scalars(
@@ -517,7 +524,7 @@ class Registry:
             adapter, row, q.grants(session, adapter.name), q.weights(session, adapter.name)
         )
 
-    # ---- life cycle -----------------------------------------------------------------------------------
+    # ---- life cycle ------------------------------------------------------------------------------
 
     def promote(
         self,
@@ -527,10 +534,11 @@ class Registry:
         checks: ReleaseChecks | None = None,
         force: bool = False,
     ) -> AdapterRecord:
-        """Give `revision` `weight`% of the traffic (100: it becomes stable; less: a canary beside the stable).
+        """Give `revision` `weight`% of the traffic (100: it becomes stable; less: a canary beside
+        the stable).
 
-        A revision that has no traffic yet first passes the release checks; with no checks given, one that
-        has an eval set is refused unless `force`.
+        A revision that has no traffic yet first passes the release checks; with no checks given,
+        one that has an eval set is refused unless `force`.
         """
         if not 1 <= weight <= 100:
             raise LifecycleError(f"weight must be between 1 and 100, got {weight}")
@@ -605,7 +613,8 @@ class Registry:
         checks: ReleaseChecks | None = None,
         force: bool = False,
     ) -> AdapterRecord:
-        """Set the whole split at once (weights in percent, summing to 100; 0 removes a revision)."""
+        """Set the whole split at once (weights in percent, summing to 100; 0 removes a
+        revision)."""
         plan = {rev: int(w) for rev, w in weights.items() if int(w) != 0}
         if any(w < 0 for w in plan.values()) or sum(plan.values()) != 100:
             raise LifecycleError(
@@ -632,7 +641,8 @@ class Registry:
         return self.show(name)
 
     def rollback(self, name: str) -> AdapterRecord:
-        """One call back: drop the canary if there is one, else return to the previous stable revision."""
+        """One call back: drop the canary if there is one, else return to the previous stable
+        revision."""
         with self._write() as session:
             q.locked_adapter_or_404(session, name)
             stable = q.current_stable(session, name)
@@ -653,7 +663,8 @@ class Registry:
         return self.show(name)
 
     def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
-        """Deprecate one revision (it must not serve traffic), or with no revision the whole name."""
+        """Deprecate one revision (it must not serve traffic), or with no revision the whole
+        name."""
         with self._write() as session:
             q.locked_adapter_or_404(session, name)
             if revision is None:
@@ -667,7 +678,8 @@ class Registry:
                 rows = [q.revision_or_404(session, name, revision)]
                 if q.weights(session, name).get(rows[0].id):
                     raise LifecycleError(
-                        f"{name}@{revision} serves traffic; promote another revision or roll back first"
+                        f"{name}@{revision} serves traffic; promote another revision or roll back "
+                        "first"
                     )
                 q.refuse_quarantined(rows[0])
             for row in rows:
@@ -676,7 +688,8 @@ class Registry:
         return self.show(name)
 
     def quarantine(self, name: str, revision: str, reason: str) -> AdapterRecord:
-        """Never serve this revision again; its traffic goes back to the stable (or the previous stable)."""
+        """Never serve this revision again; its traffic goes back to the stable (or the previous
+        stable)."""
         with self._write() as session:
             q.locked_adapter_or_404(session, name)
             row = q.revision_or_404(session, name, revision)
@@ -699,9 +712,10 @@ class Registry:
         return self.show(name)
 
     def pin(self, name: str, pinned: bool = True, tier: str = "cpu") -> AdapterRecord:
-        """A pinned adapter is kept resident by the cache in `tier` (never chosen for eviction from it); a server
-        pins it there again at its next start. Unpinning also ends a warm policy of gpu or cpu (it becomes
-        `on_demand`): that policy is a pin too, and the operator's call overrides the manifest's."""
+        """A pinned adapter is kept resident by the cache in `tier` (never chosen for eviction from
+        it); a server pins it there again at its next start. Unpinning also ends a warm policy of
+        gpu or cpu (it becomes `on_demand`): that policy is a pin too, and the operator's call
+        overrides the manifest's."""
         if pinned and tier not in PIN_TIERS:
             raise RegistryError(f"a pin's tier is gpu or cpu, not {tier!r}")
         with self._write() as session:
@@ -728,7 +742,8 @@ class Registry:
     def _apply_traffic(
         self, session: Session, name: str, plan: dict[str, int], stable: str | None
     ) -> None:
-        """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's transaction."""
+        """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's
+        transaction."""
         now = utcnow()
         for row, _ in q.serving_weights(session, name):
             if row.revision not in plan:
@@ -747,8 +762,8 @@ class Registry:
     def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
         interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
-        # Under the write lock: a registration commits its row before this reads the digests in use, or after the
-        # removals, and then finds its artifact gone and puts it back (add_revision).
+        # Under the write lock: a registration commits its row before this reads the digests in use,
+        # or after the removals, and then finds its artifact gone and puts it back (add_revision).
         with self._write() as session:
             used = set(session.scalars(select(Revision.digest)))
             cutoff = time.time() - min_age_s
@@ -763,7 +778,7 @@ class Registry:
                 self._audit(session, "gc", "artifacts", removed=removed)
         return removed
 
-    # ---- tenants, grants, keys --------------------------------------------------------------------------
+    # ---- tenants, grants, keys -------------------------------------------------------------------
 
     def add_tenant(
         self,
@@ -849,7 +864,8 @@ class Registry:
         return key
 
     def add_key(self, tenant: str, key: str) -> str:
-        """Record an existing key (e.g. from an --api-keys file); returns its id (its first 12 characters)."""
+        """Record an existing key (e.g. from an --api-keys file); returns its id (its first 12
+        characters)."""
         if len(key) < 16:
             raise RegistryError("an API key must be at least 16 characters long")
         key_id = key[:12]
@@ -958,12 +974,12 @@ def _adapter_record(
     )
 
 
-# ---- statements of the per-request path (plain SQL, compiled once) --------------------------------------
+# ---- statements of the per-request path (plain SQL, compiled once) -------------------------------
 
 _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (
     m.__table__ for m in (Adapter, Revision, Traffic, Grant)
 )
-_GENERATION = select(Generation.__table__.c.value).where(Generation.__table__.c.id == 1)
+_CHANGE_COUNT = select(ChangeCounter.__table__.c.value).where(ChangeCounter.__table__.c.id == 1)
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
 _GRANTS_OF = (
     select(_GRANTS.c.tenant)
@@ -980,14 +996,14 @@ _REVISIONS_WITH_WEIGHT = (
 
 @dataclass(frozen=True)
 class _Snapshot:
-    generation: int
+    change_count: int
     adapter: Row
     grants: tuple[str, ...]
     records: dict[str, RevisionRecord]  # every revision of the name, by label
     serving: tuple[tuple[str, int], ...]  # (revision, weight) in the order resolution walks them
 
 
-# ---- helpers over one session ---------------------------------------------------------------------------
+# ---- helpers over one session --------------------------------------------------------------------
 
 
 def _check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
@@ -1013,8 +1029,7 @@ def _nothing_in_service(name: str, records) -> str:
     which = f"{staged[-1]} is" if len(staged) == 1 else f"{', '.join(staged)} are"
     return (
         f"{name} has no revision in service: {which} staged, not promoted; promote one with "
-        f"`loraplex registry promote {name} {staged[-1]}` "
-        f"(or POST /admin/adapters/{name}/promote)"
+        f"`loraplex registry promote {name} {staged[-1]}` (or POST /admin/adapters/{name}/promote)"
     )
 
 

@@ -1,4 +1,5 @@
-"""Release checks run before a revision first gets traffic: prewarm, its eval set, a health probe."""
+"""Release checks run before a revision first gets traffic: prewarm, its eval set, a health
+probe."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ MAX_EVAL_CASES = 10_000
 
 @dataclass(frozen=True)
 class EvalCase:
-    """One line of an eval set: the completion of `prompt` must equal `expected` or contain `contains`."""
+    """One line of an eval set: the completion of `prompt` must equal `expected` or contain
+    `contains`."""
 
     prompt: str
     expected: str | None = None
@@ -68,7 +70,8 @@ class ReleaseChecks:
             raise ValueError(f"min_pass_rate must be in [0, 1], got {self.min_pass_rate}")
 
     def run(self, record: RevisionRecord, cases: tuple[EvalCase, ...]) -> dict:
-        """Raise ReleaseCheckFailed saying which check failed and why; return a summary for the audit log."""
+        """Raise ReleaseCheckFailed saying which check failed and why; return a summary for the
+        audit log."""
         summary: dict = {}
         if self.prewarm is not None:
             _guarded(record, "prewarm", lambda: self.prewarm(record))
@@ -81,7 +84,8 @@ class ReleaseChecks:
             )
             if not isinstance(completion, str) or not completion.strip():
                 raise ReleaseCheckFailed(
-                    f"{record.model_id}: health probe: {self.health_prompt!r} gave an empty completion ({completion!r})"
+                    f"{record.model_id}: health probe: {self.health_prompt!r} gave an empty "
+                    f"completion ({completion!r})"
                 )
             summary["health"] = "ok"
         return summary
@@ -109,8 +113,9 @@ class ReleaseChecks:
                 else f"expected {case.contains!r} in it"
             )
             raise ReleaseCheckFailed(
-                f"{record.model_id}: eval set passed {passed}/{len(cases)} ({rate:.0%}), below the required "
-                f"{self.min_pass_rate:.0%}; first failure: prompt {case.prompt!r} gave {completion!r}, {want}"
+                f"{record.model_id}: eval set passed {passed}/{len(cases)} ({rate:.0%}), below the "
+                f"required {self.min_pass_rate:.0%}; first failure: prompt {case.prompt!r} gave "
+                f"{completion!r}, {want}"
             )
         return f"{passed}/{len(cases)}"
 

@@ -1,4 +1,5 @@
-"""Ed25519 signatures over an artifact's digest: the signed message is the ASCII text `sha256:<hex>`.
+"""Ed25519 signatures over an artifact's digest: the signed message is the ASCII text
+`sha256:<hex>`.
 
 A signature is written `ed25519:<base64 of the 64 signature bytes>`; keys are PEM files.
 """

@@ -1,4 +1,5 @@
-"""Per-revision request counts, error rate and latency percentiles, read from the server's audit log (JSONL)."""
+"""Per-revision request counts, error rate and latency percentiles, read from the server's audit log
+(JSONL)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def is_error(status) -> bool:
 
 
 def revision_stats(audit_log: str | Path, name: str) -> list[RevisionStats]:
-    """One entry per revision of `name` seen in the log (lines that are not JSON objects are skipped)."""
+    """One entry per revision of `name` seen in the log (lines that are not JSON objects are
+    skipped)."""
     by_revision: dict[str, list[dict]] = {}
     with Path(audit_log).open() as f:
         for line in f:

@@ -7,13 +7,15 @@ import random
 
 
 def user_point(name: str, user: str) -> float:
-    """A point in [0, 1) fixed by (name, user): the same user lands on the same revision while weights hold."""
+    """A point in [0, 1) fixed by (name, user): the same user lands on the same revision while
+    weights hold."""
     digest = hashlib.sha256(f"{name}\0{user}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def choose(weights: list[tuple[str, int]], point: float) -> str:
-    """The revision whose slice of the cumulative weights holds `point` (weights need not sum to 100)."""
+    """The revision whose slice of the cumulative weights holds `point` (weights need not sum to
+    100)."""
     total = sum(w for _, w in weights)
     if total <= 0:
         raise ValueError("no revision has traffic")

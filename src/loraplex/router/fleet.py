@@ -27,7 +27,8 @@ class Worker:
     """Load and residency from the last poll."""
     in_flight: int = 0
     sent: set[str] = dataclasses.field(default_factory=set)
-    """Adapters routed here since the last poll: counted as loading, so the next request for one follows it."""
+    """Adapters routed here since the last poll: counted as loading, so the next request for one
+    follows it."""
     kind: str = "loraplex"
     failures: int = 0
 
@@ -82,7 +83,8 @@ class Worker:
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 kv_usage = value
             elif name == "vllm:lora_requests_info" and value >= newest:
-                # vLLM sets one series per set of labels to the time it was current, and old series stay: the newest
+                # vLLM sets one series per set of labels to the time it was current, and old series
+                # stay: the newest
                 newest = value
                 gpu = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
                 waiting_adapters = {
@@ -151,9 +153,8 @@ class Fleet:
                 metrics.raise_for_status()
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
-            worker.in_flight = max(
-                0, worker.in_flight - routed
-            )  # those routed while it answered stay counted
+            # those routed while it answered stay counted
+            worker.in_flight = max(0, worker.in_flight - routed)
             worker.sent -= sent
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
@@ -165,8 +166,8 @@ class Fleet:
             worker.healthy = False
 
     async def _run(self) -> None:
-        """Each worker on its own beat: a worker that hangs until the timeout does not hold the others' polls (their
-        state would go stale, and routing by residency with it)."""
+        """Each worker on its own beat: a worker that hangs until the timeout does not hold the
+        others' polls (their state would go stale, and routing by residency with it)."""
         polls = self._polls
         while True:
             for url, worker in list(self.workers.items()):

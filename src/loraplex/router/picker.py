@@ -1,4 +1,5 @@
-"""The router's picker: LoRA affinity until saturated, bounded-load consistent hashing for cold adapters.
+"""The router's picker: LoRA affinity until saturated, bounded-load consistent hashing for cold
+adapters.
 
 Pure functions over plain data, so the simulator and the tests use the very code the router runs.
 """
@@ -22,7 +23,8 @@ class WorkerView:
     url: str
     healthy: bool = True
     fresh: bool = True
-    """False when the last state is older than the staleness limit: its load and residency are unknown."""
+    """False when the last state is older than the staleness limit: its load and residency are
+    unknown."""
     waiting: int = 0
     running: int = 0
     active_tokens: int = 0
@@ -57,16 +59,18 @@ class PickerConfig:
     max_kv_usage: float = 0.8
     w_affinity: float = 1.0
     w_queue: float = 0.5
-    """Weight of queue depth, as load / max_waiting: at the defaults each queued or running request costs 0.1,
-    so a gpu-resident worker keeps an adapter's traffic until it carries two more requests than a worker that
-    holds the adapter in cpu, or three more than one with a free slot (where it is a cold load from disk or the
-    store); then the hot adapter spreads to a second worker instead of queueing on one."""
+    """Weight of queue depth, as load / max_waiting: at the defaults each waiting or running request
+    costs 0.1, so a gpu-resident worker keeps an adapter's traffic until it carries two more
+    requests than a worker that holds the adapter in cpu, or three more than one with a free slot
+    (where it is a cold load from disk or the store); then the hot adapter spreads to a second
+    worker instead of waiting on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
     load_factor: float = 1.25
     near_equal: float = 0.05
     shed_priority_below: int = 0
-    """When every worker is saturated, tenants with a priority below this get 429 instead of a worker."""
+    """When every worker is saturated, tenants with a priority below this get 429 instead of a
+    worker."""
     virtual_nodes: int = 64
 
     def __post_init__(self):
@@ -82,7 +86,8 @@ class PickerConfig:
 @dataclass(frozen=True)
 class Pick:
     ranking: tuple[str, ...]
-    """Worker URLs, best first; the router retries on the second if the first fails before its first byte."""
+    """Worker URLs, best first; the router retries on the second if the first fails before its first
+    byte."""
     reason: str
 
     @property
@@ -130,9 +135,8 @@ class Picker:
             if priority < self.config.shed_priority_below:
                 return Pick((), "saturated-shed")
             candidates = healthy
-        tiers = {
-            w.url: w.affinity(adapter) for w in candidates
-        }  # asked once per worker: a pick is per request
+        # asked once per worker: a pick is per request
+        tiers = {w.url: w.affinity(adapter) for w in candidates}
         scores = self._scores(candidates, tiers)
         best_affinity = max(tiers.values(), key=AFFINITY.__getitem__)
         if adapter is not None and best_affinity in ("none", "free-slot"):
@@ -151,17 +155,15 @@ class Picker:
             top = [
                 w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal
             ]
-            if (
-                priority > 0 and len(top) > 1
-            ):  # a higher-priority tenant takes the less-loaded of near-equals
+            if priority > 0 and len(top) > 1:
+                # a higher-priority tenant takes the less-loaded of near-equals
                 first = min(top, key=lambda w: (w.load, w.active_tokens))
                 order = [first] + [w for w in order if w is not first]
             reason = f"affinity-{tiers[order[0].url]}" if adapter else "least-loaded"
         if fallback:
             reason = "saturated-fallback"
-        placed = {
-            id(w) for w in order
-        }  # by identity: comparing views field by field is most of a pick
+        # by identity: comparing views field by field is most of a pick
+        placed = {id(w) for w in order}
         rest = [w for w in healthy if id(w) not in placed]
         return Pick(tuple(w.url for w in order + rest), reason)
 
@@ -186,8 +188,9 @@ class Picker:
         }
 
     def _bounded_hash(self, workers: list[WorkerView], adapter: str) -> list[WorkerView]:
-        """Consistent hashing with bounded load: walk the ring from the adapter's point, skipping workers
-        above load_factor × the mean load, so one cold adapter keeps landing on the same one or two workers."""
+        """Consistent hashing with bounded load: walk the ring from the adapter's point, skipping
+        workers above load_factor × the mean load, so one cold adapter keeps landing on the same one
+        or two workers."""
         ring = _ring(tuple(sorted(w.url for w in workers)), self.config.virtual_nodes)
         by_url = {w.url: w for w in workers}
         mean = (sum(w.load for w in workers) + 1) / len(workers)
@@ -206,7 +209,8 @@ class Picker:
 
 @functools.lru_cache(maxsize=64)
 def _ring(urls: tuple[str, ...], virtual_nodes: int) -> list[tuple[int, str]]:
-    """The hash ring of a set of workers (built once per set: fleets change rarely, cold picks are frequent)."""
+    """The hash ring of a set of workers (built once per set: fleets change rarely, cold picks are
+    frequent)."""
     return sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(virtual_nodes))
 
 

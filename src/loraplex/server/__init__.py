@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server: tenancy, admission, admin API, metrics, audit log (`loraplex serve`)."""
+"""The OpenAI-compatible HTTP server: tenancy, admission, admin API, metrics, audit log (`loraplex
+serve`)."""

@@ -1,20 +1,22 @@
-"""What a request's `model` means for this worker: the base model, or one adapter revision with its cache ref.
+"""What a request's `model` means for this worker: the base model, or one adapter revision with its
+cache ref.
 
-Also the bookkeeping that lets an unload drain: requests in flight per adapter name, and names whose new
-requests are refused while their last requests finish.
+Also the bookkeeping that lets an unload drain: requests in flight per adapter name, and names whose
+new requests are refused while their last requests finish.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.artifacts import Pieces
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.registry import Pieces, Registry, RevisionRecord
+from loraplex.registry import Registry, RevisionRecord
 from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.signing import verify_digest
 from loraplex.server.errors import APIError, not_found
@@ -46,27 +48,28 @@ class AdapterResolver:
         self.base_model_digest = base_model_digest
         self.served_name = served_name
         self.base = Target(None, served_name, base_model_digest)
-        self.in_flight: Counter[str] = (
-            Counter()
-        )  # requests per adapter name, on the event loop thread
+        # requests per adapter name, on the event loop thread
+        self.in_flight: Counter[str] = Counter()
         self.draining: set[str] = set()
-        self.unloaded: set[str] = (
-            set()
-        )  # names vLLM's unload retired here: their deprecated revisions are gone too
+        self._idle: dict[str, asyncio.Event] = {}
+        """Per name being drained: set when its last request in flight ends."""
+        # names vLLM's unload retired here: their deprecated revisions are gone too
+        self.unloaded: set[str] = set()
         self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
-        self._pieces: dict[
-            str, Pieces | None
-        ] = {}  # digest -> its piece list (immutable: read once)
+        # digest -> its piece list (immutable: read once)
+        self._pieces: dict[str, Pieces | None] = {}
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
-        """The target, or 404 (unknown, another tenant's, being unloaded, made for another base model)."""
+        """The target, or 404 (unknown, another tenant's, being unloaded, made for another base
+        model)."""
         if model == self.served_name:
             return self.base
         if model.partition("@")[0] in self.draining:
             raise not_found(model)
         record = self.registry.resolve(tenant, model, user)
         if record.status == "deprecated" and record.name in self.unloaded:
-            # the registry still answers name@revision for a retired name; after vLLM's unload, this server does not
+            # the registry still answers name@revision for a retired name; after vLLM's unload, this
+            # server does not
             raise not_found(model)
         if record.base_model_digest and record.base_model_digest != self.base_model_digest:
             raise APIError(
@@ -103,8 +106,9 @@ class AdapterResolver:
         return None if problem is None else str(problem)
 
     def ref_for(self, record: RevisionRecord, tenant: str = "default") -> AdapterRef:
-        """A local path when the registry's own store holds the bytes (the cache checks the digest when it
-        reads them); otherwise the storage URI, which the cache fetches through its disk tier."""
+        """A local path when the registry's own store holds the bytes (the cache checks the digest
+        when it reads them); otherwise the storage URI, which the cache fetches through its disk
+        tier."""
         key = AdapterKey(self.base_model_digest, record.name, record.revision, record.digest)
         if record.digest not in self._pieces:
             self._pieces[record.digest] = self.registry.pieces(record.digest)
@@ -120,9 +124,8 @@ class AdapterResolver:
     def _local_path(self, digest: str):
         path = self._paths.get(digest)
         store = self.registry.store
-        if (
-            path is None and store is not None and store.has(digest)
-        ):  # a stat: once per digest, not per request
+        if path is None and store is not None and store.has(digest):
+            # a stat: once per digest, not per request
             path = self._paths[digest] = store.path(digest)
         return path
 
@@ -139,12 +142,16 @@ class AdapterResolver:
             self.in_flight[name] -= 1
             if self.in_flight[name] <= 0:
                 del self.in_flight[name]
+                if name in self._idle:
+                    self._idle.pop(name).set()
 
     async def drain(self, name: str, timeout_s: float) -> bool:
-        """Refuse new requests for `name` and wait for those in flight; False when the timeout came first.
-        The caller removes the name from `draining` once the adapter is gone from the registry."""
+        """Refuse new requests for `name` and wait for those in flight; False when the timeout came
+        first. The caller removes the name from `draining` once the adapter is gone from the
+        registry."""
         self.draining.add(name)
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight.get(name) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        if self.in_flight.get(name):
+            idle = self._idle.setdefault(name, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), timeout_s)
         return not self.in_flight.get(name)

@@ -17,18 +17,12 @@ from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
+from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.config import parse_size
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import (
-    AdapterNotFound,
-    ReleaseChecks,
-    RevisionRecord,
-    UnsafeLocation,
-    fetch_artifact,
-)
-from loraplex.registry.store import artifact_files
+from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 
@@ -86,9 +80,8 @@ class BudgetBody(_Body):
     """Bytes, or a size such as 512MiB."""
 
 
-class LoadLoraBody(
-    BaseModel
-):  # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
+class LoadLoraBody(BaseModel):
+    # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
     lora_name: str
     lora_path: str
 
@@ -339,7 +332,7 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
     except CapacityExceeded:
         undo()
         raise
-    pending = []
+    still_loading = []
     if body.tier == "cpu":
         # An adapter never loaded has no known size: its cpu pin is checked when the load lands.
         # Wait for that, so that a pin the budget cannot hold is refused here rather than dropped
@@ -366,13 +359,13 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
                 f"cannot pin {', '.join(str(r.key) for r in failed)}: its load failed",
                 "adapter_unavailable",
             )
-        pending = [str(r.key) for r in refs if cache.is_loading(r.key)]
+        still_loading = [str(r.key) for r in refs if cache.is_loading(r.key)]
     if body.revision is None:  # the name's pin: it follows traffic to the revisions promoted later
         await run_in_threadpool(server.registry.pin, name, True, body.tier)
         await run_in_threadpool(server.pins.warm_name, name)
     else:  # this revision's: an operator's, traffic does not move it
         await run_in_threadpool(server.pins.operator_pinned, [r.key for r in refs], name, body.tier)
-    return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": pending}
+    return {"pinned": [r.model_id for r in records], "tier": body.tier, "loading": still_loading}
 
 
 async def unpin(name: str, request: Request) -> dict:
@@ -406,9 +399,8 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
         cache.evict(key)  # AdapterInFlight → 409; drops its pin
         server.pins.released([key])
     if was_pinned and not any(cache.pinned(k) for k in _resident_keys(server, name)):
-        await run_in_threadpool(
-            server.registry.unpin, name
-        )  # else the next start would pin it again
+        # else the next start would pin it again
+        await run_in_threadpool(server.registry.unpin, name)
     return {"evicted": [str(k) for k in keys]}
 
 
@@ -460,9 +452,8 @@ def _load(server: Server, body: LoadLoraBody) -> None:
         base_model_dir=server.engine.config.model_dir,
         status="stable",
     )
-    if (
-        record.traffic_weight != 100
-    ):  # the same bytes as an earlier revision, which had left traffic
+    if record.traffic_weight != 100:
+        # the same bytes as an earlier revision, which had left traffic
         server.registry.promote(body.lora_name, record.revision, 100, force=True)
 
 

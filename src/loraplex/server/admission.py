@@ -36,8 +36,8 @@ def _decrement(counts: dict[str, int], tenant: str) -> None:
 
 
 class Admission:
-    """Counts requests on the event loop thread (no locks); refuses instead of queueing without
-    bound."""
+    """Counts requests on the event loop thread (no locks); refuses instead of letting
+    requests wait without bound."""
 
     def __init__(self, max_waiting: int, max_per_tenant: int | None, retry_after_s: int = 1):
         self.max_waiting = max_waiting

@@ -1,5 +1,6 @@
-"""The FastAPI application: `create_app(engine, registry, config)` wires the OpenAI API, the admin API,
-health, readiness and metrics around one `Server`. The app owns the engine from then on (it stops it)."""
+"""The FastAPI application: `create_app(engine, registry, config)` wires the OpenAI API, the admin
+API, health, readiness and metrics around one `Server`. The app owns the engine from then on (it
+stops it)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def create_app(
     config: ServerConfig,
     api_keys: dict[str, str] | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app (and the admin API on it unless `config.admin_on_main_app` is False)."""
+    """The OpenAI-compatible app (and the admin API on it unless `config.admin_on_main_app` is
+    False)."""
     server = Server(engine, registry, config, api_keys)
 
     @contextlib.asynccontextmanager
@@ -55,8 +57,8 @@ def create_app(
 
 
 def create_admin_app(server: Server) -> FastAPI:
-    """The admin API alone, for its own port, over the main app's server (`app.state.server`, whose app runs
-    the engine)."""
+    """The admin API alone, for its own port, over the main app's server (`app.state.server`, whose
+    app runs the engine)."""
     if not server.config.admin_token:
         raise ValueError("the admin API needs an admin token")
     app = FastAPI(title="loraplex admin", docs_url=None, redoc_url=None, openapi_url=None)

@@ -31,7 +31,8 @@ FIELDS = (
 
 
 class AuditLog:
-    """Appends to a file (created with its parents), or writes to stdout for `-`; None writes nothing."""
+    """Appends to a file (created with its parents), or writes to stdout for `-`; None writes
+    nothing."""
 
     def __init__(self, target: str | Path | None):
         self.target = target
@@ -42,9 +43,8 @@ class AuditLog:
             self._out = sys.stdout
         else:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
-            self._out = open(
-                target, "a", buffering=1, encoding="utf-8"
-            )  # line-buffered: one write per line
+            # line-buffered: one write per line
+            self._out = open(target, "a", buffering=1, encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self._out is None:

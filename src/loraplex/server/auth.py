@@ -25,7 +25,8 @@ def _hash(key: str) -> str:
 
 
 def read_key_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(tenant, key) from a file of `TENANT KEY` lines (`#` starts a comment); also read by `bench serve`."""
+    """(tenant, key) from a file of `TENANT KEY` lines (`#` starts a comment); also read by `bench
+    serve`."""
     pairs = []
     for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -54,10 +55,11 @@ def read_admin_token(path: str | Path) -> str:
 
 
 class Authenticator:
-    """Tenant of a request. Open mode (tenant `default`) only while no key exists in the file or the registry.
+    """Tenant of a request. Open mode (tenant `default`) only while no key exists in the file or the
+    registry.
 
-    Registry answers are cached for `ttl_s`: a revoked key stops working, and a first key created in the
-    registry closes open mode, within that time. Revoking every key does not reopen the server.
+    Registry answers are cached for `ttl_s`: a revoked key stops working, and a first key created in
+    the registry closes open mode, within that time. Revoking every key does not reopen the server.
     """
 
     def __init__(
@@ -75,7 +77,8 @@ class Authenticator:
         self._open: tuple[bool, float] | None = None
 
     def is_open(self) -> bool:
-        """Open while no key was ever configured; once a key exists (even revoked later) it stays closed."""
+        """Open while no key was ever configured; once a key exists (even revoked later) it stays
+        closed."""
         now = self.clock()
         if self._open is None or (self._open[0] and self._open[1] < now):
             is_open = not self.file_keys and not self.registry.list_keys()

@@ -1,8 +1,9 @@
 """The one place where exceptions become HTTP codes and the OpenAI error shape.
 
-`{"error": {"message", "type", "code", "param"}}`: 400 bad request, 401 no or bad key, 404 unknown model (also
-another tenant's adapter), 409 an admin change that conflicts with the current state, 413 body too large,
-429 over capacity or quota, 503 adapter could not be loaded or the server is shutting down, 500 only for bugs.
+`{"error": {"message", "type", "code", "param"}}`: 400 bad request, 401 no or bad key, 404 unknown
+model (also another tenant's adapter), 409 an admin change that conflicts with the current state,
+413 body too large, 429 over capacity or quota, 503 adapter could not be loaded or the server is
+shutting down, 500 only for bugs.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
 from loraplex.engine.errors import InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
-    ArtifactUnavailable,
-    DigestMismatch,
     LifecycleError,
     RegistryError,
     RevisionUnavailable,
-    UnsafeLocation,
 )
 
 log = logging.getLogger(__name__)
@@ -109,9 +108,8 @@ def as_api_error(exc: Exception) -> APIError | None:
         case RevisionUnavailable():
             return APIError(404, str(exc), "model_not_available", "model")
         case AdapterUnavailable():
-            return APIError(
-                503, exc.public, "adapter_unavailable"
-            )  # the cause is in the server log
+            # the cause is in the server log
+            return APIError(503, exc.public, "adapter_unavailable")
         case ArtifactUnavailable() | DigestMismatch():
             return APIError(503, str(exc), "adapter_unavailable")
         case UnsafeLocation():
@@ -159,7 +157,8 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Known exceptions → their error answers; unknown ones are turned into 500 by the request middleware."""
+    """Known exceptions → their error answers; unknown ones are turned into 500 by the request
+    middleware."""
 
     async def handle(request: Request, exc: Exception):
         error = as_api_error(exc)
@@ -167,9 +166,8 @@ def install_handlers(app: FastAPI) -> None:
             raise exc
         ctx = getattr(request.state, "ctx", None)
         if ctx is not None:
-            ctx.error_code = (
-                error.code
-            )  # the audit line says which refusal (quota, overload, not found, ...)
+            # the audit line says which refusal (quota, overload, not found, ...)
+            ctx.error_code = error.code
         return error.response()
 
     for kind in (
@@ -178,6 +176,7 @@ def install_handlers(app: FastAPI) -> None:
         NonFiniteLogits,
         AdapterRejected,
         RegistryError,
+        ArtifactError,
         AdapterUnavailable,
         AdapterInFlight,
         CapacityExceeded,

@@ -1,5 +1,6 @@
-"""One HTTP request's prompts through the engine: admitted, submitted, first outputs awaited (so that errors
-before the first token are proper HTTP errors), then streamed or collected; closed exactly once."""
+"""One HTTP request's prompts through the engine: admitted, submitted, first outputs awaited (so
+that errors before the first token are proper HTTP errors), then streamed or collected; closed
+exactly once."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
 
 
-class Generation:
+class RequestRun:
+    """One request's sequences in the engine, from submission to its answer."""
+
     def __init__(
         self,
         engine: AsyncEngine,
@@ -73,8 +76,9 @@ class Generation:
         self.choices = [
             ChoiceState(i, i // self.num_seqs) for i in range(len(prompts) * self.num_seqs)
         ]
-        # The engine's ids are ours: the client's x-request-id names the response and the audit line, but two clients
-        # (or one retrying) may send the same one, and the engine routes outputs and aborts by id.
+        # The engine's ids are ours: the client's x-request-id names the response and the audit
+        # line, but two clients (or one retrying) may send the same one, and the engine routes
+        # outputs and aborts by id.
         ids = [uuid.uuid4().hex for _ in prompts]
         self._ids = ids
         # One client request is one cache hit or miss, however many prompts it has.
@@ -89,7 +93,8 @@ class Generation:
         resolver.started(target)
 
     async def start(self) -> None:
-        """Wait for every prompt's first output; raises the engine's error (bad request, adapter unavailable)."""
+        """Wait for every prompt's first output; raises the engine's error (bad request, adapter
+        unavailable)."""
         try:
             for index, stream in enumerate(self._streams):
                 first = await anext(stream)
@@ -106,12 +111,14 @@ class Generation:
         return self.choices[prompt_index * self.num_seqs + out.index]
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) until every prompt has finished; choice state is updated before each."""
+        """(choice index, output) until every prompt has finished; choice state is updated before
+        each."""
         for index, out in enumerate(self._firsts):  # already counted in the choices by start()
             yield self._choice(index, out).index, out
+        # n > 1: its other sequences go on
         live = [
             i for i, out in enumerate(self._firsts) if not (out.finished and self.num_seqs == 1)
-        ]  # n > 1: its other sequences go on
+        ]
         if len(live) == 1:
             async for out in self._streams[live[0]]:
                 choice = self._choice(live[0], out)
@@ -145,12 +152,14 @@ class Generation:
                 choice = self._choice(index, out)
                 choice.add(out, time.monotonic())
                 yield choice.index, out
-        finally:  # no await here: this may run inside a cancelled scope; close() waits for the pumps
+        finally:
+            # no await here: this may run inside a cancelled scope; close() waits for the pumps
             for task in self._pumps:
                 task.cancel()
 
     async def close(self) -> None:
-        """Abort what still runs (a client gone, an error), release admission, record the timings."""
+        """Abort what still runs (a client gone, an error), release admission, record the
+        timings."""
         if self._closed:
             return
         self._closed = True

@@ -1,5 +1,6 @@
-"""Prometheus series: every `loraplex_` series of the architecture doc, and the Gateway API Inference
-Extension's `vllm:` model-server series. Labels per tenant, never per adapter (top-K adapters only, opt-in).
+"""Prometheus series: every `loraplex_` series of the architecture doc, and the Gateway API
+Inference Extension's `vllm:` model-server series. Labels per tenant, never per adapter (top-K
+adapters only, opt-in).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ STAGE_SERIES = {
 
 
 class ServerMetrics:
-    """Counters and histograms fed by the server and the cache's events; gauges read live at scrape time.
+    """Counters and histograms fed by the server and the cache's events; gauges read live at scrape
+    time.
 
-    `snapshot()` returns the live figures: {"cache": AdapterCache.state(), "num_waiting", "num_running",
-    "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}. With `load_state_top_k`,
-    the residency series of the load-state proposal cover the K best-placed adapters;
-    `rank_of(name, revision)` gives their rank label.
+    `snapshot()` returns the live figures: {"cache": AdapterCache.state(), "num_waiting",
+    "num_running", "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}. With
+    `load_state_top_k`, the residency series of the load-state proposal cover the K best-placed
+    adapters; `rank_of(name, revision)` gives their rank label.
     """
 
     def __init__(
@@ -148,12 +150,15 @@ class ServerMetrics:
         r.register(_LiveCollector(snapshot, self))
 
     def on_cache_event(self, kind: str, fields: dict) -> None:
-        """The cache's `on_event` hook (called from its threads; prometheus_client is thread-safe)."""
+        """The cache's `on_event` hook (called from its threads; prometheus_client is
+        thread-safe)."""
         if kind in ("hit", "miss"):
             tier = fields.get("tier")
             if tier == "remote" or (kind == "miss" and tier is None):
                 self.cache_misses.inc()
-            else:  # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a miss
+            else:
+                # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a
+                # miss
                 self.cache_hits.labels(tier or "gpu").inc()
         elif kind == "eviction":
             self.evictions.labels(fields.get("tier", "gpu")).inc()

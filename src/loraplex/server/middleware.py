@@ -1,6 +1,6 @@
-"""Per-request context, and the ASGI middleware that puts the loraplex headers on every response, turns
-unexpected exceptions into a 500 in the OpenAI error shape, and closes each inference request with its
-metrics and audit line."""
+"""Per-request context, and the ASGI middleware that puts the loraplex headers on every response,
+turns unexpected exceptions into a 500 in the OpenAI error shape, and closes each inference request
+with its metrics and audit line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ CLIENT_CLOSED = (
 
 @dataclass
 class RequestContext:
-    """What the handlers learn about one request; read back by the middleware when the response ends."""
+    """What the handlers learn about one request; read back by the middleware when the response
+    ends."""
 
     request_id: str
     arrival: float = field(default_factory=time.monotonic)
@@ -95,8 +96,9 @@ class RequestMiddleware:
 
 
 def _request_id(scope, ids: random.Random) -> str:
-    """The client's id when it is a plain token, else 128 random bits. Not uuid4: os.urandom drops the GIL, and
-    taking it back from the busy engine thread costs about a millisecond per request."""
+    """The client's id when it is a plain token, else 128 random bits. Not uuid4: os.urandom drops
+    the GIL, and taking it back from the busy engine thread costs about a millisecond per
+    request."""
     for name, value in scope.get("headers", ()):
         if name == b"x-request-id":
             text = value.decode("latin-1")

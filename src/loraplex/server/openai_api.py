@@ -1,4 +1,5 @@
-"""`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET /v1/models`."""
+"""`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET
+/v1/models`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from loraplex.server import schemas, vllm_api
 from loraplex.server.errors import APIError, as_api_error, validation_error
-from loraplex.server.generation import Generation
+from loraplex.server.generation import RequestRun
 from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -102,8 +103,8 @@ async def models(request: Request):
 
 
 def _token_text(server: Server):
-    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in vLLM), so a client
-    sees in them why the output stopped."""
+    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in
+    vLLM), so a client sees in them why the output stopped."""
     decode = server.engine.tokenizer.decode
     return lambda ids: decode(ids, skip_special_tokens=False)
 
@@ -112,9 +113,8 @@ def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
     server: Server = request.app.state.server
     ctx: RequestContext = request.state.ctx
     ctx.is_inference, ctx.endpoint = True, endpoint
-    ctx.tenant = server.auth.tenant(
-        request.headers.get("authorization")
-    )  # first: a refusal names its tenant
+    # first: a refusal names its tenant
+    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))
     server.check_accepting()
     return server, ctx
 
@@ -148,16 +148,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _respond(
     request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req
 ):
-    """Generate and answer. A client that leaves stops its generation: while it waits for admission, for its
-    adapter or for its first token, and while a plain answer is made (an event stream watches for it itself)."""
+    """Generate and answer. A client that leaves stops its generation: while it waits for admission,
+    for its adapter or for its first token, and while a plain answer is made (an event stream
+    watches for it itself)."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        gen = await server.generate(ctx, target, prompts, params, gone)
-        if gen is None:
+        run = await server.generate(ctx, target, prompts, params, gone)
+        if run is None:
             return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
         if req.stream:
-            return _EventStream(_events(gen, fmt, req.include_usage), gen)
-        collect = asyncio.ensure_future(_drain(gen))
+            return _EventStream(_events(run, fmt, req.include_usage), run)
+        collect = asyncio.ensure_future(_drain(run))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
@@ -167,22 +168,22 @@ async def _respond(
         finally:
             if not collect.done():
                 collect.cancel()
-                await asyncio.gather(
-                    collect, return_exceptions=True
-                )  # its generator unwinds before the close
-            await gen.close()
-        return JSONResponse(fmt.final(gen))
+                # its generator unwinds before the close
+                await asyncio.gather(collect, return_exceptions=True)
+            await run.close()
+        return JSONResponse(fmt.final(run))
     finally:
         gone.cancel()
 
 
-async def _drain(gen: Generation) -> None:
-    async for _ in gen.outputs():
+async def _drain(run: RequestRun) -> None:
+    async for _ in run.outputs():
         pass
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is read: the next message the server gives is the disconnect)."""
+    """Returns when the client has gone (the body is read: the next message the server gives is the
+    disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -191,8 +192,9 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _events(gen: Generation, fmt, include_usage: bool):
-    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the others)."""
+async def _events(run: RequestRun, fmt, include_usage: bool):
+    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the
+    others)."""
 
     def event(chunk: dict) -> bytes:
         if include_usage:
@@ -200,43 +202,44 @@ async def _events(gen: Generation, fmt, include_usage: bool):
         return _sse(chunk)
 
     try:
-        for chunk in fmt.opening(gen):
+        for chunk in fmt.opening(run):
             yield event(chunk)
         num_finished = 0
-        async for index, out in gen.outputs():
+        async for index, out in run.outputs():
             if not (out.text or out.finished or out.logprobs):
-                continue  # tokens held back (half a character, a possible stop string): nothing to send yet
+                # tokens held back (half a character, a possible stop string): nothing to send yet
+                continue
             num_finished += out.finished
-            last = num_finished == len(gen.choices)
-            usage = schemas.usage(*gen.usage_counts) if last and not include_usage else None
-            yield event(fmt.chunk(gen, index, out, usage))
+            last = num_finished == len(run.choices)
+            usage = schemas.usage(*run.usage_counts) if last and not include_usage else None
+            yield event(fmt.chunk(run, index, out, usage))
         if include_usage:
-            yield _sse(fmt.usage_chunk(schemas.usage(*gen.usage_counts)))
+            yield _sse(fmt.usage_chunk(schemas.usage(*run.usage_counts)))
     except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
         error = as_api_error(exc)
-        if (
-            error is None
-        ):  # a bug: logged with its traceback, and the client told, as before the headers
-            log.exception("request %s failed during its stream", gen.ctx.request_id)
+        if error is None:
+            # a bug: logged with its traceback, and the client told, as before the headers
+            log.exception("request %s failed during its stream", run.ctx.request_id)
             error = APIError(
                 500,
-                f"internal error ({type(exc).__name__}); request id {gen.ctx.request_id}",
+                f"internal error ({type(exc).__name__}); request id {run.ctx.request_id}",
                 "internal_error",
             )
-        gen.ctx.status, gen.ctx.error_code = error.status, error.code
+        run.ctx.status, run.ctx.error_code = error.status, error.code
         yield _sse(error.body())
     yield DONE
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation is closed
-    here, outside the stream's cancelled task group, so aborting and recording cannot be cut short."""
+    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation
+    is closed here, outside the stream's cancelled task group, so aborting and recording cannot be
+    cut short."""
 
-    def __init__(self, content, gen: Generation):
+    def __init__(self, content, run: RequestRun):
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-        self.gen = gen
+        self.run = run
 
     async def __call__(self, scope, receive, send):
         try:
@@ -244,11 +247,11 @@ class _EventStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             if (
-                any(c.finish_reason is None for c in self.gen.choices)
-                and self.gen.ctx.status is None
+                any(c.finish_reason is None for c in self.run.choices)
+                and self.run.ctx.status is None
             ):
-                self.gen.ctx.status = CLIENT_CLOSED  # the client left before the end
-            await self.gen.close()
+                self.run.ctx.status = CLIENT_CLOSED  # the client left before the end
+            await self.run.close()
 
 
 class CompletionFormat:
@@ -268,7 +271,7 @@ class CompletionFormat:
         self.offsets: dict[int, int] = {}
         self.echoed: set[int] = set()
 
-    def opening(self, gen: Generation) -> list[dict]:
+    def opening(self, run: RequestRun) -> list[dict]:
         return []
 
     def _logprobs(self, index: int, entries: list[dict]) -> dict | None:
@@ -285,22 +288,22 @@ class CompletionFormat:
         return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
 
     def _echoed(
-        self, gen: Generation, choice, text: str, entries: list[dict]
+        self, run: RequestRun, choice, text: str, entries: list[dict]
     ) -> tuple[str, list[dict]]:
         if self.echo is None:
             return text, entries
         if self.prompt_only:
             text, entries = "", []
-        if gen.params.prompt_logprobs is not None:
+        if run.params.prompt_logprobs is not None:
             entries = self._prompt_entries(choice) + entries
         return self.echo[choice.prompt_index] + text, entries
 
-    def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
+    def chunk(self, run: RequestRun, index: int, out, usage: dict | None) -> dict:
         text, entries = out.text, out.logprobs
         if index not in self.echoed:
             self.echoed.add(index)
-            text, entries = self._echoed(gen, gen.choices[index], text, entries)
-        lp = self._logprobs(index, entries) if gen.params.logprobs is not None else None
+            text, entries = self._echoed(run, run.choices[index], text, entries)
+        lp = self._logprobs(index, entries) if run.params.logprobs is not None else None
         reason = out.finish_reason if out.finished else None
         choice = schemas.completion_choice(index, text, reason, lp)
         return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
@@ -308,14 +311,14 @@ class CompletionFormat:
     def usage_chunk(self, usage: dict) -> dict:
         return schemas.completion(self.request_id, self.model, [], usage, chunk=True)
 
-    def final(self, gen: Generation) -> dict:
+    def final(self, run: RequestRun) -> dict:
         choices = []
-        for c in gen.returned_choices():
-            text, entries = self._echoed(gen, c, "".join(c.text), c.logprobs)
-            lp = self._logprobs(c.index, entries) if gen.params.logprobs is not None else None
+        for c in run.returned_choices():
+            text, entries = self._echoed(run, c, "".join(c.text), c.logprobs)
+            lp = self._logprobs(c.index, entries) if run.params.logprobs is not None else None
             choices.append(schemas.completion_choice(c.index, text, c.finish_reason, lp))
         return schemas.completion(
-            self.request_id, self.model, choices, schemas.usage(*gen.usage_counts)
+            self.request_id, self.model, choices, schemas.usage(*run.usage_counts)
         )
 
 
@@ -324,7 +327,7 @@ class ChatFormat:
         """`echo`: text put before each choice's content."""
         self.request_id, self.model, self.decode, self.echo = request_id, model, decode, echo
 
-    def opening(self, gen: Generation) -> list[dict]:
+    def opening(self, run: RequestRun) -> list[dict]:
         """The role first, as OpenAI's API sends it (then the echoed text, as vLLM does)."""
         deltas = [{"role": "assistant", "content": ""}]
         if self.echo:
@@ -338,33 +341,33 @@ class ChatFormat:
                 chunk=True,
             )
             for d in deltas
-            for c in gen.choices
+            for c in run.choices
         ]
 
     def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:
         return schemas.chat_logprobs(entries, self.decode) if wanted and entries else None
 
-    def chunk(self, gen: Generation, index: int, out, usage: dict | None) -> dict:
+    def chunk(self, run: RequestRun, index: int, out, usage: dict | None) -> dict:
         delta = {"content": out.text} if out.text or not out.finished else {}
         choice = schemas.chat_delta(
             index,
             delta,
             out.finish_reason if out.finished else None,
-            self._logprobs(out.logprobs, gen.params.logprobs is not None),
+            self._logprobs(out.logprobs, run.params.logprobs is not None),
         )
         return schemas.chat(self.request_id, self.model, [choice], usage, chunk=True)
 
     def usage_chunk(self, usage: dict) -> dict:
         return schemas.chat(self.request_id, self.model, [], usage, chunk=True)
 
-    def final(self, gen: Generation) -> dict:
+    def final(self, run: RequestRun) -> dict:
         choices = [
             schemas.chat_choice(
                 c.index,
                 self.echo + "".join(c.text),
                 c.finish_reason,
-                self._logprobs(c.logprobs, gen.params.logprobs is not None),
+                self._logprobs(c.logprobs, run.params.logprobs is not None),
             )
-            for c in gen.returned_choices()
+            for c in run.returned_choices()
         ]
-        return schemas.chat(self.request_id, self.model, choices, schemas.usage(*gen.usage_counts))
+        return schemas.chat(self.request_id, self.model, choices, schemas.usage(*run.usage_counts))

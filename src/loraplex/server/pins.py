@@ -208,11 +208,11 @@ class PinReconciler:
         seen = None
         while not self._stop.wait(self.watch_s):
             try:
-                generation = self.registry.generation()
-                if generation != seen:  # the whole registry is read only when it changed
+                change_count = self.registry.change_count()
+                if change_count != seen:  # the whole registry is read only when it changed
                     self.on_change()
                     self.follow_traffic()
-                    seen = generation
+                    seen = change_count
                 else:
                     self._end_grace()
             except Exception:  # a registry that is briefly unreachable: look again at the next turn

@@ -295,7 +295,7 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-# ---- responses ---------------------------------------------------------------------------------------
+# ---- responses -----------------------------------------------------------------------------------
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -362,7 +362,8 @@ def chat_delta(
 
 
 def completion_logprobs(entries: list[dict], decode, offset: int) -> dict:
-    """The completions shape: parallel lists of tokens, their logprobs, top alternatives and text offsets."""
+    """The completions shape: parallel lists of tokens, their logprobs, top alternatives and text
+    offsets."""
     tokens = [decode([e["token"]]) for e in entries]
     offsets = []
     for token in tokens:
@@ -371,8 +372,8 @@ def completion_logprobs(entries: list[dict], decode, offset: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        # the sampled token too, as vLLM and OpenAI's legacy completions give it (so logprobs=0 names it)
-        # None for a token with no logprob (an echoed prompt's first)
+        # the sampled token too, as vLLM and OpenAI's legacy completions give it (so logprobs=0
+        # names it) None for a token with no logprob (an echoed prompt's first)
         "top_logprobs": [
             {**{decode([t]): lp for t, lp in e["top"]}, token: e["logprob"]}
             if e["top"] is not None

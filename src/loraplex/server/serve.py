@@ -21,10 +21,11 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
+from loraplex.artifacts import ArtifactError, ArtifactStore
 from loraplex.config import EngineConfig, format_size
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig, ModelConfigError
-from loraplex.registry import AdapterNotFound, ArtifactStore, Registry, RegistryError
+from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
@@ -287,7 +288,7 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
                 record.traffic_weight != 100
             ):  # the same bytes as an earlier revision that had left traffic
                 registry.promote(name, record.revision, 100, force=True)
-        except (AdapterRejected, RegistryError, OSError) as exc:
+        except (AdapterRejected, RegistryError, ArtifactError, OSError) as exc:
             raise StartupError(f"--lora-modules {name}: {exc}") from None
 
 

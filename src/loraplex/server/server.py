@@ -7,17 +7,19 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import SamplingParams
-from loraplex.registry import AdapterNotFound, AllowList, Registry, RegistryError
+from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
 from loraplex.server.adapters import AdapterResolver, Target
@@ -25,7 +27,7 @@ from loraplex.server.admission import Admission
 from loraplex.server.audit import AuditLog
 from loraplex.server.auth import Authenticator
 from loraplex.server.errors import APIError
-from loraplex.server.generation import Generation
+from loraplex.server.generation import RequestRun
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
@@ -141,6 +143,8 @@ class Server:
             self.on_registry_change,
         )
         engine.adapters.on_event = self.on_cache_event
+        # A registry write waits on the database: never on the step thread or the event loop.
+        self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -171,6 +175,7 @@ class Server:
         self.begin_shutdown()
         if self.async_engine is not None:
             self.async_engine.stop()
+        self.registry_writer.shutdown(wait=True)
         self.audit.close()
 
     def follow_traffic(self) -> None:
@@ -330,7 +335,7 @@ class Server:
         prompts: list[list[int]],
         params: SamplingParams,
         gone: asyncio.Future,
-    ) -> Generation | None:
+    ) -> RequestRun | None:
         """The started generation (every prompt's first output in); None when `gone` (the client
         left) ends first: the generation is then closed, and the request recorded as the client's
         leaving."""
@@ -339,8 +344,8 @@ class Server:
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
-        gen = Generation(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
-        start = asyncio.ensure_future(gen.start())
+        run = RequestRun(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        start = asyncio.ensure_future(run.start())
         try:
             await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled: no start left running on its own
@@ -353,7 +358,7 @@ class Server:
         if start.cancelled():
             return None
         start.result()  # the engine's error (bad request, adapter unavailable) is the answer
-        return gen
+        return run
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""
@@ -411,7 +416,7 @@ class Server:
         if kind == "load_failed":
             log.warning("load of %s failed: %s", fields["key"], fields["exception"])
         if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
-            self.quarantine_corrupt(fields["key"], fields["exception"])
+            self.registry_writer.submit(self.quarantine_corrupt, fields["key"], fields["exception"])
         if kind == "pin_refused":
             log.warning("%s", fields["error"])
 
@@ -425,6 +430,8 @@ class Server:
             log.error("quarantined %s@%s: %s", key.name, key.revision, error)
         except RegistryError as exc:  # already quarantined, or removed meanwhile
             log.warning("could not quarantine %s@%s: %s", key.name, key.revision, exc)
+        except Exception:  # the database unreachable: the next failed load tries again
+            log.exception("could not quarantine %s@%s", key.name, key.revision)
 
     # -- views -----------------------------------------------------------------------------------
     def model_cards(self, tenant: str) -> list[dict]:

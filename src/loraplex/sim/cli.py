@@ -1,6 +1,8 @@
-"""`loraplex simulate` and `loraplex plan`: typer command functions (mounted by loraplex.cli) and their output.
+"""`loraplex simulate` and `loraplex plan`: typer command functions (mounted by loraplex.cli) and
+their output.
 
-python -m loraplex.sim.cli simulate --workload hot-burst --policy lru,score --gpu-slots 4,8 --json out.json
+python -m loraplex.sim.cli simulate --workload hot-burst --policy lru,score --gpu-slots 4,8 --json
+out.json
 """
 
 from __future__ import annotations
@@ -198,7 +200,10 @@ def results_table(runs: list[dict], title: str = "simulation") -> Table:
 
 def tenant_table(run: dict) -> Table:
     table = Table(
-        title=f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu {_size_label(run['cpu_bytes'])}"
+        title=(
+            f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu "
+            f"{_size_label(run['cpu_bytes'])}"
+        )
     )
     columns = (
         "policy",
@@ -230,9 +235,9 @@ def tenant_table(run: dict) -> Table:
 
 
 def plot_lines(cells: list[dict]) -> tuple[str, dict[str, list[tuple[float, dict]]]]:
-    """One workload's runs as (x-axis label, {line label: [(x, policy entry)] by x}). x is the gpu slots, or the
-    cpu cache when only it varies; when both vary there is a line per policy and cpu size, so that points of
-    different cpu sizes are never joined along the slots axis."""
+    """One workload's runs as (x-axis label, {line label: [(x, policy entry)] by x}). x is the gpu
+    slots, or the cpu cache when only it varies; when both vary there is a line per policy and cpu
+    size, so that points of different cpu sizes are never joined along the slots axis."""
     slots_vary = len({r["gpu_slots"] for r in cells}) > 1
     cpu_vary = len({r["cpu_bytes"] for r in cells}) > 1
     by_slots = slots_vary or not cpu_vary
@@ -245,15 +250,14 @@ def plot_lines(cells: list[dict]) -> tuple[str, dict[str, list[tuple[float, dict
             )
             lines.setdefault(label, []).append((x, r["policies"][policy]))
     for points in lines.values():
-        points.sort(
-            key=lambda point: point[0]
-        )  # by x only: the entries are dicts, which do not compare
+        # by x only: the entries are dicts, which do not compare
+        points.sort(key=lambda point: point[0])
     return ("gpu slots" if by_slots else "cpu cache (GiB)"), lines
 
 
 def plot_capacity(runs: list[dict], path: Path) -> None:
-    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, lines as `plot_lines` draws them, a row
-    per workload."""
+    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, lines as `plot_lines`
+    draws them, a row per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -370,9 +374,8 @@ def simulate(
         console.print(f"json: {json_out}")
     if plot is not None:
         sweep = runs
-        if (
-            len(slots) == 1 and len(cpu) == 1
-        ):  # one capacity per workload: sweep ½×, 1×, 2×, 4× its own slots
+        if len(slots) == 1 and len(cpu) == 1:
+            # one capacity per workload: sweep ½×, 1×, 2×, 4× its own slots
             sweep = []
             for run in runs:
                 base = run["gpu_slots"]
@@ -384,7 +387,8 @@ def simulate(
 
 
 def _load_workload(name: str) -> list[workloads.Request]:
-    """The trace of a named workload or a file; a BadParameter when a line is bad or there is no request."""
+    """The trace of a named workload or a file; a BadParameter when a line is bad or there is no
+    request."""
     try:
         trace = workloads.load(name)
     except (OSError, ValueError) as exc:  # a TraceError names the file and line
@@ -424,7 +428,7 @@ def plan(
     cpu_cache_bytes: str | None = typer.Option(None, help="As serve's (default 2GiB)."),
     disk_cache_bytes: str | None = typer.Option(None, help="As serve's (default 20GiB)."),
 ) -> None:
-    """Bytes per adapter (formula and actual), how many fit per tier, and the smallest cache for a workload."""
+    """Adapter bytes (formula, actual), how many fit per tier, the smallest cache for a workload."""
     from loraplex.sim import plan as planner
 
     console = Console()
@@ -497,8 +501,8 @@ def routers(
             sum(s.worker == w for s in sim.requests) for w in range(workers)
         ]
     table = Table(
-        title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, cache policy {policy}, "
-        f"{len(trace)} requests"
+        title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, "
+        f"cache policy {policy}, {len(trace)} requests"
     )
     for col in (
         "router",

@@ -1,18 +1,21 @@
-"""The offline optimum: Belady's MIN for the gpu slots, a lower bound for the whole hierarchy, and an oracle.
+"""The offline optimum: Belady's MIN for the gpu slots, a lower bound for the whole hierarchy, and
+an oracle.
 
 The reference string is the trace's adapter requests in arrival order, every cache starting empty.
 
-- `belady_misses`: MIN (evict the item whose next request is farthest), optimal for unit sizes and costs.
-- `lp_miss_cost`: the interval LP of generalized caching (Bar-Noy et al.) solved as a min-cost flow: item
-  intervals between consecutive requests are kept fractionally. For unit sizes the constraint matrix is an
-  interval matrix (totally unimodular), so the LP optimum is the exact optimum of weighted paging; for variable
-  sizes it is a lower bound.
-- `lower_bound`: the cost of a schedule splits into levels: every activation pays a host-to-device copy (level
-  gpu, S slots), every load into host memory pays a disk read (level gpu+cpu, at most cpu_bytes plus what the
-  slots hold), every download pays the remote store (level gpu+cpu+disk). Each level's cost is at least its own
-  optimum, so the sum of the levels' LP bounds is a lower bound of the optimal miss cost.
-- `OraclePolicy`: farthest-next-use eviction inside the real cache, so the simulator can show an achievable
-  schedule's TTFT next to the bound (its miss cost is an upper bound of the optimum).
+- `belady_misses`: MIN (evict the item whose next request is farthest), optimal for unit sizes and
+  costs.
+- `lp_miss_cost`: the interval LP of generalized caching (Bar-Noy et al.) solved as a min-cost flow:
+  item intervals between consecutive requests are kept fractionally. For unit sizes the constraint
+  matrix is an interval matrix (totally unimodular), so the LP optimum is the exact optimum of
+  weighted paging; for variable sizes it is a lower bound.
+- `lower_bound`: the cost of a schedule splits into levels: every activation pays a host-to-device
+  copy (level gpu, S slots), every load into host memory pays a disk read (level gpu+cpu, at most
+  cpu_bytes plus what the slots hold), every download pays the remote store (level gpu+cpu+disk).
+  Each level's cost is at least its own optimum, so the sum of the levels' LP bounds is a lower
+  bound of the optimal miss cost.
+- `OraclePolicy`: farthest-next-use eviction inside the real cache, so the simulator can show an
+  achievable schedule's TTFT next to the bound (its miss cost is an upper bound of the optimum).
 """
 
 from __future__ import annotations
@@ -57,13 +60,14 @@ def belady_misses(seq: Sequence[Hashable], capacity: int) -> list[bool]:
 
 
 def lp_miss_cost(seq: Sequence[Hashable], sizes: dict, costs: dict, capacity: float) -> float:
-    """Least summed miss cost of a cache of `capacity` (in the unit of `sizes`) over `seq`, by the interval LP.
+    """Least summed miss cost of a cache of `capacity` (in the unit of `sizes`) over `seq`, by the
+    interval LP.
 
-    Network form: nodes 0..T, a chain arc per request t (node t → t+1) carrying the capacity not used by kept
-    intervals, at least the requested item's size; an arc per interval between consecutive requests of an item
-    (node s+1 → node e) carrying the kept amount y ∈ [0, size] and earning cost/size per unit kept.
-    Flow C leaves node 0 and reaches node T, so at each request the kept intervals spanning it hold at most
-    C − size(requested item).
+    Network form: nodes 0..T, a chain arc per request t (node t → t+1) carrying the capacity not
+    used by kept intervals, at least the requested item's size; an arc per interval between
+    consecutive requests of an item (node s+1 → node e) carrying the kept amount y ∈ [0, size] and
+    earning cost/size per unit kept. Flow C leaves node 0 and reaches node T, so at each request the
+    kept intervals spanning it hold at most C − size(requested item).
     """
     from scipy.optimize import linprog
     from scipy.sparse import coo_array
@@ -82,9 +86,8 @@ def lp_miss_cost(seq: Sequence[Hashable], sizes: dict, costs: dict, capacity: fl
         seen[item] = t
     if not intervals:
         return compulsory
-    scale = max(
-        sizes[item] for item in seen
-    )  # sizes of order 1: the solver's tolerances are absolute
+    # sizes of order 1: the solver's tolerances are absolute
+    scale = max(sizes[item] for item in seen)
     sizes = {item: sizes[item] / scale for item in seen}
     capacity = capacity / scale
     n_int = len(intervals)
@@ -126,7 +129,8 @@ def lower_bound(
 ) -> dict:
     """Lower bound of the optimal miss cost (seconds) of the hierarchy, per level and in total.
 
-    `costs` is a simulator `LoadCosts`; `seq` are the requested keys in arrival order; `nbytes` their sizes."""
+    `costs` is a simulator `LoadCosts`; `seq` are the requested keys in arrival order; `nbytes`
+    their sizes."""
     items = set(seq)
     h2d = {k: costs.h2d.seconds(nbytes[k]) for k in items}
     disk = {k: costs.disk.seconds(nbytes[k]) for k in items}
@@ -160,8 +164,8 @@ def lower_bound(
 
 
 class OraclePolicy:
-    """Evict the adapter needed farthest in the future (Belady), tie-broken by size: an offline policy that
-    only a simulator can run, giving an achievable schedule beside the lower bound."""
+    """Evict the adapter needed farthest in the future (Belady), tie-broken by size: an offline
+    policy that only a simulator can run, giving an achievable schedule beside the lower bound."""
 
     name = "optimal"
     restores_preferred = False
@@ -183,9 +187,10 @@ def gap(cost: float, optimum: float) -> float:
 
 
 class PopularityOracle:
-    """A0: evict the adapter with the fewest requests over the whole trace. Under independent requests it is the
-    best an online policy can do (it knows the true popularity, nothing of the order), so it shows how much of a
-    policy's gap to the offline optimum any online policy must pay."""
+    """A0: evict the adapter with the fewest requests over the whole trace. Under independent
+    requests it is the best an online policy can do (it knows the true popularity, nothing of the
+    order), so it shows how much of a policy's gap to the offline optimum any online policy must
+    pay."""
 
     name = "a0"
     restores_preferred = False

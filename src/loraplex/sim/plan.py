@@ -1,5 +1,6 @@
-"""Capacity planning: adapter bytes by the formula and on disk, what fits per tier, and the smallest cache
-and slot count that keep a workload's cold starts under a target (found with the simulator)."""
+"""Capacity planning: adapter bytes by the formula and on disk, what fits per tier, and the smallest
+cache and slot count that keep a workload's cold starts under a target (found with the
+simulator)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summariz
 GiB = 2**30
 SERVING_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLD_START_TARGETS = (0.01, 0.05)
-"""Cold start: a request whose adapter was only on disk or remote (a load before its first token)."""
+"""Cold start: a request whose adapter was only on disk or remote (a load before its first
+token)."""
 SLOT_MISS_TARGET = 0.10
-"""Slot miss: a request whose adapter was in host memory but in no slot (it waits for a host-to-device copy);
-cold starts are the cpu cache's to avoid, slot misses the slots'."""
+"""Slot miss: a request whose adapter was in host memory but in no slot (it waits for a
+host-to-device copy); cold starts are the cpu cache's to avoid, slot misses the slots'."""
 
 
 class PlanError(ValueError):
@@ -85,7 +87,8 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
         except AdapterRejected as exc:
             raise PlanError(f"adapter {path.name}: {exc}") from None
         files = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        # The host copy holds every number in the serving dtype, whatever dtype (or two) the file stores.
+        # The host copy holds every number in the serving dtype, whatever dtype (or two) the file
+        # stores.
         out.append(
             AdapterSize(
                 path.name,
@@ -100,7 +103,8 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
 
 
 def budgets_from_registry(url: str) -> dict[str, Budget]:
-    """The tenants' residency budgets kept in the registry (read after `from_registry` opened it)."""
+    """The tenants' residency budgets kept in the registry (read after `from_registry` opened
+    it)."""
     from loraplex.registry.registry import Registry
 
     registry = Registry(url)
@@ -138,8 +142,9 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
         rev = record.stable or (record.revisions[-1] if record.revisions else None)
         if rev is None:
             continue
-        # The registry keeps bytes, not numbers: a revision stored in two dtypes ("mixed") is counted as if all in
-        # the narrower one, so its host copy is over- rather than under-estimated.
+        # The registry keeps bytes, not numbers: a revision stored in two dtypes ("mixed") is
+        # counted as if all in the narrower one, so its host copy is over- rather than
+        # under-estimated.
         stored = DTYPE_BYTES.get(rev.dtype, 2)
         out.append(
             AdapterSize(
@@ -215,8 +220,8 @@ def make_plan(
 
 
 def load_workload(workload: str) -> list[workloads.Request]:
-    """The trace of a named workload or a file; PlanError when it cannot be read or has no requests (an empty
-    trace would "reach" every target with no cache at all)."""
+    """The trace of a named workload or a file; PlanError when it cannot be read or has no requests
+    (an empty trace would "reach" every target with no cache at all)."""
     try:
         trace = workloads.load(workload)
     except OSError as exc:
@@ -233,9 +238,9 @@ def load_workload(workload: str) -> list[workloads.Request]:
 def size_for_workload(
     plan: Plan, workload: str, trace: list[workloads.Request], progress=None
 ) -> list[dict]:
-    """The smallest cpu cache for each cold-start target and the smallest slot count for the slot-miss target,
-    each the first size of its grid, in order, whose simulator run of the `score` policy meets it (runs are
-    shared between the targets)."""
+    """The smallest cpu cache for each cold-start target and the smallest slot count for the
+    slot-miss target, each the first size of its grid, in order, whose simulator run of the `score`
+    policy meets it (runs are shared between the targets)."""
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
     base = SimConfig(

@@ -32,8 +32,8 @@ from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
 
 RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
-# Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules, bfloat16:
-# 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
+# Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules,
+# bfloat16: 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
 LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
 TIERS = ("gpu", "cpu", "disk", "remote")
 
@@ -52,8 +52,8 @@ class TierCost:
 
 @dataclass(frozen=True)
 class LoadCosts:
-    """What bringing an adapter up one tier costs: remote → disk (download), disk → cpu (read, digest check,
-    pack), cpu → gpu (host-to-device copy into a slot)."""
+    """What bringing an adapter up one tier costs: remote → disk (download), disk → cpu (read,
+    digest check, pack), cpu → gpu (host-to-device copy into a slot)."""
 
     remote: TierCost = TierCost(0.050, 200e6)
     disk: TierCost = TierCost(0.005, 2e9)
@@ -62,7 +62,8 @@ class LoadCosts:
 
     @classmethod
     def from_json(cls, path: str | Path) -> LoadCosts:
-        """Fit latency + bytes/bandwidth per tier to `bench/adapter_load.py` rows ({tier, bytes, seconds})."""
+        """Fit latency + bytes/bandwidth per tier to `bench/adapter_load.py` rows ({tier, bytes,
+        seconds})."""
         data = json.loads(Path(path).read_text())
         rows = data.get("rows", data) if isinstance(data, dict) else data
         fits = {}
@@ -108,11 +109,12 @@ def _fit_line(points: list[tuple[float, float]]) -> TierCost:
 
 @dataclass(frozen=True)
 class ServiceModel:
-    """Seconds of one engine step: a fixed part (reading the weights), per decoding sequence, per prefill token,
-    and per distinct adapter in the batch (the grouped LoRA kernels), plus any host-to-device copies the step made.
+    """Seconds of one engine step: a fixed part (reading the weights), per decoding sequence, per
+    prefill token, and per distinct adapter in the batch (the grouped LoRA kernels), plus any
+    host-to-device copies the step made.
 
-    Defaults are a 7B model in bfloat16 on one data-center GPU: ~10 ms per decode step at small batch,
-    ~16k prefill tokens/s, and a small per-adapter cost."""
+    Defaults are a 7B model in bfloat16 on one data-center GPU: ~10 ms per decode step at small
+    batch, ~16k prefill tokens/s, and a small per-adapter cost."""
 
     step_s: float = 0.010
     per_decode_s: float = 1.2e-4
@@ -130,8 +132,9 @@ class ServiceModel:
 
     @classmethod
     def from_engine_throughput(cls, path: str | Path) -> ServiceModel:
-        """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output token gives the
-        step cost, its total time the prefill cost, and the many-adapter row the per-adapter cost."""
+        """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output
+        token gives the step cost, its total time the prefill cost, and the many-adapter row the
+        per-adapter cost."""
         data = json.loads(Path(path).read_text())
         rows = {
             r["workload"]["num_adapters"]: r
@@ -160,8 +163,9 @@ class ServiceModel:
 
     @classmethod
     def default(cls) -> ServiceModel:
-        """Calibrated from `bench/results/engine_throughput.json` when that was measured on a GPU; else the
-        defaults (a CPU run of the benchmark's small model says nothing about a 7B model on a GPU)."""
+        """Calibrated from `bench/results/engine_throughput.json` when that was measured on a GPU;
+        else the defaults (a CPU run of the benchmark's small model says nothing about a 7B model on
+        a GPU)."""
         path = RESULTS_DIR / "engine_throughput.json"
         try:
             data = json.loads(path.read_text())
@@ -180,7 +184,8 @@ class SimConfig:
     disk_bytes: int | None = None
     """None: an artifact once fetched stays on the worker's disk."""
     local_adapters: bool = False
-    """True: every adapter is a local directory (as with --lora-modules), so there is no remote tier."""
+    """True: every adapter is a local directory (as with --lora-modules), so there is no remote
+    tier."""
     workers: int = 1
     router: str = "affinity"
     router_poll_s: float = 0.25
@@ -200,13 +205,15 @@ class SimConfig:
     service: ServiceModel = field(default_factory=ServiceModel)
     costs: LoadCosts = field(default_factory=LoadCosts)
     skip_blocked: bool = True
-    """Do not call the cache's acquire when it can only fail, the adapter loading or every slot held (same results,
-    faster)."""
+    """Do not call the cache's acquire when it can only fail, the adapter loading or every slot held
+    (same results, faster)."""
     skip_quiet_steps: bool = True
-    """End at once the steps that can change nothing: no arrival at the worker, none of its loads or finishes
-    before they end and no waiting request that could be admitted (same results, faster)."""
+    """End at once the steps that can change nothing: no arrival at the worker, none of its loads or
+    finishes before they end and no waiting request that could be admitted (same results,
+    faster)."""
     idle_poll_s: float = 0.01
-    """A worker whose waiting requests found no slot and has nothing running or loading tries again after this."""
+    """A worker whose waiting requests found no slot and has nothing running or loading tries again
+    after this."""
     seed: int = 0
 
     def __post_init__(self):
@@ -232,16 +239,15 @@ class SimConfig:
 # -- the simulated device and tiers ----------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class SimKey(AdapterKey):
-    """An AdapterKey compared by identity: the simulation makes exactly one key object per adapter revision,
-    and the cache compares and hashes keys millions of times (slot lists, dicts)."""
+    """An AdapterKey compared by identity: the simulation makes exactly one key object per adapter
+    revision, and the cache compares and hashes keys millions of times (slot lists, dicts)."""
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "_label", super().__str__()
-        )  # the router's views name keys on every poll
+        # the router's views name keys on every poll
+        object.__setattr__(self, "_label", super().__str__())
 
     def __str__(self) -> str:
         return self._label
@@ -258,7 +264,8 @@ class SimPacked:
 
 
 class SimPool:
-    """The slot pool: a slot write costs a host-to-device copy, charged to the worker's current step."""
+    """The slot pool: a slot write costs a host-to-device copy, charged to the worker's current
+    step."""
 
     def __init__(self, num_slots: int, h2d: TierCost):
         self.num_slots = num_slots
@@ -285,7 +292,8 @@ class SimPool:
 
 
 class SimDisk:
-    """The worker's artifact cache: least recently used artifacts go when over budget (as `cache.disk`)."""
+    """The worker's artifact cache: least recently used artifacts go when over budget (as
+    `cache.disk`)."""
 
     def __init__(self, max_bytes: int | None):
         self.max_bytes = max_bytes
@@ -308,7 +316,8 @@ class SimDisk:
         self.peak = max(self.peak, self.used)
 
     def close(self) -> None:
-        """What `AdapterCache.close` calls on its disk tier: a simulated one holds no connection or file."""
+        """What `AdapterCache.close` calls on its disk tier: a simulated one holds no connection or
+        file."""
 
 
 # -- requests and workers --------------------------------------------------------------------------
@@ -474,8 +483,8 @@ class Worker:
         self._schedule_end(end)
 
     def _in_turn(self) -> list[SimRequest]:
-        """The waiting requests in arrival order, those their tenant's budget holds back after the others (as
-        the engine's scheduler orders them)."""
+        """The waiting requests in arrival order, those their tenant's budget holds back after the
+        others (as the engine's scheduler orders them)."""
         waiting, cache = list(self.waiting), self.cache
         if not cache.budget_waiting:
             return waiting
@@ -485,17 +494,17 @@ class Worker:
     def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
         """The end of the last of the decode-only steps that follow this one and change nothing.
 
-        A step changes nothing when none of the running requests finishes with it, no load of this worker ends
-        before it does, no request arrives (an arrival cuts the steps short: `_cut_quiet_steps`) and no waiting
-        request can be admitted (each waits for a load or a slot). Other workers' events cannot reach this one.
-        The boundaries are added up one by one, as stepping would, so that every time is the same to the last bit.
-        The skipped steps' one side effect, waiting requests touching their adapters, is made when they end.
+        A step changes nothing when none of the running requests finishes with it, no load of this
+        worker ends before it does, no request arrives (an arrival cuts the steps short:
+        `_cut_quiet_steps`) and no waiting request can be admitted (each waits for a load or a
+        slot). Other workers' events cannot reach this one. The boundaries are added up one by one,
+        as stepping would, so that every time is the same to the last bit. The skipped steps' one
+        side effect, waiting requests touching their adapters, is made when they end.
         """
         first_end = end
         horizon = self.load_ends[0] if self.load_ends else math.inf
-        if (
-            len(self.sim.workers) == 1
-        ):  # every arrival is this worker's: end there rather than be cut short
+        if len(self.sim.workers) == 1:
+            # every arrival is this worker's: end there rather than be cut short
             horizon = min(horizon, self.sim.next_arrival_time())
         finish_in = self.finishing[0][0] - self.step_index if self.finishing else math.inf
         last = None
@@ -508,8 +517,8 @@ class Worker:
         return end
 
     def _cut_quiet_steps(self) -> None:
-        """A request arrived during skipped steps: they end at the first boundary at or after now, where the
-        step loop would have seen it."""
+        """A request arrived during skipped steps: they end at the first boundary at or after now,
+        where the step loop would have seen it."""
         end, step_s, blocked = self.quiet
         self.quiet = None
         now, steps, last = self.sim.now, 1, None
@@ -645,7 +654,8 @@ class Simulation:
         return self.now
 
     def next_use(self, key: AdapterKey) -> float:
-        """When the adapter is next needed: the arrival of its earliest request not yet admitted (for oracles)."""
+        """When the adapter is next needed: the arrival of its earliest request not yet admitted
+        (for oracles)."""
         times = self._arrivals.get(key, ())
         k = self._admitted[key]
         return times[k] if k < len(times) else math.inf
@@ -710,8 +720,8 @@ class Simulation:
         pick = self.picker.pick(self._views, seq.req.model, seq.req.priority)
         index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
         view, model = self._views[index], seq.req.model
-        # As the router's fleet does: a routed request counts in flight, and its adapter as loading there,
-        # until the next poll.
+        # As the router's fleet does: a routed request counts in flight, and its adapter as loading
+        # there, until the next poll.
         loading = view.loading if model is None or model in view.loading else view.loading | {model}
         self._views[index] = replace(view, in_flight=view.in_flight + 1, loading=loading)
         return self.workers[index]
@@ -727,15 +737,16 @@ def _percentiles(values) -> dict[str, float | None]:
 
 
 def hot_adapters(trace: list[Request], count: int, floor: float = 0.05) -> set[str]:
-    """The `count` most requested adapters (name@revision) of a trace, leaving out those with fewer than `floor`
-    of the top one's requests (a one-off is not hot however many slots there are)."""
+    """The `count` most requested adapters (name@revision) of a trace, leaving out those with fewer
+    than `floor` of the top one's requests (a one-off is not hot however many slots there are)."""
     ranked = Counter(r.model for r in trace if r.adapter is not None).most_common(count)
     return {m for m, n in ranked if ranked and n >= max(2, floor * ranked[0][1])}
 
 
 def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
-    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, queue wait,
-    TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant figures."""
+    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, queue
+    wait, TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant
+    figures."""
     seqs = [s for s in sim.requests if s.ref is not None]
     n = len(seqs) or 1
     tiers = Counter(s.tier for s in seqs)
@@ -767,7 +778,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         }
 
     def tenant(group: list[SimRequest]) -> dict:
-        # Rates over the tenant's adapter requests, as the run's: a base-model request has no adapter to miss.
+        # Rates over the tenant's adapter requests, as the run's: a base-model request has no
+        # adapter to miss.
         adapter = [s for s in group if s.ref is not None]
         m = len(adapter) or 1
         name = group[0].req.tenant if group else None
@@ -833,12 +845,13 @@ def config_dict(config: SimConfig) -> dict:
 
 # -- comparing policies ----------------------------------------------------------------------------
 POLICIES = ("lru", "lfu", "gdsf", "score", "a0")
-"""Runtime policies (lru, score), baselines (lfu, gdsf) and a0, the popularity oracle (a reference, not a policy)."""
+"""Runtime policies (lru, score), baselines (lfu, gdsf) and a0, the popularity oracle (a reference,
+not a policy)."""
 
 
 def policy_factory(name: str) -> Callable[[Simulation], object]:
-    """A new policy per worker cache: the runtime ones (lru, score), the baselines (lfu, gdsf), or the oracles
-    (`a0`: true popularity; `optimal`: farthest next use)."""
+    """A new policy per worker cache: the runtime ones (lru, score), the baselines (lfu, gdsf), or
+    the oracles (`a0`: true popularity; `optimal`: farthest next use)."""
     from loraplex.cache.policy import GDSFPolicy, LFUPolicy, make_policy
     from loraplex.sim.optimal import OraclePolicy, PopularityOracle
 
@@ -855,8 +868,8 @@ def policy_factory(name: str) -> Callable[[Simulation], object]:
 
 
 def bound(sim: Simulation, admitted: bool = False) -> dict:
-    """The optimum's lower bound for this trace and configuration (capacities pooled over workers), over the
-    requests in arrival order, or with `admitted` in the order the run admitted them."""
+    """The optimum's lower bound for this trace and configuration (capacities pooled over workers),
+    over the requests in arrival order, or with `admitted` in the order the run admitted them."""
     from loraplex.sim.optimal import lower_bound
 
     c = sim.config
@@ -885,8 +898,8 @@ def compare(
     hot: set[str] | None = None,
     on_run: Callable[[str], None] = lambda name: None,
 ) -> dict[str, dict]:
-    """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit rates of a
-    farthest-next-use oracle run; each policy's entry carries its gap to both."""
+    """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit
+    rates of a farthest-next-use oracle run; each policy's entry carries its gap to both."""
     import time
 
     from loraplex.sim.optimal import gap
@@ -910,15 +923,15 @@ def compare(
         on_run(name)
     least = min(e.get("miss_cost_oracle", e["miss_cost"]) for e in entries.values())
     if least < entries["optimal"]["miss_cost"]:
-        # A run paid less than the bound on the arrival order allows: queued requests of one adapter were admitted
-        # together, with one load. Each run's cost is at least the bound on the order it admitted; the least of
-        # those holds for every run.
+        # A run paid less than the bound on the arrival order allows: waiting requests of one
+        # adapter were admitted together, with one load. Each run's cost is at least the bound on
+        # the order it admitted; the least of those holds for every run.
         lb = min((bound(sim, admitted=True) for sim in sims.values()), key=lambda b: b["miss_cost"])
         if lb["miss_cost"] < entries["optimal"]["miss_cost"]:
             entries["optimal"]["miss_cost"] = lb["miss_cost"]
             entries["optimal"]["lower_bound"] = {**lb, "order": "admission"}
     optimum, oracle = entries["optimal"]["miss_cost"], entries["optimal"]["miss_cost_oracle"]
-    for name, entry in entries.items():
+    for entry in entries.values():
         entry["gap"] = gap(entry["miss_cost"], optimum)
         entry["gap_oracle"] = gap(entry.get("miss_cost_oracle", entry["miss_cost"]), oracle)
     return entries

@@ -1,8 +1,9 @@
 """Seeded request traces: arrivals, adapter popularity, rank mixes, tenants; JSONL in and out.
 
-A trace is a list of `Request`s sorted by time. Generators are pure functions of a `WorkloadSpec` and its seed,
-so the same spec always gives the same trace. Named workloads (`hot-burst`, `zipf`, `uniform`, `diurnal`,
-`rollout`, and `power` for S-LoRA's sampler) carry default capacities that make their cache pressure visible.
+A trace is a list of `Request`s sorted by time. Generators are pure functions of a `WorkloadSpec`
+and its seed, so the same spec always gives the same trace. Named workloads (`hot-burst`, `zipf`,
+`uniform`, `diurnal`, `rollout`, and `power` for S-LoRA's sampler) carry default capacities that
+make their cache pressure visible.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Capacity:
     gpu_slots: int = 8
     cpu_bytes: int = 4 * GiB
     disk_bytes: int | None = None
-    """None: every artifact stays on the worker's disk once fetched (a local NVMe holds the adapter set)."""
+    """None: every artifact stays on the worker's disk once fetched (a local NVMe holds the adapter
+    set)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def popularity_weights(n: int, popularity: str, s: float = 0.9, alpha: float = 1
         w = k**-s
     else:
         # S-LoRA's sampler: adapter floor(n · x) with x ~ numpy power(α), whose CDF is x^α, so
-        # P(i) = ((i+1)/n)^α − (i/n)^α; sorted so that i = 0 is the most popular (α < 1 skews, α = 1 is uniform).
+        # P(i) = ((i+1)/n)^α − (i/n)^α; sorted so that i = 0 is the most popular (α < 1 skews, α = 1
+        # is uniform).
         w = np.sort(np.diff((np.arange(n + 1) / n) ** alpha))[::-1]
     return w / w.sum()
 
@@ -143,7 +146,8 @@ def _tenant_of(rng: np.random.Generator, n: int, tenants: tuple[Tenant, ...]) ->
 
 
 def generate(spec: WorkloadSpec) -> list[Request]:
-    """The trace of a plain spec: arrivals × popularity × rank mix × tenants (adapters are tenant-owned)."""
+    """The trace of a plain spec: arrivals × popularity × rank mix × tenants (adapters are
+    tenant-owned)."""
     rng = np.random.default_rng(spec.seed)
     times = arrival_times(rng, spec.rate, spec.duration_s, spec.arrival, spec.cv)
     n = len(times)
@@ -181,9 +185,9 @@ def hot_burst(
     burst_s: float = 60.0,
     duration_s: float = 300.0,
 ) -> list[Request]:
-    """The seed scenario: steady interactive traffic on a few hot adapters (tenant `interactive`, priority 1),
-    then a batch tenant (priority 0) sweeping many cold adapters once each, short scoring-style requests,
-    during [burst_start, burst_start + burst_s)."""
+    """The seed scenario: steady interactive traffic on a few hot adapters (tenant `interactive`,
+    priority 1), then a batch tenant (priority 0) sweeping many cold adapters once each, short
+    scoring-style requests, during [burst_start, burst_start + burst_s)."""
     rng = np.random.default_rng(seed)
     hot_times = arrival_times(rng, rate_hot, duration_s)
     hot_ranks = draw_ranks(rng, num_hot, {16: 1.0, 32: 1.0})
@@ -229,13 +233,13 @@ def diurnal(
     s: float = 0.9,
     amplitude: float = 0.6,
 ) -> list[Request]:
-    """A daily cycle compressed to `period_s`: the rate swings by ±amplitude, and the popular set shifts from
-    one tenant's adapters (day) to another's (night), so the hot set changes with the hour."""
+    """A daily cycle compressed to `period_s`: the rate swings by ±amplitude, and the popular set
+    shifts from one tenant's adapters (day) to another's (night), so the hot set changes with the
+    hour."""
     rng = np.random.default_rng(seed)
     peak = mean_rate * (1 + amplitude)
-    candidates = arrival_times(
-        rng, peak, duration_s
-    )  # thinning of a Poisson process at the peak rate
+    # thinning of a Poisson process at the peak rate
+    candidates = arrival_times(rng, peak, duration_s)
     phase = 2 * math.pi * candidates / period_s
     keep = rng.uniform(0, 1, len(candidates)) < (1 + amplitude * np.sin(phase)) / (1 + amplitude)
     times = candidates[keep]
@@ -245,9 +249,8 @@ def diurnal(
     out = []
     for t in times:
         day = (math.sin(2 * math.pi * t / period_s) + 1) / 2  # 1 at noon, 0 at midnight
-        group = (
-            0 if rng.uniform() < 0.15 + 0.7 * day else 1
-        )  # day traffic → tenant `day`, night → `night`
+        # day traffic → tenant `day`, night → `night`
+        group = 0 if rng.uniform() < 0.15 + 0.7 * day else 1
         a = int(rng.choice(half, p=weights)) + group * half
         tenant = ("day", "night")[group]
         out.append(
@@ -274,9 +277,9 @@ def rollout(
     rolled: int = 5,
     steps: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0),
 ) -> list[Request]:
-    """Zipf traffic; midway the `rolled` most popular adapters get revision 2, with canary weights stepping
-    through `steps` (1% → 10% → 50% → 100%), sticky per request draw. Both revisions share the traffic while the
-    canary runs, so the cache holds two keys per rolled name."""
+    """Zipf traffic; midway the `rolled` most popular adapters get revision 2, with canary weights
+    stepping through `steps` (1% → 10% → 50% → 100%), sticky per request draw. Both revisions share
+    the traffic while the canary runs, so the cache holds two keys per rolled name."""
     base = generate(
         WorkloadSpec(
             name="rollout",
@@ -304,8 +307,9 @@ def rollout(
 NAMED = ("hot-burst", "zipf", "uniform", "diurnal", "rollout", "power")
 
 CAPACITIES = {
-    # The issue's seed scenario: 4 slots for 4 hot adapters; a small disk budget, so an adapter pushed out of
-    # memory falls back to the remote store (as on a worker whose disk holds little beyond the hot set).
+    # The issue's seed scenario: 4 slots for 4 hot adapters; a small disk budget, so an adapter
+    # pushed out of memory falls back to the remote store (as on a worker whose disk holds little
+    # beyond the hot set).
     "hot-burst": Capacity(gpu_slots=4, cpu_bytes=2 * GiB, disk_bytes=4 * GiB),
     "zipf": Capacity(gpu_slots=16, cpu_bytes=8 * GiB, disk_bytes=None),
     "power": Capacity(gpu_slots=16, cpu_bytes=8 * GiB, disk_bytes=None),
@@ -345,7 +349,8 @@ class TraceError(ValueError):
 def read_trace(path: str | Path) -> list[Request]:
     """A trace written by `write_trace`, or an audit log (lines with `ts` and `request_id`).
 
-    Raises TraceError naming the file and line of a line that is not a JSON object or lacks a number it needs."""
+    Raises TraceError naming the file and line of a line that is not a JSON object or lacks a number
+    it needs."""
     path = Path(path)
     records = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -375,8 +380,8 @@ def read_trace(path: str | Path) -> list[Request]:
 
 
 def _number(record: dict, key: str, convert=float, default=None):
-    """record[key] as a finite number; `default` (when given) stands for a missing, null or zero value.
-    Raises ValueError naming the key, so that a bad line says what is wrong with it."""
+    """record[key] as a finite number; `default` (when given) stands for a missing, null or zero
+    value. Raises ValueError naming the key, so that a bad line says what is wrong with it."""
     value = record.get(key)
     if default is not None and not value:
         value = default
@@ -407,8 +412,9 @@ def _from_trace_line(d: dict) -> Request:
 
 
 def _from_audit_line(d: dict) -> Request | None:
-    """The request of an audit line that was served (2xx), else None. The line's `ts` is written when the request
-    ends, so the arrival is taken as ts − (ttft + tpot × (completion_tokens − 1))."""
+    """The request of an audit line that was served (2xx), else None. The line's `ts` is written
+    when the request ends, so the arrival is taken as ts − (ttft + tpot × (completion_tokens −
+    1))."""
     if d.get("status") is not None and not 200 <= _number(d, "status", int) < 300:
         return None
     completion = _number(d, "completion_tokens", int, 0)

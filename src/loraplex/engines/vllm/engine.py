@@ -14,12 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
-from loraplex.registry.store import AllowList
 
 log = logging.getLogger(__name__)
 _OUR_ID = re.compile(r"[0-9a-f]{32}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, read_artifact
 from loraplex.cache.budgets import TenantBudgets, charged, tenant_rows, usage
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import (
@@ -46,8 +47,6 @@ from loraplex.cache.errors import (
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
-from loraplex.registry.errors import DigestMismatch, RegistryError
-from loraplex.registry.store import read_artifact
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -525,7 +524,7 @@ class VllmResidency:
         loop = asyncio.get_running_loop()
         try:
             nbytes, stages = await loop.run_in_executor(self._executor, self._stage, ref)
-        except (DigestMismatch, RegistryError, OSError) as exc:
+        except (DigestMismatch, ArtifactError, OSError) as exc:
             error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
             self.on_event(
                 "load_failed", {"error": type(error).__name__, "key": ref.key, "exception": error}
@@ -610,7 +609,7 @@ class VllmResidency:
                 stages["download"] = download_s
             stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
         else:
-            raise RegistryError(
+            raise ArtifactUnavailable(
                 f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
             )
         work = self.stage_dir / f".{target.name}.{threading.get_ident()}"

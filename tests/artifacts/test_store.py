@@ -1,4 +1,5 @@
-"""The content-addressed store and the fetchers: digests, atomic puts, verification, allowlists, http, s3."""
+"""The content-addressed store and the fetchers: digests, atomic puts, verification, allowlists,
+http, s3."""
 
 from __future__ import annotations
 
@@ -15,19 +16,23 @@ from pathlib import Path
 import blake3
 import pytest
 
-from loraplex.registry import (
-    AdapterRejected,
+from loraplex.artifacts import (
     AllowList,
     ArtifactStore,
     ArtifactUnavailable,
     DigestMismatch,
+    Pieces,
     UnsafeLocation,
     canonical_digest,
+    digest_and_pieces,
+    fetch_and_read,
     fetch_artifact,
+    is_artifact_name,
+    read_artifact,
     serve_store,
 )
-from loraplex.registry import store as store_module
-from loraplex.registry.store import Pieces, digest_and_pieces, is_artifact_name, read_artifact
+from loraplex.artifacts import digests as digests_module
+from loraplex.lora_format import AdapterRejected
 
 
 def fake_adapter(path: Path, payload: bytes = b"weights") -> Path:
@@ -109,8 +114,8 @@ def test_flipped_byte_is_refused_by_get(tmp_path):
 
 
 def check_by(src: Path, by_pieces: bool | str) -> dict:
-    """read_artifact's keywords for the check: none (one sha256), the piece list taken now, as at registration
-    (BLAKE3), or with "sha256" the same pieces hashed by sha256, as lists recorded
+    """read_artifact's keywords for the check: none (one sha256), the piece list taken now, as at
+    registration (BLAKE3), or with "sha256" the same pieces hashed by sha256, as lists recorded
     by versions without BLAKE3 pieces are."""
     if not by_pieces:
         return {}
@@ -143,17 +148,16 @@ def chunked(monkeypatch):
     """Read chunks and pieces of `size` bytes."""
 
     def chunked(size: int) -> None:
-        monkeypatch.setattr(store_module, "_READ_CHUNK", size)
-        monkeypatch.setattr(store_module, "PIECE_BYTES_MIN", size)
+        monkeypatch.setattr(digests_module, "_READ_CHUNK", size)
+        monkeypatch.setattr(digests_module, "PIECE_BYTES_MIN", size)
 
     return chunked
 
 
 def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
     chunked(1000)
-    src = fake_adapter(
-        tmp_path / "a", bytes(range(256)) * 10
-    )  # 2560 bytes: pieces of 1000, 1000 and 560
+    # 2560 bytes: pieces of 1000, 1000 and 560
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 10)
     digest, pieces = digest_and_pieces(src)
     assert digest == canonical_digest(src) and pieces.size == 1000
     data = (src / "adapter_model.safetensors").read_bytes()
@@ -183,14 +187,15 @@ def test_pieces_are_taken_in_the_read_that_hashes_the_digest(tmp_path, chunked):
         {**listed, "algorithm": "md5"},
         {**listed, "algorithm": ["blake3"]},
         unnamed | {"files": listed["files"]},
-    ):  # BLAKE3 hashes without the name: taken for sha256
+    ):
+        # BLAKE3 hashes without the name: taken for sha256
         with pytest.raises(ValueError, match="not a piece list"):
             Pieces.from_json(json.dumps(bad))
 
 
 def test_a_file_that_changes_while_its_pieces_are_taken_is_refused(tmp_path, monkeypatch):
-    """The digest hashes a file's size as fstat gives it; pieces of more (or fewer) bytes would describe other
-    bytes than the digest does, and then accept them."""
+    """The digest hashes a file's size as fstat gives it; pieces of more (or fewer) bytes would
+    describe other bytes than the digest does, and then accept them."""
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 10)
     real_fstat = os.fstat
 
@@ -201,14 +206,14 @@ def test_a_file_that_changes_while_its_pieces_are_taken_is_refused(tmp_path, mon
                 f.write(b"EVIL")
         return result
 
-    monkeypatch.setattr(store_module.os, "fstat", fstat_then_append)
+    monkeypatch.setattr(digests_module.os, "fstat", fstat_then_append)
     with pytest.raises(ArtifactUnavailable, match="changed while it was hashed"):
         digest_and_pieces(src)
 
 
 def test_piece_size_keeps_the_list_short():
     mib = 1 << 20
-    sizes = [store_module.piece_bytes(n) for n in (0, 256 * mib, 256 * mib + 1, 4096 * mib)]
+    sizes = [digests_module.piece_bytes(n) for n in (0, 256 * mib, 256 * mib + 1, 4096 * mib)]
     assert sizes == [mib, mib, 2 * mib, 16 * mib]
 
 
@@ -243,7 +248,8 @@ def test_read_artifact_refuses_a_flipped_byte(tmp_path, chunked, by_pieces):
 
 
 class StalledHashers:
-    """A hasher pool whose threads never come to this load's pieces (as when they are busy elsewhere)."""
+    """A hasher pool whose threads never come to this load's pieces (as when they are busy
+    elsewhere)."""
 
     def __init__(self, *args, **kwargs):
         self.submitted = 0
@@ -259,12 +265,13 @@ class StalledHashers:
 
 
 def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeypatch):
-    """The thread waiting for the piece check hashes the pieces no hasher thread has begun (on two cores, the
-    second hasher): with every hasher thread elsewhere the load still ends, checked, instead of waiting for good."""
+    """The thread waiting for the piece check hashes the pieces no hasher thread has begun (on two
+    cores, the second hasher): with every hasher thread elsewhere the load still ends, checked,
+    instead of waiting for good."""
     chunked(1000)
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     digest, pieces = digest_and_pieces(src)
-    monkeypatch.setattr(store_module, "ThreadPoolExecutor", StalledHashers)
+    monkeypatch.setattr(digests_module, "ThreadPoolExecutor", StalledHashers)
     seen = []
 
     def use(files, hashed):
@@ -296,9 +303,8 @@ def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(
     original = (src / "adapter_model.safetensors").read_bytes()
     check = check_by(src, by_pieces)
 
-    def overwrite(
-        files, hashed
-    ):  # zeroes the weights from the front, each piece once the hash has read it
+    def overwrite(files, hashed):
+        # zeroes the weights from the front, each piece once the hash has read it
         data = files["adapter_model.safetensors"]
         for end in range(100, len(data) + 100, 100):
             hashed("adapter_model.safetensors", min(end, len(data)))
@@ -325,18 +331,17 @@ def test_read_artifact_drops_what_use_made_of_bytes_that_do_not_match(tmp_path, 
     def refuse(files, hashed):
         raise ValueError("not a safetensors file")
 
-    with pytest.raises(
-        DigestMismatch
-    ):  # a mismatch is the error, whatever the parser said of the bytes
+    with pytest.raises(DigestMismatch):
+        # a mismatch is the error, whatever the parser said of the bytes
         read_artifact(src, digest, use=refuse, **check)
-    with pytest.raises(
-        ValueError, match="not a safetensors file"
-    ):  # the bytes are the artifact's: its error
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        # the bytes are the artifact's: its error
         read_artifact(src, canonical_digest(src), use=refuse, **check_by(src, by_pieces))
 
 
 def test_read_by_pieces_refuses_other_files_and_sizes(tmp_path, chunked):
-    """Pieces that all match do not make the artifact: the files' names and sizes must be the listed ones too."""
+    """Pieces that all match do not make the artifact: the files' names and sizes must be the listed
+    ones too."""
     chunked(1000)
     payload = bytes(range(256)) * 8  # 2048 bytes: pieces end at 1000, 2000, 2048
     weights = "adapter_model.safetensors"
@@ -385,16 +390,17 @@ def test_fetch_file_verifies_and_moves_into_place(tmp_path):
 
 @pytest.mark.parametrize("by_pieces", [False, True])
 def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeypatch, by_pieces):
-    """A remote load reads and hashes the downloaded bytes once: the read that verifies them before the rename is
-    the one whose bytes `use` gets (they were read twice, from the work directory and again from the store)."""
+    """A remote load reads and hashes the downloaded bytes once: the read that verifies them before
+    the rename is the one whose bytes `use` gets (they were read twice, from the work directory and
+    again from the store)."""
     remote = ArtifactStore(tmp_path / "remote")
     src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
     digest = remote.put(src)
     check = check_by(src, by_pieces)
     reads = []
-    real_read = store_module._read_hashing
+    real_read = digests_module._read_hashing
     monkeypatch.setattr(
-        store_module,
+        digests_module,
         "_read_hashing",
         lambda path, name, *args: reads.append(name) or real_read(path, name, *args),
     )
@@ -406,7 +412,7 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
 
     local = ArtifactStore(tmp_path / "local")
     with serve_store(remote) as base:
-        fetched = store_module.fetch_and_read(
+        fetched = fetch_and_read(
             f"{base}/{digest.removeprefix('sha256:')}",
             digest,
             local,
@@ -419,15 +425,15 @@ def test_fetch_and_read_checks_and_uses_a_download_in_one_read(tmp_path, monkeyp
     assert fetched.result == {name: (src / name).read_bytes() for name in reads}
     assert fetched.download_s is not None and fetched.download_s > 0
     # Already in the store: read (and checked) from there, no download.
-    again = store_module.fetch_and_read(
+    again = fetch_and_read(
         remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use, **check
     )
     assert again.download_s is None and again.result == fetched.result
 
 
 def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
-    """A failed load leaves every tier as it was: bytes that match but do not pack are not kept, where they would
-    count against the disk budget and push out an artifact that serves."""
+    """A failed load leaves every tier as it was: bytes that match but do not pack are not kept,
+    where they would count against the disk budget and push out an artifact that serves."""
     remote = ArtifactStore(tmp_path / "remote")
     digest = remote.put(fake_adapter(tmp_path / "a"))
     local = ArtifactStore(tmp_path / "local")
@@ -436,16 +442,15 @@ def test_fetch_and_read_keeps_no_download_that_use_fails_on(tmp_path):
         raise ValueError("not an adapter this server can serve")
 
     with pytest.raises(ValueError, match="not an adapter"):
-        store_module.fetch_and_read(
+        fetch_and_read(
             remote.uri(digest), digest, local, AllowList(roots=(tmp_path / "remote",)), use
         )
     assert not local.has(digest) and local.digests() == []
     assert list((local.root / "tmp").iterdir()) == []  # nor its work directory
     wrong = "sha256:" + "0" * 64
-    with pytest.raises(
-        DigestMismatch, match=f"expected {wrong}"
-    ):  # a mismatch is what is raised when both fail
-        store_module.fetch_and_read(
+    with pytest.raises(DigestMismatch, match=f"expected {wrong}"):
+        # a mismatch is what is raised when both fail
+        fetch_and_read(
             remote.uri(digest), wrong, local, AllowList(roots=(tmp_path / "remote",)), use
         )
     assert not local.has(wrong)
@@ -520,9 +525,8 @@ def test_allowlist_parse():
 @pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
     remote = ArtifactStore(tmp_path / "remote")
-    digest, pieces = remote.put_with_pieces(
-        fake_adapter(tmp_path / "a", os.urandom(3 << 20))
-    )  # several chunks
+    # several chunks
+    digest, pieces = remote.put_with_pieces(fake_adapter(tmp_path / "a", os.urandom(3 << 20)))
     assert len(pieces.files[1][2]) == 3
     check = {"pieces": pieces} if by_pieces else {}
     local = ArtifactStore(tmp_path / "local")
@@ -532,10 +536,10 @@ def test_http_fetch_from_a_real_local_server(tmp_path, by_pieces):
         assert canonical_digest(path) == digest
         weights = "adapter_model.safetensors"
         assert (path / weights).read_bytes() == (remote.path(digest) / weights).read_bytes()
-        assert (
-            fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check) == path
-        )  # the local copy
-        # Bytes changed in the remote store are refused, and so is a damaged local copy (replaced, not used).
+        # the local copy
+        assert fetch_artifact(uri, digest, local, AllowList(prefixes=(base,)), **check) == path
+        # Bytes changed in the remote store are refused, and so is a damaged local copy (replaced,
+        # not used).
         data = bytearray((remote.path(digest) / weights).read_bytes())
         data[(2 << 20) + 5] ^= 1
         (remote.path(digest) / weights).write_bytes(bytes(data))
@@ -598,7 +602,8 @@ def test_http_store_down_or_silent_is_unavailable(tmp_path):
 
 
 def test_http_store_that_trickles_bytes_is_cut_off_by_the_whole_download_deadline(tmp_path):
-    """Each read gets a byte well within its timeout, so only the deadline over the whole download ends it."""
+    """Each read gets a byte well within its timeout, so only the deadline over the whole download
+    ends it."""
     remote = ArtifactStore(tmp_path / "remote")
     digest = remote.put(fake_adapter(tmp_path / "a", os.urandom(4000)))
     hexd = digest.removeprefix("sha256:")

@@ -1,0 +1,324 @@
+"""Fetchers that bring an artifact into the store from file://, http(s):// or s3://, verified
+before its one rename into place, and the allowlist of places they may read from."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from loraplex.artifacts.digests import (
+    CHUNK_BYTES,
+    Pieces,
+    artifact_files,
+    canonical_digest,
+    check_digest,
+    is_artifact_name,
+    read_artifact,
+)
+from loraplex.artifacts.errors import ArtifactUnavailable, DigestMismatch, UnsafeLocation
+from loraplex.artifacts.store import INDEX_FILE, ArtifactStore, copy_synced
+
+MIN_DOWNLOAD_RATE = 1 << 20
+"""Bytes per second a download must keep up on average, after its first `timeout_s`: each read's own
+timeout does not end a store that trickles bytes, and such a download would hold a load thread for
+good."""
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s):// and
+    s3://."""
+
+    roots: tuple[Path, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, items: list[str] | tuple[str, ...]) -> AllowList:
+        """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or
+        `s3://bucket/p`."""
+        roots, prefixes = [], []
+        for item in items:
+            if item.startswith(("http://", "https://", "s3://")):
+                prefixes.append(item.rstrip("/"))
+            else:
+                path = unquote(urlsplit(item).path) if item.startswith("file://") else item
+                roots.append(Path(path).resolve())
+        return cls(roots=tuple(roots), prefixes=tuple(prefixes))
+
+    def root_for(self, uri: str) -> Path:
+        """The allowed root a file:// URI lies in (after following symlinks)."""
+        parts = _split_checked(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise UnsafeLocation(f"{uri}: file:// URIs must be local")
+        path = Path(unquote(parts.path))
+        if not path.is_absolute():
+            raise UnsafeLocation(f"{uri}: a file:// URI needs an absolute path")
+        real = path.resolve()
+        for root in self.roots:
+            if real.is_relative_to(root.resolve()):
+                return root.resolve()
+        raise UnsafeLocation(
+            f"{uri} is outside the allowed roots ({', '.join(map(str, self.roots)) or 'none set'})"
+        )
+
+    def check(self, uri: str) -> None:
+        """Raise UnsafeLocation unless `uri` lies under an allowed root or URL prefix."""
+        parts = _split_checked(uri)
+        if parts.scheme == "file":
+            self.root_for(uri)
+            return
+        for prefix in self.prefixes:
+            allowed = urlsplit(prefix)
+            same_place = (allowed.scheme, allowed.hostname, allowed.port) == (
+                parts.scheme,
+                parts.hostname,
+                parts.port,
+            )
+            base = allowed.path.rstrip("/")
+            if same_place and (parts.path == base or parts.path.startswith(base + "/")):
+                return
+        raise UnsafeLocation(
+            f"{uri} is not under an allowed storage prefix "
+            f"({', '.join(self.prefixes) or 'none set'})"
+        )
+
+
+def _split_checked(uri: str):
+    parts = urlsplit(uri)
+    if parts.scheme not in ("file", "http", "https", "s3"):
+        raise UnsafeLocation(f"{uri}: unsupported scheme {parts.scheme!r} (file, http, https, s3)")
+    if parts.username or parts.password:
+        raise UnsafeLocation(f"{uri}: credentials in a storage URI are refused")
+    path = unquote(parts.path)
+    if "\\" in path or "\0" in path or any(seg in ("..", ".") for seg in path.split("/")):
+        raise UnsafeLocation(f"{uri}: '..', '.' and backslashes are refused in storage paths")
+    return parts
+
+
+def fetch_artifact(
+    storage_uri: str,
+    digest: str,
+    dest: ArtifactStore,
+    allowed: AllowList,
+    timeout_s: float = 30.0,
+    s3_client=None,
+    http_client=None,
+    min_rate: float = MIN_DOWNLOAD_RATE,
+    pieces: Pieces | None = None,
+) -> Path:
+    """Bring an artifact into `dest` (download, verify, one rename) and return its local directory.
+    A caller that fetches often passes its own `http_client` (an httpx.Client): a new one loads the
+    CA bundle, about 50 ms of CPU with the GIL held.
+
+    `timeout_s` bounds each network operation; a download as a whole must also end within
+    `timeout_s` plus its bytes (from the store's index) at `min_rate` bytes per second, or it fails
+    with ArtifactUnavailable. `pieces`: the registry's piece list for `digest`, to check the bytes
+    on several cores."""
+    check_digest(digest)
+    if dest.has(digest):
+        try:
+            return dest.get(digest, pieces)
+        except DigestMismatch:
+            dest.remove(digest)  # a damaged local copy is replaced by a fresh download
+    return fetch_and_read(
+        storage_uri,
+        digest,
+        dest,
+        allowed,
+        None,
+        timeout_s,
+        s3_client,
+        http_client,
+        min_rate,
+        pieces,
+    ).path
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path
+    """The artifact's directory in the store."""
+    result: object
+    """What `read_artifact(path, digest, use, pieces)` gives."""
+    download_s: float | None
+    """Seconds the transfer took; None when the store had the artifact."""
+
+
+def fetch_and_read(
+    storage_uri: str,
+    digest: str,
+    dest: ArtifactStore,
+    allowed: AllowList,
+    use: Callable | None,
+    timeout_s: float = 30.0,
+    s3_client=None,
+    http_client=None,
+    min_rate: float = MIN_DOWNLOAD_RATE,
+    pieces: Pieces | None = None,
+) -> Fetched:
+    """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give,
+    taken from the read that verifies the download before its rename: a remote load reads and hashes
+    its bytes once, not twice. When the bytes match but `use` fails (an adapter this server cannot
+    serve), the download is not kept: a failed load leaves the store as it was (its budget would
+    push out an artifact that serves)."""
+    check_digest(digest)
+    if dest.has(digest):
+        try:
+            return Fetched(
+                dest.path(digest), read_artifact(dest.path(digest), digest, use, pieces), None
+            )
+        except DigestMismatch:
+            dest.remove(digest)  # a damaged local copy is replaced by a fresh download
+    allowed.check(storage_uri)
+    scheme = urlsplit(storage_uri).scheme
+    work = dest.temp_dir()
+    try:
+        start = time.perf_counter()
+        if scheme == "file":
+            _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
+        elif scheme in ("http", "https"):
+            _fetch_http(storage_uri, work, _Deadline(timeout_s, min_rate), http_client)
+        else:
+            _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
+        download_s = time.perf_counter() - start
+        try:
+            if use is None and pieces is None:
+                # nothing to keep: hashed as it is read, not held in memory
+                actual, result = canonical_digest(work), None
+                if actual != digest:
+                    raise DigestMismatch(digest, actual, storage_uri)
+            else:
+                result = read_artifact(work, digest, use, pieces)
+        except DigestMismatch as exc:
+            raise DigestMismatch(digest, exc.actual, storage_uri) from None
+        return Fetched(dest.adopt(work, digest), result, download_s)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fetch_file(uri: str, work: Path, root: Path) -> None:
+    src = Path(unquote(urlsplit(uri).path))
+    if not src.is_dir():
+        raise ArtifactUnavailable(f"{uri}: no such artifact directory")
+    for name in artifact_files(src):
+        if not (src / name).resolve().is_relative_to(root):
+            raise UnsafeLocation(f"{uri}: {name} is a symlink out of the allowed root {root}")
+        try:
+            copy_synced(src / name, work / name)
+        except OSError as exc:
+            raise ArtifactUnavailable(f"{uri}: cannot read {name} ({exc})") from None
+
+
+def _checked_index(raw: bytes, uri: str) -> list[tuple[str, int]]:
+    try:
+        files = json.loads(raw)["files"]
+        entries = [(str(f["name"]), int(f["size"])) for f in files]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactUnavailable(f"{uri}/{INDEX_FILE} is not a valid index ({exc})") from None
+    for name, size in entries:
+        if not is_artifact_name(name) or size < 0:
+            raise UnsafeLocation(
+                f"{uri}/{INDEX_FILE} lists {name!r}, which is not an artifact file name"
+            )
+    return entries
+
+
+class _Deadline:
+    """When a download must be done by: `timeout_s` from now, plus its bytes at `min_rate`, once
+    they are known."""
+
+    def __init__(self, timeout_s: float, min_rate: float):
+        self.timeout_s, self.min_rate = timeout_s, min_rate
+        self.at = time.monotonic() + timeout_s
+        self.limit_s = timeout_s
+
+    def allow(self, entries: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        extra = sum(size for _, size in entries) / self.min_rate
+        self.at += extra
+        self.limit_s += extra
+        return entries
+
+    def check(self, where: str) -> None:
+        if time.monotonic() > self.at:
+            raise ArtifactUnavailable(
+                f"{where}: the download took longer than {self.limit_s:.0f} s "
+                f"(slower than {self.min_rate / 2**20:g} MiB/s)"
+            )
+
+
+def _fetch_http(uri: str, work: Path, deadline: _Deadline, client=None) -> None:
+    import httpx  # here: only http stores need it, and it is slow to import for every CLI command
+
+    base, timeout_s = uri.rstrip("/"), deadline.timeout_s
+    try:
+        with contextlib.ExitStack() as stack:
+            if client is None:
+                client = stack.enter_context(
+                    httpx.Client(timeout=timeout_s, follow_redirects=False)
+                )
+            index = client.get(f"{base}/{INDEX_FILE}", timeout=timeout_s)
+            index.raise_for_status()
+            for name, size in deadline.allow(_checked_index(index.content, base)):
+                with (
+                    client.stream("GET", f"{base}/{name}", timeout=timeout_s) as response,
+                    (work / name).open("wb") as out,
+                ):
+                    response.raise_for_status()
+                    # as they come
+                    _write_bounded(response.iter_bytes(), out, size, f"{base}/{name}", deadline)
+    except httpx.HTTPError as exc:
+        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+
+
+def _write_bounded(chunks, out, size: int, where: str, deadline: _Deadline) -> None:
+    written = 0
+    for chunk in chunks:
+        deadline.check(where)
+        written += len(chunk)
+        if written > size:
+            raise ArtifactUnavailable(f"{where} sent more than the {size} bytes its index lists")
+        out.write(chunk)
+    deadline.check(where)
+    out.flush()
+    os.fsync(out.fileno())
+
+
+def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
+    parts = urlsplit(uri)
+    timeout_s = deadline.timeout_s
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if client is None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ArtifactUnavailable(
+                "s3:// storage needs boto3: pip install 'loraplex[s3]'"
+            ) from None
+        client = boto3.client(
+            "s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s)
+        )
+    try:
+        index = client.get_object(Bucket=bucket, Key=f"{prefix}/{INDEX_FILE}")["Body"].read()
+        for name, size in deadline.allow(_checked_index(index, uri)):
+            body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
+            with (work / name).open("wb") as out:
+                _write_bounded(
+                    iter(functools.partial(body.read, CHUNK_BYTES), b""),
+                    out,
+                    size,
+                    f"{uri}/{name}",
+                    deadline,
+                )
+    except (UnsafeLocation, ArtifactUnavailable):
+        raise
+    except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"
+        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
