@@ -40,16 +40,16 @@ def group_by_blocks(counts: list[int], max_padding: float = 0.25) -> list[list[i
     sequence while the blocks it pads (to its first one's count) stay within max_padding of the
     blocks it reads."""
     groups: list[list[int]] = []
-    total = 0
+    total = 0  # blocks the last group reads
     for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
-        if groups and counts[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + max_padding) * (
-            total + counts[i]
-        ):
-            groups[-1].append(i)
-            total += counts[i]
-        else:
-            groups.append([i])
-            total = counts[i]
+        if groups:
+            padded = counts[groups[-1][0]] * (len(groups[-1]) + 1)  # with i, padding included
+            if padded <= (1 + max_padding) * (total + counts[i]):
+                groups[-1].append(i)
+                total += counts[i]
+                continue
+        groups.append([i])
+        total = counts[i]
     return groups
 
 
@@ -96,7 +96,7 @@ class AttentionMeta:
 
     def _build_groups(self, window: int | None) -> list[DecodeGroup]:
         size, device = self.block_size, self.slot_mapping.device
-        firsts = [max(0, n - window) // size if window else 0 for n in self.decode_lens]
+        firsts = [0 if window is None else max(0, n - window) // size for n in self.decode_lens]
         ends = [-(-n // size) for n in self.decode_lens]
         groups = []
         for members in group_by_blocks([e - f for f, e in zip(firsts, ends)]):
