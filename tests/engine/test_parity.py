@@ -180,3 +180,21 @@ def test_prefix_cache_shares_blocks_within_one_adapter_revision_only(world):
     # same bytes, another revision: its own blocks
     assert _greedy_with_hits(engine, prefix + [2], again)[1] == 0
     assert _greedy_with_hits(engine, prefix + [3], refs[name])[1] == 2 * size
+
+
+def test_decode_over_many_blocks_of_mixed_lengths_matches_peft(world):
+    """Contexts of 1 to 6 KV blocks decode side by side (several attention groups, the sliding
+    window's blocks only where the model has one): greedy tokens are HF + PEFT's."""
+    engine, refs, ref_model = world
+    size = engine.blocks.block_size
+    names = [None, *refs]
+    jobs = [
+        ([(7 * i + j) % 500 + 2 for j in range(length)], names[i % len(names)])
+        for i, length in enumerate((3, size + 1, 2 * size + 5, 3 * size, 5 * size + 9, 2))
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = engine.generate(
+        [p for p, _ in jobs], params, [refs[n] if n else None for _, n in jobs]
+    )
+    for (prompt, name), got in zip(jobs, outputs):
+        assert got == reference_greedy(ref_model, prompt, name, 12), f"adapter {name}"

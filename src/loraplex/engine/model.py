@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened tokens, a paged KV cache and LoRA slots."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened tokens, a paged KV cache
+and LoRA slots."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +23,54 @@ class PrefillSpan:
     first: int
     length: int
     start: int = 0
-    # [start + length] flat KV positions it attends to, when start > 0
-    context: torch.Tensor | None = None
+    # when start > 0: the blocks that hold its positions [0, start + length), which it attends to
+    context_blocks: torch.Tensor | None = None
+
+
+class DecodeGroup(NamedTuple):
+    """Decoding sequences that read the same number of KV blocks: one attention call."""
+
+    rows: torch.Tensor  # [G] their tokens' indices in the step
+    blocks: torch.Tensor  # [G * n] the n blocks each reads, in order
+    mask: torch.Tensor  # [G, 1, 1, n * block_size] True where its token may attend
+
+
+def group_by_blocks(counts: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices grouped for one attention call each, the longest first: a group takes the next
+    sequence while the blocks it pads (to its first one's count) stay within max_padding of the
+    blocks it reads."""
+    groups: list[list[int]] = []
+    total = 0  # blocks the last group reads
+    for i in sorted(range(len(counts)), key=lambda i: -counts[i]):
+        if groups:
+            padded = counts[groups[-1][0]] * (len(groups[-1]) + 1)  # with i, padding included
+            if padded <= (1 + max_padding) * (total + counts[i]):
+                groups[-1].append(i)
+                total += counts[i]
+                continue
+        groups.append([i])
+        total = counts[i]
+    return groups
+
+
+class GatherBuffers:
+    """Where attention gathers the KV blocks it reads: one pair shared by every layer and step,
+    grown to the largest read so far, so no layer allocates (and faults in) fresh memory."""
+
+    def __init__(self, block_numel: int, dtype: torch.dtype, device):
+        self.k = torch.empty(0, block_numel, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    def gather(self, kv: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor):
+        """The blocks' keys and values, [len(blocks), block_size * kv_heads * head_dim] each."""
+        n = blocks.numel()
+        if n > self.k.shape[0]:
+            self.k = self.k.new_empty(n, self.k.shape[1])
+            self.v = torch.empty_like(self.k)
+        k_cache, v_cache = (c.view(-1, self.k.shape[1]) for c in kv)  # [num_blocks, block numel]
+        k = torch.index_select(k_cache, 0, blocks, out=self.k[:n])
+        v = torch.index_select(v_cache, 0, blocks, out=self.v[:n])
+        return k, v
 
 
 @dataclass
@@ -32,23 +80,41 @@ class AttentionMeta:
     slot_mapping: torch.Tensor  # [T] flat KV-cache position each new token writes to
     positions: torch.Tensor  # [T]
     prefills: list[PrefillSpan]
-    decode_tokens: torch.Tensor | None = None  # [B] token index of each decoding sequence
-    decode_kv: torch.Tensor | None = (
-        None  # [B, L] flat KV-cache positions of each decoding sequence's context
-    )
-    decode_lens: torch.Tensor | None = None  # [B] context length, the new token included
-    _masks: dict = field(default_factory=dict)
+    block_size: int
+    buffers: GatherBuffers
+    decode_start: int = 0  # the decoding sequences' tokens are the step's last ones
+    decode_tables: list[list[int]] = field(default_factory=list)  # each one's blocks, in order
+    decode_lens: list[int] = field(default_factory=list)  # its context, the new token included
+    _groups: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, L] True where a decoding token may attend."""
-        if window not in self._masks:
-            cols = torch.arange(self.decode_kv.shape[1], device=self.decode_kv.device)
-            lens = self.decode_lens[:, None]
-            mask = cols[None, :] < lens
+    def decode_groups(self, window: int | None) -> list[DecodeGroup]:
+        """The decoding sequences grouped by the blocks they read (the window's, when one is
+        given), built once per step for each window."""
+        if window not in self._groups:
+            self._groups[window] = self._build_groups(window)
+        return self._groups[window]
+
+    def _build_groups(self, window: int | None) -> list[DecodeGroup]:
+        size, device = self.block_size, self.slot_mapping.device
+        firsts = [0 if window is None else max(0, n - window) // size for n in self.decode_lens]
+        ends = [-(-n // size) for n in self.decode_lens]
+        groups = []
+        for members in group_by_blocks([e - f for f, e in zip(firsts, ends)]):
+            width = ends[members[0]] - firsts[members[0]]
+            blocks = []
+            for i in members:
+                own = self.decode_tables[i][firsts[i] : ends[i]]
+                blocks += own + own[-1:] * (width - len(own))  # padding: masked out below
+            first = torch.tensor([firsts[i] for i in members], device=device)[:, None]
+            lens = torch.tensor([self.decode_lens[i] for i in members], device=device)[:, None]
+            cols = torch.arange(width * size, device=device)[None, :] + first * size
+            mask = cols < lens
             if window is not None:
-                mask &= cols[None, :] > lens - 1 - window
-            self._masks[window] = mask[:, None, None, :]
-        return self._masks[window]
+                mask &= cols > lens - 1 - window
+            rows = torch.tensor([self.decode_start + i for i in members], device=device)
+            blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+            groups.append(DecodeGroup(rows, blocks, mask[:, None, None, :]))
+        return groups
 
 
 class RMSNorm(nn.Module):
@@ -142,21 +208,23 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for span in attn.prefills:
             rows = slice(span.first, span.first + span.length)
-            out[rows] = self._prefill(q, k, v, span, k_cache, v_cache)
-        if attn.decode_tokens is not None:
-            out[attn.decode_tokens] = self._decode(q[attn.decode_tokens], k_cache, v_cache, attn)
+            out[rows] = self._prefill(q, k, v, span, kv, attn.buffers)
+        for group in attn.decode_groups(self.window) if attn.decode_lens else ():
+            out[group.rows] = self._decode(q[group.rows], kv, group, attn.buffers)
         return self.o_proj(out.view(n, -1), lora)
 
-    def _prefill(self, q, k, v, span: PrefillSpan, k_cache, v_cache):
+    def _prefill(self, q, k, v, span: PrefillSpan, kv, buffers: GatherBuffers):
         # [L, H, D] -> [1, H, L, D]
         first, length = span.first, span.length
         q = q[first : first + length].transpose(0, 1).unsqueeze(0)
-        if span.context is None:  # from position 0: the chunk's own keys and values
+        if span.context_blocks is None:  # from position 0: the chunk's own keys and values
             k, v = (t[first : first + length].transpose(0, 1).unsqueeze(0) for t in (k, v))
-        # a later chunk: every earlier position's keys and values, from the cache (this chunk's are
-        # in)
-        else:
-            k, v = (c[span.context].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+        else:  # a later chunk: every position's keys and values so far, this chunk's included
+            shape = (-1, self.num_kv_heads, self.head_dim)
+            k, v = (
+                t.view(shape)[: span.start + length].transpose(0, 1).unsqueeze(0)
+                for t in buffers.gather(kv, span.context_blocks)
+            )
         if span.start == 0 and (self.window is None or length <= self.window):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
@@ -172,15 +240,15 @@ class Attention(nn.Module):
             )
         return out[0].transpose(0, 1)
 
-    def _decode(self, q, k_cache, v_cache, attn: AttentionMeta):
-        # q: [B, H, D] -> [B, H, 1, D]; context gathered from the paged cache: [B, kv_heads, L, D]
-        k = k_cache[attn.decode_kv].transpose(1, 2)
-        v = v_cache[attn.decode_kv].transpose(1, 2)
-        mask = attn.decode_mask(self.window)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+    def _decode(self, q, kv, group: DecodeGroup, buffers: GatherBuffers):
+        # q: [G, H, D] -> [G, kv_heads, H / kv_heads, D]: a KV head's query heads as rows, so
+        # grouped-query attention reads each key once; keys and values: [G, kv_heads, L, D]
+        num_seqs, group_size = q.shape[0], self.num_heads // self.num_kv_heads
+        q = q.view(num_seqs, self.num_kv_heads, group_size, self.head_dim)
+        shape = (num_seqs, -1, self.num_kv_heads, self.head_dim)
+        k, v = (t.view(shape).transpose(1, 2) for t in buffers.gather(kv, group.blocks))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
+        return out.reshape(num_seqs, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):

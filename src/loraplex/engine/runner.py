@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into tensors, runs the model, returns each sequence's next-token logits."""
+"""Turns a scheduled batch into tensors, runs the model, returns each sequence's next-token
+logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.lora import LoRASlotPool, build_lora_groups
-from loraplex.engine.model import AttentionMeta, CausalLM, PrefillSpan
+from loraplex.engine.model import AttentionMeta, CausalLM, GatherBuffers, PrefillSpan
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 
@@ -47,37 +48,32 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        block_numel = blocks.block_size * cfg.num_kv_heads * cfg.head_dim
+        self.buffers = GatherBuffers(block_numel, dtype, device)
 
-    def _kv_positions(self, seqs: list[Sequence], width: int) -> torch.Tensor:
-        """[len(seqs), width] flat KV-cache positions of each sequence's first `width` tokens (0 past its end)."""
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """[end - start] flat KV-cache positions of the sequence's tokens start .. end - 1."""
         size = self.blocks.block_size
-        num_blocks = -(-width // size)
-        table = torch.tensor(
-            [
-                s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
-                for s in seqs
-            ]
-        )
-        index = torch.arange(width)
-        return table[:, index // size] * size + index % size
+        index = torch.arange(start, end)
+        table = torch.tensor(seq.block_table[: -(-end // size)])
+        return table[index // size] * size + index % size
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: a forked sequence's own copy of a
         shared block."""
-        size = self.blocks.block_size
-        offsets = torch.arange(size)
-        src = torch.cat([s * size + offsets for s, _ in pairs]).to(self.device)
-        dst = torch.cat([d * size + offsets for _, d in pairs]).to(self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in (c for kv in self.kv_caches for c in kv):
+            by_block = cache.view(self.blocks.num_blocks, -1)  # [num_blocks, block numel]
+            by_block[dst] = by_block[src]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_tokens: bool = False) -> StepLogits:
         """The batch's sequences, ordered by adapter slot, and their next-token logits [B, V].
 
-        With all_tokens, the logits of every token of the step instead ([T, V], sequences in the returned order).
+        With all_tokens, the logits of every token of the step instead ([T, V], sequences in the
+        returned order).
         """
         # Tokens of one adapter sit together so the LoRA ops see long segments.
         prefills = sorted(batch.prefills, key=lambda s: s.lora_slot)
@@ -85,15 +81,17 @@ class ModelRunner:
         ids, positions, slots, token_slots, prefill_spans, last = [], [], [], [], [], []
         # prefills whose chunk ends the sequence: their logits are sampled
         done: list[Sequence] = []
-        dev = self.device
+        dev, size = self.device, self.blocks.block_size
         for seq in prefills:
             start, n = seq.num_computed, seq.num_scheduled
             end = start + n
-            kv = self._kv_positions([seq], end)[0]
-            prefill_spans.append(PrefillSpan(len(ids), n, start, kv.to(dev) if start else None))
+            context = (
+                torch.tensor(seq.block_table[: -(-end // size)], device=dev) if start else None
+            )
+            prefill_spans.append(PrefillSpan(len(ids), n, start, context))
             ids += seq.all_ids[start:end]
             positions += range(start, end)
-            slots.append(kv[start:])
+            slots.append(self._slots(seq, start, end))
             token_slots += [seq.lora_slot] * n
             if end == len(seq):
                 done.append(seq)
@@ -103,7 +101,6 @@ class ModelRunner:
         lens = [len(s) for s in decodes]
         ids += [s.last_token for s in decodes]
         positions += [n - 1 for n in lens]
-        size = self.blocks.block_size
         slots.append(
             torch.tensor(
                 [
@@ -119,11 +116,12 @@ class ModelRunner:
             slot_mapping=torch.cat(slots).to(dev),
             positions=torch.tensor(positions, device=dev),
             prefills=prefill_spans,
+            block_size=size,
+            buffers=self.buffers,
+            decode_start=decode_start,
+            decode_tables=[s.block_table for s in decodes],
+            decode_lens=lens,
         )
-        if decodes:
-            attn.decode_tokens = torch.arange(decode_start, len(ids), device=dev)
-            attn.decode_lens = torch.tensor(lens, device=dev)
-            attn.decode_kv = self._kv_positions(decodes, max(lens)).to(dev)
         lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
         last_rows = torch.tensor(last, dtype=torch.long, device=dev)
