@@ -1,12 +1,13 @@
-"""The engine's request errors, in a module without torch: the HTTP layer maps them, and the commands that do not
-serve (the router, the registry, the tools) import that layer without loading torch."""
+"""The engine's request errors, in a module without torch: the HTTP layer maps them, and the
+commands that do not serve (the router, the registry, the tools) import that layer without loading
+torch."""
 
 from __future__ import annotations
 
 
 class NonFiniteLogits(RuntimeError):
-    """The model gave NaN or infinite logits for a sequence (its adapter's weights, say): that request fails, the
-    others in the batch go on."""
+    """The model gave NaN or infinite logits for a sequence (its adapter's weights, say): that
+    request fails, the others in the batch go on."""
 
 
 class InvalidRequest(ValueError):
@@ -15,3 +16,7 @@ class InvalidRequest(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process has stopped (or never started): requests in flight and new ones fail."""

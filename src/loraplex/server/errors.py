@@ -1,9 +1,9 @@
 """The one place where exceptions become HTTP codes and the OpenAI error shape.
 
-`{"error": {"message", "type", "code", "param"}}`: 400 bad request, 401 no or bad key, 404 unknown model (also
-another tenant's adapter), 409 an admin change that conflicts with the current state, 413 body too large,
-429 over capacity or quota, 503 adapter could not be loaded or the server is shutting down, 500 only for bugs.
-"""
+`{"error": {"message", "type", "code", "param"}}`: 400 bad request, 401 no or bad key, 404 unknown
+model (also another tenant's adapter), 409 an admin change that conflicts with the current state,
+413 body too large, 429 over capacity or quota, 503 adapter could not be loaded or the server is
+shutting down, 500 only for bugs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
-from loraplex.engine.errors import InvalidRequest, NonFiniteLogits
+from loraplex.engine.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
@@ -102,6 +102,8 @@ def as_api_error(exc: Exception) -> APIError | None:
             return APIError(400, str(exc), "invalid_value", exc.param)
         case NonFiniteLogits():
             return APIError(500, str(exc), "non_finite_logits")
+        case EngineUnavailable():
+            return APIError(503, str(exc), "engine_unavailable")
         case AdapterRejected():
             return APIError(400, str(exc), "adapter_rejected", exc.field)
         case AdapterNotFound():
@@ -159,7 +161,8 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Known exceptions → their error answers; unknown ones are turned into 500 by the request middleware."""
+    """Known exceptions → their error answers; unknown ones are turned into 500 by the request
+    middleware."""
 
     async def handle(request: Request, exc: Exception):
         error = as_api_error(exc)
@@ -176,6 +179,7 @@ def install_handlers(app: FastAPI) -> None:
         APIError,
         InvalidRequest,
         NonFiniteLogits,
+        EngineUnavailable,
         AdapterRejected,
         RegistryError,
         AdapterUnavailable,

@@ -1,5 +1,5 @@
-"""`loraplex serve`: build the registry, the engine and the app from the command line's options, and run
-uvicorn (one port, or two with the admin API on its own) with a graceful SIGTERM."""
+"""`loraplex serve`: build the registry, the engine and the app from the command line's options, and
+run uvicorn (one port, or two with the admin API on its own) with a graceful SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,15 +29,13 @@ from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
 
-if TYPE_CHECKING:
-    from loraplex.engine.llm_engine import LLMEngine
-
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
 
 
 class StartupError(Exception):
-    """A bad option or input found before serving; the message is the one line printed (exit code 2)."""
+    """A bad option or input found before serving; the message is the one line printed (exit
+    code 2)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +50,8 @@ class ServeOptions:
     lora_modules: tuple[tuple[str, Path], ...] = ()
     # engine
     engine: str = "native"
+    engine_core: str = "thread"
+    """native: the step loop on a thread of the API server's process, or in a process of its own."""
     vllm_args: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
     dtype: str = "auto"
@@ -81,8 +81,8 @@ class ServeOptions:
     max_requests_per_tenant: int = 256
     max_waiting: int = 512
     tenant_gpu_share: float = 1.0
-    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of the
-    slots."""
+    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of
+    the slots."""
     tenant_cpu_share: float = 1.0
     """... and of the host-memory cache."""
     max_prompt_tokens: int | None = None
@@ -118,6 +118,10 @@ class ServeOptions:
                 raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
         if self.engine not in ("native", "vllm"):
             raise StartupError(f"--engine {self.engine!r}: use native or vllm")
+        if self.engine_core not in ("thread", "process"):
+            raise StartupError(f"--engine-core {self.engine_core!r}: use thread or process")
+        if self.engine_core == "process" and self.engine != "native":
+            raise StartupError("--engine-core process: for --engine native (vLLM runs its own)")
         if self.base_as_zero_adapter not in ("auto", "on", "off"):
             raise StartupError(
                 f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off"
@@ -191,7 +195,8 @@ def parse_lora_module(text: str) -> tuple[str, Path]:
 
 
 def read_option_file(read: Callable[[Path], T], path: Path | None, flag: str) -> T | None:
-    """`read(path)` for a file option (None without one); what is wrong with the file as a StartupError."""
+    """`read(path)` for a file option (None without one); what is wrong with the file as a
+    StartupError."""
     if path is None:
         return None
     try:
@@ -269,7 +274,8 @@ def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
 
 
 def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], ...]) -> None:
-    """Each `--lora-modules` adapter as a shared, stable revision (validated against the base model first)."""
+    """Each `--lora-modules` adapter as a shared, stable revision (validated against the base model
+    first)."""
     for name, path in modules:
         try:
             try:
@@ -318,7 +324,8 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     if options.engine == "vllm":
         engine = load_vllm_engine(options, registry, config.served_model_name)
     else:
-        engine = load_engine(engine_config(options, registry.store), policy)
+        engine_core = options.engine_core
+        engine = load_engine(engine_config(options, registry.store), policy, engine_core)
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
@@ -328,35 +335,36 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
-def load_engine(config: EngineConfig, policy=None) -> LLMEngine:
+def load_engine(config: EngineConfig, policy=None, engine_core: str = "thread"):
+    """The native engine: an `LLMEngine` whose step loop the server runs on a thread, or an
+    `EngineClient` of the engine in a process of its own (`engine_core` "process")."""
+    from loraplex.engine.client import EngineClient
+    from loraplex.engine.errors import EngineUnavailable
     from loraplex.engine.kv_budget import KVBudgetTooSmall
     from loraplex.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(config, policy)
+        if engine_core == "process":
+            engine = EngineClient(config, policy)
+            tokens, budget = engine.num_kv_tokens, engine.kv_budget
+        else:
+            engine = LLMEngine(config, policy)
+            tokens, budget = engine.blocks.num_blocks * config.block_size, engine.kv_budget
     except KVBudgetTooSmall as exc:
         raise StartupError(kv_budget_message(exc)) from None
-    except (
-        ModelConfigError
-    ) as exc:  # its message names the directory's missing or unsupported part, or the device
+    except ModelConfigError as exc:
+        # its message names the directory's missing or unsupported part, or the device
         message = str(exc)
         raise StartupError(
             f"--model {message}" if message.startswith(f"{config.model_dir}:") else message
         ) from None
-    except (
-        OSError,
-        json.JSONDecodeError,
-    ) as exc:  # a model file that cannot be read, or is not JSON
+    except (OSError, json.JSONDecodeError) as exc:  # a model file unreadable, or not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
     except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
         raise StartupError(str(exc)) from None
-    budget = engine.kv_budget
-    log.info(
-        "KV cache: %s for %d tokens (%s)",
-        format_size(budget.nbytes),
-        engine.blocks.num_blocks * config.block_size,
-        budget.source,
-    )
+    except EngineUnavailable as exc:  # the engine process died while it started
+        raise StartupError(str(exc)) from None
+    log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes), tokens, budget.source)
     return engine
 
 
@@ -527,12 +535,13 @@ def flag_message(message: str) -> str:
     return message
 
 
-# ---- running -------------------------------------------------------------------------------------------
+# ---- running -------------------------------------------------------------------------------------
 
 
 class _Uvicorn(uvicorn.Server):
-    """Calls `on_exit` when a signal asks to stop (stop admitting), and exits 0 after a graceful shutdown
-    (uvicorn would raise the signal again); `handles_signals=False` for a second server in the process."""
+    """Calls `on_exit` when a signal asks to stop (stop admitting), and exits 0 after a graceful
+    shutdown (uvicorn would raise the signal again); `handles_signals=False` for a second server in
+    the process."""
 
     def __init__(self, config: uvicorn.Config, on_exit=None, handles_signals: bool = True):
         super().__init__(config)
@@ -558,8 +567,8 @@ class _Uvicorn(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (connections queue from now on, before the app has started)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it every
-    # response's second write waits for the client's delayed ACK (about 40 ms).
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without
+    # it every response's second write waits for the client's delayed ACK (about 40 ms).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

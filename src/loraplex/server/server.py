@@ -1,5 +1,5 @@
-"""The `Server`: everything a request needs (tenancy, resolution, admission, generation, metrics, audit) over
-one engine, and the views /admin/state and the metrics read."""
+"""The `Server`: everything a request needs (tenancy, resolution, admission, generation, metrics,
+audit) over one engine, and the views /admin/state and the metrics read."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from loraplex.server.pins import PinReconciler
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
+    from loraplex.engine.client import EngineClient
     from loraplex.engines.vllm.engine import VllmEngine
 
 log = logging.getLogger("loraplex.server")
@@ -67,11 +68,13 @@ class ServerConfig:
     lora_load_state_metrics: int = 0
     """Residency series (`vllm:lora_adapter_loaded`, ...) of the K best-placed adapters (0: off)."""
     metrics_token: str | None = None
-    """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters and tenants)."""
+    """When set, /metrics answers only `Authorization: Bearer <token>` (it names running adapters
+    and tenants)."""
     key_cache_ttl_s: float = 5.0
     """How long a registry API key lookup is trusted (revocations take effect within this)."""
     registry_watch_s: float = 2.0
-    """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins along."""
+    """How often the server looks for traffic changes made elsewhere (the registry CLI) to move pins
+    along."""
     release_min_pass_rate: float = 1.0
     """Share of a revision's eval-set cases that must pass for a promotion out of staging."""
 
@@ -98,7 +101,7 @@ class Server:
 
     def __init__(
         self,
-        engine: LLMEngine | VllmEngine,
+        engine: LLMEngine | EngineClient | VllmEngine,
         registry: Registry,
         config: ServerConfig,
         api_keys: dict[str, str] | None = None,
@@ -126,7 +129,7 @@ class Server:
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
-        self.async_engine: AsyncEngine | None = None
+        self.async_engine: AsyncEngine | EngineClient | None = None
         self.is_draining = False
         self.load_stages: dict[
             str, dict[str, float]
@@ -143,10 +146,10 @@ class Server:
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.read_tenants()
-        # The native engine's step loop gets its thread here; vLLM's engine core runs in its own process.
-        self.async_engine = (
-            AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
-        )
+        # The native engine's step loop gets its thread here, unless it runs in a process of its own
+        # (EngineClient); vLLM's engine core runs in its own process.
+        in_process = isinstance(self.engine, LLMEngine)
+        self.async_engine = AsyncEngine(self.engine) if in_process else self.engine
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -253,15 +256,16 @@ class Server:
         try:
             target = self.resolver.resolve(ctx.tenant, model, user)
         except AdapterNotFound:
-            # Counted for another tenant's name and for an unknown one alike: the 404s are the same, and so is the
-            # count, or /metrics would tell a tenant which private names exist.
+            # Counted for another tenant's name and for an unknown one alike: the 404s are the same,
+            # and so is the count, or /metrics would tell a tenant which private names exist.
             ctx.denied = True
             raise
         ctx.adapter, ctx.digest = target.label, target.digest
         if target.ref is None:
             ctx.tier = "gpu"
         else:
-            # the first stage of an adapter's path to a slot: name → revision → key (the registry, maybe its files)
+            # the first stage of an adapter's path to a slot: name → revision → key (the registry,
+            # maybe its files)
             ctx.audit["resolve_s"] = time.perf_counter() - start
             self.metrics.on_cache_event(
                 "load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]}
@@ -276,13 +280,15 @@ class Server:
 
     def tier_on_arrival(self, target: Target) -> str:
         tier = self.engine.adapters.tier_of(target.ref.key)
-        # The cache learns a key's local path at the request's first acquire; the bytes are on disk already.
+        # The cache learns a key's local path at the request's first acquire; the bytes are on disk
+        # already.
         return "disk" if tier == "remote" and target.ref.path is not None else tier
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         limit = self.max_prompt_tokens
         if isinstance(prompt, str):
-            # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip tokenizing it.
+            # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip
+            # tokenizing it.
             if len(prompt) > 64 * limit:
                 raise APIError(
                     400,
@@ -329,8 +335,9 @@ class Server:
         params: SamplingParams,
         gone: asyncio.Future,
     ) -> Generation | None:
-        """The started generation (every prompt's first output in); None when `gone` (the client left) ends first:
-        the generation is then closed, and the request recorded as the client's leaving."""
+        """The started generation (every prompt's first output in); None when `gone` (the client
+        left) ends first: the generation is then closed, and the request recorded as the client's
+        leaving."""
         try:
             ticket = self.admit(ctx.tenant)
         except APIError as exc:
@@ -413,9 +420,10 @@ class Server:
             log.warning("%s", fields["error"])
 
     def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
-        """A revision whose bytes fail their digest is never served again; its traffic returns to the stable. The
-        reason recorded is the same for every revision (tenants see it in the 404 for `name@revision`): the error
-        names the store's paths or URLs, so it goes to the server log only."""
+        """A revision whose bytes fail their digest is never served again; its traffic returns to
+        the stable. The reason recorded is the same for every revision (tenants see it in the 404
+        for `name@revision`): the error names the store's paths or URLs, so it goes to the server
+        log only."""
         try:
             self.registry.quarantine(key.name, key.revision, QUARANTINE_REASON)
             log.error("quarantined %s@%s: %s", key.name, key.revision, error)
