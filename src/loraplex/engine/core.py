@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,11 @@ engine."""
 
 def run_engine(config, policy, addresses: dict[str, str], parent_pid: int) -> None:
     """The engine process's entry point."""
+    # A signal to the process group (Ctrl-C, a service manager's stop) is the API server's to
+    # handle: it drains its requests, then stops this process; this process ends by itself if that
+    # one dies.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     context = zmq.Context()
     output = context.socket(zmq.PUSH)
     output.connect(addresses["output"])
