@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import enum
+import functools
 import importlib
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def _ext_hook(code: int, data: bytes):
     return msgpack.ExtType(code, data)
 
 
+@functools.lru_cache(maxsize=256)
 def _class(module: str, name: str) -> type:
     if module.split(".")[0] != "loraplex":
         raise TypeError(f"{module}.{name} is not a loraplex type")
