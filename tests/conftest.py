@@ -5,6 +5,15 @@ from tinymodels import make_adapters, make_model
 torch.set_num_threads(2)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--engine-core",
+        default="thread",
+        choices=("thread", "process"),
+        help="where the servers' native engine runs in the server tests (serve --engine-core)",
+    )
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("llama"), "llama")

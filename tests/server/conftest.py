@@ -9,6 +9,7 @@ import pytest
 from harness import ADMIN_TOKEN, MODEL, Running, api_keys, make_registry, serving, variant
 
 from loraplex.config import EngineConfig
+from loraplex.engine.client import EngineClient
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.server.app import ServerConfig, create_app
 
@@ -22,12 +23,19 @@ def adapter_variants(llama_adapters, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def start(llama_dir, llama_adapters, tmp_path_factory):
-    """start(keys=True, engine={...}, **server_config) -> context manager yielding a Running
-    server."""
+def start(llama_dir, llama_adapters, tmp_path_factory, request):
+    """start(keys=True, engine={...}, engine_core=None, **server_config) -> context manager yielding
+    a Running server; `engine_core` "process" runs the engine in its own process (default: the
+    run's --engine-core)."""
 
     @contextlib.contextmanager
-    def run(keys: bool = True, engine: dict | None = None, registry_setup=None, **config):
+    def run(
+        keys: bool = True,
+        engine: dict | None = None,
+        registry_setup=None,
+        engine_core: str | None = None,
+        **config,
+    ):
         tmp = tmp_path_factory.mktemp("server")
         registry = make_registry(tmp, llama_dir, llama_adapters)
         if registry_setup is not None:
@@ -42,8 +50,10 @@ def start(llama_dir, llama_adapters, tmp_path_factory):
         engine_args.update(engine or {})
         config.setdefault("admin_token", ADMIN_TOKEN)
         config.setdefault("audit_log", tmp / "audit.jsonl")
+        core = engine_core or request.config.getoption("engine_core")
+        make = EngineClient if core == "process" else LLMEngine
         app = create_app(
-            LLMEngine(EngineConfig(**engine_args)),
+            make(EngineConfig(**engine_args)),
             registry,
             ServerConfig(MODEL, **config),
             api_keys() if keys else None,

@@ -16,3 +16,7 @@ class InvalidRequest(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process has stopped (or never started): requests in flight and new ones fail."""

@@ -133,6 +133,14 @@ def serve(
     engine: Annotated[
         str, Opt(help="native (loraplex's engine) | vllm (vLLM's AsyncLLM)", rich_help_panel=ENGINE)
     ] = "native",
+    engine_core: Annotated[
+        str,
+        Opt(
+            help="native: where the step loop runs: thread (of the API server's process) | "
+            "process (its own, spoken to over ZeroMQ)",
+            rich_help_panel=ENGINE,
+        ),
+    ] = "thread",
     tensor_parallel_size: Annotated[
         int | None, Opt(help="vLLM: GPUs the model is split over", rich_help_panel=ENGINE)
     ] = None,

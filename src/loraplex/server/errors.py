@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
-from loraplex.engine.errors import InvalidRequest, NonFiniteLogits
+from loraplex.engine.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
@@ -101,6 +101,8 @@ def as_api_error(exc: Exception) -> APIError | None:
             return APIError(400, str(exc), "invalid_value", exc.param)
         case NonFiniteLogits():
             return APIError(500, str(exc), "non_finite_logits")
+        case EngineUnavailable():
+            return APIError(503, str(exc), "engine_unavailable")
         case AdapterRejected():
             return APIError(400, str(exc), "adapter_rejected", exc.field)
         case AdapterNotFound():
@@ -174,6 +176,7 @@ def install_handlers(app: FastAPI) -> None:
         APIError,
         InvalidRequest,
         NonFiniteLogits,
+        EngineUnavailable,
         AdapterRejected,
         RegistryError,
         ArtifactError,

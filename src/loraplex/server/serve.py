@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,9 +29,6 @@ from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
-
-if TYPE_CHECKING:
-    from loraplex.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
@@ -53,6 +50,8 @@ class ServeOptions:
     lora_modules: tuple[tuple[str, Path], ...] = ()
     # engine
     engine: str = "native"
+    engine_core: str = "thread"
+    """native: the step loop on a thread of the API server's process, or in a process of its own."""
     vllm_args: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
     dtype: str = "auto"
@@ -119,6 +118,10 @@ class ServeOptions:
                 raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
         if self.engine not in ("native", "vllm"):
             raise StartupError(f"--engine {self.engine!r}: use native or vllm")
+        if self.engine_core not in ("thread", "process"):
+            raise StartupError(f"--engine-core {self.engine_core!r}: use thread or process")
+        if self.engine_core == "process" and self.engine != "native":
+            raise StartupError("--engine-core process: for --engine native (vLLM runs its own)")
         if self.base_as_zero_adapter not in ("auto", "on", "off"):
             raise StartupError(
                 f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off"
@@ -321,7 +324,8 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     if options.engine == "vllm":
         engine = load_vllm_engine(options, registry, config.served_model_name)
     else:
-        engine = load_engine(engine_config(options, registry.store), policy)
+        engine_core = options.engine_core
+        engine = load_engine(engine_config(options, registry.store), policy, engine_core)
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
@@ -331,35 +335,36 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
-def load_engine(config: EngineConfig, policy=None) -> LLMEngine:
+def load_engine(config: EngineConfig, policy=None, engine_core: str = "thread"):
+    """The native engine: an `LLMEngine` whose step loop the server runs on a thread, or an
+    `EngineClient` of the engine in a process of its own (`engine_core` "process")."""
+    from loraplex.engine.client import EngineClient
+    from loraplex.engine.errors import EngineUnavailable
     from loraplex.engine.kv_budget import KVBudgetTooSmall
     from loraplex.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(config, policy)
+        if engine_core == "process":
+            engine = EngineClient(config, policy)
+            tokens, budget = engine.num_kv_tokens, engine.kv_budget
+        else:
+            engine = LLMEngine(config, policy)
+            tokens, budget = engine.blocks.num_blocks * config.block_size, engine.kv_budget
     except KVBudgetTooSmall as exc:
         raise StartupError(kv_budget_message(exc)) from None
-    except (
-        ModelConfigError
-    ) as exc:  # its message names the directory's missing or unsupported part, or the device
+    except ModelConfigError as exc:
+        # its message names the directory's missing or unsupported part, or the device
         message = str(exc)
         raise StartupError(
             f"--model {message}" if message.startswith(f"{config.model_dir}:") else message
         ) from None
-    except (
-        OSError,
-        json.JSONDecodeError,
-    ) as exc:  # a model file that cannot be read, or is not JSON
+    except (OSError, json.JSONDecodeError) as exc:  # a model file unreadable, or not JSON
         raise StartupError(f"--model {config.model_dir}: {exc}") from None
     except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
         raise StartupError(str(exc)) from None
-    budget = engine.kv_budget
-    log.info(
-        "KV cache: %s for %d tokens (%s)",
-        format_size(budget.nbytes),
-        engine.blocks.num_blocks * config.block_size,
-        budget.source,
-    )
+    except EngineUnavailable as exc:  # the engine process died while it started
+        raise StartupError(str(exc)) from None
+    log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes), tokens, budget.source)
     return engine
 
 

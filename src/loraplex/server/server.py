@@ -34,6 +34,7 @@ from loraplex.server.pins import PinReconciler
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
+    from loraplex.engine.client import EngineClient
     from loraplex.engines.vllm.engine import VllmEngine
 
 log = logging.getLogger("loraplex.server")
@@ -102,7 +103,7 @@ class Server:
 
     def __init__(
         self,
-        engine: LLMEngine | VllmEngine,
+        engine: LLMEngine | EngineClient | VllmEngine,
         registry: Registry,
         config: ServerConfig,
         api_keys: dict[str, str] | None = None,
@@ -130,7 +131,7 @@ class Server:
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
-        self.async_engine: AsyncEngine | None = None
+        self.async_engine: AsyncEngine | EngineClient | None = None
         self.is_draining = False
         self.load_stages: dict[
             str, dict[str, float]
@@ -149,11 +150,10 @@ class Server:
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.read_tenants()
-        # The native engine's step loop gets its thread here; vLLM's engine core runs in its own
-        # process.
-        self.async_engine = (
-            AsyncEngine(self.engine) if self.engine.kind == "native" else self.engine
-        )
+        # The native engine's step loop gets its thread here, unless it runs in a process of its own
+        # (EngineClient); vLLM's engine core runs in its own process.
+        in_process = isinstance(self.engine, LLMEngine)
+        self.async_engine = AsyncEngine(self.engine) if in_process else self.engine
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later

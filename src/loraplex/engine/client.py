@@ -1,0 +1,327 @@
+"""The API server's side of the engine process (core.py): the engine's interface for the server
+(requests, aborts, outputs, adapter operations, residency, figures, cache events) over ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.config import EngineConfig
+from loraplex.engine import wire
+from loraplex.engine.core import run_engine
+from loraplex.engine.errors import EngineUnavailable
+from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engine.tokenizer import Tokenizer
+from loraplex.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+"""How long the engine process may take to load the model."""
+POLL_MS = 100
+"""How often a wait on the engine looks whether its process still runs."""
+
+
+class EngineClient:
+    """The native engine run by a process of its own (`--engine-core process`); the server uses it
+    as it uses an `LLMEngine` and its `AsyncEngine` together."""
+
+    kind = "native"
+
+    def __init__(self, config: EngineConfig, policy=None):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.tokenizer = Tokenizer(config.model_dir)  # HTTP's tokenization stays on this side
+        self._dir = tempfile.mkdtemp(prefix="loraplex-engine-")  # 0700: only this user connects
+        addresses = {name: f"ipc://{self._dir}/{name}" for name in ("input", "output", "rpc")}
+        self._zmq = zmq.Context()
+        self._input = self._bind(zmq.PUSH, addresses["input"])
+        self._output = self._bind(zmq.PULL, addresses["output"])
+        self._rpc = self._bind(zmq.REQ, addresses["rpc"])
+        self._input_lock = threading.Lock()
+        self._rpc_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._dead: EngineUnavailable | None = None
+        self._stopping = False
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine,
+            args=(config, policy, addresses, os.getpid()),
+            name="loraplex-engine",
+            daemon=True,
+        )
+        self.process.start()
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.max_model_len: int = info["max_model_len"]
+        self.base_model_digest: str = info["base_model_digest"]
+        self.kv_budget = info["kv_budget"]
+        self.num_kv_tokens: int = info["num_kv_tokens"]
+        self.adapters = CacheClient(self, info)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name="engine-client", daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._deliver_events, name="engine-events", daemon=True).start()
+
+    def _bind(self, kind: int, address: str) -> zmq.Socket:
+        sock = self._zmq.socket(kind)
+        sock.bind(address)
+        return sock
+
+    def _wait_ready(self) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._output.poll(POLL_MS):
+            if not self.process.is_alive():
+                raise EngineUnavailable(
+                    f"the engine process exited with code {self.process.exitcode} while starting"
+                )
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise EngineUnavailable(f"the engine process did not start in {START_TIMEOUT_S} s")
+        kind, payload = wire.decode(self._output.recv())
+        if kind == "failed":
+            self.process.join(10)
+            raise payload  # the engine's own error (a bad model directory, a KV budget too small)
+        return payload
+
+    # -- what crosses from the engine --------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._stopping:
+            try:
+                if not self._output.poll(POLL_MS):
+                    if not self.process.is_alive() and not self._stopping:
+                        self._die()
+                        return
+                    continue
+                _, snapshot, outputs, events = wire.decode(self._output.recv())
+            except zmq.ZMQError:  # the socket closed under a stopping client
+                return
+            if snapshot is not None:
+                self.adapters.take(snapshot)
+            if outputs:
+                self._route(outputs)
+            for event in events:
+                self._events.put(event)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Each output to its request's queue, with one wake-up of each event loop per message."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop has closed: nobody waits on those outputs
+                pass
+
+    def _deliver_events(self) -> None:
+        """Cache events (metrics, audit stages, quarantine) off the reader: a registry write for a
+        quarantine must not hold back the tokens."""
+        while True:
+            event = self._events.get()
+            if event is None:
+                return
+            try:
+                self.adapters.on_event(*event)
+            except Exception:
+                log.exception("handling the cache event %s failed", event[0])
+
+    def _die(self) -> None:
+        """The engine process is gone: every request in flight ends with 503 engine_unavailable."""
+        code = self.process.exitcode
+        log.error("the engine process exited (code %s); requests in flight fail", code)
+        self._dead = EngineUnavailable(
+            f"the engine process has stopped (exit code {code}); retry on another worker"
+        )
+        for request_id in list(self._streams):
+            error = RequestOutput(request_id, [], "", [], True, None, 0, 0, self._dead)
+            self._route([error])
+
+    # -- requests --------------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and (self._stopping or self.process.is_alive())
+
+    def _send(self, message: list) -> None:
+        if self._dead is not None:
+            return
+        with self._input_lock:
+            self._send_to(self._input, wire.encode(message))
+
+    def _send_to(self, sock: zmq.Socket, data: bytes) -> None:
+        """Without blocking on a peer that is gone (a send to no peer waits for one)."""
+        while True:
+            try:
+                return sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                if not self.process.is_alive():
+                    return
+                time.sleep(0.001)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: AdapterRef | None = None,
+        request_id: str | None = None,
+        counted: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """As `AsyncEngine.generate`: outputs as the request advances; leaving early aborts it."""
+        if self._dead is not None:
+            raise self._dead
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:  # its outputs and aborts would reach the other request
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue_: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue_)
+        finished = False
+        try:
+            if self._dead is not None:  # it died before the stream was there to be failed
+                raise self._dead
+            self._send(["add", request_id, list(prompt_ids), params, adapter, counted])
+            running = params.num_seqs  # each of the prompt's sequences ends with a finished output
+            while not finished:
+                out = await queue_.get()
+                running -= out.finished
+                finished = running == 0
+                if out.error is not None:
+                    raise out.error
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(["abort", request_id])
+
+    # -- operations and figures --------------------------------------------------------------------
+    def call(self, method: str, *args):
+        """An operation in the engine process; raises what it raised there."""
+        with self._rpc_lock:
+            if self._dead is not None:
+                raise self._dead
+            self._send_to(self._rpc, wire.encode([method, list(args)]))
+            while not self._rpc.poll(POLL_MS):
+                if not self.process.is_alive():
+                    self._dead = self._dead or EngineUnavailable(
+                        f"the engine process has stopped (exit code {self.process.exitcode})"
+                    )
+                    raise self._dead
+            ok, result, snapshot = wire.decode(self._rpc.recv())
+        self.adapters.take(snapshot)
+        if not ok:
+            raise result
+        return result
+
+    def live_figures(self) -> dict:
+        return self.call("live_figures")
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        if self.process.is_alive():
+            self._send(["stop"])
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        self._reader.join(timeout)
+        self._events.put(None)
+        self._close_sockets()
+
+    def close(self) -> None:
+        self.stop()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._input, self._output, self._rpc):
+            sock.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class CacheClient:
+    """The engine's adapter cache as the server sees it: residency read from the latest snapshot,
+    operations run in the engine process."""
+
+    def __init__(self, client: EngineClient, info: dict):
+        self._client = client
+        self.cpu_bytes: int = info["cpu_bytes"]
+        self.budgets = info["budgets"]
+        """The budgets last applied (the server compares before it sends new ones)."""
+        self.on_event = lambda kind, fields: None
+        self._lock = threading.Lock()
+        self._seq, self.slots, self._residency = info["snapshot"]
+
+    def take(self, snapshot: list) -> None:
+        """A snapshot from either socket: the newest one wins."""
+        seq, slots, residency = snapshot
+        with self._lock:
+            if seq > self._seq:
+                self._seq, self.slots, self._residency = seq, slots, residency
+
+    def _row(self, key: AdapterKey) -> list | None:
+        return self._residency.get(key)
+
+    def tier_of(self, key: AdapterKey) -> str:
+        row = self._row(key)
+        return row[0] if row is not None else "remote"
+
+    def pinned(self, key: AdapterKey) -> str | None:
+        row = self._row(key)
+        return row[1] if row is not None else None
+
+    def is_loading(self, key: AdapterKey) -> bool:
+        row = self._row(key)
+        return row is not None and row[2]
+
+    def in_host_memory(self, key: AdapterKey) -> bool:
+        row = self._row(key)
+        return row is not None and row[3]
+
+    def pin(self, ref: AdapterRef, tier: str) -> None:
+        self._client.call("pin", ref, tier)
+
+    def unpin(self, key: AdapterKey) -> None:
+        self._client.call("unpin", key)
+
+    def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
+        self._client.call("restore_pin", key, pinned)
+
+    def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
+        self._client.call("prewarm", ref, tier)
+
+    def evict(self, key: AdapterKey) -> None:
+        self._client.call("evict", key)
+
+    def forget(self, key: AdapterKey) -> None:
+        self._client.call("forget", key)
+
+    def set_budgets(self, budgets) -> None:
+        self._client.call("set_budgets", budgets)
+        self.budgets = budgets
+
+    def budget_state(self) -> dict:
+        return self._client.call("budget_state")
+
+    def state(self) -> dict:
+        return self._client.call("state")

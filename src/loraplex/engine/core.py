@@ -1,0 +1,265 @@
+"""The engine in a process of its own, as vLLM's engine core: the model, the cache, the scheduler
+and the step loop, so that HTTP, tokenization and the step loop do not share one GIL. `EngineClient`
+(engine/client.py) starts it with multiprocessing's spawn and speaks to it over ZeroMQ (wire.py).
+
+Sockets (the client binds them, this process connects):
+- input, PUSH → PULL: `["add", request_id, prompt_ids, params, adapter, counted]`, `["abort", id]`,
+  `["stop"]`.
+- output, PUSH → PULL: `["ready", info]` or `["failed", exception]` once, then
+  `["step", snapshot | None, outputs, events]`.
+- rpc, REQ → REP: `[method, args]` → `[ok, result or exception, snapshot]`, the adapter operations
+  and the figures; served on a thread of their own, as the API server's threads call the cache in
+  the same process.
+
+A snapshot is `[seq, slots, residency]`: what the server reads on every request without asking.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+
+from loraplex.engine import wire
+from loraplex.engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+
+CACHE_OPS = frozenset(
+    {
+        "pin",
+        "unpin",
+        "restore_pin",
+        "prewarm",
+        "evict",
+        "forget",
+        "set_budgets",
+        "budget_state",
+        "state",
+    }
+)
+"""The cache's operations the server may call across the boundary."""
+IDLE_POLL_MS = 10
+"""How long an idle loop waits for a message: also how soon a load's events go out on an idle
+engine."""
+
+
+def run_engine(config, policy, addresses: dict[str, str], parent_pid: int) -> None:
+    """The engine process's entry point."""
+    # A signal to the process group (Ctrl-C, a service manager's stop) is the API server's to
+    # handle: it drains its requests, then stops this process; this process ends by itself if that
+    # one dies.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch_threads()
+    context = zmq.Context()
+    output = context.socket(zmq.PUSH)
+    output.connect(addresses["output"])
+    try:
+        from loraplex.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config, policy)
+    except BaseException as exc:  # the server reports it as it would an in-process failure
+        output.send(wire.encode(["failed", exc]))
+        output.close(linger=5000)
+        context.term()
+        return
+    core = EngineCore(engine, context, addresses, output, parent_pid)
+    try:
+        core.run()
+    finally:
+        core.close()
+        context.term()
+
+
+def torch_threads() -> None:
+    """The cores this process may use, less one for the API server: torch's threads wait for each
+    other by spinning, so one more thread than there are free cores slows every step (on two cores,
+    a 1-token request took 90 ms against 10 ms with one thread)."""
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+
+
+class EngineCore:
+    def __init__(self, engine, context: zmq.Context, addresses, output: zmq.Socket, parent_pid):
+        self.engine = engine
+        self.cache = engine.adapters
+        self.context = context
+        self.addresses = addresses
+        self.output = output
+        self.parent_pid = parent_pid
+        self.input = context.socket(zmq.PULL)
+        self.input.connect(addresses["input"])
+        self.stopping = False
+        self._events: collections.deque = collections.deque()
+        self.cache.on_event = lambda kind, fields: self._events.append([kind, fields])
+        self._snapshot_lock = threading.Lock()
+        self._seq = 0
+        self._fingerprint = None
+        # Grammars compile off the loop (they can take a while); aborts that arrive meanwhile wait.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._compiled: collections.deque = collections.deque()
+        self._compiling: set[str] = set()
+        self._aborted: set[str] = set()
+        self._rpc = threading.Thread(target=self._serve_rpc, name="engine-rpc", daemon=True)
+        self._rpc.start()
+        output.send(wire.encode(["ready", self.info()]))
+
+    def info(self) -> dict:
+        e, cache = self.engine, self.cache
+        return {
+            "max_model_len": e.max_model_len,
+            "base_model_digest": e.base_model_digest,
+            "num_slots": len(cache.slots),
+            "cpu_bytes": cache.cpu_bytes,
+            "budgets": cache.budgets,
+            "kv_budget": e.kv_budget,
+            "num_kv_tokens": e.blocks.num_blocks * e.config.block_size,
+            "snapshot": self.snapshot(),
+        }
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            self._take_messages(IDLE_POLL_MS if not engine.has_work() else 0)
+            self._take_compiled()
+            outputs = []
+            if engine.has_work():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug: fail what is in flight rather than hang clients
+                    log.exception("engine step failed")
+                    outputs = engine.fail_all(exc)
+            events = [self._events.popleft() for _ in range(len(self._events))]
+            snapshot = self._snapshot_if_changed(bool(events))
+            if outputs or events or snapshot is not None:
+                self.output.send(wire.encode(["step", snapshot, outputs, events]))
+            if not engine.scheduler.running and engine.adapters.loading:
+                time.sleep(0.001)  # every request waits on a load: do not spin
+            if os.getppid() != self.parent_pid:  # the API server is gone: nobody to serve
+                log.error("the API server process has exited; the engine stops")
+                self.stopping = True
+
+    def _take_messages(self, timeout_ms: int) -> None:
+        if not self.input.poll(timeout_ms):
+            return
+        while True:
+            try:
+                message = wire.decode(self.input.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = message[0]
+            if kind == "add":
+                self._add(*message[1:])
+            elif kind == "abort":
+                self._abort(message[1])
+            elif kind == "stop":
+                self.stopping = True
+                return
+
+    def _add(self, request_id, prompt_ids, params, adapter, counted) -> None:
+        if params.structured is not None:
+            self._compiling.add(request_id)
+            future = self._compiler.submit(self.engine.grammars.matcher, params.structured)
+            args = (request_id, prompt_ids, params, adapter, counted)
+            future.add_done_callback(lambda f: self._compiled.append((args, f)))
+            return
+        self._add_now(request_id, prompt_ids, params, adapter, counted, None)
+
+    def _take_compiled(self) -> None:
+        while self._compiled:
+            args, future = self._compiled.popleft()
+            request_id = args[0]
+            self._compiling.discard(request_id)
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                continue
+            error = future.exception()
+            if error is not None:
+                self._fail(request_id, error)
+            else:
+                self._add_now(*args, future.result())
+
+    def _add_now(self, request_id, prompt_ids, params, adapter, counted, matcher) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, adapter, request_id, counted, matcher)
+        except Exception as exc:  # a request the engine refuses: its client gets the error
+            self._fail(request_id, exc)
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        out = RequestOutput(request_id, [], "", [], True, None, 0, 0, error)
+        self.output.send(wire.encode(["step", None, [out], []]))
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._compiling:
+            self._aborted.add(request_id)
+        else:
+            self.engine.abort(request_id)
+
+    # -- what the server reads ---------------------------------------------------------------------
+    def snapshot(self) -> list:
+        """`[seq, slots, {key: [tier, pinned, loading, in host memory]}]` of every adapter the cache
+        knows; numbered so that the server keeps the newest of those the two sockets bring."""
+        cache = self.cache
+        with self._snapshot_lock:
+            self._seq += 1
+            residency = {
+                key: [
+                    cache.tier_of(key),
+                    cache.pinned(key),
+                    cache.is_loading(key),
+                    cache.in_host_memory(key),
+                ]
+                for key in list(cache.entries)
+            }
+            return [self._seq, list(cache.slots), residency]
+
+    def _snapshot_if_changed(self, had_events: bool) -> list | None:
+        """A new snapshot when the slots, the host copies or the loads moved (or a cache event
+        came): pins move only by operations, whose replies carry one."""
+        cache = self.cache
+        fingerprint = (tuple(cache.slots), len(cache.cpu), len(cache.loading))
+        if fingerprint == self._fingerprint and not had_events:
+            return None
+        self._fingerprint = fingerprint
+        return self.snapshot()
+
+    def _serve_rpc(self) -> None:
+        sock = self.context.socket(zmq.REP)
+        sock.connect(self.addresses["rpc"])
+        try:
+            while not self.stopping:
+                if not sock.poll(100):
+                    continue
+                method, args = wire.decode(sock.recv())
+                try:
+                    ok, result = True, self._call(method, args)
+                except Exception as exc:  # the caller raises it (CapacityExceeded → 409, ...)
+                    ok, result = False, exc
+                sock.send(wire.encode([ok, result, self.snapshot()]))
+        finally:
+            sock.close(linger=0)
+
+    def _call(self, method: str, args: list):
+        if method == "live_figures":
+            return self.engine.live_figures()
+        if method not in CACHE_OPS:
+            raise ValueError(f"the engine has no operation {method!r}")
+        return getattr(self.cache, method)(*args)
+
+    def close(self) -> None:
+        self.stopping = True
+        self._rpc.join(5)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+        self.input.close(linger=0)
+        self.output.close(linger=1000)
