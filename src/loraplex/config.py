@@ -55,7 +55,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     """Sequences in the running batch."""
     max_model_len: int | None = None
-    """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
+    """Prompt plus completion tokens per sequence (default: the model's max_position_embeddings,
+    capped at 4096)."""
     max_num_batched_tokens: int = 4096
     """Tokens one step may process (prefill tokens plus one per decoding sequence); a longer prompt
     is prefilled in chunks over several steps."""
@@ -71,7 +72,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Share the KV blocks of a prompt prefix between requests of one adapter revision."""
     max_lora_bytes_per_step: int | None = None
-    """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None: no cap)."""
+    """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None:
+    no cap)."""
     max_cpu_loras: int | None = None
     """Host-memory adapter copies kept ready for a slot (count)."""
     cpu_cache_bytes: int = 2 * 2**30
@@ -79,7 +81,8 @@ class EngineConfig:
     eviction_policy: str = "score"
     """score (default) or lru."""
     disk_cache_dir: Path | None = None
-    """Local content-addressed cache of artifacts fetched from remote stores (None: no disk tier)."""
+    """Local content-addressed cache of artifacts fetched from remote stores (None: no disk
+    tier)."""
     disk_cache_bytes: int = 20 * 2**30
     """Byte budget of the disk tier."""
     allowed_roots: tuple[str, ...] = ()
@@ -89,7 +92,7 @@ class EngineConfig:
     tenant_cpu_share: float = 1.0
     """Default budget of a tenant without its own: this share of cpu_cache_bytes (1.0: no limit)."""
     max_gpu_preferred: int | None = None
-    """Adapters that demand may promote to the gpu warm set (tier A); None: max_loras."""
+    """Adapters that demand may promote to the gpu warm set; None: max_loras."""
     load_threads: int = 2
     """Threads that download, verify and read adapters (loads of different adapters overlap)."""
     thrash_window_s: float = 60.0
