@@ -10,7 +10,8 @@ It owns: the demand windows' warm sets (the gpu warm set: the adapters preferred
 warm set: those preferred in host memory), the victim choice (through the policy objects of
 `loraplex.cache.policy`), pins, the tenant budgets (the rule of `loraplex.cache.budgets`, applied
 here), the room rule for waiting requests' loads, and restoring pinned and gpu-warm adapters to
-slots.
+slots. The vLLM engine's residency takes its gpu warm set and the victims it removes from vLLM's
+host cache from here too (`gpu_warm_set`, `host_cache_victim`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ WARM_FLOOR = 2.0  # short-window (gpu) or 1-hour (cpu) requests that put an adap
 
 
 class Adapter(Protocol):
-    """One adapter as placement reads it (the native cache's `Entry`)."""
+    """One adapter as placement reads it (the native cache's `Entry`; the vLLM engine's `Resident`
+    has the fields `host_cache_victim` reads: ref, nbytes, last_access, loaded_at)."""
 
     ref: AdapterRef
     refcount: int  # requests in flight
@@ -114,6 +116,55 @@ class Wait:
 
 
 Decision = Load | Evict | Activate | Wait
+
+
+def gpu_warm_set(
+    demand: DemandTracker, now: float, cap: int, overdue_gaps: float | None
+) -> list[AdapterKey]:
+    """The gpu warm set, most demanded first: up to `cap` adapters with at least WARM_FLOOR
+    requests in the short window, leaving out those whose requests stopped (a policy's
+    `overdue_gaps`; None: none is left out)."""
+    chosen = demand.top(now, 0, WARM_FLOOR, cap)  # in rank order, as one by one
+    if overdue_gaps is None or not demand.any_overdue(chosen, now, overdue_gaps):
+        return chosen
+    # the next ones take the places of those whose requests stopped
+    ranked = itertools.takewhile(lambda item: item[1] >= WARM_FLOOR, demand.ranked(now, 0))
+    live = (k for k, _ in ranked if not demand.overdue(k, now, overdue_gaps))
+    return list(itertools.islice(live, cap))
+
+
+def host_cache_victim(
+    policy,
+    removable: Sequence[tuple[AdapterKey, Adapter]],
+    incoming: tuple[AdapterKey, Adapter],
+    demand: DemandTracker,
+    gpu_warm: Set[AdapterKey],
+    now: float,
+) -> AdapterKey | None:
+    """Of the adapters a runtime's host cache may drop (`removable`: none pinned or in use), the
+    one to drop so that `incoming` fits (the vLLM engine's host cache): the policy's victim,
+    weighed by its short-window demand and the gpu warm set; the least recently used when the
+    policy's protections refuse them all, since a request waits for the room. None: none."""
+
+    def candidate(key: AdapterKey, e: Adapter) -> Candidate:
+        ref = e.ref
+        return Candidate(
+            key,
+            e.nbytes,
+            e.last_access,
+            e.loaded_at,
+            demand.short(key, now),
+            ref.tenant,
+            ref.priority,
+            0.0,
+            key in gpu_warm,
+        )
+
+    candidates = [candidate(k, e) for k, e in removable]
+    victim = policy.choose_victim(candidates, now, candidate(*incoming))
+    if victim is None and candidates:
+        victim = min(candidates, key=lambda c: c.last_access).key
+    return victim
 
 
 class Placement:
@@ -374,15 +425,7 @@ class Placement:
         memo = self.warm_memo.get("gpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
-        demand, cap = s.demand, s.max_gpu_warm
-        chosen = demand.top(now, 0, WARM_FLOOR, cap)  # in rank order, as one by one
-        if gaps is not None and demand.any_overdue(chosen, now, gaps):
-            # the next ones take the places of those whose requests stopped
-            ranked = itertools.takewhile(lambda item: item[1] >= WARM_FLOOR, demand.ranked(now, 0))
-            chosen = itertools.islice(
-                (k for k, _ in ranked if not demand.overdue(k, now, gaps)), cap
-            )
-        chosen = set(chosen)
+        chosen = set(gpu_warm_set(s.demand, now, s.max_gpu_warm, gaps))
         self.warm_memo["gpu"] = (inputs, chosen)
         return chosen
 
