@@ -72,8 +72,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Share the KV blocks of a prompt prefix between requests of one adapter revision."""
     max_lora_bytes_per_step: int | None = None
-    """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None: no
-    cap)."""
+    """Rank-aware admission: cap on the summed bytes of the distinct adapters in one step (None:
+    no cap)."""
     max_cpu_loras: int | None = None
     """Host-memory adapter copies kept ready for a slot (count)."""
     cpu_cache_bytes: int = 2 * 2**30
@@ -92,7 +92,7 @@ class EngineConfig:
     tenant_cpu_share: float = 1.0
     """Default budget of a tenant without its own: this share of cpu_cache_bytes (1.0: no limit)."""
     max_gpu_preferred: int | None = None
-    """Adapters that demand may promote to the gpu warm set (tier A); None: max_loras."""
+    """Adapters that demand may promote to the gpu warm set; None: max_loras."""
     load_threads: int = 2
     """Threads that download, verify and read adapters (loads of different adapters overlap)."""
     thrash_window_s: float = 60.0

@@ -1,5 +1,5 @@
-"""What the cache keeps instead of recomputing: the host copies' byte total and the tier A and B
-sets (no torch)."""
+"""What the cache keeps instead of recomputing: the host copies' byte total and the gpu and cpu
+warm sets (no torch)."""
 
 import contextlib
 import random
@@ -50,8 +50,7 @@ class Loads:
 
 
 def fresh_room_for(cache, key, now):
-    """`_room_for` as it was written before its result was kept: every waiting request's key walked
-    each time."""
+    """`room_for` computed without what it keeps: every waiting request's key walked each time."""
     entries = cache.entries
     held = [
         k
@@ -70,17 +69,18 @@ def fresh_room_for(cache, key, now):
     return held_bytes + entries[key].nbytes <= cache.cpu_bytes
 
 
-def fresh_preferred(cache, now):
-    """The tier A and B sets computed again, nothing kept."""
-    memo, cache._preferred_memo = cache._preferred_memo, {}
+def fresh_warm_sets(cache, now):
+    """The gpu and cpu warm sets computed again, nothing kept."""
+    placement, snap = cache.placement, cache.snapshot()
+    memo, placement.warm_memo = placement.warm_memo, {}
     try:
-        return cache._gpu_preferred(now), cache._cpu_preferred(now)
+        return placement.gpu_warm(snap, now), placement.cpu_warm(snap, now)
     finally:
-        cache._preferred_memo = memo
+        placement.warm_memo = memo
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_byte_total_and_preferred_sets_follow_every_change(seed):
+def test_byte_total_and_warm_sets_follow_every_change(seed):
     rng = random.Random(seed)
     now = [0.0]
     sizes = {i: rng.choice([3, 5, 8, 13]) * MiB for i in range(12)}
@@ -145,9 +145,11 @@ def test_byte_total_and_preferred_sets_follow_every_change(seed):
         for key in [
             r.key for r in refs if r.key in cache.entries
         ]:  # kept between calls, and the same answers
-            assert cache._room_for(key, now[0]) == fresh_room_for(cache, key, now[0]), key
+            room = cache.placement.room_for(cache.snapshot(), key, now[0])
+            assert room == fresh_room_for(cache, key, now[0]), key
         # Asked twice, with and without what was kept: the same sets, in the same order.
         for _ in range(2):
-            kept = cache._gpu_preferred(now[0]), cache._cpu_preferred(now[0])
-            fresh = fresh_preferred(cache, now[0])
+            snap = cache.snapshot()
+            kept = cache.placement.gpu_warm(snap, now[0]), cache.placement.cpu_warm(snap, now[0])
+            fresh = fresh_warm_sets(cache, now[0])
             assert [list(s) for s in kept] == [list(s) for s in fresh]

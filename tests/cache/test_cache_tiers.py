@@ -1,5 +1,5 @@
-"""The cache's own decisions over plain data (no torch): restoring tier-A adapters, weighing host
-copies, measured reload costs."""
+"""The cache's own decisions over plain data (no torch): restoring gpu-warm adapters, weighing
+host copies, measured reload costs."""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -103,15 +103,15 @@ def test_a_hot_adapter_pushed_out_by_a_one_off_comes_back_when_it_is_done():
         serve(cache, hot)
         serve(cache, warm)
     now[0] += 1.5
-    serve(cache, ref("one-off"))  # takes a slot from a tier-A adapter, then gives it back
+    serve(cache, ref("one-off"))  # takes a slot from a gpu-warm adapter, then gives it back
     assert set(cache.slots) == {hot.key, warm.key}
 
 
 def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
-    """The minimum residency protects a tier-A adapter loaded for its request; one the cache
+    """The minimum residency protects a gpu-warm adapter loaded for its request; one the cache
     restored ahead of any request is a guess, and a request that needs its slot takes it without
-    waiting (after the seed scenario, the restores of its stale hot adapters made the next traffic's
-    requests wait for slots)."""
+    waiting (after the seed scenario, the restores of its stale hot adapters made the next
+    traffic's requests wait for slots)."""
     cache, now = make_cache(slots=1)
     hot = ref("hot")
     for _ in range(10):
@@ -154,9 +154,9 @@ def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back(
 
 
 def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requests():
-    """Except in tier A: a gpu-preferred adapter pushed out of its slot is restored at once, and
-    only its host copy makes that restore a copy rather than a load, so that copy keeps counting its
-    requests."""
+    """Except in the gpu warm set: a gpu-warm adapter pushed out of its slot is restored at once,
+    and only its host copy makes that restore a copy rather than a load, so that copy keeps
+    counting its requests."""
     cache, now = make_cache(slots=2)
     hot, other = ref("hot"), ref("other")
     for _ in range(20):
@@ -164,21 +164,36 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
         serve(cache, hot)
     serve(cache, other)
     now[0] += 5.0
-    assert hot.key in cache.slots and hot.key in cache._gpu_preferred(now[0])
-    tier_a = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
-    assert tier_a[hot.key].demand > 18
-    cache.max_gpu_preferred = 0  # the same adapter outside tier A
+    assert hot.key in cache.slots and hot.key in cache.placement.gpu_warm(cache.snapshot(), now[0])
+    gpu_warm = {
+        c.key: c
+        for c in cache.placement.host_candidates(
+            cache.snapshot(), [hot.key, other.key], now[0], by_use=True
+        )
+    }
+    assert gpu_warm[hot.key].demand > 18
+    cache.max_gpu_preferred = 0  # the same adapter outside the gpu warm set
     assert {a["name"]: a["warm"] for a in cache.state()["adapters"]} == {"hot": "B", "other": None}
-    by_key = {c.key: c for c in cache._host_candidates([hot.key, other.key], now[0], by_use=True)}
+    by_key = {
+        c.key: c
+        for c in cache.placement.host_candidates(
+            cache.snapshot(), [hot.key, other.key], now[0], by_use=True
+        )
+    }
     assert by_key[hot.key].demand < 1.01  # activated once, however many requests its slot served
     assert by_key[hot.key].last_access == cache.entries[hot.key].loaded_at
-    plain = {c.key: c for c in cache._host_candidates([hot.key], now[0], by_use=False)}
+    plain = {
+        c.key: c
+        for c in cache.placement.host_candidates(cache.snapshot(), [hot.key], now[0], by_use=False)
+    }
     assert plain[hot.key].demand > 18  # what lru and the other baselines see
-    slot_view = {c.key: c for c in cache._slot_candidates([hot.key], now[0])}
+    slot_view = {
+        c.key: c for c in cache.placement.slot_candidates(cache.snapshot(), [hot.key], now[0])
+    }
     assert slot_view[hot.key].demand > 18  # a slot eviction still weighs its requests
 
 
-def test_reload_cost_is_per_byte_and_includes_the_download_once_the_disk_lost_the_artifact():
+def test_reload_cost_is_measured_per_byte_and_includes_a_download_once_the_disk_lost_it():
     cache, now = make_cache(slots=1, download={"far"}, disk=Disk({"sha256:near"}))
     near, far = ref("near"), ref("far")
     serve(cache, near)
@@ -186,20 +201,27 @@ def test_reload_cost_is_per_byte_and_includes_the_download_once_the_disk_lost_th
     assert cache.seconds_per_byte == pytest.approx({"disk": 1e-9, "download": 1e-8, "h2d": 1e-10})
     costs = {
         c.key: c.reload_cost
-        for c in cache._host_candidates([near.key, far.key], now[0], by_use=True)
+        for c in cache.placement.host_candidates(
+            cache.snapshot(), [near.key, far.key], now[0], by_use=True
+        )
     }
     nbytes = 100 * MiB
     assert costs[near.key] == pytest.approx(nbytes * 1e-9)  # a disk read
-    # the disk does not hold it: a download too
-    assert costs[far.key] == pytest.approx(nbytes * (1e-9 + 1e-8))
-    slot = {c.key: c.reload_cost for c in cache._slot_candidates([far.key], now[0])}
-    # in host memory: only the copy to the device
-    assert slot[far.key] == pytest.approx(nbytes * 1e-10)
+    assert costs[far.key] == pytest.approx(
+        nbytes * (1e-9 + 1e-8)
+    )  # the disk does not hold it: a download too
+    slot = {
+        c.key: c.reload_cost
+        for c in cache.placement.slot_candidates(cache.snapshot(), [far.key], now[0])
+    }
+    assert slot[far.key] == pytest.approx(
+        nbytes * 1e-10
+    )  # in host memory: only the copy to the device
 
 
 def warm_up(cache, now, refs, rounds=10):
-    """Each adapter of `refs` requested once per 1.5 s, `rounds` times: all of them end up in tier
-    A."""
+    """Each adapter of `refs` requested once per 1.5 s, `rounds` times: all of them end up in the
+    gpu warm set."""
     for _ in range(rounds):
         now[0] += 1.5
         for r in refs:
@@ -235,11 +257,11 @@ def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
 
 
 @pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(yields_for_s=0.0)])
-def test_a_freed_slot_goes_to_a_waiting_tier_a_adapter_before_a_one_off_that_came_first(policy):
+def test_a_freed_slot_goes_to_a_waiting_gpu_warm_adapter_before_a_one_off_that_came_first(policy):
     cache, now = make_cache(slots=2)
     cache.policy = policy
     hot, other, pushed = ref("hot"), ref("other"), ref("pushed")
-    warm_up(cache, now, [hot, other, pushed])  # three tier-A adapters, two slots
+    warm_up(cache, now, [hot, other, pushed])  # three gpu-warm adapters, two slots
     now[0] += 5.0
     running = [k for k in cache.slots]
     for key in running:
@@ -254,7 +276,9 @@ def test_a_freed_slot_goes_to_a_waiting_tier_a_adapter_before_a_one_off_that_cam
     now[0] += 0.1
     cache.release(running[0])  # one slot frees
     if policy.yields_for_s:
-        assert cache.acquire(one_off) is None  # it leaves the slot to the tier-A adapter behind it
+        assert (
+            cache.acquire(one_off) is None
+        )  # it leaves the slot to the gpu-warm adapter behind it
         assert cache.acquire(waiting) is not None
         cache.release(running[1])
         assert cache.acquire(one_off) is not None  # and takes the next
@@ -291,11 +315,11 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
     assert cache.cpu_bytes_used == 0
 
 
-def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_count():
+def test_adapters_whose_traffic_stopped_leave_the_gpu_warm_set_and_keep_no_slot_for_their_count():
     """A change of traffic: two adapters busy for two minutes go silent and two others take over.
-    The old ones' 5-minute counts stay far above the new ones' for minutes; after 20 of their mean
-    gaps without a request they leave tier A, are not restored, and weigh nothing for their count
-    when a slot is to be freed."""
+    The old ones' 5-minute counts stay far above the new ones' for minutes; after 20 of their
+    mean gaps without a request they leave the gpu warm set, are not restored, and weigh nothing
+    for their count when a slot is to be freed."""
     cache, now = make_cache(slots=2, cpu_mib=10_000)
     old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
     for _ in range(480):  # 4 requests a second for 2 minutes
@@ -308,30 +332,36 @@ def test_adapters_whose_traffic_stopped_leave_tier_a_and_keep_no_slot_for_their_
         serve(cache, new[0])
         serve(cache, new[1])
         assert cache.demand.short(old[0].key, now[0]) > 10 * cache.demand.short(new[0].key, now[0])
-        if now[0] - stopped < 5:  # not yet overdue: the old pair is still tier A
-            assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
-    assert cache._gpu_preferred(now[0]) == {new[0].key, new[1].key}
-    # the old pair was not restored after the switch
+        if now[0] - stopped < 5:  # not yet overdue: the old pair is still the gpu warm set
+            assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {old[0].key, old[1].key}
+    assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {new[0].key, new[1].key}
     assert set(cache.slots) == {
         new[0].key,
         new[1].key,
+    }  # the old pair was not restored after the switch
+    weighed = {
+        c.key: c
+        for c in cache.placement.slot_candidates(cache.snapshot(), [k.key for k in new], now[0])
     }
-    weighed = {c.key: c for c in cache._slot_candidates([k.key for k in new], now[0])}
     assert all(c.preferred and c.demand > 20 for c in weighed.values())
-    stale = {c.key: c for c in cache._host_candidates([k.key for k in old], now[0], by_use=False)}
+    stale = {
+        c.key: c
+        for c in cache.placement.host_candidates(
+            cache.snapshot(), [k.key for k in old], now[0], by_use=False
+        )
+    }
     assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
-    # nor do they keep tier B's place
-    assert cache._cpu_preferred(now[0]) == {
+    assert cache.placement.cpu_warm(cache.snapshot(), now[0]) == {
         new[0].key,
         new[1].key,
-    }
+    }  # nor do they keep their place in the cpu warm set
     warm = {a["name"]: a["warm"] for a in cache.state()["adapters"]}  # as the admin state shows it
     assert warm == {"old-0": None, "old-1": None, "new-0": "A", "new-1": "A"}
 
 
-def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
-    """The same traffic with the rule off (`overdue_gaps=None`): the old pair keeps tier A on its
-    count."""
+def test_without_overdue_gaps_a_stale_count_keeps_the_gpu_warm_set():
+    """The same traffic with the rule off (`overdue_gaps=None`): the old pair keeps the gpu warm
+    set on its count."""
     cache, now = make_cache(slots=2, cpu_mib=10_000)
     cache.policy = ScorePolicy(overdue_gaps=None)
     old, new = [ref("old-0"), ref("old-1")], [ref("new-0"), ref("new-1")]
@@ -343,15 +373,15 @@ def test_without_overdue_gaps_a_stale_count_keeps_tier_a():
         now[0] += 1.0
         serve(cache, new[0])
         serve(cache, new[1])
-    assert cache._gpu_preferred(now[0]) == {old[0].key, old[1].key}
+    assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {old[0].key, old[1].key}
 
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
-    """One slot busy, room for two host copies, two waiting requests: each loads once. A cpu-pinned
-    copy takes one of the two places, so the second waits for the first to get its slot instead of
-    pushing its copy out (the pin is never dropped: the shrink would drop the waiting one's copy,
-    which would load again, every step)."""
+    """One slot busy, room for two host copies, two waiting requests: each loads once. A
+    cpu-pinned copy takes one of the two places, so the second waits for the first to get its
+    slot instead of pushing its copy out (the pin is never dropped: the shrink would drop the
+    waiting one's copy, which would load again, every step)."""
     now, loads = [0.0], []
 
     def load(r):
@@ -384,9 +414,9 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
 
 
 def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
-    """unload_lora_adapter forgets an adapter whose load is still running, its waiting request gone:
-    the next request for another adapter must not trip over the forgotten one's mark (KeyError on
-    the step thread, which failed every request in flight)."""
+    """unload_lora_adapter forgets an adapter whose load is still running, its waiting request
+    gone: the next request for another adapter must not trip over the forgotten one's mark
+    (KeyError on the step thread, which failed every request in flight)."""
 
     class Pending:  # a load that has not ended yet
         def submit(self, fn, r):

@@ -27,7 +27,7 @@ def test_score_keeps_a_frequent_adapter_over_a_more_recent_one_off():
     assert LRUPolicy().choose_victim([hot, one_off], now=100) == "hot"
 
 
-def test_min_residency_protects_a_new_tier_a_adapter_only_against_colder_newcomers_outside_tier_a():
+def test_min_residency_protects_a_new_gpu_warm_adapter_only_against_colder_newcomers():
     policy = ScorePolicy(min_residency_s=5)
     young_hot = c("young-hot", last=99, loaded=98, demand=6, preferred=True)
     old_cold = c("old-cold", last=50, loaded=10, demand=0.5)
@@ -41,19 +41,19 @@ def test_min_residency_protects_a_new_tier_a_adapter_only_against_colder_newcome
     assert policy.choose_victim([young_hot], now=100, incoming=c("hotter", demand=9)) == "young-hot"
     assert policy.choose_victim([young_hot], now=102.9, incoming=cold_incoming) is None
     assert policy.choose_victim([young_hot], now=103.1, incoming=cold_incoming) == "young-hot"
-    # A tier-A newcomer is no one-off: it may take the slot of a younger adapter with more demand.
+    # A gpu-warm newcomer is no one-off: it may take the slot of a younger adapter with more demand.
     assert (
-        policy.choose_victim([young_hot], now=100, incoming=c("tier-a", demand=4, preferred=True))
+        policy.choose_victim([young_hot], now=100, incoming=c("gpu-warm", demand=4, preferred=True))
         == "young-hot"
     )
-    # Outside tier A there is no protection: a one-off does not wait for a slot that a middling
-    # adapter just took.
+    # Outside the gpu warm set there is no protection: a one-off does not wait for a slot that a
+    # middling adapter just took.
     young_middling = c("young-middling", last=99, loaded=98, demand=3)
     assert (
         policy.choose_victim([young_middling], now=100, incoming=cold_incoming) == "young-middling"
     )
-    # Nor for a tier-A adapter the cache put back ahead of its requests: a request must not wait for
-    # a guess.
+    # Nor for a gpu-warm adapter the cache put back ahead of its requests: a request must not wait
+    # for a guess.
     restored = c("restored", last=90, loaded=99.5, demand=6, preferred=True, restored=True)
     assert policy.choose_victim([restored], now=100, incoming=cold_incoming) == "restored"
 
@@ -83,8 +83,8 @@ def test_make_policy_names():
 
 
 def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
-    """choose_victim scores candidates inline for speed: it must pick what keep_score ranks lowest,
-    ties included."""
+    """choose_victim scores candidates inline for speed: it must pick what keep_score ranks
+    lowest, ties included."""
     rng = random.Random(0)
     policy = ScorePolicy()
     for _ in range(2000):

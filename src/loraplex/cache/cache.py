@@ -1,9 +1,13 @@
-"""The adapter cache: gpu slots over host copies over the disk cache over the remote store."""
+"""The native mechanism: gpu slots over host copies over the disk cache over the remote store.
+
+Which adapter goes where is `loraplex.cache.placement`'s to decide; the cache describes what it
+holds (`snapshot`), asks, and carries out the decisions: it moves bytes, keeps the bookkeeping of
+entries, waiting requests and measured costs, and reports events for the metrics.
+"""
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import threading
 import time
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
-from loraplex.cache.budgets import TenantBudgets, charged, usage
+from loraplex.cache.budgets import TenantBudgets, charged
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import (
     AdapterInFlight,
@@ -23,21 +27,28 @@ from loraplex.cache.errors import (
     CapacityExceeded,
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
+from loraplex.cache.placement import (
+    WANTED_FOR_S,
+    Activate,
+    Decision,
+    Evict,
+    Load,
+    Placement,
+    Snapshot,
+    Wait,
+)
+from loraplex.cache.policy import DemandTracker, LRUPolicy
 
 THRASH_WINDOW_S = 60.0
 RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
-WANTED_FOR_S = (
-    2.0  # a waiting request asks again every step; older asks belong to requests that went away
-)
 
 
 class SlotPool(Protocol):
     num_slots: int
 
     def set_slot(self, slot: int, packed) -> float | None:
-        """Write the host copy into the slot; a pool that models its copies (the simulator's) returns the
-        seconds the copy takes, any other None (the cache times it)."""
+        """Write the host copy into the slot; a pool that models its copies (the simulator's)
+        returns the seconds the copy takes, any other None (the cache times it)."""
 
     def clear_slot(self, slot: int) -> None: ...
 
@@ -56,7 +67,7 @@ class Entry:
     pinned: str | None = None  # "gpu" or "cpu"
     evicted_at: float | None = None
     prewarm_gpu: bool = False
-    restored: bool = False  # put back in its slot by the cache (tier A), not asked for since
+    restored: bool = False  # put back in its slot by placement (gpu warm set), not asked for since
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests holding the slot
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
 
@@ -77,18 +88,18 @@ class Loaded:
 
 
 class AdapterCache:
-    """Only the engine's step thread calls acquire/release/poll; admin calls and reads may come from any thread.
+    """Only the engine's step thread calls acquire/release/poll; admin calls and reads may come
+    from any thread.
 
-    Loads run on worker threads (remote download, digest check, disk read); moving a host copy into a device
-    slot happens in poll/acquire on the step thread, between forward passes.
+    Loads run on worker threads (remote download, digest check, disk read); moving a host copy into
+    a device slot happens in poll/acquire on the step thread, between forward passes.
     """
 
     def __init__(
         self,
         pool: SlotPool,
-        pack: Callable[
-            [dict[str, memoryview], Callable[[str, int], None]], object
-        ],  # see read_artifact's `use`
+        # see read_artifact's `use`
+        pack: Callable[[dict[str, memoryview], Callable[[str, int], None]], object],
         *,
         cpu_bytes: int,
         max_cpu_loras: int | None = None,
@@ -109,64 +120,80 @@ class AdapterCache:
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
+        # the size of the gpu warm set
         self.max_gpu_preferred = (
             max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
         )
+        self.placement = Placement()
         self.clock = clock
         self.thrash_window_s = thrash_window_s
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
-        self.cpu: dict[
-            AdapterKey, object
-        ] = {}  # changed only by _put_cpu and _drop_cpu, which keep the total
+        # changed only by _put_cpu and _drop_cpu, which keep the total
+        self.cpu: dict[AdapterKey, object] = {}
         self.cpu_bytes_used = 0  # bytes of the host copies in self.cpu
         self.entries: dict[AdapterKey, Entry] = {}
         self.loading: dict[AdapterKey, Future] = {}
         self.demand = DemandTracker()  # requests per adapter
-        self.activations = DemandTracker(
-            ranked=False
-        )  # slot activations per adapter: what its host copy served
-        self.slot_loads = DemandTracker(
-            ranked=False
-        )  # one key, "gpu": activations that requests asked for
-        self.seconds_per_byte: dict[
-            str, float
-        ] = {}  # measured per load stage (download, disk, h2d)
+        # slot activations per adapter: what its host copy served
+        self.activations = DemandTracker(ranked=False)
+        # one key, "gpu": activations that requests asked for
+        self.slot_loads = DemandTracker(ranked=False)
+        # measured per load stage (download, disk, h2d)
+        self.seconds_per_byte: dict[str, float] = {}
         self.recent_evictions: deque[float] = deque(maxlen=1000)
         self.reloads_after_eviction = 0
         self.num_evictions = 0
         self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
-        self._wanted: dict[
-            AdapterKey, float
-        ] = {}  # keys a waiting request asked for and has not got yet
-        self._nbytes_version = 0  # moves when an entry's bytes change (tier B depends on them)
-        self._preferred_memo: dict[
-            str, tuple[tuple, set[AdapterKey]]
-        ] = {}  # tier -> (inputs, adapters)
-        self._waiting_since: dict[
-            AdapterKey, float
-        ] = {}  # when a key's waiting requests first asked
+        # keys a waiting request asked for and has not got yet -> when it last asked
+        self._wanted: dict[AdapterKey, float] = {}
+        self._nbytes_version = 0  # moves when an entry's bytes change (the cpu warm set uses them)
+        # when a key's waiting requests first asked
+        self._waiting_since: dict[AdapterKey, float] = {}
         # key -> (tenant, since): waiting requests that their tenant's budget holds back
         self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
-        self.queued: dict[
-            AdapterKey, int
-        ] = {}  # requests waiting for admission, per adapter (queue / unqueue)
-        self._gpu_pins: set[AdapterKey] = (
-            set()
-        )  # the entries pinned to gpu, and to cpu (kept with `pinned`)
+        # requests waiting for admission, per adapter (queue / unqueue)
+        self.queued: dict[AdapterKey, int] = {}
+        # the entries pinned to gpu, and to cpu (kept with `pinned`)
+        self._gpu_pins: set[AdapterKey] = set()
         self._cpu_pins: set[AdapterKey] = set()
         self._copies_version = 0
-        """Moves when the host copies, the loads, the cpu pins or which keys waiting requests asked for change: what
-        `_room_for` derives from them is kept until it moves."""
-        self._copies_memo: (
-            tuple[tuple[int, int], float, tuple[set[AdapterKey], int, int]] | None
-        ) = None
+        """Moves when the host copies, the loads, the cpu pins or which keys waiting requests asked
+        for change: what placement derives from them is kept until it moves."""
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load
         self._executor = executor or ThreadPoolExecutor(
             load_threads, thread_name_prefix="lora-load"
         )
         self._lock = threading.RLock()
+
+    def snapshot(self) -> Snapshot:
+        """What placement reads: this cache's tables as they are now (read, never changed)."""
+        return Snapshot(
+            self.entries,
+            self.slots,
+            self.cpu,
+            self.cpu_bytes_used,
+            self.loading,
+            self.disk.has if self.disk is not None else None,
+            self._wanted,
+            self._waiting_since,
+            self.budget_waiting,
+            self.queued,
+            self._gpu_pins,
+            self._cpu_pins,
+            self.demand,
+            self.activations,
+            self.slot_loads,
+            self.seconds_per_byte,
+            self.cpu_bytes,
+            self.max_cpu_loras,
+            self.max_gpu_preferred,
+            self.policy,
+            self.budgets,
+            self._copies_version,
+            self._nbytes_version,
+        )
 
     # -- queries (any thread) --------------------------------------------------------------------
     def slot_of(self, key: AdapterKey) -> int | None:
@@ -196,11 +223,9 @@ class AdapterCache:
         now = self.clock()
         with self._lock:
             adapters, on_disk = [], []
-            tier_a, tier_b, in_slots = (
-                self._gpu_preferred(now),
-                self._cpu_preferred(now),
-                set(self.slots),
-            )
+            snap, in_slots = self.snapshot(), set(self.slots)
+            gpu_warm = self.placement.gpu_warm(snap, now)
+            cpu_warm = self.placement.cpu_warm(snap, now)
             for key, e in self.entries.items():
                 disk = self._on_disk(key)  # a file system look per adapter: once
                 if disk:
@@ -232,8 +257,9 @@ class AdapterCache:
                         "evictions": e.evictions,
                         "last_access_s_ago": round(now - e.last_access, 3),
                         "demand_5m": round(self.demand.short(key, now), 3),
-                        # the warm set the demand keeps: A preferred on the device, B in host memory (both: A)
-                        "warm": "A" if key in tier_a else "B" if key in tier_b else None,
+                        # the warm set the demand keeps: "A" the gpu warm set, "B" the cpu warm
+                        # set (both: "A")
+                        "warm": "A" if key in gpu_warm else "B" if key in cpu_warm else None,
                     }
                 )
             copies = {
@@ -243,7 +269,8 @@ class AdapterCache:
             }
             return {
                 "adapters": adapters,
-                # Per tier, the adapters with a copy there (one in a slot has its host copy too) and their bytes.
+                # Per tier, the adapters with a copy there (one in a slot has its host copy too)
+                # and their bytes.
                 "resident": {
                     tier: {"count": len(keys), "bytes": sum(self.entries[k].nbytes for k in keys)}
                     for tier, keys in copies.items()
@@ -296,19 +323,13 @@ class AdapterCache:
             entry = self.entries.setdefault(key, Entry(ref))
             entry.last_access = now
             slot = self.slot_of(key)
-            if slot is None and key in self.cpu and not self._yields(key, now):
-                slot = self._activate(key, now, tenant)
-                if slot is not None:
-                    self.slot_loads.record("gpu", now)
             if slot is None:
-                if key not in self.cpu and key not in self.loading and self._room_for(key, now):
-                    if self._host_budget_allows(key, tenant):
-                        entry.last_tenant = tenant  # its host copy counts for the tenant asking
-                        self._start_load(ref)
-                    else:
-                        self._wait_for_budget(key, tenant, now)
-                self.mark_wanted(key, now)
-                return None
+                decisions = self.placement.admit(self.snapshot(), key, tenant, now)
+                slot = self._carry_out(decisions, now, ref)
+                if slot is None:
+                    self.mark_wanted(key, now)
+                    return None
+                self.slot_loads.record("gpu", now)
             if self._wanted.pop(key, None) is not None:
                 self._copies_version += 1
             self._waiting_since.pop(key, None)
@@ -321,8 +342,8 @@ class AdapterCache:
             return slot
 
     def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
-        """Count one request's demand and report the tier it finds its adapter in (as a hit or miss event too,
-        when `counted`)."""
+        """Count one request's demand and report the tier it finds its adapter in (as a hit or miss
+        event too, when `counted`)."""
         with self._lock:
             self.entries.setdefault(ref.key, Entry(ref))
             self.demand.record(ref.key, self.clock())
@@ -332,8 +353,8 @@ class AdapterCache:
         return tier
 
     def mark_wanted(self, key: AdapterKey, now: float) -> None:
-        """A waiting request asked for `key` and did not get a slot (acquire; a simulator that skips a call that
-        could only fail)."""
+        """A waiting request asked for `key` and did not get a slot (acquire; a simulator that skips
+        a call that could only fail)."""
         if now - self._wanted.get(key, -math.inf) > WANTED_FOR_S:
             self._waiting_since[key] = now  # a new wait (an older one went away)
             self._copies_version += 1
@@ -346,7 +367,8 @@ class AdapterCache:
         self.mark_wanted(key, now)
 
     def touch_waiting(self, keys, at: float) -> None:
-        """Requests that waited for `keys` asked for them last at `at` (a simulator's steps that it skipped)."""
+        """Requests that waited for `keys` asked for them last at `at` (a simulator's steps that it
+        skipped)."""
         for key in keys:
             self.entries[key].last_access = at
             self._wanted[key] = at
@@ -379,12 +401,15 @@ class AdapterCache:
                 if not users[holder]:
                     del users[holder]
             if entry.refcount == 0 and self._gpu_pins:
-                self._restore_pinned(self.clock())
+                self._restore(self.placement.restore_pinned, self.clock())
             if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
-                self._restore_preferred(self.clock())
+                now = self.clock()
+                self._forget_stale_asks(now)
+                self._restore(self.placement.restore_warm, now)
 
     def poll(self) -> list[tuple[AdapterKey, Exception]]:
-        """Take finished loads into the cpu tier; return the keys whose load failed, with the error."""
+        """Take finished loads into the cpu tier; return the keys whose load failed, with the
+        error."""
         failed = []
         with self._lock:
             for key, future in list(self.loading.items()):
@@ -394,10 +419,8 @@ class AdapterCache:
                 self._copies_version += 1
                 error = future.exception()
                 if error is not None:
-                    if key in self.entries:
-                        self.entries[
-                            key
-                        ].prewarm_gpu = False  # a later load, for whatever reason, is not it
+                    if key in self.entries:  # a later load, for whatever reason, is not it
+                        self.entries[key].prewarm_gpu = False
                     failed.append((key, error))
                     self.on_event(
                         "load_failed",
@@ -414,11 +437,11 @@ class AdapterCache:
                 entry.load_seconds = sum(loaded.stages.values())
                 for stage, seconds in loaded.stages.items():
                     self._measure(stage, seconds, entry.nbytes)
-                self._put_cpu(
-                    key, loaded.packed
-                )  # load first, then evict: a failed load never evicted anything
-                if entry.pinned == "cpu" and self._cpu_pinned_bytes() > self.cpu_bytes:
-                    # Pinned before its bytes were known: kept as an ordinary host copy rather than overfill the tier.
+                # load first, then evict: a failed load never evicted anything
+                self._put_cpu(key, loaded.packed)
+                if entry.pinned == "cpu" and not self.placement.cpu_pins_fit(self.snapshot()):
+                    # Pinned before its bytes were known: kept as an ordinary host copy rather than
+                    # overfill the tier.
                     self._set_pin(key, None)
                     self.on_event(
                         "pin_refused",
@@ -426,14 +449,17 @@ class AdapterCache:
                             "key": key,
                             "tier": "cpu",
                             "error": (
-                                f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would exceed "
-                                f"cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned"
+                                f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned "
+                                f"adapters would exceed cpu_cache_bytes ({self.cpu_bytes}); it "
+                                "stays cached, unpinned"
                             ),
                         },
                     )
-                self._shrink_cpu(keep=key)
+                now = self.clock()
+                self._carry_out(self.placement.shrink_host(self.snapshot(), key, now), now)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
-                    self._activate(key, self.clock())
+                    now = self.clock()
+                    self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
                 entry.prewarm_gpu = False
         return failed
 
@@ -449,33 +475,15 @@ class AdapterCache:
 
     # -- operator calls (any thread) -------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
-        """Keep the adapter resident in `tier` (gpu or cpu) until unpinned; loads it now if needed."""
+        """Keep the adapter resident in `tier` (gpu or cpu) until unpinned; loads it now if
+        needed."""
         if tier not in ("gpu", "cpu"):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
-            entry = self.entries.setdefault(ref.key, Entry(ref))
-            pins = self._gpu_pins if tier == "gpu" else self._cpu_pins
-            pinned = [self.entries[k] for k in pins if k != ref.key]
-            if tier == "gpu" and len(pinned) + 1 > len(self.slots) - 1:
-                raise CapacityExceeded(
-                    f"cannot pin {ref.key} to gpu: {len(pinned)} of {len(self.slots)} slots are pinned and one "
-                    "must stay free for other adapters"
-                )
-            if (
-                tier == "cpu" and sum(e.nbytes for e in pinned) + entry.nbytes > self.cpu_bytes
-            ):  # 0 if never loaded
-                raise CapacityExceeded(
-                    f"cannot pin {ref.key} to cpu: pinned adapters would exceed cpu_cache_bytes"
-                )
-            if (
-                tier == "cpu"
-                and self.max_cpu_loras is not None
-                and len(pinned) + 1 > self.max_cpu_loras - 1
-            ):
-                raise CapacityExceeded(
-                    f"cannot pin {ref.key} to cpu: {len(pinned)} of max_cpu_loras {self.max_cpu_loras} are pinned "
-                    "and one must stay free for loads"
-                )
+            self.entries.setdefault(ref.key, Entry(ref))
+            refusal = self.placement.pin_refusal(self.snapshot(), ref.key, tier)
+            if refusal is not None:
+                raise CapacityExceeded(refusal)
             self._set_pin(ref.key, tier)
         self.prewarm(ref, tier)
 
@@ -508,9 +516,10 @@ class AdapterCache:
                 entry.prewarm_gpu = True
             if ref.key in self.cpu:
                 if tier == "gpu" and self.slot_of(ref.key) is None:
-                    self._activate(
-                        ref.key, self.clock()
-                    )  # no slot free or freeable: it stays in cpu
+                    # no slot free or freeable: it stays in cpu
+                    now = self.clock()
+                    decisions = self.placement.activate(self.snapshot(), ref.key, now, None)
+                    self._carry_out(decisions, now)
                 entry.prewarm_gpu = False
                 return
             self._start_load(ref)
@@ -533,8 +542,8 @@ class AdapterCache:
             entry.prewarm_gpu = False  # a load in progress still lands in cpu, not in a slot
 
     def forget(self, key: AdapterKey) -> None:
-        """Evict and drop all bookkeeping of a key (an unloaded adapter), in one step: the step loop must not take
-        the adapter between the two."""
+        """Evict and drop all bookkeeping of a key (an unloaded adapter), in one step: the step loop
+        must not take the adapter between the two."""
         with self._lock:
             self.evict(key)
             self.entries.pop(key, None)
@@ -553,7 +562,8 @@ class AdapterCache:
             self._copies_version += 1
 
     def _load(self, ref: AdapterRef) -> Loaded:
-        """Worker thread: bytes from disk or the remote store, digest checked, packed into a host buffer."""
+        """Worker thread: bytes from disk or the remote store, digest checked, packed into a host
+        buffer."""
         stages = {}
         try:
             if ref.path is not None:
@@ -593,19 +603,44 @@ class AdapterCache:
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
         return Loaded(packed, source, stages)
 
-    def _activate(self, key: AdapterKey, now: float, tenant: str | None = None) -> int | None:
-        """Put the host copy in a slot: a free one, else one the policy frees. `tenant`: the tenant
-        whose request asks, held to its budget (None: an operator's pin or prewarm, placed as
-        asked)."""
-        if None not in self.slots:
-            slot = self._evict_slot(key, now, tenant)
-        elif tenant is not None and self._budget_yields_free_slot(key, tenant, now):
-            self._wait_for_budget(key, tenant, now)
-            slot = None
-        else:
-            slot = self.slots.index(None)
-        if slot is None:
-            return None
+    def _carry_out(
+        self, decisions: list[Decision], now: float, ref: AdapterRef | None = None
+    ) -> int | None:
+        """Do what placement decided, in order; the slot an activation filled, or None. `ref`: the
+        request's, which a load starts from."""
+        slot = None
+        for d in decisions:
+            match d:
+                case Evict(key, "gpu"):
+                    self._clear(self.slots.index(key), now)
+                case Evict(key, _):
+                    self._drop_cpu(key)
+                    self.on_event("eviction", {"tier": "cpu"})
+                case Activate(key, into, restored):
+                    slot = self._activate(key, into, now)
+                    self.entries[key].restored = restored
+                case Load(key, tenant):
+                    self.entries[key].last_tenant = tenant  # its host copy counts for the asker
+                    self._start_load(ref if ref is not None else self.entries[key].ref)
+                case Wait(key, _, tenant):
+                    self._wait_for_budget(key, tenant, now)
+        return slot
+
+    def _restore(self, rule: Callable[[Snapshot, float], list[Decision]], now: float) -> None:
+        """Carry out a restore rule's decisions, one adapter at a time, until it has none."""
+        while decisions := rule(self.snapshot(), now):
+            self._carry_out(decisions, now)
+
+    def _forget_stale_asks(self, now: float) -> None:
+        """Drop the asks of waiting requests that went away (none asked again in WANTED_FOR_S)."""
+        for key, asked in list(self._wanted.items()):
+            if now - asked > WANTED_FOR_S:
+                del self._wanted[key]
+                self._copies_version += 1
+                self._waiting_since.pop(key, None)
+
+    def _activate(self, key: AdapterKey, slot: int, now: float) -> int:
+        """Copy the host copy into `slot`, which is free."""
         entry = self.entries[key]
         start = time.perf_counter()
         modeled = self.pool.set_slot(slot, self.cpu[key])
@@ -614,7 +649,6 @@ class AdapterCache:
         self.on_event("load_stage", {"stage": "h2d", "seconds": seconds, "key": key})
         self.slots[slot] = key
         entry.loaded_at = now
-        entry.restored = False  # _restore_preferred marks its own activations
         self.activations.record(key, now)
         if entry.evicted_at is not None and now - entry.evicted_at < self.thrash_window_s:
             self.reloads_after_eviction += 1
@@ -625,42 +659,7 @@ class AdapterCache:
         )
         return slot
 
-    def _evict_slot(self, incoming: AdapterKey, now: float, tenant: str | None) -> int | None:
-        entries = self.entries
-        evictable = [
-            k
-            for k in self.slots
-            if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
-        ]
-        if getattr(
-            self.policy, "spares_queued", False
-        ):  # an adapter whose request is about to be admitted stays
-            evictable = [k for k in evictable if k not in self.queued]
-        if not evictable:
-            return None  # every slot in use, pinned or spared: nothing to weigh (under a backlog, most calls)
-        rounds = [evictable]
-        if tenant is not None and self.budgets.limits_anyone:
-            allowed = self._budget_victims(tenant, evictable)
-            if not allowed:
-                self._wait_for_budget(incoming, tenant, now)
-                return None
-            # Within its budget, the excess of tenants beyond theirs goes first; the policy's
-            # protections may refuse all of it, and then any adapter may go, as without budgets.
-            partial = len(allowed) < len(evictable) and not self._over_budget(tenant, "gpu")
-            rounds = [allowed, evictable] if partial else [allowed]
-        victim = None
-        for keys in rounds:
-            candidates = self._slot_candidates([*keys, incoming], now)
-            victim = self.policy.choose_victim(candidates[:-1], now, candidates[-1])
-            if victim is not None:
-                break
-        if victim is None:
-            return None
-        slot = self.slots.index(victim)
-        self._clear(slot, now)
-        return slot
-
-    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ----------------
+    # -- budgets (placement applies the rule; here, the counts it reports) ----------------------
     def set_budgets(self, budgets: TenantBudgets) -> None:
         """New budgets (from the registry): they apply from the next placement on; nothing is
         evicted for them."""
@@ -718,76 +717,7 @@ class AdapterCache:
     def defers(self, ref: AdapterRef) -> bool:
         """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
         tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
-        waiting = self.budget_waiting.get(ref.key)
-        if waiting is None or waiting[0] != ref.tenant:
-            return False
-        return self.budgets.defers(self.clock() - waiting[1])
-
-    def _slot_usage(self) -> dict[str, int]:
-        entries = self.entries
-        return usage((entries[k].charged, 1) for k in self.slots if k is not None)
-
-    def _host_usage(self) -> dict[str, int]:
-        entries = self.entries
-        return usage((entries[k].charged, entries[k].nbytes) for k in self.cpu)
-
-    def _over_budget(self, tenant: str, tier: str) -> bool:
-        """Whether one more slot (gpu) or any more bytes (cpu) puts the tenant beyond its budget."""
-        used = self._slot_usage() if tier == "gpu" else self._host_usage()
-        return self.budgets.is_over(tenant, tier, used, 1)
-
-    def _budget_yields_free_slot(self, key: AdapterKey, tenant: str, now: float) -> bool:
-        """Whether a request of a tenant beyond its budget leaves a free slot to another tenant's
-        request that waits for one (its adapter loading, or in host memory): free capacity is
-        anyone's only while no one else wants it. It yields for the budgets' `yield_s` at most (then
-        it takes the slot: nothing starves)."""
-        if not self.budgets.limits_anyone or not self._over_budget(tenant, "gpu"):
-            return False
-        waiting = self.budget_waiting.get(key)
-        if waiting is not None and not self.budgets.defers(now - waiting[1]):
-            return False
-        entries, slots = self.entries, self.slots
-        return any(
-            now - asked <= WANTED_FOR_S and k not in slots and entries[k].last_tenant != tenant
-            for k, asked in self._wanted.items()
-        )
-
-    def _budget_victims(self, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
-        """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""
-        entries = self.entries
-        candidates = [(k, entries[k].charged) for k in keys]
-        return self.budgets.victims("gpu", tenant, self._slot_usage(), 1, candidates)
-
-    def _host_budget_allows(self, key: AdapterKey, tenant: str) -> bool:
-        """Whether a load of `key` for `tenant` may start: into free host memory, within its budget,
-        or with copies of its own to give up for it (`_shrink_cpu` drops them when it lands)."""
-        budgets = self.budgets
-        if not budgets.limits_anyone:
-            return True
-        need = max(self.entries[key].nbytes, 1)  # 0 before its first load: any more bytes
-        has_free = self.cpu_bytes_used + need <= self.cpu_bytes and (
-            self.max_cpu_loras is None or len(self.cpu) < self.max_cpu_loras
-        )
-        entries = self.entries
-        own = [(k, entries[k].charged) for k in self.cpu if entries[k].pinned != "cpu"]
-        return budgets.may_take("cpu", tenant, self._host_usage(), need, has_free, own)
-
-    def _host_budget_victims(self, keep: AdapterKey, keys: list[AdapterKey]) -> list[AdapterKey]:
-        """Of the droppable host copies `keys`, those that the landing copy `keep` may push out. Its
-        tenant beyond its budget gives up its own, the landing copy included when it has no other
-        (its request then waits, and its next load waits for room: `_host_budget_allows`)."""
-        entries = self.entries
-        tenant, used = entries[keep].last_tenant, self._host_usage()
-        candidates = [(k, entries[k].charged) for k in keys]
-        allowed = self.budgets.victims("cpu", tenant, used, 0, candidates)
-        if (
-            not allowed
-            and self.budgets.is_over(tenant, "cpu", used, 0)
-            and keep in self.cpu
-            and entries[keep].pinned != "cpu"
-        ):
-            return [keep]
-        return allowed
+        return self.placement.defers(self.snapshot(), ref, self.clock())
 
     def _wait_for_budget(self, key: AdapterKey, tenant: str, now: float) -> None:
         """A request of `tenant` for `key` waits because of its budget: counted once per wait."""
@@ -808,184 +738,6 @@ class AdapterCache:
         self.recent_evictions.append(now)
         self.on_event("eviction", {"tier": "gpu"})
 
-    def _restore_preferred(self, now: float) -> None:
-        """Put a tier-A adapter that a one-off pushed out back into a slot once the one-off is done, so that its
-        next request finds it on the device (a host-to-device copy, off the request's path).
-
-        Only an adapter expected back before the slots turn over is restored: one whose short-window request
-        count, times the number of slots, is at least the count of slot loads over the same window. One expected
-        later would most likely be pushed out again before its next request, and its restore would be a copy
-        for nothing; it is activated when it is asked for instead.
-        """
-        for key, asked in list(self._wanted.items()):
-            if now - asked > WANTED_FOR_S:
-                del self._wanted[key]  # its request went away
-                self._copies_version += 1
-                self._waiting_since.pop(key, None)
-        if self._wanted:
-            return  # requests are waiting for a slot: they come first
-        preferred = self._gpu_preferred(now)
-        out = preferred - set(self.slots)
-        if not out:
-            return  # the usual case: every tier-A adapter is in a slot
-        turnover = self.slot_loads.short("gpu", now) / len(self.slots)
-        # the most demanded first; equal demands by key, so the order does not depend on the set's hashing
-        for key in sorted(
-            out, key=lambda k: (-self.demand.short(k, now), k.name, k.revision, k.adapter_digest)
-        ):
-            if key not in self.cpu:
-                continue
-            if self.demand.short(key, now) < turnover:
-                return
-            holders = [
-                k
-                for k in self.slots
-                if k is not None
-                and k not in preferred
-                and self.entries[k].refcount == 0
-                and self.entries[k].pinned != "gpu"
-                and k not in self.loading
-                and k not in self.queued
-            ]
-            if None not in self.slots and holders and self.budgets.limits_anyone:
-                holders = self._budget_victims(self.entries[key].last_tenant, holders)
-            if None not in self.slots and not holders:
-                return
-            if None not in self.slots:
-                victim = min(holders, key=lambda k: self.demand.short(k, now))
-                if self.demand.short(victim, now) >= self.demand.short(key, now):
-                    return
-                self._clear(self.slots.index(victim), now)
-            if self._activate(key, now) is not None:
-                self.entries[key].restored = True
-
-    def _room_for(self, key: AdapterKey, now: float) -> bool:
-        """Whether a waiting request's load of `key` can land without pushing out the host copy of an adapter that
-        another waiting request asked for. When the waiting requests' adapters do not all fit in host memory, each
-        load would push out another's copy before its request got a slot, and that one would load again, over and
-        over (thrash: tens of loads per request with one slot and a backlog); instead such a request waits until
-        earlier ones have taken their slots. The scheduler asks in queue order, so the first ones load first. With
-        no other waiting request's copy held, a load always may (there is always a first)."""
-        held, count, nbytes = self._wanted_copies(now)
-        if not held or len(held) == 1 and key in held:
-            return True
-        entries = self.entries
-        if key in held and key not in self._cpu_pins:  # its own copy is not another's
-            count, nbytes = count - 1, nbytes - entries[key].nbytes
-        if self.max_cpu_loras is not None and count + 1 > self.max_cpu_loras:
-            return False
-        return nbytes + entries[key].nbytes <= self.cpu_bytes
-
-    def _wanted_copies(self, now: float) -> tuple[set[AdapterKey], int, int]:
-        """The host copies and loads that waiting requests asked for; their count and bytes with the cpu pins' (never
-        dropped either). `_room_for` is asked for each waiting request whose adapter is not in host memory, at every
-        step, so this is kept while nothing it depends on changes: the copies, loads, pins and asks (versions), and
-        time only by the oldest ask leaving the window (the clock only moves forward)."""
-        memo = self._copies_memo
-        if (
-            memo is not None
-            and memo[0] == (self._copies_version, self._nbytes_version)
-            and now - memo[1] <= WANTED_FOR_S
-        ):
-            return memo[2]
-        wanted, entries = self._wanted, self.entries
-        held = {
-            k
-            for k in itertools.chain(self.cpu, self.loading)
-            if now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k in entries
-        }
-        both = held | self._cpu_pins
-        value = (held, len(both), sum(entries[k].nbytes for k in both))
-        oldest = min(
-            (wanted[k] for k in held), default=math.inf
-        )  # later asks only keep the others in longer
-        self._copies_memo = ((self._copies_version, self._nbytes_version), oldest, value)
-        return value
-
-    def _restore_pinned(self, now: float) -> None:
-        """A gpu-pinned adapter that found every slot in use (when it was pinned, or when its load landed) takes a
-        slot once one can be had, unless requests wait for one (they come first)."""
-        if any(now - asked <= WANTED_FOR_S for asked in self._wanted.values()):
-            return
-        for key in sorted(self._gpu_pins - set(self.slots), key=str):
-            if key in self.cpu and self._activate(key, now) is None:
-                return
-
-    def _yields(self, key: AdapterKey, now: float) -> bool:
-        """Whether `key` leaves the slot it could take to a tier-A adapter whose request waits too (a policy with
-        `yields_for_s`): when one slot frees for several waiting requests, a frequently used adapter gets it before
-        a one-off that happened to arrive first; the one-off takes the next. A request yields only during its first
-        `yields_for_s` of waiting, so that under sustained load tier A cannot starve the others."""
-        limit = getattr(self.policy, "yields_for_s", 0.0)
-        if now - self._waiting_since.get(key, now) >= limit:
-            return False  # none, or it has waited long enough: it takes its turn
-        wanted, slots = self._wanted, set(self.slots)
-        waiting = [  # walked from the host copies (tens), not the waiting requests' keys (hundreds under a backlog)
-            k
-            for k in self.cpu
-            if k != key and now - wanted.get(k, -math.inf) <= WANTED_FOR_S and k not in slots
-        ]
-        if not waiting:
-            return False
-        preferred = self._gpu_preferred(now)
-        return key not in preferred and any(k in preferred for k in waiting)
-
-    def _gpu_preferred(self, now: float) -> set[AdapterKey]:
-        """Tier A: the adapters with the most short-window demand, up to the cap. The set is kept until the counts
-        or the time change, and shared: callers must not change it."""
-        inputs = (
-            now,
-            self.demand,
-            self.demand.version,
-            self.max_gpu_preferred,
-            getattr(self.policy, "overdue_gaps", None),
-        )
-        memo = self._preferred_memo.get("gpu")
-        if memo is not None and memo[0] == inputs:
-            return memo[1]
-        chosen = self.demand.top(
-            now, 0, 2.0, self.max_gpu_preferred
-        )  # in rank order, as one by one
-        gaps = getattr(self.policy, "overdue_gaps", None)
-        if gaps is not None and self.demand.any_overdue(
-            chosen, now, gaps
-        ):  # the next ones take their places
-            ranked = itertools.takewhile(lambda item: item[1] >= 2.0, self.demand.ranked(now, 0))
-            chosen = itertools.islice(
-                (k for k, _ in ranked if not self._stopped(k, now)), self.max_gpu_preferred
-            )
-        chosen = set(chosen)
-        self._preferred_memo["gpu"] = (inputs, chosen)
-        return chosen
-
-    def _cpu_preferred(self, now: float) -> set[AdapterKey]:
-        """Tier B: adapters with demand over the last hour, up to half the cpu budget (kept and shared as tier A)."""
-        inputs = (
-            now,
-            self.demand,
-            self.demand.version,
-            self._nbytes_version,
-            self.cpu_bytes,
-            getattr(self.policy, "overdue_gaps", None),
-        )
-        memo = self._preferred_memo.get("cpu")
-        if memo is not None and memo[0] == inputs:
-            return memo[1]
-        chosen, used, entries, half = set(), 0, self.entries, self.cpu_bytes // 2
-        gaps, overdue = getattr(self.policy, "overdue_gaps", None), self.demand.overdue
-        for key, count in self.demand.ranked(now, 1):
-            if count < 2.0:
-                break
-            if gaps is not None and overdue(key, now, gaps):
-                continue  # it was busy and stopped: the hour's count would keep it for many minutes
-            nbytes = entries[key].nbytes
-            if used + nbytes > half:
-                break
-            chosen.add(key)
-            used += nbytes
-        self._preferred_memo["cpu"] = (inputs, chosen)
-        return chosen
-
     def _put_cpu(self, key: AdapterKey, packed) -> None:
         self._drop_cpu(key)
         self.cpu[key] = packed
@@ -996,137 +748,6 @@ class AdapterCache:
         if key in self.cpu:
             self.cpu_bytes_used -= self.cpu.pop(key).nbytes
             self._copies_version += 1
-
-    def _shrink_cpu(self, keep: AdapterKey) -> None:
-        now, candidates, left = self.clock(), [], 0
-        by_use = getattr(self.policy, "weighs_host_copies_by_use", False)
-        # A policy may give its picks in order (`victims`): the same as asking choose_victim again after each.
-        in_order, victims = getattr(self.policy, "victims", None), None
-        while self._cpu_over():
-            if not left:
-                entries = self.entries
-                keys = [k for k in self.cpu if k != keep and entries[k].pinned != "cpu"]
-                if self.budgets.limits_anyone and keep in entries:
-                    keys = self._host_budget_victims(keep, keys)
-                # A host copy that a waiting request asked for goes last: dropping it means loading it again.
-                keys = [k for k in keys if k not in self._wanted] or keys
-                if (
-                    not by_use
-                ):  # copies of adapters in a slot go last: a slot eviction falls back to them
-                    keys = [k for k in keys if k not in self.slots] or keys
-                candidates = self._host_candidates(keys, now, by_use)
-                left = len(candidates)
-                victims = in_order(candidates, now) if in_order is not None else None
-            if victims is not None:
-                victim, left = (
-                    next(victims, None),
-                    left - 1,
-                )  # the picks come from the candidates, one each
-            else:
-                victim = self.policy.choose_victim(candidates, now)
-                candidates = [c for c in candidates if c.key is not victim]
-                left = len(candidates)
-            if victim is None:
-                return
-            self._drop_cpu(victim)
-            self.on_event("eviction", {"tier": "cpu"})
-
-    def _cpu_pinned_bytes(self) -> int:
-        return sum(self.entries[k].nbytes for k in self._cpu_pins)
-
-    def _cpu_over(self) -> bool:
-        return self.cpu_bytes_used > self.cpu_bytes or (
-            self.max_cpu_loras is not None and len(self.cpu) > self.max_cpu_loras
-        )
-
-    def _slot_candidates(self, keys: list[AdapterKey], now: float) -> list[Candidate]:
-        """Adapters as a slot eviction weighs them: losing the slot costs a copy from host memory, or a load
-        first when the host copy is gone."""
-        preferred, rate = self._gpu_preferred(now), self.seconds_per_byte
-        h2d, disk, download = rate.get("h2d", 0.0), rate.get("disk", 0.0), rate.get("download", 0.0)
-        # The sums once, in the same order as for each key (so the same floats).
-        from_disk, from_remote = h2d + disk + 0.0, h2d + disk + download
-        entries, cpu, has = self.entries, self.cpu, self.disk.has if self.disk is not None else None
-        out = []
-        for key, demand in zip(keys, self._short_demands(keys, now)):
-            e = entries[key]
-            ref = e.ref
-            if key in cpu:
-                per_byte = h2d
-            else:  # as _on_disk
-                on_disk = ref.path is not None or (has is not None and has(key.adapter_digest))
-                per_byte = from_disk if on_disk else from_remote
-            out.append(
-                Candidate(
-                    key,
-                    e.nbytes,
-                    e.last_access,
-                    e.loaded_at,
-                    demand,
-                    ref.tenant,
-                    ref.priority,
-                    per_byte * e.nbytes,
-                    key in preferred,
-                    e.restored,
-                )
-            )
-        return out
-
-    def _stopped(self, key: AdapterKey, now: float) -> bool:
-        """Whether `key`'s requests stopped, for a policy that sets `overdue_gaps` (never for the others)."""
-        gaps = getattr(self.policy, "overdue_gaps", None)
-        return gaps is not None and self.demand.overdue(key, now, gaps)
-
-    def _short_demands(self, keys: list[AdapterKey], now: float) -> list[float]:
-        """Each key's short-window count, as a policy weighs it: none for an adapter whose requests stopped."""
-        gaps = getattr(self.policy, "overdue_gaps", None)
-        return (
-            self.demand.shorts(keys, now)
-            if gaps is None
-            else self.demand.shorts_live(keys, now, gaps)
-        )
-
-    def _host_candidates(self, keys: list[AdapterKey], now: float, by_use: bool) -> list[Candidate]:
-        """Host copies as a policy weighs them. `by_use`: by the use each will have. Outside the slots, that is
-        the adapter's next request; for an adapter in a slot, only an activation after it loses the slot, so such
-        a copy counts its slot activations and its last one, not the requests the slot served."""
-        preferred, rate = self._cpu_preferred(now), self.seconds_per_byte
-        # Tier A is the exception: a gpu-preferred adapter pushed out of its slot is restored at once, and that
-        # restore is a copy only while its host copy is kept, so that copy counts the adapter's requests.
-        in_slots = set(self.slots) - self._gpu_preferred(now) if by_use else set()
-        disk, download = rate.get("disk", 0.0), rate.get("download", 0.0)
-        from_disk, from_remote = (
-            disk + 0.0,
-            disk + download,
-        )  # the sums once (the same floats as per key)
-        entries, activations = self.entries, self.activations
-        has = self.disk.has if self.disk is not None else None
-        out = []
-        for key, demand in zip(keys, self._short_demands(keys, now)):
-            e = entries[key]
-            ref = e.ref
-            if key in in_slots:
-                demand, last = activations.count(key, now), e.loaded_at
-            else:
-                last = e.last_access
-            on_disk = ref.path is not None or (
-                has is not None and has(key.adapter_digest)
-            )  # as _on_disk
-            per_byte = from_disk if on_disk else from_remote
-            out.append(
-                Candidate(
-                    key,
-                    e.nbytes,
-                    last,
-                    e.loaded_at,
-                    demand,
-                    ref.tenant,
-                    ref.priority,
-                    per_byte * e.nbytes,
-                    key in preferred,
-                )
-            )
-        return out
 
     def _measure(self, stage: str, seconds: float, nbytes: int) -> None:
         if nbytes > 0:

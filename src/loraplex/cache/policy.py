@@ -25,28 +25,33 @@ class Candidate:
     tenant: str = "default"
     priority: int = 0
     reload_cost: float = 0.0
-    """Seconds that bringing it back would take once evicted from this tier: its bytes times the measured seconds
-    per byte of the tiers below (a copy from host memory, a disk read, a download)."""
+    """Seconds that bringing it back would take once evicted from this tier: its bytes times the
+    measured seconds per byte of the tiers below (a copy from host memory, a disk read, a
+    download)."""
     preferred: bool = False
-    """Promoted by its demand to the tier it is resident in (tier A for gpu, tier B for cpu)."""
+    """In the warm set of the tier it is weighed for (the gpu warm set for a slot, the cpu warm set
+    for a host copy)."""
     restored: bool = False
-    """Put back in its slot by the cache ahead of its requests (tier A), and not asked for since."""
+    """Put back in its slot ahead of its requests (the gpu warm set), and not asked for since."""
 
 
 class DemandTracker:
-    """Exponentially decayed request counts per key, one per window, and the keys ranked by each window's count.
+    """Exponentially decayed request counts per key, one per window, and the keys ranked by each
+    window's count.
 
-    Counts are kept in forward-decay form: a request at time t adds exp((t − landmark) / window), and reading
-    scales the sum back to now. A read is one multiplication, and the order of keys by a window's count only
-    changes when one of them is requested, so each ranking is kept sorted as requests come in (no decay pass,
-    no sort over every adapter when the cache needs the most demanded ones).
-    """
+    Counts are kept in forward-decay form: a request at time t adds exp((t − landmark) / window),
+    and reading scales the sum back to now. A read is one multiplication, and the order of keys
+    by a window's count only changes when one of them is requested, so each ranking is kept
+    sorted as requests come in (no decay pass, no sort over every adapter when the cache needs
+    the most demanded ones)."""
 
     REBASE_AFTER = 200.0
-    """Move the landmark once the shortest window's growth reaches e^200 (after ~17 h with 5 minutes)."""
+    """Move the landmark once the shortest window's growth reaches e^200 (after ~17 h with 5
+    minutes)."""
     LONGEST_GAPS = 3.0
-    """`overdue` also waits this many times a key's longest gap between requests in the short window: requests that
-    come in batches have a mean gap far shorter than the pauses between the batches."""
+    """`overdue` also waits this many times a key's longest gap between requests in the short
+    window: requests that come in batches have a mean gap far shorter than the pauses between the
+    batches."""
 
     def __init__(self, windows: tuple[float, ...] = DEMAND_WINDOWS_S, ranked: bool = True):
         self.windows = windows
@@ -58,14 +63,16 @@ class DemandTracker:
         self.last: dict[object, float] = {}
         """Each key's first and last request."""
         self._gap: dict[object, tuple[float, float, float, float]] = {}
-        """Per key with at least two requests in the short window, as of its last request: (last, span, count − 1,
-        longest gap), its mean gap being span / (count − 1). Only a record changes it."""
+        """Per key with at least two requests in the short window, as of its last request: (last,
+        span, count − 1, longest gap), its mean gap being span / (count − 1). Only a record
+        changes it."""
         self._gaps: dict[object, deque[tuple[float, float]]] = {}
-        """Per key, (time, gap) of the gaps between its requests within the short window before its last one, each
-        longer than every later one: the longest is the first."""
+        """Per key, (time, gap) of the gaps between its requests within the short window before
+        its last one, each longer than every later one: the longest is the first."""
         self.version = 0
-        """Moves with every record and discard, the only changes of the counts other than their decay with time: a
-        reader may keep what it derived from the counts at one time until it moves."""
+        """Moves with every record and discard, the only changes of the counts other than their
+        decay with time: a reader may keep what it derived from the counts at one time until it
+        moves."""
 
     def record(self, key, now: float) -> None:
         self.version += 1
@@ -110,11 +117,12 @@ class DemandTracker:
         return 0.0 if scaled is None else scaled[window] * self._decay(now)[window]
 
     def overdue(self, key, now: float, gaps: float) -> bool:
-        """Whether `key`'s requests stopped: no request for `gaps` times its mean gap between requests, as its
-        short-window count at its last request tells it over the time it has been seen (up to the window), nor for
-        `LONGEST_GAPS` times the longest gap between its requests in the window (so that a client sending batches
-        is not taken as stopped between them). The count itself decays over minutes; a busy adapter that falls
-        silent is overdue within seconds. A key with fewer than two requests in the window has no gap to go by and
+        """Whether `key`'s requests stopped: no request for `gaps` times its mean gap between
+        requests, as its short-window count at its last request tells it over the time it has
+        been seen (up to the window), nor for `LONGEST_GAPS` times the longest gap between its
+        requests in the window (so that a client sending batches is not taken as stopped between
+        them). The count itself decays over minutes; a busy adapter that falls silent is overdue
+        within seconds. A key with fewer than two requests in the window has no gap to go by and
         is never overdue."""
         g = self._gap.get(key)  # kept by `record`: this is asked for many keys at every eviction
         return (
@@ -155,15 +163,18 @@ class DemandTracker:
         return [scaled[k][0] * decay if k in scaled else 0.0 for k in keys]
 
     def ranked(self, now: float, window: int = 0):
-        """(key, count) over the given window, the most demanded first (keys without requests are left out)."""
+        """(key, count) over the given window, the most demanded first (keys without requests are
+        left out)."""
         decay = self._decay(now)[window]
         ranking = self._rankings[window]
-        # -(neg × decay), all in C: the callers stop at the first few, and the cache asks on every eviction.
+        # -(neg × decay), all in C: the callers stop at the first few, and the cache asks on every
+        # eviction.
         return zip(ranking.keys, map(float.__neg__, map(decay.__mul__, ranking.neg_values)))
 
     def top(self, now: float, window: int, floor: float, limit: int) -> list:
-        """The keys that `ranked` lists first, up to `limit`, while their count is not below `floor`: the same
-        keys as walking `ranked`, the end found by bisection (the counts fall along the ranking)."""
+        """The keys that `ranked` lists first, up to `limit`, while their count is not below
+        `floor`: the same keys as walking `ranked`, the end found by bisection (the counts fall
+        along the ranking)."""
         decay = self._decay(now)[window]
         ranking = self._rankings[window]
         hi = min(max(limit, 0), len(ranking.keys))
@@ -238,11 +249,11 @@ class LRUPolicy:
 class ScorePolicy:
     """keep_score = recency + frequency + tenant priority + reload cost − size, with protections.
 
-    A newly loaded tier-A adapter is protected for `min_residency_s` against newcomers outside tier A with less
-    demand than it, so a one-off request cannot push out an adapter that is proving hot (protecting every adapter
-    made one-offs under Zipf traffic wait up to that long for a slot); frequency dominates recency, so
-    a burst of one-off adapters cycles through the lowest-value slot instead of the hot adapters' slots.
-    """
+    A newly loaded gpu-warm adapter is protected for `min_residency_s` against newcomers outside
+    the gpu warm set with less demand than it, so a one-off request cannot push out an adapter
+    that is proving hot (protecting every adapter made one-offs under Zipf traffic wait up to
+    that long for a slot); frequency dominates recency, so a burst of one-off adapters cycles
+    through the lowest-value slot instead of the hot adapters' slots."""
 
     recency_s: float = 60.0
     w_recency: float = 1.0
@@ -253,22 +264,26 @@ class ScorePolicy:
     w_preferred: float = 2.0
     min_residency_s: float = 1.0
     restores_preferred: bool = True
-    """Put an adapter promoted by demand (tier A) back in a slot once the one-off that displaced it is done, when
-    it is expected back before the slots turn over (the cache decides which)."""
+    """Put an adapter of the gpu warm set back in a slot once the one-off that displaced it is
+    done, when it is expected back before the slots turn over (placement decides which)."""
     spares_queued: bool = True
-    """An adapter in a slot whose request waits in the queue is not evicted (it is about to be used): the waiting
-    request would otherwise lose its adapter to one queued ahead of it and wait for it to come back."""
+    """An adapter in a slot whose request waits in the queue is not evicted (it is about to be
+    used): the waiting request would otherwise lose its adapter to one queued ahead of it and
+    wait for it to come back."""
     yields_for_s: float = 1.0
-    """When a slot frees while requests of several adapters wait for one, a tier-A adapter's request takes it before
-    those of adapters outside tier A that have waited less than this (the cache decides which wait)."""
+    """When a slot frees while requests of several adapters wait for one, a gpu-warm adapter's
+    request takes it before those of adapters outside the gpu warm set that have waited less than
+    this (placement decides which wait)."""
     overdue_gaps: float = 20.0
-    """An adapter silent for this many of its mean gaps between requests (over the 5-minute window), and for
-    `DemandTracker.LONGEST_GAPS` of its longest, is no longer counted as demanded: out of tier A and tier B, and scored
-    without frequency. Its decayed count would keep it hot for many minutes after its traffic stops, holding a slot
-    and tier A from the adapters that took over (the cache reads it)."""
+    """An adapter silent for this many of its mean gaps between requests (over the 5-minute
+    window), and for `DemandTracker.LONGEST_GAPS` of its longest, is no longer counted as
+    demanded: out of the gpu and cpu warm sets, and scored without frequency. Its decayed count
+    would keep it hot for many minutes after its traffic stops, holding a slot and a place in the
+    gpu warm set from the adapters that took over (placement reads it)."""
     weighs_host_copies_by_use: bool = True
-    """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its requests (the copy
-    is only needed again once the adapter loses its slot); without it such copies simply go last."""
+    """Weigh the host copy of an adapter that sits in a slot by its slot activations, not its
+    requests (the copy is only needed again once the adapter loses its slot); without it such
+    copies simply go last."""
     name: str = "score"
 
     def keep_score(self, c: Candidate, now: float) -> float:
@@ -287,7 +302,7 @@ class ScorePolicy:
     ):
         if (
             incoming is not None and not incoming.preferred
-        ):  # tier A is no one-off: no protection against it
+        ):  # a gpu-warm adapter is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
             candidates = [
                 c
@@ -305,9 +320,10 @@ class ScorePolicy:
         return candidates[min(range(len(ranks)), key=ranks.__getitem__)].key
 
     def victims(self, candidates: list[Candidate], now: float):
-        """The keys that choose_victim(candidates, now) would pick one after another, each pick taken out of the
-        list before the next: the same picks, the candidates scored once (the cache drops host copies this way).
-        A subclass that changes choose_victim must change this too."""
+        """The keys that choose_victim(candidates, now) would pick one after another, each pick
+        taken out of the list before the next: the same picks, the candidates scored once (the
+        cache drops host copies this way). A subclass that changes choose_victim must change this
+        too."""
         ranks = self._ranks(candidates, now)
         left = list(range(len(ranks)))
         while left:
@@ -318,12 +334,13 @@ class ScorePolicy:
             left.remove(i)
 
     def _ranks(self, candidates: list[Candidate], now: float) -> list[tuple[float, float]]:
-        # keep_score inlined (the same operations in the same order, so the same floats): an eviction scores every
-        # candidate, and a simulation makes thousands of evictions.
+        # keep_score inlined (the same operations in the same order, so the same floats): an
+        # eviction scores every candidate, and a simulation makes thousands of evictions.
         exp, log1p, recency_s = math.exp, math.log1p, self.recency_s
         w_r, w_f, w_p, w_c = self.w_recency, self.w_frequency, self.w_priority, self.w_cost
         w_s, w_pref = self.w_size_per_gib, self.w_preferred
-        # max(0.0, age) as a comparison: the same value for every age, NaN and -0.0 included, without a call.
+        # max(0.0, age) as a comparison: the same value for every age, NaN and -0.0 included,
+        # without a call.
         return [
             (
                 w_r * exp(-(age if (age := now - c.last_access) > 0.0 else 0.0) / recency_s)
@@ -347,8 +364,8 @@ def make_policy(name: str):
 
 
 class LFUPolicy:
-    """Least frequently used, frequency being the decayed 5-minute request count (LFU with aging); ties go to
-    the least recently used. A comparison baseline for the simulator."""
+    """Least frequently used, frequency being the decayed 5-minute request count (LFU with
+    aging); ties go to the least recently used. A comparison baseline for the simulator."""
 
     name = "lfu"
 
@@ -361,12 +378,14 @@ class LFUPolicy:
 
 
 class GDSFPolicy:
-    """Greedy-Dual-Size-Frequency (Cherkasova): evict the lowest H = L + frequency × reload cost / size, where
-    L, the inflation value, rises to each victim's H so that adapters not touched since fall behind.
+    """Greedy-Dual-Size-Frequency (Cherkasova): evict the lowest H = L + frequency × reload cost
+    / size, where L, the inflation value, rises to each victim's H so that adapters not touched
+    since fall behind.
 
-    Frequency is the decayed 5-minute request count, cost the cache's estimate of reloading it (`reload_cost`),
-    size its bytes in GiB; an adapter's L is the inflation value at its last access. A comparison baseline for the
-    simulator; one instance serves one cache (it keeps the inflation history)."""
+    Frequency is the decayed 5-minute request count, cost the cache's estimate of reloading it
+    (`reload_cost`), size its bytes in GiB; an adapter's L is the inflation value at its last
+    access. A comparison baseline for the simulator; one instance serves one cache (it keeps the
+    inflation history)."""
 
     name = "gdsf"
 

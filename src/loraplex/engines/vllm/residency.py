@@ -46,14 +46,14 @@ from loraplex.cache.errors import (
     CapacityExceeded,
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy
+from loraplex.cache.placement import gpu_warm_set, host_cache_victim
+from loraplex.cache.policy import DemandTracker, LRUPolicy
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 THRASH_WINDOW_S = 60.0
-PROMOTE_FLOOR = 2.0  # short-window requests that put an adapter in tier A (as on the native engine)
 # vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
 # tenant's host-bytes budget.
 HOST_BYTES_UNBOUNDED = sys.maxsize
@@ -188,7 +188,7 @@ class VllmResidency:
     def state(self) -> dict:
         now = self.clock()
         with self._lock:
-            preferred = set(self._gpu_preferred(now))
+            gpu_warm = set(self._gpu_warm(now))
             adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
                 on_disk = self._on_disk(key)  # a file system look per adapter: once
@@ -219,7 +219,7 @@ class VllmResidency:
                         "evictions": e.evictions,
                         "last_access_s_ago": round(now - e.last_access, 3),
                         "demand_5m": round(self.demand.short(key, now), 3),
-                        "warm": "A" if key in preferred else None,
+                        "warm": "A" if key in gpu_warm else None,
                         "lora_int_id": e.lora_id,
                     }
                 )
@@ -632,11 +632,9 @@ class VllmResidency:
         out (`_host_budget_victims`); False when none can go now."""
         now = self.clock()
         with self._lock:
-            preferred = set(self._gpu_preferred(now))
-            entries = self.entries
             removable = [
                 k
-                for k, e in entries.items()
+                for k, e in self.entries.items()
                 if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned
             ]
             if removable and self.budgets.limits_anyone and not incoming.pinned:
@@ -644,31 +642,17 @@ class VllmResidency:
                 if not removable and incoming.ref.key not in self._host_waiting:
                     self._host_waiting.add(incoming.ref.key)  # counted once per wait
                     self._count_budget_wait(incoming.last_tenant, incoming.ref.key)
-            candidates = [self._candidate(k, entries[k], now, preferred) for k in removable]
-            incoming_c = self._candidate(incoming.ref.key, incoming, now, preferred)
-            victim = self.policy.choose_victim(candidates, now, incoming_c)
-            if (
-                victim is None and candidates
-            ):  # protected by the policy, but a request waits: the oldest goes
-                victim = min(candidates, key=lambda c: c.last_access).key
+            pairs = [(k, self.entries[k]) for k in removable]
+            incoming_pair = (incoming.ref.key, incoming)
+            gpu_warm = set(self._gpu_warm(now))
+            victim = host_cache_victim(
+                self.policy, pairs, incoming_pair, self.demand, gpu_warm, now
+            )
         if victim is None:
             return False
         self._host_waiting.discard(incoming.ref.key)
         await self._remove(victim, locked=True)
         return True
-
-    def _candidate(self, key: AdapterKey, e: Resident, now: float, preferred: set) -> Candidate:
-        return Candidate(
-            key,
-            e.nbytes,
-            e.last_access,
-            e.loaded_at,
-            self.demand.short(key, now),
-            e.ref.tenant,
-            e.ref.priority,
-            0.0,
-            key in preferred,
-        )
 
     async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
         if not locked:
@@ -686,16 +670,16 @@ class VllmResidency:
             self.recent_evictions.append(entry.evicted_at)
         self.on_event("eviction", {"tier": "cpu"})
 
-    def _gpu_preferred(self, now: float) -> list[AdapterKey]:
-        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM
-        has."""
-        return self.demand.top(now, 0, PROMOTE_FLOOR, max(0, self.max_loras - 1))
+    def _gpu_warm(self, now: float) -> list[AdapterKey]:
+        """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
+        cap, gaps = max(0, self.max_loras - 1), getattr(self.policy, "overdue_gaps", None)
+        return gpu_warm_set(self.demand, now, cap, gaps)
 
     async def _follow_demand(self) -> None:
         """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is
         unpinned in vLLM once idle (vLLM has no unpin: it is removed and added again, from its
-        staged copy). The demand's tier A is not pinned: every pinned slot is one fewer for the
-        other adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
+        staged copy). The gpu warm set is not pinned: every pinned slot is one fewer for the other
+        adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
         with self._lock:
             gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
             wanted = gpu_pins[: max(0, self.max_loras - 1)]

@@ -1,0 +1,123 @@
+"""Placement over plain data (no torch): it decides and never changes what it reads; the vLLM
+engine's host-cache victim comes from the same rule."""
+
+import copy
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from loraplex.cache.cache import AdapterCache, Entry, Loaded
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.cache.placement import Activate, Evict, host_cache_victim
+from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Packed:
+    nbytes: int
+
+
+class Pool:
+    num_slots = 2
+
+    def set_slot(self, slot, packed) -> float:
+        return 0.001
+
+    def clear_slot(self, slot) -> None:
+        pass
+
+
+class Instant:
+    def submit(self, fn, ref) -> Future:
+        future: Future = Future()
+        future.set_result(fn(ref))
+        return future
+
+
+def ref(name: str) -> AdapterRef:
+    return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}")
+
+
+def tables(cache: AdapterCache):
+    """Everything of the cache that placement reads, copied for comparison."""
+    snap = cache.snapshot()
+    entries = {k: copy.deepcopy(vars(e)) for k, e in snap.entries.items()}
+    return (
+        entries,
+        list(snap.slots),
+        list(snap.host),
+        snap.host_bytes,
+        list(snap.loading),
+        dict(snap.wanted),
+        dict(snap.waiting_since),
+        dict(snap.num_waiting),
+        set(snap.gpu_pins),
+        set(snap.cpu_pins),
+        snap.demand.version,
+    )
+
+
+def test_placement_decides_without_changing_what_it_reads():
+    now = [0.0]
+    cache = AdapterCache(
+        Pool(),
+        lambda files, hashed: None,
+        cpu_bytes=25 * MiB,
+        policy=ScorePolicy(),
+        executor=Instant(),
+        clock=lambda: now[0],
+        loader=lambda r: Loaded(Packed(10 * MiB), "disk", {"disk": 0.01}),
+    )
+    a, b, c = ref("a"), ref("b"), ref("c")
+    for r in (a, b, a, b):
+        now[0] += 1.0
+        cache.record_request(r)
+        cache.acquire(r)
+        cache.poll()
+        cache.acquire(r)
+    cache.record_request(c)
+    cache.acquire(c)  # both slots held: its load starts, its request waits
+    while cache.entries[b.key].refcount:
+        cache.release(b.key)
+    now[0] += 2.0  # past b's minimum residency
+    before, placement, snap = tables(cache), cache.placement, cache.snapshot()
+    decisions = [
+        placement.admit(snap, c.key, "default", now[0]),
+        placement.activate(snap, c.key, now[0], None),
+        placement.shrink_host(snap, a.key, now[0]),
+        placement.restore_warm(snap, now[0]),
+        placement.restore_pinned(snap, now[0]),
+    ]
+    placement.gpu_warm(snap, now[0])
+    placement.cpu_warm(snap, now[0])
+    placement.room_for(snap, c.key, now[0])
+    assert tables(cache) == before
+    # c's load runs: its request waits; once its copy is in host memory, b's slot is the one to free
+    slot_b = cache.slot_of(b.key)
+    assert decisions[0] == []
+    assert decisions[1] == [Evict(b.key, "gpu"), Activate(c.key, slot_b)]
+    assert decisions[2:] == [[], [], []]
+
+
+def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
+    demand, now = DemandTracker(), 100.0
+    keys = {n: AdapterKey("base", n, "1", f"sha256:{n}") for n in ("old", "new", "in")}
+    entries = {n: Entry(AdapterRef(k), last_access=50.0, loaded_at=10.0) for n, k in keys.items()}
+    entries["new"].last_access = 99.0
+    removable = [(keys[n], entries[n]) for n in ("old", "new")]
+    incoming = (keys["in"], entries["in"])
+    assert host_cache_victim(LRUPolicy(), removable, incoming, demand, set(), now) == keys["old"]
+    # the score policy protects a gpu-warm adapter loaded just now against a colder newcomer;
+    # with every candidate protected, a waiting request still gets the least recently used's room
+    for t in (99.0, 99.5, 99.9):
+        demand.record(keys["new"], t)
+    entries["new"].loaded_at = 99.9
+    only_new = [(keys["new"], entries["new"])]
+    policy, warm = ScorePolicy(), {keys["new"]}
+    protected = Candidate(
+        keys["new"], 0, 99.0, 99.9, demand.short(keys["new"], now), preferred=True
+    )
+    assert policy.choose_victim([protected], now, Candidate(keys["in"], 0, 50.0, 10.0)) is None
+    assert host_cache_victim(policy, only_new, incoming, demand, warm, now) == keys["new"]
+    assert host_cache_victim(policy, [], incoming, demand, warm, now) is None
