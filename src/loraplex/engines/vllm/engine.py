@@ -1,5 +1,6 @@
-"""`serve --engine vllm`: vLLM's AsyncLLM in this process (its engine core in a process of its own), vLLM's
-OpenAI serving layer for the request surface, and loraplex's residency deciding which adapters vLLM holds."""
+"""`serve --engine vllm`: vLLM's AsyncLLM in this process (its engine core in a process of its own),
+vLLM's OpenAI serving layer for the request surface, and loraplex's residency deciding which
+adapters vLLM holds."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ ZERO_ADAPTER_ID = 1 << 62  # outside lora_int_id's 62 bits
 
 
 class VllmStartError(Exception):
-    """vLLM could not start (missing package, bad option, no memory); the message is the one line printed."""
+    """vLLM could not start (missing package, bad option, no memory); the message is the line
+    printed."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class VllmConfig:
     disk_cache_bytes: int = 20 * 2**30
     allowed_roots: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
-    """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU backend, whose mixed
-    base/LoRA batches give base rows another row's LoRA)."""
+    """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU
+    backend, whose mixed base/LoRA batches give base rows another row's LoRA)."""
     vllm_args: tuple[str, ...] = ()
     """Further vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
 
@@ -152,8 +154,8 @@ class VllmEngine:
         engine = self
 
         class LoraplexAsyncLLM(AsyncLLM):
-            """AsyncLLM whose generate records each request's first token and counts, and carries base requests
-            as the zero adapter when that is on."""
+            """AsyncLLM whose generate records each request's first token and counts, and carries
+            base requests as the zero adapter when that is on."""
 
             async def generate(
                 self, prompt, sampling_params, request_id, *args, lora_request=None, **kwargs
@@ -171,11 +173,13 @@ class VllmEngine:
                     yield out
 
         try:
-            return LoraplexAsyncLLM.from_vllm_config(
+            llm = LoraplexAsyncLLM.from_vllm_config(
                 vllm_config=vllm_config, disable_log_stats=False, stat_loggers=[self._stat_logger()]
             )
         except Exception as exc:
             raise VllmStartError(f"vLLM's engine did not start: {_first_line(exc)}") from None
+        _drop_prometheus_logger(llm)
+        return llm
 
     def _stat_logger(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -200,7 +204,8 @@ class VllmEngine:
         return Figures
 
     async def start(self) -> None:
-        """On the server's loop: the serving layer (vLLM's OpenAI request handling), the zero adapter."""
+        """On the server's loop: the serving layer (vLLM's OpenAI request handling), the zero
+        adapter."""
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
@@ -239,7 +244,7 @@ class VllmEngine:
         return self.tracked.pop(request_id, None)
 
     def serve_as(self, name: str, lora_request) -> None:
-        """Make `name` a model of vLLM's serving layer, meaning exactly this adapter key's request."""
+        """Make `name` a model of vLLM's serving layer, meaning this adapter key's request."""
         self.models.lora_requests[name] = lora_request
 
     async def complete_text(self, prompt: str, ref, max_tokens: int = 32) -> str:
@@ -274,6 +279,18 @@ class VllmEngine:
             "waiting_keys": waiting,
             "max_lora": self.config.max_loras,
         }
+
+
+def _drop_prometheus_logger(llm) -> None:
+    """vLLM's Prometheus logger writes a registry that nothing here serves (loraplex's /metrics has
+    its own, the `vllm:*` gauges included), at the cost of event-loop time at every step."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    manager = llm.logger_manager
+    if manager is not None:
+        manager.stat_loggers = [
+            s for s in manager.stat_loggers if not isinstance(s, PrometheusStatLogger)
+        ]
 
 
 def _track(tracked: Tracked, request_id: str, out, cumulative: bool) -> None:
@@ -325,5 +342,6 @@ def _first_line(exc: BaseException) -> str:
 
 
 def cpu_env_defaults() -> None:
-    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); 1 unless the operator set it."""
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); 1 unless the
+    operator set it."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,14 +1,17 @@
-"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned set.
+"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned
+set.
 
-vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts the least
-recently used unpinned one when it must. Here loraplex makes those choices first: it stages each artifact into a
-private, digest-verified directory (the bytes vLLM reads), adds it ahead of traffic (prewarm, warm policies),
-removes its own policy's victim before vLLM's LRU would pick one, never removes an adapter with requests in
-flight, pins (`pin_lora`) the operator's gpu pins, and hands vLLM no more distinct unpinned adapters at once
-than it has unpinned slots. vLLM still orders the unpinned adapters in its device slots.
+vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
+the least recently used unpinned one when it must. Here loraplex makes those choices first: it
+stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it ahead
+of traffic (prewarm, warm policies), removes its own policy's victim before vLLM's LRU would pick
+one, never removes an adapter with requests in flight, pins (`pin_lora`) the operator's gpu pins,
+and hands vLLM no more distinct unpinned adapters at once than it has unpinned slots. vLLM still
+orders the unpinned adapters in its device slots.
 
-The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry watcher):
-every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the server's loop.
+The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry
+watcher): every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the
+server's loop.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import shutil
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +51,9 @@ PROMOTE_FLOOR = 2.0  # short-window requests that put an adapter in tier A (as o
 
 
 def lora_int_id(key: AdapterKey) -> int:
-    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another revision or other
-    bytes never get the id of weights vLLM already holds. 62 bits: a positive int64, never 0."""
+    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another
+    revision or other bytes never get the id of weights vLLM already holds. 62 bits: a positive
+    int64, never 0."""
     text = "\0".join(
         (
             key.base_model_digest,
@@ -84,8 +89,8 @@ class Resident:
 
 
 class VllmResidency:
-    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where they mean the
-    same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
+    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where
+    they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
 
     def __init__(
         self,
@@ -123,6 +128,7 @@ class VllmResidency:
         self._room = asyncio.Event()  # set when a release may have made a victim available
         self._executor = ThreadPoolExecutor(load_threads, thread_name_prefix="vllm-stage")
         self._ids: dict[int, AdapterKey] = {}
+        self._num_adding = 0  # adds sent to vLLM whose answer has not come
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -130,7 +136,8 @@ class VllmResidency:
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def tier_of(self, key: AdapterKey) -> str:
-        """gpu when pinned or running in vLLM, cpu when in vLLM's host cache, else where its bytes are."""
+        """gpu when pinned or running in vLLM, cpu when in vLLM's host cache, else where its bytes
+        lie."""
         with self._lock:
             entry = self.entries.get(key)
             if entry is not None and entry.in_vllm:
@@ -209,7 +216,7 @@ class VllmResidency:
 
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:
-        """Count one request's demand; the tier it finds its adapter in (a hit or miss event too)."""
+        """Count one request's demand; the tier its adapter is in (a hit or miss event too)."""
         with self._lock:
             self._entry(ref)
             self.demand.record(ref.key, self.clock())
@@ -218,8 +225,8 @@ class VllmResidency:
         return tier
 
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
-        """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads it first
-        when needed. Raises AdapterUnavailable when its bytes cannot be had."""
+        """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
+        it first when needed. Raises AdapterUnavailable when its bytes cannot be had."""
         with self._lock:
             entry = self._entry(ref)
             entry.refcount += 1
@@ -228,7 +235,8 @@ class VllmResidency:
             while not entry.in_vllm:
                 await self._load(ref)
             await self._follow_demand()
-            while not self._has_slot(entry):  # as loads land and requests end, a slot frees
+            # as loads land and requests end, a slot frees
+            while not self._has_slot(entry) or self._yields(entry):
                 self._room.clear()
                 await self._room.wait()
         except BaseException:
@@ -237,7 +245,23 @@ class VllmResidency:
         with self._lock:
             entry.hits += 1
             entry.active += 1
+        self._room.set()  # a request that yielded to this one may find a slot still free
         return self._request(entry)
+
+    def _yields(self, entry: Resident) -> bool:
+        """Whether a request outside the gpu warm set leaves a free slot to an adapter of that set
+        whose requests wait for one. The wait is short: an adapter with requests running takes
+        more of them without a slot of its own, so the set's adapters wait only to start."""
+        if entry.vllm_pinned or entry.active:
+            return False
+        with self._lock:
+            warm = set(self._gpu_preferred(self.clock()))
+            if entry.ref.key in warm:
+                return False
+            return any(
+                k in warm and e.in_vllm and not e.active and e.refcount
+                for k, e in self.entries.items()
+            )
 
     def release(self, key: AdapterKey) -> None:
         """A request handed to vLLM by `acquire` ended."""
@@ -246,10 +270,11 @@ class VllmResidency:
             self._unref(entry, active=True)
 
     def _has_slot(self, entry: Resident) -> bool:
-        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot count of
-        distinct adapters into a batch without counting the pinned slots that adapters outside the batch
-        hold; a batch with more unpinned adapters than unpinned slots fails in its worker. So the distinct
-        unpinned adapters with requests in vLLM stay within the unpinned slots."""
+        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot
+        count of distinct adapters into a batch without counting the pinned slots that adapters
+        outside the batch hold; a batch with more unpinned adapters than unpinned slots fails in its
+        worker. So the distinct unpinned adapters with requests in vLLM stay within the unpinned
+        slots."""
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
@@ -268,7 +293,8 @@ class VllmResidency:
 
     # -- operator calls (any thread) ---------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
-        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until unpinned."""
+        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until
+        unpinned."""
         if tier not in ("gpu", "cpu"):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
@@ -299,7 +325,8 @@ class VllmResidency:
         self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
-        """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and it is pinned)."""
+        """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and
+        it is pinned)."""
         with self._lock:
             self._entry(ref).last_access = self.clock()
         self._schedule(self._prewarm(ref))
@@ -352,7 +379,7 @@ class VllmResidency:
         return LoRARequest(str(entry.ref.key), entry.lora_id, str(self._staged(entry.ref.key)))
 
     def _schedule(self, coro: Coroutine) -> None:
-        """Run `coro` on the server's loop, from that loop or any other thread; errors are logged."""
+        """Run `coro` on the server's loop, from that loop or any thread; errors are logged."""
         if self.loop is None:
             coro.close()
             return
@@ -368,7 +395,8 @@ class VllmResidency:
         await self._follow_demand()
 
     async def _load(self, ref: AdapterRef) -> None:
-        """Stage (verify) and add to vLLM; one load per key at a time, shared by its waiting requests."""
+        """Stage (verify) and add to vLLM; one load per key at a time, shared by its waiting
+        requests."""
         future = self.loading.get(ref.key)
         if future is None:
             future = self.loading[ref.key] = asyncio.ensure_future(self._stage_and_add(ref))
@@ -392,33 +420,63 @@ class VllmResidency:
         if entry is None:
             return  # forgotten while it loaded
         entry.nbytes = nbytes
+        # A request that cannot run yet would hold its host copy while it waits for a slot: it
+        # waits without one rather than push out an adapter of the gpu warm set for it.
+        while entry.refcount and not self._has_slot(entry) and not self._spare_room():
+            self._room.clear()
+            await self._room.wait()
         start = time.perf_counter()
-        async with self._vllm_lock:
-            while not entry.in_vllm:
-                if self._num_in_vllm() < self.max_cpu_loras or await self._make_room(entry):
-                    await self._add(entry)
-                    with self._lock:
-                        entry.in_vllm, entry.loaded_at, entry.loads = (
-                            True,
-                            self.clock(),
-                            entry.loads + 1,
-                        )
-                        if entry.evicted_at is not None:
-                            self.reloads_after_eviction += 1
-                            self.on_event("reload_after_eviction", {"key": ref.key})
-                    break
+        async with self._vllm_lock:  # room made and the add sent in the order vLLM takes them
+            if entry.in_vllm:
+                return
+            while self._num_in_vllm() + self._num_adding >= self.max_cpu_loras:
+                if await self._make_room(entry):
+                    continue
                 self._room.clear()
                 self._vllm_lock.release()  # wait for a release without holding up other adds
                 try:
                     await self._room.wait()
                 finally:
                     await self._vllm_lock.acquire()
+            self._num_adding += 1
+            added = await self._send(self._add(entry))
+        try:  # awaited outside the lock: vLLM takes every add sent meanwhile between two steps
+            await added
+        finally:
+            self._num_adding -= 1
+            self._room.set()  # a refused add leaves its room to the loads that wait
+        with self._lock:
+            entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+            if entry.evicted_at is not None:
+                self.reloads_after_eviction += 1
+                self.on_event("reload_after_eviction", {"key": ref.key})
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
 
+    def _spare_room(self) -> bool:
+        """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
+        set: a free place, or an idle adapter outside that set."""
+        with self._lock:
+            if self._num_in_vllm() + self._num_adding < self.max_cpu_loras:
+                return True
+            warm = set(self._gpu_preferred(self.clock()))
+            return any(
+                e.in_vllm and not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
+                for k, e in self.entries.items()
+            )
+
+    async def _send(self, call: Coroutine) -> asyncio.Task:
+        """`call` (one of vLLM's adapter calls) started, returned once its message is sent. vLLM's
+        engine core runs the calls in the order they were sent, so a call started under
+        `_vllm_lock` keeps its place and its result may be awaited after the lock is released."""
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # the task's first step sends the message
+        return task
+
     async def _add(self, entry: Resident) -> None:
-        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails alone."""
+        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails
+        alone."""
         try:
             added = await self.engine.add_lora(self._request(entry))
         except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
@@ -440,8 +498,9 @@ class VllmResidency:
             raise error
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
-        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what vLLM reads);
-        a staged copy is checked again before each add, so a file changed there is never served."""
+        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
+        vLLM reads); a staged copy is checked again before each add, so a file changed there is
+        never served."""
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
@@ -458,9 +517,10 @@ class VllmResidency:
             files, download_s = self.disk.read(
                 ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
             )
+            # disk first: the server starts a load's record at its disk stage
+            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
             if download_s is not None:
                 stages["download"] = download_s
-            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
         else:
             raise RegistryError(
                 f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
@@ -521,24 +581,40 @@ class VllmResidency:
         entry = self.entries.get(key)
         if entry is None or not entry.in_vllm or entry.refcount:
             return
-        await self.engine.remove_lora(entry.lora_id)
+        removed = await self._send(self.engine.remove_lora(entry.lora_id))
+        removed.add_done_callback(_log_failure)
         with self._lock:
             entry.in_vllm = entry.vllm_pinned = False
             entry.evictions += 1
             entry.evicted_at = self.clock()
             self.num_evictions += 1
             self.recent_evictions.append(entry.evicted_at)
+        self._unstage(key)
         self.on_event("eviction", {"tier": "cpu"})
 
+    def _unstage(self, key: AdapterKey) -> None:
+        """Drop the staged copy of an adapter vLLM no longer holds (vLLM reads it only to add): the
+        staging directory holds what vLLM holds, and the disk tier keeps within its budget."""
+        target = self._staged(key)
+        sharing = any(  # another key with the same bytes reads the same copy
+            k != key and k.adapter_digest == key.adapter_digest and (e.in_vllm or k in self.loading)
+            for k, e in self.entries.items()
+        )
+        if sharing or not target.is_dir():
+            return
+        trash = self.stage_dir / f".removed.{target.name}.{uuid.uuid4().hex}"
+        target.rename(trash)  # at once: a later load of the key stages afresh
+        self._executor.submit(shutil.rmtree, trash, True)
+
     def _gpu_preferred(self, now: float) -> list[AdapterKey]:
-        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM has."""
+        """Tier A: the most demanded adapters over the short window, one slot fewer than vLLM's."""
         return self.demand.top(now, 0, PROMOTE_FLOOR, max(0, self.max_loras - 1))
 
     async def _follow_demand(self) -> None:
-        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is unpinned in
-        vLLM once idle (vLLM has no unpin: it is removed and added again, from its staged copy). The demand's
-        tier A is not pinned: every pinned slot is one fewer for the other adapters (`_has_slot`), and vLLM's
-        own LRU keeps adapters that busy in their slots."""
+        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is
+        unpinned in vLLM once idle (vLLM has no unpin: it is removed and added again, from its
+        staged copy). The demand's tier A is not pinned: every pinned slot is one fewer for the
+        other adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
         with self._lock:
             gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
             wanted = gpu_pins[: max(0, self.max_loras - 1)]
