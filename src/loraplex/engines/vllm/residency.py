@@ -581,15 +581,15 @@ class VllmResidency:
         entry = self.entries.get(key)
         if entry is None or not entry.in_vllm or entry.refcount:
             return
-        removed = await self._send(self.engine.remove_lora(entry.lora_id))
-        removed.add_done_callback(_log_failure)
-        with self._lock:
+        with self._lock:  # before the send yields: no request goes to vLLM with it from now
             entry.in_vllm = entry.vllm_pinned = False
             entry.evictions += 1
             entry.evicted_at = self.clock()
             self.num_evictions += 1
             self.recent_evictions.append(entry.evicted_at)
         self._unstage(key)
+        removed = await self._send(self.engine.remove_lora(entry.lora_id))
+        removed.add_done_callback(_log_failure)
         self.on_event("eviction", {"tier": "cpu"})
 
     def _unstage(self, key: AdapterKey) -> None:
