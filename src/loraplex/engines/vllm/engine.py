@@ -179,11 +179,13 @@ class VllmEngine:
                     yield out
 
         try:
-            return LoraplexAsyncLLM.from_vllm_config(
+            llm = LoraplexAsyncLLM.from_vllm_config(
                 vllm_config=vllm_config, disable_log_stats=False, stat_loggers=[self._stat_logger()]
             )
         except Exception as exc:
             raise VllmStartError(f"vLLM's engine did not start: {_first_line(exc)}") from None
+        _drop_prometheus_logger(llm)
+        return llm
 
     def _stat_logger(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -283,6 +285,18 @@ class VllmEngine:
             "waiting_keys": waiting,
             "max_lora": self.config.max_loras,
         }
+
+
+def _drop_prometheus_logger(llm) -> None:
+    """vLLM's Prometheus logger writes a registry that nothing here serves (loraplex's /metrics has
+    its own, the `vllm:*` gauges included), at the cost of event-loop time at every step."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    manager = llm.logger_manager
+    if manager is not None:
+        manager.stat_loggers = [
+            s for s in manager.stat_loggers if not isinstance(s, PrometheusStatLogger)
+        ]
 
 
 def _track(tracked: Tracked, request_id: str, out, cumulative: bool) -> None:

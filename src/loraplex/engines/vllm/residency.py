@@ -29,6 +29,7 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,7 @@ class VllmResidency:
         self._room = asyncio.Event()  # set when a release may have made a victim available
         self._executor = ThreadPoolExecutor(load_threads, thread_name_prefix="vllm-stage")
         self._ids: dict[int, AdapterKey] = {}
+        self._num_adding = 0  # adds sent to vLLM whose answer has not come
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -276,7 +278,23 @@ class VllmResidency:
             entry.active += 1
             entry.users[tenant] = entry.users.get(tenant, 0) + 1
             entry.last_tenant = tenant
+        self._room.set()  # a request that yielded to this one may find a slot still free
         return self._request(entry)
+
+    def _yields_to_warm(self, entry: Resident) -> bool:
+        """Whether a request outside the gpu warm set leaves a free slot to an adapter of that set
+        whose requests wait for one. The wait is short: an adapter with requests running takes
+        more of them without a slot of its own, so the set's adapters wait only to start."""
+        if entry.vllm_pinned or entry.active:
+            return False
+        with self._lock:
+            warm = set(self._gpu_warm(self.clock()))
+            if entry.ref.key in warm:
+                return False
+            return any(
+                k in warm and e.in_vllm and not e.active and e.refcount
+                for k, e in self.entries.items()
+            )
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
         """A request of `tenant` handed to vLLM by `acquire` ended (None: any tenant's)."""
@@ -287,13 +305,14 @@ class VllmResidency:
 
     async def _wait_for_slot(self, entry: Resident, tenant: str) -> None:
         """Until a request of `tenant` for `entry` may go to vLLM: as loads land and requests end, a
-        slot frees (`_has_slot`). A tenant beyond its gpu budget leaves a free slot to other
+        slot frees (`_has_slot`). A request outside the gpu warm set leaves a free slot to the set's
+        waiting adapters (`_yields_to_warm`); a tenant beyond its gpu budget leaves one to other
         tenants' waiting requests for up to the budgets' `yield_s` (`_yields_slot`)."""
         deferred_at = None
         self._slot_waiting[tenant] = self._slot_waiting.get(tenant, 0) + 1
         try:
             while True:
-                if self._has_slot(entry):
+                if self._has_slot(entry) and not self._yields_to_warm(entry):
                     if not self._yields_slot(entry, tenant, deferred_at):
                         return
                     if deferred_at is None:
@@ -337,8 +356,8 @@ class VllmResidency:
 
     # -- operator calls (any thread) ---------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
-        """Keep the adapter in vLLM until unpinned (gpu: pinned in a device slot; cpu: in its host
-        cache)."""
+        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until
+        unpinned."""
         if tier not in ("gpu", "cpu"):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
@@ -537,30 +556,59 @@ class VllmResidency:
         if entry is None:
             return  # forgotten while it loaded
         entry.nbytes = nbytes
+        # A request that cannot run yet would hold its host copy while it waits for a slot: it
+        # waits without one rather than push out an adapter of the gpu warm set for it.
+        while entry.refcount and not self._has_slot(entry) and not self._spare_room():
+            self._room.clear()
+            await self._room.wait()
         start = time.perf_counter()
-        async with self._vllm_lock:
-            while not entry.in_vllm:
-                if self._num_in_vllm() < self.max_cpu_loras or await self._make_room(entry):
-                    await self._add(entry)
-                    with self._lock:
-                        entry.in_vllm, entry.loaded_at, entry.loads = (
-                            True,
-                            self.clock(),
-                            entry.loads + 1,
-                        )
-                        if entry.evicted_at is not None:
-                            self.reloads_after_eviction += 1
-                            self.on_event("reload_after_eviction", {"key": ref.key})
-                    break
+        async with self._vllm_lock:  # room made and the add sent in the order vLLM takes them
+            if entry.in_vllm:
+                return
+            while self._num_in_vllm() + self._num_adding >= self.max_cpu_loras:
+                if await self._make_room(entry):
+                    continue
                 self._room.clear()
                 self._vllm_lock.release()  # wait for a release without holding up other adds
                 try:
                     await self._room.wait()
                 finally:
                     await self._vllm_lock.acquire()
+            self._num_adding += 1
+            added = await self._send(self._add(entry))
+        try:  # awaited outside the lock: vLLM takes every add sent meanwhile between two steps
+            await added
+        finally:
+            self._num_adding -= 1
+            self._room.set()  # a refused add leaves its room to the loads that wait
+        with self._lock:
+            entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+            if entry.evicted_at is not None:
+                self.reloads_after_eviction += 1
+                self.on_event("reload_after_eviction", {"key": ref.key})
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+
+    def _spare_room(self) -> bool:
+        """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
+        set: a free place, or an idle adapter outside that set."""
+        with self._lock:
+            if self._num_in_vllm() + self._num_adding < self.max_cpu_loras:
+                return True
+            warm = set(self._gpu_warm(self.clock()))
+            return any(
+                e.in_vllm and not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
+                for k, e in self.entries.items()
+            )
+
+    async def _send(self, call: Coroutine) -> asyncio.Task:
+        """`call` (one of vLLM's adapter calls) started, returned once its message is sent. vLLM's
+        engine core runs the calls in the order they were sent, so a call started under
+        `_vllm_lock` keeps its place and its result may be awaited after the lock is released."""
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # the task's first step sends the message
+        return task
 
     async def _add(self, entry: Resident) -> None:
         """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails
@@ -605,9 +653,10 @@ class VllmResidency:
             files, download_s = self.disk.read(
                 ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
             )
+            # disk first: the server starts a load's record at its disk stage
+            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
             if download_s is not None:
                 stages["download"] = download_s
-            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
         else:
             raise ArtifactUnavailable(
                 f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
@@ -661,14 +710,30 @@ class VllmResidency:
         entry = self.entries.get(key)
         if entry is None or not entry.in_vllm or entry.refcount:
             return
-        await self.engine.remove_lora(entry.lora_id)
-        with self._lock:
+        with self._lock:  # before the send yields: no request goes to vLLM with it from now
             entry.in_vllm = entry.vllm_pinned = False
             entry.evictions += 1
             entry.evicted_at = self.clock()
             self.num_evictions += 1
             self.recent_evictions.append(entry.evicted_at)
+        self._unstage(key)
+        removed = await self._send(self.engine.remove_lora(entry.lora_id))
+        removed.add_done_callback(_log_failure)
         self.on_event("eviction", {"tier": "cpu"})
+
+    def _unstage(self, key: AdapterKey) -> None:
+        """Drop the staged copy of an adapter vLLM no longer holds (vLLM reads it only to add): the
+        staging directory holds what vLLM holds, and the disk tier keeps within its budget."""
+        target = self._staged(key)
+        sharing = any(  # another key with the same bytes reads the same copy
+            k != key and k.adapter_digest == key.adapter_digest and (e.in_vllm or k in self.loading)
+            for k, e in self.entries.items()
+        )
+        if sharing or not target.is_dir():
+            return
+        trash = self.stage_dir / f".removed.{target.name}.{uuid.uuid4().hex}"
+        target.rename(trash)  # at once: a later load of the key stages afresh
+        self._executor.submit(shutil.rmtree, trash, True)
 
     def _gpu_warm(self, now: float) -> list[AdapterKey]:
         """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
