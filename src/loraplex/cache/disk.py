@@ -1,4 +1,5 @@
-"""The disk tier: a local content-addressed artifact cache with a byte budget, filled from the remote store."""
+"""The disk tier: a local content-addressed artifact cache with a byte budget, filled from the
+remote store."""
 
 from __future__ import annotations
 
@@ -40,17 +41,17 @@ class DiskTier:
         use: Callable | None = None,
         pieces: Pieces | None = None,
     ) -> tuple[object, float | None]:
-        """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`; checked by the
-        registry's `pieces` when given), from the local copy or downloaded first; and the seconds the download
-        took (None: read from the local copy). A damaged local copy is dropped and downloaded again, never used."""
+        """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`;
+        checked by the registry's `pieces` when given), from the local copy or downloaded first; and
+        the seconds the download took (None: read from the local copy). A damaged local copy is
+        dropped and downloaded again, never used."""
         with self._lock:
             self._in_use[digest] = self._in_use.get(digest, 0) + 1
         try:
             found, result = self._read_local(digest, use, pieces)
             download_s = None
-            if (
-                not found
-            ):  # downloaded, then checked and used in one read (not read again from disk)
+            if not found:
+                # downloaded, then checked and used in one read (not read again from disk)
                 fetched = fetch_and_read(
                     storage_uri,
                     digest,

@@ -2,8 +2,9 @@
 
 
 class AdapterUnavailable(RuntimeError):
-    """The adapter could not be made resident (bad file, digest mismatch, store down); the message says why, for
-    the log. `public` is what a client is told: the cause's details (paths, URLs) are the operator's, not a tenant's."""
+    """The adapter could not be made resident (bad file, digest mismatch, store down); the message
+    says why, for the log. `public` is what a client is told: the cause's details (paths, URLs) are
+    the operator's, not a tenant's."""
 
     def __init__(self, message: str, public: str | None = None):
         super().__init__(message)
@@ -19,4 +20,5 @@ class CapacityExceeded(RuntimeError):
 
 
 class ArtifactCorrupt(AdapterUnavailable):
-    """The adapter's bytes do not hash to its digest: never serve that revision (the server quarantines it)."""
+    """The adapter's bytes do not hash to its digest: never serve that revision (the server
+    quarantines it)."""

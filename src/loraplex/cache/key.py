@@ -1,4 +1,5 @@
-"""The full identity of an adapter's bytes in a cache: a hit on anything less serves the wrong version."""
+"""The full identity of an adapter's bytes in a cache: a hit on anything less serves the wrong
+version."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class AdapterKey:
     runtime_compat_version: str = RUNTIME_COMPAT_VERSION
 
     def __post_init__(self):
-        # Hashed once: the cache looks keys up in several dicts per request, at every step for each waiting one.
+        # Hashed once: the cache looks keys up in several dicts per request, at every step for each
+        # waiting one.
         object.__setattr__(
             self,
             "_hash",
@@ -41,7 +43,8 @@ class AdapterKey:
 
     def __reduce__(
         self,
-    ):  # rebuilt, so hashed again where it is unpickled (str hashes differ between processes)
+    ):
+        # rebuilt, so hashed again where it is unpickled (str hashes differ between processes)
         return type(self), (
             self.base_model_digest,
             self.name,
@@ -56,7 +59,8 @@ class AdapterKey:
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """What a request needs: the key, where the bytes are, and who asks (for quotas and priority)."""
+    """What a request needs: the key, where the bytes are, and who asks (for quotas and
+    priority)."""
 
     key: AdapterKey
     path: Path | None = None
@@ -64,4 +68,5 @@ class AdapterRef:
     tenant: str = "default"
     priority: int = 0
     pieces: Pieces | None = field(default=None, compare=False, repr=False)
-    """The registry's piece list for the key's digest, if it has one: the load checks the bytes on several cores."""
+    """The registry's piece list for the key's digest, if it has one: the load checks the bytes on
+    several cores."""

@@ -1,4 +1,5 @@
-"""The engine: one base model, many adapters, continuous batching. `step()` is the whole serving loop."""
+"""The engine: one base model, many adapters, continuous batching. `step()` is the whole serving
+loop."""
 
 from __future__ import annotations
 
@@ -107,9 +108,10 @@ class LLMEngine:
         self._inbox: list[tuple[str, object]] = []
         self._inbox_lock = threading.Lock()
         self._failed: list[RequestOutput] = []
-        # What exists now (the model, the libraries) lives as long as the engine. Out of the collector's view, a
-        # full collection while serving scans only what serving allocated: with it in view, each took 0.2-0.4 s on
-        # the step thread (bench/cache_policy.py, during the seed scenario's burst of loads).
+        # What exists now (the model, the libraries) lives as long as the engine. Out of the
+        # collector's view, a full collection while serving scans only what serving allocated: with
+        # it in view, each took 0.2-0.4 s on the step thread (bench/cache_policy.py, during the seed
+        # scenario's burst of loads).
         gc.collect()
         gc.freeze()
 
@@ -123,7 +125,8 @@ class LLMEngine:
 
     # -- adapters --------------------------------------------------------------------------------
     def validate_adapter(self, path: str | Path) -> AdapterSpec:
-        """Check a PEFT directory against the base model; raises AdapterRejected naming the field."""
+        """Check a PEFT directory against the base model; raises AdapterRejected naming the
+        field."""
         return read_adapter(path, self.model_config, self.config.max_lora_rank)
 
     def adapter_ref(
@@ -136,16 +139,16 @@ class LLMEngine:
     ) -> AdapterRef:
         """A reference for a local adapter directory (validated now, so a bad one fails here)."""
         spec = self.validate_adapter(path)
-        if (
-            digest is None
-        ):  # hashed here, as a registry does at registration: the pieces come from the same read
+        if digest is None:
+            # hashed here, as a registry does at registration: the pieces come from the same read
             digest, kwargs["pieces"] = digest_and_pieces(Path(path))
         key = AdapterKey(self.base_model_digest, name, revision, digest)
         return AdapterRef(key, Path(spec.path), **kwargs)
 
     def _pack_adapter(self, files: dict[str, memoryview], hashed: Callable[[str, int], None]):
-        """Cache worker thread, while the digest check runs: validate the bytes again (this base model, this max
-        rank) and pack them for a slot; the cache keeps the result only if the digest matches."""
+        """Cache worker thread, while the digest check runs: validate the bytes again (this base
+        model, this max rank) and pack them for a slot; the cache keeps the result only if the
+        digest matches."""
         try:
             spec = adapter_from_files(files, self.model_config, self.config.max_lora_rank)
         except AdapterRejected as exc:
@@ -200,7 +203,8 @@ class LLMEngine:
         return seq.request_id
 
     def _check_group_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache together."""
+        """The prompt's sequences (n, best_of) must fit the running batch and the KV cache
+        together."""
         name, count = ("best_of", params.best_of) if params.best_of else ("n", params.n)
         if count > self.config.max_num_seqs:
             raise InvalidRequest(
@@ -233,7 +237,8 @@ class LLMEngine:
         }
 
     def has_work(self) -> bool:
-        """Requests to run, or adapter loads to take in (a prewarm on an idle server finishes too)."""
+        """Requests to run, or adapter loads to take in (a prewarm on an idle server finishes
+        too)."""
         return bool(
             self._inbox or self.scheduler.has_work() or self._failed or self.adapters.loading
         )
@@ -269,7 +274,8 @@ class LLMEngine:
                             "",
                             [],
                             error=NonFiniteLogits(
-                                f"the model gave non-finite logits (NaN or infinity){adapter}: the request cannot be "
+                                f"the model gave non-finite logits (NaN or infinity){adapter}: the "
+                                "request cannot be "
                                 "completed"
                             ),
                         )
@@ -277,9 +283,8 @@ class LLMEngine:
                     continue
                 outputs.append(self._append(seq, sampled, i))
         except BaseException:
-            self._failed = (
-                outputs + self._failed
-            )  # already taken off the books: fail_all delivers them
+            # already taken off the books: fail_all delivers them
+            self._failed = outputs + self._failed
             raise
         return outputs
 
@@ -362,8 +367,9 @@ class LLMEngine:
                     self._end(seq, "abort")
 
     def _fail_unavailable(self, failures: list[tuple[AdapterKey, Exception]]) -> None:
-        """A failed load fails only the requests waiting for that adapter, and not those that its resident copy can
-        still serve (a prewarm reloading the host copy of an adapter in a slot, say)."""
+        """A failed load fails only the requests waiting for that adapter, and not those that its
+        resident copy can still serve (a prewarm reloading the host copy of an adapter in a slot,
+        say)."""
         for key, error in failures:
             if self.adapters.slot_of(key) is not None or key in self.adapters.cpu:
                 continue
@@ -374,7 +380,8 @@ class LLMEngine:
                 self._failed.append(self._output(seq, [], "", [], error=error))
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
-        """End every request with the error (after a failed step) so that no client waits forever."""
+        """End every request with the error (after a failed step) so that no client waits
+        forever."""
         self._take_inbox()
         outputs, self._failed = self._failed, []
         for seq in [s for live in self.requests.values() for s in live]:
@@ -484,22 +491,23 @@ class LLMEngine:
     def score(
         self, prompts: list[list[int]], adapters: list[AdapterRef | None]
     ) -> list[torch.Tensor]:
-        """Logits [len, vocab] of every prompt position (host tensors), all prompts in one mixed-adapter prefill."""
+        """Logits [len, vocab] of every prompt position (host tensors), all prompts in one
+        mixed-adapter prefill."""
         seqs = [
             Sequence(f"score-{i}", list(p), SamplingParams(), a)
             for i, (p, a) in enumerate(zip(prompts, adapters))
         ]
         waiting = list(seqs)
         try:
-            while (
-                waiting
-            ):  # make every adapter resident first (a step of its own, like any waiting request)
+            while waiting:
+                # make every adapter resident first (a step of its own, like any waiting request)
                 failures = self.adapters.poll()
                 self._fail_unavailable(failures)
                 for (
                     key,
                     error,
-                ) in failures:  # these sequences are in no queue: their load's failure is theirs
+                ) in failures:
+                    # these sequences are in no queue: their load's failure is theirs
                     if any(seq.adapter is not None and seq.adapter.key == key for seq in waiting):
                         raise error
                 for seq in list(waiting):

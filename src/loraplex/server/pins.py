@@ -1,6 +1,7 @@
-"""Pins that follow the registry: a name's pin or warm policy moves to the revisions its traffic puts in service,
-a revision that leaves traffic stays warm for the grace period, and changes made elsewhere (the registry CLI,
-another worker's admin API) reach this server within the watch interval."""
+"""Pins that follow the registry: a name's pin or warm policy moves to the revisions its traffic
+puts in service, a revision that leaves traffic stays warm for the grace period, and changes made
+elsewhere (the registry CLI, another worker's admin API) reach this server within the watch
+interval."""
 
 from __future__ import annotations
 
@@ -35,17 +36,16 @@ class PinReconciler:
         self.resolver = resolver
         self.cache = cache  # the engine's adapter operations: pin, unpin, pinned, tier_of
         self.watch_s = watch_s
-        # Pins that follow traffic: those a name's pin or warm policy made, the revisions that left traffic kept in
-        # host memory for the grace period, and each name's serving revisions at the last look.
+        # Pins that follow traffic: those a name's pin or warm policy made, the revisions that left
+        # traffic kept in host memory for the grace period, and each name's serving revisions at the
+        # last look.
         self._rule_pins: dict[AdapterKey, str] = {}
-        self._grace_pins: dict[
-            AdapterKey, float
-        ] = {}  # key -> time.monotonic() its grace period ends
+        # key -> time.monotonic() its grace period ends
+        self._grace_pins: dict[AdapterKey, float] = {}
         self._operator_pins: set[AdapterKey] = set()  # pinned by revision through the admin API
         self._serving: dict[str, frozenset[str]] = {}
-        self._rule_tiers: dict[
-            str, str | None
-        ] = {}  # each name's pin tier (its pin, else warm policy), last look
+        # each name's pin tier (its pin, else warm policy), last look
+        self._rule_tiers: dict[str, str | None] = {}
         self._pins_lock = threading.RLock()
         self._stop = threading.Event()
 
@@ -61,29 +61,31 @@ class PinReconciler:
         self._stop.set()
 
     def warm_start(self) -> None:
-        """Pins and warm policies from the registry: load those adapters before traffic asks for them."""
+        """Pins and warm policies from the registry: load those adapters before traffic asks for
+        them."""
         for adapter in self.registry.list_adapters():
             self.warm(adapter)
 
     def warm(self, adapter: AdapterRecord) -> None:
-        """Bring the adapter's pins in line with its traffic. The revisions that left traffic since the last look
-        lose the pins its rule made, and a resident one is kept in host memory for the registry's grace period (a
-        rollback finds it warm; ARCHITECTURE: "the old revision stays resident for a grace period"). The serving
-        revisions are pinned when the adapter is pinned, in the tier of its pin, or else has a warm policy of gpu or
-        cpu, in that tier (the operator's pin overrides the manifest's policy). A pin one revision got from an
-        operator (`operator_pinned`) is theirs: neither made nor dropped here, until the name is unpinned. When the
-        name is unpinned, the serving revisions lose the pins its rule made, and a revision serving again gives up its
-        grace pin. A pin that cannot be made (beyond capacity, a failed load) is logged and serving goes on; the
-        revision loses the pin of the name's previous tier."""
+        """Bring the adapter's pins in line with its traffic. The revisions that left traffic since
+        the last look lose the pins its rule made, and a resident one is kept in host memory for the
+        registry's grace period (a rollback finds it warm; ARCHITECTURE: "the old revision stays
+        resident for a grace period"). The serving revisions are pinned when the adapter is pinned,
+        in the tier of its pin, or else has a warm policy of gpu or cpu, in that tier (the
+        operator's pin overrides the manifest's policy). A pin one revision got from an operator
+        (`operator_pinned`) is theirs: neither made nor dropped here, until the name is unpinned.
+        When the name is unpinned, the serving revisions lose the pins its rule made, and a revision
+        serving again gives up its grace pin. A pin that cannot be made (beyond capacity, a failed
+        load) is logged and serving goes on; the revision loses the pin of the name's previous
+        tier."""
         tier = _rule_tier(adapter)
         cache, serving = self.cache, _serving_revisions(adapter)
         owner = adapter.owner_tenant or "default"
         with self._pins_lock:
             before = self._serving.get(adapter.name)
             self._serving[adapter.name] = serving
-            if (
-                tier is None and self._rule_tiers.get(adapter.name) is not None
-            ):  # unpinned (elsewhere too)
+            if tier is None and self._rule_tiers.get(adapter.name) is not None:
+                # unpinned (elsewhere too)
                 mine = [k for k in self._operator_pins if k.name == adapter.name]
                 for key in mine:
                     cache.unpin(key)
@@ -120,25 +122,23 @@ class PinReconciler:
                         if made is not None and cache.pinned(ref.key) == made:
                             cache.unpin(ref.key)
                         continue
-                    self._grace_pins.pop(
-                        ref.key, None
-                    )  # serving again: the rule's pin replaces the grace one
+                    # serving again: the rule's pin replaces the grace one
+                    self._grace_pins.pop(ref.key, None)
                     try:
                         cache.pin(ref, tier)
-                    except (
-                        Exception
-                    ) as exc:  # a warm start that cannot happen must not stop serving
+                    except Exception as exc:
+                        # a warm start that cannot happen must not stop serving
                         log.warning("could not pin %s in %s: %s", record.model_id, tier, exc)
-                        old = self._rule_pins.pop(
-                            ref.key, None
-                        )  # nor keep the pin of the name's previous tier
+                        # nor keep the pin of the name's previous tier
+                        old = self._rule_pins.pop(ref.key, None)
                         if old is not None and cache.pinned(ref.key) == old:
                             cache.unpin(ref.key)
                         continue
                     self._rule_pins[ref.key] = tier
 
     def _retire(self, ref, keep_warm: bool) -> None:
-        """A revision left traffic: drop its rule's pin; keep it in host memory for the grace period if resident."""
+        """A revision left traffic: drop its rule's pin; keep it in host memory for the grace period
+        if resident."""
         cache, key = self.cache, ref.key
         if key in self._operator_pins:
             return
@@ -159,8 +159,9 @@ class PinReconciler:
             self._grace_pins[key] = time.monotonic() + grace_s
 
     def follow_traffic(self) -> None:
-        """Move pins along with traffic (`warm`) for every name whose serving revisions or pin changed since the last
-        look (an admin call here, the registry CLI elsewhere, a quarantine); drop the grace pins whose period ended."""
+        """Move pins along with traffic (`warm`) for every name whose serving revisions or pin
+        changed since the last look (an admin call here, the registry CLI elsewhere, a quarantine);
+        drop the grace pins whose period ended."""
         with self._pins_lock:
             self._end_grace()
             for adapter in self.registry.list_adapters():
@@ -179,13 +180,14 @@ class PinReconciler:
                         cache.unpin(key)
 
     def warm_name(self, name: str) -> None:
-        """`warm` with the adapter read under the pins' lock, so that a call made for an admin request cannot apply
-        an older reading after the watcher applied a newer one."""
+        """`warm` with the adapter read under the pins' lock, so that a call made for an admin
+        request cannot apply an older reading after the watcher applied a newer one."""
         with self._pins_lock:
             self.warm(self.registry.show(name))
 
     def released(self, keys) -> None:
-        """An operator unpinned or evicted these keys: no pin of theirs is kept or moved by traffic any more."""
+        """An operator unpinned or evicted these keys: no pin of theirs is kept or moved by traffic
+        any more."""
         with self._pins_lock:
             for key in keys:
                 self._rule_pins.pop(key, None)
@@ -193,9 +195,10 @@ class PinReconciler:
                 self._operator_pins.discard(key)
 
     def operator_pinned(self, keys, name: str, tier: str) -> None:
-        """An operator pinned these revisions of `name` themselves, in `tier`: traffic neither moves nor drops those
-        pins. The registry records a pin of the name (what a start pins again), under the pins' lock: the watcher is
-        not to take that record for a pin of the name's other serving revisions."""
+        """An operator pinned these revisions of `name` themselves, in `tier`: traffic neither moves
+        nor drops those pins. The registry records a pin of the name (what a start pins again),
+        under the pins' lock: the watcher is not to take that record for a pin of the name's other
+        serving revisions."""
         keys = list(keys)
         with self._pins_lock:
             self.registry.pin(name, True, tier)
@@ -221,7 +224,8 @@ class PinReconciler:
 
 
 def _rule_tier(adapter: AdapterRecord) -> str | None:
-    """The tier a name's serving revisions are pinned in: its pin's, else its warm policy's (gpu or cpu)."""
+    """The tier a name's serving revisions are pinned in: its pin's, else its warm policy's (gpu or
+    cpu)."""
     return (
         adapter.pin_tier
         if adapter.pinned
