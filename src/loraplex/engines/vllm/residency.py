@@ -93,7 +93,8 @@ class Resident:
     evictions: int = 0
     nbytes: int = 0
     pinned: str | None = None  # the operator's (or a warm policy's) pin: "gpu" or "cpu"
-    in_vllm: bool = False  # added to vLLM's host cache
+    in_vllm: bool = False  # added to vLLM's host cache (or its add sent, for a known adapter)
+    adding: bool = False  # an add sent to vLLM whose answer has not come: never removed meanwhile
     vllm_pinned: bool = False  # pin_lora'd: kept in a device slot by vLLM
     evicted_at: float | None = None
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests handed to vLLM
@@ -159,6 +160,7 @@ class VllmResidency:
         self._executor = ThreadPoolExecutor(load_threads, thread_name_prefix="vllm-stage")
         self._ids: dict[int, AdapterKey] = {}
         self._num_adding = 0  # adds sent to vLLM whose answer has not come
+        self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -453,7 +455,8 @@ class VllmResidency:
         return usage((e.charged, 1) for e in self.entries.values() if e.in_slot)
 
     def _host_usage(self) -> dict[str, int]:
-        return usage((e.charged, e.nbytes) for e in self.entries.values() if e.in_vllm)
+        held = (e for e in self.entries.values() if e.in_vllm or e.adding)
+        return usage((e.charged, e.nbytes) for e in held)
 
     def _yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
         """Whether a request of `tenant` that needs a slot of its own leaves a free one to another
@@ -575,12 +578,20 @@ class VllmResidency:
                 finally:
                     await self._vllm_lock.acquire()
             self._num_adding += 1
+            entry.adding = True
             added = await self._send(self._add(entry))
-        try:  # awaited outside the lock: vLLM takes every add sent meanwhile between two steps
-            await added
-        finally:
-            self._num_adding -= 1
-            self._room.set()  # a refused add leaves its room to the loads that wait
+        if entry.lora_id in self._accepted:
+            # vLLM added these bytes before, so it takes them again: its engine core runs the add
+            # before any request sent after it (one input queue), and the requests need not wait
+            # for the answer's round trip. The answer still ends the add (`_added`).
+            self._num_adding -= 1  # counted from here on as in vLLM
+            added.add_done_callback(lambda task: self._added(entry, task, counted=False))
+        else:  # a first add may be refused (a module or rank vLLM cannot serve): wait for it
+            try:  # awaited outside the lock: vLLM takes every add sent meanwhile between two steps
+                await added
+            finally:
+                self._added(entry, added)
+            self._accepted.add(entry.lora_id)
         with self._lock:
             entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
             if entry.evicted_at is not None:
@@ -589,6 +600,19 @@ class VllmResidency:
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+
+    def _added(self, entry: Resident, task: asyncio.Task, counted: bool = True) -> None:
+        """The end of an add sent to vLLM (`counted`: still in `_num_adding`). A known adapter's
+        add that failed takes it out of the bookkeeping: its requests fail in vLLM alone."""
+        if counted:
+            self._num_adding -= 1
+        entry.adding = False
+        failed = task.cancelled() or task.exception() is not None
+        if failed and entry.lora_id in self._accepted:
+            with self._lock:
+                entry.in_vllm = False
+            self._accepted.discard(entry.lora_id)
+        self._room.set()  # a refused add leaves its room to the loads that wait
 
     def _spare_room(self) -> bool:
         """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
@@ -684,7 +708,7 @@ class VllmResidency:
             removable = [
                 k
                 for k, e in self.entries.items()
-                if e.in_vllm and not e.refcount and not e.pinned and not e.vllm_pinned
+                if e.in_vllm and not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
             ]
             if removable and self.budgets.limits_anyone and not incoming.pinned:
                 removable = self._host_budget_victims(incoming, removable)
@@ -708,7 +732,7 @@ class VllmResidency:
             async with self._vllm_lock:
                 return await self._remove(key, locked=True)
         entry = self.entries.get(key)
-        if entry is None or not entry.in_vllm or entry.refcount:
+        if entry is None or not entry.in_vllm or entry.refcount or entry.adding:
             return
         with self._lock:  # before the send yields: no request goes to vLLM with it from now
             entry.in_vllm = entry.vllm_pinned = False
