@@ -140,7 +140,7 @@ def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_ad
     assert len(ok) == 5 and ok_error is None
     assert "later-broken" in str(bad_error) and bad_tokens == []
     assert all(e.refcount == 0 for e in engine.adapters.entries.values())
-    assert engine.adapters.queued == {}  # the failed requests left the queue too
+    assert engine.adapters.num_waiting == {}  # the failed requests left the queue too
 
 
 @pytest.mark.parametrize("swap", ["garbage", "pickle"])
@@ -253,7 +253,7 @@ def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == 12
     # preempted requests queued again, and left the queue once readmitted
-    assert eng.adapters.queued == {}
+    assert eng.adapters.num_waiting == {}
     model = peft_reference(llama_dir, {"attn-r8": llama_adapters["attn-r8"]})
     for prompt, adapter, tokens in zip(prompts, adapters, out):
         assert tokens == reference_greedy(model, prompt, "attn-r8" if adapter else None, 15)
@@ -399,7 +399,7 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
         asyncio.run(main())
         assert engine.blocks.num_free == free_before
         assert engine.adapters.entries[ref.key].refcount == 0
-        assert engine.adapters.queued == {}
+        assert engine.adapters.num_waiting == {}
         assert not engine.requests
     finally:
         aeng._stopping = True

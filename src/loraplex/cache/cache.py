@@ -106,7 +106,7 @@ class AdapterCache:
         disk: DiskTier | None = None,
         policy=None,
         budgets: TenantBudgets | None = None,
-        max_gpu_preferred: int | None = None,
+        max_gpu_warm: int | None = None,
         load_threads: int = 2,
         thrash_window_s: float = THRASH_WINDOW_S,
         executor: Executor | None = None,
@@ -121,9 +121,7 @@ class AdapterCache:
         self.policy = policy or LRUPolicy()
         self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
         # the size of the gpu warm set
-        self.max_gpu_preferred = (
-            max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
-        )
+        self.max_gpu_warm = max_gpu_warm if max_gpu_warm is not None else pool.num_slots
         self.placement = Placement()
         self.clock = clock
         self.thrash_window_s = thrash_window_s
@@ -152,8 +150,8 @@ class AdapterCache:
         # key -> (tenant, since): waiting requests that their tenant's budget holds back
         self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
-        # requests waiting for admission, per adapter (queue / unqueue)
-        self.queued: dict[AdapterKey, int] = {}
+        # requests waiting for admission, per adapter (add_waiting / drop_waiting)
+        self.num_waiting: dict[AdapterKey, int] = {}
         # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._gpu_pins: set[AdapterKey] = set()
         self._cpu_pins: set[AdapterKey] = set()
@@ -179,7 +177,7 @@ class AdapterCache:
             self._wanted,
             self._waiting_since,
             self.budget_waiting,
-            self.queued,
+            self.num_waiting,
             self._gpu_pins,
             self._cpu_pins,
             self.demand,
@@ -188,7 +186,7 @@ class AdapterCache:
             self.seconds_per_byte,
             self.cpu_bytes,
             self.max_cpu_loras,
-            self.max_gpu_preferred,
+            self.max_gpu_warm,
             self.policy,
             self.budgets,
             self._copies_version,
@@ -374,19 +372,19 @@ class AdapterCache:
             self._wanted[key] = at
         self._copies_version += 1
 
-    def queue(self, key: AdapterKey) -> None:
-        """A request for `key` joined the scheduler's waiting queue (new, or preempted)."""
+    def add_waiting(self, key: AdapterKey) -> None:
+        """A request for `key` starts waiting for admission (new, or preempted)."""
         with self._lock:
-            self.queued[key] = self.queued.get(key, 0) + 1
+            self.num_waiting[key] = self.num_waiting.get(key, 0) + 1
 
-    def unqueue(self, key: AdapterKey) -> None:
-        """A request for `key` left the waiting queue (admitted, aborted or failed)."""
+    def drop_waiting(self, key: AdapterKey) -> None:
+        """A request for `key` stops waiting (admitted, aborted or failed)."""
         with self._lock:
-            left = self.queued[key] - 1
+            left = self.num_waiting[key] - 1
             if left:
-                self.queued[key] = left
+                self.num_waiting[key] = left
             else:
-                del self.queued[key]
+                del self.num_waiting[key]
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
         """Drop a reference `acquire` took for `tenant` (None: for any tenant holding one)."""
@@ -402,7 +400,7 @@ class AdapterCache:
                     del users[holder]
             if entry.refcount == 0 and self._gpu_pins:
                 self._restore(self.placement.restore_pinned, self.clock())
-            if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
+            if entry.refcount == 0 and getattr(self.policy, "restores_gpu_warm", False):
                 now = self.clock()
                 self._forget_stale_asks(now)
                 self._restore(self.placement.restore_warm, now)
