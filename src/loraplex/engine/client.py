@@ -173,7 +173,7 @@ class EngineClient:
             except zmq.Again:
                 if not self.process.is_alive():
                     return
-                time.sleep(0.001)
+                sock.poll(POLL_MS, zmq.POLLOUT)  # until the peer can take it
 
     async def generate(
         self,

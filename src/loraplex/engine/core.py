@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -98,6 +97,17 @@ class EngineCore:
         self.parent_pid = parent_pid
         self.input = context.socket(zmq.PULL)
         self.input.connect(addresses["input"])
+        # A load that lands wakes the loop through this pair (its futures end on loader threads).
+        wake_address = f"inproc://engine-wake-{id(self)}"
+        self._woken = context.socket(zmq.PAIR)
+        self._woken.bind(wake_address)
+        self._waker = context.socket(zmq.PAIR)
+        self._waker.connect(wake_address)
+        self._waker_lock = threading.Lock()
+        self._watched: set = set()  # the load futures that wake the loop when they end
+        self._poller = zmq.Poller()
+        self._poller.register(self.input, zmq.POLLIN)
+        self._poller.register(self._woken, zmq.POLLIN)
         self.stopping = False
         self._events: collections.deque = collections.deque()
         self.cache.on_event = lambda kind, fields: self._events.append([kind, fields])
@@ -144,10 +154,36 @@ class EngineCore:
             if outputs or events or snapshot is not None:
                 self.output.send(wire.encode(["step", snapshot, outputs, events]))
             if not engine.scheduler.running and engine.adapters.loading:
-                time.sleep(0.001)  # every request waits on a load: do not spin
+                self._wait_for_a_load()
             if os.getppid() != self.parent_pid:  # the API server is gone: nobody to serve
                 log.error("the API server process has exited; the engine stops")
                 self.stopping = True
+
+    def _wait_for_a_load(self) -> None:
+        """Every request waits on a load: wait until one lands or a message comes, at most
+        IDLE_POLL_MS (a request that time alone may admit is looked at again then)."""
+        for future in list(self.cache.loading.values()):
+            with self._waker_lock:
+                new = future not in self._watched
+                self._watched.add(future)
+            if new:  # outside the lock: a future that has ended calls back at once
+                future.add_done_callback(self._wake_up)
+        self._poller.poll(IDLE_POLL_MS)
+        while True:
+            try:
+                self._woken.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _wake_up(self, future) -> None:
+        with self._waker_lock:
+            self._watched.discard(future)
+            if self._waker.closed:  # a load that ends after the engine stopped
+                return
+            try:
+                self._waker.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # wake-ups not read yet: the loop wakes anyway
+                pass
 
     def _take_messages(self, timeout_ms: int) -> None:
         if not self.input.poll(timeout_ms):
@@ -262,4 +298,7 @@ class EngineCore:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self.input.close(linger=0)
+        with self._waker_lock:
+            self._waker.close(linger=0)
+        self._woken.close(linger=0)
         self.output.close(linger=1000)
