@@ -152,6 +152,9 @@ class AdapterCache:
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
         # requests waiting for admission, per adapter (add_waiting / drop_waiting)
         self.num_waiting: dict[AdapterKey, int] = {}
+        # futures that operator calls wait on: a key's load taken in by `poll`, its last release
+        self._on_loaded: dict[AdapterKey, list[Future]] = {}
+        self._on_released: dict[AdapterKey, list[Future]] = {}
         # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._gpu_pins: set[AdapterKey] = set()
         self._cpu_pins: set[AdapterKey] = set()
@@ -303,6 +306,17 @@ class AdapterCache:
     def num_loading(self) -> int:
         return len(self.loading)
 
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once no load of `key` is in progress: at once, or when `poll` takes its end in."""
+        with self._lock:
+            return _watch(self._on_loaded, key, key not in self.loading)
+
+    def when_released(self, key: AdapterKey) -> Future:
+        """Done once no request holds `key`: at once, or when `release` drops the last one."""
+        with self._lock:
+            entry = self.entries.get(key)
+            return _watch(self._on_released, key, entry is None or not entry.refcount)
+
     def loading_keys(self) -> list[AdapterKey]:
         with self._lock:
             return list(self.loading)
@@ -398,6 +412,8 @@ class AdapterCache:
                 users[holder] -= 1
                 if not users[holder]:
                     del users[holder]
+            if entry.refcount == 0:
+                _notify(self._on_released, key)
             if entry.refcount == 0 and self._gpu_pins:
                 self._restore(self.placement.restore_pinned, self.clock())
             if entry.refcount == 0 and getattr(self.policy, "restores_gpu_warm", False):
@@ -408,12 +424,13 @@ class AdapterCache:
     def poll(self) -> list[tuple[AdapterKey, Exception]]:
         """Take finished loads into the cpu tier; return the keys whose load failed, with the
         error."""
-        failed = []
+        failed, ended = [], []
         with self._lock:
             for key, future in list(self.loading.items()):
                 if not future.done():
                     continue
                 del self.loading[key]
+                ended.append(key)
                 self._copies_version += 1
                 error = future.exception()
                 if error is not None:
@@ -459,6 +476,8 @@ class AdapterCache:
                     now = self.clock()
                     self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
                 entry.prewarm_gpu = False
+            for key in ended:
+                _notify(self._on_loaded, key)
         return failed
 
     def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, Exception]]:
@@ -765,3 +784,17 @@ class AdapterCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
+
+
+def _watch(watchers: dict[AdapterKey, list[Future]], key: AdapterKey, done: bool) -> Future:
+    future: Future = Future()
+    if done:
+        future.set_result(None)
+    else:
+        watchers.setdefault(key, []).append(future)
+    return future
+
+
+def _notify(watchers: dict[AdapterKey, list[Future]], key: AdapterKey) -> None:
+    for future in watchers.pop(key, ()):
+        future.set_result(None)

@@ -243,8 +243,9 @@ class EngineCore:
 
     # -- what the server reads ---------------------------------------------------------------------
     def snapshot(self) -> list:
-        """`[seq, slots, {key: [tier, pinned, loading, in host memory]}]` of every adapter the cache
-        knows; numbered so that the server keeps the newest of those the two sockets bring."""
+        """`[seq, slots, {key: [tier, pinned, loading, in host memory, in use]}]` of every adapter
+        the cache knows; numbered so that the server keeps the newest of those the two sockets
+        bring."""
         cache = self.cache
         with self._snapshot_lock:
             self._seq += 1
@@ -254,16 +255,20 @@ class EngineCore:
                     cache.pinned(key),
                     cache.is_loading(key),
                     cache.in_host_memory(key),
+                    entry.refcount > 0,
                 ]
-                for key in list(cache.entries)
+                for key, entry in list(cache.entries.items())
             }
             return [self._seq, list(cache.slots), residency]
 
     def _snapshot_if_changed(self, had_events: bool) -> list | None:
-        """A new snapshot when the slots, the host copies or the loads moved (or a cache event
-        came): pins move only by operations, whose replies carry one."""
+        """A new snapshot when the slots, the host copies, the loads or the slots' use moved (or a
+        cache event came): pins move only by operations, whose replies carry one. Only an adapter
+        in a slot is in use, so the slots' use covers every adapter's."""
         cache = self.cache
-        fingerprint = (tuple(cache.slots), len(cache.cpu), len(cache.loading))
+        entries = cache.entries
+        in_use = tuple(bool((e := entries.get(k)) and e.refcount) for k in list(cache.slots))
+        fingerprint = (tuple(cache.slots), in_use, len(cache.cpu), len(cache.loading))
         if fingerprint == self._fingerprint and not had_events:
             return None
         self._fingerprint = fingerprint
