@@ -71,13 +71,13 @@ def measure(waiting: int) -> dict:
         cache.record_request(ref)
         cache.acquire(ref)
     land()
-    queue = held + refs[COPIES : COPIES + waiting]
-    for ref in queue:
+    asking = held + refs[COPIES : COPIES + waiting]
+    for ref in asking:
         cache.record_request(ref)
     calls, start = 0, time.perf_counter()
     for _ in range(STEPS):
         now[0] += 0.01
-        for ref in queue:
+        for ref in asking:
             assert cache.acquire(ref) is None
             calls += 1
     seconds = time.perf_counter() - start
@@ -85,7 +85,7 @@ def measure(waiting: int) -> dict:
         "the waiting requests' loads must wait for room"
     )
     return {
-        "waiting": len(queue),
+        "waiting": len(asking),
         "calls": calls,
         "us_per_acquire": seconds / calls * 1e6,
         "ms_per_step": seconds / STEPS * 1e3,

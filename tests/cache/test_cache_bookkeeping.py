@@ -138,7 +138,7 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
                 with contextlib.suppress(CapacityExceeded):
                     cache.pin(ref, "cpu")
         elif op == "gpu_cap":
-            cache.max_gpu_preferred = rng.choice([0, 1, 3])
+            cache.max_gpu_warm = rng.choice([0, 1, 3])
         assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
         for tier, pins in (("gpu", cache._gpu_pins), ("cpu", cache._cpu_pins)):
             assert pins == {k for k, e in cache.entries.items() if e.pinned == tier}

@@ -172,7 +172,7 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
         )
     }
     assert gpu_warm[hot.key].demand > 18
-    cache.max_gpu_preferred = 0  # the same adapter outside the gpu warm set
+    cache.max_gpu_warm = 0  # the same adapter outside the gpu warm set
     assert {a["name"]: a["warm"] for a in cache.state()["adapters"]} == {"hot": "B", "other": None}
     by_key = {
         c.key: c
@@ -228,7 +228,7 @@ def warm_up(cache, now, refs, rounds=10):
             serve(cache, r)
 
 
-@pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(spares_queued=False)])
+@pytest.mark.parametrize("policy", [ScorePolicy(), ScorePolicy(spares_waiting=False)])
 def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
     cache, now = make_cache(slots=2)
     cache.policy = policy
@@ -237,22 +237,24 @@ def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
     now[0] += 5.0  # past every minimum residency
     cache.acquire(other)  # `other` runs; `hot` sits idle in its slot
     cache.record_request(hot)
-    cache.queue(hot.key)  # ...with a request queued behind a one-off's
+    cache.add_waiting(hot.key)  # ...with a request queued behind a one-off's
     one_off = ref("one-off")
     cache.record_request(one_off)
-    cache.queue(one_off.key)
+    cache.add_waiting(one_off.key)
     cache.acquire(one_off)  # starts its load
     cache.poll()
     slot = cache.acquire(one_off)
-    if policy.spares_queued:
+    if policy.spares_waiting:
         assert slot is None and hot.key in cache.slots  # the one-off waits for a slot
-        cache.unqueue(hot.key)
+        cache.drop_waiting(hot.key)
         assert cache.acquire(hot) is not None  # the queued request is admitted on its adapter
     else:
         # the queued request lost its adapter
         assert slot is not None and hot.key not in cache.slots
     assert (
-        cache.queued == {one_off.key: 1} if policy.spares_queued else {hot.key: 1, one_off.key: 1}
+        cache.num_waiting == {one_off.key: 1}
+        if policy.spares_waiting
+        else {hot.key: 1, one_off.key: 1}
     )
 
 
@@ -343,14 +345,14 @@ def test_adapters_whose_traffic_stopped_leave_the_gpu_warm_set_and_keep_no_slot_
         c.key: c
         for c in cache.placement.slot_candidates(cache.snapshot(), [k.key for k in new], now[0])
     }
-    assert all(c.preferred and c.demand > 20 for c in weighed.values())
+    assert all(c.warm and c.demand > 20 for c in weighed.values())
     stale = {
         c.key: c
         for c in cache.placement.host_candidates(
             cache.snapshot(), [k.key for k in old], now[0], by_use=False
         )
     }
-    assert all(c.demand == 0.0 and not c.preferred for c in stale.values())
+    assert all(c.demand == 0.0 and not c.warm for c in stale.values())
     assert cache.placement.cpu_warm(cache.snapshot(), now[0]) == {
         new[0].key,
         new[1].key,

@@ -189,3 +189,31 @@ def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees
     assert cache.slot_of(pinned.key) is not None and cache.entries[pinned.key].pinned == "gpu"
     cache.release(busy[1].key)
     assert busy[1].key in cache.slots  # one pin takes one slot
+
+
+def test_when_loaded_is_done_once_poll_takes_the_load_in():
+    cache, _, executor, _ = make_cache()
+    x = ref("x")
+    assert cache.when_loaded(x.key).done()  # nothing loads: done at once
+    cache.prewarm(x, "cpu")
+    waited = cache.when_loaded(x.key)
+    executor.finish()
+    assert not waited.done()  # the load ended; the step loop has not taken it in yet
+    cache.poll()
+    assert waited.done() and cache.in_host_memory(x.key)
+
+
+def test_when_released_is_done_with_the_last_reference():
+    cache, _, executor, _ = make_cache()
+    x = ref("x")
+    cache.acquire(x)
+    executor.finish()
+    cache.poll()
+    assert cache.acquire(x) is not None and cache.acquire(x) is not None  # two requests hold it
+    waited = cache.when_released(x.key)
+    cache.release(x.key)
+    assert not waited.done()
+    cache.release(x.key)
+    assert waited.done()
+    cache.forget(x.key)
+    assert cache.when_released(x.key).done()  # an adapter the cache does not know is held by none

@@ -115,9 +115,7 @@ def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
     entries["new"].loaded_at = 99.9
     only_new = [(keys["new"], entries["new"])]
     policy, warm = ScorePolicy(), {keys["new"]}
-    protected = Candidate(
-        keys["new"], 0, 99.0, 99.9, demand.short(keys["new"], now), preferred=True
-    )
+    protected = Candidate(keys["new"], 0, 99.0, 99.9, demand.short(keys["new"], now), warm=True)
     assert policy.choose_victim([protected], now, Candidate(keys["in"], 0, 50.0, 10.0)) is None
     assert host_cache_victim(policy, only_new, incoming, demand, warm, now) == keys["new"]
     assert host_cache_victim(policy, [], incoming, demand, warm, now) is None

@@ -29,7 +29,7 @@ def test_score_keeps_a_frequent_adapter_over_a_more_recent_one_off():
 
 def test_min_residency_protects_a_new_gpu_warm_adapter_only_against_colder_newcomers():
     policy = ScorePolicy(min_residency_s=5)
-    young_hot = c("young-hot", last=99, loaded=98, demand=6, preferred=True)
+    young_hot = c("young-hot", last=99, loaded=98, demand=6, warm=True)
     old_cold = c("old-cold", last=50, loaded=10, demand=0.5)
     cold_incoming = c("incoming", demand=1)
     # Only the young adapter can go by score alone, but it is protected: nothing may be evicted yet.
@@ -43,7 +43,7 @@ def test_min_residency_protects_a_new_gpu_warm_adapter_only_against_colder_newco
     assert policy.choose_victim([young_hot], now=103.1, incoming=cold_incoming) == "young-hot"
     # A gpu-warm newcomer is no one-off: it may take the slot of a younger adapter with more demand.
     assert (
-        policy.choose_victim([young_hot], now=100, incoming=c("gpu-warm", demand=4, preferred=True))
+        policy.choose_victim([young_hot], now=100, incoming=c("gpu-warm", demand=4, warm=True))
         == "young-hot"
     )
     # Outside the gpu warm set there is no protection: a one-off does not wait for a slot that a
@@ -54,7 +54,7 @@ def test_min_residency_protects_a_new_gpu_warm_adapter_only_against_colder_newco
     )
     # Nor for a gpu-warm adapter the cache put back ahead of its requests: a request must not wait
     # for a guess.
-    restored = c("restored", last=90, loaded=99.5, demand=6, preferred=True, restored=True)
+    restored = c("restored", last=90, loaded=99.5, demand=6, warm=True, restored=True)
     assert policy.choose_victim([restored], now=100, incoming=cold_incoming) == "restored"
 
 
@@ -64,7 +64,7 @@ def test_score_weighs_priority_reload_cost_and_preference():
     assert policy.choose_victim([a, b], now=100) == "a"
     cheap, dear = c("cheap", last=100, demand=3), c("dear", last=100, demand=3, reload_cost=2.0)
     assert policy.choose_victim([cheap, dear], now=100) == "cheap"
-    plain, preferred = c("plain", last=100, demand=3), c("pref", last=100, demand=3, preferred=True)
+    plain, preferred = c("plain", last=100, demand=3), c("pref", last=100, demand=3, warm=True)
     assert policy.choose_victim([plain, preferred], now=100) == "plain"
 
 
@@ -97,7 +97,7 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
                 demand=rng.choice([0.0, 1.0, rng.uniform(0, 9)]),
                 priority=rng.choice([0, 1]),
                 reload_cost=rng.choice([0.0, rng.random()]),
-                preferred=rng.random() < 0.3,
+                warm=rng.random() < 0.3,
             )
             for i in range(rng.randint(1, 12))
         ]
@@ -106,11 +106,9 @@ def test_score_victim_is_the_lowest_keep_score_to_the_last_bit():
             x
             for x in candidates
             if incoming is None
-            or incoming.preferred
+            or incoming.warm
             or not (
-                x.preferred
-                and now - x.loaded_at < policy.min_residency_s
-                and x.demand > incoming.demand
+                x.warm and now - x.loaded_at < policy.min_residency_s and x.demand > incoming.demand
             )
         ]
         expected = (
@@ -135,7 +133,7 @@ def test_score_victims_in_order_are_repeated_choose_victim():
                 last_access=rng.choice([0.0, 50.0, rng.uniform(0, 100)]),
                 demand=rng.choice([0.0, 1.0]),
                 reload_cost=rng.choice([0.0, 0.5]),
-                preferred=rng.random() < 0.3,
+                warm=rng.random() < 0.3,
             )
             for i in range(rng.randint(0, 12))
         ]

@@ -140,7 +140,7 @@ def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_ad
     assert len(ok) == 5 and ok_error is None
     assert "later-broken" in str(bad_error) and bad_tokens == []
     assert all(e.refcount == 0 for e in engine.adapters.entries.values())
-    assert engine.adapters.queued == {}  # the failed requests left the queue too
+    assert engine.adapters.num_waiting == {}  # the failed requests left the queue too
 
 
 @pytest.mark.parametrize("swap", ["garbage", "pickle"])
@@ -168,9 +168,8 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(
 
 
 def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_adapters, tmp_path):
-    """NaN in an adapter's weights gives its sequences NaN logits; sampling them raised in the step
-    and failed every request in the batch. Now that request fails alone, with the reason, sampled or
-    greedy."""
+    """NaN in an adapter's weights gives its sequences NaN logits: that request fails alone, with
+    the reason, sampled or greedy, and the rest of the batch goes on."""
     nan_dir = _copy(
         llama_adapters["attn-r8"],
         tmp_path / "nan",
@@ -195,9 +194,9 @@ def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_a
     "extreme", [{"temperature": 1e-300}, {"temperature": 1e-6}, {"top_p": 1e-320}]
 )
 def test_extreme_sampling_values_sample_instead_of_failing_the_batch(engine, extreme):
-    """A temperature under 1e-5 is greedy, as in vLLM (dividing by 1e-300 made NaN, and the error in
-    the step failed every request in the batch); a top_p that is 0 in float32 keeps the most likely
-    token."""
+    """A temperature under 1e-5 is greedy, as in vLLM (dividing by 1e-300 would make NaN, and the
+    error in the step would fail every request in the batch); a top_p that is 0 in float32 keeps
+    the most likely token."""
     greedy = engine.generate(
         [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )[0]
@@ -253,7 +252,7 @@ def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == 12
     # preempted requests queued again, and left the queue once readmitted
-    assert eng.adapters.queued == {}
+    assert eng.adapters.num_waiting == {}
     model = peft_reference(llama_dir, {"attn-r8": llama_adapters["attn-r8"]})
     for prompt, adapter, tokens in zip(prompts, adapters, out):
         assert tokens == reference_greedy(model, prompt, "attn-r8" if adapter else None, 15)
@@ -399,7 +398,7 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
         asyncio.run(main())
         assert engine.blocks.num_free == free_before
         assert engine.adapters.entries[ref.key].refcount == 0
-        assert engine.adapters.queued == {}
+        assert engine.adapters.num_waiting == {}
         assert not engine.requests
     finally:
         aeng._stopping = True

@@ -253,6 +253,20 @@ def test_more_adapters_at_once_than_slots_all_complete_with_the_engine_alive(wor
     httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60)
 
 
+def test_a_cpu_pin_answers_once_its_adapter_is_in_vllm(world, server):
+    url = server[0]
+    evicted = httpx.post(f"{url}/admin/adapters/attn/evict", headers=ADMIN, timeout=60)
+    assert evicted.status_code == 200, evicted.text
+    pin = {"tier": "cpu"}
+    pinned = httpx.post(f"{url}/admin/adapters/attn/pin", headers=ADMIN, json=pin, timeout=60)
+    assert pinned.status_code == 200, pinned.text
+    assert pinned.json()["loading"] == []
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    row = next(a for a in state["adapters"] if a["name"] == "attn")
+    assert row["pinned"] == "cpu" and row["tier"] in ("cpu", "gpu")
+    httpx.post(f"{url}/admin/adapters/attn/unpin", headers=ADMIN, timeout=60)
+
+
 def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
     url = server[0]
     client = _client(url)

@@ -126,6 +126,32 @@ def test_admin_pin_and_evict_reach_the_engine(process):
     assert process.server.tier_on_arrival(target) != "gpu"
 
 
+def test_a_cpu_pin_answers_once_the_engine_process_took_the_load_in(process):
+    evicted = process.admin("POST", "/admin/adapters/shared-a/evict")
+    assert evicted.status_code == 200, evicted.text
+    pinned = process.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "cpu"})
+    assert pinned.status_code == 200, pinned.text
+    assert pinned.json()["loading"] == []
+    row = next(a for a in process.state()["adapters"] if a["name"] == "shared-a")
+    assert row["pinned"] == "cpu" and row["tier"] in ("cpu", "gpu")
+    assert process.admin("POST", "/admin/adapters/shared-a/unpin").status_code == 200
+
+
+def test_an_unload_after_an_aborted_stream_waits_for_the_engine_process(start, adapter_variants):
+    roots = (str(adapter_variants[0].parent),)
+    with start(engine_core="process", allowed_roots=roots, engine={"max_model_len": 1024}) as r:
+        load = {"lora_name": "dyn", "lora_path": str(adapter_variants[1])}
+        assert r.admin("POST", "/v1/load_lora_adapter", json=load).status_code == 200
+        stream = r.client().completions.create(
+            model="dyn", prompt="x", max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        stream.close()  # the engine process gives the slot back on its next step
+        unloaded = r.admin("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert not [a for a in r.state()["adapters"] if a["name"] == "dyn"]
+
+
 def test_an_engine_error_crosses_as_its_http_answer(process):
     """CapacityExceeded raised in the engine process is the 409 the thread mode gives."""
     names = ["shared-a", "alice-a"]  # two gpu pins, two slots: one must stay free

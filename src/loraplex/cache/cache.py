@@ -106,7 +106,7 @@ class AdapterCache:
         disk: DiskTier | None = None,
         policy=None,
         budgets: TenantBudgets | None = None,
-        max_gpu_preferred: int | None = None,
+        max_gpu_warm: int | None = None,
         load_threads: int = 2,
         thrash_window_s: float = THRASH_WINDOW_S,
         executor: Executor | None = None,
@@ -121,9 +121,7 @@ class AdapterCache:
         self.policy = policy or LRUPolicy()
         self.budgets = budgets or TenantBudgets(pool.num_slots, cpu_bytes)
         # the size of the gpu warm set
-        self.max_gpu_preferred = (
-            max_gpu_preferred if max_gpu_preferred is not None else pool.num_slots
-        )
+        self.max_gpu_warm = max_gpu_warm if max_gpu_warm is not None else pool.num_slots
         self.placement = Placement()
         self.clock = clock
         self.thrash_window_s = thrash_window_s
@@ -152,8 +150,11 @@ class AdapterCache:
         # key -> (tenant, since): waiting requests that their tenant's budget holds back
         self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
         self.budget_waits: dict[str, int] = {}  # per tenant, requests' waits that its budget caused
-        # requests waiting for admission, per adapter (queue / unqueue)
-        self.queued: dict[AdapterKey, int] = {}
+        # requests waiting for admission, per adapter (add_waiting / drop_waiting)
+        self.num_waiting: dict[AdapterKey, int] = {}
+        # futures that operator calls wait on: a key's load taken in by `poll`, its last release
+        self._on_loaded: dict[AdapterKey, list[Future]] = {}
+        self._on_released: dict[AdapterKey, list[Future]] = {}
         # the entries pinned to gpu, and to cpu (kept with `pinned`)
         self._gpu_pins: set[AdapterKey] = set()
         self._cpu_pins: set[AdapterKey] = set()
@@ -179,7 +180,7 @@ class AdapterCache:
             self._wanted,
             self._waiting_since,
             self.budget_waiting,
-            self.queued,
+            self.num_waiting,
             self._gpu_pins,
             self._cpu_pins,
             self.demand,
@@ -188,7 +189,7 @@ class AdapterCache:
             self.seconds_per_byte,
             self.cpu_bytes,
             self.max_cpu_loras,
-            self.max_gpu_preferred,
+            self.max_gpu_warm,
             self.policy,
             self.budgets,
             self._copies_version,
@@ -305,6 +306,17 @@ class AdapterCache:
     def num_loading(self) -> int:
         return len(self.loading)
 
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once no load of `key` is in progress: at once, or when `poll` takes its end in."""
+        with self._lock:
+            return _watch(self._on_loaded, key, key not in self.loading)
+
+    def when_released(self, key: AdapterKey) -> Future:
+        """Done once no request holds `key`: at once, or when `release` drops the last one."""
+        with self._lock:
+            entry = self.entries.get(key)
+            return _watch(self._on_released, key, entry is None or not entry.refcount)
+
     def loading_keys(self) -> list[AdapterKey]:
         with self._lock:
             return list(self.loading)
@@ -374,19 +386,19 @@ class AdapterCache:
             self._wanted[key] = at
         self._copies_version += 1
 
-    def queue(self, key: AdapterKey) -> None:
-        """A request for `key` joined the scheduler's waiting queue (new, or preempted)."""
+    def add_waiting(self, key: AdapterKey) -> None:
+        """A request for `key` starts waiting for admission (new, or preempted)."""
         with self._lock:
-            self.queued[key] = self.queued.get(key, 0) + 1
+            self.num_waiting[key] = self.num_waiting.get(key, 0) + 1
 
-    def unqueue(self, key: AdapterKey) -> None:
-        """A request for `key` left the waiting queue (admitted, aborted or failed)."""
+    def drop_waiting(self, key: AdapterKey) -> None:
+        """A request for `key` stops waiting (admitted, aborted or failed)."""
         with self._lock:
-            left = self.queued[key] - 1
+            left = self.num_waiting[key] - 1
             if left:
-                self.queued[key] = left
+                self.num_waiting[key] = left
             else:
-                del self.queued[key]
+                del self.num_waiting[key]
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
         """Drop a reference `acquire` took for `tenant` (None: for any tenant holding one)."""
@@ -400,9 +412,11 @@ class AdapterCache:
                 users[holder] -= 1
                 if not users[holder]:
                     del users[holder]
+            if entry.refcount == 0:
+                _notify(self._on_released, key)
             if entry.refcount == 0 and self._gpu_pins:
                 self._restore(self.placement.restore_pinned, self.clock())
-            if entry.refcount == 0 and getattr(self.policy, "restores_preferred", False):
+            if entry.refcount == 0 and getattr(self.policy, "restores_gpu_warm", False):
                 now = self.clock()
                 self._forget_stale_asks(now)
                 self._restore(self.placement.restore_warm, now)
@@ -410,12 +424,13 @@ class AdapterCache:
     def poll(self) -> list[tuple[AdapterKey, Exception]]:
         """Take finished loads into the cpu tier; return the keys whose load failed, with the
         error."""
-        failed = []
+        failed, ended = [], []
         with self._lock:
             for key, future in list(self.loading.items()):
                 if not future.done():
                     continue
                 del self.loading[key]
+                ended.append(key)
                 self._copies_version += 1
                 error = future.exception()
                 if error is not None:
@@ -461,6 +476,8 @@ class AdapterCache:
                     now = self.clock()
                     self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
                 entry.prewarm_gpu = False
+            for key in ended:
+                _notify(self._on_loaded, key)
         return failed
 
     def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, Exception]]:
@@ -767,3 +784,17 @@ class AdapterCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
+
+
+def _watch(watchers: dict[AdapterKey, list[Future]], key: AdapterKey, done: bool) -> Future:
+    future: Future = Future()
+    if done:
+        future.set_result(None)
+    else:
+        watchers.setdefault(key, []).append(future)
+    return future
+
+
+def _notify(watchers: dict[AdapterKey, list[Future]], key: AdapterKey) -> None:
+    for future in watchers.pop(key, ()):
+        future.set_result(None)

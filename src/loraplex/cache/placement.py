@@ -207,7 +207,7 @@ class Placement:
             for k in s.slots
             if k is not None and (e := entries[k]).refcount == 0 and e.pinned != "gpu"
         ]
-        if getattr(policy, "spares_queued", False):  # its request is about to be admitted
+        if getattr(policy, "spares_waiting", False):  # its request is about to be admitted
             evictable = [k for k in evictable if k not in s.num_waiting]
         if not evictable:
             return []  # every slot in use, pinned or spared (with many waiting, most calls)

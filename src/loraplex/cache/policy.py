@@ -28,7 +28,7 @@ class Candidate:
     """Seconds that bringing it back would take once evicted from this tier: its bytes times the
     measured seconds per byte of the tiers below (a copy from host memory, a disk read, a
     download)."""
-    preferred: bool = False
+    warm: bool = False
     """In the warm set of the tier it is weighed for (the gpu warm set for a slot, the cpu warm set
     for a host copy)."""
     restored: bool = False
@@ -263,12 +263,12 @@ class ScorePolicy:
     w_size_per_gib: float = 0.1
     w_preferred: float = 2.0
     min_residency_s: float = 1.0
-    restores_preferred: bool = True
+    restores_gpu_warm: bool = True
     """Put an adapter of the gpu warm set back in a slot once the one-off that displaced it is
     done, when it is expected back before the slots turn over (placement decides which)."""
-    spares_queued: bool = True
-    """An adapter in a slot whose request waits in the queue is not evicted (it is about to be
-    used): the waiting request would otherwise lose its adapter to one queued ahead of it and
+    spares_waiting: bool = True
+    """An adapter in a slot whose request waits for admission is not evicted (it is about to be
+    used): the waiting request would otherwise lose its adapter to one waiting ahead of it and
     wait for it to come back."""
     yields_for_s: float = 1.0
     """When a slot frees while requests of several adapters wait for one, a gpu-warm adapter's
@@ -294,21 +294,21 @@ class ScorePolicy:
             + self.w_priority * c.priority
             + self.w_cost * c.reload_cost
             - self.w_size_per_gib * c.nbytes / 2**30
-            + self.w_preferred * c.preferred
+            + self.w_preferred * c.warm
         )
 
     def choose_victim(
         self, candidates: list[Candidate], now: float, incoming: Candidate | None = None
     ):
         if (
-            incoming is not None and not incoming.preferred
+            incoming is not None and not incoming.warm
         ):  # a gpu-warm adapter is no one-off: no protection against it
             residency, demand = self.min_residency_s, incoming.demand
             candidates = [
                 c
                 for c in candidates
                 if not (
-                    c.preferred
+                    c.warm
                     and not c.restored
                     and now - c.loaded_at < residency
                     and c.demand > demand
@@ -348,7 +348,7 @@ class ScorePolicy:
                 + w_p * c.priority
                 + w_c * c.reload_cost
                 - w_s * c.nbytes / 2**30
-                + w_pref * c.preferred,
+                + w_pref * c.warm,
                 c.last_access,
             )
             for c in candidates

@@ -13,7 +13,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 import zmq
 
@@ -173,7 +174,7 @@ class EngineClient:
             except zmq.Again:
                 if not self.process.is_alive():
                     return
-                time.sleep(0.001)
+                sock.poll(POLL_MS, zmq.POLLOUT)  # until the peer can take it
 
     async def generate(
         self,
@@ -271,6 +272,8 @@ class CacheClient:
         self.on_event = lambda kind, fields: None
         self._lock = threading.Lock()
         self._seq, self.slots, self._residency = info["snapshot"]
+        # per key, (future, whether a row settles it): what `when_loaded` and `when_released` give
+        self._watchers: dict[AdapterKey, list[tuple[Future, Callable[[list | None], bool]]]] = {}
 
     def take(self, snapshot: list) -> None:
         """A snapshot from either socket: the newest one wins."""
@@ -278,6 +281,34 @@ class CacheClient:
         with self._lock:
             if seq > self._seq:
                 self._seq, self.slots, self._residency = seq, slots, residency
+                for key in list(self._watchers):
+                    self._settle(key)
+
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once a snapshot shows no load of `key` in progress."""
+        return self._watch(key, lambda row: row is None or not row[2])
+
+    def when_released(self, key: AdapterKey) -> Future:
+        """Done once a snapshot shows no request holding `key`."""
+        return self._watch(key, lambda row: row is None or not row[4])
+
+    def _watch(self, key: AdapterKey, done: Callable[[list | None], bool]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._watchers.setdefault(key, []).append((future, done))
+            self._settle(key)
+        return future
+
+    def _settle(self, key: AdapterKey) -> None:
+        row = self._residency.get(key)
+        left = []
+        for future, done in self._watchers.pop(key):
+            if done(row):
+                future.set_result(None)
+            else:
+                left.append((future, done))
+        if left:
+            self._watchers[key] = left
 
     def _row(self, key: AdapterKey) -> list | None:
         return self._residency.get(key)

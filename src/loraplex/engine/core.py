@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -98,6 +97,17 @@ class EngineCore:
         self.parent_pid = parent_pid
         self.input = context.socket(zmq.PULL)
         self.input.connect(addresses["input"])
+        # A load that lands wakes the loop through this pair (its futures end on loader threads).
+        wake_address = f"inproc://engine-wake-{id(self)}"
+        self._woken = context.socket(zmq.PAIR)
+        self._woken.bind(wake_address)
+        self._waker = context.socket(zmq.PAIR)
+        self._waker.connect(wake_address)
+        self._waker_lock = threading.Lock()
+        self._watched: set = set()  # the load futures that wake the loop when they end
+        self._poller = zmq.Poller()
+        self._poller.register(self.input, zmq.POLLIN)
+        self._poller.register(self._woken, zmq.POLLIN)
         self.stopping = False
         self._events: collections.deque = collections.deque()
         self.cache.on_event = lambda kind, fields: self._events.append([kind, fields])
@@ -144,10 +154,36 @@ class EngineCore:
             if outputs or events or snapshot is not None:
                 self.output.send(wire.encode(["step", snapshot, outputs, events]))
             if not engine.scheduler.running and engine.adapters.loading:
-                time.sleep(0.001)  # every request waits on a load: do not spin
+                self._wait_for_a_load()
             if os.getppid() != self.parent_pid:  # the API server is gone: nobody to serve
                 log.error("the API server process has exited; the engine stops")
                 self.stopping = True
+
+    def _wait_for_a_load(self) -> None:
+        """Every request waits on a load: wait until one lands or a message comes, at most
+        IDLE_POLL_MS (a request that time alone may admit is looked at again then)."""
+        for future in list(self.cache.loading.values()):
+            with self._waker_lock:
+                new = future not in self._watched
+                self._watched.add(future)
+            if new:  # outside the lock: a future that has ended calls back at once
+                future.add_done_callback(self._wake_up)
+        self._poller.poll(IDLE_POLL_MS)
+        while True:
+            try:
+                self._woken.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _wake_up(self, future) -> None:
+        with self._waker_lock:
+            self._watched.discard(future)
+            if self._waker.closed:  # a load that ends after the engine stopped
+                return
+            try:
+                self._waker.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # wake-ups not read yet: the loop wakes anyway
+                pass
 
     def _take_messages(self, timeout_ms: int) -> None:
         if not self.input.poll(timeout_ms):
@@ -207,8 +243,9 @@ class EngineCore:
 
     # -- what the server reads ---------------------------------------------------------------------
     def snapshot(self) -> list:
-        """`[seq, slots, {key: [tier, pinned, loading, in host memory]}]` of every adapter the cache
-        knows; numbered so that the server keeps the newest of those the two sockets bring."""
+        """`[seq, slots, {key: [tier, pinned, loading, in host memory, in use]}]` of every adapter
+        the cache knows; numbered so that the server keeps the newest of those the two sockets
+        bring."""
         cache = self.cache
         with self._snapshot_lock:
             self._seq += 1
@@ -218,16 +255,20 @@ class EngineCore:
                     cache.pinned(key),
                     cache.is_loading(key),
                     cache.in_host_memory(key),
+                    entry.refcount > 0,
                 ]
-                for key in list(cache.entries)
+                for key, entry in list(cache.entries.items())
             }
             return [self._seq, list(cache.slots), residency]
 
     def _snapshot_if_changed(self, had_events: bool) -> list | None:
-        """A new snapshot when the slots, the host copies or the loads moved (or a cache event
-        came): pins move only by operations, whose replies carry one."""
+        """A new snapshot when the slots, the host copies, the loads or the slots' use moved (or a
+        cache event came): pins move only by operations, whose replies carry one. Only an adapter
+        in a slot is in use, so the slots' use covers every adapter's."""
         cache = self.cache
-        fingerprint = (tuple(cache.slots), len(cache.cpu), len(cache.loading))
+        entries = cache.entries
+        in_use = tuple(bool((e := entries.get(k)) and e.refcount) for k in list(cache.slots))
+        fingerprint = (tuple(cache.slots), in_use, len(cache.cpu), len(cache.loading))
         if fingerprint == self._fingerprint and not had_events:
             return None
         self._fingerprint = fingerprint
@@ -262,4 +303,7 @@ class EngineCore:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
         self.input.close(linger=0)
+        with self._waker_lock:
+            self._waker.close(linger=0)
+        self._woken.close(linger=0)
         self.output.close(linger=1000)

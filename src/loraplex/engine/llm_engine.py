@@ -88,7 +88,7 @@ class LLMEngine:
                 gpu_share=config.tenant_gpu_share,
                 cpu_share=config.tenant_cpu_share,
             ),
-            max_gpu_preferred=config.max_gpu_preferred,
+            max_gpu_warm=config.max_gpu_preferred,
             load_threads=config.load_threads,
             thrash_window_s=config.thrash_window_s,
         )

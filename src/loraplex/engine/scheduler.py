@@ -38,7 +38,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if seq.adapter is not None:
-            self.adapters.queue(seq.adapter.key)
+            self.adapters.add_waiting(seq.adapter.key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,7 +90,7 @@ class Scheduler:
 
         def admit(seq: Sequence) -> None:
             nonlocal budget, lora_bytes
-            self._leave_queue(seq)
+            self._stop_waiting(seq)
             self.blocks.allocate(seq, hits.pop(id(seq)))
             seq.status = Status.RUNNING
             seq.admitted_at = seq.admitted_at or time.monotonic()
@@ -161,22 +161,22 @@ class Scheduler:
         seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
         if seq.adapter is not None:
-            self.adapters.queue(seq.adapter.key)
+            self.adapters.add_waiting(seq.adapter.key)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            self._leave_queue(seq)
+            self._stop_waiting(seq)
         self.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def _leave_queue(self, seq: Sequence) -> None:
+    def _stop_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         if seq.adapter is not None:
-            self.adapters.unqueue(seq.adapter.key)
+            self.adapters.drop_waiting(seq.adapter.key)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq)

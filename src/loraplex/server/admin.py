@@ -312,6 +312,8 @@ def _resident_keys(server: Server, name: str, revision: str | None = None) -> li
 
 
 PIN_LOAD_WAIT_S = 30.0
+FORGET_WAIT_S = 2.0
+"""How long an unload waits for the engine's step to give back an aborted request's slot."""
 
 
 async def pin(name: str, request: Request, body: TierBody | None = None) -> dict:
@@ -337,10 +339,9 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
         # An adapter never loaded has no known size: its cpu pin is checked when the load lands.
         # Wait for that, so that a pin the budget cannot hold is refused here rather than dropped
         # later with only a log line.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + PIN_LOAD_WAIT_S
-        while any(cache.is_loading(r.key) for r in refs) and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        loads = [asyncio.wrap_future(cache.when_loaded(r.key)) for r in refs]
+        if loads:
+            await asyncio.wait(loads, timeout=PIN_LOAD_WAIT_S)
         landed = [r for r in refs if not cache.is_loading(r.key)]
         refused = [r for r in landed if cache.pinned(r.key) != "cpu"]
         if refused:
@@ -404,14 +405,12 @@ async def evict(name: str, request: Request, body: RevisionBody | None = None) -
     return {"evicted": [str(k) for k in keys]}
 
 
-async def _forget(server: Server, key: AdapterKey, attempts: int = 100) -> None:
-    """An aborted request gives its slot reference back on the engine's next step: wait for that."""
-    for _ in range(attempts - 1):
-        try:
-            return server.engine.adapters.forget(key)
-        except AdapterInFlight:
-            await asyncio.sleep(0.02)
-    server.engine.adapters.forget(key)
+async def _forget(server: Server, key: AdapterKey) -> None:
+    """An aborted request gives its slot reference back on the engine's next step: wait for that
+    (at most FORGET_WAIT_S; then AdapterInFlight)."""
+    cache = server.engine.adapters
+    await asyncio.wait([asyncio.wrap_future(cache.when_released(key))], timeout=FORGET_WAIT_S)
+    cache.forget(key)
 
 
 # ---- vLLM's dynamic LoRA endpoints ---------------------------------------------------------------

@@ -168,7 +168,7 @@ class OraclePolicy:
     policy that only a simulator can run, giving an achievable schedule beside the lower bound."""
 
     name = "optimal"
-    restores_preferred = False
+    restores_gpu_warm = False
 
     def __init__(self, next_use):
         self.next_use = next_use
@@ -193,7 +193,7 @@ class PopularityOracle:
     pay."""
 
     name = "a0"
-    restores_preferred = False
+    restores_gpu_warm = False
 
     def __init__(self, requests: dict):
         self.requests = requests

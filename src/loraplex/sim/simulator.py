@@ -271,14 +271,14 @@ class SimPool:
         self.num_slots = num_slots
         self.h2d = h2d
         self.contents: list[SimPacked | None] = [None] * num_slots
-        self.pending_s = 0.0
+        self.uncharged_s = 0.0
         self.copies = 0
         self.copy_seconds = 0.0
 
     def set_slot(self, slot: int, packed: SimPacked) -> float:
         seconds = self.h2d.seconds(packed.nbytes)
         self.contents[slot] = packed
-        self.pending_s += seconds
+        self.uncharged_s += seconds
         self.copies += 1
         self.copy_seconds += seconds
         return seconds
@@ -286,8 +286,8 @@ class SimPool:
     def clear_slot(self, slot: int) -> None:
         self.contents[slot] = None
 
-    def take_pending(self) -> float:
-        seconds, self.pending_s = self.pending_s, 0.0
+    def take_uncharged(self) -> float:
+        seconds, self.uncharged_s = self.uncharged_s, 0.0
         return seconds
 
 
@@ -376,7 +376,7 @@ class Worker:
         self.load_ends: list[float] = []  # when this worker's loads in progress end (a heap)
         self.loads_landed = 0  # loads ended since the cache last polled
         self.busy = False
-        self.wake_pending = False
+        self.retry_scheduled = False
         self.prefilled: list[SimRequest] = []
         self._plans: dict[AdapterKey, tuple[str, dict[str, float], int]] = {}
         self.load_seconds = 0.0
@@ -423,7 +423,7 @@ class Worker:
         seq.tier = self.cache.record_request(seq.ref) if seq.ref is not None else "gpu"
         self.waiting.append(seq)
         if seq.ref is not None:
-            self.cache.queue(seq.ref.key)
+            self.cache.add_waiting(seq.ref.key)
         if self.quiet is not None:
             self._cut_quiet_steps()
         self.wake()
@@ -463,13 +463,13 @@ class Worker:
             admit=admit,
         )
         prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
-        copies = self.pool.take_pending()
+        copies = self.pool.take_uncharged()
         if admitted:
             self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.free_slots())
         if not decodes and not admitted:
             self.busy = False
-            if self.waiting and not cache.num_loading() and not self.wake_pending:
-                self.wake_pending = (
+            if self.waiting and not cache.num_loading() and not self.retry_scheduled:
+                self.retry_scheduled = (
                     True  # nothing will wake it: look again shortly (as the engine loop does)
                 )
                 sim.schedule(now + config.idle_poll_s, self._retry, None)
@@ -545,7 +545,7 @@ class Worker:
         self.num_running += 1
         self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
         if seq.ref is not None:
-            self.cache.unqueue(seq.ref.key)
+            self.cache.drop_waiting(seq.ref.key)
             self.running_adapters[seq.ref.key] += 1
             self.sim.admitted(seq)
 
@@ -564,7 +564,7 @@ class Worker:
         self.sim.schedule(end, self._end_step, self.end_token)
 
     def _retry(self, _) -> None:
-        self.wake_pending = False
+        self.retry_scheduled = False
         self.wake()
 
     def _end_step(self, token: int) -> None:
@@ -744,7 +744,7 @@ def hot_adapters(trace: list[Request], count: int, floor: float = 0.05) -> set[s
 
 
 def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
-    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, queue
+    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, admission
     wait, TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant
     figures."""
     seqs = [s for s in sim.requests if s.ref is not None]

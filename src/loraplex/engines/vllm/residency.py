@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -417,6 +417,32 @@ class VllmResidency:
             if entry is not None:
                 self._ids.pop(entry.lora_id, None)
             self.demand.discard(key)
+
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once no load of `key` is in progress."""
+        return self._when(self._loaded(key))
+
+    def when_released(self, key: AdapterKey) -> Future:
+        """Done once no request holds `key`."""
+        return self._when(self._released(key))
+
+    def _when(self, coro: Coroutine) -> Future:
+        if self.loop is None:  # not started: nothing loads or holds an adapter
+            coro.close()
+            future: Future = Future()
+            future.set_result(None)
+            return future
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def _loaded(self, key: AdapterKey) -> None:
+        load = self.loading.get(key)
+        if load is not None:
+            await asyncio.wait([load])  # a failed load is reported by its own request or call
+
+    async def _released(self, key: AdapterKey) -> None:
+        while (entry := self.entries.get(key)) is not None and entry.refcount:
+            self._room.clear()
+            await self._room.wait()  # set by every release
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
