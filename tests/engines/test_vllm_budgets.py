@@ -7,15 +7,13 @@ by `loraplex registry tenant set` while the server runs (online's hot adapters s
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
+import vllm_serve
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from tinymodels import make_adapter, make_model
@@ -80,11 +78,7 @@ def server(model, tmp_path_factory):
     registry.close()
     proc, url = _serve(root, model)
     yield url, root
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    vllm_serve.stop(proc)
 
 
 def _serve(root, model):
@@ -98,36 +92,7 @@ def _serve(root, model):
         # lru, the runtime baseline: without budgets a sweep pushes idle hot adapters out
         *("--eviction-policy", "lru", "--dtype", "float32", "--vllm-arg=--max-model-len=128"),
     ]
-    stderr = open(root / "stderr.log", "w")
-    proc = subprocess.Popen(
-        list(map(str, args)),
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    found: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith("loraplex serving"):
-                found.append(line.rsplit(" ", 1)[-1].strip())
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(600)
-    if not found:
-        proc.kill()
-        raise AssertionError("serve did not start: " + (root / "stderr.log").read_text()[-3000:])
-    for _ in range(600):
-        try:
-            if httpx.get(f"{found[0]}/ready", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return proc, found[0]
+    return vllm_serve.start(args, root)
 
 
 async def _tier(client: httpx.AsyncClient, tenant: str, model: str) -> str:

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import psutil
 import pytest
+import vllm_serve
 from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
 
 pytest.importorskip("vllm")
@@ -90,37 +88,7 @@ def _serve(root, model, adapters, *extra):
         *[f"{n}={p}" for n, p in adapters.items()],
         *extra,
     ]
-    stderr = open(root / "stderr.log", "w")
-    proc = subprocess.Popen(
-        list(map(str, args)),
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    found: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith("loraplex serving"):
-                found.append(line.rsplit(" ", 1)[-1].strip())
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(600)
-    if not found:
-        proc.kill()
-        raise AssertionError("serve did not start: " + (root / "stderr.log").read_text()[-3000:])
-    url = found[0]
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return proc, url
+    return vllm_serve.start(args, root)
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +96,7 @@ def server(world):
     root, model, adapters, _ = world
     proc, url = _serve(root, model, adapters)
     yield url, proc, root
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    vllm_serve.stop(proc)
 
 
 def _client(url, tenant="alice"):
