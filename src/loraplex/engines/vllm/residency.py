@@ -213,6 +213,7 @@ class VllmResidency:
                         "digest": key.adapter_digest,
                         "base_model_digest": key.base_model_digest,
                         "tenant": e.ref.tenant,
+                        "charged_to": sorted(e.charged),
                         "tier": tier,
                         "loading": key in self.loading,
                         "bytes": e.nbytes,
