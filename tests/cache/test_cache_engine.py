@@ -188,15 +188,11 @@ def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(ll
     assert gc.get_freeze_count() == 0
 
 
+ENGINE = dict(dtype="float32", max_loras=2, kv_cache_bytes=2 * 2**20, max_lora_rank=16)
+
+
 def _engine(llama_dir, **kw):
-    args = dict(
-        model_dir=llama_dir,
-        dtype="float32",
-        max_loras=2,
-        kv_cache_bytes=2 * 2**20,
-        max_lora_rank=16,
-    )
-    return LLMEngine(EngineConfig(**{**args, **kw}))
+    return LLMEngine(EngineConfig(model_dir=llama_dir, **{**ENGINE, **kw}))
 
 
 def _run(engine):
@@ -253,3 +249,65 @@ def test_a_step_that_raises_still_answers_the_requests_its_failed_loads_ended(
         o.request_id: type(o.error).__name__ for o in engine.fail_all(RuntimeError("step failed"))
     }
     assert answered == {"cold": "ArtifactCorrupt", "base": "RuntimeError"}
+
+
+def hot_set_under_cold_burst(engine, hot, cold, clients=4, dt=0.05):
+    """The hot set with room to spare: each hot adapter has a request every second (open-loop,
+    staggered) on a clock that moves `dt` per step; after 10 s, `clients` clients sweep the cold
+    adapters, each sending its next one when the last ends. The tiers the hot requests found during
+    the sweep, and how long each cold request waited for its first token."""
+    now = [1000.0]
+    engine.adapters.clock = lambda: now[0]
+    hot_params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    cold_params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sent, queue, running, step = {}, list(cold), 0, 0
+    hot_tiers, cold_waits = [], []
+
+    def send(ref, params, kind):
+        rid = f"{kind}-{len(sent)}"
+        sent[rid] = (kind, now[0], [])
+        engine.add_request([3, 4, 5, 6], params, ref, rid)
+
+    while queue or running or step * dt < 10:
+        for i, ref in enumerate(hot):
+            if step % 20 == i * 5:
+                send(ref, hot_params, "hot")
+        if step * dt >= 10:
+            while running < clients and queue:
+                send(queue.pop(0), cold_params, "cold")
+                running += 1
+        for out in engine.step():
+            kind, sent_at, seen = sent[out.request_id]
+            if not seen:
+                seen.append(out)
+                if kind == "cold":
+                    cold_waits.append(now[0] - sent_at)
+                elif step * dt >= 10:
+                    hot_tiers.append(out.cache_tier)
+            if out.finished and kind == "cold":
+                running -= 1
+        step += 1
+        now[0] += dt
+    return hot_tiers, cold_waits
+
+
+def test_the_hot_set_survives_a_cold_burst_when_slots_are_to_spare(llama_dir, llama_adapters):
+    """4 hot adapters on 6 slots (host memory for 6), 20 cold adapters swept by 4 clients: under
+    `score` the cold requests take turns in the 2 spare slots and the hot requests find their
+    adapters in a slot; under `lru` the cold requests push the idle hot adapters out."""
+    paths = list(llama_adapters.values())
+    found, waits = {}, {}
+    for policy in (ScorePolicy(), LRUPolicy()):
+        config = dict(max_loras=6, max_cpu_loras=6, kv_cache_bytes=4 * 2**20)
+        engine = LLMEngine(EngineConfig(model_dir=llama_dir, **{**ENGINE, **config}), policy=policy)
+        hot = [engine.adapter_ref(f"hot{i}", paths[i % len(paths)]) for i in range(4)]
+        cold = [engine.adapter_ref(f"cold{i}", paths[i % len(paths)]) for i in range(20)]
+        tiers, cold_waits = hot_set_under_cold_burst(engine, hot, cold)
+        engine.close()
+        assert len(cold_waits) == 20 and len(tiers) >= 10
+        found[policy.name] = tiers.count("gpu") / len(tiers)
+        waits[policy.name] = max(cold_waits)
+    assert found["score"] >= 0.95, found
+    assert found["lru"] < 0.8, found
+    # a cold request waits for a spare slot at most the policy's bound, plus a request's length
+    assert waits["score"] <= ScorePolicy().spare_slot_wait_s + 0.5, waits

@@ -209,6 +209,9 @@ class Placement:
         ]
         if getattr(policy, "spares_waiting", False):  # its request is about to be admitted
             evictable = [k for k in evictable if k not in s.num_waiting]
+        if tenant is not None and self.waits_for_spare_slot(s, incoming, now):
+            warm = self.gpu_warm(s, now)
+            evictable = [k for k in evictable if k not in warm]
         if not evictable:
             return []  # every slot in use, pinned or spared (with many waiting, most calls)
         rounds = [evictable]
@@ -229,6 +232,20 @@ class Placement:
         if victim is None:
             return []
         return [Evict(victim, "gpu"), Activate(incoming, s.slots.index(victim))]
+
+    def waits_for_spare_slot(self, s: Snapshot, key: AdapterKey, now: float) -> bool:
+        """Whether a request for `key`, outside the gpu warm set, leaves the gpu-warm adapters'
+        slots alone and waits for one of the others (a policy with `spare_slot_wait_s`): while the
+        gpu warm set and the gpu pins leave slots to spare, a burst of one-off adapters cycles
+        through those slots and the hot set stays whole. Each spare slot frees when its request
+        ends, and the waiting requests take them in the order they wait; a request that has waited
+        `spare_slot_wait_s` may take a gpu-warm adapter's slot like any other, so one-offs behind
+        long requests do not wait longer than that."""
+        limit = getattr(s.policy, "spare_slot_wait_s", 0.0)
+        if now - s.waiting_since.get(key, now) >= limit:
+            return False
+        warm = self.gpu_warm(s, now)
+        return key not in warm and len(warm | s.gpu_pins) < len(s.slots)
 
     def pin_refusal(self, s: Snapshot, key: AdapterKey, tier: str) -> str | None:
         """Why `key` cannot be pinned to `tier` (gpu or cpu), or None: it can."""

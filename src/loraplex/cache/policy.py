@@ -274,6 +274,10 @@ class ScorePolicy:
     """When a slot frees while requests of several adapters wait for one, a gpu-warm adapter's
     request takes it before those of adapters outside the gpu warm set that have waited less than
     this (placement decides which wait)."""
+    spare_slot_wait_s: float = 1.0
+    """While the gpu warm set and the gpu pins leave slots to spare, a request outside the gpu
+    warm set waits up to this long for one of those slots instead of taking a gpu-warm adapter's
+    (placement decides: `waits_for_spare_slot`)."""
     overdue_gaps: float = 20.0
     """An adapter silent for this many of its mean gaps between requests (over the 5-minute
     window), and for `DemandTracker.LONGEST_GAPS` of its longest, is no longer counted as
