@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.engine.model import CausalLM, rope_inv_freq
+from loraplex.engine.model import CausalLM, pack_for_cpu, rope_inv_freq
 from loraplex.model_config import ModelConfig, ModelConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,4 +81,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # kept in float32, as Hugging Face does
+    pack_for_cpu(model)
     return model.eval()

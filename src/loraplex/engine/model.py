@@ -135,16 +135,41 @@ class LoRALinear(nn.Linear):
 
     lora_a: torch.Tensor | None = None  # [max_loras, max_rank, d_in], a view into the slot pool
     lora_bt: torch.Tensor | None = None  # [max_loras, max_rank, d_out]
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout (`pack_for_cpu`)
 
     def __init__(self, d_in: int, d_out: int, bias: bool, name: str):
         super().__init__(d_in, d_out, bias=bias)
         self.index = MODULE_INDEX[name]
 
     def forward(self, x: torch.Tensor, lora: list[LoraGroups] | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
             add_lora(y, x, self.lora_a, self.lora_bt, lora[self.index])
         return y
+
+
+def pack_for_cpu(model: nn.Module) -> bool:
+    """Put the base weights of the linear layers in oneDNN's blocked layout, once, as vLLM's CPU
+    backend does: a float32 matmul of a few rows (a decode step's) then reads its weight in the
+    order the kernel wants, 20-40% less time than `F.linear` on the same weight. The plain weight
+    is dropped (the packed one holds the same numbers). False: this build of torch cannot (no
+    oneDNN), and the layers stay as they are."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        weight = m.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
+    for m in layers:
+        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 8)
+        m.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    return True
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
