@@ -37,6 +37,22 @@ def test_half_precision_stays_close_to_float32(llama_dir, llama_adapters, dtype)
     )
 
 
+def test_float32_linear_weights_on_cpu_are_packed_for_onednn_and_give_the_same_numbers(llama_dir):
+    from safetensors.torch import load_file
+
+    from loraplex.engine.loader import load_model
+    from loraplex.engine.model import LoRALinear
+
+    model = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(m.packed is not None and m.weight.numel() == 0 for m in layers)
+    plain = load_file(str(llama_dir / "model.safetensors"))
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(5, q.in_features)
+    expected = x @ plain["model.layers.0.self_attn.q_proj.weight"].t()
+    torch.testing.assert_close(q(x, None), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "broken, message",
     [

@@ -166,8 +166,12 @@ def pack_for_cpu(model: nn.Module) -> bool:
         weight = m.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
-    for m in layers:
-        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 8)
+    try:  # a CPU oneDNN cannot pack for (as vLLM, the plain layers then stay)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 8) for m in layers]
+    except RuntimeError:
+        return False
+    for m, weight in zip(layers, packed):
+        m.packed = weight
         m.weight = nn.Parameter(torch.empty(0), requires_grad=False)
     return True
 
