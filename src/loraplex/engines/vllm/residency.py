@@ -25,17 +25,18 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, read_artifact
 from loraplex.cache.budgets import TenantBudgets, charged, tenant_rows, usage
@@ -74,6 +75,29 @@ def lora_int_id(key: AdapterKey) -> int:
         )
     )
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
+
+
+class Fingerprint(NamedTuple):
+    """What the file system says of a staged copy: the directory's and each entry's inode, size,
+    mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
+    changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
+    bytes (`VllmResidency._verified_size`)."""
+
+    directory: tuple[int, int, int]
+    files: tuple[tuple[str, int, int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size, _, _ in self.files)
+
+
+def fingerprint(directory: Path) -> Fingerprint:
+    d = os.stat(directory)
+    files = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        st = entry.stat(follow_symlinks=False)
+        files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
 
 
 @dataclass
@@ -130,6 +154,7 @@ class VllmResidency:
         budgets: TenantBudgets | None = None,
         load_threads: int = 2,
         reserved_slots: int = 0,
+        kept_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
@@ -161,6 +186,13 @@ class VllmResidency:
         self._ids: dict[int, AdapterKey] = {}
         self._num_adding = 0  # adds sent to vLLM whose answer has not come
         self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
+        # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
+        # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
+        # verified: a re-add from an unchanged copy neither copies nor hashes again.
+        self.kept_bytes = kept_bytes
+        self._kept: OrderedDict[str, int] = OrderedDict()
+        self._kept_total = 0
+        self._verified: dict[str, Fingerprint] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -582,6 +614,7 @@ class VllmResidency:
                 f"adapter {ref.key} could not be loaded: {error}",
                 f"adapter {ref.key} could not be loaded",
             ) from None
+        self._reuse_kept(ref.key)
         entry = self.entries.get(ref.key)
         if entry is None:
             return  # forgotten while it loaded
@@ -686,17 +719,16 @@ class VllmResidency:
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
         """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
-        vLLM reads); a staged copy is checked again before each add, so a file changed there is
-        never served."""
+        vLLM reads), read-only; a staged copy is checked again before each add
+        (`_verified_size`), so a file changed there is never served."""
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
-            try:
-                files = read_artifact(target, ref.key.adapter_digest)
+            nbytes = self._verified_size(target, ref.key.adapter_digest)
+            if nbytes is not None:
                 stages["disk"] = time.perf_counter() - start
-                return sum(len(v) for v in files.values()), stages
-            except DigestMismatch:
-                shutil.rmtree(target, ignore_errors=True)  # damaged: staged again from the source
+                return nbytes, stages
+            shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
         if ref.path is not None:
             files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
             stages["disk"] = time.perf_counter() - start
@@ -717,9 +749,44 @@ class VllmResidency:
         work.mkdir(parents=True)
         for name, data in files.items():
             (work / name).write_bytes(data)
+            (work / name).chmod(0o444)
         shutil.rmtree(target, ignore_errors=True)
         work.rename(target)
+        with self._lock:
+            self._verified[target.name] = fingerprint(target)
         return sum(len(v) for v in files.values()), stages
+
+    def _verified_size(self, target: Path, digest: str) -> int | None:
+        """The size of the staged copy `target` when its bytes are those of `digest`, else None.
+
+        A copy whose fingerprint is the one taken when loraplex wrote or last hashed it has not
+        changed since (`Fingerprint`): it is used without hashing again. Only the data directory's
+        owner or root can write a file there (the files are read-only), and a change made by one
+        of them in the clock tick of loraplex's own write is the one a fingerprint cannot see; any
+        other copy (changed, or from before this process) is hashed, its fingerprint taken before
+        and after so that the hashed bytes are the fingerprint's."""
+        with self._lock:
+            recorded = self._verified.get(target.name)
+        before = fingerprint(target)
+        if before == recorded:
+            return before.nbytes
+        try:
+            files = read_artifact(target, digest)
+        except DigestMismatch:
+            return None
+        if fingerprint(target) != before:
+            return None  # changed while it was hashed
+        with self._lock:
+            self._verified[target.name] = before
+        return sum(len(v) for v in files.values())
+
+    def _is_unchanged(self, key: AdapterKey) -> bool:
+        """Whether the staged copy of `key` is as verified (a stat per file: fit for the loop)."""
+        target = self._staged(key)
+        try:
+            return self._verified.get(target.name) == fingerprint(target)
+        except OSError:
+            return False
 
     def _staged(self, key: AdapterKey) -> Path:
         return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
@@ -773,18 +840,42 @@ class VllmResidency:
         self.on_event("eviction", {"tier": "cpu"})
 
     def _unstage(self, key: AdapterKey) -> None:
-        """Drop the staged copy of an adapter vLLM no longer holds (vLLM reads it only to add): the
-        staging directory holds what vLLM holds, and the disk tier keeps within its budget."""
+        """The staged copy of an adapter vLLM no longer holds (vLLM reads it only to add) is kept
+        for a re-add while the kept copies fit in `kept_bytes`; the least recently removed go
+        first."""
         target = self._staged(key)
-        sharing = any(  # another key with the same bytes reads the same copy
-            k != key and k.adapter_digest == key.adapter_digest and (e.in_vllm or k in self.loading)
+        if not target.is_dir() or target.name in self._kept:
+            return
+        entry = self.entries.get(key)
+        self._kept[target.name] = max(1, entry.nbytes if entry is not None else 0)
+        self._kept_total += self._kept[target.name]
+        while self._kept and self._kept_total > self.kept_bytes:
+            name, nbytes = self._kept.popitem(last=False)
+            self._kept_total -= nbytes
+            if not self._in_use(name):
+                self._drop_staged(self.stage_dir / name)
+
+    def _reuse_kept(self, key: AdapterKey) -> None:
+        """A kept copy that a load staged from: vLLM holds it again, outside the kept bytes."""
+        nbytes = self._kept.pop(self._staged(key).name, None)
+        if nbytes is not None:
+            self._kept_total -= nbytes
+
+    def _in_use(self, name: str) -> bool:
+        """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
+        share it)."""
+        return any(
+            self._staged(k).name == name and (e.in_vllm or k in self.loading)
             for k, e in self.entries.items()
         )
-        if sharing or not target.is_dir():
-            return
+
+    def _drop_staged(self, target: Path) -> None:
+        with self._lock:
+            self._verified.pop(target.name, None)
         trash = self.stage_dir / f".removed.{target.name}.{uuid.uuid4().hex}"
-        target.rename(trash)  # at once: a later load of the key stages afresh
-        self._executor.submit(shutil.rmtree, trash, True)
+        with contextlib.suppress(FileNotFoundError):
+            target.rename(trash)  # at once: a later load of the key stages afresh
+            self._executor.submit(shutil.rmtree, trash, True)
 
     def _gpu_warm(self, now: float) -> list[AdapterKey]:
         """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
@@ -816,7 +907,8 @@ class VllmResidency:
                     continue
                 await self.engine.remove_lora(entry.lora_id)
                 entry.in_vllm = entry.vllm_pinned = False
-                if await self.engine.add_lora(self._request(entry)):
+                # a copy changed since it was verified waits for the next load, which stages again
+                if self._is_unchanged(key) and await self.engine.add_lora(self._request(entry)):
                     entry.in_vllm = True
             for key in to_pin:
                 entry = self.entries.get(key)
