@@ -172,6 +172,11 @@ class VllmResidency:
         self._host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
         self.clock = clock
         self.entries: dict[AdapterKey, Resident] = {}
+        # Indexes of `entries` that the request path reads instead of a pass over every adapter:
+        # those in vLLM's host cache, those with requests handed to vLLM, the gpu pins (in order).
+        self._held: dict[AdapterKey, Resident] = {}
+        self._running: set[AdapterKey] = set()
+        self._gpu_pins: dict[AdapterKey, None] = {}
         self.loading: dict[AdapterKey, asyncio.Future] = {}
         self.demand = DemandTracker()
         self.recent_evictions: deque[float] = deque(maxlen=1000)
@@ -311,6 +316,7 @@ class VllmResidency:
         with self._lock:
             entry.hits += 1
             entry.active += 1
+            self._running.add(ref.key)
             entry.users[tenant] = entry.users.get(tenant, 0) + 1
             entry.last_tenant = tenant
         self._room.set()  # a request that yielded to this one may find a slot still free
@@ -327,8 +333,8 @@ class VllmResidency:
             if entry.ref.key in warm:
                 return False
             return any(
-                k in warm and e.in_vllm and not e.active and e.refcount
-                for k, e in self.entries.items()
+                (e := self.entries.get(k)) is not None and e.in_vllm and not e.active and e.refcount
+                for k in warm
             )
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
@@ -370,8 +376,8 @@ class VllmResidency:
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
-            pinned = sum(1 for e in self.entries.values() if e.vllm_pinned)
-            busy = sum(1 for e in self.entries.values() if e.active and not e.vllm_pinned)
+            pinned = sum(1 for e in self._held.values() if e.vllm_pinned)
+            busy = sum(1 for k in self._running if not self.entries[k].vllm_pinned)
         return busy < self.max_loras - pinned
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
@@ -381,6 +387,8 @@ class VllmResidency:
             entry.refcount = max(0, entry.refcount - 1)
             if holder is not None:
                 entry.active = max(0, entry.active - 1)
+                if not entry.active:
+                    self._running.discard(entry.ref.key)
                 if entry.users.get(holder, 0) > 1:
                     entry.users[holder] -= 1
                 else:
@@ -407,19 +415,19 @@ class VllmResidency:
                     f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
                     "stay free for loads"
                 )
-            self._entry(ref).pinned = tier
+            self._set_pinned(self._entry(ref), tier)
         self.prewarm(ref, tier)
 
     def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
         with self._lock:
             if key in self.entries:
-                self.entries[key].pinned = pinned
+                self._set_pinned(self.entries[key], pinned)
         self._schedule(self._follow_demand())
 
     def unpin(self, key: AdapterKey) -> None:
         with self._lock:
             if key in self.entries:
-                self.entries[key].pinned = None
+                self._set_pinned(self.entries[key], None)
         self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
@@ -439,7 +447,7 @@ class VllmResidency:
                 raise AdapterInFlight(
                     f"{key} has {entry.refcount} request(s) in flight; try again when they end"
                 )
-            entry.pinned = None
+            self._set_pinned(entry, None)
         self._schedule(self._remove(key))
 
     def forget(self, key: AdapterKey) -> None:
@@ -449,6 +457,9 @@ class VllmResidency:
             entry = self.entries.pop(key, None)
             if entry is not None:
                 self._ids.pop(entry.lora_id, None)
+            self._held.pop(key, None)
+            self._running.discard(key)
+            self._gpu_pins.pop(key, None)
             self.demand.discard(key)
 
     def when_loaded(self, key: AdapterKey) -> Future:
@@ -653,7 +664,8 @@ class VllmResidency:
                 self._added(entry, added)
             self._accepted.add(entry.lora_id)
         with self._lock:
-            entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+            self._set_in_vllm(entry, True)
+            entry.loaded_at, entry.loads = self.clock(), entry.loads + 1
             if entry.evicted_at is not None:
                 self.reloads_after_eviction += 1
                 self.on_event("reload_after_eviction", {"key": ref.key})
@@ -669,8 +681,7 @@ class VllmResidency:
         entry.adding = False
         failed = task.cancelled() or task.exception() is not None
         if failed and entry.lora_id in self._accepted:
-            with self._lock:
-                entry.in_vllm = False
+            self._set_in_vllm(entry, False)
             self._accepted.discard(entry.lora_id)
         self._room.set()  # a refused add leaves its room to the loads that wait
 
@@ -682,8 +693,8 @@ class VllmResidency:
                 return True
             warm = set(self._gpu_warm(self.clock()))
             return any(
-                e.in_vllm and not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
-                for k, e in self.entries.items()
+                not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
+                for k, e in self._held.items()
             )
 
     async def _send(self, call: Coroutine) -> asyncio.Task:
@@ -792,7 +803,24 @@ class VllmResidency:
         return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
 
     def _num_in_vllm(self) -> int:
-        return sum(1 for e in self.entries.values() if e.in_vllm)
+        return len(self._held)
+
+    def _set_in_vllm(self, entry: Resident, held: bool) -> None:
+        """`entry` in or out of vLLM's host cache (out of it, not pinned in vLLM either)."""
+        with self._lock:
+            entry.in_vllm = held
+            if held:
+                self._held[entry.ref.key] = entry
+            else:
+                entry.vllm_pinned = False
+                self._held.pop(entry.ref.key, None)
+
+    def _set_pinned(self, entry: Resident, tier: str | None) -> None:
+        entry.pinned = tier
+        if tier == "gpu":
+            self._gpu_pins[entry.ref.key] = None
+        else:
+            self._gpu_pins.pop(entry.ref.key, None)
 
     async def _make_room(self, incoming: Resident) -> bool:
         """Remove the policy's victim among the removable adapters that the load's tenant may push
@@ -801,8 +829,8 @@ class VllmResidency:
         with self._lock:
             removable = [
                 k
-                for k, e in self.entries.items()
-                if e.in_vllm and not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
+                for k, e in self._held.items()
+                if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
             ]
             if removable and self.budgets.limits_anyone and not incoming.pinned:
                 removable = self._host_budget_victims(incoming, removable)
@@ -829,7 +857,7 @@ class VllmResidency:
         if entry is None or not entry.in_vllm or entry.refcount or entry.adding:
             return
         with self._lock:  # before the send yields: no request goes to vLLM with it from now
-            entry.in_vllm = entry.vllm_pinned = False
+            self._set_in_vllm(entry, False)
             entry.evictions += 1
             entry.evicted_at = self.clock()
             self.num_evictions += 1
@@ -888,14 +916,13 @@ class VllmResidency:
         staged copy). The gpu warm set is not pinned: every pinned slot is one fewer for the other
         adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
         with self._lock:
-            gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
-            wanted = gpu_pins[: max(0, self.max_loras - 1)]
+            wanted = list(self._gpu_pins)[: max(0, self.max_loras - 1)]
             to_pin = [
                 k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
             ]
             to_unpin = [
                 k
-                for k, e in self.entries.items()
+                for k, e in self._held.items()
                 if e.vllm_pinned and k not in wanted and not e.refcount
             ]
         if not (to_pin or to_unpin):
@@ -906,10 +933,10 @@ class VllmResidency:
                 if entry is None or entry.refcount or not entry.vllm_pinned:
                     continue
                 await self.engine.remove_lora(entry.lora_id)
-                entry.in_vllm = entry.vllm_pinned = False
+                self._set_in_vllm(entry, False)
                 # a copy changed since it was verified waits for the next load, which stages again
                 if self._is_unchanged(key) and await self.engine.add_lora(self._request(entry)):
-                    entry.in_vllm = True
+                    self._set_in_vllm(entry, True)
             for key in to_pin:
                 entry = self.entries.get(key)
                 if (
