@@ -67,3 +67,20 @@ def test_a_touched_staged_copy_is_hashed_once_and_then_trusted_again(staging):
     adapters._stage(ref)
     adapters._stage(ref)
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]
+
+
+def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, tmp_path):
+    source = make_adapter(llama_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"])
+    stage = tmp_path / "stage"
+    old, new = stage / ("1" * 64), stage / ("2" * 64)
+    for copy in (old, new):
+        copy.mkdir(parents=True)
+        (copy / WEIGHTS).write_bytes((source / WEIGHTS).read_bytes())
+    os.utime(old, ns=(0, 0))  # the older of the two
+    (stage / ".work").mkdir()  # an unfinished staging
+    size = (source / WEIGHTS).stat().st_size
+    adapters = VllmResidency(None, stage, max_loras=2, max_cpu_loras=2, kept_bytes=size)
+    adapters.close()
+    assert sorted(p.name for p in stage.iterdir() if not p.name.startswith(".removed")) == [
+        new.name
+    ]

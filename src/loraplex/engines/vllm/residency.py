@@ -198,6 +198,7 @@ class VllmResidency:
         self._kept: OrderedDict[str, int] = OrderedDict()
         self._kept_total = 0
         self._verified: dict[str, Fingerprint] = {}
+        self._adopt_leftovers()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -877,6 +878,27 @@ class VllmResidency:
         entry = self.entries.get(key)
         self._kept[target.name] = max(1, entry.nbytes if entry is not None else 0)
         self._kept_total += self._kept[target.name]
+        self._trim_kept()
+
+    def _adopt_leftovers(self) -> None:
+        """Staged copies that an earlier process left count as kept, the oldest first, so the
+        budget bounds them too (without a fingerprint, each is hashed before its first add); its
+        unfinished work directories go."""
+        if not self.stage_dir.is_dir():
+            return
+        copies = []
+        for path in self.stage_dir.iterdir():
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir():
+                nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+                copies.append((path.stat().st_mtime_ns, path.name, max(1, nbytes)))
+        for _, name, nbytes in sorted(copies):
+            self._kept[name] = nbytes
+            self._kept_total += nbytes
+        self._trim_kept()
+
+    def _trim_kept(self) -> None:
         while self._kept and self._kept_total > self.kept_bytes:
             name, nbytes = self._kept.popitem(last=False)
             self._kept_total -= nbytes
