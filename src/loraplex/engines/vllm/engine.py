@@ -99,6 +99,7 @@ class VllmEngine:
             max_cpu_loras=config.host_cache_size,
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
+            kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
             policy=make_policy(config.eviction_policy),
             budgets=TenantBudgets(
                 config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share

@@ -25,17 +25,18 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, read_artifact
 from loraplex.cache.budgets import TenantBudgets, charged, tenant_rows, usage
@@ -74,6 +75,29 @@ def lora_int_id(key: AdapterKey) -> int:
         )
     )
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
+
+
+class Fingerprint(NamedTuple):
+    """What the file system says of a staged copy: the directory's and each entry's inode, size,
+    mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
+    changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
+    bytes (`VllmResidency._verified_size`)."""
+
+    directory: tuple[int, int, int]
+    files: tuple[tuple[str, int, int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size, _, _ in self.files)
+
+
+def fingerprint(directory: Path) -> Fingerprint:
+    d = os.stat(directory)
+    files = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        st = entry.stat(follow_symlinks=False)
+        files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
 
 
 @dataclass
@@ -130,6 +154,7 @@ class VllmResidency:
         budgets: TenantBudgets | None = None,
         load_threads: int = 2,
         reserved_slots: int = 0,
+        kept_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
@@ -147,6 +172,11 @@ class VllmResidency:
         self._host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
         self.clock = clock
         self.entries: dict[AdapterKey, Resident] = {}
+        # Indexes of `entries` that the request path reads instead of a pass over every adapter:
+        # those in vLLM's host cache, those with requests handed to vLLM, the gpu pins (in order).
+        self._held: dict[AdapterKey, Resident] = {}
+        self._running: set[AdapterKey] = set()
+        self._gpu_pins: dict[AdapterKey, None] = {}
         self.loading: dict[AdapterKey, asyncio.Future] = {}
         self.demand = DemandTracker()
         self.recent_evictions: deque[float] = deque(maxlen=1000)
@@ -161,6 +191,14 @@ class VllmResidency:
         self._ids: dict[int, AdapterKey] = {}
         self._num_adding = 0  # adds sent to vLLM whose answer has not come
         self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
+        # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
+        # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
+        # verified: a re-add from an unchanged copy neither copies nor hashes again.
+        self.kept_bytes = kept_bytes
+        self._kept: OrderedDict[str, int] = OrderedDict()
+        self._kept_total = 0
+        self._verified: dict[str, Fingerprint] = {}
+        self._adopt_leftovers()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -279,6 +317,7 @@ class VllmResidency:
         with self._lock:
             entry.hits += 1
             entry.active += 1
+            self._running.add(ref.key)
             entry.users[tenant] = entry.users.get(tenant, 0) + 1
             entry.last_tenant = tenant
         self._room.set()  # a request that yielded to this one may find a slot still free
@@ -295,8 +334,8 @@ class VllmResidency:
             if entry.ref.key in warm:
                 return False
             return any(
-                k in warm and e.in_vllm and not e.active and e.refcount
-                for k, e in self.entries.items()
+                (e := self.entries.get(k)) is not None and e.in_vllm and not e.active and e.refcount
+                for k in warm
             )
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
@@ -338,8 +377,8 @@ class VllmResidency:
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
-            pinned = sum(1 for e in self.entries.values() if e.vllm_pinned)
-            busy = sum(1 for e in self.entries.values() if e.active and not e.vllm_pinned)
+            pinned = sum(1 for e in self._held.values() if e.vllm_pinned)
+            busy = sum(1 for k in self._running if not self.entries[k].vllm_pinned)
         return busy < self.max_loras - pinned
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
@@ -349,6 +388,8 @@ class VllmResidency:
             entry.refcount = max(0, entry.refcount - 1)
             if holder is not None:
                 entry.active = max(0, entry.active - 1)
+                if not entry.active:
+                    self._running.discard(entry.ref.key)
                 if entry.users.get(holder, 0) > 1:
                     entry.users[holder] -= 1
                 else:
@@ -375,19 +416,19 @@ class VllmResidency:
                     f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
                     "stay free for loads"
                 )
-            self._entry(ref).pinned = tier
+            self._set_pinned(self._entry(ref), tier)
         self.prewarm(ref, tier)
 
     def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
         with self._lock:
             if key in self.entries:
-                self.entries[key].pinned = pinned
+                self._set_pinned(self.entries[key], pinned)
         self._schedule(self._follow_demand())
 
     def unpin(self, key: AdapterKey) -> None:
         with self._lock:
             if key in self.entries:
-                self.entries[key].pinned = None
+                self._set_pinned(self.entries[key], None)
         self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
@@ -407,7 +448,7 @@ class VllmResidency:
                 raise AdapterInFlight(
                     f"{key} has {entry.refcount} request(s) in flight; try again when they end"
                 )
-            entry.pinned = None
+            self._set_pinned(entry, None)
         self._schedule(self._remove(key))
 
     def forget(self, key: AdapterKey) -> None:
@@ -417,6 +458,9 @@ class VllmResidency:
             entry = self.entries.pop(key, None)
             if entry is not None:
                 self._ids.pop(entry.lora_id, None)
+            self._held.pop(key, None)
+            self._running.discard(key)
+            self._gpu_pins.pop(key, None)
             self.demand.discard(key)
 
     def when_loaded(self, key: AdapterKey) -> Future:
@@ -582,6 +626,7 @@ class VllmResidency:
                 f"adapter {ref.key} could not be loaded: {error}",
                 f"adapter {ref.key} could not be loaded",
             ) from None
+        self._reuse_kept(ref.key)
         entry = self.entries.get(ref.key)
         if entry is None:
             return  # forgotten while it loaded
@@ -620,7 +665,8 @@ class VllmResidency:
                 self._added(entry, added)
             self._accepted.add(entry.lora_id)
         with self._lock:
-            entry.in_vllm, entry.loaded_at, entry.loads = True, self.clock(), entry.loads + 1
+            self._set_in_vllm(entry, True)
+            entry.loaded_at, entry.loads = self.clock(), entry.loads + 1
             if entry.evicted_at is not None:
                 self.reloads_after_eviction += 1
                 self.on_event("reload_after_eviction", {"key": ref.key})
@@ -636,8 +682,7 @@ class VllmResidency:
         entry.adding = False
         failed = task.cancelled() or task.exception() is not None
         if failed and entry.lora_id in self._accepted:
-            with self._lock:
-                entry.in_vllm = False
+            self._set_in_vllm(entry, False)
             self._accepted.discard(entry.lora_id)
         self._room.set()  # a refused add leaves its room to the loads that wait
 
@@ -649,8 +694,8 @@ class VllmResidency:
                 return True
             warm = set(self._gpu_warm(self.clock()))
             return any(
-                e.in_vllm and not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
-                for k, e in self.entries.items()
+                not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
+                for k, e in self._held.items()
             )
 
     async def _send(self, call: Coroutine) -> asyncio.Task:
@@ -686,17 +731,16 @@ class VllmResidency:
 
     def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
         """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
-        vLLM reads); a staged copy is checked again before each add, so a file changed there is
-        never served."""
+        vLLM reads), read-only; a staged copy is checked again before each add
+        (`_verified_size`), so a file changed there is never served."""
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
-            try:
-                files = read_artifact(target, ref.key.adapter_digest)
+            nbytes = self._verified_size(target, ref.key.adapter_digest)
+            if nbytes is not None:
                 stages["disk"] = time.perf_counter() - start
-                return sum(len(v) for v in files.values()), stages
-            except DigestMismatch:
-                shutil.rmtree(target, ignore_errors=True)  # damaged: staged again from the source
+                return nbytes, stages
+            shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
         if ref.path is not None:
             files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
             stages["disk"] = time.perf_counter() - start
@@ -717,15 +761,67 @@ class VllmResidency:
         work.mkdir(parents=True)
         for name, data in files.items():
             (work / name).write_bytes(data)
+            (work / name).chmod(0o444)
         shutil.rmtree(target, ignore_errors=True)
         work.rename(target)
+        with self._lock:
+            self._verified[target.name] = fingerprint(target)
         return sum(len(v) for v in files.values()), stages
+
+    def _verified_size(self, target: Path, digest: str) -> int | None:
+        """The size of the staged copy `target` when its bytes are those of `digest`, else None.
+
+        A copy whose fingerprint is the one taken when loraplex wrote or last hashed it has not
+        changed since (`Fingerprint`): it is used without hashing again. Only the data directory's
+        owner or root can write a file there (the files are read-only), and a change made by one
+        of them in the clock tick of loraplex's own write is the one a fingerprint cannot see; any
+        other copy (changed, or from before this process) is hashed, its fingerprint taken before
+        and after so that the hashed bytes are the fingerprint's."""
+        with self._lock:
+            recorded = self._verified.get(target.name)
+        before = fingerprint(target)
+        if before == recorded:
+            return before.nbytes
+        try:
+            files = read_artifact(target, digest)
+        except DigestMismatch:
+            return None
+        if fingerprint(target) != before:
+            return None  # changed while it was hashed
+        with self._lock:
+            self._verified[target.name] = before
+        return sum(len(v) for v in files.values())
+
+    def _is_unchanged(self, key: AdapterKey) -> bool:
+        """Whether the staged copy of `key` is as verified (a stat per file: fit for the loop)."""
+        target = self._staged(key)
+        try:
+            return self._verified.get(target.name) == fingerprint(target)
+        except OSError:
+            return False
 
     def _staged(self, key: AdapterKey) -> Path:
         return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
 
     def _num_in_vllm(self) -> int:
-        return sum(1 for e in self.entries.values() if e.in_vllm)
+        return len(self._held)
+
+    def _set_in_vllm(self, entry: Resident, held: bool) -> None:
+        """`entry` in or out of vLLM's host cache (out of it, not pinned in vLLM either)."""
+        with self._lock:
+            entry.in_vllm = held
+            if held:
+                self._held[entry.ref.key] = entry
+            else:
+                entry.vllm_pinned = False
+                self._held.pop(entry.ref.key, None)
+
+    def _set_pinned(self, entry: Resident, tier: str | None) -> None:
+        entry.pinned = tier
+        if tier == "gpu":
+            self._gpu_pins[entry.ref.key] = None
+        else:
+            self._gpu_pins.pop(entry.ref.key, None)
 
     async def _make_room(self, incoming: Resident) -> bool:
         """Remove the policy's victim among the removable adapters that the load's tenant may push
@@ -734,8 +830,8 @@ class VllmResidency:
         with self._lock:
             removable = [
                 k
-                for k, e in self.entries.items()
-                if e.in_vllm and not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
+                for k, e in self._held.items()
+                if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
             ]
             if removable and self.budgets.limits_anyone and not incoming.pinned:
                 removable = self._host_budget_victims(incoming, removable)
@@ -762,7 +858,7 @@ class VllmResidency:
         if entry is None or not entry.in_vllm or entry.refcount or entry.adding:
             return
         with self._lock:  # before the send yields: no request goes to vLLM with it from now
-            entry.in_vllm = entry.vllm_pinned = False
+            self._set_in_vllm(entry, False)
             entry.evictions += 1
             entry.evicted_at = self.clock()
             self.num_evictions += 1
@@ -773,18 +869,63 @@ class VllmResidency:
         self.on_event("eviction", {"tier": "cpu"})
 
     def _unstage(self, key: AdapterKey) -> None:
-        """Drop the staged copy of an adapter vLLM no longer holds (vLLM reads it only to add): the
-        staging directory holds what vLLM holds, and the disk tier keeps within its budget."""
+        """The staged copy of an adapter vLLM no longer holds (vLLM reads it only to add) is kept
+        for a re-add while the kept copies fit in `kept_bytes`; the least recently removed go
+        first."""
         target = self._staged(key)
-        sharing = any(  # another key with the same bytes reads the same copy
-            k != key and k.adapter_digest == key.adapter_digest and (e.in_vllm or k in self.loading)
+        if not target.is_dir() or target.name in self._kept:
+            return
+        entry = self.entries.get(key)
+        self._kept[target.name] = max(1, entry.nbytes if entry is not None else 0)
+        self._kept_total += self._kept[target.name]
+        self._trim_kept()
+
+    def _adopt_leftovers(self) -> None:
+        """Staged copies that an earlier process left count as kept, the oldest first, so the
+        budget bounds them too (without a fingerprint, each is hashed before its first add); its
+        unfinished work directories go."""
+        if not self.stage_dir.is_dir():
+            return
+        copies = []
+        for path in self.stage_dir.iterdir():
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir():
+                nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+                copies.append((path.stat().st_mtime_ns, path.name, max(1, nbytes)))
+        for _, name, nbytes in sorted(copies):
+            self._kept[name] = nbytes
+            self._kept_total += nbytes
+        self._trim_kept()
+
+    def _trim_kept(self) -> None:
+        while self._kept and self._kept_total > self.kept_bytes:
+            name, nbytes = self._kept.popitem(last=False)
+            self._kept_total -= nbytes
+            if not self._in_use(name):
+                self._drop_staged(self.stage_dir / name)
+
+    def _reuse_kept(self, key: AdapterKey) -> None:
+        """A kept copy that a load staged from: vLLM holds it again, outside the kept bytes."""
+        nbytes = self._kept.pop(self._staged(key).name, None)
+        if nbytes is not None:
+            self._kept_total -= nbytes
+
+    def _in_use(self, name: str) -> bool:
+        """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
+        share it)."""
+        return any(
+            self._staged(k).name == name and (e.in_vllm or k in self.loading)
             for k, e in self.entries.items()
         )
-        if sharing or not target.is_dir():
-            return
+
+    def _drop_staged(self, target: Path) -> None:
+        with self._lock:
+            self._verified.pop(target.name, None)
         trash = self.stage_dir / f".removed.{target.name}.{uuid.uuid4().hex}"
-        target.rename(trash)  # at once: a later load of the key stages afresh
-        self._executor.submit(shutil.rmtree, trash, True)
+        with contextlib.suppress(FileNotFoundError):
+            target.rename(trash)  # at once: a later load of the key stages afresh
+            self._executor.submit(shutil.rmtree, trash, True)
 
     def _gpu_warm(self, now: float) -> list[AdapterKey]:
         """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
@@ -797,14 +938,13 @@ class VllmResidency:
         staged copy). The gpu warm set is not pinned: every pinned slot is one fewer for the other
         adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
         with self._lock:
-            gpu_pins = [k for k, e in self.entries.items() if e.pinned == "gpu"]
-            wanted = gpu_pins[: max(0, self.max_loras - 1)]
+            wanted = list(self._gpu_pins)[: max(0, self.max_loras - 1)]
             to_pin = [
                 k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
             ]
             to_unpin = [
                 k
-                for k, e in self.entries.items()
+                for k, e in self._held.items()
                 if e.vllm_pinned and k not in wanted and not e.refcount
             ]
         if not (to_pin or to_unpin):
@@ -815,9 +955,10 @@ class VllmResidency:
                 if entry is None or entry.refcount or not entry.vllm_pinned:
                     continue
                 await self.engine.remove_lora(entry.lora_id)
-                entry.in_vllm = entry.vllm_pinned = False
-                if await self.engine.add_lora(self._request(entry)):
-                    entry.in_vllm = True
+                self._set_in_vllm(entry, False)
+                # a copy changed since it was verified waits for the next load, which stages again
+                if self._is_unchanged(key) and await self.engine.add_lora(self._request(entry)):
+                    self._set_in_vllm(entry, True)
             for key in to_pin:
                 entry = self.entries.get(key)
                 if (

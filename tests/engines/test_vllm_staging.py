@@ -1,0 +1,86 @@
+"""The vLLM engine's staged copies (what vLLM reads): a copy unchanged since it was verified is used
+again without copying or hashing; a changed one is hashed, and staged again when its bytes differ.
+No vLLM here: staging runs before anything reaches it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from tinymodels import make_adapter
+
+from loraplex.artifacts import canonical_digest
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.engines.vllm import residency
+from loraplex.engines.vllm.residency import VllmResidency
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture
+def staging(llama_dir, tmp_path, monkeypatch):
+    source = make_adapter(llama_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"])
+    digest = canonical_digest(source)
+    ref = AdapterRef(AdapterKey("sha256:" + "0" * 64, "a", "1", digest), path=source)
+    hashed = []  # the directories whose bytes were read and hashed
+
+    def read_artifact(directory, *args, **kwargs):
+        hashed.append(os.fspath(directory))
+        return real(directory, *args, **kwargs)
+
+    real = residency.read_artifact
+    monkeypatch.setattr(residency, "read_artifact", read_artifact)
+    adapters = VllmResidency(None, tmp_path / "stage", max_loras=2, max_cpu_loras=2)
+    yield adapters, ref, hashed
+    adapters.close()
+
+
+def test_an_unchanged_staged_copy_is_used_again_without_copy_or_hash(staging):
+    adapters, ref, hashed = staging
+    nbytes, _ = adapters._stage(ref)
+    staged = adapters._staged(ref.key) / WEIGHTS
+    inode, hashed_first = staged.stat().st_ino, list(hashed)
+    assert adapters._stage(ref)[0] == nbytes
+    assert hashed == hashed_first == [os.fspath(ref.path)]  # the source, once
+    assert staged.stat().st_ino == inode
+    assert staged.stat().st_mode & 0o222 == 0  # read-only
+
+
+def test_a_tampered_staged_copy_is_staged_again_from_its_source(staging):
+    adapters, ref, hashed = staging
+    adapters._stage(ref)
+    staged = adapters._staged(ref.key) / WEIGHTS
+    data = bytearray(staged.read_bytes())
+    data[-32:] = bytes(b ^ 0xFF for b in data[-32:])  # same size, other bytes
+    staged.chmod(0o644)
+    staged.write_bytes(bytes(data))
+    adapters._stage(ref)
+    assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()
+    assert hashed == [os.fspath(ref.path), os.fspath(staged.parent), os.fspath(ref.path)]
+
+
+def test_a_touched_staged_copy_is_hashed_once_and_then_trusted_again(staging):
+    adapters, ref, hashed = staging
+    adapters._stage(ref)
+    staged = adapters._staged(ref.key) / WEIGHTS
+    os.utime(staged, ns=(0, 0))  # metadata changed, bytes not
+    adapters._stage(ref)
+    adapters._stage(ref)
+    assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]
+
+
+def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, tmp_path):
+    source = make_adapter(llama_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"])
+    stage = tmp_path / "stage"
+    old, new = stage / ("1" * 64), stage / ("2" * 64)
+    for copy in (old, new):
+        copy.mkdir(parents=True)
+        (copy / WEIGHTS).write_bytes((source / WEIGHTS).read_bytes())
+    os.utime(old, ns=(0, 0))  # the older of the two
+    (stage / ".work").mkdir()  # an unfinished staging
+    size = (source / WEIGHTS).stat().st_size
+    adapters = VllmResidency(None, stage, max_loras=2, max_cpu_loras=2, kept_bytes=size)
+    adapters.close()
+    assert sorted(p.name for p in stage.iterdir() if not p.name.startswith(".removed")) == [
+        new.name
+    ]
