@@ -81,14 +81,10 @@ class Fingerprint(NamedTuple):
     """What the file system says of a staged copy: the directory's and each entry's inode, size,
     mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
     changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
-    bytes (`VllmResidency._verified_size`)."""
+    bytes as when it was taken (`VllmResidency._verified_size` takes it around each hash)."""
 
     directory: tuple[int, int, int]
     files: tuple[tuple[str, int, int, int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(size for _, _, size, _, _ in self.files)
 
 
 def fingerprint(directory: Path) -> Fingerprint:
@@ -193,7 +189,7 @@ class VllmResidency:
         self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
         # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
         # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
-        # verified: a re-add from an unchanged copy neither copies nor hashes again.
+        # verified: the re-add after an unpin checks it (`_is_unchanged`); a load hashes the copy.
         self.kept_bytes = kept_bytes
         self._kept: OrderedDict[str, int] = OrderedDict()
         self._kept_total = 0
@@ -771,17 +767,11 @@ class VllmResidency:
     def _verified_size(self, target: Path, digest: str) -> int | None:
         """The size of the staged copy `target` when its bytes are those of `digest`, else None.
 
-        A copy whose fingerprint is the one taken when loraplex wrote or last hashed it has not
-        changed since (`Fingerprint`): it is used without hashing again. Only the data directory's
-        owner or root can write a file there (the files are read-only), and a change made by one
-        of them in the clock tick of loraplex's own write is the one a fingerprint cannot see; any
-        other copy (changed, or from before this process) is hashed, its fingerprint taken before
-        and after so that the hashed bytes are the fingerprint's."""
-        with self._lock:
-            recorded = self._verified.get(target.name)
+        Every add from a staged copy hashes it first (an artifact's digest is checked before each
+        use, on every engine); what a kept copy saves is the copy from the source, not the hash.
+        Its fingerprint is taken before and after, so that the hashed bytes are the fingerprint's
+        (the one the re-add after an unpin checks, `_is_unchanged`)."""
         before = fingerprint(target)
-        if before == recorded:
-            return before.nbytes
         try:
             files = read_artifact(target, digest)
         except DigestMismatch:
