@@ -677,7 +677,7 @@ def llama90m_servers(python: str, model_dir: Path, adapters: dict[str, Path], tm
     vllm_args += ["--max-model-len", str(LLAMA90M["max_position_embeddings"]), "--enable-lora"]
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     ours_args = [sys.executable, "-m", "loraplex.cli", "serve", *common]
-    ours_args += ["--data-dir", str(tmp / "data")]
+    ours_args += ["--data-dir", str(tmp / "data"), "--engine-core", "process"]
     ours_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def start(name: str, args: list[str], env: dict) -> Server:
