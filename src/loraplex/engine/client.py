@@ -115,7 +115,7 @@ class EngineClient:
             if snapshot is not None:
                 self.adapters.take(snapshot)
             if outputs:
-                self._route(outputs)
+                self._route(wire.from_rows(RequestOutput, outputs))
             for event in events:
                 self._events.put(event)
 

@@ -55,7 +55,7 @@ async def completions(request: Request):
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=False)
     req = await _parse(request, server, CompletionRequest)
-    target = server.resolve(ctx, req.model, req.user)
+    target = await server.resolve(ctx, req.model, req.user)
     texts = req.prompts()
     prompts = [server.encode_prompt(p) for p in texts]
     echo = None
@@ -82,7 +82,7 @@ async def chat_completions(request: Request):
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=True)
     req = await _parse(request, server, ChatCompletionRequest)
-    target = server.resolve(ctx, req.model, req.user)
+    target = await server.resolve(ctx, req.model, req.user)
     messages = [m.for_template() for m in req.messages]
     prompt = server.encode_chat(messages)
     default_max = max(1, server.engine.max_model_len - len(prompt))

@@ -647,7 +647,9 @@ def run(options: ServeOptions) -> None:
             servers.append(admin.serve(sockets=[admin_sock]))
         await asyncio.gather(*servers)
 
-    asyncio.run(serve_all())
+    # uvicorn's loop (uvloop where installed): `Server.run` would pick it, `asyncio.run` does not
+    with asyncio.Runner(loop_factory=main.config.get_loop_factory()) as runner:
+        runner.run(serve_all())
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -252,10 +252,13 @@ class Server:
         return self.engine.is_alive
 
     # -- request steps ---------------------------------------------------------------------------
-    def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+    async def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
         start = time.perf_counter()
         try:
-            target = self.resolver.resolve(ctx.tenant, model, user)
+            change_count = None
+            if model != self.resolver.served_name:  # the registry as read after the request came
+                change_count = await self.resolver.changes.count_since(ctx.arrival)
+            target = self.resolver.resolve(ctx.tenant, model, user, change_count)
         except AdapterNotFound:
             # Counted for another tenant's name and for an unknown one alike: the 404s are the same,
             # and so is the count, or /metrics would tell a tenant which private names exist.
