@@ -95,6 +95,11 @@ async def chat_completions(request: Request):
     return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
 
 
+DIRECT_ENDPOINTS = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+"""What the request middleware calls without the router (`RequestMiddleware`); the routes stay for
+/openapi.json and /docs."""
+
+
 @router.get("/v1/models")
 async def models(request: Request):
     server: Server = request.app.state.server
@@ -131,18 +136,21 @@ async def _parse(request: Request, server: Server, model):
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    too_large = APIError(
-        413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
-    )
     if declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
+    )
 
 
 async def _respond(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -144,6 +145,8 @@ class Server:
             self.on_registry_change,
         )
         engine.adapters.on_event = self.on_cache_event
+        self.engine_ids = random.Random()
+        """The engine's request ids (the event loop's: a `random.Random` is not shared safely)."""
         # A registry write waits on the database: never on the step thread or the event loop.
         self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
 
@@ -154,6 +157,8 @@ class Server:
         # (EngineClient); vLLM's engine core runs in its own process.
         in_process = isinstance(self.engine, LLMEngine)
         self.async_engine = AsyncEngine(self.engine) if in_process else self.engine
+        if self.engine.kind == "native" and not in_process:  # the engine's messages on this loop
+            self.engine.attach(asyncio.get_running_loop())
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -347,7 +352,9 @@ class Server:
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
-        run = RequestRun(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        run = RequestRun(
+            self.async_engine, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
+        )
         start = asyncio.ensure_future(run.start())
         try:
             await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
