@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -604,6 +605,14 @@ def run(options: ServeOptions) -> None:
         else None
     )
     app, admin_app = build(options)
+    # What starting made (the model's libraries, the app: hundreds of thousands of objects) lives as
+    # long as the process: out of the collector's view, so that its full collections, which
+    # requests' short-lived objects set off every few seconds, take milliseconds, not a third of a
+    # second each. Requests' objects are freed by their reference counts: collecting every 700 net
+    # allocations (the default) ran about every 13 requests and cost 5% of the server's time.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     server = app.state.server
     if server.auth.is_open():
         log.warning(
