@@ -24,6 +24,7 @@ from loraplex.engine import wire
 from loraplex.engine.core import run_engine
 from loraplex.engine.errors import EngineUnavailable
 from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
 
@@ -73,6 +74,8 @@ class EngineClient:
         self.base_model_digest: str = info["base_model_digest"]
         self.kv_budget = info["kv_budget"]
         self.num_kv_tokens: int = info["num_kv_tokens"]
+        # the engine's grammars, compiled here too when asked (they are built at first use)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info["eos_ids"])
         self.adapters = CacheClient(self, info)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the outputs are read
         self._fd: int = self._output.getsockopt(zmq.FD)

@@ -138,6 +138,7 @@ class EngineCore:
             "budgets": cache.budgets,
             "kv_budget": e.kv_budget,
             "num_kv_tokens": e.blocks.num_blocks * e.config.block_size,
+            "eos_ids": e.eos_ids,
             "snapshot": self.snapshot(),
         }
 

@@ -51,8 +51,9 @@ class ServeOptions:
     lora_modules: tuple[tuple[str, Path], ...] = ()
     # engine
     engine: str = "native"
-    engine_core: str = "thread"
-    """native: the step loop on a thread of the API server's process, or in a process of its own."""
+    engine_core: str | None = None
+    """native: the step loop in a process of its own (`process`, the default) or on a thread of the
+    API server's process (`thread`)."""
     vllm_args: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
     dtype: str = "auto"
@@ -119,7 +120,7 @@ class ServeOptions:
                 raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
         if self.engine not in ("native", "vllm"):
             raise StartupError(f"--engine {self.engine!r}: use native or vllm")
-        if self.engine_core not in ("thread", "process"):
+        if self.engine_core not in (None, "thread", "process"):
             raise StartupError(f"--engine-core {self.engine_core!r}: use thread or process")
         if self.engine_core == "process" and self.engine != "native":
             raise StartupError("--engine-core process: for --engine native (vLLM runs its own)")
@@ -325,7 +326,7 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     if options.engine == "vllm":
         engine = load_vllm_engine(options, registry, config.served_model_name)
     else:
-        engine_core = options.engine_core
+        engine_core = options.engine_core or "process"
         engine = load_engine(engine_config(options, registry.store), policy, engine_core)
     try:
         app = create_app(engine, registry, config, api_keys)
