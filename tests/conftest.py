@@ -10,7 +10,9 @@ def pytest_addoption(parser):
         "--engine-core",
         default="thread",
         choices=("thread", "process"),
-        help="where the servers' native engine runs in the server tests (serve --engine-core)",
+        help="where the servers' native engine runs in the server tests (serve --engine-core; "
+        "serve's default is process, these tests' thread: an engine process per test server "
+        "makes tests/server slower, and tests/server/test_engine_process.py runs both)",
     )
 
 

@@ -1,10 +1,13 @@
 """The engine process's messages: loraplex's types come back equal, foreign ones are refused."""
 
+import dataclasses
 from pathlib import Path
 
 import msgpack
 import pytest
 
+from loraplex.artifacts import Pieces
+from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import AdapterUnavailable, CapacityExceeded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engine import wire
@@ -54,3 +57,27 @@ def test_foreign_types_are_refused():
     other = msgpack.ExtType(7, wire.encode(["json.decoder", "JSONDecodeError", ["boom"], {}]))
     error = wire.decode(msgpack.packb(other))
     assert type(error) is RuntimeError and str(error) == "boom"
+
+
+def test_repeated_values_decode_to_one_object_and_outputs_travel_as_rows():
+    key = AdapterKey("sha256:b", "name", "r1", "sha256:d")
+    first = wire.encode([AdapterRef(key, Path("/a"), tenant="alice"), SamplingParams(n=2)])
+    again = wire.encode([AdapterRef(key, Path("/a"), tenant="alice"), SamplingParams(n=2)])
+    assert first == again
+    (ref, params), (ref2, params2) = wire.decode(first), wire.decode(again)
+    assert ref is ref2 and params is params2 and params.n == 2 and ref.key == key
+    # a field left out of comparisons still tells two values apart
+    other = AdapterRef(key, Path("/a"), tenant="alice", pieces=None)
+    pieces = Pieces(4, (("a", 4, ("h",)),))
+    with_pieces = wire.decode(wire.encode(dataclasses.replace(other, pieces=pieces)))
+    assert with_pieces.pieces == pieces and wire.decode(wire.encode(other)).pieces is None
+    # a frozen value holding a list is not hashable: sent whole each time, equal on arrival
+    budgets = TenantBudgets(2, 100, tenants={"a": Budget(1, None)})
+    assert roundtrip(budgets) == budgets
+    outputs = [
+        RequestOutput("a", [1], "x", [], False, None, 3, 1),
+        RequestOutput("b", [], "", [], True, "stop", 3, 1, InvalidRequest("n", "bad")),
+    ]
+    back = wire.from_rows(RequestOutput, roundtrip(wire.rows(outputs)))
+    assert back[0] == outputs[0] and back[1].finish_reason == "stop"
+    assert type(back[1].error) is InvalidRequest and back[1].error.param == "n"

@@ -234,3 +234,28 @@ def test_bad_input_at_start_is_one_line_in_process_mode(llama_dir, tmp_path):
         "kv budget too small": ("--kv-cache-memory-bytes 64KiB", "--max-model-len"),
     }
     assert_one_line_errors(run_side_by_side(commands), expected)
+
+
+def test_serve_runs_the_engine_in_a_process_of_its_own_by_default(llama_dir, tmp_path):
+    import psutil
+    from test_serve_cli import _address, _serve
+
+    args = ["--model", llama_dir, "--port", "0", "--data-dir", tmp_path / "data"]
+    proc = _serve([*args, "--dtype", "float32", "--kv-cache-memory-bytes", "8MiB"], tmp_path)
+    try:
+        url = _address(proc)
+        body = {"model": llama_dir.name, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        engines = [
+            child
+            for child in psutil.Process(proc.pid).children()
+            if "spawn_main" in " ".join(child.cmdline())
+        ]
+        assert len(engines) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not engines[0].is_running() or engines[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.client import EngineClient
 from loraplex.registry import Registry
 
 BASE = "demo-base"
@@ -269,7 +269,7 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
     with tempfile.TemporaryDirectory(prefix="loraplex-demo-") as tmp:
         data_dir = Path(tmp)
         registry, keys = setup_registry(world, data_dir, plan)
-        engine = LLMEngine(
+        engine = EngineClient(  # in a process of its own, as `loraplex serve` runs it
             EngineConfig(
                 model_dir=world.model_dir,
                 dtype="float32",

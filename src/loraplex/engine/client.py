@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -24,6 +24,7 @@ from loraplex.engine import wire
 from loraplex.engine.core import run_engine
 from loraplex.engine.errors import EngineUnavailable
 from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
 
@@ -73,11 +74,13 @@ class EngineClient:
         self.base_model_digest: str = info["base_model_digest"]
         self.kv_budget = info["kv_budget"]
         self.num_kv_tokens: int = info["num_kv_tokens"]
+        # the engine's grammars, compiled here too when asked (they are built at first use)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info["eos_ids"])
         self.adapters = CacheClient(self, info)
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read, name="engine-client", daemon=True)
-        self._reader.start()
-        threading.Thread(target=self._deliver_events, name="engine-events", daemon=True).start()
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the outputs are read
+        self._fd: int = self._output.getsockopt(zmq.FD)
+        self._watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
+        self._watcher.start()
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self._zmq.socket(kind)
@@ -101,51 +104,92 @@ class EngineClient:
         return payload
 
     # -- what crosses from the engine --------------------------------------------------------------
-    def _read(self) -> None:
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on `loop`, the server's event loop, from now on: outputs reach
+        their requests without a thread of ours between, which would contend with the loop for the
+        GIL at every message. Cache events are handled there too (`on_event` must not block)."""
+        if self._loop is loop:
+            return
+        self._detach()
+        self._loop = loop
+        loop.add_reader(self._fd, self._take_messages)
+        # ZeroMQ's descriptor signals changes only: what came before is read now
+        loop.call_soon(self._take_messages)
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is loop:
+                loop.remove_reader(self._fd)
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, self._fd)
+        except (RuntimeError, OSError, ValueError):  # that loop closed meanwhile
+            pass
+
+    def _take_messages(self) -> None:
+        """Every message waiting on the output socket (the descriptor signals again only after
+        this reads until none is left)."""
         while not self._stopping:
             try:
-                if not self._output.poll(POLL_MS):
-                    if not self.process.is_alive() and not self._stopping:
-                        self._die()
-                        return
-                    continue
-                _, snapshot, outputs, events = wire.decode(self._output.recv())
+                data = self._output.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             except zmq.ZMQError:  # the socket closed under a stopping client
                 return
+            _, snapshot, outputs, events = wire.decode(data)
             if snapshot is not None:
                 self.adapters.take(snapshot)
             if outputs:
-                self._route(outputs)
+                self._route(wire.from_rows(RequestOutput, outputs))
             for event in events:
-                self._events.put(event)
+                try:
+                    self.adapters.on_event(*event)
+                except Exception:
+                    log.exception("handling the cache event %s failed", event[0])
 
     def _route(self, outputs: list[RequestOutput]) -> None:
-        """Each output to its request's queue, with one wake-up of each event loop per message."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """Each output to its request's queue: at once on this loop, with one wake-up of each other
+        loop per message."""
+        here = self._loop
+        others: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in by_loop.items():
+            if stream is None:
+                continue
+            if stream[0] is here:
+                stream[1].put_nowait(out)
+            else:
+                others.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in others.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that loop has closed: nobody waits on those outputs
                 pass
 
-    def _deliver_events(self) -> None:
-        """Cache events (metrics, audit stages, quarantine) off the reader: a registry write for a
-        quarantine must not hold back the tokens."""
-        while True:
-            event = self._events.get()
-            if event is None:
-                return
+    def _watch(self) -> None:
+        """Wait for the engine process to end; unless it was asked to, its requests fail."""
+        multiprocessing.connection.wait([self.process.sentinel])
+        if self._stopping:
+            return
+        loop = self._loop
+        if loop is not None:
             try:
-                self.adapters.on_event(*event)
-            except Exception:
-                log.exception("handling the cache event %s failed", event[0])
+                loop.call_soon_threadsafe(self._die)
+                return
+            except RuntimeError:  # the loop has closed
+                self._loop = None
+        self._die()
 
     def _die(self) -> None:
         """The engine process is gone: every request in flight ends with 503 engine_unavailable."""
+        if self._loop is not None:
+            self._take_messages()  # what it sent before it ended
         code = self.process.exitcode
         log.error("the engine process exited (code %s); requests in flight fail", code)
         self._dead = EngineUnavailable(
@@ -190,8 +234,11 @@ class EngineClient:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:  # its outputs and aborts would reach the other request
             raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self.attach(loop)
         queue_: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue_)
+        self._streams[request_id] = (loop, queue_)
         finished = False
         try:
             if self._dead is not None:  # it died before the stream was there to be failed
@@ -241,8 +288,8 @@ class EngineClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout)
-        self._reader.join(timeout)
-        self._events.put(None)
+        self._detach()
+        self._watcher.join(timeout)
         self._close_sockets()
 
     def close(self) -> None:

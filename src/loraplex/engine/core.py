@@ -6,7 +6,7 @@ Sockets (the client binds them, this process connects):
 - input, PUSH → PULL: `["add", request_id, prompt_ids, params, adapter, counted]`, `["abort", id]`,
   `["stop"]`.
 - output, PUSH → PULL: `["ready", info]` or `["failed", exception]` once, then
-  `["step", snapshot | None, outputs, events]`.
+  `["step", snapshot | None, outputs, events]`, the outputs as `wire.rows`.
 - rpc, REQ → REP: `[method, args]` → `[ok, result or exception, snapshot]`, the adapter operations
   and the figures; served on a thread of their own, as the API server's threads call the cache in
   the same process.
@@ -17,6 +17,7 @@ A snapshot is `[seq, slots, residency]`: what the server reads on every request 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import signal
@@ -70,6 +71,10 @@ def run_engine(config, policy, addresses: dict[str, str], parent_pid: int) -> No
         output.close(linger=5000)
         context.term()
         return
+    # The model and its libraries live as long as the process: out of the collector's full
+    # collections, which would otherwise stop the step loop for a third of a second each.
+    gc.collect()
+    gc.freeze()
     core = EngineCore(engine, context, addresses, output, parent_pid)
     try:
         core.run()
@@ -133,6 +138,7 @@ class EngineCore:
             "budgets": cache.budgets,
             "kv_budget": e.kv_budget,
             "num_kv_tokens": e.blocks.num_blocks * e.config.block_size,
+            "eos_ids": e.eos_ids,
             "snapshot": self.snapshot(),
         }
 
@@ -152,7 +158,7 @@ class EngineCore:
             events = [self._events.popleft() for _ in range(len(self._events))]
             snapshot = self._snapshot_if_changed(bool(events))
             if outputs or events or snapshot is not None:
-                self.output.send(wire.encode(["step", snapshot, outputs, events]))
+                self.output.send(wire.encode(["step", snapshot, wire.rows(outputs), events]))
             if not engine.scheduler.running and engine.adapters.loading:
                 self._wait_for_a_load()
             if os.getppid() != self.parent_pid:  # the API server is gone: nobody to serve
@@ -233,7 +239,7 @@ class EngineCore:
 
     def _fail(self, request_id: str, error: Exception) -> None:
         out = RequestOutput(request_id, [], "", [], True, None, 0, 0, error)
-        self.output.send(wire.encode(["step", None, [out], []]))
+        self.output.send(wire.encode(["step", None, wire.rows([out]), []]))
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._compiling:

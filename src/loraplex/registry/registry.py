@@ -375,14 +375,18 @@ class Registry:
 
     # ---- resolution ------------------------------------------------------------------------------
 
-    def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:
+    def resolve(
+        self, tenant: str, model: str, user: str | None = None, change_count: int | None = None
+    ) -> RevisionRecord:
         """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets.
 
         Weighted by the traffic split, sticky per `user` when given. A name the tenant may not use
-        raises exactly the same AdapterNotFound as a name that does not exist.
+        raises exactly the same AdapterNotFound as a name that does not exist. `change_count`: a
+        `change_count()` the caller read after its request arrived; what was read at that count is
+        used without a query.
         """
         name, _, revision = model.partition("@")
-        snapshot = self._snapshot(name) if NAME_RE.fullmatch(name) else None
+        snapshot = self._snapshot(name, change_count) if NAME_RE.fullmatch(name) else None
         if snapshot is None or not q.may_use(snapshot.adapter, snapshot.grants, tenant):
             raise AdapterNotFound(model)
         if revision:
@@ -405,9 +409,12 @@ class Registry:
         with self._reader.connect() as conn:
             return conn.execute(_CHANGE_COUNT).scalar_one()
 
-    def _snapshot(self, name: str) -> _Snapshot | None:
+    def _snapshot(self, name: str, change_count: int | None = None) -> _Snapshot | None:
         """What resolution needs about `name`, read again only when the registry changed since (one
-        query)."""
+        query, none when `change_count` is that of the snapshot kept)."""
+        cached = self._snapshots.get(name)
+        if cached is not None and cached.change_count == change_count:
+            return cached
         self._check_ready()
         with self._reader.connect() as conn:
             change_count = conn.execute(_CHANGE_COUNT).scalar_one()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,41 @@ class Target:
     label: str  # name@revision, or the served name of the base model
     digest: str
     record: RevisionRecord | None = None
+
+
+class ChangeWatch:
+    """The registry's change count, read at most once per turn of the event loop for every request
+    waiting for it: the read begins after each of them arrived, so it is as fresh for each as a
+    read of its own, and no request gets a revision older than the registry held on its arrival."""
+
+    def __init__(self, registry: Registry, clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.clock = clock
+        self._last: tuple[float, int] | None = None  # (when the read began, the count it read)
+        self._next: asyncio.Future[int] | None = None  # the read to come
+
+    async def count_since(self, arrival: float) -> int:
+        """A change count read after `arrival` (a `clock()` time)."""
+        last = self._last
+        if last is not None and last[0] > arrival:
+            return last[1]
+        if self._next is None:
+            loop = asyncio.get_running_loop()
+            self._next = loop.create_future()
+            # after the requests already on their way in, so that they share the read
+            loop.call_soon(self._read)
+        return await asyncio.shield(self._next)
+
+    def _read(self) -> None:
+        future, self._next = self._next, None
+        began = self.clock()
+        try:
+            count = self.registry.change_count()
+        except Exception as exc:  # each waiting request fails as its own read would
+            future.set_exception(exc)
+            return
+        self._last = (began, count)
+        future.set_result(count)
 
 
 class AdapterResolver:
@@ -58,15 +94,19 @@ class AdapterResolver:
         self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
         # digest -> its piece list (immutable: read once)
         self._pieces: dict[str, Pieces | None] = {}
+        self.changes = ChangeWatch(registry)
 
-    def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
+    def resolve(
+        self, tenant: str, model: str, user: str | None = None, change_count: int | None = None
+    ) -> Target:
         """The target, or 404 (unknown, another tenant's, being unloaded, made for another base
-        model)."""
+        model). `change_count`: the registry's, read after the request arrived (`changes`); what
+        the registry read at that count serves without a query."""
         if model == self.served_name:
             return self.base
         if model.partition("@")[0] in self.draining:
             raise not_found(model)
-        record = self.registry.resolve(tenant, model, user)
+        record = self.registry.resolve(tenant, model, user, change_count)
         if record.status == "deprecated" and record.name in self.unloaded:
             # the registry still answers name@revision for a retired name; after vLLM's unload, this
             # server does not

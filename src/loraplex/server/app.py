@@ -48,7 +48,9 @@ def create_app(
     app = FastAPI(title="loraplex", lifespan=lifespan, redoc_url=None)  # /docs and /openapi.json
     app.state.server = server
     install_handlers(app)
-    app.add_middleware(RequestMiddleware, on_done=server.finish_request)
+    app.add_middleware(
+        RequestMiddleware, on_done=server.finish_request, direct=openai_api.DIRECT_ENDPOINTS
+    )
     app.include_router(openai_api.router)
     app.include_router(health)
     if config.admin_token and config.admin_on_main_app:

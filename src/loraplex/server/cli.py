@@ -134,13 +134,13 @@ def serve(
         str, Opt(help="native (loraplex's engine) | vllm (vLLM's AsyncLLM)", rich_help_panel=ENGINE)
     ] = "native",
     engine_core: Annotated[
-        str,
+        str | None,
         Opt(
-            help="native: where the step loop runs: thread (of the API server's process) | "
-            "process (its own, spoken to over ZeroMQ)",
+            help="native: where the step loop runs: process (its own, spoken to over ZeroMQ; "
+            "the default) | thread (of the API server's process)",
             rich_help_panel=ENGINE,
         ),
-    ] = "thread",
+    ] = None,
     tensor_parallel_size: Annotated[
         int | None, Opt(help="vLLM: GPUs the model is split over", rich_help_panel=ENGINE)
     ] = None,

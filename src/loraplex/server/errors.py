@@ -158,19 +158,26 @@ def _is_type_tag(part: str) -> bool:
     )
 
 
+def error_response(exc: Exception, ctx) -> JSONResponse | None:
+    """The answer for a known exception, its code kept on the request's context (the audit line
+    says which refusal: quota, overload, not found, ...); None for anything else."""
+    error = as_api_error(exc)
+    if error is None:
+        return None
+    if ctx is not None:
+        ctx.error_code = error.code
+    return error.response()
+
+
 def install_handlers(app: FastAPI) -> None:
     """Known exceptions → their error answers; unknown ones are turned into 500 by the request
     middleware."""
 
     async def handle(request: Request, exc: Exception):
-        error = as_api_error(exc)
-        if error is None:
+        response = error_response(exc, getattr(request.state, "ctx", None))
+        if response is None:
             raise exc
-        ctx = getattr(request.state, "ctx", None)
-        if ctx is not None:
-            # the audit line says which refusal (quota, overload, not found, ...)
-            ctx.error_code = error.code
-        return error.response()
+        return response
 
     for kind in (
         APIError,

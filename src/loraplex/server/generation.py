@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -62,7 +62,9 @@ class RequestRun:
         prompts: list[list[int]],
         params: SamplingParams,
         ticket: Ticket,
+        ids: random.Random,
     ):
+        """`ids`: where the engine's request ids come from."""
         self.engine = engine
         self.resolver = resolver
         self.ctx = ctx
@@ -78,13 +80,13 @@ class RequestRun:
         ]
         # The engine's ids are ours: the client's x-request-id names the response and the audit
         # line, but two clients (or one retrying) may send the same one, and the engine routes
-        # outputs and aborts by id.
-        ids = [uuid.uuid4().hex for _ in prompts]
-        self._ids = ids
+        # outputs and aborts by id. Not uuid4: os.urandom drops the GIL, which a busy engine thread
+        # then holds for a while.
+        self._ids = [f"{ids.getrandbits(128):032x}" for _ in prompts]
         # One client request is one cache hit or miss, however many prompts it has.
         self._streams = [
             engine.generate(p, params, target.ref, rid, counted=i == 0)
-            for i, (p, rid) in enumerate(zip(prompts, ids))
+            for i, (p, rid) in enumerate(zip(prompts, self._ids))
         ]
         self._firsts: list[RequestOutput] = []
         self._pumps: list[asyncio.Task] = []

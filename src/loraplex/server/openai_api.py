@@ -55,7 +55,7 @@ async def completions(request: Request):
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=False)
     req = await _parse(request, server, CompletionRequest)
-    target = server.resolve(ctx, req.model, req.user)
+    target = await server.resolve(ctx, req.model, req.user)
     texts = req.prompts()
     prompts = [server.encode_prompt(p) for p in texts]
     echo = None
@@ -82,7 +82,7 @@ async def chat_completions(request: Request):
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=True)
     req = await _parse(request, server, ChatCompletionRequest)
-    target = server.resolve(ctx, req.model, req.user)
+    target = await server.resolve(ctx, req.model, req.user)
     messages = [m.for_template() for m in req.messages]
     prompt = server.encode_chat(messages)
     default_max = max(1, server.engine.max_model_len - len(prompt))
@@ -93,6 +93,11 @@ async def chat_completions(request: Request):
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     fmt = ChatFormat(ctx.request_id, req.model, _token_text(server), echo)
     return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
+
+
+DIRECT_ENDPOINTS = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+"""What the request middleware calls without the router (`RequestMiddleware`); the routes stay for
+/openapi.json and /docs."""
 
 
 @router.get("/v1/models")
@@ -131,18 +136,21 @@ async def _parse(request: Request, server: Server, model):
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    too_large = APIError(
-        413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
-    )
     if declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
+    )
 
 
 async def _respond(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -144,6 +145,8 @@ class Server:
             self.on_registry_change,
         )
         engine.adapters.on_event = self.on_cache_event
+        self.engine_ids = random.Random()
+        """The engine's request ids (the event loop's: a `random.Random` is not shared safely)."""
         # A registry write waits on the database: never on the step thread or the event loop.
         self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
 
@@ -154,6 +157,8 @@ class Server:
         # (EngineClient); vLLM's engine core runs in its own process.
         in_process = isinstance(self.engine, LLMEngine)
         self.async_engine = AsyncEngine(self.engine) if in_process else self.engine
+        if self.engine.kind == "native" and not in_process:  # the engine's messages on this loop
+            self.engine.attach(asyncio.get_running_loop())
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -252,10 +257,13 @@ class Server:
         return self.engine.is_alive
 
     # -- request steps ---------------------------------------------------------------------------
-    def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+    async def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
         start = time.perf_counter()
         try:
-            target = self.resolver.resolve(ctx.tenant, model, user)
+            change_count = None
+            if model != self.resolver.served_name:  # the registry as read after the request came
+                change_count = await self.resolver.changes.count_since(ctx.arrival)
+            target = self.resolver.resolve(ctx.tenant, model, user, change_count)
         except AdapterNotFound:
             # Counted for another tenant's name and for an unknown one alike: the 404s are the same,
             # and so is the count, or /metrics would tell a tenant which private names exist.
@@ -344,7 +352,9 @@ class Server:
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
-        run = RequestRun(self.async_engine, self.resolver, ctx, target, prompts, params, ticket)
+        run = RequestRun(
+            self.async_engine, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
+        )
         start = asyncio.ensure_future(run.start())
         try:
             await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)

@@ -31,7 +31,7 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
     asked = req.model
-    target = server.resolve(ctx, asked, req.user)
+    target = await server.resolve(ctx, asked, req.user)
     engine = server.engine
     try:
         ticket = server.admit(ctx.tenant)
