@@ -66,6 +66,7 @@ class Entry:
     load_seconds: float = 0.0
     pinned: str | None = None  # "gpu" or "cpu"
     evicted_at: float | None = None
+    in_host_since: float = 0.0  # when its host copy last landed
     prewarm_gpu: bool = False
     restored: bool = False  # put back in its slot by placement (gpu warm set), not asked for since
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests holding the slot
@@ -760,6 +761,8 @@ class AdapterCache:
         self.cpu[key] = packed
         self.cpu_bytes_used += packed.nbytes
         self._copies_version += 1
+        if key in self.entries:
+            self.entries[key].in_host_since = self.clock()
 
     def _drop_cpu(self, key: AdapterKey) -> None:
         if key in self.cpu:

@@ -43,6 +43,7 @@ class Adapter(Protocol):
     pinned: str | None  # "gpu" or "cpu"
     restored: bool  # put back in its slot by placement, not asked for since
     last_tenant: str
+    in_host_since: float  # when its host copy last landed (the native cache's)
 
     @property
     def charged(self) -> frozenset[str]: ...
@@ -239,10 +240,12 @@ class Placement:
         gpu warm set and the gpu pins leave slots to spare, a burst of one-off adapters cycles
         through those slots and the hot set stays whole. Each spare slot frees when its request
         ends, and the waiting requests take them in the order they wait; a request that has waited
-        `spare_slot_wait_s` may take a gpu-warm adapter's slot like any other, so one-offs behind
-        long requests do not wait longer than that."""
+        `spare_slot_wait_s` for a slot may take a gpu-warm adapter's slot like any other, so
+        one-offs behind long requests do not wait longer than that. The wait counts from when its
+        host copy was ready: a slow download is not a wait for a slot."""
         limit = getattr(s.policy, "spare_slot_wait_s", 0.0)
-        if now - s.waiting_since.get(key, now) >= limit:
+        since = max(s.waiting_since.get(key, now), s.entries[key].in_host_since)
+        if now - since >= limit:
             return False
         warm = self.gpu_warm(s, now)
         return key not in warm and len(warm | s.gpu_pins) < len(s.slots)
