@@ -119,3 +119,55 @@ def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
     assert policy.choose_victim([protected], now, Candidate(keys["in"], 0, 50.0, 10.0)) is None
     assert host_cache_victim(policy, only_new, incoming, demand, warm, now) == keys["new"]
     assert host_cache_victim(policy, [], incoming, demand, warm, now) is None
+
+
+def test_a_one_off_waits_for_a_spare_slot_counted_from_when_its_host_copy_was_ready():
+    """a and b are gpu-warm and idle in their slots; d, a one-off, runs in the third. c, another
+    one-off, waited 3 s for its download: it still leaves a's and b's slots alone for
+    `spare_slot_wait_s` after its copy landed, then takes one like any other."""
+
+    class ThreeSlots(Pool):
+        num_slots = 3
+
+    now = [0.0]
+    downloads = {"c": 3.0}
+
+    def loader(r):
+        now[0] += downloads.get(r.key.name, 0.0)  # the clock moves while it downloads
+        return Loaded(Packed(MiB), "remote", {"download": 0.01})
+
+    cache = AdapterCache(
+        ThreeSlots(),
+        lambda files, hashed: None,
+        cpu_bytes=25 * MiB,
+        policy=ScorePolicy(),
+        executor=Instant(),
+        clock=lambda: now[0],
+        loader=loader,
+    )
+    a, b, c, d = ref("a"), ref("b"), ref("c"), ref("d")
+    for r in (a, b, a, b, a, b):
+        now[0] += 0.5
+        cache.record_request(r)
+        if cache.acquire(r) is None:
+            cache.poll()
+            assert cache.acquire(r) is not None
+        cache.release(r.key)
+    cache.record_request(d)
+    cache.acquire(d)
+    cache.poll()
+    assert cache.acquire(d) is not None  # d holds the third slot
+    asked = now[0]
+    cache.record_request(c)
+    cache.acquire(c)  # starts c's download, which ends 3 s later
+    cache.poll()
+    assert cache.entries[c.key].in_host_since == asked + 3.0
+    placement, limit = cache.placement, ScorePolicy().spare_slot_wait_s
+    now[0] = asked + 3.0 + limit / 2
+    snap = cache.snapshot()
+    assert placement.gpu_warm(snap, now[0]) == {a.key, b.key}
+    assert placement.activate(snap, c.key, now[0], "default") == []
+    now[0] = asked + 3.0 + limit
+    decisions = placement.activate(cache.snapshot(), c.key, now[0], "default")
+    assert [type(x).__name__ for x in decisions] == ["Evict", "Activate"]
+    assert decisions[0].key in (a.key, b.key)
