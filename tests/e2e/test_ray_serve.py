@@ -98,7 +98,8 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
     async def run():
         warm = [await _ask(handle, name, good[name][0]) for name in ADAPTERS]
         victim = warm[0]
-        texts = [(name, t) for name in ADAPTERS for t in good[name]]
+        # three rounds: enough in flight that the victim is seen holding some before they end
+        texts = [(name, t) for name in ADAPTERS for t in good[name]] * 3
         tasks = [asyncio.ensure_future(_ask(handle, n, t)) for n, t in texts]
         in_flight = await _in_flight_on(victim, tasks, data_dir)
         _kill(victim["replica"])
