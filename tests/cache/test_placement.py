@@ -58,17 +58,22 @@ def tables(cache: AdapterCache):
     )
 
 
-def test_placement_decides_without_changing_what_it_reads():
-    now = [0.0]
-    cache = AdapterCache(
-        Pool(),
+def score_cache(pool, now: list[float], loader) -> AdapterCache:
+    """A `score` cache with 25 MiB of host memory on the clock `now[0]`, loads landing at once."""
+    return AdapterCache(
+        pool,
         lambda files, hashed: None,
         cpu_bytes=25 * MiB,
         policy=ScorePolicy(),
         executor=Instant(),
         clock=lambda: now[0],
-        loader=lambda r: Loaded(Packed(10 * MiB), "disk", {"disk": 0.01}),
+        loader=loader,
     )
+
+
+def test_placement_decides_without_changing_what_it_reads():
+    now = [0.0]
+    cache = score_cache(Pool(), now, lambda r: Loaded(Packed(10 * MiB), "disk", {"disk": 0.01}))
     a, b, c = ref("a"), ref("b"), ref("c")
     for r in (a, b, a, b):
         now[0] += 1.0
@@ -136,15 +141,7 @@ def test_a_one_off_waits_for_a_spare_slot_counted_from_when_its_host_copy_was_re
         now[0] += downloads.get(r.key.name, 0.0)  # the clock moves while it downloads
         return Loaded(Packed(MiB), "remote", {"download": 0.01})
 
-    cache = AdapterCache(
-        ThreeSlots(),
-        lambda files, hashed: None,
-        cpu_bytes=25 * MiB,
-        policy=ScorePolicy(),
-        executor=Instant(),
-        clock=lambda: now[0],
-        loader=loader,
-    )
+    cache = score_cache(ThreeSlots(), now, loader)
     a, b, c, d = ref("a"), ref("b"), ref("c"), ref("d")
     for r in (a, b, a, b, a, b):
         now[0] += 0.5
