@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loraplex.cache.cache import AdapterCache, Entry, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import Activate, Evict, host_cache_victim
+from loraplex.cache.placement import Activate, Evict, host_cache_victim, warm_pins
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
 
 MiB = 2**20
@@ -124,6 +124,25 @@ def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
     assert policy.choose_victim([protected], now, Candidate(keys["in"], 0, 50.0, 10.0)) is None
     assert host_cache_victim(policy, only_new, incoming, demand, warm, now) == keys["new"]
     assert host_cache_victim(policy, [], incoming, demand, warm, now) is None
+
+
+def test_warm_pins_keep_a_pinned_adapter_until_one_twice_as_demanded_wants_its_pin():
+    demand, now = DemandTracker(), 100.0
+    a, b, c, d = (AdapterKey("base", n, "1", f"sha256:{n}") for n in "abcd")
+    for key, n in ((a, 10), (b, 6), (c, 1), (d, 4)):
+        for i in range(n):
+            demand.record(key, 90.0 + i * 0.5)
+    assert warm_pins(demand, now, 2, None, set()) == [a, b]
+    assert warm_pins(demand, now, 1, None, {b}) == [b]  # 6 weighs 12 while pinned: over 10
+    assert warm_pins(demand, now, 2, None, {d}) == [a, d]  # 4 weighs 8: over 6, under 10
+    assert warm_pins(demand, now, 2, None, set(), exclude={a}) == [b, d]
+    assert warm_pins(demand, now, 2, None, {c}) == [a, b]  # one request: below the warm floor
+    assert warm_pins(demand, now, 0, None, {b}) == []
+    # requests that stopped (20 mean gaps of silence) lose the pin whatever it weighed
+    later = 300.0
+    for i in range(4):
+        demand.record(a, later - 2 + i * 0.5)
+    assert warm_pins(demand, later, 1, 20.0, {b}) == [a]
 
 
 def test_a_one_off_waits_for_a_spare_slot_counted_from_when_its_host_copy_was_ready():

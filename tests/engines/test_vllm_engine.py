@@ -271,6 +271,34 @@ def test_a_cpu_pin_answers_once_its_adapter_is_in_vllm(world, server):
     httpx.post(f"{url}/admin/adapters/attn/unpin", headers=ADMIN, timeout=60)
 
 
+def test_the_gpu_warm_set_is_pinned_in_vllm_and_the_others_share_the_other_slot(world, server):
+    root, model, adapters, _ = world
+    url = server[0]
+    reference = peft_reference(model, adapters)
+    prompt = [5, 17, 3, 40]
+    rows = httpx.get(f"{url}/admin/state", headers=ADMIN).json()["adapters"]
+    others = max(a["demand_5m"] for a in rows if a["name"] != "mlp")
+    # mlp the most demanded by far: the gpu warm set of one (2 slots, one kept for the others),
+    # taking the pin from any warm adapter pinned before it (twice as demanded)
+    for _ in range(int(2 * others) + 3):
+        _greedy_ids(url, "mlp", prompt, 1)
+    row = _tier_when_settled(url, "mlp", ("gpu",))  # idle and still in a slot: pinned in vLLM
+    assert row["warm"] == "A" and row["pinned"] is None
+    names = ["qv", "attn", "model", "mlp"] * 6
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda m: (m, _greedy_ids(url, m, prompt, 4)[1]), names))
+    wrong = [
+        (m, ids)
+        for m, ids in got
+        if ids != reference_greedy(reference, prompt, None if m == "model" else m, 4)
+    ]
+    assert not wrong, wrong
+    assert httpx.get(f"{url}/health").status_code == 200
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+    tiers = {a["name"]: a["tier"] for a in state["adapters"]}
+    assert tiers["mlp"] == "gpu" and state["cache"]["free_slots"] == 1, state
+
+
 def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
     url = server[0]
     client = _client(url)

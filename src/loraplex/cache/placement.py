@@ -10,8 +10,9 @@ It owns: the demand windows' warm sets (the gpu warm set: the adapters preferred
 warm set: those preferred in host memory), the victim choice (through the policy objects of
 `loraplex.cache.policy`), pins, the tenant budgets (the rule of `loraplex.cache.budgets`, applied
 here), the room rule for waiting requests' loads, and restoring pinned and gpu-warm adapters to
-slots. The vLLM engine's residency takes its gpu warm set and the victims it removes from vLLM's
-host cache from here too (`gpu_warm_set`, `host_cache_victim`).
+slots. The vLLM engine's residency takes its gpu warm set, the adapters of it that it pins in vLLM's
+device slots and the victims it removes from vLLM's host cache from here too (`gpu_warm_set`,
+`warm_pins`, `host_cache_victim`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from loraplex.cache.policy import Candidate, DemandTracker
 WANTED_FOR_S = 2.0
 """A waiting request asks again every step; older asks belong to requests that went away."""
 WARM_FLOOR = 2.0  # short-window (gpu) or 1-hour (cpu) requests that put an adapter in a warm set
+WARM_PIN_KEEP = 2.0
+"""An adapter of the gpu warm set pinned in a runtime's slots keeps its pin against any adapter less
+than this many times as demanded (`warm_pins`)."""
 
 
 class Adapter(Protocol):
@@ -132,6 +136,34 @@ def gpu_warm_set(
     ranked = itertools.takewhile(lambda item: item[1] >= WARM_FLOOR, demand.ranked(now, 0))
     live = (k for k, _ in ranked if not demand.overdue(k, now, overdue_gaps))
     return list(itertools.islice(live, cap))
+
+
+def warm_pins(
+    demand: DemandTracker,
+    now: float,
+    cap: int,
+    overdue_gaps: float | None,
+    pinned: Set[AdapterKey],
+    exclude: Collection[AdapterKey] = (),
+) -> list[AdapterKey]:
+    """The adapters of the gpu warm set that a runtime whose unpin is costly pins in its device
+    slots (the vLLM engine: an unpin is a remove and an add again): up to `cap`, most demanded
+    first, leaving out `exclude` (the operator's pins). Those `pinned` already weigh WARM_PIN_KEEP
+    times their demand while they stay in the set's demand (at least WARM_FLOOR requests, not
+    overdue), so two adapters of about the same demand do not trade a pin back and forth."""
+    if cap <= 0:
+        return []
+    ranked = gpu_warm_set(demand, now, cap + len(pinned) + len(exclude), overdue_gaps)
+    candidates = [k for k in ranked if k not in exclude]
+    for key in pinned:
+        live = demand.short(key, now) >= WARM_FLOOR and (
+            overdue_gaps is None or not demand.overdue(key, now, overdue_gaps)
+        )
+        if live and key not in exclude and key not in candidates:
+            candidates.append(key)
+    weights = demand.shorts(candidates, now)
+    weight = {k: w * (WARM_PIN_KEEP if k in pinned else 1.0) for k, w in zip(candidates, weights)}
+    return sorted(candidates, key=weight.__getitem__, reverse=True)[:cap]
 
 
 def host_cache_victim(

@@ -5,9 +5,9 @@ vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in devi
 the least recently used unpinned one when it must. Here loraplex makes those choices first: it
 stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it ahead
 of traffic (prewarm, warm policies), removes its own policy's victim before vLLM's LRU would pick
-one, never removes an adapter with requests in flight, pins (`pin_lora`) the operator's gpu pins,
-and hands vLLM no more distinct unpinned adapters at once than it has unpinned slots. vLLM still
-orders the unpinned adapters in its device slots.
+one, never removes an adapter with requests in flight, pins (`pin_lora`) the operator's gpu pins
+and (under `score`) the gpu warm set, and hands vLLM no more distinct unpinned adapters at once than
+it has unpinned slots. vLLM still orders the unpinned adapters in its device slots.
 
 Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
 counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
@@ -48,7 +48,7 @@ from loraplex.cache.errors import (
     CapacityExceeded,
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import gpu_warm_set, host_cache_victim
+from loraplex.cache.placement import gpu_warm_set, host_cache_victim, warm_pins
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 
 if TYPE_CHECKING:
@@ -112,10 +112,10 @@ class Resident:
     loads: int = 0
     evictions: int = 0
     nbytes: int = 0
-    pinned: str | None = None  # the operator's (or a warm policy's) pin: "gpu" or "cpu"
+    pinned: str | None = None  # the operator's pin: "gpu" or "cpu"
     in_vllm: bool = False  # added to vLLM's host cache (or its add sent, for a known adapter)
     adding: bool = False  # an add sent to vLLM whose answer has not come: never removed meanwhile
-    vllm_pinned: bool = False  # pin_lora'd: kept in a device slot by vLLM
+    vllm_pinned: bool = False  # pin_lora'd (or its pin sent): kept in a device slot by vLLM
     evicted_at: float | None = None
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests handed to vLLM
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
@@ -169,10 +169,13 @@ class VllmResidency:
         self.clock = clock
         self.entries: dict[AdapterKey, Resident] = {}
         # Indexes of `entries` that the request path reads instead of a pass over every adapter:
-        # those in vLLM's host cache, those with requests handed to vLLM, the gpu pins (in order).
+        # those in vLLM's host cache, those with requests handed to vLLM, the operator's pins (in
+        # order), those pinned in vLLM, and the last `_pins_to_hold`.
         self._held: dict[AdapterKey, Resident] = {}
         self._running: set[AdapterKey] = set()
-        self._gpu_pins: dict[AdapterKey, None] = {}
+        self._pins: dict[AdapterKey, str] = {}
+        self._vllm_pins: set[AdapterKey] = set()
+        self._pins_wanted: set[AdapterKey] = set()
         self.loading: dict[AdapterKey, asyncio.Future] = {}
         self.demand = DemandTracker()
         self.recent_evictions: deque[float] = deque(maxlen=1000)
@@ -373,9 +376,11 @@ class VllmResidency:
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
-            pinned = sum(1 for e in self._held.values() if e.vllm_pinned)
-            busy = sum(1 for k in self._running if not self.entries[k].vllm_pinned)
-        return busy < self.max_loras - pinned
+            return self._busy_unpinned() < self.max_loras - len(self._vllm_pins)
+
+    def _busy_unpinned(self) -> int:
+        """The distinct unpinned adapters with requests handed to vLLM."""
+        return sum(1 for k in self._running if not self.entries[k].vllm_pinned)
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
         """Drop a request's reference; `holder`: the tenant whose request vLLM ran (None: one that
@@ -391,8 +396,13 @@ class VllmResidency:
                 else:
                     entry.users.pop(holder, None)
             entry.last_access = self.clock()
+            # a pin no longer wanted goes once its adapter is idle
+            unpin = entry.vllm_pinned and not entry.refcount
+            unpin = unpin and entry.ref.key not in self._pins_wanted
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
+            if unpin:
+                self._schedule(self._follow_demand())
 
     # -- operator calls (any thread) ---------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
@@ -456,7 +466,8 @@ class VllmResidency:
                 self._ids.pop(entry.lora_id, None)
             self._held.pop(key, None)
             self._running.discard(key)
-            self._gpu_pins.pop(key, None)
+            self._pins.pop(key, None)
+            self._vllm_pins.discard(key)
             self.demand.discard(key)
 
     def when_loaded(self, key: AdapterKey) -> Future:
@@ -803,15 +814,22 @@ class VllmResidency:
             if held:
                 self._held[entry.ref.key] = entry
             else:
-                entry.vllm_pinned = False
+                self._set_vllm_pinned(entry, False)
                 self._held.pop(entry.ref.key, None)
+
+    def _set_vllm_pinned(self, entry: Resident, pinned: bool) -> None:
+        entry.vllm_pinned = pinned
+        if pinned:
+            self._vllm_pins.add(entry.ref.key)
+        else:
+            self._vllm_pins.discard(entry.ref.key)
 
     def _set_pinned(self, entry: Resident, tier: str | None) -> None:
         entry.pinned = tier
-        if tier == "gpu":
-            self._gpu_pins[entry.ref.key] = None
+        if tier is None:
+            self._pins.pop(entry.ref.key, None)
         else:
-            self._gpu_pins.pop(entry.ref.key, None)
+            self._pins[entry.ref.key] = tier
 
     async def _make_room(self, incoming: Resident) -> bool:
         """Remove the policy's victim among the removable adapters that the load's tenant may push
@@ -922,41 +940,91 @@ class VllmResidency:
         cap, gaps = max(0, self.max_loras - 1), getattr(self.policy, "overdue_gaps", None)
         return gpu_warm_set(self.demand, now, cap, gaps)
 
+    def _pins_to_hold(self, now: float) -> list[AdapterKey]:
+        """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
+        that keeps the gpu warm set in slots (`score`), the adapters of that set that `warm_pins`
+        gives. Together they leave a slot for the other adapters (up to max_loras - 1), and with
+        the operator's cpu pins a place in the host cache for loads (up to max_cpu_loras - 1). A
+        warm adapter whose tenant is at its gpu budget is pinned only once it runs."""
+        cap = max(0, self.max_loras - 1)
+        gpu = [k for k, tier in self._pins.items() if tier == "gpu"][:cap]
+        if not getattr(self.policy, "restores_gpu_warm", False):
+            return gpu
+        room = min(cap - len(gpu), self.max_cpu_loras - 1 - len(self._pins))
+        gaps = getattr(self.policy, "overdue_gaps", None)
+        held = self._vllm_pins.difference(gpu)
+        warm = [
+            k
+            for k in warm_pins(self.demand, now, room, gaps, held, exclude=gpu)
+            if k in self.entries
+        ]
+        if warm and self.budgets.limits_anyone:
+            used, budgets = self._slot_usage(), self.budgets
+            warm = [
+                k
+                for k in warm
+                if self.entries[k].in_slot
+                or not any(budgets.is_over(t, "gpu", used, 1) for t in self.entries[k].charged)
+            ]
+        return gpu + warm
+
+    def _may_pin(self, entry: Resident) -> bool:
+        """Whether pinning `entry` leaves a slot unpinned and keeps the distinct unpinned adapters
+        running within the unpinned slots (`_has_slot`): one running already moves from those to
+        the pinned."""
+        if len(self._vllm_pins) >= self.max_loras - 1:
+            return False  # a pin no longer wanted goes first, once its adapter is idle
+        if entry.active:
+            return True
+        return self._busy_unpinned() <= self.max_loras - len(self._vllm_pins) - 1
+
     async def _follow_demand(self) -> None:
-        """Pin in vLLM's slots the operator's gpu pins (up to max_loras - 1); one unpinned since is
-        unpinned in vLLM once idle (vLLM has no unpin: it is removed and added again, from its
-        staged copy). The gpu warm set is not pinned: every pinned slot is one fewer for the other
-        adapters (`_has_slot`), and vLLM's own LRU keeps adapters that busy in their slots."""
+        """Pin in vLLM's device slots what `_pins_to_hold` gives, and unpin what it no longer gives
+        once idle: vLLM has no unpin, so the adapter is removed and added again, from its staged
+        copy. An adapter that `_may_pin` refuses now is pinned by a later call (every request,
+        pin and prewarm makes one)."""
         with self._lock:
-            wanted = list(self._gpu_pins)[: max(0, self.max_loras - 1)]
+            wanted = self._pins_to_hold(self.clock())
+            self._pins_wanted = set(wanted)
             to_pin = [
                 k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
             ]
             to_unpin = [
                 k
-                for k, e in self._held.items()
-                if e.vllm_pinned and k not in wanted and not e.refcount
+                for k in self._vllm_pins
+                if k not in self._pins_wanted and not self.entries[k].refcount
             ]
         if not (to_pin or to_unpin):
             return
         async with self._vllm_lock:
             for key in to_unpin:
-                entry = self.entries.get(key)
-                if entry is None or entry.refcount or not entry.vllm_pinned:
-                    continue
+                with self._lock:  # before the send yields: no request goes to vLLM with it now
+                    entry = self.entries.get(key)
+                    if entry is None or entry.refcount or not entry.vllm_pinned:
+                        continue
+                    if key in self._pins_wanted:
+                        continue
+                    self._set_in_vllm(entry, False)
                 await self.engine.remove_lora(entry.lora_id)
-                self._set_in_vllm(entry, False)
                 # a copy changed since it was verified waits for the next load, which stages again
                 if self._is_unchanged(key) and await self.engine.add_lora(self._request(entry)):
                     self._set_in_vllm(entry, True)
+                self._room.set()
             for key in to_pin:
-                entry = self.entries.get(key)
-                if (
-                    entry is not None
-                    and entry.in_vllm
-                    and await self.engine.pin_lora(entry.lora_id)
-                ):
-                    entry.vllm_pinned = True
+                with self._lock:  # counted as pinned from here (`_has_slot`), before the send
+                    entry = self.entries.get(key)
+                    if entry is None or not entry.in_vllm or entry.vllm_pinned:
+                        continue
+                    if key not in self._pins_wanted or not self._may_pin(entry):
+                        continue
+                    self._set_vllm_pinned(entry, True)
+                pinned = False
+                try:
+                    pinned = await self.engine.pin_lora(entry.lora_id)
+                finally:
+                    if not pinned:
+                        self._set_vllm_pinned(entry, False)
+                        self._room.set()
 
     def _on_disk(self, key: AdapterKey) -> bool:
         entry = self.entries.get(key)
