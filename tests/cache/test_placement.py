@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 from loraplex.cache.cache import AdapterCache, Entry, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import Activate, Evict, host_cache_victim, warm_pins
+from loraplex.cache.placement import (
+    BUSY_WINDOW_S,
+    Activate,
+    BusyShare,
+    Evict,
+    host_cache_victim,
+    warm_pins,
+)
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
 
 MiB = 2**20
@@ -126,23 +133,37 @@ def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
     assert host_cache_victim(policy, [], incoming, demand, warm, now) is None
 
 
-def test_warm_pins_keep_a_pinned_adapter_until_one_twice_as_demanded_wants_its_pin():
+def test_warm_pins_go_to_busy_gpu_warm_adapters_and_stay_until_one_twice_as_demanded_comes():
     demand, now = DemandTracker(), 100.0
-    a, b, c, d = (AdapterKey("base", n, "1", f"sha256:{n}") for n in "abcd")
-    for key, n in ((a, 10), (b, 6), (c, 1), (d, 4)):
+    a, b, c, d, e = (AdapterKey("base", n, "1", f"sha256:{n}") for n in "abcde")
+    for key, n in ((a, 10), (b, 6), (c, 1), (d, 4), (e, 12)):
         for i in range(n):
             demand.record(key, 90.0 + i * 0.5)
-    assert warm_pins(demand, now, 2, None, set()) == [a, b]
-    assert warm_pins(demand, now, 1, None, {b}) == [b]  # 6 weighs 12 while pinned: over 10
-    assert warm_pins(demand, now, 2, None, {d}) == [a, d]  # 4 weighs 8: over 6, under 10
-    assert warm_pins(demand, now, 2, None, set(), exclude={a}) == [b, d]
-    assert warm_pins(demand, now, 2, None, {c}) == [a, b]  # one request: below the warm floor
-    assert warm_pins(demand, now, 0, None, {b}) == []
+    share = {a: 0.9, b: 0.6, c: 0.9, d: 0.3, e: 0.4}
+    busy = share.__getitem__
+    assert warm_pins(demand, now, 2, None, set(), busy) == [a, b]  # e: idle more than half
+    assert warm_pins(demand, now, 1, None, {b}, busy) == [b]  # 6 weighs 12 while pinned: over 10
+    assert warm_pins(demand, now, 2, None, {d}, busy) == [a, d]  # 4 weighs 8; busy 0.3 keeps it
+    assert warm_pins(demand, now, 3, None, {e}, busy) == [e, a, b]
+    assert warm_pins(demand, now, 2, None, set(), busy, exclude={a}) == [b]
+    assert warm_pins(demand, now, 2, None, {c}, busy) == [a, b]  # one request: below the floor
+    assert warm_pins(demand, now, 0, None, {b}, busy) == []
+    share[d] = 0.2  # idle three quarters of the time: its pin goes
+    assert warm_pins(demand, now, 2, None, {d}, busy) == [a, b]
     # requests that stopped (20 mean gaps of silence) lose the pin whatever it weighed
     later = 300.0
     for i in range(4):
         demand.record(a, later - 2 + i * 0.5)
-    assert warm_pins(demand, later, 1, 20.0, {b}) == [a]
+    assert warm_pins(demand, later, 1, 20.0, {b}, busy) == [a]
+
+
+def test_busy_share_averages_the_time_with_requests_running():
+    share = BusyShare()
+    share.set(True, 0.0)
+    assert share.read(0.0) == 0.0
+    assert 0.63 < share.read(BUSY_WINDOW_S) < 0.64  # 1 - 1/e after one window busy
+    share.set(False, BUSY_WINDOW_S)
+    assert 0.23 < share.read(2 * BUSY_WINDOW_S) < 0.24  # and it decays while idle
 
 
 def test_a_one_off_waits_for_a_spare_slot_counted_from_when_its_host_copy_was_ready():

@@ -33,6 +33,28 @@ WARM_FLOOR = 2.0  # short-window (gpu) or 1-hour (cpu) requests that put an adap
 WARM_PIN_KEEP = 2.0
 """An adapter of the gpu warm set pinned in a runtime's slots keeps its pin against any adapter less
 than this many times as demanded (`warm_pins`)."""
+PIN_BUSY, KEEP_BUSY = 0.5, 0.25
+"""An adapter of the gpu warm set is pinned once it has had requests running half the recent time
+(`BusyShare`), and keeps its pin down to a quarter: a pinned slot that idles longer is one the other
+adapters lose."""
+BUSY_WINDOW_S = 10.0  # the decay of `BusyShare`
+
+
+@dataclass(slots=True)
+class BusyShare:
+    """The share of recent time an adapter had requests running: its 0/1 busy state averaged over
+    time, decayed over BUSY_WINDOW_S."""
+
+    share: float = 0.0
+    at: float = 0.0
+    busy: bool = False
+
+    def set(self, busy: bool, now: float) -> None:
+        self.share, self.at, self.busy = self.read(now), now, busy
+
+    def read(self, now: float) -> float:
+        kept = math.exp(-max(0.0, now - self.at) / BUSY_WINDOW_S)
+        return self.share * kept + (1.0 - kept) * self.busy
 
 
 class Adapter(Protocol):
@@ -144,16 +166,20 @@ def warm_pins(
     cap: int,
     overdue_gaps: float | None,
     pinned: Set[AdapterKey],
+    busy: Callable[[AdapterKey], float],
     exclude: Collection[AdapterKey] = (),
 ) -> list[AdapterKey]:
     """The adapters of the gpu warm set that a runtime whose unpin is costly pins in its device
     slots (the vLLM engine: an unpin is a remove and an add again): up to `cap`, most demanded
-    first, leaving out `exclude` (the operator's pins). Those `pinned` already weigh WARM_PIN_KEEP
-    times their demand while they stay in the set's demand (at least WARM_FLOOR requests, not
-    overdue), so two adapters of about the same demand do not trade a pin back and forth."""
+    first, leaving out `exclude` (the operator's pins), of those busy enough that a pinned slot
+    seldom idles (`busy`: the share of recent time with requests running; PIN_BUSY, or KEEP_BUSY
+    for one `pinned` already). Those `pinned` weigh WARM_PIN_KEEP times their demand while they stay
+    in the set's demand (at least WARM_FLOOR requests, not overdue), so two adapters of about the
+    same demand do not trade a pin back and forth."""
     if cap <= 0:
         return []
-    ranked = gpu_warm_set(demand, now, cap + len(pinned) + len(exclude), overdue_gaps)
+    # the busy ones among the most demanded (a few times as many as wanted: a walk per request)
+    ranked = gpu_warm_set(demand, now, 4 * (cap + len(pinned) + len(exclude)), overdue_gaps)
     candidates = [k for k in ranked if k not in exclude]
     for key in pinned:
         live = demand.short(key, now) >= WARM_FLOOR and (
@@ -161,6 +187,7 @@ def warm_pins(
         )
         if live and key not in exclude and key not in candidates:
             candidates.append(key)
+    candidates = [k for k in candidates if busy(k) >= (KEEP_BUSY if k in pinned else PIN_BUSY)]
     weights = demand.shorts(candidates, now)
     weight = {k: w * (WARM_PIN_KEEP if k in pinned else 1.0) for k, w in zip(candidates, weights)}
     return sorted(candidates, key=weight.__getitem__, reverse=True)[:cap]

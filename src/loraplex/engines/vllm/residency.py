@@ -48,7 +48,7 @@ from loraplex.cache.errors import (
     CapacityExceeded,
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import gpu_warm_set, host_cache_victim, warm_pins
+from loraplex.cache.placement import BusyShare, gpu_warm_set, host_cache_victim, warm_pins
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 THRASH_WINDOW_S = 60.0
+WARM_PIN_LOOK_S = 0.5  # how often a request waiting for a slot looks whether a warm pin may go
 # vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
 # tenant's host-bytes budget.
 HOST_BYTES_UNBOUNDED = sys.maxsize
@@ -119,6 +120,7 @@ class Resident:
     evicted_at: float | None = None
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests handed to vLLM
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
+    busy: BusyShare = field(default_factory=BusyShare)  # recent time with requests in vLLM
 
     def __post_init__(self):
         self.last_tenant = self.last_tenant or self.ref.tenant
@@ -315,6 +317,8 @@ class VllmResidency:
             raise
         with self._lock:
             entry.hits += 1
+            if not entry.active:
+                entry.busy.set(True, self.clock())
             entry.active += 1
             self._running.add(ref.key)
             entry.users[tenant] = entry.users.get(tenant, 0) + 1
@@ -360,8 +364,14 @@ class VllmResidency:
                         deferred_at = self.clock()
                         self._count_budget_wait(tenant, entry.ref.key)
                 self._room.clear()
+                timeout = self._defer_left(deferred_at)
+                if self._vllm_pins.difference(self._pins) and not self._has_slot(entry):
+                    # a warm pin whose adapter went idle goes (`_follow_demand`); its busy share
+                    # falls with time, so look again soon
+                    await self._follow_demand()
+                    timeout = min(timeout or WARM_PIN_LOOK_S, WARM_PIN_LOOK_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), self._defer_left(deferred_at))
+                    await asyncio.wait_for(self._room.wait(), timeout)
         finally:
             self._slot_waiting[tenant] -= 1
             if not self._slot_waiting[tenant]:
@@ -391,6 +401,7 @@ class VllmResidency:
                 entry.active = max(0, entry.active - 1)
                 if not entry.active:
                     self._running.discard(entry.ref.key)
+                    entry.busy.set(False, self.clock())
                 if entry.users.get(holder, 0) > 1:
                     entry.users[holder] -= 1
                 else:
@@ -942,22 +953,28 @@ class VllmResidency:
 
     def _pins_to_hold(self, now: float) -> list[AdapterKey]:
         """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
-        that keeps the gpu warm set in slots (`score`), the adapters of that set that `warm_pins`
-        gives. Together they leave a slot for the other adapters (up to max_loras - 1), and with
-        the operator's cpu pins a place in the host cache for loads (up to max_cpu_loras - 1). A
-        warm adapter whose tenant is at its gpu budget is pinned only once it runs."""
+        that keeps the gpu warm set in slots (`score`), the adapters of that set busy enough for a
+        pin that `warm_pins` gives. Together they leave a slot for the other adapters (up to
+        max_loras - 1), and with the operator's cpu pins a place in the host cache for loads (up to
+        max_cpu_loras - 1). A warm adapter whose tenant is at its gpu budget is pinned only once it
+        runs."""
         cap = max(0, self.max_loras - 1)
         gpu = [k for k, tier in self._pins.items() if tier == "gpu"][:cap]
         if not getattr(self.policy, "restores_gpu_warm", False):
             return gpu
         room = min(cap - len(gpu), self.max_cpu_loras - 1 - len(self._pins))
         gaps = getattr(self.policy, "overdue_gaps", None)
-        held = self._vllm_pins.difference(gpu)
-        warm = [
-            k
-            for k in warm_pins(self.demand, now, room, gaps, held, exclude=gpu)
-            if k in self.entries
-        ]
+        held, entries = self._vllm_pins.difference(gpu), self.entries
+        warm = warm_pins(
+            self.demand,
+            now,
+            room,
+            gaps,
+            held,
+            lambda k: entries[k].busy.read(now) if k in entries else 0.0,
+            exclude=gpu,
+        )
+        warm = [k for k in warm if k in entries]
         if warm and self.budgets.limits_anyone:
             used, budgets = self._slot_usage(), self.budgets
             warm = [
