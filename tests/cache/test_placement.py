@@ -12,6 +12,7 @@ from loraplex.cache.placement import (
     Activate,
     BusyShare,
     Evict,
+    host_cache_restore,
     host_cache_victim,
     warm_pins,
 )
@@ -155,6 +156,29 @@ def test_warm_pins_go_to_busy_gpu_warm_adapters_and_stay_until_one_twice_as_dema
     for i in range(4):
         demand.record(a, later - 2 + i * 0.5)
     assert warm_pins(demand, later, 1, 20.0, {b}, busy) == [a]
+
+
+def test_a_cpu_warm_adapter_comes_back_in_place_of_an_idle_one_when_expected_back_soon():
+    demand, now, policy = DemandTracker(), 100.0, ScorePolicy()
+    keys = {n: AdapterKey("base", n, "1", f"sha256:{n}") for n in ("warm", "idle", "hot")}
+    entries = {n: Entry(AdapterRef(k), last_access=50.0, loaded_at=10.0) for n, k in keys.items()}
+    entries = {keys[n]: e for n, e in entries.items()}
+    warm, idle, hot = keys["warm"], keys["idle"], keys["hot"]
+    for i in range(10):
+        demand.record(warm, 90.0 + i)
+    demand.record(idle, 95.0)
+    removable = [(idle, entries[idle])]
+
+    def restore(held, loads, places=2, gpu_warm=frozenset()):
+        return host_cache_restore(
+            policy, demand, now, [warm], held, places, removable, entries, set(gpu_warm), loads
+        )
+
+    assert restore({idle}, loads=4.0) == (warm, None)  # a free place
+    assert restore({idle, hot}, loads=4.0) == (warm, idle)  # in place of the idle one
+    assert restore({idle, hot}, loads=40.0) is None  # 10 requests x 2 places < 40 loads
+    assert restore({idle, hot}, loads=4.0, gpu_warm={idle}) is None  # never a warm one
+    assert restore({warm, idle}, loads=4.0) is None  # already held
 
 
 def test_busy_share_averages_the_time_with_requests_running():

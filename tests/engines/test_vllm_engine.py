@@ -311,6 +311,25 @@ def test_a_busy_adapter_of_the_gpu_warm_set_is_pinned_in_vllm_and_the_others_sha
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_an_adapter_of_the_cpu_warm_set_is_added_back_ahead_of_its_requests(world, server):
+    url = server[0]
+    # mlp, the most demanded adapter (the test above), holds one of the 2 places; qv pinned to
+    # the other, so that attn's load must remove mlp
+    pin = httpx.post(
+        f"{url}/admin/adapters/qv/pin", headers=ADMIN, json={"tier": "cpu"}, timeout=60
+    )
+    assert pin.status_code == 200, pin.text
+    r, _ = _greedy_ids(url, "attn", [1, 2, 3], 2)
+    assert r.headers["x-loraplex-cache-tier"] in ("disk", "remote")
+    # once attn's request ends and nothing waits, mlp comes back in attn's place
+    row = _tier_when_settled(url, "mlp", ("cpu", "gpu"))
+    assert row["warm"] == "A" and row["in_flight"] == 0
+    assert _tier_when_settled(url, "attn", ("disk",))["in_flight"] == 0
+    r, _ = _greedy_ids(url, "mlp", [1, 2, 3], 2)
+    assert r.headers["x-loraplex-cache-tier"] in ("cpu", "gpu")
+    httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60).raise_for_status()
+
+
 def test_openai_client_gets_vllm_parameters_through_tenancy(world, server):
     url = server[0]
     client = _client(url)

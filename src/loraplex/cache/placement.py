@@ -10,9 +10,10 @@ It owns: the demand windows' warm sets (the gpu warm set: the adapters preferred
 warm set: those preferred in host memory), the victim choice (through the policy objects of
 `loraplex.cache.policy`), pins, the tenant budgets (the rule of `loraplex.cache.budgets`, applied
 here), the room rule for waiting requests' loads, and restoring pinned and gpu-warm adapters to
-slots. The vLLM engine's residency takes its gpu warm set, the adapters of it that it pins in vLLM's
-device slots and the victims it removes from vLLM's host cache from here too (`gpu_warm_set`,
-`warm_pins`, `host_cache_victim`).
+slots. The vLLM engine's residency takes its warm sets, the adapters of the gpu warm set that it
+pins in vLLM's device slots, the victims it removes from vLLM's host cache and the adapters it adds
+back to it from here too (`gpu_warm_set`, `cpu_warm_set`, `warm_pins`, `host_cache_victim`,
+`host_cache_restore`).
 """
 
 from __future__ import annotations
@@ -158,6 +159,65 @@ def gpu_warm_set(
     ranked = itertools.takewhile(lambda item: item[1] >= WARM_FLOOR, demand.ranked(now, 0))
     live = (k for k, _ in ranked if not demand.overdue(k, now, overdue_gaps))
     return list(itertools.islice(live, cap))
+
+
+def cpu_warm_set(
+    demand: DemandTracker,
+    now: float,
+    fits: Callable[[AdapterKey], bool],
+    overdue_gaps: float | None,
+) -> list[AdapterKey]:
+    """The cpu warm set, most demanded first: adapters with at least WARM_FLOOR requests over the
+    hour's window, leaving out those whose requests stopped (their hour's count would keep them for
+    minutes), for as long as `fits` takes the next one (the native cache: up to half its host
+    bytes; the vLLM engine: up to half its host cache's places)."""
+    chosen = []
+    for key, count in demand.ranked(now, 1):
+        if count < WARM_FLOOR:
+            break
+        if overdue_gaps is not None and demand.overdue(key, now, overdue_gaps):
+            continue
+        if not fits(key):
+            break
+        chosen.append(key)
+    return chosen
+
+
+def host_cache_restore(
+    policy,
+    demand: DemandTracker,
+    now: float,
+    cpu_warm: Sequence[AdapterKey],
+    held: Collection[AdapterKey],
+    places: int,
+    removable: Sequence[tuple[AdapterKey, Adapter]],
+    entries: Mapping[AdapterKey, Adapter],
+    gpu_warm: Set[AdapterKey],
+    loads: float,
+) -> tuple[AdapterKey, AdapterKey | None] | None:
+    """For a runtime's host cache of `places` adapters (the vLLM engine's), holding `held`: the
+    adapter of the cpu warm set to add back ahead of its requests, and the one to remove for it
+    (None: a place is free). None: none now.
+
+    Only an adapter expected back before the host cache turns over is added: one whose
+    short-window request count, times the places, is at least `loads` (the short-window count of
+    the loads that requests caused); one expected later would be pushed out again before its next
+    request. It takes a free place, or that of the policy's victim among `removable` (idle, not
+    pinned) outside both warm sets."""
+    warm = set(cpu_warm) | gpu_warm
+    turnover = loads / max(1, places)
+    for key in cpu_warm:
+        if key in held:
+            continue
+        if demand.short(key, now) < turnover:
+            return None
+        if len(held) < places:
+            return key, None
+        others = [(k, e) for k, e in removable if k not in warm]
+        if not others:
+            return None
+        return key, host_cache_victim(policy, others, (key, entries[key]), demand, gpu_warm, now)
+    return None
 
 
 def warm_pins(
@@ -516,18 +576,14 @@ class Placement:
         memo = self.warm_memo.get("cpu")
         if memo is not None and memo[0] == inputs:
             return memo[1]
-        chosen, used, entries, half = set(), 0, s.entries, s.cpu_bytes // 2
-        overdue = s.demand.overdue
-        for key, count in s.demand.ranked(now, 1):
-            if count < WARM_FLOOR:
-                break
-            if gaps is not None and overdue(key, now, gaps):
-                continue  # it was busy and stopped: the hour's count would keep it for minutes
-            nbytes = entries[key].nbytes
-            if used + nbytes > half:
-                break
-            chosen.add(key)
-            used += nbytes
+        used, entries, half = 0, s.entries, s.cpu_bytes // 2
+
+        def fits(key: AdapterKey) -> bool:
+            nonlocal used
+            used += entries[key].nbytes
+            return used <= half
+
+        chosen = set(cpu_warm_set(s.demand, now, fits, gaps))
         self.warm_memo["cpu"] = (inputs, chosen)
         return chosen
 

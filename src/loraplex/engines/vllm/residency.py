@@ -48,7 +48,14 @@ from loraplex.cache.errors import (
     CapacityExceeded,
 )
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import BusyShare, gpu_warm_set, host_cache_victim, warm_pins
+from loraplex.cache.placement import (
+    BusyShare,
+    cpu_warm_set,
+    gpu_warm_set,
+    host_cache_restore,
+    host_cache_victim,
+    warm_pins,
+)
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 
 if TYPE_CHECKING:
@@ -121,6 +128,7 @@ class Resident:
     users: dict[str, int] = field(default_factory=dict)  # tenant -> its requests handed to vLLM
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
     busy: BusyShare = field(default_factory=BusyShare)  # recent time with requests in vLLM
+    restorable: bool = True  # added back ahead of its requests (False from an operator's evict)
 
     def __post_init__(self):
         self.last_tenant = self.last_tenant or self.ref.tenant
@@ -180,6 +188,7 @@ class VllmResidency:
         self._pins_wanted: set[AdapterKey] = set()
         self.loading: dict[AdapterKey, asyncio.Future] = {}
         self.demand = DemandTracker()
+        self.host_loads = DemandTracker(ranked=False)  # one key, "cpu": adds that requests caused
         self.recent_evictions: deque[float] = deque(maxlen=1000)
         self.num_evictions = 0
         self.reloads_after_eviction = 0
@@ -231,7 +240,7 @@ class VllmResidency:
     def state(self) -> dict:
         now = self.clock()
         with self._lock:
-            gpu_warm = set(self._gpu_warm(now))
+            gpu_warm, cpu_warm = set(self._gpu_warm(now)), set(self._cpu_warm(now))
             adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
                 on_disk = self._on_disk(key)  # a file system look per adapter: once
@@ -263,7 +272,7 @@ class VllmResidency:
                         "evictions": e.evictions,
                         "last_access_s_ago": round(now - e.last_access, 3),
                         "demand_5m": round(self.demand.short(key, now), 3),
-                        "warm": "A" if key in gpu_warm else None,
+                        "warm": "A" if key in gpu_warm else "B" if key in cpu_warm else None,
                         "lora_int_id": e.lora_id,
                     }
                 )
@@ -304,6 +313,7 @@ class VllmResidency:
             entry = self._entry(ref)
             entry.refcount += 1
             entry.last_access = self.clock()
+            entry.restorable = True
             if not entry.in_vllm and ref.key not in self.loading:
                 entry.last_tenant = tenant  # its host copy counts for the tenant whose load it is
         try:
@@ -410,10 +420,13 @@ class VllmResidency:
             # a pin no longer wanted goes once its adapter is idle
             unpin = entry.vllm_pinned and not entry.refcount
             unpin = unpin and entry.ref.key not in self._pins_wanted
+            restore = not (entry.refcount or self._waits())
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
             if unpin:
                 self._schedule(self._follow_demand())
+            if restore:
+                self._schedule(self._restore_warm())
 
     # -- operator calls (any thread) ---------------------------------------------------------------
     def pin(self, ref: AdapterRef, tier: str) -> None:
@@ -466,6 +479,7 @@ class VllmResidency:
                     f"{key} has {entry.refcount} request(s) in flight; try again when they end"
                 )
             self._set_pinned(entry, None)
+            entry.restorable = False  # out until its next request
         self._schedule(self._remove(key))
 
     def forget(self, key: AdapterKey) -> None:
@@ -669,6 +683,8 @@ class VllmResidency:
                     await self._vllm_lock.acquire()
             self._num_adding += 1
             entry.adding = True
+            if entry.refcount:
+                self.host_loads.record("cpu", self.clock())
             added = await self._send(self._add(entry))
         if entry.lora_id in self._accepted:
             # vLLM added these bytes before, so it takes them again: its engine core runs the add
@@ -950,6 +966,69 @@ class VllmResidency:
         """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
         cap, gaps = max(0, self.max_loras - 1), getattr(self.policy, "overdue_gaps", None)
         return gpu_warm_set(self.demand, now, cap, gaps)
+
+    def _cpu_warm(self, now: float) -> list[AdapterKey]:
+        """The cpu warm set, as placement's rule gives it for half of vLLM's host cache."""
+        taken, half = 0, self.max_cpu_loras // 2
+
+        def fits(key: AdapterKey) -> bool:
+            nonlocal taken
+            taken += 1
+            return taken <= half
+
+        return cpu_warm_set(self.demand, now, fits, getattr(self.policy, "overdue_gaps", None))
+
+    def _waits(self) -> bool:
+        """Whether a request or load waits (for a load, a slot, or a place in the host cache)."""
+        return bool(self.loading or self._slot_waiting or self._num_adding or self._host_waiting)
+
+    async def _restore_warm(self) -> None:
+        """Add back to vLLM's host cache, ahead of its requests, an adapter of the cpu warm set that
+        left it, while nothing waits, when `host_cache_restore` finds one expected back before the
+        host cache turns over: into a free place, or in place of an idle adapter outside both warm
+        sets. One per call; every release that leaves nothing waiting makes one. An adapter the
+        operator evicted waits for its next request."""
+        now = self.clock()
+        with self._lock:
+            if self._waits():
+                return
+            cpu_warm = [k for k in self._cpu_warm(now) if self.entries[k].restorable]
+            if all(self.entries[k].in_vllm for k in cpu_warm):
+                return  # the usual case
+            removable = [
+                (k, e)
+                for k, e in self._held.items()
+                if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
+            ]
+            choice = host_cache_restore(
+                self.policy,
+                self.demand,
+                now,
+                cpu_warm,
+                self._held,
+                self.max_cpu_loras,
+                removable,
+                self.entries,
+                set(self._gpu_warm(now)),
+                self.host_loads.short("cpu", now),
+            )
+            if choice is not None and self.budgets.limits_anyone:
+                entry = self.entries[choice[0]]
+                mine = [choice[1]] if choice[1] is not None else []
+                if choice[1] is None and self.budgets.is_over(
+                    entry.last_tenant, "cpu", self._host_usage(), max(entry.nbytes, 1)
+                ):
+                    choice = None
+                elif mine and not self._host_budget_victims(entry, mine):
+                    choice = None
+        if choice is None:
+            return
+        key, victim = choice
+        if victim is not None:
+            await self._remove(victim)
+        entry = self.entries.get(key)
+        if entry is not None and not entry.in_vllm and not self._waits():
+            await self._load(entry.ref)
 
     def _pins_to_hold(self, now: float) -> list[AdapterKey]:
         """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
