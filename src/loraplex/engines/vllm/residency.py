@@ -3,11 +3,12 @@ set.
 
 vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
 the least recently used unpinned one when it must. Here loraplex makes those choices first: it
-stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it ahead
-of traffic (prewarm, warm policies), removes its own policy's victim before vLLM's LRU would pick
-one, never removes an adapter with requests in flight, pins (`pin_lora`) the operator's gpu pins
-and (under `score`) the gpu warm set, and hands vLLM no more distinct unpinned adapters at once than
-it has unpinned slots. vLLM still orders the unpinned adapters in its device slots.
+stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it
+ahead of traffic (prewarm, warm policies, the cpu warm set), removes its own policy's victim before
+vLLM's LRU would pick one, never removes an adapter with requests in flight, pins (`pin_lora`) the
+operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and hands vLLM no
+more distinct unpinned adapters at once than it has unpinned slots. vLLM still orders the unpinned
+adapters in its device slots.
 
 Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
 counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
