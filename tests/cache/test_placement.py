@@ -134,28 +134,30 @@ def test_host_cache_victim_is_the_policys_choice_else_the_least_recently_used():
     assert host_cache_victim(policy, [], incoming, demand, warm, now) is None
 
 
-def test_warm_pins_go_to_busy_gpu_warm_adapters_and_stay_until_one_twice_as_demanded_comes():
+def test_warm_pins_are_the_busy_gpu_warm_adapters_all_of_them_or_none():
     demand, now = DemandTracker(), 100.0
     a, b, c, d, e = (AdapterKey("base", n, "1", f"sha256:{n}") for n in "abcde")
     for key, n in ((a, 10), (b, 6), (c, 1), (d, 4), (e, 12)):
         for i in range(n):
             demand.record(key, 90.0 + i * 0.5)
     share = {a: 0.9, b: 0.6, c: 0.9, d: 0.3, e: 0.4}
-    busy = share.__getitem__
-    assert warm_pins(demand, now, 2, None, set(), busy) == [a, b]  # e: idle more than half
-    assert warm_pins(demand, now, 1, None, {b}, busy) == [b]  # 6 weighs 12 while pinned: over 10
-    assert warm_pins(demand, now, 2, None, {d}, busy) == [a, d]  # 4 weighs 8; busy 0.3 keeps it
-    assert warm_pins(demand, now, 3, None, {e}, busy) == [e, a, b]
-    assert warm_pins(demand, now, 2, None, set(), busy, exclude={a}) == [b]
-    assert warm_pins(demand, now, 2, None, {c}, busy) == [a, b]  # one request: below the floor
-    assert warm_pins(demand, now, 0, None, {b}, busy) == []
-    share[d] = 0.2  # idle three quarters of the time: its pin goes
-    assert warm_pins(demand, now, 2, None, {d}, busy) == [a, b]
-    # requests that stopped (20 mean gaps of silence) lose the pin whatever it weighed
+    held, busy = [c, d, b, e, a], share.__getitem__
+
+    def pins(room, pinned=frozenset(), exclude=(), gaps=None, at=now):
+        return warm_pins(demand, at, room, gaps, held, set(pinned), busy, exclude)
+
+    assert pins(2) == [a, b]  # e and d idle more than half the time; c below the warm floor
+    assert pins(1) == []  # two busy warm adapters and room for one: none pinned
+    assert pins(1, exclude={a}) == [b]
+    assert pins(3, pinned={d}) == [a, b, d]  # a pinned one keeps its pin down to a quarter busy
+    share[d] = 0.2
+    assert pins(3, pinned={d}) == [a, b]
+    assert pins(0) == []
+    # requests that stopped (20 mean gaps of silence) lose the pin however busy they were
     later = 300.0
     for i in range(4):
         demand.record(a, later - 2 + i * 0.5)
-    assert warm_pins(demand, later, 1, 20.0, {b}, busy) == [a]
+    assert pins(2, gaps=20.0, at=later) == [a]
 
 
 def test_a_cpu_warm_adapter_comes_back_in_place_of_an_idle_one_when_expected_back_soon():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -31,13 +31,10 @@ from loraplex.cache.policy import Candidate, DemandTracker
 WANTED_FOR_S = 2.0
 """A waiting request asks again every step; older asks belong to requests that went away."""
 WARM_FLOOR = 2.0  # short-window (gpu) or 1-hour (cpu) requests that put an adapter in a warm set
-WARM_PIN_KEEP = 2.0
-"""An adapter of the gpu warm set pinned in a runtime's slots keeps its pin against any adapter less
-than this many times as demanded (`warm_pins`)."""
 PIN_BUSY, KEEP_BUSY = 0.5, 0.25
-"""An adapter of the gpu warm set is pinned once it has had requests running half the recent time
-(`BusyShare`), and keeps its pin down to a quarter: a pinned slot that idles longer is one the other
-adapters lose."""
+"""An adapter of the gpu warm set is pinned in a runtime's slots once it has had requests running
+half the recent time (`BusyShare`), and keeps its pin down to a quarter: a pinned slot that idles
+is one the other adapters lose."""
 BUSY_WINDOW_S = 10.0  # the decay of `BusyShare`
 
 
@@ -223,34 +220,33 @@ def host_cache_restore(
 def warm_pins(
     demand: DemandTracker,
     now: float,
-    cap: int,
+    room: int,
     overdue_gaps: float | None,
+    held: Iterable[AdapterKey],
     pinned: Set[AdapterKey],
     busy: Callable[[AdapterKey], float],
     exclude: Collection[AdapterKey] = (),
 ) -> list[AdapterKey]:
-    """The adapters of the gpu warm set that a runtime whose unpin is costly pins in its device
-    slots (the vLLM engine: an unpin is a remove and an add again): up to `cap`, most demanded
-    first, leaving out `exclude` (the operator's pins), of those busy enough that a pinned slot
-    seldom idles (`busy`: the share of recent time with requests running; PIN_BUSY, or KEEP_BUSY
-    for one `pinned` already). Those `pinned` weigh WARM_PIN_KEEP times their demand while they stay
-    in the set's demand (at least WARM_FLOOR requests, not overdue), so two adapters of about the
-    same demand do not trade a pin back and forth."""
-    if cap <= 0:
-        return []
-    # the busy ones among the most demanded (a few times as many as wanted: a walk per request)
-    ranked = gpu_warm_set(demand, now, 4 * (cap + len(pinned) + len(exclude)), overdue_gaps)
-    candidates = [k for k in ranked if k not in exclude]
-    for key in pinned:
-        live = demand.short(key, now) >= WARM_FLOOR and (
-            overdue_gaps is None or not demand.overdue(key, now, overdue_gaps)
-        )
-        if live and key not in exclude and key not in candidates:
-            candidates.append(key)
-    candidates = [k for k in candidates if busy(k) >= (KEEP_BUSY if k in pinned else PIN_BUSY)]
-    weights = demand.shorts(candidates, now)
-    weight = {k: w * (WARM_PIN_KEEP if k in pinned else 1.0) for k, w in zip(candidates, weights)}
-    return sorted(candidates, key=weight.__getitem__, reverse=True)[:cap]
+    """What a runtime whose unpin is costly (the vLLM engine: an unpin is a remove and an add
+    again) pins of the gpu warm set in its device slots, most demanded first: the adapters of
+    `held` (its host cache) but `exclude` (the operator's pins) with the set's demand (at least
+    WARM_FLOOR short-window requests, not overdue) that had requests running half the recent time
+    (`busy`: PIN_BUSY, or KEEP_BUSY for one `pinned` already), all of them or none. With more of
+    them than `room`, a part pinned leaves the others fewer slots to share with the rest of the
+    traffic than none pinned (docs/cache.md has the measurement)."""
+    chosen = []
+    for key in held:
+        if key in exclude or busy(key) < (KEEP_BUSY if key in pinned else PIN_BUSY):
+            continue
+        if demand.short(key, now) < WARM_FLOOR:
+            continue
+        if overdue_gaps is not None and demand.overdue(key, now, overdue_gaps):
+            continue
+        chosen.append(key)
+        if len(chosen) > room:
+            return []
+    weights = dict(zip(chosen, demand.shorts(chosen, now)))
+    return sorted(chosen, key=weights.__getitem__, reverse=True)
 
 
 def host_cache_victim(

@@ -1033,8 +1033,8 @@ class VllmResidency:
 
     def _pins_to_hold(self, now: float) -> list[AdapterKey]:
         """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
-        that keeps the gpu warm set in slots (`score`), the adapters of that set busy enough for a
-        pin that `warm_pins` gives. Together they leave a slot for the other adapters (up to
+        that keeps the gpu warm set in slots (`score`), the busy adapters of that set when all of
+        them fit (`warm_pins`). Together they leave a slot for the other adapters (up to
         max_loras - 1), and with the operator's cpu pins a place in the host cache for loads (up to
         max_cpu_loras - 1). A warm adapter whose tenant is at its gpu budget is pinned only once it
         runs."""
@@ -1044,17 +1044,17 @@ class VllmResidency:
             return gpu
         room = min(cap - len(gpu), self.max_cpu_loras - 1 - len(self._pins))
         gaps = getattr(self.policy, "overdue_gaps", None)
-        held, entries = self._vllm_pins.difference(gpu), self.entries
+        entries = self.entries
         warm = warm_pins(
             self.demand,
             now,
             room,
             gaps,
-            held,
-            lambda k: entries[k].busy.read(now) if k in entries else 0.0,
+            self._held,
+            self._vllm_pins,
+            lambda k: entries[k].busy.read(now),
             exclude=gpu,
         )
-        warm = [k for k in warm if k in entries]
         if warm and self.budgets.limits_anyone:
             used, budgets = self._slot_usage(), self.budgets
             warm = [
