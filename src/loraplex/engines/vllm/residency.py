@@ -224,6 +224,8 @@ class VllmResidency:
         return self.reloads_after_eviction / self.num_evictions if self.num_evictions else 0.0
 
     def state(self) -> dict:
+        from loraplex.cache.state import adapter_row
+
         now = self.clock()
         with self._lock:
             gpu_warm = set(self._gpu_warm(now))
@@ -240,28 +242,9 @@ class VllmResidency:
                 for t in ("gpu", "cpu", "disk"):  # an adapter in a slot has its host copy too
                     if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and on_disk):
                         copies[t].append(e.nbytes)
-                adapters.append(
-                    {
-                        "name": key.name,
-                        "revision": key.revision,
-                        "digest": key.adapter_digest,
-                        "base_model_digest": key.base_model_digest,
-                        "tenant": e.ref.tenant,
-                        "charged_to": sorted(e.charged),
-                        "tier": tier,
-                        "loading": key in self.loading,
-                        "bytes": e.nbytes,
-                        "pinned": e.pinned,
-                        "in_flight": e.refcount,
-                        "hits": e.hits,
-                        "loads": e.loads,
-                        "evictions": e.evictions,
-                        "last_access_s_ago": round(now - e.last_access, 3),
-                        "demand_5m": round(self.demand.short(key, now), 3),
-                        "warm": "A" if key in gpu_warm else None,
-                        "lora_int_id": e.lora_id,
-                    }
-                )
+                warm = "A" if key in gpu_warm else None
+                row = adapter_row(key, e, tier, key in self.loading, warm, self.demand, now)
+                adapters.append({**row, "lora_int_id": e.lora_id})
             in_slots = sum(
                 1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.active)
             )
