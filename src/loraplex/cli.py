@@ -34,10 +34,10 @@ def demo(
     ),
 ) -> None:
     """Build the demo world if needed, serve it to three tenants and check every answer."""
-    from loraplex.demo.run import run_demo
-
     if dir is not None:
         _or_exit_2(make_dir, dir, "--dir")
+    from loraplex.demo.run import run_demo  # torch: after the check, so a bad --dir fails at once
+
     raise typer.Exit(run_demo(dir, serve=serve, max_loras=max_loras))
 
 

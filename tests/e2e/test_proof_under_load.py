@@ -7,6 +7,7 @@ Sizes: LORAPLEX_SOAK_REQUESTS (default 2000) scales the soak for a long run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -18,7 +19,14 @@ import psutil
 import pytest
 from world_fleet import build_catalog, checked_inputs, pick
 
-from loraplex.bench.procs import ADMIN_TOKEN, start_router, start_worker, state
+from loraplex.bench.procs import (
+    ADMIN_TOKEN,
+    start_router,
+    start_together,
+    start_worker,
+    state,
+    stop_together,
+)
 from loraplex.demo.world import TRANSFORMS, make_prompt
 
 SOAK_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
@@ -71,26 +79,28 @@ def good_inputs(demo_world):
 def soak_fleet(demo_world, tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     catalog = build_catalog(demo_world, root / "registry")
-    workers = [
-        start_worker(
-            demo_world.model_dir,
-            root / f"w{i}",
-            {},
-            "--registry",
-            catalog.registry_url,
-            "--max-loras",
-            "4",
-            max_lora_rank=32,
-        )
-        for i in range(2)
-    ]
+    workers = start_together(
+        [
+            functools.partial(
+                start_worker,
+                demo_world.model_dir,
+                root / f"w{i}",
+                {},
+                "--registry",
+                catalog.registry_url,
+                "--max-loras",
+                "4",
+                max_lora_rank=32,
+            )
+            for i in range(2)
+        ]
+    )
     router = start_router([w.url for w in workers], root / "router")
     try:
         yield catalog, workers, router
     finally:
         router.stop()
-        for w in workers:
-            w.stop()
+        stop_together(workers)
 
 
 def test_soak_two_workers_and_a_router_give_no_wrong_or_lost_answer(soak_fleet, good_inputs):

@@ -1,5 +1,6 @@
 """Three real `loraplex serve` workers and a real `loraplex router`, all on loopback."""
 
+import functools
 import random
 import threading
 import time
@@ -8,7 +9,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from loraplex.bench.procs import start_router, start_worker, state
+from loraplex.bench.procs import start_router, start_together, start_worker, state, stop_together
 
 NUM_ADAPTERS = 34  # ad00-ad09 for the first test, then twelve for each routing policy
 ADMIN = {"Authorization": "Bearer e2e-admin-token-0123456789"}
@@ -19,14 +20,16 @@ def fleet(llama_dir, llama_adapters, tmp_path_factory):
     root = tmp_path_factory.mktemp("router-e2e")
     paths = list(llama_adapters.values())
     adapters = {f"ad{i:02d}": paths[i % len(paths)] for i in range(NUM_ADAPTERS)}
-    workers = [
-        start_worker(llama_dir, root / f"w{i}", adapters, "--max-loras", "2") for i in range(3)
-    ]
+    workers = start_together(
+        [
+            functools.partial(start_worker, llama_dir, root / f"w{i}", adapters, "--max-loras", "2")
+            for i in range(3)
+        ]
+    )
     try:
         yield root, workers, adapters, llama_dir
     finally:
-        for w in workers:
-            w.stop()
+        stop_together(workers)
 
 
 def complete(url, model, max_tokens=2, stream=False):

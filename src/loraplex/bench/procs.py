@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,26 @@ class Proc:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def start_together(starts: list[Callable[[], Proc]]) -> list[Proc]:
+    """Run each start at once and wait for all (their imports and model loads overlap); when one
+    fails, stop the others and raise its error."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for proc in started:
+            proc.stop()
+        raise errors[0]
+    return started
+
+
+def stop_together(procs: list[Proc]) -> None:
+    """Stop each at once (each drains and stops its engine), and wait for all."""
+    with ThreadPoolExecutor(max(len(procs), 1)) as pool:
+        list(pool.map(Proc.stop, procs))
 
 
 def start_worker(

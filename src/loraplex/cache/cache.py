@@ -38,6 +38,7 @@ from loraplex.cache.placement import (
     Wait,
 )
 from loraplex.cache.policy import DemandTracker, LRUPolicy
+from loraplex.cache.state import adapter_row
 
 THRASH_WINDOW_S = 60.0
 RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
@@ -241,28 +242,11 @@ class AdapterCache:
                     if disk
                     else "remote"
                 )
+                # the warm set the demand keeps: "A" the gpu warm set, "B" the cpu warm set (both:
+                # "A")
+                warm = "A" if key in gpu_warm else "B" if key in cpu_warm else None
                 adapters.append(
-                    {
-                        "name": key.name,
-                        "revision": key.revision,
-                        "digest": key.adapter_digest,
-                        "base_model_digest": key.base_model_digest,
-                        "tenant": e.ref.tenant,
-                        "charged_to": sorted(e.charged),
-                        "tier": tier,
-                        "loading": key in self.loading,
-                        "bytes": e.nbytes,
-                        "pinned": e.pinned,
-                        "in_flight": e.refcount,
-                        "hits": e.hits,
-                        "loads": e.loads,
-                        "evictions": e.evictions,
-                        "last_access_s_ago": round(now - e.last_access, 3),
-                        "demand_5m": round(self.demand.short(key, now), 3),
-                        # the warm set the demand keeps: "A" the gpu warm set, "B" the cpu warm
-                        # set (both: "A")
-                        "warm": "A" if key in gpu_warm else "B" if key in cpu_warm else None,
-                    }
+                    adapter_row(key, e, tier, key in self.loading, warm, self.demand, now)
                 )
             copies = {
                 "gpu": [k for k in self.slots if k is not None],

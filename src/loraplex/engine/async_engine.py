@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from loraplex.cache.key import AdapterRef
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engine.streams import Streams, request_stream
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: Streams = {}
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -60,7 +61,7 @@ class AsyncEngine:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-    async def generate(
+    def generate(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -72,30 +73,19 @@ class AsyncEngine:
         the loop early (a client gone) aborts it at once. `counted`: as in
         `LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:  # its outputs and aborts would reach the other request
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        finished = False
-        try:
+
+        async def start() -> None:
             matcher = None
             if params.structured is not None:  # compiling can take a while: off the event loop
                 matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
             self.engine.add_request(prompt_ids, params, adapter, request_id, counted, matcher)
             self._wake.set()
-            running = params.num_seqs  # each of the prompt's sequences ends with a finished output
-            while not finished:
-                out = await queue.get()
-                running -= out.finished
-                finished = running == 0
-                if out.error is not None:
-                    raise out.error
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
+
+        def abort() -> None:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+        return request_stream(self._streams, request_id, params.num_seqs, start, abort)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True

@@ -24,6 +24,7 @@ from loraplex.engine import wire
 from loraplex.engine.core import run_engine
 from loraplex.engine.errors import EngineUnavailable
 from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engine.streams import Streams, request_stream
 from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
@@ -54,7 +55,7 @@ class EngineClient:
         self._rpc = self._bind(zmq.REQ, addresses["rpc"])
         self._input_lock = threading.Lock()
         self._rpc_lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: Streams = {}
         self._dead: EngineUnavailable | None = None
         self._stopping = False
         spawn = multiprocessing.get_context("spawn")
@@ -220,7 +221,7 @@ class EngineClient:
                     return
                 sock.poll(POLL_MS, zmq.POLLOUT)  # until the peer can take it
 
-    async def generate(
+    def generate(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -229,33 +230,20 @@ class EngineClient:
         counted: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.generate`: outputs as the request advances; leaving early aborts it."""
-        if self._dead is not None:
-            raise self._dead
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:  # its outputs and aborts would reach the other request
-            raise ValueError(f"request id {request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        if self._loop is None or self._loop.is_closed():
-            self.attach(loop)
-        queue_: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (loop, queue_)
-        finished = False
-        try:
+
+        async def start() -> None:
+            loop = asyncio.get_running_loop()
+            if self._loop is None or self._loop.is_closed():
+                self.attach(loop)
             if self._dead is not None:  # it died before the stream was there to be failed
                 raise self._dead
             self._send(["add", request_id, list(prompt_ids), params, adapter, counted])
-            running = params.num_seqs  # each of the prompt's sequences ends with a finished output
-            while not finished:
-                out = await queue_.get()
-                running -= out.finished
-                finished = running == 0
-                if out.error is not None:
-                    raise out.error
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(["abort", request_id])
+
+        def abort() -> None:
+            self._send(["abort", request_id])
+
+        return request_stream(self._streams, request_id, params.num_seqs, start, abort)
 
     # -- operations and figures --------------------------------------------------------------------
     def call(self, method: str, *args):

@@ -299,8 +299,6 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
 
 def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
-    from loraplex.server.app import create_admin_app, create_app  # torch: only when serving
-
     check_model_dir(options.model)
     if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
         raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
@@ -328,6 +326,9 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
     else:
         engine_core = options.engine_core or "process"
         engine = load_engine(engine_config(options, registry.store), policy, engine_core)
+    # torch, only once every option has passed: a bad one exits in a second, not after the import
+    from loraplex.server.app import create_admin_app, create_app
+
     try:
         app = create_app(engine, registry, config, api_keys)
     except OSError as exc:  # the audit log cannot be opened
@@ -507,7 +508,7 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
 
 
 def server_config(options: ServeOptions, admin_token: str | None, metrics_token: str | None):
-    from loraplex.server.app import ServerConfig
+    from loraplex.server.config import ServerConfig
 
     o = options
     try:

@@ -58,6 +58,7 @@ from loraplex.cache.placement import (
     warm_pins,
 )
 from loraplex.cache.policy import DemandTracker, LRUPolicy
+from loraplex.cache.state import adapter_row
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -255,28 +256,9 @@ class VllmResidency:
                 for t in ("gpu", "cpu", "disk"):  # an adapter in a slot has its host copy too
                     if t == tier or (t == "cpu" and tier == "gpu") or (t == "disk" and on_disk):
                         copies[t].append(e.nbytes)
-                adapters.append(
-                    {
-                        "name": key.name,
-                        "revision": key.revision,
-                        "digest": key.adapter_digest,
-                        "base_model_digest": key.base_model_digest,
-                        "tenant": e.ref.tenant,
-                        "charged_to": sorted(e.charged),
-                        "tier": tier,
-                        "loading": key in self.loading,
-                        "bytes": e.nbytes,
-                        "pinned": e.pinned,
-                        "in_flight": e.refcount,
-                        "hits": e.hits,
-                        "loads": e.loads,
-                        "evictions": e.evictions,
-                        "last_access_s_ago": round(now - e.last_access, 3),
-                        "demand_5m": round(self.demand.short(key, now), 3),
-                        "warm": "A" if key in gpu_warm else "B" if key in cpu_warm else None,
-                        "lora_int_id": e.lora_id,
-                    }
-                )
+                warm = "A" if key in gpu_warm else "B" if key in cpu_warm else None
+                row = adapter_row(key, e, tier, key in self.loading, warm, self.demand, now)
+                adapters.append({**row, "lora_int_id": e.lora_id})
             in_slots = sum(
                 1 for e in self.entries.values() if e.in_vllm and (e.vllm_pinned or e.active)
             )
