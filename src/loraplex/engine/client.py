@@ -203,7 +203,9 @@ class EngineClient:
     # -- requests --------------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and (self._stopping or self.process.is_alive())
+        """Until the watcher has seen the process end (`_die`): every request asks, and asking the
+        process (a waitpid) would cost each one a system call."""
+        return self._dead is None
 
     def _send(self, message: list) -> None:
         """On the loop that reads the outputs, the messages of one turn go together at its end

@@ -166,6 +166,9 @@ async def _respond(
             return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
         if req.stream:
             return _EventStream(_events(run, fmt, req.include_usage), run)
+        if run.is_finished:  # with the first outputs (max_tokens 1, an early stop): no wait
+            await run.close()
+            return _json(fmt.final(run))
         collect = asyncio.ensure_future(_drain(run))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
