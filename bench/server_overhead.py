@@ -17,7 +17,8 @@ the overhead includes some of the client's own cost.
 CPU per request: the user + system CPU time (/proc/PID/stat) the API server and the engine process
 used during each measured run, divided by its requests; far steadier than req/s on a shared
 machine. In thread mode the engine runs inside the API server, whose figure then holds both; the
-direct row's engine figure is this process's own (the engine and its asyncio clients)."""
+direct row's engine figure is this process's own (the engine and its asyncio clients). The JSON also
+has the HTTP load generator's (`client_cpu_ms`)."""
 
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]
 
     async def all_runs():
         await drive(call, 20, 1)  # warm-up: the adapter is loaded into its slot
-        pids = {"server": None, "engine": os.getpid()}
+        pids = {"server": None, "engine": os.getpid(), "client": None}
         return {c: await drive(call, num_requests, c, pids) for c in clients}
 
     try:
@@ -273,7 +274,11 @@ def main() -> None:
             with console.status(f"starting loraplex serve --engine-core {core}"):
                 server = start_server(model, adapter, work, core)
             try:
-                pids = {"server": server.p.pid, "engine": engine_process(server.p.pid)}
+                pids = {
+                    "server": server.p.pid,
+                    "engine": engine_process(server.p.pid),
+                    "client": os.getpid(),
+                }
                 with console.status(f"HTTP, engine core: {core}"):
                     http[core] = run_http(server.url, args.requests, clients, pids)
             finally:
