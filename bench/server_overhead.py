@@ -1,7 +1,8 @@
 """What HTTP + auth + resolve add: a 1-token completion through `loraplex serve` vs the engine
 called directly, with the engine's step loop on a thread of the server and in a process of its own.
 
-    python bench/server_overhead.py [--requests N] [--clients 1,64] [--json OUT]
+    python bench/server_overhead.py [--requests N] [--clients 1,64] [--engine-cores thread,process]
+        [--json OUT]
 
 The tests' tiny Llama (hidden 64) and one PEFT adapter, built locally. Every request is the same: an
 8-token prompt (token ids), the adapter, max_tokens 1, greedy. Direct: `AsyncEngine.generate` in
@@ -11,7 +12,13 @@ API-keys file (so every request is authenticated and resolved through the regist
 connections of a minimal asyncio HTTP/1.1 client (httpx would cost the client as much CPU as the
 server). Overhead = HTTP p50 − direct p50; throughput ratio = HTTP req/s ÷ direct req/s. The HTTP
 client shares the machine's cores with the server; the direct client does not, so on a small machine
-the overhead includes some of the client's own cost."""
+the overhead includes some of the client's own cost.
+
+CPU per request: the user + system CPU time (/proc/PID/stat) the API server and the engine process
+used during each measured run, divided by its requests; far steadier than req/s on a shared
+machine. In thread mode the engine runs inside the API server, whose figure then holds both; the
+direct row's engine figure is this process's own (the engine and its asyncio clients). The JSON also
+has the HTTP load generator's (`client_cpu_ms`)."""
 
 from __future__ import annotations
 
@@ -52,6 +59,53 @@ def build_fixtures(root: Path) -> tuple[Path, Path]:
     return model, adapter
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_process(server_pid: int) -> int | None:
+    """The engine process `serve --engine-core process` spawned (multiprocessing's spawn runs
+    `spawn_main`; its resource tracker, if any, does not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):  # a process that ended meanwhile
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    return None
+
+
+class CpuMeter:
+    """CPU milliseconds per request of some processes over one run."""
+
+    def __init__(self, pids: dict[str, int | None]):
+        self.pids = pids
+
+    def __enter__(self):
+        self.start = {name: self._read(pid) for name, pid in self.pids.items()}
+        return self
+
+    def _read(self, pid: int | None) -> float | None:
+        if pid is None:
+            return None
+        return time.process_time() if pid == os.getpid() else cpu_seconds(pid)
+
+    def __exit__(self, *exc):
+        self.used = {name: self._read(pid) for name, pid in self.pids.items()}
+
+    def per_request(self, num_requests: int) -> dict:
+        return {
+            f"{name}_cpu_ms": None
+            if self.start[name] is None
+            else (self.used[name] - self.start[name]) * 1000 / num_requests
+            for name in self.pids
+        }
+
+
 def summarize(latencies: list[float], wall_s: float) -> dict:
     ordered = sorted(latencies)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
@@ -64,8 +118,9 @@ def summarize(latencies: list[float], wall_s: float) -> dict:
     }
 
 
-async def drive(call, num_requests: int, clients: int) -> dict:
-    """`clients` workers take requests from one counter until `num_requests` are done."""
+async def drive(call, num_requests: int, clients: int, pids: dict | None = None) -> dict:
+    """`clients` workers take requests from one counter until `num_requests` are done; with
+    `pids` (name: pid), the CPU those processes used per request too."""
     latencies: list[float] = []
     remaining = iter(range(num_requests))
 
@@ -76,8 +131,10 @@ async def drive(call, num_requests: int, clients: int) -> dict:
             latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    return summarize(latencies, time.perf_counter() - start)
+    with CpuMeter(pids or {}) as cpu:
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    wall_s = time.perf_counter() - start
+    return {**summarize(latencies, wall_s), **cpu.per_request(num_requests)}
 
 
 def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]) -> dict:
@@ -94,7 +151,8 @@ def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]
 
     async def all_runs():
         await drive(call, 20, 1)  # warm-up: the adapter is loaded into its slot
-        return {c: await drive(call, num_requests, c) for c in clients}
+        pids = {"server": None, "engine": os.getpid(), "client": None}
+        return {c: await drive(call, num_requests, c, pids) for c in clients}
 
     try:
         return asyncio.run(all_runs())
@@ -166,7 +224,7 @@ class RawClient:
             writer.close()
 
 
-def run_http(url: str, num_requests: int, clients: list[int]) -> dict:
+def run_http(url: str, num_requests: int, clients: list[int], pids: dict) -> dict:
     body = {"model": "bench", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
 
     async def all_runs():
@@ -176,7 +234,7 @@ def run_http(url: str, num_requests: int, clients: list[int]) -> dict:
             try:
                 # warm-up: connections open, adapter in its slot
                 await drive(client.post, max(20, c), c)
-                results[c] = await drive(client.post, num_requests, c)
+                results[c] = await drive(client.post, num_requests, c, pids)
             finally:
                 client.close()
         return results
@@ -187,12 +245,22 @@ def run_http(url: str, num_requests: int, clients: list[int]) -> dict:
 CORES = ("thread", "process")
 
 
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="measured requests per run")
     parser.add_argument("--clients", default="1,64", help="comma-separated concurrency levels")
+    parser.add_argument(
+        "--engine-cores", default=",".join(CORES), help="the serve --engine-core modes to run"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
+    cores = [c for c in args.engine_cores.split(",") if c]
+    if not set(cores) <= set(CORES):
+        parser.error(f"--engine-cores: choose from {', '.join(CORES)}")
     clients = [int(c) for c in args.clients.split(",")]
     console = Console()
     http = {}
@@ -202,22 +270,37 @@ def main() -> None:
             model, adapter = build_fixtures(work)
         with console.status("direct engine"):
             direct = run_direct(model, adapter, args.requests, clients)
-        for core in CORES:  # one server at a time: they would share the cores
+        for core in cores:  # one server at a time: they would share the cores
             with console.status(f"starting loraplex serve --engine-core {core}"):
                 server = start_server(model, adapter, work, core)
             try:
+                pids = {
+                    "server": server.p.pid,
+                    "engine": engine_process(server.p.pid),
+                    "client": os.getpid(),
+                }
                 with console.status(f"HTTP, engine core: {core}"):
-                    http[core] = run_http(server.url, args.requests, clients)
+                    http[core] = run_http(server.url, args.requests, clients, pids)
             finally:
                 server.stop()
 
     rows = []
     table = Table(title=f"1-token completion, {args.requests} requests per run")
-    columns = ("clients", "path", "req/s", "× direct", "p50 ms", "p99 ms", "p50 overhead ms")
+    columns = (
+        "clients",
+        "path",
+        "req/s",
+        "× direct",
+        "p50 ms",
+        "p99 ms",
+        "p50 overhead ms",
+        "server CPU ms/req",
+        "engine CPU ms/req",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for c in clients:
-        runs = [("direct", direct[c])] + [(f"http, {core}", http[core][c]) for core in CORES]
+        runs = [("direct", direct[c])] + [(f"http, {core}", http[core][c]) for core in cores]
         for path, result in runs:
             ratio = result["rps"] / direct[c]["rps"]
             overhead = result["p50_ms"] - direct[c]["p50_ms"]
@@ -232,6 +315,8 @@ def main() -> None:
                 f"{result['p50_ms']:.2f}",
                 f"{result['p99_ms']:.2f}",
                 f"{overhead:+.2f}" if path != "direct" else "",
+                _ms(result["server_cpu_ms"]),
+                _ms(result["engine_cpu_ms"]),
             )
     console.print(table)
     report = {

@@ -54,6 +54,7 @@ class EngineClient:
         self._output = self._bind(zmq.PULL, addresses["output"])
         self._rpc = self._bind(zmq.REQ, addresses["rpc"])
         self._input_lock = threading.Lock()
+        self._outbox: list[list] = []  # what this turn of the loop sends (`_send`)
         self._rpc_lock = threading.Lock()
         self._streams: Streams = {}
         self._dead: EngineUnavailable | None = None
@@ -203,13 +204,32 @@ class EngineClient:
     # -- requests --------------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and (self._stopping or self.process.is_alive())
+        """Until the watcher has seen the process end (`_die`): every request asks, and asking the
+        process (a waitpid) would cost each one a system call."""
+        return self._dead is None
 
     def _send(self, message: list) -> None:
-        if self._dead is not None:
+        """On the loop that reads the outputs, the messages of one turn go together at its end
+        (one encoding and one socket send for every request that came in that turn); from
+        elsewhere at once."""
+        loop = self._loop
+        if loop is None or not _runs_on(loop):
+            self._send_now([message])
+            return
+        if not self._outbox:
+            loop.call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        messages, self._outbox = self._outbox, []
+        if messages:
+            self._send_now(messages)
+
+    def _send_now(self, messages: list[list]) -> None:
+        if self._dead is not None or self._input.closed:
             return
         with self._input_lock:
-            self._send_to(self._input, wire.encode(message))
+            self._send_to(self._input, wire.encode(messages))
 
     def _send_to(self, sock: zmq.Socket, data: bytes) -> None:
         """Without blocking on a peer that is gone (a send to no peer waits for one)."""
@@ -271,7 +291,8 @@ class EngineClient:
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         if self.process.is_alive():
-            self._send(["stop"])
+            self._flush()
+            self._send_now([["stop"]])  # now: the wait below may hold the loop
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
@@ -288,6 +309,13 @@ class EngineClient:
             sock.close(linger=0)
         self._zmq.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _runs_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs on this thread
+        return False
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

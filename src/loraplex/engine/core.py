@@ -3,8 +3,9 @@ and the step loop, so that HTTP, tokenization and the step loop do not share one
 (engine/client.py) starts it with multiprocessing's spawn and speaks to it over ZeroMQ (wire.py).
 
 Sockets (the client binds them, this process connects):
-- input, PUSH → PULL: `["add", request_id, prompt_ids, params, adapter, counted]`, `["abort", id]`,
-  `["stop"]`.
+- input, PUSH → PULL: a list of messages, each `["add", request_id, prompt_ids, params, adapter,
+  counted]`, `["abort", id]` or `["stop"]` (the API server sends those of one turn of its event
+  loop together).
 - output, PUSH → PULL: `["ready", info]` or `["failed", exception]` once, then
   `["step", snapshot | None, outputs, events]`, the outputs as `wire.rows`.
 - rpc, REQ → REP: `[method, args]` → `[ok, result or exception, snapshot]`, the adapter operations
@@ -196,17 +197,18 @@ class EngineCore:
             return
         while True:
             try:
-                message = wire.decode(self.input.recv(zmq.NOBLOCK))
+                messages = wire.decode(self.input.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            kind = message[0]
-            if kind == "add":
-                self._add(*message[1:])
-            elif kind == "abort":
-                self._abort(message[1])
-            elif kind == "stop":
-                self.stopping = True
-                return
+            for message in messages:
+                kind = message[0]
+                if kind == "add":
+                    self._add(*message[1:])
+                elif kind == "abort":
+                    self._abort(message[1])
+                elif kind == "stop":
+                    self.stopping = True
+                    return
 
     def _add(self, request_id, prompt_ids, params, adapter, counted) -> None:
         if params.structured is not None:

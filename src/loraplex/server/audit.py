@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import threading
@@ -30,33 +31,55 @@ FIELDS = (
 )
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # as json.dumps, without building one a line
+
+
 class AuditLog:
     """Appends to a file (created with its parents), or writes to stdout for `-`; None writes
-    nothing."""
+    nothing.
+
+    The lines written on an event loop go out together at the end of its turn, one write for every
+    request that ended in it: a process killed meanwhile loses that turn's lines, no others. A line
+    written elsewhere (no loop running on the thread) goes out at once."""
 
     def __init__(self, target: str | Path | None):
         self.target = target
         self._lock = threading.Lock()
+        self._lines: list[str] = []
         if target is None:
             self._out = None
         elif str(target) == "-":
             self._out = sys.stdout
         else:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
-            # line-buffered: one write per line
-            self._out = open(target, "a", buffering=1, encoding="utf-8")
+            self._out = open(target, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self._out is None:
             return
-        line = json.dumps({k: record.get(k) for k in FIELDS}, separators=(",", ":"))
+        line = _ENCODER.encode({k: record.get(k) for k in FIELDS}) + "\n"
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         with self._lock:
-            self._out.write(line + "\n")
+            if loop is not None and not self._lines:
+                loop.call_soon(self.flush)
+            self._lines.append(line)
+        if loop is None:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+            if lines and self._out is not None:
+                self._out.write("".join(lines))
+                self._out.flush()
 
     def close(self) -> None:
+        self.flush()
         with self._lock:
             if self._out is not None:
-                self._out.flush()
                 if self._out is not sys.stdout:
                     self._out.close()
                 self._out = None

@@ -174,6 +174,11 @@ class RequestRun:
         self.resolver.finished(self.target)
         self._record()
 
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has its finish reason (its last output is in)."""
+        return all(c.finish_reason is not None for c in self.choices)
+
     def returned_choices(self) -> list[ChoiceState]:
         """The choices the answer holds: with best_of, each prompt's n of highest cumulative
         logprob, numbered again from 0 (as vLLM did)."""

@@ -147,6 +147,7 @@ class ServerMetrics:
         # (name, revision, digest) -> rank: fixed once known
         self._ranks: dict[tuple[str, str, str], int | None] = {}
         self.adapter_requests: Tally[str] = Tally()
+        self._children: dict[tuple, object] = {}
         r.register(_LiveCollector(snapshot, self))
 
     def on_cache_event(self, kind: str, fields: dict) -> None:
@@ -159,7 +160,7 @@ class ServerMetrics:
             else:
                 # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a
                 # miss
-                self.cache_hits.labels(tier or "gpu").inc()
+                self._child(self.cache_hits, tier or "gpu").inc()
         elif kind == "eviction":
             self.evictions.labels(fields.get("tier", "gpu")).inc()
         elif kind == "reload_after_eviction":
@@ -171,10 +172,19 @@ class ServerMetrics:
         elif kind == "load_failed":
             self.load_failures.labels(str(fields.get("error", "unknown"))).inc()
 
+    def _child(self, metric, *labels: str):
+        """`metric.labels(*labels)`, looked up once per label values (a child lives as long as its
+        metric; labels() validates and locks at every call)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def on_request(
         self, tenant: str, status: int, adapter: str | None, tier: str | None, denied: bool
     ) -> None:
-        self.requests.labels(tenant, str(status)).inc()
+        self._child(self.requests, tenant, str(status)).inc()
         if denied:
             self.tenant_denied.labels(tenant).inc()
         if tier in ("disk", "remote") and status < 400:
@@ -186,7 +196,7 @@ class ServerMetrics:
         self, tier: str, ttft_s: float | None, tpot_s: float | None, queue_wait_s: float | None
     ) -> None:
         if ttft_s is not None:
-            self.ttft.labels(tier).observe(ttft_s)
+            self._child(self.ttft, tier).observe(ttft_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
         if queue_wait_s is not None:

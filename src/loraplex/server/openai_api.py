@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from loraplex.server import schemas, vllm_api
@@ -166,6 +166,9 @@ async def _respond(
             return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
         if req.stream:
             return _EventStream(_events(run, fmt, req.include_usage), run)
+        if run.is_finished:  # with the first outputs (max_tokens 1, an early stop): no wait
+            await run.close()
+            return _json(fmt.final(run))
         collect = asyncio.ensure_future(_drain(run))
         try:
             await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -179,7 +182,7 @@ async def _respond(
                 # its generator unwinds before the close
                 await asyncio.gather(collect, return_exceptions=True)
             await run.close()
-        return JSONResponse(fmt.final(run))
+        return _json(fmt.final(run))
     finally:
         gone.cancel()
 
@@ -196,8 +199,17 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+# As JSONResponse's and json.dumps's encodings, without building an encoder for each body.
+_BODY = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_EVENT = json.JSONEncoder(separators=(",", ":"))
+
+
+def _json(body: dict) -> Response:
+    return Response(_BODY.encode(body).encode(), media_type="application/json")
+
+
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _EVENT.encode(obj).encode() + b"\n\n"
 
 
 async def _events(run: RequestRun, fmt, include_usage: bool):

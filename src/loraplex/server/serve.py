@@ -30,6 +30,7 @@ from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
+from loraplex.server.protocol import OneSendPerTurn
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
@@ -644,7 +645,7 @@ def run(options: ServeOptions) -> None:
         if admin is not None:
             admin.should_exit = True
 
-    main = _Uvicorn(uvicorn.Config(app, **uv_options), on_exit=on_exit)
+    main = _Uvicorn(uvicorn.Config(app, http=OneSendPerTurn, **uv_options), on_exit=on_exit)
     print(
         f"loraplex serving {server.config.served_model_name} on {_url(options.host, main_sock)}",
         flush=True,
