@@ -3,6 +3,8 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from datetime import UTC, datetime
 
 from sqlalchemy import (
@@ -195,7 +197,7 @@ def make_engine(url: str) -> Engine:
     def _on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # transactions are begun explicitly below
         cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _set_wal(cursor, deadline=time.monotonic() + 30)
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
@@ -209,6 +211,20 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if options.get("write") else "BEGIN")
 
     return engine
+
+
+def _set_wal(cursor, deadline: float) -> None:
+    # Turning a fresh file to WAL takes its exclusive lock, and SQLite answers "locked" at once,
+    # without the busy timeout, while another process holds it (two servers starting on one new
+    # registry): wait here instead.
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def writer(engine: Engine) -> Engine:
