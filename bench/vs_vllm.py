@@ -60,6 +60,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import psutil
 from rich.console import Console
 from rich.table import Table
 from shaped_store import shaped_store_process
@@ -365,6 +366,27 @@ def hot_ttft_p99(summary: dict, trace: list, window: tuple[float, float] | None)
     return round(values[min(len(values) - 1, int(0.99 * len(values)))], 1) if values else None
 
 
+def process_tree_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of a server's process and of each of its descendants (vLLM's
+    engine core, the native engine process)."""
+    root = psutil.Process(pid)
+    out = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[proc.pid] = times.user + times.system
+    return out
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float], pid: int) -> tuple[float, float]:
+    """CPU seconds between two `process_tree_cpu` readings: the API server's, and the rest of
+    its tree's (a descendant that started meanwhile counts from zero)."""
+    rest = sum(t - before.get(p, 0.0) for p, t in after.items() if p != pid)
+    return after[pid] - before[pid], rest
+
+
 def measure(
     server: Server, workloads: dict[str, list], clients: int, console: Console, remote: Remote
 ) -> dict[str, dict]:
@@ -373,7 +395,10 @@ def measure(
         fetched = remote.hot_fetches()
         open_loop = run(LoadConfig(url=server.url), trace, per_request=True)
         fetched = remote.hot_fetches() - fetched
+        cpu = process_tree_cpu(server.p.pid)
         closed = run(LoadConfig(url=server.url, clients=clients), trace)
+        api_cpu, engine_cpu = cpu_spent(cpu, process_tree_cpu(server.p.pid), server.p.pid)
+        served = max(1, closed["requests"] - closed["failed"])
         burst = None
         if name == "seed scenario":
             cold = [r.time for r in trace if r.adapter not in HOT_NAMES]
@@ -391,6 +416,8 @@ def measure(
             "cold_starts": open_loop["cold_starts"] if open_loop["tiers"]["unknown"] == 0 else None,
             "throughput_req_s": closed["throughput"]["requests_per_s"],
             "throughput_tok_s": closed["throughput"]["output_tokens_per_s"],
+            "api_cpu_ms_per_req": round(api_cpu * 1000 / served, 2),
+            "engine_cpu_ms_per_req": round(engine_cpu * 1000 / served, 2),
         }
         console.log(server.name, name, row)
         out[name] = row
@@ -550,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         "hot_ttft_p99_ms",
         "hot_fetches",
         "cold_starts",
+        "api_cpu_ms_per_req",
+        "engine_cpu_ms_per_req",
     ]
     for c in columns:
         table.add_column(c, justify="right")
@@ -576,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 "",
                 *(str(ratio.get(c, "")) for c in columns[4:11]),
+                "",
+                "",
                 "",
                 "",
             )
