@@ -28,6 +28,7 @@ from loraplex.engine.streams import Streams, request_stream
 from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
+from loraplex.spawn import without_main_module
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class EngineClient:
             name="loraplex-engine",
             daemon=True,
         )
-        self.process.start()
+        with without_main_module():
+            self.process.start()
         try:
             info = self._wait_ready()
         except BaseException:

@@ -20,6 +20,7 @@ from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
+from loraplex.spawn import without_main_module
 
 log = logging.getLogger(__name__)
 _OUR_ID = re.compile(r"[0-9a-f]{32}")
@@ -180,9 +181,12 @@ class VllmEngine:
                     yield out
 
         try:
-            llm = LoraplexAsyncLLM.from_vllm_config(
-                vllm_config=vllm_config, disable_log_stats=False, stat_loggers=[self._stat_logger()]
-            )
+            with without_main_module():
+                llm = LoraplexAsyncLLM.from_vllm_config(
+                    vllm_config=vllm_config,
+                    disable_log_stats=False,
+                    stat_loggers=[self._stat_logger()],
+                )
         except Exception as exc:
             raise VllmStartError(f"vLLM's engine did not start: {_first_line(exc)}") from None
         _drop_prometheus_logger(llm)
