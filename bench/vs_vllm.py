@@ -41,6 +41,11 @@ after a removal, is a fetch. What each server pays for it:
   Which adapters get removed, and so how often the hot ones pay the fetch again, is each server's
   policy: vLLM's LRU, or loraplex's.
 The Zipf and uniform workloads read their adapters from local directories on every server.
+
+No trace has base-model requests, so `loraplex-vllm` runs with `--base-as-zero-adapter off`, as on a
+GPU: with the zero adapter (the CPU default, for base requests in a batch with LoRA rows) one of
+vLLM's slots is always pinned, and loraplex hands vLLM no more adapters than its unpinned slots
+(docs/cache.md, "On the vLLM engine").
 """
 
 from __future__ import annotations
@@ -249,6 +254,10 @@ def start_loraplex_vllm(
         "--max-lora-rank",
         str(LIMITS["max_lora_rank"]),
         "--vllm-arg=--max-model-len=128",
+        # no base-model requests in these traces: served as on a GPU, without the zero adapter
+        # (vLLM-CPU's base rows are wrong only in a batch with LoRA rows), whose pinned slot would
+        # keep loraplex from handing vLLM adapters beyond its slots
+        *("--base-as-zero-adapter", "off"),
         *remote.loraplex_args,
         *remote.local_modules(adapters),
     ]
