@@ -951,10 +951,8 @@ class VllmResidency:
     def _in_use(self, name: str) -> bool:
         """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
         share it)."""
-        return any(
-            self._staged(k).name == name and (e.in_vllm or k in self.loading)
-            for k, e in self.entries.items()
-        )
+        with self._lock:
+            return any(self._staged(k).name == name for k in (*self._held, *self.loading))
 
     def _drop_staged(self, target: Path) -> None:
         with self._lock:
