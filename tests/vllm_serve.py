@@ -8,6 +8,20 @@ import time
 from pathlib import Path
 
 import httpx
+from tinymodels import make_adapter, make_model
+
+
+def make_world(root: Path, adapters: dict[str, dict]) -> tuple[Path, dict[str, Path]]:
+    """A tiny Llama that vLLM's CPU attention serves (head size 64: it refuses 16) and PEFT
+    adapters of it, `adapters` giving each one's LoRA settings."""
+    model = make_model(
+        root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
+    )
+    made = {
+        n: make_adapter(model, root / n, seed=i + 1, **a)
+        for i, (n, a) in enumerate(adapters.items())
+    }
+    return model, made
 
 
 def start(args: list, root: Path) -> tuple[subprocess.Popen, str]:

@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 import vllm_serve
-from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
+from tinymodels import make_adapter, peft_reference, reference_greedy
 
 pytest.importorskip("vllm")
 
@@ -32,14 +32,7 @@ ADAPTERS = {  # all ranks <= 8 (vLLM's --max-lora-rank 8), attention and MLP tar
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-world")
-    # head size 64: vLLM's CPU attention refuses 16
-    model = make_model(
-        root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
-    )
-    adapters = {
-        n: make_adapter(model, root / n, seed=i + 1, **a)
-        for i, (n, a) in enumerate(ADAPTERS.items())
-    }
+    model, adapters = vllm_serve.make_world(root, ADAPTERS)
     private = make_adapter(
         model, root / "private", seed=9, r=8, lora_alpha=16, target_modules=["o_proj"]
     )

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 import vllm_serve
-from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
+from tinymodels import peft_reference, reference_greedy
 
 pytest.importorskip("vllm")
 
@@ -32,14 +32,7 @@ TOKENS = 32
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-ahead")
-    # head size 64: vLLM's CPU attention refuses 16
-    model = make_model(
-        root / "model", "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
-    )
-    adapters = {
-        n: make_adapter(model, root / n, seed=i + 1, **a)
-        for i, (n, a) in enumerate(ADAPTERS.items())
-    }
+    model, adapters = vllm_serve.make_world(root, ADAPTERS)
     reference = peft_reference(model, adapters)
     expected = {n: reference_greedy(reference, PROMPT, n, TOKENS) for n in adapters}
     (root / "keys.txt").write_text(f"alice {KEY}\n")
