@@ -24,6 +24,27 @@ def make_world(root: Path, adapters: dict[str, dict]) -> tuple[Path, dict[str, P
     return model, made
 
 
+def greedy_ids(
+    url: str, key: str, model: str, prompt: list[int], n: int, timeout: float = 120
+) -> tuple[httpx.Response, list[int]]:
+    """A greedy completion of exactly `n` tokens (the response, asserted 200, and its ids)."""
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=timeout,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r, r.json()["choices"][0]["token_ids"]
+
+
 def start(args: list, root: Path) -> tuple[subprocess.Popen, str]:
     """The started server and its URL, once `/ready` answers; its stderr goes to root/stderr.log.
     vLLM's CPU engine takes 15-120 s to start here."""

@@ -97,21 +97,7 @@ def _client(url, tenant="alice"):
 
 
 def _greedy_ids(url, model, prompt, n=8, tenant="alice"):
-    r = httpx.post(
-        f"{url}/v1/completions",
-        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
-        timeout=120,
-        json={
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r, r.json()["choices"][0]["token_ids"]
+    return vllm_serve.greedy_ids(url, KEYS[tenant], model, prompt, n)
 
 
 def test_greedy_parity_with_peft_for_base_and_adapters_sent_concurrently(world, server):

@@ -55,21 +55,7 @@ def world(tmp_path_factory):
 
 
 def _greedy(url: str, model: str) -> list[int]:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=300,
-        json={
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return vllm_serve.greedy_ids(url, KEY, model, PROMPT, TOKENS, timeout=300)[1]
 
 
 def _burst(url: str, names: list[str]) -> tuple[dict[str, list], set[str]]:
