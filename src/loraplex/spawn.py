@@ -12,7 +12,7 @@ from collections.abc import Iterator
 def without_main_module() -> Iterator[None]:
     """While spawn children start (the native engine process, vLLM's engine core): spawn runs
     the parent's `__main__` again in each child, for what was pickled from it, and under
-    `loraplex serve` that is `loraplex.cli` with every command's imports (about 2 s of CPU per
+    `loraplex serve` that is `loraplex.cli` with every command's imports (about 1.6 s of CPU per
     child). The children's targets live in importable modules, so they need none of it."""
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")

@@ -58,7 +58,7 @@ def _greedy(url: str, model: str) -> list[int]:
     return vllm_serve.greedy_ids(url, KEY, model, PROMPT, TOKENS, timeout=300)[1]
 
 
-def _burst(url: str, names: list[str]) -> tuple[dict[str, list], set[str]]:
+def _burst(url: str, names: list[str]) -> tuple[list[tuple[str, list[int]]], set[str]]:
     """Every request of `names` at once; the answers, and the most adapters /admin/state showed
     with requests handed to vLLM at one time (tier gpu, as loraplex counts its slots)."""
     done, most = threading.Event(), set()
