@@ -179,6 +179,21 @@ def test_changes_by_another_process_are_seen_at_once(canary, db_url, make_regist
         canary.resolve("default", "chat")
 
 
+def test_the_change_count_moves_with_another_workers_changes_on_any_thread(
+    registry, db_url, make_registry
+):
+    other = make_registry(db_url)  # another worker on the same database
+    before = registry.change_count()
+    other.add_tenant("acme")
+    assert registry.change_count() == before + 1
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.append(registry.change_count()))
+    reader.start()
+    reader.join()
+    other.add_tenant("globex")
+    assert seen == [before + 1] and registry.change_count() == before + 2
+
+
 def test_quarantined_revisions_are_never_served(canary):
     adapter = canary.quarantine("chat", "r2", "digest mismatch on worker-3")
     assert adapter.traffic == (("r1", 100),)

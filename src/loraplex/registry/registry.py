@@ -14,6 +14,7 @@ import logging
 import random
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,6 +129,10 @@ class Registry:
         self.actor = actor
         self._rng = random.Random()
         self._snapshots: dict[str, _Snapshot] = {}  # name -> what resolve last read about it
+        # SQLite: the change count is read on a connection of its own, without SQLAlchemy's
+        # checkout and statement layers (5 µs against 140: the server reads it for every request)
+        self._counter_lock = threading.Lock()
+        self._counter = None  # its DBAPI connection, made at first use
         self._ready = self._schema_ready()  # a newer schema refuses here, before any work
 
     def _schema_ready(self) -> bool:
@@ -139,6 +144,10 @@ class Registry:
         return ready
 
     def close(self) -> None:
+        with self._counter_lock:
+            counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.close()
         self.engine.dispose()
 
     def init(self) -> None:
@@ -406,8 +415,23 @@ class Registry:
         """A number every registry change moves (one query): a reader may keep what it read until it
         moves."""
         self._check_ready()
-        with self._reader.connect() as conn:
-            return conn.execute(_CHANGE_COUNT).scalar_one()
+        if self.engine.dialect.name != "sqlite":
+            with self._reader.connect() as conn:
+                return conn.execute(_CHANGE_COUNT).scalar_one()
+        with self._counter_lock:
+            if self._counter is None:
+                self._counter = self.engine.raw_connection()
+            try:
+                cursor = self._counter.cursor()
+                try:
+                    cursor.execute(_CHANGE_COUNT_SQL)
+                    return cursor.fetchone()[0]
+                finally:
+                    cursor.close()
+            except Exception:  # the next read opens a fresh connection
+                self._counter.invalidate()
+                self._counter = None
+                raise
 
     def _snapshot(self, name: str, change_count: int | None = None) -> _Snapshot | None:
         """What resolution needs about `name`, read again only when the registry changed since (one
@@ -987,6 +1011,7 @@ _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (
     m.__table__ for m in (Adapter, Revision, Traffic, Grant)
 )
 _CHANGE_COUNT = select(ChangeCounter.__table__.c.value).where(ChangeCounter.__table__.c.id == 1)
+_CHANGE_COUNT_SQL = f"SELECT value FROM {ChangeCounter.__tablename__} WHERE id = 1"
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
 _GRANTS_OF = (
     select(_GRANTS.c.tenant)
