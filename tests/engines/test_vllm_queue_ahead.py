@@ -24,6 +24,8 @@ ADAPTERS = {
     "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
     "attn": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "out": dict(r=8, lora_alpha=16, target_modules=["o_proj"]),
+    # the shape of qv, other weights: once vLLM has taken qv, its requests do not wait for its add
+    "qv-twin": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
 }
 PROMPT = [5, 17, 3, 40]
 TOKENS = 32
@@ -103,4 +105,13 @@ def test_with_a_slot_pinned_vllm_is_handed_no_more_adapters_than_the_unpinned_sl
         httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60).raise_for_status()
     assert [ids for _, ids in answers] == [expected[m] for m, _ in answers]
     assert len(most) == 1, most  # the one unpinned slot: a batch with more would fail in vLLM
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_an_adapter_of_a_shape_vllm_took_is_served_its_own_weights(world):
+    url, expected = world
+    assert _greedy(url, "qv") == expected["qv"]  # vLLM has taken this shape
+    assert expected["qv-twin"] != expected["qv"]
+    answers, _ = _burst(url, ["qv-twin"] * 3)
+    assert [ids for _, ids in answers] == [expected["qv-twin"]] * 3
     assert httpx.get(f"{url}/health").status_code == 200

@@ -37,10 +37,10 @@ def staging(llama_dir, tmp_path, monkeypatch):
 
 def test_a_kept_staged_copy_is_used_again_without_a_copy_and_hashed_before_each_add(staging):
     adapters, ref, hashed = staging
-    nbytes, _ = adapters._stage(ref)
+    nbytes, _, shape = adapters._stage(ref)
     staged = adapters._staged(ref.key) / WEIGHTS
     inode = staged.stat().st_ino
-    assert adapters._stage(ref)[0] == nbytes
+    assert adapters._stage(ref)[::2] == (nbytes, shape)  # the kept copy: the same size and shape
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]  # the source, then the copy
     assert staged.stat().st_ino == inode
     assert staged.stat().st_mode & 0o222 == 0  # read-only
@@ -74,3 +74,20 @@ def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, 
     assert sorted(p.name for p in stage.iterdir() if not p.name.startswith(".removed")) == [
         new.name
     ]
+
+
+def test_the_shape_vllm_checks_is_the_config_and_the_tensor_layout_not_the_values(
+    llama_dir, tmp_path
+):
+    def shape(name, seed, **lora):
+        made = make_adapter(llama_dir, tmp_path / name, seed=seed, **lora)
+        return residency.vllm_shape({p.name: p.read_bytes() for p in made.iterdir()})
+
+    qv = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    first = shape("a", 1, **qv)
+    assert first is not None and shape("b", 2, **qv) == first  # other weights, same shape
+    assert shape("c", 1, **{**qv, "r": 8}) != first  # a rank over the limit is refused by vLLM
+    assert shape("d", 1, **{**qv, "target_modules": ["q_proj", "k_proj"]}) != first
+    assert shape("e", 1, **{**qv, "lora_alpha": 16}) != first
+    assert residency.vllm_shape({"adapter_config.json": b"{}"}) is None  # no weights
+    assert residency.vllm_shape({"adapter_config.json": b"{", WEIGHTS: b"x" * 8}) is None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from loraplex.cache.placement import (
 )
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 from loraplex.cache.state import adapter_row
+from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -92,7 +94,7 @@ class Fingerprint(NamedTuple):
     """What the file system says of a staged copy: the directory's and each entry's inode, size,
     mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
     changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
-    bytes as when it was taken (`VllmResidency._verified_size` takes it around each hash)."""
+    bytes as when it was taken (`VllmResidency._verified_files` takes it around each hash)."""
 
     directory: tuple[int, int, int]
     files: tuple[tuple[str, int, int, int, int], ...]
@@ -105,6 +107,21 @@ def fingerprint(directory: Path) -> Fingerprint:
         st = entry.stat(follow_symlinks=False)
         files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
+
+
+def vllm_shape(files: Mapping[str, bytes | memoryview]) -> str | None:
+    """What vLLM's add checks of an adapter, as one digest: its files' names, its config, and its
+    tensors' names, dtypes and shapes. vLLM refuses an adapter for its rank, features, modules or
+    sizes, never for its values: it takes an adapter of a shape it has taken. None: not an adapter
+    it would read."""
+    try:
+        config = json.loads(bytes(files[CONFIG_FILE]))
+        tensors = parse_safetensors_header(files[WEIGHTS_FILE]).tensors
+    except (KeyError, ValueError):  # AdapterRejected is a ValueError
+        return None
+    layout = sorted((name, t["dtype"], t["shape"]) for name, t in tensors.items())
+    text = json.dumps([sorted(files), config, layout], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -132,6 +149,7 @@ class Resident:
     last_tenant: str = ""  # the tenant whose request used it last (at first, the ref's)
     busy: BusyShare = field(default_factory=BusyShare)  # recent time with requests in vLLM
     restorable: bool = True  # added back ahead of its requests (False from an operator's evict)
+    shape: str | None = None  # what vLLM's add checks of it, as a digest (`vllm_shape`)
 
     def __post_init__(self):
         self.last_tenant = self.last_tenant or self.ref.tenant
@@ -208,6 +226,7 @@ class VllmResidency:
         self._ids: dict[int, AdapterKey] = {}
         self._num_adding = 0  # adds sent to vLLM whose answer has not come
         self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
+        self._accepted_shapes: set[str] = set()  # the `vllm_shape`s of those
         # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
         # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
         # verified: the re-add after an unpin checks it (`_is_unchanged`); a load hashes the copy.
@@ -650,7 +669,7 @@ class VllmResidency:
     async def _stage_and_add(self, ref: AdapterRef) -> None:
         loop = asyncio.get_running_loop()
         try:
-            nbytes, stages = await loop.run_in_executor(self._executor, self._stage, ref)
+            nbytes, stages, shape = await loop.run_in_executor(self._executor, self._stage, ref)
         except (DigestMismatch, ArtifactError, OSError) as exc:
             error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
             self.on_event(
@@ -664,7 +683,7 @@ class VllmResidency:
         entry = self.entries.get(ref.key)
         if entry is None:
             return  # forgotten while it loaded
-        entry.nbytes = nbytes
+        entry.nbytes, entry.shape = nbytes, shape
         # A request that cannot run yet would hold its host copy while it waits for a slot: it
         # waits without one rather than push out an adapter of the gpu warm set for it.
         while entry.refcount and not self._has_slot(entry) and not self._spare_room():
@@ -688,10 +707,11 @@ class VllmResidency:
             if entry.refcount:
                 self.host_loads.record("cpu", self.clock())
             added = await self._send(self._add(entry))
-        if entry.lora_id in self._accepted:
-            # vLLM added these bytes before, so it takes them again: its engine core runs the add
-            # before any request sent after it (one input queue), and the requests need not wait
-            # for the answer's round trip. The answer still ends the add (`_added`).
+        if entry.lora_id in self._accepted or entry.shape in self._accepted_shapes:
+            # vLLM added these bytes before, or an adapter of the same shape, so it takes them: its
+            # engine core runs the add before any request sent after it (one input queue), and the
+            # requests need not wait for the answer's round trip. The answer still ends the add
+            # (`_added`).
             self._num_adding -= 1  # counted from here on as in vLLM
             added.add_done_callback(lambda task: self._added(entry, task, counted=False))
         else:  # a first add may be refused (a module or rank vLLM cannot serve): wait for it
@@ -699,7 +719,6 @@ class VllmResidency:
                 await added
             finally:
                 self._added(entry, added)
-            self._accepted.add(entry.lora_id)
         with self._lock:
             self._set_in_vllm(entry, True)
             entry.loaded_at, entry.loads = self.clock(), entry.loads + 1
@@ -717,7 +736,11 @@ class VllmResidency:
             self._num_adding -= 1
         entry.adding = False
         failed = task.cancelled() or task.exception() is not None
-        if failed and entry.lora_id in self._accepted:
+        if not failed:
+            self._accepted.add(entry.lora_id)
+            if entry.shape is not None:
+                self._accepted_shapes.add(entry.shape)
+        elif not counted:  # counted in vLLM already (`_stage_and_add`)
             self._set_in_vllm(entry, False)
             self._accepted.discard(entry.lora_id)
         self._room.set()  # a refused add leaves its room to the loads that wait
@@ -765,17 +788,18 @@ class VllmResidency:
             )
             raise error
 
-    def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float]]:
+    def _stage(self, ref: AdapterRef) -> tuple[int, dict[str, float], str | None]:
         """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
         vLLM reads), read-only; a staged copy is checked again before each add
-        (`_verified_size`), so a file changed there is never served."""
+        (`_verified_files`), so a file changed there is never served. Returns its size, the
+        stages' seconds and its `vllm_shape`."""
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
-            nbytes = self._verified_size(target, ref.key.adapter_digest)
-            if nbytes is not None:
+            files = self._verified_files(target, ref.key.adapter_digest)
+            if files is not None:
                 stages["disk"] = time.perf_counter() - start
-                return nbytes, stages
+                return sum(len(v) for v in files.values()), stages, vllm_shape(files)
             shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
         if ref.path is not None:
             files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
@@ -802,10 +826,10 @@ class VllmResidency:
         work.rename(target)
         with self._lock:
             self._verified[target.name] = fingerprint(target)
-        return sum(len(v) for v in files.values()), stages
+        return sum(len(v) for v in files.values()), stages, vllm_shape(files)
 
-    def _verified_size(self, target: Path, digest: str) -> int | None:
-        """The size of the staged copy `target` when its bytes are those of `digest`, else None.
+    def _verified_files(self, target: Path, digest: str) -> dict[str, bytes] | None:
+        """The files of the staged copy `target` when its bytes are those of `digest`, else None.
 
         Every add from a staged copy hashes it first (an artifact's digest is checked before each
         use, on every engine); what a kept copy saves is the copy from the source, not the hash.
@@ -820,7 +844,7 @@ class VllmResidency:
             return None  # changed while it was hashed
         with self._lock:
             self._verified[target.name] = before
-        return sum(len(v) for v in files.values())
+        return files
 
     def _is_unchanged(self, key: AdapterKey) -> bool:
         """Whether the staged copy of `key` is as verified (a stat per file: fit for the loop)."""
