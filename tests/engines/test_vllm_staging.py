@@ -4,6 +4,7 @@ runs before anything reaches it."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -79,6 +80,8 @@ def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, 
 def test_the_shape_vllm_checks_is_the_config_and_the_tensor_layout_not_the_values(
     llama_dir, tmp_path
 ):
+    pytest.importorskip("vllm.lora.peft_helper")  # which config fields vLLM reads
+
     def shape(name, seed, **lora):
         made = make_adapter(llama_dir, tmp_path / name, seed=seed, **lora)
         return residency.vllm_shape({p.name: p.read_bytes() for p in made.iterdir()})
@@ -89,5 +92,11 @@ def test_the_shape_vllm_checks_is_the_config_and_the_tensor_layout_not_the_value
     assert shape("c", 1, **{**qv, "r": 8}) != first  # a rank over the limit is refused by vLLM
     assert shape("d", 1, **{**qv, "target_modules": ["q_proj", "k_proj"]}) != first
     assert shape("e", 1, **{**qv, "lora_alpha": 16}) != first
+    renamed = tmp_path / "a" / "adapter_config.json"
+    config = json.loads(renamed.read_text())
+    renamed.chmod(0o644)
+    renamed.write_text(json.dumps({**config, "revision": "v2", "base_model_name_or_path": "x"}))
+    files = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()}
+    assert residency.vllm_shape(files) == first  # fields vLLM does not read
     assert residency.vllm_shape({"adapter_config.json": b"{}"}) is None  # no weights
     assert residency.vllm_shape({"adapter_config.json": b"{", WEIGHTS: b"x" * 8}) is None

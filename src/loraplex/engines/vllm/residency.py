@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -110,18 +112,31 @@ def fingerprint(directory: Path) -> Fingerprint:
 
 
 def vllm_shape(files: Mapping[str, bytes | memoryview]) -> str | None:
-    """What vLLM's add checks of an adapter, as one digest: its files' names, its config, and its
-    tensors' names, dtypes and shapes. vLLM refuses an adapter for its rank, features, modules or
-    sizes, never for its values: it takes an adapter of a shape it has taken. None: not an adapter
-    it would read."""
+    """What vLLM's add checks of an adapter, as one digest: its files' names, the fields of its
+    config that vLLM reads, and its tensors' names, dtypes and shapes. vLLM refuses an adapter for
+    its rank, features, modules or sizes, never for its values: it takes an adapter of a shape it
+    has taken. None: not an adapter it would read."""
     try:
         config = json.loads(bytes(files[CONFIG_FILE]))
         tensors = parse_safetensors_header(files[WEIGHTS_FILE]).tensors
     except (KeyError, ValueError):  # AdapterRejected is a ValueError
         return None
+    read = _config_fields_vllm_reads()
+    if isinstance(config, dict) and read is not None:  # not a name or a revision, say
+        config = {k: v for k, v in config.items() if k in read}
     layout = sorted((name, t["dtype"], t["shape"]) for name, t in tensors.items())
     text = json.dumps([sorted(files), config, layout], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def _config_fields_vllm_reads() -> frozenset[str] | None:
+    """The `adapter_config.json` fields vLLM's adapter load reads (its `PEFTHelper`'s)."""
+    try:
+        from vllm.lora.peft_helper import PEFTHelper
+    except ImportError:  # every field counts
+        return None
+    return frozenset(f.name for f in dataclasses.fields(PEFTHelper))
 
 
 @dataclass
