@@ -141,11 +141,9 @@ class EngineClient:
         this reads until none is left)."""
         while not self._stopping:
             try:
-                # asked first: a `recv` that finds nothing raises, and building that costs more
-                # than the check
-                if not self._output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return
                 data = self._output.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             except zmq.ZMQError:  # the socket closed under a stopping client
                 return
             _, snapshot, outputs, events = wire.decode(data)

@@ -195,9 +195,11 @@ class EngineCore:
     def _take_messages(self, timeout_ms: int) -> None:
         if not self.input.poll(timeout_ms):
             return
-        # asked before each read: a `recv` that finds nothing raises, which costs more
-        while self.input.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            messages = wire.decode(self.input.recv(zmq.NOBLOCK))
+        while True:
+            try:
+                messages = wire.decode(self.input.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
             for message in messages:
                 kind = message[0]
                 if kind == "add":

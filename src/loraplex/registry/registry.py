@@ -1011,7 +1011,7 @@ _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS = (
     m.__table__ for m in (Adapter, Revision, Traffic, Grant)
 )
 _CHANGE_COUNT = select(ChangeCounter.__table__.c.value).where(ChangeCounter.__table__.c.id == 1)
-_CHANGE_COUNT_SQL = f"SELECT value FROM {ChangeCounter.__tablename__} WHERE id = 1"
+_CHANGE_COUNT_SQL = str(_CHANGE_COUNT.compile(compile_kwargs={"literal_binds": True}))
 _ADAPTER_BY_NAME = select(_ADAPTERS).where(_ADAPTERS.c.name == bindparam("name"))
 _GRANTS_OF = (
     select(_GRANTS.c.tenant)

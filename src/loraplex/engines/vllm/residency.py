@@ -758,6 +758,7 @@ class VllmResidency:
         elif not counted:  # counted in vLLM already (`_stage_and_add`)
             self._set_in_vllm(entry, False)
             self._accepted.discard(entry.lora_id)
+            self._accepted_shapes.discard(entry.shape)  # the next of its shape waits again
         self._room.set()  # a refused add leaves its room to the loads that wait
 
     def _spare_room(self) -> bool:
