@@ -1,6 +1,6 @@
 """The native engine in its own process (`--engine-core process`): real uvicorn, a real engine
-process over ZeroMQ, the same answers as the engine on a thread, and a dead engine process ending
-its requests with 503."""
+process over Unix sockets, the same answers as the engine on a thread, and a dead engine process
+ending its requests with 503."""
 
 from __future__ import annotations
 

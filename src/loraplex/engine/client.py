@@ -1,5 +1,6 @@
 """The API server's side of the engine process (core.py): the engine's interface for the server
-(requests, aborts, outputs, adapter operations, residency, figures, cache events) over ZeroMQ."""
+(requests, aborts, outputs, adapter operations, residency, figures, cache events) over two Unix
+sockets (channel.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
-import zmq
-
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.config import EngineConfig
 from loraplex.engine import wire
+from loraplex.engine.channel import Channel, Listener
 from loraplex.engine.core import run_engine
 from loraplex.engine.errors import EngineUnavailable
 from loraplex.engine.sequence import RequestOutput, SamplingParams
@@ -49,11 +49,10 @@ class EngineClient:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer(config.model_dir)  # HTTP's tokenization stays on this side
         self._dir = tempfile.mkdtemp(prefix="loraplex-engine-")  # 0700: only this user connects
-        addresses = {name: f"ipc://{self._dir}/{name}" for name in ("input", "output", "rpc")}
-        self._zmq = zmq.Context()
-        self._input = self._bind(zmq.PUSH, addresses["input"])
-        self._output = self._bind(zmq.PULL, addresses["output"])
-        self._rpc = self._bind(zmq.REQ, addresses["rpc"])
+        addresses = {name: os.path.join(self._dir, name) for name in ("engine", "rpc")}
+        listeners = {name: Listener(path) for name, path in addresses.items()}
+        self._channel: Channel | None = None  # requests and aborts out, outputs and events in
+        self._rpc: Channel | None = None  # operations and their replies
         self._input_lock = threading.Lock()
         self._outbox: list[list] = []  # what this turn of the loop sends (`_send`)
         self._rpc_lock = threading.Lock()
@@ -70,10 +69,13 @@ class EngineClient:
         with without_main_module():
             self.process.start()
         try:
-            info = self._wait_ready()
+            info = self._wait_ready(listeners)
         except BaseException:
             self._close_sockets()
             raise
+        finally:
+            for listener in listeners.values():
+                listener.close()
         self.max_model_len: int = info["max_model_len"]
         self.base_model_digest: str = info["base_model_digest"]
         self.kv_budget = info["kv_budget"]
@@ -82,29 +84,38 @@ class EngineClient:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info["eos_ids"])
         self.adapters = CacheClient(self, info)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the outputs are read
-        self._fd: int = self._output.getsockopt(zmq.FD)
+        self._fd: int = self._channel.fileno()
         self._watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
         self._watcher.start()
 
-    def _bind(self, kind: int, address: str) -> zmq.Socket:
-        sock = self._zmq.socket(kind)
-        sock.bind(address)
-        return sock
-
-    def _wait_ready(self) -> dict:
+    def _wait_ready(self, listeners: dict[str, Listener]) -> dict:
+        """The engine connects its channel first, then loads the model and says whether it could;
+        its rpc channel is connected by then."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._output.poll(POLL_MS):
+        self._channel = listeners["engine"].accept(self.process.is_alive, START_TIMEOUT_S)
+        messages = []
+        while self._channel is not None and not messages:
+            messages = self._channel.receive(most=1)  # what follows waits for `attach`
+            if messages or self._channel.at_eof:
+                break
             if not self.process.is_alive():
-                raise EngineUnavailable(
-                    f"the engine process exited with code {self.process.exitcode} while starting"
-                )
+                break
             if time.monotonic() > deadline:
                 self.process.kill()
                 raise EngineUnavailable(f"the engine process did not start in {START_TIMEOUT_S} s")
-        kind, payload = wire.decode(self._output.recv())
+            self._channel.wait(POLL_MS / 1000)
+        if not messages:
+            self.process.join(10)
+            raise EngineUnavailable(
+                f"the engine process exited with code {self.process.exitcode} while starting"
+            )
+        kind, payload = wire.decode(messages[0])
         if kind == "failed":
             self.process.join(10)
             raise payload  # the engine's own error (a bad model directory, a KV budget too small)
+        self._rpc = listeners["rpc"].accept(self.process.is_alive, START_TIMEOUT_S)
+        if self._rpc is None:
+            raise EngineUnavailable("the engine process did not connect its operations channel")
         return payload
 
     # -- what crosses from the engine --------------------------------------------------------------
@@ -117,7 +128,7 @@ class EngineClient:
         self._detach()
         self._loop = loop
         loop.add_reader(self._fd, self._take_messages)
-        # ZeroMQ's descriptor signals changes only: what came before is read now
+        # what came before (after the engine's "ready") is read now
         loop.call_soon(self._take_messages)
 
     def _detach(self) -> None:
@@ -137,15 +148,10 @@ class EngineClient:
             pass
 
     def _take_messages(self) -> None:
-        """Every message waiting on the output socket (the descriptor signals again only after
-        this reads until none is left)."""
-        while not self._stopping:
-            try:
-                data = self._output.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # the socket closed under a stopping client
-                return
+        """Every message that has arrived from the engine."""
+        if self._stopping or self._channel.sock.fileno() < 0:  # closed under a stopping client
+            return
+        for data in self._channel.receive():
             _, snapshot, outputs, events = wire.decode(data)
             if snapshot is not None:
                 self.adapters.take(snapshot)
@@ -156,6 +162,8 @@ class EngineClient:
                     self.adapters.on_event(*event)
                 except Exception:
                     log.exception("handling the cache event %s failed", event[0])
+        if self._channel.at_eof:  # the engine process is ending: the watcher tells its requests
+            self._loop.remove_reader(self._fd)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         """Each output to its request's queue: at once on this loop, with one wake-up of each other
@@ -228,20 +236,10 @@ class EngineClient:
             self._send_now(messages)
 
     def _send_now(self, messages: list[list]) -> None:
-        if self._dead is not None or self._input.closed:
+        if self._dead is not None or self._channel.sock.fileno() < 0:
             return
         with self._input_lock:
-            self._send_to(self._input, wire.encode(messages))
-
-    def _send_to(self, sock: zmq.Socket, data: bytes) -> None:
-        """Without blocking on a peer that is gone (a send to no peer waits for one)."""
-        while True:
-            try:
-                return sock.send(data, zmq.NOBLOCK)
-            except zmq.Again:
-                if not self.process.is_alive():
-                    return
-                sock.poll(POLL_MS, zmq.POLLOUT)  # until the peer can take it
+            self._channel.send(wire.encode(messages), self.process.is_alive)
 
     def generate(
         self,
@@ -273,14 +271,15 @@ class EngineClient:
         with self._rpc_lock:
             if self._dead is not None:
                 raise self._dead
-            self._send_to(self._rpc, wire.encode([method, list(args)]))
-            while not self._rpc.poll(POLL_MS):
-                if not self.process.is_alive():
+            self._rpc.send(wire.encode([method, list(args)]), self.process.is_alive)
+            while not (reply := self._rpc.receive()):
+                if self._rpc.at_eof or not self.process.is_alive():
                     self._dead = self._dead or EngineUnavailable(
                         f"the engine process has stopped (exit code {self.process.exitcode})"
                     )
                     raise self._dead
-            ok, result, snapshot = wire.decode(self._rpc.recv())
+                self._rpc.wait(POLL_MS / 1000)
+            ok, result, snapshot = wire.decode(reply[0])
         self.adapters.take(snapshot)
         if not ok:
             raise result
@@ -307,9 +306,9 @@ class EngineClient:
         self.stop()
 
     def _close_sockets(self) -> None:
-        for sock in (self._input, self._output, self._rpc):
-            sock.close(linger=0)
-        self._zmq.term()
+        for channel in (self._channel, self._rpc):
+            if channel is not None:
+                channel.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -1,16 +1,16 @@
 """The engine in a process of its own, as vLLM's engine core: the model, the cache, the scheduler
 and the step loop, so that HTTP, tokenization and the step loop do not share one GIL. `EngineClient`
-(engine/client.py) starts it with multiprocessing's spawn and speaks to it over ZeroMQ (wire.py).
+(engine/client.py) starts it with multiprocessing's spawn and speaks to it over two Unix sockets
+(channel.py), in messages encoded by wire.py.
 
-Sockets (the client binds them, this process connects):
-- input, PUSH → PULL: a list of messages, each `["add", request_id, prompt_ids, params, adapter,
-  counted]`, `["abort", id]` or `["stop"]` (the API server sends those of one turn of its event
-  loop together).
-- output, PUSH → PULL: `["ready", info]` or `["failed", exception]` once, then
+Channels (the client listens, this process connects):
+- engine: to this process, lists of messages, each `["add", request_id, prompt_ids, params,
+  adapter, counted]`, `["abort", id]` or `["stop"]` (the API server sends those of one turn of its
+  event loop together); from it, `["ready", info]` or `["failed", exception]` once, then
   `["step", snapshot | None, outputs, events]`, the outputs as `wire.rows`.
-- rpc, REQ → REP: `[method, args]` → `[ok, result or exception, snapshot]`, the adapter operations
-  and the figures; served on a thread of their own, as the API server's threads call the cache in
-  the same process.
+- rpc: `[method, args]` → `[ok, result or exception, snapshot]`, the adapter operations and the
+  figures; served on a thread of their own, as the API server's threads call the cache in the same
+  process.
 
 A snapshot is `[seq, slots, residency]`: what the server reads on every request without asking.
 """
@@ -21,13 +21,13 @@ import collections
 import gc
 import logging
 import os
+import select
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import zmq
-
 from loraplex.engine import wire
+from loraplex.engine.channel import Channel
 from loraplex.engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -60,28 +60,24 @@ def run_engine(config, policy, addresses: dict[str, str], parent_pid: int) -> No
         signal.signal(sig, signal.SIG_IGN)
     if "OMP_NUM_THREADS" not in os.environ:
         torch_threads()
-    context = zmq.Context()
-    output = context.socket(zmq.PUSH)
-    output.connect(addresses["output"])
+    channel = Channel.connect(addresses["engine"])
     try:
         from loraplex.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, policy)
     except BaseException as exc:  # the server reports it as it would an in-process failure
-        output.send(wire.encode(["failed", exc]))
-        output.close(linger=5000)
-        context.term()
+        channel.send(wire.encode(["failed", exc]), lambda: os.getppid() == parent_pid)
+        channel.close()
         return
     # The model and its libraries live as long as the process: out of the collector's full
     # collections, which would otherwise stop the step loop for a third of a second each.
     gc.collect()
     gc.freeze()
-    core = EngineCore(engine, context, addresses, output, parent_pid)
+    core = EngineCore(engine, channel, addresses["rpc"], parent_pid)
     try:
         core.run()
     finally:
         core.close()
-        context.term()
 
 
 def torch_threads() -> None:
@@ -94,26 +90,22 @@ def torch_threads() -> None:
 
 
 class EngineCore:
-    def __init__(self, engine, context: zmq.Context, addresses, output: zmq.Socket, parent_pid):
+    def __init__(self, engine, channel: Channel, rpc_address: str, parent_pid: int):
         self.engine = engine
         self.cache = engine.adapters
-        self.context = context
-        self.addresses = addresses
-        self.output = output
+        self.channel = channel
         self.parent_pid = parent_pid
-        self.input = context.socket(zmq.PULL)
-        self.input.connect(addresses["input"])
-        # A load that lands wakes the loop through this pair (its futures end on loader threads).
-        wake_address = f"inproc://engine-wake-{id(self)}"
-        self._woken = context.socket(zmq.PAIR)
-        self._woken.bind(wake_address)
-        self._waker = context.socket(zmq.PAIR)
-        self._waker.connect(wake_address)
+        self._received: collections.deque = collections.deque()  # read while a send waited
+        # A load that lands wakes the loop through this pipe (its futures end on loader threads).
+        self._woken, self._waker = os.pipe()
+        os.set_blocking(self._woken, False)
+        os.set_blocking(self._waker, False)
         self._waker_lock = threading.Lock()
+        self._waker_open = True
         self._watched: set = set()  # the load futures that wake the loop when they end
-        self._poller = zmq.Poller()
-        self._poller.register(self.input, zmq.POLLIN)
-        self._poller.register(self._woken, zmq.POLLIN)
+        self._poller = select.poll()
+        self._poller.register(channel.fileno(), select.POLLIN)
+        self._poller.register(self._woken, select.POLLIN)
         self.stopping = False
         self._events: collections.deque = collections.deque()
         self.cache.on_event = lambda kind, fields: self._events.append([kind, fields])
@@ -125,9 +117,12 @@ class EngineCore:
         self._compiled: collections.deque = collections.deque()
         self._compiling: set[str] = set()
         self._aborted: set[str] = set()
-        self._rpc = threading.Thread(target=self._serve_rpc, name="engine-rpc", daemon=True)
+        rpc = Channel.connect(rpc_address)  # before "ready": the client accepts it then
+        self._rpc = threading.Thread(
+            target=self._serve_rpc, args=(rpc,), name="engine-rpc", daemon=True
+        )
         self._rpc.start()
-        output.send(wire.encode(["ready", self.info()]))
+        self._send(["ready", self.info()])
 
     def info(self) -> dict:
         e, cache = self.engine, self.cache
@@ -159,12 +154,23 @@ class EngineCore:
             events = [self._events.popleft() for _ in range(len(self._events))]
             snapshot = self._snapshot_if_changed(bool(events))
             if outputs or events or snapshot is not None:
-                self.output.send(wire.encode(["step", snapshot, wire.rows(outputs), events]))
+                self._send(["step", snapshot, wire.rows(outputs), events])
             if not engine.scheduler.running and engine.adapters.loading:
                 self._wait_for_a_load()
-            if os.getppid() != self.parent_pid:  # the API server is gone: nobody to serve
+            if not self._server_lives():
                 log.error("the API server process has exited; the engine stops")
                 self.stopping = True
+
+    def _server_lives(self) -> bool:
+        return os.getppid() == self.parent_pid and not self.channel.at_eof
+
+    def _send(self, message: list) -> None:
+        """To the API server; what it sends meanwhile is kept (`_read_ahead`), so that neither
+        side waits for room while the other waits for it."""
+        self.channel.send(wire.encode(message), self._server_lives, self._read_ahead)
+
+    def _read_ahead(self) -> None:
+        self._received.extend(self.channel.receive())
 
     def _wait_for_a_load(self) -> None:
         """Every request waits on a load: wait until one lands or a message comes, at most
@@ -175,31 +181,34 @@ class EngineCore:
                 self._watched.add(future)
             if new:  # outside the lock: a future that has ended calls back at once
                 future.add_done_callback(self._wake_up)
-        self._poller.poll(IDLE_POLL_MS)
-        while True:
-            try:
-                self._woken.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        self._wait(IDLE_POLL_MS)
+
+    def _wait(self, timeout_ms: int) -> None:
+        """Until a message or a load's wake-up comes, at most `timeout_ms`."""
+        if self._received or not self._poller.poll(timeout_ms):
+            return
+        try:
+            while os.read(self._woken, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _wake_up(self, future) -> None:
         with self._waker_lock:
             self._watched.discard(future)
-            if self._waker.closed:  # a load that ends after the engine stopped
+            if not self._waker_open:  # a load that ends after the engine stopped
                 return
             try:
-                self._waker.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # wake-ups not read yet: the loop wakes anyway
+                os.write(self._waker, b"\0")
+            except BlockingIOError:  # wake-ups not read yet: the loop wakes anyway
                 pass
 
     def _take_messages(self, timeout_ms: int) -> None:
-        if not self.input.poll(timeout_ms):
-            return
-        while True:
-            try:
-                messages = wire.decode(self.input.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
+        if timeout_ms:
+            self._wait(timeout_ms)
+        self._received.extend(self.channel.receive())
+        while self._received:
+            messages = wire.decode(self._received.popleft())
             for message in messages:
                 kind = message[0]
                 if kind == "add":
@@ -209,6 +218,8 @@ class EngineCore:
                 elif kind == "stop":
                     self.stopping = True
                     return
+        if self.channel.at_eof:  # the API server closed its end
+            self.stopping = True
 
     def _add(self, request_id, prompt_ids, params, adapter, counted) -> None:
         if params.structured is not None:
@@ -241,7 +252,7 @@ class EngineCore:
 
     def _fail(self, request_id: str, error: Exception) -> None:
         out = RequestOutput(request_id, [], "", [], True, None, 0, 0, error)
-        self.output.send(wire.encode(["step", None, wire.rows([out]), []]))
+        self._send(["step", None, wire.rows([out]), []])
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._compiling:
@@ -282,21 +293,20 @@ class EngineCore:
         self._fingerprint = fingerprint
         return self.snapshot()
 
-    def _serve_rpc(self) -> None:
-        sock = self.context.socket(zmq.REP)
-        sock.connect(self.addresses["rpc"])
+    def _serve_rpc(self, rpc: Channel) -> None:
         try:
-            while not self.stopping:
-                if not sock.poll(100):
+            while not self.stopping and not rpc.at_eof:
+                if not rpc.wait(0.1):
                     continue
-                method, args = wire.decode(sock.recv())
-                try:
-                    ok, result = True, self._call(method, args)
-                except Exception as exc:  # the caller raises it (CapacityExceeded → 409, ...)
-                    ok, result = False, exc
-                sock.send(wire.encode([ok, result, self.snapshot()]))
+                for request in rpc.receive():
+                    method, args = wire.decode(request)
+                    try:
+                        ok, result = True, self._call(method, args)
+                    except Exception as exc:  # the caller raises it (CapacityExceeded → 409, ...)
+                        ok, result = False, exc
+                    rpc.send(wire.encode([ok, result, self.snapshot()]), self._server_lives)
         finally:
-            sock.close(linger=0)
+            rpc.close()
 
     def _call(self, method: str, args: list):
         if method == "live_figures":
@@ -310,8 +320,8 @@ class EngineCore:
         self._rpc.join(5)
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
-        self.input.close(linger=0)
         with self._waker_lock:
-            self._waker.close(linger=0)
-        self._woken.close(linger=0)
-        self.output.close(linger=1000)
+            self._waker_open = False
+            os.close(self._waker)
+        os.close(self._woken)
+        self.channel.close()

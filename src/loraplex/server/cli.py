@@ -136,7 +136,7 @@ def serve(
     engine_core: Annotated[
         str | None,
         Opt(
-            help="native: where the step loop runs: process (its own, spoken to over ZeroMQ; "
+            help="native: where the step loop runs: process (its own, spoken to over Unix sockets; "
             "the default) | thread (of the API server's process)",
             rich_help_panel=ENGINE,
         ),
