@@ -1,8 +1,8 @@
 """What HTTP + auth + resolve add: a 1-token completion through `loraplex serve` vs the engine
 called directly, with the engine's step loop on a thread of the server and in a process of its own.
 
-    python bench/server_overhead.py [--requests N] [--clients 1,64] [--engine-cores thread,process]
-        [--json OUT]
+    python bench/server_overhead.py [--requests N] [--rounds R] [--clients 1,64]
+        [--engine-cores thread,process] [--json OUT]
 
 The tests' tiny Llama (hidden 64) and one PEFT adapter, built locally. Every request is the same: an
 8-token prompt (token ids), the adapter, max_tokens 1, greedy. Direct: `AsyncEngine.generate` in
@@ -12,7 +12,13 @@ API-keys file (so every request is authenticated and resolved through the regist
 connections of a minimal asyncio HTTP/1.1 client (httpx would cost the client as much CPU as the
 server). Overhead = HTTP p50 − direct p50; throughput ratio = HTTP req/s ÷ direct req/s. The HTTP
 client shares the machine's cores with the server; the direct client does not, so on a small machine
-the overhead includes some of the client's own cost.
+the overhead includes some of the client's own cost, and the paths not being measured wait idle
+(an idle engine process wakes every 10 ms).
+
+Side by side: the direct engine and every server are up together, and each round runs every path
+once, one after another, with N requests each; a row gives the medians over the rounds of its
+figures, its ratio and its overhead (each taken against the direct run of the same round), so a
+machine whose speed drifts moves both sides of a ratio alike.
 
 CPU per request: the user + system CPU time (/proc/PID/stat) the API server and the engine process
 used during each measured run, divided by its requests; far steadier than req/s on a shared
@@ -31,6 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -137,7 +145,7 @@ async def drive(call, num_requests: int, clients: int, pids: dict | None = None)
     return {**summarize(latencies, wall_s), **cpu.per_request(num_requests)}
 
 
-def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]) -> dict:
+def direct_engine(model: Path, adapter: Path) -> tuple[AsyncEngine, Callable]:
     engine = LLMEngine(
         EngineConfig(model_dir=model, dtype="float32", max_loras=4, max_lora_rank=16)
     )
@@ -149,15 +157,29 @@ def run_direct(model: Path, adapter: Path, num_requests: int, clients: list[int]
         async for _ in async_engine.generate(PROMPT, params, ref):
             pass
 
-    async def all_runs():
-        await drive(call, 20, 1)  # warm-up: the adapter is loaded into its slot
-        pids = {"server": None, "engine": os.getpid(), "client": None}
-        return {c: await drive(call, num_requests, c, pids) for c in clients}
+    return async_engine, call
 
-    try:
-        return asyncio.run(all_runs())
-    finally:
-        async_engine.stop()
+
+def run_rounds(paths: dict, num_requests: int, rounds: int, clients: list[int]) -> dict:
+    """Per client count and path, one result per round; `paths`: name → (call, pids, close),
+    `close` (or None) run at the end on the event loop."""
+
+    async def all_runs():
+        results = {c: {name: [] for name in paths} for c in clients}
+        try:
+            for c in clients:
+                for call, _, _ in paths.values():  # warm-up: connections, the adapter's slot
+                    await drive(call, max(20, c), c)
+                for _ in range(rounds):
+                    for name, (call, pids, _) in paths.items():
+                        results[c][name].append(await drive(call, num_requests, c, pids))
+        finally:
+            for _, _, close in paths.values():
+                if close is not None:
+                    close()
+        return results
+
+    return asyncio.run(all_runs())
 
 
 def start_server(model: Path, adapter: Path, work: Path, engine_core: str) -> Proc:
@@ -224,22 +246,22 @@ class RawClient:
             writer.close()
 
 
-def run_http(url: str, num_requests: int, clients: list[int], pids: dict) -> dict:
-    body = {"model": "bench", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+BODY = {"model": "bench", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
 
-    async def all_runs():
-        results = {}
-        for c in clients:
-            client = RawClient(url, body)
-            try:
-                # warm-up: connections open, adapter in its slot
-                await drive(client.post, max(20, c), c)
-                results[c] = await drive(client.post, num_requests, c, pids)
-            finally:
-                client.close()
-        return results
 
-    return asyncio.run(all_runs())
+def combine(runs: list[dict], direct_runs: list[dict]) -> dict:
+    """One row from a path's rounds: the median of each figure, of its ratio to the direct run of
+    the same round and of its p50 overhead over it."""
+    row = {
+        key: None if runs[0][key] is None else statistics.median(r[key] for r in runs)
+        for key in runs[0]
+    }
+    row["ratio"] = statistics.median(r["rps"] / d["rps"] for r, d in zip(runs, direct_runs))
+    row["overhead"] = statistics.median(
+        r["p50_ms"] - d["p50_ms"] for r, d in zip(runs, direct_runs)
+    )
+    row["rounds"] = runs
+    return row
 
 
 CORES = ("thread", "process")
@@ -252,6 +274,7 @@ def _ms(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="measured requests per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every path, alternating")
     parser.add_argument("--clients", default="1,64", help="comma-separated concurrency levels")
     parser.add_argument(
         "--engine-cores", default=",".join(CORES), help="the serve --engine-core modes to run"
@@ -263,29 +286,32 @@ def main() -> None:
         parser.error(f"--engine-cores: choose from {', '.join(CORES)}")
     clients = [int(c) for c in args.clients.split(",")]
     console = Console()
-    http = {}
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         with console.status("building the tiny model and adapter"):
             model, adapter = build_fixtures(work)
-        with console.status("direct engine"):
-            direct = run_direct(model, adapter, args.requests, clients)
-        for core in cores:  # one server at a time: they would share the cores
+        async_engine, direct_call = direct_engine(model, adapter)
+        stack.callback(async_engine.stop)
+        direct_pids = {"server": None, "engine": os.getpid(), "client": None}
+        paths = {"direct": (direct_call, direct_pids, None)}
+        for core in cores:
             with console.status(f"starting loraplex serve --engine-core {core}"):
                 server = start_server(model, adapter, work, core)
-            try:
-                pids = {
-                    "server": server.p.pid,
-                    "engine": engine_process(server.p.pid),
-                    "client": os.getpid(),
-                }
-                with console.status(f"HTTP, engine core: {core}"):
-                    http[core] = run_http(server.url, args.requests, clients, pids)
-            finally:
-                server.stop()
+            stack.callback(server.stop)
+            client = RawClient(server.url, BODY)
+            pids = {
+                "server": server.p.pid,
+                "engine": engine_process(server.p.pid),
+                "client": os.getpid(),
+            }
+            paths[f"http, {core}"] = (client.post, pids, client.close)
+        with console.status(f"{args.rounds} rounds of every path"):
+            results = run_rounds(paths, args.requests, args.rounds, clients)
 
     rows = []
-    table = Table(title=f"1-token completion, {args.requests} requests per run")
+    table = Table(
+        title=f"1-token completion, {args.requests} requests per run, medians of {args.rounds}"
+    )
     columns = (
         "clients",
         "path",
@@ -300,13 +326,10 @@ def main() -> None:
     for column in columns:
         table.add_column(column, justify="right")
     for c in clients:
-        runs = [("direct", direct[c])] + [(f"http, {core}", http[core][c]) for core in cores]
-        for path, result in runs:
-            ratio = result["rps"] / direct[c]["rps"]
-            overhead = result["p50_ms"] - direct[c]["p50_ms"]
-            rows.append(
-                {"clients": c, "path": path, **result, "ratio": ratio, "overhead": overhead}
-            )
+        for path, runs in results[c].items():
+            result = combine(runs, results[c]["direct"])
+            ratio, overhead = result["ratio"], result["overhead"]
+            rows.append({"clients": c, "path": path, **result})
             table.add_row(
                 str(c),
                 path,
@@ -322,6 +345,7 @@ def main() -> None:
     report = {
         "benchmark": "server_overhead",
         "requests": args.requests,
+        "rounds": args.rounds,
         "clients": clients,
         "results": rows,
         "machine": {
