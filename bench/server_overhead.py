@@ -226,11 +226,16 @@ class RawClient:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self) -> None:
-        reader, writer = (
-            self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        )
-        writer.write(self.request)
-        head = await reader.readuntil(b"\r\n\r\n")
+        if self.idle:
+            reader, writer = self.idle.pop()
+            writer.write(self.request)
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):  # closed while idle
+                writer.close()
+                reader, writer, head = await self._on_new_connection()
+        else:
+            reader, writer, head = await self._on_new_connection()
         status = int(head.split(b" ", 2)[1])
         lines = head.lower().split(b"\r\n")
         length = next(
@@ -240,6 +245,13 @@ class RawClient:
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
         self.idle.append((reader, writer))
+
+    async def _on_new_connection(self):
+        """The request sent on a connection of its own (the server closes one idle for longer than
+        its keep-alive timeout, as while the other paths run)."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        writer.write(self.request)
+        return reader, writer, await reader.readuntil(b"\r\n\r\n")
 
     def close(self) -> None:
         for _, writer in self.idle:
