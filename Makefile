@@ -16,8 +16,9 @@ setup: $(BIN)/loraplex
 demo: setup
 	$(BIN)/loraplex demo
 
+# Two workers, each taking whole test files, so that a module's servers start once.
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 # What CI holds the tree to: ruff's rules (pyproject.toml) and its formatting, no finding left.
 lint: setup
