@@ -66,10 +66,10 @@ class Channel:
                 return False
             if while_full is None:
                 self._room.poll(POLL_S * 1000)
-            elif self.wait_for_room_or_message(POLL_S):
+            elif self._wait_for_room_or_message(POLL_S):
                 while_full()
 
-    def wait_for_room_or_message(self, timeout_s: float) -> bool:
+    def _wait_for_room_or_message(self, timeout_s: float) -> bool:
         """Wait until the socket takes bytes or has some to read; whether it has some to read."""
         ready = self._either.poll(timeout_s * 1000)
         return any(events & select.POLLIN for _, events in ready)
@@ -117,7 +117,6 @@ class Listener:
     enter."""
 
     def __init__(self, path: str):
-        self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(1)
