@@ -16,9 +16,10 @@ setup: $(BIN)/loraplex
 demo: setup
 	$(BIN)/loraplex demo
 
-# Two workers, each taking whole test files, so that a module's servers start once.
+# Two workers, each taking whole test files, so that a module's servers start once; a worker that
+# dies ends the run (a replaced one can leave the run waiting for good).
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart 0 tests
 
 # What CI holds the tree to: ruff's rules (pyproject.toml) and its formatting, no finding left.
 lint: setup

@@ -47,6 +47,7 @@ def fleet(demo_world, tmp_path_factory):
     )
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     serve.start(proxy_location="Disabled")
+    handle = None
     try:
         handle = serve.run(
             deployment(options, num_replicas=2, admin_token=TOKEN),
@@ -55,6 +56,10 @@ def fleet(demo_world, tmp_path_factory):
         )
         yield handle, checked_inputs(demo_world, n=30), root / "data"
     finally:
+        if handle is not None:
+            # its router's thread (shared by every `options()` of it) would otherwise call into Ray
+            # after `ray.shutdown()`, and Ray ends the process that does
+            handle.shutdown()
         serve.shutdown()
         ray.shutdown()
 
@@ -98,8 +103,11 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
     async def run():
         warm = [await _ask(handle, name, good[name][0]) for name in ADAPTERS]
         victim = warm[0]
-        # three rounds: enough in flight that the victim is seen holding some before they end
-        texts = [(name, t) for name in ADAPTERS for t in good[name]] * 3
+        # the adapters in turn (the last requests routed, when the victim's count is read, are of
+        # every adapter, its own among them), three rounds: enough in flight that the victim is
+        # seen holding some before they end
+        rows = zip(*(good[name] for name in ADAPTERS))
+        texts = [(name, t) for row in rows for name, t in zip(ADAPTERS, row)] * 3
         tasks = [asyncio.ensure_future(_ask(handle, n, t)) for n, t in texts]
         in_flight = await _in_flight_on(victim, tasks, data_dir)
         _kill(victim["replica"])
