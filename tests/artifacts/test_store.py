@@ -294,6 +294,26 @@ def test_a_load_waiting_for_pieces_hashes_them_itself(tmp_path, chunked, monkeyp
 
 
 @pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
+def test_an_artifact_of_one_chunk_is_hashed_without_a_helper_thread(
+    tmp_path, chunked, monkeypatch, by_pieces
+):
+    def no_threads(*args, **kwargs):
+        raise AssertionError("a helper thread for one chunk")
+
+    src = fake_adapter(tmp_path / "a", bytes(range(256)) * 40)
+    chunked(sum(f.stat().st_size for f in src.iterdir()))
+    monkeypatch.setattr(digests_module, "ThreadPoolExecutor", no_threads)
+    digest, check = canonical_digest(src), check_by(src, by_pieces)
+    files = read_artifact(src, digest, use=lambda files, hashed: dict(files), **check)
+    assert bytes(files["adapter_model.safetensors"]) == bytes(range(256)) * 40
+    data = bytearray((src / "adapter_model.safetensors").read_bytes())
+    data[5000] ^= 0x01
+    (src / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match=f"expected {digest}"):
+        read_artifact(src, digest, **check)
+
+
+@pytest.mark.parametrize("by_pieces", [False, True, "sha256"])
 @pytest.mark.parametrize("chunk", [7, 1 << 24])
 def test_read_artifact_use_runs_with_the_hash_and_may_overwrite_what_is_hashed(
     tmp_path, chunked, chunk, by_pieces

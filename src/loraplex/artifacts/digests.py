@@ -198,7 +198,10 @@ def read_artifact(
     threads = (
         1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
     )
-    with ThreadPoolExecutor(threads, thread_name_prefix="sha256") as hasher:
+    # Up to one chunk, a helper thread overlaps nothing and costs its start: this thread hashes.
+    total = sum((directory / name).stat().st_size for name in names)
+    hashers = _OnThisThread() if total <= _READ_CHUNK else ThreadPoolExecutor(threads, "sha256")
+    with hashers as hasher:
         if pieces is None:
             progress = _HashProgress(hasher)
             files = {
@@ -222,6 +225,24 @@ def read_artifact(
     if error is not None:
         raise error
     return result
+
+
+class _OnThisThread:
+    """A hasher pool that runs each call at once, on the thread that submits it."""
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 (raised by the future's result, as a pool's)
+            future.set_exception(exc)
+        return future
+
+    def __enter__(self) -> _OnThisThread:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
 
 
 class _Progress:
