@@ -173,8 +173,10 @@ def read_artifact(
     as it could be by hashing the file and then opening it again to parse it.
 
     With `use`, returns `use(files, hashed)` instead, which runs while a helper thread is still
-    hashing, so that parsing and packing overlap the digest check. `hashed(name, end)` returns once
-    the first `end` bytes of file `name` are hashed: `use` may overwrite bytes only below that. Its
+    hashing, so that parsing and packing overlap the digest check (an artifact of one chunk or less
+    is hashed on this thread as it is read: there is nothing to overlap). `hashed(name, end)`
+    returns once the first `end` bytes of file `name` are hashed: `use` may overwrite bytes only
+    below that. Its
     result is returned only when the digest matches and dropped otherwise; when both fail, the
     mismatch is what is raised.
 
