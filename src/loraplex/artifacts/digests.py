@@ -176,9 +176,8 @@ def read_artifact(
     hashing, so that parsing and packing overlap the digest check (an artifact of one chunk or less
     is hashed on this thread as it is read: there is nothing to overlap). `hashed(name, end)`
     returns once the first `end` bytes of file `name` are hashed: `use` may overwrite bytes only
-    below that. Its
-    result is returned only when the digest matches and dropped otherwise; when both fail, the
-    mismatch is what is raised.
+    below that. Its result is returned only when the digest matches and dropped otherwise; when
+    both fail, the mismatch is what is raised.
 
     With `pieces` (the registry's piece list for `digest`), the files must have the listed names and
     sizes and each piece its listed hash, checked by a pool of threads (one sha256 runs on one core
