@@ -147,7 +147,7 @@ class EngineCore:
             outputs = []
             if engine.has_work():
                 try:
-                    outputs = engine.step()
+                    outputs = engine.step(halve_bursts=True)
                 except Exception as exc:  # a bug: fail what is in flight rather than hang clients
                     log.exception("engine step failed")
                     outputs = engine.fail_all(exc)

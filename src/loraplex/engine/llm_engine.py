@@ -244,12 +244,18 @@ class LLMEngine:
         )
 
     # -- the loop (one thread) -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, halve_bursts: bool = False) -> list[RequestOutput]:
+        """One iteration: the outputs of every request it advanced or ended. `halve_bursts`: when
+        nothing runs and more than half of max_num_seqs requests wait, half of them (rounded up)
+        join this step and the rest the next, for a caller that works on this step's outputs while
+        the next step runs (the engine process: its API server answers the first half of a burst
+        meanwhile, where a whole burst would leave it idle during the step and the step loop idle
+        while it answers)."""
         self._take_inbox()
         self._fail_unavailable(self.adapters.poll())
         outputs, self._failed = self._failed, []
         try:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(self._half_burst() if halve_bursts else None)
             if not batch:
                 return outputs
             step = self.runner.run(batch)
@@ -354,6 +360,13 @@ class LLMEngine:
             live.remove(seq)
         if not live:
             self.requests.pop(seq.request_id, None)
+
+    def _half_burst(self) -> int | None:
+        """How many waiting requests may join a step under `halve_bursts` (None: all)."""
+        waiting = len(self.scheduler.waiting)
+        if self.scheduler.running or waiting <= self.config.max_num_seqs // 2:
+            return None
+        return -(-waiting // 2)
 
     def _take_inbox(self) -> None:
         with self._inbox_lock:

@@ -43,9 +43,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_new: int | None = None) -> ScheduledBatch:
         """The running sequences first, in admission order (a decode, or the next chunk of a
-        prefill), then the waiting ones, within max_num_batched_tokens."""
+        prefill), then the waiting ones, within max_num_batched_tokens; with `max_new`, at most
+        that many waiting requests join."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
@@ -69,16 +70,19 @@ class Scheduler:
                 seq.num_scheduled = 1
                 batch.decodes.append(seq)
                 budget -= 1
-        self._admit(batch, budget)
+        self._admit(batch, budget, max_new)
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int, max_new: int | None) -> None:
         lora_bytes = self._lora_bytes(self.running)
+        admitted = 0
         hits: dict[int, object] = {}  # each request's cached prefix blocks, found by has_room
 
         def has_room(seq: Sequence) -> bool:
             # First come, first served for memory too: later requests do not overtake.
             if len(self.running) + seq.num_forks >= self.config.max_num_seqs or budget == 0:
+                return False
+            if admitted == max_new:
                 return False
             hits[id(seq)] = self.blocks.prefix_hits(seq)
             return self.blocks.can_allocate(seq, hits[id(seq)])
@@ -89,7 +93,8 @@ class Scheduler:
             return Take.BLOCKED if seq.adapter.key in self.adapters.loading else Take.REFUSED
 
         def admit(seq: Sequence) -> None:
-            nonlocal budget, lora_bytes
+            nonlocal budget, lora_bytes, admitted
+            admitted += 1
             self._stop_waiting(seq)
             self.blocks.allocate(seq, hits.pop(id(seq)))
             seq.status = Status.RUNNING
