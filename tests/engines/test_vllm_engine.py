@@ -375,6 +375,30 @@ def test_tenants_see_only_their_own_and_shared_adapters(world, server):
         alice.completions.create(model=str(private), prompt="hi", max_tokens=2)
 
 
+def test_a_plain_request_whose_client_leaves_is_recorded_as_499_and_its_adapter_released(
+    world, server
+):
+    """Not streamed: the client's timeout ends its wait long before 200 tokens; the server stops
+    waiting for vLLM's answer, records the leave and lets the adapter go."""
+    root = world[0]
+    url = server[0]
+    body = {"model": "mlp", "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "vllm-impatient"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=0.1)
+    deadline = time.monotonic() + 60
+    while True:
+        lines = (root / "data" / "audit.jsonl").read_text().splitlines()
+        mine = [a for a in map(json.loads, lines) if a["request_id"] == "vllm-impatient"]
+        state = httpx.get(f"{url}/admin/state", headers=ADMIN).json()
+        mlp = [a for a in state["adapters"] if a["name"] == "mlp"][0]
+        if (mine and mlp["in_flight"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert mine and mine[0]["status"] == 499 and mlp["in_flight"] == 0, (mine, mlp)
+    assert len(_greedy_ids(url, "mlp", [1, 2, 3], 2)[1]) == 2  # and the server goes on
+
+
 def test_dead_engine_core_fails_requests_with_503_and_health_turns_unhealthy(world, server):
     url, proc, root = server
     registry_before = httpx.get(f"{url}/admin/adapters", headers=ADMIN).json()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from loraplex.server import schemas, vllm_api
+from loraplex.server.disconnect import ClientGone, until_gone, watch
 from loraplex.server.errors import APIError, as_api_error, validation_error
 from loraplex.server.generation import RequestRun
 from loraplex.server.middleware import CLIENT_CLOSED
@@ -159,29 +159,21 @@ async def _respond(
     """Generate and answer. A client that leaves stops its generation: while it waits for admission,
     for its adapter or for its first token, and while a plain answer is made (an event stream
     watches for it itself)."""
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = watch(request)
     try:
         run = await server.generate(ctx, target, prompts, params, gone)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
         if req.stream:
             return _EventStream(_events(run, fmt, req.include_usage), run)
-        if run.is_finished:  # with the first outputs (max_tokens 1, an early stop): no wait
-            await run.close()
-            return _json(fmt.final(run))
-        collect = asyncio.ensure_future(_drain(run))
         try:
-            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():
-                ctx.status = CLIENT_CLOSED
-            else:
-                collect.result()  # the engine's error, if any, is the answer
+            # all in with the first outputs (max_tokens 1, an early stop): nothing to wait for
+            if not run.is_finished:
+                await until_gone(_drain(run), gone)  # the engine's error, if any, is the answer
+        except ClientGone:
+            ctx.status = CLIENT_CLOSED
         finally:
-            if not collect.done():
-                collect.cancel()
-                # its generator unwinds before the close
-                await asyncio.gather(collect, return_exceptions=True)
-            await run.close()
+            await run.close()  # after the outputs' generator has unwound
         return _json(fmt.final(run))
     finally:
         gone.cancel()
@@ -189,13 +181,6 @@ async def _respond(
 
 async def _drain(run: RequestRun) -> None:
     async for _ in run.outputs():
-        pass
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is read: the next message the server gives is the
-    disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
         pass
 
 

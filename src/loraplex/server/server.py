@@ -26,6 +26,7 @@ from loraplex.server.admission import Admission
 from loraplex.server.audit import AuditLog
 from loraplex.server.auth import Authenticator
 from loraplex.server.config import ServerConfig
+from loraplex.server.disconnect import ClientGone, until_gone
 from loraplex.server.errors import APIError
 from loraplex.server.generation import RequestRun
 from loraplex.server.metrics import ServerMetrics
@@ -297,19 +298,13 @@ class Server:
         run = RequestRun(
             self.async_engine, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
         )
-        start = asyncio.ensure_future(run.start())
         try:
-            await asyncio.wait((start, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled: no start left running on its own
-            if (
-                not start.done()
-            ):  # start() closes the generation: the request leaves the queue, no load waited for
-                start.cancel()
-                await asyncio.gather(start, return_exceptions=True)
-                ctx.status = CLIENT_CLOSED
-        if start.cancelled():
+            # the engine's error (bad request, adapter unavailable) is the answer; a client gone
+            # closes the generation (start() does), leaving the queue, no load waited for
+            await until_gone(run.start(), gone)
+        except ClientGone:
+            ctx.status = CLIENT_CLOSED
             return None
-        start.result()  # the engine's error (bad request, adapter unavailable) is the answer
         return run
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:

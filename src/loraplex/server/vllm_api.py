@@ -5,7 +5,6 @@ every parameter vLLM serves works: n, best_of, min_p, echo, response_format, too
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from typing import TYPE_CHECKING
@@ -14,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from loraplex.server.disconnect import ClientGone, until_gone, watch
 from loraplex.server.errors import APIError, validation_error
 from loraplex.server.middleware import CLIENT_CLOSED
 
@@ -51,15 +51,11 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
         server.resolver.finished(target)
         _record(ctx, engine.untrack(our_id))
 
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = watch(request)
     try:
         if target.ref is not None:
             engine.adapters.record_request(target.ref)
-            held = await _first(engine.adapters.acquire(target.ref), gone)
-            if held is None:
-                ctx.status = CLIENT_CLOSED
-                finish()
-                return Response(status_code=CLIENT_CLOSED)
+            held = await until_gone(engine.adapters.acquire(target.ref), gone)
             engine.serve_as(str(target.ref.key), held)
             req.model = str(target.ref.key)
         else:
@@ -71,16 +67,16 @@ async def respond(request: Request, server: Server, ctx: RequestContext, body: b
             if chat
             else serving.create_completion(req, None)
         )
-        result = await _first(_answer(call), gone)
+        result = await until_gone(_answer(call), gone)
+    except ClientGone:
+        ctx.status = CLIENT_CLOSED
+        finish()
+        return Response(status_code=CLIENT_CLOSED)
     except BaseException:
         finish()
         raise
     finally:
         gone.cancel()
-    if result is None:
-        ctx.status = CLIENT_CLOSED
-        finish()
-        return Response(status_code=CLIENT_CLOSED)
     if isinstance(result, dict):
         finish()
         result["model"] = asked
@@ -106,22 +102,6 @@ async def _answer(call):
     if hasattr(result, "model_dump"):
         return result.model_dump(mode="json", exclude_none=False)
     return result
-
-
-async def _first(coro, gone: asyncio.Future):
-    """`coro`'s result, or None when the client left first (`coro` is then cancelled)."""
-    task = asyncio.ensure_future(coro)
-    await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _renamed(events, served: str, asked: str, ctx: RequestContext):

@@ -1,0 +1,91 @@
+"""`until_gone`: the awaited work is cancelled when the client leaves first, and only then; the
+handler's task carries no cancellation past it."""
+
+import asyncio
+
+import pytest
+
+from loraplex.server.disconnect import ClientGone, until_gone
+
+
+def test_work_that_ends_first_gives_its_result_and_a_later_leave_cancels_nothing():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        result = await until_gone(asyncio.sleep(0, "answer"), gone)
+        gone.set_result(None)  # the client leaves after the work ended
+        await asyncio.sleep(0.01)  # would raise CancelledError if the leave still cancelled us
+        return result, asyncio.current_task().cancelling()
+
+    assert asyncio.run(scenario()) == ("answer", 0)
+
+
+def test_a_client_that_leaves_first_cancels_the_work_and_raises_client_gone():
+    unwound = []
+
+    async def work():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            unwound.append(True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        loop.call_later(0.01, gone.set_result, None)
+        with pytest.raises(ClientGone):
+            await until_gone(work(), gone)
+        await asyncio.sleep(0.01)  # the handler goes on: no cancellation left on its task
+        return asyncio.current_task().cancelling()
+
+    assert asyncio.run(scenario()) == 0
+    assert unwound == [True]
+
+
+def test_work_that_answers_its_cancellation_with_an_error_is_still_a_client_gone():
+    """As vLLM's serving code does: a cancelled request returns an error response (Client
+    disconnected), which our handler raises."""
+
+    async def work():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise ValueError("Client disconnected") from None
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        loop.call_later(0.01, gone.set_result, None)
+        with pytest.raises(ClientGone):
+            await until_gone(work(), gone)
+        return asyncio.current_task().cancelling()
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_a_cancellation_from_elsewhere_is_not_taken_for_a_client_gone():
+    async def handler(gone):
+        return await until_gone(asyncio.sleep(60), gone)
+
+    async def scenario():
+        gone = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(handler(gone))
+        await asyncio.sleep(0.01)
+        task.cancel()  # a shutdown, say: the client is still there
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return gone.done()
+
+    assert asyncio.run(scenario()) is False
+
+
+def test_the_works_own_error_is_raised():
+    async def failing():
+        raise ValueError("bad request")
+
+    async def scenario():
+        gone = asyncio.get_running_loop().create_future()
+        await until_gone(failing(), gone)
+
+    with pytest.raises(ValueError, match="bad request"):
+        asyncio.run(scenario())
