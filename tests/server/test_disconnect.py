@@ -8,6 +8,18 @@ import pytest
 from loraplex.server.disconnect import ClientGone, until_gone
 
 
+async def _client_leaves_during(work) -> int:
+    """`work` under `until_gone`, the client leaving after 10 ms: ClientGone raised, then the
+    handler goes on; the cancellations left on its task (none: `until_gone` took its own back)."""
+    loop = asyncio.get_running_loop()
+    gone = loop.create_future()
+    loop.call_later(0.01, gone.set_result, None)
+    with pytest.raises(ClientGone):
+        await until_gone(work, gone)
+    await asyncio.sleep(0.01)  # would raise CancelledError if a cancellation were left
+    return asyncio.current_task().cancelling()
+
+
 def test_work_that_ends_first_gives_its_result_and_a_later_leave_cancels_nothing():
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -29,16 +41,7 @@ def test_a_client_that_leaves_first_cancels_the_work_and_raises_client_gone():
         finally:
             unwound.append(True)
 
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        gone = loop.create_future()
-        loop.call_later(0.01, gone.set_result, None)
-        with pytest.raises(ClientGone):
-            await until_gone(work(), gone)
-        await asyncio.sleep(0.01)  # the handler goes on: no cancellation left on its task
-        return asyncio.current_task().cancelling()
-
-    assert asyncio.run(scenario()) == 0
+    assert asyncio.run(_client_leaves_during(work())) == 0
     assert unwound == [True]
 
 
@@ -52,15 +55,7 @@ def test_work_that_answers_its_cancellation_with_an_error_is_still_a_client_gone
         except asyncio.CancelledError:
             raise ValueError("Client disconnected") from None
 
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        gone = loop.create_future()
-        loop.call_later(0.01, gone.set_result, None)
-        with pytest.raises(ClientGone):
-            await until_gone(work(), gone)
-        return asyncio.current_task().cancelling()
-
-    assert asyncio.run(scenario()) == 0
+    assert asyncio.run(_client_leaves_during(work())) == 0
 
 
 def test_a_cancellation_from_elsewhere_is_not_taken_for_a_client_gone():
