@@ -39,9 +39,9 @@ from shaped_store import ShapedHandler, shaped_store_process
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
 from loraplex.model_config import ModelConfig
 
 RANKS = (8, 16, 32, 64)

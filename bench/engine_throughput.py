@@ -42,9 +42,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tinymodels import make_adapter, make_model  # noqa: E402  (the tests' fixture builders, reused)

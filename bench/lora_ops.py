@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from loraplex.engine.lora import MODULE_INDEX, add_lora, build_lora_groups
+from loraplex.engines.native.lora import MODULE_INDEX, add_lora, build_lora_groups
 from loraplex.model_config import LINEAR_MODULES
 
 RANKS = (8, 16, 32, 64)

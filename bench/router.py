@@ -40,7 +40,7 @@ from cache_policy import build_model
 from shaped_store import ShapedHandler, serve_shaped
 
 from loraplex.artifacts import ArtifactStore
-from loraplex.bench.procs import start_router, start_worker
+from loraplex.loadgen.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig
 from loraplex.registry import Registry
 

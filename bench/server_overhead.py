@@ -45,11 +45,11 @@ from urllib.parse import urlsplit
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.bench.procs import Proc
-from loraplex.config import EngineConfig
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.async_engine import AsyncEngine
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
+from loraplex.loadgen.procs import Proc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tinymodels import make_adapter, make_model  # noqa: E402  (the tests' fixture builders, reused)

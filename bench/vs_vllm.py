@@ -73,8 +73,8 @@ from rich.table import Table
 from shaped_store import shaped_store_process
 
 from loraplex.artifacts import ArtifactStore
-from loraplex.bench.loadgen import LoadConfig, prepare_trace, run
 from loraplex.demo.world import TRANSFORMS, build_world, default_world_dir, make_prompt
+from loraplex.loadgen.traffic import LoadConfig, prepare_trace, run
 from loraplex.registry import Registry
 from loraplex.sim.workload import Request, WorkloadSpec, generate, hot_burst
 

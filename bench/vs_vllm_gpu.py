@@ -28,7 +28,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_vllm import Server, free_port  # noqa: E402
 
-from loraplex.bench.loadgen import LoadConfig, prepare_trace, run  # noqa: E402
+from loraplex.loadgen.traffic import LoadConfig, prepare_trace, run  # noqa: E402
 from loraplex.sim.workload import WorkloadSpec, generate, hot_burst  # noqa: E402
 
 LIMITS = {"max_loras": 8, "max_cpu_loras": 32, "max_lora_rank": 64}

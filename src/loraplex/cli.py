@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from loraplex.bench.cli import app as bench_app
+from loraplex.loadgen.cli import app as bench_app
 from loraplex.registry.cli import app as registry_app
 from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import serve

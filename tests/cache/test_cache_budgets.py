@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 
 from loraplex.cache.budgets import Budget, TenantBudgets, charged, usage
-from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy
+from loraplex.engines.native.cache import AdapterCache, Loaded
 
 MiB = 2**20
 

@@ -10,9 +10,9 @@ from loraplex.artifacts import ArtifactStore, digest_and_pieces, serve_store
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
-from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
 

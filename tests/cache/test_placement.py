@@ -5,7 +5,6 @@ import copy
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from loraplex.cache.cache import AdapterCache, Entry, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.placement import (
     BUSY_WINDOW_S,
@@ -17,6 +16,7 @@ from loraplex.cache.placement import (
     warm_pins,
 )
 from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
+from loraplex.engines.native.cache import AdapterCache, Entry, Loaded
 
 MiB = 2**20
 

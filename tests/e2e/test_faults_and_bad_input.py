@@ -13,8 +13,8 @@ from ports import held
 from world_fleet import checked_inputs
 
 from loraplex.artifacts import ArtifactStore, serve_store
-from loraplex.bench.procs import start_worker, state
 from loraplex.demo.world import TRANSFORMS, make_prompt
+from loraplex.loadgen.procs import start_worker, state
 from loraplex.registry import Registry
 
 

@@ -19,7 +19,8 @@ import psutil
 import pytest
 from world_fleet import build_catalog, checked_inputs, pick
 
-from loraplex.bench.procs import (
+from loraplex.demo.world import TRANSFORMS, make_prompt
+from loraplex.loadgen.procs import (
     ADMIN_TOKEN,
     start_router,
     start_together,
@@ -27,7 +28,6 @@ from loraplex.bench.procs import (
     state,
     stop_together,
 )
-from loraplex.demo.world import TRANSFORMS, make_prompt
 
 SOAK_REQUESTS = int(os.environ.get("LORAPLEX_SOAK_REQUESTS", "2000"))
 

@@ -9,7 +9,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from loraplex.bench.procs import start_router, start_together, start_worker, state, stop_together
+from loraplex.loadgen.procs import start_router, start_together, start_worker, state, stop_together
 
 NUM_ADAPTERS = 34  # ad00-ad09 for the first test, then twelve for each routing policy
 ADMIN = {"Authorization": "Bearer e2e-admin-token-0123456789"}

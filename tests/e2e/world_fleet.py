@@ -74,10 +74,10 @@ def checked_inputs(world, n: int = 60, seed: int = 99) -> dict[str, list[str]]:
     The adapters are ~96-100% exact; under load any answer that differs from this isolated run is a
     serving error (wrong adapter, wrong version, corrupted batch), not a model error.
     """
-    from loraplex.config import EngineConfig
     from loraplex.demo.world import TRANSFORMS, make_prompt, random_inputs
-    from loraplex.engine.llm_engine import LLMEngine
-    from loraplex.engine.sequence import SamplingParams
+    from loraplex.engines.native.config import EngineConfig
+    from loraplex.engines.native.llm_engine import LLMEngine
+    from loraplex.engines.native.sequence import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(

@@ -8,9 +8,9 @@ import contextlib
 import pytest
 from harness import ADMIN_TOKEN, MODEL, Running, api_keys, make_registry, serving, variant
 
-from loraplex.config import EngineConfig
-from loraplex.engine.client import EngineClient
-from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engines.native.client import EngineClient
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.server.app import ServerConfig, create_app
 
 

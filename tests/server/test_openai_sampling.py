@@ -134,7 +134,7 @@ def _grammar_accepts(running, spec, text: str) -> bool:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_response_format_json_schema_is_followed_beside_plain_requests(running, endpoint):
-    from loraplex.engine.sequence import StructuredOutput
+    from loraplex.engines.native.sequence import StructuredOutput
 
     client = running.client()
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
@@ -185,7 +185,7 @@ def test_response_format_json_schema_is_followed_beside_plain_requests(running, 
 
 
 def test_json_object_output_is_json_when_it_ends(running):
-    from loraplex.engine.sequence import StructuredOutput
+    from loraplex.engines.native.sequence import StructuredOutput
 
     r = running.client().chat.completions.create(
         model=MODEL,

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_startup_errors import assert_one_line_errors, run_side_by_side
 
 from loraplex.artifacts import ArtifactStore
-from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.registry import Registry
 from loraplex.server.app import ServerConfig, create_app
 

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from loraplex.cache.policy import LRUPolicy, ScorePolicy
-from loraplex.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
 from loraplex.lora_format import read_adapter
 from loraplex.model_config import ModelConfig
 from loraplex.sim.simulator import (

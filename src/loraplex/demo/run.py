@@ -26,8 +26,8 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.config import EngineConfig
-from loraplex.engine.client import EngineClient
+from loraplex.engines.native.client import EngineClient
+from loraplex.engines.native.config import EngineConfig
 from loraplex.registry import Registry
 
 BASE = "demo-base"

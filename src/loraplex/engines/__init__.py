@@ -1,1 +1,1 @@
-"""Engines besides the native one (loraplex.engine), behind the same interface."""
+"""The engines behind the server: `native` (loraplex's own, the default) and `vllm`."""

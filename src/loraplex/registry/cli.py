@@ -15,7 +15,6 @@ from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.artifacts import ArtifactError, ArtifactStore, canonical_digest
-from loraplex.config import parse_size
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
@@ -28,6 +27,7 @@ from loraplex.registry.signing import (
     sign_digest,
 )
 from loraplex.registry.stats import revision_stats
+from loraplex.units import parse_size
 
 app = typer.Typer(
     name="registry",

@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict
 from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
-from loraplex.config import parse_size
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
+from loraplex.units import parse_size
 
 if TYPE_CHECKING:
     from loraplex.server.server import Server

@@ -19,7 +19,7 @@ from loraplex.server.middleware import RequestMiddleware
 from loraplex.server.server import Server, ServerConfig
 
 if TYPE_CHECKING:
-    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engines.native.llm_engine import LLMEngine
     from loraplex.engines.vllm.engine import VllmEngine
 
 __all__ = ["Server", "ServerConfig", "create_admin_app", "create_app"]

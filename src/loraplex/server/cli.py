@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from loraplex.config import parse_size
 from loraplex.server.serve import (
     ServeOptions,
     StartupError,
@@ -19,6 +18,7 @@ from loraplex.server.serve import (
     parse_score_weights,
     run,
 )
+from loraplex.units import parse_size
 
 ENGINE, CACHE, TENANCY, SECURITY, OBSERVABILITY = (
     "Engine",

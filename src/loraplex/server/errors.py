@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
 from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
-from loraplex.engine.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
+from loraplex.engines.native.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,

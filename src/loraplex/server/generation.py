@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.sequence import RequestOutput, SamplingParams
+from loraplex.engines.native.async_engine import AsyncEngine
+from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.admission import Ticket
 from loraplex.server.middleware import RequestContext

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
 from loraplex.artifacts import ArtifactError, ArtifactStore
-from loraplex.config import EngineConfig, format_size
+from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
@@ -31,6 +31,7 @@ from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
 from loraplex.server.protocol import OneSendPerTurn
+from loraplex.units import format_size
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
@@ -342,10 +343,10 @@ def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
 def load_engine(config: EngineConfig, policy=None, engine_core: str = "thread"):
     """The native engine: an `LLMEngine` whose step loop the server runs on a thread, or an
     `EngineClient` of the engine in a process of its own (`engine_core` "process")."""
-    from loraplex.engine.client import EngineClient
-    from loraplex.engine.errors import EngineUnavailable
-    from loraplex.engine.kv_budget import KVBudgetTooSmall
-    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engines.native.client import EngineClient
+    from loraplex.engines.native.errors import EngineUnavailable
+    from loraplex.engines.native.kv_budget import KVBudgetTooSmall
+    from loraplex.engines.native.llm_engine import LLMEngine
 
     try:
         if engine_core == "process":

@@ -15,9 +15,9 @@ from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.sequence import SamplingParams
+from loraplex.engines.native.async_engine import AsyncEngine
+from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
@@ -35,7 +35,7 @@ from loraplex.server.pins import PinReconciler
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
-    from loraplex.engine.client import EngineClient
+    from loraplex.engines.native.client import EngineClient
     from loraplex.engines.vllm.engine import VllmEngine
 
 log = logging.getLogger("loraplex.server")

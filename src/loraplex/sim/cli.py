@@ -17,7 +17,6 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loraplex.cache.budgets import Budget
-from loraplex.config import parse_size
 from loraplex.sim import workload as workloads
 from loraplex.sim.simulator import (
     POLICIES,
@@ -28,6 +27,7 @@ from loraplex.sim.simulator import (
     config_dict,
     hot_adapters,
 )
+from loraplex.units import parse_size
 
 GiB = 2**30
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 
 from loraplex.cache.budgets import Budget
-from loraplex.config import EngineConfig
+from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
 from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
 from loraplex.sim import workload as workloads

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from loraplex.cache.budgets import Budget, TenantBudgets
-from loraplex.cache.cache import AdapterCache, Loaded
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.engine.admission import Take, admit_waiting
+from loraplex.engines.native.admission import Take, admit_waiting
+from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.workload import Request
 
