@@ -10,7 +10,9 @@ from collections import Counter as Tally
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from loraplex.engines.rank_skew import RANK_BUCKETS, rank_bucket
 
 LOAD_BUCKETS = (
     0.001,
@@ -139,14 +141,31 @@ class ServerMetrics:
             ["tenant"],
             registry=r,
         )
+        self.tenant_tokens = Counter(
+            "loraplex_tenant_generated_tokens_total",
+            "Output tokens generated for a tenant's requests (the responses' completion_tokens)",
+            ["tenant"],
+            registry=r,
+        )
+        self.rank_tokens = Counter(
+            "loraplex_rank_generated_tokens_total",
+            "Output tokens generated, by the rank bucket of the request's adapter (base: none)",
+            ["rank_bucket"],
+            registry=r,
+        )
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
+        for tier in TIERS[:2]:
+            self.evictions.labels(tier)
+        for bucket in RANK_BUCKETS:
+            self.rank_tokens.labels(bucket)
         self.top_k_adapters = top_k_adapters
         self.load_state_top_k = load_state_top_k
         self.rank_of = rank_of or (lambda name, revision: None)
         # (name, revision, digest) -> rank: fixed once known
         self._ranks: dict[tuple[str, str, str], int | None] = {}
         self.adapter_requests: Tally[str] = Tally()
+        self.adapter_tokens: Tally[str] = Tally()
         self._children: dict[tuple, object] = {}
         r.register(_LiveCollector(snapshot, self))
 
@@ -182,15 +201,28 @@ class ServerMetrics:
         return child
 
     def on_request(
-        self, tenant: str, status: int, adapter: str | None, tier: str | None, denied: bool
+        self,
+        tenant: str,
+        status: int,
+        adapter: str | None,
+        tier: str | None,
+        denied: bool,
+        completion_tokens: int = 0,
+        rank: int | None = None,
     ) -> None:
+        """One finished inference request; `completion_tokens` as its usage counts them, `rank`
+        its adapter's."""
         self._child(self.requests, tenant, str(status)).inc()
         if denied:
             self.tenant_denied.labels(tenant).inc()
         if tier in ("disk", "remote") and status < 400:
             self.cold_starts.inc()
+        if completion_tokens:
+            self._child(self.tenant_tokens, tenant).inc(completion_tokens)
+            self._child(self.rank_tokens, rank_bucket(rank)).inc(completion_tokens)
         if adapter and self.top_k_adapters:
             self.adapter_requests[adapter] += 1
+            self.adapter_tokens[adapter] += completion_tokens
 
     def on_timings(
         self, tier: str, ttft_s: float | None, tpot_s: float | None, queue_wait_s: float | None
@@ -255,7 +287,8 @@ def load_state_series(live: dict, top_k: int, rank: Callable[[dict], int | None]
 
 
 def _tenant_gauges(tenants: dict):
-    """Per tenant and tier (gpu, cpu), the adapters charged to it there and their bytes."""
+    """Per tenant and tier (gpu, cpu), the adapters charged to it there and their bytes; per
+    tenant with a limit, its budgets."""
     count = GaugeMetricFamily(
         "loraplex_tenant_resident_count",
         "Adapters charged to a tenant per tier (those its requests hold, or used last)",
@@ -266,13 +299,57 @@ def _tenant_gauges(tenants: dict):
         "Bytes of the adapters charged to a tenant per tier",
         labels=["tenant", "tier"],
     )
+    max_slots = GaugeMetricFamily(
+        "loraplex_tenant_budget_slots",
+        "A tenant's residency budget in device slots (tenants with a limit only)",
+        labels=["tenant"],
+    )
+    max_bytes = GaugeMetricFamily(
+        "loraplex_tenant_budget_bytes",
+        "A tenant's residency budget in host bytes (tenants with a limit only)",
+        labels=["tenant"],
+    )
     for tenant, row in tenants.items():
         count.add_metric([tenant, "gpu"], row["gpu"]["slots"])
         count.add_metric([tenant, "cpu"], row["cpu"]["count"])
         size.add_metric([tenant, "gpu"], row["gpu"]["bytes"])
         size.add_metric([tenant, "cpu"], row["cpu"]["bytes"])
+        if row["gpu"]["max_slots"] is not None:
+            max_slots.add_metric([tenant], row["gpu"]["max_slots"])
+        if row["cpu"]["max_bytes"] is not None:
+            max_bytes.add_metric([tenant], row["cpu"]["max_bytes"])
     yield count
     yield size
+    yield max_slots
+    yield max_bytes
+
+
+RANK_SKEW_SERIES = {
+    "step_seconds": (
+        "loraplex_engine_step_seconds",
+        "Engine step time, by the rank bucket of the largest adapter in the step's batch",
+    ),
+    "tpot_seconds": (
+        "loraplex_request_tpot_by_rank_seconds",
+        "Time per output token after the first, by the rank bucket of the request's adapter",
+    ),
+}
+
+
+def _rank_skew_histograms(rank_skew: dict):
+    """The engine's rank-skew figures (`loraplex.engines.rank_skew.RankSkew.snapshot`) as
+    histograms with a `rank_bucket` label."""
+    for key, (name, documentation) in RANK_SKEW_SERIES.items():
+        figures = rank_skew[key]
+        bounds = [*(str(b) for b in figures["bounds"]), "+Inf"]
+        family = HistogramMetricFamily(name, documentation, labels=["rank_bucket"])
+        for bucket, row in figures["buckets"].items():
+            cumulative, running = [], 0
+            for bound, count in zip(bounds, row["counts"]):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([bucket], cumulative, row["sum"])
+        yield family
 
 
 class _LiveCollector:
@@ -302,6 +379,14 @@ class _LiveCollector:
         yield count
         yield size
         yield from _tenant_gauges(cache.get("tenants", {}))
+        if "engine_alive" in live:
+            yield GaugeMetricFamily(
+                "loraplex_engine_alive",
+                "1 while the engine runs (/health green), 0 once it has stopped",
+                value=1 if live["engine_alive"] else 0,
+            )
+        if "rank_skew" in live:
+            yield from _rank_skew_histograms(live["rank_skew"])
         yield GaugeMetricFamily(
             "loraplex_adapter_thrash_ratio",
             "Reloads after eviction per eviction",
@@ -336,8 +421,15 @@ class _LiveCollector:
             top = CounterMetricFamily(
                 "loraplex_adapter_requests", "Requests of the top-K adapters", labels=["adapter"]
             )
+            tokens = CounterMetricFamily(
+                "loraplex_adapter_generated_tokens",
+                "Output tokens generated for the top-K adapters by requests",
+                labels=["adapter"],
+            )
             for adapter, n in self.metrics.adapter_requests.most_common(
                 self.metrics.top_k_adapters
             ):
                 top.add_metric([adapter], n)
+                tokens.add_metric([adapter], self.metrics.adapter_tokens[adapter])
             yield top
+            yield tokens

@@ -311,7 +311,13 @@ class Server:
         """The middleware's last call for each inference request: metrics and the audit line."""
         a = ctx.audit
         self.metrics.on_request(
-            ctx.tenant or "unauthenticated", status, ctx.adapter_name, ctx.tier or None, ctx.denied
+            ctx.tenant or "unauthenticated",
+            status,
+            ctx.adapter_name,
+            ctx.tier or None,
+            ctx.denied,
+            a.get("completion_tokens") or 0,
+            ctx.rank,
         )
         if ctx.tier:
             self.metrics.on_timings(
@@ -410,6 +416,7 @@ class Server:
             **live,
             "running_adapters": on_gpu,
             "waiting_adapters": sorted(waiting - set(on_gpu)),
+            "engine_alive": self.engine_alive(),
         }
 
     def adapter_rank(self, name: str, revision: str) -> int | None:

@@ -38,6 +38,7 @@ from loraplex.engines.native.sequence import (
 )
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
+from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.lora_format import (
     WEIGHTS_FILE,
     AdapterRejected,
@@ -102,6 +103,7 @@ class LLMEngine:
         # Requests that give no seed of their own draw from the engine's generator (--seed).
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_ids, self.device, generator)
+        self.rank_skew = RankSkew()
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.requests: dict[str, list[Sequence]] = {}
         """The live sequences of each request id (several with n > 1 or best_of)."""
@@ -234,6 +236,7 @@ class LLMEngine:
             "kv_cache_usage": self.blocks.usage,
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_lora": self.config.max_loras,
+            "rank_skew": self.rank_skew.snapshot(),
         }
 
     def has_work(self) -> bool:
@@ -258,6 +261,8 @@ class LLMEngine:
             batch = self.scheduler.schedule(self._half_burst() if halve_bursts else None)
             if not batch:
                 return outputs
+            started = time.perf_counter()
+            largest = max((self._rank(s) for s in batch.seqs), default=0)  # before any ends
             step = self.runner.run(batch)
             for seq in batch.seqs:
                 seq.num_computed += seq.num_scheduled
@@ -288,6 +293,7 @@ class LLMEngine:
                     )
                     continue
                 outputs.append(self._append(seq, sampled, i))
+            self.rank_skew.step.observe(rank_bucket(largest), time.perf_counter() - started)
         except BaseException:
             # already taken off the books: fail_all delivers them
             self._failed = outputs + self._failed
@@ -433,6 +439,9 @@ class LLMEngine:
             if hits:
                 text, reason = text[: min(hits)], "stop"
         if reason is not None:
+            if len(seq.output_ids) > 1:
+                tpot = (time.monotonic() - seq.first_token_at) / (len(seq.output_ids) - 1)
+                self.rank_skew.tpot.observe(rank_bucket(self._rank(seq)), tpot)
             self._end(seq, reason)
         seq.text = text
         # Hold back what could still become a stop string.
@@ -444,6 +453,10 @@ class LLMEngine:
         new_logprobs = seq.output_logprobs[seq.sent_tokens :]
         seq.sent_tokens = len(seq.output_ids)
         return self._output(seq, new_ids, delta, new_logprobs)
+
+    def _rank(self, seq: Sequence) -> int:
+        """The rank of the adapter in the sequence's slot (0: the base model)."""
+        return max(self.pool.module_ranks[seq.lora_slot]) if seq.lora_slot >= 0 else 0
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

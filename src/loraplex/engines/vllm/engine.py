@@ -18,6 +18,7 @@ from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
+from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
 from loraplex.spawn import without_main_module
@@ -87,6 +88,9 @@ class VllmEngine:
         self.base_model_digest = base_model_digest(config.model_dir)
         self.figures = _Figures()
         self.tracked: dict[str, Tracked] = {}
+        self.rank_skew = RankSkew()
+        self.lora_ranks: dict[str, int] = {}
+        """vLLM's adapter names -> their rank (0: the zero adapter), read at their first request."""
         self.args, vllm_config = self._vllm_config()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.zero_adapter = self._zero_adapter_wanted(vllm_config)
@@ -170,6 +174,7 @@ class VllmEngine:
             ):
                 if lora_request is None and engine.zero_adapter:
                     lora_request = engine.zero_lora
+                rank = engine.rank_of(lora_request)
                 match = _OUR_ID.search(request_id)
                 tracked = engine.tracked.get(match[0]) if match else None
                 cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
@@ -178,6 +183,8 @@ class VllmEngine:
                 ):
                     if tracked is not None:
                         _track(tracked, request_id, out, cumulative)
+                    if out.finished:
+                        _observe_tpot(engine.rank_skew, rank, out.metrics)
                     yield out
 
         try:
@@ -195,11 +202,11 @@ class VllmEngine:
     def _stat_logger(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        figures = self.figures
+        figures, engine = self.figures, self
 
         class Figures(StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0):
-                pass
+                self.running: set[str] = set()  # the adapters running after the last step
 
             def record(
                 self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0
@@ -208,6 +215,18 @@ class VllmEngine:
                     figures.num_running = scheduler_stats.num_running_reqs
                     figures.num_waiting = scheduler_stats.num_waiting_reqs
                     figures.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    running = {
+                        n for n, count in scheduler_stats.running_lora_adapters.items() if count
+                    }
+                    # the step ran those that ran before it and those it admitted (some of which
+                    # it may have finished)
+                    in_step, self.running = self.running | running, running
+                    if iteration_stats is not None and iteration_stats.inter_token_latencies_iter:
+                        largest = max((engine.lora_ranks.get(n, 0) for n in in_step), default=0)
+                        # a decode's inter-token latency is the engine core's step time; a request
+                        # that sat out steps (preempted) has a longer one
+                        step_s = min(iteration_stats.inter_token_latencies_iter)
+                        engine.rank_skew.step.observe(rank_bucket(largest), step_s)
 
             def log_engine_initialized(self):
                 pass
@@ -272,6 +291,20 @@ class VllmEngine:
         finally:
             self.adapters.release(ref.key, ref.tenant)
 
+    def rank_of(self, lora_request) -> int:
+        """The adapter's rank, from the adapter_config.json vLLM loads it with (0: none, or the
+        zero adapter, which is the base model)."""
+        if lora_request is None or lora_request.lora_name == ZERO_ADAPTER_NAME:
+            return 0
+        name = lora_request.lora_name
+        if name not in self.lora_ranks:
+            config = Path(lora_request.lora_path) / "adapter_config.json"
+            try:
+                self.lora_ranks[name] = int(json.loads(config.read_text()).get("r") or 0)
+            except (OSError, ValueError):  # vLLM's load reports the file's fault
+                return 0
+        return self.lora_ranks[name]
+
     def live_figures(self) -> dict:
         cache = self.adapters.state()
         idle = not self.tracked  # the stat logger reports at steps: none come once vLLM is idle
@@ -289,6 +322,7 @@ class VllmEngine:
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
             "waiting_keys": waiting,
             "max_lora": self.config.max_loras,
+            "rank_skew": self.rank_skew.snapshot(),
         }
 
 
@@ -302,6 +336,14 @@ def _drop_prometheus_logger(llm) -> None:
         manager.stat_loggers = [
             s for s in manager.stat_loggers if not isinstance(s, PrometheusStatLogger)
         ]
+
+
+def _observe_tpot(rank_skew: RankSkew, rank: int, stats) -> None:
+    """A finished request's time per output token from vLLM's own figures (engine-core timestamps
+    of its first and last token), as vLLM's `mean_time_per_output_token` is."""
+    if stats is not None and stats.num_generation_tokens > 1:
+        decode_s = stats.last_token_ts - stats.first_token_ts
+        rank_skew.tpot.observe(rank_bucket(rank), decode_s / (stats.num_generation_tokens - 1))
 
 
 def _track(tracked: Tracked, request_id: str, out, cumulative: bool) -> None:
