@@ -153,3 +153,12 @@ def test_patched_vllm_serves_mixed_batches_and_pinned_slots_right(bug_world):
     assert len({tuple(v) for v in alone.values()}) == 4  # the adapters change the outputs
     assert mixed["base_row_as_alone"] and mixed["adapter_rows_as_alone"]
     assert report["pinned_slots"] == {"as_alone": True, "error": None}
+
+
+def test_applies_follows_vllm_plugins(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert patches.applies("no_lora_rows") and patches.applies("pinned_slots")
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    assert not patches.applies("no_lora_rows") and not patches.applies("pinned_slots")
+    monkeypatch.setenv("VLLM_PLUGINS", "other,loraplex")
+    assert patches.applies("pinned_slots")

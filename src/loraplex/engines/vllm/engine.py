@@ -19,6 +19,7 @@ from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
+from loraplex.engines.vllm.patches import applies
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
 from loraplex.spawn import without_main_module
@@ -51,7 +52,8 @@ class VllmConfig:
     allowed_roots: tuple[str, ...] = ()
     base_as_zero_adapter: str = "auto"
     """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU
-    backend, whose mixed base/LoRA batches give base rows another row's LoRA)."""
+    backend when loraplex's plugin does not fix its mixed base/LoRA batches, which give base rows
+    another row's LoRA: `patches.py`)."""
     vllm_args: tuple[str, ...] = ()
     """Further vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
     tenant_gpu_share: float = 1.0
@@ -104,6 +106,7 @@ class VllmEngine:
             max_cpu_loras=config.host_cache_size,
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
+            scheduler_counts_pins=applies("pinned_slots"),
             kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
             policy=make_policy(config.eviction_policy),
             budgets=TenantBudgets(
@@ -119,7 +122,7 @@ class VllmEngine:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         c = self.config
-        extra = 1 if c.base_as_zero_adapter != "off" else 0  # the zero adapter's slot and host copy
+        extra = 1 if _may_carry_zero_adapter(c.base_as_zero_adapter) else 0  # its slot and copy
         argv = [
             "--model",
             str(c.model_dir),
@@ -157,7 +160,8 @@ class VllmEngine:
 
     def _zero_adapter_wanted(self, vllm_config) -> bool:
         mode = self.config.base_as_zero_adapter
-        return mode == "on" or (mode == "auto" and vllm_config.device_config.device_type == "cpu")
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        return mode == "on" or (_may_carry_zero_adapter(mode) and on_cpu)
 
     def _start(self, vllm_config):
         from vllm.sampling_params import RequestOutputKind
@@ -324,6 +328,12 @@ class VllmEngine:
             "max_lora": self.config.max_loras,
             "rank_skew": self.rank_skew.snapshot(),
         }
+
+
+def _may_carry_zero_adapter(mode: str) -> bool:
+    """Whether `--base-as-zero-adapter MODE` may carry base requests as the zero adapter: on, or
+    auto where the CPU backend's mixed batches are not fixed (`patches.py`)."""
+    return mode == "on" or (mode == "auto" and not applies("no_lora_rows"))
 
 
 def _drop_prometheus_logger(llm) -> None:

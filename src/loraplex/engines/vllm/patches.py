@@ -37,6 +37,23 @@ def affected(version: str) -> dict[str, bool]:
     return {"no_lora_rows": known, "pinned_slots": known}
 
 
+def applies(fix: str) -> bool:
+    """Whether the vLLM processes this one starts apply `fix` ("no_lora_rows" on the CPU backend
+    only): their vLLM needs it, the plugin is installed, and VLLM_PLUGINS does not leave it out."""
+    from importlib.metadata import entry_points
+
+    import vllm
+    from vllm import envs
+
+    if not affected(vllm.__version__)[fix]:
+        return False
+    allowed = envs.VLLM_PLUGINS
+    if allowed is not None and PLUGIN_NAME not in allowed:
+        return False
+    found = entry_points(group="vllm.general_plugins", name=PLUGIN_NAME)
+    return any(ep.value == f"{__name__}:register" for ep in found)
+
+
 def register() -> None:
     """vLLM's plugin hook: apply the fixes this vLLM needs."""
     import vllm

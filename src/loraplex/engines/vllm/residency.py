@@ -6,10 +6,11 @@ the least recently used unpinned one when it must. Here loraplex makes those cho
 stages each artifact into a private, digest-verified directory (the bytes vLLM reads), adds it
 ahead of traffic (prewarm, warm policies, the cpu warm set), removes its own policy's victim before
 vLLM's LRU would pick one, never removes an adapter with requests in flight, pins (`pin_lora`) the
-operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and, while a slot is
-pinned, hands vLLM no more distinct unpinned adapters at once than it has unpinned slots (with none
-pinned, a few more, which vLLM's scheduler starts as slots free). vLLM still orders the unpinned
-adapters in its device slots.
+operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and hands vLLM the
+requests of a few more distinct unpinned adapters than it has unpinned slots, which vLLM's scheduler
+starts as slots free (its count of pinned slots is loraplex's fix, `patches.py`; without it, while a
+slot is pinned, no more than the unpinned slots). vLLM still orders the unpinned adapters in its
+device slots.
 
 Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
 counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
@@ -196,6 +197,7 @@ class VllmResidency:
         budgets: TenantBudgets | None = None,
         load_threads: int = 2,
         reserved_slots: int = 0,
+        scheduler_counts_pins: bool = False,
         kept_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -206,6 +208,9 @@ class VllmResidency:
             reserved_slots  # vLLM's slots pinned outside this table (the zero adapter)
         )
         self.max_cpu_loras = max_cpu_loras
+        # vLLM's scheduler leaves out of a batch's budget the slots that pinned adapters outside
+        # it hold (loraplex's plugin, `patches.py`), so pins hold no request back here
+        self.scheduler_counts_pins = scheduler_counts_pins
         # adapters handed to vLLM beyond its slots while none is pinned (`_unpinned_room`): up to
         # half the slots, within half the host cache's places beyond the slots (the others take
         # the loads meanwhile)
@@ -410,27 +415,29 @@ class VllmResidency:
                 del self._slot_waiting[tenant]
 
     def _has_slot(self, entry: Resident) -> bool:
-        """Whether a request for `entry` may go to vLLM now. vLLM's scheduler takes up to its slot
-        count of distinct adapters into a batch without counting the pinned slots that adapters
-        outside the batch hold; a batch with more unpinned adapters than unpinned slots fails in its
-        worker. So the distinct unpinned adapters with requests in vLLM stay within the unpinned
-        slots."""
+        """Whether a request for `entry` may go to vLLM now: the distinct unpinned adapters with
+        requests in vLLM stay within `_unpinned_room`."""
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
             return self._busy_unpinned() < self._unpinned_room()
 
     def _unpinned_room(self) -> int:
-        """How many distinct unpinned adapters may have requests handed to vLLM at once. With a
-        slot pinned (loraplex's, the operator's or the zero adapter's), the unpinned slots (see
-        `_has_slot`). With none pinned, vLLM's scheduler holds every batch to its slots itself, and
-        loraplex hands it the requests of `queue_ahead` adapters more: vLLM starts the next one in
-        the step a slot frees, not a round trip through this process later. The slots alone while
-        a pin waits for the adapters running to fit beside it (`_may_pin`), and under tenant
-        budgets, which count a tenant's slots by its requests handed to vLLM."""
+        """How many distinct unpinned adapters may have requests handed to vLLM at once: the
+        unpinned slots, and `queue_ahead` adapters more, whose requests vLLM's scheduler starts in
+        the step a slot frees, not a round trip through this process later. The slots alone
+        - while a pin waits for the adapters running to fit beside it (`_may_pin`), so that they
+          drain;
+        - under tenant budgets, which count a tenant's slots by its requests handed to vLLM;
+        - while a slot is pinned, when vLLM's scheduler does not count pinned slots (a vLLM without
+          loraplex's fix): it then takes up to its slot count of distinct adapters into a batch,
+          and a batch with more unpinned adapters than unpinned slots fails in its worker."""
         room = self.max_loras - len(self._vllm_pins)
+        pin_waits = bool(self._pins_wanted - self._vllm_pins)
         pinned = self._vllm_pins or self._pins_wanted or self.reserved_slots
-        if pinned or self.budgets.limits_anyone:
+        if pin_waits or self.budgets.limits_anyone:
+            return room
+        if pinned and not self.scheduler_counts_pins:
             return room
         return room + self.queue_ahead
 
