@@ -44,10 +44,14 @@ The seed scenario runs on a start of each server of its own. The Zipf and unifor
 another, with the default disk tier on the loraplex servers (a deployment serving local directories
 keeps their staged copies), and read their adapters from local directories on every server.
 
-No trace has base-model requests, so `loraplex-vllm` runs with `--base-as-zero-adapter off`, as on a
-GPU: with the zero adapter (the CPU default, for base requests in a batch with LoRA rows) one of
-vLLM's slots is always pinned, and loraplex hands vLLM no more adapters than its unpinned slots
-(docs/cache.md, "On the vLLM engine").
+Plain vLLM runs as released: VLLM_PLUGINS names only the bench's own plugin, so loraplex's
+(`loraplex.engines.vllm.patches`, its fixes for two vLLM LoRA bugs) stays out of it. `loraplex-vllm`
+runs with the server's defaults, that plugin among them.
+
+`--case llama90m`: a random-weight 90M Llama (head size 64) and 64 rank-16 adapters on its seven
+linear modules; closed-loop clients on base-only traffic, 8 and 64 adapters in turn, and a mixed
+trace (every other request base, the rest over 8 adapters); each server of `--servers` (vllm and any
+of loraplex-vllm, loraplex) in turn, `--rounds` times, medians.
 """
 
 from __future__ import annotations
@@ -198,6 +202,17 @@ def start_vllm(
     return Server("vllm", args, env, log, port)
 
 
+def plain_vllm_env(plugins: str = "") -> dict[str, str]:
+    """The environment of plain vLLM: as released, the plugins of `plugins` only (never
+    loraplex's)."""
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_PLUGINS": plugins,
+    }
+
+
 def start_loraplex(
     engine: str,
     model_dir: Path,
@@ -219,13 +234,7 @@ def start_loraplex(
         *("--max-lora-rank", str(LIMITS["max_lora_rank"])),
     ]
     if engine == "vllm":
-        args += [
-            "--vllm-arg=--max-model-len=128",
-            # no base-model requests in these traces: served as on a GPU, without the zero adapter
-            # (vLLM-CPU's base rows are wrong only in a batch with LoRA rows), whose pinned slot
-            # would keep loraplex from handing vLLM adapters beyond its slots
-            *("--base-as-zero-adapter", "off"),
-        ]
+        args += ["--vllm-arg=--max-model-len=128"]  # the server's defaults otherwise
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -293,6 +302,7 @@ class Remote:
             "PYTHONPATH": os.pathsep.join(p for p in path if p),
             "LORAPLEX_BENCH_REMOTE": str(self.tmp / "vllm-remote.json"),
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_PLUGINS": "loraplex_bench_remote",  # vLLM as released, with the bench's tier
         }
 
     def hot_fetches(self) -> int:
@@ -508,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         "--case",
         choices=("traces", "llama90m"),
         default="traces",
-        help="llama90m: vllm and loraplex on a 90M Llama, 0/8/64 adapters "
+        help="llama90m: the servers on a 90M Llama, base-only, 8 and 64 adapters, and mixed "
         "(written to vs_vllm_llama90m[.quick].json beside --json)",
     )
     args = parser.parse_args(argv)
@@ -696,51 +706,70 @@ def llama90m_world(cache_dir: Path) -> tuple[Path, dict[str, Path]]:
 
 
 def llama90m_servers(python: str, model_dir: Path, adapters: dict[str, Path], tmp: Path):
-    """Starters of plain vLLM and native loraplex on the case's model, limits and adapters."""
+    """Starters of plain vLLM, loraplex on vLLM and native loraplex on the case's model, limits
+    and adapters (each start with a data directory of its own)."""
     limits = [f"--{flag.replace('_', '-')}={value}" for flag, value in LLAMA90M_LIMITS.items()]
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     common = ["--model", str(model_dir), "--dtype", "float32", *limits]
+    max_len = str(LLAMA90M["max_position_embeddings"])
     vllm_args = [python, "-m", "vllm.entrypoints.openai.api_server", *common]
-    vllm_args += ["--max-model-len", str(LLAMA90M["max_position_embeddings"]), "--enable-lora"]
-    vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-    ours_args = [sys.executable, "-m", "loraplex.cli", "serve", *common]
-    ours_args += ["--data-dir", str(tmp / "data"), "--engine-core", "process"]
-    ours_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    vllm_args += ["--max-model-len", max_len, "--enable-lora"]
+    ours = [sys.executable, "-m", "loraplex.cli", "serve", *common]
+    native_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    on_vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    on_vllm_env.pop("VLLM_PLUGINS", None)  # every plugin: loraplex's among them
 
-    def start(name: str, args: list[str], env: dict) -> Server:
+    def start(name: str, args: list[str], env: dict, run: str) -> Server:
         port = free_port()
-        return Server(name, [*args, *modules, "--port", str(port)], env, tmp / f"{name}.log", port)
+        if name != "vllm":
+            args = [*args, "--data-dir", str(tmp / f"data-{name}-{run}")]
+        log = tmp / f"{name}-{run}.log"
+        return Server(name, [*args, *modules, "--port", str(port)], env, log, port)
 
     return {
-        "vllm": lambda: start("vllm", vllm_args, vllm_env),
-        "loraplex": lambda: start("loraplex", ours_args, ours_env),
+        "vllm": lambda run: start("vllm", vllm_args, plain_vllm_env(), run),
+        "loraplex-vllm": lambda run: start(
+            "loraplex-vllm",
+            [*ours, "--engine", "vllm", f"--vllm-arg=--max-model-len={max_len}"],
+            on_vllm_env,
+            run,
+        ),
+        "loraplex": lambda run: start(
+            "loraplex", [*ours, "--engine-core", "process"], native_env, run
+        ),
     }
 
 
-def llama90m_trace(num_adapters: int, num_requests: int) -> list[Request]:
-    """Closed-loop requests, request i for adapter i % num_adapters (none: the base model)."""
+LLAMA90M_WORKLOADS = {  # name: (adapters, share of base-model requests)
+    "0 adapters": (0, 0.0),
+    "8 adapters": (8, 0.0),
+    "64 adapters": (64, 0.0),
+    "mixed": (8, 0.5),
+}
+
+
+def llama90m_trace(num_adapters: int, num_requests: int, base_share: float = 0.0) -> list[Request]:
+    """Closed-loop requests over `num_adapters` adapters in turn (none: the base model), with
+    `base_share` of them (spread evenly) for the base model."""
     names = [f"r16-{j:02d}" for j in range(num_adapters)]
-    return [
-        Request(
-            0.0,
-            "default",
-            names[i % len(names)] if names else None,
-            LLAMA90M_PROMPT,
-            LLAMA90M_OUTPUT,
-        )
-        for i in range(num_requests)
-    ]
+    every = round(1 / base_share) if base_share else 0
+    out, turn = [], 0
+    for i in range(num_requests):
+        adapter = None
+        if names and not (every and i % every == 0):
+            adapter, turn = names[turn % len(names)], turn + 1
+        out.append(Request(0.0, "default", adapter, LLAMA90M_PROMPT, LLAMA90M_OUTPUT))
+    return out
 
 
 def llama90m_measure(server: Server, clients: int, num_requests: int, console) -> dict:
-    """Tokens/s of each adapter count, closed loop, after a warm-up that loads every adapter."""
+    """Tokens/s of each workload, closed loop, after a warm-up that loads its adapters."""
     out = {}
-    for count in LLAMA90M_ADAPTERS:
+    for workload, (count, base_share) in LLAMA90M_WORKLOADS.items():
         warm = [replace(r, output_tokens=2) for r in llama90m_trace(count, max(count, clients))]
         run(LoadConfig(url=server.url, clients=clients), warm)
-        summary = run(
-            LoadConfig(url=server.url, clients=clients), llama90m_trace(count, num_requests)
-        )
+        trace = llama90m_trace(count, num_requests, base_share)
+        summary = run(LoadConfig(url=server.url, clients=clients), trace)
         lat = summary["latency"]["all"]
         row = {
             "requests": summary["requests"],
@@ -750,44 +779,71 @@ def llama90m_measure(server: Server, clients: int, num_requests: int, console) -
             "ttft_p50_ms": lat["ttft_ms"]["p50"],
             "tpot_p50_ms": lat["tpot_ms"]["p50"],
         }
-        console.log(server.name, f"{count} adapters", row)
-        out[f"{count} adapters"] = row
+        console.log(server.name, workload, row)
+        out[workload] = row
     return out
 
 
+LLAMA90M_GOALS = {  # server: (base-only goal, goal with adapters), tokens/s over plain vLLM's
+    "loraplex-vllm": (0.95, 1.0),
+    "loraplex": (1.0, 2.0),
+}
+
+
 def run_llama90m(args, console: Console) -> int:
-    """Plain vLLM-CPU and native loraplex side by side on the 90M Llama: 8 closed-loop clients,
-    base-only and with 8 and 64 adapters (goals: base-only tokens/s >= vLLM's, adapters >= 2x)."""
+    """The servers of `--servers` side by side on the 90M Llama, `--clients` closed-loop clients,
+    taking turns `--rounds` times (medians). Goals in LLAMA90M_GOALS."""
     num_requests = 24 if args.quick else 48
     cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
     model_dir, adapters = llama90m_world(cache_dir)
-    results = {}
+    servers = [s for s in args.servers.split(",") if s]
+    rounds: dict[str, list[dict]] = {name: [] for name in servers}
     with tempfile.TemporaryDirectory() as tmp:
         starts = llama90m_servers(args.vllm_python, model_dir, adapters, Path(tmp))
-        for name, start in starts.items():
-            console.log(f"starting {name}")
-            server = start()
-            try:
-                results[name] = llama90m_measure(server, args.clients, num_requests, console)
-            finally:
-                server.stop()
-    table = Table(title=f"90M Llama on CPU, {args.clients} closed-loop clients, one thread each")
+        if "vllm" not in servers or any(s not in starts for s in servers):
+            print(f"--servers: give vllm and any of {', '.join(starts)}", file=sys.stderr)
+            return 2
+        for i in range(args.rounds):
+            for name in servers:
+                console.log(f"starting {name} (round {i + 1})")
+                server = starts[name](str(i))
+                try:
+                    rounds[name].append(
+                        llama90m_measure(server, args.clients, num_requests, console)
+                    )
+                finally:
+                    server.stop()
+    results = {
+        name: {w: combine([r[w] for r in done]) for w in LLAMA90M_WORKLOADS}
+        for name, done in rounds.items()
+    }
+    table = Table(
+        title=f"90M Llama on CPU, {args.clients} closed-loop clients, "
+        f"medians of {args.rounds} alternating rounds"
+    )
     columns = ["throughput_tok_s", "throughput_req_s", "ttft_p50_ms", "tpot_p50_ms", "errors"]
     for c in ["workload", "server", *columns]:
         table.add_column(c, justify="right")
-    ratios = {}
-    for workload in results["vllm"]:
-        theirs, ours = results["vllm"][workload], results["loraplex"][workload]
+    ratios: dict[str, dict[str, float]] = {}
+    for workload in LLAMA90M_WORKLOADS:
+        theirs = results["vllm"][workload]
         for name in results:
             table.add_row(workload, name, *(str(results[name][workload][c]) for c in columns))
-        ratio = ours["throughput_tok_s"] / theirs["throughput_tok_s"]
-        ratios[workload] = round(ratio, 2)
-        table.add_row(workload, "loraplex/vllm", str(ratios[workload]), "", "", "", "")
+        for name in servers[1:]:
+            ratio = results[name][workload]["throughput_tok_s"] / theirs["throughput_tok_s"]
+            ratios.setdefault(name, {})[workload] = round(ratio, 2)
+            table.add_row(workload, f"{name}/vllm", str(round(ratio, 2)), "", "", "", "")
         table.rows[-1].end_section = True
     console.print(table)
     goals = {
-        w: {"tok_s_ours_over_vllm": r, "goal": 1.0 if w == "0 adapters" else 2.0}
-        for w, r in ratios.items()
+        name: {
+            w: {
+                "tok_s_ours_over_vllm": r,
+                "goal": LLAMA90M_GOALS[name][0 if w == "0 adapters" else 1],
+            }
+            for w, r in by_workload.items()
+        }
+        for name, by_workload in ratios.items()
     }
     console.print(goals)
     name = "vs_vllm_llama90m.quick.json" if args.quick else "vs_vllm_llama90m.json"
@@ -801,6 +857,7 @@ def run_llama90m(args, console: Console) -> int:
         "output_tokens": LLAMA90M_OUTPUT,
         "requests_per_workload": num_requests,
         "clients": args.clients,
+        "rounds": args.rounds,
         "results": results,
         "goals": goals,
         "load_average_1m_5m_15m": [round(v, 2) for v in os.getloadavg()],
