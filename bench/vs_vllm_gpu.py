@@ -7,10 +7,13 @@ The model is built here with random weights in the shape of Llama-3-8B (32 layer
 heads, 8 KV heads, bf16; nothing is downloaded), the adapters too (ranks 8 to 64 over the attention
 projections). Both servers get the same limits (`--max-loras 8`, `--max-cpu-loras 32`,
 `--max-lora-rank 64`); the workloads are the seed scenario (4 hot adapters, then a sweep of cold
-ones), Zipf(0.9) and uniform over every adapter, replayed open-loop (TTFT, TPOT) and closed-loop
-(throughput) by `loraplex bench serve`. Goals: loraplex's throughput at least 0.95x plain vLLM's,
-and a better hot-adapter p99 TTFT in the seed scenario. Before the traces, a greedy request per
-adapter of a sample must give the same text on both servers.
+ones), Zipf(0.9) and uniform over every adapter, base-model requests only, and a mixed trace (the
+Zipf trace with every other request for the base model), replayed open-loop (TTFT, TPOT) and
+closed-loop (throughput) by `loraplex bench serve`. Goals: loraplex's throughput at least 0.95x
+plain vLLM's (base-only too), and a better hot-adapter p99 TTFT in the seed scenario. Before the
+traces, a greedy request per adapter of a sample must give the same text on both servers, and so
+must a base-model request sent beside them. Plain vLLM runs as released (VLLM_PLUGINS leaves
+loraplex's plugin out); loraplex on vLLM with the server's defaults, that plugin among them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -165,25 +169,35 @@ def start(kind: str, model: Path, adapters: dict[str, Path], work: Path) -> Serv
             *limits,
             *modules,
         ]
-    return Server(
-        kind,
-        args,
-        {**os.environ, "PYTHONUNBUFFERED": "1"},
-        work / f"{kind}.log",
-        port,
-        timeout_s=600,
-    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if kind == "vllm":
+        env["VLLM_PLUGINS"] = ""  # vLLM as released
+    else:
+        env.pop("VLLM_PLUGINS", None)
+    return Server(kind, args, env, work / f"{kind}.log", port, timeout_s=600)
 
 
 def greedy(server: Server, names: list[str]) -> list[str]:
-    return [
-        httpx.post(
-            f"{server.url}/v1/completions",
-            timeout=300,
-            json={"model": n, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0},
-        ).json()["choices"][0]["text"]
-        for n in names
-    ]
+    """Greedy texts of `names` (the model's served name for the base model), sent side by side,
+    so base and adapter rows share batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> str:
+        body = {"model": name, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", timeout=300, json=body)
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return list(pool.map(one, names))
+
+
+def base_name(server: Server) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def base_share(trace: list, every: int) -> list:
+    """`trace` with every `every`-th request for the base model."""
+    return [replace(r, adapter=None) if i % every == 0 else r for i, r in enumerate(trace)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         for k, v in workloads.items()
     }
+    workloads["base only"] = base_share(workloads["zipf 0.9"], 1)
+    workloads["mixed"] = base_share(workloads["zipf 0.9"], 2)
     hot = {r.adapter for r in workloads["seed scenario"][:20]}
     results, answers = {}, {}
     for kind in ("vllm", "loraplex-vllm"):
         server = start(kind, model, adapters, args.out)
         try:
-            answers[kind] = greedy(server, names[:4])
+            base = base_name(server)
+            answers[kind] = greedy(server, [base, *names[:4], base])
             rows = {}
             for name, trace in workloads.items():
                 open_loop = run(LoadConfig(url=server.url), trace, per_request=True)
