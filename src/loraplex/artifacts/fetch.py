@@ -301,7 +301,7 @@ def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
             from botocore.config import Config
         except ImportError:
             raise ArtifactUnavailable(
-                "s3:// storage needs boto3: pip install 'loraplex[s3]'"
+                "s3:// storage needs the s3 extra (boto3): pip install 'loraplex[s3]'"
             ) from None
         client = boto3.client(
             "s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s)

