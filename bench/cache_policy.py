@@ -212,7 +212,7 @@ def run_once(
             device=device,
             max_loras=4,
             max_lora_rank=64,
-            kv_cache_bytes=64 * 2**20,
+            kv_cache_memory_bytes=64 * 2**20,
             eviction_policy=policy,
             cpu_cache_bytes=cpu_adapters * adapter_bytes,
             disk_cache_dir=tmp / f"disk-{time.perf_counter_ns()}",

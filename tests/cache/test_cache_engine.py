@@ -43,7 +43,7 @@ def make_engine(llama_dir, tmp_path, allowed, policy=None, max_loras=2, disk_byt
             dtype="float32",
             max_loras=max_loras,
             max_lora_rank=16,
-            kv_cache_bytes=2**20,
+            kv_cache_memory_bytes=2**20,
             disk_cache_dir=tmp_path / "disk",
             disk_cache_bytes=disk_bytes,
             allowed_roots=(allowed,),
@@ -188,7 +188,7 @@ def test_the_engine_keeps_what_lives_as_long_as_it_out_of_the_collectors_view(ll
     assert gc.get_freeze_count() == 0
 
 
-ENGINE = dict(dtype="float32", max_loras=2, kv_cache_bytes=2 * 2**20, max_lora_rank=16)
+ENGINE = dict(dtype="float32", max_loras=2, kv_cache_memory_bytes=2 * 2**20, max_lora_rank=16)
 
 
 def _engine(llama_dir, **kw):
@@ -302,7 +302,7 @@ def test_the_hot_set_survives_a_cold_burst_when_slots_are_to_spare(llama_dir, ll
     paths = list(llama_adapters.values())
     found, waits = {}, {}
     for policy in (ScorePolicy(), LRUPolicy()):
-        config = dict(max_loras=6, max_cpu_loras=6, kv_cache_bytes=4 * 2**20)
+        config = dict(max_loras=6, max_cpu_loras=6, kv_cache_memory_bytes=4 * 2**20)
         engine = LLMEngine(EngineConfig(model_dir=llama_dir, **{**ENGINE, **config}), policy=policy)
         hot = [engine.adapter_ref(f"hot{i}", paths[i % len(paths)]) for i in range(4)]
         cold = [engine.adapter_ref(f"cold{i}", paths[i % len(paths)]) for i in range(20)]

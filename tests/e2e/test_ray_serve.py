@@ -20,7 +20,7 @@ from loraplex.integrations.ray_serve import deployment  # noqa: E402
 from loraplex.registry import Registry  # noqa: E402
 from loraplex.router.fleet import Worker  # noqa: E402
 from loraplex.router.picker import Picker  # noqa: E402
-from loraplex.server.serve import ServeOptions  # noqa: E402
+from loraplex.settings.serve import ServeSettings  # noqa: E402
 
 ADAPTERS = ("reverse", "rot13", "rotate")
 TOKEN = "ray-admin-token-0123456789"
@@ -36,7 +36,7 @@ def fleet(demo_world, tmp_path_factory):
     for name, path in sorted(demo_world.adapters.items()):
         registry.add_revision(path, name, shared=True, status="stable")
     registry.close()
-    options = ServeOptions(
+    options = ServeSettings(
         model=demo_world.model_dir,
         data_dir=root / "data",
         registry=url,

@@ -85,7 +85,7 @@ def checked_inputs(world, n: int = 60, seed: int = 99) -> dict[str, list[str]]:
             dtype="float32",
             max_loras=len(world.adapters),
             max_lora_rank=max(world.ranks.values()),
-            kv_cache_bytes=64 * 2**20,
+            kv_cache_memory_bytes=64 * 2**20,
         )
     )
     texts = random_inputs(n, seed)

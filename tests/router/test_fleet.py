@@ -15,7 +15,7 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.42
 def test_vllm_worker_is_read_from_its_metrics():
     worker = Worker("http://w")
     worker.apply_vllm_metrics(VLLM_METRICS)
-    view = worker.view(now=worker.polled_at, stale_s=2)
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
     assert (view.waiting, view.running, view.kv_usage, view.free_slots) == (3, 5, 0.42, 2)
     assert view.gpu == {"sql", "chat"} and view.loading == {"math"} and worker.kind == "vllm"
     assert view.affinity("sql") == "gpu" and view.affinity("math") == "loading"
@@ -40,19 +40,19 @@ def test_loraplex_state_gives_residency_by_name_and_revision():
         }
     )
     worker.in_flight = 4
-    view = worker.view(now=worker.polled_at + 1, stale_s=2)
+    view = worker.view(now=worker.polled_at + 1, stale_after_s=2)
     assert view.affinity("a") == view.affinity("a@r1") == "gpu" and view.affinity("b@r2") == "cpu"
     assert view.affinity("c") == "loading" and view.affinity("zzz") == "none"
     assert view.load == 1 + 2 + 4
-    assert not worker.view(now=worker.polled_at + 5, stale_s=2).fresh
+    assert not worker.view(now=worker.polled_at + 5, stale_after_s=2).fresh
 
 
 def test_adapters_routed_since_the_last_poll_count_as_loading_there():
     worker = Worker("http://w")
     worker.apply_state({"adapters": [], "load": {"free_slots": 0}})
     worker.sent.add("fresh-one")
-    assert worker.view(now=worker.polled_at, stale_s=2).affinity("fresh-one") == "loading"
-    assert worker.view(now=worker.polled_at, stale_s=2).affinity("other") == "none"
+    assert worker.view(now=worker.polled_at, stale_after_s=2).affinity("fresh-one") == "loading"
+    assert worker.view(now=worker.polled_at, stale_after_s=2).affinity("other") == "none"
 
 
 def test_vllm_s_newest_lora_series_is_the_current_one_and_engines_add_up():
@@ -69,6 +69,6 @@ vllm:num_requests_running{engine="1",model_name="m"} 4.0
 """
     worker = Worker("http://w")
     worker.apply_vllm_metrics(text)
-    view = worker.view(now=worker.polled_at, stale_s=2)
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
     assert view.gpu == {"sql"} and view.free_slots == 3
     assert (view.waiting, view.running) == (3, 7)

@@ -83,7 +83,9 @@ def test_a_bad_answer_from_one_worker_does_not_stop_the_polling():
     and stopped the fleet's polling for good (a worker once marked out never came back)."""
     shapes = {"load": None, "adapters": [{"name": "x"}]}
     with serving(worker(shapes)) as odd, serving(worker(RESIDENT)) as good:
-        app = create_router_app(RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_s=0.05))
+        app = create_router_app(
+            RouterConfig(workers=(odd, good), admin_token=TOKEN, poll_interval_s=0.05)
+        )
         with serving(app) as url:
             bad_url = httpx.post(
                 f"{url}/admin/workers", headers=ADMIN, json={"url": "http://host:80o0"}

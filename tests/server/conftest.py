@@ -44,7 +44,7 @@ def start(llama_dir, llama_adapters, tmp_path_factory, request):
             model_dir=llama_dir,
             dtype="float32",
             max_loras=2,
-            kv_cache_bytes=8 * 2**20,
+            kv_cache_memory_bytes=8 * 2**20,
             max_lora_rank=16,
         )
         engine_args.update(engine or {})

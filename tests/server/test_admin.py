@@ -493,7 +493,7 @@ def test_a_revision_rolled_back_into_service_gives_up_its_grace_pin(start, adapt
 
 
 def test_evict_in_flight_is_409(start):
-    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+    with start(engine={"max_model_len": 4096, "kv_cache_memory_bytes": 16 * 2**20}) as running:
         stream = running.client().completions.create(
             model="shared-a",
             prompt="x",

@@ -202,7 +202,9 @@ def test_json_object_output_is_json_when_it_ends(running):
 
 def test_refused_schema_and_oversized_n_are_400s_and_other_requests_go_on(start):
     per_token = 2 * 2 * 2 * 16 * 4  # the tiny model's K and V bytes per token, float32
-    with start(engine=dict(block_size=4, max_model_len=32, kv_cache_bytes=64 * per_token)) as small:
+    with start(
+        engine=dict(block_size=4, max_model_len=32, kv_cache_memory_bytes=64 * per_token)
+    ) as small:
         headers = {"Authorization": "Bearer alice-key-0123456789"}
         url = f"{small.url}/v1/completions"
         base = {"model": MODEL, "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], "max_tokens": 4}

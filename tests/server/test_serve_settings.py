@@ -127,7 +127,7 @@ def test_engine_flags_size_the_kv_cache_and_the_batch(kv8b_dir, tmp_path):
         with pytest.raises(openai.BadRequestError, match="max_model_len 2048"):
             client.completions.create(model="base", prompt="hello", max_tokens=2048)
         kv = [r["msg"] for r in _log_lines(tmp_path) if r["msg"].startswith("KV cache:")]
-        assert kv == ["KV cache: 256MiB for 2048 tokens (kv_cache_bytes)"]
+        assert kv == ["KV cache: 256MiB for 2048 tokens (kv_cache_memory_bytes)"]
     finally:
         proc.kill()
         proc.wait()
@@ -166,7 +166,7 @@ def test_config_file_sets_options_and_flags_override_it(kv8b_dir, tmp_path):
     try:
         assert _address(proc) is not None, (tmp_path / "stderr.log").read_text()
         kv = [r["msg"] for r in _log_lines(tmp_path) if r["msg"].startswith("KV cache:")]
-        assert kv == ["KV cache: 256MiB for 2048 tokens (kv_cache_bytes)"]
+        assert kv == ["KV cache: 256MiB for 2048 tokens (kv_cache_memory_bytes)"]
     finally:
         proc.kill()
         proc.wait()
@@ -175,15 +175,18 @@ def test_config_file_sets_options_and_flags_override_it(kv8b_dir, tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("max-num-seqs: many\n", "key 'max-num-seqs': Input should be a valid integer"),
+        ("max-num-seqs: many\n", "key 'max-num-seqs': 'many' is not an integer"),
         ("max-modle-len: 4096\n", "unknown key 'max-modle-len'"),
         ("- max-model-len\n", "expected a mapping of option names to values"),
-        ("kv-cache-memory-bytes: lots\n", "--kv-cache-memory-bytes: bad size 'lots'"),
+        ("kv-cache-memory-bytes: lots\n", "key 'kv-cache-memory-bytes': bad size 'lots'"),
         (
             "score-weights: {recency: 1, fame: 2}\n",
-            "--score-weights 'fame=2': expected NAME=WEIGHT",
+            "key 'score-weights': 'fame=2': expected NAME=WEIGHT",
         ),
-        ("gpu-memory-utilization: 1.5\n", "--gpu-memory-utilization 1.5: use a share in (0, 1]"),
+        (
+            "gpu-memory-utilization: 1.5\n",
+            "key 'gpu-memory-utilization': 1.5: must be a share in (0, 1]",
+        ),
     ],
 )
 def test_bad_config_file_is_one_line_naming_the_key(kv8b_dir, tmp_path, text, message):
@@ -196,13 +199,14 @@ def test_bad_config_file_is_one_line_naming_the_key(kv8b_dir, tmp_path, text, me
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--score-weights", "fame=1"], "error: --score-weights 'fame=1': expected NAME=WEIGHT"),
+        (["--score-weights", "fame=1"], "error: --score-weights: 'fame=1': expected NAME=WEIGHT"),
         (["--load-factor", "0.5"], "error: --load-factor 0.5: must be at least 1 (the mean load)"),
         (
             ["--saturation-kv-usage", "2"],
-            "error: --saturation-waiting must be >= 0 and --saturation-kv-usage",
+            "error: --saturation-kv-usage 2: must be a share in (0, 1]",
         ),
-        (["--poll-timeout-s", "0"], "error: --poll-timeout-s 0.0: must be positive"),
+        (["--poll-timeout-s", "0"], "error: --poll-timeout-s 0: must be positive"),
+        (["--policy", "random"], "error: --policy random: use affinity | round-robin"),
     ],
 )
 def test_router_tuning_flags_are_checked(args, message, tmp_path):
@@ -230,14 +234,14 @@ def test_router_tuning_flags_are_checked(args, message, tmp_path):
 def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, llama_dir):
     from loraplex.registry import Registry
     from loraplex.server.serve import (
-        ServeOptions,
+        ServeSettings,
         StartupError,
         engine_config,
         eviction_policy,
         server_config,
     )
 
-    options = ServeOptions(
+    options = ServeSettings(
         model=llama_dir,
         data_dir=tmp_path,
         max_model_len=128,
@@ -277,7 +281,7 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         8,
         7,
     )
-    assert (e.kv_cache_bytes, e.gpu_memory_utilization, e.max_lora_bytes_per_step) == (
+    assert (e.kv_cache_memory_bytes, e.gpu_memory_utilization, e.max_lora_bytes_per_step) == (
         2**20,
         0.5,
         4096,
@@ -309,12 +313,12 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         StartupError, match="--score-weights and --min-residency-s apply to --eviction-policy score"
     ):
         eviction_policy(
-            ServeOptions(
+            ServeSettings(
                 model=llama_dir, data_dir=tmp_path, eviction_policy="lru", min_residency_s=1.0
             )
         )
-    with pytest.raises(StartupError, match="^--max-waiting must be >= 0"):
-        server_config(ServeOptions(model=llama_dir, data_dir=tmp_path, max_waiting=-1), None, None)
+    with pytest.raises(ValueError, match="^max_waiting -1: must be at least 0"):
+        ServeSettings(model=llama_dir, data_dir=tmp_path, max_waiting=-1)
     registry.close()
 
 

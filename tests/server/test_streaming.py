@@ -14,7 +14,7 @@ def _adapter(state: dict, name: str) -> dict:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
-    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+    with start(engine={"max_model_len": 4096, "kv_cache_memory_bytes": 16 * 2**20}) as running:
         body = {
             "model": "shared-a",
             "prompt": "x",
@@ -46,7 +46,7 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot_reference(start):
 def test_a_plain_request_whose_client_leaves_is_aborted_and_recorded_as_499(start):
     """Not streamed: the client's timeout ends its wait, and the server stops the generation (as for
     a stream)."""
-    with start(engine={"max_model_len": 4096, "kv_cache_bytes": 16 * 2**20}) as running:
+    with start(engine={"max_model_len": 4096, "kv_cache_memory_bytes": 16 * 2**20}) as running:
         body = {"model": "shared-a", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}
         headers = {"Authorization": f"Bearer {KEYS['alice']}", "x-request-id": "impatient"}
         try:
@@ -199,7 +199,7 @@ def test_100_concurrent_streaming_clients_over_20_adapters_with_4_slots(start, a
             registry.add_revision(path, name, shared=True, status="stable")
 
     with start(
-        engine={"max_loras": 4, "kv_cache_bytes": 16 * 2**20, "eviction_policy": "lru"},
+        engine={"max_loras": 4, "kv_cache_memory_bytes": 16 * 2**20, "eviction_policy": "lru"},
         registry_setup=register,
     ) as running:
         rng = random.Random(0)

@@ -60,7 +60,7 @@ def budget_server(llama_dir, adapter_dirs, tmp_path_factory, batch_slots: int | 
             dtype="float32",
             max_loras=SLOTS,
             max_lora_rank=16,
-            kv_cache_bytes=8 * 2**20,
+            kv_cache_memory_bytes=8 * 2**20,
             eviction_policy="lru",
         )
     )

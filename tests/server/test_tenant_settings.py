@@ -18,7 +18,7 @@ from loraplex.registry.signing import (
 # room for a stream that outlives the test steps
 LONG = {
     "max_model_len": 4096,
-    "kv_cache_bytes": 16 * 2**20,
+    "kv_cache_memory_bytes": 16 * 2**20,
 }
 
 

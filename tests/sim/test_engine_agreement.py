@@ -38,7 +38,7 @@ def engine_tiers(llama_dir, refs, sequence, policy, max_loras, cpu_bytes):
             dtype="float32",
             max_loras=max_loras,
             max_lora_rank=16,
-            kv_cache_bytes=2**20,
+            kv_cache_memory_bytes=2**20,
             cpu_cache_bytes=cpu_bytes,
         ),
         policy=policy,

@@ -116,5 +116,5 @@ def test_plan_reads_pins_and_warm_policies_and_takes_capacities(
     kept = {row: tiers.columns[-1]._cells[i] for i, row in enumerate(tiers.columns[0]._cells)}
     host = sum(a.serving_bytes for a in plan.adapters if a.kept_in)
     assert kept["gpu slots"] == "1 slots" and kept["cpu"] == planner._size(host)
-    with pytest.raises(planner.PlanError, match="max_loras must be at least 1"):
+    with pytest.raises(planner.PlanError, match="max_loras 0: must be at least 1"):
         planner.make_plan(llama_dir, registry=url, max_loras=0)

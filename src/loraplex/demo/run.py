@@ -275,7 +275,7 @@ def run_demo(out_dir: Path | None, serve: bool = False, max_loras: int = 3) -> i
                 dtype="float32",
                 max_loras=max_loras,
                 max_lora_rank=max(world.ranks.values()),
-                kv_cache_bytes=64 * 2**20,
+                kv_cache_memory_bytes=64 * 2**20,
                 disk_cache_dir=data_dir / "cache",
                 allowed_roots=(str(registry.store.root.resolve()),),
             )

@@ -8,7 +8,7 @@ memory). The request router ranks replicas with `loraplex.router.picker` (affini
 saturated) over what each replica reports of its residency, device slots and host memory both,
 which Ray's own multiplexed routing does not see.
 
-    options = ServeOptions(model=..., data_dir=..., registry=URL)
+    options = ServeSettings(model=..., data_dir=..., registry=URL)
     handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
 """
@@ -49,7 +49,8 @@ except ImportError as exc:
 
 from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView
-from loraplex.server.serve import ServeOptions, bind, build
+from loraplex.server.serve import bind, build
+from loraplex.settings.serve import ServeSettings
 
 log = logging.getLogger("loraplex.ray")
 MAX_ADAPTERS_PER_REPLICA = 4096
@@ -62,7 +63,7 @@ class LoraplexReplica:
     on the same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls
     Ray routes to it."""
 
-    def __init__(self, options: ServeOptions, admin_token: str):
+    def __init__(self, options: ServeSettings, admin_token: str):
         replica = serve.get_replica_context().replica_id.unique_id
         # The registry is the fleet's; the disk cache, audit log and admin token are the
         # replica's own.
@@ -171,7 +172,9 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
     ):
         """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while
         its own count of requests in flight is current, so load is weighed by requests alone."""
-        config = PickerConfig(max_waiting=max_waiting, max_kv_usage=max_kv_usage, w_tokens=w_tokens)
+        config = PickerConfig(
+            saturation_waiting=max_waiting, saturation_kv_usage=max_kv_usage, w_tokens=w_tokens
+        )
         self.picker = Picker(policy, config)
         self.headers = {"Authorization": f"Bearer {admin_token}"}
         self.poll_s, self.stale_s = poll_s, stale_s
@@ -295,7 +298,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
 
 
 def deployment(
-    options: ServeOptions,
+    options: ServeSettings,
     num_replicas: int = 2,
     max_ongoing_requests: int = 64,
     policy: str = "affinity",

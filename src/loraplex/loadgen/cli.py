@@ -11,7 +11,6 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -25,6 +24,8 @@ from rich.progress import (
 from rich.table import Table
 
 from loraplex.loadgen import traffic
+from loraplex.settings.command import add_settings_command
+from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
 
 
@@ -144,98 +145,32 @@ def _progress(console: Console, total: int) -> tuple[Progress, Callable[[traffic
     return progress, on_record
 
 
-def serve(
-    url: Annotated[str, typer.Option(help="Base URL of a server or router (http://HOST:PORT)")],
-    trace: Annotated[
-        Path | None, typer.Option(help="A trace (or audit log) .jsonl file to replay")
-    ] = None,
-    workload: Annotated[
-        str | None, typer.Option(help="Generate a named workload: " + ", ".join(workloads.NAMED))
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the generated workload")] = 0,
-    clients: Annotated[
-        int | None,
-        typer.Option(help="Closed loop with N clients (default: open loop at the trace's times)"),
-    ] = None,
-    time_scale: Annotated[
-        float, typer.Option(help="Open loop: send at trace time × X (0.5: twice as fast)")
-    ] = 1.0,
-    duration: Annotated[float | None, typer.Option(help="Keep the trace's first S seconds")] = None,
-    limit: Annotated[
-        int | None, typer.Option(help="Send at most N requests (the trace's first N)")
-    ] = None,
-    adapters: Annotated[
-        str | None,
-        typer.Option(
-            help="Comma-separated served adapter names: the trace's k-th "
-            "most requested adapter becomes the (k mod n)-th"
-        ),
-    ] = None,
-    base_model: Annotated[
-        str | None,
-        typer.Option(
-            help="`model` for requests without an adapter "
-            "(default: the base model /v1/models lists)"
-        ),
-    ] = None,
-    api_key: Annotated[str | None, typer.Option(help="Bearer key for every request")] = None,
-    api_keys: Annotated[
-        Path | None,
-        typer.Option(
-            help="File of `TENANT KEY` lines: each trace tenant sends its "
-            "own key (others: --api-key)"
-        ),
-    ] = None,
-    max_prompt_tokens: Annotated[
-        int | None, typer.Option(help="Cap the trace's prompt lengths")
-    ] = None,
-    max_output_tokens: Annotated[
-        int | None, typer.Option(help="Cap the trace's output lengths")
-    ] = None,
-    prompt_unit: Annotated[
-        str,
-        typer.Option(
-            help="A prompt of N tokens is N chars (byte-level tokenizers) or N words (char | word)"
-        ),
-    ] = "char",
-    timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for a connection or the next chunk")
-    ] = 600.0,
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the summary as JSON")
-    ] = None,
-    per_request: Annotated[
-        bool, typer.Option("--per-request", help="Also write every request's record in the JSON")
-    ] = False,
-) -> None:
+def serve(s: BenchServeSettings) -> None:
     """Replay a trace against a server or router over the OpenAI API and report latency by cache
     tier."""
     console, err = Console(), Console(stderr=True)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=120)  # piped to a file: keep the table's rows on one line each
-    if limit is not None and limit < 1:
-        raise typer.BadParameter("must be at least 1", param_hint="--limit")
-    names = [a.strip() for a in (adapters or "").split(",") if a.strip()]
     requests = traffic.prepare_trace(
-        load_trace(trace, workload, seed),
-        duration_s=duration,
-        limit=limit,
-        adapters=names,
-        max_prompt_tokens=max_prompt_tokens,
-        max_output_tokens=max_output_tokens,
+        load_trace(s.trace, s.workload, s.seed),
+        duration_s=s.duration,
+        limit=s.limit,
+        adapters=list(s.adapters),
+        max_prompt_tokens=s.max_prompt_tokens,
+        max_output_tokens=s.max_output_tokens,
     )
     if not requests:
         raise typer.BadParameter("the trace has no requests to send")
     try:
         config = traffic.LoadConfig(
-            url=url,
-            clients=clients,
-            time_scale=time_scale,
-            base_model=base_model,
-            api_key=api_key,
-            tenant_keys=tenant_keys(api_keys),
-            prompt_unit=prompt_unit,
-            timeout_s=timeout,
+            url=s.url,
+            clients=s.clients,
+            time_scale=s.time_scale,
+            base_model=s.base_model,
+            api_key=s.api_key,
+            tenant_keys=tenant_keys(s.api_keys),
+            prompt_unit=s.prompt_unit,
+            timeout_s=s.timeout,
         )
     except ValueError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
@@ -243,32 +178,34 @@ def serve(
     progress, on_record = _progress(err, len(requests))
     try:
         with progress:
-            summary = traffic.run(config, requests, on_record, per_request)
+            summary = traffic.run(config, requests, on_record, s.per_request)
     except traffic.LoadError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     summary["trace"] = {
-        "source": str(trace) if trace else workload,
-        "seed": None if trace else seed,
+        "source": str(s.trace) if s.trace else s.workload,
+        "seed": None if s.trace else s.seed,
         "requests": len(requests),
     }
     loop = (
-        f"open loop, time ×{time_scale:g}" if clients is None else f"closed loop, {clients} clients"
+        f"open loop, time ×{s.time_scale:g}"
+        if s.clients is None
+        else f"closed loop, {s.clients} clients"
     )
     console.print(results_table(summary, f"bench serve: {config.url}, {loop} (ms)"))
     for line in summary_lines(summary):
         console.print(line, markup=False, highlight=False)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(summary, indent=1) + "\n")
-        console.print(f"json: {json_out}", markup=False, highlight=False)
+    if s.json is not None:
+        s.json.parent.mkdir(parents=True, exist_ok=True)
+        s.json.write_text(json.dumps(summary, indent=1) + "\n")
+        console.print(f"json: {s.json}", markup=False, highlight=False)
 
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Load generation against running servers."
 )
 app.callback()(lambda: None)  # a group even with one command: `bench serve`, not `bench`
-app.command("serve")(serve)
+add_settings_command(app, BenchServeSettings, serve, "serve", ENV_PREFIX)
 
 if __name__ == "__main__":
     app()

@@ -25,6 +25,7 @@ from prometheus_client import (
 from loraplex.bearer import bearer, carries_token
 from loraplex.router.fleet import Fleet
 from loraplex.router.picker import Picker, PickerConfig
+from loraplex.settings.router import DEFAULTS as D
 
 log = logging.getLogger("loraplex.router")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -38,11 +39,10 @@ class RouterConfig:
     workers: tuple[str, ...]
     policy: str = "affinity"
     admin_token: str | None = None
-    stale_s: float = 2.0
-    poll_s: float = 0.5
-    request_timeout_s: float = 300.0
-    poll_timeout_s: float = 2.0
-    """How long a worker's /admin/state poll may take before the worker is marked out."""
+    stale_after_s: float = D.stale_after_s
+    poll_interval_s: float = D.poll_interval_s
+    request_timeout_s: float = D.request_timeout_s
+    poll_timeout_s: float = D.poll_timeout_s
     priority_of: Callable[[str], int] = lambda key: 0
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
     one)."""
@@ -146,8 +146,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     fleet = Fleet(
         list(config.workers),
         config.admin_token,
-        config.stale_s,
-        config.poll_s,
+        config.stale_after_s,
+        config.poll_interval_s,
         config.poll_timeout_s,
     )
     picker = Picker(config.policy, config.picker, random.Random(config.seed))

@@ -32,12 +32,12 @@ class Worker:
     kind: str = "loraplex"
     failures: int = 0
 
-    def view(self, now: float, stale_s: float) -> WorkerView:
+    def view(self, now: float, stale_after_s: float) -> WorkerView:
         last = self.last or WorkerView(self.url)
         return dataclasses.replace(
             last,
             healthy=self.healthy,
-            fresh=now - self.polled_at <= stale_s,
+            fresh=now - self.polled_at <= stale_after_s,
             in_flight=self.in_flight,
             loading=last.loading | self.sent,
         )
@@ -109,21 +109,21 @@ class Fleet:
         self,
         urls: list[str],
         admin_token: str | None,
-        stale_s: float = 2.0,
-        poll_s: float = 0.5,
+        stale_after_s: float = 2.0,
+        poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
     ):
         self.workers: dict[str, Worker] = {u.rstrip("/"): Worker(u.rstrip("/")) for u in urls}
         self.admin_token = admin_token
-        self.stale_s = stale_s
-        self.poll_s = poll_s
+        self.stale_after_s = stale_after_s
+        self.poll_interval_s = poll_interval_s
         self.client = httpx.AsyncClient(timeout=timeout_s)
         self._task: asyncio.Task | None = None
         self._polls: dict[str, asyncio.Task] = {}
 
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
-        return [w.view(now, self.stale_s) for w in self.workers.values()]
+        return [w.view(now, self.stale_after_s) for w in self.workers.values()]
 
     def add(self, url: str) -> Worker:
         url = url.rstrip("/")
@@ -175,7 +175,7 @@ class Fleet:
                     polls[url] = asyncio.create_task(self._poll(worker))
             for url in [u for u in polls if u not in self.workers]:
                 polls.pop(url).cancel()
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(self.poll_interval_s)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

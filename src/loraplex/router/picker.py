@@ -12,7 +12,10 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
+from loraplex.settings.fields import check_fields
+from loraplex.settings.router import DEFAULTS as D
+from loraplex.settings.router import POLICIES, WEIGHTS, RouterSettings
+
 AFFINITY = {"gpu": 1.0, "cpu": 0.9, "free-slot": 0.8, "loading": 0.6, "none": 0.0}
 
 
@@ -55,32 +58,39 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class PickerConfig:
-    max_waiting: int = 5
-    max_kv_usage: float = 0.8
+    """The fields `loraplex router` sets have their help and defaults in `RouterSettings`."""
+
+    saturation_waiting: int = D.saturation_waiting
+    saturation_kv_usage: float = D.saturation_kv_usage
     w_affinity: float = 1.0
     w_queue: float = 0.5
-    """Weight of queue depth, as load / max_waiting: at the defaults each waiting or running request
-    costs 0.1, so a gpu-resident worker keeps an adapter's traffic until it carries two more
+    """Weight of queue depth, as load / saturation_waiting: at the defaults each waiting or running
+    request costs 0.1, so a gpu-resident worker keeps an adapter's traffic until it carries two more
     requests than a worker that holds the adapter in cpu, or three more than one with a free slot
     (where it is a cold load from disk or the store); then the hot adapter spreads to a second
     worker instead of waiting on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
-    load_factor: float = 1.25
+    load_factor: float = D.load_factor
     near_equal: float = 0.05
-    shed_priority_below: int = 0
-    """When every worker is saturated, tenants with a priority below this get 429 instead of a
-    worker."""
+    shed_priority_below: int = D.shed_priority_below
     virtual_nodes: int = 64
 
     def __post_init__(self):
-        if self.max_waiting < 0 or not 0.0 < self.max_kv_usage <= 1.0:
-            raise ValueError("max_waiting must be >= 0 and max_kv_usage a share in (0, 1]")
-        if self.load_factor < 1.0:
-            raise ValueError(f"load_factor {self.load_factor}: must be at least 1 (the mean load)")
+        check_fields(self, RouterSettings)
         weights = (self.w_affinity, self.w_queue, self.w_tokens, self.w_evictions)
         if min(weights) < 0:
             raise ValueError("the score weights must be >= 0")
+
+    @classmethod
+    def from_settings(cls, s: RouterSettings) -> PickerConfig:
+        return cls(
+            saturation_waiting=s.saturation_waiting,
+            saturation_kv_usage=s.saturation_kv_usage,
+            load_factor=s.load_factor,
+            shed_priority_below=s.shed_priority_below,
+            **{WEIGHTS[name]: weight for name, weight in s.score_weights},
+        )
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,9 @@ class Picker:
 
     def _saturated(self, w: WorkerView) -> bool:
         c = self.config
-        return w.fresh and (w.waiting + w.in_flight > c.max_waiting or w.kv_usage > c.max_kv_usage)
+        return w.fresh and (
+            w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
+        )
 
     def _pick_affinity(self, healthy: list[WorkerView], adapter: str | None, priority: int) -> Pick:
         candidates = [w for w in healthy if not self._saturated(w)]
@@ -175,8 +187,8 @@ class Picker:
             top = max(values) or 1
             return [v / top for v in values]
 
-        max_waiting = max(1, c.max_waiting)
-        queue = [w.load / max_waiting for w in workers]
+        saturation_waiting = max(1, c.saturation_waiting)
+        queue = [w.load / saturation_waiting for w in workers]
         tokens = norm([w.active_tokens if w.fresh else 0 for w in workers])
         evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
         return {

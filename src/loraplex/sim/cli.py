@@ -17,9 +17,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loraplex.cache.budgets import Budget
+from loraplex.settings.command import add_settings_command
+from loraplex.settings.sim import PLAN_ENV, SIMULATE_ENV, PlanSettings, SimulateSettings
 from loraplex.sim import workload as workloads
 from loraplex.sim.simulator import (
-    POLICIES,
     LoadCosts,
     ServiceModel,
     SimConfig,
@@ -295,50 +296,10 @@ def plot_capacity(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def simulate(
-    workload: str = typer.Option(
-        ...,
-        "--workload",
-        help="Named workload(s) ("
-        + ", ".join(workloads.NAMED)
-        + "), comma-separated, or a trace / audit log .jsonl file.",
-    ),
-    policy: str = typer.Option(
-        "lru,score", "--policy", help=f"Comma-separated policies: {', '.join(POLICIES)}."
-    ),
-    gpu_slots: str | None = typer.Option(
-        None, "--gpu-slots", help="Slots per worker; a comma list sweeps."
-    ),
-    cpu_bytes: str | None = typer.Option(
-        None, "--cpu-bytes", help="Host cache per worker (4GiB); a comma list sweeps."
-    ),
-    workers: int = typer.Option(
-        1, "--workers", help="Workers behind the router's affinity picker."
-    ),
-    json_out: Path | None = typer.Option(
-        None, "--json", help="Write every run: one entry per policy plus optimal."
-    ),
-    plot: Path | None = typer.Option(
-        None, "--plot", help="PNG of hit rate and p99 TTFT against capacity."
-    ),
-    wide: bool = typer.Option(
-        False, "--wide", help="Every column (about 200 wide) and the per-tenant table."
-    ),
-    tenant_budget: list[str] | None = typer.Option(
-        None,
-        "--tenant-budget",
-        help="TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; "
-        "repeat per tenant.",
-    ),
-) -> None:
+def simulate(s: SimulateSettings) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     console = Console()
-    names, policies = list(dict.fromkeys(_split(workload))), _split(policy)
-    for p in policies:
-        if p not in POLICIES:
-            raise typer.BadParameter(
-                f"unknown policy {p!r}: use {', '.join(POLICIES)}", param_hint="--policy"
-            )
+    names, policies = list(dict.fromkeys(s.workload)), list(s.policy)
     for name in names:
         if name not in workloads.NAMED and not Path(name).is_file():
             raise typer.BadParameter(
@@ -346,14 +307,10 @@ def simulate(
                 "nor a trace file",
                 param_hint="--workload",
             )
-    try:
-        slots = [int(s) for s in _split(gpu_slots)] if gpu_slots else [None]
-        cpu = [parse_size(s) for s in _split(cpu_bytes)] if cpu_bytes else [None]
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    if workers < 1 or any(s is not None and s < 1 for s in slots):
-        raise typer.BadParameter("--workers and --gpu-slots must be at least 1")
-    budgets = dict(_tenant_budget(text) for text in tenant_budget or ())
+    slots: list[int | None] = list(s.gpu_slots) or [None]
+    cpu: list[int | None] = list(s.cpu_bytes) or [None]
+    workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
+    budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
     traces = {name: _load_workload(name) for name in names}
     runs = run_sweep(traces, policies, slots, cpu, workers, console, budgets)
     if wide:
@@ -412,61 +369,28 @@ def _tenant_budget(text: str) -> tuple[str, Budget]:
         raise typer.BadParameter(f"{text!r}: {exc}", param_hint="--tenant-budget") from None
 
 
-def plan(
-    registry: str | None = typer.Option(
-        None, "--registry", help="Registry URL (sqlite:///… or postgresql://…)."
-    ),
-    adapters: Path | None = typer.Option(
-        None, "--adapters", help="A folder of PEFT adapter directories."
-    ),
-    model: Path = typer.Option(..., "--model", help="The base model directory (its config.json)."),
-    workload: str | None = typer.Option(
-        None, "--workload", help="Size the cache for this workload (name or .jsonl)."
-    ),
-    max_loras: int | None = typer.Option(None, help="Slots, as serve's (default 4)."),
-    max_lora_rank: int | None = typer.Option(None, help="As serve's (default 64)."),
-    cpu_cache_bytes: str | None = typer.Option(None, help="As serve's (default 2GiB)."),
-    disk_cache_bytes: str | None = typer.Option(None, help="As serve's (default 20GiB)."),
-) -> None:
+def plan(s: PlanSettings) -> None:
     """Adapter bytes (formula, actual), how many fit per tier, the smallest cache for a workload."""
     from loraplex.sim import plan as planner
 
     console = Console()
-    if (registry is None) == (adapters is None):
-        raise typer.BadParameter("give one of --registry or --adapters")
-    given = {
-        "max_loras": max_loras,
-        "max_lora_rank": max_lora_rank,
-        "cpu_cache_bytes": cpu_cache_bytes,
-        "disk_cache_bytes": disk_cache_bytes,
-    }
-    capacities = {k: v for k, v in given.items() if v is not None}
     try:
-        for name in ("cpu_cache_bytes", "disk_cache_bytes"):
-            if name in capacities:
-                capacities[name] = _plan_size(capacities[name], "--" + name.replace("_", "-"))
         report = planner.make_plan(
-            model,
-            registry=registry,
-            adapters_dir=adapters,
-            workload=workload,
+            s.model,
+            registry=s.registry,
+            adapters_dir=s.adapters,
+            workload=s.workload,
             progress=Progress(console=console, transient=True),
-            **capacities,
+            max_loras=s.max_loras,
+            max_lora_rank=s.max_lora_rank,
+            cpu_cache_bytes=s.cpu_cache_bytes,
+            disk_cache_bytes=s.disk_cache_bytes,
         )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     for table in planner.tables(report):
         console.print(table)
-
-
-def _plan_size(text: str, flag: str) -> int:
-    from loraplex.sim.plan import PlanError
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise PlanError(f"{flag}: {exc}") from None
 
 
 def routers(
@@ -551,8 +475,14 @@ def routers(
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Workload simulation and capacity planning."
 )
-app.command("simulate")(simulate)
-app.command("plan")(plan)
+
+
+def add_sim_commands(target: typer.Typer) -> None:
+    add_settings_command(target, SimulateSettings, simulate, "simulate", SIMULATE_ENV)
+    add_settings_command(target, PlanSettings, plan, "plan", PLAN_ENV)
+
+
+add_sim_commands(app)
 app.command("routers")(routers)
 
 if __name__ == "__main__":

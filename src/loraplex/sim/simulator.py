@@ -844,7 +844,6 @@ def config_dict(config: SimConfig) -> dict:
 
 
 # -- comparing policies ----------------------------------------------------------------------------
-POLICIES = ("lru", "lfu", "gdsf", "score", "a0")
 """Runtime policies (lru, score), baselines (lfu, gdsf) and a0, the popularity oracle (a reference,
 not a policy)."""
 

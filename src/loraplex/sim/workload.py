@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loraplex.settings.sim import WORKLOADS
+
 GiB = 2**30
 
 # Ranks as S-LoRA mixes them (up to 64 here: the default max_lora_rank); a mix is {rank: weight}.
@@ -304,7 +306,7 @@ def rollout(
     return out
 
 
-NAMED = ("hot-burst", "zipf", "uniform", "diurnal", "rollout", "power")
+NAMED = WORKLOADS
 
 CAPACITIES = {
     # The seed scenario: 4 slots for 4 hot adapters; a small disk budget, so an adapter

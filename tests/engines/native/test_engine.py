@@ -27,7 +27,7 @@ def engine(llama_dir):
             model_dir=llama_dir,
             dtype="float32",
             max_loras=2,
-            kv_cache_bytes=2 * 2**20,
+            kv_cache_memory_bytes=2 * 2**20,
             max_lora_rank=16,
         )
     )
@@ -108,7 +108,9 @@ def test_pickle_weights_are_refused_with_the_reason(engine, llama_adapters, tmp_
 
 def test_rank_above_max_lora_rank_is_refused(llama_dir, llama_adapters):
     eng = LLMEngine(
-        EngineConfig(model_dir=llama_dir, dtype="float32", max_lora_rank=8, kv_cache_bytes=2**20)
+        EngineConfig(
+            model_dir=llama_dir, dtype="float32", max_lora_rank=8, kv_cache_memory_bytes=2**20
+        )
     )
     with pytest.raises(AdapterRejected, match="max_lora_rank 8"):
         eng.adapter_ref("big", llama_adapters["all-r16-rslora"])
@@ -241,7 +243,7 @@ def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir
         max_loras=2,
         block_size=4,
         max_model_len=48,
-        kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,
+        kv_cache_memory_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4,
     )
     eng = LLMEngine(cfg)
     assert eng.blocks.num_blocks == 12
@@ -425,7 +427,7 @@ def test_output_text_keeps_the_space_a_sentencepiece_tokenizer_marks_on_its_firs
     )
     tok.save(str(model / "tokenizer.json"))
     engine = LLMEngine(
-        EngineConfig(model_dir=model, dtype="float32", device="cpu", kv_cache_bytes=2**20)
+        EngineConfig(model_dir=model, dtype="float32", device="cpu", kv_cache_memory_bytes=2**20)
     )
     try:
         prompt = engine.tokenizer.encode("the quick brown")

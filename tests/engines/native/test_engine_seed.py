@@ -9,7 +9,11 @@ from loraplex.engines.native.sequence import SamplingParams
 def _samples(llama_dir, seed: int) -> list[list[int]]:
     engine = LLMEngine(
         EngineConfig(
-            model_dir=llama_dir, dtype="float32", kv_cache_bytes=2**20, max_lora_rank=16, seed=seed
+            model_dir=llama_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=2**20,
+            max_lora_rank=16,
+            seed=seed,
         )
     )
     try:

@@ -15,7 +15,7 @@ from loraplex.model_config import ModelConfigError, _sliding_windows
 
 def engine_for(model_dir, **kw):
     return LLMEngine(
-        EngineConfig(model_dir=model_dir, kv_cache_bytes=2**20, max_lora_rank=16, **kw)
+        EngineConfig(model_dir=model_dir, kv_cache_memory_bytes=2**20, max_lora_rank=16, **kw)
     )
 
 

@@ -59,7 +59,7 @@ def world(request, tmp_path_factory):
             model_dir=model_dir,
             dtype="float32",
             max_loras=len(adapters),
-            kv_cache_bytes=4 * 2**20,
+            kv_cache_memory_bytes=4 * 2**20,
             max_lora_rank=16,
         )
     )

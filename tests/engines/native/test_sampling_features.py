@@ -34,7 +34,7 @@ def world(llama_dir, llama_adapters):
             dtype="float32",
             max_loras=2,
             block_size=4,
-            kv_cache_bytes=2 * 2**20,
+            kv_cache_memory_bytes=2 * 2**20,
             max_lora_rank=16,
         )
     )
@@ -321,7 +321,7 @@ def test_n_times_the_prompt_that_does_not_fit_the_kv_cache_is_refused(llama_dir)
             dtype="float32",
             block_size=4,
             max_model_len=32,
-            kv_cache_bytes=64 * per_token,
+            kv_cache_memory_bytes=64 * per_token,
         )
     )
     assert engine.blocks.num_blocks == 16

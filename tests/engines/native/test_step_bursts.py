@@ -16,7 +16,11 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 def engine(llama_dir):
     eng = LLMEngine(
         EngineConfig(
-            model_dir=llama_dir, dtype="float32", max_loras=2, max_num_seqs=8, kv_cache_bytes=2**21
+            model_dir=llama_dir,
+            dtype="float32",
+            max_loras=2,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=2**21,
         )
     )
     yield eng

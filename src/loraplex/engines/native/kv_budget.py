@@ -13,7 +13,8 @@ from loraplex.engines.native.config import EngineConfig
 from loraplex.model_config import ModelConfig
 
 HOST_SHARE = 0.25
-"""On CPU without kv_cache_bytes: the share of the host's available memory the KV cache may take."""
+"""On CPU without kv_cache_memory_bytes: the share of the host's available memory the KV cache
+may take."""
 ACTIVATION_MARGIN = 2
 """The activation estimate on CUDA times this (attention's and sampling's temporaries on top)."""
 
@@ -22,7 +23,8 @@ ACTIVATION_MARGIN = 2
 class KVBudget:
     nbytes: int
     source: str
-    """kv_cache_bytes (the operator's), gpu_memory_utilization (CUDA) or host (the CPU rule)."""
+    """kv_cache_memory_bytes (the operator's), gpu_memory_utilization (CUDA) or host (the CPU
+    rule)."""
     detail: dict
     """What it was computed from, in bytes: total, used and activations (CUDA); available, wanted
     (CPU)."""
@@ -74,8 +76,8 @@ def kv_budget(
     max_model_len: int,
 ) -> KVBudget:
     """The KV cache's bytes; call it once the weights and the adapter slots are on the device."""
-    if config.kv_cache_bytes is not None:
-        return KVBudget(config.kv_cache_bytes, "kv_cache_bytes", {})
+    if config.kv_cache_memory_bytes is not None:
+        return KVBudget(config.kv_cache_memory_bytes, "kv_cache_memory_bytes", {})
     if device.type == "cuda":
         return gpu_budget(config, cfg, dtype, *torch.cuda.mem_get_info(device))
     available = host_available_bytes()

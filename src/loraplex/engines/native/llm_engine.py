@@ -61,7 +61,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 4096
         )
-        if config.kv_cache_bytes is not None:  # the operator's figure: checked before loading
+        # the operator's figure: checked before loading
+        if config.kv_cache_memory_bytes is not None:
             self._kv_blocks(self._kv_budget())
         self.model = load_model(config.model_dir, self.dtype, self.device)
         self.base_model_digest = base_model_digest(config.model_dir)

@@ -22,6 +22,8 @@ from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import applies
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
+from loraplex.settings.serve import DEFAULTS as D
+from loraplex.settings.serve import ServeSettings
 from loraplex.spawn import without_main_module
 
 log = logging.getLogger(__name__)
@@ -37,31 +39,81 @@ class VllmStartError(Exception):
 
 @dataclass(frozen=True)
 class VllmConfig:
+    """The fields `serve` sets have their names, defaults and help in `ServeSettings`."""
+
     model_dir: Path
     served_model_name: str
     data_dir: Path
-    max_loras: int = 4
-    """Adapters in vLLM's device slots (distinct adapters in one batch)."""
-    max_cpu_loras: int | None = None
+    max_loras: int = D.max_loras
+    max_cpu_loras: int | None = D.max_cpu_loras
     """Adapters in vLLM's host cache (default: 4 x max_loras); loraplex chooses which."""
-    max_lora_rank: int = 64
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    eviction_policy: str = "score"
-    disk_cache_bytes: int = 20 * 2**30
+    max_lora_rank: int = D.max_lora_rank
+    dtype: str = D.dtype
+    max_model_len: int | None = D.max_model_len
+    eviction_policy: str = D.eviction_policy
+    disk_cache_bytes: int = D.disk_cache_bytes
     allowed_roots: tuple[str, ...] = ()
-    base_as_zero_adapter: str = "auto"
+    base_as_zero_adapter: str = D.base_as_zero_adapter
     """Carry base-model requests as an all-zero adapter: on, off, or auto (on for vLLM's CPU
     backend when loraplex's plugin does not fix its mixed base/LoRA batches, which give base rows
     another row's LoRA: `patches.py`)."""
     vllm_args: tuple[str, ...] = ()
-    """Further vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
-    tenant_gpu_share: float = 1.0
-    """Default budget of a tenant without its own: this share of the slots (1.0: no limit)."""
+    """vLLM engine options, as `vllm serve` takes them (--tensor-parallel-size 2, ...)."""
+    tenant_gpu_share: float = D.tenant_gpu_share
 
     @property
     def host_cache_size(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
+
+    @classmethod
+    def from_settings(
+        cls, s: ServeSettings, served_model_name: str, store_root: Path | None
+    ) -> VllmConfig:
+        """`store_root`: the registry's artifact store, a trusted source of artifacts. The
+        sizing settings vLLM shares keep their meaning; the others pass through."""
+        roots = (*s.allowed_roots, str(store_root.resolve())) if store_root else s.allowed_roots
+        return cls(
+            model_dir=s.model,
+            served_model_name=served_model_name,
+            data_dir=s.data_dir,
+            max_loras=s.max_loras,
+            max_cpu_loras=s.max_cpu_loras,
+            max_lora_rank=s.max_lora_rank,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            eviction_policy=s.eviction_policy,
+            disk_cache_bytes=s.disk_cache_bytes,
+            allowed_roots=tuple(roots),
+            base_as_zero_adapter=s.base_as_zero_adapter,
+            vllm_args=vllm_args(s),
+            tenant_gpu_share=s.tenant_gpu_share,
+        )
+
+
+def vllm_args(s: ServeSettings) -> tuple[str, ...]:
+    """The settings vLLM's engine takes, as `vllm serve` spells them, then `--vllm-arg`'s
+    (`--vllm-arg=--name=value`: two)."""
+    out = [
+        "--max-num-seqs",
+        str(s.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(s.max_num_batched_tokens),
+        "--gpu-memory-utilization",
+        str(s.gpu_memory_utilization),
+        "--seed",
+        str(s.seed),
+    ]
+    if s.kv_cache_memory_bytes is not None:
+        out += ["--kv-cache-memory-bytes", str(s.kv_cache_memory_bytes)]
+    if s.tensor_parallel_size is not None:
+        out += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+    if s.enable_prefix_caching is not None:
+        out.append(
+            "--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    for arg in s.vllm_arg:
+        out += arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg]
+    return tuple(out)
 
 
 @dataclass

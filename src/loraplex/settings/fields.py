@@ -1,0 +1,292 @@
+"""Declaring settings (`setting`, checks) and resolving them from their sources: the defaults, a
+YAML file, the environment and the command line, in that order of precedence."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.units import format_size, parse_size
+
+Check = Callable[[Any], str | None]
+"""A field's check: None when the value is good, else what is wrong ("must be at least 1")."""
+
+
+class SettingError(ValueError):
+    """A bad value, with where it came from; its message is the one line a command prints."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    help: str
+    """One line for `--help`."""
+    panel: str = "Options"
+    """The section of `--help` and of the docs the setting is listed in."""
+    doc: str = ""
+    """The docs table's longer text (default: the help)."""
+    default_text: str = ""
+    """What the docs and `--help` say of a default that is computed (None as a value)."""
+    unit: str = ""
+    """`size`: bytes, written as `512MiB` or `4GiB` too."""
+    choices: tuple[str, ...] = ()
+    check: Check | None = None
+    parse: Callable[[Any], Any] | None = None
+    """A value from its text or YAML form, for types that are not plain (raises ValueError)."""
+    show: Callable[[Any], Any] | None = None
+    """The YAML form of a value that `parse` reads back (`--print-config`)."""
+    variadic: str = ""
+    """vLLM-style, several values after one flag: `pairs` (`--lora-modules a=DIR b=DIR`) or
+    `values` (`--allowed-roots D1 D2`)."""
+    metavar: str = ""
+
+
+SPEC = "loraplex.setting"
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> Any:
+    """A settings field: its default and its `Spec`."""
+    return field(default=default, metadata={SPEC: Spec(help=help, **spec)})
+
+
+def at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be at least {low:g}"
+
+
+def positive(v: float) -> str | None:
+    return None if v > 0 else "must be positive"
+
+
+def share(v: float) -> str | None:
+    return None if 0.0 <= v <= 1.0 else "must be a share in [0, 1]"  # NaN fails too
+
+
+def open_share(v: float) -> str | None:
+    return None if 0.0 < v <= 1.0 else "must be a share in (0, 1]"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared field, read for what the resolver, the command and the docs need."""
+
+    name: str
+    spec: Spec
+    kind: type
+    """The value's plain type (of each item, for a tuple)."""
+    optional: bool
+    multiple: bool
+    default: Any
+    required: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def key(self) -> str:
+        """Its `--config` key."""
+        return self.name.replace("_", "-")
+
+    def env(self, prefix: str) -> str:
+        return prefix + self.name.upper()
+
+    @property
+    def is_flag(self) -> bool:
+        return self.kind is bool and not self.multiple
+
+
+def settings_of(model: type) -> list[Setting]:
+    hints = typing.get_type_hints(model)
+    out = []
+    for f in dataclasses.fields(model):
+        spec = f.metadata.get(SPEC)
+        if spec is None:
+            continue
+        kind, optional, multiple = _plain(hints[f.name])
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else f.default
+        out.append(Setting(f.name, spec, kind, optional, multiple, default, required))
+    return out
+
+
+def _plain(hint: Any) -> tuple[type, bool, bool]:
+    """(item type, optional, multiple) of `int`, `int | None`, `tuple[Path, ...]`, ..."""
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], optional, True
+    return hint, optional, False
+
+
+def check_fields(config: Any, model: type) -> None:
+    """The checks `model` declares, applied to the same-named fields of another configuration
+    (an engine's): ValueError naming the field."""
+    for s in settings_of(model):
+        problem = problem_of(s, getattr(config, s.name, None))
+        if problem:
+            raise ValueError(f"{s.name} {problem}")
+
+
+# ---- values from text or YAML --------------------------------------------------------------
+
+
+def convert(s: Setting, raw: Any) -> Any:
+    """The typed value of a setting from a flag's or a variable's text or a YAML value; ValueError
+    saying what is wrong with it."""
+    if s.spec.parse is not None:
+        value = s.spec.parse(raw)
+    elif s.multiple:
+        items = raw.split() if isinstance(raw, str) else raw
+        if not isinstance(items, list | tuple):
+            items = [items]
+        value = tuple(_item(s, item) for item in items)
+    elif raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "~")):
+        if not s.optional:
+            raise ValueError("a value is required")
+        return None
+    else:
+        value = _item(s, raw)
+    return value
+
+
+def problem_of(s: Setting, value: Any) -> str | None:
+    """What the setting's check finds wrong with a value (None: nothing)."""
+    if value is None or s.multiple:
+        return None
+    if s.spec.choices and value not in s.spec.choices:
+        return f"{value}: use {' | '.join(s.spec.choices)}"
+    problem = s.spec.check(value) if s.spec.check is not None else None
+    return f"{shown(s, value)}: {problem}" if problem else None
+
+
+def _item(s: Setting, raw: Any) -> Any:
+    if isinstance(raw, dict | list):
+        raise ValueError(f"expected one value, not {type(raw).__name__} {raw!r}")
+    kind = s.kind
+    if s.spec.unit == "size":
+        return parse_size(raw if isinstance(raw, int) and not isinstance(raw, bool) else str(raw))
+    if kind is bool:
+        return _bool(raw)
+    if kind is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(f"{raw!r} is not an integer")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+    if kind is float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{raw!r} is not a number") from None
+        if math.isnan(value) or isinstance(raw, bool):
+            raise ValueError(f"{raw!r} is not a number")
+        return value
+    text = str(raw)
+    return Path(text) if kind is Path else text
+
+
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def shown(s: Setting, value: Any) -> str:
+    """A value as a flag would give it."""
+    if s.spec.unit == "size":
+        return format_size(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def yaml_value(s: Setting, value: Any) -> Any:
+    """A value as `--print-config` writes it (`convert` reads it back)."""
+    if value is None:
+        return None
+    if s.spec.show is not None:
+        return s.spec.show(value)
+    if s.multiple:
+        return [str(v) if isinstance(v, Path) else v for v in value]
+    if s.spec.unit == "size":
+        return format_size(value)
+    return str(value) if isinstance(value, Path) else value
+
+
+# ---- resolution -----------------------------------------------------------------------------
+
+
+@dataclass
+class Sources:
+    """Where each value comes from, lowest precedence first."""
+
+    file: Mapping[str, Any] | None = None
+    file_name: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    env_prefix: str = "LORAPLEX_"
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    """Setting name -> the text (or texts) given on the command line."""
+
+
+def resolve(model: type, sources: Sources, **fixed: Any) -> Any:
+    """An instance of `model` from its sources: defaults < file < environment < flags; `fixed`
+    values (computed by the command) go in as they are. SettingError names the setting and the
+    source of a bad value."""
+    by_name = {s.name: s for s in settings_of(model)}
+    values: dict[str, Any] = {}
+    if sources.file is not None:
+        by_key = {s.key: s for s in by_name.values()}
+        for key, raw in sources.file.items():
+            s = by_key.get(str(key).removeprefix("--").replace("_", "-"))
+            where = f"--config {sources.file_name}: key {key!r}:"
+            if s is None:
+                raise SettingError(
+                    f"--config {sources.file_name}: unknown key {key!r} (the keys are the "
+                    "option names, e.g. max-model-len)"
+                )
+            values[s.name] = _convert(s, raw, where)
+    for s in by_name.values():
+        name = s.env(sources.env_prefix)
+        if name in sources.env:
+            raw = sources.env[name]
+            values[s.name] = _convert(s, raw, f"{name} (environment):")
+    for name, raw in sources.flags.items():
+        s = by_name[name]
+        values[name] = _convert(s, raw, s.flag)
+    missing = [s.flag for s in by_name.values() if s.required and s.name not in values]
+    if missing:
+        raise SettingError(f"{missing[0]} is required")
+    try:
+        return model(**values, **fixed)
+    except SettingError:
+        raise
+    except ValueError as exc:  # a check across settings
+        raise SettingError(str(exc)) from None
+
+
+def _convert(s: Setting, raw: Any, where: str) -> Any:
+    """`where`: the source, ending in a colon for a file or a variable, a bare flag otherwise."""
+    try:
+        value = convert(s, raw)
+    except ValueError as exc:
+        raise SettingError(f"{where.removesuffix(':')}: {exc}") from None
+    problem = problem_of(s, value)
+    if problem:
+        raise SettingError(f"{where} {problem}")
+    return value
+
+
+def as_yaml_dict(settings: Any) -> dict[str, Any]:
+    """Every setting of an instance by its `--config` key, as `--print-config` writes them."""
+    return {s.key: yaml_value(s, getattr(settings, s.name)) for s in settings_of(type(settings))}

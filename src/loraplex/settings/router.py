@@ -1,0 +1,168 @@
+"""`loraplex router`'s settings, declared once (flags, `--config` keys, `LORAPLEX_ROUTER_*`
+variables, docs); `PickerConfig` and `RouterConfig` take their defaults from `DEFAULTS`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting
+
+WHERE, ROUTING, TIMING = "Where", "Routing", "Polling and timeouts"
+ENV_PREFIX = "LORAPLEX_ROUTER_"
+POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
+
+WEIGHTS = {
+    "affinity": "w_affinity",
+    "queue": "w_queue",
+    "tokens": "w_tokens",
+    "evictions": "w_evictions",
+}
+"""`--score-weights NAME=W,...`: the picker's score terms, by their short names."""
+
+
+def parse_weights(names: dict[str, str]):
+    """A reader of `NAME=W,...` (or a YAML mapping) over the given short names."""
+
+    def parse(raw: Any) -> tuple[tuple[str, float], ...]:
+        if isinstance(raw, dict):
+            raw = ",".join(f"{k}={v}" for k, v in raw.items())
+        if isinstance(raw, list | tuple):
+            raw = ",".join(map(str, raw))
+        out = []
+        for part in filter(None, (p.strip() for p in str(raw).split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name.strip() not in names:
+                raise ValueError(f"{part!r}: expected NAME=WEIGHT, NAME one of {', '.join(names)}")
+            try:
+                weight = float(value)
+            except ValueError:
+                raise ValueError(f"{part!r}: {value!r} is not a number") from None
+            if weight < 0:
+                raise ValueError(f"{part!r}: a weight must be >= 0")
+            out.append((name.strip(), weight))
+        return tuple(out)
+
+    return parse
+
+
+def _url(url: str) -> str | None:
+    return None if url.startswith(("http://", "https://")) else "is not an http(s) URL"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    worker: tuple[str, ...] = setting(
+        (),
+        "A worker's base URL; repeat for each worker",
+        panel=WHERE,
+        metavar="URL",
+        default_text="required",
+        doc="the workers (`loraplex serve`) to route to",
+    )
+    policy: str = setting(
+        "affinity",
+        "How a worker is picked",
+        panel=ROUTING,
+        choices=POLICIES,
+        doc="below, \"Picking\" (`pure-affinity`: residency first, load ignored)",
+    )
+    admin_token_file: Path | None = setting(
+        None,
+        "Admin token: reads workers' /admin/state, guards /admin",
+        panel=WHERE,
+        metavar="FILE",
+    )
+    registry: str | None = setting(
+        None, "Registry URL for tenant priorities", panel=WHERE, metavar="URL"
+    )
+    host: str = setting("127.0.0.1", "Address to listen on", panel=WHERE)
+    port: int = setting(8080, "Port (0: a free one, printed at start)", panel=WHERE)
+    metrics_token_file: Path | None = setting(
+        None,
+        "Token /metrics requires (no file: /metrics is open)",
+        panel=WHERE,
+        metavar="FILE",
+    )
+    saturation_waiting: int = setting(
+        5,
+        "A worker with more requests waiting than this is saturated (affinity gives way)",
+        panel=ROUTING,
+        check=at_least(0),
+        doc="a worker with more requests waiting and in flight than this is saturated: "
+        "affinity gives way to spreading; higher keeps adapters' traffic together at the "
+        "cost of waiting",
+    )
+    saturation_kv_usage: float = setting(
+        0.8,
+        "...or with more of its KV cache in use than this share",
+        panel=ROUTING,
+        check=open_share,
+    )
+    score_weights: tuple[tuple[str, float], ...] = setting(
+        (),
+        "The picker's score terms NAME=W,...",
+        panel=ROUTING,
+        metavar="NAME=W,...",
+        parse=parse_weights(WEIGHTS),
+        show=dict,
+        default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2",
+        doc="the picker's score terms (below); a larger `queue` spreads a hot adapter sooner",
+    )
+    load_factor: float = setting(
+        1.25,
+        "Bounded-load hashing: a cold adapter's worker carries up to this x mean load",
+        panel=ROUTING,
+        check=lambda v: None if v >= 1.0 else "must be at least 1 (the mean load)",
+        doc="bounded-load hashing of cold adapters: a worker may carry this times the mean "
+        "load before the next on the ring takes them; lower spreads evenly, higher keeps "
+        "each cold adapter on fewer workers",
+    )
+    shed_priority_below: int = setting(
+        0,
+        "When every worker is saturated, tenants below this priority get 429",
+        panel=ROUTING,
+        doc="when every worker is saturated, tenants with a lower registry priority get 429 "
+        "instead of a worker",
+    )
+    poll_interval_s: float = setting(
+        0.5,
+        "Seconds between polls of each worker's state",
+        panel=TIMING,
+        check=positive,
+        doc="each worker's state is read this often: fresher affinity against polling load",
+    )
+    stale_after_s: float = setting(
+        2.0,
+        "A worker's state older than this is not used for affinity",
+        panel=TIMING,
+        check=positive,
+        doc="state older than this counts as unknown load and residency",
+    )
+    poll_timeout_s: float = setting(
+        2.0,
+        "A poll slower than this marks the worker out",
+        panel=TIMING,
+        check=positive,
+        doc="a poll slower than this marks the worker out until a poll answers",
+    )
+    request_timeout_s: float = setting(
+        300.0,
+        "Longest wait for a worker's answer (504 beyond)",
+        panel=TIMING,
+        check=positive,
+        doc="longest wait for a worker's answer (504 `gateway_timeout` beyond)",
+    )
+
+    def __post_init__(self):
+        check_fields(self, RouterSettings)
+        if not self.worker:
+            raise ValueError("--worker is required (a worker's base URL; repeat for each)")
+        for url in self.worker:
+            if _url(url):
+                raise ValueError(f"--worker {url!r} is not an http(s) URL")
+
+
+DEFAULTS = RouterSettings(worker=("http://defaults",))
+"""Each setting's default, read by the router's configurations."""

@@ -1,0 +1,124 @@
+"""`loraplex simulate`'s and `loraplex plan`'s settings, declared once (flags, `--config` keys,
+`LORAPLEX_SIMULATE_*` / `LORAPLEX_PLAN_*` variables, docs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraplex.settings.fields import at_least, check_fields, setting
+from loraplex.settings.serve import DEFAULTS as SERVE
+from loraplex.settings.serve import HOST_CACHE_BYTES
+from loraplex.units import format_size, parse_size
+
+SIMULATE_ENV, PLAN_ENV = "LORAPLEX_SIMULATE_", "LORAPLEX_PLAN_"
+POLICIES = ("lru", "lfu", "gdsf", "score", "a0")
+WORKLOADS = ("hot-burst", "zipf", "uniform", "diurnal", "rollout", "power")
+"""The named workloads `simulate`, `plan` and `bench serve` generate (`loraplex.sim.workload`)."""
+
+
+def comma_list(item=str):
+    """A reader of `a,b,c` (repeatable flags, a variable, or a YAML list) into a tuple of items."""
+
+    def parse(raw: Any) -> tuple:
+        parts = raw if isinstance(raw, list | tuple) else [raw]
+        texts = [p.strip() for part in parts for p in str(part).split(",") if p.strip()]
+        return tuple(item(t) for t in texts)
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{value}: must be at least 1")
+    return value
+
+
+def _policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: use {', '.join(POLICIES)}")
+    return name
+
+
+def _joined(values: tuple) -> str:
+    return ",".join(map(str, values))
+
+
+@dataclass(frozen=True)
+class SimulateSettings:
+    workload: tuple[str, ...] = setting(
+        (),
+        "Named workloads (" + ", ".join(WORKLOADS) + "), comma-separated, or trace / audit log "
+        ".jsonl files",
+        metavar="NAME|FILE,...",
+        parse=comma_list(),
+        show=_joined,
+        default_text="required",
+    )
+    policy: tuple[str, ...] = setting(
+        ("lru", "score"),
+        f"Comma-separated policies: {', '.join(POLICIES)}",
+        metavar="NAME,...",
+        parse=comma_list(_policy),
+        show=_joined,
+    )
+    gpu_slots: tuple[int, ...] = setting(
+        (),
+        "Slots per worker; a comma list sweeps",
+        metavar="N,...",
+        parse=comma_list(_positive_int),
+        show=_joined,
+        default_text="each workload's own",
+    )
+    cpu_bytes: tuple[int, ...] = setting(
+        (),
+        "Host cache per worker (4GiB); a comma list sweeps",
+        metavar="SIZE,...",
+        parse=comma_list(parse_size),
+        show=lambda sizes: ",".join(map(format_size, sizes)),
+        default_text="each workload's own",
+    )
+    workers: int = setting(1, "Workers behind the router's affinity picker", check=at_least(1))
+    json: Path | None = setting(
+        None, "Write every run: one entry per policy plus optimal", metavar="FILE"
+    )
+    plot: Path | None = setting(
+        None, "PNG of hit rate and p99 TTFT against capacity", metavar="FILE"
+    )
+    wide: bool = setting(False, "Every column (about 200 wide) and the per-tenant table")
+    tenant_budget: tuple[str, ...] = setting(
+        (),
+        "TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; repeat per tenant",
+        metavar="TENANT=SLOTS[:SIZE]",
+    )
+
+    def __post_init__(self):
+        check_fields(self, SimulateSettings)
+        if not self.workload:
+            raise ValueError("--workload is required")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    model: Path = setting(help="The base model directory (its config.json)", metavar="DIR")
+    registry: str | None = setting(
+        None, "Registry URL (sqlite:///... or postgresql://...)", metavar="URL"
+    )
+    adapters: Path | None = setting(None, "A folder of PEFT adapter directories", metavar="DIR")
+    workload: str | None = setting(
+        None, "Size the cache for this workload (name or .jsonl)", metavar="NAME|FILE"
+    )
+    max_loras: int = setting(SERVE.max_loras, "Slots, as serve's", check=at_least(1))
+    max_lora_rank: int = setting(SERVE.max_lora_rank, "As serve's", check=at_least(1))
+    cpu_cache_bytes: int = setting(HOST_CACHE_BYTES, "As serve's", unit="size")
+    disk_cache_bytes: int = setting(SERVE.disk_cache_bytes, "As serve's", unit="size")
+
+    def __post_init__(self):
+        check_fields(self, PlanSettings)
+        if (self.registry is None) == (self.adapters is None):
+            raise ValueError("give one of --registry or --adapters")

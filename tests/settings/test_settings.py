@@ -1,0 +1,177 @@
+"""Settings declared once: `--print-config` round-trips, defaults < file < environment < flags,
+one line naming the setting and its source for a bad value, whole option names in piped `--help`,
+and docs tables that match the models."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from loraplex.cli import app
+from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.vllm.engine import VllmConfig
+from loraplex.settings import docs
+from loraplex.settings.fields import setting, settings_of
+from loraplex.settings.serve import ServeSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = {d.command: d for d in docs.COMMANDS}
+
+
+def _run(args, env=None):
+    result = CliRunner().invoke(app, list(map(str, args)), env=env or {})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _config(args, env=None) -> dict:
+    code, out, err = _run([*args, "--print-config"], env)
+    assert code == 0, err
+    return yaml.safe_load(out)
+
+
+def test_print_config_round_trips_through_config(tmp_path):
+    args = [
+        "serve", "--model", tmp_path, "--max-loras", "8", "--cpu-cache-bytes", "3GiB",
+        "--lora-modules", "a=/srv/a", "b=/srv/b", "--allowed-roots", "/r1", "/r2",
+        "--score-weights", "priority=2,size=0", "--trusted-key", "/k.pub",
+        "--no-enable-prefix-caching", "--vllm-arg=--enforce-eager", "--audit-log", "off",
+    ]  # fmt: skip
+    code, first, err = _run([*args, "--print-config"])
+    assert code == 0, err
+    printed = yaml.safe_load(first)
+    assert printed["max-loras"] == 8 and printed["cpu-cache-bytes"] == "3GiB"
+    assert printed["lora-modules"] == {"a": "/srv/a", "b": "/srv/b"}
+    assert printed["allowed-roots"] == ["/r1", "/r2"]
+    assert printed["score-weights"] == {"priority": 2.0, "size": 0.0}
+    assert printed["enable-prefix-caching"] is False
+    assert set(printed) == {s.key for s in settings_of(ServeSettings)}
+    (tmp_path / "serve.yaml").write_text(first)
+    code, second, err = _run(["serve", "--config", tmp_path / "serve.yaml", "--print-config"])
+    assert code == 0, err
+    assert second == first
+    for command, args in {
+        "router": ["router", "--worker", "http://a:1", "--worker", "http://b:2"],
+        "simulate": ["simulate", "--workload", "zipf,uniform", "--gpu-slots", "2,4"],
+        "bench serve": ["bench", "serve", "--url", "http://x:1", "--workload", "zipf"],
+    }.items():
+        out = _run([*args, "--print-config"])[1]
+        (tmp_path / "c.yaml").write_text(out)
+        head = args[: 2 if command == "bench serve" else 1]
+        assert _run([*head, "--config", tmp_path / "c.yaml", "--print-config"])[1] == out, command
+
+
+def test_flags_override_the_environment_which_overrides_the_file(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tmp_path}\nmax-loras: 3\nmax_num_seqs: 5\nhost: 0.0.0.0\n")
+    env = {"LORAPLEX_MAX_LORAS": "5", "LORAPLEX_MAX_NUM_SEQS": "9"}
+    base = ["serve", "--config", config]
+    assert _config(base)["max-loras"] == 3
+    both = _config(base, env)
+    assert (both["max-loras"], both["max-num-seqs"], both["host"]) == (5, 9, "0.0.0.0")
+    assert _config([*base, "--max-loras", "7"], env)["max-loras"] == 7
+    multi = _config(base, {"LORAPLEX_LORA_MODULES": "a=/x b=/y", "LORAPLEX_TRUSTED_KEY": "/k"})
+    assert multi["lora-modules"] == {"a": "/x", "b": "/y"} and multi["trusted-key"] == ["/k"]
+    assert _config(base, {"LORAPLEX_STRICT_BASE_MODEL_NAME": "yes"})["strict-base-model-name"]
+    router = _config(["router"], {"LORAPLEX_ROUTER_WORKER": "http://a:1 http://b:2"})
+    assert router["worker"] == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize(
+    "args, env, config, message",
+    [
+        (["--max-loras", "x"], {}, None, "--max-loras: 'x' is not an integer"),
+        (["--max-loras", "0"], {}, None, "--max-loras 0: must be at least 1"),
+        ([], {"LORAPLEX_MAX_LORAS": "zero"}, None, "LORAPLEX_MAX_LORAS (environment): 'zero'"),
+        (
+            [],
+            {"LORAPLEX_TENANT_GPU_SHARE": "2"},
+            None,
+            "LORAPLEX_TENANT_GPU_SHARE (environment): 2: must be a share in [0, 1]",
+        ),
+        ([], {}, "block-size: -1\n", "key 'block-size': -1: must be at least 1"),
+        ([], {}, "eviction-policy: fifo\n", "key 'eviction-policy': fifo: use score | lru"),
+        (["--cpu-cache-bytes", "lots"], {}, None, "--cpu-cache-bytes: bad size 'lots'"),
+        (["--max-cpu-loras", "2", "--cpu-cache-bytes", "1GiB"], {}, None, "not both"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_setting_and_its_source(
+    tmp_path, args, env, config, message
+):
+    extra = []
+    if config is not None:
+        (tmp_path / "serve.yaml").write_text(config)
+        extra = ["--config", tmp_path / "serve.yaml"]
+    code, out, err = _run(["serve", "--model", tmp_path, *extra, *args, "--print-config"], env)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_piped_help_names_every_option_whole_at_any_width(command):
+    doc = COMMANDS[command]
+    proc = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", *command.split(), "--help"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "40", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    words = set(proc.stdout.replace(",", " ").split())
+    missing = [s.flag for s in settings_of(doc.model) if s.flag not in words]
+    assert not missing and "--config" in words and "--print-config" in words, missing
+
+
+def test_the_docs_tables_are_the_models_and_drift_either_way_is_caught():
+    assert docs.stale_guides(ROOT, write=False) == []
+    guide = (ROOT / "docs/operator-guide.md").read_text()
+    edited = guide.replace("| `LORAPLEX_MAX_LORAS` | 4 |", "| `LORAPLEX_MAX_LORAS` | 3 |")
+    assert edited != guide and docs.render(edited, COMMANDS) == guide
+    extended = dataclasses.make_dataclass(
+        "Extended",
+        [("max_knobs", int, setting(2, "Knobs", panel="Engine"))],
+        bases=(ServeSettings,),
+        frozen=True,
+    )
+    changed = {**COMMANDS, "serve": dataclasses.replace(COMMANDS["serve"], model=extended)}
+    assert "`--max-knobs N` | `LORAPLEX_MAX_KNOBS` | 2 | Knobs |" in docs.render(guide, changed)
+
+
+def test_engine_configurations_take_the_settings_under_their_names(tmp_path):
+    s = ServeSettings(
+        model=tmp_path,
+        data_dir=tmp_path,
+        max_loras=3,
+        kv_cache_memory_bytes=2**20,
+        tensor_parallel_size=2,
+        enable_prefix_caching=False,
+        vllm_arg=("--enforce-eager", "--swap-space=2"),
+    )
+    native = EngineConfig.from_settings(s)
+    same = {f.name for f in dataclasses.fields(EngineConfig)} & set(ServeSettings.__annotations__)
+    # None: the engine's own (2GiB of host cache); prefix caching is a vLLM setting
+    same -= {"cpu_cache_bytes", "enable_prefix_caching"}
+    assert len(same) > 15 and all(getattr(native, name) == getattr(s, name) for name in same)
+    assert native.cpu_cache_bytes == 2 * 2**30 and native.disk_cache_dir == tmp_path / "cache"
+    vllm = VllmConfig.from_settings(s, "base", None)
+    assert vllm.max_loras == 3
+    args = vllm.vllm_args
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(2**20)
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert "--no-enable-prefix-caching" in args and args[-3:] == (
+        "--enforce-eager",
+        "--swap-space",
+        "2",
+    )
+    defaults = EngineConfig(model_dir=tmp_path)
+    assert (defaults.max_loras, defaults.max_num_seqs) == (
+        ServeSettings(model=tmp_path).max_loras,
+        ServeSettings(model=tmp_path).max_num_seqs,
+    )
+    with pytest.raises(ValueError, match="max_loras 0: must be at least 1"):
+        EngineConfig(model_dir=tmp_path, max_loras=0)
