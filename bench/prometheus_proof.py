@@ -268,7 +268,9 @@ def legend(template: str, labels: dict) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m[1], ""), template)
 
 
-def render(prom: Prometheus, start: float, end: float, out: Path, phases: list) -> None:
+def render(
+    prom: Prometheus, start: float, end: float, out: Path, phases: list, note: str = ""
+) -> None:
     """The dashboard's panels as matplotlib plots of the range queries over [start, end]."""
     import matplotlib
 
@@ -295,14 +297,17 @@ def render(prom: Prometheus, start: float, end: float, out: Path, phases: list) 
         ax.tick_params(labelsize=6)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=5, loc="upper left")
+        else:  # a panel documented as empty until its condition occurs
+            words = panel.get("description", "").split(":")[0]
+            ax.text(0.5, 0.5, words, ha="center", va="center", fontsize=7, transform=ax.transAxes)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(
         "loraplex dashboard, drawn with matplotlib from a real Prometheus (green: a workload that"
-        " fits 2 slots, red: one that thrashes them); x: seconds",
+        f" fits 2 slots, red: one that thrashes them); x: seconds\n{note}",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=72)
 
@@ -318,15 +323,27 @@ def main() -> None:
             with prometheus(target_of(url), rules, work / "prometheus") as prom:
                 _wait(prom.scraped_up, 60, "the first scrape")
                 start = time.time()
-                phases = []
+                phases, notes = [], []
                 for name, models, seconds in (("fit", names[:2], 40), ("thrash", names, 40)):
                     begin = time.time()
-                    with Workload(url, models):
+                    with Workload(url, models) as load:
                         time.sleep(seconds)
+                        firing = sorted(
+                            a for a, st in prom.alert_states().items() if "firing" in st
+                        )
                     phases.append((name, (begin, time.time())))
+                    notes.append(phase_note(name, load, time.time() - begin, firing))
                 time.sleep(5)
-                render(prom, start, time.time(), out, phases)
+                render(prom, start, time.time(), out, phases, "\n".join(notes))
+    print("\n".join(notes))
     print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")
+
+
+def phase_note(name: str, load: Workload, seconds: float, firing: list[str]) -> str:
+    """What a phase did: its requests a second (by status) and the alerts firing at its end."""
+    rate = sum(load.statuses.values()) / seconds
+    codes = ",".join(str(c) for c in sorted(load.statuses))
+    return f"{name}: {rate:.1f} req/s ({codes}), firing at its end: {', '.join(firing) or 'none'}"
 
 
 if __name__ == "__main__":
