@@ -3,8 +3,10 @@ firing), every rule carries what an operator needs, and the Helm chart ships the
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ RULES = ROOT / "deploy/prometheus/loraplex-rules.yaml"
 RULE_TESTS = sorted((ROOT / "deploy/prometheus/tests").glob("*.yaml"))
 CHART_COPY = ROOT / "deploy/helm/loraplex/files/loraplex-rules.yaml"
 SEVERITIES = {"critical", "warning", "info"}
+sys.path.insert(0, str(ROOT / "bench"))
+from prometheus_proof import fast_rules  # noqa: E402
 
 
 def promtool() -> str:
@@ -68,3 +72,16 @@ def test_every_rule_says_what_to_do_and_why():
 
 def test_the_chart_ships_the_same_rules():
     assert CHART_COPY.read_bytes() == RULES.read_bytes()
+
+
+def test_the_end_to_end_copy_only_divides_the_durations():
+    """bench/prometheus_proof.py's rules for the end-to-end test: every window, offset and `for:`
+    of the shipped rules divided by 60, nothing else changed."""
+    shipped = rules()
+    fast = [r for g in yaml.safe_load(fast_rules(RULES.read_text()))["groups"] for r in g["rules"]]
+    assert [r["alert"] for r in fast] == [r["alert"] for r in shipped]
+    minutes = re.compile(r"(\[|offset )(\d+)m")
+    for slow, quick in zip(shipped, fast):
+        assert quick["expr"] == minutes.sub(r"\g<1>\g<2>s", slow["expr"]), slow["alert"]
+        assert quick.get("for") == (slow["for"].replace("m", "s") if "for" in slow else None)
+        assert (quick["labels"], quick["annotations"]) == (slow["labels"], slow["annotations"])
