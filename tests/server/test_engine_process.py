@@ -229,7 +229,7 @@ def test_bad_input_at_start_is_one_line_in_process_mode(llama_dir, tmp_path):
         ),
     }
     expected = {
-        "bogus core": ("--engine-core 'bogus'", "thread or process"),
+        "bogus core": ("--engine-core bogus", "use process | thread"),
         "vllm in a process": ("--engine-core process", "--engine native"),
         "kv budget too small": ("--kv-cache-memory-bytes 64KiB", "--max-model-len"),
     }

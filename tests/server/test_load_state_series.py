@@ -20,7 +20,7 @@ def _adapter(name, tier, pinned=None, demand=0.0, ago=1.0):
 
 
 def _series(adapters, k):
-    live = {"cache": {"adapters": adapters}, "max_lora": 2}
+    live = {"cache": {"adapters": adapters}, "max_loras": 2}
     families = list(load_state_series(live, k, lambda a: len(a["name"])))
     loaded = [
         (s.labels["adapter_name"], s.labels["level"], s.labels["pinned"], s.labels["rank"])

@@ -50,7 +50,7 @@ class ServerMetrics:
     time.
 
     `snapshot()` returns the live figures: {"cache": AdapterCache.state(), "num_waiting",
-    "num_running", "kv_cache_usage", "running_adapters", "waiting_adapters", "max_lora"}. With
+    "num_running", "kv_cache_usage", "running_adapters", "waiting_adapters", "max_loras"}. With
     `load_state_top_k`, the residency series of the load-state proposal cover the K best-placed
     adapters; `rank_of(name, revision)` gives their rank label.
     """
@@ -282,7 +282,7 @@ def load_state_series(live: dict, top_k: int, rank: Callable[[dict], int | None]
         "vllm:num_gpu_loaded_lora_adapters", "Adapters in a device slot", value=on_gpu
     )
     yield GaugeMetricFamily(
-        "vllm:max_gpu_lora_adapters", "Device slots for adapters", value=live["max_lora"]
+        "vllm:max_gpu_lora_adapters", "Device slots for adapters", value=live["max_loras"]
     )
 
 
@@ -401,7 +401,7 @@ class _LiveCollector:
             [
                 ",".join(live["running_adapters"]),
                 ",".join(live["waiting_adapters"]),
-                str(live["max_lora"]),
+                str(live["max_loras"]),
             ],
             time.time(),
         )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from loraplex.cache.errors import CapacityExceeded
 from loraplex.cache.key import AdapterKey
+from loraplex.engines.contract import AdapterResidency
 from loraplex.registry import AdapterRecord, Registry
 from loraplex.server.adapters import AdapterResolver
 
@@ -25,7 +26,7 @@ class PinReconciler:
         self,
         registry: Registry,
         resolver: AdapterResolver,
-        cache,
+        cache: AdapterResidency,
         watch_s: float,
         on_change: Callable[[], None] = lambda: None,
     ):
@@ -34,7 +35,7 @@ class PinReconciler:
             on_change  # the server's reads of what else changed (tenants), before the pins
         )
         self.resolver = resolver
-        self.cache = cache  # the engine's adapter operations: pin, unpin, pinned, tier_of
+        self.cache = cache
         self.watch_s = watch_s
         # Pins that follow traffic: those a name's pin or warm policy made, the revisions that left
         # traffic kept in host memory for the grace period, and each name's serving revisions at the

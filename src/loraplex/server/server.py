@@ -433,7 +433,7 @@ class Server:
         return {
             "base_model": self.config.served_model_name,
             "base_model_digest": self.engine.base_model_digest,
-            "max_loras": live["max_lora"],
+            "max_loras": live["max_loras"],
             "draining": self.is_draining,
             "adapters": cache["adapters"],
             "load": {

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +39,7 @@ from loraplex.cache.placement import (
 )
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 from loraplex.cache.state import adapter_row
+from loraplex.engines.contract import AdapterResidency
 
 THRASH_WINDOW_S = 60.0
 RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
@@ -52,6 +53,14 @@ class SlotPool(Protocol):
         returns the seconds the copy takes, any other None (the cache times it)."""
 
     def clear_slot(self, slot: int) -> None: ...
+
+
+class HostCopy(Protocol):
+    """An adapter's host copy as the cache sees it (the engine's `PackedAdapter`, the simulator's
+    `SimPacked`)."""
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass
@@ -84,12 +93,12 @@ class Entry:
 
 @dataclass
 class Loaded:
-    packed: object
+    packed: HostCopy
     source: str  # tier the bytes came from: disk or remote
     stages: dict[str, float] = field(default_factory=dict)
 
 
-class AdapterCache:
+class AdapterCache(AdapterResidency):
     """Only the engine's step thread calls acquire/release/poll; admin calls and reads may come
     from any thread.
 
@@ -129,7 +138,7 @@ class AdapterCache:
         self.thrash_window_s = thrash_window_s
         self.slots: list[AdapterKey | None] = [None] * pool.num_slots
         # changed only by _put_cpu and _drop_cpu, which keep the total
-        self.cpu: dict[AdapterKey, object] = {}
+        self.cpu: dict[AdapterKey, HostCopy] = {}
         self.cpu_bytes_used = 0  # bytes of the host copies in self.cpu
         self.entries: dict[AdapterKey, Entry] = {}
         self.loading: dict[AdapterKey, Future] = {}
@@ -392,7 +401,8 @@ class AdapterCache:
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
             users = entry.users
-            holder = tenant if users.get(tenant) else next((t for t, n in users.items() if n), None)
+            held = tenant is not None and users.get(tenant)
+            holder = tenant if held else next((t for t, n in users.items() if n), None)
             if holder is not None:
                 users[holder] -= 1
                 if not users[holder]:
@@ -406,7 +416,7 @@ class AdapterCache:
                 self._forget_stale_asks(now)
                 self._restore(self.placement.restore_warm, now)
 
-    def poll(self) -> list[tuple[AdapterKey, Exception]]:
+    def poll(self) -> list[tuple[AdapterKey, BaseException]]:
         """Take finished loads into the cpu tier; return the keys whose load failed, with the
         error."""
         failed, ended = [], []
@@ -465,7 +475,7 @@ class AdapterCache:
                 _notify(self._on_loaded, key)
         return failed
 
-    def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, Exception]]:
+    def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, BaseException]]:
         """Wait for every load in progress and take it in (prewarm, tests, shutdown)."""
         deadline = time.monotonic() + timeout
         failed = []
@@ -606,7 +616,7 @@ class AdapterCache:
         return Loaded(packed, source, stages)
 
     def _carry_out(
-        self, decisions: list[Decision], now: float, ref: AdapterRef | None = None
+        self, decisions: Sequence[Decision], now: float, ref: AdapterRef | None = None
     ) -> int | None:
         """Do what placement decided, in order; the slot an activation filled, or None. `ref`: the
         request's, which a load starts from."""
@@ -731,6 +741,7 @@ class AdapterCache:
 
     def _clear(self, slot: int, now: float) -> None:
         key = self.slots[slot]
+        assert key is not None, f"clear of the empty slot {slot}"
         self.pool.clear_slot(slot)
         self.slots[slot] = None
         entry = self.entries[key]
@@ -740,7 +751,7 @@ class AdapterCache:
         self.recent_evictions.append(now)
         self.on_event("eviction", {"tier": "gpu"})
 
-    def _put_cpu(self, key: AdapterKey, packed) -> None:
+    def _put_cpu(self, key: AdapterKey, packed: HostCopy) -> None:
         self._drop_cpu(key)
         self.cpu[key] = packed
         self.cpu_bytes_used += packed.nbytes

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.engines.contract import AdapterResidency, Engine, Residency, ResidencySnapshot
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel, Listener
 from loraplex.engines.native.config import EngineConfig
@@ -38,7 +39,7 @@ POLL_MS = 100
 """How often a wait on the engine looks whether its process still runs."""
 
 
-class EngineClient:
+class EngineClient(Engine):
     """The native engine run by a process of its own (`--engine-core process`); the server uses it
     as it uses an `LLMEngine` and its `AsyncEngine` together."""
 
@@ -84,8 +85,11 @@ class EngineClient:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info["eos_ids"])
         self.adapters = CacheClient(self, info)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the outputs are read
+        assert self._channel is not None  # `_wait_ready` connected it or raised
         self._fd: int = self._channel.fileno()
-        self._watcher = threading.Thread(target=self._watch, name="engine-watch", daemon=True)
+        self._watcher: threading.Thread = threading.Thread(
+            target=self._watch, name="engine-watch", daemon=True
+        )
         self._watcher.start()
 
     def _wait_ready(self, listeners: dict[str, Listener]) -> dict:
@@ -93,7 +97,7 @@ class EngineClient:
         its rpc channel is connected by then."""
         deadline = time.monotonic() + START_TIMEOUT_S
         self._channel = listeners["engine"].accept(self.process.is_alive, START_TIMEOUT_S)
-        messages = []
+        messages: list[bytes] = []
         while self._channel is not None and not messages:
             messages = self._channel.receive(most=1)  # what follows waits for `attach`
             if messages or self._channel.at_eof:
@@ -149,6 +153,7 @@ class EngineClient:
 
     def _take_messages(self) -> None:
         """Every message that has arrived from the engine."""
+        assert self._channel is not None  # connected at start
         if self._stopping or self._channel.sock.fileno() < 0:  # closed under a stopping client
             return
         for data in self._channel.receive():
@@ -163,6 +168,7 @@ class EngineClient:
                 except Exception:
                     log.exception("handling the cache event %s failed", event[0])
         if self._channel.at_eof:  # the engine process is ending: the watcher tells its requests
+            assert self._loop is not None  # the loop that reads the messages
             self._loop.remove_reader(self._fd)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
@@ -236,6 +242,7 @@ class EngineClient:
             self._send_now(messages)
 
     def _send_now(self, messages: list[list]) -> None:
+        assert self._channel is not None  # connected at start
         if self._dead is not None or self._channel.sock.fileno() < 0:
             return
         with self._input_lock:
@@ -271,6 +278,7 @@ class EngineClient:
         with self._rpc_lock:
             if self._dead is not None:
                 raise self._dead
+            assert self._rpc is not None  # connected at start
             self._rpc.send(wire.encode([method, list(args)]), self.process.is_alive)
             while not (reply := self._rpc.receive()):
                 if self._rpc.at_eof or not self.process.is_alive():
@@ -324,7 +332,11 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         q.put_nowait(out)
 
 
-class CacheClient:
+Settles = Callable[[Residency | None], bool]
+"""Whether an adapter's residency (None: the cache knows it no more) completes a watch."""
+
+
+class CacheClient(AdapterResidency):
     """The engine's adapter cache as the server sees it: residency read from the latest snapshot,
     operations run in the engine process."""
 
@@ -335,28 +347,30 @@ class CacheClient:
         """The budgets last applied (the server compares before it sends new ones)."""
         self.on_event = lambda kind, fields: None
         self._lock = threading.Lock()
-        self._seq, self.slots, self._residency = info["snapshot"]
-        # per key, (future, whether a row settles it): what `when_loaded` and `when_released` give
-        self._watchers: dict[AdapterKey, list[tuple[Future, Callable[[list | None], bool]]]] = {}
+        self._snapshot: ResidencySnapshot = info["snapshot"]
+        # per key, (future, whether a residency settles it): what `when_loaded` and
+        # `when_released` give
+        self._watchers: dict[AdapterKey, list[tuple[Future, Settles]]] = {}
 
-    def take(self, snapshot: list) -> None:
+    @property
+    def slots(self) -> list[AdapterKey | None]:
+        return self._snapshot.slots
+
+    def take(self, snapshot: ResidencySnapshot) -> None:
         """A snapshot from either socket: the newest one wins."""
-        seq, slots, residency = snapshot
         with self._lock:
-            if seq > self._seq:
-                self._seq, self.slots, self._residency = seq, slots, residency
+            if snapshot.seq > self._snapshot.seq:
+                self._snapshot = snapshot
                 for key in list(self._watchers):
                     self._settle(key)
 
     def when_loaded(self, key: AdapterKey) -> Future:
-        """Done once a snapshot shows no load of `key` in progress."""
-        return self._watch(key, lambda row: row is None or not row[2])
+        return self._watch(key, lambda r: r is None or not r.loading)
 
     def when_released(self, key: AdapterKey) -> Future:
-        """Done once a snapshot shows no request holding `key`."""
-        return self._watch(key, lambda row: row is None or not row[4])
+        return self._watch(key, lambda r: r is None or not r.in_use)
 
-    def _watch(self, key: AdapterKey, done: Callable[[list | None], bool]) -> Future:
+    def _watch(self, key: AdapterKey, done: Settles) -> Future:
         future: Future = Future()
         with self._lock:
             self._watchers.setdefault(key, []).append((future, done))
@@ -364,34 +378,34 @@ class CacheClient:
         return future
 
     def _settle(self, key: AdapterKey) -> None:
-        row = self._residency.get(key)
+        residency = self._snapshot.residency.get(key)
         left = []
         for future, done in self._watchers.pop(key):
-            if done(row):
+            if done(residency):
                 future.set_result(None)
             else:
                 left.append((future, done))
         if left:
             self._watchers[key] = left
 
-    def _row(self, key: AdapterKey) -> list | None:
-        return self._residency.get(key)
+    def _of(self, key: AdapterKey) -> Residency | None:
+        return self._snapshot.residency.get(key)
 
     def tier_of(self, key: AdapterKey) -> str:
-        row = self._row(key)
-        return row[0] if row is not None else "remote"
+        r = self._of(key)
+        return r.tier if r is not None else "remote"
 
     def pinned(self, key: AdapterKey) -> str | None:
-        row = self._row(key)
-        return row[1] if row is not None else None
+        r = self._of(key)
+        return r.pinned if r is not None else None
 
     def is_loading(self, key: AdapterKey) -> bool:
-        row = self._row(key)
-        return row is not None and row[2]
+        r = self._of(key)
+        return r is not None and r.loading
 
     def in_host_memory(self, key: AdapterKey) -> bool:
-        row = self._row(key)
-        return row is not None and row[3]
+        r = self._of(key)
+        return r is not None and r.in_host_memory
 
     def pin(self, ref: AdapterRef, tier: str) -> None:
         self._client.call("pin", ref, tier)

@@ -26,6 +26,7 @@ import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from loraplex.engines.contract import Residency, ResidencySnapshot
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel
 from loraplex.engines.native.sequence import RequestOutput
@@ -261,26 +262,25 @@ class EngineCore:
             self.engine.abort(request_id)
 
     # -- what the server reads ---------------------------------------------------------------------
-    def snapshot(self) -> list:
-        """`[seq, slots, {key: [tier, pinned, loading, in host memory, in use]}]` of every adapter
-        the cache knows; numbered so that the server keeps the newest of those the two sockets
-        bring."""
+    def snapshot(self) -> ResidencySnapshot:
+        """Every adapter the cache knows, numbered so that the server keeps the newest of those
+        the two sockets bring."""
         cache = self.cache
         with self._snapshot_lock:
             self._seq += 1
             residency = {
-                key: [
-                    cache.tier_of(key),
-                    cache.pinned(key),
-                    cache.is_loading(key),
-                    cache.in_host_memory(key),
-                    entry.refcount > 0,
-                ]
+                key: Residency(
+                    tier=cache.tier_of(key),
+                    pinned=cache.pinned(key),
+                    loading=cache.is_loading(key),
+                    in_host_memory=cache.in_host_memory(key),
+                    in_use=entry.refcount > 0,
+                )
                 for key, entry in list(cache.entries.items())
             }
-            return [self._seq, list(cache.slots), residency]
+            return ResidencySnapshot(self._seq, list(cache.slots), residency)
 
-    def _snapshot_if_changed(self, had_events: bool) -> list | None:
+    def _snapshot_if_changed(self, had_events: bool) -> ResidencySnapshot | None:
         """A new snapshot when the slots, the host copies, the loads or the slots' use moved (or a
         cache event came): pins move only by operations, whose replies carry one. Only an adapter
         in a slot is in use, so the slots' use covers every adapter's."""

@@ -19,6 +19,7 @@ from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import AdapterUnavailable
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.cache.policy import make_policy
+from loraplex.engines.contract import Engine
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.config import EngineConfig
@@ -49,7 +50,7 @@ from loraplex.lora_format import (
 from loraplex.model_config import ModelConfig, base_model_digest
 
 
-class LLMEngine:
+class LLMEngine(Engine):
     kind = "native"
 
     def __init__(self, config: EngineConfig, policy=None):
@@ -108,7 +109,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.requests: dict[str, list[Sequence]] = {}
         """The live sequences of each request id (several with n > 1 or best_of)."""
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[Sequence | str] = []
+        """Sequences to add and ids of requests to abort, in arrival order."""
         self._inbox_lock = threading.Lock()
         self._failed: list[RequestOutput] = []
         # What exists now (the model, the libraries) lives as long as the engine. Out of the
@@ -146,6 +148,7 @@ class LLMEngine:
             # hashed here, as a registry does at registration: the pieces come from the same read
             digest, kwargs["pieces"] = digest_and_pieces(Path(path))
         key = AdapterKey(self.base_model_digest, name, revision, digest)
+        assert spec.path is not None  # read from a directory
         return AdapterRef(key, Path(spec.path), **kwargs)
 
     def _pack_adapter(self, files: dict[str, memoryview], hashed: Callable[[str, int], None]):
@@ -202,7 +205,7 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq.cache_tier = self.adapters.record_request(adapter, counted) if adapter else "gpu"
         with self._inbox_lock:
-            self._inbox.append(("add", seq))
+            self._inbox.append(seq)
         return seq.request_id
 
     def _check_group_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -223,7 +226,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(request_id)
 
     def live_figures(self) -> dict:
         """What /admin/state, the metrics and gateways read: residency, queue and KV figures."""
@@ -236,7 +239,7 @@ class LLMEngine:
             "active_tokens": sum(len(s) for s in running),
             "kv_cache_usage": self.blocks.usage,
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
-            "max_lora": self.config.max_loras,
+            "max_loras": self.config.max_loras,
             "rank_skew": self.rank_skew.snapshot(),
         }
 
@@ -353,7 +356,7 @@ class LLMEngine:
         tokens = seq.prompt_ids[start + 1 : start + 1 + len(lp)]
         picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         top_v, top_t = lp.topk(k) if k else (lp[:, :0], lp[:, :0].long())
-        entries = [
+        entries: list[dict | None] = [
             {"token": token, "logprob": logprob, "top": list(zip(ts, vs))}
             for token, logprob, ts, vs in zip(tokens, picked, top_t.tolist(), top_v.tolist())
         ]
@@ -378,15 +381,15 @@ class LLMEngine:
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "add":
+        for item in inbox:
+            if isinstance(item, Sequence):
                 self.requests[item.request_id] = [item]
                 self.scheduler.add(item)
             else:
                 for seq in list(self.requests.get(item, ())):
                     self._end(seq, "abort")
 
-    def _fail_unavailable(self, failures: list[tuple[AdapterKey, Exception]]) -> None:
+    def _fail_unavailable(self, failures: list[tuple[AdapterKey, BaseException]]) -> None:
         """A failed load fails only the requests waiting for that adapter, and not those that its
         resident copy can still serve (a prewarm reloading the host copy of an adapter in a slot,
         say)."""
@@ -413,6 +416,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> RequestOutput:
         token, logprob = sampled.tokens[i], sampled.logprobs[i]
+        assert token is not None  # `step` ends a row without a token before it gets here
         token_logprob = sampled.token_logprobs[i]
         seq.first_token_at = seq.first_token_at or time.monotonic()
         seq.output_ids.append(token)
@@ -426,6 +430,7 @@ class LLMEngine:
             if seq.matcher.is_terminated():
                 reason = "stop"
         before = len(seq.text)
+        assert seq.detokenizer is not None  # every generating sequence has one (`add_request`)
         text = seq.text + seq.detokenizer.step(token)
         if seq.params.stop and len(seq.output_ids) < seq.params.min_tokens:
             seq.stop_from = len(text)  # as vLLM: no stop string ends the output before min_tokens

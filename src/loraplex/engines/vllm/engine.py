@@ -18,6 +18,7 @@ from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
+from loraplex.engines.contract import Engine
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import applies
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
@@ -134,7 +135,7 @@ class _Figures:
     kv_cache_usage: float = 0.0
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     kind = "vllm"
 
     def __init__(self, config: VllmConfig):
@@ -377,7 +378,7 @@ class VllmEngine:
             ),
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
             "waiting_keys": waiting,
-            "max_lora": self.config.max_loras,
+            "max_loras": self.config.max_loras,
             "rank_skew": self.rank_skew.snapshot(),
         }
 

@@ -64,6 +64,7 @@ from loraplex.cache.placement import (
 )
 from loraplex.cache.policy import DemandTracker, LRUPolicy
 from loraplex.cache.state import adapter_row
+from loraplex.engines.contract import AdapterResidency
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class Resident:
         return charged(self.users, self.last_tenant)
 
 
-class VllmResidency:
+class VllmResidency(AdapterResidency):
     """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where
     they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
 
@@ -287,7 +288,8 @@ class VllmResidency:
         now = self.clock()
         with self._lock:
             gpu_warm, cpu_warm = set(self._gpu_warm(now)), set(self._cpu_warm(now))
-            adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
+            adapters: list[dict] = []
+            copies: dict[str, list[int]] = {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
                 on_disk = self._on_disk(key)  # a file system look per adapter: once
                 tier = (
@@ -382,7 +384,8 @@ class VllmResidency:
         """A request of `tenant` handed to vLLM by `acquire` ended (None: any tenant's)."""
         entry = self.entries.get(key)
         if entry is not None:
-            holder = tenant if entry.users.get(tenant) else next(iter(entry.users), "")
+            held = tenant is not None and entry.users.get(tenant)
+            holder = tenant if held else next(iter(entry.users), "")
             self._unref(entry, holder)
 
     async def _wait_for_slot(self, entry: Resident, tenant: str) -> None:
@@ -712,18 +715,20 @@ class VllmResidency:
             self._room.clear()
             await self._room.wait()
         start = time.perf_counter()
-        async with self._vllm_lock:  # room made and the add sent in the order vLLM takes them
+        lock = self._vllm_lock
+        assert lock is not None  # made by `start`
+        async with lock:  # room made and the add sent in the order vLLM takes them
             if entry.in_vllm:
                 return
             while self._num_in_vllm() + self._num_adding >= self.max_cpu_loras:
                 if await self._make_room(entry):
                     continue
                 self._room.clear()
-                self._vllm_lock.release()  # wait for a release without holding up other adds
+                lock.release()  # wait for a release without holding up other adds
                 try:
                     await self._room.wait()
                 finally:
-                    await self._vllm_lock.acquire()
+                    await lock.acquire()
             self._num_adding += 1
             entry.adding = True
             if entry.refcount:
@@ -819,10 +824,10 @@ class VllmResidency:
         stages, target = {}, self._staged(ref.key)
         start = time.perf_counter()
         if target.is_dir():
-            files = self._verified_files(target, ref.key.adapter_digest)
-            if files is not None:
+            verified = self._verified_files(target, ref.key.adapter_digest)
+            if verified is not None:
                 stages["disk"] = time.perf_counter() - start
-                return sum(len(v) for v in files.values()), stages, vllm_shape(files)
+                return sum(len(v) for v in verified.values()), stages, vllm_shape(verified)
             shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
         if ref.path is not None:
             files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
@@ -936,6 +941,7 @@ class VllmResidency:
 
     async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
         if not locked:
+            assert self._vllm_lock is not None  # made by `start`
             async with self._vllm_lock:
                 return await self._remove(key, locked=True)
         entry = self.entries.get(key)
@@ -1060,13 +1066,13 @@ class VllmResidency:
                 self.host_loads.short("cpu", now),
             )
             if choice is not None and self.budgets.limits_anyone:
-                entry = self.entries[choice[0]]
+                chosen = self.entries[choice[0]]
                 mine = [choice[1]] if choice[1] is not None else []
                 if choice[1] is None and self.budgets.is_over(
-                    entry.last_tenant, "cpu", self._host_usage(), max(entry.nbytes, 1)
+                    chosen.last_tenant, "cpu", self._host_usage(), max(chosen.nbytes, 1)
                 ):
                     choice = None
-                elif mine and not self._host_budget_victims(entry, mine):
+                elif mine and not self._host_budget_victims(chosen, mine):
                     choice = None
         if choice is None:
             return
@@ -1138,6 +1144,7 @@ class VllmResidency:
             ]
         if not (to_pin or to_unpin):
             return
+        assert self._vllm_lock is not None  # made by `start`
         async with self._vllm_lock:
             for key in to_unpin:
                 with self._lock:  # before the send yields: no request goes to vLLM with it now
