@@ -21,7 +21,7 @@ $(FULL): $(CORE) requirements.lock
 	$(BIN)/pip install -q --no-deps -r requirements.lock
 	touch $@
 
-.PHONY: setup setup-core demo test lint
+.PHONY: setup setup-core demo test lint docs
 setup: $(FULL)
 setup-core: $(CORE)
 
@@ -37,3 +37,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+
+# The guides' settings tables, made anew from the settings models (a test fails when they differ).
+docs: setup-core
+	$(BIN)/python -m loraplex.settings.docs

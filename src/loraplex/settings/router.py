@@ -66,7 +66,7 @@ class RouterSettings:
         "How a worker is picked",
         panel=ROUTING,
         choices=POLICIES,
-        doc="below, \"Picking\" (`pure-affinity`: residency first, load ignored)",
+        doc='below, "Picking" (`pure-affinity`: residency first, load ignored)',
     )
     admin_token_file: Path | None = setting(
         None,
