@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 
 import torch
 
@@ -70,25 +69,24 @@ def register() -> None:
 
 
 # -- no_lora_rows ------------------------------------------------------------------------------
-def _rows_by_slot(indices: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """(slot, row numbers) for each slot that rows use; rows of -1 (no LoRA) are in none."""
-    for slot in torch.unique(indices).tolist():
-        if slot >= 0:
-            yield slot, (indices == slot).nonzero().squeeze(1)
-
-
-def _slot_weights(stacked: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
-    w = stacked[slot]  # [1, out, in] or [out, in]
-    return (w.squeeze(0) if w.dim() == 3 else w).to(dtype)
-
-
 def _per_slot(inputs: torch.Tensor, stacked: torch.Tensor, indices: torch.Tensor, dtype):
-    """Each row times its slot's weights (`inputs[r] @ stacked[slot].T`); -1 rows give zeros."""
+    """Each row times its slot's weights (`inputs[r] @ stacked[slot].T`); rows of -1 (no LoRA) give
+    zeros. With few slots for many rows (prefill), one matmul per slot; with about as many slots
+    as rows (decode), one gather of each row's weights, as vLLM's ops do, masked."""
     inputs = inputs.to(dtype)
-    out_features = stacked.shape[-2]
-    result = torch.zeros(inputs.shape[0], out_features, dtype=dtype, device=inputs.device)
-    for slot, rows in _rows_by_slot(indices):
-        result[rows] = inputs[rows] @ _slot_weights(stacked, slot, dtype).T
+    weights = stacked.flatten(0, -3) if stacked.dim() == 4 else stacked  # [L, out, in]
+    result = torch.zeros(inputs.shape[0], weights.shape[1], dtype=dtype, device=inputs.device)
+    slots = [s for s in torch.unique(indices).tolist() if s >= 0]
+    if not slots:
+        return result
+    if len(slots) * 4 >= inputs.shape[0]:
+        has_lora = indices >= 0
+        rows = weights[indices.clamp(min=0)].to(dtype)  # [T, out, in]
+        result = torch.einsum("ti,toi->to", inputs, rows)  # einsum: faster than bmm here
+        return result.masked_fill_(~has_lora.unsqueeze(-1), 0)
+    for slot in slots:
+        rows = (indices == slot).nonzero().squeeze(1)
+        result[rows] = inputs[rows] @ weights[slot].to(dtype).T
     return result
 
 
