@@ -12,13 +12,16 @@ from loraplex.registry.cli import app as registry_app
 from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import add_serve
 from loraplex.server.serve import StartupError, make_dir, read_option_file
-from loraplex.settings.command import add_settings_command
+from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.router import ENV_PREFIX as ROUTER_ENV
 from loraplex.settings.router import RouterSettings
 from loraplex.sim.cli import add_sim_commands
 
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="Serve one base LLM with many LoRA adapters."
+    no_args_is_help=True,
+    add_completion=False,
+    help="Serve one base LLM with many LoRA adapters.",
+    rich_markup_mode=PLAIN,
 )
 app.add_typer(registry_app, name="registry")
 app.add_typer(bench_app, name="bench")

@@ -127,6 +127,21 @@ def test_piped_help_names_every_option_whole_at_any_width(command):
     assert not missing and "--config" in words and "--print-config" in words, missing
 
 
+@pytest.mark.parametrize("command", ["registry add", "registry tenant add", "demo", "registry"])
+def test_piped_help_of_the_other_commands_cuts_no_option_name(command):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", *command.split(), "--help"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "40", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "--" in proc.stdout, proc.stderr
+    assert "…" not in proc.stdout
+    if command == "registry add":
+        assert "--strict-base-model-name" in proc.stdout.split()
+
+
 def test_the_docs_tables_are_the_models_and_drift_either_way_is_caught():
     assert docs.stale_guides(ROOT, write=False) == []
     guide = (ROOT / "docs/operator-guide.md").read_text()

@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from loraplex.loadgen import traffic
-from loraplex.settings.command import add_settings_command
+from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
 
@@ -202,7 +202,10 @@ def serve(s: BenchServeSettings) -> None:
 
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Load generation against running servers."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Load generation against running servers.",
+    rich_markup_mode=PLAIN,
 )
 app.callback()(lambda: None)  # a group even with one command: `bench serve`, not `bench`
 add_settings_command(app, BenchServeSettings, serve, "serve", ENV_PREFIX)

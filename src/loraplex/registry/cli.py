@@ -27,17 +27,22 @@ from loraplex.registry.signing import (
     sign_digest,
 )
 from loraplex.registry.stats import revision_stats
+from loraplex.settings.command import PLAIN
 from loraplex.units import parse_size
 
+# Help in click's plain layout (PLAIN): rich's tables cut long option names when piped or narrow.
 app = typer.Typer(
     name="registry",
     help="Adapters, revisions, rollouts, tenants and keys.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=PLAIN,
 )
-tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
+tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True, rich_markup_mode=PLAIN)
 key_app = typer.Typer(
-    help="API keys (stored hashed; a new key is printed once).", no_args_is_help=True
+    help="API keys (stored hashed; a new key is printed once).",
+    no_args_is_help=True,
+    rich_markup_mode=PLAIN,
 )
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
@@ -738,7 +743,9 @@ if __name__ == "__main__":
 
 
 export_app = typer.Typer(
-    help="The registry as another system's configuration.", no_args_is_help=True
+    help="The registry as another system's configuration.",
+    no_args_is_help=True,
+    rich_markup_mode=PLAIN,
 )
 app.add_typer(export_app, name="export")
 

@@ -23,6 +23,8 @@ from loraplex.settings.fields import (
     yaml_value,
 )
 
+PLAIN = None
+"""A Typer app's `rich_markup_mode` for help in click's plain layout, every option name whole."""
 EXTRA = "extra"
 """The hidden argument that takes a variadic option's further values."""
 

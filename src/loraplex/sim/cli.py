@@ -17,7 +17,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loraplex.cache.budgets import Budget
-from loraplex.settings.command import add_settings_command
+from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.sim import PLAN_ENV, SIMULATE_ENV, PlanSettings, SimulateSettings
 from loraplex.sim import workload as workloads
 from loraplex.sim.simulator import (
@@ -473,7 +473,10 @@ def routers(
 
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Workload simulation and capacity planning."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Workload simulation and capacity planning.",
+    rich_markup_mode=PLAIN,
 )
 
 
