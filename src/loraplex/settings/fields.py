@@ -70,6 +70,32 @@ def open_share(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else "must be a share in (0, 1]"
 
 
+def weights(names: Mapping[str, str], minimum: float | None = None) -> Callable[[Any], Any]:
+    """A reader of `NAME=W,...` (a flag, a variable, repeated flags) or a YAML mapping of the
+    same, over the given short names: `((name, weight), ...)`."""
+
+    def parse(raw: Any) -> tuple[tuple[str, float], ...]:
+        if isinstance(raw, dict):
+            raw = ",".join(f"{k}={v}" for k, v in raw.items())
+        if isinstance(raw, list | tuple):
+            raw = ",".join(map(str, raw))
+        out = []
+        for part in filter(None, (p.strip() for p in str(raw).split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name.strip() not in names:
+                raise ValueError(f"{part!r}: expected NAME=WEIGHT, NAME one of {', '.join(names)}")
+            try:
+                weight = float(value)
+            except ValueError:
+                raise ValueError(f"{part!r}: {value!r} is not a number") from None
+            if minimum is not None and weight < minimum:
+                raise ValueError(f"{part!r}: a weight must be >= {minimum:g}")
+            out.append((name.strip(), weight))
+        return tuple(out)
+
+    return parse
+
+
 @dataclass(frozen=True)
 class Setting:
     """One declared field, read for what the resolver, the command and the docs need."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting
+from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting, weights
 
 WHERE, ROUTING, TIMING = "Where", "Routing", "Polling and timeouts"
 ENV_PREFIX = "LORAPLEX_ROUTER_"
@@ -20,31 +19,6 @@ WEIGHTS = {
     "evictions": "w_evictions",
 }
 """`--score-weights NAME=W,...`: the picker's score terms, by their short names."""
-
-
-def parse_weights(names: dict[str, str]):
-    """A reader of `NAME=W,...` (or a YAML mapping) over the given short names."""
-
-    def parse(raw: Any) -> tuple[tuple[str, float], ...]:
-        if isinstance(raw, dict):
-            raw = ",".join(f"{k}={v}" for k, v in raw.items())
-        if isinstance(raw, list | tuple):
-            raw = ",".join(map(str, raw))
-        out = []
-        for part in filter(None, (p.strip() for p in str(raw).split(","))):
-            name, sep, value = part.partition("=")
-            if not sep or name.strip() not in names:
-                raise ValueError(f"{part!r}: expected NAME=WEIGHT, NAME one of {', '.join(names)}")
-            try:
-                weight = float(value)
-            except ValueError:
-                raise ValueError(f"{part!r}: {value!r} is not a number") from None
-            if weight < 0:
-                raise ValueError(f"{part!r}: a weight must be >= 0")
-            out.append((name.strip(), weight))
-        return tuple(out)
-
-    return parse
 
 
 def _url(url: str) -> str | None:
@@ -105,7 +79,7 @@ class RouterSettings:
         "The picker's score terms NAME=W,...",
         panel=ROUTING,
         metavar="NAME=W,...",
-        parse=parse_weights(WEIGHTS),
+        parse=weights(WEIGHTS, minimum=0.0),
         show=dict,
         default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2",
         doc="the picker's score terms (below); a larger `queue` spreads a hot adapter sooner",

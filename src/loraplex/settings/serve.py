@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting, share
+from loraplex.settings.fields import (
+    at_least,
+    check_fields,
+    open_share,
+    positive,
+    setting,
+    share,
+    weights,
+)
 from loraplex.units import format_size
 
 WHERE, ENGINE, CACHE, TENANCY, SECURITY, OBSERVABILITY = (
@@ -34,26 +42,6 @@ SCORE_WEIGHTS = {
     "preferred": "w_preferred",
 }
 """`--score-weights NAME=W,...`: the score policy's keep_score terms, by their short names."""
-
-
-def parse_score_weights(raw: Any) -> tuple[tuple[str, float], ...]:
-    """`recency=1,priority=2` (a flag, a variable) or a YAML mapping of the same."""
-    if isinstance(raw, dict):
-        raw = ",".join(f"{k}={v}" for k, v in raw.items())
-    if isinstance(raw, list | tuple):
-        raw = ",".join(map(str, raw))
-    out = []
-    for part in filter(None, (p.strip() for p in str(raw).split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or name.strip() not in SCORE_WEIGHTS:
-            raise ValueError(
-                f"{part!r}: expected NAME=WEIGHT, NAME one of {', '.join(SCORE_WEIGHTS)}"
-            )
-        try:
-            out.append((name.strip(), float(value)))
-        except ValueError:
-            raise ValueError(f"{part!r}: {value!r} is not a number") from None
-    return tuple(out)
 
 
 def parse_lora_modules(raw: Any) -> tuple[tuple[str, Path], ...]:
@@ -303,7 +291,7 @@ class ServeSettings:
         "score policy weights NAME=W,...",
         panel=CACHE,
         metavar="NAME=W,...",
-        parse=parse_score_weights,
+        parse=weights(SCORE_WEIGHTS),
         show=dict,
         default_text="recency=1, frequency=2, priority=0.5, cost=1, size=0.1, preferred=2",
         doc="the terms of score's keep_score: recency (decays over 60 s), log of the 5-minute "
