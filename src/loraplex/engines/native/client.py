@@ -22,7 +22,7 @@ from loraplex.engines.contract import AdapterResidency, Engine, Residency, Resid
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel, Listener
 from loraplex.engines.native.config import EngineConfig
-from loraplex.engines.native.core import run_engine
+from loraplex.engines.native.core import EngineInfo, run_engine
 from loraplex.engines.native.errors import EngineUnavailable
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.engines.native.streams import Streams, request_stream
@@ -77,12 +77,12 @@ class EngineClient(Engine):
         finally:
             for listener in listeners.values():
                 listener.close()
-        self.max_model_len: int = info["max_model_len"]
-        self.base_model_digest: str = info["base_model_digest"]
-        self.kv_budget = info["kv_budget"]
-        self.num_kv_tokens: int = info["num_kv_tokens"]
+        self.max_model_len = info.max_model_len
+        self.base_model_digest = info.base_model_digest
+        self.kv_budget = info.kv_budget
+        self.num_kv_tokens = info.num_kv_tokens
         # the engine's grammars, compiled here too when asked (they are built at first use)
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info["eos_ids"])
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, info.eos_ids)
         self.adapters = CacheClient(self, info)
         self._loop: asyncio.AbstractEventLoop | None = None  # where the outputs are read
         assert self._channel is not None  # `_wait_ready` connected it or raised
@@ -92,7 +92,7 @@ class EngineClient(Engine):
         )
         self._watcher.start()
 
-    def _wait_ready(self, listeners: dict[str, Listener]) -> dict:
+    def _wait_ready(self, listeners: dict[str, Listener]) -> EngineInfo:
         """The engine connects its channel first, then loads the model and says whether it could;
         its rpc channel is connected by then."""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -340,14 +340,14 @@ class CacheClient(AdapterResidency):
     """The engine's adapter cache as the server sees it: residency read from the latest snapshot,
     operations run in the engine process."""
 
-    def __init__(self, client: EngineClient, info: dict):
+    def __init__(self, client: EngineClient, info: EngineInfo):
         self._client = client
-        self.cpu_bytes: int = info["cpu_bytes"]
-        self.budgets = info["budgets"]
+        self.cpu_bytes = info.cpu_bytes
+        self.budgets = info.budgets
         """The budgets last applied (the server compares before it sends new ones)."""
         self.on_event = lambda kind, fields: None
         self._lock = threading.Lock()
-        self._snapshot: ResidencySnapshot = info["snapshot"]
+        self._snapshot = info.snapshot
         # per key, (future, whether a residency settles it): what `when_loaded` and
         # `when_released` give
         self._watchers: dict[AdapterKey, list[tuple[Future, Settles]]] = {}

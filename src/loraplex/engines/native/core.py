@@ -25,10 +25,13 @@ import select
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from loraplex.cache.budgets import TenantBudgets
 from loraplex.engines.contract import Residency, ResidencySnapshot
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel
+from loraplex.engines.native.kv_budget import KVBudget
 from loraplex.engines.native.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,21 @@ def torch_threads() -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
 
 
+@dataclass
+class EngineInfo:
+    """What the engine process tells the API server once it is ready."""
+
+    max_model_len: int
+    base_model_digest: str
+    num_slots: int
+    cpu_bytes: int
+    budgets: TenantBudgets
+    kv_budget: KVBudget
+    num_kv_tokens: int
+    eos_ids: tuple[int, ...]
+    snapshot: ResidencySnapshot
+
+
 class EngineCore:
     def __init__(self, engine, channel: Channel, rpc_address: str, parent_pid: int):
         self.engine = engine
@@ -125,19 +143,19 @@ class EngineCore:
         self._rpc.start()
         self._send(["ready", self.info()])
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         e, cache = self.engine, self.cache
-        return {
-            "max_model_len": e.max_model_len,
-            "base_model_digest": e.base_model_digest,
-            "num_slots": len(cache.slots),
-            "cpu_bytes": cache.cpu_bytes,
-            "budgets": cache.budgets,
-            "kv_budget": e.kv_budget,
-            "num_kv_tokens": e.blocks.num_blocks * e.config.block_size,
-            "eos_ids": e.eos_ids,
-            "snapshot": self.snapshot(),
-        }
+        return EngineInfo(
+            max_model_len=e.max_model_len,
+            base_model_digest=e.base_model_digest,
+            num_slots=len(cache.slots),
+            cpu_bytes=cache.cpu_bytes,
+            budgets=cache.budgets,
+            kv_budget=e.kv_budget,
+            num_kv_tokens=e.blocks.num_blocks * e.config.block_size,
+            eos_ids=e.eos_ids,
+            snapshot=self.snapshot(),
+        )
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
