@@ -33,10 +33,12 @@ demo: setup-core
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart 0 tests
 
-# What CI holds the tree to: ruff's rules (pyproject.toml) and its formatting, no finding left.
+# What CI holds the tree to: ruff's rules (pyproject.toml), its formatting and mypy's types (the
+# engine contract, its implementations and callers), no finding left.
 lint: setup
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 
 # The guides' settings tables, made anew from the settings models (a test fails when they differ).
 docs: setup-core

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loraplex.artifacts import (
     AllowList,
@@ -40,7 +41,7 @@ class DiskTier:
         digest: str,
         use: Callable | None = None,
         pieces: Pieces | None = None,
-    ) -> tuple[object, float | None]:
+    ) -> tuple[Any, float | None]:
         """The artifact's digest-checked bytes (or what `use` made of them, as in `read_artifact`;
         checked by the registry's `pieces` when given), from the local copy or downloaded first; and
         the seconds the download took (None: read from the local copy). A damaged local copy is

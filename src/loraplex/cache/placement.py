@@ -55,9 +55,18 @@ class BusyShare:
         return self.share * kept + (1.0 - kept) * self.busy
 
 
+class HostCached(Protocol):
+    """What a runtime's host cache weighs of an adapter (`host_cache_victim`,
+    `host_cache_restore`): the vLLM engine's `Resident`, or an `Adapter`."""
+
+    ref: AdapterRef
+    last_access: float
+    loaded_at: float  # its last activation into a slot
+    nbytes: int
+
+
 class Adapter(Protocol):
-    """One adapter as placement reads it (the native cache's `Entry`; the vLLM engine's `Resident`
-    has the fields `host_cache_victim` reads: ref, nbytes, last_access, loaded_at)."""
+    """One adapter as placement reads it (the native cache's `Entry`)."""
 
     ref: AdapterRef
     refcount: int  # requests in flight
@@ -187,8 +196,8 @@ def host_cache_restore(
     cpu_warm: Sequence[AdapterKey],
     held: Collection[AdapterKey],
     places: int,
-    removable: Sequence[tuple[AdapterKey, Adapter]],
-    entries: Mapping[AdapterKey, Adapter],
+    removable: Sequence[tuple[AdapterKey, HostCached]],
+    entries: Mapping[AdapterKey, HostCached],
     gpu_warm: Set[AdapterKey],
     loads: float,
 ) -> tuple[AdapterKey, AdapterKey | None] | None:
@@ -251,8 +260,8 @@ def warm_pins(
 
 def host_cache_victim(
     policy,
-    removable: Sequence[tuple[AdapterKey, Adapter]],
-    incoming: tuple[AdapterKey, Adapter],
+    removable: Sequence[tuple[AdapterKey, HostCached]],
+    incoming: tuple[AdapterKey, HostCached],
     demand: DemandTracker,
     gpu_warm: Set[AdapterKey],
     now: float,
@@ -262,7 +271,7 @@ def host_cache_victim(
     weighed by its short-window demand and the gpu warm set; the least recently used when the
     policy's protections refuse them all, since a request waits for the room. None: none."""
 
-    def candidate(key: AdapterKey, e: Adapter) -> Candidate:
+    def candidate(key: AdapterKey, e: HostCached) -> Candidate:
         ref = e.ref
         return Candidate(
             key,

@@ -20,8 +20,10 @@ from pydantic import BaseModel, ConfigDict
 from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
 from loraplex.cache.key import AdapterKey
+from loraplex.engines.native.client import EngineClient
+from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
-from loraplex.registry import AdapterNotFound, ReleaseChecks, RevisionRecord
+from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 from loraplex.units import parse_size
@@ -205,7 +207,13 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
             raise APIError(
                 400, "a storage_uri needs its digest (sha256:...)", "invalid_value", "digest"
             )
-        src = fetch_artifact(body.storage_uri, body.digest, server.registry.store, server.allowed)
+        store = server.registry.store
+        if store is None:  # refused as `add_revision` refuses it
+            raise RegistryError(
+                "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
+            )
+        assert body.storage_uri is not None  # exactly one of path and storage_uri (`register`)
+        src = fetch_artifact(body.storage_uri, body.digest, store, server.allowed)
     return server.registry.add_revision(
         src,
         body.name,
@@ -280,11 +288,12 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 
 
 async def _complete(server: Server, ref, prompt: str) -> str:
-    if server.engine.kind == "vllm":
-        return await server.engine.complete_text(prompt, ref, max_tokens=32)
-    ids = server.engine.tokenizer.encode(prompt)
+    engine = server.engine
+    if not isinstance(engine, (LLMEngine, EngineClient)):  # the vLLM engine
+        return await engine.complete_text(prompt, ref, max_tokens=32)
+    ids = engine.tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=32, temperature=0)
-    return "".join([out.text async for out in server.async_engine.generate(ids, params, ref)])
+    return "".join([out.text async for out in server.generation.generate(ids, params, ref)])
 
 
 # ---- cache operations ----------------------------------------------------------------------------

@@ -10,12 +10,16 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.admission import Ticket
 from loraplex.server.middleware import RequestContext
+
+if TYPE_CHECKING:
+    from loraplex.engines.native.client import EngineClient
 
 
 @dataclass
@@ -55,7 +59,7 @@ class RequestRun:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | EngineClient,
         resolver: AdapterResolver,
         ctx: RequestContext,
         target: Target,

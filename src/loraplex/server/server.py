@@ -16,6 +16,7 @@ from loraplex.cache.budgets import Budget, TenantBudgets
 from loraplex.cache.errors import ArtifactCorrupt
 from loraplex.cache.key import AdapterKey
 from loraplex.engines.native.async_engine import AsyncEngine
+from loraplex.engines.native.client import EngineClient
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
@@ -35,7 +36,7 @@ from loraplex.server.pins import PinReconciler
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
-    from loraplex.engines.native.client import EngineClient
+    from loraplex.engines.native.tokenizer import Tokenizer
     from loraplex.engines.vllm.engine import VllmEngine
 
 log = logging.getLogger("loraplex.server")
@@ -75,7 +76,9 @@ class Server:
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
-        self.async_engine: AsyncEngine | EngineClient | None = None
+        self.async_engine: AsyncEngine | EngineClient | VllmEngine | None = None
+        """What runs the requests, once started: the native engine's generation (`AsyncEngine`
+        over an `LLMEngine` or the `EngineClient`), or the vLLM engine."""
         self.is_draining = False
         self.load_stages: dict[
             str, dict[str, float]
@@ -98,10 +101,13 @@ class Server:
         self.read_tenants()
         # The native engine's step loop gets its thread here, unless it runs in a process of its own
         # (EngineClient); vLLM's engine core runs in its own process.
-        in_process = isinstance(self.engine, LLMEngine)
-        self.async_engine = AsyncEngine(self.engine) if in_process else self.engine
-        if self.engine.kind == "native" and not in_process:  # the engine's messages on this loop
-            self.engine.attach(asyncio.get_running_loop())
+        engine = self.engine
+        if isinstance(engine, LLMEngine):
+            self.async_engine = AsyncEngine(engine)
+        else:
+            self.async_engine = engine
+            if isinstance(engine, EngineClient):  # the engine's messages on this loop
+                engine.attach(asyncio.get_running_loop())
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -146,9 +152,9 @@ class Server:
     def admit(self, tenant: str):
         """An admission ticket within the tenant's request limits (its own, else the server's)."""
         limits = self.tenants.get(tenant)
-        return self.admission.admit(
-            tenant, limits and limits.max_concurrent_requests, limits and limits.max_waiting
-        )
+        if limits is None:
+            return self.admission.admit(tenant, None, None)
+        return self.admission.admit(tenant, limits.max_concurrent_requests, limits.max_waiting)
 
     def budgets_from(self, tenants) -> TenantBudgets:
         """This server's budgets for the registry's tenants (`TenantRecord`s), on the engine's
@@ -195,12 +201,14 @@ class Server:
             )
 
     def engine_alive(self) -> bool:
-        if self.engine.kind == "native":
+        engine = self.engine
+        if isinstance(engine, (LLMEngine, EngineClient)):  # native
             return self.async_engine is None or self.async_engine.is_alive
-        return self.engine.is_alive
+        return engine.is_alive
 
     # -- request steps ---------------------------------------------------------------------------
     async def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
+        assert ctx.tenant is not None  # authenticated first
         start = time.perf_counter()
         try:
             change_count = None
@@ -222,6 +230,7 @@ class Server:
             self.metrics.on_cache_event(
                 "load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]}
             )
+            assert target.record is not None  # an adapter's target has its revision
             ctx.adapter_name, ctx.revision, ctx.rank = (
                 target.record.name,
                 target.record.revision,
@@ -231,10 +240,26 @@ class Server:
         return target
 
     def tier_on_arrival(self, target: Target) -> str:
+        assert target.ref is not None  # an adapter's target
         tier = self.engine.adapters.tier_of(target.ref.key)
         # The cache learns a key's local path at the request's first acquire; the bytes are on disk
         # already.
         return "disk" if tier == "remote" and target.ref.path is not None else tier
+
+    @property
+    def generation(self) -> AsyncEngine | EngineClient:
+        """The native engine's generation, once started (the vLLM engine's requests go through
+        vLLM's serving layer)."""
+        generation = self.async_engine
+        assert isinstance(generation, (AsyncEngine, EngineClient))
+        return generation
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The native engine's (vLLM's serving layer tokenizes the requests it serves)."""
+        engine = self.engine
+        assert isinstance(engine, (LLMEngine, EngineClient))
+        return engine.tokenizer
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         limit = self.max_prompt_tokens
@@ -248,7 +273,7 @@ class Server:
                     "prompt_too_long",
                     "prompt",
                 )
-            prompt = self.engine.tokenizer.encode(prompt)
+            prompt = self.tokenizer.encode(prompt)
         if not prompt:
             raise APIError(400, "The prompt is empty.", "invalid_value", "prompt")
         if len(prompt) > limit:
@@ -263,12 +288,10 @@ class Server:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         try:
-            text = self.engine.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value", "messages") from None
-        ids = self.engine.tokenizer.encode(
-            text, add_special_tokens=False
-        )  # the template adds them itself
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them itself
         if len(ids) > self.max_prompt_tokens:
             raise APIError(
                 400,
@@ -290,13 +313,14 @@ class Server:
         """The started generation (every prompt's first output in); None when `gone` (the client
         left) ends first: the generation is then closed, and the request recorded as the client's
         leaving."""
+        assert ctx.tenant is not None  # authenticated first
         try:
             ticket = self.admit(ctx.tenant)
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
         run = RequestRun(
-            self.async_engine, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
+            self.generation, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
         )
         try:
             # the engine's error (bad request, adapter unavailable) is the answer; a client gone
@@ -323,7 +347,7 @@ class Server:
             self.metrics.on_timings(
                 ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s")
             )
-        load_ms = None
+        load_ms: dict[str, float | None] | None = None
         if (
             ctx.tier in _TIER_STAGES and ctx.adapter_name
         ):  # the stages this request's tier went through, not older ones

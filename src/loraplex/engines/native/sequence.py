@@ -5,10 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.engines.native.errors import InvalidRequest, NonFiniteLogits  # noqa: F401  (raised here; defined without torch)
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
+
+    from loraplex.cache.key import AdapterRef
+    from loraplex.engines.native.tokenizer import OutputDecoder
 
 SAMPLING_EPS = 1e-5
 
@@ -111,7 +118,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: object | None = None  # an AdapterRef, or None for the base model
+    adapter: AdapterRef | None = None  # None for the base model
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -137,10 +144,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     """Of the sampled tokens, under the model's distribution (best_of ranks by it)."""
     prompt_logprobs: list[dict | None] | None = None
-    matcher: object | None = None
-    """The grammar's state (an xgrammar GrammarMatcher) when the output is structured."""
+    matcher: GrammarMatcher | None = None
+    """The grammar's state when the output is structured."""
     text: str = ""
-    detokenizer: object | None = None
+    detokenizer: OutputDecoder | None = None
     """The output's incremental decoder (`Tokenizer.output_decoder`)."""
     stop_from: int = 0
     """Characters of `text` from before min_tokens was reached: stop strings are looked for after

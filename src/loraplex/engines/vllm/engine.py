@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import TenantBudgets
@@ -26,6 +27,9 @@ from loraplex.model_config import base_model_digest
 from loraplex.settings.serve import DEFAULTS as D
 from loraplex.settings.serve import ServeSettings
 from loraplex.spawn import without_main_module
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 
 log = logging.getLogger(__name__)
 _OUR_ID = re.compile(r"[0-9a-f]{32}")
@@ -166,7 +170,8 @@ class VllmEngine(Engine):
                 config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share
             ),
         )
-        self.serving_completion = self.serving_chat = self.models = None
+        self.serving_completion = self.serving_chat = None
+        self.models: OpenAIServingModels | None = None  # vLLM's serving layer, made by `start`
 
     # -- start and stop ----------------------------------------------------------------------------
     def _vllm_config(self):
@@ -332,6 +337,7 @@ class VllmEngine(Engine):
 
     def serve_as(self, name: str, lora_request) -> None:
         """Make `name` a model of vLLM's serving layer, meaning exactly this key's request."""
+        assert self.models is not None  # made by `start`
         self.models.lora_requests[name] = lora_request
 
     async def complete_text(self, prompt: str, ref, max_tokens: int = 32) -> str:
