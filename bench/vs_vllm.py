@@ -513,6 +513,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="runs of every server, alternating; the table gives each figure's median",
     )
+    parser.add_argument(
+        "--llama90m-workloads",
+        default=",".join(LLAMA90M_WORKLOADS),
+        help="--case llama90m: which of its workloads",
+    )
     parser.add_argument("--json", default="bench/results/vs_vllm.json")
     parser.add_argument(
         "--case",
@@ -762,10 +767,13 @@ def llama90m_trace(num_adapters: int, num_requests: int, base_share: float = 0.0
     return out
 
 
-def llama90m_measure(server: Server, clients: int, num_requests: int, console) -> dict:
+def llama90m_measure(
+    server: Server, clients: int, num_requests: int, console, workloads: list[str]
+) -> dict:
     """Tokens/s of each workload, closed loop, after a warm-up that loads its adapters."""
     out = {}
-    for workload, (count, base_share) in LLAMA90M_WORKLOADS.items():
+    for workload in workloads:
+        count, base_share = LLAMA90M_WORKLOADS[workload]
         warm = [replace(r, output_tokens=2) for r in llama90m_trace(count, max(count, clients))]
         run(LoadConfig(url=server.url, clients=clients), warm)
         trace = llama90m_trace(count, num_requests, base_share)
@@ -797,6 +805,10 @@ def run_llama90m(args, console: Console) -> int:
     cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
     model_dir, adapters = llama90m_world(cache_dir)
     servers = [s for s in args.servers.split(",") if s]
+    workloads = [w for w in args.llama90m_workloads.split(",") if w]
+    if not workloads or any(w not in LLAMA90M_WORKLOADS for w in workloads):
+        print(f"--llama90m-workloads: give any of {', '.join(LLAMA90M_WORKLOADS)}", file=sys.stderr)
+        return 2
     rounds: dict[str, list[dict]] = {name: [] for name in servers}
     with tempfile.TemporaryDirectory() as tmp:
         starts = llama90m_servers(args.vllm_python, model_dir, adapters, Path(tmp))
@@ -809,13 +821,12 @@ def run_llama90m(args, console: Console) -> int:
                 server = starts[name](str(i))
                 try:
                     rounds[name].append(
-                        llama90m_measure(server, args.clients, num_requests, console)
+                        llama90m_measure(server, args.clients, num_requests, console, workloads)
                     )
                 finally:
                     server.stop()
     results = {
-        name: {w: combine([r[w] for r in done]) for w in LLAMA90M_WORKLOADS}
-        for name, done in rounds.items()
+        name: {w: combine([r[w] for r in done]) for w in workloads} for name, done in rounds.items()
     }
     table = Table(
         title=f"90M Llama on CPU, {args.clients} closed-loop clients, "
@@ -825,7 +836,7 @@ def run_llama90m(args, console: Console) -> int:
     for c in ["workload", "server", *columns]:
         table.add_column(c, justify="right")
     ratios: dict[str, dict[str, float]] = {}
-    for workload in LLAMA90M_WORKLOADS:
+    for workload in workloads:
         theirs = results["vllm"][workload]
         for name in results:
             table.add_row(workload, name, *(str(results[name][workload][c]) for c in columns))
