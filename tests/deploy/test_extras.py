@@ -20,7 +20,7 @@ from loraplex.artifacts import AllowList, ArtifactStore, ArtifactUnavailable, fe
 ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ("vllm", "ray", "boto3", "botocore")
 # xgrammar asks for triton on Linux x86_64; only its CUDA kernels use it (requirements-core.lock).
-LEFT_OUT = {"triton", "setuptools", "pip"}
+LEFT_OUT = {"triton", "pip"}
 
 
 def _name(text: str) -> str:
