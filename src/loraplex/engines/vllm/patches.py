@@ -6,7 +6,7 @@ reports are in docs/vllm-notes.md.
 - `no_lora_rows` (CPU backend): the torch ops of vLLM's CPU punica wrapper gather each row's
   weights as `stacked[index]`, and a row without a LoRA has index -1, which Python indexing reads
   as the last slot: a base row in a batch beside LoRA rows gets whichever adapter holds that slot.
-  Replaced by ops that multiply each slot's rows by that slot's weights and leave -1 rows alone.
+  Replaced by ops that give each row its own slot's weights and -1 rows none (`_per_slot`).
 - `pinned_slots` (scheduler): the scheduler admits up to max_loras distinct adapters into a batch,
   while the worker also keeps the pinned adapters in their slots; a batch with more unpinned
   adapters than unpinned slots evicts one of its own adapters and fails. The engine core now tells
