@@ -47,7 +47,10 @@ def table(doc: Documented, panel: str) -> str:
     for s in settings_of(doc.model):
         if s.spec.panel != panel:
             continue
-        flag = s.flag if s.is_flag else f"{s.flag} {s.spec.metavar or metavar_of(s)}"
+        if s.is_flag:
+            flag = f"{s.flag}`, `--no-{s.flag[2:]}"
+        else:
+            flag = f"{s.flag} {s.spec.metavar or metavar_of(s)}"
         cells = (
             f"`{flag}`",
             f"`{s.env(doc.env_prefix)}`",
