@@ -121,17 +121,17 @@ def _reproduce(root: Path, paths: list[Path], plugins: str | None) -> tuple[dict
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    script = Path(__file__).with_name("vllm_bugs.py")
+    script, report = Path(__file__).with_name("vllm_bugs.py"), root / f"report-{plugins}.json"
+    report.unlink(missing_ok=True)
     proc = subprocess.run(
-        [sys.executable, str(script), *map(str, paths)],
+        [sys.executable, str(script), str(report), *map(str, paths)],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert lines, proc.stderr[-3000:]
-    return json.loads(lines[0].removeprefix("REPORT ")), proc.stdout + proc.stderr
+    assert report.is_file(), proc.stderr[-3000:]
+    return json.loads(report.read_text()), proc.stdout + proc.stderr
 
 
 def test_unpatched_vllm_shows_both_bugs(bug_world):

@@ -1,8 +1,9 @@
 """Reproductions of two vLLM LoRA bugs against vLLM alone (its offline `LLM`, no loraplex code in
 the process but the plugin vLLM loads itself). Run as a script by test_vllm_patches.py, once
-with loraplex's plugin left out (VLLM_PLUGINS="") and once with it; prints one JSON line.
+with loraplex's plugin left out (VLLM_PLUGINS="") and once with it; writes its findings as
+JSON to REPORT (vLLM's processes share its stdout).
 
-    python vllm_bugs.py MODEL_DIR ADAPTER_A ADAPTER_B ADAPTER_C
+    python vllm_bugs.py REPORT MODEL_DIR ADAPTER_A ADAPTER_B ADAPTER_C
 
 - mixed_batch: greedy outputs of a base prompt, and of adapters A and B, each alone; then the
   three in one batch (max_loras 2, so both slots hold an adapter). Reports whether the base row
@@ -67,4 +68,6 @@ def main(model: str, a: str, b: str, c: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("REPORT " + json.dumps(main(*sys.argv[1:5])), flush=True)
+    report = main(*sys.argv[2:6])
+    with open(sys.argv[1], "w") as out:
+        json.dump(report, out)
