@@ -224,7 +224,7 @@ def patch_pinned_slots() -> bool:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    if getattr(Scheduler.schedule, "loraplex_patch", False):
+    if Scheduler.schedule.__module__ == __name__:
         return False
     schedule, pin_lora, remove_lora = (
         Scheduler.schedule,
@@ -254,8 +254,9 @@ def patch_pinned_slots() -> bool:
         finally:
             self.lora_config = full
 
-    scheduling.loraplex_patch = True
-    Scheduler.schedule, EngineCore.pin_lora, EngineCore.remove_lora = scheduling, pinning, removing
+    setattr(Scheduler, "schedule", scheduling)  # noqa: B010 (a method replaced on purpose)
+    setattr(EngineCore, "pin_lora", pinning)  # noqa: B010
+    setattr(EngineCore, "remove_lora", removing)  # noqa: B010
     return True
 
 
