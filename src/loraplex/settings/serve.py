@@ -144,9 +144,13 @@ class ServeSettings:
     )
     base_as_zero_adapter: str = setting(
         "auto",
-        "vLLM: carry base requests as an all-zero adapter: auto (on vLLM's CPU backend) | on | off",
+        "vLLM: carry base requests as an all-zero adapter (auto: only on vLLM's CPU backend when "
+        "loraplex's vLLM plugin does not fix its mixed batches)",
         panel=ENGINE,
         choices=("auto", "on", "off"),
+        doc="vLLM: carry base requests as an all-zero adapter. `auto` is off wherever loraplex's "
+        "vLLM plugin fixes vLLM-CPU's mixed base/LoRA batches (`docs/vllm-notes.md`), on for vLLM's "
+        "CPU backend without it, off on GPUs",
     )
     vllm_arg: tuple[str, ...] = setting(
         (),
