@@ -149,8 +149,8 @@ class ServeSettings:
         panel=ENGINE,
         choices=("auto", "on", "off"),
         doc="vLLM: carry base requests as an all-zero adapter. `auto` is off wherever loraplex's "
-        "vLLM plugin fixes vLLM-CPU's mixed base/LoRA batches (`docs/vllm-notes.md`), on for vLLM's "
-        "CPU backend without it, off on GPUs",
+        "vLLM plugin fixes vLLM-CPU's mixed base/LoRA batches (`docs/vllm-notes.md`), on for "
+        "vLLM's CPU backend without it, off on GPUs",
     )
     vllm_arg: tuple[str, ...] = setting(
         (),
