@@ -174,7 +174,7 @@ def default_text(s: Setting) -> str:
 
 
 def sources_from(
-    ctx: typer.Context, specs: list[Setting], given: dict[str, Any], env_prefix: str
+    ctx: typer.Context, specs: tuple[Setting, ...], given: dict[str, Any], env_prefix: str
 ) -> Sources:
     """The file, the environment and the flags given on this command line."""
     flags = {

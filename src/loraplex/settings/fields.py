@@ -4,6 +4,7 @@ YAML file, the environment and the command line, in that order of precedence."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -126,7 +127,9 @@ class Setting:
         return self.kind is bool and not self.multiple
 
 
-def settings_of(model: type) -> list[Setting]:
+@functools.cache
+def settings_of(model: type) -> tuple[Setting, ...]:
+    """A model's settings, read once per model (configurations check theirs as they are built)."""
     hints = typing.get_type_hints(model)
     out = []
     for f in dataclasses.fields(model):
@@ -137,7 +140,7 @@ def settings_of(model: type) -> list[Setting]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = None if required else f.default
         out.append(Setting(f.name, spec, kind, optional, multiple, default, required))
-    return out
+    return tuple(out)
 
 
 def _plain(hint: Any) -> tuple[type, bool, bool]:
