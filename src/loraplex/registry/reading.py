@@ -1,0 +1,109 @@
+"""Reading the catalog: adapters, revisions, the grace set, audit events."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import select
+
+from loraplex.registry import queries as q
+from loraplex.registry.core import (
+    RegistryCore,
+    adapter_record,
+)
+from loraplex.registry.db import (
+    Adapter,
+    AuditEvent,
+    PinTier,
+    Revision,
+    Traffic,
+    as_utc,
+    utcnow,
+)
+from loraplex.registry.errors import (
+    AdapterNotFound,
+)
+from loraplex.registry.records import (
+    AdapterRecord,
+    AuditRecord,
+    RevisionRecord,
+)
+
+
+class Reading(RegistryCore):
+    """Reads for operators and the server's listings."""
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
+        """Every adapter, or only those `tenant` may use."""
+        with self._read() as session:
+            grants = q.all_grants(session)
+            adapters = session.scalars(select(Adapter).order_by(Adapter.name)).all()
+            visible = [
+                a
+                for a in adapters
+                if tenant is None or q.may_use(a, grants.get(a.name, ()), tenant)
+            ]
+            revisions: dict[str, list[Revision]] = {}
+            for row in session.scalars(select(Revision).order_by(Revision.id)):
+                revisions.setdefault(row.adapter_name, []).append(row)
+            weights = {
+                rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))
+            }
+            tiers = {n: t for n, t in session.execute(select(PinTier.adapter_name, PinTier.tier))}
+            return [
+                adapter_record(
+                    a, grants.get(a.name, ()), revisions.get(a.name, []), weights, tiers.get(a.name)
+                )
+                for a in visible
+            ]
+
+    def show(self, name: str) -> AdapterRecord:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            if adapter is None:
+                raise AdapterNotFound(name)
+            rows = session.scalars(
+                select(Revision).where(Revision.adapter_name == name).order_by(Revision.id)
+            )
+            tier = session.get(PinTier, name)
+            return adapter_record(
+                adapter,
+                q.grants(session, name),
+                list(rows),
+                q.weights(session, name),
+                tier.tier if tier is not None else None,
+            )
+
+    def get_revision(self, name: str, revision: str) -> RevisionRecord:
+        with self._read() as session:
+            adapter = session.get(Adapter, name)
+            row = q.find_revision(session, name, revision, None) if adapter else None
+            if row is None:
+                raise AdapterNotFound(f"{name}@{revision}")
+            return self._record(session, adapter, row)
+
+    def grace_revisions(self) -> list[RevisionRecord]:
+        """Revisions that left traffic less than the grace period ago: keep them warm, do not evict
+        yet."""
+        cutoff = utcnow() - self.grace_period
+        with self._read() as session:
+            rows = session.scalars(
+                select(Revision).where(
+                    Revision.retired_at >= cutoff, Revision.status != "quarantined"
+                )
+            ).all()
+            return [self._record(session, session.get(Adapter, r.adapter_name), r) for r in rows]
+
+    def audit_events(self, limit: int = 100, target: str | None = None) -> list[AuditRecord]:
+        """Newest first; `target` filters to one adapter (its name and every `name@revision`)."""
+        query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+        if target is not None:
+            revisions = AuditEvent.target.startswith(f"{target}@", autoescape=True)
+            query = query.where((AuditEvent.target == target) | revisions)
+        with self._read() as session:
+            return [
+                AuditRecord(e.id, as_utc(e.at), e.actor, e.action, e.target, json.loads(e.detail))
+                for e in session.scalars(query)
+            ]

@@ -1,0 +1,312 @@
+"""Registration: validate an adapter directory, store its bytes, record the revision."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.artifacts import artifact_files, canonical_digest
+from loraplex.lora_format import CONFIG_FILE, AdapterSpec, base_model_mismatch, read_adapter
+from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
+from loraplex.registry import queries as q
+from loraplex.registry.core import (
+    NAME_RE,
+    REVISION_RE,
+    WARM_POLICIES,
+    RegistryCore,
+    log,
+)
+from loraplex.registry.db import (
+    Adapter,
+    ArtifactPieces,
+    ArtifactPiecesBlake3,
+    Revision,
+    Tenant,
+    utcnow,
+)
+from loraplex.registry.errors import (
+    AdapterRejected,
+    RegistryError,
+)
+from loraplex.registry.records import (
+    RevisionRecord,
+)
+from loraplex.registry.release import parse_eval_set
+from loraplex.registry.signing import read_signature_file, verify_digest
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """An adapter directory checked and in the store, not yet recorded."""
+
+    src: Path
+    digest: str
+    spec: AdapterSpec
+    base_model: str
+    base_model_digest: str
+    eval_set: str | None
+    signature: str | None
+    pieces: str  # BLAKE3 piece list, JSON
+    sha256_pieces: str
+
+
+class Registration(RegistryCore):
+    """Adding revisions, and collecting the store entries no revision refers to."""
+
+    # ---- registration ----------------------------------------------------------------------------
+
+    def add_revision(
+        self,
+        src_dir: str | Path,
+        name: str,
+        revision: str | None = None,
+        tenant: str | None = None,
+        shared: bool | None = None,
+        base_model_dir: str | Path | None = None,
+        warm_policy: str | None = None,
+        priority: int | None = None,
+        status: str = "staging",
+        eval_set: str | Path | None = None,
+        signature: str | None = None,
+        digest: str | None = None,
+        base_model: str | None = None,
+    ) -> RevisionRecord:
+        """Validate an adapter directory, put it into the store and record it, in one transaction.
+
+        `tenant` owns the adapter (None: shared by all); `shared=True` with a tenant makes an owned
+        adapter usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no
+        traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
+        does). Registering the same bytes again under the same name returns the existing revision.
+        """
+        _check_names(name, revision, warm_policy, status)
+        stored = self._store_verified(
+            Path(src_dir), base_model_dir, base_model, eval_set, digest, signature
+        )
+        with self._write() as session:
+            adapter = self._adapter_for_add(
+                session, name, tenant, shared, stored.spec.task_type, warm_policy, priority
+            )
+            return self._insert_revision(session, adapter, stored, revision, status)
+
+    def _store_verified(
+        self, src: Path, base_model_dir, base_model, eval_set, digest, signature
+    ) -> _Stored:
+        """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
+        its bytes into the store; AdapterRejected naming the field otherwise."""
+        if self.allowed is not None:
+            self._check_source_allowed(src)
+        spec, base_name, base_digest = self._validate(src, base_model_dir, base_model)
+        cases_text = Path(eval_set).read_text() if eval_set is not None else None
+        if cases_text is not None:
+            parse_eval_set(cases_text)
+        actual = canonical_digest(src)
+        if digest is not None and digest != actual:
+            raise AdapterRejected(
+                "digest", f"the files hash to {actual}, not to the expected {digest}"
+            )
+        if signature is None:
+            signature = read_signature_file(src)
+        if self.trusted_keys:
+            verify_digest(actual, signature, self.trusted_keys)
+        if self.store is None:
+            raise RegistryError(
+                "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
+            )
+        # from the read hashing the copy
+        put, (pieces, sha256_pieces) = self.store.put_with_piece_lists(src)
+        if put != actual:
+            raise AdapterRejected(
+                "digest", f"the files in {src} changed while they were being registered"
+            )
+        return _Stored(
+            src,
+            actual,
+            spec,
+            base_name,
+            base_digest,
+            cases_text,
+            signature,
+            pieces.to_json(),
+            sha256_pieces.to_json(),
+        )
+
+    def _insert_revision(
+        self, session: Session, adapter: Adapter, stored: _Stored, revision: str | None, status: str
+    ) -> RevisionRecord:
+        """Record stored bytes as a revision of `adapter`, inside the caller's write transaction;
+        the same bytes under the same name give the existing revision."""
+        actual, spec, name = stored.digest, stored.spec, adapter.name
+        if not self.store.has(actual) and self.store.put(stored.src) != actual:
+            # removed by a gc since the put
+            raise AdapterRejected(
+                "digest", f"the files in {stored.src} changed while they were being registered"
+            )
+        # Both lists, also for bytes registered before the tables: the BLAKE3 one this version
+        # checks, and the sha256 one earlier versions read (they refuse another hash), for servers
+        # of both sharing a registry.
+        if session.get(ArtifactPiecesBlake3, actual) is None:
+            session.add(ArtifactPiecesBlake3(digest=actual, pieces=stored.pieces))
+        if session.get(ArtifactPieces, actual) is None:
+            session.add(ArtifactPieces(digest=actual, pieces=stored.sha256_pieces))
+        existing = q.find_revision(session, name, revision, actual)
+        if existing is not None:
+            return self._record(session, adapter, existing)
+        row = Revision(
+            adapter_name=name,
+            revision=revision or q.next_revision(session, name),
+            digest=actual,
+            base_model=stored.base_model,
+            base_model_digest=stored.base_model_digest,
+            rank=spec.rank,
+            lora_alpha=spec.lora_alpha,
+            dtype=spec.dtype,
+            target_modules=",".join(spec.target_modules),
+            estimated_bytes=spec.estimated_bytes,
+            actual_bytes=spec.actual_bytes,
+            storage_uri=self._storage_uri(actual),
+            signature=stored.signature,
+            eval_set=stored.eval_set,
+            status="staging",
+            created_at=utcnow(),
+        )
+        session.add(row)
+        session.flush()
+        self._audit(
+            session,
+            "add",
+            f"{name}@{row.revision}",
+            digest=actual,
+            status=status,
+            owner=adapter.owner_tenant,
+            shared=adapter.shared,
+            estimated_bytes=spec.estimated_bytes,
+        )
+        if status == "stable":
+            self._apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
+        return self._record(session, adapter, row)
+
+    def _check_source_allowed(self, src: Path) -> None:
+        root = self.allowed.root_for(src.resolve().as_uri())
+        for name in artifact_files(src):
+            if not (src / name).resolve().is_relative_to(root):
+                raise AdapterRejected(
+                    "path", f"{src / name} is a symlink out of the allowed root {root}"
+                )
+
+    def _validate(self, src: Path, base_model_dir, base_model: str | None):
+        """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and
+        reason."""
+        base_dir = (
+            Path(base_model_dir)
+            if base_model_dir
+            else self.base_model_dir or _base_dir_named_by(src)
+        )
+        if base_dir is None:
+            raise AdapterRejected(
+                "base_model", "no base model to validate against: pass --base-model DIR"
+            )
+        try:
+            model = ModelConfig.from_dir(base_dir)
+        except (ModelConfigError, OSError, ValueError) as exc:
+            raise AdapterRejected("base_model", f"{base_dir}: {exc}") from None
+        spec = read_adapter(src, model, self.max_lora_rank)
+        base_name = base_model or base_dir.resolve().name
+        mismatch = base_model_mismatch(spec, base_name)
+        if mismatch and self.strict_base_model_name:
+            raise AdapterRejected("base_model_name_or_path", mismatch)
+        if mismatch:
+            log.warning(
+                "%s: %s; accepted, as its shapes fit (--strict-base-model-name refuses it)",
+                src,
+                mismatch,
+            )
+        return spec, base_name, base_model_digest(base_dir)
+
+    def _adapter_for_add(
+        self, session, name, tenant, shared, task_type, warm_policy, priority
+    ) -> Adapter:
+        if tenant is not None and session.get(Tenant, tenant) is None:
+            raise AdapterRejected(
+                "tenant",
+                f"unknown tenant {tenant!r}; add it with `loraplex registry tenant add {tenant}`",
+            )
+        adapter = q.locked_adapter(session, name)
+        if adapter is None:
+            adapter = Adapter(
+                name=name,
+                owner_tenant=tenant,
+                shared=tenant is None if shared is None else shared,
+                task_type=task_type,
+                priority=priority or 0,
+                warm_policy=warm_policy or "on_demand",
+                pinned=False,
+                created_at=utcnow(),
+            )
+            session.add(adapter)
+            session.flush()
+            return adapter
+        if tenant is not None and tenant != adapter.owner_tenant:
+            raise AdapterRejected(
+                "tenant", f"{name} is not owned by tenant {tenant!r}; pick another name"
+            )
+        if shared is not None:
+            adapter.shared = shared
+        if warm_policy is not None:
+            adapter.warm_policy = warm_policy
+        if priority is not None:
+            adapter.priority = priority
+        return adapter
+
+    def _storage_uri(self, digest: str) -> str:
+        if self.storage_base:
+            return f"{self.storage_base}/{digest.removeprefix('sha256:')}"
+        return self.store.uri(digest)
+
+    def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
+        """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
+        interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
+        # Under the write lock: a registration commits its row before this reads the digests in use,
+        # or after the removals, and then finds its artifact gone and puts it back (add_revision).
+        with self._write() as session:
+            used = set(session.scalars(select(Revision.digest)))
+            cutoff = time.time() - min_age_s
+            removed = [
+                d
+                for d in self.store.digests()
+                if d not in used and self.store.path(d).stat().st_mtime < cutoff
+            ]
+            for digest in removed:
+                self.store.remove(digest)
+            if removed:
+                self._audit(session, "gc", "artifacts", removed=removed)
+        return removed
+
+
+def _check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
+    if not NAME_RE.fullmatch(name):
+        raise AdapterRejected("name", f"{name!r} must match {NAME_RE.pattern}")
+    if revision is not None and not REVISION_RE.fullmatch(revision):
+        raise AdapterRejected("revision", f"{revision!r} must match {REVISION_RE.pattern}")
+    if warm_policy is not None and warm_policy not in WARM_POLICIES:
+        raise AdapterRejected(
+            "warm_policy", f"{warm_policy!r} is not one of {', '.join(WARM_POLICIES)}"
+        )
+    if status not in ("staging", "stable"):
+        raise AdapterRejected(
+            "status", f"a new revision starts as staging or stable, not {status!r}"
+        )
+
+
+def _base_dir_named_by(src: Path) -> Path | None:
+    """The base model directory the adapter's config names, when it is a local directory."""
+    try:
+        named = json.loads((src / CONFIG_FILE).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    path = Path(named) if named else None
+    return path if path is not None and (path / "config.json").is_file() else None
