@@ -316,6 +316,8 @@ async def list_workers(request: Request):
                 "running": views[w.url].running,
                 "gpu": sorted(views[w.url].gpu),
                 "in_flight": state.in_flight.get(w.url, 0),
+                "generation": w.generation,
+                "state_bytes": w.state_bytes,
             }
             for w in state.fleet.workers.values()
         ]

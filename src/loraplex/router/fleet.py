@@ -1,4 +1,9 @@
-"""The router's view of its workers: polled state, health, and optimistic in-flight counts."""
+"""The router's view of its workers: polled state, health, and optimistic in-flight counts.
+
+A loraplex worker is polled for the routing view of its `/admin/state`, by generation: nothing when
+nothing changed (304), else the rows changed since, applied to an index by adapter name. Bytes per
+poll follow the worker's changes, not the number of adapters it holds.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import dataclasses
 import logging
 import re
 import time
+from collections import Counter
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 
 import httpx
@@ -16,6 +23,68 @@ from loraplex.router.picker import WorkerView
 log = logging.getLogger("loraplex.router")
 _VLLM_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
 _LABEL = re.compile(r'([a-z_]+)="([^"]*)"')
+
+
+class Names(Set):
+    """Adapter names held by any of a worker's rows in one tier: each name counts its rows, so that
+    `name` stays while another revision of it still holds the tier."""
+
+    def __init__(self):
+        self._counts: Counter[str] = Counter()
+
+    @classmethod
+    def _from_iterable(cls, names) -> frozenset[str]:
+        """What `|`, `&` and `-` make: a plain frozenset."""
+        return frozenset(names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._counts
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def add(self, names: set[str]) -> None:
+        self._counts.update(names)
+
+    def discard(self, names: set[str]) -> None:
+        for name in names:
+            self._counts[name] -= 1
+            if self._counts[name] <= 0:
+                del self._counts[name]
+
+
+class RoutingIndex:
+    """A worker's routing rows (tier and loading per adapter revision) by id, with the names in each
+    tier: a row changes in time independent of how many the worker holds."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+        self.gpu, self.cpu, self.loading = Names(), Names(), Names()
+
+    def put(self, row: dict) -> None:
+        self.remove(row["id"])
+        self.rows[row["id"]] = row
+        for names in self._sets(row):
+            names.add(_names(row))
+
+    def remove(self, row_id: str) -> None:
+        row = self.rows.pop(row_id, None)
+        if row is not None:
+            for names in self._sets(row):
+                names.discard(_names(row))
+
+    def _sets(self, row: dict) -> list[Names]:
+        tiers = {"gpu": [self.gpu], "cpu": [self.cpu]}.get(row["tier"], [])
+        return tiers + [self.loading] if row["loading"] else tiers
+
+
+def _names(row: dict) -> set[str]:
+    """What a request may name the row's adapter by: its name, `name@revision`, its gateway
+    model."""
+    return {row["name"], f"{row['name']}@{row['revision']}", row.get("model") or row["name"]}
 
 
 @dataclass
@@ -31,27 +100,46 @@ class Worker:
     follows it."""
     kind: str = "loraplex"
     failures: int = 0
+    index: RoutingIndex = dataclasses.field(default_factory=RoutingIndex)
+    generation: str | None = None
+    """The generation of the routing view held (None: ask for all of it)."""
+    state_bytes: int = 0
+    """Body bytes of the last state answer (0 for a 304)."""
 
     def view(self, now: float, stale_after_s: float) -> WorkerView:
+        """The last poll's view, with what the router sent since. Its residency sets are the
+        index's own (a pick reads them at once): no copy per request."""
         last = self.last or WorkerView(self.url)
         return dataclasses.replace(
             last,
             healthy=self.healthy,
             fresh=now - self.polled_at <= stale_after_s,
             in_flight=self.in_flight,
-            loading=last.loading | self.sent,
+            loading=frozenset(last.loading) | self.sent if self.sent else last.loading,
         )
 
+    def apply_routing(self, view: dict) -> None:
+        """From a loraplex worker's `GET /admin/state?view=routing[&since=G]`: the rows changed and
+        removed since G, or all of them (`reset`)."""
+        if view.get("reset", True):
+            self.index = RoutingIndex()
+        for row_id in view.get("removed", []):
+            self.index.remove(row_id)
+        for row in view.get("adapters", []):
+            self.index.put(row)
+        self.generation = view.get("generation")
+        self._take_load(view.get("load", {}))
+
     def apply_state(self, state: dict) -> None:
-        """From a loraplex worker's GET /admin/state."""
-        load = state.get("load", {})
-        tiers: dict[str, set[str]] = {"gpu": set(), "cpu": set(), "loading": set()}
+        """From a loraplex worker's whole GET /admin/state (one that has no routing view)."""
+        self.index = RoutingIndex()
         for a in state.get("adapters", []):
-            names = {a["name"], f"{a['name']}@{a['revision']}"}
-            if a.get("loading"):
-                tiers["loading"] |= names
-            if a.get("tier") in ("gpu", "cpu"):
-                tiers[a["tier"]] |= names
+            row_id = f"{a['name']}@{a['revision']}/{a.get('digest')}"
+            self.index.put({**a, "id": row_id, "loading": bool(a.get("loading"))})
+        self.generation = None
+        self._take_load(state.get("load", {}))
+
+    def _take_load(self, load: dict) -> None:
         self.last = WorkerView(
             self.url,
             waiting=load.get("waiting", 0),
@@ -60,9 +148,9 @@ class Worker:
             kv_usage=load.get("kv_cache_usage", 0.0),
             recent_evictions=load.get("recent_evictions", 0),
             free_slots=load.get("free_slots", 0),
-            gpu=frozenset(tiers["gpu"]),
-            cpu=frozenset(tiers["cpu"]),
-            loading=frozenset(tiers["loading"]),
+            gpu=self.index.gpu,
+            cpu=self.index.cpu,
+            loading=self.index.loading,
         )
         self.kind = "loraplex"
 
@@ -142,12 +230,24 @@ class Fleet:
             health = await self.client.get(f"{worker.url}/health")
             if health.status_code != 200:
                 raise httpx.HTTPStatusError("unhealthy", request=health.request, response=health)
-            state = await self.client.get(f"{worker.url}/admin/state", headers=headers)
-            if state.status_code == 200:
+            params = {"view": "routing"}
+            if worker.generation is not None:
+                params["since"] = worker.generation
+                headers = {**headers, "If-None-Match": f'"{worker.generation}"'}
+            state = await self.client.get(
+                f"{worker.url}/admin/state", headers=headers, params=params
+            )
+            worker.state_bytes = len(state.content)
+            if state.status_code == 304:  # nothing changed: the view held is the worker's
+                pass
+            elif state.status_code == 200:
                 body = state.json()
                 if body.get("draining"):  # shutting down: it answers new requests 503
                     raise RuntimeError("shutting down")
-                worker.apply_state(body)
+                if "reset" in body:
+                    worker.apply_routing(body)
+                else:  # a worker that answers the whole state whatever is asked
+                    worker.apply_state(body)
             else:  # not a loraplex worker, or no admin token: read the vLLM-style metrics instead
                 metrics = await self.client.get(f"{worker.url}/metrics")
                 metrics.raise_for_status()

@@ -10,6 +10,7 @@ import bisect
 import functools
 import hashlib
 import random
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from loraplex.settings.fields import check_fields
@@ -34,9 +35,10 @@ class WorkerView:
     kv_usage: float = 0.0
     recent_evictions: int = 0
     free_slots: int = 0
-    gpu: frozenset[str] = frozenset()
-    cpu: frozenset[str] = frozenset()
-    loading: frozenset[str] = frozenset()
+    gpu: Set[str] = frozenset()
+    """Names (`name`, `name@revision`) resident there; a set of any kind, read by membership."""
+    cpu: Set[str] = frozenset()
+    loading: Set[str] = frozenset()
     in_flight: int = 0
     """Requests the router sent since the state was polled (added at once, so a burst spreads)."""
 

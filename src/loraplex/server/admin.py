@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
@@ -26,6 +26,7 @@ from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
+from loraplex.server.state_feed import Generation, StateFeed
 from loraplex.units import parse_size
 
 if TYPE_CHECKING:
@@ -108,7 +109,12 @@ def router(token: str) -> APIRouter:
             return guarded
 
     r = APIRouter(route_class=AdminRoute)
-    r.add_api_route("/admin/state", state, methods=["GET"])
+    feed = StateFeed()
+
+    async def admin_state(request: Request) -> Response:
+        return await state(request, feed)
+
+    r.add_api_route("/admin/state", admin_state, methods=["GET"])
     r.add_api_route("/admin/adapters", register, methods=["POST"])
     r.add_api_route("/admin/adapters", list_adapters, methods=["GET"])
     r.add_api_route("/admin/adapters/{name}", show, methods=["GET"])
@@ -132,8 +138,29 @@ def _server(request: Request) -> Server:
 # ---- reading -------------------------------------------------------------------------------------
 
 
-async def state(request: Request) -> dict:
-    return _server(request).state()
+async def state(request: Request, feed: StateFeed) -> Response:
+    """The whole state; or with `view=routing` the routing view, numbered: `since=GENERATION` gives
+    only what changed after it, and `If-None-Match` with the current generation a 304."""
+    full = await run_in_threadpool(_server(request).state)  # a look per adapter: off the loop
+    generation = feed.observe(full)
+    view = request.query_params.get("view")
+    if view is None:
+        return JSONResponse({**full, "generation": str(generation)})
+    if view != "routing":
+        raise APIError(400, f"view {view!r}: the one view is routing", "invalid_value", "view")
+    headers = {"ETag": generation.etag, "Cache-Control": "no-cache"}
+    if Generation.parse(request.headers.get("if-none-match", "")) == generation:
+        return Response(status_code=304, headers=headers)
+    since = request.query_params.get("since")
+    held = None if since is None else Generation.parse(since)
+    if since is not None and held is None:
+        raise APIError(
+            400,
+            f"since {since!r}: give a generation (EPOCH.N) from an earlier answer",
+            "invalid_value",
+            "since",
+        )
+    return JSONResponse(feed.view(held), headers=headers)
 
 
 async def set_budget(tenant: str, body: BudgetBody, request: Request) -> dict:
