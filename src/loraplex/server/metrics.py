@@ -64,6 +64,27 @@ class ServerMetrics:
     ):
         self.registry = CollectorRegistry()
         r = self.registry
+        self._adapter_series(r)
+        self._request_series(r)
+        for tier in TIERS[:3]:
+            self.cache_hits.labels(tier)
+        for tier in TIERS[:2]:
+            self.evictions.labels(tier)
+        for bucket in RANK_BUCKETS:
+            self.rank_tokens.labels(bucket)
+        self.top_k_adapters = top_k_adapters
+        self.load_state_top_k = load_state_top_k
+        self.rank_of = rank_of or (lambda name, revision: None)
+        # (name, revision, digest) -> rank: fixed once known
+        self._ranks: dict[tuple[str, str, str], int | None] = {}
+        self.adapter_requests: Tally[str] = Tally()
+        self.adapter_tokens: Tally[str] = Tally()
+        self._children: dict[tuple, object] = {}
+        r.register(_LiveCollector(snapshot, self))
+
+    def _adapter_series(self, r: CollectorRegistry) -> None:
+        """The adapter life cycle's series: tier hits, misses, evictions, reloads, failures, load
+        stages."""
         self.cache_hits = Counter(
             "loraplex_adapter_cache_hits_total",
             "Requests whose adapter was found in a tier (L0 gpu, L1 cpu, L2 disk)",
@@ -98,6 +119,9 @@ class ServerMetrics:
             )
             for stage, series in STAGE_SERIES.items()
         }
+
+    def _request_series(self, r: CollectorRegistry) -> None:
+        """The requests' series: latencies, counts by tenant and status, cold starts, tokens."""
         self.ttft = Histogram(
             "loraplex_request_ttft_seconds",
             "Time to first token, by the tier the adapter was in on arrival",
@@ -153,21 +177,6 @@ class ServerMetrics:
             ["rank_bucket"],
             registry=r,
         )
-        for tier in TIERS[:3]:
-            self.cache_hits.labels(tier)
-        for tier in TIERS[:2]:
-            self.evictions.labels(tier)
-        for bucket in RANK_BUCKETS:
-            self.rank_tokens.labels(bucket)
-        self.top_k_adapters = top_k_adapters
-        self.load_state_top_k = load_state_top_k
-        self.rank_of = rank_of or (lambda name, revision: None)
-        # (name, revision, digest) -> rank: fixed once known
-        self._ranks: dict[tuple[str, str, str], int | None] = {}
-        self.adapter_requests: Tally[str] = Tally()
-        self.adapter_tokens: Tally[str] = Tally()
-        self._children: dict[tuple, object] = {}
-        r.register(_LiveCollector(snapshot, self))
 
     def on_cache_event(self, kind: str, fields: dict) -> None:
         """The cache's `on_event` hook (called from its threads; prometheus_client is
@@ -392,44 +401,52 @@ class _LiveCollector:
             "Reloads after eviction per eviction",
             value=cache.get("thrash_ratio", 0.0),
         )
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Running (gpu-resident) and waiting adapters; the value is the update time",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        info.add_metric(
-            [
-                ",".join(live["running_adapters"]),
-                ",".join(live["waiting_adapters"]),
-                str(live["max_loras"]),
-            ],
-            time.time(),
-        )
-        yield info
-        yield GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"]
-        )
-        yield GaugeMetricFamily(
-            "vllm:num_requests_running", "Requests running", value=live["num_running"]
-        )
-        yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"]
-        )
+        yield from _vllm_series(live)
         if self.metrics.load_state_top_k:
             yield from load_state_series(live, self.metrics.load_state_top_k, self.metrics.rank)
         if self.metrics.top_k_adapters:
-            top = CounterMetricFamily(
-                "loraplex_adapter_requests", "Requests of the top-K adapters", labels=["adapter"]
-            )
-            tokens = CounterMetricFamily(
-                "loraplex_adapter_generated_tokens",
-                "Output tokens generated for the top-K adapters by requests",
-                labels=["adapter"],
-            )
-            for adapter, n in self.metrics.adapter_requests.most_common(
-                self.metrics.top_k_adapters
-            ):
-                top.add_metric([adapter], n)
-                tokens.add_metric([adapter], self.metrics.adapter_tokens[adapter])
-            yield top
-            yield tokens
+            yield from _top_adapters(self.metrics)
+
+
+def _vllm_series(live: dict):
+    """The series under vLLM's own names, which gateways (llm-d's EPP) read."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running (gpu-resident) and waiting adapters; the value is the update time",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    info.add_metric(
+        [
+            ",".join(live["running_adapters"]),
+            ",".join(live["waiting_adapters"]),
+            str(live["max_loras"]),
+        ],
+        time.time(),
+    )
+    yield info
+    yield GaugeMetricFamily(
+        "vllm:num_requests_waiting", "Requests waiting", value=live["num_waiting"]
+    )
+    yield GaugeMetricFamily(
+        "vllm:num_requests_running", "Requests running", value=live["num_running"]
+    )
+    yield GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"]
+    )
+
+
+def _top_adapters(metrics: ServerMetrics):
+    """Requests and tokens of the top-K adapters by requests."""
+    top = CounterMetricFamily(
+        "loraplex_adapter_requests", "Requests of the top-K adapters", labels=["adapter"]
+    )
+    tokens = CounterMetricFamily(
+        "loraplex_adapter_generated_tokens",
+        "Output tokens generated for the top-K adapters by requests",
+        labels=["adapter"],
+    )
+    for adapter, n in metrics.adapter_requests.most_common(metrics.top_k_adapters):
+        top.add_metric([adapter], n)
+        tokens.add_metric([adapter], metrics.adapter_tokens[adapter])
+    yield top
+    yield tokens
