@@ -331,8 +331,43 @@ def _adapter_spec(
 ) -> AdapterSpec:
     _check_config(config)
     header = layout.tensors
-    r_default, alpha_default = config.get("r", 8), config.get("lora_alpha", 8)
-    use_rslora = bool(config.get("use_rslora", False))
+    alpha_default = config.get("lora_alpha", 8)
+    pairs, dtypes, actual = _lora_pairs(header, model)
+    _check_tiling(layout, WEIGHTS_FILE)
+    modules = []
+    estimated = elements = 0
+    for (layer, module), sides in sorted(pairs.items()):
+        spec = _module_spec(config, header, model, max_rank, layer, module, sides)
+        modules.append(spec)
+        d_in, d_out = model.linear_shape(module)
+        # A is [r, d_in] and B [d_out, r], each in its own dtype (a file may store them in two)
+        estimated += (
+            d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
+            + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]
+        ) * spec.rank
+        elements += (d_in + d_out) * spec.rank
+    return AdapterSpec(
+        path=adapter_dir,
+        rank=max(m.rank for m in modules),
+        lora_alpha=float(alpha_default),
+        use_rslora=bool(config.get("use_rslora", False)),
+        dtype=min(dtypes) if len(dtypes) == 1 else "mixed",
+        task_type=config.get("task_type"),
+        base_model_name=config.get("base_model_name_or_path"),
+        target_modules=tuple(sorted({m.module for m in modules})),
+        modules=tuple(modules),
+        estimated_bytes=estimated,
+        actual_bytes=actual,
+        elements=elements,
+        layout=layout if adapter_dir is None else None,
+    )
+
+
+def _lora_pairs(
+    header: dict, model: ModelConfig
+) -> tuple[dict[tuple[int, str], dict[str, str]], set[str], int]:
+    """The tensors by (layer, module) and side (A, B), their dtypes and their bytes; AdapterRejected
+    for a tensor that is not the LoRA of a decoder linear layer of `model`."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     dtypes = set()
     actual = 0
@@ -365,68 +400,58 @@ def _adapter_spec(
         pairs.setdefault((layer, module), {})[side] = key
     if not pairs:
         raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
-    _check_tiling(layout, WEIGHTS_FILE)
-    modules = []
-    estimated = elements = 0
-    for (layer, module), sides in sorted(pairs.items()):
-        if set(sides) != {"A", "B"}:
-            raise AdapterRejected(
-                "weights", f"layer {layer} {module}: lora_A and lora_B must both be present"
-            )
-        d_in, d_out = model.linear_shape(module)
-        shape_a, shape_b = header[sides["A"]]["shape"], header[sides["B"]]["shape"]
-        rank = shape_a[0] if len(shape_a) == 2 else -1
-        if shape_a != [rank, d_in] or shape_b != [d_out, rank]:
-            raise AdapterRejected(
-                "shape",
-                f"layer {layer} {module}: A {shape_a} and B {shape_b} do not fit the base "
-                f"(expected [r, {d_in}] and [{d_out}, r])",
-            )
-        if rank < 1:
-            raise AdapterRejected(
-                "rank", f"layer {layer} {module} has rank {rank}; it must be at least 1"
-            )
-        if rank > max_rank:
-            raise AdapterRejected(
-                "rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}"
-            )
-        path = ModelConfig.module_path(layer, module)
-        if not _config_selects(config, path, layer):
-            raise AdapterRejected(
-                "target_modules",
-                f"layer {layer} {module} has weights, but the config's "
-                "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
-                "would not load them)",
-            )
-        r = _pattern_value(config.get("rank_pattern"), path, r_default)
-        if r != rank:
-            raise AdapterRejected(
-                "r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}"
-            )
-        alpha = _pattern_value(config.get("alpha_pattern"), path, alpha_default)
-        scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        modules.append(LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"]))
-        # A is [r, d_in] and B [d_out, r], each in its own dtype (a file may store them in two)
-        estimated += (
-            d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
-            + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]
-        ) * rank
-        elements += (d_in + d_out) * rank
-    return AdapterSpec(
-        path=adapter_dir,
-        rank=max(m.rank for m in modules),
-        lora_alpha=float(alpha_default),
-        use_rslora=use_rslora,
-        dtype=min(dtypes) if len(dtypes) == 1 else "mixed",
-        task_type=config.get("task_type"),
-        base_model_name=config.get("base_model_name_or_path"),
-        target_modules=tuple(sorted({m.module for m in modules})),
-        modules=tuple(modules),
-        estimated_bytes=estimated,
-        actual_bytes=actual,
-        elements=elements,
-        layout=layout if adapter_dir is None else None,
-    )
+    return pairs, dtypes, actual
+
+
+def _module_spec(
+    config: dict,
+    header: dict,
+    model: ModelConfig,
+    max_rank: int,
+    layer: int,
+    module: str,
+    sides: dict[str, str],
+) -> LoraModuleSpec:
+    """One module's A and B checked against the base's shapes, the rank limit and the config (the
+    modules it selects, its rank and alpha patterns)."""
+    if set(sides) != {"A", "B"}:
+        raise AdapterRejected(
+            "weights", f"layer {layer} {module}: lora_A and lora_B must both be present"
+        )
+    d_in, d_out = model.linear_shape(module)
+    shape_a, shape_b = header[sides["A"]]["shape"], header[sides["B"]]["shape"]
+    rank = shape_a[0] if len(shape_a) == 2 else -1
+    if shape_a != [rank, d_in] or shape_b != [d_out, rank]:
+        raise AdapterRejected(
+            "shape",
+            f"layer {layer} {module}: A {shape_a} and B {shape_b} do not fit the base "
+            f"(expected [r, {d_in}] and [{d_out}, r])",
+        )
+    if rank < 1:
+        raise AdapterRejected(
+            "rank", f"layer {layer} {module} has rank {rank}; it must be at least 1"
+        )
+    if rank > max_rank:
+        raise AdapterRejected(
+            "rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}"
+        )
+    path = ModelConfig.module_path(layer, module)
+    if not _config_selects(config, path, layer):
+        raise AdapterRejected(
+            "target_modules",
+            f"layer {layer} {module} has weights, but the config's "
+            "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
+            "would not load them)",
+        )
+    r = _pattern_value(config.get("rank_pattern"), path, config.get("r", 8))
+    if r != rank:
+        raise AdapterRejected(
+            "r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}"
+        )
+    alpha = _pattern_value(config.get("alpha_pattern"), path, config.get("lora_alpha", 8))
+    use_rslora = bool(config.get("use_rslora", False))
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    return LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"])
 
 
 def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
