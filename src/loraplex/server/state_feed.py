@@ -44,16 +44,26 @@ class Generation(NamedTuple):
         return cls(epoch, int(number)) if epoch and number.isdigit() else None
 
 
-def routing_row(adapter: dict) -> dict:
+class RoutingRow(NamedTuple):
     """The fields of an `/admin/state` adapter row that routing reads."""
-    return {
-        "id": f"{adapter['name']}@{adapter['revision']}/{adapter['digest']}",
-        "name": adapter["name"],
-        "revision": adapter["revision"],
-        "model": adapter.get("model", adapter["name"]),
-        "tier": adapter["tier"],
-        "loading": bool(adapter["loading"]),
-    }
+
+    name: str
+    revision: str
+    model: str
+    tier: str
+    loading: bool
+
+    @classmethod
+    def of(cls, adapter: dict) -> tuple[str, RoutingRow]:
+        """The row's id (name, revision, digest) and its routing fields."""
+        name, revision = adapter["name"], adapter["revision"]
+        row = cls(
+            name, revision, adapter.get("model", name), adapter["tier"], bool(adapter["loading"])
+        )
+        return f"{name}@{revision}/{adapter['digest']}", row
+
+    def to_dict(self, row_id: str) -> dict:
+        return {"id": row_id, **self._asdict()}
 
 
 class StateFeed:
@@ -64,7 +74,7 @@ class StateFeed:
     def __init__(self, max_removed: int = 4096):
         self.epoch = secrets.token_hex(4)
         self.number = 0
-        self.rows: dict[str, dict] = {}
+        self.rows: dict[str, RoutingRow] = {}
         self.changed_in: dict[str, int] = {}
         self.removed: dict[str, int] = {}  # id -> generation, oldest first
         self.floor = 0
@@ -85,7 +95,7 @@ class StateFeed:
             "max_loras": state.get("max_loras"),
             "load": {k: state.get("load", {}).get(k, 0) for k in LOAD_FIELDS},
         }
-        rows = {row["id"]: row for row in map(routing_row, state.get("adapters", []))}
+        rows = dict(map(RoutingRow.of, state.get("adapters", [])))
         with self._lock:
             changed = [i for i, row in rows.items() if self.rows.get(i) != row]
             gone = [i for i in self.rows if i not in rows]
@@ -117,7 +127,9 @@ class StateFeed:
                 "reset": not delta,
                 **self.head,
                 "adapters": [
-                    self.rows[i] for i, number in self.changed_in.items() if number > after
+                    self.rows[i].to_dict(i)
+                    for i, number in self.changed_in.items()
+                    if number > after
                 ],
                 "removed": [i for i, number in self.removed.items() if number > after]
                 if delta
