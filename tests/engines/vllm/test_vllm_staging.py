@@ -12,7 +12,7 @@ from tinymodels import make_adapter
 
 from loraplex.artifacts import canonical_digest
 from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.engines.vllm import residency
+from loraplex.engines.vllm import staging as staging_module
 from loraplex.engines.vllm.residency import VllmResidency
 
 WEIGHTS = "adapter_model.safetensors"
@@ -29,8 +29,8 @@ def staging(llama_dir, tmp_path, monkeypatch):
         hashed.append(os.fspath(directory))
         return real(directory, *args, **kwargs)
 
-    real = residency.read_artifact
-    monkeypatch.setattr(residency, "read_artifact", read_artifact)
+    real = staging_module.read_artifact
+    monkeypatch.setattr(staging_module, "read_artifact", read_artifact)
     adapters = VllmResidency(None, tmp_path / "stage", max_loras=2, max_cpu_loras=2)
     yield adapters, ref, hashed
     adapters.close()
@@ -38,10 +38,13 @@ def staging(llama_dir, tmp_path, monkeypatch):
 
 def test_a_kept_staged_copy_is_used_again_without_a_copy_and_hashed_before_each_add(staging):
     adapters, ref, hashed = staging
-    nbytes, _, shape = adapters._stage(ref)
-    staged = adapters._staged(ref.key) / WEIGHTS
+    nbytes, _, shape = adapters.staging.stage(ref)
+    staged = adapters.staging.path(ref.key) / WEIGHTS
     inode = staged.stat().st_ino
-    assert adapters._stage(ref)[::2] == (nbytes, shape)  # the kept copy: the same size and shape
+    assert adapters.staging.stage(ref)[::2] == (
+        nbytes,
+        shape,
+    )  # the kept copy: the same size and shape
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]  # the source, then the copy
     assert staged.stat().st_ino == inode
     assert staged.stat().st_mode & 0o222 == 0  # read-only
@@ -49,13 +52,13 @@ def test_a_kept_staged_copy_is_used_again_without_a_copy_and_hashed_before_each_
 
 def test_a_tampered_staged_copy_is_staged_again_from_its_source(staging):
     adapters, ref, hashed = staging
-    adapters._stage(ref)
-    staged = adapters._staged(ref.key) / WEIGHTS
+    adapters.staging.stage(ref)
+    staged = adapters.staging.path(ref.key) / WEIGHTS
     data = bytearray(staged.read_bytes())
     data[-32:] = bytes(b ^ 0xFF for b in data[-32:])  # same size, other bytes
     staged.chmod(0o644)
     staged.write_bytes(bytes(data))
-    adapters._stage(ref)
+    adapters.staging.stage(ref)
     assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent), os.fspath(ref.path)]
 
@@ -84,7 +87,7 @@ def test_the_shape_vllm_checks_is_the_config_and_the_tensor_layout_not_the_value
 
     def shape(name, seed, **lora):
         made = make_adapter(llama_dir, tmp_path / name, seed=seed, **lora)
-        return residency.vllm_shape({p.name: p.read_bytes() for p in made.iterdir()})
+        return staging_module.vllm_shape({p.name: p.read_bytes() for p in made.iterdir()})
 
     qv = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     first = shape("a", 1, **qv)
@@ -97,6 +100,6 @@ def test_the_shape_vllm_checks_is_the_config_and_the_tensor_layout_not_the_value
     renamed.chmod(0o644)
     renamed.write_text(json.dumps({**config, "revision": "v2", "base_model_name_or_path": "x"}))
     files = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()}
-    assert residency.vllm_shape(files) == first  # fields vLLM does not read
-    assert residency.vllm_shape({"adapter_config.json": b"{}"}) is None  # no weights
-    assert residency.vllm_shape({"adapter_config.json": b"{", WEIGHTS: b"x" * 8}) is None
+    assert staging_module.vllm_shape(files) == first  # fields vLLM does not read
+    assert staging_module.vllm_shape({"adapter_config.json": b"{}"}) is None  # no weights
+    assert staging_module.vllm_shape({"adapter_config.json": b"{", WEIGHTS: b"x" * 8}) is None

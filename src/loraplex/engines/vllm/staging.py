@@ -1,0 +1,223 @@
+"""The staged copies vLLM reads: each adapter's digest-verified files in a private directory,
+read-only, hashed again before each add; the copies of adapters vLLM no longer holds are kept, up to
+a byte budget, for a re-add without a copy from the source."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+from loraplex.artifacts import ArtifactUnavailable, DigestMismatch, read_artifact
+from loraplex.cache.disk import DiskTier
+from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
+
+
+class Fingerprint(NamedTuple):
+    """What the file system says of a staged copy: the directory's and each entry's inode, size,
+    mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
+    changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
+    bytes as when it was taken (`StagedCopies.verified_files` takes it around each hash)."""
+
+    directory: tuple[int, int, int]
+    files: tuple[tuple[str, int, int, int, int], ...]
+
+
+def fingerprint(directory: Path) -> Fingerprint:
+    d = os.stat(directory)
+    files = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        st = entry.stat(follow_symlinks=False)
+        files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
+
+
+def vllm_shape(files: Mapping[str, bytes | memoryview]) -> str | None:
+    """What vLLM's add checks of an adapter, as one digest: its files' names, the fields of its
+    config that vLLM reads, and its tensors' names, dtypes and shapes. vLLM refuses an adapter for
+    its rank, features, modules or sizes, never for its values: it takes an adapter of a shape it
+    has taken. None: not an adapter it would read."""
+    try:
+        config = json.loads(bytes(files[CONFIG_FILE]))
+        tensors = parse_safetensors_header(files[WEIGHTS_FILE]).tensors
+    except (KeyError, ValueError):  # AdapterRejected is a ValueError
+        return None
+    read = _config_fields_vllm_reads()
+    if isinstance(config, dict) and read is not None:  # not a name or a revision, say
+        config = {k: v for k, v in config.items() if k in read}
+    layout = sorted((name, t["dtype"], t["shape"]) for name, t in tensors.items())
+    text = json.dumps([sorted(files), config, layout], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def _config_fields_vllm_reads() -> frozenset[str] | None:
+    """The `adapter_config.json` fields vLLM's adapter load reads (its `PEFTHelper`'s)."""
+    try:
+        from vllm.lora.peft_helper import PEFTHelper
+    except ImportError:  # every field counts
+        return None
+    return frozenset(f.name for f in dataclasses.fields(PEFTHelper))
+
+
+class StagedCopies:
+    """The staging directory of one vLLM engine. `stage` runs on its worker threads; `in_use(name)`
+    tells whether vLLM holds or a load reads the copy `name` (such a copy is never dropped)."""
+
+    def __init__(
+        self,
+        stage_dir: Path,
+        *,
+        disk: DiskTier | None,
+        kept_bytes: int,
+        threads: int,
+        in_use: Callable[[str], bool],
+    ):
+        self.stage_dir = Path(stage_dir)
+        self.disk = disk
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="vllm-stage")
+        self._in_use = in_use
+        self._lock = threading.Lock()
+        # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
+        # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
+        # verified: the re-add after an unpin checks it (`is_unchanged`); a load hashes the copy.
+        self.kept_bytes = kept_bytes
+        self._kept: OrderedDict[str, int] = OrderedDict()
+        self._kept_total = 0
+        self._verified: dict[str, Fingerprint] = {}
+        self._adopt_leftovers()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def stage(self, ref: AdapterRef) -> tuple[int, dict[str, float], str | None]:
+        """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
+        vLLM reads), read-only; a staged copy is checked again before each add
+        (`verified_files`), so a file changed there is never served. Returns its size, the
+        stages' seconds and its `vllm_shape`."""
+        stages, target = {}, self.path(ref.key)
+        start = time.perf_counter()
+        if target.is_dir():
+            verified = self.verified_files(target, ref.key.adapter_digest)
+            if verified is not None:
+                stages["disk"] = time.perf_counter() - start
+                return sum(len(v) for v in verified.values()), stages, vllm_shape(verified)
+            shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
+        if ref.path is not None:
+            files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
+            stages["disk"] = time.perf_counter() - start
+        elif self.disk is not None and ref.storage_uri:
+            files, download_s = self.disk.read(
+                ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
+            )
+            # disk first: the server starts a load's record at its disk stage
+            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
+            if download_s is not None:
+                stages["download"] = download_s
+        else:
+            raise ArtifactUnavailable(
+                f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
+            )
+        work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for name, data in files.items():
+            (work / name).write_bytes(data)
+            (work / name).chmod(0o444)
+        shutil.rmtree(target, ignore_errors=True)
+        work.rename(target)
+        with self._lock:
+            self._verified[target.name] = fingerprint(target)
+        return sum(len(v) for v in files.values()), stages, vllm_shape(files)
+
+    def verified_files(self, target: Path, digest: str) -> dict[str, bytes] | None:
+        """The files of the staged copy `target` when its bytes are those of `digest`, else None.
+
+        Every add from a staged copy hashes it first (an artifact's digest is checked before each
+        use, on every engine); what a kept copy saves is the copy from the source, not the hash.
+        Its fingerprint is taken before and after, so that the hashed bytes are the fingerprint's
+        (the one the re-add after an unpin checks, `is_unchanged`)."""
+        before = fingerprint(target)
+        try:
+            files = read_artifact(target, digest)
+        except DigestMismatch:
+            return None
+        if fingerprint(target) != before:
+            return None  # changed while it was hashed
+        with self._lock:
+            self._verified[target.name] = before
+        return files
+
+    def is_unchanged(self, key: AdapterKey) -> bool:
+        """Whether the staged copy of `key` is as verified (a stat per file: fit for the loop)."""
+        target = self.path(key)
+        try:
+            return self._verified.get(target.name) == fingerprint(target)
+        except OSError:
+            return False
+
+    def path(self, key: AdapterKey) -> Path:
+        return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
+
+    def unstage(self, key: AdapterKey, nbytes: int) -> None:
+        """The staged copy of an adapter vLLM no longer holds (vLLM reads it only to add) is kept
+        for a re-add while the kept copies fit in `kept_bytes`; the least recently removed go
+        first."""
+        target = self.path(key)
+        if not target.is_dir() or target.name in self._kept:
+            return
+        self._kept[target.name] = max(1, nbytes)
+        self._kept_total += self._kept[target.name]
+        self._trim()
+
+    def _adopt_leftovers(self) -> None:
+        """Staged copies that an earlier process left count as kept, the oldest first, so the
+        budget bounds them too (without a fingerprint, each is hashed before its first add); its
+        unfinished work directories go."""
+        if not self.stage_dir.is_dir():
+            return
+        copies = []
+        for path in self.stage_dir.iterdir():
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir():
+                nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+                copies.append((path.stat().st_mtime_ns, path.name, max(1, nbytes)))
+        for _, name, nbytes in sorted(copies):
+            self._kept[name] = nbytes
+            self._kept_total += nbytes
+        self._trim()
+
+    def _trim(self) -> None:
+        while self._kept and self._kept_total > self.kept_bytes:
+            name, nbytes = self._kept.popitem(last=False)
+            self._kept_total -= nbytes
+            if not self._in_use(name):
+                self._drop(self.stage_dir / name)
+
+    def reuse(self, key: AdapterKey) -> None:
+        """A kept copy that a load staged from: vLLM holds it again, outside the kept bytes."""
+        nbytes = self._kept.pop(self.path(key).name, None)
+        if nbytes is not None:
+            self._kept_total -= nbytes
+
+    def _drop(self, target: Path) -> None:
+        with self._lock:
+            self._verified.pop(target.name, None)
+        trash = self.stage_dir / f".removed.{target.name}.{uuid.uuid4().hex}"
+        with contextlib.suppress(FileNotFoundError):
+            target.rename(trash)  # at once: a later load of the key stages afresh
+            self.executor.submit(shutil.rmtree, trash, True)
