@@ -188,21 +188,7 @@ def read_artifact(
     names = artifact_files(directory)
     if pieces is not None and names != [name for name, _, _ in pieces.files]:
         raise DigestMismatch(digest, f"other files ({', '.join(names) or 'none'})", str(directory))
-    # sha256 and BLAKE3 release the GIL on large buffers, so helper threads hash each chunk while
-    # the next one is read (and while `use` runs). One running sha256 has one worker (its updates
-    # stay in order); pieces have one per core but the one this thread reads and packs on (a third
-    # thread on two cores is 5-20% slower), up to 8, and this thread hashes those no helper has
-    # begun when it waits for them (`_PieceCheck.wait`).
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    threads = (
-        1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
-    )
-    # Up to one chunk, a helper thread overlaps nothing and costs its start: this thread hashes.
-    total = sum((directory / name).stat().st_size for name in names)
-    hashers = _OnThisThread() if total <= _READ_CHUNK else ThreadPoolExecutor(threads, "sha256")
-    with hashers as hasher:
+    with _hashers(directory, names, pieces) as hasher:
         if pieces is None:
             progress = _HashProgress(hasher)
             files = {
@@ -226,6 +212,26 @@ def read_artifact(
     if error is not None:
         raise error
     return result
+
+
+def _hashers(directory: Path, names: list[str], pieces: Pieces | None):
+    """The threads that hash an artifact's chunks while the next is read.
+
+    sha256 and BLAKE3 release the GIL on large buffers, so helper threads hash each chunk while the
+    next one is read (and while `use` runs). One running sha256 has one worker (its updates stay in
+    order); pieces have one per core but the one this thread reads and packs on (a third thread on
+    two cores is 5-20% slower), up to 8, and this thread hashes those no helper has begun when it
+    waits for them (`_PieceCheck.wait`). Up to one chunk, a helper thread overlaps nothing and costs
+    its start: this thread hashes.
+    """
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    threads = (
+        1 if pieces is None else max(1, min(cores - 1, 8, sum(len(h) for _, _, h in pieces.files)))
+    )
+    total = sum((directory / name).stat().st_size for name in names)
+    return _OnThisThread() if total <= _READ_CHUNK else ThreadPoolExecutor(threads, "sha256")
 
 
 class _OnThisThread:

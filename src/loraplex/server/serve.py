@@ -373,6 +373,18 @@ def _url(host: str, sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _log_exposure(server, host: str) -> None:
+    """Warn when the API is open to any caller; say when the admin API is off."""
+    if server.auth.is_open():
+        log.warning(
+            "no API keys configured: serving OPEN as tenant 'default' on %s; create keys with "
+            "`loraplex registry key create TENANT` or pass --api-keys FILE",
+            host,
+        )
+    if not server.config.admin_token:
+        log.info("admin API off (no --admin-token-file)")
+
+
 def run(options: ServeSettings) -> None:
     """Serve until SIGTERM/SIGINT; StartupError for bad options (before anything listens)."""
     setup_logging()
@@ -392,14 +404,7 @@ def run(options: ServeSettings) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
     server = app.state.server
-    if server.auth.is_open():
-        log.warning(
-            "no API keys configured: serving OPEN as tenant 'default' on %s; create keys with "
-            "`loraplex registry key create TENANT` or pass --api-keys FILE",
-            options.host,
-        )
-    if not server.config.admin_token:
-        log.info("admin API off (no --admin-token-file)")
+    _log_exposure(server, options.host)
     uv_options = dict(
         log_config=None,
         access_log=False,

@@ -74,27 +74,7 @@ class LLMEngine(Engine):
             self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
         )
         self.model.attach_lora(self.pool)
-        disk = None
-        if config.disk_cache_dir is not None:
-            allowed = AllowList.parse(list(config.allowed_roots))
-            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
-        self.adapters = AdapterCache(
-            self.pool,
-            self._pack_adapter,
-            cpu_bytes=config.cpu_cache_bytes,
-            max_cpu_loras=config.max_cpu_loras,
-            disk=disk,
-            policy=policy or make_policy(config.eviction_policy),
-            budgets=TenantBudgets(
-                config.max_loras,
-                config.cpu_cache_bytes,
-                gpu_share=config.tenant_gpu_share,
-                cpu_share=config.tenant_cpu_share,
-            ),
-            max_gpu_warm=config.max_gpu_preferred,
-            load_threads=config.load_threads,
-            thrash_window_s=config.thrash_window_s,
-        )
+        self.adapters = self._make_cache(policy)
         # After the weights and the slots: on CUDA the budget is what they leave of the device.
         self.kv_budget = self._kv_budget()
         self.blocks = BlockManager(
@@ -119,6 +99,31 @@ class LLMEngine(Engine):
         # scenario's burst of loads).
         gc.collect()
         gc.freeze()
+
+    def _make_cache(self, policy) -> AdapterCache:
+        """The adapter cache over the slot pool, from the engine configuration."""
+        config = self.config
+        disk = None
+        if config.disk_cache_dir is not None:
+            allowed = AllowList.parse(list(config.allowed_roots))
+            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
+        return AdapterCache(
+            self.pool,
+            self._pack_adapter,
+            cpu_bytes=config.cpu_cache_bytes,
+            max_cpu_loras=config.max_cpu_loras,
+            disk=disk,
+            policy=policy or make_policy(config.eviction_policy),
+            budgets=TenantBudgets(
+                config.max_loras,
+                config.cpu_cache_bytes,
+                gpu_share=config.tenant_gpu_share,
+                cpu_share=config.tenant_cpu_share,
+            ),
+            max_gpu_warm=config.max_gpu_preferred,
+            load_threads=config.load_threads,
+            thrash_window_s=config.thrash_window_s,
+        )
 
     def _kv_budget(self) -> KVBudget:
         config, model, length = self.config, self.model_config, self.max_model_len

@@ -101,15 +101,7 @@ class ModelRunner:
         lens = [len(s) for s in decodes]
         ids += [s.last_token for s in decodes]
         positions += [n - 1 for n in lens]
-        slots.append(
-            torch.tensor(
-                [
-                    s.block_table[(n - 1) // size] * size + (n - 1) % size
-                    for s, n in zip(decodes, lens)
-                ],
-                dtype=torch.long,
-            )
-        )
+        slots.append(_decode_slots(decodes, lens, size))
         token_slots += [s.lora_slot for s in decodes]
         last += range(decode_start, len(ids))
         attn = AttentionMeta(
@@ -126,12 +118,25 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
         last_rows = torch.tensor(last, dtype=torch.long, device=dev)
         logits = self.model.logits(hidden if all_tokens else hidden[last_rows])
-        prompt_logits = []
-        for seq, span in zip(prefills, prefill_spans):
+        prompt_logits = self._prompt_logits(prefills, prefill_spans, hidden)
+        return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)
+
+    def _prompt_logits(self, prefills, spans, hidden) -> list[PromptLogits]:
+        """The logits of the prompt rows of the prefills that asked for prompt logprobs."""
+        out = []
+        for seq, span in zip(prefills, spans):
             # rows predicting prompt
             wanted = min(span.start + span.length, len(seq.prompt_ids) - 1) - span.start
             # not a recompute
             if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:
                 rows = hidden[span.first : span.first + wanted]
-                prompt_logits.append(PromptLogits(seq, span.start, self.model.logits(rows)))
-        return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)
+                out.append(PromptLogits(seq, span.start, self.model.logits(rows)))
+        return out
+
+
+def _decode_slots(decodes, lens: list[int], size: int) -> torch.Tensor:
+    """The KV cache slot of each decoding row's one token: from the last block of its table."""
+    return torch.tensor(
+        [s.block_table[(n - 1) // size] * size + (n - 1) % size for s, n in zip(decodes, lens)],
+        dtype=torch.long,
+    )
