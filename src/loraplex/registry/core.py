@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.artifacts import AllowList, ArtifactStore
-from loraplex.registry import db
+from loraplex.registry import changes, db
 from loraplex.registry import queries as q
 from loraplex.registry.db import (
     Adapter,
@@ -113,6 +113,7 @@ class RegistryCore:
             # a database made by an older version: the tables added since
             db.add_missing_tables(self.engine)
             db.add_missing_columns(self.engine)  # and the columns
+            changes.install(self.engine)  # the change feed's triggers
         return ready
 
     def close(self) -> None:
@@ -125,6 +126,7 @@ class RegistryCore:
     def init(self) -> None:
         """Create the tables (idempotent)."""
         db.create_schema(self.engine)
+        changes.install(self.engine)
         self._ready = True
 
     # ---- sessions --------------------------------------------------------------------------------

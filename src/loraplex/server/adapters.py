@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from loraplex.artifacts import Pieces
 from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.registry import Registry, RevisionRecord
+from loraplex.registry.catalog import Catalog
 from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.signing import verify_digest
 from loraplex.server.errors import APIError, not_found
@@ -31,45 +31,11 @@ class Target:
     record: RevisionRecord | None = None
 
 
-class ChangeWatch:
-    """The registry's change count, read at most once per turn of the event loop for every request
-    waiting for it: the read begins after each of them arrived, so it is as fresh for each as a
-    read of its own, and no request gets a revision older than the registry held on its arrival."""
-
-    def __init__(self, registry: Registry, clock: Callable[[], float] = time.monotonic):
-        self.registry = registry
-        self.clock = clock
-        self._last: tuple[float, int] | None = None  # (when the read began, the count it read)
-        self._next: asyncio.Future[int] | None = None  # the read to come
-
-    async def count_since(self, arrival: float) -> int:
-        """A change count read after `arrival` (a `clock()` time)."""
-        last = self._last
-        if last is not None and last[0] > arrival:
-            return last[1]
-        if self._next is None:
-            loop = asyncio.get_running_loop()
-            self._next = loop.create_future()
-            # after the requests already on their way in, so that they share the read
-            loop.call_soon(self._read)
-        return await asyncio.shield(self._next)
-
-    def _read(self) -> None:
-        future, self._next = self._next, None
-        began = self.clock()
-        try:
-            count = self.registry.change_count()
-        except Exception as exc:  # each waiting request fails as its own read would
-            future.set_exception(exc)
-            return
-        self._last = (began, count)
-        future.set_result(count)
-
-
 class AdapterResolver:
     def __init__(
         self,
         registry: Registry,
+        catalog: Catalog,
         base_model_digest: str,
         served_name: str,
         tenant_priority: Callable[[str], int] = lambda tenant: 0,
@@ -78,6 +44,7 @@ class AdapterResolver:
         """`tenant_priority`: a tenant's priority, given to the cache with the adapters it asks for.
         `trusted_keys`: with any, a revision is loaded only if one of them signed its digest."""
         self.registry = registry
+        self.catalog = catalog
         self.tenant_priority = tenant_priority
         self.trusted_keys = trusted_keys
         self._verified: dict[tuple[str, str | None], AdapterRejected | None] = {}
@@ -91,22 +58,29 @@ class AdapterResolver:
         """Per name being drained: set when its last request in flight ends."""
         # names vLLM's unload retired here: their deprecated revisions are gone too
         self.unloaded: set[str] = set()
-        self._paths: dict[str, Path] = {}  # digest -> its directory in the registry's store
+        # digest -> its directory in the registry's store (None: not there when first looked for)
+        self._paths: dict[str, Path | None] = {}
         # digest -> its piece list (immutable: read once)
         self._pieces: dict[str, Pieces | None] = {}
-        self.changes = ChangeWatch(registry)
 
-    def resolve(
-        self, tenant: str, model: str, user: str | None = None, change_count: int | None = None
-    ) -> Target:
+    def resolve(self, tenant: str, model: str, user: str | None = None) -> Target:
         """The target, or 404 (unknown, another tenant's, being unloaded, made for another base
-        model). `change_count`: the registry's, read after the request arrived (`changes`); what
-        the registry read at that count serves without a query."""
+        model), from the catalog in memory. The first request for a digest reads its piece list and
+        looks for its bytes in the store: on the event loop, await `prepare` first."""
+        record = self.record_for(tenant, model, user)
+        return self.base if record is None else self.target(record, tenant)
+
+    def target(self, record: RevisionRecord, tenant: str) -> Target:
+        return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
+
+    def record_for(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord | None:
+        """The revision `model` means for `tenant` (None: the base model), or the errors of
+        `resolve`; no I/O."""
         if model == self.served_name:
-            return self.base
+            return None
         if model.partition("@")[0] in self.draining:
             raise not_found(model)
-        record = self.registry.resolve(tenant, model, user, change_count)
+        record = self.catalog.resolve(tenant, model, user)
         if record.status == "deprecated" and record.name in self.unloaded:
             # the registry still answers name@revision for a retired name; after vLLM's unload, this
             # server does not
@@ -127,7 +101,18 @@ class AdapterResolver:
                 "adapter_unavailable",
                 "model",
             )
-        return Target(self.ref_for(record, tenant), record.model_id, record.digest, record)
+        return record
+
+    async def prepare(self, record: RevisionRecord) -> None:
+        """Read what `ref_for` needs of a digest not seen yet (its piece list, a stat in the
+        store) on a worker thread: once per digest, never on the event loop."""
+        if record.digest not in self._pieces:
+            await asyncio.to_thread(self._read_files, record.digest)
+
+    def _read_files(self, digest: str) -> None:
+        self._local_path(digest)
+        if digest not in self._pieces:
+            self._pieces[digest] = self.registry.pieces(digest)
 
     def signature_problem(self, record: RevisionRecord) -> str | None:
         """Why the revision's signature does not pass the trusted keys (None: it does, or none are
@@ -161,13 +146,12 @@ class AdapterResolver:
             self._pieces[record.digest],
         )
 
-    def _local_path(self, digest: str):
-        path = self._paths.get(digest)
-        store = self.registry.store
-        if path is None and store is not None and store.has(digest):
-            # a stat: once per digest, not per request
-            path = self._paths[digest] = store.path(digest)
-        return path
+    def _local_path(self, digest: str) -> Path | None:
+        if digest not in self._paths:  # a stat: once per digest, not per request
+            store = self.registry.store
+            has = store is not None and store.has(digest)
+            self._paths[digest] = store.path(digest) if has and store is not None else None
+        return self._paths[digest]
 
     def may_see(self, record_base_digest: str | None) -> bool:
         return not record_base_digest or record_base_digest == self.base_model_digest

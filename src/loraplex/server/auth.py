@@ -100,6 +100,12 @@ class Authenticator:
             raise unauthorized("Incorrect API key provided.")
         return tenant
 
+    def forget(self) -> None:
+        """The registry's keys changed: look each key up again at its next use."""
+        self._cache = {}
+        if self._open is not None and self._open[0]:
+            self._open = None
+
     def _registry_tenant(self, key: str, digest: str) -> str | None:
         now = self.clock()
         cached = self._cache.get(digest)

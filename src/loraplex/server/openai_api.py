@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -101,10 +102,52 @@ DIRECT_ENDPOINTS = {"/v1/completions": completions, "/v1/chat/completions": chat
 
 
 @router.get("/v1/models")
-async def models(request: Request):
+async def models(request: Request, after: str | None = None, limit: str | None = None):
+    """The models this tenant may use, from memory. With `limit` (and `after`, the last id of the
+    page before) one page, as OpenAI's lists page: `has_more`, `first_id`, `last_id`."""
     server: Server = request.app.state.server
     tenant = server.auth.tenant(request.headers.get("authorization"))
-    return {"object": "list", "data": server.model_cards(tenant)}
+    cards = server.model_cards(tenant)
+    if after is None and limit is None:
+        return _json({"object": "list", "data": cards})
+    page = _page(cards, after, _limit(limit))
+    return _json(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": bool(page) and page[-1] is not cards[-1],
+        }
+    )
+
+
+MAX_PAGE = 10_000
+
+
+def _limit(text: str | None) -> int:
+    if text is None:
+        return MAX_PAGE
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+        raise APIError(
+            400,
+            f"limit {text!r}: give a whole number from 1 to {MAX_PAGE}",
+            "invalid_value",
+            "limit",
+        )
+    return int(text)
+
+
+def _page(cards: list[dict], after: str | None, limit: int) -> list[dict]:
+    """The cards after the one named `after` (the base model's first, then adapters by name; an id
+    gone since the last page still marks its place), at most `limit`."""
+    if after is None:
+        start = 0
+    elif after == cards[0]["id"]:
+        start = 1
+    else:
+        start = bisect.bisect_right(cards, after, lo=1, key=lambda card: card["id"])
+    return cards[start : start + limit]
 
 
 def _token_text(server: Server):

@@ -1,19 +1,20 @@
 """Pins that follow the registry: a name's pin or warm policy moves to the revisions its traffic
 puts in service, a revision that leaves traffic stays warm for the grace period, and changes made
-elsewhere (the registry CLI, another worker's admin API) reach this server within the watch
-interval."""
+elsewhere (the registry CLI, another worker's admin API) reach this server with the catalog's
+change feed (`follow`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 
 from loraplex.cache.errors import CapacityExceeded
 from loraplex.cache.key import AdapterKey
 from loraplex.engines.contract import AdapterResidency
 from loraplex.registry import AdapterRecord, Registry
+from loraplex.registry.catalog import Catalog
 from loraplex.server.adapters import AdapterResolver
 
 log = logging.getLogger("loraplex.server")
@@ -25,15 +26,14 @@ class PinReconciler:
     def __init__(
         self,
         registry: Registry,
+        catalog: Catalog,
         resolver: AdapterResolver,
         cache: AdapterResidency,
         watch_s: float,
-        on_change: Callable[[], None] = lambda: None,
     ):
+        """`watch_s`: how often the grace pins whose period ended are dropped."""
         self.registry = registry
-        self.on_change = (
-            on_change  # the server's reads of what else changed (tenants), before the pins
-        )
+        self.catalog = catalog
         self.resolver = resolver
         self.cache = cache
         self.watch_s = watch_s
@@ -56,7 +56,7 @@ class PinReconciler:
         return self._serving
 
     def start(self) -> None:
-        threading.Thread(target=self._watch_registry, name="registry-watch", daemon=True).start()
+        threading.Thread(target=self._watch_grace, name="grace-pins", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -64,7 +64,7 @@ class PinReconciler:
     def warm_start(self) -> None:
         """Pins and warm policies from the registry: load those adapters before traffic asks for
         them."""
-        for adapter in self.registry.list_adapters():
+        for adapter in self.catalog.adapters():
             self.warm(adapter)
 
     def warm(self, adapter: AdapterRecord) -> None:
@@ -159,13 +159,14 @@ class PinReconciler:
                 return  # no room to keep it: it is evicted as any other copy
             self._grace_pins[key] = time.monotonic() + grace_s
 
-    def follow_traffic(self) -> None:
-        """Move pins along with traffic (`warm`) for every name whose serving revisions or pin
-        changed since the last look (an admin call here, the registry CLI elsewhere, a quarantine);
-        drop the grace pins whose period ended."""
+    def follow(self, names: Iterable[str] | None = None) -> None:
+        """Move pins along with traffic (`warm`) for those of `names` (None: every name) whose
+        serving revisions or pin changed since the last look (an admin call here, the registry CLI
+        elsewhere, a quarantine), as the catalog holds them; drop the grace pins whose period
+        ended."""
         with self._pins_lock:
             self._end_grace()
-            for adapter in self.registry.list_adapters():
+            for adapter in self.catalog.adapters(names):
                 if self._serving.get(adapter.name) != _serving_revisions(
                     adapter
                 ) or self._rule_tiers.get(adapter.name) != _rule_tier(adapter):
@@ -208,20 +209,9 @@ class PinReconciler:
             if self._rule_tiers.get(name) is None:
                 self._rule_tiers[name] = tier
 
-    def _watch_registry(self) -> None:
-        seen = None
+    def _watch_grace(self) -> None:
         while not self._stop.wait(self.watch_s):
-            try:
-                change_count = self.registry.change_count()
-                if change_count != seen:  # the whole registry is read only when it changed
-                    self.on_change()
-                    self.follow_traffic()
-                    seen = change_count
-                else:
-                    self._end_grace()
-            except Exception:  # a registry that is briefly unreachable: look again at the next turn
-                if not self._stop.is_set():  # (not the registry closed under a stopping server)
-                    log.exception("could not follow the registry's traffic changes")
+            self._end_grace()
 
 
 def _rule_tier(adapter: AdapterRecord) -> str | None:

@@ -20,6 +20,8 @@ from loraplex.engines.native.client import EngineClient
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
+from loraplex.registry.catalog import Catalog
+from loraplex.registry.changes import Changed, ChangeWatcher
 from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
 from loraplex.server.adapters import AdapterResolver, Target
@@ -59,8 +61,16 @@ class Server:
         self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
         self.tenants: dict[str, TenantRecord] = {}
         """The registry's tenants (priority, request limits), read again when it changes."""
+        self.catalog = Catalog(registry)
+        """The registry's adapters in memory, kept current by its change feed (`feed`)."""
+        self.feed = ChangeWatcher(registry.engine, self.catalog.refresh)
+        self.catalog.subscribe(self.on_registry_change)
+        self._cards: dict[tuple[str, frozenset[str]], list[dict]] = {}
+        """(tenant, names draining) -> its /v1/models cards, made at `_cards_version`."""
+        self._cards_version = -1
         self.resolver = AdapterResolver(
             registry,
+            self.catalog,
             engine.base_model_digest,
             config.served_model_name,
             self.tenant_priority,
@@ -84,11 +94,7 @@ class Server:
             str, dict[str, float]
         ] = {}  # str(key) -> {stage: ms} of its last load
         self.pins = PinReconciler(
-            registry,
-            self.resolver,
-            engine.adapters,
-            config.registry_watch_s,
-            self.on_registry_change,
+            registry, self.catalog, self.resolver, engine.adapters, config.registry_watch_s
         )
         engine.adapters.on_event = self.on_cache_event
         self.engine_ids = random.Random()
@@ -98,7 +104,7 @@ class Server:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self.read_tenants()
+        self.catalog.refresh()  # the whole catalog, once (its listener reads the tenants)
         # The native engine's step loop gets its thread here, unless it runs in a process of its own
         # (EngineClient); vLLM's engine core runs in its own process.
         engine = self.engine
@@ -117,6 +123,7 @@ class Server:
         except Exception:  # serving cold is better than not serving
             log.exception("warm start failed; adapters will load on demand")
         self.pins.start()
+        self.feed.start()
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503); requests in flight go on."""
@@ -125,6 +132,7 @@ class Server:
         self.is_draining = True
 
     def stop(self) -> None:
+        self.feed.stop()
         self.pins.stop()
         self.begin_shutdown()
         if self.async_engine is not None:
@@ -133,13 +141,24 @@ class Server:
         self.audit.close()
 
     def follow_traffic(self) -> None:
-        """Move pins along with traffic now (what the registry watcher does at its next look)."""
-        self.pins.follow_traffic()
+        """Apply the registry's changes now (what the change feed does at the next commit): the
+        catalog, the pins that follow traffic, the tenants."""
+        self.catalog.refresh()
+        self.pins.follow([])  # the grace pins whose period ended
 
-    def on_registry_change(self) -> None:
-        """The registry changed (here or elsewhere): what the server keeps of it is read again."""
-        self.read_tenants()
-        self.apply_budgets()
+    def on_registry_change(self, changed: Changed) -> None:
+        """The catalog applied a change (made here or elsewhere): the pins follow the adapters it
+        touched; the tenants, and the keys' cache, are read again when theirs changed."""
+        if changed.tenants:
+            self.read_tenants()
+            try:
+                self.apply_budgets()
+            except Exception:  # before start, or a budget the engine refuses: logged, serving on
+                log.exception("could not apply the tenants' residency budgets")
+        if changed.keys:
+            self.auth.forget()
+        if self.async_engine is not None:  # after start: warm_start pins the whole catalog
+            self.pins.follow(changed.adapters)
 
     def read_tenants(self) -> None:
         self.tenants = {t.name: t for t in self.registry.list_tenants()}
@@ -211,10 +230,13 @@ class Server:
         assert ctx.tenant is not None  # authenticated first
         start = time.perf_counter()
         try:
-            change_count = None
-            if model != self.resolver.served_name:  # the registry as read after the request came
-                change_count = await self.resolver.changes.count_since(ctx.arrival)
-            target = self.resolver.resolve(ctx.tenant, model, user, change_count)
+            await self.catalog.current()  # this process's own commits applied (no query)
+            record = self.resolver.record_for(ctx.tenant, model, user)
+            if record is None:
+                target = self.resolver.base
+            else:
+                await self.resolver.prepare(record)  # a digest's first request: off the loop
+                target = self.resolver.target(record, ctx.tenant)
         except AdapterNotFound:
             # Counted for another tenant's name and for an unknown one alike: the 404s are the same,
             # and so is the count, or /metrics would tell a tenant which private names exist.
@@ -412,9 +434,20 @@ class Server:
 
     # -- views -----------------------------------------------------------------------------------
     def model_cards(self, tenant: str) -> list[dict]:
+        """The base model's card, then those of the adapters `tenant` may use that serve traffic
+        here, by name: from the catalog, kept per tenant until the catalog or the drains change."""
+        key = (tenant, frozenset(self.resolver.draining))
+        if self._cards_version != self.catalog.version:  # stale: all of them
+            self._cards, self._cards_version = {}, self.catalog.version
+        cards = self._cards.get(key)
+        if cards is None:
+            cards = self._cards[key] = self._make_cards(tenant)
+        return cards
+
+    def _make_cards(self, tenant: str) -> list[dict]:
         name = self.config.served_model_name
         cards = [model_card(name, "loraplex", None)]
-        for adapter in self.registry.list_adapters(tenant):
+        for adapter in self.catalog.visible(tenant):
             serving = [
                 r
                 for r in adapter.revisions
@@ -444,11 +477,9 @@ class Server:
         }
 
     def adapter_rank(self, name: str, revision: str) -> int | None:
-        try:
-            revisions = self.registry.show(name).revisions
-            return next((r.rank for r in revisions if r.revision == revision), None)
-        except RegistryError:  # removed meanwhile
-            return None
+        adapter = self.catalog.adapter(name)
+        revisions = adapter.revisions if adapter is not None else ()
+        return next((r.rank for r in revisions if r.revision == revision), None)
 
     def state(self) -> dict:
         """GET /admin/state: residency of every adapter and the load figures the router needs."""

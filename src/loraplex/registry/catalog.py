@@ -1,0 +1,223 @@
+"""The catalog in memory: every adapter with its revisions, traffic, grants and pin, kept current
+from the registry's change feed (`changes`), so that a request resolves, and `/v1/models` lists,
+without a query.
+
+Consistency: a commit made through this process's registry is applied before the next request
+resolves (`current`); one made elsewhere within the feed's delay (the watcher's, a few
+milliseconds, plus one refresh: `docs/registry.md` has the measured bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, select
+
+from loraplex.registry import changes
+from loraplex.registry.changes import EVERYTHING, Changed
+from loraplex.registry.core import NAME_RE, adapter_record
+from loraplex.registry.db import Adapter, Grant, PinTier, Revision, Traffic
+from loraplex.registry.errors import AdapterNotFound, RevisionUnavailable
+from loraplex.registry.records import AdapterRecord, RevisionRecord
+from loraplex.registry.resolution import _nothing_in_service
+from loraplex.registry.traffic import pick
+
+_ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS, _PINS = (
+    m.__table__ for m in (Adapter, Revision, Traffic, Grant, PinTier)
+)
+CHUNK = 500  # names per IN list
+Listener = Callable[[Changed], None]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One adapter as resolution reads it."""
+
+    adapter: AdapterRecord
+    by_revision: dict[str, RevisionRecord]
+
+    def may_use(self, tenant: str) -> bool:
+        return self.adapter.shared or tenant in self.adapter.allowed_tenants
+
+
+class Catalog:
+    """The registry's adapters in memory. `refresh()` applies what the feed says changed (on any
+    thread; one at a time); reads are lock-free (each entry is immutable and replaced whole)."""
+
+    def __init__(self, registry, rng: random.Random | None = None):
+        self.registry = registry
+        self.entries: dict[str, Entry] = {}
+        self.names: list[str] = []  # sorted
+        self.version = 0
+        """Moves with every applied change (what a listing cached against it checks)."""
+        self.last_id: int | None = None  # the feed's last row applied; None: nothing read yet
+        self.num_refreshes = 0
+        self._rng = rng or random.Random()
+        self._lock = threading.RLock()
+        self._listeners: list[Listener] = []
+        self._local = itertools.count(1)  # this process's commits, counted as they happen
+        self._num_local = 0
+        self._applied_local = 0
+        self._pending: asyncio.Future | None = None
+        changes.on_local_commit(registry.engine, self._local_commit)
+
+    def _local_commit(self) -> None:
+        self._num_local = next(self._local)
+
+    def subscribe(self, listener: Listener) -> None:
+        """`listener(changed)` after each refresh that found something, in order, on the
+        refreshing thread."""
+        self._listeners.append(listener)
+
+    # ---- keeping it current --------------------------------------------------------------------
+
+    def refresh(self) -> Changed:
+        """Apply what changed since the last refresh (everything, the first time)."""
+        with self._lock:
+            local = self._num_local
+            engine = self.registry.engine
+            if engine.dialect.name == "postgresql":  # the feed and the rows from one snapshot
+                engine = engine.execution_options(isolation_level="REPEATABLE READ")
+            self.registry._check_ready()
+            with engine.connect() as conn, conn.begin():
+                changed = self._read_changes(conn)
+            self._applied_local = max(self._applied_local, local)
+            self.num_refreshes += 1
+            if not changed.is_empty:
+                self.version += 1
+                for listener in self._listeners:
+                    listener(changed)
+            return changed
+
+    def _read_changes(self, conn: Connection) -> Changed:
+        low, high = changes.bounds(conn)
+        last = self.last_id
+        if last is None or (low is not None and low > last + 1):  # first, or pruned past us
+            self._load(conn, None)
+            self.last_id = high or 0
+            return EVERYTHING
+        if high is None or high <= last:
+            return Changed()
+        changed = changes.since(conn, last, high)
+        if changed.adapters:
+            self._load(conn, sorted(changed.adapters))
+        self.last_id = high
+        return changed
+
+    def _load(self, conn: Connection, names: list[str] | None) -> None:
+        """Read `names` (None: every adapter) and replace their entries."""
+        if names is None:
+            fresh = _read_entries(conn, None)
+            self.entries = fresh
+            self.names = sorted(fresh)
+            return
+        for start in range(0, len(names), CHUNK):
+            chunk = names[start : start + CHUNK]
+            fresh = _read_entries(conn, chunk)
+            for name in chunk:
+                entry = fresh.get(name)
+                if entry is None:
+                    self._remove(name)
+                else:
+                    self._put(name, entry)
+
+    def _put(self, name: str, entry: Entry) -> None:
+        if name not in self.entries:
+            bisect.insort(self.names, name)
+        self.entries[name] = entry
+
+    def _remove(self, name: str) -> None:
+        if self.entries.pop(name, None) is not None:
+            del self.names[bisect.bisect_left(self.names, name)]
+
+    async def current(self) -> None:
+        """Return once every commit this process made before the call is applied (at once when
+        there is none pending: no query)."""
+        while self._applied_local < self._num_local:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(asyncio.to_thread(self.refresh))
+                self._pending.add_done_callback(self._clear_pending)
+            await asyncio.shield(self._pending)
+
+    def _clear_pending(self, _future) -> None:
+        self._pending = None
+
+    # ---- reading it ----------------------------------------------------------------------------
+
+    def adapter(self, name: str) -> AdapterRecord | None:
+        entry = self.entries.get(name)
+        return entry.adapter if entry is not None else None
+
+    def adapters(self, names: Iterable[str] | None = None) -> Iterator[AdapterRecord]:
+        """Those of `names` that exist (None: every adapter, by name)."""
+        entries = self.entries
+        for name in list(self.names) if names is None else names:
+            entry = entries.get(name)
+            if entry is not None:
+                yield entry.adapter
+
+    def visible(self, tenant: str) -> list[AdapterRecord]:
+        """The adapters `tenant` may use, by name."""
+        entries = self.entries
+        out = []
+        for name in list(self.names):
+            entry = entries.get(name)
+            if entry is not None and entry.may_use(tenant):
+                out.append(entry.adapter)
+        return out
+
+    def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:
+        """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets, as
+        `Registry.resolve` answers it, from memory."""
+        name, _, revision = model.partition("@")
+        entry = self.entries.get(name) if NAME_RE.fullmatch(name) else None
+        if entry is None or not entry.may_use(tenant):
+            raise AdapterNotFound(model)
+        if revision:
+            record = entry.by_revision.get(revision)
+            if record is None:
+                raise AdapterNotFound(model)
+            if record.status == "quarantined":
+                raise RevisionUnavailable(
+                    f"{model} is quarantined ({record.status_reason}); it is never served"
+                )
+            return record
+        serving = entry.adapter.traffic
+        if not serving:
+            raise RevisionUnavailable(_nothing_in_service(name, entry.adapter.revisions))
+        return entry.by_revision[pick(name, list(serving), user, self._rng)]
+
+
+def _read_entries(conn: Connection, names: list[str] | None) -> dict[str, Entry]:
+    """The entries of `names` (None: all), from four statements."""
+
+    def where(query, column):
+        return query if names is None else query.where(column.in_(names))
+
+    adapters = conn.execute(where(select(_ADAPTERS), _ADAPTERS.c.name)).all()
+    revisions: dict[str, list] = {}
+    query = select(_REVISIONS, _TRAFFIC.c.weight).outerjoin(
+        _TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id
+    )
+    for row in conn.execute(where(query, _REVISIONS.c.adapter_name).order_by(_REVISIONS.c.id)):
+        revisions.setdefault(row.adapter_name, []).append(row)
+    grants: dict[str, list[str]] = {}
+    query = select(_GRANTS.c.adapter_name, _GRANTS.c.tenant).order_by(_GRANTS.c.tenant)
+    for name, tenant in conn.execute(where(query, _GRANTS.c.adapter_name)):
+        grants.setdefault(name, []).append(tenant)
+    tiers = dict(
+        conn.execute(where(select(_PINS.c.adapter_name, _PINS.c.tier), _PINS.c.adapter_name)).all()
+    )
+    out = {}
+    for a in adapters:
+        rows = revisions.get(a.name, [])
+        weights = {r.id: r.weight for r in rows if r.weight}
+        record = adapter_record(a, tuple(grants.get(a.name, ())), rows, weights, tiers.get(a.name))
+        out[a.name] = Entry(record, {r.revision: r for r in record.revisions})
+    return out

@@ -1,0 +1,158 @@
+"""A server answers from its catalog in memory: no registry statement per request at steady state,
+its own commits served to the next request, `/v1/models` paged as OpenAI's lists are, and no stall
+of the streams in flight while `/v1/models`, a registration and a change made elsewhere run against
+a registry whose every statement takes 0.4 s."""
+
+import threading
+import time
+
+import httpx
+from harness import KEYS, MODEL
+from sqlalchemy import event
+
+from loraplex.registry import Registry
+
+SLOW_S = 0.4
+STALL_S = 0.25  # generous: an event loop blocked by one slow statement stalls its streams longer
+
+
+def _statements(engine) -> list[str]:
+    seen: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda _c, _cur, sql, *_: seen.append(sql))
+    return seen
+
+
+def _complete(running, model: str, tenant: str = "alice") -> httpx.Response:
+    return httpx.post(
+        f"{running.url}/v1/completions",
+        json={"model": model, "prompt": "x", "max_tokens": 1},
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+        timeout=60,
+    )
+
+
+def test_requests_at_steady_state_send_no_statement_to_the_registry(start):
+    with start() as running:
+        for model in ("shared-a", "alice-a", MODEL):  # each digest's first request reads its files
+            assert _complete(running, model).status_code == 200
+        seen = _statements(running.registry.engine)
+        for i in range(30):
+            model = ("shared-a", "alice-a", "shared-a@r1", MODEL)[i % 4]
+            assert _complete(running, model).status_code == 200
+        assert running.client("alice").models.list().data
+        assert _complete(running, "bob-a").status_code == 404
+        assert seen == []
+
+
+def test_this_servers_registry_commits_reach_the_next_request(start, adapter_variants):
+    with start(registry_watch_s=3600) as running:
+        registry = running.registry
+        second = registry.add_revision(adapter_variants[0], "shared-a").revision
+        registry.promote("shared-a", second, 100, force=True)
+        served = _complete(running, "shared-a")
+        assert served.headers["x-loraplex-adapter"] == f"shared-a@{second}"
+        registry.quarantine("shared-a", second, "bad bytes")
+        assert _complete(running, "shared-a").headers["x-loraplex-adapter"] == "shared-a@r1"
+        assert _complete(running, f"shared-a@{second}").status_code == 404
+
+
+def test_models_pages_as_openai_lists_do(start, adapter_variants):
+    def page(**params):
+        response = httpx.get(
+            f"{running.url}/v1/models",
+            params=params,
+            headers={"Authorization": f"Bearer {KEYS['alice']}"},
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def setup(registry: Registry):
+        for i, path in enumerate(adapter_variants[:5]):
+            registry.add_revision(path, f"extra-{i}", shared=True, status="stable")
+
+    with start(registry_setup=setup) as running:
+        whole = [m["id"] for m in page()["data"]]
+        assert whole[0] == MODEL and whole[1:] == sorted(whole[1:]) and len(whole) == 8
+        first = page(limit=3)
+        assert [m["id"] for m in first["data"]] == whole[:3]
+        assert (first["has_more"], first["first_id"], first["last_id"]) == (True, MODEL, whole[2])
+        rest = page(after=first["last_id"], limit=10)
+        assert [m["id"] for m in rest["data"]] == whole[3:] and rest["has_more"] is False
+        assert [m["id"] for m in page(after="extra-0a")["data"]] == whole[whole.index("extra-1") :]
+        bad = httpx.get(f"{running.url}/v1/models", params={"limit": "0"})
+        assert bad.status_code in (400, 401)
+        authorized = {"Authorization": f"Bearer {KEYS['alice']}"}
+        bad = httpx.get(f"{running.url}/v1/models", params={"limit": "x"}, headers=authorized)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
+class _Streams:
+    """Streams of the base model, one after another on a thread, recording the gaps between the
+    chunks of each."""
+
+    def __init__(self, url: str):
+        self.url, self.gaps, self.chunks = url, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 64, "stream": True}
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                last = None
+                with client.stream(
+                    "POST", f"{self.url}/v1/completions", json=body, headers=headers
+                ) as r:
+                    for line in r.iter_lines():
+                        now = time.monotonic()
+                        if line.startswith("data: "):
+                            if last is not None:
+                                self.gaps.append(now - last)
+                            last, self.chunks = now, self.chunks + 1
+
+
+def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
+    start, adapter_variants, llama_dir
+):
+    roots = (str(adapter_variants[0].parent),)
+    with start(allowed_roots=roots) as running:
+        other = Registry(running.registry.url, running.registry.store, base_model_dir=llama_dir)
+        try:
+            event.listen(
+                running.registry.engine,
+                "before_cursor_execute",
+                lambda *_: time.sleep(SLOW_S),  # the server's registry: every statement is slow
+            )
+            with _Streams(running.url) as streams:
+                while streams.chunks < 5:
+                    time.sleep(0.01)
+                before = streams.chunks
+                models = running.client("alice").models.list()
+                loaded = httpx.post(
+                    f"{running.url}/v1/load_lora_adapter",
+                    json={"lora_name": "fresh", "lora_path": str(adapter_variants[0])},
+                    headers={"Authorization": f"Bearer {running.server.config.admin_token}"},
+                    timeout=120,
+                )
+                assert loaded.status_code == 200, loaded.text
+                assert _complete(running, "fresh").status_code == 200
+                other.add_revision(adapter_variants[1], "elsewhere", shared=True, status="stable")
+                running.wait_for(
+                    lambda: running.server.catalog.adapter("elsewhere") is not None,
+                    what="the change made elsewhere",
+                )
+                during = streams.chunks - before
+            stalls = [g for g in streams.gaps if g > STALL_S]
+            assert MODEL in [m.id for m in models.data]
+            assert during > 20 and stalls == [], (during, sorted(streams.gaps)[-5:])
+        finally:
+            other.close()
