@@ -9,6 +9,7 @@ count.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -112,7 +113,6 @@ def _rank_main(
     torch.set_num_threads(1)
     import torch.distributed as dist
     import transformers
-    from peft import LoraConfig
 
     from loraplex.demo import training
     from loraplex.demo.transforms import TRANSFORMS
@@ -125,19 +125,7 @@ def _rank_main(
     exclude = set(plan.eval_inputs)
     eval_inputs = list(plan.eval_inputs)
 
-    def progress_for(stage: str) -> training.Progress | None:
-        if rank != 0:
-            return None
-        pending = [0]
-
-        def progress(steps: int) -> None:
-            pending[0] += steps
-            if pending[0] >= 10:
-                messages.put(("steps", stage, pending[0]))
-                pending[0] = 0
-
-        return progress
-
+    progress_for = functools.partial(_progress_for, rank, messages)
     start = time.monotonic()
     base_config = training.TrainConfig(
         steps=plan.base_steps, lr=plan.base_lr, batch_size=plan.batch_size
@@ -149,36 +137,64 @@ def _rank_main(
         messages.put(("result", "copy", accuracy, time.monotonic() - start))
 
     for recipe in plan.adapters:
-        start = time.monotonic()
-        lora = LoraConfig(
-            r=recipe.rank,
-            lora_alpha=recipe.lora_alpha,
-            target_modules=list(recipe.target_modules),
-            use_rslora=recipe.use_rslora,
-            lora_dropout=0.0,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        config = training.TrainConfig(
-            steps=recipe.steps,
-            lr=recipe.lr,
-            lr_b_ratio=recipe.lr_b_ratio,
-            batch_size=plan.batch_size,
-        )
-        seed = plan.seed + zlib.crc32(recipe.name.encode())
-        transform = TRANSFORMS[recipe.name]
-        model = training.train_adapter(
-            base, transform, lora, config, seed, exclude, progress_for(recipe.name)
-        )
-        accuracy = training.exact_match(model, transform, eval_inputs)
-        if rank == 0:
-            # A stable name rather than the cache path, so adapter_config.json is the same wherever
-            # it is built.
-            model.peft_config["default"].base_model_name_or_path = plan.base_model_name
-            model.save_pretrained(adapters_dir / recipe.name, safe_serialization=True)
-            _normalize_adapter_dir(adapters_dir / recipe.name)
-            messages.put(("result", recipe.name, accuracy, time.monotonic() - start))
+        _train_one(rank, plan, recipe, base, eval_inputs, exclude, adapters_dir, messages)
     dist.destroy_process_group()
+
+
+def _train_one(
+    rank: int, plan: BuildPlan, recipe, base, eval_inputs, exclude, adapters_dir: Path, messages
+) -> None:
+    """Train one recipe's adapter on every rank; rank 0 saves it and reports its accuracy."""
+    from peft import LoraConfig
+
+    from loraplex.demo import training
+    from loraplex.demo.transforms import TRANSFORMS
+
+    progress_for = functools.partial(_progress_for, rank, messages)
+    start = time.monotonic()
+    lora = LoraConfig(
+        r=recipe.rank,
+        lora_alpha=recipe.lora_alpha,
+        target_modules=list(recipe.target_modules),
+        use_rslora=recipe.use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    config = training.TrainConfig(
+        steps=recipe.steps,
+        lr=recipe.lr,
+        lr_b_ratio=recipe.lr_b_ratio,
+        batch_size=plan.batch_size,
+    )
+    seed = plan.seed + zlib.crc32(recipe.name.encode())
+    transform = TRANSFORMS[recipe.name]
+    model = training.train_adapter(
+        base, transform, lora, config, seed, exclude, progress_for(recipe.name)
+    )
+    accuracy = training.exact_match(model, transform, eval_inputs)
+    if rank == 0:
+        # A stable name rather than the cache path, so adapter_config.json is the same wherever
+        # it is built.
+        model.peft_config["default"].base_model_name_or_path = plan.base_model_name
+        model.save_pretrained(adapters_dir / recipe.name, safe_serialization=True)
+        _normalize_adapter_dir(adapters_dir / recipe.name)
+        messages.put(("result", recipe.name, accuracy, time.monotonic() - start))
+
+
+def _progress_for(rank: int, messages, stage: str):
+    """A training progress callback that reports every 10 steps from rank 0 (None elsewhere)."""
+    if rank != 0:
+        return None
+    pending = [0]
+
+    def progress(steps: int) -> None:
+        pending[0] += steps
+        if pending[0] >= 10:
+            messages.put(("steps", stage, pending[0]))
+            pending[0] = 0
+
+    return progress
 
 
 def _normalize_adapter_dir(adapter_dir: Path) -> None:

@@ -424,10 +424,31 @@ def routers(
         rows[router]["per_worker_requests"] = [
             sum(s.worker == w for s in sim.requests) for w in range(workers)
         ]
-    table = Table(
-        title=f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, "
+    title = (
+        f"routers: {workers} workers × {gpu_slots} slots, cpu {cpu_bytes} each, "
         f"cache policy {policy}, {len(trace)} requests"
     )
+    table = _routers_table(rows, title)
+    console.print(table)
+    if json_out is not None:
+        json_out.write_text(
+            json.dumps(
+                {
+                    "workers": workers,
+                    "gpu_slots": gpu_slots,
+                    "cpu_bytes": parse_size(cpu_bytes),
+                    "policy": policy,
+                    "routers": rows,
+                },
+                indent=1,
+                default=str,
+            )
+        )
+
+
+def _routers_table(rows: dict, title: str) -> Table:
+    """One row per router picker: hit rates, cold starts, miss cost, latencies, spread."""
+    table = Table(title=title)
     for col in (
         "router",
         "gpu",
@@ -455,21 +476,7 @@ def routers(
             _ms(lat["all"]["queue_wait_s"]["p99"]),
             " ".join(map(str, e["per_worker_requests"])),
         )
-    console.print(table)
-    if json_out is not None:
-        json_out.write_text(
-            json.dumps(
-                {
-                    "workers": workers,
-                    "gpu_slots": gpu_slots,
-                    "cpu_bytes": parse_size(cpu_bytes),
-                    "policy": policy,
-                    "routers": rows,
-                },
-                indent=1,
-                default=str,
-            )
-        )
+    return table
 
 
 app = typer.Typer(

@@ -235,12 +235,11 @@ def load_workload(workload: str) -> list[workloads.Request]:
     return trace
 
 
-def size_for_workload(
-    plan: Plan, workload: str, trace: list[workloads.Request], progress=None
-) -> list[dict]:
-    """The smallest cpu cache for each cold-start target and the smallest slot count for the
-    slot-miss target, each the first size of its grid, in order, whose simulator run of the `score`
-    policy meets it (runs are shared between the targets)."""
+def _sizing_base(
+    plan: Plan, workload: str, trace: list[workloads.Request]
+) -> tuple[SimConfig, int]:
+    """The workload's default capacity as a simulator configuration, and the bytes of the distinct
+    adapters its trace asks for."""
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
     base = SimConfig(
@@ -253,6 +252,16 @@ def size_for_workload(
     working_set = sum(
         int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values()
     )
+    return base, working_set
+
+
+def size_for_workload(
+    plan: Plan, workload: str, trace: list[workloads.Request], progress=None
+) -> list[dict]:
+    """The smallest cpu cache for each cold-start target and the smallest slot count for the
+    slot-miss target, each the first size of its grid, in order, whose simulator run of the `score`
+    policy meets it (runs are shared between the targets)."""
+    base, working_set = _sizing_base(plan, workload, trace)
     cache: dict[tuple[int, int], dict] = {}
     task = progress.add_task("sizing", total=None) if progress else None
 
@@ -318,6 +327,13 @@ def _size(n: int | None) -> str:
 
 
 def tables(plan: Plan) -> list[Table]:
+    out = [_sizes_table(plan), _tiers_table(plan)]
+    if plan.sizing:
+        out.append(_sizing_table(plan))
+    return out
+
+
+def _sizes_table(plan: Plan) -> Table:
     sizes = Table(title=f"adapters for {plan.model} (serving dtype {plan.serving_dtype})")
     for col in ("adapter", "rank", "formula", "tensors", "files", "host copy", "kept in"):
         sizes.add_column(col, justify="left" if col == "adapter" else "right")
@@ -331,6 +347,10 @@ def tables(plan: Plan) -> list[Table]:
             _size(a.serving_bytes),
             a.kept_in or "on demand",
         )
+    return sizes
+
+
+def _tiers_table(plan: Plan) -> Table:
     d = plan.defaults
     host = [a.serving_bytes for a in plan.adapters]
     disk = [a.file_bytes or a.actual_bytes for a in plan.adapters]
@@ -375,21 +395,22 @@ def tables(plan: Plan) -> list[Table]:
         str(len(plan.adapters)),
         "",
     )
-    out = [sizes, tiers]
-    if plan.sizing:
-        sizing = Table(
-            title=f"smallest capacity for workload {plan.workload} (simulated, policy score)"
+    return tiers
+
+
+def _sizing_table(plan: Plan) -> Table:
+    sizing = Table(
+        title=f"smallest capacity for workload {plan.workload} (simulated, policy score)"
+    )
+    for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
+        sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
+    for row in plan.sizing:
+        rate = "not reached" if row["rate"] is None else f"{row['rate']:.2%}"
+        sizing.add_row(
+            row["what"],
+            row["target"],
+            str(row["gpu_slots"] or "-"),
+            _size(row["cpu_bytes"]),
+            rate,
         )
-        for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
-            sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
-        for row in plan.sizing:
-            rate = "not reached" if row["rate"] is None else f"{row['rate']:.2%}"
-            sizing.add_row(
-                row["what"],
-                row["target"],
-                str(row["gpu_slots"] or "-"),
-                _size(row["cpu_bytes"]),
-                rate,
-            )
-        out.append(sizing)
-    return out
+    return sizing

@@ -762,37 +762,6 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
     )
 
-    def latency(group: list[SimRequest]) -> dict:
-        ttft = [s.first_token_at - s.req.time for s in group]
-        tpot = [
-            (s.finish_at - s.first_token_at) / (s.req.output_tokens - 1)
-            for s in group
-            if s.req.output_tokens > 1
-        ]
-        wait = [s.admitted_at - s.req.time for s in group]
-        return {
-            "count": len(group),
-            "ttft_s": _percentiles(ttft),
-            "tpot_s": _percentiles(tpot),
-            "queue_wait_s": _percentiles(wait),
-        }
-
-    def tenant(group: list[SimRequest]) -> dict:
-        # Rates over the tenant's adapter requests, as the run's: a base-model request has no
-        # adapter to miss.
-        adapter = [s for s in group if s.ref is not None]
-        m = len(adapter) or 1
-        name = group[0].req.tenant if group else None
-        budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
-        return {
-            "requests": len(group),
-            "adapter_requests": len(adapter),
-            "budget_waits": budget_waits,
-            "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
-            "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m,
-            **latency(group),
-        }
-
     by_tenant: dict[str, list[SimRequest]] = {}
     for s in sim.requests:
         by_tenant.setdefault(s.req.tenant, []).append(s)
@@ -814,19 +783,54 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         "reloads_after_eviction": reloads,
         "thrash_ratio": reloads / evictions if evictions else 0.0,
         "latency": {
-            "all": latency(sim.requests),
-            "warm": latency([s for s in sim.requests if s.tier in ("gpu", "cpu")]),
-            "cold": latency([s for s in sim.requests if s.tier in ("disk", "remote")]),
-            **{f"tier_{t}": latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
-            "hot": latency([s for s in seqs if s.req.model in hot]),
+            "all": _latency(sim.requests),
+            "warm": _latency([s for s in sim.requests if s.tier in ("gpu", "cpu")]),
+            "cold": _latency([s for s in sim.requests if s.tier in ("disk", "remote")]),
+            **{f"tier_{t}": _latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
+            "hot": _latency([s for s in seqs if s.req.model in hot]),
         },
-        "tenants": {t: tenant(g) for t, g in sorted(by_tenant.items())},
+        "tenants": {t: _tenant_figures(g, caches) for t, g in sorted(by_tenant.items())},
         "peak": {
             "slots": max(w.peak_slots for w in sim.workers),
             "cpu_bytes": max(w.peak_cpu_bytes for w in sim.workers),
             "disk_bytes": max(w.disk.peak for w in sim.workers),
         },
         "simulated_s": makespan,
+    }
+
+
+def _latency(group: list[SimRequest]) -> dict:
+    """TTFT, TPOT and admission wait percentiles of a group of requests."""
+    ttft = [s.first_token_at - s.req.time for s in group]
+    tpot = [
+        (s.finish_at - s.first_token_at) / (s.req.output_tokens - 1)
+        for s in group
+        if s.req.output_tokens > 1
+    ]
+    wait = [s.admitted_at - s.req.time for s in group]
+    return {
+        "count": len(group),
+        "ttft_s": _percentiles(ttft),
+        "tpot_s": _percentiles(tpot),
+        "queue_wait_s": _percentiles(wait),
+    }
+
+
+def _tenant_figures(group: list[SimRequest], caches) -> dict:
+    """One tenant's requests, budget waits, hit and cold start rates, and latencies."""
+    # Rates over the tenant's adapter requests, as the run's: a base-model request has no
+    # adapter to miss.
+    adapter = [s for s in group if s.ref is not None]
+    m = len(adapter) or 1
+    name = group[0].req.tenant if group else None
+    budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
+    return {
+        "requests": len(group),
+        "adapter_requests": len(adapter),
+        "budget_waits": budget_waits,
+        "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
+        "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m,
+        **_latency(group),
     }
 
 
