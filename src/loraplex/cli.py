@@ -9,6 +9,7 @@ import typer
 
 from loraplex.loadgen.cli import app as bench_app
 from loraplex.registry.cli import app as registry_app
+from loraplex.rollout.cli import app as rollout_app
 from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import add_serve
 from loraplex.server.serve import StartupError, make_dir, read_option_file
@@ -25,6 +26,7 @@ app = typer.Typer(
 )
 app.add_typer(registry_app, name="registry")
 app.add_typer(bench_app, name="bench")
+app.add_typer(rollout_app, name="rollout")
 add_sim_commands(app)
 
 

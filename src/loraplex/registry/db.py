@@ -184,6 +184,30 @@ class AuditEvent(Base):
     detail: Mapped[str] = mapped_column(Text, default="{}")  # JSON object
 
 
+class Rollout(Base):
+    """The rollout of a name (`loraplex rollout`): where it stands, and the lease of the controller
+    driving it (holder and expiry; another controller refuses while it holds). One row a name, the
+    latest rollout's; what it decided is in the audit events."""
+
+    __tablename__ = "rollouts"
+    name: Mapped[str] = mapped_column(ForeignKey("adapters.name"), primary_key=True)
+    revision: Mapped[str] = mapped_column(String(64))
+    stable_revision: Mapped[str] = mapped_column(String(64))
+    steps: Mapped[str] = mapped_column(Text)  # comma-separated percents, ending in 100
+    step: Mapped[int] = mapped_column(Integer)  # index into steps of the step under way
+    phase: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    settings: Mapped[str] = mapped_column(Text, default="{}")  # JSON: what it judges by
+    last_decision: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    step_started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    holder: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `sqlite:///FILE` (WAL) or `postgresql://...` (driver psycopg 3)."""
     for prefix in ("postgresql://", "postgres://"):

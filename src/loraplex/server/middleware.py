@@ -40,6 +40,7 @@ class RequestContext:
     revision: str | None = None
     digest: str = ""
     rank: int | None = None
+    in_split: bool = False  # its name's traffic is split (a canary beside the stable)
     tier: str = ""
     denied: bool = False
     status: int | None = (

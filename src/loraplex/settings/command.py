@@ -49,7 +49,12 @@ class SettingsCommand(TyperCommand):
                 formatter.write_dl(rows)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        return ["[OPTIONS]"]
+        arguments = [
+            p.name.upper()
+            for p in self.get_params(ctx)
+            if p.param_type_name == "argument" and not getattr(p, "hidden", False) and p.name
+        ]
+        return ["[OPTIONS]", *arguments]
 
 
 def add_settings_command(
@@ -58,15 +63,18 @@ def add_settings_command(
     run: Callable[[Any], None],
     name: str,
     env_prefix: str,
+    arguments: tuple[tuple[str, str], ...] = (),
 ) -> Callable[..., None]:
     """Adds the command `name` to `app`: it resolves `model` from defaults < `--config` <
     environment < flags and calls `run(settings)`; a bad value is one line on stderr and exit 2.
-    The command's help is `run`'s docstring."""
+    The command's help is `run`'s docstring. `arguments`: (field, help) of the model's fields
+    given as the command's positional arguments (required, not settings)."""
     specs = settings_of(model)
 
     def command(ctx: typer.Context, **given: Any) -> None:
+        fixed = {field: given[field] for field, _ in arguments}
         try:
-            settings = resolve(model, sources_from(ctx, specs, given, env_prefix))
+            settings = resolve(model, sources_from(ctx, specs, given, env_prefix), **fixed)
         except SettingError as exc:
             typer.echo(f"error: {exc}", err=True)
             sys.exit(2)
@@ -76,6 +84,10 @@ def add_settings_command(
         run(settings)
 
     params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+    params += [
+        _keyword(field, str, typer.Argument(help=text, show_default=False), default=...)
+        for field, text in arguments
+    ]
     params += [_parameter(s, env_prefix) for s in specs]
     params += [
         _keyword(

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.settings import loadgen, router, serve, sim
+from loraplex.settings import loadgen, rollout, router, serve, sim
 from loraplex.settings.command import default_text, metavar_of
 from loraplex.settings.fields import settings_of
 
@@ -35,6 +35,7 @@ COMMANDS = (
     Documented("simulate", sim.SimulateSettings, sim.SIMULATE_ENV, "docs/capacity-planning.md"),
     Documented("plan", sim.PlanSettings, sim.PLAN_ENV, "docs/capacity-planning.md"),
     Documented("bench serve", loadgen.BenchServeSettings, loadgen.ENV_PREFIX, "docs/loadgen.md"),
+    Documented("rollout start", rollout.RolloutSettings, rollout.ENV_PREFIX, "docs/registry.md"),
 )
 BLOCK = re.compile(r"(<!-- settings: (.+?) / (.+?) -->\n)(.*?)(<!-- end settings -->)", re.S)
 

@@ -1,0 +1,1 @@
+"""`loraplex rollout`: progressive delivery of adapter revisions (controller, figures, CLI)."""

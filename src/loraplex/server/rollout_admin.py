@@ -1,0 +1,91 @@
+"""What a rollout controller asks of a worker, behind the admin token: the per-revision figures of
+the names in a split (`GET /admin/revisions`) and a run of a revision's eval set on this worker
+(`POST /admin/adapters/{name}/eval`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict
+
+from loraplex.registry.release import parse_eval_set
+from loraplex.registry.rollouts import RolloutStore
+from loraplex.rollout.figures import BOUNDS_S
+from loraplex.server.admin import _complete
+from loraplex.server.auth import check_admin
+from loraplex.server.errors import APIError
+
+if TYPE_CHECKING:
+    from loraplex.server.server import Server
+
+MAX_FAILURES_SHOWN = 3
+
+
+class EvalBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    revision: str
+    """The revision that answers."""
+    cases_of: str | None = None
+    """The revision whose eval set is run (default: `revision`'s own)."""
+
+
+def router(token: str) -> APIRouter:
+    class AdminRoute(APIRoute):
+        """The admin token is checked before the body is read (as the admin API does)."""
+
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request):
+                check_admin(request.headers.get("authorization"), token)
+                return await handler(request)
+
+            return guarded
+
+    r = APIRouter(route_class=AdminRoute)
+    r.add_api_route("/admin/revisions", revisions, methods=["GET"])
+    r.add_api_route("/admin/adapters/{name}/eval", run_eval, methods=["POST"])
+    return r
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def revisions(request: Request, name: str | None = None) -> dict:
+    """{"bounds_s": the histograms' bucket bounds, "adapters": {name: {revision: figures}}}."""
+    book = _server(request).revision_figures
+    return {"bounds_s": list(BOUNDS_S), "adapters": book.snapshot(name)}
+
+
+async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
+    """{"passed", "total", "failures": the first few (prompt, completion, want)}; 404 for an
+    unknown revision, 409 when the revision named for its cases has no eval set."""
+    server = _server(request)
+    cases_of = body.cases_of or body.revision
+    record = await run_in_threadpool(server.registry.get_revision, name, body.revision)
+    text = await run_in_threadpool(RolloutStore(server.registry).eval_set, name, cases_of)
+    if text is None:
+        raise APIError(409, f"{name}@{cases_of} has no eval set", "lifecycle_conflict", "cases_of")
+    cases = parse_eval_set(text)
+    ref = server.resolver.ref_for(record, record.owner_tenant or "default")
+    completions = await asyncio.gather(
+        *(_complete(server, ref, case.prompt) for case in cases), return_exceptions=True
+    )
+    failures = []
+    for case, completion in zip(cases, completions):
+        text = completion if isinstance(completion, str) else f"<{type(completion).__name__}>"
+        if not case.passes(text):
+            want = case.expected if case.expected is not None else f"contains {case.contains!r}"
+            failures.append({"prompt": case.prompt, "completion": text, "want": want})
+    return {
+        "model": record.model_id,
+        "cases_of": f"{name}@{cases_of}",
+        "passed": len(cases) - len(failures),
+        "total": len(cases),
+        "failures": failures[:MAX_FAILURES_SHOWN],
+    }

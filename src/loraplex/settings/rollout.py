@@ -1,0 +1,197 @@
+"""`loraplex rollout NAME REV`'s settings, declared once (flags, `--config` keys,
+`LORAPLEX_ROLLOUT_*` variables, docs). NAME and REV are the command's arguments, not settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplex.settings.fields import at_least, positive, setting, share
+from loraplex.settings.sim import _joined, comma_list
+
+WHERE, STEPS, LIMITS, QUALITY, POOL = "Where", "Steps", "Limits", "Quality gate", "Canary pool"
+ENV_PREFIX = "LORAPLEX_ROLLOUT_"
+SOURCES = ("workers", "prometheus")
+
+
+def _percent(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole percent") from None
+    if not 1 <= value <= 100:
+        raise ValueError(f"{value}: a step is a percent from 1 to 100")
+    return value
+
+
+def _url(url: str) -> str | None:
+    return None if url.startswith(("http://", "https://")) else "is not an http(s) URL"
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    name: str = field(default="")
+    """The adapter name (the command's first argument)."""
+    revision: str = field(default="")
+    """The revision rolled out (its second)."""
+    registry: str | None = setting(
+        None,
+        "Registry URL",
+        panel=WHERE,
+        metavar="URL",
+        default_text="sqlite:///DATA_DIR/registry.db",
+    )
+    data_dir: Path | None = setting(
+        None, "Data directory", panel=WHERE, metavar="DIR", default_text="~/.local/share/loraplex"
+    )
+    worker: tuple[str, ...] = setting(
+        (),
+        "A worker's base URL (figures, eval runs, the canary pool); repeat for each",
+        panel=WHERE,
+        metavar="URL",
+        doc="the workers (`loraplex serve`): the `workers` source reads their figures, the "
+        "quality gate runs on the first of the canary pool, the pool comes from them",
+    )
+    admin_token_file: Path | None = setting(
+        None, "The workers' admin token", panel=WHERE, metavar="FILE"
+    )
+    source: str = setting(
+        "workers",
+        "Where the figures come from",
+        panel=WHERE,
+        choices=SOURCES,
+        doc="`workers`: each worker's `GET /admin/revisions`, merged; `prometheus`: the "
+        "`loraplex_revision_*` series by PromQL (see the figures' sources below)",
+    )
+    prometheus_url: str | None = setting(
+        None, "Prometheus base URL (with --source prometheus)", panel=WHERE, metavar="URL"
+    )
+    steps: tuple[int, ...] = setting(
+        (1, 10, 50, 100),
+        "The canary's percent at each step, ending in 100",
+        panel=STEPS,
+        metavar="P,...",
+        parse=comma_list(_percent),
+        show=_joined,
+        default_text="1,10,50,100",
+        doc="the canary's share at each step, rising, ending in 100 (the promotion)",
+    )
+    step_s: float = setting(
+        300.0,
+        "The least time a step lasts before it advances",
+        panel=STEPS,
+        check=at_least(0),
+        doc="the least time each step lasts before it advances: long enough for the "
+        "traffic's daily pattern not to matter within one window",
+    )
+    min_requests: int = setting(
+        100,
+        "The least canary requests in a step's window before it is judged",
+        panel=STEPS,
+        check=at_least(1),
+        doc="the least canary requests in a step's window before it is judged, so that a p99 "
+        "rests on enough requests (100: the p99 is the slowest request but one)",
+    )
+    step_timeout_s: float = setting(
+        3600.0,
+        "A step without --min-requests by then is rolled back",
+        panel=STEPS,
+        check=positive,
+        doc="a step that has not seen `--min-requests` canary requests by then is rolled back: "
+        "a revision that cannot be judged is not promoted",
+    )
+    poll_s: float = setting(
+        5.0, "Seconds between looks at the figures and the registry", panel=STEPS, check=positive
+    )
+    lease_s: float = setting(
+        30.0,
+        "The controller's lease: another may take over this long after it stops renewing",
+        panel=STEPS,
+        check=positive,
+        doc="how long the controller's lease lasts without renewal (it renews at every look): "
+        "a second controller is refused while it runs; one on the same host takes over at once "
+        "when the first's process is gone",
+    )
+    max_error_ratio: float = setting(
+        2.0,
+        "Canary error rate / stable's, at most",
+        panel=LIMITS,
+        check=positive,
+        doc="the canary's error rate (5xx) over the stable's, at most; both floored at "
+        "`--error-rate-floor`",
+    )
+    error_rate_floor: float = setting(
+        0.01,
+        "Error rates below this count as this in the ratio",
+        panel=LIMITS,
+        check=share,
+        doc="error rates below this count as this in the ratio, so that one error against a "
+        "stable with none is not an infinite ratio",
+    )
+    max_ttft_ratio: float = setting(
+        1.5,
+        "Canary TTFT p99 / stable's, at most",
+        panel=LIMITS,
+        check=positive,
+        doc="the canary's TTFT p99 over the stable's, at most (the histograms' buckets are 25% "
+        "apart, so 1.5 is two buckets)",
+    )
+    max_tpot_ratio: float = setting(
+        1.5, "Canary TPOT p99 / stable's, at most", panel=LIMITS, check=positive
+    )
+    max_error_rate: float | None = setting(
+        None, "The canary's error rate, at most (absolute)", panel=LIMITS, check=share
+    )
+    max_ttft_p99_s: float | None = setting(
+        None, "The canary's TTFT p99, at most (absolute)", panel=LIMITS, check=positive
+    )
+    max_tpot_p99_s: float | None = setting(
+        None, "The canary's TPOT p99, at most (absolute)", panel=LIMITS, check=positive
+    )
+    quality_gate: bool = setting(
+        True,
+        "Run the revision's eval set at each step (when it has one)",
+        panel=QUALITY,
+        doc="at each step, before its traffic, run the revision's eval set on a worker with "
+        "the canary and with the stable; a canary whose pass rate is lower than the stable's "
+        "by more than the margin is rolled back",
+    )
+    quality_margin: float = setting(
+        0.0,
+        "How far the canary's pass rate may fall below the stable's",
+        panel=QUALITY,
+        check=share,
+    )
+    canary_workers: tuple[str, ...] = setting(
+        (),
+        "Workers (of --worker) that prewarm and activate the canary before its traffic",
+        panel=POOL,
+        metavar="URL",
+        default_text="the --canary-share of them",
+    )
+    canary_share: float = setting(
+        1.0,
+        "Without --canary-workers: this share of the workers, at least one",
+        panel=POOL,
+        check=share,
+    )
+
+    def __post_init__(self):
+        if not self.steps or list(self.steps) != sorted(set(self.steps)) or self.steps[-1] != 100:
+            raise ValueError(
+                f"--steps {_joined(self.steps)}: give rising percents ending in 100 (1,10,50,100)"
+            )
+        for url in (*self.worker, *self.canary_workers, self.prometheus_url or "http://"):
+            if _url(url):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        unknown = [u for u in self.canary_workers if u not in self.worker]
+        if unknown:
+            raise ValueError(f"--canary-workers {unknown[0]} is not one of the --worker URLs")
+        if self.source == "prometheus" and self.prometheus_url is None:
+            raise ValueError("--source prometheus needs --prometheus-url")
+        if self.source == "workers" and not self.worker:
+            raise ValueError("--source workers needs at least one --worker URL")
+
+
+DEFAULTS = RolloutSettings(worker=("http://defaults",))
+"""Each setting's default."""
