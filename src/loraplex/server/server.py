@@ -35,6 +35,7 @@ from loraplex.server.generation import RequestRun
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
+from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class Server:
             config.lora_load_state_metrics,
             self.adapter_rank,
         )
+        self.revision_figures = RevisionBook()
+        """Per-revision figures of the names in a split, for rollout controllers."""
+        self.metrics.registry.register(RevisionCollector(self.revision_figures))
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(config.allowed_roots))
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
@@ -258,6 +262,7 @@ class Server:
                 target.record.revision,
                 target.record.rank,
             )
+            ctx.in_split = 0 < target.record.traffic_weight < 100
             ctx.tier = self.tier_on_arrival(target)
         return target
 
@@ -368,6 +373,15 @@ class Server:
         if ctx.tier:
             self.metrics.on_timings(
                 ctx.tier, a.get("ttft_s"), a.get("tpot_s"), a.get("queue_wait_s")
+            )
+        if ctx.adapter_name and ctx.revision:
+            self.revision_figures.record(
+                ctx.adapter_name,
+                ctx.revision,
+                ctx.in_split,
+                status,
+                a.get("ttft_s"),
+                a.get("tpot_s"),
             )
         load_ms: dict[str, float | None] | None = None
         if (
