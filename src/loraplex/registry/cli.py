@@ -194,43 +194,44 @@ def init(ctx: typer.Context):
     )
 
 
+_Revision = Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")]
+_Shared = Annotated[
+    bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
+]
+_BaseModel = Annotated[Path | None, typer.Option(help="Base model directory to validate against")]
+_Stable = Annotated[
+    bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
+]
+_EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")]
+_Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
+_SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
+_Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_StrictBase = Annotated[
+    bool,
+    typer.Option(
+        help="Refuse an adapter whose config names another base model (default: a warning)"
+    ),
+]
+
+
 @app.command()
 @_errors
 def add(
     ctx: typer.Context,
     directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
     name: Annotated[str, typer.Option(help="Adapter name")],
-    revision: Annotated[
-        str | None, typer.Option(help="Revision label (default: r1, r2, ...)")
-    ] = None,
+    revision: _Revision = None,
     tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
-    shared: Annotated[
-        bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
-    ] = False,
-    base_model: Annotated[
-        Path | None, typer.Option(help="Base model directory to validate against")
-    ] = None,
+    shared: _Shared = False,
+    base_model: _BaseModel = None,
     warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
     priority: Annotated[int | None, typer.Option()] = None,
-    stable: Annotated[
-        bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
-    ] = False,
-    eval_set: Annotated[
-        Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")
-    ] = None,
-    signature: Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")] = None,
-    signing_key: Annotated[
-        Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")
-    ] = None,
-    digest: Annotated[
-        str | None, typer.Option(help="Refuse unless the files hash to this digest")
-    ] = None,
-    strict_base_model_name: Annotated[
-        bool,
-        typer.Option(
-            help="Refuse an adapter whose config names another base model (default: a warning)",
-        ),
-    ] = False,
+    stable: _Stable = False,
+    eval_set: _EvalSet = None,
+    signature: _Signature = None,
+    signing_key: _SigningKey = None,
+    digest: _Digest = None,
+    strict_base_model_name: _StrictBase = False,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
