@@ -150,7 +150,8 @@ class ServeSettings:
         choices=("auto", "on", "off"),
         doc="vLLM: carry base requests as an all-zero adapter. `auto` is off wherever loraplex's "
         "vLLM plugin fixes vLLM-CPU's mixed base/LoRA batches (`docs/vllm-notes.md`), on for "
-        "vLLM's CPU backend without it, off on GPUs",
+        "vLLM's CPU backend without it, off on GPUs. Where it is on, the zero adapter has a slot "
+        "and a host cache place of vLLM's beyond `--max-loras` and `--max-cpu-loras`",
     )
     vllm_arg: tuple[str, ...] = setting(
         (),

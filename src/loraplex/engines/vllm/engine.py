@@ -219,7 +219,7 @@ class VllmEngine(Engine):
     def _zero_adapter_wanted(self, vllm_config) -> bool:
         mode = self.config.base_as_zero_adapter
         on_cpu = vllm_config.device_config.device_type == "cpu"
-        return mode == "on" or (_may_carry_zero_adapter(mode) and on_cpu)
+        return _may_carry_zero_adapter(mode) and (mode == "on" or on_cpu)
 
     def _start(self, vllm_config):
         from vllm.sampling_params import RequestOutputKind
@@ -390,9 +390,14 @@ class VllmEngine(Engine):
 
 
 def _may_carry_zero_adapter(mode: str) -> bool:
-    """Whether `--base-as-zero-adapter MODE` may carry base requests as the zero adapter: on, or
-    auto where the CPU backend's mixed batches are not fixed (`patches.py`)."""
-    return mode == "on" or (mode == "auto" and not applies("no_lora_rows"))
+    """Whether `--base-as-zero-adapter MODE` may carry base requests as the zero adapter (and so
+    takes a slot and a host cache place of vLLM's beyond `--max-loras`): on, or auto on the CPU
+    backend where its mixed batches are not fixed (`patches.py`). GPUs never need it."""
+    from vllm.platforms import current_platform
+
+    if mode == "on":
+        return True
+    return mode == "auto" and current_platform.is_cpu() and not applies("no_lora_rows")
 
 
 def _drop_prometheus_logger(llm) -> None:
