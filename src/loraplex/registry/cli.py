@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.artifacts import ArtifactError, ArtifactStore, canonical_digest
 from loraplex.model_config import ModelConfigError
+from loraplex.registry.bulk import ImportRefused, read_directory, read_jsonl
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import AdapterRecord
@@ -262,15 +264,31 @@ def add(
     )
 
 
+STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
+
+
 @app.command("list")
 @_errors
 def list_(
     ctx: typer.Context,
     tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+    status: Annotated[
+        str | None,
+        typer.Option(help="Only adapters with a revision in this status: " + " | ".join(STATUSES)),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="At most this many (one page), by name")
+    ] = None,
+    after: Annotated[
+        str | None, typer.Option(help="Those named after this (the last name of the page before)")
+    ] = None,
     json_out: JsonFlag = False,
 ):
-    """Adapters, their traffic split and owners."""
-    adapters = _open(ctx).list_adapters(tenant)
+    """Adapters, their traffic split and owners, by name."""
+    if status is not None and status not in STATUSES:
+        typer.echo(f"error: --status {status}: give one of {', '.join(STATUSES)}", err=True)
+        raise typer.Exit(2)
+    adapters = _open(ctx).list_adapters(tenant, status=status, after=after, limit=limit)
     if json_out:
         _print_json([a.to_dict() for a in adapters])
         return
@@ -291,6 +309,59 @@ def list_(
             a.pin_tier or "",
         )
     Console().print(table)
+    if limit is not None and len(adapters) == limit:
+        typer.echo(f"more may follow: --after {adapters[-1].name}")
+
+
+@app.command("import")
+@_errors
+def import_(
+    ctx: typer.Context,
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
+            "warm, priority, stable, digest, signature, eval_set) or a directory of adapter "
+            "directories (each named by its directory)"
+        ),
+    ],
+    tenant: Annotated[
+        str | None, typer.Option(help="Owner tenant of each (unless its line says)")
+    ] = None,
+    shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant")] = False,
+    stable: Annotated[
+        bool, typer.Option("--stable", help="Serve each at once (100% of its name's traffic)")
+    ] = False,
+    base_model: Annotated[
+        Path | None, typer.Option(help="Base model directory to validate against")
+    ] = None,
+    json_out: JsonFlag = False,
+):
+    """Register many adapters in one go, each checked as `add` checks it, all before any is
+    recorded (a bad one: nothing is), then recorded in a few transactions."""
+    defaults: dict = {"tenant": tenant, "stable": stable}
+    if shared:
+        defaults["shared"] = True
+    registry = _open(ctx)
+    started = time.perf_counter()
+    try:
+        if source.is_dir():
+            items = read_directory(source, defaults)
+        else:
+            items = read_jsonl(source, defaults)
+        result = registry.add_revisions(items, base_model_dir=base_model)
+    except ImportRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    seconds = time.perf_counter() - started
+    if json_out:
+        _print_json([r.to_dict() for r in result.records])
+        return
+    rate = len(result.records) / seconds if seconds > 0 else 0.0
+    typer.echo(
+        f"imported {len(result.records)} adapters ({result.num_new} new revisions) in "
+        f"{seconds:.1f} s ({rate:,.0f}/s)"
+    )
 
 
 @app.command()

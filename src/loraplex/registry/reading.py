@@ -14,6 +14,7 @@ from loraplex.registry.core import (
 from loraplex.registry.db import (
     Adapter,
     AuditEvent,
+    Grant,
     PinTier,
     Revision,
     Traffic,
@@ -35,28 +36,59 @@ class Reading(RegistryCore):
 
     # ---- reading ---------------------------------------------------------------------------------
 
-    def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
-        """Every adapter, or only those `tenant` may use."""
+    def list_adapters(
+        self,
+        tenant: str | None = None,
+        status: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> list[AdapterRecord]:
+        """Adapters by name: every one, or only those `tenant` may use, those with a revision in
+        `status`; one page with `limit` (and `after`, the last name of the page before)."""
+        query = select(Adapter).order_by(Adapter.name)
+        if tenant is not None:
+            granted = select(Grant.adapter_name).where(Grant.tenant == tenant)
+            query = query.where(
+                Adapter.shared | (Adapter.owner_tenant == tenant) | Adapter.name.in_(granted)
+            )
+        if status is not None:
+            query = query.where(
+                Adapter.name.in_(select(Revision.adapter_name).where(Revision.status == status))
+            )
+        if after is not None:
+            query = query.where(Adapter.name > after)
+        if limit is not None:
+            query = query.limit(limit)
         with self._read() as session:
-            grants = q.all_grants(session)
-            adapters = session.scalars(select(Adapter).order_by(Adapter.name)).all()
-            visible = [
-                a
-                for a in adapters
-                if tenant is None or q.may_use(a, grants.get(a.name, ()), tenant)
-            ]
+            adapters = session.scalars(query).all()
+            names = [a.name for a in adapters]
+            # the whole tables for a whole listing; the page's rows for a page
+            few = limit is not None and len(names) <= 1000
+
+            def rows_of(statement, column):
+                return session.execute(statement.where(column.in_(names)) if few else statement)
+
+            grants = q.all_grants(session) if not few else _grants_of(session, names)
             revisions: dict[str, list[Revision]] = {}
-            for row in session.scalars(select(Revision).order_by(Revision.id)):
+            for (row,) in rows_of(select(Revision).order_by(Revision.id), Revision.adapter_name):
                 revisions.setdefault(row.adapter_name, []).append(row)
             weights = {
-                rid: w for rid, w in session.execute(select(Traffic.revision_id, Traffic.weight))
+                rid: w
+                for rid, w in rows_of(
+                    select(Traffic.revision_id, Traffic.weight), Traffic.adapter_name
+                )
             }
-            tiers = {n: t for n, t in session.execute(select(PinTier.adapter_name, PinTier.tier))}
+            tiers = {
+                n: t
+                for n, t in rows_of(
+                    select(PinTier.adapter_name, PinTier.tier), PinTier.adapter_name
+                )
+            }
             return [
                 adapter_record(
                     a, grants.get(a.name, ()), revisions.get(a.name, []), weights, tiers.get(a.name)
                 )
-                for a in visible
+                for a in adapters
             ]
 
     def show(self, name: str) -> AdapterRecord:
@@ -107,3 +139,15 @@ class Reading(RegistryCore):
                 AuditRecord(e.id, as_utc(e.at), e.actor, e.action, e.target, json.loads(e.detail))
                 for e in session.scalars(query)
             ]
+
+
+def _grants_of(session, names: list[str]) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    rows = session.execute(
+        select(Grant.adapter_name, Grant.tenant)
+        .where(Grant.adapter_name.in_(names))
+        .order_by(Grant.tenant)
+    )
+    for name, tenant in rows:
+        out.setdefault(name, []).append(tenant)
+    return {k: tuple(v) for k, v in out.items()}

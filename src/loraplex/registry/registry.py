@@ -5,15 +5,15 @@ Every change is one database transaction that also writes its audit event; reads
 state.
 """
 
+from loraplex.registry.bulk import BulkRegistration
 from loraplex.registry.core import NAME_RE, default_store_for
 from loraplex.registry.lifecycle import LifeCycle
-from loraplex.registry.registration import Registration
 from loraplex.registry.resolution import Resolution
 from loraplex.registry.tenancy import Tenancy, check_tenant_limits
 
 __all__ = ["NAME_RE", "Registry", "check_tenant_limits", "default_store_for"]
 
 
-class Registry(Registration, Resolution, LifeCycle, Tenancy):
-    """The registry: each part is a module of its own (`core`, `registration`, `resolution`,
-    `reading`, `lifecycle`, `tenancy`); `Registry(url, store)` is the one to make."""
+class Registry(BulkRegistration, Resolution, LifeCycle, Tenancy):
+    """The registry: each part is a module of its own (`core`, `registration`, `bulk`,
+    `resolution`, `reading`, `lifecycle`, `tenancy`); `Registry(url, store)` is the one to make."""
