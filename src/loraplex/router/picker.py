@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import random
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ class Picker:
                 healthy, key=lambda w: (-AFFINITY[w.affinity(adapter)], w.load, self.rng.random())
             )
             return Pick(tuple(w.url for w in order), f"affinity-{order[0].affinity(adapter)}")
-        return self._pick_affinity(healthy, adapter, priority)
+        return self._pick_affinity(workers, healthy, adapter, priority)
 
     def _saturated(self, w: WorkerView) -> bool:
         c = self.config
@@ -142,7 +143,13 @@ class Picker:
             w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
         )
 
-    def _pick_affinity(self, healthy: list[WorkerView], adapter: str | None, priority: int) -> Pick:
+    def _pick_affinity(
+        self,
+        workers: list[WorkerView],
+        healthy: list[WorkerView],
+        adapter: str | None,
+        priority: int,
+    ) -> Pick:
         candidates = [w for w in healthy if not self._saturated(w)]
         fallback = not candidates
         if fallback:
@@ -151,12 +158,12 @@ class Picker:
             candidates = healthy
         # asked once per worker: a pick is per request
         tiers = {w.url: w.affinity(adapter) for w in candidates}
-        scores = self._scores(candidates, tiers)
         best_affinity = max(tiers.values(), key=AFFINITY.__getitem__)
         if adapter is not None and best_affinity in ("none", "free-slot"):
-            order = self._bounded_hash(candidates, adapter)
+            order = self._bounded_hash(workers, candidates, adapter)
             reason = "cold-hash"
         else:
+            scores = self._scores(candidates, tiers)
             # On equal scores the better-placed adapter wins (no load for nothing), then chance.
             order = sorted(
                 candidates,
@@ -166,16 +173,18 @@ class Picker:
                     self.rng.random(),
                 ),
             )
-            top = [
-                w for w in order if scores[order[0].url] - scores[w.url] <= self.config.near_equal
-            ]
-            if priority > 0 and len(top) > 1:
+            if priority > 0:
                 # a higher-priority tenant takes the less-loaded of near-equals
-                first = min(top, key=lambda w: (w.load, w.active_tokens))
-                order = [first] + [w for w in order if w is not first]
+                best = scores[order[0].url]
+                top = [w for w in order if best - scores[w.url] <= self.config.near_equal]
+                if len(top) > 1:
+                    first = min(top, key=lambda w: (w.load, w.active_tokens))
+                    order = [first] + [w for w in order if w is not first]
             reason = f"affinity-{tiers[order[0].url]}" if adapter else "least-loaded"
         if fallback:
             reason = "saturated-fallback"
+        if len(order) == len(healthy):
+            return Pick(tuple(w.url for w in order), reason)
         # by identity: comparing views field by field is most of a pick
         placed = {id(w) for w in order}
         rest = [w for w in healthy if id(w) not in placed]
@@ -201,31 +210,38 @@ class Picker:
             for w, q, t, e in zip(workers, queue, tokens, evictions)
         }
 
-    def _bounded_hash(self, workers: list[WorkerView], adapter: str) -> list[WorkerView]:
+    def _bounded_hash(
+        self, workers: list[WorkerView], candidates: list[WorkerView], adapter: str
+    ) -> list[WorkerView]:
         """Consistent hashing with bounded load: walk the ring from the adapter's point, skipping
         workers above load_factor × the mean load, so one cold adapter keeps landing on the same one
-        or two workers."""
-        ring = _ring(tuple(sorted(w.url for w in workers)), self.config.virtual_nodes)
-        by_url = {w.url: w for w in workers}
-        mean = (sum(w.load for w in workers) + 1) / len(workers)
+        or two workers. The ring is every worker's (built once per fleet): walking it past those
+        that are no candidates gives the order the candidates' own ring would."""
+        points, urls = _ring(tuple(w.url for w in workers), self.config.virtual_nodes)
+        by_url = {w.url: w for w in candidates}
+        mean = (sum(w.load for w in candidates) + 1) / len(candidates)
         cap = max(1.0, self.config.load_factor * mean)
-        start = bisect.bisect(ring, (_hash(adapter), ""))
-        seen: dict[str, WorkerView] = {}  # ring order, each worker once
-        for i in range(len(ring)):
-            url = ring[(start + i) % len(ring)][1]
-            seen.setdefault(url, by_url[url])
-            if len(seen) == len(by_url):
-                break
+        start = bisect.bisect_left(points, _hash(adapter))
+        seen: dict[str, WorkerView] = {}  # ring order, each candidate once
+        for url in itertools.chain(itertools.islice(urls, start, None), urls[:start]):
+            if url in by_url and url not in seen:
+                seen[url] = by_url[url]
+                if len(seen) == len(by_url):
+                    break
         order = list(seen.values())
         within = [w for w in order if w.load + 1 <= cap]
-        return within + [w for w in order if w not in within]
+        if len(within) == len(order):
+            return order
+        placed = {id(w) for w in within}
+        return within + [w for w in order if id(w) not in placed]
 
 
 @functools.lru_cache(maxsize=64)
-def _ring(urls: tuple[str, ...], virtual_nodes: int) -> list[tuple[int, str]]:
-    """The hash ring of a set of workers (built once per set: fleets change rarely, cold picks are
-    frequent)."""
-    return sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(virtual_nodes))
+def _ring(urls: tuple[str, ...], virtual_nodes: int) -> tuple[list[int], list[str]]:
+    """The hash ring of a fleet's workers, as its points and the worker at each (built once per
+    fleet: fleets change rarely, cold picks are frequent)."""
+    ring = sorted((_hash(f"{url}#{i}"), url) for url in set(urls) for i in range(virtual_nodes))
+    return [point for point, _ in ring], [url for _, url in ring]
 
 
 def _hash(text: str) -> int:

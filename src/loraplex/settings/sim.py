@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.settings.fields import at_least, check_fields, setting
+from loraplex.settings.fields import at_least, check_fields, positive, setting
 from loraplex.settings.serve import DEFAULTS as SERVE
 from loraplex.settings.serve import HOST_CACHE_BYTES
 from loraplex.units import format_size, parse_size
@@ -47,6 +47,67 @@ def _policy(name: str) -> str:
 
 def _joined(values: tuple) -> str:
     return ",".join(map(str, values))
+
+
+SHAPED = ("zipf", "uniform", "power", "diurnal", "rollout")
+"""The named workloads that --num-adapters, --rate, --duration-s and --tenants reshape."""
+
+
+def _num_adapters() -> Any:
+    return setting(
+        None,
+        "Adapters in the catalog of a generated workload (" + ", ".join(SHAPED) + ")",
+        metavar="N",
+        check=at_least(1),
+        default_text="the workload's own",
+    )
+
+
+def _rate() -> Any:
+    return setting(
+        None,
+        "Mean requests per second of a generated workload",
+        metavar="R",
+        check=positive,
+        default_text="the workload's own",
+    )
+
+
+def _duration_s() -> Any:
+    return setting(
+        None,
+        "Seconds of traffic of a generated workload",
+        metavar="S",
+        check=positive,
+        default_text="the workload's own",
+    )
+
+
+def _tenants() -> Any:
+    return setting(
+        None,
+        "Tenants owning a generated workload's adapters (each adapter one tenant's, equal shares)",
+        metavar="N",
+        check=at_least(1),
+        default_text="the workload's own",
+    )
+
+
+def _registry_changes_per_s() -> Any:
+    return setting(
+        0.0,
+        "Registry changes per second (promotions, traffic, quarantines), each to an adapter drawn "
+        "by its traffic: notified to every worker, resolved again on its next request there",
+        metavar="R",
+        check=at_least(0),
+    )
+
+
+def workload_shape(s: SimulateSettings | PlanSettings) -> dict[str, Any]:
+    """The reshaping of a generated workload that the settings give: {field: value} of those
+    set."""
+    names = ("num_adapters", "rate", "duration_s", "tenants")
+    return {n: getattr(s, n) for n in names if getattr(s, n) is not None}
 
 
 @dataclass(frozen=True)
@@ -96,6 +157,14 @@ class SimulateSettings:
         "TENANT=SLOTS[:SIZE] (or TENANT=:SIZE): a tenant's residency budget; repeat per tenant",
         metavar="TENANT=SLOTS[:SIZE]",
     )
+    optimal: bool = setting(
+        True, "Also run the farthest-next-use oracle and the lower bound (slow on long traces)"
+    )
+    num_adapters: int | None = _num_adapters()
+    rate: float | None = _rate()
+    duration_s: float | None = _duration_s()
+    tenants: int | None = _tenants()
+    registry_changes_per_s: float = _registry_changes_per_s()
 
     def __post_init__(self):
         check_fields(self, SimulateSettings)
@@ -117,6 +186,17 @@ class PlanSettings:
     max_lora_rank: int = setting(SERVE.max_lora_rank, "As serve's", check=at_least(1))
     cpu_cache_bytes: int = setting(HOST_CACHE_BYTES, "As serve's", unit="size")
     disk_cache_bytes: int = setting(SERVE.disk_cache_bytes, "As serve's", unit="size")
+    workers: int = setting(
+        1,
+        "Workers behind the router: above 1, the workload runs on a fleet at these capacities "
+        "(hit rates, cold starts, registry load) in place of the one-worker sizing",
+        check=at_least(1),
+    )
+    num_adapters: int | None = _num_adapters()
+    rate: float | None = _rate()
+    duration_s: float | None = _duration_s()
+    tenants: int | None = _tenants()
+    registry_changes_per_s: float = _registry_changes_per_s()
 
     def __post_init__(self):
         check_fields(self, PlanSettings)

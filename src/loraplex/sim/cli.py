@@ -18,7 +18,13 @@ from rich.table import Table
 
 from loraplex.cache.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
-from loraplex.settings.sim import PLAN_ENV, SIMULATE_ENV, PlanSettings, SimulateSettings
+from loraplex.settings.sim import (
+    PLAN_ENV,
+    SIMULATE_ENV,
+    PlanSettings,
+    SimulateSettings,
+    workload_shape,
+)
 from loraplex.sim import workload as workloads
 from loraplex.sim.simulator import (
     LoadCosts,
@@ -55,7 +61,9 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _gap(x: float) -> str:
+def _gap(x: float | None) -> str:
+    if x is None:  # run without the optimum
+        return "-"
     return "∞" if math.isinf(x) else f"{100 * x:+.1f}%"
 
 
@@ -67,13 +75,16 @@ def run_sweep(
     workers: int,
     console: Console,
     budgets: dict[str, Budget] | None = None,
+    registry_changes_per_s: float = 0.0,
+    optimal: bool = True,
 ) -> list[dict]:
-    """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum."""
+    """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
+    not `optimal`)."""
     cells = [(w, s, c) for w in traces for s in slots for c in cpu]
     service, costs = ServiceModel.default(), LoadCosts.default()
     runs = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("simulating", total=len(cells) * (len(policies) + 1))
+        task = progress.add_task("simulating", total=len(cells) * (len(policies) + optimal))
         for name, n_slots, n_cpu in cells:
             trace = traces[name]
             cap = workloads.default_capacity(name)
@@ -85,13 +96,16 @@ def run_sweep(
                 service=service,
                 costs=costs,
                 tenant_budgets=budgets,
+                registry_changes_per_s=registry_changes_per_s,
             )
             progress.update(
                 task,
                 description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}",
             )
             hot = hot_adapters(trace, config.gpu_slots * workers)
-            entries = compare(trace, config, policies, hot, on_run=lambda _: progress.advance(task))
+            entries = compare(
+                trace, config, policies, hot, lambda _: progress.advance(task), optimal
+            )
             runs.append(
                 {
                     "workload": name,
@@ -100,6 +114,7 @@ def run_sweep(
                     "cpu_bytes": config.cpu_bytes,
                     "disk_bytes": config.disk_bytes,
                     "workers": workers,
+                    "adapters": len({r.model for r in trace if r.adapter is not None}),
                     "hot_adapters": sorted(hot),
                     "policies": entries,
                 }
@@ -144,6 +159,39 @@ def compact_table(runs: list[dict]) -> Table:
             )
         if len(runs) > 1:
             table.add_section()
+    return table
+
+
+def fleet_table(runs: list[dict]) -> Table:
+    """Per run and policy: the fleet's hit rates, cold starts, the registry's load and the
+    simulator's own speed."""
+    first = runs[0]
+    table = Table(
+        title=f"fleet: {first['workers']} workers, {first['requests']:,} requests over "
+        f"{first['adapters']:,} adapters" + (" (the first run)" if len(runs) > 1 else ""),
+        caption="q/s: registry queries per second (resolves: a name's first request on a "
+        "worker, or its first after a change); notif/s: notifications delivered per second; "
+        "q/req ½: queries per request over the trace's second half; sim/s: simulated requests "
+        "per wall second",
+    )
+    many = len({r["workload"] for r in runs}) > 1
+    columns = ("policy", "gpu hit", "cold", "q/s", "notif/s")
+    for col in (*(("workload",) if many else ()), *columns, "q/req ½", "sim/s"):
+        justify = "left" if col in ("workload", "policy") else "right"
+        table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
+    for run in runs:
+        for name, e in run["policies"].items():
+            reg = e["registry"]
+            table.add_row(
+                *((Path(run["workload"]).name,) if many else ()),
+                name,
+                _pct(e["hit_rate"]["gpu"]),
+                _pct(e["cold_start_rate"]),
+                f"{reg['queries_per_s']:.1f}",
+                f"{reg['notifications_per_s']:.1f}",
+                f"{reg['queries_per_request_second_half']:.3f}",
+                f"{e['requests_per_wall_s']:,.0f}",
+            )
     return table
 
 
@@ -311,14 +359,17 @@ def simulate(s: SimulateSettings) -> None:
     cpu: list[int | None] = list(s.cpu_bytes) or [None]
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
-    traces = {name: _load_workload(name) for name in names}
-    runs = run_sweep(traces, policies, slots, cpu, workers, console, budgets)
+    traces = {name: _load_workload(name, workload_shape(s)) for name in names}
+    changes = s.registry_changes_per_s
+    runs = run_sweep(traces, policies, slots, cpu, workers, console, budgets, changes, s.optimal)
     if wide:
         console.print(results_table(runs))
         if len(runs) == 1:
             console.print(tenant_table(runs[0]))
     else:
         console.print(compact_table(runs))
+    if workers > 1 or changes:
+        console.print(fleet_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {
             "config": config_dict(
@@ -338,16 +389,18 @@ def simulate(s: SimulateSettings) -> None:
                 base = run["gpu_slots"]
                 around = sorted({max(1, base // 2), base, base * 2, base * 4})
                 one = {run["workload"]: traces[run["workload"]]}
-                sweep += run_sweep(one, policies, around, cpu, workers, console, budgets)
+                sweep += run_sweep(
+                    one, policies, around, cpu, workers, console, budgets, changes, s.optimal
+                )
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
 
 
-def _load_workload(name: str) -> list[workloads.Request]:
-    """The trace of a named workload or a file; a BadParameter when a line is bad or there is no
-    request."""
+def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
+    """The trace of a named workload (reshaped by `shape`) or a file; a BadParameter when a line is
+    bad, the shape does not apply, or there is no request."""
     try:
-        trace = workloads.load(name)
+        trace = workloads.load(name, **(shape or {}))
     except (OSError, ValueError) as exc:  # a TraceError names the file and line
         raise typer.BadParameter(str(exc), param_hint="--workload") from None
     if not trace:
@@ -381,6 +434,9 @@ def plan(s: PlanSettings) -> None:
             adapters_dir=s.adapters,
             workload=s.workload,
             progress=Progress(console=console, transient=True),
+            workers=s.workers,
+            shape=workload_shape(s),
+            registry_changes_per_s=s.registry_changes_per_s,
             max_loras=s.max_loras,
             max_lora_rank=s.max_lora_rank,
             cpu_cache_bytes=s.cpu_cache_bytes,

@@ -15,6 +15,7 @@ from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
 from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
 from loraplex.sim import workload as workloads
+from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
 
 GiB = 2**30
@@ -61,6 +62,8 @@ class Plan:
     workload: str | None = None
     budgets: dict[str, Budget] = field(default_factory=dict)
     """The registry tenants' residency budgets: the sizing simulations run with them."""
+    fleet: dict | None = None
+    """With workers: the workload's run on the fleet (`loraplex.sim.fleet_plan`)."""
 
 
 def serving_dtype(config: ModelConfig) -> str:
@@ -185,10 +188,20 @@ def make_plan(
     adapters_dir: Path | None = None,
     workload: str | None = None,
     progress=None,
+    workers: int = 1,
+    shape: dict | None = None,
+    registry_changes_per_s: float = 0.0,
     **capacities,
 ) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
-    (serve's flags; the engine's defaults otherwise)."""
+    (serve's flags; the engine's defaults otherwise). With `workers` above 1 the workload (reshaped
+    by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of the
+    one-worker sizing."""
+    if not workload and (workers > 1 or shape or registry_changes_per_s):
+        raise PlanError(
+            "--workers, --num-adapters, --rate, --duration-s, --tenants and "
+            "--registry-changes-per-s size a workload: give --workload"
+        )
     try:
         config = ModelConfig.from_dir(model_dir)
     except ModelConfigError as exc:
@@ -213,17 +226,20 @@ def make_plan(
         budgets=budgets_from_registry(registry) if registry else {},
     )
     if workload:
-        trace = load_workload(workload)
+        trace = load_workload(workload, shape)
         with progress or contextlib.nullcontext():
-            plan.sizing = size_for_workload(plan, workload, trace, progress)
+            if workers > 1:
+                plan.fleet = fleet_for_workload(plan, trace, workers, registry_changes_per_s)
+            else:
+                plan.sizing = size_for_workload(plan, workload, trace, progress)
     return plan
 
 
-def load_workload(workload: str) -> list[workloads.Request]:
+def load_workload(workload: str, shape: dict | None = None) -> list[workloads.Request]:
     """The trace of a named workload or a file; PlanError when it cannot be read or has no requests
     (an empty trace would "reach" every target with no cache at all)."""
     try:
-        trace = workloads.load(workload)
+        trace = workloads.load(workload, **(shape or {}))
     except OSError as exc:
         raise PlanError(f"cannot read workload {workload}: {exc.strerror or exc}") from None
     except (
@@ -330,6 +346,8 @@ def tables(plan: Plan) -> list[Table]:
     out = [_sizes_table(plan), _tiers_table(plan)]
     if plan.sizing:
         out.append(_sizing_table(plan))
+    if plan.fleet:
+        out.append(fleet_table(plan))
     return out
 
 

@@ -29,6 +29,7 @@ from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.router.picker import Picker, WorkerView
+from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.workload import Request
 
 RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
@@ -215,6 +216,9 @@ class SimConfig:
     """A worker whose waiting requests found no slot and has nothing running or loading tries again
     after this."""
     seed: int = 0
+    registry_changes_per_s: float = 0.0
+    """Registry changes per second (`loraplex.sim.registry_load`): notified to every worker, each
+    worker's next request for the changed adapter resolves it again."""
 
     def __post_init__(self):
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
@@ -649,6 +653,9 @@ class Simulation:
         self.picker = Picker(config.router, rng=random.Random(config.seed))
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
+        self.span_s = trace[-1].time if trace else 0.0
+        changes = registry_changes(trace, config.registry_changes_per_s, config.seed)
+        self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
 
     def clock(self) -> float:
         return self.now
@@ -704,7 +711,9 @@ class Simulation:
                 seq = requests[i]
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)
-                self._route(seq).arrive(seq)
+                worker = self._route(seq)
+                self.registry.request(worker.index, seq.req.model, self.now)
+                worker.arrive(seq)
                 continue
             at, _, fn, payload = heapq.heappop(events)
             self.now = max(self.now, at)
@@ -775,6 +784,7 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
             "gpu+cpu": sum(s.nbytes for s in seqs if s.tier in ("gpu", "cpu")) / total_bytes,
         },
         "cold_start_rate": (tiers["disk"] + tiers["remote"]) / n,
+        "registry": sim.registry.figures(len(sim.requests), sim.span_s),
         "miss_cost": h2d + loads,
         "miss_cost_parts": {"h2d": h2d, "load": loads},
         "activations": sum(w.pool.copies for w in sim.workers),
@@ -900,16 +910,16 @@ def compare(
     policies: list[str],
     hot: set[str] | None = None,
     on_run: Callable[[str], None] = lambda name: None,
+    optimal: bool = True,
 ) -> dict[str, dict]:
     """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit
-    rates of a farthest-next-use oracle run; each policy's entry carries its gap to both."""
+    rates of a farthest-next-use oracle run; each policy's entry carries its gap to both. Without
+    `optimal`, the policies alone (their gaps None)."""
     import time
-
-    from loraplex.sim.optimal import gap
 
     hot = hot if hot is not None else hot_adapters(trace, config.gpu_slots * config.workers)
     entries, sims = {}, {}
-    for name in [*policies, "optimal"]:
+    for name in [*policies, "optimal"] if optimal else policies:
         start, start_cpu = time.perf_counter(), time.process_time()
         sim = sims[name] = simulate(trace, config, policy_factory(name))
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
@@ -924,6 +934,18 @@ def compare(
             oracle["miss_cost"] = lb["miss_cost"]
             oracle["lower_bound"] = lb
         on_run(name)
+    if optimal:
+        _gaps_to_optimum(entries, sims)
+    else:
+        for entry in entries.values():
+            entry["gap"] = entry["gap_oracle"] = None
+    return entries
+
+
+def _gaps_to_optimum(entries: dict[str, dict], sims: dict[str, Simulation]) -> None:
+    """Each entry's gap to the optimum's bound and to the oracle run."""
+    from loraplex.sim.optimal import gap
+
     least = min(e.get("miss_cost_oracle", e["miss_cost"]) for e in entries.values())
     if least < entries["optimal"]["miss_cost"]:
         # A run paid less than the bound on the arrival order allows: waiting requests of one
@@ -937,4 +959,3 @@ def compare(
     for entry in entries.values():
         entry["gap"] = gap(entry["miss_cost"], optimum)
         entry["gap_oracle"] = gap(entry.get("miss_cost_oracle", entry["miss_cost"]), oracle)
-    return entries

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.settings.sim import WORKLOADS
+from loraplex.settings.sim import SHAPED, WORKLOADS
 
 GiB = 2**30
 
@@ -234,32 +234,42 @@ def diurnal(
     duration_s: float = 1200.0,
     s: float = 0.9,
     amplitude: float = 0.6,
+    tenants: int = 2,
 ) -> list[Request]:
     """A daily cycle compressed to `period_s`: the rate swings by ±amplitude, and the popular set
-    shifts from one tenant's adapters (day) to another's (night), so the hot set changes with the
-    hour."""
+    shifts from one group's adapters (day) to another's (night), so the hot set changes with the
+    hour. With two tenants they are `day` and `night`; with more, each group's adapters belong to
+    half of them in turn (`day-0`, `day-1`, ..., `night-0`, ...)."""
     rng = np.random.default_rng(seed)
+    per_group = max(1, tenants // 2)
     peak = mean_rate * (1 + amplitude)
     # thinning of a Poisson process at the peak rate
     candidates = arrival_times(rng, peak, duration_s)
     phase = 2 * math.pi * candidates / period_s
     keep = rng.uniform(0, 1, len(candidates)) < (1 + amplitude * np.sin(phase)) / (1 + amplitude)
     times = candidates[keep]
-    half = num_adapters // 2
-    ranks = draw_ranks(rng, num_adapters, DEFAULT_RANKS)
+    half = max(1, num_adapters // 2)
+    ranks = draw_ranks(rng, 2 * half, DEFAULT_RANKS)
     weights = popularity_weights(half, "zipf", s)
+    width = max(3, len(str(2 * half - 1)))
+    # `rng.choice(half, p=weights)` made once: its CDF, searched with one uniform draw per request
+    # (the same draws; a catalog of 100,000 makes the CDF per request slow)
+    cdf = weights.cumsum()
+    cdf /= cdf[-1]
     out = []
     for t in times:
         day = (math.sin(2 * math.pi * t / period_s) + 1) / 2  # 1 at noon, 0 at midnight
-        # day traffic → tenant `day`, night → `night`
+        # day traffic → the `day` tenants, night → the `night` ones
         group = 0 if rng.uniform() < 0.15 + 0.7 * day else 1
-        a = int(rng.choice(half, p=weights)) + group * half
+        a = int(cdf.searchsorted(rng.random(), side="right")) + group * half
         tenant = ("day", "night")[group]
+        if per_group > 1:
+            tenant = f"{tenant}-{a % per_group}"
         out.append(
             Request(
                 round(float(t), 6),
                 tenant,
-                f"diurnal-{a:03d}",
+                f"diurnal-{a:0{width}d}",
                 int(rng.integers(64, 513)),
                 int(rng.integers(16, 129)),
                 int(ranks[a]),
@@ -321,21 +331,48 @@ CAPACITIES = {
 }
 
 
-def named(name: str, seed: int = 0) -> list[Request]:
-    """The trace of a named workload."""
+def named(name: str, seed: int = 0, **shape) -> list[Request]:
+    """The trace of a named workload. `shape` reshapes a generated one (`SHAPED`): num_adapters,
+    rate, duration_s, tenants (each adapter one tenant's, equal shares); ValueError for another
+    workload or another key."""
+    if shape and name not in SHAPED:
+        raise ValueError(
+            f"workload {name!r} takes no --num-adapters, --rate, --duration-s or --tenants "
+            f"(those reshape {', '.join(SHAPED)})"
+        )
+    unknown = set(shape) - {"num_adapters", "rate", "duration_s", "tenants"}
+    if unknown:
+        raise ValueError(f"unknown workload shape {', '.join(sorted(unknown))}")
     if name == "hot-burst":
         return hot_burst(seed)
-    if name == "zipf":
-        return generate(WorkloadSpec(name="zipf", seed=seed, s=0.9))
-    if name == "power":
-        return generate(WorkloadSpec(name="power", seed=seed, popularity="power", alpha=0.5))
-    if name == "uniform":
-        return generate(WorkloadSpec(name="uniform", seed=seed, popularity="uniform"))
     if name == "diurnal":
-        return diurnal(seed)
+        renamed = {"rate": "mean_rate"}
+        return diurnal(seed, **{renamed.get(k, k): v for k, v in shape.items()})
     if name == "rollout":
-        return rollout(seed)
+        return _with_tenants(rollout(seed, **_spec_shape(shape)), shape.get("tenants"))
+    popularity = {"zipf": {"s": 0.9}, "power": {"popularity": "power", "alpha": 0.5}}
+    if name in ("zipf", "power", "uniform"):
+        spec = WorkloadSpec(name=name, seed=seed, **popularity.get(name, {"popularity": name}))
+        spec = replace(spec, **_spec_shape(shape))
+        if shape.get("tenants"):
+            spec = replace(
+                spec, tenants=tuple(Tenant(f"tenant-{i}") for i in range(shape["tenants"]))
+            )
+        return generate(spec)
     raise ValueError(f"unknown workload {name!r}: use one of {', '.join(NAMED)} or a .jsonl trace")
+
+
+def _spec_shape(shape: dict) -> dict:
+    return {k: v for k, v in shape.items() if k in ("num_adapters", "rate", "duration_s")}
+
+
+def _with_tenants(trace: list[Request], tenants: int | None) -> list[Request]:
+    """Each adapter owned by one of `tenants` tenants, in turn by its number."""
+    if not tenants:
+        return trace
+    return [
+        replace(r, tenant=f"tenant-{int(r.adapter.rsplit('-', 1)[1]) % tenants}") for r in trace
+    ]
 
 
 # -- JSONL -----------------------------------------------------------------------------------------
@@ -445,11 +482,16 @@ def _from_zero(requests: list[Request]) -> list[Request]:
     )
 
 
-def load(workload: str, seed: int = 0) -> list[Request]:
-    """A named workload, or a trace / audit log file."""
+def load(workload: str, seed: int = 0, **shape) -> list[Request]:
+    """A named workload (reshaped by `shape`, as `named`), or a trace / audit log file."""
     if workload.endswith(".jsonl") or Path(workload).is_file():
+        if shape:
+            raise ValueError(
+                f"{workload}: a trace file takes no --num-adapters, --rate, --duration-s or "
+                "--tenants"
+            )
         return read_trace(workload)
-    return named(workload, seed)
+    return named(workload, seed, **shape)
 
 
 def default_capacity(workload: str) -> Capacity:
