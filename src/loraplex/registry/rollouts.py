@@ -260,6 +260,12 @@ def _held(session: Session, name: str, holder: str) -> Rollout:
     return row
 
 
+def _utc(value: datetime) -> datetime:
+    utc = as_utc(value)
+    assert utc is not None  # a column without NULLs
+    return utc
+
+
 def _record(row: Rollout) -> RolloutRecord:
     return RolloutRecord(
         name=row.name,
@@ -271,9 +277,9 @@ def _record(row: Rollout) -> RolloutRecord:
         reason=row.reason,
         settings=json.loads(row.settings or "{}"),
         last_decision=json.loads(row.last_decision) if row.last_decision else None,
-        started_at=as_utc(row.started_at),
-        step_started_at=as_utc(row.step_started_at),
-        updated_at=as_utc(row.updated_at),
+        started_at=_utc(row.started_at),
+        step_started_at=_utc(row.step_started_at),
+        updated_at=_utc(row.updated_at),
         holder=row.holder,
         lease_expires_at=as_utc(row.lease_expires_at),
     )

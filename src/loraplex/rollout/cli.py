@@ -125,8 +125,8 @@ def run_controller(
     )
     pool = canary_pool(settings.worker, settings.canary_workers, settings.canary_share)
     gate = None
-    if settings.quality_gate and pool:
-        gate = QualityGate(pool[0], client, settings.quality_margin)
+    if settings.quality_gate and (pool or settings.worker):
+        gate = QualityGate((*pool, *settings.worker)[0], client, settings.quality_margin)
 
     def prepare() -> None:
         prewarm(client, pool, settings.name, settings.revision)

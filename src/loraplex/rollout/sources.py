@@ -76,35 +76,40 @@ class WorkerSource:
 
 
 class PrometheusSource:
-    """`increase()` of the workers' per-revision series over the window, summed by revision (and
-    by `le` for the histograms) in PromQL."""
+    """The fleet's counters summed by revision (and by `le` for the histograms) in PromQL at the
+    window's start and now, then subtracted as the workers' source does: exact counts, no
+    `increase()` extrapolation, a series born inside the window counted whole."""
 
     def __init__(self, url: str, client: httpx.Client, clock=time.time):
         self.url = url.rstrip("/")
         self.client = client
         self.clock = clock
 
-    def mark(self, name: str) -> float:
-        return self.clock()
+    def mark(self, name: str) -> dict[str, RevisionFigures]:
+        return self.read(name, self.clock())
 
-    def since(self, mark: float, name: str) -> dict[str, RevisionFigures]:
-        window = f"{max(1, math.ceil(self.clock() - mark))}s"
+    def since(self, mark: dict[str, RevisionFigures], name: str) -> dict[str, RevisionFigures]:
+        now = self.read(name, self.clock())
+        return {rev: f.since(mark[rev]) if rev in mark else f for rev, f in now.items()}
+
+    def read(self, name: str, at: float) -> dict[str, RevisionFigures]:
+        """Each revision's figures summed over the fleet as last scraped by `at`."""
         match = f'{{adapter="{name}"}}'
         out: dict[str, RevisionFigures] = {}
         for series, field in (("requests_total", "requests"), ("errors_total", "errors")):
-            query = f"sum by (revision) (increase(loraplex_revision_{series}{match}[{window}]))"
-            for row in self.query(query):
+            query = f"sum by (revision) (loraplex_revision_{series}{match})"
+            for row in self.query(query, at):
                 figures = out.setdefault(row["metric"]["revision"], RevisionFigures())
                 setattr(figures, field, _value(row))
         for kind in ("ttft", "tpot"):
-            for revision, histogram in self._histograms(kind, match, window).items():
+            for revision, histogram in self._histograms(kind, match, at).items():
                 setattr(out.setdefault(revision, RevisionFigures()), kind, histogram)
         return out
 
-    def _histograms(self, kind: str, match: str, window: str) -> dict[str, Histogram]:
+    def _histograms(self, kind: str, match: str, at: float) -> dict[str, Histogram]:
         series = f"loraplex_revision_{kind}_seconds"
-        buckets = self.query(f"sum by (revision, le) (increase({series}_bucket{match}[{window}]))")
-        sums = self.query(f"sum by (revision) (increase({series}_sum{match}[{window}]))")
+        buckets = self.query(f"sum by (revision, le) ({series}_bucket{match})", at)
+        sums = self.query(f"sum by (revision) ({series}_sum{match})", at)
         by_revision: dict[str, dict[float, float]] = {}
         for row in buckets:
             le = row["metric"]["le"]
@@ -115,9 +120,9 @@ class PrometheusSource:
             rev: Histogram.from_cumulative(b, total.get(rev, 0.0)) for rev, b in by_revision.items()
         }
 
-    def query(self, promql: str) -> list[dict]:
+    def query(self, promql: str, at: float) -> list[dict]:
         try:
-            r = self.client.get(f"{self.url}/api/v1/query", params={"query": promql})
+            r = self.client.get(f"{self.url}/api/v1/query", params={"query": promql, "time": at})
             body = r.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise SourceError(f"Prometheus at {self.url}: {exc}") from None

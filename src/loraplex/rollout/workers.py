@@ -78,10 +78,10 @@ class QualityGate:
 
 
 def canary_pool(workers: tuple[str, ...], named: tuple[str, ...], share: float) -> tuple[str, ...]:
-    """The named workers, else the first `share` of them (at least one when there are any)."""
+    """The named workers, else the first `share` of them (at least one; none for a share of 0)."""
     if named:
         return named
-    if not workers:
+    if not workers or share <= 0:
         return ()
     return workers[: max(1, math.ceil(share * len(workers)))]
 

@@ -47,6 +47,9 @@ class RouterConfig:
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
     one)."""
     picker: PickerConfig = field(default_factory=PickerConfig)
+    model_for: Callable[[str, str | None], str] = lambda model, user: model
+    """(model, user) -> the model a request goes out as: `name@revision` for a split name, from
+    the registry's weights when the router has one (`router/splits.py`)."""
     seed: int | None = None
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>`."""
@@ -191,6 +194,8 @@ async def forward(state: RouterState, request: Request, path: str):
         return _error(400, "request body is not valid JSON", "invalid_json")
     model = payload.get("model") if isinstance(payload, dict) else None
     adapter = model if isinstance(model, str) else None
+    if adapter is not None:
+        adapter, body = _split_revision(state, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
     pick = state.picker.pick(state.fleet.views(), adapter, state.config.priority_of(key))
     if pick.url is None:
@@ -248,6 +253,16 @@ async def forward(state: RouterState, request: Request, path: str):
             _relay(state, response, url), status_code=response.status_code, headers=out_headers
         )
     return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+
+def _split_revision(state: RouterState, payload: dict, model: str, body: bytes):
+    """(model, body) as sent: a split name's revision picked here, so that the canary's share goes
+    to the workers that hold the canary."""
+    user = payload.get("user")
+    routed = state.config.model_for(model, user if isinstance(user, str) else None)
+    if routed == model:
+        return model, body
+    return routed, json.dumps({**payload, "model": routed}).encode()
 
 
 async def _relay(state: RouterState, response: httpx.Response, url: str):

@@ -174,6 +174,8 @@ class RolloutSettings:
         "Without --canary-workers: this share of the workers, at least one",
         panel=POOL,
         check=share,
+        doc="without `--canary-workers`: the first this share of the `--worker`s, at least one; "
+        "0: none (the canary loads where its first requests land)",
     )
 
     def __post_init__(self):

@@ -49,7 +49,12 @@ class RouterSettings:
         metavar="FILE",
     )
     registry: str | None = setting(
-        None, "Registry URL for tenant priorities", panel=WHERE, metavar="URL"
+        None,
+        "Registry URL: tenant priorities, and the revision of split names",
+        panel=WHERE,
+        metavar="URL",
+        doc="the registry: tenant priorities, and the split of names with a canary (below, "
+        '"Split names")',
     )
     host: str = setting("127.0.0.1", "Address to listen on", panel=WHERE)
     port: int = setting(8080, "Port (0: a free one, printed at start)", panel=WHERE)
