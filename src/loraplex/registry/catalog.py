@@ -14,6 +14,7 @@ import bisect
 import itertools
 import random
 import threading
+from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -194,18 +195,26 @@ class Catalog:
         return entry.by_revision[pick(name, list(serving), user, self._rng)]
 
 
+def _plain(result) -> list:
+    """The rows as named tuples: their fields read several times faster than a Row's (every
+    field of every revision is read at a start)."""
+    kind = namedtuple("Row", list(result.keys()))  # type: ignore[misc]
+    return [kind._make(row) for row in result]
+
+
 def _read_entries(conn: Connection, names: list[str] | None) -> dict[str, Entry]:
     """The entries of `names` (None: all), from four statements."""
 
     def where(query, column):
         return query if names is None else query.where(column.in_(names))
 
-    adapters = conn.execute(where(select(_ADAPTERS), _ADAPTERS.c.name)).all()
+    adapters = _plain(conn.execute(where(select(_ADAPTERS), _ADAPTERS.c.name)))
     revisions: dict[str, list] = {}
     query = select(_REVISIONS, _TRAFFIC.c.weight).outerjoin(
         _TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id
     )
-    for row in conn.execute(where(query, _REVISIONS.c.adapter_name).order_by(_REVISIONS.c.id)):
+    query = where(query, _REVISIONS.c.adapter_name).order_by(_REVISIONS.c.id)
+    for row in _plain(conn.execute(query)):
         revisions.setdefault(row.adapter_name, []).append(row)
     grants: dict[str, list[str]] = {}
     query = select(_GRANTS.c.adapter_name, _GRANTS.c.tenant).order_by(_GRANTS.c.tenant)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import json
 import logging
@@ -107,11 +108,18 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     page before) one page, as OpenAI's lists page: `has_more`, `first_id`, `last_id`."""
     server: Server = request.app.state.server
     tenant = server.auth.tenant(request.headers.get("authorization"))
-    cards = server.model_cards(tenant)
+    count = None if limit is None else _limit(limit)
+    # a listing of the whole catalog is made and encoded on a thread: the streams go on meanwhile
+    body = await asyncio.to_thread(_models_body, server, tenant, after, count)
+    return Response(body, media_type="application/json")
+
+
+def _models_body(server: Server, tenant: str, after: str | None, limit: int | None) -> bytes:
     if after is None and limit is None:
-        return _json({"object": "list", "data": cards})
-    page = _page(cards, after, _limit(limit))
-    return _json(
+        return server.models_body(tenant)
+    cards = server.model_cards(tenant)
+    page = _page(cards, after, MAX_PAGE if limit is None else limit)
+    return _BODY.encode(
         {
             "object": "list",
             "data": page,
@@ -119,15 +127,13 @@ async def models(request: Request, after: str | None = None, limit: str | None =
             "last_id": page[-1]["id"] if page else None,
             "has_more": bool(page) and page[-1] is not cards[-1],
         }
-    )
+    ).encode()
 
 
 MAX_PAGE = 10_000
 
 
-def _limit(text: str | None) -> int:
-    if text is None:
-        return MAX_PAGE
+def _limit(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
         raise APIError(
             400,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -66,8 +67,8 @@ class Server:
         """The registry's adapters in memory, kept current by its change feed (`feed`)."""
         self.feed = ChangeWatcher(registry.engine, self.catalog.refresh)
         self.catalog.subscribe(self.on_registry_change)
-        self._cards: dict[tuple[str, frozenset[str]], list[dict]] = {}
-        """(tenant, names draining) -> its /v1/models cards, made at `_cards_version`."""
+        self._cards: dict[tuple[str, frozenset[str]], tuple[list[dict], bytes]] = {}
+        """(tenant, names draining) -> its /v1/models cards and body, made at `_cards_version`."""
         self._cards_version = -1
         self.resolver = AdapterResolver(
             registry,
@@ -450,13 +451,22 @@ class Server:
     def model_cards(self, tenant: str) -> list[dict]:
         """The base model's card, then those of the adapters `tenant` may use that serve traffic
         here, by name: from the catalog, kept per tenant until the catalog or the drains change."""
+        return self._listing(tenant)[0]
+
+    def models_body(self, tenant: str) -> bytes:
+        """`model_cards` as the JSON body of `/v1/models`, kept as long as the cards."""
+        return self._listing(tenant)[1]
+
+    def _listing(self, tenant: str) -> tuple[list[dict], bytes]:
         key = (tenant, frozenset(self.resolver.draining))
         if self._cards_version != self.catalog.version:  # stale: all of them
             self._cards, self._cards_version = {}, self.catalog.version
-        cards = self._cards.get(key)
-        if cards is None:
-            cards = self._cards[key] = self._make_cards(tenant)
-        return cards
+        listing = self._cards.get(key)
+        if listing is None:
+            cards = self._make_cards(tenant)
+            body = _LISTING.encode({"object": "list", "data": cards}).encode()
+            listing = self._cards[key] = (cards, body)
+        return listing
 
     def _make_cards(self, tenant: str) -> list[dict]:
         name = self.config.served_model_name
@@ -521,6 +531,8 @@ class Server:
             "cache": {k: v for k, v in cache.items() if k not in ("adapters", "tenants")},
         }
 
+
+_LISTING = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 _TIER_STAGES = {
     "cpu": {"h2d", "activation"},
