@@ -99,7 +99,23 @@ def test_lora_budget_leaves_out_slots_of_pinned_adapters_outside_the_batch():
 def test_only_the_versions_read_are_patched():
     assert patches.affected("0.32.0") == {"no_lora_rows": True, "pinned_slots": True}
     assert not any(patches.affected("0.31.1").values())
-    assert not any(patches.affected("0.34.0").values())
+    # vLLM 0.33 fixed its CPU ops itself; its scheduler and 0.34's still count no pins
+    assert patches.affected("0.33.0") == {"no_lora_rows": False, "pinned_slots": True}
+    assert patches.affected("0.34.1") == {"no_lora_rows": False, "pinned_slots": True}
+    assert not any(patches.affected("0.35.0").values())
+
+
+def test_a_bug_vllm_fixed_itself_is_handled_without_the_plugin(monkeypatch):
+    import vllm
+
+    assert patches.fixed_upstream("0.33.0") == {"no_lora_rows": True, "pinned_slots": False}
+    assert not any(patches.fixed_upstream("0.32.0").values())
+    monkeypatch.setenv("VLLM_PLUGINS", "")  # the plugin left out
+    assert not patches.handled("no_lora_rows") and not patches.handled("pinned_slots")
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")  # vLLM's own fix: no zero adapter needed
+    assert patches.handled("no_lora_rows") and not patches.handled("pinned_slots")
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert patches.handled("pinned_slots") and not patches.applies("no_lora_rows")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import make_policy
 from loraplex.engines.contract import Engine
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
-from loraplex.engines.vllm.patches import applies
+from loraplex.engines.vllm.patches import handled
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
 from loraplex.settings.serve import DEFAULTS as D
@@ -163,7 +163,7 @@ class VllmEngine(Engine):
             max_cpu_loras=config.host_cache_size,
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
-            scheduler_counts_pins=applies("pinned_slots"),
+            scheduler_counts_pins=handled("pinned_slots"),
             kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
             policy=make_policy(config.eviction_policy),
             budgets=TenantBudgets(
@@ -392,12 +392,12 @@ class VllmEngine(Engine):
 def _may_carry_zero_adapter(mode: str) -> bool:
     """Whether `--base-as-zero-adapter MODE` may carry base requests as the zero adapter (and so
     takes a slot and a host cache place of vLLM's beyond `--max-loras`): on, or auto on the CPU
-    backend where its mixed batches are not fixed (`patches.py`). GPUs never need it."""
+    backend where its mixed batches are not fixed (by vLLM or `patches.py`). GPUs never need it."""
     from vllm.platforms import current_platform
 
     if mode == "on":
         return True
-    return mode == "auto" and current_platform.is_cpu() and not applies("no_lora_rows")
+    return mode == "auto" and current_platform.is_cpu() and not handled("no_lora_rows")
 
 
 def _drop_prometheus_logger(llm) -> None:

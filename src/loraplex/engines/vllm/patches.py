@@ -7,6 +7,7 @@ reports are in docs/vllm-notes.md.
   weights as `stacked[index]`, and a row without a LoRA has index -1, which Python indexing reads
   as the last slot: a base row in a batch beside LoRA rows gets whichever adapter holds that slot.
   Replaced by ops that give each row its own slot's weights and -1 rows none (`_per_slot`).
+  vLLM 0.33 fixed its ops itself (`fixed_upstream`).
 - `pinned_slots` (scheduler): the scheduler admits up to max_loras distinct adapters into a batch,
   while the worker also keeps the pinned adapters in their slots; a batch with more unpinned
   adapters than unpinned slots evicts one of its own adapters and fails. The engine core now tells
@@ -28,12 +29,31 @@ PINNED_ATTR = "loraplex_pinned_loras"  # on vLLM's Scheduler: the ids pinned in 
 
 
 def affected(version: str) -> dict[str, bool]:
-    """Which fixes a vLLM version needs: each bug is confirmed in the source of these versions."""
+    """Which fixes a vLLM version needs: each bug is confirmed in the source of these versions
+    (no_lora_rows: 0.32; pinned_slots: 0.32 to 0.34, whose patch targets are the same)."""
     from packaging.version import Version
 
     v = Version(version)
-    known = Version("0.32") <= v < Version("0.34")
-    return {"no_lora_rows": known, "pinned_slots": known}
+    return {
+        "no_lora_rows": Version("0.32") <= v < Version("0.33"),
+        "pinned_slots": Version("0.32") <= v < Version("0.35"),
+    }
+
+
+def fixed_upstream(version: str) -> dict[str, bool]:
+    """Which bugs a vLLM version fixes by itself: vLLM 0.33's CPU LoRA ops give rows of index -1
+    no LoRA (read in the sources of 0.33.0 and 0.34.0); the scheduler still counts no pins."""
+    from packaging.version import Version
+
+    return {"no_lora_rows": Version(version) >= Version("0.33"), "pinned_slots": False}
+
+
+def handled(fix: str) -> bool:
+    """Whether the vLLM processes this one starts run without the bug of `fix`: their vLLM has
+    fixed it, or the plugin applies loraplex's fix (`applies`)."""
+    import vllm
+
+    return fixed_upstream(vllm.__version__)[fix] or applies(fix)
 
 
 def applies(fix: str) -> bool:
