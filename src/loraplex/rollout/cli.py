@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from rich.console import Console
+from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup
 
@@ -24,7 +26,12 @@ from loraplex.rollout.judge import Limits, StepRule
 from loraplex.rollout.sources import PrometheusSource, SourceError, WorkerSource
 from loraplex.rollout.workers import QualityGate, WorkerError, canary_pool, prewarm, wait_active
 from loraplex.settings.command import PLAIN, add_settings_command
-from loraplex.settings.rollout import ENV_PREFIX, RolloutSettings
+from loraplex.settings.rollout import (
+    ENV_PREFIX,
+    REPLAY_ENV_PREFIX,
+    ReplaySettings,
+    RolloutSettings,
+)
 
 ACTIVATE_TIMEOUT_S = 120.0
 
@@ -254,3 +261,51 @@ def _abort(name: str, url: str | None, data_dir: Path | None, reason: str) -> No
 
 def _split(reg: Registry, name: str) -> str:
     return " ".join(f"{rev} {w}%" for rev, w in reg.show(name).traffic) or "no traffic"
+
+
+def replay_command(settings: ReplaySettings) -> None:
+    """Replay a rollout in virtual time over a simulated name whose canary carries a chosen
+    regression: when it is caught, and what it served meanwhile."""
+    from loraplex.rollout.replay import replay
+
+    result = replay(settings)
+    table = Table(title=f"replayed rollout: {result['outcome']} after {result['virtual_s']:g} s")
+    for column in (
+        "step",
+        "%",
+        "decision",
+        "canary n",
+        "5xx rate",
+        "TTFT p99 ms",
+        "TTFT x",
+        "TPOT x",
+    ):
+        table.add_column(column, no_wrap=True)
+    for d in result["decisions"]:
+        if "canary" not in d:  # the start and the end: their figures are the decision's
+            continue
+        canary, ratios = d["canary"], d.get("ratios") or {}
+        table.add_row(
+            str(d["step"]),
+            str(d["weight"]),
+            d["action"].removeprefix("rollout_"),
+            _shown(canary["requests"]),
+            _shown(canary["error_rate"]),
+            _shown(canary["ttft_p99_ms"]),
+            _shown(ratios.get("ttft_p99")),
+            _shown(ratios.get("tpot_p99")),
+        )
+    Console().print(table)
+    typer.echo(
+        f"canary served {result['canary_requests']} requests ({result['canary_errors']} errors) "
+        f"before: {result['reason']}"
+    )
+    if settings.json is not None:
+        settings.json.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _shown(value) -> str:
+    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+add_settings_command(app, ReplaySettings, replay_command, "replay", REPLAY_ENV_PREFIX)

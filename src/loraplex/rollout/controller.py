@@ -56,10 +56,12 @@ class Controller:
         prepare: Callable[[], None] | None = None,
         say: Callable[[str], None] = print,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        """`prepare`: run once before the canary's first traffic (the canary pool's prewarm)."""
+        """`prepare`: run once before the canary's first traffic (the canary pool's prewarm).
+        `sleep` and `clock`: a replay's virtual time."""
         self.plan, self.registry, self.source, self.gate = plan, registry, source, gate
-        self.prepare, self.say, self.sleep = prepare, say, sleep
+        self.prepare, self.say, self.sleep, self.clock = prepare, say, sleep, clock
         self.store = RolloutStore(registry)
         self.holder = this_holder()
 
@@ -137,7 +139,7 @@ class Controller:
         return record
 
     def watch(self, record: RolloutRecord) -> RolloutRecord:
-        mark, started = self.source.mark(self.name), time.monotonic()
+        mark, started = self.source.mark(self.name), self.clock()
         self.say(f"{self.name}@{record.revision}: step {record.step + 1}, {record.weight}%")
         while True:
             self.sleep(self.plan.poll_s)
@@ -148,7 +150,7 @@ class Controller:
                 return self.stopped()
             canary = figures.get(record.revision) or RevisionFigures()
             stable = figures.get(record.stable_revision) or RevisionFigures()
-            elapsed = time.monotonic() - started
+            elapsed = self.clock() - started
             verdict = judge(canary, stable, self.plan.limits, self.plan.rule, elapsed)
             decision = {
                 "step": record.step + 1,

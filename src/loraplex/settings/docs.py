@@ -36,6 +36,9 @@ COMMANDS = (
     Documented("plan", sim.PlanSettings, sim.PLAN_ENV, "docs/capacity-planning.md"),
     Documented("bench serve", loadgen.BenchServeSettings, loadgen.ENV_PREFIX, "docs/loadgen.md"),
     Documented("rollout start", rollout.RolloutSettings, rollout.ENV_PREFIX, "docs/registry.md"),
+    Documented(
+        "rollout replay", rollout.ReplaySettings, rollout.REPLAY_ENV_PREFIX, "docs/registry.md"
+    ),
 )
 BLOCK = re.compile(r"(<!-- settings: (.+?) / (.+?) -->\n)(.*?)(<!-- end settings -->)", re.S)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,3 +198,59 @@ class RolloutSettings:
 
 DEFAULTS = RolloutSettings(worker=("http://defaults",))
 """Each setting's default."""
+
+
+def _same(name: str):
+    """A field declared as `RolloutSettings` declares it: one declaration for both commands."""
+    f = next(f for f in dataclasses.fields(RolloutSettings) if f.name == name)
+    return field(default=f.default, metadata=f.metadata)
+
+
+REPLAY = "Replay"
+REPLAY_ENV_PREFIX = "LORAPLEX_ROLLOUT_REPLAY_"
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """`loraplex rollout replay`: the controller over a simulated name, in virtual time."""
+
+    rate: float = setting(20.0, "Requests a second for the name", panel=REPLAY, check=positive)
+    stable_ttft_s: float = setting(0.05, "The stable's median TTFT", panel=REPLAY, check=positive)
+    stable_tpot_s: float = setting(0.01, "The stable's median TPOT", panel=REPLAY, check=positive)
+    spread: float = setting(
+        0.3,
+        "Sigma of the latencies' lognormal",
+        panel=REPLAY,
+        check=at_least(0),
+        doc="sigma of the lognormal the latencies are drawn from (0.3: p99 about 2x the median)",
+    )
+    stable_error_rate: float = setting(0.0, "The stable's 5xx rate", panel=REPLAY, check=share)
+    ttft_factor: float = setting(
+        1.0, "The canary's TTFT: the stable's times this", panel=REPLAY, check=positive
+    )
+    tpot_factor: float = setting(
+        1.0, "The canary's TPOT: the stable's times this", panel=REPLAY, check=positive
+    )
+    canary_error_rate: float = setting(0.0, "The canary's 5xx rate", panel=REPLAY, check=share)
+    seed: int = setting(0, "Seed of the simulated traffic", panel=REPLAY)
+    json: Path | None = setting(
+        None, "Write the decisions and the summary as JSON here", panel=REPLAY, metavar="FILE"
+    )
+    steps: tuple[int, ...] = _same("steps")
+    step_s: float = _same("step_s")
+    min_requests: int = _same("min_requests")
+    step_timeout_s: float = _same("step_timeout_s")
+    poll_s: float = _same("poll_s")
+    max_error_ratio: float = _same("max_error_ratio")
+    error_rate_floor: float = _same("error_rate_floor")
+    max_ttft_ratio: float = _same("max_ttft_ratio")
+    max_tpot_ratio: float = _same("max_tpot_ratio")
+    max_error_rate: float | None = _same("max_error_rate")
+    max_ttft_p99_s: float | None = _same("max_ttft_p99_s")
+    max_tpot_p99_s: float | None = _same("max_tpot_p99_s")
+
+    def __post_init__(self):
+        if not self.steps or list(self.steps) != sorted(set(self.steps)) or self.steps[-1] != 100:
+            raise ValueError(
+                f"--steps {_joined(self.steps)}: give rising percents ending in 100 (1,10,50,100)"
+            )
