@@ -96,6 +96,18 @@ def test_a_good_revision_steps_through_every_weight_to_stable(registry):
     assert RolloutStore(registry).get("ad").holder is None  # the lease is given back
 
 
+def test_each_change_of_the_split_runs_the_hook_with_the_split_made(registry):
+    seen = []
+    hook = lambda: seen.append(registry.show("ad").traffic)  # noqa: E731
+    plan = Plan("ad", "r2", (10, 100), Limits(), StepRule(0, 10, 5), poll_s=0.0, lease_s=30)
+    source = Figures(made(30), made(3000))
+    quiet = Controller(
+        plan, registry, source, on_split=hook, say=lambda _: None, sleep=lambda _: None
+    )
+    assert quiet.run().phase == "promoted"
+    assert seen == [(("r2", 10), ("r1", 90)), (("r2", 100),)]
+
+
 def test_a_slow_revision_is_rolled_back_at_its_first_step_with_its_figures(registry):
     record = controller(registry, Figures(made(30, ttft=0.08), made(3000))).run()
     assert record.phase == "rolled_back" and "TTFT p99" in record.reason

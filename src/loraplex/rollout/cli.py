@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -141,7 +143,23 @@ def run_controller(
         if cold:
             typer.echo(f"warning: not in a device slot yet on {', '.join(cold)}", err=True)
 
-    controller = Controller(plan, registry, source, gate, prepare if pool else None, typer.echo)
+    def on_split() -> None:
+        assert settings.on_split is not None  # given only then
+        split = ",".join(f"{rev}={w}" for rev, w in registry.show(settings.name).traffic)
+        env = {**os.environ, ENV_PREFIX + "NAME": settings.name, ENV_PREFIX + "SPLIT": split}
+        done = subprocess.run(settings.on_split, shell=True, env=env, check=False)
+        if done.returncode:
+            typer.echo(f"warning: --on-split exited {done.returncode} after {split}", err=True)
+
+    controller = Controller(
+        plan,
+        registry,
+        source,
+        gate,
+        prepare if pool else None,
+        on_split if settings.on_split else None,
+        say=typer.echo,
+    )
     return controller.run()
 
 

@@ -54,14 +54,17 @@ class Controller:
         source: FigureSource,
         gate: QualityGate | None = None,
         prepare: Callable[[], None] | None = None,
+        on_split: Callable[[], None] | None = None,
         say: Callable[[str], None] = print,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`prepare`: run once before the canary's first traffic (the canary pool's prewarm).
+        `on_split`: run after each change of the split it makes (a gateway's configuration).
         `sleep` and `clock`: a replay's virtual time."""
         self.plan, self.registry, self.source, self.gate = plan, registry, source, gate
         self.prepare, self.say, self.sleep, self.clock = prepare, say, sleep, clock
+        self.on_split = on_split
         self.store = RolloutStore(registry)
         self.holder = this_holder()
 
@@ -136,6 +139,7 @@ class Controller:
             record.revision
         ):
             self.registry.rollback(self.name)
+            self.split_changed()
         return record
 
     def watch(self, record: RolloutRecord) -> RolloutRecord:
@@ -171,10 +175,16 @@ class Controller:
         if record.weight == 100:
             if traffic != {record.revision: 100}:
                 self.registry.promote(self.name, record.revision, 100, force=True)
+                self.split_changed()
             return
         plan = {record.revision: record.weight, record.stable_revision: 100 - record.weight}
         if traffic != plan:
             self.registry.set_traffic(self.name, plan, force=True)
+            self.split_changed()
+
+    def split_changed(self) -> None:
+        if self.on_split is not None:
+            self.on_split()
 
     def promoted(self, record: RolloutRecord) -> RolloutRecord:
         decision = {"step": record.step + 1, "weight": 100, "reasons": ["every step passed"]}
@@ -204,6 +214,7 @@ class Controller:
             )
         if dict(self.registry.show(self.name).traffic).get(record.revision):
             self.registry.rollback(self.name)
+            self.split_changed()
         return self.store.record(
             self.name,
             self.holder,

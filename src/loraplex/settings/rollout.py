@@ -56,6 +56,16 @@ class RolloutSettings:
     admin_token_file: Path | None = setting(
         None, "The workers' admin token", panel=WHERE, metavar="FILE"
     )
+    on_split: str | None = setting(
+        None,
+        "A shell command run after each change of the split",
+        panel=WHERE,
+        metavar="CMD",
+        doc="a shell command run after each change of the split the controller makes, with "
+        "`LORAPLEX_ROLLOUT_NAME` and `LORAPLEX_ROLLOUT_SPLIT` (`r2=10,r1=90`) set: a gateway "
+        "that keeps its own copy, e.g. `loraplex registry export k8s | kubectl apply -f -`; "
+        "a failure is a warning",
+    )
     source: str = setting(
         "workers",
         "Where the figures come from",
