@@ -267,18 +267,30 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
     async def _poll(self, worker: Worker) -> None:
         sent = set(worker.sent)  # what the answer will already hold
         asked_at = time.monotonic()
+        # the routing view by generation, as `loraplex router` polls it: 304 when nothing changed
+        params, headers = {"view": "routing"}, self.headers
+        if worker.generation is not None:
+            params["since"] = worker.generation
+            headers = {**headers, "If-None-Match": f'"{worker.generation}"'}
         try:
-            response = await self._http.get(f"{worker.url}/admin/state", headers=self.headers)
-            response.raise_for_status()
-            state = response.json()
+            response = await self._http.get(
+                f"{worker.url}/admin/state", headers=headers, params=params
+            )
+            if response.status_code != 304:  # 304: the view held is the worker's
+                response.raise_for_status()
+            state = None if response.status_code == 304 else response.json()
         except (httpx.HTTPError, ValueError) as exc:
             worker.failures += 1
             if worker.healthy:
                 log.warning("replica worker %s marked out: %s", worker.url, exc)
             worker.healthy = False
             return
-        worker.apply_state(state)
-        worker.polled_at, worker.healthy = asked_at, not state["draining"]
+        if state is not None:
+            if "reset" in state:
+                worker.apply_routing(state)
+            else:  # a worker that answers the whole state whatever is asked
+                worker.apply_state(state)
+        worker.polled_at, worker.healthy = asked_at, not worker.draining
         worker.sent -= sent
 
     def on_request_routed(

@@ -105,6 +105,8 @@ class Worker:
     """The generation of the routing view held (None: ask for all of it)."""
     state_bytes: int = 0
     """Body bytes of the last state answer (0 for a 304)."""
+    draining: bool = False
+    """The last state said the worker is shutting down."""
 
     def view(self, now: float, stale_after_s: float) -> WorkerView:
         """The last poll's view, with what the router sent since. Its residency sets are the
@@ -128,6 +130,7 @@ class Worker:
         for row in view.get("adapters", []):
             self.index.put(row)
         self.generation = view.get("generation")
+        self.draining = bool(view.get("draining"))
         self._take_load(view.get("load", {}))
 
     def apply_state(self, state: dict) -> None:
@@ -137,6 +140,7 @@ class Worker:
             row_id = f"{a['name']}@{a['revision']}/{a.get('digest')}"
             self.index.put({**a, "id": row_id, "loading": bool(a.get("loading"))})
         self.generation = None
+        self.draining = bool(state.get("draining"))
         self._take_load(state.get("load", {}))
 
     def _take_load(self, load: dict) -> None:
