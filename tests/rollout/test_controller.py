@@ -7,13 +7,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from tinymodels import make_adapter
 from typer.testing import CliRunner
 
 from loraplex.artifacts import ArtifactStore
-from loraplex.registry import Registry
+from loraplex.registry import LifecycleError, Registry
 from loraplex.registry.rollouts import LeaseHeld, RolloutStore
 from loraplex.rollout.cli import app as rollout_app
 from loraplex.rollout.cli import status_lines
@@ -184,6 +185,43 @@ def test_a_rollout_of_another_revision_under_way_is_refused(registry, adapters, 
     other = Plan("ad", "r3", PLAN.steps, Limits(), PLAN.rule, 0.0, 30)
     with pytest.raises(Exception, match="a rollout of ad@r2 is under way"):
         controller(registry, Figures(made(30), made(3000)), other).run()
+
+
+def test_refused_while_another_canary_is_in_traffic_or_of_the_stable(registry, adapters, tmp_path):
+    other = make_adapter(
+        registry.base_model_dir, tmp_path / "v3", seed=3, r=4, target_modules=["q_proj"]
+    )
+    registry.add_revision(other, "ad", revision="r3")
+    registry.promote("ad", "r3", 10, force=True)
+    with pytest.raises(LifecycleError, match="ad@r3 is in canary"):
+        controller(registry, Figures(made(30), made(3000))).run()
+    registry.rollback("ad")
+    stable = Plan("ad", "r1", PLAN.steps, Limits(), PLAN.rule, 0.0, 30)
+    with pytest.raises(LifecycleError, match="ad@r1 is the stable revision already"):
+        controller(registry, Figures(made(30), made(3000)), stable).run()
+    assert RolloutStore(registry).get("ad") is None  # nothing was begun
+
+
+def test_the_lease_is_renewed_through_a_long_call(registry):
+    plan = Plan("ad", "r2", (10, 100), Limits(), StepRule(0, 10, 5), poll_s=0.0, lease_s=0.3)
+    store = RolloutStore(registry)
+    expiries = []
+
+    def slow_prepare():  # the canary pool's prewarm, say: several leases long
+        for _ in range(6):
+            time.sleep(0.2)
+            expiries.append(store.get("ad").lease_expires_at)
+
+    c = Controller(
+        plan,
+        registry,
+        Figures(made(30), made(3000)),
+        prepare=slow_prepare,
+        say=lambda _: None,
+        sleep=lambda _: None,
+    )
+    assert c.run().phase == "promoted"
+    assert len(set(expiries)) >= 3  # renewed meanwhile, not only at each look
 
 
 def test_status_and_abort_from_the_cli(registry):

@@ -8,6 +8,7 @@ resumed from the registry: the split as it stands says which changes were made."
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Controller:
         self.plan, self.registry, self.source, self.gate = plan, registry, source, gate
         self.prepare, self.say, self.sleep, self.clock = prepare, say, sleep, clock
         self.on_split = on_split
+        self.is_new = False
+        """A rollout begun here (not resumed): its canary pool is prepared before its traffic."""
         self.store = RolloutStore(registry)
         self.holder = this_holder()
 
@@ -75,16 +78,32 @@ class Controller:
     def run(self) -> RolloutRecord:
         """Until the rollout ends: promoted, rolled back, aborted, or ended by someone else."""
         record = self.begin()
+        stop = threading.Event()
+        # The lease is renewed at every look, and by this heartbeat through the long calls between
+        # looks (the canary pool's prewarm, an eval set's run).
+        heartbeat = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True)
+        heartbeat.start()
         try:
+            if self.is_new and self.prepare is not None:
+                self.prepare()
             while record.is_active:
                 try:
                     record = self.run_step(record)
                 except RolloutEnded:  # aborted between a look and a decision
                     record = self.stopped()
         finally:
+            stop.set()
+            heartbeat.join()
             self.store.release(self.name, self.holder)
         self.say(f"{self.name}@{self.plan.revision}: {record.phase} ({record.reason})")
         return record
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.plan.lease_s / 3):
+            try:
+                self.store.renew(self.name, self.holder, self.plan.lease_s)
+            except Exception as exc:  # noqa: BLE001 (the next look renews, or stops on LeaseHeld)
+                log.warning("lease not renewed: %s", exc)
 
     def begin(self) -> RolloutRecord:
         existing = self.store.get(self.name)
@@ -105,8 +124,7 @@ class Controller:
             self.say(f"{self.name}@{record.revision}: resuming at step {record.step + 1}")
             return self.reconcile(record, resuming=True)
         self.say(f"{self.name}@{record.revision}: rolling out against {stable}")
-        if self.prepare is not None:
-            self.prepare()
+        self.is_new = True
         return record
 
     def run_step(self, record: RolloutRecord) -> RolloutRecord:
@@ -277,4 +295,12 @@ def _stable_of(adapter: AdapterRecord, revision: str) -> str:
             f"{adapter.name} has no stable revision to compare {revision} with; promote one "
             f"first (`loraplex registry promote {adapter.name} REV`)"
         )
+    others = [rev for rev, _ in adapter.traffic if rev not in (revision, stable[0].revision)]
+    if others:
+        raise LifecycleError(
+            f"{adapter.name}@{others[0]} is in canary; roll it back (`loraplex registry rollback "
+            f"{adapter.name}`) or promote it first: one canary at a time"
+        )
+    if revision == stable[0].revision:
+        raise LifecycleError(f"{canary.model_id} is the stable revision already")
     return stable[0].revision
