@@ -43,6 +43,8 @@ def test_add_revisions_records_all_in_one_transaction_with_adds_digests(registry
     assert registry.change_count() == before + 1  # one transaction
     assert result.num_new == 12
     assert [r.digest for r in result.records] == [canonical_digest(p) for p in variants]
+    for record in result.records[:2] + result.records[-2:]:  # as the registry reads them back
+        assert record == registry.get_revision(record.name, "r1")
     listed = {a.name: a for a in registry.list_adapters()}
     assert sorted(listed) == [p.name for p in variants]
     assert listed["ad-01"].owner_tenant == "alice" and listed["ad-00"].shared

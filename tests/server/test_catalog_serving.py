@@ -1,7 +1,7 @@
 """A server answers from its catalog in memory: no registry statement per request at steady state,
 its own commits served to the next request, `/v1/models` paged as OpenAI's lists are, and no stall
-of the streams in flight while `/v1/models`, a registration and a change made elsewhere run against
-a registry whose every statement takes 0.4 s."""
+of the streams in flight while `/v1/models`, a registration, a change made elsewhere and requests
+with a key only the registry knows run against a registry whose every statement takes 0.4 s."""
 
 import threading
 import time
@@ -124,7 +124,13 @@ def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
     start, adapter_variants, llama_dir
 ):
     roots = (str(adapter_variants[0].parent),)
-    with start(allowed_roots=roots) as running:
+    registry_key = "carol-key-0123456789ab"
+
+    def setup(registry: Registry):
+        registry.add_tenant("carol")
+        registry.add_key("carol", registry_key)
+
+    with start(allowed_roots=roots, registry_setup=setup, key_cache_ttl_s=0.0) as running:
         other = Registry(running.registry.url, running.registry.store, base_model_dir=llama_dir)
         try:
             event.listen(
@@ -144,6 +150,13 @@ def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
                     timeout=120,
                 )
                 assert loaded.status_code == 200, loaded.text
+                for _ in range(2):  # each looks its key up in the registry (no cache: ttl 0)
+                    carol = httpx.get(
+                        f"{running.url}/v1/models",
+                        headers={"Authorization": f"Bearer {registry_key}"},
+                        timeout=60,
+                    )
+                    assert carol.status_code == 200, carol.text
                 assert _complete(running, "fresh").status_code == 200
                 other.add_revision(adapter_variants[1], "elsewhere", shared=True, status="stable")
                 running.wait_for(

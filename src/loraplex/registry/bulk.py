@@ -5,20 +5,35 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session
 
 from loraplex.lora_format import CONFIG_FILE
 from loraplex.registry import queries as q
-from loraplex.registry.db import Tenant
+from loraplex.registry.core import revision_record
+from loraplex.registry.db import (
+    Adapter,
+    ArtifactPieces,
+    ArtifactPiecesBlake3,
+    AuditEvent,
+    Revision,
+    Tenant,
+    Traffic,
+    utcnow,
+)
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import RevisionRecord
-from loraplex.registry.registration import Registration, _check_names
+from loraplex.registry.registration import Registration, _check_names, _Stored
 
 BATCH = 1000
 """Adapters recorded per transaction."""
+STORE_THREADS = 4
+"""Adapters checked and copied into the store at once."""
 
 
 @dataclass(frozen=True)
@@ -93,36 +108,159 @@ class BulkRegistration(Registration):
         that name holds already gives its existing revision, as `add_revision` does."""
         items = list(items)
         self._check_items(items)
-        stored = []
-        for index, item in enumerate(items):
-            try:
-                stored.append(
-                    self._store_verified(
-                        item.path, base_model_dir, None, item.eval_set, item.digest, item.signature
-                    )
-                )
-            except (AdapterRejected, OSError, ValueError) as exc:
-                raise ImportRefused(f"item {index + 1} ({item.name}, {item.path}): {exc}") from None
+        stored = self._store_all(items, base_model_dir)
         records: list[RevisionRecord] = []
         num_new = 0
         for start in range(0, len(items), BATCH):
+            batch = list(zip(items[start : start + BATCH], stored[start : start + BATCH]))
             with self._write() as session:
-                for item, done in zip(items[start : start + BATCH], stored[start : start + BATCH]):
-                    adapter = self._adapter_for_add(
-                        session,
-                        item.name,
-                        item.tenant,
-                        item.shared,
-                        done.spec.task_type,
-                        item.warm,
-                        item.priority,
-                    )
-                    known = q.find_revision(session, item.name, item.revision, done.digest)
-                    num_new += known is None
-                    records.append(
-                        self._insert_revision(session, adapter, done, item.revision, _status(item))
-                    )
-        return ImportResult(tuple(records), num_new)
+                names = [item.name for item, _ in batch]
+                known = set(session.scalars(select(Adapter.name).where(Adapter.name.in_(names))))
+                fresh = [(i, d) for i, d in batch if i.name not in known]
+                records += self._insert_new(session, fresh)
+                num_new += len(fresh)
+                for item, done in batch:
+                    if item.name in known:
+                        adapter = self._adapter_for_add(
+                            session,
+                            item.name,
+                            item.tenant,
+                            item.shared,
+                            done.spec.task_type,
+                            item.warm,
+                            item.priority,
+                        )
+                        num_new += (
+                            q.find_revision(session, item.name, item.revision, done.digest) is None
+                        )
+                        records.append(
+                            self._insert_revision(
+                                session, adapter, done, item.revision, _status(item)
+                            )
+                        )
+        by_name = {r.name: r for r in records}
+        return ImportResult(tuple(by_name[i.name] for i in items), num_new)
+
+    def _store_all(self, items: list[ImportItem], base_model_dir) -> list[_Stored]:
+        """`_store_verified` of each, on a few threads (their hashing, copies and fsyncs overlap);
+        ImportRefused naming the first bad item."""
+
+        def one(item: ImportItem) -> _Stored:
+            return self._store_verified(
+                item.path, base_model_dir, None, item.eval_set, item.digest, item.signature
+            )
+
+        with ThreadPoolExecutor(STORE_THREADS) as pool:
+            futures = [pool.submit(one, item) for item in items]
+            for index, (item, future) in enumerate(zip(items, futures)):
+                try:
+                    future.result()
+                except (AdapterRejected, OSError, ValueError) as exc:
+                    for rest in futures:
+                        rest.cancel()
+                    raise ImportRefused(
+                        f"item {index + 1} ({item.name}, {item.path}): {exc}"
+                    ) from None
+        return [f.result() for f in futures]
+
+    def _insert_new(self, session: Session, batch: list[tuple[ImportItem, _Stored]]) -> list:
+        """Record items whose names are new, a few statements for the lot: what `_adapter_for_add`
+        and `_insert_revision` write for a new name, the same rows and audit events."""
+        if not batch:
+            return []
+        now = utcnow()
+        for _, done in batch:
+            if not self.store.has(done.digest) and self.store.put(done.src) != done.digest:
+                raise AdapterRejected(  # removed by a gc since the put
+                    "digest", f"the files in {done.src} changed while they were being registered"
+                )
+        self._insert_pieces(session, [done for _, done in batch])
+        adapters = [_adapter_row(item, done, now) for item, done in batch]
+        session.execute(insert(Adapter), adapters)
+        revisions = [self._revision_row(item, done, now) for item, done in batch]
+        session.execute(insert(Revision), revisions)
+        names = [a["name"] for a in adapters]
+        query = select(Revision.adapter_name, Revision.id).where(Revision.adapter_name.in_(names))
+        ids = {name: rid for name, rid in session.execute(query)}
+        stable = [r for r in revisions if r["status"] == "stable"]
+        if stable:
+            session.execute(
+                insert(Traffic),
+                [
+                    {
+                        "adapter_name": r["adapter_name"],
+                        "revision_id": ids[r["adapter_name"]],
+                        "weight": 100,
+                    }
+                    for r in stable
+                ],
+            )
+        session.execute(
+            insert(AuditEvent),
+            [self._add_event(item, done, a, now) for (item, done), a in zip(batch, adapters)],
+        )
+        return [
+            revision_record(
+                SimpleNamespace(**a),
+                SimpleNamespace(id=ids[a["name"]], **r),
+                (),
+                {ids[a["name"]]: 100} if r["status"] == "stable" else {},
+            )
+            for a, r in zip(adapters, revisions)
+        ]
+
+    def _insert_pieces(self, session: Session, stored: list[_Stored]) -> None:
+        digests = sorted({d.digest for d in stored})
+        for table in (ArtifactPiecesBlake3, ArtifactPieces):
+            have = set(session.scalars(select(table.digest).where(table.digest.in_(digests))))
+            rows, seen = [], set(have)
+            for d in stored:
+                if d.digest not in seen:
+                    seen.add(d.digest)
+                    pieces = d.pieces if table is ArtifactPiecesBlake3 else d.sha256_pieces
+                    rows.append({"digest": d.digest, "pieces": pieces})
+            if rows:
+                session.execute(insert(table), rows)
+
+    def _revision_row(self, item: ImportItem, done: _Stored, now) -> dict:
+        spec, stable = done.spec, item.stable
+        return {
+            "adapter_name": item.name,
+            "revision": item.revision or "r1",
+            "digest": done.digest,
+            "base_model": done.base_model,
+            "base_model_digest": done.base_model_digest,
+            "rank": spec.rank,
+            "lora_alpha": spec.lora_alpha,
+            "dtype": spec.dtype,
+            "target_modules": ",".join(spec.target_modules),
+            "estimated_bytes": spec.estimated_bytes,
+            "actual_bytes": spec.actual_bytes,
+            "storage_uri": self._storage_uri(done.digest),
+            "signature": done.signature,
+            "eval_set": done.eval_set,
+            "status": "stable" if stable else "staging",
+            "status_reason": None,
+            "created_at": now,
+            "stable_since": now if stable else None,
+            "retired_at": None,
+        }
+
+    def _add_event(self, item: ImportItem, done: _Stored, adapter: dict, now) -> dict:
+        detail = {
+            "digest": done.digest,
+            "status": _status(item),
+            "owner": adapter["owner_tenant"],
+            "shared": adapter["shared"],
+            "estimated_bytes": done.spec.estimated_bytes,
+        }
+        return {
+            "at": now,
+            "actor": self.actor,
+            "action": "add",
+            "target": f"{item.name}@{item.revision or 'r1'}",
+            "detail": json.dumps(detail, sort_keys=True, default=str),
+        }
 
     def _check_items(self, items: list[ImportItem]) -> None:
         """What can be refused before any file is read: names, fields, a name given twice, an
@@ -148,3 +286,16 @@ class BulkRegistration(Registration):
 
 def _status(item: ImportItem) -> str:
     return "stable" if item.stable else "staging"
+
+
+def _adapter_row(item: ImportItem, done: _Stored, now) -> dict:
+    return {
+        "name": item.name,
+        "owner_tenant": item.tenant,
+        "shared": item.tenant is None if item.shared is None else item.shared,
+        "task_type": done.spec.task_type,
+        "priority": item.priority or 0,
+        "warm_policy": item.warm or "on_demand",
+        "pinned": False,
+        "created_at": now,
+    }

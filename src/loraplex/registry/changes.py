@@ -171,8 +171,11 @@ def _install_postgresql(engine: Engine) -> None:
 
 def bounds(conn: Connection) -> tuple[int | None, int | None]:
     """(lowest, highest) id in the feed; (None, None) when it is empty."""
-    low, high = conn.execute(select(func.min(_CHANGES.c.id), func.max(_CHANGES.c.id))).one()
-    return low, high
+    # two scalar subqueries: each is one index lookup, where min and max in one SELECT scan it
+    low = select(func.min(_CHANGES.c.id)).scalar_subquery()
+    high = select(func.max(_CHANGES.c.id)).scalar_subquery()
+    first, last = conn.execute(select(low, high)).one()
+    return first, last
 
 
 def since(conn: Connection, after: int, upto: int) -> Changed:

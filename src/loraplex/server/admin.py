@@ -356,6 +356,8 @@ async def pin(name: str, request: Request, body: TierBody | None = None) -> dict
     body = body or TierBody()  # no body: every default
     server = _server(request)
     records = await _records(server, name, body.revision)
+    for record in records:  # a digest's files, read off the loop
+        await server.resolver.prepare(record)
     cache = server.engine.adapters
     refs = [server.resolver.ref_for(record, record.owner_tenant or "default") for record in records]
     before = {r.key: cache.pinned(r.key) for r in refs}
@@ -420,6 +422,7 @@ async def prewarm(name: str, request: Request, body: TierBody | None = None) -> 
     server = _server(request)
     records = await _records(server, name, body.revision)
     for record in records:
+        await server.resolver.prepare(record)  # a digest's files, read off the loop
         server.engine.adapters.prewarm(
             server.resolver.ref_for(record, record.owner_tenant or "default"), body.tier
         )

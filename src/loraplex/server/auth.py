@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -86,6 +87,26 @@ class Authenticator:
                 log.warning("API keys now exist: open mode is over, every request needs a key")
             self._open = (is_open, now + self.ttl_s)
         return self._open[0]
+
+    async def tenant_of(self, authorization: str | None) -> str:
+        """`tenant`, on a worker thread when it must ask the registry (a key not seen for `ttl_s`,
+        open mode's look for a first key): never a query on the event loop."""
+        if self._answers_from_memory(authorization):
+            return self.tenant(authorization)
+        return await asyncio.to_thread(self.tenant, authorization)
+
+    def _answers_from_memory(self, authorization: str | None) -> bool:
+        now = self.clock()
+        if not self.file_keys and (self._open is None or (self._open[0] and self._open[1] < now)):
+            return False  # open mode's look for a first key is due
+        if self._open is not None and self._open[0]:
+            return True
+        key = bearer(authorization)
+        if key is None:
+            return True
+        digest = _hash(key)
+        cached = self._cache.get(digest)
+        return digest in self.file_keys or (cached is not None and cached[1] >= now)
 
     def tenant(self, authorization: str | None) -> str:
         """The caller's tenant, or a 401 APIError."""

@@ -52,7 +52,7 @@ def _documented_body(model) -> dict:
 
 @router.post("/v1/completions", openapi_extra=_documented_body(CompletionRequest))
 async def completions(request: Request):
-    server, ctx = _begin(request, "completions")
+    server, ctx = await _begin(request, "completions")
     if server.engine.kind == "vllm":
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=False)
@@ -79,7 +79,7 @@ async def completions(request: Request):
 
 @router.post("/v1/chat/completions", openapi_extra=_documented_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
-    server, ctx = _begin(request, "chat.completions")
+    server, ctx = await _begin(request, "chat.completions")
     if server.engine.kind == "vllm":
         body = await _read_body(request, server.config.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=True)
@@ -107,7 +107,7 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     """The models this tenant may use, from memory. With `limit` (and `after`, the last id of the
     page before) one page, as OpenAI's lists page: `has_more`, `first_id`, `last_id`."""
     server: Server = request.app.state.server
-    tenant = server.auth.tenant(request.headers.get("authorization"))
+    tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     count = None if limit is None else _limit(limit)
     # a listing of the whole catalog is made and encoded on a thread: the streams go on meanwhile
     body = await asyncio.to_thread(_models_body, server, tenant, after, count)
@@ -163,12 +163,12 @@ def _token_text(server: Server):
     return lambda ids: decode(ids, skip_special_tokens=False)
 
 
-def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
+async def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
     server: Server = request.app.state.server
     ctx: RequestContext = request.state.ctx
     ctx.is_inference, ctx.endpoint = True, endpoint
     # first: a refusal names its tenant
-    ctx.tenant = server.auth.tenant(request.headers.get("authorization"))
+    ctx.tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     server.check_accepting()
     return server, ctx
 

@@ -111,10 +111,11 @@ class ServeSettings:
     )
     registry_watch_s: float = setting(
         2.0,
-        "How often changes made elsewhere in the registry are picked up",
+        "How often the grace pins of revisions that left traffic are checked for their end",
         panel=WHERE,
-        doc="how soon changes made elsewhere (the registry CLI, other workers) reach this "
-        "server: pins, traffic, tenant priorities and limits; shorter polls the database more",
+        doc="how often the grace pins of revisions that left traffic are checked for the end of "
+        "their period; changes made elsewhere arrive by the registry's change feed "
+        "(docs/registry.md), not by polling",
     )
     # engine
     engine: str = setting(
