@@ -4,6 +4,7 @@ lease and resume."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -234,3 +235,42 @@ def test_status_and_abort_from_the_cli(registry):
     assert "rolled_back" in shown.output and "last decision: rollout_end" in shown.output
     again = runner.invoke(rollout_app, ["abort", "ad", "--registry", registry.url])
     assert again.exit_code == 1 and "no rollout under way" in again.output
+
+
+def test_a_rollback_decided_before_a_kill_is_applied_on_resume(registry):
+    store = RolloutStore(registry)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    holder = f"{socket.gethostname()}:{dead}"
+    store.begin("ad", "r2", "r1", PLAN.steps, {}, lease_s=600, holder=holder)
+    registry.set_traffic("ad", {"r2": 1, "r1": 99}, force=True)
+    store.record(
+        "ad", holder, "rollout_rollback", {"reasons": ["slow"]}, phase="rolling_back", reason="slow"
+    )
+    record = controller(registry, Figures(made(30), made(3000))).run()
+    assert record.phase == "rolled_back" and record.reason == "slow"
+    assert registry.show("ad").traffic == (("r1", 100),)
+
+
+def test_the_cli_refuses_bad_input_with_one_line(registry):
+    runner = CliRunner()
+    no_worker = runner.invoke(rollout_app, ["ad", "r2", "--registry", registry.url])
+    assert no_worker.exit_code == 2
+    assert no_worker.output.strip() == "error: --source workers needs at least one --worker URL"
+    unknown = runner.invoke(
+        rollout_app, ["nope", "r1", "--registry", registry.url, "--worker", "http://127.0.0.1:9"]
+    )
+    assert unknown.exit_code == 1 and "error: model 'nope' not found" in unknown.output
+    steps = runner.invoke(rollout_app, ["ad", "r2", "--steps", "50,10,100"])
+    assert steps.exit_code == 2 and "rising percents ending in 100" in steps.output
+
+
+def test_status_as_json(registry):
+    controller(registry, Figures(made(30), made(3000))).run()
+    shown = CliRunner().invoke(rollout_app, ["status", "ad", "--registry", registry.url, "--json"])
+    assert shown.exit_code == 0, shown.output
+    body = json.loads(shown.output)
+    assert body["phase"] == "promoted" and body["traffic"] == {"r2": 100}
+    assert body["steps"] == [1, 10, 50, 100] and body["controller_alive"] is False
+    assert body["last_decision"]["action"] == "rollout_promote"
