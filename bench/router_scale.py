@@ -10,13 +10,13 @@ Each worker is a stand-in at the HTTP boundary: a FastAPI app serving the real a
 rows shaped as a worker's (4 in slots, up to 200 in host memory, the rest on disk). The real router
 `Fleet` polls it. Rows measured per size:
 - the whole answer's bytes (what one poll cost when the router read the whole state);
-- the first routing poll (every row), then the body bytes per poll over `--polls` polls with nothing
-  changing, then one poll after one adapter moved into a slot;
+- the first routing poll (every adapter resident or loading), then the body bytes per poll over
+  `--polls` polls with nothing changing, then one poll after one adapter moved into a slot;
 - the worker's time to answer one routing poll (it still builds and diffs its whole state);
 - the picker's cost per request: `Picker.pick(fleet.views(), adapter)` over 8 workers holding N
   adapters each, adapters drawn Zipf(0.9) from a catalog twice what they hold (so that some picks
-  are cold at every size), per kind of pick (resident somewhere, or cold); 5 rounds alternating between the
-  sizes, the median round.
+  are cold at every size), per kind of pick (resident somewhere, or cold); 5 rounds alternating
+  between the sizes, the median round.
 """
 
 from __future__ import annotations

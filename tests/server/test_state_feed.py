@@ -75,3 +75,15 @@ def test_generations_parse_from_etags_and_refuse_junk():
     assert Generation.parse(str(g)) == g
     for junk in ("", "7", "ab12.", "ab12.x", '"'):
         assert Generation.parse(junk) is None
+
+
+def test_only_resident_or_loading_adapters_are_routing_rows():
+    feed = StateFeed()
+    g1 = feed.observe(state(row("a", "gpu"), row("b", "disk"), row("c", "remote", loading=True)))
+    assert sorted(r["name"] for r in feed.view(None)["adapters"]) == ["a", "c"]
+    # a leaving host memory for disk leaves the view; more adapters on disk change nothing
+    g2 = feed.observe(state(row("a", "disk"), row("b", "disk"), row("c", "cpu"), row("d", "disk")))
+    delta = feed.view(g1)
+    assert delta["removed"] == ["a@1/sha256:a1"]
+    assert [(r["name"], r["tier"]) for r in delta["adapters"]] == [("c", "cpu")]
+    assert feed.observe(state(row("c", "cpu"), *(row(f"x{i}", "disk") for i in range(100)))) == g2

@@ -1,6 +1,8 @@
 """The routing view of `GET /admin/state`, numbered, so that a gateway polls only what changed.
 
-A routing row is what a gateway routes by: an adapter revision's tier and whether it is loading.
+A routing row is what a gateway routes by: an adapter revision's tier and whether it is loading, for
+the adapters resident in a slot or host memory or loading (so their number is bounded by the
+worker's capacity, not by the catalog).
 The load block (queue, running, tokens, KV use, slots) is a fixed handful of figures. Each change to
 either makes a new generation; a poller that sends the generation it holds gets `304 Not Modified`
 when nothing changed, or only the rows changed and removed since, so that its bytes per poll follow
@@ -66,6 +68,12 @@ class RoutingRow(NamedTuple):
         return {"id": row_id, **self._asdict()}
 
 
+def _routed_by(adapter: dict) -> bool:
+    """Whether routing reads the row: resident in a slot or host memory, or loading (an adapter
+    on disk or only in the store counts as on no worker)."""
+    return adapter["tier"] in ("gpu", "cpu") or bool(adapter["loading"])
+
+
 class StateFeed:
     """Routing rows and load of the latest state seen, each row with the generation it last changed
     in, and the rows removed (kept until `max_removed` of them, then the oldest go and a poller from
@@ -95,7 +103,7 @@ class StateFeed:
             "max_loras": state.get("max_loras"),
             "load": {k: state.get("load", {}).get(k, 0) for k in LOAD_FIELDS},
         }
-        rows = dict(map(RoutingRow.of, state.get("adapters", [])))
+        rows = dict(map(RoutingRow.of, filter(_routed_by, state.get("adapters", []))))
         with self._lock:
             changed = [i for i, row in rows.items() if self.rows.get(i) != row]
             gone = [i for i in self.rows if i not in rows]
