@@ -13,8 +13,9 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator, Set
+from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -33,7 +34,7 @@ class Names(Set):
         self._counts: Counter[str] = Counter()
 
     @classmethod
-    def _from_iterable(cls, names) -> frozenset[str]:
+    def _from_iterable(cls, names: Iterable[Any]) -> Set[Any]:
         """What `|`, `&` and `-` make: a plain frozenset."""
         return frozenset(names)
 
