@@ -72,3 +72,44 @@ vllm:num_requests_running{engine="1",model_name="m"} 4.0
     view = worker.view(now=worker.polled_at, stale_after_s=2)
     assert view.gpu == {"sql"} and view.free_slots == 3
     assert (view.waiting, view.running) == (3, 7)
+
+
+def routing_row(name: str, revision: str, tier: str, loading: bool = False) -> dict:
+    return {
+        "id": f"{name}@{revision}/sha256:{name}{revision}",
+        "name": name,
+        "revision": revision,
+        "model": f"{name}@{revision}",
+        "tier": tier,
+        "loading": loading,
+    }
+
+
+def test_routing_deltas_update_the_index_by_name_and_revision():
+    worker = Worker("http://w")
+    load = {"waiting": 0, "running": 0, "free_slots": 0}
+    worker.apply_routing(
+        {
+            "generation": "e.1",
+            "reset": True,
+            "load": load,
+            "adapters": [routing_row("sql", "r1", "gpu"), routing_row("sql", "r2", "gpu")],
+            "removed": [],
+        }
+    )
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
+    assert view.affinity("sql") == view.affinity("sql@r2") == "gpu"
+    # r2 leaves the worker: the name stays in the slots with r1
+    delta = {"reset": False, "load": load, "removed": ["sql@r2/sha256:sqlr2"]}
+    worker.apply_routing({**delta, "generation": "e.2"})
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
+    assert (view.affinity("sql"), view.affinity("sql@r2")) == ("gpu", "none")
+    # r1 leaves the slots for host memory, loading back
+    row = routing_row("sql", "r1", "cpu", loading=True)
+    worker.apply_routing({"generation": "e.3", "reset": False, "load": load, "adapters": [row]})
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
+    assert (view.affinity("sql"), view.affinity("sql@r1")) == ("cpu", "cpu")
+    assert set(view.gpu) == set() and "sql@r1" in view.loading and worker.generation == "e.3"
+    # a reset starts over from the rows it carries
+    worker.apply_routing({"generation": "f.1", "reset": True, "load": load, "adapters": []})
+    assert worker.view(now=worker.polled_at, stale_after_s=2).affinity("sql") == "none"
