@@ -28,7 +28,7 @@ from harness import (  # noqa: E402 (the server tests' helpers)
 )
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-MORE = 24
+MORE = 60
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def idle_delta_bytes(url: str, generation: str) -> int:
     return len(r.content) - len(body["generation"])
 
 
-def test_idle_polls_cost_the_same_bytes_at_3_and_27_adapters(
+def test_idle_polls_cost_the_same_bytes_at_3_and_63_adapters(
     llama_dir, llama_adapters, variants, tmp_path
 ):
     with worker(tmp_path, llama_dir, llama_adapters, variants) as url:
@@ -127,7 +127,7 @@ def test_idle_polls_cost_the_same_bytes_at_3_and_27_adapters(
 
             many = few + [f"v{i:02d}" for i in range(MORE)]
             prewarm(url, many[3:])
-            wait_for(lambda: settled(fleet, url, set(many)), "the router's view of 27 adapters")
+            wait_for(lambda: settled(fleet, url, set(many)), "the router's view of 63 adapters")
             full_many = len(admin(url, "GET", "/admin/state").content)
             delta_many = idle_delta_bytes(url, fleet.workers[url].generation)
 
