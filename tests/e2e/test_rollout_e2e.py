@@ -285,6 +285,10 @@ def test_good_bad_and_slow_revisions_with_a_killed_controller(fleet):
         assert registry.show(NAME).traffic == (("r2", 100),)
         actions = [e.action for e in reversed(events(registry, "r2"))]
         assert "rollout_resume" in actions and actions[-1] == "rollout_promote"
+        advances = [e for e in events(registry, "r2") if e.action == "rollout_advance"]
+        assert {e.detail["weight"] for e in advances} == {20, 50}
+        assert all(e.detail["quality"]["canary"] == "8/8" for e in advances)
+        assert all(e.detail["canary"]["requests"] >= 8 for e in advances)
         # 2. The bad revision: the quality gate refuses it before it gets any traffic.
         bad = controller(fleet, "r3", root / "controller-bad.log", "--steps", "20,50,100")
         assert bad.wait(timeout=240) == 3, (root / "controller-bad.log").read_text()

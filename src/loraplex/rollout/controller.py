@@ -134,9 +134,11 @@ class Controller:
         record = self.reconcile(record)
         if not record.is_active:
             return self.stopped()
+        quality = None
         if record.weight < 100 and self.gate is not None:  # before the step's traffic
             gate = self.gate.check(self.name, record.revision, record.stable_revision)
-            decision = {"step": record.step + 1, "weight": record.weight, "quality": gate.detail}
+            quality = gate.detail
+            decision = {"step": record.step + 1, "weight": record.weight, "quality": quality}
             if not gate.passed:
                 return self.roll_back(record, {**decision, "reasons": [gate.reason]})
             self.say(f"{self.name}@{record.revision}: quality gate: {gate.reason}")
@@ -146,7 +148,7 @@ class Controller:
             return self.stopped()
         if record.weight == 100:
             return self.promoted(record)
-        return self.watch(record)
+        return self.watch(record, quality)
 
     def stopped(self) -> RolloutRecord:
         """The rollout as ended elsewhere; an abort that came after this controller's last change
@@ -160,7 +162,9 @@ class Controller:
             self.split_changed()
         return record
 
-    def watch(self, record: RolloutRecord) -> RolloutRecord:
+    def watch(self, record: RolloutRecord, quality: dict | None) -> RolloutRecord:
+        """Read the figures every poll until a verdict; `quality`: the step's gate, recorded with
+        the decision."""
         mark, started = self.source.mark(self.name), self.clock()
         self.say(f"{self.name}@{record.revision}: step {record.step + 1}, {record.weight}%")
         while True:
@@ -178,6 +182,7 @@ class Controller:
                 "step": record.step + 1,
                 "weight": record.weight,
                 **verdict.figures,
+                **({"quality": quality} if quality is not None else {}),
                 "reasons": list(verdict.reasons),
             }
             if verdict.action == ROLLBACK:
