@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import itertools
 import random
+import sys
 import threading
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator
@@ -195,11 +196,27 @@ class Catalog:
         return entry.by_revision[pick(name, list(serving), user, self._rng)]
 
 
+# Columns whose values repeat across a catalog: each value kept once (sys.intern)
+_SHARED = {
+    "base_model", "base_model_digest", "dtype", "status", "warm_policy", "target_modules",
+    "task_type", "owner_tenant", "revision", "status_reason",
+}  # fmt: skip
+
+
 def _plain(result) -> list:
     """The rows as named tuples: their fields read several times faster than a Row's (every
-    field of every revision is read at a start)."""
-    kind = namedtuple("Row", list(result.keys()))  # type: ignore[misc]
-    return [kind._make(row) for row in result]
+    field of every revision is read at a start), with the values of `_SHARED` columns kept once."""
+    keys = list(result.keys())
+    kind = namedtuple("Row", keys)  # type: ignore[misc]
+    shared = [i for i, key in enumerate(keys) if key in _SHARED]
+    rows = []
+    for row in result:
+        values = list(row)
+        for i in shared:
+            if values[i] is not None:
+                values[i] = sys.intern(values[i])
+        rows.append(kind._make(values))
+    return rows
 
 
 def _read_entries(conn: Connection, names: list[str] | None) -> dict[str, Entry]:

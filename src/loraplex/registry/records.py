@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a server holds one per revision of its catalog
 class RevisionRecord:
     """One immutable revision of an adapter, with the manifest fields of the architecture doc."""
 
@@ -53,7 +53,7 @@ class RevisionRecord:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AdapterRecord:
     name: str
     owner_tenant: str | None
