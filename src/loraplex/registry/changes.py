@@ -191,8 +191,9 @@ def since(conn: Connection, after: int, upto: int) -> Changed:
 
 
 def on_local_commit(engine: Engine, callback: Callable[[], None]) -> None:
-    """Call `callback` as each write transaction of this process commits on `engine` (one that
-    bumped the change counter): what lets this process's own reader see its writes at once."""
+    """Call `callback` once each write transaction of this process (one that bumped the change
+    counter) has committed on `engine` and its connection is back in the pool: what lets this
+    process's own reader see its writes at once."""
     bump = "UPDATE generation"
 
     @event.listens_for(engine, "after_cursor_execute")
@@ -201,13 +202,19 @@ def on_local_commit(engine: Engine, callback: Callable[[], None]) -> None:
             conn.info["lpx_bumped"] = True
 
     @event.listens_for(engine, "commit")
-    def _committed(conn):
+    def _committing(conn):  # before the database's commit: told once it is back in the pool
         if conn.info.pop("lpx_bumped", False):
-            callback()
+            conn.info["lpx_committed"] = True
 
     @event.listens_for(engine, "rollback")
     def _rolled_back(conn):
         conn.info.pop("lpx_bumped", None)
+        conn.info.pop("lpx_committed", None)
+
+    @event.listens_for(engine.pool, "checkin")
+    def _returned(_dbapi_conn, record):
+        if record is not None and record.info.pop("lpx_committed", False):
+            callback()
 
 
 # ---- watching it ---------------------------------------------------------------------------------
