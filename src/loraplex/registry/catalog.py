@@ -74,8 +74,9 @@ class Catalog:
 
     def subscribe(self, listener: Listener) -> None:
         """`listener(changed)` after each refresh that found something, in order, on the
-        refreshing thread."""
-        self._listeners.append(listener)
+        refreshing thread; from the next refresh on (one under way finishes first)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     # ---- keeping it current --------------------------------------------------------------------
 
@@ -166,12 +167,15 @@ class Catalog:
 
     def visible(self, tenant: str) -> list[AdapterRecord]:
         """The adapters `tenant` may use, by name."""
+        return [entry.adapter for entry in self.visible_entries(tenant)]
+
+    def visible_entries(self, tenant: str) -> list[Entry]:
         entries = self.entries
         out = []
         for name in list(self.names):
             entry = entries.get(name)
             if entry is not None and entry.may_use(tenant):
-                out.append(entry.adapter)
+                out.append(entry)
         return out
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:

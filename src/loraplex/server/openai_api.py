@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ from loraplex.server import schemas, vllm_api
 from loraplex.server.disconnect import ClientGone, until_gone, watch
 from loraplex.server.errors import APIError, as_api_error, validation_error
 from loraplex.server.generation import RequestRun
+from loraplex.server.listing import MAX_PAGE
 from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -110,27 +110,8 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     count = None if limit is None else _limit(limit)
     # a listing of the whole catalog is made and encoded on a thread: the streams go on meanwhile
-    body = await asyncio.to_thread(_models_body, server, tenant, after, count)
+    body = await asyncio.to_thread(server.listing.body, tenant, after, count)
     return Response(body, media_type="application/json")
-
-
-def _models_body(server: Server, tenant: str, after: str | None, limit: int | None) -> bytes:
-    if after is None and limit is None:
-        return server.models_body(tenant)
-    cards = server.model_cards(tenant)
-    page = _page(cards, after, MAX_PAGE if limit is None else limit)
-    return _BODY.encode(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": bool(page) and page[-1] is not cards[-1],
-        }
-    ).encode()
-
-
-MAX_PAGE = 10_000
 
 
 def _limit(text: str) -> int:
@@ -142,18 +123,6 @@ def _limit(text: str) -> int:
             "limit",
         )
     return int(text)
-
-
-def _page(cards: list[dict], after: str | None, limit: int) -> list[dict]:
-    """The cards after the one named `after` (the base model's first, then adapters by name; an id
-    gone since the last page still marks its place), at most `limit`."""
-    if after is None:
-        start = 0
-    elif after == cards[0]["id"]:
-        start = 1
-    else:
-        start = bisect.bisect_right(cards, after, lo=1, key=lambda card: card["id"])
-    return cards[start : start + limit]
 
 
 def _token_text(server: Server):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import gc
 import logging
 import random
 import time
@@ -33,11 +33,11 @@ from loraplex.server.config import ServerConfig
 from loraplex.server.disconnect import ClientGone, until_gone
 from loraplex.server.errors import APIError
 from loraplex.server.generation import RequestRun
+from loraplex.server.listing import ModelListing
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
-from loraplex.server.schemas import model_card
 
 if TYPE_CHECKING:
     from loraplex.engines.native.tokenizer import Tokenizer
@@ -67,9 +67,6 @@ class Server:
         """The registry's adapters in memory, kept current by its change feed (`feed`)."""
         self.feed = ChangeWatcher(registry.engine, self.catalog.refresh)
         self.catalog.subscribe(self.on_registry_change)
-        self._cards: dict[tuple[str, frozenset[str]], tuple[list[dict], bytes]] = {}
-        """(tenant, names draining) -> its /v1/models cards and body, made at `_cards_version`."""
-        self._cards_version = -1
         self.resolver = AdapterResolver(
             registry,
             self.catalog,
@@ -78,6 +75,10 @@ class Server:
             self.tenant_priority,
             registry.trusted_keys,
         )
+        self.listing = ModelListing(
+            self.catalog, config.served_model_name, self.resolver.may_see, self.resolver.draining
+        )
+        """`/v1/models`, from the catalog."""
         self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
         self.metrics = ServerMetrics(
             self.live_figures,
@@ -110,6 +111,9 @@ class Server:
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.catalog.refresh()  # the whole catalog, once (its listener reads the tenants)
+        # what was just read lives as long as the process: the collector's full passes, which
+        # stop every thread, need not walk it (100,000 adapters: hundreds of ms a pass)
+        gc.freeze()
         # The native engine's step loop gets its thread here, unless it runs in a process of its own
         # (EngineClient); vLLM's engine core runs in its own process.
         engine = self.engine
@@ -448,44 +452,6 @@ class Server:
             log.exception("could not quarantine %s@%s", key.name, key.revision)
 
     # -- views -----------------------------------------------------------------------------------
-    def model_cards(self, tenant: str) -> list[dict]:
-        """The base model's card, then those of the adapters `tenant` may use that serve traffic
-        here, by name: from the catalog, kept per tenant until the catalog or the drains change."""
-        return self._listing(tenant)[0]
-
-    def models_body(self, tenant: str) -> bytes:
-        """`model_cards` as the JSON body of `/v1/models`, kept as long as the cards."""
-        return self._listing(tenant)[1]
-
-    def _listing(self, tenant: str) -> tuple[list[dict], bytes]:
-        key = (tenant, frozenset(self.resolver.draining))
-        if self._cards_version != self.catalog.version:  # stale: all of them
-            self._cards, self._cards_version = {}, self.catalog.version
-        listing = self._cards.get(key)
-        if listing is None:
-            cards = self._make_cards(tenant)
-            # card by card: one encode of the whole list would hold the GIL, and the event loop,
-            # for the length of it (100,000 cards: hundreds of ms)
-            data = b",".join(_LISTING.encode(card).encode() for card in cards)
-            body = b'{"object":"list","data":[' + data + b"]}"
-            listing = self._cards[key] = (cards, body)
-        return listing
-
-    def _make_cards(self, tenant: str) -> list[dict]:
-        name = self.config.served_model_name
-        cards = [model_card(name, "loraplex", None)]
-        for adapter in self.catalog.visible(tenant):
-            serving = [
-                r
-                for r in adapter.revisions
-                if r.traffic_weight and self.resolver.may_see(r.base_model_digest)
-            ]
-            if serving and adapter.name not in self.resolver.draining:
-                owner = "shared" if adapter.shared else adapter.owner_tenant or "shared"
-                main = max(serving, key=lambda r: r.traffic_weight)
-                cards.append(model_card(adapter.name, owner, name, root=main.model_id))
-        return cards
-
     def live_figures(self) -> dict:
         """The engine's figures, with adapters named as a gateway routes them (`gateway_model`)."""
         live = self.engine.live_figures()
@@ -534,8 +500,6 @@ class Server:
             "cache": {k: v for k, v in cache.items() if k not in ("adapters", "tenants")},
         }
 
-
-_LISTING = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 _TIER_STAGES = {
     "cpu": {"h2d", "activation"},
