@@ -246,14 +246,25 @@ async def workload(url: str, names: list[str], n: int, seed: int) -> None:
         await asyncio.gather(*(worker() for _ in range(4)))
 
 
-def models_p99(url: str, calls: int = 30) -> float:
+def wait_ready(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"{url} was not ready in {timeout} s")
+
+
+def models_times(url: str, calls: int = 30) -> list[float]:
+    """`/v1/models` one after another; the first after the last change makes the listing."""
     times = []
     with httpx.Client(timeout=120, headers=AUTH) as client:
         for _ in range(calls):
             start = time.perf_counter()
             client.get(f"{url}/v1/models").raise_for_status()
             times.append(time.perf_counter() - start)
-    return pct(times, 0.99)
+    return times
 
 
 def bench_small_vs_large(sizes, variants, model, work) -> dict:
@@ -291,7 +302,10 @@ def bench_small_vs_large(sizes, variants, model, work) -> dict:
                 cpu[label].append((cpu_seconds(proc.p.pid) - before) * 1000 / n)
         for label, proc in procs.items():
             figures[label]["cpu_ms_per_request"] = statistics.median(cpu[label])
-            figures[label]["models_p99_ms"] = models_p99(proc.url) * 1000
+            times = models_times(proc.url)
+            figures[label]["models_first_ms"] = times[0] * 1000
+            figures[label]["models_p50_ms"] = statistics.median(times) * 1000
+            figures[label]["models_p99_ms"] = pct(times, 0.99) * 1000
     finally:
         for proc in procs.values():
             proc.stop()
@@ -394,6 +408,7 @@ def bench_huge(sizes, variants, model, work) -> dict:
         start = time.perf_counter()
         # the default engine core (a process of its own): the API server's loop alone in its GIL
         proc = serve(model, u, work, f"start-{label}", *roots, engine_core="process")
+        wait_ready(proc.url)  # the catalog is read at the app's start, after the address line
         out[f"startup_{label}_s"] = time.perf_counter() - start
         if label == "empty":
             proc.stop()
@@ -526,7 +541,8 @@ def goals(r: dict) -> list[tuple[str, str, str, bool]]:
         ),
         (
             f"/v1/models p99, {big['registered']:,} registered",
-            f"{big['models_p99_ms']:.1f} ms",
+            f"{big['models_p99_ms']:.1f} ms (p50 {big['models_p50_ms']:.1f}, first "
+            f"{big['models_first_ms']:.1f})",
             "< 50 ms",
             big["models_p99_ms"] < 50,
         ),
@@ -591,8 +607,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.json is None:
+        args.json = DEFAULT_JSON.with_suffix(".quick.json") if args.quick else DEFAULT_JSON
     sizes = QUICK if args.quick else FULL
     work = Path(tempfile.mkdtemp(prefix="loraplex-catalog-"))
     work.chmod(0o755)  # PostgreSQL's own user reaches its cluster inside

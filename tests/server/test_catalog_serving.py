@@ -169,3 +169,27 @@ def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
             assert during > 20 and stalls == [], (during, sorted(streams.gaps)[-5:])
         finally:
             other.close()
+
+
+def test_start_and_listing_touch_no_artifact_and_a_first_request_reads_its_own(
+    start, adapter_variants
+):
+    looked: list[str] = []
+
+    def setup(registry: Registry):
+        for i, path in enumerate(adapter_variants[:6]):
+            registry.add_revision(path, f"many-{i}", shared=True, status="stable")
+        store = registry.store
+        has, pieces = store.has, registry.pieces
+        store.has = lambda digest: looked.append(digest) or has(digest)
+        registry.pieces = lambda digest: looked.append(digest) or pieces(digest)
+
+    with start(registry_setup=setup) as running:
+        listed = [m.id for m in running.client("alice").models.list()]
+        assert [n for n in listed if n.startswith("many-")] == [f"many-{i}" for i in range(6)]
+        assert looked == []  # the start and the listing read the catalog, no artifact
+        assert _complete(running, "many-3").status_code == 200
+        digest = running.server.catalog.adapter("many-3").revisions[0].digest
+        assert set(looked) == {digest}
+        _complete(running, "many-3")
+        assert set(looked) == {digest} and len(looked) == 2  # once per digest: a stat, a read
