@@ -28,7 +28,7 @@ from world_fleet import checked_inputs, variant
 
 from loraplex.demo.transforms import TRANSFORMS
 from loraplex.demo.world import make_prompt
-from loraplex.loadgen.procs import ADMIN_TOKEN, start_router, start_together, start_worker
+from loraplex.loadgen.procs import ADMIN_TOKEN, Proc, start_router, start_together, start_worker
 from loraplex.registry import Registry
 from loraplex.registry.rollouts import RolloutStore
 
@@ -87,6 +87,7 @@ class Traffic:
     def __init__(self, url: str, texts: list[str]):
         self.url, self.texts, self.results = url, texts, []
         self.times: list[tuple[float, float]] = []  # (sent, answered) of each result
+        self.workers: list[str] = []  # the worker that answered each result
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
 
@@ -113,6 +114,7 @@ class Traffic:
                 except httpx.HTTPError as exc:  # kept as a failed request, not a dead thread
                     self.results.append((type(exc).__name__, "", False))
                     self.times.append((sent, time.time()))
+                    self.workers.append("")
                     continue
                 served = r.headers.get("x-loraplex-adapter", "")
                 right = r.status_code == 200 and (
@@ -120,6 +122,7 @@ class Traffic:
                 )
                 self.results.append((r.status_code, served, right))
                 self.times.append((sent, time.time()))
+                self.workers.append(r.headers.get("x-loraplex-worker", ""))
 
     def served(self) -> set[str]:
         return {served for _, served, _ in self.results}
@@ -145,6 +148,7 @@ def fleet(demo_world, tmp_path_factory):
     registry.add_revision(variant(reverse, root / "r2", "r2"), NAME, revision="r2", eval_set=cases)
     registry.add_revision(rot13, NAME, revision="r3", eval_set=cases)
     add_slow_revision(registry, url, variant(reverse, root / "r4", "r4"), slow)
+    registry.add_revision(variant(reverse, root / "r5", "r5"), NAME, revision="r5", eval_set=cases)
     token = root / "admin-token"
     token.write_text(ADMIN_TOKEN + "\n")
     extra = ("--max-loras", "4", "--registry", url, "--allowed-roots", slow.url)
@@ -327,3 +331,51 @@ def test_good_bad_and_slow_revisions_with_a_killed_controller(fleet):
     assert not outside, (outside[:5], timeline)
     served = {s.split("@")[1] for s in traffic.served()}
     assert "r3" not in served and {"r1", "r2", "r4"} <= served
+
+
+def test_the_canary_pool_takes_the_canarys_share_through_a_router_with_the_registry(fleet):
+    """r5 rolled out with one worker as its pool, behind a router that reads the registry: the
+    pool's worker prewarms it, and every request the router sends it lands there."""
+    registry, workers, _, token, texts, root = fleet
+    pool, other = workers
+    args = ["router", "--port", "0", "--admin-token-file", str(token), "--registry", registry.url]
+    # room for this traffic on one worker: the router counts each request it sent since its last
+    # poll, so two clients' stream would pass its default of 5 and spill over by design
+    args += ["--saturation-waiting", "50"]
+    router = Proc([*args, "--worker", pool.url, "--worker", other.url], root / "router-2.log")
+    try:
+        wait_for(lambda: _answers(f"{router.url}/health"), 60, "the second router to listen")
+        with Traffic(router.url, texts) as traffic:
+            wait_for(lambda: len(traffic.results) >= 6, 120, "traffic through the second router")
+            run = controller(
+                fleet,
+                "r5",
+                root / "controller-pool.log",
+                "--step-s",
+                "8",
+                "--steps",
+                "50,100",
+                "--canary-workers",
+                pool.url,
+            )
+            assert run.wait(timeout=240) == 0, (root / "controller-pool.log").read_text()
+    finally:
+        router.stop()
+    assert registry.show(NAME).traffic == (("r5", 100),)
+    changes = [
+        e
+        for e in reversed(registry.audit_events(1000, NAME))
+        if "r5" in (e.detail.get("traffic") or {})
+    ]
+    split_at = next(e.at.timestamp() for e in changes if e.action == "set_traffic")
+    promoted_at = next(e.at.timestamp() for e in changes if e.action == "promote")
+    # from when the router has read the split (it reads it at most once a second) to the promotion
+    during = [
+        worker
+        for (status, served, _), worker, (sent, _) in zip(
+            traffic.results, traffic.workers, traffic.times
+        )
+        if served == f"{NAME}@r5" and split_at + FEED_LAG_S < sent < promoted_at
+    ]
+    assert len(during) >= 8 and set(during) == {pool.url}, (len(during), set(during))
+    assert all(status == 200 and right for status, _, right in traffic.results)

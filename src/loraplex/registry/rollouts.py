@@ -219,6 +219,13 @@ class RolloutStore:
             self._audit(session, action, row, reason=reason, **detail)
             return _record(row)
 
+    def active(self) -> list[RolloutRecord]:
+        """The rollouts under way."""
+        self.registry._check_ready()
+        with Session(self.registry.engine) as session:
+            rows = session.scalars(select(Rollout).where(Rollout.phase.in_(ACTIVE)))
+            return [_record(row) for row in rows]
+
     def eval_set(self, name: str, revision: str) -> str | None:
         """The eval set (JSONL) registered with a revision, None when it has none."""
         self.registry._check_ready()

@@ -126,13 +126,14 @@ def run_controller(
         StepRule(settings.step_s, settings.min_requests, settings.step_timeout_s),
         settings.poll_s,
         settings.lease_s,
+        canary_pool(settings.worker, settings.canary_workers, settings.canary_share),
     )
     source = (
         PrometheusSource(settings.prometheus_url, client)
         if settings.prometheus_url and settings.source == "prometheus"
         else WorkerSource(settings.worker, client)
     )
-    pool = canary_pool(settings.worker, settings.canary_workers, settings.canary_share)
+    pool = plan.canary_workers
     gate = None
     if settings.quality_gate and (pool or settings.worker):
         gate = QualityGate((*pool, *settings.worker)[0], client, settings.quality_margin)

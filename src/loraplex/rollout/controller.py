@@ -36,9 +36,13 @@ class Plan:
     rule: StepRule
     poll_s: float
     lease_s: float
+    canary_workers: tuple[str, ...] = ()
+    """The canary pool: recorded with the rollout, so that a router with the registry sends the
+    canary's share there first."""
 
     def settings(self) -> dict:
         return {
+            "canary_workers": list(self.canary_workers),
             "steps": list(self.steps),
             "limits": vars(self.limits),
             "step_s": self.rule.step_s,

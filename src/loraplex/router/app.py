@@ -24,7 +24,8 @@ from prometheus_client import (
 
 from loraplex.bearer import bearer, carries_token
 from loraplex.router.fleet import Fleet
-from loraplex.router.picker import Picker, PickerConfig
+from loraplex.router.picker import Pick, Picker, PickerConfig
+from loraplex.router.splits import Splits, pool_first
 from loraplex.settings.router import DEFAULTS as D
 
 log = logging.getLogger("loraplex.router")
@@ -47,9 +48,9 @@ class RouterConfig:
     """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
     one)."""
     picker: PickerConfig = field(default_factory=PickerConfig)
-    model_for: Callable[[str, str | None], str] = lambda model, user: model
-    """(model, user) -> the model a request goes out as: `name@revision` for a split name, from
-    the registry's weights when the router has one (`router/splits.py`)."""
+    splits: Splits | None = None
+    """The registry's split names, when the router has a registry: their revision is picked here
+    (`router/splits.py`)."""
     seed: int | None = None
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>`."""
@@ -194,10 +195,11 @@ async def forward(state: RouterState, request: Request, path: str):
         return _error(400, "request body is not valid JSON", "invalid_json")
     model = payload.get("model") if isinstance(payload, dict) else None
     adapter = model if isinstance(model, str) else None
-    if adapter is not None:
-        adapter, body = _split_revision(state, payload, adapter, body)
+    canary = False
+    if adapter is not None and state.config.splits is not None:
+        adapter, canary, body = _split_revision(state.config.splits, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
-    pick = state.picker.pick(state.fleet.views(), adapter, state.config.priority_of(key))
+    pick = _pick(state, adapter, canary, state.config.priority_of(key))
     if pick.url is None:
         state.metrics.picks.labels(pick.reason).inc()
         status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
@@ -255,14 +257,24 @@ async def forward(state: RouterState, request: Request, path: str):
     return _error(502, "no worker answered", "bad_gateway", "server_error")
 
 
-def _split_revision(state: RouterState, payload: dict, model: str, body: bytes):
-    """(model, body) as sent: a split name's revision picked here, so that the canary's share goes
-    to the workers that hold the canary."""
+def _split_revision(splits: Splits, payload: dict, model: str, body: bytes):
+    """(model, is a canary, body) as sent: a split name's revision picked here."""
     user = payload.get("user")
-    routed = state.config.model_for(model, user if isinstance(user, str) else None)
+    routed, canary = splits.route(model, user if isinstance(user, str) else None)
     if routed == model:
-        return model, body
-    return routed, json.dumps({**payload, "model": routed}).encode()
+        return model, False, body
+    return routed, canary, json.dumps({**payload, "model": routed}).encode()
+
+
+def _pick(state: RouterState, adapter: str | None, canary: bool, priority: int) -> Pick:
+    """The picker's choice; a canary's among its pool while one of them has room."""
+    views = state.fleet.views()
+    if canary and adapter is not None and state.config.splits is not None:
+        pool = state.config.splits.pools.get(adapter.partition("@")[0], ())
+        pooled = pool_first(state.picker, views, adapter, priority, pool)
+        if pooled is not None:
+            return pooled
+    return state.picker.pick(views, adapter, priority)
 
 
 async def _relay(state: RouterState, response: httpx.Response, url: str):

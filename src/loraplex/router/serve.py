@@ -26,7 +26,7 @@ def serve_router(
         request_timeout_s=s.request_timeout_s,
         picker=PickerConfig.from_settings(s),
         **({"priority_of": registry_priorities(s.registry)} if s.registry else {}),
-        **({"model_for": registry_splits(s.registry)} if s.registry else {}),
+        **({"splits": registry_splits(s.registry)} if s.registry else {}),
     )
     app = create_router_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
