@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from loraplex.server.server import Server
 
 MAX_FAILURES_SHOWN = 3
+EVAL_CONCURRENCY = 8
+"""Cases of one eval run in flight at once: a large eval set does not crowd out the traffic."""
 
 
 class EvalBody(BaseModel):
@@ -73,9 +75,13 @@ async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
         raise APIError(409, f"{name}@{cases_of} has no eval set", "lifecycle_conflict", "cases_of")
     cases = parse_eval_set(text)
     ref = server.resolver.ref_for(record, record.owner_tenant or "default")
-    completions = await asyncio.gather(
-        *(_complete(server, ref, case.prompt) for case in cases), return_exceptions=True
-    )
+    room = asyncio.Semaphore(EVAL_CONCURRENCY)
+
+    async def one(prompt: str) -> str:
+        async with room:
+            return await _complete(server, ref, prompt)
+
+    completions = await asyncio.gather(*(one(c.prompt) for c in cases), return_exceptions=True)
     failures = []
     for case, completion in zip(cases, completions):
         text = completion if isinstance(completion, str) else f"<{type(completion).__name__}>"
