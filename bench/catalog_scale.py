@@ -13,9 +13,11 @@ IMPORT 10,000 / 500 adapters imported; HUGE 100,000 / 5,000 in a registry; WORKE
   clients, Zipf over the same 50 names. Server CPU per request (/proc), `/v1/models` p99 (30 calls),
   the RSS the registrations added per adapter, registration of the first vs the last 10%.
 - huge: HUGE adapters in a SQLite registry (one registered, the rest copies of its rows, made in
-  SQL), `loraplex serve` on it and on an empty one: seconds to ready; then the gaps between the
-  chunks of a stream while nothing else runs, and while catalog operations run (a full and a
-  paged `/v1/models`, a registration through the API, 100 adapters imported by another process).
+  SQL), `loraplex serve` (its default engine core, a process of its own) on it and on an empty one:
+  seconds from the command to `/ready`; then the gaps between the chunks of base-model streams (read
+  by a process of their own) while nothing else runs, and while catalog operations run (a full and
+  a paged `/v1/models`, a registration through the API, 100 adapters imported by this process, the
+  full listing again).
 - fleet: WORKERS workers on one PostgreSQL registry; 20 registrations made by this process, each
   timed from its commit to when every worker lists it (each polled every 2 ms); and the
   statements the workers sent the database (their connections log them) while they answered 40

@@ -82,6 +82,14 @@ class ModelListing:
         )
         return b'{"object":"list","data":[' + page + b"]," + tail[1:].encode()
 
+    def prepare(self, names) -> None:
+        """Encode the cards of these names now (the catalog changed them), so that the next
+        listing only joins."""
+        for name in names:
+            entry = self.catalog.entries.get(name)
+            if entry is not None:
+                self._card(name, entry)
+
     def _make(self, tenant: str) -> Listing:
         ids = [self.served_name]
         cards = [_JSON.encode(model_card(self.served_name, "loraplex", None)).encode()]

@@ -168,6 +168,8 @@ class Server:
             self.auth.forget()
         if self.async_engine is not None:  # after start: warm_start pins the whole catalog
             self.pins.follow(changed.adapters)
+        if changed.adapters:  # their /v1/models cards, on this thread rather than a listing's
+            self.listing.prepare(changed.adapters)
 
     def read_tenants(self) -> None:
         self.tenants = {t.name: t for t in self.registry.list_tenants()}
