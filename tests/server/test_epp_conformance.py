@@ -10,10 +10,11 @@ import time
 import httpx
 import yaml
 from epp_rules import extract, lora_affinity, parse
-from harness import KEYS, MODEL, variant
+from harness import ADMIN_TOKEN, KEYS, MODEL, variant
 from typer.testing import CliRunner
 
 from loraplex.registry.cli import app as registry_cli
+from loraplex.rollout import workers
 
 NO_EOS = {"ignore_eos": True}
 
@@ -184,3 +185,32 @@ def test_export_refuses_a_pool_that_is_not_a_kubernetes_name(tmp_path):
     )
     assert out.exit_code == 1
     assert "--pool 'Bad_Pool': not a Kubernetes name" in out.output
+
+
+def test_a_rollouts_canary_pool_is_where_the_epps_lora_affinity_sends_the_canary(
+    start, llama_adapters, tmp_path
+):
+    """Behind the llm-d EPP, a rollout's canary pool is the pods its lora-affinity scorer prefers
+    for the canary's rewritten name: the controller's pool preparation (`rollout.workers.prewarm`
+    and `wait_active`, run before any canary traffic) puts the revision in a device slot, and the
+    pod then reports it as active; a pod outside the pool does not."""
+
+    def canary(registry):
+        registry.add_revision(
+            variant(llama_adapters["attn-r8"], tmp_path / "v2", 1.5), "shared-a", revision="r2"
+        )
+        registry.promote("shared-a", "r2", 1, force=True)
+
+    with start(registry_setup=canary) as running:
+        before = extract(httpx.get(f"{running.url}/metrics", timeout=30).text)
+        assert "shared-a@r2" not in before.active_models  # no request has asked for it yet
+        assert lora_affinity(before, "shared-a@r2") < 1.0
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        with httpx.Client(headers=admin, timeout=60) as client:
+            workers.prewarm(client, (running.url,), "shared-a", "r2")
+            assert workers.wait_active(client, (running.url,), "shared-a", "r2", 60) == []
+        after = extract(httpx.get(f"{running.url}/metrics", timeout=30).text)
+        assert "shared-a@r2" in after.active_models
+        assert lora_affinity(after, "shared-a@r2") == 1.0
+        # the stable's name is reported as its own target, not as the canary's
+        assert lora_affinity(after, "shared-a@r1") < 1.0
