@@ -143,13 +143,9 @@ class Catalog:
         """Return once every commit this process made before the call is applied (at once when
         there is none pending: no query)."""
         while self._applied_local < self._num_local:
-            if self._pending is None:
+            if self._pending is None or self._pending.done():  # one refresh for all who wait
                 self._pending = asyncio.ensure_future(asyncio.to_thread(self.refresh))
-                self._pending.add_done_callback(self._clear_pending)
             await asyncio.shield(self._pending)
-
-    def _clear_pending(self, _future) -> None:
-        self._pending = None
 
     # ---- reading it ----------------------------------------------------------------------------
 
