@@ -106,18 +106,19 @@ class Prometheus:
 
 
 @contextlib.contextmanager
-def prometheus(target: str, rules_text: str, work: Path) -> Iterator[Prometheus]:
-    """A Prometheus scraping `target` (host:port) every SCRAPE_S as job `loraplex`, evaluating
-    `rules_text` as often; stopped at the end."""
+def prometheus(target: str | list[str], rules_text: str, work: Path) -> Iterator[Prometheus]:
+    """A Prometheus scraping `target` (host:port, or a list of them) every SCRAPE_S as job
+    `loraplex`, evaluating `rules_text` as often; stopped at the end."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise RuntimeError("prometheus is not installed: apt-get install prometheus")
+    targets = [target] if isinstance(target, str) else list(target)
     work.mkdir(parents=True, exist_ok=True)
     (work / "rules.yaml").write_text(rules_text)
     config = {
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
         "rule_files": [str(work / "rules.yaml")],
-        "scrape_configs": [{"job_name": "loraplex", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": "loraplex", "static_configs": [{"targets": targets}]}],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
