@@ -42,9 +42,9 @@ def test_figures_of_a_split_name_per_revision_then_gone(start, llama_adapters, t
         assert all(f.errors == 0 and f.ttft.total == f.requests for f in figures.values())
         metrics = httpx.get(f"{running.url}/metrics").text
         for rev, n in seen.items():
-            line = f'loraplex_revision_requests_total{{adapter="shared-a",revision="{rev}"}} {n:.1f}'
-            assert line in metrics
-            count = f'loraplex_revision_ttft_seconds_count{{adapter="shared-a",revision="{rev}"}}'
+            labels = f'{{adapter="shared-a",revision="{rev}"}}'
+            assert f"loraplex_revision_requests_total{labels} {n:.1f}" in metrics
+            count = f"loraplex_revision_ttft_seconds_count{labels}"
             assert f"{count} {n:.1f}" in metrics
         assert "bob-a" not in json.dumps(body)  # names not split have none
         running.registry.set_traffic("shared-a", {"r2": 100}, force=True)
