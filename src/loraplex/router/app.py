@@ -201,15 +201,7 @@ async def forward(state: RouterState, request: Request, path: str):
     key = bearer(request.headers.get("authorization")) or ""
     pick = _pick(state, adapter, canary, state.config.priority_of(key))
     if pick.url is None:
-        state.metrics.picks.labels(pick.reason).inc()
-        status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
-        return _error(
-            status,
-            f"no worker can take the request now ({pick.reason})",
-            code,
-            "server_error",
-            {"Retry-After": "1"},
-        )
+        return _no_worker(state, pick)
     log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     for attempt, url in enumerate(pick.ranking[:2]):
@@ -242,19 +234,37 @@ async def forward(state: RouterState, request: Request, path: str):
             return _error(
                 502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error"
             )
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-        # The pick is made from the model name alone, before any worker checks the caller's key:
-        # where the worker refuses the caller (401, 403, or 404 for another tenant's adapter),
-        # neither the answer nor the pick counts may tell where that adapter is resident.
-        if response.status_code not in TENANCY_REFUSALS:
-            state.metrics.picks.labels(pick.reason).inc()
-            if response.status_code < 400:
-                out_headers["x-loraplex-worker"] = url
-                out_headers["x-loraplex-route"] = pick.reason
-        return StreamingResponse(
-            _relay(state, response, url), status_code=response.status_code, headers=out_headers
-        )
+        return _relayed(state, response, url, pick)
     return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+
+def _no_worker(state: RouterState, pick):
+    """429 when every worker is saturated and the request is shed, else 503; both retry later."""
+    state.metrics.picks.labels(pick.reason).inc()
+    status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
+    return _error(
+        status,
+        f"no worker can take the request now ({pick.reason})",
+        code,
+        "server_error",
+        {"Retry-After": "1"},
+    )
+
+
+def _relayed(state: RouterState, response: httpx.Response, url: str, pick) -> StreamingResponse:
+    """The worker's answer streamed back, with the worker and the route named on a success."""
+    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+    # The pick is made from the model name alone, before any worker checks the caller's key: where
+    # the worker refuses the caller (401, 403, or 404 for another tenant's adapter), neither the
+    # answer nor the pick counts may tell where that adapter is resident.
+    if response.status_code not in TENANCY_REFUSALS:
+        state.metrics.picks.labels(pick.reason).inc()
+        if response.status_code < 400:
+            out_headers["x-loraplex-worker"] = url
+            out_headers["x-loraplex-route"] = pick.reason
+    return StreamingResponse(
+        _relay(state, response, url), status_code=response.status_code, headers=out_headers
+    )
 
 
 def _split_revision(splits: Splits, payload: dict, model: str, body: bytes):

@@ -89,7 +89,20 @@ def add_settings_command(
         for field, text in arguments
     ]
     params += [_parameter(s, env_prefix) for s in specs]
-    params += [
+    params += _config_options()
+    if any(s.spec.variadic for s in specs):
+        params.append(_keyword(EXTRA, list[str] | None, typer.Argument(hidden=True)))
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__name__ = name
+    help = inspect.getdoc(run)
+    app.command(name, cls=SettingsCommand, help=help, context_settings=CONTEXT)(command)
+    return command
+
+
+def _config_options() -> list[inspect.Parameter]:
+    """`--config FILE` and `--print-config`, which every settings command has."""
+    return [
         _keyword(
             "config",
             str | None,
@@ -113,14 +126,6 @@ def add_settings_command(
             default=False,
         ),
     ]
-    if any(s.spec.variadic for s in specs):
-        params.append(_keyword(EXTRA, list[str] | None, typer.Argument(hidden=True)))
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    command.__name__ = name
-    help = inspect.getdoc(run)
-    app.command(name, cls=SettingsCommand, help=help, context_settings=CONTEXT)(command)
-    return command
 
 
 CONTEXT = {"max_content_width": 100}
