@@ -514,8 +514,13 @@ async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTe
                 f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
                 "it stays loaded, retry the unload"
             )
-        await run_in_threadpool(server.registry.deprecate, name)
+        # before the deprecation is seen: the pins do not keep an unloaded name warm for its grace
         server.resolver.unloaded.add(name)
+        try:
+            await run_in_threadpool(server.registry.deprecate, name)
+        except BaseException:
+            server.resolver.unloaded.discard(name)
+            raise
         for key in _resident_keys(server, name):
             await _forget(server, key)
     finally:

@@ -149,6 +149,7 @@ class PinReconciler:
         grace_s = self.registry.grace_period.total_seconds()
         if (
             keep_warm
+            and key.name not in self.resolver.unloaded  # vLLM's unload: gone from memory too
             and grace_s > 0
             and cache.tier_of(key) in ("gpu", "cpu")
             and cache.pinned(key) is None
