@@ -3,7 +3,8 @@ entry stays the same, each tenant's listing kept until the catalog or the drains
 
 Cards are kept as bytes (which the garbage collector never scans) and a listing is joined from them,
 so that listing 100,000 adapters after a change costs a join, not 100,000 dicts to build, encode and
-later collect.
+later collect. The whole list is joined in parts of PART cards, sent one after another: no join of
+the whole body holds the interpreter while the event loop waits for it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from loraplex.server.schemas import model_card
 
 _JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 MAX_PAGE = 10_000
+PART = 1_000
+"""Cards per part of the whole list's body (about 100 KB)."""
 
 
 @dataclass(frozen=True)
 class Listing:
     ids: list[str]  # the base model's first, then the adapters' by name
     cards: list[bytes]  # each one's JSON
-    body: bytes  # the whole list's JSON body
+    parts: tuple[bytes, ...]  # the whole list's JSON body, in parts
 
 
 class ModelListing:
@@ -57,13 +60,15 @@ class ModelListing:
             listing = self._listings[key] = self._make(tenant)
         return listing
 
-    def body(self, tenant: str, after: str | None = None, limit: int | None = None) -> bytes:
-        """The JSON body: the whole list, or with `limit` or `after` one page as OpenAI's lists
-        page (`has_more`, `first_id`, `last_id`; an `after` removed meanwhile still marks its
+    def body(
+        self, tenant: str, after: str | None = None, limit: int | None = None
+    ) -> tuple[bytes, ...]:
+        """The JSON body, in parts: the whole list, or with `limit` or `after` one page as OpenAI's
+        lists page (`has_more`, `first_id`, `last_id`; an `after` removed meanwhile still marks its
         place)."""
         listing = self.listing(tenant)
         if after is None and limit is None:
-            return listing.body
+            return listing.parts
         ids = listing.ids
         if after is None:
             start = 0
@@ -80,7 +85,7 @@ class ModelListing:
                 "has_more": end < len(ids),
             }
         )
-        return b'{"object":"list","data":[' + page + b"]," + tail[1:].encode()
+        return (b'{"object":"list","data":[' + page + b"]," + tail[1:].encode(),)
 
     def prepare(self, names) -> None:
         """Encode the cards of these names now (the catalog changed them), so that the next
@@ -100,8 +105,10 @@ class ModelListing:
             if card is not None and name not in draining:
                 ids.append(name)
                 cards.append(card)
-        body = b'{"object":"list","data":[' + b",".join(cards) + b"]}"
-        return Listing(ids, cards, body)
+        pieces = [b",".join(cards[i : i + PART]) for i in range(0, len(cards), PART)]
+        # the base model's card leads: the first piece is never empty
+        head = b'{"object":"list","data":[' + pieces[0]
+        return Listing(ids, cards, (head, *(b"," + p for p in pieces[1:]), b"]}"))
 
     def _card(self, name: str, entry: Entry) -> bytes | None:
         if self._entries.get(name) is entry:

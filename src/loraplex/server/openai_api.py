@@ -54,7 +54,7 @@ def _documented_body(model) -> dict:
 async def completions(request: Request):
     server, ctx = await _begin(request, "completions")
     if server.engine.kind == "vllm":
-        body = await _read_body(request, server.config.max_body_bytes)
+        body = await _read_body(request, server.config.settings.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=False)
     req = await _parse(request, server, CompletionRequest)
     target = await server.resolve(ctx, req.model, req.user)
@@ -81,7 +81,7 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     server, ctx = await _begin(request, "chat.completions")
     if server.engine.kind == "vllm":
-        body = await _read_body(request, server.config.max_body_bytes)
+        body = await _read_body(request, server.config.settings.max_body_bytes)
         return await vllm_api.respond(request, server, ctx, body, chat=True)
     req = await _parse(request, server, ChatCompletionRequest)
     target = await server.resolve(ctx, req.model, req.user)
@@ -110,8 +110,20 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     count = None if limit is None else _limit(limit)
     # a listing of the whole catalog is made and encoded on a thread: the streams go on meanwhile
-    body = await asyncio.to_thread(server.listing.body, tenant, after, count)
-    return Response(body, media_type="application/json")
+    parts = await asyncio.to_thread(server.listing.body, tenant, after, count)
+    if len(parts) == 1:
+        return Response(parts[0], media_type="application/json")
+    size = str(sum(map(len, parts)))
+    return StreamingResponse(
+        _sent(parts), media_type="application/json", headers={"content-length": size}
+    )
+
+
+async def _sent(parts: tuple[bytes, ...]):
+    """The parts of a body, the loop free for other work between two."""
+    for part in parts:
+        yield part
+        await asyncio.sleep(0)
 
 
 def _limit(text: str) -> int:
@@ -143,7 +155,7 @@ async def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContex
 
 
 async def _parse(request: Request, server: Server, model):
-    body = await _read_body(request, server.config.max_body_bytes)
+    body = await _read_body(request, server.config.settings.max_body_bytes)
     try:
         req = model.model_validate_json(body)
     except ValidationError as exc:
