@@ -288,7 +288,8 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
     )
     assert (e.max_gpu_preferred, e.thrash_window_s, e.load_threads) == (1, 5.0, 3)
     assert (e.tenant_gpu_share, e.tenant_cpu_share) == (0.5, 0.25)
-    s = server_config(options, None, None)
+    config = server_config(options, None, None)
+    s = config.settings  # what the server reads, under the settings' own names
     assert (s.max_requests_per_tenant, s.max_waiting, s.max_prompt_tokens, s.max_body_bytes) == (
         9,
         10,
@@ -296,7 +297,7 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         1000,
     )
     assert (s.unload_timeout_s, s.shutdown_timeout_s, s.release_min_pass_rate) == (1.0, 2.0, 0.5)
-    assert (s.key_cache_ttl_s, s.audit_log, s.top_k_adapter_metrics, s.registry_watch_s) == (
+    assert (s.key_cache_ttl_s, config.audit_log, s.top_k_adapter_metrics, s.registry_watch_s) == (
         1.5,
         None,
         4,

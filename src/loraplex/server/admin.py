@@ -309,9 +309,8 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
             timeout=120
         )
 
-    return ReleaseChecks(
-        prewarm=prewarm, complete=complete, min_pass_rate=server.config.release_min_pass_rate
-    )
+    pass_rate = server.config.settings.release_min_pass_rate
+    return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate)
 
 
 async def _complete(server: Server, ref, prompt: str) -> str:
@@ -509,9 +508,10 @@ async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTe
             404, f"The lora adapter '{name}' cannot be found.", "model_not_found", "lora_name"
         )
     try:
-        if not await server.resolver.drain(name, server.config.unload_timeout_s):
+        timeout_s = server.config.settings.unload_timeout_s
+        if not await server.resolver.drain(name, timeout_s):
             raise AdapterInFlight(
-                f"{name} still has requests in flight after {server.config.unload_timeout_s} s; "
+                f"{name} still has requests in flight after {timeout_s} s; "
                 "it stays loaded, retry the unload"
             )
         # before the deprecation is seen: the pins do not keep an unloaded name warm for its grace

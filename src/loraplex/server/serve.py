@@ -408,7 +408,7 @@ def run(options: ServeSettings) -> None:
     uv_options = dict(
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=server.config.shutdown_timeout_s,
+        timeout_graceful_shutdown=server.config.settings.shutdown_timeout_s,
         lifespan="on",
     )
     admin = (

@@ -60,7 +60,8 @@ class Server:
         self.engine = engine
         self.registry = registry
         self.config = config
-        self.auth = Authenticator(registry, api_keys, ttl_s=config.key_cache_ttl_s)
+        settings = config.settings
+        self.auth = Authenticator(registry, api_keys, ttl_s=settings.key_cache_ttl_s)
         self.tenants: dict[str, TenantRecord] = {}
         """The registry's tenants (priority, request limits), read again when it changes."""
         self.catalog = Catalog(registry)
@@ -79,19 +80,19 @@ class Server:
             self.catalog, config.served_model_name, self.resolver.may_see, self.resolver.draining
         )
         """`/v1/models`, from the catalog."""
-        self.admission = Admission(config.max_waiting, config.max_requests_per_tenant)
+        self.admission = Admission(settings.max_waiting, settings.max_requests_per_tenant)
         self.metrics = ServerMetrics(
             self.live_figures,
-            config.top_k_adapter_metrics,
-            config.lora_load_state_metrics,
+            settings.top_k_adapter_metrics,
+            settings.lora_load_state_metrics,
             self.adapter_rank,
         )
         self.revision_figures = RevisionBook()
         """Per-revision figures of the names in a split, for rollout controllers."""
         self.metrics.registry.register(RevisionCollector(self.revision_figures))
         self.audit = AuditLog(config.audit_log)
-        self.allowed = AllowList.parse(list(config.allowed_roots))
-        self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
+        self.allowed = AllowList.parse(list(settings.allowed_roots))
+        self.max_prompt_tokens = settings.max_prompt_tokens or engine.max_model_len - 1
         self.async_engine: AsyncEngine | EngineClient | VllmEngine | None = None
         """What runs the requests, once started: the native engine's generation (`AsyncEngine`
         over an `LLMEngine` or the `EngineClient`), or the vLLM engine."""
@@ -100,7 +101,7 @@ class Server:
             str, dict[str, float]
         ] = {}  # str(key) -> {stage: ms} of its last load
         self.pins = PinReconciler(
-            registry, self.catalog, self.resolver, engine.adapters, config.registry_watch_s
+            registry, self.catalog, self.resolver, engine.adapters, settings.registry_watch_s
         )
         engine.adapters.on_event = self.on_cache_event
         self.engine_ids = random.Random()

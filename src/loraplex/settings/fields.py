@@ -163,6 +163,14 @@ def check_fields(config: Any, model: type) -> None:
             raise ValueError(f"{s.name} {problem}")
 
 
+def same_named(config: type, settings: Any) -> dict[str, Any]:
+    """The values of `settings` whose names are fields of the dataclass `config` (an engine's
+    configuration): what it takes under the settings' own names."""
+    names = {f.name for f in dataclasses.fields(config)}
+    mine = (s.name for s in settings_of(type(settings)) if s.name in names)
+    return {name: getattr(settings, name) for name in mine}
+
+
 # ---- values from text or YAML --------------------------------------------------------------
 
 

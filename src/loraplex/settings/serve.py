@@ -1,8 +1,8 @@
 """`loraplex serve`'s settings: each one's flag (`--max-loras`), `--config` key (`max-loras`),
 environment variable (`LORAPLEX_MAX_LORAS`), help, docs row and check, declared once here. The
-engines' and the server's configurations are built from an instance (`EngineConfig.from_settings`,
-`VllmConfig.from_settings`, `ServerConfig.from_settings`) under the same names, and take their
-defaults from `DEFAULTS`."""
+engines' configurations take the settings that are their fields by name
+(`EngineConfig.from_settings`, `VllmConfig.from_settings`) and their defaults from `DEFAULTS`; the
+API server reads an instance itself (`ServerConfig.settings`)."""
 
 from __future__ import annotations
 

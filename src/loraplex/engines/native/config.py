@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraplex.settings.fields import check_fields
+from loraplex.settings.fields import check_fields, same_named
 from loraplex.settings.serve import DEFAULTS as D
 from loraplex.settings.serve import HOST_CACHE_BYTES, ServeSettings
 
@@ -60,30 +60,8 @@ class EngineConfig:
         roots = s.allowed_roots
         if store is not None:
             roots = (*roots, str(store.root.resolve()))
-        sizes = {} if s.cpu_cache_bytes is None else {"cpu_cache_bytes": s.cpu_cache_bytes}
-        return cls(
-            model_dir=s.model,
-            dtype=s.dtype,
-            device=s.device,
-            max_loras=s.max_loras,
-            max_lora_rank=s.max_lora_rank,
-            max_num_seqs=s.max_num_seqs,
-            max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            block_size=s.block_size,
-            max_lora_bytes_per_step=s.max_lora_bytes_per_step,
-            max_cpu_loras=s.max_cpu_loras,
-            eviction_policy=s.eviction_policy,
-            disk_cache_dir=s.data_dir / "cache",
-            disk_cache_bytes=s.disk_cache_bytes,
-            allowed_roots=tuple(roots),
-            tenant_gpu_share=s.tenant_gpu_share,
-            tenant_cpu_share=s.tenant_cpu_share,
-            max_gpu_preferred=s.max_gpu_preferred,
-            load_threads=s.load_threads,
-            thrash_window_s=s.thrash_window_s,
-            seed=s.seed,
-            **sizes,
-        )
+        values = same_named(cls, s)
+        if s.cpu_cache_bytes is None:  # the engine's own default
+            del values["cpu_cache_bytes"]
+        values.update(model_dir=s.model, disk_cache_dir=s.data_dir / "cache")
+        return cls(**{**values, "allowed_roots": tuple(roots)})

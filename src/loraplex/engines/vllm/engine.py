@@ -24,6 +24,7 @@ from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import handled
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
+from loraplex.settings.fields import same_named
 from loraplex.settings.serve import DEFAULTS as D
 from loraplex.settings.serve import ServeSettings
 from loraplex.spawn import without_main_module
@@ -77,22 +78,9 @@ class VllmConfig:
         """`store_root`: the registry's artifact store, a trusted source of artifacts. The
         sizing settings vLLM shares keep their meaning; the others pass through."""
         roots = (*s.allowed_roots, str(store_root.resolve())) if store_root else s.allowed_roots
-        return cls(
-            model_dir=s.model,
-            served_model_name=served_model_name,
-            data_dir=s.data_dir,
-            max_loras=s.max_loras,
-            max_cpu_loras=s.max_cpu_loras,
-            max_lora_rank=s.max_lora_rank,
-            dtype=s.dtype,
-            max_model_len=s.max_model_len,
-            eviction_policy=s.eviction_policy,
-            disk_cache_bytes=s.disk_cache_bytes,
-            allowed_roots=tuple(roots),
-            base_as_zero_adapter=s.base_as_zero_adapter,
-            vllm_args=vllm_args(s),
-            tenant_gpu_share=s.tenant_gpu_share,
-        )
+        values = same_named(cls, s)
+        values.update(served_model_name=served_model_name, allowed_roots=tuple(roots))
+        return cls(**values, model_dir=s.model, vllm_args=vllm_args(s))
 
 
 def vllm_args(s: ServeSettings) -> tuple[str, ...]:
