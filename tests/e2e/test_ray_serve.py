@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from ray.serve._private.router import SingletonThreadRouter  # noqa: E402
 from world_fleet import checked_inputs  # noqa: E402
 
 from loraplex.demo.world import TRANSFORMS, make_prompt  # noqa: E402
@@ -61,7 +62,26 @@ def fleet(demo_world, tmp_path_factory):
             # after `ray.shutdown()`, and Ray ends the process that does
             handle.shutdown()
         serve.shutdown()
+        _stop_handles_loop()
         ray.shutdown()
+
+
+def _stop_handles_loop() -> None:
+    """Ray's handles share one event loop in a thread of their own. Its tasks (the queue-length
+    probes, our router's poller) outlive `handle.shutdown()`, and one that calls into Ray after
+    `ray.shutdown()` ends the process: they are cancelled, and the loop stopped, first."""
+    loop = SingletonThreadRouter._asyncio_loop
+    if loop is None or not loop.is_running():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
 
 
 async def _ask(handle, model: str, text: str) -> dict:
