@@ -14,10 +14,12 @@ IMPORT 10,000 / 500 adapters imported; HUGE 100,000 / 5,000 in a registry; WORKE
   the RSS the registrations added per adapter, registration of the first vs the last 10%.
 - huge: HUGE adapters in a SQLite registry (one registered, the rest copies of its rows, made in
   SQL), `loraplex serve` (its default engine core, a process of its own) on it and on an empty one:
-  seconds from the command to `/ready`; then the gaps between the chunks of base-model streams (read
-  by a process of their own) while nothing else runs, and while catalog operations run (a full and
-  a paged `/v1/models`, a registration through the API, 100 adapters imported by this process, the
-  full listing again).
+  seconds from the command to `/ready`; then, while nothing else runs and while catalog operations
+  run (a full and a paged `/v1/models`, a registration through the API, 100 adapters imported by
+  this process, the full listing again): the server's event-loop stalls (its
+  `loraplex_event_loop_lag_seconds`), and the gaps between the chunks of base-model streams read by
+  a process of their own (on 2 cores these include the engine process's and the reader's turns on
+  a core: over 10 ms now and then with an empty catalog and nothing else running).
 - fleet: WORKERS workers on one PostgreSQL registry; 20 registrations made by this process, each
   timed from its commit to when every worker lists it (each polled every 2 ms); and the
   statements the workers sent the database (their connections log them) while they answered 40
@@ -42,6 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file, save_file
@@ -352,7 +355,11 @@ class StreamGaps:
         self.windows: list[tuple[float, float]] = []
 
     def __enter__(self):
-        time.sleep(2.0)
+        started = self.out.with_suffix(".started")  # its first stream is done: the server warm
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
         self.since = time.monotonic()
         return self
 
@@ -383,6 +390,7 @@ def record_gaps(url: str, out: Path, stop_file: Path) -> None:
                     if line.startswith("data: ") and last is not None:
                         pairs.append((now, now - last))
                     last = now
+            out.with_suffix(".started").touch()
     out.write_text(json.dumps(pairs))
 
 
@@ -392,6 +400,30 @@ def gap_figures(gaps: list[float]) -> dict:
         "p99_ms": pct(gaps, 0.99) * 1000,
         "max_ms": max(gaps) * 1000,
         "over_10ms": sum(g > 0.010 for g in gaps),
+    }
+
+
+def loop_lag(url: str) -> dict[str, float]:
+    """The server's event-loop lag histogram now: {bound: samples at most that late}."""
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    (family,) = [
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "loraplex_event_loop_lag_seconds"
+    ]
+    return {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+
+
+def lag_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The samples between two readings: how many, how many later than 5 and 10 ms, and the
+    bound under which all of them were."""
+    n = {le: after[le] - before[le] for le in after}
+    total = n["+Inf"]
+    return {
+        "samples": total,
+        "over_5ms": total - n["0.005"],
+        "over_10ms": total - n["0.01"],
+        "max_under_ms": min(float(le) for le in n if n[le] == total) * 1000,
     }
 
 
@@ -416,8 +448,10 @@ def bench_huge(sizes, variants, model, work) -> dict:
             proc.stop()
     try:
         with StreamGaps(proc.url, work) as streams:
+            lags = [loop_lag(proc.url)]
             time.sleep(3)
             streams.take()  # idle
+            lags.append(loop_lag(proc.url))
             with httpx.Client(timeout=300, headers=AUTH) as client:
                 start = time.perf_counter()
                 full = client.get(f"{proc.url}/v1/models")
@@ -446,8 +480,13 @@ def bench_huge(sizes, variants, model, work) -> dict:
                 client.get(f"{proc.url}/v1/models")  # listed again after the change
             time.sleep(0.5)
             streams.take()  # during the operations
+            lags.append(loop_lag(proc.url))
         idle, during = streams.gaps()
         out["idle"], out["during_ops"] = gap_figures(idle), gap_figures(during)
+        out["loop_idle"], out["loop_during_ops"] = (
+            lag_figures(lags[0], lags[1]),
+            lag_figures(lags[1], lags[2]),
+        )
     finally:
         proc.stop()
         registry.close()
@@ -530,7 +569,8 @@ def bench_fleet(sizes, variants, model, work, pg_dir) -> dict:
 # ---- report --------------------------------------------------------------------------------------
 
 
-def goals(r: dict) -> list[tuple[str, str, str, bool]]:
+def goals(r: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(goal, figure, target, met); met is None for a figure given as context."""
     s, big = r["serving"]["small"], r["serving"]["large"]
     cpu = big["cpu_ms_per_request"] / s["cpu_ms_per_request"]
     h, f, i = r["huge"], r["fleet"], r["import"]
@@ -579,10 +619,16 @@ def goals(r: dict) -> list[tuple[str, str, str, bool]]:
             h["startup_huge_s"] < 10,
         ),
         (
-            "stream gaps > 10 ms during catalog ops (idle)",
-            f"{_gaps(h['during_ops'])} ({_gaps(h['idle'])})",
+            "server loop stalls > 10 ms during catalog ops (idle)",
+            f"{_lags(h['loop_during_ops'])} ({_lags(h['loop_idle'])})",
             "none",
-            h["during_ops"]["over_10ms"] == 0,
+            h["loop_during_ops"]["over_10ms"] == 0,
+        ),
+        (
+            "stream chunk gaps > 10 ms during catalog ops (idle)",
+            f"{_gaps(h['during_ops'])} ({_gaps(h['idle'])})",
+            "context",
+            None,
         ),
         (
             "registry statements per request, steady",
@@ -597,6 +643,10 @@ def goals(r: dict) -> list[tuple[str, str, str, bool]]:
             f["propagation_p99_ms"] < 250,
         ),
     ]
+
+
+def _lags(g: dict) -> str:
+    return f"{g['over_10ms']:.0f} of {g['samples']:.0f}, all under {g['max_under_ms']:g} ms"
 
 
 def _gaps(g: dict) -> str:
@@ -640,7 +690,7 @@ def main() -> None:
         table.add_column(column)
     rows = goals(result)
     for what, figure, target, met in rows:
-        table.add_row(what, figure, target, "yes" if met else "NO")
+        table.add_row(what, figure, target, "-" if met is None else "yes" if met else "NO")
     Console().print(table)
     result["goals"] = [{"goal": w, "figure": f, "target": t, "met": m} for w, f, t, m in rows]
     args.json.parent.mkdir(parents=True, exist_ok=True)

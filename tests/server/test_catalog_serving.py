@@ -1,19 +1,33 @@
 """A server answers from its catalog in memory: no registry statement per request at steady state,
 its own commits served to the next request, `/v1/models` paged as OpenAI's lists are, and no stall
 of the streams in flight while `/v1/models`, a registration, a change made elsewhere and requests
-with a key only the registry knows run against a registry whose every statement takes 0.4 s."""
+with a key only the registry knows run against a registry whose every statement takes 0.4 s (and
+no lateness of the server's event loop past a quarter of a second, where a held loop shows)."""
 
+import json
 import threading
 import time
+from json.encoder import encode_basestring_ascii as _quoted
 
 import httpx
 from harness import KEYS, MODEL
 from sqlalchemy import event
+from test_metrics_audit import _samples, _value
 
 from loraplex.registry import Registry
+from loraplex.server.listing import adapter_card
+from loraplex.server.schemas import model_card
 
 SLOW_S = 0.4
 STALL_S = 0.25  # generous: an event loop blocked by one slow statement stalls its streams longer
+
+
+def _late_loop(url: str) -> tuple[float, float]:
+    """The server's loop-lag samples: all of them, and those later than STALL_S."""
+    s = _samples(url)
+    name = "loraplex_event_loop_lag_seconds"
+    count = _value(s, f"{name}_count")
+    return count, count - _value(s, f"{name}_bucket", le=str(STALL_S))
 
 
 def _statements(engine) -> list[str]:
@@ -141,7 +155,7 @@ def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
             with _Streams(running.url) as streams:
                 while streams.chunks < 5:
                     time.sleep(0.01)
-                before = streams.chunks
+                before, (_, late_before) = streams.chunks, _late_loop(running.url)
                 models = running.client("alice").models.list()
                 loaded = httpx.post(
                     f"{running.url}/v1/load_lora_adapter",
@@ -164,11 +178,28 @@ def test_streams_do_not_stall_while_catalog_operations_meet_a_slow_registry(
                     what="the change made elsewhere",
                 )
                 during = streams.chunks - before
+                _, late_after = _late_loop(running.url)
             stalls = [g for g in streams.gaps if g > STALL_S]
             assert MODEL in [m.id for m in models.data]
             assert during > 20 and stalls == [], (during, sorted(streams.gaps)[-5:])
+            assert late_after == late_before
         finally:
             other.close()
+
+
+def test_a_held_event_loop_shows_in_the_loop_lag_series(start):
+    """One callback that holds the server's loop for SLOW_S: exactly one sample later than STALL_S
+    (the timer due under it; the next is set after it), and the samples go on."""
+    with start() as running:
+        count, late = _late_loop(running.url)
+        assert count > 0
+        loop = running.server.loop_lag.loop
+        assert loop is not None
+        loop.call_soon_threadsafe(time.sleep, SLOW_S)
+        running.wait_for(lambda: _late_loop(running.url)[1] > late, what="a late sample")
+        time.sleep(0.05)
+        count_after, late_after = _late_loop(running.url)
+        assert late_after == late + 1 and count_after > count + 1
 
 
 def test_start_and_listing_touch_no_artifact_and_a_first_request_reads_its_own(
@@ -193,3 +224,15 @@ def test_start_and_listing_touch_no_artifact_and_a_first_request_reads_its_own(
         assert set(looked) == {digest}
         _complete(running, "many-3")
         assert set(looked) == {digest} and len(looked) == 2  # once per digest: a stat, a read
+
+
+def test_an_adapters_card_is_what_its_model_card_encodes_to():
+    """The listing formats the cards; each one decodes to `model_card`'s dict, field for field and
+    in its order, whatever a name holds."""
+    for name, owner, parent, root in [
+        ("ad-1", "shared", "tiny", "ad-1@v1"),
+        ("x.y_z", "alice", 'odd "served" \\ name é', "x.y_z@r.2"),
+    ]:
+        card = adapter_card(name, owner, _quoted(parent), root, 1_700_000_000)
+        expected = model_card(name, owner, parent, root=root) | {"created": 1_700_000_000}
+        assert list(json.loads(card).items()) == list(expected.items())

@@ -165,10 +165,12 @@ class Catalog:
         """The adapters `tenant` may use, by name."""
         return [entry.adapter for entry in self.visible_entries(tenant)]
 
-    def visible_entries(self, tenant: str) -> list[Entry]:
+    def visible_entries(self, tenant: str, names: Iterable[str] | None = None) -> list[Entry]:
+        """The entries of the adapters `tenant` may use, of `names` (None: every adapter), by
+        name."""
         entries = self.entries
         out = []
-        for name in list(self.names):
+        for name in list(self.names) if names is None else names:
             entry = entries.get(name)
             if entry is not None and entry.may_use(tenant):
                 out.append(entry)

@@ -32,6 +32,7 @@ LOAD_BUCKETS = (
     60.0,
 )
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIERS = ("gpu", "cpu", "disk", "remote")
 RankOf = Callable[[str, str], "int | None"]  # (name, revision) -> rank
@@ -66,6 +67,13 @@ class ServerMetrics:
         r = self.registry
         self._adapter_series(r)
         self._request_series(r)
+        self.loop_lag = Histogram(
+            "loraplex_event_loop_lag_seconds",
+            "How late the API server's event loop ran a timer due every 5 ms (a stall of every "
+            "stream on the worker)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         for tier in TIERS[:3]:
             self.cache_hits.labels(tier)
         for tier in TIERS[:2]:

@@ -109,8 +109,8 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     server: Server = request.app.state.server
     tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     count = None if limit is None else _limit(limit)
-    # a listing of the whole catalog is made and encoded on a thread: the streams go on meanwhile
-    parts = await asyncio.to_thread(server.listing.body, tenant, after, count)
+    # a listing of the whole catalog is made in short turns of the loop: the streams go on between
+    parts = await server.listing.body(tenant, after, count)
     if len(parts) == 1:
         return Response(parts[0], media_type="application/json")
     size = str(sum(map(len, parts)))

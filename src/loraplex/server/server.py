@@ -34,6 +34,7 @@ from loraplex.server.disconnect import ClientGone, until_gone
 from loraplex.server.errors import APIError
 from loraplex.server.generation import RequestRun
 from loraplex.server.listing import ModelListing
+from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
@@ -90,6 +91,7 @@ class Server:
         self.revision_figures = RevisionBook()
         """Per-revision figures of the names in a split, for rollout controllers."""
         self.metrics.registry.register(RevisionCollector(self.revision_figures))
+        self.loop_lag = LoopLag(self.metrics.loop_lag)
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(settings.allowed_roots))
         self.max_prompt_tokens = settings.max_prompt_tokens or engine.max_model_len - 1
@@ -115,6 +117,9 @@ class Server:
         # what was just read lives as long as the process: the collector's full passes, which
         # stop every thread, need not walk it (100,000 adapters: hundreds of ms a pass)
         gc.freeze()
+        # every card now, before any stream: a first listing that made them would grow the cards'
+        # dicts past 2/3 full, and a resize of 100,000 names holds the loop for about 10 ms
+        self.listing.prepare(self.catalog.names)
         # The native engine's step loop gets its thread here, unless it runs in a process of its own
         # (EngineClient); vLLM's engine core runs in its own process.
         engine = self.engine
@@ -134,6 +139,7 @@ class Server:
             log.exception("warm start failed; adapters will load on demand")
         self.pins.start()
         self.feed.start()
+        self.loop_lag.start()
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503); requests in flight go on."""
@@ -142,6 +148,7 @@ class Server:
         self.is_draining = True
 
     def stop(self) -> None:
+        self.loop_lag.stop()
         self.feed.stop()
         self.pins.stop()
         self.begin_shutdown()
