@@ -128,8 +128,14 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
         # seen holding some before they end
         rows = zip(*(good[name] for name in ADAPTERS))
         texts = [(name, t) for row in rows for name, t in zip(ADAPTERS, row)] * 3
-        tasks = [asyncio.ensure_future(_ask(handle, n, t)) for n, t in texts]
-        in_flight = await _in_flight_on(victim, tasks, data_dir)
+        for _ in range(3):  # a run whose victim finished before the last request reached a worker
+            tasks = [asyncio.ensure_future(_ask(handle, n, t)) for n, t in texts]
+            in_flight = await _in_flight_on(victim, tasks, data_dir)
+            if in_flight:
+                break
+            await asyncio.gather(*tasks)  # every one answered right, nothing killed: again
+        else:
+            raise AssertionError("three runs ended before the victim held any request")
         _kill(victim["replica"])
         results = await asyncio.gather(*tasks, return_exceptions=True)
         after = [await _ask(handle, name, good[name][1]) for name in ADAPTERS for _ in range(2)]
@@ -153,7 +159,7 @@ def test_a_replica_killed_mid_run_costs_at_most_its_requests_in_flight(fleet):
 async def _in_flight_on(victim: dict, tasks: list, data_dir) -> int:
     """The victim's requests in flight, read from its worker once every request not yet answered has
     reached a worker (none is still being routed): from then on that count can only fall until
-    the kill."""
+    the kill. 0 if the requests end first without the victim seen holding any then."""
     workers = [json.loads(p.read_text()) for p in data_dir.glob("replica-*/worker.json")]
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
@@ -169,7 +175,7 @@ async def _in_flight_on(victim: dict, tasks: list, data_dir) -> int:
             if mine and done + sum(counts.values()) >= len(tasks):
                 return mine
             if done == len(tasks):
-                raise AssertionError("the requests ended before the victim held any")
+                return 0
             await asyncio.sleep(0.01)
 
 
