@@ -357,7 +357,9 @@ class StreamGaps:
     def __enter__(self):
         started = self.out.with_suffix(".started")  # its first stream is done: the server warm
         deadline = time.monotonic() + 120
-        while not started.exists() and time.monotonic() < deadline:
+        while not started.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the stream recorder finished no stream (see its output)")
             time.sleep(0.05)
         time.sleep(0.5)
         self.since = time.monotonic()
