@@ -39,12 +39,12 @@ from safetensors.torch import load_file, save_file
 from shaped_store import ShapedHandler, shaped_store_process
 
 from loraplex.artifacts import AllowList, ArtifactStore, Pieces, canonical_digest
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 SHAPES = {
     "small-512x4": {

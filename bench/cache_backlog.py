@@ -25,9 +25,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import ScorePolicy
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import ScorePolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cache"))
 from test_cache_bookkeeping import Loads, Packed, Pool  # noqa: E402  (the cache tests' fakes, reused)

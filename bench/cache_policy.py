@@ -38,11 +38,11 @@ from adapter_load import write_adapter
 from shaped_store import ShapedHandler, shaped_store_process
 
 from loraplex.artifacts import ArtifactStore
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.model_config import ModelConfig
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 RANKS = (8, 16, 32, 64)
 CONTROLS = ("no-burst", "burst-compute", "shift-control")

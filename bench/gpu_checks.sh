@@ -31,7 +31,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep its output
 # Each step has a time limit; GPU_CHECKS picks steps (default: all but cache_shift),
 # e.g. GPU_CHECKS="tests cache_policy".
 want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
-want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engines/native tests/cache \
+want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" tests/engines/native tests/residency \
   tests/test_lora_format.py tests/sim/test_engine_agreement.py
 want lora_ops && step lora_ops 60 python3 bench/lora_ops.py --device cuda --quick --json "$OUT/lora_ops.cuda.quick.json"
 want engine_throughput && step engine_throughput 90 python3 bench/engine_throughput.py --device cuda --quick \

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.lora_format import read_adapter
 from loraplex.model_config import ModelConfig
+from loraplex.residency.policy import LRUPolicy, ScorePolicy
 from loraplex.sim.simulator import (
     LoadCosts,
     ServiceModel,

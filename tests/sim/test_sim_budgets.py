@@ -2,7 +2,7 @@
 to one slot leaves the steady tenant's adapters on the device, waits instead, and every request
 still finishes."""
 
-from loraplex.cache.budgets import Budget
+from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as W
 from loraplex.sim.simulator import SimConfig, hot_adapters, policy_factory, simulate, summarize
 

@@ -9,8 +9,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from loraplex.cache.budgets import TenantBudgets
-from loraplex.cache.key import AdapterKey, AdapterRef
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.artifacts import Pieces
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.registry import Registry, RevisionRecord
 from loraplex.registry.catalog import Catalog
 from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.signing import verify_digest
+from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.server.errors import APIError, not_found
 
 

@@ -18,12 +18,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
-from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
-from loraplex.cache.key import AdapterKey
 from loraplex.engines.native.client import EngineClient
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
+from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
+from loraplex.residency.key import AdapterKey
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 from loraplex.server.state_feed import Generation, StateFeed

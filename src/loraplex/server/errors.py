@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
-from loraplex.cache.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
 from loraplex.engines.native.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
@@ -25,6 +24,7 @@ from loraplex.registry.errors import (
     RegistryError,
     RevisionUnavailable,
 )
+from loraplex.residency.errors import AdapterInFlight, AdapterUnavailable, CapacityExceeded
 
 log = logging.getLogger(__name__)
 

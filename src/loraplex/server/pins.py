@@ -10,11 +10,11 @@ import threading
 import time
 from collections.abc import Iterable
 
-from loraplex.cache.errors import CapacityExceeded
-from loraplex.cache.key import AdapterKey
 from loraplex.engines.contract import AdapterResidency
 from loraplex.registry import AdapterRecord, Registry
 from loraplex.registry.catalog import Catalog
+from loraplex.residency.errors import CapacityExceeded
+from loraplex.residency.key import AdapterKey
 from loraplex.server.adapters import AdapterResolver
 
 log = logging.getLogger("loraplex.server")

@@ -43,7 +43,7 @@ class StartupError(Exception):
 
 def eviction_policy(options: ServeSettings):
     """The cache's policy, with `--score-weights` and `--min-residency-s` applied to score."""
-    from loraplex.cache.policy import LRUPolicy, ScorePolicy
+    from loraplex.residency.policy import LRUPolicy, ScorePolicy
 
     tuned = options.score_weights or options.min_residency_s is not None
     if options.eviction_policy == "lru":

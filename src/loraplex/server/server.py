@@ -13,9 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import AllowList
-from loraplex.cache.budgets import Budget, TenantBudgets
-from loraplex.cache.errors import ArtifactCorrupt
-from loraplex.cache.key import AdapterKey
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.client import EngineClient
 from loraplex.engines.native.llm_engine import LLMEngine
@@ -25,6 +22,9 @@ from loraplex.registry.catalog import Catalog
 from loraplex.registry.changes import Changed, ChangeWatcher
 from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
+from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.residency.errors import ArtifactCorrupt
+from loraplex.residency.key import AdapterKey
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.admission import Admission
 from loraplex.server.audit import AuditLog

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loraplex.cache.budgets import Budget
+from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.sim import (
     PLAN_ENV,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from loraplex.cache.budgets import Budget
 from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
 from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
+from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
 from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cache.budgets import Budget, TenantBudgets
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.workload import Request
@@ -194,7 +194,7 @@ class SimConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     tenant_budgets: dict[str, Budget] | None = None
-    """Residency budgets per tenant (`loraplex.cache.budgets`), as the registry keeps them."""
+    """Residency budgets per tenant (`loraplex.residency.budgets`), as the registry keeps them."""
     tenant_gpu_share: float = 1.0
     tenant_cpu_share: float = 1.0
     """The default budget of a tenant without its own, as `serve
@@ -865,7 +865,7 @@ not a policy)."""
 def policy_factory(name: str) -> Callable[[Simulation], object]:
     """A new policy per worker cache: the runtime ones (lru, score), the baselines (lfu, gdsf), or
     the oracles (`a0`: true popularity; `optimal`: farthest next use)."""
-    from loraplex.cache.policy import GDSFPolicy, LFUPolicy, make_policy
+    from loraplex.residency.policy import GDSFPolicy, LFUPolicy, make_policy
     from loraplex.sim.optimal import OraclePolicy, PopularityOracle
 
     if name == "optimal":

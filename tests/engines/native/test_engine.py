@@ -12,12 +12,12 @@ from safetensors.torch import load_file, save_file
 from tinymodels import peft_reference, reference_greedy
 
 from loraplex.artifacts import canonical_digest
-from loraplex.cache.key import AdapterRef
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import InvalidRequest, SamplingParams
 from loraplex.lora_format import AdapterRejected
+from loraplex.residency.key import AdapterRef
 
 
 @pytest.fixture(scope="module")

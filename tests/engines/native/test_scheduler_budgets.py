@@ -5,14 +5,14 @@ scheduler, block manager and cache over a slot pool that only records)."""
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from loraplex.cache.budgets import Budget, TenantBudgets
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.scheduler import Scheduler
 from loraplex.engines.native.sequence import SamplingParams, Sequence, Status
+from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import LRUPolicy
 
 
 @dataclass(frozen=True)

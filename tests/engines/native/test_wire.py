@@ -7,12 +7,12 @@ import msgpack
 import pytest
 
 from loraplex.artifacts import Pieces
-from loraplex.cache.budgets import Budget, TenantBudgets
-from loraplex.cache.errors import AdapterUnavailable, CapacityExceeded
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.native import wire
 from loraplex.engines.native.errors import InvalidRequest
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams, StructuredOutput
+from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.residency.errors import AdapterUnavailable, CapacityExceeded
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 
 def roundtrip(obj):

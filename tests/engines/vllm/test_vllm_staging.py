@@ -11,9 +11,9 @@ import pytest
 from tinymodels import make_adapter
 
 from loraplex.artifacts import canonical_digest
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.vllm import staging as staging_module
 from loraplex.engines.vllm.residency import VllmResidency
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 WEIGHTS = "adapter_model.safetensors"
 

@@ -8,10 +8,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
-from loraplex.cache.key import AdapterRef
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.engines.native.streams import Streams, request_stream
+from loraplex.residency.key import AdapterRef
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The native mechanism: gpu slots over host copies over the disk cache over the remote store.
 
-Which adapter goes where is `loraplex.cache.placement`'s to decide; the cache describes what it
+Which adapter goes where is `loraplex.residency.placement`'s to decide; the cache describes what it
 holds (`snapshot`), asks, and carries out the decisions: it moves bytes, keeps the bookkeeping of
 entries, waiting requests and measured costs, and reports events for the metrics.
 """
@@ -10,27 +10,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
-from loraplex.cache.budgets import TenantBudgets
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import (
-    AdapterInFlight,
-    AdapterUnavailable,
-    ArtifactCorrupt,
-    CapacityExceeded,
-)
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import (
-    WANTED_FOR_S,
-    Activate,
-    Decision,
-    Evict,
-    Load,
-    Snapshot,
-    Wait,
-)
 from loraplex.engines.contract import AdapterResidency
 from loraplex.engines.native.cache_tables import (
     THRASH_WINDOW_S,
@@ -39,6 +21,23 @@ from loraplex.engines.native.cache_tables import (
     HostCopy,
     Loaded,
     SlotPool,
+)
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.errors import (
+    AdapterUnavailable,
+    ArtifactCorrupt,
+    CapacityExceeded,
+)
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.placement import (
+    WANTED_FOR_S,
+    Activate,
+    Decision,
+    Evict,
+    Load,
+    Snapshot,
+    Wait,
 )
 
 __all__ = ["WANTED_FOR_S", "AdapterCache", "Entry", "HostCopy", "Loaded", "SlotPool"]
@@ -112,20 +111,16 @@ class AdapterCache(CacheTables, AdapterResidency):
             self.budget_waiting.pop(key, None)
             entry.restored = False
             entry.refcount += 1
-            entry.users[tenant] = entry.users.get(tenant, 0) + 1
-            entry.last_tenant = tenant
+            entry.take_user(tenant)
             entry.hits += 1
             return slot
 
     def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
         """Count one request's demand and report the tier it finds its adapter in (as a hit or miss
         event too, when `counted`)."""
-        with self._lock:
-            self.entries.setdefault(ref.key, Entry(ref))
-            self.demand.record(ref.key, self.clock())
-            tier = self.tier_of(ref.key)
+        tier = self.count_request(ref, Entry)
         if counted:
-            self.on_event("hit" if tier == "gpu" or tier == "cpu" else "miss", {"tier": tier})
+            self.report_tier(tier)
         return tier
 
     def mark_wanted(self, key: AdapterKey, now: float) -> None:
@@ -170,15 +165,9 @@ class AdapterCache(CacheTables, AdapterResidency):
             entry = self.entries[key]
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
-            users = entry.users
-            held = tenant is not None and users.get(tenant)
-            holder = tenant if held else next((t for t, n in users.items() if n), None)
-            if holder is not None:
-                users[holder] -= 1
-                if not users[holder]:
-                    del users[holder]
+            entry.drop_user(tenant)
             if entry.refcount == 0:
-                _notify(self._on_released, key)
+                self.released(key)
             if entry.refcount == 0 and self._gpu_pins:
                 self._restore(self.placement.restore_pinned, self.clock())
             if entry.refcount == 0 and getattr(self.policy, "restores_gpu_warm", False):
@@ -222,7 +211,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                 if entry.pinned == "cpu" and not self.placement.cpu_pins_fit(self.snapshot()):
                     # Pinned before its bytes were known: kept as an ordinary host copy rather than
                     # overfill the tier.
-                    self._set_pin(key, None)
+                    self.set_pin(key, None)
                     self.on_event(
                         "pin_refused",
                         {
@@ -242,7 +231,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                     self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
                 entry.prewarm_gpu = False
             for key in ended:
-                _notify(self._on_loaded, key)
+                self.load_ended(key)
         return failed
 
     def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, BaseException]]:
@@ -266,28 +255,8 @@ class AdapterCache(CacheTables, AdapterResidency):
             refusal = self.placement.pin_refusal(self.snapshot(), ref.key, tier)
             if refusal is not None:
                 raise CapacityExceeded(refusal)
-            self._set_pin(ref.key, tier)
+            self.set_pin(ref.key, tier)
         self.prewarm(ref, tier)
-
-    def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
-        """Put back the pin an entry had (an operator call that failed undoes its own pins)."""
-        with self._lock:
-            if key in self.entries:
-                self._set_pin(key, pinned)
-
-    def _set_pin(self, key: AdapterKey, pinned: str | None) -> None:
-        self.entries[key].pinned = pinned
-        self._copies_version += 1
-        for tier, pins in (("gpu", self._gpu_pins), ("cpu", self._cpu_pins)):
-            if pinned == tier:
-                pins.add(key)
-            else:
-                pins.discard(key)
-
-    def unpin(self, key: AdapterKey) -> None:
-        with self._lock:
-            if key in self.entries:
-                self._set_pin(key, None)
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
         """Start loading ahead of traffic into cpu, or into a gpu slot when one can be had."""
@@ -312,15 +281,12 @@ class AdapterCache(CacheTables, AdapterResidency):
             entry = self.entries.get(key)
             if entry is None:
                 return
-            if entry.refcount:
-                raise AdapterInFlight(
-                    f"{key} has {entry.refcount} request(s) in flight; try again when they end"
-                )
+            self.refuse_in_flight(entry)
             slot = self.slot_of(key)
             if slot is not None:
                 self._clear(slot, self.clock())
             self._drop_cpu(key)
-            self._set_pin(key, None)
+            self.set_pin(key, None)
             entry.prewarm_gpu = False  # a load in progress still lands in cpu, not in a slot
 
     def forget(self, key: AdapterKey) -> None:
@@ -328,13 +294,12 @@ class AdapterCache(CacheTables, AdapterResidency):
         must not take the adapter between the two."""
         with self._lock:
             self.evict(key)
-            self.entries.pop(key, None)
+            self.forget_records(key)
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
             self.budget_waiting.pop(key, None)
             self._nbytes_version += 1
             self._copies_version += 1
-            self.demand.discard(key)
             self.activations.discard(key)
 
     # -- internals -------------------------------------------------------------------------------
@@ -430,24 +395,15 @@ class AdapterCache(CacheTables, AdapterResidency):
         self._measure("h2d", seconds, entry.nbytes)
         self.on_event("load_stage", {"stage": "h2d", "seconds": seconds, "key": key})
         self.slots[slot] = key
-        entry.loaded_at = now
+        self.count_load(entry, now)
         self.activations.record(key, now)
-        if entry.evicted_at is not None and now - entry.evicted_at < self.thrash_window_s:
-            self.reloads_after_eviction += 1
-            self.on_event("reload_after_eviction", {})
         self.on_event(
             "load_stage",
             {"stage": "activation", "seconds": time.perf_counter() - start, "key": key},
         )
         return slot
 
-    # -- budgets (placement applies the rule; here, the counts it reports) ----------------------
-    def set_budgets(self, budgets: TenantBudgets) -> None:
-        """New budgets (from the registry): they apply from the next placement on; nothing is
-        evicted for them."""
-        with self._lock:
-            self.budgets = budgets
-
+    # -- budgets (placement applies the rule; the ledger counts) ---------------------------------
     def defers(self, ref: AdapterRef) -> bool:
         """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
         tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
@@ -458,19 +414,14 @@ class AdapterCache(CacheTables, AdapterResidency):
         if key in self.budget_waiting and now - self._wanted.get(key, -math.inf) <= WANTED_FOR_S:
             return  # the same wait, asked again at this step
         self.budget_waiting[key] = (tenant, now)
-        self.budget_waits[tenant] = self.budget_waits.get(tenant, 0) + 1
-        self.on_event("budget_wait", {"tenant": tenant, "key": key})
+        self.count_budget_wait(tenant, key)
 
     def _clear(self, slot: int, now: float) -> None:
         key = self.slots[slot]
         assert key is not None, f"clear of the empty slot {slot}"
         self.pool.clear_slot(slot)
         self.slots[slot] = None
-        entry = self.entries[key]
-        entry.evictions += 1
-        entry.evicted_at = now
-        self.num_evictions += 1
-        self.recent_evictions.append(now)
+        self.count_eviction(self.entries[key], now)
         self.on_event("eviction", {"tier": "gpu"})
 
     def _put_cpu(self, key: AdapterKey, packed: HostCopy) -> None:
@@ -498,8 +449,3 @@ class AdapterCache(CacheTables, AdapterResidency):
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
-
-
-def _notify(watchers: dict[AdapterKey, list[Future]], key: AdapterKey) -> None:
-    for future in watchers.pop(key, ()):
-        future.set_result(None)

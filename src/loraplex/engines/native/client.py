@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.engines.contract import AdapterResidency, Engine, Residency, ResidencySnapshot
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel, Listener
@@ -29,6 +28,7 @@ from loraplex.engines.native.streams import Streams, request_stream
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
+from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.spawn import without_main_module
 
 log = logging.getLogger(__name__)

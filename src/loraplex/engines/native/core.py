@@ -27,12 +27,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from loraplex.cache.budgets import TenantBudgets
 from loraplex.engines.contract import Residency, ResidencySnapshot
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel
 from loraplex.engines.native.kv_budget import KVBudget
 from loraplex.engines.native.sequence import RequestOutput
+from loraplex.residency.budgets import TenantBudgets
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,6 @@ from pathlib import Path
 import torch
 
 from loraplex.artifacts import AllowList, digest_and_pieces
-from loraplex.cache.budgets import TenantBudgets
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import AdapterUnavailable
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import make_policy
 from loraplex.engines.contract import Engine
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.cache import AdapterCache
@@ -48,6 +43,11 @@ from loraplex.lora_format import (
     read_adapter,
 )
 from loraplex.model_config import ModelConfig, base_model_digest
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.errors import AdapterUnavailable
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import make_policy
 
 
 class LLMEngine(Engine):

@@ -14,8 +14,8 @@ from loraplex.engines.native.errors import InvalidRequest, NonFiniteLogits  # no
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
-    from loraplex.cache.key import AdapterRef
     from loraplex.engines.native.tokenizer import OutputDecoder
+    from loraplex.residency.key import AdapterRef
 
 SAMPLING_EPS = 1e-5
 

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import AllowList
-from loraplex.cache.budgets import TenantBudgets
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.policy import make_policy
 from loraplex.engines.contract import Engine
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import handled
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.policy import make_policy
 from loraplex.settings.fields import same_named
 from loraplex.settings.serve import DEFAULTS as D
 from loraplex.settings.serve import ServeSettings

@@ -12,7 +12,7 @@ starts as slots free (its count of pinned slots is loraplex's fix, `patches.py`;
 slot is pinned, no more than the unpinned slots). vLLM still orders the unpinned adapters in its
 device slots.
 
-Tenant residency budgets (`loraplex.cache.budgets`) hold here as on the native engine: the slots
+Tenant residency budgets (`loraplex.residency.budgets`) hold here as on the native engine: the slots
 counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
 adapters in vLLM's host cache. A tenant beyond its gpu budget leaves a free slot to other tenants'
 waiting requests (for a bounded time); one beyond its host budget pushes out only its own adapters.
@@ -33,19 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import ArtifactError, DigestMismatch
-from loraplex.cache.budgets import TenantBudgets
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import (
-    AdapterInFlight,
-    AdapterUnavailable,
-    ArtifactCorrupt,
-    CapacityExceeded,
-)
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import (
-    host_cache_restore,
-    host_cache_victim,
-)
 from loraplex.engines.contract import AdapterResidency
 from loraplex.engines.vllm.residency_tables import (
     HOST_BYTES_UNBOUNDED,
@@ -55,6 +42,19 @@ from loraplex.engines.vllm.residency_tables import (
     lora_int_id,
 )
 from loraplex.engines.vllm.staging import StagedCopies, fingerprint, vllm_shape
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.errors import (
+    AdapterInFlight,
+    AdapterUnavailable,
+    ArtifactCorrupt,
+    CapacityExceeded,
+)
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.placement import (
+    host_cache_restore,
+    host_cache_victim,
+)
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -328,7 +328,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         if self.disk is not None:
             self.disk.close()
 
-    # -- budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ------------------
+    # -- budgets (the rule is loraplex.residency.budgets; here, the counts it takes) --------------
     def set_budgets(self, budgets: TenantBudgets) -> None:
         """New budgets (from the registry): they apply from the next placement on; nothing is
         removed for them. Waiting requests look again."""

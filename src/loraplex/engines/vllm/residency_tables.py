@@ -15,20 +15,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loraplex.cache.budgets import TenantBudgets, charged, tenant_rows, usage
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import (
+from loraplex.residency.budgets import TenantBudgets, charged, tenant_rows, usage
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.errors import (
     AdapterUnavailable,
 )
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import (
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.placement import (
     BusyShare,
     cpu_warm_set,
     gpu_warm_set,
     warm_pins,
 )
-from loraplex.cache.policy import DemandTracker, LRUPolicy
-from loraplex.cache.state import adapter_row
+from loraplex.residency.policy import DemandTracker, LRUPolicy
+from loraplex.residency.state import adapter_row
 
 if TYPE_CHECKING:
     pass

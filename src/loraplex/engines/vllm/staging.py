@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from loraplex.artifacts import ArtifactUnavailable, DigestMismatch, read_artifact
-from loraplex.cache.disk import DiskTier
-from loraplex.cache.key import AdapterKey, AdapterRef
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.key import AdapterKey, AdapterRef
 
 
 class Fingerprint(NamedTuple):

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from loraplex.cache.key import AdapterKey
-from loraplex.cache.policy import DemandTracker
+from loraplex.residency.key import AdapterKey
+from loraplex.residency.policy import DemandTracker
 
 
 def adapter_row(

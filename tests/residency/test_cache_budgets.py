@@ -1,15 +1,15 @@
-"""Per-tenant residency budgets: the rule over plain data (loraplex.cache.budgets), and the cache
-applying it to slots and host copies (no torch)."""
+"""Per-tenant residency budgets: the rule over plain data (loraplex.residency.budgets), and the
+cache applying it to slots and host copies (no torch)."""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import pytest
 
-from loraplex.cache.budgets import Budget, TenantBudgets, charged, usage
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.residency.budgets import Budget, TenantBudgets, charged, usage
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import LRUPolicy
 
 MiB = 2**20
 

@@ -5,8 +5,9 @@ import copy
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.placement import (
+from loraplex.engines.native.cache import AdapterCache, Entry, Loaded
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.placement import (
     BUSY_WINDOW_S,
     Activate,
     BusyShare,
@@ -15,8 +16,7 @@ from loraplex.cache.placement import (
     host_cache_victim,
     warm_pins,
 )
-from loraplex.cache.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
-from loraplex.engines.native.cache import AdapterCache, Entry, Loaded
+from loraplex.residency.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
 
 MiB = 2**20
 

@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loraplex.artifacts import canonical_digest, read_artifact
-from loraplex.cache.errors import AdapterInFlight, CapacityExceeded
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import ModelConfig
+from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import LRUPolicy, ScorePolicy
 
 NUM_SLOTS = 3
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from loraplex.cache.policy import DEMAND_WINDOWS_S, DemandTracker
+from loraplex.residency.policy import DEMAND_WINDOWS_S, DemandTracker
 
 
 def direct(times, now):

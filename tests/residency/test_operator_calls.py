@@ -6,10 +6,10 @@ from concurrent.futures import Future
 
 from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
-from loraplex.cache.errors import AdapterUnavailable
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import ScorePolicy
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.residency.errors import AdapterUnavailable
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import ScorePolicy
 
 
 class Deferred:

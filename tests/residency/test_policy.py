@@ -2,7 +2,7 @@
 
 import random
 
-from loraplex.cache.policy import (
+from loraplex.residency.policy import (
     Candidate,
     DemandTracker,
     LRUPolicy,

@@ -8,9 +8,9 @@ snapshots, kept while the inputs it came from are the same.
 
 It owns: the demand windows' warm sets (the gpu warm set: the adapters preferred in a slot; the cpu
 warm set: those preferred in host memory), the victim choice (through the policy objects of
-`loraplex.cache.policy`), pins, the tenant budgets (the rule of `loraplex.cache.budgets`, applied
-here), the room rule for waiting requests' loads, and restoring pinned and gpu-warm adapters to
-slots. The vLLM engine's residency takes its warm sets, the adapters of the gpu warm set that it
+`loraplex.residency.policy`), pins, the tenant budgets (the rule of `loraplex.residency.budgets`,
+applied here), the room rule for waiting requests' loads, and restoring pinned and gpu-warm adapters
+to slots. The vLLM engine's residency takes its warm sets, the adapters of the gpu warm set that it
 pins in vLLM's device slots, the victims it removes from vLLM's host cache and the adapters it adds
 back to it from here too (`gpu_warm_set`, `cpu_warm_set`, `warm_pins`, `host_cache_victim`,
 `host_cache_restore`).
@@ -24,9 +24,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence, S
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from loraplex.cache.budgets import TenantBudgets, usage
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import Candidate, DemandTracker
+from loraplex.residency.budgets import TenantBudgets, usage
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import Candidate, DemandTracker
 
 WANTED_FOR_S = 2.0
 """A waiting request asks again every step; older asks belong to requests that went away."""
@@ -674,7 +674,7 @@ class Placement:
             return s.demand.shorts(keys, now)
         return s.demand.shorts_live(keys, now, gaps)
 
-    # -- tenant budgets (the rule is loraplex.cache.budgets; here, the counts it takes) ----------
+    # -- tenant budgets (the rule is loraplex.residency.budgets; here, the counts it takes) ----
     def defers(self, s: Snapshot, ref: AdapterRef, now: float) -> bool:
         """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
         tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""

@@ -7,10 +7,10 @@ from concurrent.futures import Future
 
 import pytest
 
-from loraplex.cache.errors import CapacityExceeded
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.engines.native.cache import WANTED_FOR_S, AdapterCache, Loaded
+from loraplex.residency.errors import CapacityExceeded
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import LRUPolicy, ScorePolicy
 
 MiB = 2**20
 

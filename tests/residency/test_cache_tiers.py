@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import ScorePolicy
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import ScorePolicy
 
 MiB = 2**20
 

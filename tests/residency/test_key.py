@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from loraplex.cache.key import AdapterKey
+from loraplex.residency.key import AdapterKey
 
 
 def test_equal_keys_hash_alike_and_any_field_makes_another_key():
@@ -27,11 +27,12 @@ def test_equal_keys_hash_alike_and_any_field_makes_another_key():
 def test_a_key_unpickled_in_another_process_finds_the_entry_of_an_equal_key():
     make = "AdapterKey('sha256:base', 'support', 'r2', 'sha256:bytes')"
     dump = (
-        "import pickle, sys; from loraplex.cache.key import AdapterKey; "
+        "import pickle, sys; from loraplex.residency.key import AdapterKey; "
         f"sys.stdout.buffer.write(pickle.dumps({make}))"
     )
     load = (
-        f"import pickle, sys; from loraplex.cache.key import AdapterKey; print({{{make}: 'found'}}"
+        "import pickle, sys; from loraplex.residency.key import AdapterKey; "
+        f"print({{{make}: 'found'}}"
         "[pickle.loads(sys.stdin.buffer.read())])"
     )
     blob = subprocess.run(

@@ -7,12 +7,12 @@ import pytest
 from ports import held
 
 from loraplex.artifacts import ArtifactStore, digest_and_pieces, serve_store
-from loraplex.cache.errors import AdapterUnavailable
-from loraplex.cache.key import AdapterKey, AdapterRef
-from loraplex.cache.policy import LRUPolicy, ScorePolicy
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
+from loraplex.residency.errors import AdapterUnavailable
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.policy import LRUPolicy, ScorePolicy
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)
 

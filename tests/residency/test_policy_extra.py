@@ -1,6 +1,6 @@
 """The comparison baselines for the simulator: LFU (with aging) and GDSF, over plain data."""
 
-from loraplex.cache.policy import Candidate, GDSFPolicy, LFUPolicy
+from loraplex.residency.policy import Candidate, GDSFPolicy, LFUPolicy
 
 
 def c(key, last=0.0, demand=0.0, nbytes=2**30, cost=1.0):
