@@ -43,6 +43,7 @@ class Entry:
     loads: int = 0
     evictions: int = 0
     nbytes: int = 0
+    load_seconds: float = 0.0  # its last load, all stages
     pinned: str | None = None  # the operator's pin: "gpu" or "cpu"
     evicted_at: float | None = None
     in_host_since: float = 0.0  # when its host copy last landed
@@ -187,7 +188,8 @@ class Ledger(Generic[E]):
         with self._lock:
             gpu_warm, cpu_warm = self.warm_sets(now)
             in_slots, in_host = set(self.in_slots()), set(self.in_host())
-            adapters, copies = [], {"gpu": [], "cpu": [], "disk": []}
+            adapters: list[dict] = []
+            copies: dict[str, list[int]] = {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
                 disk = self.on_disk(key)  # a file system look per adapter: once
                 tier = (

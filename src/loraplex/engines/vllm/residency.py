@@ -45,7 +45,6 @@ from loraplex.engines.vllm.staging import StagedCopies, fingerprint, vllm_shape
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import (
-    AdapterInFlight,
     AdapterUnavailable,
     ArtifactCorrupt,
     CapacityExceeded,
@@ -113,11 +112,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:
         """Count one request's demand; the tier it finds its adapter in (also a hit or miss)."""
-        with self._lock:
-            self._entry(ref)
-            self.demand.record(ref.key, self.clock())
-            tier = self.tier_of(ref.key)
-        self.on_event("hit" if tier in ("gpu", "cpu") else "miss", {"tier": tier})
+        tier = self.count_request(ref, self._entry)
+        self.report_tier(tier)
         return tier
 
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
@@ -146,8 +142,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 entry.busy.set(True, self.clock())
             entry.active += 1
             self._running.add(ref.key)
-            entry.users[tenant] = entry.users.get(tenant, 0) + 1
-            entry.last_tenant = tenant
+            entry.take_user(tenant)
         self._room.set()  # a request that yielded to this one may find a slot still free
         return self._request(entry)
 
@@ -188,10 +183,10 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                         return
                     if deferred_at is None:
                         deferred_at = self.clock()
-                        self._count_budget_wait(tenant, entry.ref.key)
+                        self.count_budget_wait(tenant, entry.ref.key)
                 self._room.clear()
                 timeout = self._defer_left(deferred_at)
-                if self._vllm_pins.difference(self._pins) and not self._has_slot(entry):
+                if self._vllm_pins.difference(self.pins) and not self._has_slot(entry):
                     # a warm pin whose adapter went idle goes (`_follow_demand`); its busy share
                     # falls with time, so look again soon
                     await self._follow_demand()
@@ -240,11 +235,10 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 if not entry.active:
                     self._running.discard(entry.ref.key)
                     entry.busy.set(False, self.clock())
-                if entry.users.get(holder, 0) > 1:
-                    entry.users[holder] -= 1
-                else:
-                    entry.users.pop(holder, None)
+                entry.drop_user(holder)
             entry.last_access = self.clock()
+            if not entry.refcount:
+                self.released(entry.ref.key)
             # a pin no longer wanted goes once its adapter is idle
             unpin = entry.vllm_pinned and not entry.refcount
             unpin = unpin and entry.ref.key not in self._pins_wanted
@@ -274,19 +268,11 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                     f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
                     "stay free for loads"
                 )
-            self._set_pinned(self._entry(ref), tier)
+            self._entry(ref)
+            self.set_pin(ref.key, tier)
         self.prewarm(ref, tier)
 
-    def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
-        with self._lock:
-            if key in self.entries:
-                self._set_pinned(self.entries[key], pinned)
-        self._schedule(self._follow_demand())
-
-    def unpin(self, key: AdapterKey) -> None:
-        with self._lock:
-            if key in self.entries:
-                self._set_pinned(self.entries[key], None)
+    def pins_changed(self) -> None:
         self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
@@ -302,11 +288,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             entry = self.entries.get(key)
             if entry is None:
                 return
-            if entry.refcount:
-                raise AdapterInFlight(
-                    f"{key} has {entry.refcount} request(s) in flight; try again when they end"
-                )
-            self._set_pinned(entry, None)
+            self.refuse_in_flight(entry)
+            self.set_pin(key, None)
             entry.restorable = False  # out until its next request
         self._schedule(self._remove(key))
 
@@ -314,14 +297,12 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         """Evict and drop every record of the key (an unloaded adapter)."""
         self.evict(key)
         with self._lock:
-            entry = self.entries.pop(key, None)
+            entry = self.forget_records(key)
             if entry is not None:
                 self._ids.pop(entry.lora_id, None)
             self._held.pop(key, None)
             self._running.discard(key)
-            self._pins.pop(key, None)
             self._vllm_pins.discard(key)
-            self.demand.discard(key)
 
     def close(self) -> None:
         self.staging.close()
@@ -367,8 +348,13 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         future = self.loading.get(ref.key)
         if future is None:
             future = self.loading[ref.key] = asyncio.ensure_future(self._stage_and_add(ref))
-            future.add_done_callback(lambda _: self.loading.pop(ref.key, None))
+            future.add_done_callback(lambda _: self._load_ended(ref.key))
         await asyncio.shield(future)
+
+    def _load_ended(self, key: AdapterKey) -> None:
+        with self._lock:
+            self.loading.pop(key, None)
+            self.load_ended(key)
 
     async def _stage_and_add(self, ref: AdapterRef) -> None:
         loop = asyncio.get_running_loop()
@@ -413,10 +399,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 self._added(entry, added)
         with self._lock:
             self._set_in_vllm(entry, True)
-            entry.loaded_at, entry.loads = self.clock(), entry.loads + 1
-            if entry.evicted_at is not None:
-                self.reloads_after_eviction += 1
-                self.on_event("reload_after_eviction", {"key": ref.key})
+            entry.loads += 1
+            self.count_load(entry, self.clock())
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
@@ -517,7 +501,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 removable = self._host_budget_victims(incoming, removable)
                 if not removable and incoming.ref.key not in self._host_waiting:
                     self._host_waiting.add(incoming.ref.key)  # counted once per wait
-                    self._count_budget_wait(incoming.last_tenant, incoming.ref.key)
+                    self.count_budget_wait(incoming.last_tenant, incoming.ref.key)
             pairs = [(k, self.entries[k]) for k in removable]
             incoming_pair = (incoming.ref.key, incoming)
             gpu_warm = set(self._gpu_warm(now))
@@ -540,10 +524,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             return
         with self._lock:  # before the send yields: no request goes to vLLM with it from now
             self._set_in_vllm(entry, False)
-            entry.evictions += 1
-            entry.evicted_at = self.clock()
-            self.num_evictions += 1
-            self.recent_evictions.append(entry.evicted_at)
+            self.count_eviction(entry, self.clock())
         self.staging.unstage(key, entry.nbytes)
         removed = await self._send(self.engine.remove_lora(entry.lora_id))
         removed.add_done_callback(_log_failure)
