@@ -8,6 +8,7 @@ from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
 from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.residency.errors import AdapterUnavailable
+from loraplex.residency.events import PinRefused
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import ScorePolicy
 
@@ -55,7 +56,7 @@ def make_cache(slots=1, cpu_mib=1000, failing=(), events=None):
         clock=lambda: now[0],
     )
     if events is not None:
-        cache.on_event = lambda kind, fields: events.append((kind, fields))
+        cache.on_event = events.append
     return cache, now, executor, failing
 
 
@@ -75,10 +76,8 @@ def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_l
     cache.pin(b, "cpu")  # accepted: nothing is known of either's size yet
     land(cache, executor)
     assert cache.entries[a.key].pinned == "cpu" and cache.entries[b.key].pinned is None
-    refused = [f for kind, f in events if kind == "pin_refused"]
-    assert [f["key"] for f in refused] == [b.key] and "exceed cpu_cache_bytes" in refused[0][
-        "error"
-    ]
+    refused = [e for e in events if isinstance(e, PinRefused)]
+    assert [e.key for e in refused] == [b.key] and "exceed cpu_cache_bytes" in refused[0].error
     cache.prewarm(c, "cpu")
     land(cache, executor)  # the next load pushes the unpinned copy out; the pinned one stays
     assert a.key in cache.cpu and b.key not in cache.cpu

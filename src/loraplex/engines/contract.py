@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.events import Event
 from loraplex.residency.key import AdapterKey, AdapterRef
 
 
@@ -43,7 +44,7 @@ class AdapterResidency(Protocol):
 
     budgets: TenantBudgets
     """The tenants' residency budgets last applied."""
-    on_event: Callable[[str, dict], None]
+    on_event: Callable[[Event], None]
     """Called with each residency event (hit, miss, load, eviction, ...) for the metrics."""
 
     def tier_of(self, key: AdapterKey) -> str: ...

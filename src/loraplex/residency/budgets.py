@@ -191,6 +191,23 @@ class TenantBudgets:
             or bool(self.victims(tier, tenant, used, need, candidates))
         )
 
+    def yields_slot(
+        self,
+        tenant: str,
+        used: Mapping[str, int],
+        others: Iterable[str],
+        waited_s: float | None,
+    ) -> bool:
+        """Whether a request of `tenant` that needs a free slot leaves it to the waiting requests of
+        `others` (tenants): it is beyond its gpu budget, one of them is not, and it has not yet
+        deferred for `yield_s` (`waited_s`: since it first did; None: it has not). Free capacity
+        is anyone's only while no one else wants it, and nothing starves."""
+        if not self.limits_anyone or not self.is_over(tenant, "gpu", used, 1):
+            return False
+        if waited_s is not None and not self.defers(waited_s):
+            return False
+        return any(t != tenant and not self.is_over(t, "gpu", used, 1) for t in others)
+
     def defers(self, waited_s: float) -> bool:
         """Whether a request that has waited `waited_s` for its tenant's budget still lets others go
         first."""

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 from loraplex.residency.budgets import TenantBudgets, charged, tenant_rows
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterInFlight
+from loraplex.residency.events import BudgetWait, Event, Lookup, ReloadAfterEviction
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import DemandTracker, LRUPolicy
 from loraplex.residency.state import adapter_row
@@ -106,7 +107,7 @@ class Ledger(Generic[E]):
         self.recent_evictions: deque[float] = deque(maxlen=1000)
         self.num_evictions = 0
         self.reloads_after_eviction = 0
-        self.on_event: Callable[[str, dict], None] = lambda kind, fields: None
+        self.on_event: Callable[[Event], None] = lambda event: None
         # the operator's pins, in the order they were made: key -> "gpu" or "cpu"
         self.pins: dict[AdapterKey, str] = {}
         # futures operator calls wait on: a key's load ended, its last release
@@ -306,12 +307,12 @@ class Ledger(Generic[E]):
 
     def report_tier(self, tier: str) -> None:
         """A request found its adapter in `tier`: a hit in a slot or host memory, else a miss."""
-        self.on_event("hit" if tier in ("gpu", "cpu") else "miss", {"tier": tier})
+        self.on_event(Lookup(tier))
 
     def count_budget_wait(self, tenant: str, key: AdapterKey) -> None:
         """A request of `tenant` for `key` waits because of its tenant's budget."""
         self.budget_waits[tenant] = self.budget_waits.get(tenant, 0) + 1
-        self.on_event("budget_wait", {"tenant": tenant, "key": key})
+        self.on_event(BudgetWait(tenant, key))
 
     def count_eviction(self, entry: E, now: float) -> None:
         entry.evictions += 1
@@ -325,7 +326,7 @@ class Ledger(Generic[E]):
         entry.loaded_at = now
         if entry.evicted_at is not None and now - entry.evicted_at < self.thrash_window_s:
             self.reloads_after_eviction += 1
-            self.on_event("reload_after_eviction", {"key": entry.ref.key})
+            self.on_event(ReloadAfterEviction(entry.ref.key))
 
     def forget_records(self, key: AdapterKey) -> E | None:
         """Drop every record of `key` (an unloaded adapter); its entry, if it had one."""

@@ -699,20 +699,19 @@ class Placement:
     def _budget_yields_free_slot(
         self, s: Snapshot, key: AdapterKey, tenant: str, now: float
     ) -> bool:
-        """Whether a request of a tenant beyond its budget leaves a free slot to another tenant's
-        request that waits for one (its adapter loading, or in host memory): free capacity is
-        anyone's only while no one else wants it. It yields for the budgets' `yield_s` at most (then
-        it takes the slot: nothing starves)."""
-        if not s.budgets.limits_anyone or not self._over_budget(s, tenant, "gpu"):
+        """Whether a request of `tenant` leaves a free slot to other tenants' requests that wait for
+        one (their adapters loading, or in host memory): `TenantBudgets.yields_slot`."""
+        if not s.budgets.limits_anyone:
             return False
         waiting = s.budget_waiting.get(key)
-        if waiting is not None and not s.budgets.defers(now - waiting[1]):
-            return False
+        waited_s = now - waiting[1] if waiting is not None else None
         entries, slots = s.entries, s.slots
-        return any(
-            now - asked <= WANTED_FOR_S and k not in slots and entries[k].last_tenant != tenant
+        others = {
+            entries[k].last_tenant
             for k, asked in s.wanted.items()
-        )
+            if now - asked <= WANTED_FOR_S and k not in slots
+        }
+        return s.budgets.yields_slot(tenant, self._slot_usage(s), others, waited_s)
 
     def _budget_victims(self, s: Snapshot, tenant: str, keys: list[AdapterKey]) -> list[AdapterKey]:
         """Of the evictable slot holders `keys`, those the tenant's request may take a slot from."""

@@ -13,6 +13,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from loraplex.engines.rank_skew import RANK_BUCKETS, rank_bucket
+from loraplex.residency.events import (
+    BudgetWait,
+    Event,
+    Eviction,
+    LoadFailed,
+    LoadStage,
+    Lookup,
+    ReloadAfterEviction,
+)
 
 LOAD_BUCKETS = (
     0.001,
@@ -186,27 +195,25 @@ class ServerMetrics:
             registry=r,
         )
 
-    def on_cache_event(self, kind: str, fields: dict) -> None:
-        """The cache's `on_event` hook (called from its threads; prometheus_client is
+    def on_cache_event(self, event: Event) -> None:
+        """The residency's `on_event` hook (called from its threads; prometheus_client is
         thread-safe)."""
-        if kind in ("hit", "miss"):
-            tier = fields.get("tier")
-            if tier == "remote" or (kind == "miss" and tier is None):
+        match event:
+            # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a miss
+            case Lookup(tier="remote"):
                 self.cache_misses.inc()
-            else:
-                # the architecture's levels: a disk hit (L2) is a hit, only the remote store is a
-                # miss
-                self._child(self.cache_hits, tier or "gpu").inc()
-        elif kind == "eviction":
-            self.evictions.labels(fields.get("tier", "gpu")).inc()
-        elif kind == "reload_after_eviction":
-            self.reloads.inc()
-        elif kind == "load_stage" and fields.get("stage") in self.stages:
-            self.stages[fields["stage"]].observe(fields.get("seconds", 0.0))
-        elif kind == "budget_wait":
-            self.budget_waits.labels(fields["tenant"]).inc()
-        elif kind == "load_failed":
-            self.load_failures.labels(str(fields.get("error", "unknown"))).inc()
+            case Lookup(tier):
+                self._child(self.cache_hits, tier).inc()
+            case Eviction(tier):
+                self.evictions.labels(tier).inc()
+            case ReloadAfterEviction():
+                self.reloads.inc()
+            case LoadStage(stage, seconds) if stage in self.stages:
+                self.stages[stage].observe(seconds)
+            case BudgetWait(tenant):
+                self.budget_waits.labels(tenant).inc()
+            case LoadFailed(error=error):
+                self.load_failures.labels(error).inc()
 
     def _child(self, metric, *labels: str):
         """`metric.labels(*labels)`, looked up once per label values (a child lives as long as its

@@ -24,6 +24,7 @@ from loraplex.registry.records import TenantRecord
 from loraplex.registry.traffic import gateway_model
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.errors import ArtifactCorrupt
+from loraplex.residency.events import Event, LoadFailed, LoadStage, PinRefused
 from loraplex.residency.key import AdapterKey
 from loraplex.server.adapters import AdapterResolver, Target
 from loraplex.server.admission import Admission
@@ -268,9 +269,7 @@ class Server:
             # the first stage of an adapter's path to a slot: name → revision → key (the registry,
             # maybe its files)
             ctx.audit["resolve_s"] = time.perf_counter() - start
-            self.metrics.on_cache_event(
-                "load_stage", {"stage": "resolve", "seconds": ctx.audit["resolve_s"]}
-            )
+            self.metrics.on_cache_event(LoadStage("resolve", ctx.audit["resolve_s"]))
             assert target.record is not None  # an adapter's target has its revision
             ctx.adapter_name, ctx.revision, ctx.rank = (
                 target.record.name,
@@ -432,21 +431,20 @@ class Server:
             }
         )
 
-    def on_cache_event(self, kind: str, fields: dict) -> None:
-        self.metrics.on_cache_event(kind, fields)
-        if kind == "load_stage" and fields.get("key") is not None:
-            if (
-                fields["stage"] == "disk"
-            ):  # a new load (its download, if any, is reported right after)
-                self.load_stages[str(fields["key"])] = {}
-            stages = self.load_stages.setdefault(str(fields["key"]), {})
-            stages[fields["stage"]] = round(fields["seconds"] * 1000, 3)
-        if kind == "load_failed":
-            log.warning("load of %s failed: %s", fields["key"], fields["exception"])
-        if kind == "load_failed" and isinstance(fields.get("exception"), ArtifactCorrupt):
-            self.registry_writer.submit(self.quarantine_corrupt, fields["key"], fields["exception"])
-        if kind == "pin_refused":
-            log.warning("%s", fields["error"])
+    def on_cache_event(self, event: Event) -> None:
+        self.metrics.on_cache_event(event)
+        match event:
+            case LoadStage(stage, seconds, key) if key is not None:
+                if stage == "disk":  # a new load (its download, if any, is reported right after)
+                    self.load_stages[str(key)] = {}
+                stages = self.load_stages.setdefault(str(key), {})
+                stages[stage] = round(seconds * 1000, 3)
+            case LoadFailed(key, _, exception):
+                log.warning("load of %s failed: %s", key, exception)
+                if isinstance(exception, ArtifactCorrupt):
+                    self.registry_writer.submit(self.quarantine_corrupt, key, exception)
+            case PinRefused(error=error):
+                log.warning("%s", error)
 
     def quarantine_corrupt(self, key: AdapterKey, error: Exception) -> None:
         """A revision whose bytes fail their digest is never served again; its traffic returns to

@@ -29,6 +29,7 @@ from loraplex.residency.errors import (
     ArtifactCorrupt,
     CapacityExceeded,
 )
+from loraplex.residency.events import Eviction, LoadFailed, LoadStage, PinRefused
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.placement import (
     WANTED_FOR_S,
@@ -191,10 +192,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                     if key in self.entries:  # a later load, for whatever reason, is not it
                         self.entries[key].prewarm_gpu = False
                     failed.append((key, error))
-                    self.on_event(
-                        "load_failed",
-                        {"error": type(error).__name__, "key": key, "exception": error},
-                    )
+                    self.on_event(LoadFailed(key, type(error).__name__, error))
                     continue
                 loaded: Loaded = future.result()
                 entry = self.entries.get(key)
@@ -212,18 +210,12 @@ class AdapterCache(CacheTables, AdapterResidency):
                     # Pinned before its bytes were known: kept as an ordinary host copy rather than
                     # overfill the tier.
                     self.set_pin(key, None)
-                    self.on_event(
-                        "pin_refused",
-                        {
-                            "key": key,
-                            "tier": "cpu",
-                            "error": (
-                                f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned "
-                                f"adapters would exceed cpu_cache_bytes ({self.cpu_bytes}); it "
-                                "stays cached, unpinned"
-                            ),
-                        },
+                    refusal = (
+                        f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters "
+                        f"would exceed cpu_cache_bytes ({self.cpu_bytes}); it stays cached, "
+                        "unpinned"
                     )
+                    self.on_event(PinRefused(key, "cpu", refusal))
                 now = self.clock()
                 self._carry_out(self.placement.shrink_host(self.snapshot(), key, now), now)
                 if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
@@ -347,7 +339,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                 f"adapter {ref.key} could not be loaded; try again later",
             ) from exc
         for stage, seconds in stages.items():
-            self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+            self.on_event(LoadStage(stage, seconds, ref.key))
         return Loaded(packed, source, stages)
 
     def _carry_out(
@@ -362,7 +354,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                     self._clear(self.slots.index(key), now)
                 case Evict(key, _):
                     self._drop_cpu(key)
-                    self.on_event("eviction", {"tier": "cpu"})
+                    self.on_event(Eviction("cpu"))
                 case Activate(key, into, restored):
                     slot = self._activate(key, into, now)
                     self.entries[key].restored = restored
@@ -393,14 +385,11 @@ class AdapterCache(CacheTables, AdapterResidency):
         modeled = self.pool.set_slot(slot, self.cpu[key])
         seconds = time.perf_counter() - start if modeled is None else modeled
         self._measure("h2d", seconds, entry.nbytes)
-        self.on_event("load_stage", {"stage": "h2d", "seconds": seconds, "key": key})
+        self.on_event(LoadStage("h2d", seconds, key))
         self.slots[slot] = key
         self.count_load(entry, now)
         self.activations.record(key, now)
-        self.on_event(
-            "load_stage",
-            {"stage": "activation", "seconds": time.perf_counter() - start, "key": key},
-        )
+        self.on_event(LoadStage("activation", time.perf_counter() - start, key))
         return slot
 
     # -- budgets (placement applies the rule; the ledger counts) ---------------------------------
@@ -422,7 +411,7 @@ class AdapterCache(CacheTables, AdapterResidency):
         self.pool.clear_slot(slot)
         self.slots[slot] = None
         self.count_eviction(self.entries[key], now)
-        self.on_event("eviction", {"tier": "gpu"})
+        self.on_event(Eviction("gpu"))
 
     def _put_cpu(self, key: AdapterKey, packed: HostCopy) -> None:
         self._drop_cpu(key)

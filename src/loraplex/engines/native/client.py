@@ -28,6 +28,7 @@ from loraplex.engines.native.streams import Streams, request_stream
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
+from loraplex.residency.events import Event
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.spawn import without_main_module
 
@@ -164,9 +165,9 @@ class EngineClient(Engine):
                 self._route(wire.from_rows(RequestOutput, outputs))
             for event in events:
                 try:
-                    self.adapters.on_event(*event)
+                    self.adapters.on_event(event)
                 except Exception:
-                    log.exception("handling the cache event %s failed", event[0])
+                    log.exception("handling the cache event %s failed", event)
         if self._channel.at_eof:  # the engine process is ending: the watcher tells its requests
             assert self._loop is not None  # the loop that reads the messages
             self._loop.remove_reader(self._fd)
@@ -345,7 +346,7 @@ class CacheClient(AdapterResidency):
         self.cpu_bytes = info.cpu_bytes
         self.budgets = info.budgets
         """The budgets last applied (the server compares before it sends new ones)."""
-        self.on_event = lambda kind, fields: None
+        self.on_event: Callable[[Event], None] = lambda event: None
         self._lock = threading.Lock()
         self._snapshot = info.snapshot
         # per key, (future, whether a residency settles it): what `when_loaded` and

@@ -127,7 +127,7 @@ class EngineCore:
         self._poller.register(self._woken, select.POLLIN)
         self.stopping = False
         self._events: collections.deque = collections.deque()
-        self.cache.on_event = lambda kind, fields: self._events.append([kind, fields])
+        self.cache.on_event = self._events.append
         self._snapshot_lock = threading.Lock()
         self._seq = 0
         self._fingerprint = None

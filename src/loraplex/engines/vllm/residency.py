@@ -49,6 +49,7 @@ from loraplex.residency.errors import (
     ArtifactCorrupt,
     CapacityExceeded,
 )
+from loraplex.residency.events import Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.placement import (
     host_cache_restore,
@@ -364,9 +365,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             )
         except (DigestMismatch, ArtifactError, OSError) as exc:
             error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
-            self.on_event(
-                "load_failed", {"error": type(error).__name__, "key": ref.key, "exception": error}
-            )
+            self.on_event(LoadFailed(ref.key, type(error).__name__, error))
             raise AdapterUnavailable(
                 f"adapter {ref.key} could not be loaded: {error}",
                 f"adapter {ref.key} could not be loaded",
@@ -403,7 +402,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             self.count_load(entry, self.clock())
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
-            self.on_event("load_stage", {"stage": stage, "seconds": seconds, "key": ref.key})
+            self.on_event(LoadStage(stage, seconds, ref.key))
 
     async def _send_add(self, entry: Resident) -> asyncio.Task | None:
         """Make room in vLLM's host cache and send the add (None: the adapter is there already)."""
@@ -481,10 +480,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 f"vLLM refused adapter {entry.ref.key}: {reason}",
                 f"adapter {entry.ref.key} could not be loaded by the engine",
             )
-            self.on_event(
-                "load_failed",
-                {"error": "AdapterRejected", "key": entry.ref.key, "exception": error},
-            )
+            self.on_event(LoadFailed(entry.ref.key, "AdapterRejected", error))
             raise error
 
     async def _make_room(self, incoming: Resident) -> bool:
@@ -528,7 +524,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         self.staging.unstage(key, entry.nbytes)
         removed = await self._send(self.engine.remove_lora(entry.lora_id))
         removed.add_done_callback(_log_failure)
-        self.on_event("eviction", {"tier": "cpu"})
+        self.on_event(Eviction("cpu"))
 
     def _in_use(self, name: str) -> bool:
         """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest

@@ -9,6 +9,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.engines.vllm.staging import StagedCopies
@@ -158,6 +159,16 @@ class ResidencyTables(Ledger[Resident]):
     def staged(self, key: AdapterKey) -> bool:
         return self.staging.path(key).is_dir()
 
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once no load of `key` is in progress, looked at on the server's loop after the calls
+        scheduled there before it (a prewarm's load starts on the loop)."""
+        if self.loop is None:  # not started: nothing loads
+            return super().when_loaded(key)
+        return asyncio.run_coroutine_threadsafe(self._loaded(key), self.loop)
+
+    async def _loaded(self, key: AdapterKey) -> None:
+        await asyncio.wrap_future(super().when_loaded(key))
+
     def _slot_usage(self) -> dict[str, int]:
         return usage((e.charged, 1) for e in self.entries.values() if e.in_slot)
 
@@ -166,23 +177,14 @@ class ResidencyTables(Ledger[Resident]):
         return usage((e.charged, e.nbytes) for e in held)
 
     def _yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
-        """Whether a request of `tenant` that needs a slot of its own leaves a free one to another
-        tenant's waiting request: its tenant is beyond its gpu budget, the other's is not, and it
-        has not yet deferred for the budgets' `yield_s` (`TenantBudgets.defers`). Free capacity is
-        anyone's only while no one else wants it."""
-        budgets = self.budgets
-        if entry.in_slot or not budgets.limits_anyone:
+        """Whether a request of `tenant` that needs a slot of its own leaves a free one to other
+        tenants' waiting requests (`TenantBudgets.yields_slot`)."""
+        if entry.in_slot or not self.budgets.limits_anyone:
             return False
-        others = [t for t, n in self._slot_waiting.items() if n and t != tenant]
-        if not others:
-            return False
-        if deferred_at is not None and not budgets.defers(self.clock() - deferred_at):
-            return False
+        others = [t for t, n in self._slot_waiting.items() if n]
+        waited_s = self.clock() - deferred_at if deferred_at is not None else None
         with self._lock:
-            used = self._slot_usage()
-        return budgets.is_over(tenant, "gpu", used, 1) and any(
-            not budgets.is_over(t, "gpu", used, 1) for t in others
-        )
+            return self.budgets.yields_slot(tenant, self._slot_usage(), others, waited_s)
 
     def _defer_left(self, deferred_at: float | None) -> float | None:
         """Seconds a deferring request still lets others go first (None: it does not)."""
