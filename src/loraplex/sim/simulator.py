@@ -5,8 +5,8 @@ is the simulation's, whose slot pool records host-to-device copies instead of mo
 executor is this event loop (a load's future completes at its simulated finish time) and whose
 loader models the disk and remote tiers by bandwidth and fixed latency. A worker's step is the
 engine's: the running requests decode one token each, then waiting requests are admitted by the
-scheduler's own rule (`engine.admission.admit_waiting`), and a request holds its adapter's slot
-until it finishes.
+scheduler's own rule (`loraplex.engines.native.admission.admit_waiting`), and a request holds its
+adapter's slot until it finishes.
 """
 
 from __future__ import annotations
