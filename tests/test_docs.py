@@ -56,9 +56,9 @@ def prose(path: Path) -> str:
 
 
 def bases(path: Path) -> tuple[Path, ...]:
-    """Where a relative tree name resolves: the package and the repository's root (bench/, tests/,
-    docs/, deploy/, docker/), and a module's own folder for the names in its comments."""
-    return (PACKAGE, ROOT) if path.suffix != ".py" else (path.parent, PACKAGE, ROOT)
+    """Where a relative tree name resolves: the document's own folder (a guide's `img/`, a
+    module's neighbours), the package, and the repository's root (bench/, tests/, deploy/, ...)."""
+    return (path.parent, PACKAGE, ROOT)
 
 
 def problems(text: str, roots: tuple[Path, ...]) -> list[str]:

@@ -17,6 +17,9 @@ LOAD_STEPS = ("remote", "disk", "h2d")
 """`LoadCosts`'s fields: a download, a read into host memory, a copy into a slot."""
 TIER_KEYS = ("latency_s", "bandwidth_bytes_per_s")
 SERVICE_KEYS = tuple(f.name for f in fields(ServiceModel) if f.name != "source")
+POSITIVE = ("bandwidth_bytes_per_s", "step_s")
+"""Figures that must be above 0 (a divisor, and the step that moves the simulated clock); the
+others may be 0."""
 
 
 class CalibrationError(ValueError):
@@ -30,13 +33,13 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         """The calibration file's form."""
-        costs = {t: dict(zip(TIER_KEYS, _tier_figures(getattr(self.costs, t)))) for t in LOAD_STEPS}
+        costs = {step: _tier_dict(getattr(self.costs, step)) for step in LOAD_STEPS}
         service = {k: getattr(self.service, k) for k in SERVICE_KEYS}
         return {"costs": costs, "service": service}
 
 
-def _tier_figures(cost: TierCost) -> tuple[float, float]:
-    return cost.latency_s, cost.bandwidth
+def _tier_dict(cost: TierCost) -> dict[str, float]:
+    return {"latency_s": cost.latency_s, "bandwidth_bytes_per_s": cost.bandwidth}
 
 
 def read_calibration(path: Path | None) -> Calibration:
@@ -55,28 +58,23 @@ def read_calibration(path: Path | None) -> Calibration:
         raise CalibrationError(f"--calibration {path}: {exc}") from None
 
 
-POSITIVE = ("bandwidth_bytes_per_s", "step_s")
-"""Figures that must be above 0 (a divisor, and the step that moves the simulated clock); the
-others may be 0."""
-
-
 def _from_dict(data: Any, source: str) -> Calibration:
-    default = Calibration()
-    top = _section({"file": data}, "file", ("costs", "service"), "the file")
-    costs = _section(top, "costs", LOAD_STEPS, "costs")
+    default = Calibration().to_dict()
+    top = _object(data, ("costs", "service"), "the file")
+    costs = _object(top.get("costs", {}), LOAD_STEPS, "costs")
     tiers = {}
-    for tier in LOAD_STEPS:
-        given = _section(costs, tier, TIER_KEYS, f"costs.{tier}")
-        figures = zip(TIER_KEYS, _tier_figures(getattr(default.costs, tier)))
-        tiers[tier] = TierCost(*(_figure(given, k, d, f"costs.{tier}") for k, d in figures))
-    service = _section(top, "service", SERVICE_KEYS, "service")
-    model = {k: _figure(service, k, getattr(default.service, k), "service") for k in SERVICE_KEYS}
-    return Calibration(LoadCosts(**tiers, source=source), ServiceModel(**model, source=source))
+    for step in LOAD_STEPS:
+        where = f"costs.{step}"
+        given = _object(costs.get(step, {}), TIER_KEYS, where)
+        figures = {k: _figure(given, k, d, where) for k, d in default["costs"][step].items()}
+        tiers[step] = TierCost(figures["latency_s"], figures["bandwidth_bytes_per_s"])
+    given = _object(top.get("service", {}), SERVICE_KEYS, "service")
+    service = {k: _figure(given, k, d, "service") for k, d in default["service"].items()}
+    return Calibration(LoadCosts(**tiers, source=source), ServiceModel(**service, source=source))
 
 
-def _section(parent: dict, key: str, allowed: tuple[str, ...], where: str) -> dict:
-    """`parent[key]`, an object whose keys are among `allowed` ({} when it is left out)."""
-    value = parent.get(key, {})
+def _object(value: Any, allowed: tuple[str, ...], where: str) -> dict:
+    """`value`, checked to be an object whose keys are among `allowed`."""
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
     unknown = sorted(set(value) - set(allowed))
@@ -85,10 +83,11 @@ def _section(parent: dict, key: str, allowed: tuple[str, ...], where: str) -> di
     return value
 
 
-def _figure(section: dict, key: str, default: float, where: str) -> float:
-    if key not in section:
+def _figure(given: dict, key: str, default: float, where: str) -> float:
+    """`given[key]` checked, or `default` when it is left out."""
+    if key not in given:
         return default
-    value = section[key]
+    value = given[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{where}.{key}: {value!r} is not a number")
     if key in POSITIVE and value <= 0:
