@@ -7,7 +7,6 @@ import pytest
 
 from loraplex.sim import workload as W
 from loraplex.sim.simulator import (
-    LoadCosts,
     ServiceModel,
     SimConfig,
     Simulation,
@@ -182,21 +181,6 @@ def test_service_model_calibrates_from_engine_throughput_json(tmp_path):
     assert model.per_adapter_s == pytest.approx(0.01)
     assert model.per_prefill_token_s == pytest.approx((1.0 - 0.08 * 7) / (16 * 32))
     assert model.source == str(path)
-
-
-def test_load_costs_fit_bandwidth_and_latency(tmp_path):
-    rows = [
-        {"tier": t, "bytes": b, "seconds": lat + b / bw}
-        for t, lat, bw in (("remote", 0.05, 2e8), ("disk", 0.004, 1e9), ("h2d", 0.0002, 1e10))
-        for b in (10**6, 10**7, 10**8)
-    ]
-    path = tmp_path / "adapter_load.json"
-    path.write_text(json.dumps({"rows": rows}))
-    costs = LoadCosts.from_json(path)
-    assert costs.remote.latency_s == pytest.approx(
-        0.05
-    ) and costs.remote.bandwidth == pytest.approx(2e8)
-    assert costs.h2d.bandwidth == pytest.approx(1e10)
 
 
 def test_tenant_hit_rates_count_adapter_requests_only():

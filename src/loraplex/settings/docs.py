@@ -1,6 +1,6 @@
 """The settings tables of the docs, made from the settings models: `python -m
-loraplex.settings.docs` rewrites each table between its markers, `--check` fails when one differs
-(as the drift test does).
+loraplex.settings.docs`, run in the repository's root, rewrites each table between its markers,
+`--check` fails when one differs (as the drift test does).
 
 A table's place in a guide is two lines, the first naming the command and the panel:
 
@@ -96,7 +96,11 @@ def stale_guides(root: Path, write: bool) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    root = Path(__file__).resolve().parents[3]
+    root = Path.cwd()
+    missing = sorted({d.guide for d in COMMANDS if not (root / d.guide).is_file()})
+    if missing:
+        print(f"{root}: no {missing[0]}: run this in the repository's root", file=sys.stderr)
+        return 2
     check = "--check" in argv
     stale = stale_guides(root, write=not check)
     for guide in stale:

@@ -103,6 +103,16 @@ def _registry_changes_per_s() -> Any:
     )
 
 
+def _calibration() -> Any:
+    return setting(
+        None,
+        "JSON file of load costs per tier and engine step costs (docs/capacity-planning.md, "
+        "Calibration)",
+        metavar="FILE",
+        default_text="the package's",
+    )
+
+
 def workload_shape(s: SimulateSettings | PlanSettings) -> dict[str, Any]:
     """The reshaping of a generated workload that the settings give: {field: value} of those
     set."""
@@ -165,6 +175,7 @@ class SimulateSettings:
     duration_s: float | None = _duration_s()
     tenants: int | None = _tenants()
     registry_changes_per_s: float = _registry_changes_per_s()
+    calibration: Path | None = _calibration()
 
     def __post_init__(self):
         check_fields(self, SimulateSettings)
@@ -197,6 +208,7 @@ class PlanSettings:
     duration_s: float | None = _duration_s()
     tenants: int | None = _tenants()
     registry_changes_per_s: float = _registry_changes_per_s()
+    calibration: Path | None = _calibration()
 
     def __post_init__(self):
         check_fields(self, PlanSettings)

@@ -26,9 +26,8 @@ from loraplex.settings.sim import (
     workload_shape,
 )
 from loraplex.sim import workload as workloads
+from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
 from loraplex.sim.simulator import (
-    LoadCosts,
-    ServiceModel,
     SimConfig,
     compare,
     config_dict,
@@ -77,11 +76,12 @@ def run_sweep(
     budgets: dict[str, Budget] | None = None,
     registry_changes_per_s: float = 0.0,
     optimal: bool = True,
+    calibration: Calibration | None = None,
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
-    not `optimal`)."""
+    not `optimal`), at `calibration`'s costs (the package's by default)."""
     cells = [(w, s, c) for w in traces for s in slots for c in cpu]
-    service, costs = ServiceModel.default(), LoadCosts.default()
+    calibration = calibration or Calibration()
     runs = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("simulating", total=len(cells) * (len(policies) + optimal))
@@ -93,8 +93,8 @@ def run_sweep(
                 cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
                 disk_bytes=cap.disk_bytes,
                 workers=workers,
-                service=service,
-                costs=costs,
+                service=calibration.service,
+                costs=calibration.costs,
                 tenant_budgets=budgets,
                 registry_changes_per_s=registry_changes_per_s,
             )
@@ -346,6 +346,7 @@ def plot_capacity(runs: list[dict], path: Path) -> None:
 
 def simulate(s: SimulateSettings) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
+    calibration = _calibration(s.calibration)
     console = Console()
     names, policies = list(dict.fromkeys(s.workload)), list(s.policy)
     for name in names:
@@ -361,7 +362,12 @@ def simulate(s: SimulateSettings) -> None:
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
     traces = {name: _load_workload(name, workload_shape(s)) for name in names}
     changes = s.registry_changes_per_s
-    runs = run_sweep(traces, policies, slots, cpu, workers, console, budgets, changes, s.optimal)
+
+    def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
+        args = (workers, console, budgets, changes, s.optimal, calibration)
+        return run_sweep(cells, policies, n_slots, cpu, *args)
+
+    runs = sweep_of(traces, slots)
     if wide:
         console.print(results_table(runs))
         if len(runs) == 1:
@@ -372,9 +378,7 @@ def simulate(s: SimulateSettings) -> None:
         console.print(fleet_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {
-            "config": config_dict(
-                SimConfig(service=ServiceModel.default(), costs=LoadCosts.default())
-            ),
+            "config": config_dict(SimConfig(service=calibration.service, costs=calibration.costs)),
             "note": "config: the defaults of every run; each run lists its capacities",
         }
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -389,11 +393,19 @@ def simulate(s: SimulateSettings) -> None:
                 base = run["gpu_slots"]
                 around = sorted({max(1, base // 2), base, base * 2, base * 4})
                 one = {run["workload"]: traces[run["workload"]]}
-                sweep += run_sweep(
-                    one, policies, around, cpu, workers, console, budgets, changes, s.optimal
-                )
+                sweep += sweep_of(one, around)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
+
+
+def _calibration(path: Path | None) -> Calibration:
+    """The calibration `--calibration` names (the package's without one); a bad file is one line
+    on stderr and exit 2, before any run."""
+    try:
+        return read_calibration(path)
+    except CalibrationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
@@ -426,6 +438,7 @@ def plan(s: PlanSettings) -> None:
     """Adapter bytes (formula, actual), how many fit per tier, the smallest cache for a workload."""
     from loraplex.sim import plan as planner
 
+    calibration = _calibration(s.calibration)
     console = Console()
     try:
         report = planner.make_plan(
@@ -441,6 +454,7 @@ def plan(s: PlanSettings) -> None:
             max_lora_rank=s.max_lora_rank,
             cpu_cache_bytes=s.cpu_cache_bytes,
             disk_cache_bytes=s.disk_cache_bytes,
+            calibration=calibration,
         )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -472,8 +486,6 @@ def routers(
             cpu_bytes=parse_size(cpu_bytes),
             workers=workers,
             router=router,
-            service=ServiceModel.default(),
-            costs=LoadCosts.default(),
         )
         sim = run(trace, config, policy_factory(policy))
         rows[router] = summarize(sim, hot)

@@ -26,6 +26,8 @@ def fleet_for_workload(
         bytes_per_rank=int(per_rank),
         tenant_budgets=plan.budgets,
         registry_changes_per_s=registry_changes_per_s,
+        service=plan.calibration.service,
+        costs=plan.calibration.costs,
     )
     started = time.perf_counter()
     sim = simulate(trace, config, policy_factory("score"))

@@ -15,6 +15,7 @@ from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read
 from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
 from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
+from loraplex.sim.calibration import Calibration
 from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
 
@@ -64,6 +65,8 @@ class Plan:
     """The registry tenants' residency budgets: the sizing simulations run with them."""
     fleet: dict | None = None
     """With workers: the workload's run on the fleet (`loraplex.sim.fleet_plan`)."""
+    calibration: Calibration = field(default_factory=Calibration)
+    """The load and step costs the workload's simulations run with."""
 
 
 def serving_dtype(config: ModelConfig) -> str:
@@ -191,12 +194,13 @@ def make_plan(
     workers: int = 1,
     shape: dict | None = None,
     registry_changes_per_s: float = 0.0,
+    calibration: Calibration | None = None,
     **capacities,
 ) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
     (serve's flags; the engine's defaults otherwise). With `workers` above 1 the workload (reshaped
     by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of the
-    one-worker sizing."""
+    one-worker sizing. The simulations run at `calibration`'s costs (the package's by default)."""
     if not workload and (workers > 1 or shape or registry_changes_per_s):
         raise PlanError(
             "--workers, --num-adapters, --rate, --duration-s, --tenants and "
@@ -224,6 +228,7 @@ def make_plan(
         defaults,
         workload=workload,
         budgets=budgets_from_registry(registry) if registry else {},
+        calibration=calibration or Calibration(),
     )
     if workload:
         trace = load_workload(workload, shape)
@@ -264,6 +269,8 @@ def _sizing_base(
         disk_bytes=cap.disk_bytes,
         bytes_per_rank=int(per_rank),
         tenant_budgets=plan.budgets,
+        service=plan.calibration.service,
+        costs=plan.calibration.costs,
     )
     working_set = sum(
         int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values()

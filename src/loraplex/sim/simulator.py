@@ -5,8 +5,8 @@ is the simulation's, whose slot pool records host-to-device copies instead of mo
 executor is this event loop (a load's future completes at its simulated finish time) and whose
 loader models the disk and remote tiers by bandwidth and fixed latency. A worker's step is the
 engine's: the running requests decode one token each, then waiting requests are admitted by the
-scheduler's own rule (`engine.admission.admit_waiting`), and a request holds its adapter's slot
-until it finishes.
+scheduler's own rule (`loraplex.engines.native.admission.admit_waiting`), and a request holds its
+adapter's slot until it finishes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.workload import Request
 
-RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
 # Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules,
 # bfloat16: 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
 LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
@@ -61,31 +60,6 @@ class LoadCosts:
     h2d: TierCost = TierCost(0.0005, 12e9)
     source: str = "defaults"
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> LoadCosts:
-        """Fit latency + bytes/bandwidth per tier to `bench/adapter_load.py` rows ({tier, bytes,
-        seconds})."""
-        data = json.loads(Path(path).read_text())
-        rows = data.get("rows", data) if isinstance(data, dict) else data
-        fits = {}
-        for tier, name in (("remote", "remote"), ("disk", "disk"), ("h2d", "h2d")):
-            points = [(r["bytes"], r["seconds"]) for r in rows if _is_timing(r, name)]
-            if len(points) >= 2:
-                fits[tier] = _fit_line(points)
-        if not fits:
-            raise ValueError(f"{path}: no rows with tier, bytes and seconds")
-        return cls(**fits, source=str(path))
-
-    @classmethod
-    def default(cls) -> LoadCosts:
-        path = RESULTS_DIR / "adapter_load.json"
-        if path.is_file():
-            try:
-                return cls.from_json(path)
-            except (ValueError, KeyError, TypeError):
-                pass
-        return cls()
-
     def to_dict(self) -> dict:
         return {
             **{
@@ -94,18 +68,6 @@ class LoadCosts:
             },
             "source": self.source,
         }
-
-
-def _is_timing(row, tier: str) -> bool:
-    """A benchmark row that times one load of `tier`: {tier, bytes, seconds}."""
-    return isinstance(row, dict) and row.get("tier") == tier and {"bytes", "seconds"} <= row.keys()
-
-
-def _fit_line(points: list[tuple[float, float]]) -> TierCost:
-    x, y = np.array(points, dtype=float).T
-    slope, intercept = np.polyfit(x, y, 1)
-    slope = max(slope, 1e-15)
-    return TierCost(max(0.0, float(intercept)), float(1.0 / slope))
 
 
 @dataclass(frozen=True)
@@ -161,20 +123,6 @@ class ServiceModel:
             per_adapter_s=per_adapter,
             source=str(path),
         )
-
-    @classmethod
-    def default(cls) -> ServiceModel:
-        """Calibrated from `bench/results/engine_throughput.json` when that was measured on a GPU;
-        else the defaults (a CPU run of the benchmark's small model says nothing about a 7B model on
-        a GPU)."""
-        path = RESULTS_DIR / "engine_throughput.json"
-        try:
-            data = json.loads(path.read_text())
-            if "cuda" in json.dumps(data.get("machine", {})).lower():
-                return cls.from_engine_throughput(path)
-        except (OSError, KeyError, ValueError, TypeError, ZeroDivisionError):
-            pass
-        return cls()
 
 
 @dataclass(frozen=True)

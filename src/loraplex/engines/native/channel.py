@@ -1,5 +1,5 @@
 """Framed messages over a Unix stream socket: how the API server and the engine process speak
-(engine/client.py, engine/core.py). A message is its length (4 bytes, big-endian) and its bytes.
+(client.py, core.py). A message is its length (4 bytes, big-endian) and its bytes.
 
 Each side's own thread reads and writes the socket directly, so a message costs one system call
 to send and wakes only the thread that reads it (a ZeroMQ socket hands every message to an I/O

@@ -1,6 +1,6 @@
 """The engine in a process of its own, as vLLM's engine core: the model, the cache, the scheduler
 and the step loop, so that HTTP, tokenization and the step loop do not share one GIL. `EngineClient`
-(engine/client.py) starts it with multiprocessing's spawn and speaks to it over two Unix sockets
+(client.py) starts it with multiprocessing's spawn and speaks to it over two Unix sockets
 (channel.py), in messages encoded by wire.py.
 
 Channels (the client listens, this process connects):
