@@ -141,7 +141,7 @@ def test_the_check_finds(text):
     "text",
     [
         "hostile names: `../upper`, `upper/../../etc/passwd`, `s3://`",
-        "src/loraplex/{engines/native,cache,sim}/ and src/loraplex/cli.py.",
+        "src/loraplex/{engines/native,residency,sim}/ and src/loraplex/cli.py.",
         "`loraplex.sim.workload.Request`, `loraplex.engines.native`",
         "`registry/catalog.py`, `engines/native/`, `server/listing.py`, `bench/`, `docs/cache.md`",
         "`meta-llama/Llama-3.1-8B-Instruct`, `bench/results/*.cuda*.json`, `<data-dir>/cache/`",
