@@ -240,7 +240,7 @@ def add(
     if signing_key is not None:
         signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
     registry = _open(ctx)
-    registry.strict_base_model_name = strict_base_model_name
+    registry.registration.strict_base_model_name = strict_base_model_name
     record = registry.add_revision(
         directory,
         name,
