@@ -56,8 +56,10 @@ class Registry:
         self.reading = Reading(self.db, timedelta(seconds=grace_period_s))
         self.lifecycle = LifeCycle(self.db, self.reading)
         self.tenancy = Tenancy(self.db)
+        self._name_methods()
 
-        # the public methods: each is the method of the service that does it
+    def _name_methods(self) -> None:
+        """The public methods: each is the method of the service that does it."""
         self.init = self.db.init
         self.close = self.db.close
         self.change_count = self.db.change_count
