@@ -633,7 +633,7 @@ def test_a_failed_digest_check_is_quarantined_off_the_step_thread(start, adapter
         data = bytearray(weights.read_bytes())
         data[-3] ^= 0xFF
         weights.write_bytes(bytes(data))
-        for name in dir(Registry):
+        for name in dir(registry):
             method = getattr(registry, name)
             if not name.startswith("_") and callable(method):
                 setattr(registry, name, recorded(name, method))

@@ -147,11 +147,11 @@ class BulkImport:
         return ImportResult(tuple(by_name[i.name] for i in items), num_new)
 
     def _store_all(self, items: list[ImportItem], base_model_dir) -> list[Stored]:
-        """`store_verified` of each, on a few threads (their hashing, copies and fsyncs overlap);
+        """`check_and_store` of each, on a few threads (their hashing, copies and fsyncs overlap);
         ImportRefused naming the first bad item."""
 
         def one(item: ImportItem) -> Stored:
-            return self.registration.store_verified(
+            return self.registration.check_and_store(
                 item.path, base_model_dir, None, item.eval_set, item.digest, item.signature
             )
 

@@ -110,7 +110,7 @@ class Registration:
         does). Registering the same bytes again under the same name returns the existing revision.
         """
         check_names(name, revision, warm_policy, status)
-        stored = self.store_verified(
+        stored = self.check_and_store(
             Path(src_dir), base_model_dir, base_model, eval_set, digest, signature
         )
         with self.store.write() as session:
@@ -119,7 +119,7 @@ class Registration:
             )
             return self.insert_revision(session, adapter, stored, revision, status)
 
-    def store_verified(
+    def check_and_store(
         self, src: Path, base_model_dir, base_model, eval_set, digest, signature
     ) -> Stored:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
