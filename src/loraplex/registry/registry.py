@@ -42,6 +42,7 @@ class Registry:
         """`store`: the artifact store (default: `artifacts/` beside a SQLite file); the other
         settings are those of `Registration`, `Reading` (`grace_period_s`) and `Store` (`actor`)."""
         self.db = Store(url, store, actor)
+        # `store` is the artifact store, as the constructor's argument names it
         self.url, self.engine, self.store = url, self.db.engine, self.db.artifacts
         self.registration = Registration(
             self.db,
