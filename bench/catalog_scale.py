@@ -322,7 +322,7 @@ def bench_small_vs_large(sizes, variants, model, work) -> dict:
 
 def clone_catalog(registry: Registry, template: str, n: int) -> None:
     """`n` adapters that are copies of `template`'s rows (names c000000...), in one transaction."""
-    with registry._write() as session:
+    with registry.db.write() as session:
         adapter = session.get(Adapter, template)
         revision = session.scalar(select(Revision).where(Revision.adapter_name == template))
         a = {c.name: getattr(adapter, c.name) for c in Adapter.__table__.columns}

@@ -185,7 +185,7 @@ def add_slow_revision(registry: Registry, url: str, src: Path, slow: SlowStore) 
     with_uri = Registry(
         url,
         registry.store,
-        base_model_dir=registry.base_model_dir,
+        base_model_dir=registry.registration.base_model_dir,
         max_lora_rank=32,
         storage_base=slow.url,
     )

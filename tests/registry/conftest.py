@@ -15,6 +15,7 @@ from tinymodels import make_adapter, make_model
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.registry import Registry
+from loraplex.registry.catalog import Catalog
 
 ATTN = ["q_proj", "v_proj"]
 
@@ -193,3 +194,19 @@ def registry(make_registry, db_url):
 @pytest.fixture
 def sqlite_registry(make_registry, sqlite_url):
     return make_registry(sqlite_url)
+
+
+@pytest.fixture
+def resolve():
+    """resolve(registry, tenant, model, user=None): the answer of a catalog of `registry` with every
+    commit made so far applied, as a server's catalog gives it."""
+    catalogs: dict[Registry, Catalog] = {}
+
+    def resolve(registry: Registry, tenant: str, model: str, user: str | None = None):
+        if registry not in catalogs:
+            catalogs[registry] = Catalog(registry)
+        catalog = catalogs[registry]
+        catalog.refresh()
+        return catalog.resolve(tenant, model, user)
+
+    return resolve

@@ -44,7 +44,7 @@ app(argv, prog_name="loraplex registry")
     [("sqlite", "store"), ("sqlite", "flush"), ("sqlite", "commit"), ("postgresql", "commit")],
 )
 def test_kill_during_add_leaves_no_half_revision(
-    backend, point, request, make_registry, adapter_v1, adapter_v2, llama_dir
+    backend, point, request, make_registry, adapter_v1, adapter_v2, llama_dir, resolve
 ):
     db_url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
     registry = make_registry(db_url)
@@ -81,7 +81,7 @@ def test_kill_during_add_leaves_no_half_revision(
     assert child.returncode == -signal.SIGKILL
 
     assert (registry.show("chat"), registry.audit_events()) == before
-    assert registry.resolve("default", "chat").revision == "r1"
+    assert resolve(registry, "default", "chat").revision == "r1"
     if registry.engine.dialect.name == "sqlite":
         with registry.engine.connect() as conn:
             assert conn.execute(text("PRAGMA integrity_check")).scalar() == "ok"

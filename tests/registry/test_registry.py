@@ -40,11 +40,11 @@ def canary(registry, adapter_v1, adapter_v2):
     return registry
 
 
-def test_add_resolve_and_immutable_revisions(registry, adapter_v1, adapter_v2):
+def test_add_resolve_and_immutable_revisions(registry, adapter_v1, adapter_v2, resolve):
     first = registry.add_revision(adapter_v1, "chat", status="stable")
     assert (first.revision, first.status, first.traffic_weight) == ("r1", "stable", 100)
-    assert registry.resolve("anyone", "chat") == first
-    assert registry.resolve("anyone", "chat@r1").digest == first.digest
+    assert resolve(registry, "anyone", "chat") == first
+    assert resolve(registry, "anyone", "chat@r1").digest == first.digest
     events = len(registry.audit_events())
     assert registry.add_revision(adapter_v1, "chat") == first  # same bytes again: the same revision
     assert len(registry.audit_events()) == events
@@ -53,22 +53,24 @@ def test_add_resolve_and_immutable_revisions(registry, adapter_v1, adapter_v2):
     ):
         registry.add_revision(adapter_v2, "chat", revision="r1")
     second = registry.add_revision(adapter_v2, "chat", revision="2024-06-01")
-    assert second.status == "staging" and registry.resolve("anyone", "chat") == first
-    assert registry.resolve("anyone", "chat@2024-06-01").revision == "2024-06-01"
+    assert second.status == "staging" and resolve(registry, "anyone", "chat") == first
+    assert resolve(registry, "anyone", "chat@2024-06-01").revision == "2024-06-01"
     assert [r.revision for r in registry.show("chat").revisions] == ["r1", "2024-06-01"]
     assert registry.get_revision("chat", "r1") == first
 
 
-def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adapter_v1, adapter_v2):
+def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(
+    registry, adapter_v1, adapter_v2, resolve
+):
     registry.add_tenant("acme")
     registry.add_tenant("beta", priority=2)
     registry.add_revision(adapter_v1, "secret", tenant="acme", status="stable")
     registry.add_revision(adapter_v2, "public", status="stable")  # no tenant: shared
-    assert registry.resolve("acme", "secret").owner_tenant == "acme"
+    assert resolve(registry, "acme", "secret").owner_tenant == "acme"
 
     def error_of(tenant, model):
         with pytest.raises(AdapterNotFound) as info:
-            registry.resolve(tenant, model)
+            resolve(registry, tenant, model)
         return type(info.value), str(info.value).replace(model, "MODEL")
 
     forbidden = [error_of("beta", m) for m in ("secret", "secret@r1", "secret@r9")]
@@ -81,7 +83,7 @@ def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adap
     assert [a.name for a in registry.list_adapters("acme")] == ["public", "secret"]
 
     registry.grant("secret", "beta")
-    assert registry.resolve("beta", "secret").allowed_tenants == ("acme", "beta")
+    assert resolve(registry, "beta", "secret").allowed_tenants == ("acme", "beta")
     registry.revoke_grant("secret", "beta")
     assert error_of("beta", "secret") == forbidden[0]
     with pytest.raises(AdapterRejected, match="not owned by tenant 'beta'"):
@@ -90,16 +92,16 @@ def test_other_tenants_get_the_same_answer_as_for_an_unknown_name(registry, adap
         registry.add_revision(adapter_v2, "other", tenant="nobody")
 
 
-def test_canary_split_over_10000_resolutions(canary):
+def test_canary_split_over_10000_resolutions(canary, resolve):
     # 10,000 on SQLite: ±2 points is 6.7 sigma at 10%. PostgreSQL costs a round trip per resolution,
     # so there 1,000 within ±6 points (6.3 sigma): the same code path, a smaller sample.
     n, tolerance = (10_000, 2) if canary.engine.dialect.name == "sqlite" else (1_000, 6)
-    counts = Counter(canary.resolve("default", "chat").revision for _ in range(n))
+    counts = Counter(resolve(canary, "default", "chat").revision for _ in range(n))
     assert abs(100 * counts["r2"] / n - 10) <= tolerance, counts
     # by user: deterministic; the pure split is checked on 10,000 users below
     canary.promote("chat", "r2", 50)
     counts = Counter(
-        canary.resolve("default", "chat", user=f"user-{i}").revision for i in range(1_000)
+        resolve(canary, "default", "chat", user=f"user-{i}").revision for i in range(1_000)
     )
     assert abs(counts["r2"] / 10 - 50) <= 6, counts
 
@@ -113,20 +115,20 @@ def test_sticky_split_over_10000_users(weight):
     assert abs(counts["canary"] / 100 - weight) <= 2, counts
 
 
-def test_sticky_users_never_flip_while_weights_hold(canary, adapter_v3):
+def test_sticky_users_never_flip_while_weights_hold(canary, adapter_v3, resolve):
     users = [f"user-{i}" for i in range(200)]
-    first = {u: canary.resolve("default", "chat", user=u).revision for u in users}
+    first = {u: resolve(canary, "default", "chat", user=u).revision for u in users}
     assert set(first.values()) == {"r1", "r2"}
     canary.add_revision(adapter_v3, "chat")  # changes that leave the weights alone
     canary.pin("chat")
     for _ in range(3):
-        assert {u: canary.resolve("default", "chat", user=u).revision for u in users} == first
+        assert {u: resolve(canary, "default", "chat", user=u).revision for u in users} == first
     canary.promote("chat", "r2", 50)  # a growing canary keeps the users it had
-    after = {u: canary.resolve("default", "chat", user=u).revision for u in users}
+    after = {u: resolve(canary, "default", "chat", user=u).revision for u in users}
     assert all(after[u] == "r2" for u in users if first[u] == "r2")
 
 
-def test_promote_and_rollback_life_cycle(canary, adapter_v3):
+def test_promote_and_rollback_life_cycle(canary, adapter_v3, resolve):
     canary.add_revision(adapter_v3, "chat")
     with pytest.raises(LifecycleError, match="chat@r2 is already in canary"):
         canary.promote("chat", "r3", 5)
@@ -139,14 +141,14 @@ def test_promote_and_rollback_life_cycle(canary, adapter_v3):
     }
     # left traffic just now: keep it warm
     assert [r.revision for r in canary.grace_revisions()] == ["r1"]
-    canary.grace_period = timedelta(0)
+    canary.reading.grace_period = timedelta(0)
     assert canary.grace_revisions() == []
 
     adapter = canary.rollback("chat")
     assert adapter.traffic == (("r1", 100),)
     r2 = next(r for r in adapter.revisions if r.revision == "r2")
     assert (r2.status, r2.status_reason) == ("deprecated", "rolled back to r1")
-    assert {canary.resolve("default", "chat", user=f"u{i}").revision for i in range(200)} == {"r1"}
+    assert {resolve(canary, "default", "chat", user=f"u{i}").revision for i in range(200)} == {"r1"}
 
     canary.promote("chat", "r3", 20)
     adapter = canary.rollback("chat")  # with a canary: drop it, keep the stable
@@ -168,15 +170,15 @@ def test_rollback_needs_an_earlier_stable(registry, adapter_v1, adapter_v2):
         registry.promote("solo", "r1", 10)
 
 
-def test_changes_by_another_process_are_seen_at_once(canary, db_url, make_registry):
+def test_changes_by_another_process_are_seen_at_once(canary, db_url, make_registry, resolve):
     other = make_registry(db_url)  # another worker on the same database
     users = [f"user-{i}" for i in range(100)]
-    assert {canary.resolve("default", "chat", user=u).revision for u in users} == {"r1", "r2"}
+    assert {resolve(canary, "default", "chat", user=u).revision for u in users} == {"r1", "r2"}
     other.rollback("chat")
-    assert {canary.resolve("default", "chat", user=u).revision for u in users} == {"r1"}
+    assert {resolve(canary, "default", "chat", user=u).revision for u in users} == {"r1"}
     other.quarantine("chat", "r1", "bad")
     with pytest.raises(RevisionUnavailable):
-        canary.resolve("default", "chat")
+        resolve(canary, "default", "chat")
 
 
 def test_the_change_count_moves_with_another_workers_changes_on_any_thread(
@@ -194,31 +196,33 @@ def test_the_change_count_moves_with_another_workers_changes_on_any_thread(
     assert seen == [before + 1] and registry.change_count() == before + 2
 
 
-def test_quarantined_revisions_are_never_served(canary):
+def test_quarantined_revisions_are_never_served(canary, resolve):
     adapter = canary.quarantine("chat", "r2", "digest mismatch on worker-3")
     assert adapter.traffic == (("r1", 100),)
-    assert {canary.resolve("default", "chat").revision for _ in range(300)} == {"r1"}
+    assert {resolve(canary, "default", "chat").revision for _ in range(300)} == {"r1"}
     with pytest.raises(
         RevisionUnavailable, match=r"chat@r2 is quarantined \(digest mismatch on worker-3\)"
     ):
-        canary.resolve("default", "chat@r2")
+        resolve(canary, "default", "chat@r2")
     with pytest.raises(LifecycleError, match="quarantined"):
         canary.promote("chat", "r2", 100)
     # quarantining the stable hands its traffic to the previous stable, if any; else nothing is
     # served
     canary.quarantine("chat", "r1", "bad")
     with pytest.raises(RevisionUnavailable, match="chat has no revision in service"):
-        canary.resolve("default", "chat")
+        resolve(canary, "default", "chat")
 
 
-def test_quarantined_stable_falls_back_to_the_previous_stable(registry, adapter_v1, adapter_v2):
+def test_quarantined_stable_falls_back_to_the_previous_stable(
+    registry, adapter_v1, adapter_v2, resolve
+):
     registry.add_revision(adapter_v1, "chat", status="stable")
     registry.add_revision(adapter_v2, "chat", status="stable")
     assert registry.quarantine("chat", "r2", "bad bytes").traffic == (("r1", 100),)
-    assert registry.resolve("default", "chat").revision == "r1"
+    assert resolve(registry, "default", "chat").revision == "r1"
 
 
-def test_deprecate_and_set_traffic(canary, adapter_v3):
+def test_deprecate_and_set_traffic(canary, adapter_v3, resolve):
     with pytest.raises(LifecycleError, match="chat@r2 serves traffic"):
         canary.deprecate("chat", "r2")
     canary.add_revision(adapter_v3, "chat")
@@ -237,8 +241,10 @@ def test_deprecate_and_set_traffic(canary, adapter_v3):
     adapter = canary.deprecate("chat")
     assert adapter.traffic == () and {r.status for r in adapter.revisions} == {"deprecated"}
     with pytest.raises(RevisionUnavailable):
-        canary.resolve("default", "chat")
-    assert canary.resolve("default", "chat@r1").status == "deprecated"  # pinned requests still work
+        resolve(canary, "default", "chat")
+    assert (
+        resolve(canary, "default", "chat@r1").status == "deprecated"
+    )  # pinned requests still work
 
 
 def test_release_checks_gate_the_first_traffic(registry, adapter_v1, adapter_v2, tmp_path):
@@ -371,7 +377,7 @@ def test_a_pin_keeps_its_tier(db_url, make_registry, adapter_v1, adapter_v2):
 
 
 def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):
-    registry.actor = "alice"
+    registry.db.actor = "alice"
     registry.add_tenant("acme")
     registry.add_revision(adapter_v1, "chat", status="stable")
     registry.add_revision(adapter_v2, "chat")
@@ -464,7 +470,7 @@ def test_registration_records_the_pieces_of_the_stored_bytes(
     assert again.pieces(record.digest) == pieces and pieces.algorithm == "blake3"
 
 
-def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adapter_v2):
+def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adapter_v2, resolve):
     registry.add_revision(adapter_v1, "chat", status="stable")
     registry.add_revision(adapter_v2, "chat", status="stable")  # r1 is now the previous stable
     seen: list[tuple[int, int, str]] = []  # (start ns, end ns, revision) of every resolution
@@ -476,7 +482,7 @@ def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adap
         while not stop.is_set():
             start = time.monotonic_ns()
             try:
-                revision = registry.resolve("default", "chat", user=f"w{worker}-{i % 50}").revision
+                revision = resolve(registry, "default", "chat", user=f"w{worker}-{i % 50}").revision
             except BaseException as exc:  # noqa: BLE001 - every failure is a test failure
                 errors.append(exc)
                 return
@@ -514,7 +520,7 @@ def test_rollback_is_atomic_under_concurrent_resolves(registry, adapter_v1, adap
     assert {rev for _, _, rev in seen} == {"r1", "r2"}
 
 
-def test_names_and_revisions_are_matched_whole(registry, adapter_v1):
+def test_names_and_revisions_are_matched_whole(registry, adapter_v1, resolve):
     """A trailing newline would pass a pattern ending in `$` and then break the response header that
     names it."""
     with pytest.raises(AdapterRejected, match="must match"):
@@ -522,7 +528,7 @@ def test_names_and_revisions_are_matched_whole(registry, adapter_v1):
     with pytest.raises(AdapterRejected, match="must match"):
         registry.add_revision(adapter_v1, "chat", revision="r1\n")
     with pytest.raises(AdapterNotFound):
-        registry.resolve("anyone", "chat\n")
+        resolve(registry, "anyone", "chat\n")
 
 
 def test_a_split_has_one_canary_at_most(canary, adapter_v3):
@@ -533,7 +539,7 @@ def test_a_split_has_one_canary_at_most(canary, adapter_v3):
 
 
 def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
-    registry, adapter_v1
+    registry, adapter_v1, resolve
 ):
     first = registry.add_revision(adapter_v1, "chat", status="stable")
     with pytest.raises(AdapterRejected, match="these are the bytes of chat@r1"):
@@ -542,7 +548,7 @@ def test_the_same_bytes_under_a_new_label_are_refused_quarantined_ones_included(
     with pytest.raises(AdapterRejected, match=r"chat@r1 \(quarantined\)"):
         registry.add_revision(adapter_v1, "chat", revision="r1-again", status="stable")
     with pytest.raises(RevisionUnavailable):
-        registry.resolve("anyone", "chat")
+        resolve(registry, "anyone", "chat")
 
 
 def test_two_processes_creating_the_same_fresh_registry_both_succeed(tmp_path):
@@ -610,16 +616,18 @@ def test_a_registration_whose_artifact_a_gc_removed_puts_it_back(registry, adapt
     assert store.has(record.digest) and registry.store.get(record.digest)
 
 
-def test_a_name_with_only_staged_revisions_says_how_to_promote(registry, adapter_v1, adapter_v2):
+def test_a_name_with_only_staged_revisions_says_how_to_promote(
+    registry, adapter_v1, adapter_v2, resolve
+):
     registry.add_revision(adapter_v1, "chat")
     with pytest.raises(RevisionUnavailable) as info:
-        registry.resolve("default", "chat")
+        resolve(registry, "default", "chat")
     assert str(info.value) == (
         "chat has no revision in service: r1 is staged, not promoted; promote one with "
         "`loraplex registry promote chat r1` (or POST /admin/adapters/chat/promote)"
     )
     registry.add_revision(adapter_v2, "chat")
     with pytest.raises(RevisionUnavailable, match="r1, r2 are staged.* promote chat r2`"):
-        registry.resolve("default", "chat")
+        resolve(registry, "default", "chat")
     registry.promote("chat", "r2", 100)
-    assert registry.resolve("default", "chat").revision == "r2"
+    assert resolve(registry, "default", "chat").revision == "r2"

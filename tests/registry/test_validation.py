@@ -77,7 +77,7 @@ def assert_refused(registry: Registry, src, field: str, message: str, **kwargs) 
 def test_peft_features_we_do_not_serve_are_refused(
     sqlite_registry, adapter_factory, key, lora_args, field, message
 ):
-    sqlite_registry.max_lora_rank = 8
+    sqlite_registry.registration.max_lora_rank = 8
     assert_refused(sqlite_registry, adapter_factory(key, **lora_args), field, message)
 
 
@@ -173,7 +173,7 @@ def test_other_base_model_name_is_refused_when_strict(
     sqlite_registry, adapter_factory, other_base_dir, llama_dir
 ):
     src = adapter_factory("other-base", base=other_base_dir)
-    sqlite_registry.strict_base_model_name = True
+    sqlite_registry.registration.strict_base_model_name = True
     assert_refused(
         sqlite_registry,
         src,

@@ -190,7 +190,11 @@ def test_a_rollout_of_another_revision_under_way_is_refused(registry, adapters, 
 
 def test_refused_while_another_canary_is_in_traffic_or_of_the_stable(registry, adapters, tmp_path):
     other = make_adapter(
-        registry.base_model_dir, tmp_path / "v3", seed=3, r=4, target_modules=["q_proj"]
+        registry.registration.base_model_dir,
+        tmp_path / "v3",
+        seed=3,
+        r=4,
+        target_modules=["q_proj"],
     )
     registry.add_revision(other, "ad", revision="r3")
     registry.promote("ad", "r3", 10, force=True)

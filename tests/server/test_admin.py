@@ -255,7 +255,7 @@ def test_pins_follow_traffic_and_a_retired_revision_stays_warm_for_the_grace_per
         again = running.admin("POST", "/admin/adapters/shared-a/pin", json={"tier": "gpu"})
         assert again.status_code == 200, again.text
         # A rollback by another process: the server sees the registry change and moves the pins.
-        running.registry.grace_period = timedelta(seconds=5)  # r2's, from now on
+        running.registry.reading.grace_period = timedelta(seconds=5)  # r2's, from now on
         elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
         elsewhere.rollback("shared-a")
         elsewhere.close()
@@ -299,7 +299,7 @@ def test_a_pin_made_before_the_watcher_looks_still_moves_off_the_retired_revisio
             "shared": True,
         }
         assert running.admin("POST", "/admin/adapters", json=body).status_code == 200
-        running.registry.grace_period = timedelta(0)  # no grace pin: r1 ends unpinned
+        running.registry.reading.grace_period = timedelta(0)  # no grace pin: r1 ends unpinned
         # the registry CLI, another process
         elsewhere = Registry(f"sqlite:///{running.tmp}/registry.db")
         elsewhere.promote("shared-a", "r2", force=True)
@@ -318,7 +318,7 @@ def test_a_pin_made_before_the_watcher_looks_still_moves_off_the_retired_revisio
 def test_an_operator_s_pin_of_one_revision_is_not_moved_by_traffic(start, adapter_variants):
     roots = (str(adapter_variants[0].parent),)
     with start(allowed_roots=roots, registry_watch_s=3600) as running:
-        running.registry.grace_period = timedelta(0)
+        running.registry.reading.grace_period = timedelta(0)
         body = {
             "name": "shared-a",
             "path": str(adapter_variants[4]),
@@ -439,7 +439,7 @@ def test_unpinning_a_warm_policy_lasts_past_traffic_changes(start, adapter_varia
 
     roots = (str(adapter_variants[0].parent),)
     with start(registry_setup=register, allowed_roots=roots, registry_watch_s=0.1) as running:
-        running.registry.grace_period = timedelta(0)
+        running.registry.reading.grace_period = timedelta(0)
         running.wait_for(
             lambda: _pin_of(running, "warm-gpu", "r1") == "gpu",
             what="warm-gpu pinned by its policy",
@@ -633,7 +633,7 @@ def test_a_failed_digest_check_is_quarantined_off_the_step_thread(start, adapter
         data = bytearray(weights.read_bytes())
         data[-3] ^= 0xFF
         weights.write_bytes(bytes(data))
-        for name in dir(Registry):
+        for name in dir(registry):
             method = getattr(registry, name)
             if not name.startswith("_") and callable(method):
                 setattr(registry, name, recorded(name, method))

@@ -433,7 +433,7 @@ def test_loads_check_the_registered_pieces(start, adapter_variants):
             ).usage.completion_tokens
             == 1
         )
-        record = running.registry.resolve("alice", "shared-a")
+        record = running.server.catalog.resolve("alice", "shared-a")
         ref = running.server.resolver.ref_for(record)
         assert ref.pieces is not None and ref.pieces == running.registry.pieces(record.digest)
 

@@ -78,7 +78,7 @@ def test_a_request_whose_client_leaves_while_its_adapter_loads_is_dropped(
     base = f"http://127.0.0.1:{silent.getsockname()[1]}"
 
     def register(registry):
-        registry.storage_base = base
+        registry.registration.storage_base = base
         record = registry.add_revision(adapter_variants[1], "far", shared=True, status="stable")
         registry.store.remove(record.digest)  # the bytes are only behind the silent store now
 

@@ -118,7 +118,7 @@ def test_trusted_keys_guard_admin_register_vllm_load_and_registry_loads(
     (unsigned / SIGNATURE_FILE).unlink()
 
     def trust(registry):
-        registry.trusted_keys = (load_public_key(public),)
+        registry.registration.trusted_keys = (load_public_key(public),)
 
     with start(registry_setup=trust, allowed_roots=(str(tmp_path),)) as running:
         # registry loads: shared-a was registered unsigned, before the keys were configured

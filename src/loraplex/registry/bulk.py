@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session
 
 from loraplex.lora_format import CONFIG_FILE
 from loraplex.registry import queries as q
-from loraplex.registry.core import revision_record
 from loraplex.registry.db import (
     Adapter,
     ArtifactPieces,
@@ -27,8 +26,8 @@ from loraplex.registry.db import (
     utcnow,
 )
 from loraplex.registry.errors import AdapterRejected, RegistryError
-from loraplex.registry.records import RevisionRecord
-from loraplex.registry.registration import Registration, _check_names, _Stored
+from loraplex.registry.records import RevisionRecord, revision_record
+from loraplex.registry.registration import Registration, Stored, check_names
 
 BATCH = 1000
 """Adapters recorded per transaction."""
@@ -99,7 +98,13 @@ def read_directory(root: Path, defaults: dict | None = None) -> list[ImportItem]
     return [ImportItem(path=d, name=d.name, **(defaults or {})) for d in found]
 
 
-class BulkRegistration(Registration):
+class BulkImport:
+    """Registering many adapters at once, with the checks and rows of `registration`."""
+
+    def __init__(self, registration: Registration):
+        self.registration = registration
+        self.store = registration.store
+
     def add_revisions(
         self, items: Iterable[ImportItem], base_model_dir: str | Path | None = None
     ) -> ImportResult:
@@ -113,7 +118,7 @@ class BulkRegistration(Registration):
         num_new = 0
         for start in range(0, len(items), BATCH):
             batch = list(zip(items[start : start + BATCH], stored[start : start + BATCH]))
-            with self._write() as session:
+            with self.store.write() as session:
                 names = [item.name for item, _ in batch]
                 known = set(session.scalars(select(Adapter.name).where(Adapter.name.in_(names))))
                 fresh = [(i, d) for i, d in batch if i.name not in known]
@@ -121,7 +126,7 @@ class BulkRegistration(Registration):
                 num_new += len(fresh)
                 for item, done in batch:
                     if item.name in known:
-                        adapter = self._adapter_for_add(
+                        adapter = self.registration.adapter_for_add(
                             session,
                             item.name,
                             item.tenant,
@@ -134,19 +139,19 @@ class BulkRegistration(Registration):
                             q.find_revision(session, item.name, item.revision, done.digest) is None
                         )
                         records.append(
-                            self._insert_revision(
+                            self.registration.insert_revision(
                                 session, adapter, done, item.revision, _status(item)
                             )
                         )
         by_name = {r.name: r for r in records}
         return ImportResult(tuple(by_name[i.name] for i in items), num_new)
 
-    def _store_all(self, items: list[ImportItem], base_model_dir) -> list[_Stored]:
-        """`_store_verified` of each, on a few threads (their hashing, copies and fsyncs overlap);
+    def _store_all(self, items: list[ImportItem], base_model_dir) -> list[Stored]:
+        """`check_and_store` of each, on a few threads (their hashing, copies and fsyncs overlap);
         ImportRefused naming the first bad item."""
 
-        def one(item: ImportItem) -> _Stored:
-            return self._store_verified(
+        def one(item: ImportItem) -> Stored:
+            return self.registration.check_and_store(
                 item.path, base_model_dir, None, item.eval_set, item.digest, item.signature
             )
 
@@ -163,17 +168,14 @@ class BulkRegistration(Registration):
                     ) from None
         return [f.result() for f in futures]
 
-    def _insert_new(self, session: Session, batch: list[tuple[ImportItem, _Stored]]) -> list:
-        """Record items whose names are new, a few statements for the lot: what `_adapter_for_add`
-        and `_insert_revision` write for a new name, the same rows and audit events."""
+    def _insert_new(self, session: Session, batch: list[tuple[ImportItem, Stored]]) -> list:
+        """Record items whose names are new, a few statements for the lot: what `adapter_for_add`
+        and `insert_revision` write for a new name, the same rows and audit events."""
         if not batch:
             return []
         now = utcnow()
         for _, done in batch:
-            if not self.store.has(done.digest) and self.store.put(done.src) != done.digest:
-                raise AdapterRejected(  # removed by a gc since the put
-                    "digest", f"the files in {done.src} changed while they were being registered"
-                )
+            self.registration.put_again(done)
         self._insert_pieces(session, [done for _, done in batch])
         adapters = [_adapter_row(item, done, now) for item, done in batch]
         session.execute(insert(Adapter), adapters)
@@ -209,7 +211,7 @@ class BulkRegistration(Registration):
             for a, r in zip(adapters, revisions)
         ]
 
-    def _insert_pieces(self, session: Session, stored: list[_Stored]) -> None:
+    def _insert_pieces(self, session: Session, stored: list[Stored]) -> None:
         digests = sorted({d.digest for d in stored})
         for table in (ArtifactPiecesBlake3, ArtifactPieces):
             have = set(session.scalars(select(table.digest).where(table.digest.in_(digests))))
@@ -222,7 +224,7 @@ class BulkRegistration(Registration):
             if rows:
                 session.execute(insert(table), rows)
 
-    def _revision_row(self, item: ImportItem, done: _Stored, now) -> dict:
+    def _revision_row(self, item: ImportItem, done: Stored, now) -> dict:
         spec, stable = done.spec, item.stable
         return {
             "adapter_name": item.name,
@@ -236,7 +238,7 @@ class BulkRegistration(Registration):
             "target_modules": ",".join(spec.target_modules),
             "estimated_bytes": spec.estimated_bytes,
             "actual_bytes": spec.actual_bytes,
-            "storage_uri": self._storage_uri(done.digest),
+            "storage_uri": self.registration.storage_uri(done.digest),
             "signature": done.signature,
             "eval_set": done.eval_set,
             "status": "stable" if stable else "staging",
@@ -246,7 +248,7 @@ class BulkRegistration(Registration):
             "retired_at": None,
         }
 
-    def _add_event(self, item: ImportItem, done: _Stored, adapter: dict, now) -> dict:
+    def _add_event(self, item: ImportItem, done: Stored, adapter: dict, now) -> dict:
         detail = {
             "digest": done.digest,
             "status": _status(item),
@@ -256,7 +258,7 @@ class BulkRegistration(Registration):
         }
         return {
             "at": now,
-            "actor": self.actor,
+            "actor": self.store.actor,
             "action": "add",
             "target": f"{item.name}@{item.revision or 'r1'}",
             "detail": json.dumps(detail, sort_keys=True, default=str),
@@ -268,13 +270,13 @@ class BulkRegistration(Registration):
         seen: set[str] = set()
         for index, item in enumerate(items):
             try:
-                _check_names(item.name, item.revision, item.warm, _status(item))
+                check_names(item.name, item.revision, item.warm, _status(item))
             except AdapterRejected as exc:
                 raise ImportRefused(f"item {index + 1} ({item.name}): {exc}") from None
             if item.name in seen:
                 raise ImportRefused(f"item {index + 1}: {item.name} is named twice in the import")
             seen.add(item.name)
-        with self._read() as session:
+        with self.store.read() as session:
             tenants = set(session.scalars(select(Tenant.name)))
         for index, item in enumerate(items):
             if item.tenant is not None and item.tenant not in tenants:
@@ -288,7 +290,7 @@ def _status(item: ImportItem) -> str:
     return "stable" if item.stable else "staging"
 
 
-def _adapter_row(item: ImportItem, done: _Stored, now) -> dict:
+def _adapter_row(item: ImportItem, done: Stored, now) -> dict:
     return {
         "name": item.name,
         "owner_tenant": item.tenant,

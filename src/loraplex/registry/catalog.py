@@ -18,17 +18,19 @@ import threading
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, select
 
 from loraplex.registry import changes
 from loraplex.registry.changes import EVERYTHING, Changed
-from loraplex.registry.core import NAME_RE, adapter_record
 from loraplex.registry.db import Adapter, Grant, PinTier, Revision, Traffic
 from loraplex.registry.errors import AdapterNotFound, RevisionUnavailable
-from loraplex.registry.records import AdapterRecord, RevisionRecord
-from loraplex.registry.resolution import _nothing_in_service
+from loraplex.registry.records import NAME_RE, AdapterRecord, RevisionRecord, adapter_record
 from loraplex.registry.traffic import pick
+
+if TYPE_CHECKING:
+    from loraplex.registry.registry import Registry
 
 _ADAPTERS, _REVISIONS, _TRAFFIC, _GRANTS, _PINS = (
     m.__table__ for m in (Adapter, Revision, Traffic, Grant, PinTier)
@@ -50,10 +52,12 @@ class Entry:
 
 class Catalog:
     """The registry's adapters in memory. `refresh()` applies what the feed says changed (on any
-    thread; one at a time); reads are lock-free (each entry is immutable and replaced whole)."""
+    thread; one at a time); reads are lock-free (each entry is immutable and replaced whole).
 
-    def __init__(self, registry, rng: random.Random | None = None):
-        self.registry = registry
+    The only resolver: which revision a request gets is its `resolve`."""
+
+    def __init__(self, registry: Registry, rng: random.Random | None = None):
+        self.store = registry.db
         self.entries: dict[str, Entry] = {}
         self.names: list[str] = []  # sorted
         self.version = 0
@@ -67,7 +71,7 @@ class Catalog:
         self._num_local = 0
         self._applied_local = 0
         self._pending: asyncio.Future | None = None
-        changes.on_local_commit(registry.engine, self._local_commit)
+        changes.on_local_commit(self.store.engine, self._local_commit)
 
     def _local_commit(self) -> None:
         self._num_local = next(self._local)
@@ -84,10 +88,10 @@ class Catalog:
         """Apply what changed since the last refresh (everything, the first time)."""
         with self._lock:
             local = self._num_local
-            engine = self.registry.engine
+            engine = self.store.engine
             if engine.dialect.name == "postgresql":  # the feed and the rows from one snapshot
                 engine = engine.execution_options(isolation_level="REPEATABLE READ")
-            self.registry._check_ready()
+            self.store.check_ready()
             with engine.connect() as conn, conn.begin():
                 changed = self._read_changes(conn)
             self._applied_local = max(self._applied_local, local)
@@ -177,8 +181,11 @@ class Catalog:
         return out
 
     def resolve(self, tenant: str, model: str, user: str | None = None) -> RevisionRecord:
-        """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets, as
-        `Registry.resolve` answers it, from memory."""
+        """The revision a request for `model` (`name` or `name@revision`) by `tenant` gets.
+
+        Weighted by the traffic split, sticky per `user` when given. A name the tenant may not use
+        raises exactly the same AdapterNotFound as a name that does not exist.
+        """
         name, _, revision = model.partition("@")
         entry = self.entries.get(name) if NAME_RE.fullmatch(name) else None
         if entry is None or not entry.may_use(tenant):
@@ -196,6 +203,18 @@ class Catalog:
         if not serving:
             raise RevisionUnavailable(_nothing_in_service(name, entry.adapter.revisions))
         return entry.by_revision[pick(name, list(serving), user, self._rng)]
+
+
+def _nothing_in_service(name: str, records: Iterable[RevisionRecord]) -> str:
+    """Why a name serves nothing: its revisions are staged (how to promote one), or retired."""
+    staged = [r.revision for r in records if r.status == "staging"]
+    if not staged:
+        return f"{name} has no revision in service (all deprecated or quarantined)"
+    which = f"{staged[-1]} is" if len(staged) == 1 else f"{', '.join(staged)} are"
+    return (
+        f"{name} has no revision in service: {which} staged, not promoted; promote one with "
+        f"`loraplex registry promote {name} {staged[-1]}` (or POST /admin/adapters/{name}/promote)"
+    )
 
 
 # Columns whose values repeat across a catalog: each value kept once (sys.intern)

@@ -5,9 +5,6 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from loraplex.registry import queries as q
-from loraplex.registry.core import (
-    PIN_TIERS,
-)
 from loraplex.registry.db import (
     Adapter,
     PinTier,
@@ -19,16 +16,18 @@ from loraplex.registry.errors import (
     RegistryError,
 )
 from loraplex.registry.reading import Reading
-from loraplex.registry.records import (
-    AdapterRecord,
-)
+from loraplex.registry.records import PIN_TIERS, AdapterRecord, read_revision_record
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
+from loraplex.registry.store import Store
 
 
-class LifeCycle(Reading):
-    """Changes of a name's traffic and of its revisions' statuses."""
+class LifeCycle:
+    """Changes of a name's traffic and of its revisions' statuses; each returns the adapter as
+    `reading` then shows it."""
 
-    # ---- life cycle ------------------------------------------------------------------------------
+    def __init__(self, store: Store, reading: Reading):
+        self.store = store
+        self.reading = reading
 
     def promote(
         self,
@@ -47,7 +46,7 @@ class LifeCycle(Reading):
         if not 1 <= weight <= 100:
             raise LifecycleError(f"weight must be between 1 and 100, got {weight}")
         summary = self._release_checks(name, revision, checks, force)
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             row = q.revision_or_404(session, name, revision)
             q.refuse_quarantined(row)
@@ -56,8 +55,8 @@ class LifeCycle(Reading):
                 plan, new_stable = {revision: 100}, revision
             else:
                 plan, new_stable = self._canary_plan(session, name, revision, weight, stable)
-            self._apply_traffic(session, name, plan, stable=new_stable)
-            self._audit(
+            q.apply_traffic(session, name, plan, stable=new_stable)
+            self.store.audit(
                 session,
                 "promote",
                 f"{name}@{revision}",
@@ -65,7 +64,7 @@ class LifeCycle(Reading):
                 traffic=plan,
                 checks=summary,
             )
-        return self.show(name)
+        return self.reading.show(name)
 
     def _canary_plan(self, session, name, revision, weight, stable) -> tuple[dict[str, int], str]:
         if stable is None or stable.revision == revision:
@@ -91,7 +90,7 @@ class LifeCycle(Reading):
     def _release_checks(
         self, name: str, revision: str, checks: ReleaseChecks | None, force: bool
     ) -> dict | str:
-        with self._read() as session:
+        with self.store.read() as session:
             adapter = session.get(Adapter, name)
             row = q.find_revision(session, name, revision, None) if adapter else None
             if row is None:
@@ -99,7 +98,7 @@ class LifeCycle(Reading):
             q.refuse_quarantined(row)
             if q.weights(session, name).get(row.id):
                 return "already in traffic"
-            record, eval_text = self._record(session, adapter, row), row.eval_set
+            record, eval_text = read_revision_record(session, adapter, row), row.eval_set
         cases = parse_eval_set(eval_text) if eval_text else ()
         if checks is None:
             if cases and not force:
@@ -129,7 +128,7 @@ class LifeCycle(Reading):
                 f"one canary at a time: a split names the stable and at most one canary, got {plan}"
             )
         summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             rows = {rev: q.revision_or_404(session, name, rev) for rev in plan}
             for row in rows.values():
@@ -140,14 +139,14 @@ class LifeCycle(Reading):
                 if stable and stable.revision in plan
                 else max(plan, key=lambda rev: (plan[rev], rows[rev].id))
             )
-            self._apply_traffic(session, name, plan, stable=new_stable)
-            self._audit(session, "set_traffic", name, traffic=plan, checks=summaries)
-        return self.show(name)
+            q.apply_traffic(session, name, plan, stable=new_stable)
+            self.store.audit(session, "set_traffic", name, traffic=plan, checks=summaries)
+        return self.reading.show(name)
 
     def rollback(self, name: str) -> AdapterRecord:
         """One call back: drop the canary if there is one, else return to the previous stable
         revision."""
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             stable = q.current_stable(session, name)
             canaries = [r for r in q.serving(session, name) if stable is None or r.id != stable.id]
@@ -158,21 +157,21 @@ class LifeCycle(Reading):
                     q.previous_stable(session, name, stable),
                     [stable] if stable else [],
                 )
-            self._apply_traffic(session, name, {target.revision: 100}, stable=target.revision)
+            q.apply_traffic(session, name, {target.revision: 100}, stable=target.revision)
             for row in dropped:
                 row.status, row.status_reason = "deprecated", f"rolled back to {target.revision}"
-            self._audit(
+            self.store.audit(
                 session, "rollback", name, to=target.revision, dropped=[r.revision for r in dropped]
             )
-        return self.show(name)
+        return self.reading.show(name)
 
     def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
         """Deprecate one revision (it must not serve traffic), or with no revision the whole
         name."""
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             if revision is None:
-                self._apply_traffic(session, name, {}, stable=None)
+                q.apply_traffic(session, name, {}, stable=None)
                 rows = session.scalars(
                     select(Revision).where(
                         Revision.adapter_name == name, Revision.status != "quarantined"
@@ -188,13 +187,13 @@ class LifeCycle(Reading):
                 q.refuse_quarantined(rows[0])
             for row in rows:
                 row.status, row.status_reason = "deprecated", "deprecated by operator"
-            self._audit(session, "deprecate", f"{name}@{revision}" if revision else name)
-        return self.show(name)
+            self.store.audit(session, "deprecate", f"{name}@{revision}" if revision else name)
+        return self.reading.show(name)
 
     def quarantine(self, name: str, revision: str, reason: str) -> AdapterRecord:
         """Never serve this revision again; its traffic goes back to the stable (or the previous
         stable)."""
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             row = q.revision_or_404(session, name, revision)
             serving = {r.revision: w for r, w in q.serving_weights(session, name)}
@@ -208,12 +207,14 @@ class LifeCycle(Reading):
                 serving[heir.revision] = serving.get(heir.revision, 0) + weight
             elif weight:
                 serving = {}  # no earlier stable: never let a canary silently take all the traffic
-            self._apply_traffic(
+            q.apply_traffic(
                 session, name, serving, stable=heir.revision if heir and serving else None
             )
             row.status, row.status_reason = "quarantined", reason
-            self._audit(session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving)
-        return self.show(name)
+            self.store.audit(
+                session, "quarantine", f"{name}@{revision}", reason=reason, traffic=serving
+            )
+        return self.reading.show(name)
 
     def pin(self, name: str, pinned: bool = True, tier: str = "cpu") -> AdapterRecord:
         """A pinned adapter is kept resident by the cache in `tier` (never chosen for eviction from
@@ -222,7 +223,7 @@ class LifeCycle(Reading):
         overrides the manifest's."""
         if pinned and tier not in PIN_TIERS:
             raise RegistryError(f"a pin's tier is gpu or cpu, not {tier!r}")
-        with self._write() as session:
+        with self.store.write() as session:
             adapter = q.locked_adapter_or_404(session, name)
             adapter.pinned = pinned
             row = session.get(PinTier, name)
@@ -235,10 +236,10 @@ class LifeCycle(Reading):
                 session.add(PinTier(adapter_name=name, tier=tier))
             else:
                 row.tier = tier
-            self._audit(
+            self.store.audit(
                 session, "pin" if pinned else "unpin", name, **({"tier": tier} if pinned else {})
             )
-        return self.show(name)
+        return self.reading.show(name)
 
     def unpin(self, name: str) -> AdapterRecord:
         return self.pin(name, pinned=False)

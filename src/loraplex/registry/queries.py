@@ -1,11 +1,11 @@
-"""Small reads and checks over one registry session, shared by the Registry's methods."""
+"""Small reads, checks and writes over one registry session, shared by the registry's services."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from loraplex.registry.db import Adapter, Grant, Revision, Tenant, Traffic
+from loraplex.registry.db import Adapter, Grant, Revision, Tenant, Traffic, utcnow
 from loraplex.registry.errors import AdapterNotFound, AdapterRejected, LifecycleError, RegistryError
 
 
@@ -136,6 +136,25 @@ def previous_stable(
     if row is None and required:
         raise LifecycleError(f"{name} has no earlier stable revision to roll back to")
     return row
+
+
+def apply_traffic(session: Session, name: str, plan: dict[str, int], stable: str | None) -> None:
+    """Replace the name's traffic rows by `plan` and set statuses to match, inside the caller's
+    transaction."""
+    now = utcnow()
+    for row, _ in serving_weights(session, name):
+        if row.revision not in plan:
+            row.retired_at = now  # its grace period starts
+            row.status = "deprecated" if row.status == "stable" else "staging"
+    session.execute(delete(Traffic).where(Traffic.adapter_name == name))
+    for revision, weight in plan.items():
+        row = find_revision(session, name, revision, None)
+        session.add(Traffic(adapter_name=name, revision_id=row.id, weight=weight))
+        row.retired_at = None
+        if revision == stable and row.status != "stable":
+            row.status, row.stable_since, row.status_reason = "stable", now, None
+        elif revision != stable:
+            row.status, row.status_reason = "canary", None
 
 
 def grants(session: Session, name: str) -> tuple[str, ...]:

@@ -1,18 +1,18 @@
-"""Reading the catalog: adapters, revisions, the grace set, audit events."""
+"""Reading the registry: adapters, revisions, the grace set, audit events, piece lists."""
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 from sqlalchemy import select
 
+from loraplex.artifacts import Pieces
 from loraplex.registry import queries as q
-from loraplex.registry.core import (
-    RegistryCore,
-    adapter_record,
-)
 from loraplex.registry.db import (
     Adapter,
+    ArtifactPieces,
+    ArtifactPiecesBlake3,
     AuditEvent,
     Grant,
     PinTier,
@@ -28,13 +28,19 @@ from loraplex.registry.records import (
     AdapterRecord,
     AuditRecord,
     RevisionRecord,
+    adapter_record,
+    read_revision_record,
 )
+from loraplex.registry.store import Store
 
 
-class Reading(RegistryCore):
+class Reading:
     """Reads for operators and the server's listings."""
 
-    # ---- reading ---------------------------------------------------------------------------------
+    def __init__(self, store: Store, grace_period: timedelta = timedelta(seconds=600)):
+        """`grace_period`: how long a revision that left traffic stays in `grace_revisions`."""
+        self.store = store
+        self.grace_period = grace_period
 
     def list_adapters(
         self,
@@ -59,7 +65,7 @@ class Reading(RegistryCore):
             query = query.where(Adapter.name > after)
         if limit is not None:
             query = query.limit(limit)
-        with self._read() as session:
+        with self.store.read() as session:
             adapters = session.scalars(query).all()
             names = [a.name for a in adapters]
             # the whole tables for a whole listing; the page's rows for a page
@@ -92,7 +98,7 @@ class Reading(RegistryCore):
             ]
 
     def show(self, name: str) -> AdapterRecord:
-        with self._read() as session:
+        with self.store.read() as session:
             adapter = session.get(Adapter, name)
             if adapter is None:
                 raise AdapterNotFound(name)
@@ -109,24 +115,26 @@ class Reading(RegistryCore):
             )
 
     def get_revision(self, name: str, revision: str) -> RevisionRecord:
-        with self._read() as session:
+        with self.store.read() as session:
             adapter = session.get(Adapter, name)
             row = q.find_revision(session, name, revision, None) if adapter else None
             if row is None:
                 raise AdapterNotFound(f"{name}@{revision}")
-            return self._record(session, adapter, row)
+            return read_revision_record(session, adapter, row)
 
     def grace_revisions(self) -> list[RevisionRecord]:
         """Revisions that left traffic less than the grace period ago: keep them warm, do not evict
         yet."""
         cutoff = utcnow() - self.grace_period
-        with self._read() as session:
+        with self.store.read() as session:
             rows = session.scalars(
                 select(Revision).where(
                     Revision.retired_at >= cutoff, Revision.status != "quarantined"
                 )
             ).all()
-            return [self._record(session, session.get(Adapter, r.adapter_name), r) for r in rows]
+            return [
+                read_revision_record(session, session.get(Adapter, r.adapter_name), r) for r in rows
+            ]
 
     def audit_events(self, limit: int = 100, target: str | None = None) -> list[AuditRecord]:
         """Newest first; `target` filters to one adapter (its name and every `name@revision`)."""
@@ -134,11 +142,18 @@ class Reading(RegistryCore):
         if target is not None:
             revisions = AuditEvent.target.startswith(f"{target}@", autoescape=True)
             query = query.where((AuditEvent.target == target) | revisions)
-        with self._read() as session:
+        with self.store.read() as session:
             return [
                 AuditRecord(e.id, as_utc(e.at), e.actor, e.action, e.target, json.loads(e.detail))
                 for e in session.scalars(query)
             ]
+
+    def pieces(self, digest: str) -> Pieces | None:
+        """The piece list recorded for an artifact at registration (None for one registered before
+        there were piece lists): what lets a load check its bytes on several cores."""
+        with self.store.read() as session:
+            row = session.get(ArtifactPiecesBlake3, digest) or session.get(ArtifactPieces, digest)
+            return Pieces.from_json(row.pieces) if row is not None else None
 
 
 def _grants_of(session, names: list[str]) -> dict[str, tuple[str, ...]]:

@@ -1,11 +1,22 @@
 """What the registry hands out: frozen records, detached from the database session that read
-them."""
+them, and how they are made from its rows."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from loraplex.registry import queries as q
+from loraplex.registry.db import Adapter, Revision, as_utc
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+WARM_POLICIES = ("gpu", "cpu", "on_demand")
+PIN_TIERS = ("gpu", "cpu")
 
 
 @dataclass(frozen=True, slots=True)  # slots: a server holds one per revision of its catalog
@@ -124,3 +135,80 @@ class AuditRecord:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "at": self.at.isoformat()}
+
+
+# ---- records from rows -------------------------------------------------------------------------
+
+
+def revision_record(
+    adapter, row, grants: tuple[str, ...], weights: dict[int, int]
+) -> RevisionRecord:
+    """From ORM objects, or from plain rows of the same tables (the catalog's)."""
+    return RevisionRecord(
+        name=adapter.name,
+        revision=row.revision,
+        digest=row.digest,
+        base_model=row.base_model,
+        base_model_digest=row.base_model_digest,
+        owner_tenant=adapter.owner_tenant,
+        shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants),
+        task_type=adapter.task_type,
+        rank=row.rank,
+        lora_alpha=row.lora_alpha,
+        dtype=row.dtype,
+        target_modules=tuple(row.target_modules.split(",")),
+        estimated_bytes=row.estimated_bytes,
+        actual_bytes=row.actual_bytes,
+        priority=adapter.priority,
+        warm_policy=adapter.warm_policy,
+        status=row.status,
+        storage_uri=row.storage_uri,
+        signature=row.signature,
+        created_at=as_utc(row.created_at),
+        pinned=adapter.pinned,
+        traffic_weight=weights.get(row.id, 0),
+        status_reason=row.status_reason,
+        stable_since=as_utc(row.stable_since),
+        retired_at=as_utc(row.retired_at),
+        has_eval_set=row.eval_set is not None,
+    )
+
+
+def read_revision_record(session: Session, adapter: Adapter, row: Revision) -> RevisionRecord:
+    """`revision_record` with the grants and weights read in `session`."""
+    return revision_record(
+        adapter, row, q.grants(session, adapter.name), q.weights(session, adapter.name)
+    )
+
+
+def serving_order(records) -> tuple[tuple[str, int], ...]:
+    """(revision, weight) of the revisions with traffic, canaries newest first, then the stable.
+
+    Canaries first: raising a canary's weight then keeps every user it already had.
+    """
+    serving = [r for r in reversed(list(records)) if r.traffic_weight and r.status != "quarantined"]
+    serving.sort(key=lambda r: r.status == "stable")
+    return tuple((r.revision, r.traffic_weight) for r in serving)
+
+
+def adapter_record(
+    adapter: Adapter, grants: tuple[str, ...], rows: list[Revision], weights, pin_tier: str | None
+) -> AdapterRecord:
+    revisions = tuple(revision_record(adapter, r, grants, weights) for r in rows)
+    if adapter.pinned and pin_tier not in PIN_TIERS:  # pinned by a version that kept no tier
+        pin_tier = adapter.warm_policy if adapter.warm_policy in PIN_TIERS else "cpu"
+    return AdapterRecord(
+        name=adapter.name,
+        owner_tenant=adapter.owner_tenant,
+        shared=adapter.shared,
+        allowed_tenants=q.allowed(adapter, grants),
+        task_type=adapter.task_type,
+        priority=adapter.priority,
+        warm_policy=adapter.warm_policy,
+        pinned=adapter.pinned,
+        created_at=as_utc(adapter.created_at),
+        traffic=serving_order(revisions),
+        revisions=revisions,
+        pin_tier=pin_tier if adapter.pinned else None,
+    )

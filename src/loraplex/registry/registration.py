@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,17 +11,10 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.artifacts import artifact_files, canonical_digest
+from loraplex.artifacts import AllowList, ArtifactStore, artifact_files, canonical_digest
 from loraplex.lora_format import CONFIG_FILE, AdapterSpec, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import queries as q
-from loraplex.registry.core import (
-    NAME_RE,
-    REVISION_RE,
-    WARM_POLICIES,
-    RegistryCore,
-    log,
-)
 from loraplex.registry.db import (
     Adapter,
     ArtifactPieces,
@@ -34,14 +28,21 @@ from loraplex.registry.errors import (
     RegistryError,
 )
 from loraplex.registry.records import (
+    NAME_RE,
+    REVISION_RE,
+    WARM_POLICIES,
     RevisionRecord,
+    read_revision_record,
 )
 from loraplex.registry.release import parse_eval_set
 from loraplex.registry.signing import read_signature_file, verify_digest
+from loraplex.registry.store import Store
+
+log = logging.getLogger("loraplex.registry")
 
 
 @dataclass(frozen=True)
-class _Stored:
+class Stored:
     """An adapter directory checked and in the store, not yet recorded."""
 
     src: Path
@@ -55,10 +56,35 @@ class _Stored:
     sha256_pieces: str
 
 
-class Registration(RegistryCore):
+class Registration:
     """Adding revisions, and collecting the store entries no revision refers to."""
 
-    # ---- registration ----------------------------------------------------------------------------
+    def __init__(
+        self,
+        store: Store,
+        *,
+        base_model_dir: str | Path | None = None,
+        max_lora_rank: int = 64,
+        trusted_keys: tuple = (),
+        allowed: AllowList | None = None,
+        storage_base: str | None = None,
+        strict_base_model_name: bool = False,
+    ):
+        """`storage_base`: URL under which the store's `<hex>` directories are served (else file://
+        URIs).
+
+        `allowed`: when set, `add_revision` only reads adapter directories under its roots.
+        `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are
+        refused. `strict_base_model_name`: refuse an adapter whose config names another base model
+        (by default a warning: its shapes are checked against the base model either way).
+        """
+        self.store = store
+        self.base_model_dir = Path(base_model_dir) if base_model_dir else None
+        self.max_lora_rank = max_lora_rank
+        self.strict_base_model_name = strict_base_model_name
+        self.trusted_keys = tuple(trusted_keys)
+        self.allowed = allowed
+        self.storage_base = storage_base.rstrip("/") if storage_base else None
 
     def add_revision(
         self,
@@ -83,19 +109,19 @@ class Registration(RegistryCore):
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
         does). Registering the same bytes again under the same name returns the existing revision.
         """
-        _check_names(name, revision, warm_policy, status)
-        stored = self._store_verified(
+        check_names(name, revision, warm_policy, status)
+        stored = self.check_and_store(
             Path(src_dir), base_model_dir, base_model, eval_set, digest, signature
         )
-        with self._write() as session:
-            adapter = self._adapter_for_add(
+        with self.store.write() as session:
+            adapter = self.adapter_for_add(
                 session, name, tenant, shared, stored.spec.task_type, warm_policy, priority
             )
-            return self._insert_revision(session, adapter, stored, revision, status)
+            return self.insert_revision(session, adapter, stored, revision, status)
 
-    def _store_verified(
+    def check_and_store(
         self, src: Path, base_model_dir, base_model, eval_set, digest, signature
-    ) -> _Stored:
+    ) -> Stored:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
         its bytes into the store; AdapterRejected naming the field otherwise."""
         if self.allowed is not None:
@@ -113,17 +139,14 @@ class Registration(RegistryCore):
             signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
-        if self.store is None:
-            raise RegistryError(
-                "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
-            )
+        artifacts = self._artifacts()
         # from the read hashing the copy
-        put, (pieces, sha256_pieces) = self.store.put_with_piece_lists(src)
+        put, (pieces, sha256_pieces) = artifacts.put_with_piece_lists(src)
         if put != actual:
             raise AdapterRejected(
                 "digest", f"the files in {src} changed while they were being registered"
             )
-        return _Stored(
+        return Stored(
             src,
             actual,
             spec,
@@ -135,17 +158,13 @@ class Registration(RegistryCore):
             sha256_pieces.to_json(),
         )
 
-    def _insert_revision(
-        self, session: Session, adapter: Adapter, stored: _Stored, revision: str | None, status: str
+    def insert_revision(
+        self, session: Session, adapter: Adapter, stored: Stored, revision: str | None, status: str
     ) -> RevisionRecord:
         """Record stored bytes as a revision of `adapter`, inside the caller's write transaction;
         the same bytes under the same name give the existing revision."""
         actual, spec, name = stored.digest, stored.spec, adapter.name
-        if not self.store.has(actual) and self.store.put(stored.src) != actual:
-            # removed by a gc since the put
-            raise AdapterRejected(
-                "digest", f"the files in {stored.src} changed while they were being registered"
-            )
+        self.put_again(stored)
         # Both lists, also for bytes registered before the tables: the BLAKE3 one this version
         # checks, and the sha256 one earlier versions read (they refuse another hash), for servers
         # of both sharing a registry.
@@ -155,7 +174,7 @@ class Registration(RegistryCore):
             session.add(ArtifactPieces(digest=actual, pieces=stored.sha256_pieces))
         existing = q.find_revision(session, name, revision, actual)
         if existing is not None:
-            return self._record(session, adapter, existing)
+            return read_revision_record(session, adapter, existing)
         row = Revision(
             adapter_name=name,
             revision=revision or q.next_revision(session, name),
@@ -168,7 +187,7 @@ class Registration(RegistryCore):
             target_modules=",".join(spec.target_modules),
             estimated_bytes=spec.estimated_bytes,
             actual_bytes=spec.actual_bytes,
-            storage_uri=self._storage_uri(actual),
+            storage_uri=self.storage_uri(actual),
             signature=stored.signature,
             eval_set=stored.eval_set,
             status="staging",
@@ -176,7 +195,7 @@ class Registration(RegistryCore):
         )
         session.add(row)
         session.flush()
-        self._audit(
+        self.store.audit(
             session,
             "add",
             f"{name}@{row.revision}",
@@ -187,8 +206,23 @@ class Registration(RegistryCore):
             estimated_bytes=spec.estimated_bytes,
         )
         if status == "stable":
-            self._apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
-        return self._record(session, adapter, row)
+            q.apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
+        return read_revision_record(session, adapter, row)
+
+    def put_again(self, stored: Stored) -> None:
+        """Put the bytes back when a gc removed them since they were stored."""
+        artifacts = self._artifacts()
+        if not artifacts.has(stored.digest) and artifacts.put(stored.src) != stored.digest:
+            raise AdapterRejected(
+                "digest", f"the files in {stored.src} changed while they were being registered"
+            )
+
+    def _artifacts(self) -> ArtifactStore:
+        if self.store.artifacts is None:
+            raise RegistryError(
+                "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
+            )
+        return self.store.artifacts
 
     def _check_source_allowed(self, src: Path) -> None:
         root = self.allowed.root_for(src.resolve().as_uri())
@@ -227,7 +261,7 @@ class Registration(RegistryCore):
             )
         return spec, base_name, base_model_digest(base_dir)
 
-    def _adapter_for_add(
+    def adapter_for_add(
         self, session, name, tenant, shared, task_type, warm_policy, priority
     ) -> Adapter:
         if tenant is not None and session.get(Tenant, tenant) is None:
@@ -262,32 +296,33 @@ class Registration(RegistryCore):
             adapter.priority = priority
         return adapter
 
-    def _storage_uri(self, digest: str) -> str:
+    def storage_uri(self, digest: str) -> str:
         if self.storage_base:
             return f"{self.storage_base}/{digest.removeprefix('sha256:')}"
-        return self.store.uri(digest)
+        return self._artifacts().uri(digest)
 
     def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
         """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
         interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
         # Under the write lock: a registration commits its row before this reads the digests in use,
         # or after the removals, and then finds its artifact gone and puts it back (add_revision).
-        with self._write() as session:
+        artifacts = self._artifacts()
+        with self.store.write() as session:
             used = set(session.scalars(select(Revision.digest)))
             cutoff = time.time() - min_age_s
             removed = [
                 d
-                for d in self.store.digests()
-                if d not in used and self.store.path(d).stat().st_mtime < cutoff
+                for d in artifacts.digests()
+                if d not in used and artifacts.path(d).stat().st_mtime < cutoff
             ]
             for digest in removed:
-                self.store.remove(digest)
+                artifacts.remove(digest)
             if removed:
-                self._audit(session, "gc", "artifacts", removed=removed)
+                self.store.audit(session, "gc", "artifacts", removed=removed)
         return removed
 
 
-def _check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
+def check_names(name: str, revision: str | None, warm_policy: str | None, status: str) -> None:
     if not NAME_RE.fullmatch(name):
         raise AdapterRejected("name", f"{name!r} must match {NAME_RE.pattern}")
     if revision is not None and not REVISION_RE.fullmatch(revision):

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.registry import db
-from loraplex.registry.db import AuditEvent, Revision, Rollout, as_utc, utcnow
+from loraplex.registry.db import Revision, Rollout, as_utc, utcnow
 from loraplex.registry.errors import AdapterNotFound, LifecycleError, RegistryError
 from loraplex.registry.registry import Registry
 
@@ -101,29 +101,21 @@ class RolloutStore:
     """The rollouts of one registry (its database, its actor for the audit events)."""
 
     def __init__(self, registry: Registry):
-        self.registry = registry
+        self.store = registry.db
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
-        self.registry._check_ready()
-        writer = db.writer(self.registry.engine)
+        self.store.check_ready()
+        writer = db.writer(self.store.engine)
         with Session(writer, expire_on_commit=False) as session, session.begin():
             yield session
 
     def _audit(self, session: Session, action: str, row: Rollout, **detail) -> None:
-        session.add(
-            AuditEvent(
-                at=utcnow(),
-                actor=self.registry.actor,
-                action=action,
-                target=f"{row.name}@{row.revision}",
-                detail=json.dumps(detail, sort_keys=True, default=str),
-            )
-        )
+        self.store.audit(session, action, f"{row.name}@{row.revision}", **detail)
 
     def get(self, name: str) -> RolloutRecord | None:
-        self.registry._check_ready()
-        with Session(self.registry.engine) as session:
+        self.store.check_ready()
+        with Session(self.store.engine) as session:
             row = session.get(Rollout, name)
             return _record(row) if row is not None else None
 
@@ -221,15 +213,15 @@ class RolloutStore:
 
     def active(self) -> list[RolloutRecord]:
         """The rollouts under way."""
-        self.registry._check_ready()
-        with Session(self.registry.engine) as session:
+        self.store.check_ready()
+        with Session(self.store.engine) as session:
             rows = session.scalars(select(Rollout).where(Rollout.phase.in_(ACTIVE)))
             return [_record(row) for row in rows]
 
     def eval_set(self, name: str, revision: str) -> str | None:
         """The eval set (JSONL) registered with a revision, None when it has none."""
-        self.registry._check_ready()
-        with Session(self.registry.engine) as session:
+        self.store.check_ready()
+        with Session(self.store.engine) as session:
             row = session.execute(
                 select(Revision.id, Revision.eval_set).where(
                     Revision.adapter_name == name, Revision.revision == revision

@@ -10,9 +10,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.registry import queries as q
-from loraplex.registry.core import (
-    RegistryCore,
-)
 from loraplex.registry.db import (
     ApiKey,
     Grant,
@@ -27,6 +24,7 @@ from loraplex.registry.records import (
     KeyRecord,
     TenantRecord,
 )
+from loraplex.registry.store import Store
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 KEY_PREFIX = "lpx-"
@@ -39,10 +37,11 @@ def _hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class Tenancy(RegistryCore):
+class Tenancy:
     """Tenants, grants and keys."""
 
-    # ---- tenants, grants, keys -------------------------------------------------------------------
+    def __init__(self, store: Store):
+        self.store = store
 
     def add_tenant(
         self,
@@ -58,16 +57,16 @@ class Tenancy(RegistryCore):
         given = (("max_gpu_slots", max_gpu_slots), ("max_cpu_bytes", max_cpu_bytes))
         budget = {k: v for k, v in given if v is not None}
         _check_budget(budget)
-        with self._write() as session:
+        with self.store.write() as session:
             tenant = session.get(Tenant, name)
             if tenant is None:
                 tenant = Tenant(name=name, priority=priority, created_at=utcnow(), **budget)
                 session.add(tenant)
-                self._audit(session, "tenant_add", name, priority=priority, **budget)
+                self.store.audit(session, "tenant_add", name, priority=priority, **budget)
                 return _tenant_record(tenant)
             if tenant.priority != priority:
                 tenant.priority = priority
-                self._audit(session, "tenant_priority", name, priority=priority)
+                self.store.audit(session, "tenant_priority", name, priority=priority)
             self._set_budget(session, tenant, budget)
             return _tenant_record(tenant)
 
@@ -76,7 +75,7 @@ class Tenancy(RegistryCore):
         (host bytes); None clears one (the server's default share applies). Fields not given stay as
         they are."""
         _check_budget(budget)
-        with self._write() as session:
+        with self.store.write() as session:
             tenant = q.tenant_or_error(session, name)
             self._set_budget(session, tenant, budget)
             return _tenant_record(tenant)
@@ -86,40 +85,40 @@ class Tenancy(RegistryCore):
         if changed:
             for field_name, value in changed.items():
                 setattr(tenant, field_name, value)
-            self._audit(session, "tenant_budget", tenant.name, **changed)
+            self.store.audit(session, "tenant_budget", tenant.name, **changed)
 
     def set_tenant_limits(self, name: str, **limits: int | None) -> TenantRecord:
         """Set `max_concurrent_requests` and/or `max_waiting` of a tenant (None: the server's
         default); the limits not named stay as they are."""
         check_tenant_limits(limits)
-        with self._write() as session:
+        with self.store.write() as session:
             tenant = q.tenant_or_error(session, name)
             changed = {f: v for f, v in limits.items() if getattr(tenant, f) != v}
             for field, value in changed.items():
                 setattr(tenant, field, value)
             if changed:
-                self._audit(session, "tenant_limits", name, **changed)
+                self.store.audit(session, "tenant_limits", name, **changed)
             return _tenant_record(tenant)
 
     def list_tenants(self) -> list[TenantRecord]:
-        with self._read() as session:
+        with self.store.read() as session:
             rows = session.scalars(select(Tenant).order_by(Tenant.name))
             return [_tenant_record(t) for t in rows]
 
     def grant(self, name: str, tenant: str) -> None:
-        with self._write() as session:
+        with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             q.tenant_or_error(session, tenant)
             if session.get(Grant, (name, tenant)) is None:
                 session.add(Grant(adapter_name=name, tenant=tenant))
-                self._audit(session, "grant", name, tenant=tenant)
+                self.store.audit(session, "grant", name, tenant=tenant)
 
     def revoke_grant(self, name: str, tenant: str) -> None:
-        with self._write() as session:
+        with self.store.write() as session:
             grant = session.get(Grant, (name, tenant))
             if grant is not None:
                 session.delete(grant)
-                self._audit(session, "revoke_grant", name, tenant=tenant)
+                self.store.audit(session, "revoke_grant", name, tenant=tenant)
 
     def create_key(self, tenant: str) -> str:
         """A new API key for `tenant`, returned in clear this once; only its sha256 is stored."""
@@ -133,30 +132,30 @@ class Tenancy(RegistryCore):
         if len(key) < 16:
             raise RegistryError("an API key must be at least 16 characters long")
         key_id = key[:12]
-        with self._write() as session:
+        with self.store.write() as session:
             q.tenant_or_error(session, tenant)
             if session.get(ApiKey, key_id) is not None:
                 raise RegistryError(f"a key with id {key_id} exists already; use another key")
             session.add(
                 ApiKey(key_id=key_id, tenant=tenant, key_hash=_hash_key(key), created_at=utcnow())
             )
-            self._audit(session, "key_create", tenant, key_id=key_id)
+            self.store.audit(session, "key_create", tenant, key_id=key_id)
         return key_id
 
     def revoke_key(self, key_or_id: str) -> str:
         """Revoke by key id (or the whole key); returns the id."""
-        with self._write() as session:
+        with self.store.write() as session:
             row = session.get(ApiKey, key_or_id[:12])
             if row is None or (len(key_or_id) > 12 and row.key_hash != _hash_key(key_or_id)):
                 raise RegistryError(f"no API key with id {key_or_id[:12]!r}")
             if row.revoked_at is None:
                 row.revoked_at = utcnow()
-                self._audit(session, "key_revoke", row.tenant, key_id=row.key_id)
+                self.store.audit(session, "key_revoke", row.tenant, key_id=row.key_id)
             return row.key_id
 
     def tenant_for_key(self, key: str) -> str | None:
         """The tenant of a valid, unrevoked key; None otherwise."""
-        with self._read() as session:
+        with self.store.read() as session:
             row = session.scalar(select(ApiKey).where(ApiKey.key_hash == _hash_key(key)))
             return row.tenant if row is not None and row.revoked_at is None else None
 
@@ -164,7 +163,7 @@ class Tenancy(RegistryCore):
         query = select(ApiKey).order_by(ApiKey.created_at)
         if tenant is not None:
             query = query.where(ApiKey.tenant == tenant)
-        with self._read() as session:
+        with self.store.read() as session:
             return [
                 KeyRecord(k.key_id, k.tenant, as_utc(k.created_at), as_utc(k.revoked_at))
                 for k in session.scalars(query)

@@ -146,7 +146,7 @@ class PinReconciler:
         tier = self._rule_pins.pop(key, None)
         if tier is not None and cache.pinned(key) == tier:
             cache.unpin(key)
-        grace_s = self.registry.grace_period.total_seconds()
+        grace_s = self.registry.reading.grace_period.total_seconds()
         if (
             keep_warm
             and key.name not in self.resolver.unloaded  # vLLM's unload: gone from memory too

@@ -76,7 +76,7 @@ class Server:
             engine.base_model_digest,
             config.served_model_name,
             self.tenant_priority,
-            registry.trusted_keys,
+            registry.registration.trusted_keys,
         )
         self.listing = ModelListing(
             self.catalog, config.served_model_name, self.resolver.may_see, self.resolver.draining

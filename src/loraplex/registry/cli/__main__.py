@@ -1,0 +1,3 @@
+from loraplex.registry.cli import app
+
+app()

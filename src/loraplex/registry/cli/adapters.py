@@ -1,0 +1,289 @@
+"""`loraplex registry` commands over adapters: init, add, list, import, show."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loraplex.artifacts import canonical_digest
+from loraplex.registry.bulk import ImportRefused, read_directory, read_jsonl
+from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.db import SCHEMA_VERSION
+from loraplex.registry.records import AdapterRecord
+from loraplex.registry.signing import load_private_key, sign_digest
+from loraplex.registry.stats import revision_stats
+
+
+def _short(digest: str) -> str:
+    return digest.removeprefix("sha256:")[:12]
+
+
+def _revisions_table(adapter: AdapterRecord) -> Table:
+    table = Table(title=f"{adapter.name}: revisions")
+    for column in (
+        "revision",
+        "status",
+        "traffic %",
+        "digest",
+        "rank",
+        "modules",
+        "est. bytes",
+        "created",
+    ):
+        table.add_column(column)
+    for r in adapter.revisions:
+        status = f"{r.status} ({r.status_reason})" if r.status_reason else r.status
+        table.add_row(
+            r.revision,
+            status,
+            str(r.traffic_weight or ""),
+            _short(r.digest),
+            str(r.rank),
+            ",".join(r.target_modules),
+            f"{r.estimated_bytes:,}",
+            r.created_at.strftime("%Y-%m-%d %H:%M"),
+        )
+    return table
+
+
+@app.command()
+@errors
+def init(ctx: typer.Context):
+    """Create the registry database (idempotent)."""
+    registry = open_registry(ctx)
+    registry.init()
+    typer.echo(
+        f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in "
+        f"{ctx.obj.store}"
+    )
+
+
+_Revision = Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")]
+_Shared = Annotated[
+    bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
+]
+_BaseModel = Annotated[Path | None, typer.Option(help="Base model directory to validate against")]
+_Stable = Annotated[
+    bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
+]
+_EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")]
+_Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
+_SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
+_Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_StrictBase = Annotated[
+    bool,
+    typer.Option(
+        help="Refuse an adapter whose config names another base model (default: a warning)"
+    ),
+]
+
+
+@app.command()
+@errors
+def add(
+    ctx: typer.Context,
+    directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
+    name: Annotated[str, typer.Option(help="Adapter name")],
+    revision: _Revision = None,
+    tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
+    shared: _Shared = False,
+    base_model: _BaseModel = None,
+    warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
+    priority: Annotated[int | None, typer.Option()] = None,
+    stable: _Stable = False,
+    eval_set: _EvalSet = None,
+    signature: _Signature = None,
+    signing_key: _SigningKey = None,
+    digest: _Digest = None,
+    strict_base_model_name: _StrictBase = False,
+    json_out: JsonFlag = False,
+):
+    """Validate an adapter against the base model and register it as a new revision."""
+    if signing_key is not None:
+        signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
+    registry = open_registry(ctx)
+    registry.registration.strict_base_model_name = strict_base_model_name
+    record = registry.add_revision(
+        directory,
+        name,
+        revision=revision,
+        tenant=tenant,
+        shared=True if shared else None,
+        base_model_dir=base_model,
+        warm_policy=warm,
+        priority=priority,
+        status="stable" if stable else "staging",
+        eval_set=eval_set,
+        signature=signature,
+        digest=digest,
+    )
+    if json_out:
+        print_json(record.to_dict())
+        return
+    typer.echo(
+        f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} "
+        f"bytes, {record.status})"
+    )
+
+
+STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
+
+
+@app.command("list")
+@errors
+def list_(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+    status: Annotated[
+        str | None,
+        typer.Option(help="Only adapters with a revision in this status: " + " | ".join(STATUSES)),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="At most this many (one page), by name")
+    ] = None,
+    after: Annotated[
+        str | None, typer.Option(help="Those named after this (the last name of the page before)")
+    ] = None,
+    json_out: JsonFlag = False,
+):
+    """Adapters, their traffic split and owners, by name."""
+    if status is not None and status not in STATUSES:
+        typer.echo(f"error: --status {status}: give one of {', '.join(STATUSES)}", err=True)
+        raise typer.Exit(2)
+    adapters = open_registry(ctx).list_adapters(tenant, status=status, after=after, limit=limit)
+    if json_out:
+        print_json([a.to_dict() for a in adapters])
+        return
+    table = Table(title="adapters")
+    for column in ("name", "traffic", "revisions", "owner", "access", "warm", "priority", "pinned"):
+        table.add_column(column)
+    for a in adapters:
+        traffic = " ".join(f"{rev}:{w}%" for rev, w in a.traffic) or "-"
+        access = "shared" if a.shared else ",".join(a.allowed_tenants)
+        table.add_row(
+            a.name,
+            traffic,
+            str(len(a.revisions)),
+            a.owner_tenant or "-",
+            access,
+            a.warm_policy,
+            str(a.priority),
+            a.pin_tier or "",
+        )
+    Console().print(table)
+    if limit is not None and len(adapters) == limit:
+        typer.echo(f"more may follow: --after {adapters[-1].name}")
+
+
+@app.command("import")
+@errors
+def import_(
+    ctx: typer.Context,
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
+            "warm, priority, stable, digest, signature, eval_set) or a directory of adapter "
+            "directories (each named by its directory)"
+        ),
+    ],
+    tenant: Annotated[
+        str | None, typer.Option(help="Owner tenant of each (unless its line says)")
+    ] = None,
+    shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant")] = False,
+    stable: Annotated[
+        bool, typer.Option("--stable", help="Serve each at once (100% of its name's traffic)")
+    ] = False,
+    base_model: Annotated[
+        Path | None, typer.Option(help="Base model directory to validate against")
+    ] = None,
+    json_out: JsonFlag = False,
+):
+    """Register many adapters in one go, each checked as `add` checks it, all before any is
+    recorded (a bad one: nothing is), then recorded in a few transactions."""
+    defaults: dict = {"tenant": tenant, "stable": stable}
+    if shared:
+        defaults["shared"] = True
+    registry = open_registry(ctx)
+    started = time.perf_counter()
+    try:
+        if source.is_dir():
+            items = read_directory(source, defaults)
+        else:
+            items = read_jsonl(source, defaults)
+        result = registry.add_revisions(items, base_model_dir=base_model)
+    except ImportRefused as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    seconds = time.perf_counter() - started
+    if json_out:
+        print_json([r.to_dict() for r in result.records])
+        return
+    rate = len(result.records) / seconds if seconds > 0 else 0.0
+    typer.echo(
+        f"imported {len(result.records)} adapters ({result.num_new} new revisions) in "
+        f"{seconds:.1f} s ({rate:,.0f}/s)"
+    )
+
+
+@app.command()
+@errors
+def show(
+    ctx: typer.Context,
+    name: str,
+    audit_log: Annotated[
+        Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
+    ] = None,
+    json_out: JsonFlag = False,
+):
+    """One adapter: its revisions, with --audit-log its requests, errors, TTFT/TPOT per revision."""
+    adapter = open_registry(ctx).show(name)
+    stats = revision_stats(audit_log, name) if audit_log else []
+    if json_out:
+        print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
+        return
+    console = Console()
+    access = (
+        "shared with every tenant"
+        if adapter.shared
+        else f"tenants {', '.join(adapter.allowed_tenants)}"
+    )
+    pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
+    console.print(
+        f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
+        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}"
+    )
+    console.print(_revisions_table(adapter))
+    if audit_log:
+        console.print(_stats_table(name, stats))
+
+
+def _stats_table(name: str, stats) -> Table:
+    table = Table(title=f"{name}: requests by revision (audit log)")
+    for column in (
+        "revision",
+        "requests",
+        "error rate",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "TPOT p99 ms",
+    ):
+        table.add_column(column)
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for s in stats:
+        table.add_row(
+            s.revision,
+            str(s.requests),
+            f"{s.error_rate:.1%}",
+            fmt(s.ttft_p50_ms),
+            fmt(s.ttft_p99_ms),
+            fmt(s.tpot_p50_ms),
+            fmt(s.tpot_p99_ms),
+        )
+    return table

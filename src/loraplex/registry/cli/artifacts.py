@@ -1,0 +1,48 @@
+"""`loraplex registry` commands over artifacts and signing keys: digest, sign, keygen, gc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from loraplex.artifacts import canonical_digest
+from loraplex.registry.cli.common import app, errors, open_registry
+from loraplex.registry.signing import generate_keypair, load_private_key, sign_digest
+
+
+@app.command()
+@errors
+def digest(directory: Path):
+    """Print the canonical digest of an adapter directory."""
+    typer.echo(canonical_digest(directory))
+
+
+@app.command()
+@errors
+def sign(directory: Path, key: Annotated[Path, typer.Option(help="ed25519 private key (PEM)")]):
+    """Print the signature of an adapter directory's digest, for `add --signature`."""
+    typer.echo(sign_digest(canonical_digest(directory), load_private_key(key)))
+
+
+@app.command()
+@errors
+def keygen(private_out: Path, public_out: Path):
+    """Write a new ed25519 key pair (PEM) for signing revisions."""
+    private, public = generate_keypair()
+    private_out.touch(mode=0o600)
+    private_out.write_bytes(private)
+    public_out.write_bytes(public)
+    typer.echo(f"wrote {private_out} (keep it secret) and {public_out} (give it to --trusted-key)")
+
+
+@app.command()
+@errors
+def gc(
+    ctx: typer.Context,
+    min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600,
+):
+    """Delete artifacts no revision refers to (left by refused or interrupted registrations)."""
+    removed = open_registry(ctx).gc_artifacts(min_age_s)
+    typer.echo(f"removed {len(removed)} unreferenced artifact(s)")

@@ -1,0 +1,143 @@
+"""`loraplex registry` commands over a name's traffic and access: promote, traffic, rollback,
+deprecate, quarantine, pin, unpin, grant, ungrant, audit."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.errors import RegistryError
+from loraplex.registry.records import AdapterRecord
+
+
+def _traffic_line(adapter: AdapterRecord) -> str:
+    return f"{adapter.name}: " + (
+        " ".join(f"{rev} {w}%" for rev, w in adapter.traffic) or "no traffic"
+    )
+
+
+@app.command()
+@errors
+def promote(
+    ctx: typer.Context,
+    name: str,
+    revision: str,
+    weight: Annotated[int, typer.Option(help="Percent of traffic; 100 makes it stable")] = 100,
+    force: Annotated[
+        bool, typer.Option("--force", help="Promote without running its eval set")
+    ] = False,
+):
+    """Give a revision a share of the traffic (canary) or all of it (stable)."""
+    typer.echo(_traffic_line(open_registry(ctx).promote(name, revision, weight, force=force)))
+
+
+@app.command()
+@errors
+def traffic(
+    ctx: typer.Context,
+    name: str,
+    weights: Annotated[list[str], typer.Argument(help="REV=PERCENT ..., summing to 100")],
+):
+    """Set the whole traffic split of a name at once."""
+    try:
+        plan = {rev: int(w) for rev, _, w in (item.partition("=") for item in weights)}
+    except ValueError:
+        raise RegistryError(f"weights must be REV=PERCENT, got {' '.join(weights)}") from None
+    typer.echo(_traffic_line(open_registry(ctx).set_traffic(name, plan)))
+
+
+@app.command()
+@errors
+def rollback(ctx: typer.Context, name: str):
+    """Drop the canary, or go back to the previous stable revision."""
+    typer.echo(_traffic_line(open_registry(ctx).rollback(name)))
+
+
+@app.command()
+@errors
+def deprecate(
+    ctx: typer.Context, name: str, revision: Annotated[str | None, typer.Argument()] = None
+):
+    """Deprecate a revision that serves no traffic, or without REVISION the whole name."""
+    typer.echo(_traffic_line(open_registry(ctx).deprecate(name, revision)))
+
+
+@app.command()
+@errors
+def quarantine(
+    ctx: typer.Context,
+    name: str,
+    revision: str,
+    reason: Annotated[
+        str, typer.Option(help="Why (kept with the revision)")
+    ] = "quarantined by operator",
+):
+    """Never serve a revision again; its traffic goes back to the stable revision."""
+    typer.echo(_traffic_line(open_registry(ctx).quarantine(name, revision, reason)))
+
+
+@app.command()
+@errors
+def pin(
+    ctx: typer.Context,
+    name: str,
+    tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu",
+):
+    """Keep an adapter resident in a tier of the caches (servers pin it there at next start)."""
+    open_registry(ctx).pin(name, tier=tier)
+    typer.echo(f"{name}: pinned in {tier}")
+
+
+@app.command()
+@errors
+def unpin(ctx: typer.Context, name: str):
+    open_registry(ctx).unpin(name)
+    typer.echo(f"{name}: unpinned")
+
+
+@app.command()
+@errors
+def grant(ctx: typer.Context, name: str, tenant: str):
+    """Let another tenant use an adapter."""
+    open_registry(ctx).grant(name, tenant)
+    typer.echo(f"{name}: granted to {tenant}")
+
+
+@app.command()
+@errors
+def ungrant(ctx: typer.Context, name: str, tenant: str):
+    open_registry(ctx).revoke_grant(name, tenant)
+    typer.echo(f"{name}: grant to {tenant} revoked")
+
+
+@app.command()
+@errors
+def audit(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
+    limit: Annotated[int, typer.Option()] = 50,
+    json_out: JsonFlag = False,
+):
+    """Who changed what, when (newest first)."""
+    events = open_registry(ctx).audit_events(limit, target=name)
+    if json_out:
+        print_json([e.to_dict() for e in events])
+        return
+    table = Table(title="audit events")
+    for column in ("id", "at", "actor", "action", "target", "detail"):
+        table.add_column(column)
+    for e in events:
+        table.add_row(
+            str(e.id),
+            e.at.strftime("%Y-%m-%d %H:%M:%S"),
+            e.actor,
+            e.action,
+            e.target,
+            json.dumps(e.detail, sort_keys=True),
+        )
+    Console().print(table)

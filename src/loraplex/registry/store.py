@@ -1,0 +1,114 @@
+"""The registry's store: its database (sessions, one transaction per change with its audit event,
+the change count) and its artifact store."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from loraplex.artifacts import ArtifactStore
+from loraplex.registry import changes, db
+from loraplex.registry.db import AuditEvent, ChangeCounter, utcnow
+from loraplex.registry.errors import LifecycleError, RegistryError
+
+_CHANGE_COUNT = select(ChangeCounter.value).where(ChangeCounter.id == 1)
+
+
+def default_store_for(url: str) -> ArtifactStore | None:
+    """`<db dir>/artifacts` for a SQLite file; None for a server database (the operator names a
+    store)."""
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        return ArtifactStore(Path(url.removeprefix("sqlite:///")).parent / "artifacts")
+    return None
+
+
+class Store:
+    """What every service of the registry is given: the database, its sessions, the audit event,
+    and the artifact store."""
+
+    def __init__(self, url: str, artifacts: ArtifactStore | None = None, actor: str = "loraplex"):
+        """`artifacts`: where revisions' bytes go (default: `default_store_for(url)`); `actor`: who
+        the audit events name."""
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.url = url
+        self.engine = db.make_engine(url)
+        self._writer = db.writer(self.engine)
+        self.artifacts = artifacts if artifacts is not None else default_store_for(url)
+        self.actor = actor
+        self._ready = self._schema_ready()  # a newer schema refuses here, before any work
+
+    def _schema_ready(self) -> bool:
+        ready = db.check_schema(self.engine)
+        if ready:
+            # a database made by an older version: the tables added since
+            db.add_missing_tables(self.engine)
+            db.add_missing_columns(self.engine)  # and the columns
+            changes.install(self.engine)  # the change feed's triggers
+        return ready
+
+    def init(self) -> None:
+        """Create the tables (idempotent)."""
+        db.create_schema(self.engine)
+        changes.install(self.engine)
+        self._ready = True
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def check_ready(self) -> None:
+        """RegistryError saying how to initialize a database that has no tables yet."""
+        if not self._ready:
+            self._ready = self._schema_ready()
+        if not self._ready:
+            raise RegistryError(
+                f"the registry at {self.url} is not initialized: run `loraplex registry init`"
+            )
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        self.check_ready()
+        with Session(self.engine) as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Session]:
+        """One transaction; it first bumps the change count, which also makes writers wait one at a
+        time."""
+        self.check_ready()
+        try:
+            with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                session.execute(
+                    update(ChangeCounter)
+                    .where(ChangeCounter.id == 1)
+                    .values(value=ChangeCounter.value + 1)
+                )
+                yield session
+        except IntegrityError as exc:
+            raise LifecycleError(
+                f"a concurrent change conflicted with this one; retry ({exc.orig})"
+            ) from None
+
+    def audit(self, session: Session, action: str, target: str, **detail) -> None:
+        """Add the audit event of a change to the change's transaction."""
+        session.add(
+            AuditEvent(
+                at=utcnow(),
+                actor=self.actor,
+                action=action,
+                target=target,
+                detail=json.dumps(detail, sort_keys=True, default=str),
+            )
+        )
+
+    def change_count(self) -> int:
+        """A number every registry change moves: a reader may keep what it read until it moves."""
+        self.check_ready()
+        with db.single_statement_reader(self.engine).connect() as conn:
+            return conn.execute(_CHANGE_COUNT).scalar_one()
