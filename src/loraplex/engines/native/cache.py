@@ -15,15 +15,12 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
 from loraplex.engines.contract import AdapterResidency
 from loraplex.engines.native.cache_tables import (
-    THRASH_WINDOW_S,
     CacheTables,
     Entry,
     HostCopy,
     Loaded,
     SlotPool,
 )
-from loraplex.residency.budgets import TenantBudgets
-from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import (
     AdapterUnavailable,
     ArtifactCorrupt,
@@ -60,29 +57,13 @@ class AdapterCache(CacheTables, AdapterResidency):
         # see read_artifact's `use`
         pack: Callable[[dict[str, memoryview], Callable[[str, int], None]], object],
         *,
-        cpu_bytes: int,
-        max_cpu_loras: int | None = None,
-        disk: DiskTier | None = None,
-        policy=None,
-        budgets: TenantBudgets | None = None,
-        max_gpu_warm: int | None = None,
         load_threads: int = 2,
-        thrash_window_s: float = THRASH_WINDOW_S,
         executor: Executor | None = None,
         loader: Callable[[AdapterRef], Loaded] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        **tables,
     ):
-        super().__init__(
-            pool,
-            cpu_bytes=cpu_bytes,
-            max_cpu_loras=max_cpu_loras,
-            disk=disk,
-            policy=policy,
-            budgets=budgets,
-            max_gpu_warm=max_gpu_warm,
-            thrash_window_s=thrash_window_s,
-            clock=clock,
-        )
+        """`tables`: `CacheTables`' capacities, policy, budgets, disk tier and clock."""
+        super().__init__(pool, **tables)
         self._pack = pack
         # A simulator passes its own executor and loader, to run loads on its simulated clock.
         self._loader = loader or self._load

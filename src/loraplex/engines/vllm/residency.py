@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +43,6 @@ from loraplex.engines.vllm.residency_tables import (
 )
 from loraplex.engines.vllm.staging import StagedCopies, fingerprint, vllm_shape
 from loraplex.residency.budgets import TenantBudgets
-from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import (
     AdapterUnavailable,
     ArtifactCorrupt,
@@ -80,32 +79,21 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         engine,
         stage_dir: Path,
         *,
-        max_loras: int,
-        max_cpu_loras: int,
-        disk: DiskTier | None = None,
-        policy=None,
-        budgets: TenantBudgets | None = None,
         load_threads: int = 2,
-        reserved_slots: int = 0,
-        scheduler_counts_pins: bool = False,
         kept_bytes: int = 0,
-        clock: Callable[[], float] = time.monotonic,
+        **tables,
     ):
-        super().__init__(
-            max_loras=max_loras,
-            max_cpu_loras=max_cpu_loras,
-            disk=disk,
-            policy=policy,
-            budgets=budgets,
-            reserved_slots=reserved_slots,
-            scheduler_counts_pins=scheduler_counts_pins,
-            clock=clock,
-        )
+        """`tables`: `ResidencyTables`' capacities, policy, budgets, disk tier and clock."""
+        super().__init__(**tables)
         self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
         self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
         self._accepted_shapes: set[str] = set()  # the `vllm_shape`s of those
         self.staging = StagedCopies(
-            stage_dir, disk=disk, kept_bytes=kept_bytes, threads=load_threads, in_use=self._in_use
+            stage_dir,
+            disk=self.disk,
+            kept_bytes=kept_bytes,
+            threads=load_threads,
+            in_use=self._in_use,
         )
 
     # -- queries (any thread) ----------------------------------------------------------------------
