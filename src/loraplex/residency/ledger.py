@@ -289,13 +289,15 @@ class Ledger(Generic[E]):
         """The operator's pins to `tier`, in the order they were made."""
         return (k for k, t in self.pins.items() if t == tier)
 
-    def refuse_in_flight(self, entry: E) -> None:
-        """An operator's evict or unload of an adapter that requests hold is refused."""
-        if entry.refcount:
+    def evictable(self, key: AdapterKey) -> E | None:
+        """The entry an operator's evict acts on (None: an adapter never seen); AdapterInFlight
+        while requests hold it."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.refcount:
             raise AdapterInFlight(
-                f"{entry.ref.key} has {entry.refcount} request(s) in flight; try again when they "
-                "end"
+                f"{key} has {entry.refcount} request(s) in flight; try again when they end"
             )
+        return entry
 
     def count_request(self, ref: AdapterRef, make: Callable[[AdapterRef], E]) -> str:
         """Count one request's demand; the tier it finds its adapter in."""

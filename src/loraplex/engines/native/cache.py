@@ -251,10 +251,8 @@ class AdapterCache(CacheTables, AdapterResidency):
     def evict(self, key: AdapterKey) -> None:
         """Drop the adapter from gpu and cpu now; refused while requests use it."""
         with self._lock:
-            entry = self.entries.get(key)
-            if entry is None:
+            if (entry := self.evictable(key)) is None:
                 return
-            self.refuse_in_flight(entry)
             slot = self.slot_of(key)
             if slot is not None:
                 self._clear(slot, self.clock())

@@ -274,10 +274,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     def evict(self, key: AdapterKey) -> None:
         """Remove the adapter from vLLM now; refused while requests use it."""
         with self._lock:
-            entry = self.entries.get(key)
-            if entry is None:
+            if (entry := self.evictable(key)) is None:
                 return
-            self.refuse_in_flight(entry)
             self.set_pin(key, None)
             entry.restorable = False  # out until its next request
         self._schedule(self._remove(key))
