@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from loraplex.sim import workload as W
-from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
+from loraplex.sim.report import summarize
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 GiB = 2**30
 

@@ -12,13 +12,8 @@ from loraplex.engines.native.sequence import SamplingParams
 from loraplex.lora_format import read_adapter
 from loraplex.model_config import ModelConfig
 from loraplex.residency.policy import LRUPolicy, ScorePolicy
-from loraplex.sim.simulator import (
-    LoadCosts,
-    ServiceModel,
-    SimConfig,
-    TierCost,
-    simulate,
-)
+from loraplex.sim.calibration import LoadCosts, ServiceModel, TierCost
+from loraplex.sim.simulator import SimConfig, simulate
 from loraplex.sim.workload import Request
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)

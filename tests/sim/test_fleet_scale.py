@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from loraplex.sim import workload as W
 from loraplex.sim.cli import app
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
-from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
+from loraplex.sim.report import summarize
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 runner = CliRunner()
 

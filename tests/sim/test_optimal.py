@@ -110,7 +110,8 @@ def test_the_bound_holds_when_queued_requests_are_admitted_together():
     arrival order (13.7 s). The reported bound is then the least of the bounds on the orders the
     runs admitted, below every run's cost."""
     from loraplex.sim import workload as W
-    from loraplex.sim.simulator import SimConfig, compare
+    from loraplex.sim.report import compare
+    from loraplex.sim.simulator import SimConfig
 
     trace = W.generate(W.WorkloadSpec(name="t", seed=0, duration_s=60, rate=20, num_adapters=12))
     entries = compare(trace, SimConfig(gpu_slots=4, cpu_bytes=8 * 2**30), ["lru", "score"])

@@ -4,7 +4,8 @@ still finishes."""
 
 from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as W
-from loraplex.sim.simulator import SimConfig, hot_adapters, policy_factory, simulate, summarize
+from loraplex.sim.report import hot_adapters, summarize
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 GiB = 2**30
 

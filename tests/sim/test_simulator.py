@@ -6,17 +6,9 @@ import json
 import pytest
 
 from loraplex.sim import workload as W
-from loraplex.sim.simulator import (
-    ServiceModel,
-    SimConfig,
-    Simulation,
-    bound,
-    compare,
-    hot_adapters,
-    policy_factory,
-    simulate,
-    summarize,
-)
+from loraplex.sim.calibration import ServiceModel
+from loraplex.sim.report import bound, compare, hot_adapters, summarize
+from loraplex.sim.simulator import SimConfig, Simulation, policy_factory, simulate
 
 GiB = 2**30
 

@@ -11,7 +11,92 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loraplex.sim.simulator import LoadCosts, ServiceModel, TierCost
+
+@dataclass(frozen=True)
+class TierCost:
+    latency_s: float
+    """Fixed cost of one transfer."""
+    bandwidth: float
+    """Bytes per second."""
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class LoadCosts:
+    """What bringing an adapter up one tier costs: remote → disk (download), disk → cpu (read,
+    digest check, pack), cpu → gpu (host-to-device copy into a slot)."""
+
+    remote: TierCost = TierCost(0.050, 200e6)
+    disk: TierCost = TierCost(0.005, 2e9)
+    h2d: TierCost = TierCost(0.0005, 12e9)
+    source: str = "defaults"
+
+    def to_dict(self) -> dict:
+        return {
+            **{
+                t: {"latency_s": c.latency_s, "bandwidth_bytes_per_s": c.bandwidth}
+                for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))
+            },
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """Seconds of one engine step: a fixed part (reading the weights), per decoding sequence, per
+    prefill token, and per distinct adapter in the batch (the grouped LoRA kernels), plus any
+    host-to-device copies the step made.
+
+    Defaults are a 7B model in bfloat16 on one data-center GPU: ~10 ms per decode step at small
+    batch, ~16k prefill tokens/s, and a small per-adapter cost."""
+
+    step_s: float = 0.010
+    per_decode_s: float = 1.2e-4
+    per_prefill_token_s: float = 6e-5
+    per_adapter_s: float = 3e-4
+    source: str = "defaults"
+
+    def step_seconds(self, prefill_tokens: int, decodes: int, adapters: int) -> float:
+        return (
+            self.step_s
+            + self.per_decode_s * decodes
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_adapter_s * adapters
+        )
+
+    @classmethod
+    def from_engine_throughput(cls, path: str | Path) -> ServiceModel:
+        """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output
+        token gives the step cost, its total time the prefill cost, and the many-adapter row the
+        per-adapter cost."""
+        data = json.loads(Path(path).read_text())
+        rows = {
+            r["workload"]["num_adapters"]: r
+            for r in data["rows"]
+            if r.get("workload", {}).get("lora_bytes_per_step") is None
+        }
+        base = rows[0]
+        w = base["workload"]
+        tpot = base["ours"]["tpot_by_rank_s"]["base"]
+        batch = min(w["num_requests"], 64)
+        decode_total = tpot * (w["output_len"] - 1) * math.ceil(w["num_requests"] / batch)
+        prefill_total = max(0.0, base["ours"]["seconds"] - decode_total)
+        per_prefill = prefill_total / (w["num_requests"] * w["prompt_len"])
+        many = max(rows)
+        per_adapter = 0.0
+        if many > 0:
+            tpots = rows[many]["ours"]["tpot_by_rank_s"].values()
+            per_adapter = max(0.0, (sum(tpots) / len(tpots) - tpot) / min(many, batch))
+        return cls(
+            step_s=tpot,
+            per_decode_s=0.0,
+            per_prefill_token_s=per_prefill,
+            per_adapter_s=per_adapter,
+            source=str(path),
+        )
+
 
 LOAD_STEPS = ("remote", "disk", "h2d")
 """`LoadCosts`'s fields: a download, a read into host memory, a copy into a slot."""

@@ -27,12 +27,8 @@ from loraplex.settings.sim import (
 )
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
-from loraplex.sim.simulator import (
-    SimConfig,
-    compare,
-    config_dict,
-    hot_adapters,
-)
+from loraplex.sim.report import compare, hot_adapters
+from loraplex.sim.simulator import SimConfig, config_dict
 from loraplex.units import parse_size
 
 GiB = 2**30
@@ -473,7 +469,8 @@ def routers(
     """Developer entry point: the router's pickers side by side on Zipf traffic scaled to the fleet
     (6 requests/s per worker over 200 adapters)."""
     from loraplex.router.picker import POLICIES as ROUTERS
-    from loraplex.sim.simulator import policy_factory, summarize
+    from loraplex.sim.report import summarize
+    from loraplex.sim.simulator import policy_factory
     from loraplex.sim.simulator import simulate as run
 
     console = Console()

@@ -8,7 +8,8 @@ import time
 from rich.table import Table
 
 from loraplex.sim import workload as workloads
-from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
+from loraplex.sim.report import summarize
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 
 def fleet_for_workload(

@@ -17,7 +17,8 @@ from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration
 from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table
-from loraplex.sim.simulator import SimConfig, policy_factory, simulate, summarize
+from loraplex.sim.report import summarize
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 GiB = 2**30
 SERVING_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -12,9 +12,7 @@ adapter's slot until it finishes.
 from __future__ import annotations
 
 import heapq
-import json
 import math
-import operator
 import random
 from collections import Counter, deque
 from collections.abc import Callable
@@ -22,13 +20,13 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
+from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
+from loraplex.sim.calibration import LoadCosts, ServiceModel
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.workload import Request
 
@@ -36,93 +34,6 @@ from loraplex.sim.workload import Request
 # bfloat16: 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
 LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
 TIERS = ("gpu", "cpu", "disk", "remote")
-
-
-# -- cost models -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TierCost:
-    latency_s: float
-    """Fixed cost of one transfer."""
-    bandwidth: float
-    """Bytes per second."""
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth
-
-
-@dataclass(frozen=True)
-class LoadCosts:
-    """What bringing an adapter up one tier costs: remote → disk (download), disk → cpu (read,
-    digest check, pack), cpu → gpu (host-to-device copy into a slot)."""
-
-    remote: TierCost = TierCost(0.050, 200e6)
-    disk: TierCost = TierCost(0.005, 2e9)
-    h2d: TierCost = TierCost(0.0005, 12e9)
-    source: str = "defaults"
-
-    def to_dict(self) -> dict:
-        return {
-            **{
-                t: {"latency_s": c.latency_s, "bandwidth_bytes_per_s": c.bandwidth}
-                for t, c in (("remote", self.remote), ("disk", self.disk), ("h2d", self.h2d))
-            },
-            "source": self.source,
-        }
-
-
-@dataclass(frozen=True)
-class ServiceModel:
-    """Seconds of one engine step: a fixed part (reading the weights), per decoding sequence, per
-    prefill token, and per distinct adapter in the batch (the grouped LoRA kernels), plus any
-    host-to-device copies the step made.
-
-    Defaults are a 7B model in bfloat16 on one data-center GPU: ~10 ms per decode step at small
-    batch, ~16k prefill tokens/s, and a small per-adapter cost."""
-
-    step_s: float = 0.010
-    per_decode_s: float = 1.2e-4
-    per_prefill_token_s: float = 6e-5
-    per_adapter_s: float = 3e-4
-    source: str = "defaults"
-
-    def step_seconds(self, prefill_tokens: int, decodes: int, adapters: int) -> float:
-        return (
-            self.step_s
-            + self.per_decode_s * decodes
-            + self.per_prefill_token_s * prefill_tokens
-            + self.per_adapter_s * adapters
-        )
-
-    @classmethod
-    def from_engine_throughput(cls, path: str | Path) -> ServiceModel:
-        """Calibrate from `bench/engine_throughput.py` JSON: the base-only row's time per output
-        token gives the step cost, its total time the prefill cost, and the many-adapter row the
-        per-adapter cost."""
-        data = json.loads(Path(path).read_text())
-        rows = {
-            r["workload"]["num_adapters"]: r
-            for r in data["rows"]
-            if r.get("workload", {}).get("lora_bytes_per_step") is None
-        }
-        base = rows[0]
-        w = base["workload"]
-        tpot = base["ours"]["tpot_by_rank_s"]["base"]
-        batch = min(w["num_requests"], 64)
-        decode_total = tpot * (w["output_len"] - 1) * math.ceil(w["num_requests"] / batch)
-        prefill_total = max(0.0, base["ours"]["seconds"] - decode_total)
-        per_prefill = prefill_total / (w["num_requests"] * w["prompt_len"])
-        many = max(rows)
-        per_adapter = 0.0
-        if many > 0:
-            tpots = rows[many]["ours"]["tpot_by_rank_s"].values()
-            per_adapter = max(0.0, (sum(tpots) / len(tpots) - tpot) / min(many, batch))
-        return cls(
-            step_s=tpot,
-            per_decode_s=0.0,
-            per_prefill_token_s=per_prefill,
-            per_adapter_s=per_adapter,
-            source=str(path),
-        )
 
 
 @dataclass(frozen=True)
@@ -186,90 +97,6 @@ class SimConfig:
         return TenantBudgets(
             self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
         )
-
-
-# -- the simulated device and tiers ----------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class SimKey(AdapterKey):
-    """An AdapterKey compared by identity: the simulation makes exactly one key object per adapter
-    revision, and the cache compares and hashes keys millions of times (slot lists, dicts)."""
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-    def __post_init__(self):
-        # the router's views name keys on every poll
-        object.__setattr__(self, "_label", super().__str__())
-
-    def __str__(self) -> str:
-        return self._label
-
-
-_label = operator.attrgetter("_label")  # str() of SimKeys without a Python call per key
-
-
-@dataclass(frozen=True, slots=True)
-class SimPacked:
-    """A host copy as the cache sees it: only its size matters."""
-
-    nbytes: int
-
-
-class SimPool:
-    """The slot pool: a slot write costs a host-to-device copy, charged to the worker's current
-    step."""
-
-    def __init__(self, num_slots: int, h2d: TierCost):
-        self.num_slots = num_slots
-        self.h2d = h2d
-        self.contents: list[SimPacked | None] = [None] * num_slots
-        self.uncharged_s = 0.0
-        self.copies = 0
-        self.copy_seconds = 0.0
-
-    def set_slot(self, slot: int, packed: SimPacked) -> float:
-        seconds = self.h2d.seconds(packed.nbytes)
-        self.contents[slot] = packed
-        self.uncharged_s += seconds
-        self.copies += 1
-        self.copy_seconds += seconds
-        return seconds
-
-    def clear_slot(self, slot: int) -> None:
-        self.contents[slot] = None
-
-    def take_uncharged(self) -> float:
-        seconds, self.uncharged_s = self.uncharged_s, 0.0
-        return seconds
-
-
-class SimDisk:
-    """The worker's artifact cache: least recently used artifacts go when over budget (as
-    `cache.disk`)."""
-
-    def __init__(self, max_bytes: int | None):
-        self.max_bytes = max_bytes
-        self.sizes: dict[str, int] = {}  # digest -> bytes, least recently used first
-        self.used = 0
-        self.peak = 0
-
-    def has(self, digest: str) -> bool:
-        return digest in self.sizes
-
-    def use(self, digest: str, nbytes: int) -> None:
-        if digest in self.sizes:
-            self.sizes[digest] = self.sizes.pop(digest)
-            return
-        self.sizes[digest] = nbytes
-        self.used += nbytes
-        while self.max_bytes is not None and self.used > self.max_bytes and len(self.sizes) > 1:
-            oldest = next(iter(self.sizes))
-            self.used -= self.sizes.pop(oldest)
-        self.peak = max(self.peak, self.used)
-
-    def close(self) -> None:
-        """What `AdapterCache.close` calls on its disk tier: a simulated one holds no connection or
-        file."""
 
 
 # -- requests and workers --------------------------------------------------------------------------
@@ -684,114 +511,6 @@ class Simulation:
         return self.workers[index]
 
 
-# -- results ---------------------------------------------------------------------------------------
-def _percentiles(values) -> dict[str, float | None]:
-    a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    if not len(a):
-        return {"p50": None, "p95": None, "p99": None}
-    p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
-
-
-def hot_adapters(trace: list[Request], count: int, floor: float = 0.05) -> set[str]:
-    """The `count` most requested adapters (name@revision) of a trace, leaving out those with fewer
-    than `floor` of the top one's requests (a one-off is not hot however many slots there are)."""
-    ranked = Counter(r.model for r in trace if r.adapter is not None).most_common(count)
-    return {m for m, n in ranked if ranked and n >= max(2, floor * ranked[0][1])}
-
-
-def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
-    """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, admission
-    wait, TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant
-    figures."""
-    seqs = [s for s in sim.requests if s.ref is not None]
-    n = len(seqs) or 1
-    tiers = Counter(s.tier for s in seqs)
-    total_bytes = sum(s.nbytes for s in seqs) or 1
-    caches = [w.cache for w in sim.workers]
-    evictions = sum(c.num_evictions for c in caches)
-    reloads = sum(c.reloads_after_eviction for c in caches)
-    h2d = sum(w.pool.copy_seconds for w in sim.workers)
-    loads = sum(w.load_seconds for w in sim.workers)
-    hot = (
-        hot
-        if hot is not None
-        else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
-    )
-
-    by_tenant: dict[str, list[SimRequest]] = {}
-    for s in sim.requests:
-        by_tenant.setdefault(s.req.tenant, []).append(s)
-    makespan = max((s.finish_at for s in sim.requests), default=0.0)
-    return {
-        "requests": len(sim.requests),
-        "finished": sim.finished,
-        "hit_rate": {t: tiers[t] / n for t in TIERS},
-        "byte_hit_rate": {
-            "gpu": sum(s.nbytes for s in seqs if s.tier == "gpu") / total_bytes,
-            "gpu+cpu": sum(s.nbytes for s in seqs if s.tier in ("gpu", "cpu")) / total_bytes,
-        },
-        "cold_start_rate": (tiers["disk"] + tiers["remote"]) / n,
-        "registry": sim.registry.figures(len(sim.requests), sim.span_s),
-        "miss_cost": h2d + loads,
-        "miss_cost_parts": {"h2d": h2d, "load": loads},
-        "activations": sum(w.pool.copies for w in sim.workers),
-        "loads": dict(sum((w.loads for w in sim.workers), Counter())),
-        "evictions": evictions,
-        "reloads_after_eviction": reloads,
-        "thrash_ratio": reloads / evictions if evictions else 0.0,
-        "latency": {
-            "all": _latency(sim.requests),
-            "warm": _latency([s for s in sim.requests if s.tier in ("gpu", "cpu")]),
-            "cold": _latency([s for s in sim.requests if s.tier in ("disk", "remote")]),
-            **{f"tier_{t}": _latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
-            "hot": _latency([s for s in seqs if s.req.model in hot]),
-        },
-        "tenants": {t: _tenant_figures(g, caches) for t, g in sorted(by_tenant.items())},
-        "peak": {
-            "slots": max(w.peak_slots for w in sim.workers),
-            "cpu_bytes": max(w.peak_cpu_bytes for w in sim.workers),
-            "disk_bytes": max(w.disk.peak for w in sim.workers),
-        },
-        "simulated_s": makespan,
-    }
-
-
-def _latency(group: list[SimRequest]) -> dict:
-    """TTFT, TPOT and admission wait percentiles of a group of requests."""
-    ttft = [s.first_token_at - s.req.time for s in group]
-    tpot = [
-        (s.finish_at - s.first_token_at) / (s.req.output_tokens - 1)
-        for s in group
-        if s.req.output_tokens > 1
-    ]
-    wait = [s.admitted_at - s.req.time for s in group]
-    return {
-        "count": len(group),
-        "ttft_s": _percentiles(ttft),
-        "tpot_s": _percentiles(tpot),
-        "queue_wait_s": _percentiles(wait),
-    }
-
-
-def _tenant_figures(group: list[SimRequest], caches) -> dict:
-    """One tenant's requests, budget waits, hit and cold start rates, and latencies."""
-    # Rates over the tenant's adapter requests, as the run's: a base-model request has no
-    # adapter to miss.
-    adapter = [s for s in group if s.ref is not None]
-    m = len(adapter) or 1
-    name = group[0].req.tenant if group else None
-    budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
-    return {
-        "requests": len(group),
-        "adapter_requests": len(adapter),
-        "budget_waits": budget_waits,
-        "gpu_hit_rate": sum(s.tier == "gpu" for s in adapter) / m,
-        "cold_start_rate": sum(s.tier in ("disk", "remote") for s in adapter) / m,
-        **_latency(group),
-    }
-
-
 def simulate(
     trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]
 ) -> Simulation:
@@ -826,84 +545,3 @@ def policy_factory(name: str) -> Callable[[Simulation], object]:
         return lambda sim: GDSFPolicy()
     make_policy(name)  # refuses an unknown name now
     return lambda sim: make_policy(name)
-
-
-def bound(sim: Simulation, admitted: bool = False) -> dict:
-    """The optimum's lower bound for this trace and configuration (capacities pooled over workers),
-    over the requests in arrival order, or with `admitted` in the order the run admitted them."""
-    from loraplex.sim.optimal import lower_bound
-
-    c = sim.config
-    requests = [s for s in sim.requests if s.ref is not None]
-    if admitted:  # stable: requests admitted in one step keep their arrival order
-        requests.sort(key=lambda s: (math.isnan(s.admitted_at), s.admitted_at))
-    seq = [s.ref.key for s in requests]
-    if not seq:
-        return {"miss_cost": 0.0, "parts": {}, "gpu_misses_min": 0, "gpu_hit_rate_max": 1.0}
-    return lower_bound(
-        seq,
-        sim.nbytes,
-        gpu_slots=c.gpu_slots * c.workers,
-        cpu_bytes=c.cpu_bytes * c.workers,
-        max_cpu_loras=None if c.max_cpu_loras is None else c.max_cpu_loras * c.workers,
-        disk_bytes=None if c.disk_bytes is None else c.disk_bytes * c.workers,
-        local=c.local_adapters,
-        costs=c.costs,
-    )
-
-
-def compare(
-    trace: list[Request],
-    config: SimConfig,
-    policies: list[str],
-    hot: set[str] | None = None,
-    on_run: Callable[[str], None] = lambda name: None,
-    optimal: bool = True,
-) -> dict[str, dict]:
-    """One entry per policy plus "optimal": the lower bound's miss cost, with the latencies and hit
-    rates of a farthest-next-use oracle run; each policy's entry carries its gap to both. Without
-    `optimal`, the policies alone (their gaps None)."""
-    import time
-
-    hot = hot if hot is not None else hot_adapters(trace, config.gpu_slots * config.workers)
-    entries, sims = {}, {}
-    for name in [*policies, "optimal"] if optimal else policies:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        sim = sims[name] = simulate(trace, config, policy_factory(name))
-        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        entries[name] = summarize(sim, hot)
-        entries[name]["wall_s"], entries[name]["cpu_s"] = wall, cpu
-        entries[name]["requests_per_wall_s"] = len(trace) / wall if wall > 0 else math.inf
-        entries[name]["requests_per_cpu_s"] = len(trace) / cpu if cpu > 0 else math.inf
-        if name == "optimal":
-            lb = bound(sim)
-            oracle = entries[name]
-            oracle["miss_cost_oracle"] = oracle["miss_cost"]
-            oracle["miss_cost"] = lb["miss_cost"]
-            oracle["lower_bound"] = lb
-        on_run(name)
-    if optimal:
-        _gaps_to_optimum(entries, sims)
-    else:
-        for entry in entries.values():
-            entry["gap"] = entry["gap_oracle"] = None
-    return entries
-
-
-def _gaps_to_optimum(entries: dict[str, dict], sims: dict[str, Simulation]) -> None:
-    """Each entry's gap to the optimum's bound and to the oracle run."""
-    from loraplex.sim.optimal import gap
-
-    least = min(e.get("miss_cost_oracle", e["miss_cost"]) for e in entries.values())
-    if least < entries["optimal"]["miss_cost"]:
-        # A run paid less than the bound on the arrival order allows: waiting requests of one
-        # adapter were admitted together, with one load. Each run's cost is at least the bound on
-        # the order it admitted; the least of those holds for every run.
-        lb = min((bound(sim, admitted=True) for sim in sims.values()), key=lambda b: b["miss_cost"])
-        if lb["miss_cost"] < entries["optimal"]["miss_cost"]:
-            entries["optimal"]["miss_cost"] = lb["miss_cost"]
-            entries["optimal"]["lower_bound"] = {**lb, "order": "admission"}
-    optimum, oracle = entries["optimal"]["miss_cost"], entries["optimal"]["miss_cost_oracle"]
-    for entry in entries.values():
-        entry["gap"] = gap(entry["miss_cost"], optimum)
-        entry["gap_oracle"] = gap(entry.get("miss_cost_oracle", entry["miss_cost"]), oracle)
