@@ -7,16 +7,15 @@ from dataclasses import dataclass
 
 from loraplex.engines.native.cache import AdapterCache, Entry, Loaded
 from loraplex.residency.key import AdapterKey, AdapterRef
-from loraplex.residency.placement import (
+from loraplex.residency.placement import Activate, Evict
+from loraplex.residency.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
+from loraplex.residency.warm import (
     BUSY_WINDOW_S,
-    Activate,
     BusyShare,
-    Evict,
     host_cache_restore,
     host_cache_victim,
     warm_pins,
 )
-from loraplex.residency.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
 
 MiB = 2**20
 

@@ -50,10 +50,7 @@ from loraplex.residency.errors import (
 )
 from loraplex.residency.events import Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
-from loraplex.residency.placement import (
-    host_cache_restore,
-    host_cache_victim,
-)
+from loraplex.residency.warm import host_cache_restore, host_cache_victim
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

@@ -18,8 +18,8 @@ from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Entry, Ledger
-from loraplex.residency.placement import BusyShare, cpu_warm_set, gpu_warm_set, warm_pins
 from loraplex.residency.policy import DemandTracker
+from loraplex.residency.warm import BusyShare, cpu_warm_set, gpu_warm_set, warm_pins
 
 WARM_PIN_LOOK_S = 0.5  # how often a request waiting for a slot looks whether a warm pin may go
 # vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
