@@ -132,21 +132,6 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         self._room.set()  # a request that yielded to this one may find a slot still free
         return self._request(entry)
 
-    def _yields_to_warm(self, entry: Resident) -> bool:
-        """Whether a request outside the gpu warm set leaves a free slot to an adapter of that set
-        whose requests wait for one. The wait is short: an adapter with requests running takes
-        more of them without a slot of its own, so the set's adapters wait only to start."""
-        if entry.vllm_pinned or entry.active:
-            return False
-        with self._lock:
-            warm = set(self._gpu_warm(self.clock()))
-            if entry.ref.key in warm:
-                return False
-            return any(
-                (e := self.entries.get(k)) is not None and e.in_vllm and not e.active and e.refcount
-                for k in warm
-            )
-
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
         """A request of `tenant` handed to vLLM by `acquire` ended (None: any tenant's)."""
         entry = self.entries.get(key)
@@ -183,33 +168,6 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             self._slot_waiting[tenant] -= 1
             if not self._slot_waiting[tenant]:
                 del self._slot_waiting[tenant]
-
-    def _has_slot(self, entry: Resident) -> bool:
-        """Whether a request for `entry` may go to vLLM now: the distinct unpinned adapters with
-        requests in vLLM stay within `_unpinned_room`."""
-        if entry.vllm_pinned or entry.active:
-            return True
-        with self._lock:
-            return self._busy_unpinned() < self._unpinned_room()
-
-    def _unpinned_room(self) -> int:
-        """How many distinct unpinned adapters may have requests handed to vLLM at once: the
-        unpinned slots, and `queue_ahead` adapters more, whose requests vLLM's scheduler starts in
-        the step a slot frees, not a round trip through this process later. The slots alone
-        - while a pin waits for the adapters running to fit beside it (`_may_pin`), so that they
-          drain;
-        - under tenant budgets, which count a tenant's slots by its requests handed to vLLM;
-        - while a slot is pinned, when vLLM's scheduler does not count pinned slots (a vLLM without
-          loraplex's fix): it then takes up to its slot count of distinct adapters into a batch,
-          and a batch with more unpinned adapters than unpinned slots fails in its worker."""
-        room = self.max_loras - len(self._vllm_pins)
-        pin_waits = bool(self._pins_wanted - self._vllm_pins)
-        pinned = self._vllm_pins or self._pins_wanted or self.reserved_slots
-        if pin_waits or self.budgets.limits_anyone:
-            return room
-        if pinned and not self.scheduler_counts_pins:
-            return room
-        return room + self.queue_ahead
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
         """Drop a request's reference; `holder`: the tenant whose request vLLM ran (None: one that
@@ -425,18 +383,6 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             self._accepted.discard(entry.lora_id)
             self._accepted_shapes.discard(entry.shape)  # the next of its shape waits again
         self._room.set()  # a refused add leaves its room to the loads that wait
-
-    def _spare_room(self) -> bool:
-        """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
-        set: a free place, or an idle adapter outside that set."""
-        with self._lock:
-            if self._num_in_vllm() + self._num_adding < self.max_cpu_loras:
-                return True
-            warm = set(self._gpu_warm(self.clock()))
-            return any(
-                not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
-                for k, e in self._held.items()
-            )
 
     async def _send(self, call: Coroutine) -> asyncio.Task:
         """`call` (one of vLLM's adapter calls) started, returned once its message is sent. vLLM's
