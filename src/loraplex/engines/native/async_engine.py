@@ -7,16 +7,20 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from loraplex.cache.key import AdapterRef
-from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.contract import Generation
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.engines.native.streams import Streams, request_stream
+
+if TYPE_CHECKING:
+    from loraplex.engines.native.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(Generation):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: Streams = {}

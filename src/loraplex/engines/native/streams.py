@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from loraplex.engines.native.sequence import RequestOutput
+from loraplex.cache.key import AdapterRef
+from loraplex.engines.contract import Generation, Tokenizer
+from loraplex.engines.requests import RequestOutput, SamplingParams
 
 Streams = dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]
 """Request id -> the loop and queue its outputs are delivered to."""
@@ -40,3 +42,12 @@ async def request_stream(
         streams.pop(request_id, None)
         if running:
             abort()
+
+
+async def complete_text(
+    generation: Generation, tokenizer: Tokenizer, prompt: str, ref: AdapterRef, max_tokens: int
+) -> str:
+    """Greedy completion of `prompt` with the adapter (the release checks)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    ids = tokenizer.encode(prompt)
+    return "".join([out.text async for out in generation.generate(ids, params, ref)])
