@@ -5,7 +5,7 @@ an `Engine` and imports no engine module (`server/engines.py` builds one)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +86,7 @@ class Generation(Protocol):
         adapter: AdapterRef | None = None,
         request_id: str | None = None,
         counted: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
         the iterator early (a client gone) aborts the request. `counted`: reported as a cache hit
         or miss (a client request of several prompts reports its first)."""
@@ -154,17 +154,18 @@ class RequestUsage:
 
 
 L = TypeVar("L")
+L_co = TypeVar("L_co", covariant=True)
 
 
-class RequestLayers(Protocol[L]):
+class RequestLayers(Protocol[L_co]):
     """The server's two ways of running an OpenAI request, of which an engine picks the one that
     serves it (`Engine.request_layer`)."""
 
-    def over_tokens(self, engine: TokenEngine) -> L:
+    def over_tokens(self, engine: TokenEngine) -> L_co:
         """The server's own layer: it parses, tokenizes and formats; the engine generates."""
         ...
 
-    def over_serving(self, serving: OpenAIServing) -> L:
+    def over_serving(self, serving: OpenAIServing) -> L_co:
         """The engine's own layer answers; the server resolves, admits and holds the adapter."""
         ...
 

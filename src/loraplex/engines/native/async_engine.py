@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from loraplex.cache.key import AdapterRef
@@ -72,7 +72,7 @@ class AsyncEngine(Generation):
         adapter: AdapterRef | None = None,
         request_id: str | None = None,
         counted: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
         the loop early (a client gone) aborts it at once. `counted`: as in
         `LLMEngine.add_request`."""

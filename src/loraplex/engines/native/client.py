@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -266,7 +266,7 @@ class EngineClient(Engine, TokenEngine, Generation):
         adapter: AdapterRef | None = None,
         request_id: str | None = None,
         counted: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """As `AsyncEngine.generate`: outputs as the request advances; leaving early aborts it."""
         request_id = request_id or uuid.uuid4().hex
 

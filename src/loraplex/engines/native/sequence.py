@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from loraplex.cache.key import AdapterRef
     from loraplex.engines.native.tokenizer import OutputDecoder
 
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -86,5 +87,3 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-

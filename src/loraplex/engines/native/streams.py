@@ -5,7 +5,7 @@ request's outputs to the queue that `request_stream` registers under its id."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from loraplex.cache.key import AdapterRef
 from loraplex.engines.contract import Generation, Tokenizer
@@ -21,7 +21,7 @@ async def request_stream(
     num_seqs: int,
     start: Callable[[], Awaitable[None]],
     abort: Callable[[], None],
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     """Outputs of the request that `start` submits, until each of its `num_seqs` sequences has
     finished; an output's error is raised. Leaving before then (a client gone, an error) calls
     `abort`."""

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from loraplex.artifacts import AllowList
 from loraplex.cache.budgets import TenantBudgets
 from loraplex.cache.disk import DiskTier
-from loraplex.cache.policy import make_policy
 from loraplex.cache.key import AdapterRef
+from loraplex.cache.policy import make_policy
 from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, RequestUsage
 from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
