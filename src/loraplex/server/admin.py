@@ -18,9 +18,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
-from loraplex.engines.native.client import EngineClient
-from loraplex.engines.native.llm_engine import LLMEngine
-from loraplex.engines.native.sequence import SamplingParams
 from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
 from loraplex.residency.key import AdapterKey
@@ -247,7 +244,7 @@ def _register(server: Server, body: RegisterBody) -> RevisionRecord:
         revision=body.revision,
         tenant=body.tenant,
         shared=body.shared,
-        base_model_dir=server.engine.config.model_dir,
+        base_model_dir=server.engine.model_dir,
         warm_policy=body.warm,
         priority=body.priority,
         status="stable" if body.stable else "staging",
@@ -305,21 +302,11 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 
     def complete(record: RevisionRecord, prompt: str) -> str:
         ref = server.resolver.ref_for(record)
-        return asyncio.run_coroutine_threadsafe(_complete(server, ref, prompt), loop).result(
-            timeout=120
-        )
+        completion = server.engine.complete_text(prompt, ref, max_tokens=32)
+        return asyncio.run_coroutine_threadsafe(completion, loop).result(timeout=120)
 
     pass_rate = server.config.settings.release_min_pass_rate
     return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate)
-
-
-async def _complete(server: Server, ref, prompt: str) -> str:
-    engine = server.engine
-    if not isinstance(engine, (LLMEngine, EngineClient)):  # the vLLM engine
-        return await engine.complete_text(prompt, ref, max_tokens=32)
-    ids = engine.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=32, temperature=0)
-    return "".join([out.text async for out in server.generation.generate(ids, params, ref)])
 
 
 # ---- cache operations ----------------------------------------------------------------------------
@@ -486,7 +473,7 @@ def _load(server: Server, body: LoadLoraBody) -> None:
         src,
         body.lora_name,
         shared=True,
-        base_model_dir=server.engine.config.model_dir,
+        base_model_dir=server.engine.model_dir,
         status="stable",
     )
     if record.traffic_weight != 100:

@@ -3,7 +3,15 @@ waiting (429 with Retry-After)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from loraplex.server.errors import overloaded
+
+if TYPE_CHECKING:
+    from loraplex.engines.contract import Engine
+    from loraplex.server.adapters import AdapterResolver, Target
+    from loraplex.server.middleware import RequestContext
 
 
 class Ticket:
@@ -80,3 +88,48 @@ class Admission:
     @property
     def num_in_flight(self) -> int:
         return sum(self.in_flight.values())
+
+
+class Admitted:
+    """One admitted request's hold on the server and the engine: its ticket, its target counted in
+    use (the resolver's), and what the engine's `acquire` held; `finish` gives them back, once."""
+
+    def __init__(
+        self,
+        ticket: Ticket,
+        engine: Engine,
+        resolver: AdapterResolver,
+        ctx: RequestContext,
+        target: Target,
+    ):
+        self.ticket, self.engine, self.resolver = ticket, engine, resolver
+        self.ctx, self.target = ctx, target
+        self.held: Any = None
+        """What the engine's `acquire` gave (vLLM: the adapter's LoRARequest; native: nothing)."""
+        self.is_held = False
+        self.is_finished = False
+        self._at_finish: list[Callable[[], None]] = []
+        resolver.started(target)
+
+    async def acquire(self) -> None:
+        self.held = await self.engine.acquire(self.target.ref)
+        self.is_held = True
+
+    def started(self) -> None:
+        """Out of the waiting queue: running in the engine."""
+        self.ticket.started()
+
+    def at_finish(self, record: Callable[[], None]) -> None:
+        """Call `record` once the request has finished (its usage and timings)."""
+        self._at_finish.append(record)
+
+    def finish(self) -> None:
+        if self.is_finished:
+            return
+        self.is_finished = True
+        if self.is_held:
+            self.engine.release(self.target.ref, self.held)
+        self.ticket.close()
+        self.resolver.finished(self.target)
+        for record in self._at_finish:
+            record()

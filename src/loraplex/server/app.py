@@ -19,14 +19,13 @@ from loraplex.server.middleware import RequestMiddleware
 from loraplex.server.server import Server, ServerConfig
 
 if TYPE_CHECKING:
-    from loraplex.engines.native.llm_engine import LLMEngine
-    from loraplex.engines.vllm.engine import VllmEngine
+    from loraplex.engines.contract import Engine
 
 __all__ = ["Server", "ServerConfig", "create_admin_app", "create_app"]
 
 
 def create_app(
-    engine: LLMEngine | VllmEngine,
+    engine: Engine,
     registry: Registry,
     config: ServerConfig,
     api_keys: dict[str, str] | None = None,
@@ -37,9 +36,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if engine.kind == "vllm":
-            await engine.start()  # vLLM's serving layer, on this loop
-        server.start()
+        await server.start()  # the engine's too, on this loop
         try:
             yield
         finally:
@@ -87,7 +84,7 @@ async def alive(request: Request):
 @health.get("/ready")
 async def ready(request: Request):
     server: Server = request.app.state.server
-    if server.async_engine is None or server.is_draining:
+    if not server.is_started or server.is_draining:
         raise APIError(
             503,
             "not ready: " + ("shutting down" if server.is_draining else "starting"),

@@ -16,7 +16,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.artifacts import ArtifactError, ArtifactUnavailable, DigestMismatch, UnsafeLocation
-from loraplex.engines.native.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
+from loraplex.engines.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    NonFiniteLogits,
+    RequestRefused,
+)
 from loraplex.lora_format import AdapterRejected
 from loraplex.registry.errors import (
     AdapterNotFound,
@@ -103,6 +108,8 @@ def as_api_error(exc: Exception) -> APIError | None:
             return APIError(500, str(exc), "non_finite_logits")
         case EngineUnavailable():
             return APIError(503, str(exc), "engine_unavailable")
+        case RequestRefused():
+            return APIError(exc.status, exc.message, exc.code, exc.param)
         case AdapterRejected():
             return APIError(400, str(exc), "adapter_rejected", exc.field)
         case AdapterNotFound():
@@ -184,6 +191,7 @@ def install_handlers(app: FastAPI) -> None:
         InvalidRequest,
         NonFiniteLogits,
         EngineUnavailable,
+        RequestRefused,
         AdapterRejected,
         RegistryError,
         ArtifactError,

@@ -10,16 +10,12 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from loraplex.engines.native.async_engine import AsyncEngine
-from loraplex.engines.native.sequence import RequestOutput, SamplingParams
-from loraplex.server.adapters import AdapterResolver, Target
-from loraplex.server.admission import Ticket
+from loraplex.engines.contract import Generation
+from loraplex.engines.requests import RequestOutput, SamplingParams
+from loraplex.server.adapters import Target
+from loraplex.server.admission import Admitted
 from loraplex.server.middleware import RequestContext
-
-if TYPE_CHECKING:
-    from loraplex.engines.native.client import EngineClient
 
 
 @dataclass
@@ -59,22 +55,19 @@ class RequestRun:
 
     def __init__(
         self,
-        engine: AsyncEngine | EngineClient,
-        resolver: AdapterResolver,
+        generation: Generation,
         ctx: RequestContext,
         target: Target,
         prompts: list[list[int]],
         params: SamplingParams,
-        ticket: Ticket,
+        admitted: Admitted,
         ids: random.Random,
     ):
         """`ids`: where the engine's request ids come from."""
-        self.engine = engine
-        self.resolver = resolver
         self.ctx = ctx
         self.target = target
         self.params = params
-        self.ticket = ticket
+        self.admitted = admitted
         self.prompts = prompts
         # One choice per sequence: prompt i's sequence j is choice i * num_seqs + j, as vLLM numbers
         # them.
@@ -89,14 +82,14 @@ class RequestRun:
         self._ids = [f"{ids.getrandbits(128):032x}" for _ in prompts]
         # One client request is one cache hit or miss, however many prompts it has.
         self._streams = [
-            engine.generate(p, params, target.ref, rid, counted=i == 0)
+            generation.generate(p, params, target.ref, rid, counted=i == 0)
             for i, (p, rid) in enumerate(zip(prompts, self._ids))
         ]
         self._firsts: list[RequestOutput] = []
         self._pumps: list[asyncio.Task] = []
         self.queue_wait_s: float | None = None
         self._closed = False
-        resolver.started(target)
+        admitted.at_finish(self._record)
 
     async def start(self) -> None:
         """Wait for every prompt's first output; raises the engine's error (bad request, adapter
@@ -111,7 +104,7 @@ class RequestRun:
         except BaseException:
             await self.close()
             raise
-        self.ticket.started()
+        self.admitted.started()
 
     def _choice(self, prompt_index: int, out: RequestOutput) -> ChoiceState:
         return self.choices[prompt_index * self.num_seqs + out.index]
@@ -164,8 +157,8 @@ class RequestRun:
                 task.cancel()
 
     async def close(self) -> None:
-        """Abort what still runs (a client gone, an error), release admission, record the
-        timings."""
+        """Abort what still runs (a client gone, an error), finish the admitted request (its
+        ticket, its adapter's count, the timings recorded)."""
         if self._closed:
             return
         self._closed = True
@@ -174,9 +167,7 @@ class RequestRun:
         await asyncio.gather(*self._pumps, return_exceptions=True)
         for stream in self._streams:
             await stream.aclose()
-        self.ticket.close()
-        self.resolver.finished(self.target)
-        self._record()
+        self.admitted.finish()
 
     @property
     def is_finished(self) -> bool:
@@ -189,7 +180,7 @@ class RequestRun:
         n = self.params.n
         if self.num_seqs == n:
             return self.choices
-        out = []
+        out: list[ChoiceState] = []
         for start in range(0, len(self.choices), self.num_seqs):
             group = self.choices[start : start + self.num_seqs]
             best = sorted(group, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
@@ -207,6 +198,7 @@ class RequestRun:
         if first.first_token_at is not None:
             audit["ttft_s"] = first.first_token_at - self.ctx.arrival
             if first.num_output_tokens > 1:
+                assert first.last_token_at is not None  # set with the first
                 audit["tpot_s"] = (first.last_token_at - first.first_token_at) / (
                     first.num_output_tokens - 1
                 )

@@ -1,32 +1,49 @@
 """`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events) and `GET
-/v1/models`."""
+/v1/models`. The completions run through the request layer the engine picks (`RequestLayers`): the
+server's own over the engine's generation (token_api.py), or the engine's own serving layer
+(serving_api.py); both go admit → acquire → run → finish (`Server.admit_request`, `Server.run`)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
-from loraplex.server import schemas, vllm_api
-from loraplex.server.disconnect import ClientGone, until_gone, watch
-from loraplex.server.errors import APIError, as_api_error, validation_error
-from loraplex.server.generation import RequestRun
+from loraplex.engines.contract import OpenAIServing, TokenEngine
+from loraplex.server import serving_api, token_api
+from loraplex.server.errors import APIError
 from loraplex.server.listing import MAX_PAGE
-from loraplex.server.middleware import CLIENT_CLOSED
 from loraplex.server.schemas import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from loraplex.server.middleware import RequestContext
     from loraplex.server.server import Server
 
-log = logging.getLogger(__name__)
 router = APIRouter()
-DONE = b"data: [DONE]\n\n"
+
+
+class RequestLayer(Protocol):
+    """Runs one OpenAI request from its body (read, within the size limit) to its answer."""
+
+    async def respond(
+        self, request: Request, ctx: RequestContext, body: bytes, chat: bool
+    ) -> Response: ...
+
+
+class RequestLayers:
+    """The server's request layers, of which the engine picks its own (`Engine.request_layer`)."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def over_tokens(self, engine: TokenEngine) -> RequestLayer:
+        return token_api.TokenLayer(self.server, engine)
+
+    def over_serving(self, serving: OpenAIServing) -> RequestLayer:
+        return serving_api.ServingLayer(self.server, serving)
 
 
 def _documented_body(model) -> dict:
@@ -51,53 +68,30 @@ def _documented_body(model) -> dict:
 
 
 @router.post("/v1/completions", openapi_extra=_documented_body(CompletionRequest))
-async def completions(request: Request):
-    server, ctx = await _begin(request, "completions")
-    if server.engine.kind == "vllm":
-        body = await _read_body(request, server.config.settings.max_body_bytes)
-        return await vllm_api.respond(request, server, ctx, body, chat=False)
-    req = await _parse(request, server, CompletionRequest)
-    target = await server.resolve(ctx, req.model, req.user)
-    texts = req.prompts()
-    prompts = [server.encode_prompt(p) for p in texts]
-    echo = None
-    # as vLLM: the prompt's text, and with logprobs its tokens' logprobs, before each choice's
-    if req.echo:
-        decode = server.engine.tokenizer.decode
-        echo = [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts)]
-    prompt_only = bool(req.echo) and req.max_tokens == 0
-    if prompt_only:  # as vLLM: one token is generated, the prompt alone is answered
-        req.max_tokens = 1
-    prompt_logprobs = req.logprobs if req.echo else None
-    vocab_size = server.engine.model_config.vocab_size
-    params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
-    fmt = CompletionFormat(
-        ctx.request_id, req.model, _token_text(server), echo, prompts, prompt_only
-    )
-    return await _respond(request, server, ctx, target, prompts, params, fmt, req)
+async def completions(request: Request) -> Response:
+    return await _respond(request, "completions", chat=False)
 
 
 @router.post("/v1/chat/completions", openapi_extra=_documented_body(ChatCompletionRequest))
-async def chat_completions(request: Request):
-    server, ctx = await _begin(request, "chat.completions")
-    if server.engine.kind == "vllm":
-        body = await _read_body(request, server.config.settings.max_body_bytes)
-        return await vllm_api.respond(request, server, ctx, body, chat=True)
-    req = await _parse(request, server, ChatCompletionRequest)
-    target = await server.resolve(ctx, req.model, req.user)
-    messages = [m.for_template() for m in req.messages]
-    prompt = server.encode_chat(messages)
-    default_max = max(1, server.engine.max_model_len - len(prompt))
-    params = req.sampling_params(
-        server.engine.model_config.vocab_size, default_max, req.num_logprobs()
-    )
-    # vLLM's echo: the last message's content first, when it is the assistant's (the role answering)
-    echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
-    fmt = ChatFormat(ctx.request_id, req.model, _token_text(server), echo)
-    return await _respond(request, server, ctx, target, [prompt], params, fmt, req)
+async def chat_completions(request: Request) -> Response:
+    return await _respond(request, "chat.completions", chat=True)
 
 
-DIRECT_ENDPOINTS = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+async def _respond(request: Request, endpoint: str, chat: bool) -> Response:
+    server: Server = request.app.state.server
+    ctx: RequestContext = request.state.ctx
+    ctx.is_inference, ctx.endpoint = True, endpoint
+    # first: a refusal names its tenant
+    ctx.tenant = await server.auth.tenant_of(request.headers.get("authorization"))
+    server.check_accepting()
+    body = await _read_body(request, server.config.settings.max_body_bytes)
+    return await server.requests.respond(request, ctx, body, chat)
+
+
+DIRECT_ENDPOINTS: dict[str, Callable[[Request], Awaitable[Response]]] = {
+    "/v1/completions": completions,
+    "/v1/chat/completions": chat_completions,
+}
 """What the request middleware calls without the router (`RequestMiddleware`); the routes stay for
 /openapi.json and /docs."""
 
@@ -137,33 +131,6 @@ def _limit(text: str) -> int:
     return int(text)
 
 
-def _token_text(server: Server):
-    """How logprobs name a token: its text with special tokens kept (EOS shows as `</s>`, as in
-    vLLM), so a client sees in them why the output stopped."""
-    decode = server.engine.tokenizer.decode
-    return lambda ids: decode(ids, skip_special_tokens=False)
-
-
-async def _begin(request: Request, endpoint: str) -> tuple[Server, RequestContext]:
-    server: Server = request.app.state.server
-    ctx: RequestContext = request.state.ctx
-    ctx.is_inference, ctx.endpoint = True, endpoint
-    # first: a refusal names its tenant
-    ctx.tenant = await server.auth.tenant_of(request.headers.get("authorization"))
-    server.check_accepting()
-    return server, ctx
-
-
-async def _parse(request: Request, server: Server, model):
-    body = await _read_body(request, server.config.settings.max_body_bytes)
-    try:
-        req = model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    req.check_supported()
-    return req
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -181,228 +148,3 @@ def _too_large(limit: int) -> APIError:
     return APIError(
         413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large"
     )
-
-
-async def _respond(
-    request: Request, server: Server, ctx: RequestContext, target, prompts, params, fmt, req
-):
-    """Generate and answer. A client that leaves stops its generation: while it waits for admission,
-    for its adapter or for its first token, and while a plain answer is made (an event stream
-    watches for it itself)."""
-    gone = watch(request)
-    try:
-        run = await server.generate(ctx, target, prompts, params, gone)
-        if run is None:
-            return Response(status_code=CLIENT_CLOSED)  # never sent: the client is gone
-        if req.stream:
-            return _EventStream(_events(run, fmt, req.include_usage), run)
-        try:
-            # all in with the first outputs (max_tokens 1, an early stop): nothing to wait for
-            if not run.is_finished:
-                await until_gone(_drain(run), gone)  # the engine's error, if any, is the answer
-        except ClientGone:
-            ctx.status = CLIENT_CLOSED
-        finally:
-            await run.close()  # after the outputs' generator has unwound
-        return _json(fmt.final(run))
-    finally:
-        gone.cancel()
-
-
-async def _drain(run: RequestRun) -> None:
-    async for _ in run.outputs():
-        pass
-
-
-# As JSONResponse's and json.dumps's encodings, without building an encoder for each body.
-_BODY = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-_EVENT = json.JSONEncoder(separators=(",", ":"))
-
-
-def _json(body: dict) -> Response:
-    return Response(_BODY.encode(body).encode(), media_type="application/json")
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + _EVENT.encode(obj).encode() + b"\n\n"
-
-
-async def _events(run: RequestRun, fmt, include_usage: bool):
-    """Chunks; `usage` on the last one, or with `include_usage` in a chunk of its own (null on the
-    others)."""
-
-    def event(chunk: dict) -> bytes:
-        if include_usage:
-            chunk.setdefault("usage", None)
-        return _sse(chunk)
-
-    try:
-        for chunk in fmt.opening(run):
-            yield event(chunk)
-        num_finished = 0
-        async for index, out in run.outputs():
-            if not (out.text or out.finished or out.logprobs):
-                # tokens held back (half a character, a possible stop string): nothing to send yet
-                continue
-            num_finished += out.finished
-            last = num_finished == len(run.choices)
-            usage = schemas.usage(*run.usage_counts) if last and not include_usage else None
-            yield event(fmt.chunk(run, index, out, usage))
-        if include_usage:
-            yield _sse(fmt.usage_chunk(schemas.usage(*run.usage_counts)))
-    except Exception as exc:  # headers are out: the error goes in the stream, as OpenAI's API does
-        error = as_api_error(exc)
-        if error is None:
-            # a bug: logged with its traceback, and the client told, as before the headers
-            log.exception("request %s failed during its stream", run.ctx.request_id)
-            error = APIError(
-                500,
-                f"internal error ({type(exc).__name__}); request id {run.ctx.request_id}",
-                "internal_error",
-            )
-        run.ctx.status, run.ctx.error_code = error.status, error.code
-        yield _sse(error.body())
-    yield DONE
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events; whatever way the stream ends (done, error, client gone), the generation
-    is closed here, outside the stream's cancelled task group, so aborting and recording cannot be
-    cut short."""
-
-    def __init__(self, content, run: RequestRun):
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-        self.run = run
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            if (
-                any(c.finish_reason is None for c in self.run.choices)
-                and self.run.ctx.status is None
-            ):
-                self.run.ctx.status = CLIENT_CLOSED  # the client left before the end
-            await self.run.close()
-
-
-class CompletionFormat:
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        decode,
-        echo: list[str] | None = None,
-        prompts: list[list[int]] | None = None,
-        prompt_only: bool = False,
-    ):
-        """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids;
-        `prompt_only`: the echoed prompt without the output (echo with max_tokens 0)."""
-        self.request_id, self.model, self.decode = request_id, model, decode
-        self.echo, self.prompts, self.prompt_only = echo, prompts, prompt_only
-        self.offsets: dict[int, int] = {}
-        self.echoed: set[int] = set()
-
-    def opening(self, run: RequestRun) -> list[dict]:
-        return []
-
-    def _logprobs(self, index: int, entries: list[dict]) -> dict | None:
-        if not entries:
-            return None
-        out = schemas.completion_logprobs(entries, self.decode, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
-        return out
-
-    def _prompt_entries(self, choice) -> list[dict]:
-        """The prompt's tokens as logprob entries (the first token has no logprob)."""
-        ids = self.prompts[choice.prompt_index]
-        given = choice.prompt_logprobs or [None] * len(ids)
-        return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
-
-    def _echoed(
-        self, run: RequestRun, choice, text: str, entries: list[dict]
-    ) -> tuple[str, list[dict]]:
-        if self.echo is None:
-            return text, entries
-        if self.prompt_only:
-            text, entries = "", []
-        if run.params.prompt_logprobs is not None:
-            entries = self._prompt_entries(choice) + entries
-        return self.echo[choice.prompt_index] + text, entries
-
-    def chunk(self, run: RequestRun, index: int, out, usage: dict | None) -> dict:
-        text, entries = out.text, out.logprobs
-        if index not in self.echoed:
-            self.echoed.add(index)
-            text, entries = self._echoed(run, run.choices[index], text, entries)
-        lp = self._logprobs(index, entries) if run.params.logprobs is not None else None
-        reason = out.finish_reason if out.finished else None
-        choice = schemas.completion_choice(index, text, reason, lp)
-        return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return schemas.completion(self.request_id, self.model, [], usage, chunk=True)
-
-    def final(self, run: RequestRun) -> dict:
-        choices = []
-        for c in run.returned_choices():
-            text, entries = self._echoed(run, c, "".join(c.text), c.logprobs)
-            lp = self._logprobs(c.index, entries) if run.params.logprobs is not None else None
-            choices.append(schemas.completion_choice(c.index, text, c.finish_reason, lp))
-        return schemas.completion(
-            self.request_id, self.model, choices, schemas.usage(*run.usage_counts)
-        )
-
-
-class ChatFormat:
-    def __init__(self, request_id: str, model: str, decode, echo: str = ""):
-        """`echo`: text put before each choice's content."""
-        self.request_id, self.model, self.decode, self.echo = request_id, model, decode, echo
-
-    def opening(self, run: RequestRun) -> list[dict]:
-        """The role first, as OpenAI's API sends it (then the echoed text, as vLLM does)."""
-        deltas = [{"role": "assistant", "content": ""}]
-        if self.echo:
-            deltas.append({"content": self.echo})
-        return [
-            schemas.chat(
-                self.request_id,
-                self.model,
-                [schemas.chat_delta(c.index, d, None)],
-                None,
-                chunk=True,
-            )
-            for d in deltas
-            for c in run.choices
-        ]
-
-    def _logprobs(self, entries: list[dict], wanted: bool) -> dict | None:
-        return schemas.chat_logprobs(entries, self.decode) if wanted and entries else None
-
-    def chunk(self, run: RequestRun, index: int, out, usage: dict | None) -> dict:
-        delta = {"content": out.text} if out.text or not out.finished else {}
-        choice = schemas.chat_delta(
-            index,
-            delta,
-            out.finish_reason if out.finished else None,
-            self._logprobs(out.logprobs, run.params.logprobs is not None),
-        )
-        return schemas.chat(self.request_id, self.model, [choice], usage, chunk=True)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return schemas.chat(self.request_id, self.model, [], usage, chunk=True)
-
-    def final(self, run: RequestRun) -> dict:
-        choices = [
-            schemas.chat_choice(
-                c.index,
-                self.echo + "".join(c.text),
-                c.finish_reason,
-                self._logprobs(c.logprobs, run.params.logprobs is not None),
-            )
-            for c in run.returned_choices()
-        ]
-        return schemas.chat(self.request_id, self.model, choices, schemas.usage(*run.usage_counts))

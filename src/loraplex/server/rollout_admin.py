@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict
 from loraplex.registry.release import parse_eval_set
 from loraplex.registry.rollouts import RolloutStore
 from loraplex.rollout.figures import BOUNDS_S
-from loraplex.server.admin import _complete
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 
@@ -79,7 +78,7 @@ async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
 
     async def one(prompt: str) -> str:
         async with room:
-            return await _complete(server, ref, prompt)
+            return await server.engine.complete_text(prompt, ref, max_tokens=32)
 
     completions = await asyncio.gather(*(one(c.prompt) for c in cases), return_exceptions=True)
     failures = []

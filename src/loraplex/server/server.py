@@ -9,14 +9,12 @@ import gc
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from loraplex.artifacts import AllowList
-from loraplex.engines.native.async_engine import AsyncEngine
-from loraplex.engines.native.client import EngineClient
-from loraplex.engines.native.llm_engine import LLMEngine
-from loraplex.engines.native.sequence import SamplingParams
+from loraplex.engines.contract import Engine
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.catalog import Catalog
 from loraplex.registry.changes import Changed, ChangeWatcher
@@ -27,26 +25,23 @@ from loraplex.residency.errors import ArtifactCorrupt
 from loraplex.residency.events import Event, LoadFailed, LoadStage, PinRefused
 from loraplex.residency.key import AdapterKey
 from loraplex.server.adapters import AdapterResolver, Target
-from loraplex.server.admission import Admission
+from loraplex.server.admission import Admission, Admitted
 from loraplex.server.audit import AuditLog
 from loraplex.server.auth import Authenticator
 from loraplex.server.config import ServerConfig
 from loraplex.server.disconnect import ClientGone, until_gone
 from loraplex.server.errors import APIError
-from loraplex.server.generation import RequestRun
 from loraplex.server.listing import ModelListing
 from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
+from loraplex.server.openai_api import RequestLayer, RequestLayers
 from loraplex.server.pins import PinReconciler
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 
-if TYPE_CHECKING:
-    from loraplex.engines.native.tokenizer import Tokenizer
-    from loraplex.engines.vllm.engine import VllmEngine
-
 log = logging.getLogger("loraplex.server")
 QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
+T = TypeVar("T")
 
 
 class Server:
@@ -54,7 +49,7 @@ class Server:
 
     def __init__(
         self,
-        engine: LLMEngine | EngineClient | VllmEngine,
+        engine: Engine,
         registry: Registry,
         config: ServerConfig,
         api_keys: dict[str, str] | None = None,
@@ -96,9 +91,11 @@ class Server:
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(settings.allowed_roots))
         self.max_prompt_tokens = settings.max_prompt_tokens or engine.max_model_len - 1
-        self.async_engine: AsyncEngine | EngineClient | VllmEngine | None = None
-        """What runs the requests, once started: the native engine's generation (`AsyncEngine`
-        over an `LLMEngine` or the `EngineClient`), or the vLLM engine."""
+        self.is_started = False
+        """The engine has started: requests are taken."""
+        self.requests: RequestLayer = engine.request_layer(RequestLayers(self))
+        """How the OpenAI requests run: the server's own layer over the engine's generation, or
+        the engine's own serving layer (the engine picks)."""
         self.is_draining = False
         self.load_stages: dict[
             str, dict[str, float]
@@ -113,7 +110,8 @@ class Server:
         self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
 
     # -- life cycle ------------------------------------------------------------------------------
-    def start(self) -> None:
+    async def start(self) -> None:
+        """On the event loop, before the first request."""
         self.catalog.refresh()  # the whole catalog, once (its listener reads the tenants)
         # what was just read lives as long as the process: the collector's full passes, which
         # stop every thread, need not walk it (100,000 adapters: hundreds of ms a pass)
@@ -121,15 +119,8 @@ class Server:
         # every card now, before any stream: a first listing that made them would grow the cards'
         # dicts past 2/3 full, and a resize of 100,000 names holds the loop for about 10 ms
         self.listing.prepare(self.catalog.names)
-        # The native engine's step loop gets its thread here, unless it runs in a process of its own
-        # (EngineClient); vLLM's engine core runs in its own process.
-        engine = self.engine
-        if isinstance(engine, LLMEngine):
-            self.async_engine = AsyncEngine(engine)
-        else:
-            self.async_engine = engine
-            if isinstance(engine, EngineClient):  # the engine's messages on this loop
-                engine.attach(asyncio.get_running_loop())
+        await self.engine.start()
+        self.is_started = True
         try:
             self.apply_budgets()
         except Exception:  # a registry briefly unreachable: the watcher applies them later
@@ -153,8 +144,8 @@ class Server:
         self.feed.stop()
         self.pins.stop()
         self.begin_shutdown()
-        if self.async_engine is not None:
-            self.async_engine.stop()
+        if self.is_started:
+            self.engine.stop()
         self.registry_writer.shutdown(wait=True)
         self.audit.close()
 
@@ -175,7 +166,7 @@ class Server:
                 log.exception("could not apply the tenants' residency budgets")
         if changed.keys:
             self.auth.forget()
-        if self.async_engine is not None:  # after start: warm_start pins the whole catalog
+        if self.is_started:  # after start: warm_start pins the whole catalog
             self.pins.follow(changed.adapters)
         if changed.adapters:  # their /v1/models cards, on this thread rather than a listing's
             self.listing.prepare(changed.adapters)
@@ -230,7 +221,7 @@ class Server:
             cache.set_budgets(budgets)
 
     def check_accepting(self) -> None:
-        if self.is_draining or self.async_engine is None:
+        if self.is_draining or not self.is_started:
             raise APIError(
                 503, "The server is shutting down; retry on another worker.", "shutting_down"
             )
@@ -240,10 +231,7 @@ class Server:
             )
 
     def engine_alive(self) -> bool:
-        engine = self.engine
-        if isinstance(engine, (LLMEngine, EngineClient)):  # native
-            return self.async_engine is None or self.async_engine.is_alive
-        return engine.is_alive
+        return self.engine.is_alive
 
     # -- request steps ---------------------------------------------------------------------------
     async def resolve(self, ctx: RequestContext, model: str, user: str | None) -> Target:
@@ -287,90 +275,35 @@ class Server:
         # already.
         return "disk" if tier == "remote" and target.ref.path is not None else tier
 
-    @property
-    def generation(self) -> AsyncEngine | EngineClient:
-        """The native engine's generation, once started (the vLLM engine's requests go through
-        vLLM's serving layer)."""
-        generation = self.async_engine
-        assert isinstance(generation, (AsyncEngine, EngineClient))
-        return generation
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The native engine's (vLLM's serving layer tokenizes the requests it serves)."""
-        engine = self.engine
-        assert isinstance(engine, (LLMEngine, EngineClient))
-        return engine.tokenizer
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        limit = self.max_prompt_tokens
-        if isinstance(prompt, str):
-            # Tokens are far shorter than 64 characters: a longer text cannot fit, so skip
-            # tokenizing it.
-            if len(prompt) > 64 * limit:
-                raise APIError(
-                    400,
-                    f"The prompt is longer than the limit of {limit} tokens (max_prompt_tokens).",
-                    "prompt_too_long",
-                    "prompt",
-                )
-            prompt = self.tokenizer.encode(prompt)
-        if not prompt:
-            raise APIError(400, "The prompt is empty.", "invalid_value", "prompt")
-        if len(prompt) > limit:
-            raise APIError(
-                400,
-                f"The prompt has {len(prompt)} tokens, more than the limit of {limit} "
-                "(max_prompt_tokens).",
-                "prompt_too_long",
-                "prompt",
-            )
-        return prompt
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(messages)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_value", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them itself
-        if len(ids) > self.max_prompt_tokens:
-            raise APIError(
-                400,
-                f"The messages make a prompt of {len(ids)} tokens, more than the limit of "
-                f"{self.max_prompt_tokens} (max_prompt_tokens).",
-                "prompt_too_long",
-                "messages",
-            )
-        return ids
-
-    async def generate(
-        self,
-        ctx: RequestContext,
-        target: Target,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        gone: asyncio.Future,
-    ) -> RequestRun | None:
-        """The started generation (every prompt's first output in); None when `gone` (the client
-        left) ends first: the generation is then closed, and the request recorded as the client's
-        leaving."""
+    def admit_request(self, ctx: RequestContext, target: Target) -> Admitted:
+        """The request admitted within its tenant's limits (else 429), its target counted in
+        use."""
         assert ctx.tenant is not None  # authenticated first
         try:
             ticket = self.admit(ctx.tenant)
         except APIError as exc:
             ctx.denied = exc.code == "tenant_quota_exceeded"
             raise
-        run = RequestRun(
-            self.generation, self.resolver, ctx, target, prompts, params, ticket, self.engine_ids
-        )
+        return Admitted(ticket, self.engine, self.resolver, ctx, target)
+
+    async def run(
+        self, admitted: Admitted, gone: asyncio.Future, start: Callable[[], Awaitable[T]]
+    ) -> T | None:
+        """The admitted request's adapter acquired from the engine, then its run started (`start`:
+        the request layer's); None when `gone` (the client left) ends first: the request is then
+        finished, and recorded as the client's leaving. Any error finishes it too."""
         try:
+            await until_gone(admitted.acquire(), gone)
             # the engine's error (bad request, adapter unavailable) is the answer; a client gone
-            # closes the generation (start() does), leaving the queue, no load waited for
-            await until_gone(run.start(), gone)
+            # stops the run, leaving the queue, no load waited for
+            return await until_gone(start(), gone)
         except ClientGone:
-            ctx.status = CLIENT_CLOSED
+            admitted.ctx.status = CLIENT_CLOSED
+            admitted.finish()
             return None
-        return run
+        except BaseException:
+            admitted.finish()
+            raise
 
     def finish_request(self, ctx: RequestContext, status: int) -> None:
         """The middleware's last call for each inference request: metrics and the audit line."""

@@ -7,7 +7,7 @@ import torch
 from loraplex.engines.native import kv_budget as kv
 from loraplex.engines.native.config import EngineConfig
 from loraplex.model_config import ModelConfig
-from loraplex.server.serve import kv_budget_message
+from loraplex.server.engines import kv_budget_message
 from loraplex.units import format_size, parse_size
 
 GiB = 2**30

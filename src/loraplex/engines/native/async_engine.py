@@ -6,17 +6,21 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
-from loraplex.engines.native.llm_engine import LLMEngine
+from loraplex.engines.contract import Generation
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.engines.native.streams import Streams, request_stream
 from loraplex.residency.key import AdapterRef
 
+if TYPE_CHECKING:
+    from loraplex.engines.native.llm_engine import LLMEngine
+
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(Generation):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: Streams = {}
@@ -68,7 +72,7 @@ class AsyncEngine:
         adapter: AdapterRef | None = None,
         request_id: str | None = None,
         counted: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs as the request advances (of all its sequences, told apart by `index`); leaving
         the loop early (a client gone) aborts it at once. `counted`: as in
         `LLMEngine.add_request`."""

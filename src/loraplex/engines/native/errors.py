@@ -1,22 +1,6 @@
-"""The engine's request errors, in a module without torch: the HTTP layer maps them, and the
-commands that do not serve (the router, the registry, the tools) import that layer without loading
-torch."""
+"""The native engine's request errors: the engines' own (`engines.errors`), under the names its
+modules import."""
 
-from __future__ import annotations
+from loraplex.engines.errors import EngineUnavailable, InvalidRequest, NonFiniteLogits
 
-
-class NonFiniteLogits(RuntimeError):
-    """The model gave NaN or infinite logits for a sequence (its adapter's weights, say): that
-    request fails, the others in the batch go on."""
-
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot run; `param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine process has stopped (or never started): requests in flight and new ones fail."""
+__all__ = ["EngineUnavailable", "InvalidRequest", "NonFiniteLogits"]

@@ -10,11 +10,13 @@ import uuid
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.artifacts import AllowList, digest_and_pieces
-from loraplex.engines.contract import Engine
+from loraplex.engines.contract import Engine, RequestLayers, TokenEngine
+from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.config import EngineConfig
@@ -32,6 +34,7 @@ from loraplex.engines.native.sequence import (
     Sequence,
     Status,
 )
+from loraplex.engines.native.streams import complete_text
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
@@ -49,9 +52,13 @@ from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import make_policy
 
+if TYPE_CHECKING:
+    from loraplex.engines.contract import L
 
-class LLMEngine(Engine):
-    kind = "native"
+
+class LLMEngine(Engine, TokenEngine):
+    """The serving loop is `step()`; `start` runs it on a thread of its own (`AsyncEngine`), whose
+    `generate` the server's requests go through."""
 
     def __init__(self, config: EngineConfig, policy=None):
         self.config = config
@@ -92,6 +99,8 @@ class LLMEngine(Engine):
         self._inbox: list[Sequence | str] = []
         """Sequences to add and ids of requests to abort, in arrival order."""
         self._inbox_lock = threading.Lock()
+        self._stepper: AsyncEngine | None = None
+        """The step loop's thread, once started (`start`)."""
         self._failed: list[RequestOutput] = []
         # What exists now (the model, the libraries) lives as long as the engine. Out of the
         # collector's view, a full collection while serving scans only what serving allocated: with
@@ -497,6 +506,41 @@ class LLMEngine(Engine):
             cache_tier=seq.cache_tier,
             queue_wait_s=wait,
         )
+
+    # -- the server's contract (`Engine`, `TokenEngine`) -----------------------------------------
+    def request_layer(self, layers: RequestLayers[L]) -> L:
+        return layers.over_tokens(self)
+
+    async def acquire(self, ref: AdapterRef | None) -> None:
+        """Nothing to hold here: the scheduler takes the adapter's slot as it admits the
+        request (and gives it back as the request ends)."""
+        return None
+
+    def release(self, ref: AdapterRef | None, held: None) -> None:
+        pass
+
+    async def complete_text(self, prompt: str, ref: AdapterRef, max_tokens: int = 32) -> str:
+        return await complete_text(self.generation, self.tokenizer, prompt, ref, max_tokens)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.config.model_dir
+
+    async def start(self) -> None:
+        self._stepper = AsyncEngine(self)
+
+    def stop(self) -> None:
+        if self._stepper is not None:
+            self._stepper.stop()  # closes the engine
+
+    @property
+    def is_alive(self) -> bool:
+        return self._stepper is None or self._stepper.is_alive
+
+    @property
+    def generation(self) -> AsyncEngine:
+        assert self._stepper is not None, "the engine has not started"
+        return self._stepper
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(

@@ -5,9 +5,11 @@ request's outputs to the queue that `request_stream` registers under its id."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
-from loraplex.engines.native.sequence import RequestOutput
+from loraplex.engines.contract import Generation, Tokenizer
+from loraplex.engines.requests import RequestOutput, SamplingParams
+from loraplex.residency.key import AdapterRef
 
 Streams = dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]
 """Request id -> the loop and queue its outputs are delivered to."""
@@ -19,7 +21,7 @@ async def request_stream(
     num_seqs: int,
     start: Callable[[], Awaitable[None]],
     abort: Callable[[], None],
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     """Outputs of the request that `start` submits, until each of its `num_seqs` sequences has
     finished; an output's error is raised. Leaving before then (a client gone, an error) calls
     `abort`."""
@@ -40,3 +42,12 @@ async def request_stream(
         streams.pop(request_id, None)
         if running:
             abort()
+
+
+async def complete_text(
+    generation: Generation, tokenizer: Tokenizer, prompt: str, ref: AdapterRef, max_tokens: int
+) -> str:
+    """Greedy completion of `prompt` with the adapter (the release checks)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    ids = tokenizer.encode(prompt)
+    return "".join([out.text async for out in generation.generate(ids, params, ref)])

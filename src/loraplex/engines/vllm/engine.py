@@ -11,18 +11,21 @@ import os
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.artifacts import AllowList
-from loraplex.engines.contract import Engine
+from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, RequestUsage
+from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import handled
 from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
+from loraplex.residency.key import AdapterRef
 from loraplex.residency.policy import make_policy
 from loraplex.settings.fields import same_named
 from loraplex.settings.serve import DEFAULTS as D
@@ -31,6 +34,8 @@ from loraplex.spawn import without_main_module
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+    from loraplex.engines.contract import L
 
 log = logging.getLogger(__name__)
 _OUR_ID = re.compile(r"[0-9a-f]{32}")
@@ -110,31 +115,22 @@ def vllm_args(s: ServeSettings) -> tuple[str, ...]:
 
 
 @dataclass
-class Tracked:
-    """One client request's generations inside vLLM (n > 1 is several)."""
-
-    submitted: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
 class _Figures:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
 
 
-class VllmEngine(Engine):
-    kind = "vllm"
+class VllmEngine(Engine, OpenAIServing):
+    """vLLM's engine and its OpenAI serving layer, which answers the requests itself: the server
+    runs them through `request_layer`'s `over_serving`."""
 
     def __init__(self, config: VllmConfig):
         self.config = config
         self.base_model_digest = base_model_digest(config.model_dir)
         self.figures = _Figures()
-        self.tracked: dict[str, Tracked] = {}
+        self.tracked: dict[str, RequestUsage] = {}
+        """One client request's generations inside vLLM (n > 1 is several), by our request id."""
         self.rank_skew = RankSkew()
         self.lora_ranks: dict[str, int] = {}
         """vLLM's adapter names -> their rank (0: the zero adapter), read at their first request."""
@@ -158,7 +154,8 @@ class VllmEngine(Engine):
                 config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share
             ),
         )
-        self.serving_completion = self.serving_chat = None
+        self.serving_completion: Any = None
+        self.serving_chat: Any = None
         self.models: OpenAIServingModels | None = None  # vLLM's serving layer, made by `start`
 
     # -- start and stop ----------------------------------------------------------------------------
@@ -315,13 +312,54 @@ class VllmEngine(Engine):
     def is_alive(self) -> bool:
         return not self.llm.errored
 
-    # -- the request path --------------------------------------------------------------------------
-    def track(self, request_id: str) -> Tracked:
-        tracked = self.tracked[request_id] = Tracked()
-        return tracked
+    @property
+    def model_dir(self) -> Path:
+        return self.config.model_dir
 
-    def untrack(self, request_id: str) -> Tracked | None:
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name
+
+    # -- the request path --------------------------------------------------------------------------
+    def request_layer(self, layers: RequestLayers[L]) -> L:
+        return layers.over_serving(self)
+
+    async def acquire(self, ref: AdapterRef | None) -> Any:
+        """The adapter's LoRARequest once vLLM holds it in a slot (loraplex's residency decides
+        which adapters vLLM holds)."""
+        if ref is None:
+            return None
+        self.adapters.record_request(ref)
+        return await self.adapters.acquire(ref)
+
+    def release(self, ref: AdapterRef | None, held: Any) -> None:
+        if ref is not None and held is not None:
+            self.adapters.release(ref.key, ref.tenant)
+
+    def parse(self, body: bytes, chat: bool) -> Any:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return (ChatCompletionRequest if chat else CompletionRequest).model_validate_json(body)
+
+    def track(self, request_id: str) -> None:
+        self.tracked[request_id] = RequestUsage()
+
+    def untrack(self, request_id: str) -> RequestUsage | None:
         return self.tracked.pop(request_id, None)
+
+    async def answer(self, request: Any, chat: bool, model: str, held: Any) -> Any:
+        """vLLM's answer as a dict, or its event stream; its refusals as the engines' errors."""
+        if held is not None:
+            self.serve_as(model, held)
+        request.model = model
+        if chat:
+            assert self.serving_chat is not None  # made by `start`
+            call = self.serving_chat.create_chat_completion(request, None)
+        else:
+            assert self.serving_completion is not None  # made by `start`
+            call = self.serving_completion.create_completion(request, None)
+        return await _answer(call)
 
     def serve_as(self, name: str, lora_request) -> None:
         """Make `name` a model of vLLM's serving layer, meaning exactly this key's request."""
@@ -408,7 +446,32 @@ def _observe_tpot(rank_skew: RankSkew, rank: int, stats) -> None:
         rank_skew.tpot.observe(rank_bucket(rank), decode_s / (stats.num_generation_tokens - 1))
 
 
-def _track(tracked: Tracked, request_id: str, out, cumulative: bool) -> None:
+async def _answer(call) -> dict | AsyncIterator[str]:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        result = await call
+    except (VLLMValidationError, ValueError, TypeError, NotImplementedError) as exc:
+        raise InvalidRequest(getattr(exc, "parameter", None), str(exc)) from None
+    except (EngineDeadError, EngineGenerateError) as exc:
+        raise EngineUnavailable(f"the vLLM engine failed: {exc}") from None
+    if isinstance(result, ErrorResponse):
+        error = result.error
+        raise RequestRefused(error.code, error.message, _code(error.type), error.param)
+    if hasattr(result, "model_dump"):
+        return result.model_dump(mode="json", exclude_none=False)
+    return result
+
+
+def _code(error_type: str) -> str:
+    return {"BadRequestError": "invalid_value", "NotFoundError": "model_not_found"}.get(
+        error_type, error_type
+    )
+
+
+def _track(tracked: RequestUsage, request_id: str, out, cumulative: bool) -> None:
     now = time.monotonic()
     tracked.prompt_tokens = max(tracked.prompt_tokens, len(out.prompt_token_ids or ()))
     produced = sum(len(o.token_ids) for o in out.outputs)
