@@ -45,12 +45,7 @@ def eviction_policy(options: ServeSettings):
     """The cache's policy, with `--score-weights` and `--min-residency-s` applied to score."""
     from loraplex.cache.policy import LRUPolicy, ScorePolicy
 
-    tuned = options.score_weights or options.min_residency_s is not None
-    if options.eviction_policy == "lru":
-        if tuned:
-            raise StartupError(
-                "--score-weights and --min-residency-s apply to --eviction-policy score, not lru"
-            )
+    if options.eviction_policy == "lru":  # the settings refuse score's terms with lru
         return LRUPolicy()
     fields = {SCORE_WEIGHTS[name]: weight for name, weight in options.score_weights}
     if options.min_residency_s is not None:
@@ -269,16 +264,6 @@ def engine_config(options: ServeSettings, store: ArtifactStore | None = None) ->
 def load_vllm_engine(options: ServeSettings, registry: Registry, served_name: str):
     """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
     line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
-    if options.cpu_cache_bytes is not None:
-        raise StartupError(
-            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-            "use --max-cpu-loras"
-        )
-    if options.tenant_cpu_share < 1.0:
-        raise StartupError(
-            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not bytes; "
-            "give tenants a host budget in bytes (loraplex registry tenant set T --max-cpu-bytes)"
-        )
     try:
         import vllm  # noqa: F401  (the engine's module imports it only as the engine starts)
 
