@@ -3,6 +3,7 @@ one line naming the setting and its source for a bad value, whole option names i
 and docs tables that match the models."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from loraplex.cache.policy import ScorePolicy
 from loraplex.cli import app
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.vllm.engine import VllmConfig
-from loraplex.settings import docs
+from loraplex.settings import docs, schema
 from loraplex.settings.fields import setting, settings_of
 from loraplex.settings.serve import ServeSettings
 
@@ -277,3 +278,22 @@ def test_print_config_shows_the_defaults_it_resolves(tmp_path):
     for printed in (native, vllm):
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(printed))
         assert _config(["serve", "--config", tmp_path / "c.yaml"]) == printed
+
+
+def test_the_charts_serve_schema_is_made_from_the_settings_and_drift_is_caught(tmp_path):
+    assert schema.stale_chart_schema(ROOT, write=False) == []
+    assert all(schema.describable(s) for s in settings_of(ServeSettings))
+    chart = tmp_path / schema.CHART_SCHEMA
+    chart.parent.mkdir(parents=True)
+    text = (ROOT / schema.CHART_SCHEMA).read_text()
+    chart.write_text(text.replace('"minimum": 1', '"minimum": 2', 1))
+    assert schema.stale_chart_schema(tmp_path, write=True) == [schema.CHART_SCHEMA]
+    assert chart.read_text() == text
+    serve = json.loads(text)["properties"]["worker"]["properties"]["serve"]["properties"]
+    assert serve["max-loras"] == {
+        "description": "Adapter slots on the device",
+        "type": "integer",
+        "minimum": 1,
+    }
+    assert serve["port"]["const"] == "the chart sets --port itself from worker.ports.http"
+    assert set(serve) == {s.key for s in settings_of(ServeSettings)}

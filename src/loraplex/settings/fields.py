@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -45,6 +46,8 @@ class Spec:
     """vLLM-style, several values after one flag: `pairs` (`--lora-modules a=DIR b=DIR`) or
     `values` (`--allowed-roots D1 D2`)."""
     metavar: str = ""
+    schema: Mapping[str, Any] | None = None
+    """The JSON Schema of the values `parse` reads (the Helm chart's `worker.serve`)."""
     default_from: Callable[[Any], Any] | None = None
     """The default that the other settings give a None (`--print-config` shows it)."""
 
@@ -87,6 +90,20 @@ def at_least(low: float) -> Bounds:
 
 def within(low: int, high: int) -> Bounds:
     return Bounds(f"must be in [{low}, {high}]", low, high)
+
+
+@dataclass(frozen=True)
+class Matches:
+    """A check that a text matches a pattern (JSON Schema's dialect, which Python reads too)."""
+
+    message: str
+    pattern: str
+
+    def __call__(self, v: str) -> str | None:
+        return None if re.search(self.pattern, v) else self.message
+
+    def schema(self) -> dict[str, str]:
+        return {"pattern": self.pattern}
 
 
 positive = Bounds("must be positive", 0, low_open=True)

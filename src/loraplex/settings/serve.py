@@ -12,6 +12,7 @@ from typing import Any
 
 from loraplex.settings.fields import (
     Conflict,
+    Matches,
     at_least,
     check_fields,
     open_share,
@@ -89,6 +90,11 @@ class ServeSettings:
         variadic="pairs",
         parse=parse_lora_modules,
         show=lambda modules: {name: str(path) for name, path in modules},
+        schema={
+            "type": ["object", "array", "string"],
+            "items": {"type": "string", "pattern": "^[^=]+=.+$"},
+            "additionalProperties": {"type": "string"},
+        },
         doc="registered as **shared** stable revisions at start (several after one flag, or "
         "repeat it); a name owned by a tenant is refused; with trusted keys each needs "
         "`DIR/adapter.sig`",
@@ -181,11 +187,7 @@ class ServeSettings:
         "auto (cuda when available) | cpu | cuda | cuda:N",
         panel=ENGINE,
         metavar="auto|cpu|cuda",
-        check=lambda d: (
-            None
-            if d in ("auto", "cpu", "cuda") or d.startswith("cuda:")
-            else "use auto, cpu or cuda"
-        ),
+        check=Matches("use auto, cpu, cuda or cuda:N", "^(auto|cpu|cuda(:[0-9]+)?)$"),
     )
     max_model_len: int | None = setting(
         None,
@@ -316,6 +318,11 @@ class ServeSettings:
         metavar="NAME=W,...",
         parse=weights(SCORE_WEIGHTS),
         show=dict,
+        schema={
+            "type": ["object", "string"],
+            "propertyNames": {"enum": list(SCORE_WEIGHTS)},
+            "additionalProperties": {"type": "number"},
+        },
         default_text="recency=1, frequency=2, priority=0.5, cost=1, size=0.1, preferred=2",
         doc="the terms of score's keep_score: recency (decays over 60 s), log of the 5-minute "
         "demand, the tenant's priority, the seconds a reload would take, bytes in GiB "
