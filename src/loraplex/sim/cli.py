@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import typer
@@ -355,6 +356,11 @@ def simulate(s: SimulateSettings) -> None:
                 "nor a trace file",
                 param_hint="--workload",
             )
+    for path, flag in ((s.json, "--json"), (s.plot, "--plot")):
+        problem = path and unwritable(path)
+        if problem:
+            typer.echo(f"error: {flag} {path}: {problem}", err=True)
+            raise typer.Exit(2)
     slots: list[int | None] = list(s.gpu_slots) or [None]
     cpu: list[int | None] = list(s.cpu_bytes) or [None]
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
@@ -392,8 +398,22 @@ def simulate(s: SimulateSettings) -> None:
                 sweep += run_sweep(
                     one, policies, around, cpu, workers, console, budgets, changes, s.optimal
                 )
+        plot.parent.mkdir(parents=True, exist_ok=True)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why an output file cannot be written (None: it can), found before a run: its path is a
+    directory, or its nearest existing folder is a file or is not writable."""
+    if path.is_dir():
+        return "a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "not writable"
+    folder = next(p for p in path.parents if p.exists())  # made with its parents on writing
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
