@@ -148,6 +148,30 @@ def test_what_the_chart_refuses_serve_refuses_too(tmp_path, serve):
     assert CliRunner().invoke(app, list(map(str, args))).exit_code == 2
 
 
+def test_a_worker_serve_of_many_settings_renders_and_serve_takes_it(tmp_path):
+    serve = {
+        "score-weights": {"priority": 2},
+        "min-residency-s": 3,
+        "lora-modules": {"sql": "/srv/sql"},
+        "allowed-roots": ["/srv", "s3://adapters/"],
+        "device": "cuda:1",
+        "kv-cache-memory-bytes": "16GiB",
+        "max-model-len": 8192,
+        "max-lora-bytes-per-step": 2**26,
+        "gpu-memory-utilization": 0.85,
+        "enable-prefix-caching": False,
+        "audit-log": "-",
+    }
+    for engine in ("native", "vllm"):
+        settings = _worker_settings({"worker": {"engine": engine, "serve": serve}})
+        assert serve.items() <= settings.items()
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump(settings))
+        args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml"]
+        args += ["--engine", engine, "--print-config"]
+        done = CliRunner().invoke(app, list(map(str, args)))
+        assert done.exit_code == 0, done.stderr
+
+
 def _refusal(values: dict) -> str:
     """The message of the chart's render refusing `values` (`helm lint` refuses them too)."""
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as refused:

@@ -106,7 +106,10 @@ def serve_schema() -> dict[str, Any]:
     both = _refused("give max-cpu-loras or cpu-cache-bytes, not both")
     schema["dependentSchemas"] = {"cpu-cache-bytes": {"properties": {"max-cpu-loras": both}}}
     lru = _refused("score-weights and min-residency-s apply to eviction-policy score, not lru")
-    schema["if"] = {"properties": {"eviction-policy": {"const": "lru"}}}
+    schema["if"] = {
+        "properties": {"eviction-policy": {"const": "lru"}},
+        "required": ["eviction-policy"],
+    }
     schema["then"] = {"properties": {"score-weights": lru, "min-residency-s": lru}}
     return schema
 
@@ -123,7 +126,7 @@ def engine_rules() -> dict[str, Any]:
     return {
         "allOf": [
             {
-                "if": {"properties": {"engine": {"const": "vllm"}}},
+                "if": {"properties": {"engine": {"const": "vllm"}}, "required": ["engine"]},
                 "then": {"properties": {"serve": {"properties": vllm}}},
             }
         ]

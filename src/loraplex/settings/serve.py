@@ -537,7 +537,7 @@ class ServeSettings:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.engine_core == "process" and self.engine != "native":
             raise Conflict(
-                "--engine-core process: for --engine native (vLLM runs its own)",
+                "--engine-core process: for --engine native; vLLM runs its own",
                 "engine_core",
                 "engine",
             )
