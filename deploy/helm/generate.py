@@ -55,15 +55,13 @@ def manifest_files() -> dict[Path, str]:
 def _leaves(schema: dict, values, prefix: str = ""):
     """(dotted key, schema, default) for each documented value, depth first in schema order;
     the objects of WHOLE are one row each."""
-    props = schema.get("properties")
-    whole = prefix.rstrip(".") in WHOLE
-    if props and isinstance(values, dict) and schema.get("additionalProperties") is False:
-        if not whole:
-            for key, sub in props.items():
-                yield from _leaves(sub, values.get(key), f"{prefix}{key}.")
-            return
-    if "description" in schema:
-        yield prefix.rstrip("."), schema, values
+    props, dotted = schema.get("properties"), prefix.rstrip(".")
+    closed = schema.get("additionalProperties") is False
+    if props and isinstance(values, dict) and closed and dotted not in WHOLE:
+        for key, sub in props.items():
+            yield from _leaves(sub, values.get(key), f"{prefix}{key}.")
+    elif "description" in schema:
+        yield dotted, schema, values
 
 
 def _type(schema: dict) -> str:
