@@ -215,6 +215,8 @@ def test_the_host_cache_default_follows_the_engine(tmp_path):
     own = _worker_settings({"worker": {"engine": "vllm", "serve": {"max-cpu-loras": 16}}})
     assert own["max-cpu-loras"] == 16 and "cpu-cache-bytes" not in own
     assert "cpu-cache-bytes" not in _worker_settings({"worker": {"serve": {"max-cpu-loras": 9}}})
+    bigger = {"worker": {"hostCache": {"native": {"cpu-cache-bytes": "16GiB"}}}}
+    assert _worker_settings(bigger)["cpu-cache-bytes"] == "16GiB"
 
 
 @pytest.mark.parametrize(
