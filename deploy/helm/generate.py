@@ -22,6 +22,8 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 RELEASE = "loraplex"
 MANIFEST_VALUES = {"inferencePool": {"enabled": True}}
+WHOLE = {"worker.serve", "worker.hostCache"}
+"""Objects of many keys that the table gives one row (`serve`'s: docs/operator-guide.md)."""
 TABLE_START, TABLE_END = "<!-- values-table:start -->", "<!-- values-table:end -->"
 
 
@@ -51,13 +53,15 @@ def manifest_files() -> dict[Path, str]:
 
 
 def _leaves(schema: dict, values, prefix: str = ""):
-    """(dotted key, schema, default) for each documented value, depth first in schema order."""
-    props = schema.get("properties")
-    if props and isinstance(values, dict) and schema.get("additionalProperties") is False:
+    """(dotted key, schema, default) for each documented value, depth first in schema order;
+    the objects of WHOLE are one row each."""
+    props, dotted = schema.get("properties"), prefix.rstrip(".")
+    closed = schema.get("additionalProperties") is False
+    if props and isinstance(values, dict) and closed and dotted not in WHOLE:
         for key, sub in props.items():
             yield from _leaves(sub, values.get(key), f"{prefix}{key}.")
     elif "description" in schema:
-        yield prefix.rstrip("."), schema, values
+        yield dotted, schema, values
 
 
 def _type(schema: dict) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import typer
@@ -28,6 +29,25 @@ app.add_typer(registry_app, name="registry")
 app.add_typer(bench_app, name="bench")
 app.add_typer(rollout_app, name="rollout")
 add_sim_commands(app)
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        typer.echo(f"loraplex {version('loraplex')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    _: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print loraplex's version and exit.",
+    ),
+) -> None:
+    """The options of `loraplex` itself, before a command."""
 
 
 @app.command()

@@ -18,6 +18,12 @@ _UNITS = {
 }
 
 
+def size_pattern() -> str:
+    """A regular expression of the texts `parse_size` reads (JSON Schema's dialect: no flags)."""
+    units = "|".join("".join(f"[{c.lower()}{c.upper()}]" for c in u) for u in _UNITS if u)
+    return rf"^\s*[0-9]*\.?[0-9]+\s*({units})?\s*$"
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from `512MiB`, `4GiB`, `1.5GB` or a plain integer."""
     if isinstance(text, int):

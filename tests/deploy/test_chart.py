@@ -18,8 +18,10 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
+from typer.testing import CliRunner
 
 from loraplex.cli import app
+from loraplex.settings import schema
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "loraplex"
@@ -108,6 +110,15 @@ def test_helm_lint_finds_nothing_above_info():
         ({"worker": {"replica": 3}}, "replica"),
         ({"worker": {"ports": {"admin": 70000}}}, "/worker/ports/admin"),
         ({"worker": {"serve": {"Max_Loras": 8}}}, "Max_Loras"),
+        ({"worker": {"serve": {"max_loras": 8}}}, "max_loras"),
+        ({"worker": {"serve": {"max-modle-len": 4096}}}, "max-modle-len"),
+        ({"worker": {"serve": {"max-loras": "eight"}}}, "/worker/serve/max-loras"),
+        ({"worker": {"serve": {"max-loras": 0}}}, "/worker/serve/max-loras"),
+        ({"worker": {"serve": {"cpu-cache-bytes": "lots"}}}, "/worker/serve/cpu-cache-bytes"),
+        ({"worker": {"serve": {"eviction-policy": "fifo"}}}, "/worker/serve/eviction-policy"),
+        ({"worker": {"serve": {"tenant-gpu-share": 1.5}}}, "/worker/serve/tenant-gpu-share"),
+        ({"worker": {"serve": {"device": "gpu"}}}, "/worker/serve/device"),
+        ({"worker": {"hostCache": {"vllm": {"cpu-cache-bytes": "8GiB"}}}}, "cpu-cache-bytes"),
         ({"registry": {"urlSecret": {"name": "Bad Name"}}}, "/registry/urlSecret/name"),
         ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "interval"),
     ],
@@ -118,6 +129,130 @@ def test_a_value_breaking_the_schema_is_refused_naming_the_field(values, field):
     assert field in str(refused.value)
     report = helm.lint(CHART, values)  # `helm lint -f` refuses it as well
     assert any(field in error for error in report["errors"]), report
+
+
+@pytest.mark.parametrize(
+    "serve",
+    [
+        {"max-loras": "eight"},
+        {"max-loras": 0},
+        {"cpu-cache-bytes": "lots"},
+        {"eviction-policy": "fifo"},
+        {"tenant-gpu-share": 1.5},
+        {"device": "gpu"},
+    ],
+)
+def test_what_the_chart_refuses_serve_refuses_too(tmp_path, serve):
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve))
+    args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml", "--print-config"]
+    assert CliRunner().invoke(app, list(map(str, args))).exit_code == 2
+
+
+def test_a_worker_serve_of_many_settings_renders_and_serve_takes_it(tmp_path):
+    serve = {
+        "score-weights": {"priority": 2},
+        "min-residency-s": 3,
+        "lora-modules": {"sql": "/srv/sql"},
+        "allowed-roots": ["/srv", "s3://adapters/"],
+        "device": "cuda:1",
+        "kv-cache-memory-bytes": "16GiB",
+        "max-model-len": 8192,
+        "max-lora-bytes-per-step": 2**26,
+        "gpu-memory-utilization": 0.85,
+        "enable-prefix-caching": False,
+        "audit-log": "-",
+    }
+    for engine in ("native", "vllm"):
+        settings = _worker_settings({"worker": {"engine": engine, "serve": serve}})
+        assert serve.items() <= settings.items()
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump(settings))
+        args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml"]
+        args += ["--engine", engine, "--print-config"]
+        done = CliRunner().invoke(app, list(map(str, args)))
+        assert done.exit_code == 0, done.stderr
+
+
+def _refusal(values: dict) -> str:
+    """The message of the chart's render refusing `values` (`helm lint` refuses them too)."""
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as refused:
+        chart.render(values, name="lp", is_install=True)
+    report = helm.lint(CHART, values, strict=True)
+    assert any(str(refused.value).splitlines()[-1] in error for error in report["errors"]), report
+    return str(refused.value)
+
+
+def test_a_serve_key_the_chart_sets_itself_is_refused_naming_the_value_to_set():
+    sample = {"port": 9000, "admin-port": 9001, "engine": "native", "host": "0.0.0.0"}
+    owned = [
+        arg.partition("=")[0].removeprefix("--")
+        for arg in _container("defaults")["args"]
+        if not arg.startswith("--config=")
+    ]
+    assert {"engine", "model", "port"} <= set(owned) and set(owned) == set(schema.CHART_FLAGS)
+    for key in owned:
+        message = _refusal({"worker": {"serve": {key: sample.get(key, "/x")}}})
+        assert f"/worker/serve/{key}" in message and f"the chart sets --{key} itself" in message
+    assert "from worker.ports.http" in _refusal({"worker": {"serve": {"port": 9000}}})
+
+
+def _worker_settings(values: dict) -> dict:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="lp", is_install=True)
+    worker = next(t for p, t in out.items() if p.endswith("worker.yaml"))
+    config = next(o for o in yaml.safe_load_all(worker) if o["kind"] == "ConfigMap")
+    return yaml.safe_load(config["data"]["serve.yaml"])
+
+
+def test_the_host_cache_default_follows_the_engine(tmp_path):
+    assert _serve_settings("defaults")["cpu-cache-bytes"] == "8GiB"
+    settings = _worker_settings({"worker": {"engine": "vllm"}})
+    assert "cpu-cache-bytes" not in settings and "max-cpu-loras" not in settings
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(settings))
+    args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml"]
+    done = CliRunner().invoke(app, list(map(str, [*args, "--engine", "vllm", "--print-config"])))
+    assert done.exit_code == 0, done.stderr
+    assert yaml.safe_load(done.stdout)["max-cpu-loras"] == 4 * settings["max-loras"]
+    own = _worker_settings({"worker": {"engine": "vllm", "serve": {"max-cpu-loras": 16}}})
+    assert own["max-cpu-loras"] == 16 and "cpu-cache-bytes" not in own
+    assert "cpu-cache-bytes" not in _worker_settings({"worker": {"serve": {"max-cpu-loras": 9}}})
+    bigger = {"worker": {"hostCache": {"native": {"cpu-cache-bytes": "16GiB"}}}}
+    assert _worker_settings(bigger)["cpu-cache-bytes"] == "16GiB"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            {"worker": {"engine": "vllm", "serve": {"cpu-cache-bytes": "8GiB"}}},
+            "/worker/serve/cpu-cache-bytes': value must be 'the vLLM engine counts its host "
+            "cache in adapters: use max-cpu-loras'",
+        ),
+        (
+            {"worker": {"engine": "vllm", "serve": {"tenant-cpu-share": 0.5}}},
+            "/worker/serve/tenant-cpu-share",
+        ),
+        (
+            {"worker": {"engine": "vllm", "serve": {"engine-core": "process"}}},
+            "/worker/serve/engine-core",
+        ),
+        (
+            {"worker": {"serve": {"max-cpu-loras": 16, "cpu-cache-bytes": "8GiB"}}},
+            "give max-cpu-loras or cpu-cache-bytes, not both",
+        ),
+        (
+            {"worker": {"serve": {"eviction-policy": "lru", "min-residency-s": 2}}},
+            "/worker/serve/min-residency-s': value must be 'score-weights and min-residency-s "
+            "apply to eviction-policy score, not lru'",
+        ),
+    ],
+)
+def test_a_serve_setting_the_engine_refuses_is_refused_by_the_chart(tmp_path, values, message):
+    assert message in _refusal(values)
+    worker = values["worker"]
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(worker["serve"]))
+    args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml", "--print-config"]
+    args += ["--engine", worker.get("engine", "native")]
+    assert CliRunner().invoke(app, list(map(str, args))).exit_code == 2  # serve refuses it too
 
 
 def test_the_cpu_values_run_the_native_engine_from_the_cpu_image_without_a_gpu():
@@ -136,7 +271,7 @@ def test_the_gpu_values_run_vllm_on_one_gpu_with_its_host_cache_in_adapters():
     assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     settings = _serve_settings("gpu-vllm")
-    assert "cpu-cache-bytes" not in settings  # the null in the values file drops the default
+    assert "cpu-cache-bytes" not in settings  # the vLLM engine's host cache is a count
     assert settings["max-cpu-loras"] == 64
 
 

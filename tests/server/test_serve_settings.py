@@ -235,7 +235,6 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
     from loraplex.registry import Registry
     from loraplex.server.serve import (
         ServeSettings,
-        StartupError,
         engine_config,
         eviction_policy,
         server_config,
@@ -311,7 +310,7 @@ def test_every_option_reaches_the_engine_server_and_policy_configs(tmp_path, lla
         policy.w_frequency,
     ) == (3.0, 0, 0, 2.0)
     with pytest.raises(
-        StartupError, match="--score-weights and --min-residency-s apply to --eviction-policy score"
+        ValueError, match="--score-weights and --min-residency-s apply to --eviction-policy score"
     ):
         eviction_policy(
             ServeSettings(

@@ -3,6 +3,7 @@ one line naming the setting and its source for a bad value, whole option names i
 and docs tables that match the models."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from typer.testing import CliRunner
 from loraplex.cli import app
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.vllm.engine import VllmConfig
-from loraplex.settings import docs
+from loraplex.residency.policy import ScorePolicy
+from loraplex.settings import docs, schema
 from loraplex.settings.fields import setting, settings_of
 from loraplex.settings.serve import ServeSettings
 
@@ -190,3 +192,108 @@ def test_engine_configurations_take_the_settings_under_their_names(tmp_path):
     )
     with pytest.raises(ValueError, match="max_loras 0: must be at least 1"):
         EngineConfig(model_dir=tmp_path, max_loras=0)
+
+
+@pytest.mark.parametrize(
+    "args, env, config, message",
+    [
+        (["--port", "70000"], {}, None, "--port 70000: must be in [0, 65535]"),
+        ([], {"LORAPLEX_PORT": "-1"}, None, "LORAPLEX_PORT (environment): -1: must be in"),
+        ([], {}, "port: 99999\n", "key 'port': 99999: must be in [0, 65535]"),
+        (["--admin-port", "65536"], {}, None, "--admin-port 65536: must be in [0, 65535]"),
+        (["--max-cpu-loras", "0"], {}, None, "--max-cpu-loras 0: must be at least 1"),
+        (
+            ["--engine", "vllm", "--cpu-cache-bytes", "1GiB"],
+            {},
+            None,
+            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; use "
+            "--max-cpu-loras (--engine: the command line; --cpu-cache-bytes: the command line)",
+        ),
+        (
+            [],
+            {"LORAPLEX_CPU_CACHE_BYTES": "1GiB"},
+            "engine: vllm\n",
+            "(--engine: --config serve.yaml; --cpu-cache-bytes: LORAPLEX_CPU_CACHE_BYTES)",
+        ),
+        (
+            ["--engine", "vllm", "--tenant-cpu-share", "0.5"],
+            {},
+            None,
+            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters",
+        ),
+        (
+            ["--engine", "vllm", "--max-loras", "8", "--max-cpu-loras", "4"],
+            {},
+            None,
+            "--max-cpu-loras 4: the vLLM engine keeps at least --max-loras (8) in host memory",
+        ),
+        (
+            ["--engine", "vllm", "--max-cpu-loras", "2"],
+            {},
+            None,
+            "(--engine: the command line; --max-cpu-loras: the command line; "
+            "--max-loras: the default)",
+        ),
+        (
+            ["--eviction-policy", "lru", "--min-residency-s", "3"],
+            {},
+            None,
+            "--score-weights and --min-residency-s apply to --eviction-policy score, not lru",
+        ),
+        (
+            [],
+            {},
+            "max-loras: 3\nmax_loras: 5\n",
+            "--config serve.yaml: keys 'max-loras' and 'max_loras' are one setting; give it once",
+        ),
+    ],
+)
+def test_print_config_refuses_what_serve_refuses_naming_the_source(
+    tmp_path, monkeypatch, args, env, config, message
+):
+    monkeypatch.chdir(tmp_path)
+    extra = []
+    if config is not None:
+        Path("serve.yaml").write_text(config)
+        extra = ["--config", "serve.yaml"]
+    for last in ("--print-config", "--data-dir=/nonexistent/x"):  # serve stops at the same line
+        code, out, err = _run(["serve", "--model", tmp_path, *extra, *args, last], env)
+        assert code == 2 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_print_config_shows_the_defaults_it_resolves(tmp_path):
+    serve = ["serve", "--model", tmp_path]
+    native = _config(serve)
+    assert native["cpu-cache-bytes"] == "2GiB" and native["max-cpu-loras"] is None
+    assert native["engine-core"] == "process"
+    assert native["min-residency-s"] == ScorePolicy().min_residency_s
+    vllm = _config([*serve, "--engine", "vllm", "--max-loras", "3"])
+    s = ServeSettings(model=tmp_path, max_loras=3)
+    assert vllm["max-cpu-loras"] == VllmConfig.from_settings(s, "b", None).host_cache_size == 12
+    assert vllm["cpu-cache-bytes"] is None and vllm["engine-core"] is None
+    assert _config([*serve, "--max-cpu-loras", "9"])["cpu-cache-bytes"] is None
+    assert _config([*serve, "--eviction-policy", "lru"])["min-residency-s"] is None
+    for printed in (native, vllm):
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(printed))
+        assert _config(["serve", "--config", tmp_path / "c.yaml"]) == printed
+
+
+def test_the_charts_serve_schema_is_made_from_the_settings_and_drift_is_caught(tmp_path):
+    assert schema.stale_chart_schema(ROOT, write=False) == []
+    assert all(schema.describable(s) for s in settings_of(ServeSettings))
+    chart = tmp_path / schema.CHART_SCHEMA
+    chart.parent.mkdir(parents=True)
+    text = (ROOT / schema.CHART_SCHEMA).read_text()
+    chart.write_text(text.replace('"minimum": 1', '"minimum": 2', 1))
+    assert schema.stale_chart_schema(tmp_path, write=True) == [schema.CHART_SCHEMA]
+    assert chart.read_text() == text
+    serve = json.loads(text)["properties"]["worker"]["properties"]["serve"]["properties"]
+    assert serve["max-loras"] == {
+        "description": "Adapter slots on the device",
+        "type": "integer",
+        "minimum": 1,
+    }
+    assert serve["port"]["const"] == "the chart sets --port itself from worker.ports.http"
+    assert set(serve) == {s.key for s in settings_of(ServeSettings)}

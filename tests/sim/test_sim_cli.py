@@ -273,3 +273,40 @@ def test_simulate_default_table_fits_80_columns_and_wide_shows_the_rest(tmp_path
     wide = runner.invoke(app, [*args, "--wide"], env={"COLUMNS": "250"})
     assert wide.exit_code == 0, wide.output
     assert "thrash" in wide.output and "TPOT p99" in wide.output and "per tenant" in wide.output
+
+
+@pytest.mark.parametrize(
+    "option, path, message",
+    [
+        ("--plot", "out.txt", "--plot out.txt: use a .png, .svg or .pdf file"),
+        ("--plot", "out", "--plot out: use a .png, .svg or .pdf file"),
+        ("--plot", "a-file/out.png", "--plot a-file/out.png: a-file is not a directory"),
+        ("--plot", "a-dir", "--plot a-dir: use a .png, .svg or .pdf file"),
+        ("--plot", "a-dir.png", "--plot a-dir.png: a directory"),
+        ("--json", "a-file/out.json", "--json a-file/out.json: a-file is not a directory"),
+        ("--json", "a-dir", "--json a-dir: a directory"),
+    ],
+)
+def test_simulate_checks_its_output_paths_before_it_runs(
+    tmp_path, monkeypatch, option, path, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-dir.png").mkdir()
+    ran = []
+    monkeypatch.setattr(cli, "run_sweep", lambda *args, **kwargs: ran.append(args) or [])
+    result = runner.invoke(app, ["simulate", "--workload", "zipf", option, path])
+    assert result.exit_code == 2 and not ran, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+def test_simulate_makes_the_folders_of_its_outputs(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(cli, "plot_capacity", lambda runs, path: made.append(path.parent))
+    trace = small_trace(tmp_path / "t.jsonl")
+    out, png = tmp_path / "new" / "out.json", tmp_path / "new" / "plots" / "out.png"
+    args = ["simulate", "--workload", str(trace), "--policy", "lru", "--gpu-slots", "2"]
+    result = runner.invoke(app, [*args, "--json", str(out), "--plot", str(png), "--no-optimal"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and made == [png.parent] and png.parent.is_dir()

@@ -106,16 +106,6 @@ def engine_config(options: ServeSettings, store: ArtifactStore | None = None) ->
 def load_vllm_engine(options: ServeSettings, registry: Registry, served_name: str) -> Engine:
     """vLLM's engine, started (its engine core process up); StartupError with vLLM's cause in one
     line. The sizing flags that vLLM shares keep their meaning; the others pass through."""
-    if options.cpu_cache_bytes is not None:
-        raise StartupError(
-            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-            "use --max-cpu-loras"
-        )
-    if options.tenant_cpu_share < 1.0:
-        raise StartupError(
-            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not bytes; "
-            "give tenants a host budget in bytes (loraplex registry tenant set T --max-cpu-bytes)"
-        )
     try:
         import vllm  # noqa: F401  (the engine's module imports it only as the engine starts)
 

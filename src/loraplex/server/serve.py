@@ -40,12 +40,7 @@ def eviction_policy(options: ServeSettings):
     """The cache's policy, with `--score-weights` and `--min-residency-s` applied to score."""
     from loraplex.residency.policy import LRUPolicy, ScorePolicy
 
-    tuned = options.score_weights or options.min_residency_s is not None
-    if options.eviction_policy == "lru":
-        if tuned:
-            raise StartupError(
-                "--score-weights and --min-residency-s apply to --eviction-policy score, not lru"
-            )
+    if options.eviction_policy == "lru":  # the settings refuse score's terms with lru
         return LRUPolicy()
     fields = {SCORE_WEIGHTS[name]: weight for name, weight in options.score_weights}
     if options.min_residency_s is not None:

@@ -1,6 +1,7 @@
 """The settings tables of the docs, made from the settings models: `python -m
-loraplex.settings.docs`, run in the repository's root, rewrites each table between its markers,
-`--check` fails when one differs (as the drift test does).
+loraplex.settings.docs`, run in the repository's root, rewrites each table between its markers and
+the Helm chart's schema of `worker.serve` (`loraplex.settings.schema`); `--check` fails when one
+differs (as the drift tests do).
 
 A table's place in a guide is two lines, the first naming the command and the panel:
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from loraplex.settings import loadgen, rollout, router, serve, sim
 from loraplex.settings.command import default_text, metavar_of
 from loraplex.settings.fields import settings_of
+from loraplex.settings.schema import stale_chart_schema
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def main(argv: list[str]) -> int:
         print(f"{root}: no {missing[0]}: run this in the repository's root", file=sys.stderr)
         return 2
     check = "--check" in argv
-    stale = stale_guides(root, write=not check)
+    stale = stale_guides(root, write=not check) + stale_chart_schema(root, write=not check)
     for guide in stale:
         verb = "differs from the settings models" if check else "rewritten"
         print(f"{guide}: {verb}", file=sys.stderr)

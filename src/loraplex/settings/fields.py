@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -45,6 +46,10 @@ class Spec:
     """vLLM-style, several values after one flag: `pairs` (`--lora-modules a=DIR b=DIR`) or
     `values` (`--allowed-roots D1 D2`)."""
     metavar: str = ""
+    schema: Mapping[str, Any] | None = None
+    """The JSON Schema of the values `parse` reads (the Helm chart's `worker.serve`)."""
+    default_from: Callable[[Any], Any] | None = None
+    """The default that the other settings give a None (`--print-config` shows it)."""
 
 
 SPEC = "loraplex.setting"
@@ -55,20 +60,65 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", **spec: Any) -> 
     return field(default=default, metadata={SPEC: Spec(help=help, **spec)})
 
 
-def at_least(low: float) -> Check:
-    return lambda v: None if v >= low else f"must be at least {low:g}"
+@dataclass(frozen=True)
+class Bounds:
+    """A check that a number lies in a range; the chart's schema states the same range."""
+
+    message: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def __call__(self, v: float) -> str | None:
+        above = self.low is None or (v > self.low if self.low_open else v >= self.low)
+        below = self.high is None or v <= self.high
+        return None if above and below else self.message  # NaN fails both
+
+    def schema(self) -> dict[str, float]:
+        """The range as JSON Schema keywords."""
+        out: dict[str, float] = {}
+        if self.low is not None:
+            out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
 
 
-def positive(v: float) -> str | None:
-    return None if v > 0 else "must be positive"
+def at_least(low: float) -> Bounds:
+    return Bounds(f"must be at least {low:g}", low)
 
 
-def share(v: float) -> str | None:
-    return None if 0.0 <= v <= 1.0 else "must be a share in [0, 1]"  # NaN fails too
+def within(low: int, high: int) -> Bounds:
+    return Bounds(f"must be in [{low}, {high}]", low, high)
 
 
-def open_share(v: float) -> str | None:
-    return None if 0.0 < v <= 1.0 else "must be a share in (0, 1]"
+@dataclass(frozen=True)
+class Matches:
+    """A check that a text matches a pattern (JSON Schema's dialect, which Python reads too)."""
+
+    message: str
+    pattern: str
+
+    def __call__(self, v: str) -> str | None:
+        return None if re.search(self.pattern, v) else self.message
+
+    def schema(self) -> dict[str, str]:
+        return {"pattern": self.pattern}
+
+
+positive = Bounds("must be positive", 0, low_open=True)
+share = Bounds("must be a share in [0, 1]", 0, 1)
+open_share = Bounds("must be a share in (0, 1]", 0, 1, low_open=True)
+port_number = within(0, 65535)
+
+
+class Conflict(ValueError):
+    """Settings that do not go together; `names` are theirs, so the message can say where each
+    value came from."""
+
+    def __init__(self, message: str, *names: str):
+        super().__init__(message)
+        self.names = names
 
 
 def weights(names: Mapping[str, str], minimum: float | None = None) -> Callable[[Any], Any]:
@@ -282,8 +332,10 @@ def resolve(model: type, sources: Sources, **fixed: Any) -> Any:
     source of a bad value."""
     by_name = {s.name: s for s in settings_of(model)}
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     if sources.file is not None:
         by_key = {s.key: s for s in by_name.values()}
+        keys: dict[str, Any] = {}
         for key, raw in sources.file.items():
             s = by_key.get(str(key).removeprefix("--").replace("_", "-"))
             where = f"--config {sources.file_name}: key {key!r}:"
@@ -292,15 +344,24 @@ def resolve(model: type, sources: Sources, **fixed: Any) -> Any:
                     f"--config {sources.file_name}: unknown key {key!r} (the keys are the "
                     "option names, e.g. max-model-len)"
                 )
+            if s.name in keys:
+                raise SettingError(
+                    f"--config {sources.file_name}: keys {keys[s.name]!r} and {key!r} are one "
+                    "setting; give it once"
+                )
+            keys[s.name] = key
             values[s.name] = _convert(s, raw, where)
+            origin[s.name] = f"--config {sources.file_name}"
     for s in by_name.values():
         name = s.env(sources.env_prefix)
         if name in sources.env:
             raw = sources.env[name]
             values[s.name] = _convert(s, raw, f"{name} (environment):")
+            origin[s.name] = name
     for name, raw in sources.flags.items():
         s = by_name[name]
         values[name] = _convert(s, raw, s.flag)
+        origin[name] = "the command line"
     missing = [s.flag for s in by_name.values() if s.required and s.name not in values]
     if missing:
         raise SettingError(f"{missing[0]} is required")
@@ -308,6 +369,9 @@ def resolve(model: type, sources: Sources, **fixed: Any) -> Any:
         return model(**values, **fixed)
     except SettingError:
         raise
+    except Conflict as exc:
+        given = "; ".join(f"{by_name[n].flag}: {origin.get(n, 'the default')}" for n in exc.names)
+        raise SettingError(f"{exc} ({given})") from None
     except ValueError as exc:  # a check across settings
         raise SettingError(str(exc)) from None
 
@@ -326,4 +390,12 @@ def _convert(s: Setting, raw: Any, where: str) -> Any:
 
 def as_yaml_dict(settings: Any) -> dict[str, Any]:
     """Every setting of an instance by its `--config` key, as `--print-config` writes them."""
-    return {s.key: yaml_value(s, getattr(settings, s.name)) for s in settings_of(type(settings))}
+    return {s.key: yaml_value(s, resolved(s, settings)) for s in settings_of(type(settings))}
+
+
+def resolved(s: Setting, settings: Any) -> Any:
+    """A setting's value, or the default the other settings give its None."""
+    value = getattr(settings, s.name)
+    if value is None and s.spec.default_from is not None:
+        return s.spec.default_from(settings)
+    return value

@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.settings.fields import (
+    Conflict,
+    Matches,
     at_least,
     check_fields,
     open_share,
+    port_number,
     positive,
     setting,
     share,
@@ -31,7 +34,11 @@ WHERE, ENGINE, CACHE, TENANCY, SECURITY, OBSERVABILITY = (
 )
 ENV_PREFIX = "LORAPLEX_"
 HOST_CACHE_BYTES = 2 * 2**30
-"""The host-memory adapter cache without --max-cpu-loras or --cpu-cache-bytes."""
+"""The native engine's host-memory adapter cache without --max-cpu-loras or --cpu-cache-bytes."""
+VLLM_HOST_CACHE_PER_SLOT = 4
+"""The vLLM engine's host cache without --max-cpu-loras: this many adapters per device slot."""
+MIN_RESIDENCY_S = 1.0
+"""The score policy's protection of a new hot adapter without --min-residency-s."""
 
 SCORE_WEIGHTS = {
     "recency": "w_recency",
@@ -83,6 +90,11 @@ class ServeSettings:
         variadic="pairs",
         parse=parse_lora_modules,
         show=lambda modules: {name: str(path) for name, path in modules},
+        schema={
+            "type": ["object", "array", "string"],
+            "items": {"type": "string", "pattern": "^[^=]+=.+$"},
+            "additionalProperties": {"type": "string"},
+        },
         doc="registered as **shared** stable revisions at start (several after one flag, or "
         "repeat it); a name owned by a tenant is refused; with trusted keys each needs "
         "`DIR/adapter.sig`",
@@ -92,6 +104,7 @@ class ServeSettings:
         8000,
         "Port (0: a free one, printed at start)",
         panel=WHERE,
+        check=port_number,
     )
     data_dir: Path = setting(
         Path.home() / ".local" / "share" / "loraplex",
@@ -132,6 +145,7 @@ class ServeSettings:
         panel=ENGINE,
         choices=("process", "thread"),
         default_text="process",
+        default_from=lambda s: "process" if s.engine == "native" else None,
         doc='native engine: where its step loop runs (below, "The native engine\'s process")',
     )
     tensor_parallel_size: int | None = setting(
@@ -173,11 +187,7 @@ class ServeSettings:
         "auto (cuda when available) | cpu | cuda | cuda:N",
         panel=ENGINE,
         metavar="auto|cpu|cuda",
-        check=lambda d: (
-            None
-            if d in ("auto", "cpu", "cuda") or d.startswith("cuda:")
-            else "use auto, cpu or cuda"
-        ),
+        check=Matches("use auto, cpu, cuda or cuda:N", "^(auto|cpu|cuda(:[0-9]+)?)$"),
     )
     max_model_len: int | None = setting(
         None,
@@ -259,14 +269,23 @@ class ServeSettings:
         None,
         "Adapters kept in host memory (a count; or --cpu-cache-bytes)",
         panel=CACHE,
-        doc="the host-memory adapter cache as a count of adapters (instead of `--cpu-cache-bytes`)",
+        check=at_least(1),
+        default_text=f"vllm: {VLLM_HOST_CACHE_PER_SLOT} × --max-loras",
+        default_from=lambda s: (
+            VLLM_HOST_CACHE_PER_SLOT * s.max_loras if s.engine == "vllm" else None
+        ),
+        doc="the host-memory adapter cache as a count of adapters (instead of "
+        "`--cpu-cache-bytes`); the vLLM engine's only measure of it, at least `--max-loras`",
     )
     cpu_cache_bytes: int | None = setting(
         None,
         "Host memory for adapters, e.g. 4GiB",
         panel=CACHE,
         unit="size",
-        default_text=format_size(HOST_CACHE_BYTES),
+        default_text=f"native: {format_size(HOST_CACHE_BYTES)}",
+        default_from=lambda s: (
+            HOST_CACHE_BYTES if s.engine == "native" and s.max_cpu_loras is None else None
+        ),
         doc="host-memory adapter cache in bytes (or `--max-cpu-loras`, not both): more avoids "
         "disk reads and downloads, costs host memory",
     )
@@ -299,6 +318,11 @@ class ServeSettings:
         metavar="NAME=W,...",
         parse=weights(SCORE_WEIGHTS),
         show=dict,
+        schema={
+            "type": ["object", "string"],
+            "propertyNames": {"enum": list(SCORE_WEIGHTS)},
+            "additionalProperties": {"type": "number"},
+        },
         default_text="recency=1, frequency=2, priority=0.5, cost=1, size=0.1, preferred=2",
         doc="the terms of score's keep_score: recency (decays over 60 s), log of the 5-minute "
         "demand, the tenant's priority, the seconds a reload would take, bytes in GiB "
@@ -310,7 +334,8 @@ class ServeSettings:
         "score: seconds a new hot adapter is kept against one-offs",
         panel=CACHE,
         check=at_least(0),
-        default_text="1",
+        default_text=f"{MIN_RESIDENCY_S:g}",
+        default_from=lambda s: MIN_RESIDENCY_S if s.eviction_policy == "score" else None,
         doc="score: a newly loaded hot adapter is kept this long against one-offs with less "
         "demand; longer protects hot adapters, delays one-offs' slots",
     )
@@ -427,6 +452,7 @@ class ServeSettings:
         "Serve the admin API on this port instead",
         panel=SECURITY,
         metavar="PORT",
+        check=port_number,
         doc="serve the admin API (and vLLM's load/unload) on this port only",
     )
     metrics_token_file: Path | None = setting(
@@ -510,11 +536,56 @@ class ServeSettings:
         object.__setattr__(self, "model", Path(self.model))
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.engine_core == "process" and self.engine != "native":
-            raise ValueError("--engine-core process: for --engine native (vLLM runs its own)")
+            raise Conflict(
+                "--engine-core process: for --engine native; vLLM runs its own",
+                "engine_core",
+                "engine",
+            )
         if self.max_cpu_loras is not None and self.cpu_cache_bytes is not None:
-            raise ValueError("give --max-cpu-loras or --cpu-cache-bytes, not both")
+            raise Conflict(
+                "give --max-cpu-loras or --cpu-cache-bytes, not both",
+                "max_cpu_loras",
+                "cpu_cache_bytes",
+            )
         if self.admin_port is not None and self.admin_token_file is None:
-            raise ValueError("--admin-port needs --admin-token-file")
+            raise Conflict("--admin-port needs --admin-token-file", "admin_port")
+        tuned = [
+            n for n in ("score_weights", "min_residency_s") if getattr(self, n) not in (None, ())
+        ]
+        if self.eviction_policy == "lru" and tuned:
+            raise Conflict(
+                "--score-weights and --min-residency-s apply to --eviction-policy score, not lru",
+                "eviction_policy",
+                *tuned,
+            )
+        if self.engine == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """What the vLLM engine refuses: its host cache is a count of adapters."""
+        if self.cpu_cache_bytes is not None:
+            raise Conflict(
+                "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
+                "use --max-cpu-loras",
+                "engine",
+                "cpu_cache_bytes",
+            )
+        if self.tenant_cpu_share < 1.0:
+            raise Conflict(
+                "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not "
+                "bytes; give tenants a host budget in bytes (loraplex registry tenant set T "
+                "--max-cpu-bytes)",
+                "engine",
+                "tenant_cpu_share",
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise Conflict(
+                f"--max-cpu-loras {self.max_cpu_loras}: the vLLM engine keeps at least "
+                f"--max-loras ({self.max_loras}) in host memory",
+                "engine",
+                "max_cpu_loras",
+                "max_loras",
+            )
 
     @property
     def registry_url(self) -> str:

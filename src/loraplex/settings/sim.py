@@ -14,6 +14,9 @@ from loraplex.units import format_size, parse_size
 
 SIMULATE_ENV, PLAN_ENV = "LORAPLEX_SIMULATE_", "LORAPLEX_PLAN_"
 POLICIES = ("lru", "lfu", "gdsf", "score", "a0")
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+"""The `--plot` files' formats (matplotlib's, by the file's suffix)."""
+PLOT_FORMATS_TEXT = "use a .png, .svg or .pdf file"
 WORKLOADS = ("hot-burst", "zipf", "uniform", "diurnal", "rollout", "power")
 """The named workloads `simulate`, `plan` and `bench serve` generate (`loraplex.sim.workload`)."""
 
@@ -159,7 +162,10 @@ class SimulateSettings:
         None, "Write every run: one entry per policy plus optimal", metavar="FILE"
     )
     plot: Path | None = setting(
-        None, "PNG of hit rate and p99 TTFT against capacity", metavar="FILE"
+        None,
+        "Plot of hit rate and p99 TTFT against capacity: a .png, .svg or .pdf file",
+        metavar="FILE",
+        check=lambda path: None if path.suffix.lower() in PLOT_FORMATS else PLOT_FORMATS_TEXT,
     )
     wide: bool = setting(False, "Every column (about 200 wide) and the per-tenant table")
     tenant_budget: tuple[str, ...] = setting(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import typer
@@ -352,6 +353,11 @@ def simulate(s: SimulateSettings) -> None:
                 "nor a trace file",
                 param_hint="--workload",
             )
+    for path, flag in ((s.json, "--json"), (s.plot, "--plot")):
+        problem = path and unwritable(path)
+        if problem:
+            typer.echo(f"error: {flag} {path}: {problem}", err=True)
+            raise typer.Exit(2)
     slots: list[int | None] = list(s.gpu_slots) or [None]
     cpu: list[int | None] = list(s.cpu_bytes) or [None]
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
@@ -390,6 +396,7 @@ def simulate(s: SimulateSettings) -> None:
                 around = sorted({max(1, base // 2), base, base * 2, base * 4})
                 one = {run["workload"]: traces[run["workload"]]}
                 sweep += sweep_of(one, around)
+        plot.parent.mkdir(parents=True, exist_ok=True)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
 
@@ -402,6 +409,19 @@ def _calibration(path: Path | None) -> Calibration:
     except CalibrationError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why an output file cannot be written (None: it can), found before a run: its path is a
+    directory, or its nearest existing folder is a file or is not writable."""
+    if path.is_dir():
+        return "a directory"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "not writable"
+    folder = next(p for p in path.parents if p.exists())  # made with its parents on writing
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:

@@ -23,3 +23,14 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- $tag := default (printf "%s%s" .Chart.AppVersion (ternary "-cpu" "" $cpu)) $w.image.tag -}}
 {{- printf "%s:%s" $w.image.repository $tag -}}
 {{- end -}}
+
+{{/* The worker's `serve --config` file: worker.serve, with the host cache's default for the engine
+(worker.hostCache) where it sets none. values.schema.json has checked each key as serve does. */}}
+{{- define "loraplex.serveSettings" -}}
+{{- $w := .Values.worker -}}
+{{- $serve := deepCopy ($w.serve | default dict) -}}
+{{- if not (or (hasKey $serve "cpu-cache-bytes") (hasKey $serve "max-cpu-loras")) }}
+{{- $serve = merge $serve (deepCopy (index $w.hostCache $w.engine)) }}
+{{- end }}
+{{- toYaml $serve }}
+{{- end -}}
