@@ -29,7 +29,7 @@ from loraplex.residency.key import AdapterRef
 from loraplex.residency.policy import make_policy
 from loraplex.settings.fields import same_named
 from loraplex.settings.serve import DEFAULTS as D
-from loraplex.settings.serve import ServeSettings
+from loraplex.settings.serve import VLLM_HOST_CACHE_PER_SLOT, ServeSettings
 from loraplex.spawn import without_main_module
 
 if TYPE_CHECKING:
@@ -74,7 +74,9 @@ class VllmConfig:
 
     @property
     def host_cache_size(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return VLLM_HOST_CACHE_PER_SLOT * self.max_loras
 
     @classmethod
     def from_settings(
