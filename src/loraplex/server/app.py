@@ -44,6 +44,9 @@ def create_app(
 
     app = FastAPI(title="loraplex", lifespan=lifespan, redoc_url=None)  # /docs and /openapi.json
     app.state.server = server
+    # how the OpenAI requests run: the server's own layer over the engine's generation, or the
+    # engine's own serving layer (the engine picks)
+    app.state.requests = engine.request_layer(openai_api.RequestLayers(server))
     install_handlers(app)
     app.add_middleware(
         RequestMiddleware, on_done=server.finish_request, direct=openai_api.DIRECT_ENDPOINTS

@@ -85,7 +85,8 @@ async def _respond(request: Request, endpoint: str, chat: bool) -> Response:
     ctx.tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     server.check_accepting()
     body = await _read_body(request, server.config.settings.max_body_bytes)
-    return await server.requests.respond(request, ctx, body, chat)
+    layer: RequestLayer = request.app.state.requests
+    return await layer.respond(request, ctx, body, chat)
 
 
 DIRECT_ENDPOINTS: dict[str, Callable[[Request], Awaitable[Response]]] = {

@@ -30,7 +30,8 @@ from loraplex.server.auth import read_admin_token, read_api_keys
 from loraplex.server.engines import engine_config, make_engine
 from loraplex.server.protocol import OneSendPerTurn
 from loraplex.server.startup import StartupError, flag_message
-from loraplex.settings.serve import SCORE_WEIGHTS, ServeSettings
+from loraplex.settings.serve import ServeSettings
+from loraplex.settings.serve_values import SCORE_WEIGHTS
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")

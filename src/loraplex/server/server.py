@@ -35,7 +35,6 @@ from loraplex.server.listing import ModelListing
 from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
-from loraplex.server.openai_api import RequestLayer, RequestLayers
 from loraplex.server.pins import PinReconciler
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 
@@ -93,9 +92,6 @@ class Server:
         self.max_prompt_tokens = settings.max_prompt_tokens or engine.max_model_len - 1
         self.is_started = False
         """The engine has started: requests are taken."""
-        self.requests: RequestLayer = engine.request_layer(RequestLayers(self))
-        """How the OpenAI requests run: the server's own layer over the engine's generation, or
-        the engine's own serving layer (the engine picks)."""
         self.is_draining = False
         self.load_stages: dict[
             str, dict[str, float]

@@ -9,7 +9,7 @@ from typing import Any
 
 from loraplex.settings.fields import at_least, check_fields, positive, setting
 from loraplex.settings.serve import DEFAULTS as SERVE
-from loraplex.settings.serve import HOST_CACHE_BYTES
+from loraplex.settings.serve_values import HOST_CACHE_BYTES
 from loraplex.units import format_size, parse_size
 
 SIMULATE_ENV, PLAN_ENV = "LORAPLEX_SIMULATE_", "LORAPLEX_PLAN_"

@@ -7,21 +7,41 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from loraplex.engines.contract import Generation
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
 from loraplex.engines.native.streams import Streams, request_stream
 from loraplex.residency.key import AdapterRef
 
-if TYPE_CHECKING:
-    from loraplex.engines.native.llm_engine import LLMEngine
-
 log = logging.getLogger(__name__)
 
 
+class Steps(Protocol):
+    """What the step thread drives: the engine's own loop (`LLMEngine`)."""
+
+    scheduler: Any  # its `running` requests
+    adapters: Any  # its residency's `loading`
+    grammars: Any  # `matcher` of a structured output
+
+    def has_work(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def fail_all(self, error: Exception) -> list[RequestOutput]: ...
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: AdapterRef | None,
+        request_id: str,
+        counted: bool,
+        matcher: Any,
+    ) -> Any: ...
+    def abort(self, request_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
 class AsyncEngine(Generation):
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: Steps):
         self.engine = engine
         self._streams: Streams = {}
         self._wake = threading.Event()

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from loraplex.settings.fields import check_fields, same_named
 from loraplex.settings.serve import DEFAULTS as D
-from loraplex.settings.serve import HOST_CACHE_BYTES, ServeSettings
+from loraplex.settings.serve import ServeSettings
+from loraplex.settings.serve_values import HOST_CACHE_BYTES
 
 if TYPE_CHECKING:
     from loraplex.artifacts import ArtifactStore

@@ -584,10 +584,7 @@ class LLMEngine(Engine, TokenEngine):
                 # make every adapter resident first (a step of its own, like any waiting request)
                 failures = self.adapters.poll()
                 self._fail_unavailable(failures)
-                for (
-                    key,
-                    error,
-                ) in failures:
+                for key, error in failures:
                     # these sequences are in no queue: their load's failure is theirs
                     if any(seq.adapter is not None and seq.adapter.key == key for seq in waiting):
                         raise error

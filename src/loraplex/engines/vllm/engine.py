@@ -29,7 +29,8 @@ from loraplex.residency.key import AdapterRef
 from loraplex.residency.policy import make_policy
 from loraplex.settings.fields import same_named
 from loraplex.settings.serve import DEFAULTS as D
-from loraplex.settings.serve import VLLM_HOST_CACHE_PER_SLOT, ServeSettings
+from loraplex.settings.serve import ServeSettings
+from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.spawn import without_main_module
 
 if TYPE_CHECKING:
