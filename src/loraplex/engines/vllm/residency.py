@@ -41,6 +41,7 @@ from loraplex.engines.vllm.residency_tables import (
     Resident,
     lora_int_id,
 )
+from loraplex.engines.vllm.slots import VllmSlots
 from loraplex.engines.vllm.staging import StagedCopies, fingerprint, vllm_shape
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.errors import (
@@ -82,9 +83,6 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     ):
         """`tables`: `ResidencyTables`' capacities, policy, budgets, disk tier and clock."""
         super().__init__(**tables)
-        self.engine = engine  # vLLM's AsyncLLM (add_lora, remove_lora, pin_lora)
-        self._accepted: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
-        self._accepted_shapes: set[str] = set()  # the `vllm_shape`s of those
         self.staging = StagedCopies(
             stage_dir,
             disk=self.disk,
@@ -92,6 +90,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             threads=load_threads,
             in_use=self._in_use,
         )
+        self.slots = VllmSlots(engine, self.staging)
 
     # -- queries (any thread) ----------------------------------------------------------------------
 
@@ -130,7 +129,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             self._running.add(ref.key)
             entry.take_user(tenant)
         self._room.set()  # a request that yielded to this one may find a slot still free
-        return self._request(entry)
+        return self.slots.request(entry.ref.key, entry.lora_id)
 
     def release(self, key: AdapterKey, tenant: str | None = None) -> None:
         """A request of `tenant` handed to vLLM by `acquire` ended (None: any tenant's)."""
@@ -262,11 +261,6 @@ class VllmResidency(ResidencyTables, AdapterResidency):
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _request(self, entry: Resident) -> LoRARequest:
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(str(entry.ref.key), entry.lora_id, str(self.staging.path(entry.ref.key)))
-
     def _schedule(self, coro: Coroutine) -> None:
         """Run `coro` on the server's loop, from that loop or any other thread; errors are
         logged."""
@@ -325,7 +319,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         added = await self._send_add(entry)
         if added is None:
             return  # in vLLM already
-        if entry.lora_id in self._accepted or entry.shape in self._accepted_shapes:
+        if self.slots.takes(entry.lora_id, entry.shape):
             # vLLM added these bytes before, or an adapter of the same shape, so it takes them: its
             # engine core runs the add before any request sent after it (one input queue), and the
             # requests need not wait for the answer's round trip. The answer still ends the add
@@ -347,7 +341,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
 
     async def _send_add(self, entry: Resident) -> asyncio.Task | None:
         """Make room in vLLM's host cache and send the add (None: the adapter is there already)."""
-        lock = self._vllm_lock
+        lock = self.slots.lock
         assert lock is not None  # made by `start`
         async with lock:  # room made and the add sent in the order vLLM takes them
             if entry.in_vllm:
@@ -365,7 +359,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             entry.adding = True
             if entry.refcount:
                 self.host_loads.record("cpu", self.clock())
-            return await self._send(self._add(entry))
+            return await self.slots.send(self.slots.add(entry.ref.key, entry.lora_id))
 
     def _added(self, entry: Resident, task: asyncio.Task, counted: bool = True) -> None:
         """The end of an add sent to vLLM (`counted`: still in `_num_adding`). A known adapter's
@@ -373,44 +367,14 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         if counted:
             self._num_adding -= 1
         entry.adding = False
-        failed = task.cancelled() or task.exception() is not None
-        if not failed:
-            self._accepted.add(entry.lora_id)
-            if entry.shape is not None:
-                self._accepted_shapes.add(entry.shape)
-        elif not counted:  # counted in vLLM already (`_stage_and_add`)
-            self._set_in_vllm(entry, False)
-            self._accepted.discard(entry.lora_id)
-            self._accepted_shapes.discard(entry.shape)  # the next of its shape waits again
-        self._room.set()  # a refused add leaves its room to the loads that wait
-
-    async def _send(self, call: Coroutine) -> asyncio.Task:
-        """`call` (one of vLLM's adapter calls) started, returned once its message is sent. vLLM's
-        engine core runs the calls in the order they were sent, so a call started under
-        `_vllm_lock` keeps its place and its result may be awaited after the lock is released."""
-        task = asyncio.ensure_future(call)
-        await asyncio.sleep(0)  # the task's first step sends the message
-        return task
-
-    async def _add(self, entry: Resident) -> None:
-        """vLLM's add; an adapter it refuses (a module it cannot serve, a rank over its limit) fails
-        alone."""
-        try:
-            added = await self.engine.add_lora(self._request(entry))
-        except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
-            added, reason = (
-                False,
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            )
-        else:
-            reason = "add_lora returned False"
-        if not added:
-            error = AdapterUnavailable(
-                f"vLLM refused adapter {entry.ref.key}: {reason}",
-                f"adapter {entry.ref.key} could not be loaded by the engine",
-            )
+        error = None if task.cancelled() else task.exception()
+        failed = task.cancelled() or error is not None
+        self.slots.took(entry.lora_id, entry.shape, not failed)
+        if error is not None:
             self.on_event(LoadFailed(entry.ref.key, "AdapterRejected", error))
-            raise error
+        if failed and not counted:  # counted in vLLM already (`_stage_and_add`)
+            self._set_in_vllm(entry, False)
+        self._room.set()  # a refused add leaves its room to the loads that wait
 
     async def _make_room(self, incoming: Resident) -> bool:
         """Remove the policy's victim among the removable adapters that the load's tenant may push
@@ -441,8 +405,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
 
     async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
         if not locked:
-            assert self._vllm_lock is not None  # made by `start`
-            async with self._vllm_lock:
+            assert self.slots.lock is not None  # made by `start`
+            async with self.slots.lock:
                 return await self._remove(key, locked=True)
         entry = self.entries.get(key)
         if entry is None or not entry.in_vllm or entry.refcount or entry.adding:
@@ -451,7 +415,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             self._set_in_vllm(entry, False)
             self.count_eviction(entry, self.clock())
         self.staging.unstage(key, entry.nbytes)
-        removed = await self._send(self.engine.remove_lora(entry.lora_id))
+        removed = await self.slots.remove(entry.lora_id)
         removed.add_done_callback(_log_failure)
         self.on_event(Eviction("cpu"))
 
@@ -527,8 +491,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             ]
         if not (to_pin or to_unpin):
             return
-        assert self._vllm_lock is not None  # made by `start`
-        async with self._vllm_lock:
+        assert self.slots.lock is not None  # made by `start`
+        async with self.slots.lock:
             for key in to_unpin:
                 with self._lock:  # before the send yields: no request goes to vLLM with it now
                     entry = self.entries.get(key)
@@ -537,10 +501,8 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                     if key in self._pins_wanted:
                         continue
                     self._set_in_vllm(entry, False)
-                await self.engine.remove_lora(entry.lora_id)
                 # a copy changed since it was verified waits for the next load, which stages again
-                unchanged = self.staging.is_unchanged(key)
-                if unchanged and await self.engine.add_lora(self._request(entry)):
+                if await self.slots.add_again(key, entry.lora_id):
                     self._set_in_vllm(entry, True)
                 self._room.set()
             for key in to_pin:
@@ -553,7 +515,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                     self._set_vllm_pinned(entry, True)
                 pinned = False
                 try:
-                    pinned = await self.engine.pin_lora(entry.lora_id)
+                    pinned = await self.slots.pin(entry.lora_id)
                 finally:
                     if not pinned:
                         self._set_vllm_pinned(entry, False)

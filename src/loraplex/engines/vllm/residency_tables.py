@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from loraplex.engines.vllm.slots import VllmSlots
 from loraplex.engines.vllm.staging import StagedCopies
 from loraplex.residency.budgets import TenantBudgets, usage
 from loraplex.residency.disk import DiskTier
@@ -70,6 +71,7 @@ class ResidencyTables(Ledger[Resident]):
     warm sets the mechanism decides by."""
 
     staging: StagedCopies  # set by the engine's residency, after the tables
+    slots: VllmSlots  # likewise
 
     def __init__(
         self,
@@ -112,14 +114,13 @@ class ResidencyTables(Ledger[Resident]):
         self.loading: dict[AdapterKey, asyncio.Future] = {}
         self.host_loads = DemandTracker(ranked=False)  # one key, "cpu": adds that requests caused
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
-        self._vllm_lock: asyncio.Lock | None = None  # one add/remove at a time (made by `start`)
         self._room = asyncio.Event()  # set when a release may have made a victim available
         self._ids: dict[int, AdapterKey] = {}
         self._num_adding = 0  # adds sent to vLLM whose answer has not come
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._vllm_lock = asyncio.Lock()
+        self.slots.start()
 
     # -- what the ledger reads (vLLM's tiers) ------------------------------------------------------
     def in_slot(self, key: AdapterKey) -> bool:
