@@ -124,12 +124,13 @@ class Reading:
 
     def grace_revisions(self) -> list[RevisionRecord]:
         """Revisions that left traffic less than the grace period ago: keep them warm, do not evict
-        yet."""
+        yet. Never a quarantined or retired one."""
         cutoff = utcnow() - self.grace_period
         with self.store.read() as session:
             rows = session.scalars(
                 select(Revision).where(
-                    Revision.retired_at >= cutoff, Revision.status != "quarantined"
+                    Revision.retired_at >= cutoff,
+                    Revision.status.not_in(("quarantined", "retired")),
                 )
             ).all()
             return [

@@ -75,6 +75,13 @@ _EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|
 _Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
 _SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
 _Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_Keep = Annotated[
+    int | None,
+    typer.Option(
+        help="The name keeps its newest K revisions servable; older ones are retired at each "
+        "promotion (default: as it was, at first every revision)"
+    ),
+]
 _StrictBase = Annotated[
     bool,
     typer.Option(
@@ -101,6 +108,7 @@ def add(
     signing_key: _SigningKey = None,
     digest: _Digest = None,
     strict_base_model_name: _StrictBase = False,
+    keep: _Keep = None,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
@@ -121,6 +129,7 @@ def add(
         eval_set=eval_set,
         signature=signature,
         digest=digest,
+        keep=keep,
     )
     if json_out:
         print_json(record.to_dict())
@@ -131,7 +140,7 @@ def add(
     )
 
 
-STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
+STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined", "retired")
 
 
 @app.command("list")
@@ -254,9 +263,10 @@ def show(
         else f"tenants {', '.join(adapter.allowed_tenants)}"
     )
     pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
+    keep = f", keeps the newest {adapter.keep}" if adapter.keep is not None else ""
     console.print(
         f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
-        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}"
+        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}{keep}"
     )
     console.print(_revisions_table(adapter))
     if audit_log:
