@@ -5,8 +5,10 @@ their artifacts deleted by `gc` once no revision refers to the same bytes."""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 
 import pytest
+from test_fleet_feed import _address, _models, _on_every_worker, _served, _start
 
 from loraplex.registry import AdapterNotFound, AdapterRejected, LifecycleError, Registry
 from loraplex.registry.catalog import Catalog
@@ -202,3 +204,33 @@ def test_a_registry_made_before_keep_gains_the_column_on_open(tmp_path, versions
         registry.close()
     with sqlite3.connect(tmp_path / "registry.db") as conn:
         assert conn.execute("SELECT keep FROM adapters WHERE name = 'policy'").fetchone() == (1,)
+
+
+def test_a_worker_stops_serving_what_is_retired(
+    make_registry, sqlite_url, versions, llama_dir, tmp_path
+):
+    """A real `loraplex serve` on the registry: retirements made by another process reach it by the
+    change feed; `name@retired` is 404 there, the bare name the newest, and /v1/models lists only
+    what serves."""
+    registry = make_registry(sqlite_url)
+    registry.add_tenant("alice")
+    for path in versions[:2]:
+        registry.add_revision(path, "policy", shared=True, status="stable")
+    worker = _start(llama_dir, sqlite_url, tmp_path, 0)
+    try:
+        url = _address(worker)
+        assert (_served(url, "policy"), _served(url, "policy@r1")) == ("policy@r2", "policy@r1")
+        registry.add_revision(versions[2], "policy", status="stable", keep=2)  # r1 retired
+        _on_every_worker([url], lambda u: _served(u, "policy@r1") == 404, "the retirement")
+        assert (_served(url, "policy"), _served(url, "policy@r2")) == ("policy@r3", "policy@r2")
+        registry.delete_revision("policy", "r2")
+        _on_every_worker([url], lambda u: _served(u, "policy@r2") == 404, "the deletion")
+        assert _served(url, "policy") == "policy@r3"
+        assert [m for m in _models(url) if m.startswith("policy")] == ["policy"]
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
