@@ -328,7 +328,8 @@ class Registration:
         # or after the removals, and then finds its artifact gone and puts it back (add_revision).
         artifacts = self._artifacts()
         with self.store.write() as session:
-            used, retired = set(), set()
+            used: set[str] = set()
+            retired: set[str] = set()
             for digest, status in session.execute(select(Revision.digest, Revision.status)):
                 (retired if status == "retired" else used).add(digest)
             cutoff = time.time() - min_age_s
