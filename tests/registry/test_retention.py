@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+import sys
+import time
 
+import httpx
 import pytest
-from test_fleet_feed import _address, _models, _on_every_worker, _served, _start
+from test_fleet_feed import KEY, _address, _models, _on_every_worker, _served
 
 from loraplex.registry import AdapterNotFound, AdapterRejected, LifecycleError, Registry
 from loraplex.registry.catalog import Catalog
@@ -206,6 +209,39 @@ def test_a_registry_made_before_keep_gains_the_column_on_open(tmp_path, versions
         assert conn.execute("SELECT keep FROM adapters WHERE name = 'policy'").fetchone() == (1,)
 
 
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+
+
+def _serve(llama_dir, url: str, tmp_path, *extra) -> subprocess.Popen:
+    """A `loraplex serve` worker on the registry at `url` (alice's key is test_fleet_feed's)."""
+    (tmp_path / "keys").write_text(f"alice {KEY}\n")
+    command = [
+        sys.executable, "-m", "loraplex.cli", "serve", "--model", llama_dir,
+        "--served-model-name", "tiny", "--registry", url, "--port", "0",
+        "--data-dir", tmp_path / "worker", "--engine-core", "thread", "--dtype", "float32",
+        "--api-keys", tmp_path / "keys", "--allowed-roots", tmp_path / "store", *extra,
+    ]  # fmt: skip
+    log = open(tmp_path / "worker.log", "w")
+    return subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _pins(url: str, name: str) -> dict[str, str | None]:
+    """Each resident revision of `name` on the worker, and the tier it is pinned in."""
+    state = httpx.get(
+        f"{url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+    ).json()
+    return {a["revision"]: a["pinned"] for a in state["adapters"] if a["name"] == name}
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    """Poll until it holds (a bound against hangs, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def test_a_worker_stops_serving_what_is_retired(
     make_registry, sqlite_url, versions, llama_dir, tmp_path
 ):
@@ -216,7 +252,7 @@ def test_a_worker_stops_serving_what_is_retired(
     registry.add_tenant("alice")
     for path in versions[:2]:
         registry.add_revision(path, "policy", shared=True, status="stable")
-    worker = _start(llama_dir, sqlite_url, tmp_path, 0)
+    worker = _serve(llama_dir, sqlite_url, tmp_path)
     try:
         url = _address(worker)
         assert (_served(url, "policy"), _served(url, "policy@r1")) == ("policy@r2", "policy@r1")
@@ -227,6 +263,34 @@ def test_a_worker_stops_serving_what_is_retired(
         _on_every_worker([url], lambda u: _served(u, "policy@r2") == 404, "the deletion")
         assert _served(url, "policy") == "policy@r3"
         assert [m for m in _models(url) if m.startswith("policy")] == ["policy"]
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_worker_unpins_a_pinned_names_retired_revision(
+    make_registry, sqlite_url, versions, llama_dir, tmp_path
+):
+    """A name pinned in gpu that keeps 1 revision: its promotion retires the previous stable in the
+    same commit; the worker moves the pin to the new stable and leaves the retired one no pin, not
+    even a grace one."""
+    registry = make_registry(sqlite_url)
+    registry.add_tenant("alice")
+    registry.add_revision(versions[0], "policy", shared=True, status="stable", keep=1)
+    registry.pin("policy", tier="gpu")
+    (tmp_path / "admin.token").write_text(ADMIN_TOKEN + "\n")
+    worker = _serve(llama_dir, sqlite_url, tmp_path, "--admin-token-file", tmp_path / "admin.token")
+    try:
+        url = _address(worker)
+        _wait_for(lambda: _pins(url, "policy") == {"r1": "gpu"}, "r1 pinned at start")
+        registry.add_revision(versions[1], "policy", status="stable")
+        _wait_for(lambda: _pins(url, "policy").get("r2") == "gpu", "the pin to move to r2")
+        assert _pins(url, "policy").get("r1") is None  # unpinned (or evicted already)
+        assert (_served(url, "policy@r1"), _served(url, "policy")) == (404, "policy@r2")
     finally:
         worker.terminate()
         try:
