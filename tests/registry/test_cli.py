@@ -127,7 +127,10 @@ def test_keep_delete_and_gc(cli, adapter_v1, adapter_v2, adapter_v3, llama_dir, 
         "error: K must be a number or none, got 'x'"
     )
     assert cli("keep", "chat", "none").stdout.strip() == "chat: keeps every revision"
-    shown = json.loads(cli("show", "chat", "--json").stdout)
+    assert [
+        r["revision"] for r in json.loads(cli("show", "chat", "--json").stdout)["revisions"]
+    ] == ["r3"]
+    shown = json.loads(cli("show", "chat", "--retired", "--json").stdout)
     statuses = {r["revision"]: r["status"] for r in shown["revisions"]}
     assert (statuses, shown["keep"]) == ({"r1": "retired", "r2": "retired", "r3": "stable"}, None)
     actions = [(e["action"], e["target"]) for e in json.loads(cli("audit", "--json").stdout)]

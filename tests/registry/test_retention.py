@@ -25,7 +25,7 @@ def versions(adapter_factory):
 
 
 def _statuses(registry: Registry, name: str) -> dict[str, str]:
-    return {r.revision: r.status for r in registry.show(name).revisions}
+    return {r.revision: r.status for r in registry.show(name, retired=True).revisions}
 
 
 def _retirements(registry: Registry, name: str) -> list[tuple[str, str]]:
@@ -48,6 +48,7 @@ def test_a_name_keeps_its_newest_k_revisions(registry, versions, resolve):
         ("retire", "policy@r2"),
         ("retire", "policy@r3"),
     ]
+    assert [r.revision for r in registry.show("policy").revisions] == ["r4", "r5"]
     assert resolve(registry, "default", "policy").revision == "r5"
     assert resolve(registry, "default", "policy@r4").revision == "r4"
     for retired in ("r1", "r2", "r3"):

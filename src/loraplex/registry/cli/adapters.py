@@ -140,6 +140,7 @@ def add(
     )
 
 
+_Retired = Annotated[bool, typer.Option("--retired", help="Count and show retired revisions too")]
 STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined", "retired")
 
 
@@ -158,13 +159,16 @@ def list_(
     after: Annotated[
         str | None, typer.Option(help="Those named after this (the last name of the page before)")
     ] = None,
+    retired: _Retired = False,
     json_out: JsonFlag = False,
 ):
     """Adapters, their traffic split and owners, by name."""
     if status is not None and status not in STATUSES:
         typer.echo(f"error: --status {status}: give one of {', '.join(STATUSES)}", err=True)
         raise typer.Exit(2)
-    adapters = open_registry(ctx).list_adapters(tenant, status=status, after=after, limit=limit)
+    adapters = open_registry(ctx).list_adapters(
+        tenant, status=status, after=after, limit=limit, retired=retired
+    )
     if json_out:
         print_json([a.to_dict() for a in adapters])
         return
@@ -248,10 +252,12 @@ def show(
     audit_log: Annotated[
         Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
     ] = None,
+    retired: _Retired = False,
     json_out: JsonFlag = False,
 ):
-    """One adapter: its revisions, with --audit-log its requests, errors, TTFT/TPOT per revision."""
-    adapter = open_registry(ctx).show(name)
+    """One adapter: its revisions (the retired ones with --retired), with --audit-log its
+    requests, errors, TTFT/TPOT per revision."""
+    adapter = open_registry(ctx).show(name, retired)
     stats = revision_stats(audit_log, name) if audit_log else []
     if json_out:
         print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})

@@ -92,14 +92,11 @@ def keep(
     promotion."""
     value = None if count == "none" else _count(count)
     registry = open_registry(ctx)
-    before = _retired(registry.show(name))
-    retired = [r for r in _retired(registry.set_keep(name, value)) if r not in before]
+    before = [r.revision for r in registry.show(name).revisions]
+    after = {r.revision for r in registry.set_keep(name, value).revisions}
+    retired = [r for r in before if r not in after]
     kept = "every revision" if value is None else f"the newest {value} revisions"
     typer.echo(f"{name}: keeps {kept}" + (f"; retired {', '.join(retired)}" if retired else ""))
-
-
-def _retired(adapter: AdapterRecord) -> list[str]:
-    return [r.revision for r in adapter.revisions if r.status == "retired"]
 
 
 def _count(text: str) -> int:
