@@ -4,15 +4,16 @@ their artifacts deleted by `gc` once no revision refers to the same bytes."""
 
 from __future__ import annotations
 
-import sqlite3
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from sqlalchemy import inspect
 from test_fleet_feed import KEY, _address, _models, _on_every_worker, _served
 
+from loraplex.artifacts import ArtifactStore
 from loraplex.registry import AdapterNotFound, AdapterRejected, LifecycleError, Registry
 from loraplex.registry.catalog import Catalog
 from loraplex.registry.rollouts import RolloutStore
@@ -191,23 +192,26 @@ def test_keep_is_checked(registry, versions):
     assert keeps == [{"keep": None}, {"keep": 3}]
 
 
-def test_a_registry_made_before_keep_gains_the_column_on_open(tmp_path, versions, llama_dir):
-    url = f"sqlite:///{tmp_path / 'registry.db'}"
-    registry = Registry(url, base_model_dir=llama_dir)
+def test_a_registry_made_before_keep_gains_the_column_on_open(
+    db_url, versions, llama_dir, tmp_path
+):
+    registry = Registry(db_url, ArtifactStore(tmp_path / "store"), base_model_dir=llama_dir)
     registry.init()
     registry.add_revision(versions[0], "policy", status="stable")
+    engine = registry.engine
+    with engine.begin() as conn:  # the table as an older version made it
+        conn.exec_driver_sql("ALTER TABLE adapters DROP COLUMN keep")
+    assert "keep" not in {c["name"] for c in inspect(engine).get_columns("adapters")}
     registry.close()
-    with sqlite3.connect(tmp_path / "registry.db") as conn:  # the table as an older version made it
-        conn.execute("ALTER TABLE adapters DROP COLUMN keep")
-    registry = Registry(url, base_model_dir=llama_dir)
+    registry = Registry(db_url, ArtifactStore(tmp_path / "store"), base_model_dir=llama_dir)
     try:
         assert registry.show("policy").keep is None
         registry.add_revision(versions[1], "policy", status="stable", keep=1)
         assert _statuses(registry, "policy") == {"r1": "retired", "r2": "stable"}
+        with registry.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT keep FROM adapters").all() == [(1,)]
     finally:
         registry.close()
-    with sqlite3.connect(tmp_path / "registry.db") as conn:
-        assert conn.execute("SELECT keep FROM adapters WHERE name = 'policy'").fetchone() == (1,)
 
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
