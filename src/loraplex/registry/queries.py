@@ -31,7 +31,8 @@ def tenant_or_error(session: Session, tenant: str) -> Tenant:
     return row
 
 
-_NOT_RETIRED = Revision.status != "retired"
+NOT_RETIRED = Revision.status != "retired"
+"""A retired revision is served no more (`retention`); its row stays."""
 
 
 def find_revision(
@@ -55,7 +56,7 @@ def find_revision(
         ):  # the same bytes under a new label: one revision per content
             same = session.scalar(
                 select(Revision)
-                .where(Revision.adapter_name == name, Revision.digest == digest, _NOT_RETIRED)
+                .where(Revision.adapter_name == name, Revision.digest == digest, NOT_RETIRED)
                 .limit(1)
             )
             if same is not None:
@@ -69,7 +70,7 @@ def find_revision(
         return None
     return session.scalar(
         select(Revision)
-        .where(Revision.adapter_name == name, Revision.digest == digest, _NOT_RETIRED)
+        .where(Revision.adapter_name == name, Revision.digest == digest, NOT_RETIRED)
         .order_by(Revision.id)
         .limit(1)
     )

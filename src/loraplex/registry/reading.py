@@ -33,8 +33,6 @@ from loraplex.registry.records import (
 )
 from loraplex.registry.store import Store
 
-_NOT_RETIRED = Revision.status != "retired"
-
 
 class Reading:
     """Reads for operators and the server's listings."""
@@ -80,10 +78,10 @@ class Reading:
 
             grants = q.all_grants(session) if not few else _grants_of(session, names)
             revisions: dict[str, list[Revision]] = {}
-            query = select(Revision).order_by(Revision.id)
+            of_names = select(Revision).order_by(Revision.id)
             if not (retired or status == "retired"):
-                query = query.where(_NOT_RETIRED)
-            for (row,) in rows_of(query, Revision.adapter_name):
+                of_names = of_names.where(q.NOT_RETIRED)
+            for (row,) in rows_of(of_names, Revision.adapter_name):
                 revisions.setdefault(row.adapter_name, []).append(row)
             weights = {
                 rid: w
@@ -111,7 +109,7 @@ class Reading:
             if adapter is None:
                 raise AdapterNotFound(name)
             query = select(Revision).where(Revision.adapter_name == name).order_by(Revision.id)
-            rows = session.scalars(query if retired else query.where(_NOT_RETIRED))
+            rows = session.scalars(query if retired else query.where(q.NOT_RETIRED))
             tier = session.get(PinTier, name)
             return adapter_record(
                 adapter,

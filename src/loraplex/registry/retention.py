@@ -27,13 +27,12 @@ def check_keep(keep: int | None) -> None:
         )
 
 
-def retire_beyond_keep(store: Store, session: Session, adapter: Adapter) -> list[str]:
+def retire_beyond_keep(store: Store, session: Session, adapter: Adapter) -> None:
     """Retire the revisions of `adapter` older than its newest `keep` (by creation; quarantined
     ones take no place), except the stable, those in traffic and those of a rollout under way:
-    inside the caller's write transaction, one audit event (`retire`) each. The retired labels,
-    oldest first."""
+    inside the caller's write transaction, one audit event (`retire`) each, oldest first."""
     if adapter.keep is None:
-        return []
+        return
     newest_first = session.scalars(
         select(Revision)
         .where(
@@ -43,12 +42,9 @@ def retire_beyond_keep(store: Store, session: Session, adapter: Adapter) -> list
         .order_by(Revision.id.desc())
     ).all()
     held = held_revisions(session, adapter.name)
-    retired = []
     for row in reversed(newest_first[adapter.keep :]):
         if row.revision not in held:
             retire(store, session, row, "retire", f"older than the newest {adapter.keep}")
-            retired.append(row.revision)
-    return retired
 
 
 def held_revisions(session: Session, name: str) -> set[str]:

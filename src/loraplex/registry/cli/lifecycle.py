@@ -110,7 +110,7 @@ def _count(text: str) -> int:
 @errors
 def delete(ctx: typer.Context, name: str, revision: str):
     """Retire a revision now: never served again, its artifact left to `gc`. Refused for the
-    stable revision and one in a split."""
+    stable revision, one in a split or a rollout under way, and a quarantined one."""
     open_registry(ctx).delete_revision(name, revision)
     typer.echo(f"{name}@{revision}: retired")
 
