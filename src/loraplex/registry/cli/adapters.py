@@ -201,7 +201,7 @@ def import_(
         Path,
         typer.Argument(
             help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
-            "warm, priority, stable, digest, signature, eval_set) or a directory of adapter "
+            "warm, priority, stable, digest, signature, eval_set, keep) or a directory of adapter "
             "directories (each named by its directory)"
         ),
     ],
