@@ -107,6 +107,47 @@ def test_refusals_print_one_line_and_exit_1(cli, adapter_factory, llama_dir):
     assert "must be REV=PERCENT" in cli("traffic", "chat", "r1", ok=False).stderr
 
 
+def test_keep_delete_and_gc(cli, adapter_v1, adapter_v2, adapter_v3, llama_dir, tmp_path):
+    for path in (adapter_v1, adapter_v2):
+        cli("add", path, "--name", "chat", "--base-model", llama_dir, "--stable", "--keep", "2")
+    assert json.loads(cli("show", "chat", "--json").stdout)["keep"] == 2
+    cli("add", adapter_v3, "--name", "chat", "--base-model", llama_dir)  # r3, staged
+    assert "keeps the newest 2" in " ".join(cli("show", "chat").stdout.split())  # rich wraps
+    refused = cli("delete", "chat", "r2", ok=False)
+    assert (refused.exit_code, refused.stderr) == (
+        1,
+        "error: chat@r2 is the stable revision; promote another revision first\n",
+    )
+    assert cli("delete", "chat", "r1").stdout.strip() == "chat@r1: retired"
+    assert cli("list", "--status", "retired").stdout.count("chat") == 1
+    # r2 is the stable and r3 the newest: nothing more to retire until r3 is promoted
+    assert cli("keep", "chat", "1").stdout.strip() == "chat: keeps the newest 1 revisions"
+    cli("promote", "chat", "r3")
+    assert cli("keep", "chat", "x", ok=False).stderr.strip() == (
+        "error: K must be a number or none, got 'x'"
+    )
+    assert cli("keep", "chat", "none").stdout.strip() == "chat: keeps every revision"
+    assert [
+        r["revision"] for r in json.loads(cli("show", "chat", "--json").stdout)["revisions"]
+    ] == ["r3"]
+    shown = json.loads(cli("show", "chat", "--retired", "--json").stdout)
+    statuses = {r["revision"]: r["status"] for r in shown["revisions"]}
+    assert (statuses, shown["keep"]) == ({"r1": "retired", "r2": "retired", "r3": "stable"}, None)
+    actions = [(e["action"], e["target"]) for e in json.loads(cli("audit", "--json").stdout)]
+    assert actions[:5] == [
+        ("keep", "chat"),
+        ("retire", "chat@r2"),
+        ("promote", "chat@r3"),
+        ("keep", "chat"),
+        ("delete", "chat@r1"),
+    ]
+    store = tmp_path / "data" / "artifacts" / "sha256"
+    retired = [r["digest"].removeprefix("sha256:") for r in shown["revisions"][:2]]
+    assert all((store / hex / "adapter_model.safetensors").is_file() for hex in retired)
+    assert cli("gc").stdout.strip() == "removed 2 artifact(s)"
+    assert [p.name for p in store.iterdir()] == [shown["revisions"][2]["digest"][7:]]
+
+
 def test_tenants_and_keys(cli, tmp_path):
     assert (
         cli("tenant", "add", "acme", "--priority", "3").stdout.strip() == "tenant acme (priority 3)"

@@ -135,3 +135,24 @@ def test_a_bad_line_exits_2_with_one_line_and_records_nothing(cli, variants, lla
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines
     assert json.loads(cli("list", "--json").stdout) == []
+
+
+def test_an_import_sets_keep_and_retires_beyond_it(registry, variants):
+    registry.add_revision(variants[0], "policy", status="stable")
+    items = [
+        ImportItem(path=variants[1], name="policy", stable=True, keep=1),
+        ImportItem(path=variants[2], name="fresh", keep=2),
+    ]
+    result = registry.add_revisions(items)
+    assert [(r.model_id, r.status) for r in result.records] == [
+        ("policy@r2", "stable"),
+        ("fresh@r1", "staging"),
+    ]
+    shown = registry.show("policy", retired=True)
+    assert [(r.revision, r.status) for r in shown.revisions] == [
+        ("r1", "retired"),
+        ("r2", "stable"),
+    ]
+    assert (shown.keep, registry.show("fresh").keep) == (1, 2)
+    with pytest.raises(ImportRefused, match="item 1 .*keep: a name keeps at least 1"):
+        registry.add_revisions([ImportItem(path=variants[3], name="other", keep=0)])

@@ -28,6 +28,7 @@ from loraplex.registry.db import (
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.records import RevisionRecord, revision_record
 from loraplex.registry.registration import Registration, Stored, check_names
+from loraplex.registry.retention import check_keep, retire_beyond_keep
 
 BATCH = 1000
 """Adapters recorded per transaction."""
@@ -50,6 +51,7 @@ class ImportItem:
     digest: str | None = None
     signature: str | None = None
     eval_set: Path | None = None
+    keep: int | None = None
 
 
 class ImportRefused(RegistryError):
@@ -134,6 +136,7 @@ class BulkImport:
                             done.spec.task_type,
                             item.warm,
                             item.priority,
+                            item.keep,
                         )
                         num_new += (
                             q.find_revision(session, item.name, item.revision, done.digest) is None
@@ -143,6 +146,8 @@ class BulkImport:
                                 session, adapter, done, item.revision, _status(item)
                             )
                         )
+                        if item.keep is not None:
+                            retire_beyond_keep(self.store, session, adapter)
         by_name = {r.name: r for r in records}
         return ImportResult(tuple(by_name[i.name] for i in items), num_new)
 
@@ -255,6 +260,7 @@ class BulkImport:
             "owner": adapter["owner_tenant"],
             "shared": adapter["shared"],
             "estimated_bytes": done.spec.estimated_bytes,
+            **({"keep": item.keep} if item.keep is not None else {}),
         }
         return {
             "at": now,
@@ -271,6 +277,7 @@ class BulkImport:
         for index, item in enumerate(items):
             try:
                 check_names(item.name, item.revision, item.warm, _status(item))
+                check_keep(item.keep)
             except AdapterRejected as exc:
                 raise ImportRefused(f"item {index + 1} ({item.name}): {exc}") from None
             if item.name in seen:
@@ -300,4 +307,5 @@ def _adapter_row(item: ImportItem, done: Stored, now) -> dict:
         "warm_policy": item.warm or "on_demand",
         "pinned": False,
         "created_at": now,
+        "keep": item.keep,
     }

@@ -251,7 +251,9 @@ def _read_entries(conn: Connection, names: list[str] | None) -> dict[str, Entry]
     query = select(_REVISIONS, _TRAFFIC.c.weight).outerjoin(
         _TRAFFIC, _TRAFFIC.c.revision_id == _REVISIONS.c.id
     )
-    query = where(query, _REVISIONS.c.adapter_name).order_by(_REVISIONS.c.id)
+    # a retired revision is served no more: neither resolved nor listed
+    query = where(query, _REVISIONS.c.adapter_name).where(_REVISIONS.c.status != "retired")
+    query = query.order_by(_REVISIONS.c.id)
     for row in _plain(conn.execute(query)):
         revisions.setdefault(row.adapter_name, []).append(row)
     grants: dict[str, list[str]] = {}

@@ -89,6 +89,9 @@ class Adapter(Base):
     warm_policy: Mapped[str] = mapped_column(String(16), default="on_demand")
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # How many of the newest revisions stay servable (NULL: all); the older ones are retired
+    # (`retention`). Added to an existing registry on open (add_missing_columns).
+    keep: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Revision(Base):
@@ -182,6 +185,10 @@ class AuditEvent(Base):
     action: Mapped[str] = mapped_column(String(32))
     target: Mapped[str] = mapped_column(String(160))
     detail: Mapped[str] = mapped_column(Text, default="{}")  # JSON object
+
+
+ROLLOUT_ACTIVE = ("running", "rolling_back")
+"""Phases of a rollout under way: `rolling_back` is a rollback decided and not yet seen applied."""
 
 
 class Rollout(Base):

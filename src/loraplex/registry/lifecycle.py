@@ -18,6 +18,7 @@ from loraplex.registry.errors import (
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import PIN_TIERS, AdapterRecord, read_revision_record
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
+from loraplex.registry.retention import retire_beyond_keep
 from loraplex.registry.store import Store
 
 
@@ -37,8 +38,8 @@ class LifeCycle:
         checks: ReleaseChecks | None = None,
         force: bool = False,
     ) -> AdapterRecord:
-        """Give `revision` `weight`% of the traffic (100: it becomes stable; less: a canary beside
-        the stable).
+        """Give `revision` `weight`% of the traffic (100: it becomes stable, and the revisions
+        beyond the name's `keep` are retired; less: a canary beside the stable).
 
         A revision that has no traffic yet first passes the release checks; with no checks given,
         one that has an eval set is refused unless `force`.
@@ -47,9 +48,9 @@ class LifeCycle:
             raise LifecycleError(f"weight must be between 1 and 100, got {weight}")
         summary = self._release_checks(name, revision, checks, force)
         with self.store.write() as session:
-            q.locked_adapter_or_404(session, name)
+            adapter = q.locked_adapter_or_404(session, name)
             row = q.revision_or_404(session, name, revision)
-            q.refuse_quarantined(row)
+            q.refuse_unservable(row)
             stable = q.current_stable(session, name)
             if weight == 100:
                 plan, new_stable = {revision: 100}, revision
@@ -64,6 +65,8 @@ class LifeCycle:
                 traffic=plan,
                 checks=summary,
             )
+            if weight == 100:
+                retire_beyond_keep(self.store, session, adapter)
         return self.reading.show(name)
 
     def _canary_plan(self, session, name, revision, weight, stable) -> tuple[dict[str, int], str]:
@@ -95,7 +98,7 @@ class LifeCycle:
             row = q.find_revision(session, name, revision, None) if adapter else None
             if row is None:
                 raise AdapterNotFound(f"{name}@{revision}")
-            q.refuse_quarantined(row)
+            q.refuse_unservable(row)
             if q.weights(session, name).get(row.id):
                 return "already in traffic"
             record, eval_text = read_revision_record(session, adapter, row), row.eval_set
@@ -129,10 +132,10 @@ class LifeCycle:
             )
         summaries = {rev: self._release_checks(name, rev, checks, force) for rev in plan}
         with self.store.write() as session:
-            q.locked_adapter_or_404(session, name)
+            adapter = q.locked_adapter_or_404(session, name)
             rows = {rev: q.revision_or_404(session, name, rev) for rev in plan}
             for row in rows.values():
-                q.refuse_quarantined(row)
+                q.refuse_unservable(row)
             stable = q.current_stable(session, name)
             new_stable = (
                 stable.revision
@@ -141,6 +144,8 @@ class LifeCycle:
             )
             q.apply_traffic(session, name, plan, stable=new_stable)
             self.store.audit(session, "set_traffic", name, traffic=plan, checks=summaries)
+            if stable is None or stable.revision != new_stable:
+                retire_beyond_keep(self.store, session, adapter)
         return self.reading.show(name)
 
     def rollback(self, name: str) -> AdapterRecord:
@@ -174,7 +179,8 @@ class LifeCycle:
                 q.apply_traffic(session, name, {}, stable=None)
                 rows = session.scalars(
                     select(Revision).where(
-                        Revision.adapter_name == name, Revision.status != "quarantined"
+                        Revision.adapter_name == name,
+                        Revision.status.not_in(("quarantined", "retired")),
                     )
                 ).all()
             else:
@@ -184,7 +190,7 @@ class LifeCycle:
                         f"{name}@{revision} serves traffic; promote another revision or roll back "
                         "first"
                     )
-                q.refuse_quarantined(rows[0])
+                q.refuse_unservable(rows[0])
             for row in rows:
                 row.status, row.status_reason = "deprecated", "deprecated by operator"
             self.store.audit(session, "deprecate", f"{name}@{revision}" if revision else name)

@@ -31,11 +31,16 @@ def tenant_or_error(session: Session, tenant: str) -> Tenant:
     return row
 
 
+NOT_RETIRED = Revision.status != "retired"
+"""A retired revision is served no more (`retention`); its row stays."""
+
+
 def find_revision(
     session: Session, name: str, revision: str | None, digest: str | None
 ) -> Revision | None:
     """By revision when given (refusing a different digest under it), else the one holding
-    `digest`."""
+    `digest`. A retired revision keeps its label but not its bytes: they may come back as a new
+    revision."""
     if revision is not None:
         row = session.scalar(
             select(Revision).where(Revision.adapter_name == name, Revision.revision == revision)
@@ -51,7 +56,7 @@ def find_revision(
         ):  # the same bytes under a new label: one revision per content
             same = session.scalar(
                 select(Revision)
-                .where(Revision.adapter_name == name, Revision.digest == digest)
+                .where(Revision.adapter_name == name, Revision.digest == digest, NOT_RETIRED)
                 .limit(1)
             )
             if same is not None:
@@ -65,7 +70,7 @@ def find_revision(
         return None
     return session.scalar(
         select(Revision)
-        .where(Revision.adapter_name == name, Revision.digest == digest)
+        .where(Revision.adapter_name == name, Revision.digest == digest, NOT_RETIRED)
         .order_by(Revision.id)
         .limit(1)
     )
@@ -78,11 +83,17 @@ def revision_or_404(session: Session, name: str, revision: str) -> Revision:
     return row
 
 
-def refuse_quarantined(row: Revision) -> None:
+def refuse_unservable(row: Revision) -> None:
+    """LifecycleError for a quarantined or retired revision: neither is served again."""
     if row.status == "quarantined":
         raise LifecycleError(
             f"{row.adapter_name}@{row.revision} is quarantined ({row.status_reason}); it is never "
             "served"
+        )
+    if row.status == "retired":
+        raise LifecycleError(
+            f"{row.adapter_name}@{row.revision} is retired ({row.status_reason}); register its "
+            "bytes again for a new revision"
         )
 
 
@@ -128,7 +139,7 @@ def previous_stable(
         .where(
             Revision.adapter_name == name,
             Revision.stable_since.is_not(None),
-            Revision.status != "quarantined",
+            Revision.status.not_in(("quarantined", "retired")),
         )
         .order_by(Revision.stable_since.desc())
     )

@@ -48,9 +48,11 @@ class Reading:
         status: str | None = None,
         after: str | None = None,
         limit: int | None = None,
+        retired: bool = False,
     ) -> list[AdapterRecord]:
         """Adapters by name: every one, or only those `tenant` may use, those with a revision in
-        `status`; one page with `limit` (and `after`, the last name of the page before)."""
+        `status`; one page with `limit` (and `after`, the last name of the page before). Their
+        retired revisions only with `retired` (or `status` retired)."""
         query = select(Adapter).order_by(Adapter.name)
         if tenant is not None:
             granted = select(Grant.adapter_name).where(Grant.tenant == tenant)
@@ -76,7 +78,10 @@ class Reading:
 
             grants = q.all_grants(session) if not few else _grants_of(session, names)
             revisions: dict[str, list[Revision]] = {}
-            for (row,) in rows_of(select(Revision).order_by(Revision.id), Revision.adapter_name):
+            of_names = select(Revision).order_by(Revision.id)
+            if not (retired or status == "retired"):
+                of_names = of_names.where(q.NOT_RETIRED)
+            for (row,) in rows_of(of_names, Revision.adapter_name):
                 revisions.setdefault(row.adapter_name, []).append(row)
             weights = {
                 rid: w
@@ -97,14 +102,14 @@ class Reading:
                 for a in adapters
             ]
 
-    def show(self, name: str) -> AdapterRecord:
+    def show(self, name: str, retired: bool = False) -> AdapterRecord:
+        """The adapter with its revisions; the retired ones (which only grow) with `retired`."""
         with self.store.read() as session:
             adapter = session.get(Adapter, name)
             if adapter is None:
                 raise AdapterNotFound(name)
-            rows = session.scalars(
-                select(Revision).where(Revision.adapter_name == name).order_by(Revision.id)
-            )
+            query = select(Revision).where(Revision.adapter_name == name).order_by(Revision.id)
+            rows = session.scalars(query if retired else query.where(q.NOT_RETIRED))
             tier = session.get(PinTier, name)
             return adapter_record(
                 adapter,
@@ -124,12 +129,13 @@ class Reading:
 
     def grace_revisions(self) -> list[RevisionRecord]:
         """Revisions that left traffic less than the grace period ago: keep them warm, do not evict
-        yet."""
+        yet. Never a quarantined or retired one."""
         cutoff = utcnow() - self.grace_period
         with self.store.read() as session:
             rows = session.scalars(
                 select(Revision).where(
-                    Revision.retired_at >= cutoff, Revision.status != "quarantined"
+                    Revision.retired_at >= cutoff,
+                    Revision.status.not_in(("quarantined", "retired")),
                 )
             ).all()
             return [

@@ -40,7 +40,7 @@ class RevisionRecord:
     actual_bytes: int
     priority: int
     warm_policy: str  # gpu | cpu | on_demand
-    status: str  # staging | canary | stable | deprecated | quarantined
+    status: str  # staging | canary | stable | deprecated | quarantined | retired
     storage_uri: str
     signature: str | None
     created_at: datetime
@@ -79,6 +79,8 @@ class AdapterRecord:
     revisions: tuple[RevisionRecord, ...]  # oldest first
     pin_tier: str | None = None
     """`gpu` or `cpu` when pinned: the tier a start pins it in."""
+    keep: int | None = None
+    """How many of the newest revisions stay servable (None: all); older ones are retired."""
 
     @property
     def stable(self) -> RevisionRecord | None:
@@ -95,6 +97,7 @@ class AdapterRecord:
             "warm_policy": self.warm_policy,
             "pinned": self.pinned,
             "pin_tier": self.pin_tier,
+            "keep": self.keep,
             "created_at": self.created_at.isoformat(),
             "traffic": dict(self.traffic),
             "revisions": [r.to_dict() for r in self.revisions],
@@ -211,4 +214,5 @@ def adapter_record(
         traffic=serving_order(revisions),
         revisions=revisions,
         pin_tier=pin_tier if adapter.pinned else None,
+        keep=adapter.keep,
     )

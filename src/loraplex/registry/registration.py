@@ -35,6 +35,7 @@ from loraplex.registry.records import (
     read_revision_record,
 )
 from loraplex.registry.release import parse_eval_set
+from loraplex.registry.retention import check_keep, retire_beyond_keep
 from loraplex.registry.signing import read_signature_file, verify_digest
 from loraplex.registry.store import Store
 
@@ -101,23 +102,30 @@ class Registration:
         signature: str | None = None,
         digest: str | None = None,
         base_model: str | None = None,
+        keep: int | None = None,
     ) -> RevisionRecord:
         """Validate an adapter directory, put it into the store and record it, in one transaction.
 
         `tenant` owns the adapter (None: shared by all); `shared=True` with a tenant makes an owned
         adapter usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
-        does). Registering the same bytes again under the same name returns the existing revision.
+        does). `keep`: the name keeps its newest `keep` revisions servable from now on (None: as it
+        was; `retention`). Registering the same bytes again under the same name returns the
+        existing revision (a retired one's bytes make a new revision).
         """
         check_names(name, revision, warm_policy, status)
+        check_keep(keep)
         stored = self.check_and_store(
             Path(src_dir), base_model_dir, base_model, eval_set, digest, signature
         )
         with self.store.write() as session:
             adapter = self.adapter_for_add(
-                session, name, tenant, shared, stored.spec.task_type, warm_policy, priority
+                session, name, tenant, shared, stored.spec.task_type, warm_policy, priority, keep
             )
-            return self.insert_revision(session, adapter, stored, revision, status)
+            record = self.insert_revision(session, adapter, stored, revision, status)
+            if keep is not None:
+                retire_beyond_keep(self.store, session, adapter)
+            return record
 
     def check_and_store(
         self, src: Path, base_model_dir, base_model, eval_set, digest, signature
@@ -173,6 +181,12 @@ class Registration:
         if session.get(ArtifactPieces, actual) is None:
             session.add(ArtifactPieces(digest=actual, pieces=stored.sha256_pieces))
         existing = q.find_revision(session, name, revision, actual)
+        if existing is not None and existing.status == "retired":
+            raise AdapterRejected(
+                "revision",
+                f"{name}@{revision} is retired and its label is not used again; register these "
+                "bytes under a new revision",
+            )
         if existing is not None:
             return read_revision_record(session, adapter, existing)
         row = Revision(
@@ -204,9 +218,11 @@ class Registration:
             owner=adapter.owner_tenant,
             shared=adapter.shared,
             estimated_bytes=spec.estimated_bytes,
+            **({"keep": adapter.keep} if adapter.keep is not None else {}),
         )
         if status == "stable":
             q.apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
+            retire_beyond_keep(self.store, session, adapter)
         return read_revision_record(session, adapter, row)
 
     def put_again(self, stored: Stored) -> None:
@@ -262,7 +278,7 @@ class Registration:
         return spec, base_name, base_model_digest(base_dir)
 
     def adapter_for_add(
-        self, session, name, tenant, shared, task_type, warm_policy, priority
+        self, session, name, tenant, shared, task_type, warm_policy, priority, keep=None
     ) -> Adapter:
         if tenant is not None and session.get(Tenant, tenant) is None:
             raise AdapterRejected(
@@ -280,6 +296,7 @@ class Registration:
                 warm_policy=warm_policy or "on_demand",
                 pinned=False,
                 created_at=utcnow(),
+                keep=keep,
             )
             session.add(adapter)
             session.flush()
@@ -294,6 +311,8 @@ class Registration:
             adapter.warm_policy = warm_policy
         if priority is not None:
             adapter.priority = priority
+        if keep is not None:
+            adapter.keep = keep
         return adapter
 
     def storage_uri(self, digest: str) -> str:
@@ -302,18 +321,22 @@ class Registration:
         return self._artifacts().uri(digest)
 
     def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
-        """Remove store entries no revision refers to and older than `min_age_s` (left by refused or
-        interrupted registrations; the age keeps a registration in flight from losing its bytes)."""
+        """Remove the store entries of retired revisions that no other revision refers to, and
+        those no revision refers to once older than `min_age_s` (left by refused or interrupted
+        registrations; the age keeps a registration in flight from losing its bytes)."""
         # Under the write lock: a registration commits its row before this reads the digests in use,
         # or after the removals, and then finds its artifact gone and puts it back (add_revision).
         artifacts = self._artifacts()
         with self.store.write() as session:
-            used = set(session.scalars(select(Revision.digest)))
+            used: set[str] = set()
+            retired: set[str] = set()
+            for digest, status in session.execute(select(Revision.digest, Revision.status)):
+                (retired if status == "retired" else used).add(digest)
             cutoff = time.time() - min_age_s
             removed = [
                 d
                 for d in artifacts.digests()
-                if d not in used and artifacts.path(d).stat().st_mtime < cutoff
+                if d not in used and (d in retired or artifacts.path(d).stat().st_mtime < cutoff)
             ]
             for digest in removed:
                 artifacts.remove(digest)

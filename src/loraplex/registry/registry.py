@@ -15,6 +15,7 @@ from loraplex.registry.lifecycle import LifeCycle
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import NAME_RE
 from loraplex.registry.registration import Registration
+from loraplex.registry.retention import Retention
 from loraplex.registry.store import Store, default_store_for
 from loraplex.registry.tenancy import Tenancy, check_tenant_limits
 
@@ -56,6 +57,7 @@ class Registry:
         self.bulk = BulkImport(self.registration)
         self.reading = Reading(self.db, timedelta(seconds=grace_period_s))
         self.lifecycle = LifeCycle(self.db, self.reading)
+        self.retention = Retention(self.db, self.reading)
         self.tenancy = Tenancy(self.db)
         self._name_methods()
 
@@ -80,6 +82,8 @@ class Registry:
         self.quarantine = self.lifecycle.quarantine
         self.pin = self.lifecycle.pin
         self.unpin = self.lifecycle.unpin
+        self.set_keep = self.retention.set_keep
+        self.delete_revision = self.retention.delete
         self.add_tenant = self.tenancy.add_tenant
         self.set_budget = self.tenancy.set_budget
         self.set_tenant_limits = self.tenancy.set_tenant_limits

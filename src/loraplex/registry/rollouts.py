@@ -19,7 +19,7 @@ from loraplex.registry.db import Revision, Rollout, as_utc, utcnow
 from loraplex.registry.errors import AdapterNotFound, LifecycleError, RegistryError
 from loraplex.registry.registry import Registry
 
-ACTIVE = ("running", "rolling_back")
+ACTIVE = db.ROLLOUT_ACTIVE
 """Phases of a rollout under way: `rolling_back` is a rollback decided and not yet seen applied."""
 ENDED = ("promoted", "rolled_back", "aborted", "ended")
 """`ended`: by someone else (a quarantine, a manual rollback or split)."""

@@ -92,6 +92,10 @@ class PinReconciler:
                     cache.unpin(key)
                 self.released(mine)
             self._rule_tiers[adapter.name] = tier
+            present = {r.revision for r in adapter.revisions}
+            for key in [*self._rule_pins, *self._grace_pins]:
+                if key.name == adapter.name and key.revision not in present:
+                    self._unpin_retired(key)
             for record in adapter.revisions:
                 if not self.resolver.may_see(record.base_model_digest):
                     continue
@@ -136,6 +140,15 @@ class PinReconciler:
                             cache.unpin(ref.key)
                         continue
                     self._rule_pins[ref.key] = tier
+
+    def _unpin_retired(self, key: AdapterKey) -> None:
+        """A revision gone from the catalog (retired) keeps neither the rule's pin nor a grace
+        one."""
+        made = self._rule_pins.pop(key, None)
+        if self._grace_pins.pop(key, None) is not None:
+            made = made or "cpu"
+        if made is not None and self.cache.pinned(key) == made:
+            self.cache.unpin(key)
 
     def _retire(self, ref, keep_warm: bool) -> None:
         """A revision left traffic: drop its rule's pin; keep it in host memory for the grace period

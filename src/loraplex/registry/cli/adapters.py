@@ -75,6 +75,13 @@ _EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|
 _Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
 _SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
 _Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_Keep = Annotated[
+    int | None,
+    typer.Option(
+        help="The name keeps its newest K revisions servable; older ones are retired at each "
+        "promotion (default: as it was, at first every revision)"
+    ),
+]
 _StrictBase = Annotated[
     bool,
     typer.Option(
@@ -101,6 +108,7 @@ def add(
     signing_key: _SigningKey = None,
     digest: _Digest = None,
     strict_base_model_name: _StrictBase = False,
+    keep: _Keep = None,
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
@@ -121,6 +129,7 @@ def add(
         eval_set=eval_set,
         signature=signature,
         digest=digest,
+        keep=keep,
     )
     if json_out:
         print_json(record.to_dict())
@@ -131,7 +140,8 @@ def add(
     )
 
 
-STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined")
+_Retired = Annotated[bool, typer.Option("--retired", help="Count and show retired revisions too")]
+STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined", "retired")
 
 
 @app.command("list")
@@ -149,13 +159,16 @@ def list_(
     after: Annotated[
         str | None, typer.Option(help="Those named after this (the last name of the page before)")
     ] = None,
+    retired: _Retired = False,
     json_out: JsonFlag = False,
 ):
     """Adapters, their traffic split and owners, by name."""
     if status is not None and status not in STATUSES:
         typer.echo(f"error: --status {status}: give one of {', '.join(STATUSES)}", err=True)
         raise typer.Exit(2)
-    adapters = open_registry(ctx).list_adapters(tenant, status=status, after=after, limit=limit)
+    adapters = open_registry(ctx).list_adapters(
+        tenant, status=status, after=after, limit=limit, retired=retired
+    )
     if json_out:
         print_json([a.to_dict() for a in adapters])
         return
@@ -188,7 +201,7 @@ def import_(
         Path,
         typer.Argument(
             help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
-            "warm, priority, stable, digest, signature, eval_set) or a directory of adapter "
+            "warm, priority, stable, digest, signature, eval_set, keep) or a directory of adapter "
             "directories (each named by its directory)"
         ),
     ],
@@ -239,10 +252,12 @@ def show(
     audit_log: Annotated[
         Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
     ] = None,
+    retired: _Retired = False,
     json_out: JsonFlag = False,
 ):
-    """One adapter: its revisions, with --audit-log its requests, errors, TTFT/TPOT per revision."""
-    adapter = open_registry(ctx).show(name)
+    """One adapter: its revisions (the retired ones with --retired), with --audit-log its
+    requests, errors, TTFT/TPOT per revision."""
+    adapter = open_registry(ctx).show(name, retired)
     stats = revision_stats(audit_log, name) if audit_log else []
     if json_out:
         print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
@@ -254,9 +269,10 @@ def show(
         else f"tenants {', '.join(adapter.allowed_tenants)}"
     )
     pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
+    keep = f", keeps the newest {adapter.keep}" if adapter.keep is not None else ""
     console.print(
         f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
-        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}"
+        f"{adapter.warm_policy}, priority {adapter.priority}{pinned}{keep}"
     )
     console.print(_revisions_table(adapter))
     if audit_log:

@@ -41,8 +41,11 @@ def keygen(private_out: Path, public_out: Path):
 @errors
 def gc(
     ctx: typer.Context,
-    min_age_s: Annotated[float, typer.Option(help="Keep entries younger than this")] = 3600,
+    min_age_s: Annotated[
+        float, typer.Option(help="Keep entries no revision refers to while younger than this")
+    ] = 3600,
 ):
-    """Delete artifacts no revision refers to (left by refused or interrupted registrations)."""
+    """Delete the artifacts of retired revisions that no other revision refers to, and those no
+    revision refers to (left by refused or interrupted registrations) once old enough."""
     removed = open_registry(ctx).gc_artifacts(min_age_s)
-    typer.echo(f"removed {len(removed)} unreferenced artifact(s)")
+    typer.echo(f"removed {len(removed)} artifact(s)")

@@ -1,5 +1,5 @@
-"""`loraplex registry` commands over a name's traffic and access: promote, traffic, rollback,
-deprecate, quarantine, pin, unpin, grant, ungrant, audit."""
+"""`loraplex registry` commands over a name's traffic, revisions and access: promote, traffic,
+rollback, deprecate, quarantine, keep, delete, pin, unpin, grant, ungrant, audit."""
 
 from __future__ import annotations
 
@@ -79,6 +79,40 @@ def quarantine(
 ):
     """Never serve a revision again; its traffic goes back to the stable revision."""
     typer.echo(_traffic_line(open_registry(ctx).quarantine(name, revision, reason)))
+
+
+@app.command()
+@errors
+def keep(
+    ctx: typer.Context,
+    name: str,
+    count: Annotated[str, typer.Argument(metavar="K", help="A number, or none (every revision)")],
+):
+    """Keep the newest K revisions of a name servable; older ones are retired now and at each
+    promotion."""
+    value = None if count == "none" else _count(count)
+    registry = open_registry(ctx)
+    before = [r.revision for r in registry.show(name).revisions]
+    after = {r.revision for r in registry.set_keep(name, value).revisions}
+    retired = [r for r in before if r not in after]
+    kept = "every revision" if value is None else f"the newest {value} revisions"
+    typer.echo(f"{name}: keeps {kept}" + (f"; retired {', '.join(retired)}" if retired else ""))
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise RegistryError(f"K must be a number or none, got {text!r}") from None
+
+
+@app.command()
+@errors
+def delete(ctx: typer.Context, name: str, revision: str):
+    """Retire a revision now: never served again, its artifact left to `gc`. Refused for the
+    stable revision, one in a split or a rollout under way, and a quarantined one."""
+    open_registry(ctx).delete_revision(name, revision)
+    typer.echo(f"{name}@{revision}: retired")
 
 
 @app.command()

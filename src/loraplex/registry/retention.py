@@ -1,0 +1,104 @@
+"""Retention: a name keeps its newest `keep` revisions servable, and the older ones, with those an
+operator deletes, are retired.
+
+A retired revision is never served again and leaves the catalog (`name@rev` is not found, the bare
+name never picks it), gets no grace period, and keeps its row: its label is never used again and
+the audit events name it. `gc` deletes its artifact once no other revision refers to the same
+bytes.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.registry import queries as q
+from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, Revision, Rollout
+from loraplex.registry.errors import AdapterRejected, LifecycleError
+from loraplex.registry.reading import Reading
+from loraplex.registry.records import AdapterRecord
+from loraplex.registry.store import Store
+
+
+def check_keep(keep: int | None) -> None:
+    if keep is not None and keep < 1:
+        raise AdapterRejected(
+            "keep", f"a name keeps at least 1 revision (none: every revision), got {keep}"
+        )
+
+
+def retire_beyond_keep(store: Store, session: Session, adapter: Adapter) -> None:
+    """Retire the revisions of `adapter` older than its newest `keep` (by creation; quarantined
+    ones take no place), except the stable, those in traffic and those of a rollout under way:
+    inside the caller's write transaction, one audit event (`retire`) each, oldest first."""
+    if adapter.keep is None:
+        return
+    newest_first = session.scalars(
+        select(Revision)
+        .where(
+            Revision.adapter_name == adapter.name,
+            Revision.status.not_in(("quarantined", "retired")),
+        )
+        .order_by(Revision.id.desc())
+    ).all()
+    held = held_revisions(session, adapter.name)
+    for row in reversed(newest_first[adapter.keep :]):
+        if row.revision not in held:
+            retire(store, session, row, "retire", f"older than the newest {adapter.keep}")
+
+
+def held_revisions(session: Session, name: str) -> set[str]:
+    """The revisions of `name` that serve traffic or that a rollout under way names."""
+    held = {row.revision for row in q.serving(session, name)}
+    rollout = session.get(Rollout, name)
+    if rollout is not None and rollout.phase in ROLLOUT_ACTIVE:
+        held |= {rollout.revision, rollout.stable_revision}
+    return held
+
+
+def retire(store: Store, session: Session, row: Revision, action: str, reason: str) -> None:
+    row.status, row.status_reason = "retired", reason
+    store.audit(session, action, f"{row.adapter_name}@{row.revision}", reason=reason)
+
+
+class Retention:
+    """How many revisions a name keeps, and the operator's deletion of one."""
+
+    def __init__(self, store: Store, reading: Reading):
+        self.store = store
+        self.reading = reading
+
+    def set_keep(self, name: str, keep: int | None) -> AdapterRecord:
+        """Keep the newest `keep` revisions of `name` servable (None: every revision); those
+        beyond are retired now, and at each later promotion."""
+        check_keep(keep)
+        with self.store.write() as session:
+            adapter = q.locked_adapter_or_404(session, name)
+            adapter.keep = keep
+            self.store.audit(session, "keep", name, keep=keep)
+            retire_beyond_keep(self.store, session, adapter)
+        return self.reading.show(name)
+
+    def delete(self, name: str, revision: str) -> AdapterRecord:
+        """Retire one revision now; refused while it is the stable one, in a split, or named by a
+        rollout under way, and for a quarantined one (its row refuses its bytes)."""
+        with self.store.write() as session:
+            q.locked_adapter_or_404(session, name)
+            row = q.revision_or_404(session, name, revision)
+            refusal = _why_not_deleted(row, held_revisions(session, name))
+            if refusal is not None:
+                raise LifecycleError(f"{name}@{revision} {refusal}")
+            retire(self.store, session, row, "delete", "deleted by operator")
+        return self.reading.show(name)
+
+
+def _why_not_deleted(row: Revision, held: set[str]) -> str | None:
+    if row.status == "stable":
+        return "is the stable revision; promote another revision first"
+    if row.revision in held:
+        return "is in a traffic split or a rollout; roll back or promote another revision first"
+    if row.status == "quarantined":
+        return "is quarantined: its row is kept so that its bytes are never registered again"
+    if row.status == "retired":
+        return f"is already retired ({row.status_reason})"
+    return None
