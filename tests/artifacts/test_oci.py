@@ -286,3 +286,44 @@ def test_storage_uris_name_a_manifest_by_digest(registry, tmp_path):
             AllowList.parse([registry.base()]),
             oci_auth=RegistryAuth({}),
         )
+
+
+def test_registry_add_pushes_and_a_worker_pulls_by_digest(
+    registry, adapter_v1, llama_dir, tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from loraplex.registry.cli import app
+    from loraplex.residency.disk import DiskTier
+
+    secret = tmp_path / ".dockerconfigjson"
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    secret.write_text(json.dumps({"auths": {registry.host: {"auth": auth}}}))
+    monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(secret))
+    base = registry.base("loras/cli")
+    runner = CliRunner()
+
+    def cli(*args):
+        common = ["--data-dir", str(tmp_path / "data"), "--storage-base", base]
+        result = runner.invoke(app, [*common, *map(str, args)])
+        assert result.exit_code == 0, (result.output, result.exception)
+        return result.stdout
+
+    cli("init")
+    added = json.loads(
+        cli("add", adapter_v1, "--name", "chat", "--base-model", llama_dir, "--json")
+    )
+    digest = canonical_digest(adapter_v1)
+    assert added["digest"] == digest
+    assert added["storage_uri"].startswith(base + "@sha256:")
+
+    disk = DiskTier(tmp_path / "worker", 1 << 30, AllowList.parse([registry.base("loras")]))
+    try:
+        files, download_s = disk.read(added["storage_uri"], digest, use=lambda f, hashed: f)
+    finally:
+        disk.close()
+    assert download_s is not None
+    assert (
+        bytes(files["adapter_model.safetensors"])
+        == (adapter_v1 / "adapter_model.safetensors").read_bytes()
+    )

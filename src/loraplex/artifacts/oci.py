@@ -167,10 +167,10 @@ class OciRepository:
         """The response, after answering one auth challenge; ArtifactUnavailable for an error
         status (404 included)."""
         headers = kwargs.pop("headers", {})
-        body = kwargs.get("content")
+        rewind = getattr(kwargs.get("content"), "seek", None)
         for attempt in range(2):
-            if attempt and hasattr(body, "seek"):
-                body.seek(0)  # a file sent before the challenge is sent again from its start
+            if attempt and rewind is not None:
+                rewind(0)  # a file sent before the challenge is sent again from its start
             request = self.client.build_request(
                 method, url, headers=self._headers(headers), **kwargs
             )
@@ -366,6 +366,8 @@ def push_artifact(
     import httpx
 
     ref = OciRef.parse(base)
+    if ref.digest is not None:
+        raise UnsafeLocation(f"{base}: push to a repository, not to a manifest")
     auth = RegistryAuth.from_environ() if auth is None else auth
     with contextlib.ExitStack() as stack:
         if http_client is None:
