@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
 import json
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -57,22 +60,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def htpasswd(root: Path) -> dict:
+    """The registry's `auth` section for basic logins from an htpasswd file (bcrypt only)."""
+    import bcrypt
+
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
+    (root / "htpasswd").write_text(f"{USER}:{hashed}\n")
+    return {"htpasswd": {"realm": "loraplex-test", "path": str(root / "htpasswd")}}
+
+
 class Registry:
-    """A distribution registry process on a loopback port, with htpasswd logins."""
+    """A distribution registry process on a loopback port."""
 
-    def __init__(self, root: Path):
-        import bcrypt
-
+    def __init__(self, root: Path, auth: dict):
         self.root, self.port = root, free_port()
         self.storage = root / "storage"
-        hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
-        (root / "htpasswd").write_text(f"{USER}:{hashed}\n")
         config = {
             "version": 0.1,
             "log": {"level": "warn", "accesslog": {"disabled": True}},
             "storage": {"filesystem": {"rootdirectory": str(self.storage)}},
             "http": {"addr": f"127.0.0.1:{self.port}"},
-            "auth": {"htpasswd": {"realm": "loraplex-test", "path": str(root / "htpasswd")}},
+            "auth": auth,
         }
         (root / "config.yml").write_text(json.dumps(config))  # JSON is YAML
         self.log = (root / "registry.log").open("wb")
@@ -118,7 +126,8 @@ class Registry:
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    server = Registry(tmp_path_factory.mktemp("oci-registry"))
+    root = tmp_path_factory.mktemp("oci-registry")
+    server = Registry(root, htpasswd(root))
     yield server
     server.stop()
 
@@ -327,3 +336,133 @@ def test_registry_add_pushes_and_a_worker_pulls_by_digest(
         bytes(files["adapter_model.safetensors"])
         == (adapter_v1 / "adapter_model.safetensors").read_bytes()
     )
+
+
+class TokenService:
+    """A token service as Harbor's or Docker Hub's: checks the basic login, answers a JWT (ES256,
+    its certificate in `x5c`) granting the scope asked for, which the registry verifies against
+    its root certificate."""
+
+    def __init__(self, root: Path):
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loraplex-test-tokens")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.bundle = root / "tokens.pem"
+        self.bundle.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self.x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+        self.scopes: list[str] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
+
+    def auth(self) -> dict:
+        return {
+            "token": {
+                "realm": self.realm,
+                "service": "loraplex-test",
+                "issuer": "loraplex-test-tokens",
+                "rootcertbundle": str(self.bundle),
+            }
+        }
+
+    def token(self, scope: str) -> str:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        _, name, actions = scope.split(":")
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "ES256", "x5c": [self.x5c]}
+        claims = {
+            "iss": "loraplex-test-tokens",
+            "sub": USER,
+            "aud": "loraplex-test",
+            "iat": now,
+            "nbf": now - 60,
+            "exp": now + 300,
+            "jti": str(now),
+            "access": [{"type": "repository", "name": name, "actions": actions.split(",")}],
+        }
+        signing_input = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        r, s = decode_dss_signature(
+            self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256()))
+        )
+        return f"{signing_input}.{b64(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+    def handler(self):
+        service = self
+        login = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                query = parse_qs(urlsplit(self.path).query)
+                if self.headers.get("Authorization") != login:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                service.scopes.append(query["scope"][0])
+                body = json.dumps({"token": service.token(query["scope"][0])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *args):
+                pass
+
+        return Handler
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_bearer_tokens_from_the_registrys_token_service(tmp_path):
+    tokens = TokenService(tmp_path)
+    server = Registry(tmp_path, tokens.auth())
+    try:
+        src = fake_adapter(tmp_path / "a", b"behind a token service")
+        digest = canonical_digest(src)
+        base = server.base("loras/tokens")
+        auth = RegistryAuth({server.host: (USER, PASSWORD)})
+        uri = push_artifact(src, digest, base, auth)
+        assert "repository:loras/tokens:pull,push" in tokens.scopes
+        with pytest.raises(ArtifactUnavailable, match="token service answered 401"):
+            fetch_artifact(
+                uri,
+                digest,
+                ArtifactStore(tmp_path / "w1"),
+                AllowList.parse([base]),
+                oci_auth=RegistryAuth({}),
+            )
+        path = fetch_artifact(
+            uri, digest, ArtifactStore(tmp_path / "w2"), AllowList.parse([base]), oci_auth=auth
+        )
+        assert canonical_digest(path) == digest
+    finally:
+        server.stop()
+        tokens.stop()
