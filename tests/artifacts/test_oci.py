@@ -269,8 +269,9 @@ def test_storage_uris_name_a_manifest_by_digest(registry, tmp_path):
     assert OciRef.parse(f"oci://ghcr.io:443/org/loras@{digest}").api == (
         "https://ghcr.io:443/v2/org/loras"
     )
+    with pytest.raises(UnsafeLocation, match="tags are refused"):
+        OciRef.parse("oci://ghcr.io/org/loras:v1")
     for bad in (
-        "oci://ghcr.io/org/loras:v1",  # a tag
         "oci://ghcr.io/Org/loras",  # not a repository name
         "oci://user:pw@ghcr.io/org/loras",
         f"oci://ghcr.io/org/../loras@{digest}",

@@ -77,10 +77,10 @@ class OciRef:
         if not parts.hostname or parts.query or parts.fragment:
             raise UnsafeLocation(f"{uri}: expected oci://HOST[:PORT]/REPOSITORY[@sha256:HEX]")
         repository, _, digest = parts.path.strip("/").partition("@")
-        if not REPOSITORY_RE.fullmatch(repository):
-            raise UnsafeLocation(f"{uri}: {repository!r} is not an OCI repository name")
         if ":" in repository:
             raise UnsafeLocation(f"{uri}: tags are refused; name the manifest by @sha256:...")
+        if not REPOSITORY_RE.fullmatch(repository):
+            raise UnsafeLocation(f"{uri}: {repository!r} is not an OCI repository name")
         return cls(parts.scheme, parts.netloc, repository, check_digest(digest) if digest else None)
 
     @property
@@ -217,8 +217,13 @@ class OciRepository:
             raise ArtifactUnavailable(
                 f"{params['realm']}: the token service answered {response.status_code}"
             )
-        token = response.json()
-        return f"Bearer {token.get('token') or token['access_token']}"
+        try:
+            answer = response.json()
+            return f"Bearer {answer.get('token') or answer['access_token']}"
+        except (ValueError, KeyError, AttributeError):
+            raise ArtifactUnavailable(
+                f"{params['realm']}: the token service sent no token"
+            ) from None
 
     def has_blob(self, digest: str) -> bool:
         url = f"{self.ref.api}/blobs/{digest}"
