@@ -19,7 +19,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -97,7 +97,7 @@ class OciRef:
 class RegistryAuth:
     """User and password per registry host, from a docker config file's `auths`."""
 
-    logins: Mapping[str, tuple[str, str]]
+    logins: Mapping[str, tuple[str, str]] = field(repr=False)  # passwords stay out of logs
 
     @classmethod
     def from_file(cls, path: str | Path) -> RegistryAuth:
