@@ -1,5 +1,6 @@
-"""Content-addressed artifact I/O: digests and piece lists, the local store, remote fetches and the
-places they may read from. It imports nothing of the registry, the cache or the engines."""
+"""Content-addressed artifact I/O: digests and piece lists, the local store, remote fetches (and
+pushes to OCI registries) and the places they may read from. It imports nothing of the registry,
+the cache or the engines."""
 
 from loraplex.artifacts.digests import (
     Pieces,
@@ -17,6 +18,7 @@ from loraplex.artifacts.errors import (
     UnsafeLocation,
 )
 from loraplex.artifacts.fetch import AllowList, Fetched, fetch_and_read, fetch_artifact
+from loraplex.artifacts.oci import RegistryAuth, is_oci_uri, push_artifact
 from loraplex.artifacts.store import ArtifactStore, serve_store
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "DigestMismatch",
     "Fetched",
     "Pieces",
+    "RegistryAuth",
     "UnsafeLocation",
     "artifact_files",
     "canonical_digest",
@@ -35,6 +38,8 @@ __all__ = [
     "fetch_and_read",
     "fetch_artifact",
     "is_artifact_name",
+    "is_oci_uri",
+    "push_artifact",
     "read_artifact",
     "serve_store",
 ]

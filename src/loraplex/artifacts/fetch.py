@@ -1,10 +1,12 @@
-"""Fetchers that bring an artifact into the store from file://, http(s):// or s3://, verified
-before its one rename into place, and the allowlist of places they may read from."""
+"""Fetchers that bring an artifact into the store from file://, http(s)://, s3:// or an OCI
+registry (oci://), verified before its one rename into place, and the allowlist of places they may
+read from."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ from loraplex.artifacts.digests import (
     read_artifact,
 )
 from loraplex.artifacts.errors import ArtifactUnavailable, DigestMismatch, UnsafeLocation
+from loraplex.artifacts.oci import OCI_SCHEMES, OciRef, OciRepository, RegistryAuth, parse_layers
 from loraplex.artifacts.store import INDEX_FILE, ArtifactStore, copy_synced
 
 MIN_DOWNLOAD_RATE = 1 << 20
@@ -34,8 +37,8 @@ good."""
 
 @dataclass(frozen=True)
 class AllowList:
-    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s):// and
-    s3://."""
+    """Where artifacts may come from: local roots for file:// and URL prefixes for http(s)://, s3://
+    and oci:// (a registry host and a repository, or a parent of repositories)."""
 
     roots: tuple[Path, ...] = ()
     prefixes: tuple[str, ...] = ()
@@ -43,10 +46,10 @@ class AllowList:
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> AllowList:
         """Each item is a directory or a URL prefix such as `https://artifacts.internal/loras` or
-        `s3://bucket/p`."""
+        `s3://bucket/p`, or `oci://registry.internal/loras`."""
         roots, prefixes = [], []
         for item in items:
-            if item.startswith(("http://", "https://", "s3://")):
+            if item.startswith(("http://", "https://", "s3://", "oci://", "oci+http://")):
                 prefixes.append(item.rstrip("/"))
             else:
                 path = unquote(urlsplit(item).path) if item.startswith("file://") else item
@@ -83,7 +86,9 @@ class AllowList:
                 parts.port,
             )
             base = allowed.path.rstrip("/")
-            if same_place and (parts.path == base or parts.path.startswith(base + "/")):
+            # an OCI manifest is `REPOSITORY@sha256:...`: the repository is what lies under a prefix
+            path = parts.path.partition("@")[0] if parts.scheme in OCI_SCHEMES else parts.path
+            if same_place and (path == base or path.startswith(base + "/")):
                 return
         raise UnsafeLocation(
             f"{uri} is not under an allowed storage prefix "
@@ -93,8 +98,10 @@ class AllowList:
 
 def _split_checked(uri: str):
     parts = urlsplit(uri)
-    if parts.scheme not in ("file", "http", "https", "s3"):
-        raise UnsafeLocation(f"{uri}: unsupported scheme {parts.scheme!r} (file, http, https, s3)")
+    if parts.scheme not in ("file", "http", "https", "s3", *OCI_SCHEMES):
+        raise UnsafeLocation(
+            f"{uri}: unsupported scheme {parts.scheme!r} (file, http, https, s3, oci, oci+http)"
+        )
     if parts.username or parts.password:
         raise UnsafeLocation(f"{uri}: credentials in a storage URI are refused")
     path = unquote(parts.path)
@@ -113,6 +120,7 @@ def fetch_artifact(
     http_client=None,
     min_rate: float = MIN_DOWNLOAD_RATE,
     pieces: Pieces | None = None,
+    oci_auth: RegistryAuth | None = None,
 ) -> Path:
     """Bring an artifact into `dest` (download, verify, one rename) and return its local directory.
     A caller that fetches often passes its own `http_client` (an httpx.Client): a new one loads the
@@ -121,7 +129,8 @@ def fetch_artifact(
     `timeout_s` bounds each network operation; a download as a whole must also end within
     `timeout_s` plus its bytes (from the store's index) at `min_rate` bytes per second, or it fails
     with ArtifactUnavailable. `pieces`: the registry's piece list for `digest`, to check the bytes
-    on several cores."""
+    on several cores. `oci_auth`: logins for oci:// stores (default: `RegistryAuth.from_environ()`,
+    read at the fetch)."""
     check_digest(digest)
     if dest.has(digest):
         try:
@@ -139,6 +148,7 @@ def fetch_artifact(
         http_client,
         min_rate,
         pieces,
+        oci_auth,
     ).path
 
 
@@ -163,6 +173,7 @@ def fetch_and_read(
     http_client=None,
     min_rate: float = MIN_DOWNLOAD_RATE,
     pieces: Pieces | None = None,
+    oci_auth: RegistryAuth | None = None,
 ) -> Fetched:
     """As `fetch_artifact`, and what `read_artifact(path, digest, use, pieces)` would then give,
     taken from the read that verifies the download before its rename: a remote load reads and hashes
@@ -186,6 +197,9 @@ def fetch_and_read(
             _fetch_file(storage_uri, work, allowed.root_for(storage_uri))
         elif scheme in ("http", "https"):
             _fetch_http(storage_uri, work, _Deadline(timeout_s, min_rate), http_client)
+        elif scheme in OCI_SCHEMES:
+            deadline = _Deadline(timeout_s, min_rate)
+            _fetch_oci(storage_uri, work, deadline, http_client, oci_auth)
         else:
             _fetch_s3(storage_uri, work, _Deadline(timeout_s, min_rate), s3_client)
         download_s = time.perf_counter() - start
@@ -322,3 +336,39 @@ def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
         raise
     except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"
         raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+
+
+def _fetch_oci(
+    uri: str, work: Path, deadline: _Deadline, client, auth: RegistryAuth | None
+) -> None:
+    """The manifest `uri` names, then each file's blob, every one checked against its sha256 as
+    it is written (the caller then checks the adapter's own digest over the files)."""
+    ref = OciRef.parse(uri)
+    if ref.digest is None:
+        raise UnsafeLocation(f"{uri}: name the manifest by its digest (@sha256:...)")
+    import httpx  # here: only http and oci stores need it
+
+    auth = RegistryAuth.from_environ() if auth is None else auth
+    try:
+        with contextlib.ExitStack() as stack:
+            if client is None:
+                client = stack.enter_context(httpx.Client(timeout=deadline.timeout_s))
+            repo = OciRepository(ref, auth, client, deadline.timeout_s)
+            layers = parse_layers(repo.manifest(ref.digest), uri)
+            deadline.allow([(layer.name, layer.size) for layer in layers])
+            for layer in layers:
+                where = f"{uri} ({layer.name})"
+                with repo.blob(layer.digest) as chunks, (work / layer.name).open("wb") as out:
+                    h = hashlib.sha256()
+                    _write_bounded(_hashed(chunks, h), out, layer.size, where, deadline)
+                actual = "sha256:" + h.hexdigest()
+                if actual != layer.digest:
+                    raise DigestMismatch(layer.digest, actual, where)
+    except httpx.HTTPError as exc:
+        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+
+
+def _hashed(chunks, h):
+    for chunk in chunks:
+        h.update(chunk)
+        yield chunk

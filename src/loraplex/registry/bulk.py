@@ -243,7 +243,7 @@ class BulkImport:
             "target_modules": ",".join(spec.target_modules),
             "estimated_bytes": spec.estimated_bytes,
             "actual_bytes": spec.actual_bytes,
-            "storage_uri": self.registration.storage_uri(done.digest),
+            "storage_uri": done.storage_uri,
             "signature": done.signature,
             "eval_set": done.eval_set,
             "status": "stable" if stable else "staging",

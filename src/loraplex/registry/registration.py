@@ -11,7 +11,14 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.artifacts import AllowList, ArtifactStore, artifact_files, canonical_digest
+from loraplex.artifacts import (
+    AllowList,
+    ArtifactStore,
+    artifact_files,
+    canonical_digest,
+    is_oci_uri,
+    push_artifact,
+)
 from loraplex.lora_format import CONFIG_FILE, AdapterSpec, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import queries as q
@@ -55,6 +62,7 @@ class Stored:
     signature: str | None
     pieces: str  # BLAKE3 piece list, JSON
     sha256_pieces: str
+    storage_uri: str
 
 
 class Registration:
@@ -71,7 +79,8 @@ class Registration:
         storage_base: str | None = None,
         strict_base_model_name: bool = False,
     ):
-        """`storage_base`: URL under which the store's `<hex>` directories are served (else file://
+        """`storage_base`: URL under which the store's `<hex>` directories are served, or an OCI
+        repository (`oci://HOST/REPOSITORY`) each revision's bytes are pushed to (else file://
         URIs).
 
         `allowed`: when set, `add_revision` only reads adapter directories under its roots.
@@ -164,6 +173,7 @@ class Registration:
             signature,
             pieces.to_json(),
             sha256_pieces.to_json(),
+            self.publish(actual),
         )
 
     def insert_revision(
@@ -201,7 +211,7 @@ class Registration:
             target_modules=",".join(spec.target_modules),
             estimated_bytes=spec.estimated_bytes,
             actual_bytes=spec.actual_bytes,
-            storage_uri=self.storage_uri(actual),
+            storage_uri=stored.storage_uri,
             signature=stored.signature,
             eval_set=stored.eval_set,
             status="staging",
@@ -315,7 +325,16 @@ class Registration:
             adapter.keep = keep
         return adapter
 
+    def publish(self, digest: str) -> str:
+        """The storage URI of stored bytes; for an OCI base, once they are pushed there (outside
+        any transaction: a push takes as long as its bytes)."""
+        if self.storage_base and is_oci_uri(self.storage_base):
+            return push_artifact(self._artifacts().path(digest), digest, self.storage_base)
+        return self.storage_uri(digest)
+
     def storage_uri(self, digest: str) -> str:
+        if self.storage_base and is_oci_uri(self.storage_base):
+            raise RegistryError("an OCI storage URI names a manifest: `publish` pushes it")
         if self.storage_base:
             return f"{self.storage_base}/{digest.removeprefix('sha256:')}"
         return self._artifacts().uri(digest)

@@ -68,7 +68,11 @@ def main(
         Path | None, typer.Option(help="Artifact store (default: artifacts/ beside the database)")
     ] = None,
     storage_base: Annotated[
-        str | None, typer.Option(help="URL the store is served under (http store)")
+        str | None,
+        typer.Option(
+            help="URL the store is served under (http store), or an OCI repository the revisions "
+            "are pushed to (oci://HOST/REPOSITORY; oci+http:// for plain http)"
+        ),
     ] = None,
     trusted_key: Annotated[
         list[Path] | None,
