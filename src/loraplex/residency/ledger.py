@@ -15,7 +15,7 @@ import bisect
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -285,10 +285,6 @@ class Ledger(Generic[E]):
     def pins_changed(self) -> None:
         """Called after the operator's pins changed (outside the lock)."""
 
-    def pinned_to(self, tier: str) -> Iterator[AdapterKey]:
-        """The operator's pins to `tier`, in the order they were made."""
-        return (k for k, t in self.pins.items() if t == tier)
-
     def evictable(self, key: AdapterKey) -> E | None:
         """The entry an operator's evict acts on (None: an adapter never seen); AdapterInFlight
         while requests hold it."""
@@ -299,17 +295,19 @@ class Ledger(Generic[E]):
             )
         return entry
 
-    def count_request(self, ref: AdapterRef, make: Callable[[AdapterRef], E]) -> str:
-        """Count one request's demand; the tier it finds its adapter in."""
+    def count_request(
+        self, ref: AdapterRef, make: Callable[[AdapterRef], E], counted: bool = True
+    ) -> str:
+        """Count one request's demand; the tier it finds its adapter in, reported as a hit (a slot
+        or host memory) or a miss when `counted`."""
         with self._lock:
             if ref.key not in self.entries:
                 self.entries[ref.key] = make(ref)
             self.demand.record(ref.key, self.clock())
-            return self.tier_of(ref.key)
-
-    def report_tier(self, tier: str) -> None:
-        """A request found its adapter in `tier`: a hit in a slot or host memory, else a miss."""
-        self.on_event(Lookup(tier))
+            tier = self.tier_of(ref.key)
+        if counted:
+            self.on_event(Lookup(tier))
+        return tier
 
     def count_budget_wait(self, tenant: str, key: AdapterKey) -> None:
         """A request of `tenant` for `key` waits because of its tenant's budget."""

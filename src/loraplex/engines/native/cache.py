@@ -100,10 +100,7 @@ class AdapterCache(CacheTables, AdapterResidency):
     def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
         """Count one request's demand and report the tier it finds its adapter in (as a hit or miss
         event too, when `counted`)."""
-        tier = self.count_request(ref, Entry)
-        if counted:
-            self.report_tier(tier)
-        return tier
+        return self.count_request(ref, Entry, counted)
 
     def mark_wanted(self, key: AdapterKey, now: float) -> None:
         """A waiting request asked for `key` and did not get a slot (acquire; a simulator that skips

@@ -97,9 +97,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:
         """Count one request's demand; the tier it finds its adapter in (also a hit or miss)."""
-        tier = self.count_request(ref, self._entry)
-        self.report_tier(tier)
-        return tier
+        return self.count_request(ref, self._entry)
 
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
         """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
