@@ -31,8 +31,11 @@ def world(llama_dir, llama_adapters, tmp_path_factory):
     root = tmp_path_factory.mktemp("formats")
     adapters = dict(llama_adapters)
     adapters["shared-a"] = shared_a(adapters["all-r16-rslora"], root / "shared-a", GROUPS)
+    mlx = to_mlx(adapters["mlp-r4"], root / "mlx-mlp-r4")
+    # MLX-LM's checkpoints, saved beside the adapter during training
+    shutil.copy(mlx / "adapters.safetensors", mlx / "0000100_adapters.safetensors")
     sources = {
-        "mlx-mlp-r4": (to_mlx(adapters["mlp-r4"], root / "mlx-mlp-r4"), "mlp-r4"),
+        "mlx-mlp-r4": (mlx, "mlp-r4"),
         "mlx-rslora": (to_mlx(adapters["all-r16-rslora"], root / "mlx-rslora"), "all-r16-rslora"),
         "no-prefix-pattern": (
             without_prefix(adapters["pattern"], root / "no-prefix-pattern"),
@@ -110,6 +113,7 @@ def test_canonical_form_loads_in_peft_itself_with_the_same_logits(
     "name, source_format, change",
     [
         ("mlx-mlp-r4", "mlx-lm", "A and B transposed"),
+        ("mlx-mlp-r4", "mlx-lm", "left out 0000100_adapters.safetensors (not read)"),
         ("no-prefix-pattern", "peft", "added the base_model.model. prefix to 6 tensors"),
         ("no-prefix-pattern", "peft", "dropped the adapter name .default from 6 tensors"),
         ("fused-qkv-gate-up", "peft", "qkv_proj split into q_proj, k_proj, v_proj"),

@@ -18,7 +18,7 @@ from loraplex.formats.tensors import RawTensor, read_tensors, write_tensors
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.model_config import ModelConfig
 
-IMPORT_METADATA_KEY = "loraplex.import"
+IMPORT_METADATA_KEY = "loraplex_import"
 
 
 @dataclass(frozen=True)
