@@ -164,6 +164,21 @@ def test_a_trainer_output_directory_loads_leaving_out_its_trainer_state(
         assert torch.equal(got[key], tensor), key
 
 
+def test_a_torchtune_epoch_directory_loads_leaving_out_its_own_copy_of_the_weights(
+    world, llama_adapters, tmp_path
+):
+    """torchtune's HF checkpointer writes the PEFT pair beside `adapter_model.pt` (the same weights
+    under torchtune's names, pickled) and the base model's config and tokenizer files."""
+    registry = world[0]
+    src = shutil.copytree(llama_adapters["attn-r8"], tmp_path / "epoch_0")
+    torch.save({"layers.0.attn.q_proj.lora_a.weight": torch.zeros(1)}, src / "adapter_model.pt")
+    (src / "config.json").write_text("{}")
+    record = registry.add_revision(src, "torchtune")
+    stored = registry.store.path(record.digest)
+    assert read_import_record(stored).changes == ("left out adapter_model.pt (not read)",)
+    assert load_file(stored / WEIGHTS_FILE).keys() == load_file(src / WEIGHTS_FILE).keys()
+
+
 def _unsupported(tmp_path: Path, llama_adapters) -> dict[str, tuple[Path, str]]:
     cases = {}
 

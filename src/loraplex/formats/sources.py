@@ -18,6 +18,7 @@ from loraplex.lora_format import (
 )
 
 MLX_WEIGHTS_FILE = "adapters.safetensors"
+PEFT_PICKLE = "adapter_model.bin"
 PREFIX = "base_model.model."
 # what a file that holds no adapter we read is, by its name's end
 _UNREAD = {
@@ -85,12 +86,13 @@ def _unsupported(src: Path, names: list[str]) -> str:
 
 
 def _left_out(names: list[str], weights: str) -> list[str]:
-    """Files beside the adapter that the canonical form leaves out: trainer state (never read) and
-    other safetensors. A pickle of adapter weights beside the safetensors is refused: two copies
-    of the weights that may differ."""
+    """Files beside the adapter that the canonical form leaves out, never read: trainer state,
+    torchtune's own copy of the weights (`adapter_model.pt`, its names), other safetensors (MLX-LM's
+    checkpoints). PEFT's pickled weights beside its safetensors are refused: PEFT writes one or the
+    other, so two are two saves that may differ."""
     changes = []
     for name in names:
-        if name.endswith(PICKLE_SUFFIXES) and name.startswith("adapter"):
+        if name == PEFT_PICKLE:
             raise AdapterRejected(
                 "weights",
                 f"{name} is a pickle file beside {weights}; remove it (only safetensors are read)",
