@@ -245,3 +245,17 @@ def test_mlx_bf16_tensors_are_transposed_bit_for_bit(llama_dir, llama_adapters, 
         side = "A" if key.endswith("lora_a") else "B"
         canonical = PREFIX + key.rsplit(".", 1)[0] + f".lora_{side}.weight"
         assert torch.equal(got[canonical], tensor.T), key
+
+
+def test_an_import_is_deterministic_and_put_back_after_a_gc_removed_it(world, registered):
+    """The same source gives the same canonical bytes, so registering it again finds its revision,
+    and a registration whose artifact a gc removed imports it again."""
+    registry, _, _, sources = world
+    src = sources["mlx-rslora"][0]
+    _, revision = registered["mlx-rslora"]
+    assert registry.add_revision(src, "mlx-rslora").revision == revision.revision
+    stored = registry.registration.check_and_store(src, None, None, None, None, None)
+    assert stored.digest == revision.digest
+    registry.store.remove(stored.digest)
+    registry.registration.put_again(stored)
+    assert canonical_digest(registry.store.path(stored.digest)) == revision.digest
