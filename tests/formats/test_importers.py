@@ -4,6 +4,7 @@ read are refused in one line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -143,16 +144,31 @@ def test_a_canonical_peft_adapter_is_stored_byte_for_byte(world, registered):
     assert "imported" not in added.detail
 
 
-def test_a_trainer_output_directory_loads_leaving_out_its_trainer_state(
+def test_an_unsloth_output_directory_is_stored_as_it_is(world, llama_adapters, tmp_path):
+    """Unsloth saves the PEFT pair and a model card, its config naming Unsloth's copy of the base
+    (a warning only: the shapes are checked)."""
+    registry = world[0]
+    src = shutil.copytree(llama_adapters["mlp-r4"], tmp_path / "lora_model")
+    config = json.loads((src / CONFIG_FILE).read_text())
+    config["base_model_name_or_path"] = "unsloth/llama-3-8b-bnb-4bit"
+    (src / CONFIG_FILE).write_text(json.dumps(config))
+    (src / "README.md").write_text("# model card\n")
+    record = registry.add_revision(src, "unsloth")
+    assert record.digest == canonical_digest(src)
+    assert read_import_record(registry.store.path(record.digest)) is None
+
+
+def test_an_axolotl_output_directory_loads_leaving_out_its_trainer_state(
     world, llama_adapters, tmp_path
 ):
-    """As Axolotl and the HF Trainer leave it (Unsloth's is the PEFT pair and a README): the
-    pickled training arguments are never read, and the adapter's tensors are stored as they are."""
+    """As Axolotl (the HF Trainer) leaves it: the pickled training arguments are never read, and
+    the adapter's tensors are stored as they are."""
     registry = world[0]
     src = shutil.copytree(llama_adapters["mlp-r4"], tmp_path / "axolotl-out")
     torch.save({"lr": 1e-4}, src / "training_args.bin")
     (src / "README.md").write_text("# model card\n")
     (src / "tokenizer.json").write_text("{}")
+    (src / "config.json").write_text("{}")
     (src / "checkpoint-10").mkdir()
     record = registry.add_revision(src, "axolotl")
     stored = registry.store.path(record.digest)
