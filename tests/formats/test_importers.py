@@ -275,3 +275,29 @@ def test_an_import_is_deterministic_and_put_back_after_a_gc_removed_it(world, re
     registry.store.remove(stored.digest)
     registry.registration.put_again(stored)
     assert canonical_digest(registry.store.path(stored.digest)) == revision.digest
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "model.layers.0.self_attn.o_proj.lora_A.weight",
+            "both give the tensor base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight",
+        ),
+        (
+            "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight",
+            "both give the tensor base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight",
+        ),
+    ],
+)
+def test_two_source_tensors_for_one_canonical_tensor_are_refused(
+    world, llama_dir, tmp_path, extra, message
+):
+    """A prefix-less copy of a key, or a split module beside its fused one: which one PEFT would
+    load is not for the import to guess."""
+    src = shutil.copytree(world[3]["fused-qkv-gate-up"][0], tmp_path / "twice")
+    tensors = load_file(src / WEIGHTS_FILE)
+    tensors[extra] = torch.zeros_like(next(t for k, t in tensors.items() if "lora_A" in k))
+    save_file(tensors, src / WEIGHTS_FILE)
+    with pytest.raises(AdapterRejected, match=message):
+        import_adapter(src, ModelConfig.from_dir(llama_dir), tmp_path / "out")

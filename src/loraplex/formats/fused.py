@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from loraplex.formats.sources import Draft, Piece
+from loraplex.formats.sources import Draft, Piece, add_piece
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig
 
@@ -26,11 +26,12 @@ def split_fused(draft: Draft, model: ModelConfig) -> Draft:
     for key, piece in draft.pieces.items():
         match = _FUSED_KEY.fullmatch(key)
         if match is None:
-            pieces[key] = piece
+            add_piece(pieces, key, piece)
             continue
         head, layer, fused, side = match[1], int(match[2]), match[3], match[4]
         split[fused] = split.get(fused, 0) + 1
-        pieces.update(_parts(draft, piece, head, layer, fused, side, model))
+        for part_key, part in _parts(draft, piece, head, layer, fused, side, model).items():
+            add_piece(pieces, part_key, part)
     if not split:
         return draft
     draft.pieces = pieces

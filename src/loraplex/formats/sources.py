@@ -58,6 +58,15 @@ class Draft:
     changes: list[str] = field(default_factory=list)
 
 
+def add_piece(pieces: dict[str, Piece], key: str, piece: Piece) -> None:
+    """Add the canonical tensor `key`; AdapterRejected when two tensors of the source make it."""
+    if key in pieces:
+        raise AdapterRejected(
+            "weights", f"{pieces[key].source} and {piece.source} both give the tensor {key}"
+        )
+    pieces[key] = piece
+
+
 def read_draft(src: Path) -> Draft:
     """The adapter in `src` as a draft of its canonical form; AdapterRejected with one line naming
     what was found when it is in no format we read."""
@@ -115,7 +124,7 @@ def _peft_draft(src: Path) -> Draft:
         if not new.startswith(PREFIX):
             new = PREFIX + new
             renamed["prefix"] += 1
-        pieces[new] = Piece(key)
+        add_piece(pieces, new, Piece(key))
     changes = []
     if renamed["prefix"]:
         changes.append(f"keys: added the {PREFIX} prefix to {renamed['prefix']} tensors")
@@ -138,7 +147,7 @@ def _mlx_draft(src: Path) -> Draft:
             raise AdapterRejected(
                 "weights", f"{key} is not an MLX-LM LoRA tensor (…lora_a or …lora_b)"
             )
-        pieces[f"{PREFIX}{match[1]}.lora_{match[2].upper()}.weight"] = Piece(key, transpose=True)
+        add_piece(pieces, f"{PREFIX}{match[1]}.lora_{match[2].upper()}.weight", Piece(key, True))
     rank = params["rank"]
     modules = sorted({k.rsplit(".", 3)[-3] for k in pieces})
     # MLX-LM trains the last `num_layers` layers: PEFT puts a LoRA on those only
