@@ -133,7 +133,7 @@ def _naturals(values) -> bool:
     return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
 
 
-def _check_tiling(layout: SafetensorsLayout, name: str) -> None:
+def check_tiling(layout: SafetensorsLayout, name: str) -> None:
     """The tensors fill the data section exactly, in order, each as long as its shape and dtype say.
 
     So that a view of any tensor's bytes stays inside the file (as the safetensors library itself
@@ -333,7 +333,7 @@ def _adapter_spec(
     header = layout.tensors
     alpha_default = config.get("lora_alpha", 8)
     pairs, dtypes, actual = _lora_pairs(header, model)
-    _check_tiling(layout, WEIGHTS_FILE)
+    check_tiling(layout, WEIGHTS_FILE)
     modules = []
     estimated = elements = 0
     for (layer, module), sides in sorted(pairs.items()):

@@ -86,7 +86,11 @@ def test_pickle_only_adapter_is_refused(sqlite_registry, adapter_v1, tmp_path):
     torch.save(load_file(src / "adapter_model.safetensors"), src / "adapter_model.bin")
     (src / "adapter_model.safetensors").unlink()
     assert_refused(
-        sqlite_registry, src, "weights", "adapter_model.bin is a pickle file, which can run code"
+        sqlite_registry,
+        src,
+        "format",
+        r"unsupported adapter format: found adapter_model.bin \(a PyTorch pickle; loading one can "
+        r"run code\); only safetensors are read",
     )
 
 

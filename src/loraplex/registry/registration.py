@@ -19,6 +19,7 @@ from loraplex.artifacts import (
     is_oci_uri,
     push_artifact,
 )
+from loraplex.formats import ImportRecord, imported_adapter
 from loraplex.lora_format import CONFIG_FILE, AdapterSpec, base_model_mismatch, read_adapter
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import queries as q
@@ -51,9 +52,11 @@ log = logging.getLogger("loraplex.registry")
 
 @dataclass(frozen=True)
 class Stored:
-    """An adapter directory checked and in the store, not yet recorded."""
+    """An adapter directory checked and in the store (in its canonical form), not yet recorded."""
 
     src: Path
+    model: ModelConfig  # the base model it was imported for
+    imported: ImportRecord | None  # None: the source was canonical already
     digest: str
     spec: AdapterSpec
     base_model: str
@@ -143,28 +146,34 @@ class Registration:
         its bytes into the store; AdapterRejected naming the field otherwise."""
         if self.allowed is not None:
             self._check_source_allowed(src)
-        spec, base_name, base_digest = self._validate(src, base_model_dir, base_model)
-        cases_text = Path(eval_set).read_text() if eval_set is not None else None
-        if cases_text is not None:
-            parse_eval_set(cases_text)
-        actual = canonical_digest(src)
-        if digest is not None and digest != actual:
-            raise AdapterRejected(
-                "digest", f"the files hash to {actual}, not to the expected {digest}"
-            )
-        if signature is None:
-            signature = read_signature_file(src)
-        if self.trusted_keys:
-            verify_digest(actual, signature, self.trusted_keys)
-        artifacts = self._artifacts()
-        # from the read hashing the copy
-        put, (pieces, sha256_pieces) = artifacts.put_with_piece_lists(src)
+        model, base_name, base_digest = self._base_model(src, base_model_dir, base_model)
+        with imported_adapter(src, model) as adapter:
+            spec = self._validate(adapter.path, model, base_name, src)
+            cases_text = Path(eval_set).read_text() if eval_set is not None else None
+            if cases_text is not None:
+                parse_eval_set(cases_text)
+            actual = canonical_digest(adapter.path)
+            source = actual if adapter.record is None else adapter.record.source_digest
+            if digest is not None and digest not in (source, actual):
+                raise AdapterRejected(
+                    "digest", f"the files hash to {source}, not to the expected {digest}"
+                )
+            if signature is None:
+                signature = read_signature_file(src)
+            if self.trusted_keys:
+                # over what is stored and served: an imported adapter's canonical form
+                verify_digest(actual, signature, self.trusted_keys)
+            artifacts = self._artifacts()
+            # from the read hashing the copy
+            put, (pieces, sha256_pieces) = artifacts.put_with_piece_lists(adapter.path)
         if put != actual:
             raise AdapterRejected(
                 "digest", f"the files in {src} changed while they were being registered"
             )
         return Stored(
             src,
+            model,
+            adapter.record,
             actual,
             spec,
             base_name,
@@ -229,6 +238,7 @@ class Registration:
             shared=adapter.shared,
             estimated_bytes=spec.estimated_bytes,
             **({"keep": adapter.keep} if adapter.keep is not None else {}),
+            **({"imported": stored.imported.as_dict()} if stored.imported else {}),
         )
         if status == "stable":
             q.apply_traffic(session, name, {row.revision: 100}, stable=row.revision)
@@ -238,10 +248,13 @@ class Registration:
     def put_again(self, stored: Stored) -> None:
         """Put the bytes back when a gc removed them since they were stored."""
         artifacts = self._artifacts()
-        if not artifacts.has(stored.digest) and artifacts.put(stored.src) != stored.digest:
-            raise AdapterRejected(
-                "digest", f"the files in {stored.src} changed while they were being registered"
-            )
+        if artifacts.has(stored.digest):
+            return
+        with imported_adapter(stored.src, stored.model) as adapter:
+            if artifacts.put(adapter.path) != stored.digest:
+                raise AdapterRejected(
+                    "digest", f"the files in {stored.src} changed while they were being registered"
+                )
 
     def _artifacts(self) -> ArtifactStore:
         if self.store.artifacts is None:
@@ -258,9 +271,9 @@ class Registration:
                     "path", f"{src / name} is a symlink out of the allowed root {root}"
                 )
 
-    def _validate(self, src: Path, base_model_dir, base_model: str | None):
-        """(AdapterSpec, base model name, base model digest), or AdapterRejected naming field and
-        reason."""
+    def _base_model(self, src: Path, base_model_dir, base_model: str | None):
+        """(ModelConfig, base model name, base model digest), or AdapterRejected naming the
+        base model."""
         base_dir = (
             Path(base_model_dir)
             if base_model_dir
@@ -274,8 +287,13 @@ class Registration:
             model = ModelConfig.from_dir(base_dir)
         except (ModelConfigError, OSError, ValueError) as exc:
             raise AdapterRejected("base_model", f"{base_dir}: {exc}") from None
-        spec = read_adapter(src, model, self.max_lora_rank)
-        base_name = base_model or base_dir.resolve().name
+        return model, base_model or base_dir.resolve().name, base_model_digest(base_dir)
+
+    def _validate(
+        self, adapter_dir: Path, model: ModelConfig, base_name: str, src: Path
+    ) -> AdapterSpec:
+        """The canonical adapter's spec, or AdapterRejected naming field and reason."""
+        spec = read_adapter(adapter_dir, model, self.max_lora_rank)
         mismatch = base_model_mismatch(spec, base_name)
         if mismatch and self.strict_base_model_name:
             raise AdapterRejected("base_model_name_or_path", mismatch)
@@ -285,7 +303,7 @@ class Registration:
                 src,
                 mismatch,
             )
-        return spec, base_name, base_model_digest(base_dir)
+        return spec
 
     def adapter_for_add(
         self, session, name, tenant, shared, task_type, warm_policy, priority, keep=None
