@@ -104,6 +104,7 @@ async def models(request: Request, after: str | None = None, limit: str | None =
     server: Server = request.app.state.server
     tenant = await server.auth.tenant_of(request.headers.get("authorization"))
     count = None if limit is None else _limit(limit)
+    await server.catalog.current()  # this process's own commits listed (no query when none)
     # a listing of the whole catalog is made in short turns of the loop: the streams go on between
     parts = await server.listing.body(tenant, after, count)
     if len(parts) == 1:
