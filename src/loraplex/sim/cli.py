@@ -19,6 +19,7 @@ from rich.table import Table
 
 from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.settings.sim import (
     PLAN_ENV,
     SIMULATE_ENV,
@@ -74,6 +75,8 @@ def run_sweep(
     registry_changes_per_s: float = 0.0,
     optimal: bool = True,
     calibration: Calibration | None = None,
+    engine: str = "native",
+    max_cpu_loras: int | None = None,
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -86,6 +89,8 @@ def run_sweep(
             trace = traces[name]
             cap = workloads.default_capacity(name)
             config = SimConfig(
+                engine=engine,
+                max_cpu_loras=max_cpu_loras,
                 gpu_slots=n_slots or cap.gpu_slots,
                 cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
                 disk_bytes=cap.disk_bytes,
@@ -111,12 +116,22 @@ def run_sweep(
                     "cpu_bytes": config.cpu_bytes,
                     "disk_bytes": config.disk_bytes,
                     "workers": workers,
+                    "engine": engine,
+                    "max_cpu_loras": max_cpu_loras,
                     "adapters": len({r.model for r in trace if r.adapter is not None}),
                     "hot_adapters": sorted(hot),
                     "policies": entries,
                 }
             )
     return runs
+
+
+def _host_label(run: dict) -> str:
+    """A run's host memory: bytes (native), or vLLM's host cache in adapters."""
+    if run.get("engine", "native") == "native":
+        return _size_label(run["cpu_bytes"])
+    count = run.get("max_cpu_loras") or VLLM_HOST_CACHE_PER_SLOT * run["gpu_slots"]
+    return f"{count} adapters"
 
 
 def compact_table(runs: list[dict]) -> Table:
@@ -128,10 +143,12 @@ def compact_table(runs: list[dict]) -> Table:
     axes = {
         "workload": lambda r: Path(r["workload"]).name,
         "slots": lambda r: str(r["gpu_slots"]),
-        "cpu": lambda r: _size_label(r["cpu_bytes"]),
+        "cpu": _host_label,
     }
     varying = [a for a, value in axes.items() if len({value(r) for r in runs}) > 1]
     fixed = [f"{a} {axes[a](runs[0])}" for a in axes if a not in varying]
+    if runs[0].get("engine", "native") != "native":
+        fixed.append(f"engine {runs[0]['engine']}")
     table = Table(
         title=", ".join(["simulation", *fixed]),
         caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
@@ -367,7 +384,9 @@ def simulate(s: SimulateSettings) -> None:
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        return run_sweep(cells, policies, n_slots, cpu, *args)
+        return run_sweep(
+            cells, policies, n_slots, cpu, *args, engine=s.engine, max_cpu_loras=s.max_cpu_loras
+        )
 
     runs = sweep_of(traces, slots)
     if wide:

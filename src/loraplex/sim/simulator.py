@@ -11,6 +11,7 @@ adapter's slot until it finishes.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import math
 import random
@@ -22,12 +23,15 @@ from pathlib import Path
 
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.vllm.residency_tables import HOST_BYTES_UNBOUNDED
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
 from loraplex.sim.calibration import LoadCosts, ServiceModel
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
+from loraplex.sim.virtual_loop import VirtualLoop
+from loraplex.sim.vllm_worker import VllmWorker
 from loraplex.sim.workload import Request
 
 # Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules,
@@ -36,11 +40,18 @@ LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
 TIERS = ("gpu", "cpu", "disk", "remote")
 
 
+ENGINES = ("native", "vllm")
+
+
 @dataclass(frozen=True)
 class SimConfig:
+    engine: str = "native"
+    """Whose residency and scheduling each worker runs: the native engine's (`AdapterCache`), or the
+    vLLM engine's (`VllmResidency` over a modelled vLLM: `loraplex.sim.vllm_worker`)."""
     gpu_slots: int = 8
     cpu_bytes: int = 4 * 2**30
     max_cpu_loras: int | None = None
+    """Adapters in host memory at most (vLLM: its host cache, 4 per slot by default, as `serve`)."""
     disk_bytes: int | None = None
     """None: an artifact once fetched stays on the worker's disk."""
     local_adapters: bool = False
@@ -82,6 +93,8 @@ class SimConfig:
     def __post_init__(self):
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:
@@ -94,8 +107,10 @@ class SimConfig:
             )
             for t, b in (self.tenant_budgets or {}).items()
         }
+        # vLLM's host cache counts adapters, not bytes: no byte capacity bounds a host budget there
+        cpu_bytes = self.cpu_bytes if self.engine == "native" else HOST_BYTES_UNBOUNDED
         return TenantBudgets(
-            self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
+            self.gpu_slots, cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
         )
 
 
@@ -424,7 +439,10 @@ class Simulation:
             if seq.ref is not None:
                 self._arrivals.setdefault(seq.ref.key, []).append(seq.req.time)
         self._admitted: Counter = Counter()
-        self.workers = [Worker(self, i, policy_factory(self)) for i in range(config.workers)]
+        # the vLLM engine's residency runs on an event loop: the simulation's clock is its clock
+        self.loop = VirtualLoop() if config.engine == "vllm" else None
+        kind = Worker if self.loop is None else VllmWorker
+        self.workers: list = [kind(self, i, policy_factory(self)) for i in range(config.workers)]
         self.picker = Picker(config.router, rng=random.Random(config.seed))
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
@@ -433,7 +451,7 @@ class Simulation:
         self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
 
     def clock(self) -> float:
-        return self.now
+        return self.now if self.loop is None else self.loop.time()
 
     def next_use(self, key: AdapterKey) -> float:
         """When the adapter is next needed: the arrival of its earliest request not yet admitted
@@ -477,6 +495,12 @@ class Simulation:
         return self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
 
     def run(self) -> Simulation:
+        if self.loop is not None:
+            try:
+                self.loop.run_until_complete(self._run_on_loop())
+            finally:
+                self.loop.close()
+            return self
         requests, events = self.requests, self._events
         while self._next < len(requests) or events:
             i = self._next
@@ -494,6 +518,30 @@ class Simulation:
             self.now = max(self.now, at)
             fn(payload)
         return self
+
+    async def _run_on_loop(self) -> None:
+        """The trace's arrivals on the event loop's clock, then every request to its end."""
+        loop = self.loop
+        assert loop is not None
+        for worker in self.workers:
+            worker.start()
+        for i, seq in enumerate(self.requests):
+            self._next = i + 1
+            if seq.req.time > loop.time():
+                await asyncio.sleep(seq.req.time - loop.time())
+            self.now = loop.time()
+            worker = self._route(seq)
+            self.registry.request(worker.index, seq.req.model, self.now)
+            worker.arrive(seq)
+        await asyncio.gather(*(task for w in self.workers for task in w.tasks))
+        self.now = loop.time()
+        engines = {w.core.task for w in self.workers}
+        # what the residencies still do (a restore, a pin), to its end, then the engines stop
+        while rest := asyncio.all_tasks() - engines - {asyncio.current_task()}:
+            await asyncio.gather(*rest, return_exceptions=True)
+        for task in engines:
+            task.cancel()
+        await asyncio.gather(*engines, return_exceptions=True)
 
     def _route(self, seq: SimRequest) -> Worker:
         if len(self.workers) == 1:

@@ -21,7 +21,11 @@ from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, Requ
 from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import handled
-from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
+from loraplex.engines.vllm.residency import (
+    HOST_BYTES_UNBOUNDED,
+    EngineBackend,
+    VllmResidency,
+)
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
@@ -143,15 +147,18 @@ class VllmEngine(Engine, OpenAIServing):
         self.llm = self._start(vllm_config)
         allowed = AllowList.parse(list(config.allowed_roots))
         disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
-        self.adapters = VllmResidency(
+        backend = EngineBackend(
             self.llm,
             config.data_dir / "vllm-adapters",
+            kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
+        )
+        self.adapters = VllmResidency(
+            backend,
             max_loras=config.max_loras,
             max_cpu_loras=config.host_cache_size,
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
             scheduler_counts_pins=handled("pinned_slots"),
-            kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
             policy=make_policy(config.eviction_policy),
             budgets=TenantBudgets(
                 config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share
