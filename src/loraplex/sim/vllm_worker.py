@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import TYPE_CHECKING
+from typing import Any
 
 from loraplex.engines.vllm.residency import VllmResidency
 from loraplex.engines.vllm.slots import VllmSlots
@@ -27,8 +27,7 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import WorkerView
 from loraplex.sim.backend import SimDisk, _label
 
-if TYPE_CHECKING:
-    from loraplex.sim.simulator import SimConfig, SimRequest, Simulation
+SimRequest = Any  # the simulator's request (`simulator.SimRequest`, which imports this module)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,10 +270,11 @@ class SimVllmCore:
 class VllmWorker:
     """One worker of the vLLM engine: the residency and the modelled engine, the router's view."""
 
-    def __init__(self, sim: Simulation, index: int, policy):
+    def __init__(self, sim, index: int, policy):
+        """`sim`: the `Simulation` it belongs to."""
         from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 
-        c: SimConfig = sim.config
+        c = sim.config
         self.sim, self.index, self.url = sim, index, f"worker-{index}"
         self.loop = sim.loop
         self.disk = SimDisk(c.disk_bytes)
@@ -303,7 +303,9 @@ class VllmWorker:
     def arrive(self, seq: SimRequest) -> None:
         seq.worker = self.index
         if seq.ref is not None:
-            seq.tier = self.cache.tier_of(seq.ref.key)  # what the server reports on arrival
+            # what the server reports on arrival: a local adapter's bytes are on disk already
+            tier = self.cache.tier_of(seq.ref.key)
+            seq.tier = "disk" if tier == "remote" and seq.ref.path is not None else tier
             self.cache.record_request(seq.ref)
         self.tasks.append(self.loop.create_task(self._serve(seq)))
 
