@@ -448,6 +448,15 @@ def _vllm_series(live: dict):
     yield GaugeMetricFamily(
         "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"]
     )
+    prefix = live.get("prefix_cache", {"queries": 0, "hits": 0})
+    yield CounterMetricFamily(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in tokens looked up",
+        value=prefix["queries"],
+    )
+    yield CounterMetricFamily(
+        "vllm:prefix_cache_hits", "Prefix cache hits, in tokens found", value=prefix["hits"]
+    )
 
 
 def _top_adapters(metrics: ServerMetrics):

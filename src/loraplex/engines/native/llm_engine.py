@@ -251,6 +251,10 @@ class LLMEngine(NativeFront):
             "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running),
             "kv_cache_usage": self.blocks.usage,
+            "prefix_cache": {
+                "queries": self.blocks.num_query_tokens,
+                "hits": self.blocks.num_hit_tokens,
+            },
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_loras": self.config.max_loras,
             "rank_skew": self.rank_skew.snapshot(),

@@ -126,6 +126,8 @@ class _Figures:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # tokens looked up in the prefix cache, since the start
+    prefix_hits: int = 0  # of those, found
 
 
 class VllmEngine(Engine, OpenAIServing):
@@ -272,6 +274,9 @@ class VllmEngine(Engine, OpenAIServing):
                     figures.num_running = scheduler_stats.num_running_reqs
                     figures.num_waiting = scheduler_stats.num_waiting_reqs
                     figures.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    prefix = scheduler_stats.prefix_cache_stats
+                    figures.prefix_queries += prefix.queries
+                    figures.prefix_hits += prefix.hits
                     running = {
                         n for n, count in scheduler_stats.running_lora_adapters.items() if count
                     }
@@ -419,6 +424,10 @@ class VllmEngine(Engine, OpenAIServing):
                 for t in list(self.tracked.values())
             ),
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
+            "prefix_cache": {
+                "queries": self.figures.prefix_queries,
+                "hits": self.figures.prefix_hits,
+            },
             "waiting_keys": waiting,
             "max_loras": self.config.max_loras,
             "rank_skew": self.rank_skew.snapshot(),
