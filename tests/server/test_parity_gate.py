@@ -22,10 +22,12 @@ def gate(start, llama_adapters, llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gate")
     trained = llama_adapters["attn-r8"]
     off = variant(trained, tmp / "off-by-10pct", 1.1)  # B × 1.1: the LoRA scale 10% too high
+    again = variant(trained, tmp / "retrained", 1.000001)  # other bytes, the same adapter
 
     def setup(registry):
         registry.add_revision(trained, "gate", revision="1", shared=True, status="stable")
         registry.add_revision(off, "gate", revision="2", shared=True)
+        registry.add_revision(again, "gate", revision="3", shared=True)
 
     with start(registry_setup=setup) as running:
         cli = CliRunner()
@@ -40,7 +42,7 @@ def gate(start, llama_adapters, llama_dir, tmp_path_factory):
             + ["--out", str(ref)],
         )
         assert wrote.exit_code == 0, wrote.output
-        for revision in ("1", "2"):
+        for revision in ("1", "2", "3"):
             attached = cli.invoke(app, [*args, "reference", "gate", revision, str(ref)])
             assert attached.exit_code == 0, attached.output
             assert "2 sequences, 18 tokens" in attached.output
@@ -78,6 +80,23 @@ def test_a_scale_off_by_ten_percent_is_refused_though_its_greedy_text_is_the_sam
     assert "gate@2 refused" in result.output
     events = running.registry.audit_events(target="gate@2")
     assert [e.detail["passed"] for e in events if e.action == "verify"][:1] == [False]
+
+
+def test_promotion_runs_the_parity_gate_as_a_release_check(gate):
+    """The admin API's promote scores the reference on the server's own engine: the 10%-off
+    revision is refused with the gate's line, the retrained one goes into traffic."""
+    running = gate[0]
+    refused = running.admin("POST", "/admin/adapters/gate/promote", json={"revision": "2"})
+    assert refused.status_code == 409, refused.text
+    assert "parity gate" in refused.text and "refused" in refused.text
+    promoted = running.admin(
+        "POST", "/admin/adapters/gate/promote", json={"revision": "3", "weight": 50}
+    )
+    assert promoted.status_code == 200, promoted.text
+    assert promoted.json()["traffic"] == {"1": 50, "3": 50}
+    audit = running.registry.audit_events(target="gate@3")
+    checks = [e.detail for e in audit if e.action == "promote"]
+    assert checks and checks[0]["checks"]["parity"]["tokens"] == 16
 
 
 def test_verify_needs_a_reference_and_a_reference_must_be_whole(gate, tmp_path):

@@ -214,6 +214,11 @@ class Engine(Protocol):
         """Greedy completion of `prompt` with the adapter (the release checks)."""
         ...
 
+    async def score_tokens(self, ids: list[int], ref: AdapterRef | None) -> list[float]:
+        """The log-probability of each of `ids[1:]` after the ones before it, under the adapter
+        (None: the base model): the parity gate's release check."""
+        ...
+
     def request_layer(self, layers: RequestLayers[L]) -> L:
         """The layer of `layers` that runs this engine's OpenAI requests."""
         ...

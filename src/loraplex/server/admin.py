@@ -295,7 +295,8 @@ async def rollback(name: str, request: Request) -> dict:
 
 
 def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseChecks:
-    """Prewarm into cpu and complete prompts with the revision itself, on this server's engine."""
+    """Prewarm into cpu, complete prompts and score a parity reference's tokens with the revision
+    itself (and the base model), on this server's engine."""
 
     def prewarm(record: RevisionRecord) -> None:
         server.engine.adapters.prewarm(server.resolver.ref_for(record), "cpu")
@@ -305,8 +306,13 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
         completion = server.engine.complete_text(prompt, ref, max_tokens=32)
         return asyncio.run_coroutine_threadsafe(completion, loop).result(timeout=120)
 
+    def score(record: RevisionRecord | None, ids: list[int]) -> list[float]:
+        ref = server.resolver.ref_for(record) if record is not None else None
+        scored = server.engine.score_tokens(ids, ref)
+        return asyncio.run_coroutine_threadsafe(scored, loop).result(timeout=120)
+
     pass_rate = server.config.settings.release_min_pass_rate
-    return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate)
+    return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate, score=score)
 
 
 # ---- cache operations ----------------------------------------------------------------------------

@@ -395,6 +395,22 @@ class VllmEngine(Engine, OpenAIServing):
         finally:
             self.adapters.release(ref.key, ref.tenant)
 
+    async def score_tokens(self, ids: list[int], ref) -> list[float]:
+        from vllm import SamplingParams
+
+        lora = await self.adapters.acquire(ref) if ref is not None else None
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+            prompt = {"prompt_token_ids": list(ids)}
+            final = None
+            async for out in self.llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
+                final = out
+        finally:
+            if ref is not None:
+                self.adapters.release(ref.key, ref.tenant)
+        assert final is not None and final.prompt_logprobs is not None
+        return [entry[t].logprob for t, entry in zip(ids[1:], final.prompt_logprobs[1:])]
+
     def rank_of(self, lora_request) -> int:
         """The adapter's rank, from the adapter_config.json vLLM loads it with (0: none, or the
         zero adapter, which is the base model)."""
