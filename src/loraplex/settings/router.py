@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting, weights
+from loraplex.settings.pools import PoolSpec, parse_pools
 
-WHERE, ROUTING, TIMING = "Where", "Routing", "Polling and timeouts"
+WHERE, POOLS, ROUTING, TIMING = "Where", "Pools", "Routing", "Polling and timeouts"
 ENV_PREFIX = "LORAPLEX_ROUTER_"
 POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
 
@@ -32,8 +33,20 @@ class RouterSettings:
         "A worker's base URL; repeat for each worker",
         panel=WHERE,
         metavar="URL",
-        default_text="required",
-        doc="the workers (`loraplex serve`) to route to",
+        default_text="required without --pool",
+        doc="the workers (`loraplex serve`) of the shared `default` pool (no base model or rank "
+        "declared)",
+    )
+    pool: tuple[PoolSpec, ...] = setting(
+        (),
+        "A pool: name=N,base-model=B,max-rank=R,tenants=T1+T2,workers=URL1+URL2; repeat per pool",
+        panel=POOLS,
+        metavar="SPEC",
+        parse=parse_pools,
+        show=lambda pools: [p.as_dict() for p in pools],
+        doc='a pool of workers (below, "Pools"): `name`, `base-model` (the served name its '
+        "workers report), optional `base-model-digest`, `max-rank`, `tenants` it is dedicated "
+        "to (none: shared), `workers`; in a `--config` file a list of mappings",
     )
     policy: str = setting(
         "affinity",
@@ -136,11 +149,21 @@ class RouterSettings:
 
     def __post_init__(self):
         check_fields(self, RouterSettings)
-        if not self.worker:
-            raise ValueError("--worker is required (a worker's base URL; repeat for each)")
+        if not self.worker and not any(p.workers for p in self.pool):
+            raise ValueError("--worker or --pool is required (the workers to route to)")
         for url in self.worker:
             if _url(url):
                 raise ValueError(f"--worker {url!r} is not an http(s) URL")
+        pooled = {u for p in self.pool for u in p.workers}
+        both = [u for u in self.worker if u.rstrip("/") in pooled]
+        if both:
+            raise ValueError(f"--worker {both[0]} is in a --pool too: give it once")
+        dedicated = [p.name for p in self.pool if p.tenants]
+        if dedicated and not self.registry:
+            raise ValueError(
+                f"pool {dedicated[0]} is dedicated to tenants: the router needs --registry to "
+                "know a caller's tenant"
+            )
 
 
 DEFAULTS = RouterSettings(worker=("http://defaults",))
