@@ -82,7 +82,7 @@ def parse_pool(raw: Any) -> PoolSpec:
 
 def parse_pools(raw: Any) -> tuple[PoolSpec, ...]:
     """`--pool` (repeated) or the `pool` list of a `--config` file; names and workers once each."""
-    items = raw if isinstance(raw, list | tuple) else [raw]
+    items = raw if isinstance(raw, list | tuple) else str(raw).split()  # a variable: SPEC SPEC
     pools = tuple(parse_pool(item) for item in items if item not in (None, ""))
     check_pools(pools)
     return pools

@@ -63,11 +63,11 @@ class RouterSettings:
     )
     registry: str | None = setting(
         None,
-        "Registry URL: tenant priorities, and the revision of split names",
+        "Registry URL: callers' tenants, adapters' base models, the revision of split names",
         panel=WHERE,
         metavar="URL",
-        doc="the registry: tenant priorities, and the split of names with a canary (below, "
-        '"Split names")',
+        doc="the registry: callers' tenants and priorities, each adapter revision's base model and "
+        'rank (below, "Pools"), and the split of names with a canary (below, "Split names")',
     )
     host: str = setting("127.0.0.1", "Address to listen on", panel=WHERE)
     port: int = setting(8080, "Port (0: a free one, printed at start)", panel=WHERE)
@@ -82,7 +82,8 @@ class RouterSettings:
         "A worker with more requests waiting than this is saturated (affinity gives way)",
         panel=ROUTING,
         check=at_least(0),
-        doc="a worker with more requests waiting and in flight than this is saturated: "
+        doc="a worker with more requests waiting than this (its own count, or the router's "
+        "requests open there beyond those running) is saturated: "
         "affinity gives way to spreading; higher keeps adapters' traffic together at the "
         "cost of waiting",
     )
