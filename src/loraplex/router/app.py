@@ -352,14 +352,23 @@ async def models(request: Request):
             return None
 
     answers = [r for r in await asyncio.gather(*map(listing, urls)) if r is not None]
-    listed = [r.json() for r in answers if r.status_code == 200]
+    listed = [_models_of(r) for r in answers if r.status_code == 200]
     if listed:
-        merged = {m["id"]: m for body in listed for m in body.get("data", [])}
+        merged = {m["id"]: m for models in listed for m in models}
         return {"object": "list", "data": list(merged.values())}
     if answers:
         refusal = answers[0]
         return Response(refusal.content, refusal.status_code, media_type="application/json")
     return _error(503, "no healthy worker", "no_worker", "server_error")
+
+
+def _models_of(answer: httpx.Response) -> list[dict]:
+    """The entries of a worker's `/v1/models` list (none from an answer of another shape)."""
+    try:
+        data = answer.json().get("data", [])
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 async def health():
