@@ -41,6 +41,8 @@ def fleet(llama_dir, llama_adapters, tmp_path_factory):
     mistral_dir = make_model(root / "mistral", "mistral")
     orphan = make_adapter(mistral_dir, root / "mi-attn", r=8, target_modules=["q_proj"])
     registry.add_revision(orphan, "mi-attn", "r1", status="stable", base_model_dir=mistral_dir)
+    wide = make_adapter(llama_dir, root / "ll-r32", r=32, target_modules=["v_proj"])
+    registry.add_revision(wide, "ll-r32", "r1", status="stable", base_model_dir=llama_dir)
     starts, kinds = [], []
     for kind, served in BASES.items():
         for i in range(2):
@@ -171,17 +173,23 @@ def test_two_bases_four_workers_every_request_on_its_base_and_right(fleet):
 
 
 def test_a_model_no_worker_can_serve_is_one_clear_error_and_models_are_merged(fleet):
-    router, _, _, adapters, _ = fleet
+    router, kind_of, _, adapters, _ = fleet
     orphan = complete(router.url, "mi-attn")
     error = orphan.json()["error"]
     assert orphan.status_code == 404 and error["code"] == "model_not_available"
     assert error["message"].startswith("no worker serves base model ")
     assert "(the base of mi-attn@r1)" in error["message"]
     assert "x-loraplex-worker" not in orphan.headers
+    too_wide = complete(router.url, "ll-r32").json()["error"]
+    assert too_wide["code"] == "model_not_available"
+    assert too_wide["message"].startswith("no worker serves adapters of rank 32 on base model ")
+    assert too_wide["message"].endswith("(the base of ll-r32@r1)")
     listed = httpx.get(f"{router.url}/v1/models", timeout=30)
     ids = {m["id"] for m in listed.json()["data"]}
     every = {*BASES.values(), *adapters["llama"], *adapters["qwen2"]}
     assert every <= ids and "mi-attn" not in ids
+    single = httpx.get(f"{next(iter(kind_of))}/v1/models", timeout=30).json()["data"]
+    assert len(single) < len(ids)  # one worker lists its own base's models only
     workers = httpx.get(
         f"{router.url}/admin/workers",
         headers={"Authorization": "Bearer e2e-admin-token-0123456789"},

@@ -238,12 +238,12 @@ def test_models_through_the_router_are_every_pool_the_caller_may_use():
     with (
         serving(stand_in(state_of("base-a"), models=("base-a", "sql", "a1"))) as a,
         serving(stand_in(state_of("base-b"), models=("base-b", "sql", "b1"))) as b,
-        serving(stand_in(state_of("base-a"), models=("base-a", "gold-only"))) as g,
+        serving(stand_in(state_of("base-g"), models=("base-g", "gold-only"))) as g,
     ):
         pools = (
             PoolSpec("pool-a", base_model="base-a", workers=(a,)),
             PoolSpec("pool-b", base_model="base-b", workers=(b,)),
-            PoolSpec("gold", base_model="base-a", tenants=("acme",), workers=(g,)),
+            PoolSpec("gold", base_model="base-g", tenants=("acme",), workers=(g,)),
         )
         config = RouterConfig(
             workers=(),
@@ -259,6 +259,10 @@ def test_models_through_the_router_are_every_pool_the_caller_may_use():
                 return sorted(m["id"] for m in answer.json()["data"])
 
             assert ids("beta-key") == ["a1", "b1", "base-a", "base-b", "sql"]
-            assert ids("acme-key") == ["a1", "b1", "base-a", "base-b", "gold-only", "sql"]
+            assert ids("acme-key") == ["a1", "b1", "base-a", "base-b", "base-g", "gold-only", "sql"]
+            assert served_by([complete(url, "base-g", "acme-key")]) == {(200, "gold", g)}
+            closed = complete(url, "base-g", "beta-key")
+            assert closed.status_code == 404
+            assert closed.json()["error"]["message"] == "no pool open to tenant beta serves base-g"
             anonymous = httpx.get(f"{url}/v1/models")
             assert anonymous.status_code == 401  # the workers' own refusal
