@@ -414,6 +414,7 @@ class VllmEngine(Engine, OpenAIServing):
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
             "waiting_keys": waiting,
             "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
 
