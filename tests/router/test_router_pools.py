@@ -186,6 +186,11 @@ def test_a_misconfigured_worker_gets_no_request_and_is_shown():
                 f"{url}/admin/workers", headers=ADMIN, json={"url": good, "pool": "gold"}
             )
             assert unknown_pool.status_code == 400 and "no pool 'gold'" in unknown_pool.text
+            not_a_name = httpx.post(
+                f"{url}/admin/workers", headers=ADMIN, json={"url": good, "pool": ["pool-a"]}
+            )
+            assert not_a_name.status_code == 400
+            assert not_a_name.json()["error"]["param"] == "pool"
 
 
 def test_a_tenant_uses_its_dedicated_pool_then_the_shared_one_when_that_is_saturated():

@@ -440,7 +440,7 @@ async def add_worker(request: Request):
     url, pool = body.get("url", ""), body.get("pool", DEFAULT_POOL)
     if not _worker_url(url):
         return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
-    if pool not in state.fleet.pools:
+    if not isinstance(pool, str) or pool not in state.fleet.pools:
         pools = ", ".join(state.fleet.pools)
         message = f"no pool {pool!r}: the pools are {pools}"
         return _error(400, message, "invalid_value", param="pool")
