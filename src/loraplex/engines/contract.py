@@ -197,8 +197,8 @@ class Engine(Protocol):
     def stop(self) -> None: ...
 
     def live_figures(self) -> dict[str, Any]:
-        """Waiting and running requests, KV use, the adapters running and waiting, the slots:
-        what `/admin/state`, the metrics and gateways read."""
+        """Waiting and running requests, KV use, the adapters running and waiting, the slots and
+        their max rank: what `/admin/state`, the metrics and gateways read."""
         ...
 
     async def acquire(self, ref: AdapterRef | None) -> Any:

@@ -418,6 +418,7 @@ class Server:
         return {
             "base_model": self.config.served_model_name,
             "base_model_digest": self.engine.base_model_digest,
+            "max_lora_rank": live["max_lora_rank"],
             "max_loras": live["max_loras"],
             "draining": self.is_draining,
             "adapters": cache["adapters"],

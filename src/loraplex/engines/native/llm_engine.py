@@ -257,6 +257,7 @@ class LLMEngine(NativeFront):
             },
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
 

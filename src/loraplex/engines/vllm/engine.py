@@ -446,6 +446,7 @@ class VllmEngine(Engine, OpenAIServing):
             },
             "waiting_keys": waiting,
             "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
 
