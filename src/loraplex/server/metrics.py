@@ -127,6 +127,16 @@ class ServerMetrics:
             ["error"],
             registry=r,
         )
+        self.published_bytes = Counter(
+            "loraplex_adapter_published_bytes_total",
+            "Bytes of adapters uploaded to this worker's admin API (its upload endpoint)",
+            registry=r,
+        )
+        self.retired_unloads = Counter(
+            "loraplex_adapter_retired_unloads_total",
+            "Revisions this worker unloaded because the registry retired them",
+            registry=r,
+        )
         self.stages = {
             stage: Histogram(
                 f"loraplex_adapter_{series}_seconds",
