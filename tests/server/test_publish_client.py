@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -170,3 +172,20 @@ def test_load_inplace_replaces_a_loaded_names_weights(start, adapter_variants):
         revisions = running.registry.show("trl").revisions
         serving = [r for r in revisions if r.traffic_weight]
         assert [r.digest for r in serving] == [digest] and len(revisions) == 2
+
+
+def test_the_publish_command_uploads_a_directory(running, adapter_variants, tmp_path):
+    token = tmp_path / "admin-token"
+    token.write_text(ADMIN_TOKEN + "\n")
+    command = [sys.executable, "-m", "loraplex.cli", "publish", "--url", running.url]
+    command += ["--admin-token-file", str(token), "--name", "cli-up", "--stable"]
+    done = subprocess.run([*command, str(adapter_variants[5])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    model, digest = done.stdout.split()
+    record = running.registry.show("cli-up").revisions[0]
+    assert model == f"cli-up@{record.revision}" and digest == record.digest == canonical_digest(
+        adapter_variants[5]
+    )
+    refused = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: 400: ") and len(refused.stderr.splitlines()) == 1
