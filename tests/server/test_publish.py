@@ -137,6 +137,7 @@ def test_same_config_with_other_shapes_is_checked_in_full_and_refused(running, u
         ("json", 415, "content-type"),
         ("bad-name", 400, "name"),
         ("bad-keep", 400, "keep"),
+        ("other-tenant", 400, "tenant"),  # refused once its bytes are stored: they are removed
     ],
 )
 def test_bad_uploads_are_refused_and_leave_nothing(running, uploads, case, status, param):
@@ -151,10 +152,11 @@ def test_bad_uploads_are_refused_and_leave_nothing(running, uploads, case, statu
         "json": archive(good),
         "bad-name": archive(good),
         "bad-keep": archive(good),
+        "other-tenant": archive(good),
     }
     headers = {**TAR, "Content-Type": "application/json"} if case == "json" else TAR
-    name = "bad name!" if case == "bad-name" else "up"
-    params = {"keep": 0} if case == "bad-keep" else {}
+    name = {"bad-name": "bad name!", "other-tenant": "alice-a"}.get(case, "up")
+    params = {"bad-keep": {"keep": 0}, "other-tenant": {"tenant": "bob"}}.get(case, {})
     before = leftovers(running)
     response = upload(running, name, bodies[case], headers=headers, **params)
     assert response.status_code == status, response.text

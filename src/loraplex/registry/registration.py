@@ -142,14 +142,34 @@ class Registration:
             signature,
             reuse_from=name if fast_path and eval_set is None else None,
         )
+        try:
+            with self.store.write() as session:
+                adapter = self.adapter_for_add(
+                    session,
+                    name,
+                    tenant,
+                    shared,
+                    stored.spec.task_type,
+                    warm_policy,
+                    priority,
+                    keep,
+                )
+                record = self.insert_revision(session, adapter, stored, revision, status)
+                if keep is not None:
+                    retire_beyond_keep(self.store, session, adapter)
+                return record
+        except AdapterRejected:
+            self.drop_unrecorded(stored.digest)
+            raise
+
+    def drop_unrecorded(self, digest: str) -> None:
+        """Remove stored bytes that no revision records (a registration refused after storing
+        them), under the write lock: a registration of the same bytes committing later puts them
+        back (`put_again`)."""
         with self.store.write() as session:
-            adapter = self.adapter_for_add(
-                session, name, tenant, shared, stored.spec.task_type, warm_policy, priority, keep
-            )
-            record = self.insert_revision(session, adapter, stored, revision, status)
-            if keep is not None:
-                retire_beyond_keep(self.store, session, adapter)
-            return record
+            if session.scalar(select(Revision.id).where(Revision.digest == digest).limit(1)):
+                return
+            self._artifacts().remove(digest)
 
     def check_and_store(
         self,
