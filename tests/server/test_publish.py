@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import tarfile
 from pathlib import Path
 
@@ -193,3 +194,23 @@ def test_an_upload_over_the_limit_is_413_and_leaves_nothing(start, uploads):
         assert streamed.status_code == 413, streamed.text
         assert streamed.json()["error"]["code"] == "request_too_large"
         assert leftovers(running) == before
+
+
+def test_a_trainer_gone_mid_upload_leaves_nothing(running, uploads):
+    """The connection closes halfway through the body: no revision, no store entry, no work
+    directory."""
+    body = archive(files_of(uploads[0][2]))
+    host, port = running.url.removeprefix("http://").split(":")
+    before = leftovers(running)
+    with socket.create_connection((host, int(port))) as sock:
+        head = (
+            f"POST /admin/adapters/gone/upload HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {ADMIN_TOKEN}\r\nContent-Type: application/x-tar\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body[: len(body) // 2])
+        running.wait_for(lambda: len(leftovers(running)[1]) > len(before[1]), what="the upload")
+    running.wait_for(lambda: leftovers(running)[1] == before[1], what="the work directory to go")
+    assert leftovers(running) == before
+    with pytest.raises(AdapterNotFound):
+        running.registry.show("gone")
