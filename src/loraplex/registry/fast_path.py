@@ -83,12 +83,15 @@ def previous_revision(store: Store, name: str) -> Revision | None:
 
 
 def checks_to_reuse(
-    store: Store, artifacts: ArtifactStore, name: str, src: Path, base_digest: str
+    store: Store, artifacts: ArtifactStore, name: str, src: Path, base: tuple[str, str]
 ) -> Previous | None:
-    """The previous revision of `name` when `src` has its config and tensor table (and the same
-    base model); None when the full checks run. The new header's tiling is checked here."""
+    """The previous revision of `name` when `src` has its config and tensor table and `base`
+    (the base model's name and digest) is its base model; None when the full checks run. The new
+    header's tiling is checked here."""
     row = previous_revision(store, name)
-    if row is None or row.base_model_digest != base_digest or not artifacts.has(row.digest):
+    if row is None or (row.base_model, row.base_model_digest) != base:
+        return None
+    if not artifacts.has(row.digest):
         return None
     stored = artifacts.path(row.digest)
     names = [n for n in artifact_files(src) if n != SIGNATURE_FILE]

@@ -188,7 +188,8 @@ class Registration:
             self._check_source_allowed(src)
         model, base_name, base_digest = self._base_model(src, base_model_dir, base_model)
         if reuse_from is not None:
-            previous = checks_to_reuse(self.store, self._artifacts(), reuse_from, src, base_digest)
+            base = (base_name, base_digest)
+            previous = checks_to_reuse(self.store, self._artifacts(), reuse_from, src, base)
             if previous is not None:
                 return self._store_checked(src, model, previous, base_digest, digest, signature)
         with imported_adapter(src, model) as adapter:

@@ -130,16 +130,19 @@ def test_published_versions_serve_peft_numbers_and_retired_ones_leave_vllm(world
 def test_load_inplace_serves_the_new_weights_under_the_loaded_name(world, server):
     root, model, versions = world
     url = server
-    reference = peft_reference(model, {"v3": versions[3]})
+    reference = peft_reference(model, {"v0": versions[0], "v3": versions[3]})
     load = {"lora_name": "trl", "lora_path": str(versions[0])}
 
     def post(body: dict) -> httpx.Response:
         return httpx.post(f"{url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120)
 
     assert post(load).status_code == 200
+    # served once before the swap: the prompt's KV blocks are cached under the old weights
+    _, before = vllm_serve.greedy_ids(url, KEY, "trl", PROMPT, 8)
+    assert before == reference_greedy(reference, PROMPT, "v0", 8)
     again = {"lora_name": "trl", "lora_path": str(versions[3])}
     assert post(again).status_code == 400
     replaced = post({**again, "load_inplace": True})
     assert replaced.status_code == 200, replaced.text
     _, ids = vllm_serve.greedy_ids(url, KEY, "trl", PROMPT, 8)
-    assert ids == reference_greedy(reference, PROMPT, "v3", 8)
+    assert ids == reference_greedy(reference, PROMPT, "v3", 8) and ids != before
