@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import socket
 import tarfile
 from pathlib import Path
@@ -77,10 +78,22 @@ def uploads(llama_adapters, tmp_path_factory):
     return versions, other
 
 
+def metric(running, name: str) -> float:
+    text = httpx.get(f"{running.url}/metrics", timeout=30).text
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match, name
+    return float(match[1])
+
+
 def test_upload_registers_a_revision_that_serves(running, uploads):
     versions, _ = uploads
-    response = upload(running, "up", archive(files_of(versions[0])), stable=True)
+    body = archive(files_of(versions[0]))
+    sent = metric(running, "loraplex_adapter_published_bytes_total")
+    timed = metric(running, "loraplex_adapter_publish_seconds_count")
+    response = upload(running, "up", body, stable=True)
     assert response.status_code == 200, response.text
+    assert metric(running, "loraplex_adapter_published_bytes_total") == sent + len(body)
+    assert metric(running, "loraplex_adapter_publish_seconds_count") == timed + 1
     record = response.json()
     assert (
         record["name"] == "up" and record["status"] == "stable" and record["traffic_weight"] == 100

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import tarfile
+import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ async def upload(
     `stable` puts all of the name's traffic on it at once, `keep` sets how many revisions the name
     keeps servable."""
     server: Server = request.app.state.server
+    began = time.perf_counter()
     limit = server.config.settings.max_upload_bytes
     _check_headers(request, limit)
     store = _artifact_store(server)
@@ -62,6 +64,7 @@ async def upload(
     finally:
         await run_in_threadpool(shutil.rmtree, work, True)
     server.metrics.published_bytes.inc(received)
+    server.metrics.publish_seconds.observe(time.perf_counter() - began)
     await run_in_threadpool(server.pins.warm_name, record.name)  # its pin or warm policy
     return record.to_dict()
 
