@@ -462,6 +462,44 @@ async def remove_worker(request: Request):
     return {"removed": url}
 
 
+async def upload(request: Request):
+    """An adapter upload (`POST /admin/adapters/{name}/upload`) streamed on to the first healthy
+    worker: the workers share the registry, so the revision it registers is the fleet's. The
+    caller's admin token goes with it (the workers' admin token)."""
+    state = _state(request)
+    if not state.admin_ok(request):
+        return _error(*ADMIN_REFUSAL)
+    healthy = [w.url for w in state.fleet.workers.values() if w.healthy]
+    if not healthy:
+        return _error(
+            503,
+            "no healthy worker to take the upload",
+            "no_worker",
+            "server_error",
+            {"Retry-After": "1"},
+        )
+    url = healthy[0]
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    upstream = state.proxy.build_request(
+        "POST",
+        f"{url}{request.url.path}",
+        params=request.query_params,
+        content=request.stream(),
+        headers=headers,
+    )
+    state.sent(url, None)
+    try:
+        response = await state.proxy.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        state.done(url)
+        log.warning("worker %s failed during an upload: %s", url, exc)
+        return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
+    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+    return StreamingResponse(
+        _relay(state, response, url), status_code=response.status_code, headers=out_headers
+    )
+
+
 routes = APIRouter()
 routes.add_api_route("/v1/completions", completions, methods=["POST"])
 routes.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -472,6 +510,7 @@ routes.add_api_route("/metrics", metrics_page, methods=["GET"])
 routes.add_api_route("/admin/workers", list_workers, methods=["GET"])
 routes.add_api_route("/admin/workers", add_worker, methods=["POST"])
 routes.add_api_route("/admin/workers", remove_worker, methods=["DELETE"])
+routes.add_api_route("/admin/adapters/{name}/upload", upload, methods=["POST"])
 
 
 def registry_callers(url: str) -> Callable[[str], tuple[str | None, int]]:

@@ -127,6 +127,23 @@ class ServerMetrics:
             ["error"],
             registry=r,
         )
+        self.published_bytes = Counter(
+            "loraplex_adapter_published_bytes_total",
+            "Bytes of adapters uploaded to this worker's admin API (its upload endpoint)",
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "loraplex_adapter_publish_seconds",
+            "An upload to this worker's admin API, from its request to its revision registered "
+            "(receive, unpack, digest, checks, store, record)",
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.retired_unloads = Counter(
+            "loraplex_adapter_retired_unloads_total",
+            "Revisions this worker unloaded because the registry retired them",
+            registry=r,
+        )
         self.stages = {
             stage: Histogram(
                 f"loraplex_adapter_{series}_seconds",
