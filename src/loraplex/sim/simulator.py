@@ -392,7 +392,7 @@ class Worker:
             if not self.running_adapters[key]:
                 del self.running_adapters[key]
             self.cache.release(key, seq.ref.tenant)
-        self.sim.finished += 1
+        self.sim.done(seq)
 
     def _check_capacity(self) -> None:
         self.peak_cpu_bytes = max(self.peak_cpu_bytes, self.cache.cpu_bytes_used)
@@ -446,6 +446,7 @@ class Simulation:
         self.picker = Picker(config.router, rng=random.Random(config.seed))
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
+        self.open = [0] * config.workers  # per worker, the requests routed there and not ended
         self.span_s = trace[-1].time if trace else 0.0
         changes = registry_changes(trace, config.registry_changes_per_s, config.seed)
         self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
@@ -545,18 +546,30 @@ class Simulation:
 
     def _route(self, seq: SimRequest) -> Worker:
         if len(self.workers) == 1:
+            self.open[0] += 1
             return self.workers[0]
         if self.now - self._views_at >= self.config.router_poll_s:
-            self._views = [w.view() for w in self.workers]  # each with in_flight 0
+            self._views = [w.view() for w in self.workers]
             self._views_at = self.now
-        pick = self.picker.pick(self._views, seq.req.model, seq.req.priority)
+        # As the router's fleet does: a worker's requests open (sent, not finished) count in flight
+        # beyond those its last polled state counts, and a routed adapter as loading there until
+        # the next poll.
+        views = [
+            replace(v, in_flight=max(0, self.open[i] - v.waiting - v.running))
+            for i, v in enumerate(self._views)
+        ]
+        pick = self.picker.pick(views, seq.req.model, seq.req.priority)
         index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
         view, model = self._views[index], seq.req.model
-        # As the router's fleet does: a routed request counts in flight, and its adapter as loading
-        # there, until the next poll.
-        loading = view.loading if model is None or model in view.loading else view.loading | {model}
-        self._views[index] = replace(view, in_flight=view.in_flight + 1, loading=loading)
+        if model is not None and model not in view.loading:
+            self._views[index] = replace(view, loading=view.loading | {model})
+        self.open[index] += 1
         return self.workers[index]
+
+    def done(self, seq: SimRequest) -> None:
+        """A request ended on its worker."""
+        self.finished += 1
+        self.open[seq.worker] -= 1
 
 
 def simulate(

@@ -319,7 +319,7 @@ class VllmWorker:
         finally:
             if seq.ref is not None:
                 self.cache.release(seq.ref.key, seq.ref.tenant)
-            self.sim.finished += 1
+            self.sim.done(seq)
         self.peak_cpu_bytes = max(self.peak_cpu_bytes, sum(self.core.host.values()))
 
     def view(self) -> WorkerView:

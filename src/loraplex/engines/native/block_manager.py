@@ -42,6 +42,10 @@ class BlockManager:
         self.num_query_tokens = 0
         """Tokens looked up in the prefix cache (each allocation's), since the start."""
 
+    def prefix_figures(self) -> dict[str, int]:
+        """vLLM's prefix-cache counts: tokens looked up, tokens found."""
+        return {"queries": self.num_query_tokens, "hits": self.num_hit_tokens}
+
     @property
     def num_free(self) -> int:
         return len(self.free_blocks) + len(self.evictable)

@@ -243,18 +243,14 @@ class LLMEngine(NativeFront):
 
     def live_figures(self) -> dict:
         """What /admin/state, the metrics and gateways read: residency, queue and KV figures."""
-        cache = self.adapters.state()
         running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         return {
-            "cache": cache,
+            "cache": self.adapters.state(),
             "num_running": len(running),
             "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running),
             "kv_cache_usage": self.blocks.usage,
-            "prefix_cache": {
-                "queries": self.blocks.num_query_tokens,
-                "hits": self.blocks.num_hit_tokens,
-            },
+            "prefix_cache": self.blocks.prefix_figures(),
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_loras": self.config.max_loras,
             "max_lora_rank": self.config.max_lora_rank,
