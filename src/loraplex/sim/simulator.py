@@ -29,6 +29,8 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
 from loraplex.sim.calibration import LoadCosts, ServiceModel
+from loraplex.sim.pools import PoolRouting
+from loraplex.sim.pools import SimPool as PoolOfWorkers
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.virtual_loop import VirtualLoop
 from loraplex.sim.vllm_worker import VllmWorker
@@ -58,6 +60,9 @@ class SimConfig:
     """True: every adapter is a local directory (as with --lora-modules), so there is no remote
     tier."""
     workers: int = 1
+    """With `pools`, their workers' sum."""
+    pools: tuple[PoolOfWorkers, ...] = ()
+    """The fleet as pools (`sim.pools`), routed as the router routes them; none: one shared pool."""
     router: str = "affinity"
     router_poll_s: float = 0.25
     """How old the router's view of each worker may be (it polls /admin/state)."""
@@ -91,6 +96,8 @@ class SimConfig:
     worker's next request for the changed adapter resolves it again."""
 
     def __post_init__(self):
+        if self.pools:
+            object.__setattr__(self, "workers", sum(p.workers for p in self.pools))
         if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
         if self.engine not in ENGINES:
@@ -444,6 +451,8 @@ class Simulation:
         kind = Worker if self.loop is None else VllmWorker
         self.workers: list = [kind(self, i, policy_factory(self)) for i in range(config.workers)]
         self.picker = Picker(config.router, rng=random.Random(config.seed))
+        self.pools = PoolRouting(config.pools, self.picker) if config.pools else None
+        self.refused = 0  # requests no pool open to their tenant serves
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
         self.open = [0] * config.workers  # per worker, the requests routed there and not ended
@@ -512,6 +521,9 @@ class Simulation:
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)
                 worker = self._route(seq)
+                if worker is None:
+                    self._refuse(seq)
+                    continue
                 self.registry.request(worker.index, seq.req.model, self.now)
                 worker.arrive(seq)
                 continue
@@ -532,6 +544,9 @@ class Simulation:
                 await asyncio.sleep(seq.req.time - loop.time())
             self.now = loop.time()
             worker = self._route(seq)
+            if worker is None:
+                self._refuse(seq)
+                continue
             self.registry.request(worker.index, seq.req.model, self.now)
             worker.arrive(seq)
         await asyncio.gather(*(task for w in self.workers for task in w.tasks))
@@ -544,8 +559,8 @@ class Simulation:
             task.cancel()
         await asyncio.gather(*engines, return_exceptions=True)
 
-    def _route(self, seq: SimRequest) -> Worker:
-        if len(self.workers) == 1:
+    def _route(self, seq: SimRequest) -> Worker | None:
+        if len(self.workers) == 1 and self.pools is None:
             self.open[0] += 1
             return self.workers[0]
         if self.now - self._views_at >= self.config.router_poll_s:
@@ -558,13 +573,27 @@ class Simulation:
             replace(v, in_flight=max(0, self.open[i] - v.waiting - v.running))
             for i, v in enumerate(self._views)
         ]
-        pick = self.picker.pick(views, seq.req.model, seq.req.priority)
-        index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
+        if self.pools is not None:
+            r = seq.req
+            chosen = self.pools.route(
+                views, r.tenant, r.rank if r.adapter else 0, r.model, r.priority
+            )
+            if chosen is None:
+                return None
+            index = chosen
+        else:
+            pick = self.picker.pick(views, seq.req.model, seq.req.priority)
+            index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
         view, model = self._views[index], seq.req.model
         if model is not None and model not in view.loading:
             self._views[index] = replace(view, loading=view.loading | {model})
         self.open[index] += 1
         return self.workers[index]
+
+    def _refuse(self, seq: SimRequest) -> None:
+        """No pool open to the request's tenant serves it: the router's 404, at once."""
+        seq.tier, seq.worker = "refused", -1
+        self.refused += 1
 
     def done(self, seq: SimRequest) -> None:
         """A request ended on its worker."""
