@@ -18,12 +18,16 @@ HEAD_PATHS = {"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"}
 TOKENS_KEY = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
 _HEAD_KEY = re.compile(
     r"^base_model\.model\.(lm_head|model\.embed_tokens)\."
-    r"(lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B|weight)$"
+    r"(lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|weight)$"
 )
 # the LoRA tensors' names on each head module (PEFT's Linear and Embedding layers)
 _LORA_SIDES = {
-    "lm_head": {"lora_A.weight": "A", "lora_B.weight": "B"},
-    "embed_tokens": {"lora_embedding_A": "A", "lora_embedding_B": "B"},
+    "lm_head": {"lora_A.weight": "A", "lora_B.weight": "B", "lora_magnitude_vector": "M"},
+    "embed_tokens": {
+        "lora_embedding_A": "A",
+        "lora_embedding_B": "B",
+        "lora_magnitude_vector": "M",
+    },
 }
 
 
@@ -168,6 +172,8 @@ def _full_weight(config: dict, header: dict, model: ModelConfig, module: str, si
 def _head_lora(
     config: dict, header: dict, model: ModelConfig, max_rank: int, module: str, sides
 ) -> HeadLora:
+    if config.get("use_dora") or "M" in sides:
+        raise AdapterRejected("use_dora", f"DoRA on {module} is not supported")
     if set(sides) - {"full"} != {"A", "B"}:
         raise AdapterRejected("weights", f"{module}: lora_A and lora_B must both be present")
     for side in ("A", "B"):
@@ -192,8 +198,6 @@ def _head_lora(
             f"{module} has LoRA weights, but the config's target_modules do not select it (PEFT "
             "would not load them)",
         )
-    if config.get("use_dora"):
-        raise AdapterRejected("use_dora", f"DoRA on {module} is not supported")
     r, scaling = rank_and_scaling(config, path)
     if r != rank:
         raise AdapterRejected("r", f"{module}: config says rank {r}, tensors have {rank}")
