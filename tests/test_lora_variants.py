@@ -176,3 +176,41 @@ def test_every_variant_is_read_and_its_bytes_counted(made, tmp_path):
     assert all(m.key_magnitude for m in specs["dora"].modules)
     # two layers of q_proj and down_proj, each with its magnitude [64]
     assert specs["dora"].elements == 2 * (q + 64 + 4 * (128 + 64) + 64)
+
+
+STATE_DICT_NAMES = [
+    (".lora_magnitude_vector", ".lora_magnitude_vector.default.weight"),
+    (".lora_embedding_A", ".lora_embedding_A.default"),
+    (".lora_embedding_B", ".lora_embedding_B.default"),
+    (".trainable_tokens_delta", ".trainable_tokens_delta.default"),
+    ("lm_head.weight", "lm_head.modules_to_save.default.weight"),
+    ("embed_tokens.weight", "embed_tokens.modules_to_save.default.weight"),
+]
+
+
+def state_dict_name(key: str) -> str:
+    """The key as a PEFT model's state dict has it (the adapter name `default` in it)."""
+    for end, raw in STATE_DICT_NAMES:
+        if key.endswith(end) and ".base_layer." not in key:
+            return key.removesuffix(end) + raw
+    return key
+
+
+@pytest.mark.parametrize("name", ["saved", "embed", "tokens", "dora"])
+def test_state_dict_names_import_as_save_pretrained_writes_them(made, tmp_path, name):
+    model, adapters = made
+    raw = edited(
+        adapters[name],
+        tmp_path / "raw",
+        tensors=lambda t: {state_dict_name(k): v for k, v in t.items()},
+    )
+    assert load_file(raw / WEIGHTS_FILE).keys() != load_file(adapters[name] / WEIGHTS_FILE).keys()
+    imported = import_adapter(raw, model, tmp_path / "canonical").path
+    expected = import_adapter(adapters[name], model, tmp_path / "expected").path
+    got, want = load_file(imported / WEIGHTS_FILE), load_file(expected / WEIGHTS_FILE)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert (
+        served(model, raw, tmp_path / "served").variants
+        == served(model, adapters[name], tmp_path / "served-expected").variants
+    )

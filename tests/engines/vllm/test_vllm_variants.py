@@ -7,11 +7,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
-from tinymodels import make_adapter, make_model
+import vllm_serve
+from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
 
 from loraplex.engines.vllm.support import HEAD_LORA_ARCHITECTURES, ServabilityCheck
 
+KEY = "alice-key-0123456789"
 REFUSED = {
     "dora": (dict(target_modules=["q_proj", "v_proj"], use_dora=True), "use_dora: DoRA"),
     "saved-lm-head": (
@@ -92,3 +95,53 @@ def test_the_rules_are_the_installed_vllms():
         if {"lm_head", "embed_tokens"} <= set(getattr(cls, "embedding_modules", {}))
     }
     assert with_heads == HEAD_LORA_ARCHITECTURES
+
+
+def test_a_registered_dora_revision_is_refused_at_its_request_and_head_loras_are_served(tmp_path):
+    """On a running vLLM engine: a DoRA revision registered through the registry (which knows no
+    engine) is refused at its request in one line, before it reaches vLLM; LoRA on lm_head and on
+    embed_tokens, which vLLM serves for Llama, give HF + PEFT's greedy tokens."""
+    pytest.importorskip("vllm")
+    model, made = vllm_serve.make_world(
+        tmp_path,
+        {
+            "lm-head": dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
+            "embed": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "v_proj"]),
+            "dora": dict(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True),
+        },
+    )
+    registry = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", tmp_path / "data"]
+    subprocess.run(list(map(str, [*registry, "init"])), check=True, capture_output=True)
+    add = [*registry, "add", made["dora"], "--name", "dora-chat", "--base-model", model]
+    subprocess.run(list(map(str, [*add, "--stable"])), check=True, capture_output=True)
+    (tmp_path / "keys.txt").write_text(f"alice {KEY}\n")
+    args = [
+        *(sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm"),
+        *("--model", model, "--port", "0", "--data-dir", tmp_path / "data"),
+        *("--api-keys", tmp_path / "keys.txt", "--allowed-roots", tmp_path, "--dtype", "float32"),
+        *("--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8"),
+        "--vllm-arg=--max-model-len=128",
+        *("--lora-modules", f"lm-head={made['lm-head']}", f"embed={made['embed']}"),
+    ]
+    proc, url = vllm_serve.start(args, tmp_path)
+    try:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": "dora-chat", "prompt": [5, 6, 7], "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "adapter_not_servable" and "\n" not in error["message"]
+        assert error["message"] == (
+            "dora-chat: use_dora: DoRA is not served by the vLLM engine; the native engine "
+            "(serve --engine native) serves it"
+        )
+        reference = peft_reference(model, {n: made[n] for n in ("lm-head", "embed")})
+        for name in ("lm-head", "embed"):
+            for prompt in ([5, 17, 42, 99, 7], [3, 8, 13, 21]):
+                _, got = vllm_serve.greedy_ids(url, KEY, name, prompt, 8)
+                assert got == reference_greedy(reference, prompt, name, 8), name
+    finally:
+        vllm_serve.stop(proc)
