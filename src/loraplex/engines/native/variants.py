@@ -102,6 +102,8 @@ class SlotHeads:
         self.slots: list[HeadTensors | None] = [None] * num_slots
 
     def any_in(self, slots: list[int]) -> bool:
+        if all(heads is None for heads in self.slots):  # the plain adapters' steps stop here
+            return False
         return any(s != EMPTY_SLOT and self.slots[s] is not None for s in set(slots))
 
     def embed(self, ids: torch.Tensor, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -190,6 +192,8 @@ class DoraScales:
     def rows(self, slots: list[int], device) -> list[torch.Tensor | None]:
         """Per module index, each token's row of the scale tables when some token's adapter has
         DoRA there (None: none has)."""
+        if not any(any(modules) for modules in self.modules):  # no DoRA adapter in a slot
+            return [None] * len(LINEAR_MODULES)
         present = {s for s in slots if s != EMPTY_SLOT}
         wanted = [any(self.modules[s][i] for s in present) for i in range(len(LINEAR_MODULES))]
         if not any(wanted):
