@@ -26,6 +26,7 @@ from loraplex.engines.vllm.residency import (
     EngineBackend,
     VllmResidency,
 )
+from loraplex.engines.vllm.support import ServabilityCheck
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
@@ -137,6 +138,7 @@ class VllmEngine(Engine, OpenAIServing):
     def __init__(self, config: VllmConfig):
         self.config = config
         self.base_model_digest = base_model_digest(config.model_dir)
+        self.servable = ServabilityCheck(config.model_dir, config.max_lora_rank)
         self.figures = _Figures()
         self.tracked: dict[str, RequestUsage] = {}
         """One client request's generations inside vLLM (n > 1 is several), by our request id."""
@@ -344,6 +346,12 @@ class VllmEngine(Engine, OpenAIServing):
         which adapters vLLM holds)."""
         if ref is None:
             return None
+        if ref.path is not None:  # what vLLM cannot serve never reaches it, nor takes a slot
+            refusal = self.servable.refusal(ref.key.adapter_digest, ref.path)
+            if refusal is not None:
+                raise RequestRefused(
+                    400, f"{ref.key.name}: {refusal}", "adapter_not_servable", "model"
+                )
         self.adapters.record_request(ref)
         return await self.adapters.acquire(ref)
 
