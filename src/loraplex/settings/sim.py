@@ -158,6 +158,12 @@ class SimulateSettings:
         default_text="each workload's own",
     )
     workers: int = setting(1, "Workers behind the router's affinity picker", check=at_least(1))
+    pool: tuple[str, ...] = setting(
+        (),
+        "A pool of the fleet: NAME=N,workers=COUNT[,max-rank=R][,tenants=T1+T2] (no tenants: "
+        "shared); repeat per pool; the workers are the pools' (not --workers)",
+        metavar="NAME=N,workers=COUNT,...",
+    )
     engine: str = setting(
         "native",
         "Whose residency and scheduling each worker runs: native | vllm (vLLM's host cache of "

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.pools import check_pools
 from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.settings.sim import (
     PLAN_ENV,
@@ -30,6 +31,7 @@ from loraplex.settings.sim import (
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
 from loraplex.sim.plot import plot_capacity, size_label
+from loraplex.sim.pools import SimPool, parse_sim_pool
 from loraplex.sim.report import compare, hot_adapters
 from loraplex.sim.simulator import SimConfig, config_dict
 from loraplex.units import parse_size
@@ -68,6 +70,7 @@ def run_sweep(
     calibration: Calibration | None = None,
     engine: str = "native",
     max_cpu_loras: int | None = None,
+    pools: tuple[SimPool, ...] = (),
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -80,6 +83,7 @@ def run_sweep(
             trace = traces[name]
             cap = workloads.default_capacity(name)
             config = SimConfig(
+                pools=pools,
                 engine=engine,
                 max_cpu_loras=max_cpu_loras,
                 gpu_slots=n_slots or cap.gpu_slots,
@@ -95,7 +99,7 @@ def run_sweep(
                 task,
                 description=f"{name} slots={config.gpu_slots} cpu={size_label(config.cpu_bytes)}",
             )
-            hot = hot_adapters(trace, config.gpu_slots * workers)
+            hot = hot_adapters(trace, config.gpu_slots * config.workers)
             entries = compare(
                 trace, config, policies, hot, lambda _: progress.advance(task), optimal
             )
@@ -106,7 +110,8 @@ def run_sweep(
                     "gpu_slots": config.gpu_slots,
                     "cpu_bytes": config.cpu_bytes,
                     "disk_bytes": config.disk_bytes,
-                    "workers": workers,
+                    "workers": config.workers,
+                    "pools": [{**p.spec.as_dict(), "workers": p.workers} for p in pools],
                     "engine": engine,
                     "max_cpu_loras": max_cpu_loras,
                     "adapters": len({r.model for r in trace if r.adapter is not None}),
@@ -197,6 +202,32 @@ def fleet_table(runs: list[dict]) -> Table:
                 f"{reg['queries_per_request_second_half']:.3f}",
                 f"{e['requests_per_wall_s']:,.0f}",
             )
+    return table
+
+
+def pools_table(runs: list[dict]) -> Table:
+    """Per run, policy and pool: its workers, the requests it served and their hit rates; the
+    requests no pool open to their tenant serves."""
+    table = Table(
+        title="pools",
+        caption="refused: requests no pool open to their tenant serves (the router's 404)",
+    )
+    for col in ("policy", "pool", "workers", "requests", "gpu hit", "cold", "p99 TTFT", "refused"):
+        justify = "left" if col in ("policy", "pool") else "right"
+        table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
+    for run in runs:
+        for name, e in run["policies"].items():
+            for pool, f in e.get("pools", {}).items():
+                table.add_row(
+                    name,
+                    pool,
+                    str(f["workers"]),
+                    f"{f['requests']:,}",
+                    _pct(f["gpu_hit_rate"]),
+                    _pct(f["cold_start_rate"]),
+                    _ms(f["ttft_s"]["p99"]),
+                    f"{e['refused']:,}",
+                )
     return table
 
 
@@ -310,12 +341,20 @@ def simulate(s: SimulateSettings) -> None:
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
     traces = {name: _load_workload(name, workload_shape(s)) for name in names}
+    pools = _pools(s.pool)
     changes = s.registry_changes_per_s
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
         return run_sweep(
-            cells, policies, n_slots, cpu, *args, engine=s.engine, max_cpu_loras=s.max_cpu_loras
+            cells,
+            policies,
+            n_slots,
+            cpu,
+            *args,
+            engine=s.engine,
+            max_cpu_loras=s.max_cpu_loras,
+            pools=pools,
         )
 
     runs = sweep_of(traces, slots)
@@ -325,8 +364,10 @@ def simulate(s: SimulateSettings) -> None:
             console.print(tenant_table(runs[0]))
     else:
         console.print(compact_table(runs))
-    if workers > 1 or changes:
+    if workers > 1 or changes or pools:
         console.print(fleet_table(runs))
+    if pools:
+        console.print(pools_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {
             "config": config_dict(SimConfig(service=calibration.service, costs=calibration.costs)),
@@ -385,6 +426,15 @@ def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Reque
             f"{name}: the trace has no requests to simulate", param_hint="--workload"
         )
     return trace
+
+
+def _pools(specs: tuple[str, ...]) -> tuple[SimPool, ...]:
+    try:
+        pools = tuple(parse_sim_pool(spec) for spec in specs)
+        check_pools(p.spec for p in pools)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--pool") from None
+    return pools
 
 
 def _tenant_budget(text: str) -> tuple[str, Budget]:
