@@ -146,3 +146,57 @@ def test_load_inplace_serves_the_new_weights_under_the_loaded_name(world, server
     assert replaced.status_code == 200, replaced.text
     _, ids = vllm_serve.greedy_ids(url, KEY, "trl", PROMPT, 8)
     assert ids == reference_greedy(reference, PROMPT, "v3", 8) and ids != before
+
+
+def _scaled(src, out, scale: float):
+    """A copy of an adapter with its B matrices scaled: its LoRA scale `scale` times the trained."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+    tensors = load_file(src / "adapter_model.safetensors")
+    scaled = {k: (v * scale if "lora_B" in k else v) for k, v in tensors.items()}
+    save_file(scaled, out / "adapter_model.safetensors")
+    return out
+
+
+def test_the_parity_gate_on_the_vllm_engine(world, server):
+    """`registry verify` (echo + logprobs through vLLM's serving layer) passes the revision as
+    trained; promotion scores the reference on the engine (`score_tokens`) and refuses a LoRA
+    scale 10% off."""
+    from typer.testing import CliRunner
+
+    from loraplex.registry.cli import app
+
+    root, model, versions = world
+    url, cli = server, CliRunner()
+    registry = ["--data-dir", str(root / "data")]
+    tokens = root / "tokens.jsonl"
+    tokens.write_text('{"ids": [1, 5, 17, 3, 40, 22, 9, 11, 60, 2]}\n{"ids": [2, 30, 31, 32, 7]}\n')
+    ref = root / "reference.json"
+    args = ["write-reference", str(versions[3]), "--model", str(model), "--tokens", str(tokens)]
+    wrote = cli.invoke(app, [*args, "--out", str(ref)])
+    assert wrote.exit_code == 0, wrote.output
+    with Publisher(url, ADMIN_TOKEN) as publisher:
+        trained = publisher.publish_dir("gated", versions[3], stable=True)
+        off = publisher.publish_dir("gated", _scaled(versions[3], root / "off", 1.1))
+        again = publisher.publish_dir("gated", _scaled(versions[3], root / "again", 1.000001))
+    for published in (trained, off, again):
+        attached = cli.invoke(app, [*registry, "reference", "gated", published.revision, str(ref)])
+        assert attached.exit_code == 0, attached.output
+    verify = [*registry, "verify", "gated", trained.revision, "--url", url, "--api-key", KEY]
+    passed = cli.invoke(app, verify)
+    assert passed.exit_code == 0, passed.output
+
+    def promote(revision: str) -> httpx.Response:
+        return httpx.post(
+            f"{url}/admin/adapters/gated/promote",
+            headers=ADMIN,
+            json={"revision": revision, "weight": 50},
+            timeout=120,
+        )
+
+    refused = promote(off.revision)
+    assert refused.status_code == 409 and "parity gate" in refused.text, refused.text
+    accepted = promote(again.revision)
+    assert accepted.status_code == 200, accepted.text
