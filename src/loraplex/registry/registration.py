@@ -203,17 +203,9 @@ class Registration:
                 raise AdapterRejected(
                     "digest", f"the files hash to {source}, not to the expected {digest}"
                 )
-            if signature is None:
-                signature = read_signature_file(src)
-            if self.trusted_keys:
-                # over what is stored and served: an imported adapter's canonical form
-                verify_digest(actual, signature, self.trusted_keys)
-            artifacts = self._artifacts()
-            # from the read hashing the copy
-            put, (pieces, sha256_pieces) = artifacts.put_with_piece_lists(adapter.path)
-        if put != actual:
-            raise AdapterRejected(
-                "digest", f"the files in {src} changed while they were being registered"
+            # over what is stored and served: an imported adapter's canonical form
+            signature, pieces, sha256_pieces = self._signed_and_stored(
+                src, adapter.path, actual, signature
             )
         return Stored(
             src,
@@ -230,6 +222,21 @@ class Registration:
             self.publish(actual),
         )
 
+    def _signed_and_stored(self, src: Path, files: Path, actual: str, signature: str | None):
+        """The signature checked against the trusted keys (read beside `src` when not given) and
+        `files` put into the store, from the read that hashes the copy: (signature, its piece
+        lists); AdapterRejected when the files changed since `actual` was taken."""
+        if signature is None:
+            signature = read_signature_file(src)
+        if self.trusted_keys:
+            verify_digest(actual, signature, self.trusted_keys)
+        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(files)
+        if put != actual:
+            raise AdapterRejected(
+                "digest", f"the files in {src} changed while they were being registered"
+            )
+        return signature, pieces, sha256_pieces
+
     def _store_checked(
         self, src: Path, model: ModelConfig, previous: Previous, base_digest, digest, signature
     ) -> Stored:
@@ -240,15 +247,7 @@ class Registration:
             raise AdapterRejected(
                 "digest", f"the files hash to {actual}, not to the expected {digest}"
             )
-        if signature is None:
-            signature = read_signature_file(src)
-        if self.trusted_keys:
-            verify_digest(actual, signature, self.trusted_keys)
-        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(src)
-        if put != actual:
-            raise AdapterRejected(
-                "digest", f"the files in {src} changed while they were being registered"
-            )
+        signature, pieces, sha256_pieces = self._signed_and_stored(src, src, actual, signature)
         return Stored(
             src,
             model,

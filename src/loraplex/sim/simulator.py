@@ -445,12 +445,7 @@ class Simulation:
                 seq = requests[i]
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)
-                worker = self._route(seq)
-                if worker is None:
-                    self._refuse(seq)
-                    continue
-                self.registry.request(worker.index, seq.req.model, self.now)
-                worker.arrive(seq)
+                self._arrive(seq)
                 continue
             at, _, fn, payload = heapq.heappop(events)
             self.now = max(self.now, at)
@@ -468,12 +463,7 @@ class Simulation:
             if seq.req.time > loop.time():
                 await asyncio.sleep(seq.req.time - loop.time())
             self.now = loop.time()
-            worker = self._route(seq)
-            if worker is None:
-                self._refuse(seq)
-                continue
-            self.registry.request(worker.index, seq.req.model, self.now)
-            worker.arrive(seq)
+            self._arrive(seq)
         await asyncio.gather(*(task for w in self.workers for task in w.tasks))
         self.now = loop.time()
         engines = {w.core.task for w in self.workers}
@@ -514,6 +504,15 @@ class Simulation:
             self._views[index] = replace(view, loading=view.loading | {model})
         self.open[index] += 1
         return self.workers[index]
+
+    def _arrive(self, seq: SimRequest) -> None:
+        """The request at the router: to its worker, or refused."""
+        worker = self._route(seq)
+        if worker is None:
+            self._refuse(seq)
+            return
+        self.registry.request(worker.index, seq.req.model, self.now)
+        worker.arrive(seq)
 
     def _refuse(self, seq: SimRequest) -> None:
         """No pool open to the request's tenant serves it: the router's 404, at once."""
