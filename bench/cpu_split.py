@@ -49,12 +49,23 @@ ENGINE_PARTS = (
 )
 ENGINE_OTHER = "engine: step loop, scheduler, other"
 HELPER = "helper processes"  # multiprocessing's resource tracker and the like
+IDLE_LEAVES = (  # (file, function prefix) of an innermost frame that blocks in C: a waiting thread
+    ("threading.py", ""),
+    ("selectors.py", ""),
+    ("queue.py", ""),
+    ("concurrent/futures/thread.py", "_worker"),
+    ("multiprocessing/connection.py", ""),
+    ("asyncio/runners.py", "Runner.run"),  # uvloop's loop, in C: waiting on its poll
+    ("zmq/sugar/socket.py", "Socket.recv"),
+    ("zmq/sugar/poll.py", ""),
+)
 _PROCESS = re.compile(r'process (\d+):"([^"]*)";?')
 _FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 
 
-def parse(text: str) -> Iterable[tuple[list[tuple[int, str]], list[str], int]]:
-    """(process chain [(pid, cmdline)], frame files root to leaf, samples) per collapsed line."""
+def parse(text: str) -> Iterable[tuple[list[tuple[int, str]], list[tuple[str, str]], int]]:
+    """(process chain [(pid, cmdline)], frames [(function, file)] root to leaf, samples) per
+    collapsed line."""
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -63,57 +74,77 @@ def parse(text: str) -> Iterable[tuple[list[tuple[int, str]], list[str], int]]:
         while match := _PROCESS.match(stack):  # a command line may hold ";"
             processes.append((int(match[1]), match[2]))
             stack = stack[match.end() :]
-        files = []
+        frames = []
         for frame in stack.split(";") if stack else []:
             match = _FRAME.match(frame)
-            files.append(match[2] if match else frame)
-        yield processes, files, int(count)
+            frames.append((match[1], match[2]) if match else (frame, ""))
+        yield processes, frames, int(count)
 
 
-def part_of(files: list[str], parts, other: str) -> str:
-    for path in reversed(files):
+def is_idle(frames: list[tuple[str, str]]) -> bool:
+    """A thread blocked in a wait: its innermost Python frame is one of IDLE_LEAVES (py-spy drops
+    most idle threads itself, not all)."""
+    if not frames:
+        return True
+    function, path = frames[-1]
+    return any(path.endswith(f) and function.startswith(fn) for f, fn in IDLE_LEAVES)
+
+
+def part_of(frames: list[tuple[str, str]], parts, other: str) -> str:
+    for _, path in reversed(frames):
         for part, fragments in parts:
             if any(f in path for f in fragments):
                 return part
     return other
 
 
-def attribute(text: str, api_pid: int, rate_hz: float) -> dict:
-    """Samples and CPU seconds (samples / rate) per part and per process role."""
-    parts: Counter[str] = Counter()
-    roles: Counter[str] = Counter()
-    for processes, files, count in parse(text):
-        pid, cmdline = processes[-1] if processes else (api_pid, "")
-        if pid == api_pid:
-            role, part = "api", part_of(files, API_PARTS, API_OTHER)
-        elif "resource_tracker" in cmdline or "semaphore_tracker" in cmdline:
-            role, part = "helper", HELPER
+def role_of(processes: list[tuple[int, str]], api_pid: int) -> str:
+    pid, cmdline = processes[-1] if processes else (api_pid, "")
+    if pid == api_pid:
+        return "api"
+    if "resource_tracker" in cmdline or "semaphore_tracker" in cmdline:
+        return "helper"
+    return "engine"
+
+
+def attribute(text: str, api_pid: int, cpu_s: dict[str, float] | None = None) -> dict:
+    """Busy samples per part, each part's share of its process role's busy samples and, given
+    the roles' CPU seconds (`cpu_s`: psutil's, {"api": s, "engine": s}), its CPU seconds: the
+    role's CPU times the share. Idle-looking samples are counted apart per role."""
+    busy: Counter[tuple[str, str]] = Counter()
+    idle: Counter[str] = Counter()
+    for processes, frames, count in parse(text):
+        role = role_of(processes, api_pid)
+        if is_idle(frames):
+            idle[role] += count
+            continue
+        if role == "api":
+            part = part_of(frames, API_PARTS, API_OTHER)
         else:
-            role, part = "engine", part_of(files, ENGINE_PARTS, ENGINE_OTHER)
-        parts[part] += count
-        roles[role] += count
-    total = sum(parts.values()) or 1
+            part = part_of(frames, ENGINE_PARTS, ENGINE_OTHER) if role == "engine" else HELPER
+        busy[(role, part)] += count
+    per_role: Counter[str] = Counter()
+    for (role, _), n in busy.items():
+        per_role[role] += n
+    parts = {}
+    for (role, part), n in busy.most_common():
+        share = n / per_role[role]
+        parts[part] = {"role": role, "samples": n, "share_of_role": round(share, 3)}
+        if cpu_s is not None and role in cpu_s:
+            parts[part]["cpu_s"] = round(cpu_s[role] * share, 3)
     return {
-        "rate_hz": rate_hz,
-        "samples": sum(parts.values()),
-        "parts": {
-            p: {"samples": n, "cpu_s": round(n / rate_hz, 2), "share": round(n / total, 3)}
-            for p, n in parts.most_common()
-        },
-        "roles": {r: {"samples": n, "share": round(n / total, 3)} for r, n in roles.most_common()},
+        "busy_samples": dict(per_role),
+        "idle_samples": dict(idle),
+        "parts": parts,
     }
 
 
 def top_frames(text: str, api_pid: int, limit: int = 15) -> list[tuple[str, int]]:
-    """The API process's leaf functions by samples (what `attribute` sums, one level down)."""
+    """The API process's busy leaf functions by samples (what `attribute` sums, one level
+    down)."""
     leaves: Counter[str] = Counter()
-    for line in text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        pid = api_pid
-        while match := _PROCESS.match(stack):
-            pid, stack = int(match[1]), stack[match.end() :]
-        if pid == api_pid and stack:
-            leaves[stack.split(";")[-1]] += int(count)
+    for processes, frames, count in parse(text):
+        if role_of(processes, api_pid) == "api" and not is_idle(frames):
+            function, path = frames[-1]
+            leaves[f"{function} ({path})"] += count
     return leaves.most_common(limit)

@@ -90,10 +90,13 @@ WAIT_METRICS = re.compile(
 )
 
 
+LIMITS = dict(LLAMA90M_LIMITS)  # --max-cpu-loras may change its host cache's size
+
+
 def start(name: str, model_dir: Path, adapters: dict, tmp: Path, run_id: str, probe=None) -> Server:
     """One of LABELS' servers, with a data directory and log of its own; `probe`: a file for
     `split_probe.py`'s records (loraplex servers only)."""
-    limits = [f"--{flag.replace('_', '-')}={value}" for flag, value in LLAMA90M_LIMITS.items()]
+    limits = [f"--{flag.replace('_', '-')}={value}" for flag, value in LIMITS.items()]
     common = ["--model", str(model_dir), "--dtype", "float32", *limits]
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     max_len = str(LLAMA90M["max_position_embeddings"])
@@ -283,7 +286,7 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
         },
         "metrics_waits": metric_waits(metrics_before, metrics_after, served),
         "probe": probe_waits(probe, since, until, served, client_s) if probe else None,
-        "cpu_split": attribute(stacks, pid, args.profile_rate),
+        "cpu_split": attribute(stacks, pid, {"api": api_cpu, "engine": engine_cpu}),
         "api_top_leaf_frames": top_frames(stacks, pid),
         "collapsed_stacks": str(stacks_path),
     }
@@ -321,16 +324,27 @@ def print_comparison(console: Console, compared: dict, args) -> None:
 
 
 def print_profile(console: Console, profiles: dict) -> None:
-    table = Table(title="64 adapters under py-spy: CPU seconds per part (share of samples)")
+    table = Table(
+        title="64 adapters under py-spy: CPU ms per request of each part (its share of its "
+        "process's busy samples)"
+    )
     table.add_column("part")
     for name in profiles:
         table.add_column(LABELS[name], justify="right")
-    parts = sorted({p for prof in profiles.values() for p in prof["cpu_split"]["parts"]})
-    for part in parts:
+    parts = sorted(
+        {
+            (p["role"], n)
+            for prof in profiles.values()
+            for n, p in prof["cpu_split"]["parts"].items()
+        }
+    )
+    for _, part in parts:
         cells = []
         for prof in profiles.values():
             got = prof["cpu_split"]["parts"].get(part)
-            cells.append(f"{got['cpu_s']} ({got['share']:.0%})" if got else "")
+            served = max(1, prof["requests"] - prof["errors"])
+            ms = f"{got['cpu_s'] * 1000 / served:.1f}" if got and "cpu_s" in got else "?"
+            cells.append(f"{ms} ({got['share_of_role']:.0%})" if got else "")
         table.add_row(part, *cells)
     console.print(table)
     waits = Table(title="64 adapters: wall-clock waits, ms per request (share of client time)")
@@ -380,6 +394,12 @@ def parse_args(argv: list[str] | None):
         "profile)",
     )
     parser.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=LLAMA90M_LIMITS["max_cpu_loras"],
+        help="every server's host cache (below 64: the 64-adapter workload loads adapters again)",
+    )
     parser.add_argument("--json", default="bench/results/vs_vllm_split.json")
     args = parser.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
@@ -400,6 +420,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    LIMITS["max_cpu_loras"] = args.max_cpu_loras
     console = Console(width=200)
     cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
     model_dir, adapters = llama90m_world(cache_dir)
@@ -407,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "case": "llama90m",
         "labels": LABELS,
         "model": LLAMA90M,
-        "limits": LLAMA90M_LIMITS,
+        "limits": LIMITS,
         "prompt_tokens": LLAMA90M_PROMPT,
         "output_tokens": LLAMA90M_OUTPUT,
         "clients": args.clients,

@@ -81,13 +81,16 @@ def test_a_parent_and_its_child_split_by_process_and_file(tmp_path):
         pid for processes, _, _ in parse(text) for pid, cmd in processes if "parent.py" in cmd
     )
     assert len(recorded) >= 2
-    split = attribute(text, api_pid, 100.0)
+    split = attribute(text, api_pid, {"api": 3.0, "engine": 3.0})
     parts = split["parts"]
-    assert parts["staging"]["samples"] > 0
-    assert parts["loraplex serving layer"]["samples"] > 0
+    assert parts["staging"]["role"] == parts["loraplex serving layer"]["role"] == "api"
+    assert parts["staging"]["samples"] > 0 and parts["loraplex serving layer"]["samples"] > 0
+    assert parts["engine: model forward"]["role"] == "engine"
     assert parts["engine: model forward"]["samples"] > 0
-    assert set(split["roles"]) == {"api", "engine"}
-    assert sum(p["samples"] for p in parts.values()) == split["samples"]
+    for role in ("api", "engine"):  # each role's busy samples split into its parts, whole
+        mine = [p for p in parts.values() if p["role"] == role]
+        assert sum(p["samples"] for p in mine) == split["busy_samples"][role]
+        assert abs(sum(p["cpu_s"] for p in mine) - 3.0) < 0.01
     leaves = [leaf for leaf, _ in top_frames(text, api_pid)]
     assert any("staging.py" in leaf for leaf in leaves)
     assert not any("linear.py" in leaf for leaf in leaves)  # the child's frames are not the API's
@@ -99,9 +102,9 @@ def test_a_command_line_with_semicolons_stays_one_process_frame():
         'process 9:"python -c from multiprocessing.spawn import spawn_main; spawn_main(fd=5)";'
         "run (vllm/v1/engine/core.py:10);forward (torch/nn/modules/linear.py:125) 4"
     )
-    ((processes, files, count),) = list(parse(line))
+    ((processes, frames, count),) = list(parse(line))
     assert processes[-1][0] == 9 and "spawn_main(fd=5)" in processes[-1][1]
-    assert files == ["vllm/v1/engine/core.py", "torch/nn/modules/linear.py"]
+    assert frames == [("run", "vllm/v1/engine/core.py"), ("forward", "torch/nn/modules/linear.py")]
     assert count == 4
     split = attribute(line, 7, 50.0)
     assert split["parts"] == {"engine: model forward": {"samples": 4, "cpu_s": 0.08, "share": 1.0}}
