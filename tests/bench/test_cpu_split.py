@@ -106,5 +106,8 @@ def test_a_command_line_with_semicolons_stays_one_process_frame():
     assert processes[-1][0] == 9 and "spawn_main(fd=5)" in processes[-1][1]
     assert frames == [("run", "vllm/v1/engine/core.py"), ("forward", "torch/nn/modules/linear.py")]
     assert count == 4
-    split = attribute(line, 7, 50.0)
-    assert split["parts"] == {"engine: model forward": {"samples": 4, "cpu_s": 0.08, "share": 1.0}}
+    split = attribute(line, 7, {"engine": 0.5})
+    forward = {"role": "engine", "samples": 4, "share_of_role": 1.0, "cpu_s": 0.5}
+    assert split["parts"] == {"engine: model forward": forward}
+    idle = 'process 7:"python x.py";Runner.run (/usr/lib/python3.11/asyncio/runners.py:118) 9'
+    assert attribute(idle, 7)["idle_samples"] == {"api": 9}  # uvloop waiting in C
