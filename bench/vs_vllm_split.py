@@ -37,6 +37,7 @@ Throughput under profiling is given but is not the comparison's: the sampler tak
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -248,7 +249,11 @@ def sampled(server: Server, out: Path, rate: int, trace: list, clients: int) -> 
             _, err = spy.communicate()
     if not out.is_file():
         raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')[-2000:]}")
-    return summary, out.read_text(errors="replace")
+    text = out.read_text(errors="replace")
+    with gzip.open(out.with_name(out.name + ".gz"), "wt") as kept:  # collapsed stacks are large
+        kept.write(text)
+    out.unlink()
+    return summary, text
 
 
 def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, console) -> dict:
@@ -262,7 +267,7 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
         trace = llama90m_trace(count, 24 if args.quick else 48)
         metrics_before, cpu_before = metric_sums(server.url), process_tree_cpu(server.p.pid)
         since = time.time()
-        stacks_path = Path(args.json).with_name(f"vs_vllm_split_{name}.collapsed.txt")
+        stacks_path = Path(args.json).with_name(f"{Path(args.json).stem}_{name}.collapsed.txt")
         summary, stacks = sampled(server, stacks_path, args.profile_rate, trace, args.clients)
         until = time.time()
         api_cpu, engine_cpu = cpu_spent(cpu_before, process_tree_cpu(server.p.pid), server.p.pid)
@@ -288,7 +293,7 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
         "probe": probe_waits(probe, since, until, served, client_s) if probe else None,
         "cpu_split": attribute(stacks, pid, {"api": api_cpu, "engine": engine_cpu}),
         "api_top_leaf_frames": top_frames(stacks, pid),
-        "collapsed_stacks": str(stacks_path),
+        "collapsed_stacks": f"{stacks_path}.gz",
     }
     console.log(name, "profiled:", report["cpu_ms_per_request"], report["probe"])
     return report
