@@ -31,6 +31,10 @@ API_PARTS = (  # (part, path fragments), tried in order on each frame, leaf to r
 )
 API_OTHER = "event loop, other (API process)"
 ENGINE_PARTS = (
+    (  # vLLM's engine core spins (sched_yield) on the shared-memory queue to its worker
+        "engine: busy-wait for the worker (vLLM's shm queue)",
+        ("vllm/distributed/",),
+    ),
     (
         "engine: model forward",
         (
@@ -137,6 +141,14 @@ def attribute(text: str, api_pid: int, cpu_s: dict[str, float] | None = None) ->
         "idle_samples": dict(idle),
         "parts": parts,
     }
+
+
+def root_pid(text: str) -> int | None:
+    """The process py-spy was pointed at: the first process frame of the stacks."""
+    for processes, _, _ in parse(text):
+        if processes:
+            return processes[0][0]
+    return None
 
 
 def top_frames(text: str, api_pid: int, limit: int = 15) -> list[tuple[str, int]]:

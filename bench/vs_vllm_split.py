@@ -51,7 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-from cpu_split import attribute, top_frames
+from cpu_split import attribute, root_pid, top_frames
 from rich.console import Console
 from rich.table import Table
 from vs_vllm import (
@@ -299,6 +299,25 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
     return report
 
 
+def resplit(path: Path) -> dict:
+    """A written report's profiles split again from their kept stacks by the current rules."""
+    report = json.loads(path.read_text())
+    for prof in report.get("profile", {}).values():
+        with gzip.open(prof["collapsed_stacks"], "rt") as f:
+            stacks = f.read()
+        pid = root_pid(stacks)
+        served = max(1, prof["requests"] - prof["errors"])
+        cpu = prof["cpu_ms_per_request"]
+        cpu_s = {
+            "api": cpu["api_process"] * served / 1000,
+            "engine": cpu["engine_processes"] * served / 1000,
+        }
+        prof["cpu_split"] = attribute(stacks, pid, cpu_s)
+        prof["api_top_leaf_frames"] = top_frames(stacks, pid)
+    path.write_text(json.dumps(report, indent=2))
+    return report
+
+
 def print_comparison(console: Console, compared: dict, args) -> None:
     results, ratios = compared["results"], compared["ratios"]
     table = Table(
@@ -406,6 +425,11 @@ def parse_args(argv: list[str] | None):
         help="every server's host cache (below 64: the 64-adapter workload loads adapters again)",
     )
     parser.add_argument("--json", default="bench/results/vs_vllm_split.json")
+    parser.add_argument(
+        "--resplit",
+        action="store_true",
+        help="run nothing: split --json's profiles again from their kept stacks, print, rewrite",
+    )
     args = parser.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
     args.profile = [s for s in args.profile.split(",") if s]
@@ -427,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     LIMITS["max_cpu_loras"] = args.max_cpu_loras
     console = Console(width=200)
+    if args.resplit:
+        print_profile(console, resplit(Path(args.json))["profile"])
+        return 0
     cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-bench"
     model_dir, adapters = llama90m_world(cache_dir)
     report: dict = {
