@@ -1,6 +1,7 @@
 """`loraplex serve` with wall-clock probes on the request path's waits, for `vs_vllm_split.py`.
 
     python bench/split_probe.py OUT.jsonl serve ARGS...    (the arguments of `loraplex serve`)
+    python bench/split_probe.py OUT.jsonl vllm ARGS...     (vLLM's OpenAI server's arguments)
 
 Every call of a probed method appends one line to OUT.jsonl when it returns or raises:
 `{"name": ..., "end": time.time(), "s": seconds}`. Probed, where the running tree has them:
@@ -10,7 +11,9 @@ Every call of a probed method appends one line to OUT.jsonl when it returns or r
   have (the admission wait proper);
 - `load`: `VllmResidency._load`, a wait for the adapter's staging and vLLM's `add_lora`;
 - `stage`: `StagedCopies.stage` (loader thread), staging one adapter's bytes;
-- `add_lora`: `VllmSlots.add`, the round trip of vLLM's `add_lora`.
+- `add_lora`: `VllmSlots.add`, the round trip of vLLM's `add_lora`;
+- `step` (both servers on vLLM): vLLM's `OutputProcessor.process_outputs`, called in the API
+  process once per engine step that produced tokens, with `rows`: the requests that got a token.
 A method the tree does not have is left out and named in a `{"missing": ...}` line. Nothing else
 changes: the wrapped methods run as they are.
 """
@@ -21,6 +24,7 @@ import functools
 import importlib
 import inspect
 import json
+import runpy
 import sys
 import threading
 import time
@@ -31,7 +35,11 @@ PROBES = {  # name: (module, class, method)
     "load": ("loraplex.engines.vllm.residency", "VllmResidency", "_load"),
     "stage": ("loraplex.engines.vllm.staging", "StagedCopies", "stage"),
     "add_lora": ("loraplex.engines.vllm.slots", "VllmSlots", "add"),
+    "step": ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
 }
+ROWS = {
+    "step": lambda args: len(args[1])
+}  # probe: what else its record holds, from the call's args
 
 
 class Sink:
@@ -48,6 +56,14 @@ class Sink:
 
 
 def wrap(sink: Sink, name: str, method):
+    rows = ROWS.get(name)
+
+    def record(start: float, args) -> None:
+        line = {"name": name, "end": time.time(), "s": time.perf_counter() - start}
+        if rows is not None:
+            line["rows"] = rows(args)
+        sink.write(line)
+
     if inspect.iscoroutinefunction(method):
 
         @functools.wraps(method)
@@ -56,7 +72,7 @@ def wrap(sink: Sink, name: str, method):
             try:
                 return await method(*args, **kwargs)
             finally:
-                sink.write({"name": name, "end": time.time(), "s": time.perf_counter() - start})
+                record(start, args)
 
         return timed_async
 
@@ -66,15 +82,16 @@ def wrap(sink: Sink, name: str, method):
         try:
             return method(*args, **kwargs)
         finally:
-            sink.write({"name": name, "end": time.time(), "s": time.perf_counter() - start})
+            record(start, args)
 
     return timed
 
 
-def install(path: str) -> list[str]:
-    """Wrap every probe the tree has; the names of those it lacks."""
+def install(path: str, names) -> list[str]:
+    """Wrap the probes of `names` the tree has; the names of those it lacks."""
     sink, missing = Sink(path), []
-    for name, (module_name, class_name, method_name) in PROBES.items():
+    for name in names:
+        module_name, class_name, method_name = PROBES[name]
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
             method = getattr(cls, method_name)
@@ -88,10 +105,16 @@ def install(path: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: split_probe.py OUT.jsonl serve ARGS...", file=sys.stderr)
+    if len(argv) < 2 or argv[1] not in ("serve", "vllm"):
+        print("usage: split_probe.py OUT.jsonl {serve|vllm} ARGS...", file=sys.stderr)
         return 2
-    install(argv[0])
+    if argv[1] == "vllm":
+        install(argv[0], ["step"])
+        sys.argv = ["vllm.entrypoints.openai.api_server", *argv[2:]]
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+        return 0
+    engine = argv[argv.index("--engine") + 1] if "--engine" in argv[:-1] else "native"
+    install(argv[0], [n for n in PROBES if n != "step" or engine == "vllm"])
     from loraplex.cli import main as cli_main
 
     sys.argv = ["loraplex", *argv[1:]]

@@ -22,7 +22,9 @@ over `vllm+plugin`'s (the same vLLM, the same fixes: the cost of loraplex's laye
 `--profile`: after the rounds, each named server starts again, warms its 64 adapters and serves
 the 64-adapter workload while py-spy (`--subprocesses --nonblocking --format raw`) samples the API
 process and its children (vLLM's engine core, the native engine's process). Loraplex servers run
-under `split_probe.py`, which times the request path's waits. The report per server:
+under `split_probe.py`, which times the request path's waits, and every server on vLLM under its
+probe of vLLM's engine steps (each step that produced tokens, with its rows). The report per
+server:
 - wall clock per request (ms): loraplex's `acquire` (everything before the engine gets the
   request), of it the wait for a slot (admission) and for a load (staging + vLLM's add_lora), the
   staging and add_lora calls themselves, and each as a share of the clients' time; the native
@@ -96,7 +98,7 @@ LIMITS = dict(LLAMA90M_LIMITS)  # --max-cpu-loras may change its host cache's si
 
 def start(name: str, model_dir: Path, adapters: dict, tmp: Path, run_id: str, probe=None) -> Server:
     """One of LABELS' servers, with a data directory and log of its own; `probe`: a file for
-    `split_probe.py`'s records (loraplex servers only)."""
+    `split_probe.py`'s records."""
     limits = [f"--{flag.replace('_', '-')}={value}" for flag, value in LIMITS.items()]
     common = ["--model", str(model_dir), "--dtype", "float32", *limits]
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
@@ -104,7 +106,10 @@ def start(name: str, model_dir: Path, adapters: dict, tmp: Path, run_id: str, pr
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_PLUGINS", None)  # every plugin of this environment: loraplex's among them
     if name in ("vllm", "vllm+plugin"):
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
+        if probe:  # the probe of engine steps, then vLLM's server
+            args = [sys.executable, str(BENCH / "split_probe.py"), str(probe), "vllm", *common]
+        else:
+            args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
         args += ["--max-model-len", max_len, "--enable-lora"]
         if name == "vllm":
             env["VLLM_PLUGINS"] = ""  # no plugin loads: vLLM as released
@@ -187,8 +192,9 @@ def metric_sums(url: str) -> dict[str, float]:
 
 def probe_waits(path: Path, since: float, until: float, requests: int, client_s: float) -> dict:
     """The probe's calls that ended in [since, until]: count, ms per request and share of the
-    clients' time, per probe."""
+    clients' time, per probe; and vLLM's steps that produced tokens, with their rows."""
     totals: dict[str, list[float]] = {}
+    rows: list[int] = []
     missing: list[str] = []
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -197,6 +203,8 @@ def probe_waits(path: Path, since: float, until: float, requests: int, client_s:
                 missing = record["missing"]
             elif since <= record["end"] <= until:
                 totals.setdefault(record["name"], []).append(record["s"])
+                if "rows" in record:
+                    rows.append(record["rows"])
     waits = {
         name: {
             "calls": len(values),
@@ -206,8 +214,17 @@ def probe_waits(path: Path, since: float, until: float, requests: int, client_s:
             "share_of_client_time": round(sum(values) / client_s, 3) if client_s else None,
         }
         for name, values in totals.items()
+        if name != "step"
     }
-    return {"waits": waits, "missing": missing}
+    steps = None
+    if rows:
+        steps = {
+            "steps_with_tokens": len(rows),
+            "rows_per_step_mean": round(statistics.mean(rows), 2),
+            "rows_per_step_p50": statistics.median(rows),
+            "tokens": sum(rows),
+        }
+    return {"waits": waits, "steps": steps, "missing": missing}
 
 
 def metric_waits(before: dict, after: dict, requests: int) -> dict:
@@ -257,9 +274,9 @@ def sampled(server: Server, out: Path, rate: int, trace: list, clients: int) -> 
 
 
 def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, console) -> dict:
-    """One server at 64 adapters under py-spy and (loraplex) the probe."""
+    """One server at 64 adapters under py-spy and the probe."""
     count = LLAMA90M_WORKLOADS["64 adapters"][0]
-    probe = tmp / f"probe-{name}.jsonl" if name.startswith("loraplex") else None
+    probe = tmp / f"probe-{name}.jsonl"
     server = start(name, model_dir, adapters, tmp, f"{name}-profile", probe)
     try:
         warm = [replace(r, output_tokens=2) for r in llama90m_trace(count, count)]
@@ -290,7 +307,7 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
             "engine_processes": round(engine_cpu * 1000 / served, 1),
         },
         "metrics_waits": metric_waits(metrics_before, metrics_after, served),
-        "probe": probe_waits(probe, since, until, served, client_s) if probe else None,
+        "probe": probe_waits(probe, since, until, served, client_s),
         "cpu_split": attribute(stacks, pid, {"api": api_cpu, "engine": engine_cpu}),
         "api_top_leaf_frames": top_frames(stacks, pid),
         "collapsed_stacks": f"{stacks_path}.gz",
@@ -400,6 +417,17 @@ def print_profile(console: Console, profiles: dict) -> None:
             "",
             "",
         )
+        steps = (prof["probe"] or {}).get("steps")
+        if steps:
+            waits.add_row(
+                LABELS[name],
+                "vLLM steps with tokens: rows/step mean, p50",
+                str(steps["steps_with_tokens"]),
+                f"{steps['rows_per_step_mean']}, {steps['rows_per_step_p50']}",
+                "",
+                "",
+                "",
+            )
         waits.rows[-1].end_section = True
     console.print(waits)
 
