@@ -388,6 +388,10 @@ def print_profile(console: Console, profiles: dict) -> None:
             cells.append(f"{ms} ({got['share_of_role']:.0%})" if got else "")
         table.add_row(part, *cells)
     console.print(table)
+    print_waits(console, profiles)
+
+
+def print_waits(console: Console, profiles: dict) -> None:
     waits = Table(title="64 adapters: wall-clock waits, ms per request (share of client time)")
     for c in ("server", "wait", "calls", "ms/request", "p50 ms", "max ms", "share"):
         waits.add_column(c, justify="right")
