@@ -14,7 +14,6 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup
@@ -28,6 +27,7 @@ from loraplex.rollout.judge import Limits, StepRule
 from loraplex.rollout.sources import PrometheusSource, SourceError, WorkerSource
 from loraplex.rollout.workers import QualityGate, WorkerError, canary_pool, prewarm, wait_active
 from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.tables import print_table
 from loraplex.settings.rollout import (
     ENV_PREFIX,
     REPLAY_ENV_PREFIX,
@@ -78,9 +78,12 @@ def _errors(command):
 
 
 def open_registry(url: str | None, data_dir: Path | None) -> Registry:
+    """The registry, which must exist already (a missing SQLite file is an error, not made)."""
     data = data_dir or default_data_dir()
     return Registry(
-        url or f"sqlite:///{data / 'registry.db'}", actor=f"rollout:{getpass.getuser()}"
+        url or f"sqlite:///{data / 'registry.db'}",
+        actor=f"rollout:{getpass.getuser()}",
+        create=False,
     )
 
 
@@ -314,7 +317,7 @@ def replay_command(settings: ReplaySettings) -> None:
             _shown(ratios.get("ttft_p99")),
             _shown(ratios.get("tpot_p99")),
         )
-    Console().print(table)
+    print_table(table)
     typer.echo(
         f"canary served {result['canary_requests']} requests ({result['canary_errors']} errors) "
         f"before: {result['reason']}"

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from loraplex.artifacts import canonical_digest
@@ -17,10 +16,16 @@ from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.signing import load_private_key, sign_digest
 from loraplex.registry.stats import revision_stats
+from loraplex.tables import is_piped, print_line, print_table
 
 
 def _short(digest: str) -> str:
-    return digest.removeprefix("sha256:")[:12]
+    """The digest's first 12 hex digits on a terminal; whole when piped."""
+    return digest if is_piped() else digest.removeprefix("sha256:")[:12]
+
+
+def _when(at) -> str:
+    return at.isoformat() if is_piped() else at.strftime("%Y-%m-%d %H:%M")
 
 
 def _revisions_table(adapter: AdapterRecord) -> Table:
@@ -46,7 +51,7 @@ def _revisions_table(adapter: AdapterRecord) -> Table:
             str(r.rank),
             ",".join(r.target_modules),
             f"{r.estimated_bytes:,}",
-            r.created_at.strftime("%Y-%m-%d %H:%M"),
+            _when(r.created_at),
         )
     return table
 
@@ -55,7 +60,7 @@ def _revisions_table(adapter: AdapterRecord) -> Table:
 @errors
 def init(ctx: typer.Context):
     """Create the registry database (idempotent)."""
-    registry = open_registry(ctx)
+    registry = open_registry(ctx, create=True)
     registry.init()
     typer.echo(
         f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in "
@@ -101,7 +106,14 @@ def add(
     shared: _Shared = False,
     base_model: _BaseModel = None,
     warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
-    priority: Annotated[int | None, typer.Option()] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="A number kept with the adapter and shown by list and show (default 0); the "
+            "caches rank by the tenant's priority (tenant add --priority)",
+        ),
+    ] = None,
     stable: _Stable = False,
     eval_set: _EvalSet = None,
     signature: _Signature = None,
@@ -188,7 +200,7 @@ def list_(
             str(a.priority),
             a.pin_tier or "",
         )
-    Console().print(table)
+    print_table(table)
     if limit is not None and len(adapters) == limit:
         typer.echo(f"more may follow: --after {adapters[-1].name}")
 
@@ -262,7 +274,6 @@ def show(
     if json_out:
         print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
         return
-    console = Console()
     access = (
         "shared with every tenant"
         if adapter.shared
@@ -270,13 +281,13 @@ def show(
     )
     pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
     keep = f", keeps the newest {adapter.keep}" if adapter.keep is not None else ""
-    console.print(
+    print_line(
         f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
         f"{adapter.warm_policy}, priority {adapter.priority}{pinned}{keep}"
     )
-    console.print(_revisions_table(adapter))
+    print_table(_revisions_table(adapter))
     if audit_log:
-        console.print(_stats_table(name, stats))
+        print_table(_stats_table(name, stats))
 
 
 def _stats_table(name: str, stats) -> Table:

@@ -43,7 +43,8 @@ class CliOptions:
     trusted_keys: tuple[Path, ...]
     max_lora_rank: int
 
-    def open(self) -> Registry:
+    def open(self, create: bool = False) -> Registry:
+        """The registry; a SQLite file that is missing is made only with `create` (`init`)."""
         keys = tuple(load_public_key(p) for p in self.trusted_keys)
         return Registry(
             self.url,
@@ -52,6 +53,7 @@ class CliOptions:
             trusted_keys=keys,
             storage_base=self.storage_base,
             actor=getpass.getuser(),
+            create=create,
         )
 
 
@@ -125,8 +127,8 @@ def errors(command):
     return run
 
 
-def open_registry(ctx: typer.Context) -> Registry:
-    registry = ctx.obj.open()
+def open_registry(ctx: typer.Context, create: bool = False) -> Registry:
+    registry = ctx.obj.open(create)
     ctx.call_on_close(registry.close)
     return registry
 

@@ -7,12 +7,12 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.records import AdapterRecord
+from loraplex.tables import is_piped, print_table
 
 
 def _traffic_line(adapter: AdapterRecord) -> str:
@@ -130,6 +130,7 @@ def pin(
 @app.command()
 @errors
 def unpin(ctx: typer.Context, name: str):
+    """Let an adapter be evicted again (servers follow at next start)."""
     open_registry(ctx).unpin(name)
     typer.echo(f"{name}: unpinned")
 
@@ -145,6 +146,7 @@ def grant(ctx: typer.Context, name: str, tenant: str):
 @app.command()
 @errors
 def ungrant(ctx: typer.Context, name: str, tenant: str):
+    """Take back another tenant's use of an adapter."""
     open_registry(ctx).revoke_grant(name, tenant)
     typer.echo(f"{name}: grant to {tenant} revoked")
 
@@ -154,7 +156,7 @@ def ungrant(ctx: typer.Context, name: str, tenant: str):
 def audit(
     ctx: typer.Context,
     name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
-    limit: Annotated[int, typer.Option()] = 50,
+    limit: Annotated[int, typer.Option(min=1, metavar="N", help="The newest N events")] = 50,
     json_out: JsonFlag = False,
 ):
     """Who changed what, when (newest first)."""
@@ -168,10 +170,10 @@ def audit(
     for e in events:
         table.add_row(
             str(e.id),
-            e.at.strftime("%Y-%m-%d %H:%M:%S"),
+            e.at.isoformat() if is_piped() else e.at.strftime("%Y-%m-%d %H:%M:%S"),
             e.actor,
             e.action,
             e.target,
             json.dumps(e.detail, sort_keys=True),
         )
-    Console().print(table)
+    print_table(table)
