@@ -14,16 +14,15 @@ from loraplex.rollout.cli import app as rollout_app
 from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import add_serve
 from loraplex.server.serve import StartupError, make_dir, read_option_file
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.router import ENV_PREFIX as ROUTER_ENV
 from loraplex.settings.router import RouterSettings
 from loraplex.sim.cli import add_sim_commands
 
-app = typer.Typer(
+app = PlainTyper(
     no_args_is_help=True,
     add_completion=False,
     help="Serve one base LLM with many LoRA adapters.",
-    rich_markup_mode=PLAIN,
 )
 app.add_typer(registry_app, name="registry")
 app.add_typer(bench_app, name="bench")
@@ -53,11 +52,11 @@ def main_options(
 @app.command()
 def demo(
     dir: Path | None = typer.Option(
-        None, "--dir", help="Where the demo world is built (default: a cache dir)."
+        None, "--dir", metavar="DIR", help="Where the demo world is built (default: a cache dir)."
     ),
     serve: bool = typer.Option(False, "--serve", help="Keep serving the demo until Ctrl-C."),
     max_loras: int = typer.Option(
-        3, "--max-loras", help="Adapter slots (fewer than adapters, so the cache works)."
+        3, "--max-loras", metavar="N", help="Adapter slots (fewer than adapters, so the cache works)."
     ),
 ) -> None:
     """Build the demo world if needed, serve it to three tenants and check every answer."""

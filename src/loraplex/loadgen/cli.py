@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from loraplex.loadgen import traffic
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
 
@@ -201,11 +201,10 @@ def serve(s: BenchServeSettings) -> None:
         console.print(f"json: {s.json}", markup=False, highlight=False)
 
 
-app = typer.Typer(
+app = PlainTyper(
     add_completion=False,
     no_args_is_help=True,
     help="Load generation against running servers.",
-    rich_markup_mode=PLAIN,
 )
 app.callback()(lambda: None)  # a group even with one command: `bench serve`, not `bench`
 add_settings_command(app, BenchServeSettings, serve, "serve", ENV_PREFIX)

@@ -26,7 +26,7 @@ from loraplex.rollout.controller import Controller, Plan
 from loraplex.rollout.judge import Limits, StepRule
 from loraplex.rollout.sources import PrometheusSource, SourceError, WorkerSource
 from loraplex.rollout.workers import QualityGate, WorkerError, canary_pool, prewarm, wait_active
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.tables import print_table
 from loraplex.settings.rollout import (
     ENV_PREFIX,
@@ -48,14 +48,13 @@ class RolloutGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-app = typer.Typer(
+app = PlainTyper(
     name="rollout",
     cls=RolloutGroup,
     help="Step a revision's traffic 1 → 10 → 50 → 100%, judged against the stable, rolled back "
     "on its own.",
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode=PLAIN,
 )
 
 
@@ -195,7 +194,7 @@ DataDirOption = Annotated[
 
 @app.command()
 def status(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter name")],
     registry: RegistryOption = None,
     data_dir: DataDirOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
@@ -261,10 +260,12 @@ def decision_line(decision: dict) -> str:
 
 @app.command()
 def abort(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter name")],
     registry: RegistryOption = None,
     data_dir: DataDirOption = None,
-    reason: Annotated[str, typer.Option(help="Why (kept in the audit event)")] = "aborted",
+    reason: Annotated[
+        str, typer.Option(metavar="TEXT", help="Why (kept in the audit event)")
+    ] = "aborted",
 ) -> None:
     """Roll back now: the canary leaves traffic and the rollout ends (its controller stops)."""
     _errors(_abort)(name, registry, data_dir, reason)

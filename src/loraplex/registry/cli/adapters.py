@@ -11,7 +11,14 @@ from rich.table import Table
 
 from loraplex.artifacts import canonical_digest
 from loraplex.registry.bulk import ImportRefused, read_directory, read_jsonl
-from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.cli.common import (
+    JsonFlag,
+    NameArg,
+    app,
+    errors,
+    open_registry,
+    print_json,
+)
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.signing import load_private_key, sign_digest
@@ -68,21 +75,39 @@ def init(ctx: typer.Context):
     )
 
 
-_Revision = Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")]
+_Revision = Annotated[
+    str | None, typer.Option(metavar="REVISION", help="Revision label (default: r1, r2, ...)")
+]
 _Shared = Annotated[
     bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
 ]
-_BaseModel = Annotated[Path | None, typer.Option(help="Base model directory to validate against")]
+_BaseModel = Annotated[
+    Path | None, typer.Option(metavar="DIR", help="Base model directory to validate against")
+]
 _Stable = Annotated[
     bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
 ]
-_EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")]
-_Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
-_SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
-_Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_EvalSet = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="FILE",
+        help="JSONL of {prompt, expected|contains} cases a promotion runs (docs/registry.md)",
+    ),
+]
+_Signature = Annotated[
+    str | None, typer.Option(metavar="ed25519:BASE64", help="Signature over the digest")
+]
+_SigningKey = Annotated[
+    Path | None, typer.Option(metavar="FILE", help="Sign with this ed25519 private key (PEM)")
+]
+_Digest = Annotated[
+    str | None,
+    typer.Option(metavar="sha256:HEX", help="Refuse unless the files hash to this digest"),
+]
 _Keep = Annotated[
     int | None,
     typer.Option(
+        metavar="K",
         help="The name keeps its newest K revisions servable; older ones are retired at each "
         "promotion (default: as it was, at first every revision)"
     ),
@@ -99,13 +124,19 @@ _StrictBase = Annotated[
 @errors
 def add(
     ctx: typer.Context,
-    directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
-    name: Annotated[str, typer.Option(help="Adapter name")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="PEFT adapter directory")],
+    name: Annotated[str, typer.Option(metavar="NAME", help="Adapter name")],
     revision: _Revision = None,
-    tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
+    tenant: Annotated[str | None, typer.Option(metavar="TENANT", help="Owner tenant")] = None,
     shared: _Shared = False,
     base_model: _BaseModel = None,
-    warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
+    warm: Annotated[
+        str | None,
+        typer.Option(
+            metavar="gpu|cpu|on_demand",
+            help="Keep it resident in a tier of the caches, or load it on demand (default)",
+        ),
+    ] = None,
     priority: Annotated[
         int | None,
         typer.Option(
@@ -124,6 +155,7 @@ def add(
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
+    ctx.obj.check_reachable_store()
     if signing_key is not None:
         signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
     registry = open_registry(ctx)
@@ -143,6 +175,7 @@ def add(
         digest=digest,
         keep=keep,
     )
+    _note_copy(ctx)
     if json_out:
         print_json(record.to_dict())
         return
@@ -150,6 +183,12 @@ def add(
         f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} "
         f"bytes, {record.status})"
     )
+
+
+def _note_copy(ctx: typer.Context) -> None:
+    note = ctx.obj.remote_copy_note()
+    if note:
+        typer.echo(note, err=True)
 
 
 _Retired = Annotated[bool, typer.Option("--retired", help="Count and show retired revisions too")]
@@ -160,16 +199,25 @@ STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined", "retired
 @errors
 def list_(
     ctx: typer.Context,
-    tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(metavar="TENANT", help="Only what this tenant may use")
+    ] = None,
     status: Annotated[
         str | None,
-        typer.Option(help="Only adapters with a revision in this status: " + " | ".join(STATUSES)),
+        typer.Option(
+            metavar="STATUS",
+            help="Only adapters with a revision in this status: " + " | ".join(STATUSES),
+        ),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option(min=1, help="At most this many (one page), by name")
+        int | None,
+        typer.Option(min=1, metavar="N", help="At most this many (one page), by name"),
     ] = None,
     after: Annotated[
-        str | None, typer.Option(help="Those named after this (the last name of the page before)")
+        str | None,
+        typer.Option(
+            metavar="NAME", help="Those named after this (the last name of the page before)"
+        ),
     ] = None,
     retired: _Retired = False,
     json_out: JsonFlag = False,
@@ -212,25 +260,26 @@ def import_(
     source: Annotated[
         Path,
         typer.Argument(
+            metavar="FILE|DIR",
             help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
             "warm, priority, stable, digest, signature, eval_set, keep) or a directory of adapter "
             "directories (each named by its directory)"
         ),
     ],
     tenant: Annotated[
-        str | None, typer.Option(help="Owner tenant of each (unless its line says)")
+        str | None,
+        typer.Option(metavar="TENANT", help="Owner tenant of each (unless its line says)"),
     ] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant")] = False,
     stable: Annotated[
         bool, typer.Option("--stable", help="Serve each at once (100% of its name's traffic)")
     ] = False,
-    base_model: Annotated[
-        Path | None, typer.Option(help="Base model directory to validate against")
-    ] = None,
+    base_model: _BaseModel = None,
     json_out: JsonFlag = False,
 ):
     """Register many adapters in one go, each checked as `add` checks it, all before any is
     recorded (a bad one: nothing is), then recorded in a few transactions."""
+    ctx.obj.check_reachable_store()
     defaults: dict = {"tenant": tenant, "stable": stable}
     if shared:
         defaults["shared"] = True
@@ -246,6 +295,7 @@ def import_(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     seconds = time.perf_counter() - started
+    _note_copy(ctx)
     if json_out:
         print_json([r.to_dict() for r in result.records])
         return
@@ -260,9 +310,10 @@ def import_(
 @errors
 def show(
     ctx: typer.Context,
-    name: str,
+    name: NameArg,
     audit_log: Annotated[
-        Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
+        Path | None,
+        typer.Option(metavar="FILE", help="Server audit log (JSONL): per-revision stats"),
     ] = None,
     retired: _Retired = False,
     json_out: JsonFlag = False,

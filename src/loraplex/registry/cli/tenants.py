@@ -7,18 +7,24 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.cli.common import (
+    JsonFlag,
+    TenantArg,
+    app,
+    errors,
+    open_registry,
+    print_json,
+)
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.registry import check_tenant_limits
-from loraplex.settings.command import PLAIN
+from loraplex.settings.command import PlainTyper
 from loraplex.tables import is_piped, print_table
 from loraplex.units import parse_size
 
-tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True, rich_markup_mode=PLAIN)
-key_app = typer.Typer(
+tenant_app = PlainTyper(help="Tenants.", no_args_is_help=True)
+key_app = PlainTyper(
     help="API keys (stored hashed; a new key is printed once).",
     no_args_is_help=True,
-    rich_markup_mode=PLAIN,
 )
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
@@ -28,6 +34,7 @@ GpuSlotsOption = Annotated[
     str | None,
     typer.Option(
         "--max-gpu-slots",
+        metavar="N|none",
         help="Residency budget in device slots; `none`: the server's default share",
     ),
 ]
@@ -35,6 +42,7 @@ CpuBytesOption = Annotated[
     str | None,
     typer.Option(
         "--max-cpu-bytes",
+        metavar="SIZE|none",
         help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share",
     ),
 ]
@@ -84,7 +92,7 @@ _PRIORITY = (
 @errors
 def tenant_add(
     ctx: typer.Context,
-    name: str,
+    name: TenantArg,
     priority: Annotated[int, typer.Option(metavar="N", help=_PRIORITY)] = 0,
     max_gpu_slots: GpuSlotsOption = None,
     max_cpu_bytes: CpuBytesOption = None,
@@ -102,7 +110,7 @@ def tenant_add(
 @errors
 def tenant_set(
     ctx: typer.Context,
-    name: str,
+    name: TenantArg,
     priority: Annotated[int | None, typer.Option(metavar="N", help=_PRIORITY)] = None,
     max_gpu_slots: GpuSlotsOption = None,
     max_cpu_bytes: CpuBytesOption = None,
@@ -210,7 +218,7 @@ def _or_default(value: int | None) -> str:
 
 @key_app.command("create")
 @errors
-def key_create(ctx: typer.Context, tenant: str):
+def key_create(ctx: typer.Context, tenant: TenantArg):
     """Create an API key for a tenant; it is printed once and only its hash is kept."""
     typer.echo(open_registry(ctx).create_key(tenant))
 
@@ -219,7 +227,9 @@ def key_create(ctx: typer.Context, tenant: str):
 @errors
 def key_revoke(
     ctx: typer.Context,
-    key_id: Annotated[str, typer.Argument(help="Key id (its first 12 characters)")],
+    key_id: Annotated[
+        str, typer.Argument(metavar="KEY_ID", help="Key id (its first 12 characters)")
+    ],
 ):
     """Revoke an API key: servers refuse it within their watch interval."""
     typer.echo(f"revoked {open_registry(ctx).revoke_key(key_id)}")
@@ -229,7 +239,9 @@ def key_revoke(
 @errors
 def key_list(
     ctx: typer.Context,
-    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(metavar="TENANT", help="Only this tenant's keys")
+    ] = None,
     json_out: JsonFlag = False,
 ):
     """API keys by id (never the key itself), their tenants, when created and revoked."""
