@@ -56,7 +56,10 @@ def demo(
     ),
     serve: bool = typer.Option(False, "--serve", help="Keep serving the demo until Ctrl-C."),
     max_loras: int = typer.Option(
-        3, "--max-loras", metavar="N", help="Adapter slots (fewer than adapters, so the cache works)."
+        3,
+        "--max-loras",
+        metavar="N",
+        help="Adapter slots (fewer than adapters, so the cache works).",
     ),
 ) -> None:
     """Build the demo world if needed, serve it to three tenants and check every answer."""

@@ -87,7 +87,7 @@ def test_without_a_store_nothing_is_added_and_notes_say_adapters_from_outside_ca
 @pytest.mark.parametrize(
     "store, command",
     [
-        (OCI, '--storage-base oci://registry.internal/loras add DIR'),
+        (OCI, "--storage-base oci://registry.internal/loras add DIR"),
         (S3, "--storage-base s3://loras/prod add DIR"),
         (VOLUME, "--store /srv/loras add DIR"),
     ],

@@ -216,7 +216,7 @@ class Rollout(Base):
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
-"""The schemes of the registry URLs the registry opens (`sqlite:///FILE`; PostgreSQL by psycopg 3)."""
+"""The schemes of the registry URLs it opens (`sqlite:///FILE`; PostgreSQL by psycopg 3)."""
 
 
 def check_database_url(url: str) -> None:

@@ -27,13 +27,13 @@ from loraplex.rollout.judge import Limits, StepRule
 from loraplex.rollout.sources import PrometheusSource, SourceError, WorkerSource
 from loraplex.rollout.workers import QualityGate, WorkerError, canary_pool, prewarm, wait_active
 from loraplex.settings.command import PlainTyper, add_settings_command
-from loraplex.tables import print_table
 from loraplex.settings.rollout import (
     ENV_PREFIX,
     REPLAY_ENV_PREFIX,
     ReplaySettings,
     RolloutSettings,
 )
+from loraplex.tables import print_table
 
 ACTIVATE_TIMEOUT_S = 120.0
 

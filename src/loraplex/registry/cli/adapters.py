@@ -109,7 +109,7 @@ _Keep = Annotated[
     typer.Option(
         metavar="K",
         help="The name keeps its newest K revisions servable; older ones are retired at each "
-        "promotion (default: as it was, at first every revision)"
+        "promotion (default: as it was, at first every revision)",
     ),
 ]
 _StrictBase = Annotated[
@@ -263,7 +263,7 @@ def import_(
             metavar="FILE|DIR",
             help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
             "warm, priority, stable, digest, signature, eval_set, keep) or a directory of adapter "
-            "directories (each named by its directory)"
+            "directories (each named by its directory)",
         ),
     ],
     tenant: Annotated[

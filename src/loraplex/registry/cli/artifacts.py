@@ -11,7 +11,6 @@ from loraplex.artifacts import canonical_digest
 from loraplex.registry.cli.common import app, errors, open_registry
 from loraplex.registry.signing import generate_keypair, load_private_key, sign_digest
 
-
 _Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The adapter directory")]
 
 
@@ -38,9 +37,7 @@ def keygen(
     private_out: Annotated[
         Path, typer.Argument(metavar="PRIVATE_PEM", help="The private key's file (mode 0600)")
     ],
-    public_out: Annotated[
-        Path, typer.Argument(metavar="PUBLIC_PEM", help="The public key's file")
-    ],
+    public_out: Annotated[Path, typer.Argument(metavar="PUBLIC_PEM", help="The public key's file")],
 ):
     """Write a new ed25519 key pair (PEM) for signing revisions."""
     private, public = generate_keypair()

@@ -17,8 +17,8 @@ from loraplex.artifacts import ArtifactError, ArtifactStore
 from loraplex.model_config import ModelConfigError
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.registry import Registry, default_store_for
-from loraplex.registry.store import sqlite_file
 from loraplex.registry.signing import load_public_key
+from loraplex.registry.store import sqlite_file
 from loraplex.settings.command import PlainTyper
 
 # Help in click's plain layout (PLAIN): rich's tables cut long option names when piped or narrow.
