@@ -87,11 +87,13 @@ def add_settings_command(
     name: str,
     env_prefix: str,
     arguments: tuple[tuple[str, str], ...] = (),
+    check: Callable[[Any], None] | None = None,
 ) -> Callable[..., None]:
     """Adds the command `name` to `app`: it resolves `model` from defaults < `--config` <
     environment < flags and calls `run(settings)`; a bad value is one line on stderr and exit 2.
     The command's help is `run`'s docstring. `arguments`: (field, help) of the model's fields
-    given as the command's positional arguments (required, not settings)."""
+    given as the command's positional arguments (required, not settings). `check(settings)`: what
+    `--print-config` checks beyond the settings (the files and ports the command would use)."""
     specs = settings_of(model)
 
     def command(ctx: typer.Context, **given: Any) -> None:
@@ -102,6 +104,8 @@ def add_settings_command(
             typer.echo(f"error: {exc}", err=True)
             sys.exit(2)
         if given["print_config"]:
+            if check is not None:
+                check(settings)
             typer.echo(dump_yaml(settings), nl=False)
             return
         run(settings)
