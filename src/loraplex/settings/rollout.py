@@ -182,7 +182,7 @@ class RolloutSettings:
     )
     canary_share: float = setting(
         1.0,
-        "Without --canary-workers: this share of the workers, at least one",
+        "Without --canary-workers: this share of the workers, at least one; 0: none",
         panel=POOL,
         check=share,
         doc="without `--canary-workers`: the first this share of the `--worker`s, at least one; "
