@@ -221,9 +221,12 @@ def _status(name: str, url: str | None, data_dir: Path | None, json_out: bool) -
 
 def status_lines(record: RolloutRecord, traffic: tuple[tuple[str, int], ...]) -> list[str]:
     split = " ".join(f"{rev} {w}%" for rev, w in traffic) or "no traffic"
+    step = f"step {record.step + 1} of {len(record.steps)} ({record.weight}%)"
+    decision = record.last_decision or {}
+    if decision.get("before_traffic") and not record.is_active:
+        step = f"before the traffic of {step}, the canary at {decision.get('weight', 0)}%"
     lines = [
-        f"{record.name}@{record.revision} against {record.stable_revision}: {record.phase}, step "
-        f"{record.step + 1} of {len(record.steps)} ({record.weight}%)"
+        f"{record.name}@{record.revision} against {record.stable_revision}: {record.phase}, {step}"
         + (f": {record.reason}" if record.reason else ""),
         f"split now: {split}",
     ]
