@@ -224,3 +224,13 @@ def test_an_s3_storage_base_says_add_copies_nothing_there(data, adapter_v1, llam
         f"note: add copies nothing to s3://loras/prod: copy {data / 'artifacts' / 'sha256'} there "
         "before workers load these revisions\n"
     )
+
+
+@pytest.mark.parametrize("base", ["ftp://files/loras", "registry.internal/loras", "oci://"])
+def test_an_unsupported_storage_base_is_one_line_naming_the_supported_schemes(data, base):
+    _cli(data, "init")
+    result = _cli(data, "--storage-base", base, "list", code=1)
+    assert result.stderr == (
+        f"error: storage base {base!r}: give oci://HOST/REPOSITORY (oci+http:// for plain "
+        "http), or an http://, https://, s3:// or file:// URL the store's sha256/ directory is at\n"
+    )
