@@ -6,6 +6,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import httpx
 import typer
 
 from loraplex.loadgen.cli import app as bench_app
@@ -81,6 +82,42 @@ def router(settings: RouterSettings) -> None:
         read_option_file, read_admin_token, settings.metrics_token_file, "--metrics-token-file"
     )
     sys.exit(serve_router(settings, token, metrics_token))
+
+
+@app.command()
+def publish(
+    directory: Path = typer.Argument(..., help="The adapter directory."),
+    name: str = typer.Option(..., "--name", help="The adapter name it becomes a revision of."),
+    url: str = typer.Option(..., "--url", help="The server's URL (its admin API)."),
+    admin_token_file: Path = typer.Option(
+        ..., "--admin-token-file", help="The admin token, on the file's first line."
+    ),
+    stable: bool = typer.Option(False, "--stable", help="All of the name's traffic at once."),
+    keep: int | None = typer.Option(
+        None, "--keep", help="The name keeps its newest K revisions servable."
+    ),
+    revision: str | None = typer.Option(None, "--revision", help="Its label (default: next rN)."),
+) -> None:
+    """Upload an adapter directory to a server (no shared file system) and register it as a
+    revision; prints NAME@REVISION and its digest."""
+    from loraplex.client import Publisher, PublishError
+
+    token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
+    if not directory.is_dir():
+        typer.echo(f"error: {directory}: not a directory", err=True)
+        raise typer.Exit(2)
+    try:
+        with Publisher(url, token) as publisher:
+            done = publisher.publish_dir(
+                name, directory, stable=stable, keep=keep, revision=revision
+            )
+    except PublishError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: {url}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{done.model} {done.digest}")
 
 
 add_serve(app)

@@ -12,24 +12,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplex.lora_common import (
+    DTYPE_BYTES,
+    AdapterRejected,
+    config_selects,
+    is_number,
+    rank_and_scaling,
+)
+from loraplex.lora_variants import Variants, check_variant_config, is_variant_key, read_variants
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
+
+__all__ = ["DTYPE_BYTES", "AdapterRejected"]  # defined in lora_common, imported from here too
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+    r"(?:lora_([AB])(?:\.default)?\.weight|lora_(magnitude)_vector)$"
 )
-
-
-class AdapterRejected(ValueError):
-    """An adapter that cannot be served; `field` names what is wrong, the message says why."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class LoraModuleSpec:
     scaling: float
     key_a: str
     key_b: str
+    key_magnitude: str | None = None
+    """DoRA's magnitude vector [d_out] (None: a plain LoRA)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,10 @@ class AdapterSpec:
     estimated_bytes: int
     actual_bytes: int
     elements: int = 0
-    """Numbers in the LoRA weights (A and B of every module): times the serving dtype's size, the
-    host copy."""
+    """Numbers in the adapter's weights (A, B and DoRA's magnitude of every module, and the
+    variants'): times the serving dtype's size, the host copy."""
+    variants: Variants = field(default_factory=Variants)
+    """LoRA on lm_head and embed_tokens, full weights, trainable tokens."""
     # the weights file's layout when validated from its bytes (pack_adapter then need not read the
     # header again)
     layout: SafetensorsLayout | None = field(default=None, compare=False, repr=False)
@@ -187,7 +192,6 @@ def _parse_config(raw: bytes) -> dict:
 # the config field that turns them on. Their weights can look like a plain LoRA's, so serving one
 # would compute another function.
 _VARIANTS = {
-    "use_dora": "DoRA adapters are not supported",
     "alora_invocation_tokens": (
         "activated LoRA (aLoRA: the adapter applies only after its invocation tokens) is not "
         "supported"
@@ -199,7 +203,6 @@ _VARIANTS = {
     "use_bdlora": "block-diagonal LoRA is not supported",
     "arrow_config": "Arrow (routing among several LoRAs) is not supported",
     "kasa_config": "KaSA is not supported",
-    "trainable_token_indices": "trainable tokens (changes to the embedding) are not supported",
     "target_parameters": "LoRA on parameters (target_parameters) is not supported",
     "lora_bias": "LoRA with a bias on B (lora_bias) is not supported",
 }
@@ -213,15 +216,7 @@ def _check_config(config: dict) -> None:
             raise AdapterRejected(name, why)
     if config.get("bias", "none") != "none":
         raise AdapterRejected("bias", f"bias={config['bias']!r} is not supported; only 'none'")
-    if config.get("modules_to_save"):
-        raise AdapterRejected(
-            "modules_to_save", f"{config['modules_to_save']} is not supported (full weights)"
-        )
-    targets = config.get("target_modules") or []
-    if isinstance(targets, list):
-        for name in targets:
-            if name in ("embed_tokens", "lm_head"):
-                raise AdapterRejected("target_modules", f"LoRA on {name} is not supported")
+    check_variant_config(config)
     for name in ("target_modules", "exclude_modules"):
         value = config.get(name)
         if (
@@ -247,55 +242,17 @@ def _check_config(config: dict) -> None:
             "layers_to_transform", f"{layers!r} is neither a layer index nor a list of them"
         )
     for name in ("r", "lora_alpha"):
-        if name in config and not _is_number(config[name]):
+        if name in config and not is_number(config[name]):
             raise AdapterRejected(name, f"{config[name]!r} is not a finite number")
     for name in ("rank_pattern", "alpha_pattern"):
         patterns = config.get(name) or {}
-        if not isinstance(patterns, dict) or not all(_is_number(v) for v in patterns.values()):
+        if not isinstance(patterns, dict) or not all(is_number(v) for v in patterns.values()):
             raise AdapterRejected(name, "must map module name patterns to finite numbers")
         for pattern in patterns:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
                 raise AdapterRejected(name, f"{pattern!r} is not a valid pattern: {exc}") from None
-
-
-def _config_selects(config: dict, path: str, layer: int) -> bool:
-    """Whether PEFT, reading this config, puts a LoRA on the module at `path` (its matching rules: a
-    string is a regex the whole path must match, a list names path suffixes, and then
-    `layers_to_transform` limits the layers). PEFT ignores the weights of a module it does not
-    select, so serving them would serve another adapter. A config without `target_modules` selects
-    by the weights."""
-
-    def named(names) -> bool:
-        if isinstance(names, str):
-            return names == "all-linear" or re.fullmatch(names, path) is not None
-        return any(path == name or path.endswith(f".{name}") for name in names)
-
-    excluded = config.get("exclude_modules")
-    if excluded and named(excluded):
-        return False
-    targets = config.get("target_modules")
-    if not targets:
-        return True
-    if isinstance(targets, str) or path in targets:
-        return named(targets)
-    layers = config.get("layers_to_transform")
-    layers = [layers] if isinstance(layers, int) else layers
-    return named(targets) and (not layers or layer in layers)
-
-
-def _is_number(value) -> bool:
-    """A finite int or float: an infinite or NaN alpha makes every logit NaN."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _pattern_value(patterns: dict, key: str, default):
-    """PEFT's rule: the first pattern that matches the end of the module's name wins."""
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
-            return value
-    return default
 
 
 def read_adapter(adapter_dir: str | Path, model: ModelConfig, max_rank: int) -> AdapterSpec:
@@ -331,58 +288,74 @@ def _adapter_spec(
 ) -> AdapterSpec:
     _check_config(config)
     header = layout.tensors
-    alpha_default = config.get("lora_alpha", 8)
-    pairs, dtypes, actual = _lora_pairs(header, model)
+    pairs, others, dtypes, actual = _lora_pairs(header, model)
+    variants = read_variants(config, header, others, model, max_rank)
+    if not pairs and variants.empty:
+        raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
     check_tiling(layout, WEIGHTS_FILE)
-    modules = []
-    estimated = elements = 0
-    for (layer, module), sides in sorted(pairs.items()):
-        spec = _module_spec(config, header, model, max_rank, layer, module, sides)
-        modules.append(spec)
-        d_in, d_out = model.linear_shape(module)
-        # A is [r, d_in] and B [d_out, r], each in its own dtype (a file may store them in two)
-        estimated += (
-            d_in * DTYPE_BYTES[header[sides["A"]]["dtype"]]
-            + d_out * DTYPE_BYTES[header[sides["B"]]["dtype"]]
-        ) * spec.rank
-        elements += (d_in + d_out) * spec.rank
+    modules = [
+        _module_spec(config, header, model, max_rank, layer, module, sides)
+        for (layer, module), sides in sorted(pairs.items())
+    ]
+    estimated, elements = variants.estimated_bytes, variants.elements
+    for m in modules:
+        # A [r, d_in], B [d_out, r] and DoRA's magnitude [d_out], each in its own dtype (a file
+        # may store them in several)
+        for key in (m.key_a, m.key_b, m.key_magnitude):
+            if key is not None:
+                numel = math.prod(header[key]["shape"])
+                estimated += numel * DTYPE_BYTES[header[key]["dtype"]]
+                elements += numel
+    ranks = [m.rank for m in modules] + [h.rank for h in variants.head_loras]
     return AdapterSpec(
         path=adapter_dir,
-        rank=max(m.rank for m in modules),
-        lora_alpha=float(alpha_default),
+        rank=max(ranks, default=0),
+        lora_alpha=float(config.get("lora_alpha", 8)),
         use_rslora=bool(config.get("use_rslora", False)),
         dtype=min(dtypes) if len(dtypes) == 1 else "mixed",
         task_type=config.get("task_type"),
         base_model_name=config.get("base_model_name_or_path"),
-        target_modules=tuple(sorted({m.module for m in modules})),
+        target_modules=tuple(
+            sorted({m.module for m in modules} | {h.module for h in variants.head_loras})
+        ),
         modules=tuple(modules),
         estimated_bytes=estimated,
         actual_bytes=actual,
         elements=elements,
+        variants=variants,
         layout=layout if adapter_dir is None else None,
     )
 
 
 def _lora_pairs(
     header: dict, model: ModelConfig
-) -> tuple[dict[tuple[int, str], dict[str, str]], set[str], int]:
-    """The tensors by (layer, module) and side (A, B), their dtypes and their bytes; AdapterRejected
-    for a tensor that is not the LoRA of a decoder linear layer of `model`."""
+) -> tuple[dict[tuple[int, str], dict[str, str]], list[str], set[str], int]:
+    """The decoder tensors by (layer, module) and side (A, B, magnitude), the keys of the variants'
+    tensors (`lora_variants`), the dtypes and the bytes of all; AdapterRejected for a tensor that
+    is neither."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    others = []
     dtypes = set()
     actual = 0
     for key, info in header.items():
+        if info["dtype"] not in DTYPE_BYTES:
+            raise AdapterRejected(
+                "dtype", f"{key} has dtype {info['dtype']}; allowed: {', '.join(DTYPE_BYTES)}"
+            )
+        dtypes.add(info["dtype"])
+        actual += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
+        if is_variant_key(key):
+            others.append(key)
+            continue
         match = _KEY.fullmatch(key)
         if match is None:
-            what = (
-                "embedding or lm_head LoRA"
-                if ("embed" in key or "lm_head" in key)
-                else "an unexpected tensor"
-            )
             raise AdapterRejected(
-                "weights", f"{key} is {what}; only LoRA A/B of decoder linear layers are supported"
+                "weights",
+                f"{key} is an unexpected tensor; LoRA A/B (and DoRA magnitudes) of decoder linear "
+                "layers, lm_head and embed_tokens, full lm_head and embed_tokens weights and "
+                "trainable tokens are supported",
             )
-        layer, module, side = int(match[1]), match[3], match[4]
+        layer, module, side = int(match[1]), match[3], match[4] or "M"
         if module not in LINEAR_MODULES:
             raise AdapterRejected(
                 "target_modules", f"{module} is not a linear layer of {model.architecture}"
@@ -391,16 +364,8 @@ def _lora_pairs(
             raise AdapterRejected(
                 "weights", f"{key}: layer {layer} does not exist (base has {model.num_layers})"
             )
-        if info["dtype"] not in DTYPE_BYTES:
-            raise AdapterRejected(
-                "dtype", f"{key} has dtype {info['dtype']}; allowed: {', '.join(DTYPE_BYTES)}"
-            )
-        dtypes.add(info["dtype"])
-        actual += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
         pairs.setdefault((layer, module), {})[side] = key
-    if not pairs:
-        raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
-    return pairs, dtypes, actual
+    return pairs, others, dtypes, actual
 
 
 def _module_spec(
@@ -412,9 +377,9 @@ def _module_spec(
     module: str,
     sides: dict[str, str],
 ) -> LoraModuleSpec:
-    """One module's A and B checked against the base's shapes, the rank limit and the config (the
-    modules it selects, its rank and alpha patterns)."""
-    if set(sides) != {"A", "B"}:
+    """One module's A and B (and DoRA's magnitude) checked against the base's shapes, the rank
+    limit and the config (the modules it selects, its rank and alpha patterns, DoRA)."""
+    if not {"A", "B"} <= set(sides):
         raise AdapterRejected(
             "weights", f"layer {layer} {module}: lora_A and lora_B must both be present"
         )
@@ -436,22 +401,43 @@ def _module_spec(
             "rank", f"rank {rank} of layer {layer} {module} is above max_lora_rank {max_rank}"
         )
     path = ModelConfig.module_path(layer, module)
-    if not _config_selects(config, path, layer):
+    if not config_selects(config, path, layer):
         raise AdapterRejected(
             "target_modules",
             f"layer {layer} {module} has weights, but the config's "
             "target_modules / layers_to_transform / exclude_modules do not select it (PEFT "
             "would not load them)",
         )
-    r = _pattern_value(config.get("rank_pattern"), path, config.get("r", 8))
+    r, scaling = rank_and_scaling(config, path)
     if r != rank:
         raise AdapterRejected(
             "r", f"layer {layer} {module}: config says rank {r}, tensors have {rank}"
         )
-    alpha = _pattern_value(config.get("alpha_pattern"), path, config.get("lora_alpha", 8))
-    use_rslora = bool(config.get("use_rslora", False))
-    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-    return LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"])
+    magnitude = _magnitude(config, header, layer, module, sides.get("M"), d_out)
+    return LoraModuleSpec(layer, module, rank, scaling, sides["A"], sides["B"], magnitude)
+
+
+def _magnitude(
+    config: dict, header: dict, layer: int, module: str, key: str | None, d_out: int
+) -> str | None:
+    """DoRA's magnitude vector of the module: present exactly when the config says use_dora."""
+    if config.get("use_dora") and key is None:
+        raise AdapterRejected(
+            "use_dora", f"layer {layer} {module}: DoRA needs the module's lora_magnitude_vector"
+        )
+    if not config.get("use_dora") and key is not None:
+        raise AdapterRejected(
+            "use_dora",
+            f"layer {layer} {module} has a DoRA magnitude vector, but the config does not say "
+            "use_dora",
+        )
+    if key is not None and header[key]["shape"] != [d_out]:
+        raise AdapterRejected(
+            "shape",
+            f"layer {layer} {module}: the magnitude vector is {header[key]['shape']}, the base's "
+            f"output is [{d_out}]",
+        )
+    return key
 
 
 def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:

@@ -97,11 +97,12 @@ def test_add_promote_rollback_and_read_back_as_json(
 
 
 def test_refusals_print_one_line_and_exit_1(cli, adapter_factory, llama_dir):
-    dora = adapter_factory("dora", use_dora=True)
-    result = cli("add", dora, "--name", "chat", "--base-model", llama_dir, ok=False)
+    biased = adapter_factory("lora-bias", lora_bias=True)
+    result = cli("add", biased, "--name", "chat", "--base-model", llama_dir, ok=False)
     assert (
         result.exit_code == 1
-        and result.stderr.strip() == "error: use_dora: DoRA adapters are not supported"
+        and result.stderr.strip()
+        == "error: lora_bias: LoRA with a bias on B (lora_bias) is not supported"
     )
     assert cli("show", "nope", ok=False).stderr.strip() == "error: model 'nope' not found"
     assert "must be REV=PERCENT" in cli("traffic", "chat", "r1", ok=False).stderr

@@ -36,26 +36,20 @@ def assert_refused(registry: Registry, src, field: str, message: str, **kwargs) 
 @pytest.mark.parametrize(
     ("key", "lora_args", "field", "message"),
     [
-        ("dora", dict(use_dora=True), "use_dora", "DoRA adapters are not supported"),
+        (
+            "dora-lm-head",
+            dict(target_modules=["q_proj", "lm_head"], use_dora=True),
+            "use_dora",
+            "DoRA on lm_head is not supported",
+        ),
         ("bias", dict(bias="lora_only"), "bias", "bias='lora_only' is not supported; only 'none'"),
         (
             "modules-to-save",
-            dict(modules_to_save=["lm_head"]),
+            dict(modules_to_save=["norm"]),
             "modules_to_save",
-            r"\['lm_head'\] is not supported",
+            r"\['norm'\] is not supported; only full weights of lm_head and embed_tokens",
         ),
-        (
-            "lm-head",
-            dict(target_modules=["q_proj", "lm_head"]),
-            "target_modules",
-            "LoRA on lm_head is not supported",
-        ),
-        (
-            "embedding",
-            dict(target_modules=["embed_tokens"]),
-            "target_modules",
-            "LoRA on embed_tokens is not supported",
-        ),
+        ("lora-bias", dict(lora_bias=True), "lora_bias", "LoRA with a bias on B"),
         ("rank16", dict(r=16), "rank", "rank 16 of layer 0 q_proj is above max_lora_rank 8"),
         # weights like a plain LoRA's, another forward pass: PEFT applies an aLoRA only after its
         # invocation tokens, and a replicated stack runs the adapter on layers the base does not

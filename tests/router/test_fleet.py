@@ -43,7 +43,10 @@ def test_loraplex_state_gives_residency_by_name_and_revision():
     view = worker.view(now=worker.polled_at + 1, stale_after_s=2)
     assert view.affinity("a") == view.affinity("a@r1") == "gpu" and view.affinity("b@r2") == "cpu"
     assert view.affinity("c") == "loading" and view.affinity("zzz") == "none"
-    assert view.load == 1 + 2 + 4
+    # four open at the router: the three the worker counts and one more
+    assert view.load == 4 and view.in_flight == 1
+    worker.in_flight = 2  # fewer than the worker counts (another router's too): its count stands
+    assert worker.view(now=worker.polled_at + 1, stale_after_s=2).load == 1 + 2
     assert not worker.view(now=worker.polled_at + 5, stale_after_s=2).fresh
 
 

@@ -73,6 +73,11 @@ def test_state_reports_residency_and_load(running):
     for field in ("waiting", "running", "active_tokens", "recent_evictions", "free_slots"):
         assert field in state["load"]
     assert state["max_loras"] == 2
+    # what a router checks against the worker's pool, in the whole state and the routing view
+    routing = running.admin("GET", "/admin/state", params={"view": "routing"}).json()
+    for view in (state, routing):
+        assert view["base_model"] == "tiny" and view["base_model_digest"].startswith("sha256:")
+        assert view["max_lora_rank"] == 16  # the engine's, as the test server makes it
 
 
 def test_register_promote_rollback_through_the_admin_api(start, adapter_variants):

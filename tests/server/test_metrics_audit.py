@@ -204,3 +204,23 @@ def test_metrics_can_require_a_token(start):
             )
         shown = httpx.get(f"{running.url}/metrics", headers={"Authorization": f"Bearer {token}"})
         assert shown.status_code == 200 and "loraplex_requests_total" in shown.text
+
+
+def test_prefix_cache_series_count_the_tokens_looked_up_and_found(start):
+    """vLLM's `vllm:prefix_cache_queries` and `_hits`, in tokens: a prompt sent again finds its
+    full blocks (all but the last token, which is computed for its logits)."""
+    with start() as running:
+        client = running.client("alice")
+        prompt = list(range(3, 3 + 70))  # 70 tokens: 4 full blocks of 16, and 6 more
+        before = _samples(running.url)
+        for _ in range(2):
+            client.completions.create(model="alice-a", prompt=prompt, max_tokens=1)
+        after = _samples(running.url)
+    queries = _value(after, "vllm:prefix_cache_queries_total") - _value(
+        before, "vllm:prefix_cache_queries_total"
+    )
+    hits = _value(after, "vllm:prefix_cache_hits_total") - _value(
+        before, "vllm:prefix_cache_hits_total"
+    )
+    assert queries == 2 * 70
+    assert hits == 4 * 16

@@ -10,7 +10,7 @@ from loraplex.sim import fleet_plan
 from loraplex.sim import plan as planner
 from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
 from loraplex.sim.cli import app
-from loraplex.sim.simulator import LLAMA7B_BYTES_PER_RANK
+from loraplex.sim.config import LLAMA7B_BYTES_PER_RANK
 from loraplex.sim.workload import Request, write_trace
 
 runner = CliRunner()

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from loraplex.sim import cli
+from loraplex.sim import cli, plot
 from loraplex.sim import workload as workload_module
 from loraplex.sim.cli import app
 from loraplex.sim.workload import Capacity, WorkloadSpec, generate, write_trace
@@ -106,7 +106,7 @@ def test_plot_of_a_slots_by_cpu_sweep_keeps_each_cpu_size_on_its_own_line(tmp_pa
         (2, 2**30),
     ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    xlabel, lines = cli.plot_lines(data["runs"])
+    xlabel, lines = plot.plot_lines(data["runs"])
     assert xlabel == "gpu slots"
     assert sorted(lines) == ["lru, cpu 0B", "lru, cpu 1GiB", "optimal, cpu 0B", "optimal, cpu 1GiB"]
     for label, points in lines.items():
@@ -119,7 +119,7 @@ def test_plot_of_a_slots_by_cpu_sweep_keeps_each_cpu_size_on_its_own_line(tmp_pa
 def test_plot_lines_follow_cpu_when_only_cpu_is_swept():
     entry = {"lru": {"hit_rate": {"gpu": 0.5}}}
     runs = [{"gpu_slots": 4, "cpu_bytes": c, "policies": entry} for c in (2 * 2**30, 2**30)]
-    xlabel, lines = cli.plot_lines(runs)
+    xlabel, lines = plot.plot_lines(runs)
     assert xlabel == "cpu cache (GiB)" and list(lines) == ["lru"]
     assert [x for x, _ in lines["lru"]] == [1.0, 2.0]
 

@@ -197,8 +197,8 @@ class Engine(Protocol):
     def stop(self) -> None: ...
 
     def live_figures(self) -> dict[str, Any]:
-        """Waiting and running requests, KV use, the adapters running and waiting, the slots:
-        what `/admin/state`, the metrics and gateways read."""
+        """Waiting and running requests, KV use, the adapters running and waiting, the slots and
+        their max rank: what `/admin/state`, the metrics and gateways read."""
         ...
 
     async def acquire(self, ref: AdapterRef | None) -> Any:
@@ -212,6 +212,11 @@ class Engine(Protocol):
 
     async def complete_text(self, prompt: str, ref: AdapterRef, max_tokens: int = 32) -> str:
         """Greedy completion of `prompt` with the adapter (the release checks)."""
+        ...
+
+    async def score_tokens(self, ids: list[int], ref: AdapterRef | None) -> list[float]:
+        """The log-probability of each of `ids[1:]` after the ones before it, under the adapter
+        (None: the base model): the parity gate's release check."""
         ...
 
     def request_layer(self, layers: RequestLayers[L]) -> L:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.artifacts.digests import canonical_digest
+from loraplex.formats.base_copies import drop_base_copies
 from loraplex.formats.fused import split_fused
 from loraplex.formats.sources import Draft, read_draft
 from loraplex.formats.tensors import RawTensor, read_tensors, write_tensors
@@ -50,7 +51,7 @@ def import_adapter(src: str | Path, model: ModelConfig, out: Path) -> Imported:
     """The adapter in `src` in the canonical form, written into the empty directory `out` when it
     differs from the source; AdapterRejected for a format or content that cannot be imported."""
     src = Path(src)
-    draft = split_fused(read_draft(src), model)
+    draft = drop_base_copies(split_fused(read_draft(src), model), model)
     if not draft.changes:
         return Imported(src, None)
     record = ImportRecord(draft.source_format, canonical_digest(src), tuple(draft.changes))

@@ -111,6 +111,26 @@ def _left_out(names: list[str], weights: str) -> list[str]:
     return changes
 
 
+# PEFT's names in a model's state dict, with the adapter name `default`, to the names that
+# save_pretrained writes: `lora_A.default.weight` -> `lora_A.weight`, `lora_embedding_A.default` ->
+# `lora_embedding_A`, `lora_magnitude_vector.default.weight` -> `lora_magnitude_vector`,
+# `modules_to_save.default.weight` -> `weight`, `trainable_tokens_delta.default` ->
+# `trainable_tokens_delta`
+_DEFAULT = re.compile(
+    r"\.(lora_[AB]|lora_embedding_[AB]|lora_magnitude_vector|modules_to_save|trainable_tokens_delta)"
+    r"\.default(\.weight)?$"
+)
+
+
+def _without_default(match: re.Match) -> str:
+    name = match[1]
+    if name == "modules_to_save":
+        return ".weight"
+    if name.startswith("lora_") and name[5] in "AB":
+        return f".{name}.weight"
+    return f".{name}"
+
+
 def _peft_draft(src: Path) -> Draft:
     weights = src / WEIGHTS_FILE
     config = read_adapter_config(src)
@@ -118,10 +138,8 @@ def _peft_draft(src: Path) -> Draft:
     pieces: dict[str, Piece] = {}
     renamed = {"prefix": 0, "default": 0}
     for key in header:
-        new = key
-        if re.search(r"\.lora_[AB]\.default\.weight$", new):
-            new = new.replace(".default.weight", ".weight")
-            renamed["default"] += 1
+        new = _DEFAULT.sub(_without_default, key)
+        renamed["default"] += new != key
         if not new.startswith(PREFIX):
             new = PREFIX + new
             renamed["prefix"] += 1

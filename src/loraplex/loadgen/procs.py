@@ -123,13 +123,15 @@ def start_worker(
     return Proc(args, data_dir / "log.txt")
 
 
-def start_router(workers: list[str], data_dir: Path, policy: str = "affinity") -> Proc:
+def start_router(workers: list[str], data_dir: Path, policy: str = "affinity", *extra: str) -> Proc:
+    """`extra`: more `router` arguments (`--config FILE`, `--registry URL`, ...)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     token_file = data_dir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     args = ["router", "--port", "0", "--policy", policy, "--admin-token-file", str(token_file)]
     for url in workers:
         args += ["--worker", url]
+    args += extra
     return Proc(args, data_dir / "router-log.txt")
 
 

@@ -122,6 +122,16 @@ class Revision(Base):
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class ParityReference(Base):
+    """A revision's reference for the parity gate (`registry.parity`): token ids and the trainer's
+    per-token log-probabilities under the adapter and the base model, JSON."""
+
+    __tablename__ = "parity_references"
+    revision_id: Mapped[int] = mapped_column(ForeignKey("revisions.id"), primary_key=True)
+    reference: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ArtifactPieces(Base):
     """The hash of each piece of an artifact's files (`store.Pieces`, JSON), taken at registration:
     loads check the bytes on several cores with it. Revisions registered before this table have none

@@ -7,6 +7,7 @@ from sqlalchemy import select
 from loraplex.registry import queries as q
 from loraplex.registry.db import (
     Adapter,
+    ParityReference,
     PinTier,
     Revision,
 )
@@ -15,6 +16,7 @@ from loraplex.registry.errors import (
     LifecycleError,
     RegistryError,
 )
+from loraplex.registry.parity import parse_reference
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import PIN_TIERS, AdapterRecord, read_revision_record
 from loraplex.registry.release import ReleaseChecks, parse_eval_set
@@ -102,15 +104,19 @@ class LifeCycle:
             if q.weights(session, name).get(row.id):
                 return "already in traffic"
             record, eval_text = read_revision_record(session, adapter, row), row.eval_set
+            kept = session.get(ParityReference, row.id)
+            reference_text = kept.reference if kept is not None else None
         cases = parse_eval_set(eval_text) if eval_text else ()
+        reference = parse_reference(reference_text) if reference_text else None
         if checks is None:
-            if cases and not force:
+            if (cases or reference) and not force:
+                what = "an eval set" if cases else "a parity reference"
                 raise LifecycleError(
-                    f"{record.model_id} has an eval set but no release checks were given to run it "
+                    f"{record.model_id} has {what} but no release checks were given to run it "
                     "(promote through a running server's admin API, or force it)"
                 )
-            return "skipped (forced)" if cases else "none configured"
-        return checks.run(record, cases)
+            return "skipped (forced)" if cases or reference else "none configured"
+        return checks.run(record, cases, reference)
 
     def set_traffic(
         self,

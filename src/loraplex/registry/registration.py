@@ -35,6 +35,7 @@ from loraplex.registry.errors import (
     AdapterRejected,
     RegistryError,
 )
+from loraplex.registry.fast_path import Figures, Previous, checks_to_reuse
 from loraplex.registry.records import (
     NAME_RE,
     REVISION_RE,
@@ -58,7 +59,7 @@ class Stored:
     model: ModelConfig  # the base model it was imported for
     imported: ImportRecord | None  # None: the source was canonical already
     digest: str
-    spec: AdapterSpec
+    spec: Figures
     base_model: str
     base_model_digest: str
     eval_set: str | None
@@ -66,6 +67,8 @@ class Stored:
     pieces: str  # BLAKE3 piece list, JSON
     sha256_pieces: str
     storage_uri: str
+    checks_from: str | None = None
+    """The revision whose checks this one reused (`fast_path`); None: checked in full."""
 
 
 STORAGE_SCHEMES = ("oci", "oci+http", "http", "https", "s3", "file")
@@ -131,6 +134,7 @@ class Registration:
         digest: str | None = None,
         base_model: str | None = None,
         keep: int | None = None,
+        fast_path: bool = False,
     ) -> RevisionRecord:
         """Validate an adapter directory, put it into the store and record it, in one transaction.
 
@@ -138,31 +142,72 @@ class Registration:
         adapter usable by all. `digest`: refuse unless the files hash to it. `status`: "staging" (no
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
         does). `keep`: the name keeps its newest `keep` revisions servable from now on (None: as it
-        was; `retention`). Registering the same bytes again under the same name returns the
-        existing revision (a retired one's bytes make a new revision).
+        was; `retention`). `fast_path`: reuse the checks of the name's previous revision when
+        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). Registering the
+        same bytes again under the same name returns the existing revision (a retired one's bytes
+        make a new revision).
         """
         check_names(name, revision, warm_policy, status)
         check_keep(keep)
         stored = self.check_and_store(
-            Path(src_dir), base_model_dir, base_model, eval_set, digest, signature
+            Path(src_dir),
+            base_model_dir,
+            base_model,
+            eval_set,
+            digest,
+            signature,
+            reuse_from=name if fast_path and eval_set is None else None,
         )
+        try:
+            with self.store.write() as session:
+                adapter = self.adapter_for_add(
+                    session,
+                    name,
+                    tenant,
+                    shared,
+                    stored.spec.task_type,
+                    warm_policy,
+                    priority,
+                    keep,
+                )
+                record = self.insert_revision(session, adapter, stored, revision, status)
+                if keep is not None:
+                    retire_beyond_keep(self.store, session, adapter)
+                return record
+        except AdapterRejected:
+            self.drop_unrecorded(stored.digest)
+            raise
+
+    def drop_unrecorded(self, digest: str) -> None:
+        """Remove stored bytes that no revision records (a registration refused after storing
+        them), under the write lock: a registration of the same bytes committing later puts them
+        back (`put_again`)."""
         with self.store.write() as session:
-            adapter = self.adapter_for_add(
-                session, name, tenant, shared, stored.spec.task_type, warm_policy, priority, keep
-            )
-            record = self.insert_revision(session, adapter, stored, revision, status)
-            if keep is not None:
-                retire_beyond_keep(self.store, session, adapter)
-            return record
+            if session.scalar(select(Revision.id).where(Revision.digest == digest).limit(1)):
+                return
+            self._artifacts().remove(digest)
 
     def check_and_store(
-        self, src: Path, base_model_dir, base_model, eval_set, digest, signature
+        self,
+        src: Path,
+        base_model_dir,
+        base_model,
+        eval_set,
+        digest,
+        signature,
+        reuse_from: str | None = None,
     ) -> Stored:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
-        its bytes into the store; AdapterRejected naming the field otherwise."""
+        its bytes into the store; AdapterRejected naming the field otherwise. `reuse_from`: a name
+        whose previous revision's checks hold when the adapter has its config and tensors."""
         if self.allowed is not None:
             self._check_source_allowed(src)
         model, base_name, base_digest = self._base_model(src, base_model_dir, base_model)
+        if reuse_from is not None:
+            base = (base_name, base_digest)
+            previous = checks_to_reuse(self.store, self._artifacts(), reuse_from, src, base)
+            if previous is not None:
+                return self._store_checked(src, model, previous, base_digest, digest, signature)
         with imported_adapter(src, model) as adapter:
             spec = self._validate(adapter.path, model, base_name, src)
             cases_text = Path(eval_set).read_text() if eval_set is not None else None
@@ -191,7 +236,7 @@ class Registration:
             model,
             adapter.record,
             actual,
-            spec,
+            Figures.of(spec),
             base_name,
             base_digest,
             cases_text,
@@ -199,6 +244,41 @@ class Registration:
             pieces.to_json(),
             sha256_pieces.to_json(),
             self.publish(actual),
+        )
+
+    def _store_checked(
+        self, src: Path, model: ModelConfig, previous: Previous, base_digest, digest, signature
+    ) -> Stored:
+        """`check_and_store` of a canonical adapter that the checks of `previous` cover: its
+        digest, signature and store entry."""
+        actual = canonical_digest(src)
+        if digest is not None and digest != actual:
+            raise AdapterRejected(
+                "digest", f"the files hash to {actual}, not to the expected {digest}"
+            )
+        if signature is None:
+            signature = read_signature_file(src)
+        if self.trusted_keys:
+            verify_digest(actual, signature, self.trusted_keys)
+        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(src)
+        if put != actual:
+            raise AdapterRejected(
+                "digest", f"the files in {src} changed while they were being registered"
+            )
+        return Stored(
+            src,
+            model,
+            None,
+            actual,
+            previous.figures,
+            previous.base_model,
+            base_digest,
+            None,
+            signature,
+            pieces.to_json(),
+            sha256_pieces.to_json(),
+            self.publish(actual),
+            checks_from=previous.revision,
         )
 
     def insert_revision(
@@ -255,6 +335,7 @@ class Registration:
             estimated_bytes=spec.estimated_bytes,
             **({"keep": adapter.keep} if adapter.keep is not None else {}),
             **({"imported": stored.imported.as_dict()} if stored.imported else {}),
+            **({"checks_from": stored.checks_from} if stored.checks_from else {}),
         )
         if status == "stable":
             q.apply_traffic(session, name, {row.revision: 100}, stable=row.revision)

@@ -1,5 +1,5 @@
-"""Release checks run before a revision first gets traffic: prewarm, its eval set, a health
-probe."""
+"""Release checks run before a revision first gets traffic: prewarm, its eval set, its parity
+reference (`parity`), a health probe."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.registry.errors import AdapterRejected, ReleaseCheckFailed
+from loraplex.registry.parity import DEFAULT_FACTOR, Reference, judge
 from loraplex.registry.records import RevisionRecord
 
 MAX_EVAL_CASES = 10_000
@@ -64,12 +65,21 @@ class ReleaseChecks:
     )
     min_pass_rate: float = 1.0
     health_prompt: str = "Hello"
+    score: Callable[[RevisionRecord | None, list[int]], list[float]] | None = None
+    """(revision, token ids) -> the log-probability of each id after the first under that
+    revision (None: the base model): the parity gate (`registry.parity`)."""
+    parity_factor: float = DEFAULT_FACTOR
 
     def __post_init__(self):
         if not 0.0 <= self.min_pass_rate <= 1.0:
             raise ValueError(f"min_pass_rate must be in [0, 1], got {self.min_pass_rate}")
 
-    def run(self, record: RevisionRecord, cases: tuple[EvalCase, ...]) -> dict:
+    def run(
+        self,
+        record: RevisionRecord,
+        cases: tuple[EvalCase, ...],
+        reference: Reference | None = None,
+    ) -> dict:
         """Raise ReleaseCheckFailed saying which check failed and why; return a summary for the
         audit log."""
         summary: dict = {}
@@ -78,6 +88,8 @@ class ReleaseChecks:
             summary["prewarm"] = "ok"
         if cases:
             summary["eval"] = self._run_eval(record, cases)
+        if reference is not None:
+            summary["parity"] = self._run_parity(record, reference)
         if self.complete is not None:
             completion = _guarded(
                 record, "health probe", lambda: self.complete(record, self.health_prompt)
@@ -89,6 +101,20 @@ class ReleaseChecks:
                 )
             summary["health"] = "ok"
         return summary
+
+    def _run_parity(self, record: RevisionRecord, reference: Reference) -> dict:
+        score = self.score
+        if score is None:
+            raise ReleaseCheckFailed(
+                f"{record.model_id} has a parity reference, but no way to score tokens was given"
+            )
+        seqs = reference.sequences
+        served = _guarded(record, "parity", lambda: [score(record, list(s.ids)) for s in seqs])
+        base = _guarded(record, "parity", lambda: [score(None, list(s.ids)) for s in seqs])
+        verdict = judge(reference, served, base, self.parity_factor)
+        if not verdict.passed:
+            raise ReleaseCheckFailed(verdict.line(f"{record.model_id}: parity gate:"))
+        return {"distance": verdict.distance, "floor": verdict.floor, "tokens": verdict.tokens}
 
     def _run_eval(self, record: RevisionRecord, cases: tuple[EvalCase, ...]) -> str:
         if self.complete is None:

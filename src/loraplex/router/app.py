@@ -1,8 +1,9 @@
-"""The gateway in front of several workers: pick a worker per request, proxy it (streaming too),
-retry once."""
+"""The gateway in front of several workers: pick a worker per request among those that can serve
+it, proxy it (streaming too), retry once."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,9 +24,12 @@ from prometheus_client import (
 )
 
 from loraplex.bearer import bearer, carries_token
+from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fleet import Fleet
-from loraplex.router.picker import Pick, Picker, PickerConfig
-from loraplex.router.splits import Splits, pool_first
+from loraplex.router.picker import Picker, PickerConfig
+from loraplex.router.pools import DEFAULT_POOL, PoolSpec, tiers
+from loraplex.router.routing import Refusal, Wanted, need_of, route
+from loraplex.router.splits import Splits
 from loraplex.settings.router import DEFAULTS as D
 
 log = logging.getLogger("loraplex.router")
@@ -33,6 +37,13 @@ HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "kee
 
 
 TENANCY_REFUSALS = (401, 403, 404)
+OPEN_TENANT = "default"
+"""The tenant of a request without a key, as the workers name it in open mode."""
+
+
+def open_caller(key: str) -> tuple[str | None, int]:
+    """Without a registry: a request without a key is the open tenant's, one with a key unknown."""
+    return (None if key else OPEN_TENANT), 0
 
 
 @dataclass(frozen=True)
@@ -44,9 +55,13 @@ class RouterConfig:
     poll_interval_s: float = D.poll_interval_s
     request_timeout_s: float = D.request_timeout_s
     poll_timeout_s: float = D.poll_timeout_s
-    priority_of: Callable[[str], int] = lambda key: 0
-    """Bearer key -> its tenant's priority (from the registry's tenant records, when the router has
-    one)."""
+    caller_of: Callable[[str], tuple[str | None, int]] = open_caller
+    """Bearer key -> (its tenant, the tenant's priority), from the registry's tenant records when
+    the router has one."""
+    pools: tuple[PoolSpec, ...] = ()
+    """The declared pools; `workers` form the default pool beside them."""
+    catalog: AdapterCatalog | None = None
+    """The registry's adapters (their base models and ranks), when the router has a registry."""
     picker: PickerConfig = field(default_factory=PickerConfig)
     splits: Splits | None = None
     """The registry's split names, when the router has a registry: their revision is picked here
@@ -82,12 +97,23 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.misconfigured = Gauge(
+            "loraplex_router_worker_misconfigured",
+            "1 while the worker's reported base model or max rank does not match its pool",
+            ["worker", "pool"],
+            registry=self.registry,
+        )
 
 
 def _error(
-    status: int, message: str, code: str, type_: str = "invalid_request_error", headers=None
+    status: int,
+    message: str,
+    code: str,
+    type_: str = "invalid_request_error",
+    headers=None,
+    param: str | None = None,
 ):
-    body = {"error": {"message": message, "type": type_, "code": code, "param": None}}
+    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -118,26 +144,36 @@ class RouterState:
     picker: Picker
     metrics: RouterMetrics
     proxy: httpx.AsyncClient
-    in_flight: dict[str, int] = field(default_factory=dict)
-    """Requests proxied to each worker and not done."""
 
     def admin_ok(self, request: Request) -> bool:
         token = self.config.admin_token
         return bool(token) and carries_token(request.headers.get("authorization"), token)
 
     def sent(self, url: str, adapter: str | None) -> None:
-        """A request went to the worker: in flight there (its adapter as sent) until done."""
+        """A request went to the worker: open there (the picker's load) until done, its adapter
+        counted as loading there until the next poll."""
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight += 1
             if adapter is not None:
                 worker.sent.add(adapter)
-        self.in_flight[url] = self.in_flight.get(url, 0) + 1
-        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+            self.metrics.in_flight.labels(url).set(worker.in_flight)
+
+    def refused(self, url: str, adapter: str | None) -> None:
+        """The worker answered the request with an error: its adapter is not loading there."""
+        worker = self.fleet.workers.get(url)
+        if worker is not None and adapter is not None:
+            worker.sent.discard(adapter)
 
     def done(self, url: str) -> None:
-        self.in_flight[url] = max(0, self.in_flight.get(url, 0) - 1)
-        self.metrics.in_flight.labels(url).set(self.in_flight[url])
+        worker = self.fleet.workers.get(url)
+        if worker is not None:
+            worker.in_flight = max(0, worker.in_flight - 1)
+            self.metrics.in_flight.labels(url).set(worker.in_flight)
+
+    def pool_of(self, url: str) -> str:
+        worker = self.fleet.workers.get(url)
+        return worker.pool.name if worker is not None else DEFAULT_POOL
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
@@ -153,6 +189,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         config.stale_after_s,
         config.poll_interval_s,
         config.poll_timeout_s,
+        config.pools,
     )
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
     state = RouterState(config, fleet, picker, RouterMetrics(), proxy)
@@ -199,7 +236,14 @@ async def forward(state: RouterState, request: Request, path: str):
     if adapter is not None and state.config.splits is not None:
         adapter, canary, body = _split_revision(state.config.splits, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
-    pick = _pick(state, adapter, canary, state.config.priority_of(key))
+    tenant, priority = state.config.caller_of(key)
+    wanted = Wanted(adapter, tenant, priority, canary)
+    need = need_of(state.fleet, state.config.catalog, wanted)
+    pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
+    if isinstance(pick, Refusal):
+        state.metrics.picks.labels("no-eligible-worker").inc()
+        log.info("refused model=%s tenant=%s: %s", adapter, tenant, pick.message)
+        return _error(pick.status, pick.message, pick.code, param="model")
     if pick.url is None:
         return _no_worker(state, pick)
     log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
@@ -234,6 +278,8 @@ async def forward(state: RouterState, request: Request, path: str):
             return _error(
                 502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error"
             )
+        if response.status_code >= 400:
+            state.refused(url, adapter)
         return _relayed(state, response, url, pick)
     return _error(502, "no worker answered", "bad_gateway", "server_error")
 
@@ -261,6 +307,7 @@ def _relayed(state: RouterState, response: httpx.Response, url: str, pick) -> St
         state.metrics.picks.labels(pick.reason).inc()
         if response.status_code < 400:
             out_headers["x-loraplex-worker"] = url
+            out_headers["x-loraplex-pool"] = state.pool_of(url)
             out_headers["x-loraplex-route"] = pick.reason
     return StreamingResponse(
         _relay(state, response, url), status_code=response.status_code, headers=out_headers
@@ -276,17 +323,6 @@ def _split_revision(splits: Splits, payload: dict, model: str, body: bytes):
     return routed, canary, json.dumps({**payload, "model": routed}).encode()
 
 
-def _pick(state: RouterState, adapter: str | None, canary: bool, priority: int) -> Pick:
-    """The picker's choice; a canary's among its pool while one of them has room."""
-    views = state.fleet.views()
-    if canary and adapter is not None and state.config.splits is not None:
-        pool = state.config.splits.pools.get(adapter.partition("@")[0], ())
-        pooled = pool_first(state.picker, views, adapter, priority, pool)
-        if pooled is not None:
-            return pooled
-    return state.picker.pick(views, adapter, priority)
-
-
 async def _relay(state: RouterState, response: httpx.Response, url: str):
     try:
         async for chunk in response.aiter_raw():
@@ -297,16 +333,42 @@ async def _relay(state: RouterState, response: httpx.Response, url: str):
 
 
 async def models(request: Request):
+    """Every model the caller may use on the pools open to it: each healthy worker's list, merged
+    by id (a worker's own refusal of the caller, 401, when none lists any)."""
     state = _state(request)
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-    for worker in state.fleet.workers.values():
-        if worker.healthy:
-            try:
-                r = await state.proxy.get(f"{worker.url}/v1/models", headers=headers)
-                return Response(r.content, r.status_code, media_type="application/json")
-            except httpx.HTTPError:
-                continue
+    tenant, _ = state.config.caller_of(bearer(headers.get("authorization")) or "")
+    open_pools = {p.name for group in tiers(state.fleet.pools.values(), tenant) for p in group}
+    urls = [
+        w.url
+        for w in state.fleet.workers.values()
+        if w.healthy and w.problem is None and w.pool.name in open_pools
+    ]
+
+    async def listing(url: str) -> httpx.Response | None:
+        try:
+            return await state.proxy.get(f"{url}/v1/models", headers=headers)
+        except httpx.HTTPError:
+            return None
+
+    answers = [r for r in await asyncio.gather(*map(listing, urls)) if r is not None]
+    listed = [_models_of(r) for r in answers if r.status_code == 200]
+    if listed:
+        merged = {m["id"]: m for models in listed for m in models}
+        return {"object": "list", "data": list(merged.values())}
+    if answers:
+        refusal = answers[0]
+        return Response(refusal.content, refusal.status_code, media_type="application/json")
     return _error(503, "no healthy worker", "no_worker", "server_error")
+
+
+def _models_of(answer: httpx.Response) -> list[dict]:
+    """The entries of a worker's `/v1/models` list (none from an answer of another shape)."""
+    try:
+        data = answer.json().get("data", [])
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 async def health():
@@ -331,6 +393,8 @@ async def metrics_page(request: Request):
         )
     for worker in state.fleet.workers.values():
         state.metrics.healthy.labels(worker.url).set(1 if worker.healthy else 0)
+        misfit = 1 if worker.problem is not None else 0
+        state.metrics.misconfigured.labels(worker.url, worker.pool.name).set(misfit)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -347,12 +411,17 @@ async def list_workers(request: Request):
         "workers": [
             {
                 "url": w.url,
+                "pool": w.pool.name,
                 "healthy": w.healthy,
+                "misconfigured": w.problem,
+                "base_model": w.reported.base_model,
+                "base_model_digest": w.reported.base_model_digest,
+                "max_lora_rank": w.reported.max_lora_rank,
                 "kind": w.kind,
                 "waiting": views[w.url].waiting,
                 "running": views[w.url].running,
                 "gpu": sorted(views[w.url].gpu),
-                "in_flight": state.in_flight.get(w.url, 0),
+                "in_flight": w.in_flight,
                 "generation": w.generation,
                 "state_bytes": w.state_bytes,
             }
@@ -368,12 +437,16 @@ async def add_worker(request: Request):
     body = await _json_object(request)
     if body is None:
         return _error(400, URL_BODY_HINT, "invalid_json")
-    url = body.get("url", "")
+    url, pool = body.get("url", ""), body.get("pool", DEFAULT_POOL)
     if not _worker_url(url):
         return _error(400, "url must be an http(s) URL of a worker", "invalid_url")
-    state.fleet.add(url)
+    if not isinstance(pool, str) or pool not in state.fleet.pools:
+        pools = ", ".join(state.fleet.pools)
+        message = f"no pool {pool!r}: the pools are {pools}"
+        return _error(400, message, "invalid_value", param="pool")
+    worker = state.fleet.add(url, pool)
     await state.fleet.poll_once()
-    return {"added": url.rstrip("/")}
+    return {"added": url.rstrip("/"), "pool": worker.pool.name}
 
 
 async def remove_worker(request: Request):
@@ -389,6 +462,44 @@ async def remove_worker(request: Request):
     return {"removed": url}
 
 
+async def upload(request: Request):
+    """An adapter upload (`POST /admin/adapters/{name}/upload`) streamed on to the first healthy
+    worker: the workers share the registry, so the revision it registers is the fleet's. The
+    caller's admin token goes with it (the workers' admin token)."""
+    state = _state(request)
+    if not state.admin_ok(request):
+        return _error(*ADMIN_REFUSAL)
+    healthy = [w.url for w in state.fleet.workers.values() if w.healthy]
+    if not healthy:
+        return _error(
+            503,
+            "no healthy worker to take the upload",
+            "no_worker",
+            "server_error",
+            {"Retry-After": "1"},
+        )
+    url = healthy[0]
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    upstream = state.proxy.build_request(
+        "POST",
+        f"{url}{request.url.path}",
+        params=request.query_params,
+        content=request.stream(),
+        headers=headers,
+    )
+    state.sent(url, None)
+    try:
+        response = await state.proxy.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        state.done(url)
+        log.warning("worker %s failed during an upload: %s", url, exc)
+        return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
+    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
+    return StreamingResponse(
+        _relay(state, response, url), status_code=response.status_code, headers=out_headers
+    )
+
+
 routes = APIRouter()
 routes.add_api_route("/v1/completions", completions, methods=["POST"])
 routes.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -399,33 +510,36 @@ routes.add_api_route("/metrics", metrics_page, methods=["GET"])
 routes.add_api_route("/admin/workers", list_workers, methods=["GET"])
 routes.add_api_route("/admin/workers", add_worker, methods=["POST"])
 routes.add_api_route("/admin/workers", remove_worker, methods=["DELETE"])
+routes.add_api_route("/admin/adapters/{name}/upload", upload, methods=["POST"])
 
 
-def registry_priorities(url: str) -> Callable[[str], int]:
-    """Bearer key -> tenant priority, read from the registry (remembered per key for a minute)."""
+def registry_callers(url: str) -> Callable[[str], tuple[str | None, int]]:
+    """Bearer key -> (tenant, its priority), read from the registry (remembered per key for a
+    minute); no key: the open tenant."""
     import time
 
     from loraplex.registry import Registry
 
     registry = Registry(url)
-    memo: dict[str, tuple[float, int]] = {}
+    memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
 
     tenants: list = [-math.inf, {}]  # when read, tenant -> priority
 
-    def priority_of(key: str) -> int:
+    def caller_of(key: str) -> tuple[str | None, int]:
         now = time.monotonic()
         if key in memo and now - memo[key][0] < 60:
             return memo[key][1]
         try:
             if now - tenants[0] >= 60:
                 tenants[:] = [now, {t.name: t.priority for t in registry.list_tenants()}]
-            priority = tenants[1].get(registry.tenant_for_key(key) if key else None, 0)
-        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: default priority)
-            log.warning("tenant priority lookup failed: %s", exc)
-            priority = 0
+            tenant = registry.tenant_for_key(key) if key else OPEN_TENANT
+            caller = (tenant, tenants[1].get(tenant, 0))
+        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: no tenant)
+            log.warning("tenant lookup failed: %s", exc)
+            caller = open_caller(key)
         if len(memo) >= 10_000:  # any client can send keys: keep the memo bounded
             memo.clear()
-        memo[key] = (now, priority)
-        return priority
+        memo[key] = (now, caller)
+        return caller
 
-    return priority_of
+    return caller_of

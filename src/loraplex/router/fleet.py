@@ -1,4 +1,5 @@
-"""The router's view of its workers: polled state, health, and optimistic in-flight counts.
+"""The router's view of its workers: polled state, health, their pools, and the requests the router
+has open on each.
 
 A loraplex worker is polled for the routing view of its `/admin/state`, by generation: nothing when
 nothing changed (304), else the rows changed since, applied to an index by adapter name. Bytes per
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 
 from loraplex.router.picker import WorkerView
+from loraplex.router.pools import DEFAULT_POOL, PoolSpec, Reported, misconfigured
 
 log = logging.getLogger("loraplex.router")
 _VLLM_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
@@ -96,6 +98,7 @@ class Worker:
     last: WorkerView | None = None
     """Load and residency from the last poll."""
     in_flight: int = 0
+    """Requests the router has open here: sent and not yet finished."""
     sent: set[str] = dataclasses.field(default_factory=set)
     """Adapters routed here since the last poll: counted as loading, so the next request for one
     follows it."""
@@ -108,18 +111,43 @@ class Worker:
     """Body bytes of the last state answer (0 for a 304)."""
     draining: bool = False
     """The last state said the worker is shutting down."""
+    pool: PoolSpec = PoolSpec(DEFAULT_POOL)
+    reported: Reported = Reported()
+    """Its base model and max rank, as its last state said."""
+    problem: str | None = None
+    """Why it cannot stand in its pool (None: it can); a worker with a problem gets no request."""
 
     def view(self, now: float, stale_after_s: float) -> WorkerView:
-        """The last poll's view, with what the router sent since. Its residency sets are the
-        index's own (a pick reads them at once): no copy per request."""
+        """The last poll's view, with what the router has open there beyond what that poll
+        counted (so a request is counted once, however the polls fall) and the adapters sent
+        since. Its residency sets are the index's own (a pick reads them at once): no copy per
+        request."""
         last = self.last or WorkerView(self.url)
+        fresh = now - self.polled_at <= stale_after_s
+        counted = last.waiting + last.running if fresh else 0
         return dataclasses.replace(
             last,
-            healthy=self.healthy,
-            fresh=now - self.polled_at <= stale_after_s,
-            in_flight=self.in_flight,
+            healthy=self.healthy and self.problem is None,
+            fresh=fresh,
+            in_flight=max(0, self.in_flight - counted),
             loading=frozenset(last.loading) | self.sent if self.sent else last.loading,
         )
+
+    def take_reported(self, state: dict) -> None:
+        """The base model and max rank a loraplex worker's state reports, checked against its
+        pool's declaration."""
+        rank = state.get("max_lora_rank")
+        self.reported = Reported(
+            state.get("base_model"),
+            state.get("base_model_digest"),
+            rank if isinstance(rank, int) else None,
+        )
+        problem = misconfigured(self.pool, self.reported)
+        if problem != self.problem and problem is not None:
+            log.error("worker %s is misconfigured, no request goes to it: %s", self.url, problem)
+        elif problem != self.problem:
+            log.info("worker %s matches pool %s again", self.url, self.pool.name)
+        self.problem = problem
 
     def apply_routing(self, view: dict) -> None:
         """From a loraplex worker's `GET /admin/state?view=routing[&since=G]`: the rows changed and
@@ -132,6 +160,7 @@ class Worker:
             self.index.put(row)
         self.generation = view.get("generation")
         self.draining = bool(view.get("draining"))
+        self.take_reported(view)
         self._take_load(view.get("load", {}))
 
     def apply_state(self, state: dict) -> None:
@@ -142,6 +171,7 @@ class Worker:
             self.index.put({**a, "id": row_id, "loading": bool(a.get("loading"))})
         self.generation = None
         self.draining = bool(state.get("draining"))
+        self.take_reported(state)
         self._take_load(state.get("load", {}))
 
     def _take_load(self, load: dict) -> None:
@@ -205,8 +235,14 @@ class Fleet:
         stale_after_s: float = 2.0,
         poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
+        pools: tuple[PoolSpec, ...] = (),
     ):
-        self.workers: dict[str, Worker] = {u.rstrip("/"): Worker(u.rstrip("/")) for u in urls}
+        """`urls`: the workers of the default pool; `pools`: the declared pools, with theirs."""
+        self.pools = {p.name: p for p in (PoolSpec(DEFAULT_POOL), *pools)}
+        self.workers: dict[str, Worker] = {}
+        for pool in self.pools.values():
+            for url in urls if pool.name == DEFAULT_POOL else pool.workers:
+                self.workers.setdefault(url.rstrip("/"), Worker(url.rstrip("/"), pool=pool))
         self.admin_token = admin_token
         self.stale_after_s = stale_after_s
         self.poll_interval_s = poll_interval_s
@@ -218,9 +254,10 @@ class Fleet:
         now = time.monotonic()
         return [w.view(now, self.stale_after_s) for w in self.workers.values()]
 
-    def add(self, url: str) -> Worker:
+    def add(self, url: str, pool: str = DEFAULT_POOL) -> Worker:
+        """A worker in `pool` (KeyError: no such pool); one already here stays in its own."""
         url = url.rstrip("/")
-        return self.workers.setdefault(url, Worker(url, healthy=False))
+        return self.workers.setdefault(url, Worker(url, healthy=False, pool=self.pools[pool]))
 
     def remove(self, url: str) -> bool:
         return self.workers.pop(url.rstrip("/"), None) is not None
@@ -230,7 +267,7 @@ class Fleet:
 
     async def _poll(self, worker: Worker) -> None:
         headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        routed, sent = worker.in_flight, set(worker.sent)  # what the answer will already count
+        sent = set(worker.sent)  # what the answer will already count
         try:
             health = await self.client.get(f"{worker.url}/health")
             if health.status_code != 200:
@@ -258,8 +295,6 @@ class Fleet:
                 metrics.raise_for_status()
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
-            # those routed while it answered stay counted
-            worker.in_flight = max(0, worker.in_flight - routed)
             worker.sent -= sent
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)

@@ -41,7 +41,8 @@ class WorkerView:
     cpu: Set[str] = frozenset()
     loading: Set[str] = frozenset()
     in_flight: int = 0
-    """Requests the router sent since the state was polled (added at once, so a burst spreads)."""
+    """Requests the router has open there beyond those the polled state counts (added at once, so
+    a burst spreads; a finished one leaves at once, so a steady rate never looks like a queue)."""
 
     @property
     def load(self) -> int:

@@ -6,7 +6,8 @@ import socket
 
 import uvicorn
 
-from loraplex.router.app import RouterConfig, create_router_app, registry_priorities
+from loraplex.router.app import RouterConfig, create_router_app, registry_callers
+from loraplex.router.catalog import registry_catalog
 from loraplex.router.picker import PickerConfig
 from loraplex.router.splits import registry_splits
 from loraplex.settings.router import RouterSettings
@@ -25,18 +26,29 @@ def serve_router(
         poll_timeout_s=s.poll_timeout_s,
         request_timeout_s=s.request_timeout_s,
         picker=PickerConfig.from_settings(s),
-        **({"priority_of": registry_priorities(s.registry)} if s.registry else {}),
-        **({"splits": registry_splits(s.registry)} if s.registry else {}),
+        pools=s.pool,
+        **(_from_registry(s.registry) if s.registry else {}),
     )
     app = create_router_app(config)
+    workers = list(app.state.fleet.workers.values())
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((s.host, s.port))
     print(
         f"loraplex router listening on http://{s.host}:{sock.getsockname()[1]} "
-        f"({len(s.worker)} workers, policy {s.policy})",
+        f"({len(workers)} workers in {len({w.pool.name for w in workers})} pools, "
+        f"policy {s.policy})",
         flush=True,
     )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0
+
+
+def _from_registry(url: str) -> dict:
+    """What the router reads from the registry: callers' tenants, split names, adapters' bases."""
+    return {
+        "caller_of": registry_callers(url),
+        "splits": registry_splits(url),
+        "catalog": registry_catalog(url),
+    }

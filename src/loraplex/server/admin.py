@@ -21,6 +21,7 @@ from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
 from loraplex.residency.key import AdapterKey
+from loraplex.server import publish
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 from loraplex.server.rollout_admin import EVAL_MAX_TOKENS
@@ -82,9 +83,11 @@ class BudgetBody(_Body):
 
 
 class LoadLoraBody(BaseModel):
-    # vLLM's request; extra fields (load_inplace, ...) are ignored as vLLM does
+    # vLLM's request; other extra fields are ignored as vLLM does
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    """Replace the weights of a loaded name: a new revision takes all of its traffic."""
 
 
 class UnloadLoraBody(BaseModel):
@@ -116,6 +119,7 @@ def router(token: str) -> APIRouter:
     r.add_api_route("/admin/adapters", register, methods=["POST"])
     r.add_api_route("/admin/adapters", list_adapters, methods=["GET"])
     r.add_api_route("/admin/adapters/{name}", show, methods=["GET"])
+    r.add_api_route("/admin/adapters/{name}/upload", publish.upload, methods=["POST"])
     r.add_api_route("/admin/adapters/{name}/promote", promote, methods=["POST"])
     r.add_api_route("/admin/adapters/{name}/traffic", set_traffic, methods=["PUT"])
     r.add_api_route("/admin/adapters/{name}/rollback", rollback, methods=["POST"])
@@ -296,7 +300,8 @@ async def rollback(name: str, request: Request) -> dict:
 
 
 def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseChecks:
-    """Prewarm into cpu and complete prompts with the revision itself, on this server's engine."""
+    """Prewarm into cpu, complete prompts and score a parity reference's tokens with the revision
+    itself (and the base model), on this server's engine."""
 
     def prewarm(record: RevisionRecord) -> None:
         server.engine.adapters.prewarm(server.resolver.ref_for(record), "cpu")
@@ -306,8 +311,13 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
         completion = server.engine.complete_text(prompt, ref, max_tokens=EVAL_MAX_TOKENS)
         return asyncio.run_coroutine_threadsafe(completion, loop).result(timeout=120)
 
+    def score(record: RevisionRecord | None, ids: list[int]) -> list[float]:
+        ref = server.resolver.ref_for(record) if record is not None else None
+        scored = server.engine.score_tokens(ids, ref)
+        return asyncio.run_coroutine_threadsafe(scored, loop).result(timeout=120)
+
     pass_rate = server.config.settings.release_min_pass_rate
-    return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate)
+    return ReleaseChecks(prewarm=prewarm, complete=complete, min_pass_rate=pass_rate, score=score)
 
 
 # ---- cache operations ----------------------------------------------------------------------------
@@ -444,7 +454,8 @@ async def _forget(server: Server, key: AdapterKey) -> None:
 
 async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextResponse:
     """Register a directory inside the allowed roots as a shared adapter serving all of its name's
-    traffic."""
+    traffic; a name already loaded is refused, unless `load_inplace` asks for its new weights (a
+    new revision, its previous ones kept as the name's `keep` says)."""
     server = _server(request)
     await run_in_threadpool(_load, server, body)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -463,7 +474,7 @@ def _load(server: Server, body: LoadLoraBody) -> None:
             "invalid_value",
             "lora_name",
         )
-    if existing is not None and existing.traffic:
+    if existing is not None and existing.traffic and not body.load_inplace:
         raise APIError(
             400,
             f"The lora adapter '{body.lora_name}' has already been loaded.",
@@ -476,6 +487,7 @@ def _load(server: Server, body: LoadLoraBody) -> None:
         shared=True,
         base_model_dir=server.engine.model_dir,
         status="stable",
+        fast_path=body.load_inplace,
     )
     if record.traffic_weight != 100:
         # the same bytes as an earlier revision, which had left traffic

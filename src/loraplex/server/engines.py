@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.engines.contract import Engine
@@ -27,6 +29,19 @@ def make_engine(options: ServeSettings, registry: Registry, served_name: str, po
         return load_vllm_engine(options, registry, served_name)
     engine_core = options.engine_core or "process"
     return load_engine(engine_config(options, registry.store), policy, engine_core)
+
+
+def lora_module_check(options: ServeSettings) -> Callable[[Path], None] | None:
+    """The engine's own check of a `--lora-modules` adapter beyond the registry's (vLLM's: the
+    variants it cannot serve), or None."""
+    if options.engine != "vllm" or not options.lora_modules:
+        return None
+    from loraplex.engines.vllm.support import ServabilityCheck
+
+    try:
+        return ServabilityCheck(options.model, options.max_lora_rank).check_source
+    except ModelConfigError as exc:
+        raise StartupError(f"--model {exc}") from None
 
 
 def load_engine(config: EngineConfig, policy=None, engine_core: str = "thread") -> Engine:

@@ -127,6 +127,23 @@ class ServerMetrics:
             ["error"],
             registry=r,
         )
+        self.published_bytes = Counter(
+            "loraplex_adapter_published_bytes_total",
+            "Bytes of adapters uploaded to this worker's admin API (its upload endpoint)",
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "loraplex_adapter_publish_seconds",
+            "An upload to this worker's admin API, from its request to its revision registered "
+            "(receive, unpack, digest, checks, store, record)",
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.retired_unloads = Counter(
+            "loraplex_adapter_retired_unloads_total",
+            "Revisions this worker unloaded because the registry retired them",
+            registry=r,
+        )
         self.stages = {
             stage: Histogram(
                 f"loraplex_adapter_{series}_seconds",
@@ -447,6 +464,15 @@ def _vllm_series(live: dict):
     )
     yield GaugeMetricFamily(
         "vllm:kv_cache_usage_perc", "KV cache usage (0-1)", value=live["kv_cache_usage"]
+    )
+    prefix = live.get("prefix_cache", {"queries": 0, "hits": 0})
+    yield CounterMetricFamily(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in tokens looked up",
+        value=prefix["queries"],
+    )
+    yield CounterMetricFamily(
+        "vllm:prefix_cache_hits", "Prefix cache hits, in tokens found", value=prefix["hits"]
     )
 
 

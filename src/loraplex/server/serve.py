@@ -26,7 +26,7 @@ from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
-from loraplex.server.engines import engine_config, make_engine
+from loraplex.server.engines import engine_config, lora_module_check, make_engine
 from loraplex.server.preflight import check_machine, check_registry_url, listen
 from loraplex.server.protocol import OneSendPerTurn
 from loraplex.server.startup import StartupError, flag_message
@@ -126,11 +126,17 @@ def open_registry(options: ServeSettings, trusted_keys: tuple = ()) -> Registry:
     return registry
 
 
-def register_lora_modules(registry: Registry, modules: tuple[tuple[str, Path], ...]) -> None:
+def register_lora_modules(
+    registry: Registry,
+    modules: tuple[tuple[str, Path], ...],
+    engine_check: Callable[[Path], None] | None = None,
+) -> None:
     """Each `--lora-modules` adapter as a shared, stable revision (validated against the base model
-    first)."""
+    first, and by `engine_check`: what the engine cannot serve is refused before it is added)."""
     for name, path in modules:
         try:
+            if engine_check is not None:
+                engine_check(path)
             try:
                 existing = registry.show(name)
             except AdapterNotFound:
@@ -191,7 +197,7 @@ def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     check_machine(options, ports=False)  # `run` has bound them already
     make_dir(options.data_dir, "--data-dir")
     registry = open_registry(options, inputs.trusted_keys)
-    register_lora_modules(registry, options.lora_modules)
+    register_lora_modules(registry, options.lora_modules, lora_module_check(options))
     config = inputs.config
     engine = make_engine(options, registry, config.served_model_name, inputs.policy)
     # torch, only once every option has passed: a bad one exits in a second, not after the import

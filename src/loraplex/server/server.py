@@ -36,6 +36,7 @@ from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
+from loraplex.server.retiring import RetiredRevisions
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 
 log = logging.getLogger("loraplex.server")
@@ -99,6 +100,13 @@ class Server:
         self.pins = PinReconciler(
             registry, self.catalog, self.resolver, engine.adapters, settings.registry_watch_s
         )
+        self.retired = RetiredRevisions(
+            self.catalog,
+            engine.adapters,
+            self.pins,
+            lambda key: self.metrics.retired_unloads.inc(),
+        )
+        """Unloads the revisions the registry retires."""
         engine.adapters.on_event = self.on_cache_event
         self.engine_ids = random.Random()
         """The engine's request ids (the event loop's: a `random.Random` is not shared safely)."""
@@ -139,6 +147,7 @@ class Server:
         self.loop_lag.stop()
         self.feed.stop()
         self.pins.stop()
+        self.retired.stop()
         self.begin_shutdown()
         if self.is_started:
             self.engine.stop()
@@ -164,6 +173,7 @@ class Server:
             self.auth.forget()
         if self.is_started:  # after start: warm_start pins the whole catalog
             self.pins.follow(changed.adapters)
+            self.retired.follow(changed.adapters)
         if changed.adapters:  # their /v1/models cards, on this thread rather than a listing's
             self.listing.prepare(changed.adapters)
 
@@ -418,6 +428,7 @@ class Server:
         return {
             "base_model": self.config.served_model_name,
             "base_model_digest": self.engine.base_model_digest,
+            "max_lora_rank": live["max_lora_rank"],
             "max_loras": live["max_loras"],
             "draining": self.is_draining,
             "adapters": cache["adapters"],

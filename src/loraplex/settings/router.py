@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.settings.fields import at_least, check_fields, open_share, positive, setting, weights
+from loraplex.settings.pools import PoolSpec, parse_pools
 
-WHERE, ROUTING, TIMING = "Where", "Routing", "Polling and timeouts"
+WHERE, POOLS, ROUTING, TIMING = "Where", "Pools", "Routing", "Polling and timeouts"
 ENV_PREFIX = "LORAPLEX_ROUTER_"
 POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
 
@@ -32,8 +33,20 @@ class RouterSettings:
         "A worker's base URL; repeat for each worker",
         panel=WHERE,
         metavar="URL",
-        default_text="required",
-        doc="the workers (`loraplex serve`) to route to",
+        default_text="required without --pool",
+        doc="the workers (`loraplex serve`) of the shared `default` pool (no base model or rank "
+        "declared)",
+    )
+    pool: tuple[PoolSpec, ...] = setting(
+        (),
+        "A pool: name=N,base-model=B,max-rank=R,tenants=T1+T2,workers=URL1+URL2; repeat per pool",
+        panel=POOLS,
+        metavar="SPEC",
+        parse=parse_pools,
+        show=lambda pools: [p.as_dict() for p in pools],
+        doc='a pool of workers (below, "Pools"): `name`, `base-model` (the served name its '
+        "workers report), optional `base-model-digest`, `max-rank`, `tenants` it is dedicated "
+        "to (none: shared), `workers`; in a `--config` file a list of mappings",
     )
     policy: str = setting(
         "affinity",
@@ -50,11 +63,11 @@ class RouterSettings:
     )
     registry: str | None = setting(
         None,
-        "Registry URL: tenant priorities, and the revision of split names",
+        "Registry URL: callers' tenants, adapters' base models, the revision of split names",
         panel=WHERE,
         metavar="URL",
-        doc="the registry: tenant priorities, and the split of names with a canary (below, "
-        '"Split names")',
+        doc="the registry: callers' tenants and priorities, each adapter revision's base model and "
+        'rank (below, "Pools"), and the split of names with a canary (below, "Split names")',
     )
     host: str = setting("127.0.0.1", "Address to listen on", panel=WHERE)
     port: int = setting(8080, "Port (0: a free one, printed at start)", panel=WHERE)
@@ -69,7 +82,8 @@ class RouterSettings:
         "A worker with more requests waiting than this is saturated (affinity gives way)",
         panel=ROUTING,
         check=at_least(0),
-        doc="a worker with more requests waiting and in flight than this is saturated: "
+        doc="a worker with more requests waiting than this (its own count, or the router's "
+        "requests open there beyond those running) is saturated: "
         "affinity gives way to spreading; higher keeps adapters' traffic together at the "
         "cost of waiting",
     )
@@ -136,11 +150,21 @@ class RouterSettings:
 
     def __post_init__(self):
         check_fields(self, RouterSettings)
-        if not self.worker:
-            raise ValueError("--worker is required (a worker's base URL; repeat for each)")
+        if not self.worker and not any(p.workers for p in self.pool):
+            raise ValueError("--worker or --pool is required (the workers to route to)")
         for url in self.worker:
             if _url(url):
                 raise ValueError(f"--worker {url!r} is not an http(s) URL")
+        pooled = {u for p in self.pool for u in p.workers}
+        both = [u for u in self.worker if u.rstrip("/") in pooled]
+        if both:
+            raise ValueError(f"--worker {both[0]} is in a --pool too: give it once")
+        dedicated = [p.name for p in self.pool if p.tenants]
+        if dedicated and not self.registry:
+            raise ValueError(
+                f"pool {dedicated[0]} is dedicated to tenants: the router needs --registry to "
+                "know a caller's tenant"
+            )
 
 
 DEFAULTS = RouterSettings(worker=("http://defaults",))

@@ -396,6 +396,14 @@ class ServeSettings:
         check=at_least(1),
         doc="larger bodies: 413",
     )
+    max_upload_bytes: int = setting(
+        4 * 2**30,
+        "Largest adapter upload (the admin API's upload); 413 beyond",
+        panel=TENANCY,
+        unit="size",
+        check=at_least(1),
+        doc="a larger upload to `POST /admin/adapters/NAME/upload`: 413, nothing kept",
+    )
     unload_timeout_s: float = setting(
         60.0,
         "How long an unload waits for the adapter's requests",

@@ -9,7 +9,7 @@ from typing import Any
 
 from loraplex.settings.fields import at_least, check_fields, positive, setting
 from loraplex.settings.serve import DEFAULTS as SERVE
-from loraplex.settings.serve_values import HOST_CACHE_BYTES
+from loraplex.settings.serve_values import HOST_CACHE_BYTES, VLLM_HOST_CACHE_PER_SLOT
 from loraplex.units import format_size, parse_size
 
 SIMULATE_ENV, PLAN_ENV = "LORAPLEX_SIMULATE_", "LORAPLEX_PLAN_"
@@ -158,6 +158,24 @@ class SimulateSettings:
         default_text="each workload's own",
     )
     workers: int = setting(1, "Workers behind the router's affinity picker", check=at_least(1))
+    pool: tuple[str, ...] = setting(
+        (),
+        "A pool of the fleet: NAME=N,workers=COUNT[,max-rank=R][,tenants=T1+T2] (no tenants: "
+        "shared); repeat per pool; the workers are the pools' (not --workers)",
+        metavar="NAME=N,workers=COUNT,...",
+    )
+    engine: str = setting(
+        "native",
+        "Whose residency and scheduling each worker runs: native | vllm (vLLM's host cache of "
+        "--max-cpu-loras adapters and its device slots)",
+        choices=("native", "vllm"),
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "Adapters in host memory at most (the vLLM engine's host cache)",
+        check=at_least(1),
+        default_text=f"vllm: {VLLM_HOST_CACHE_PER_SLOT} × slots",
+    )
     json: Path | None = setting(
         None, "Write every run: one entry per policy plus optimal", metavar="FILE"
     )

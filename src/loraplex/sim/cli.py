@@ -19,6 +19,8 @@ from rich.table import Table
 
 from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.pools import check_pools
+from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.settings.sim import (
     PLAN_ENV,
     SIMULATE_ENV,
@@ -28,6 +30,8 @@ from loraplex.settings.sim import (
 )
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
+from loraplex.sim.plot import plot_capacity, size_label
+from loraplex.sim.pools import SimPool, parse_sim_pool
 from loraplex.sim.report import compare, hot_adapters
 from loraplex.sim.simulator import SimConfig, config_dict
 from loraplex.units import parse_size
@@ -37,16 +41,6 @@ GiB = 2**30
 
 def _split(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
-
-
-def _size_label(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "∞"
-    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
-        if nbytes >= size:
-            value = nbytes / size
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
-    return f"{nbytes}B"
 
 
 def _ms(seconds: float | None) -> str:
@@ -74,6 +68,9 @@ def run_sweep(
     registry_changes_per_s: float = 0.0,
     optimal: bool = True,
     calibration: Calibration | None = None,
+    engine: str = "native",
+    max_cpu_loras: int | None = None,
+    pools: tuple[SimPool, ...] = (),
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -86,6 +83,9 @@ def run_sweep(
             trace = traces[name]
             cap = workloads.default_capacity(name)
             config = SimConfig(
+                pools=pools,
+                engine=engine,
+                max_cpu_loras=max_cpu_loras,
                 gpu_slots=n_slots or cap.gpu_slots,
                 cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
                 disk_bytes=cap.disk_bytes,
@@ -97,9 +97,9 @@ def run_sweep(
             )
             progress.update(
                 task,
-                description=f"{name} slots={config.gpu_slots} cpu={_size_label(config.cpu_bytes)}",
+                description=f"{name} slots={config.gpu_slots} cpu={size_label(config.cpu_bytes)}",
             )
-            hot = hot_adapters(trace, config.gpu_slots * workers)
+            hot = hot_adapters(trace, config.gpu_slots * config.workers)
             entries = compare(
                 trace, config, policies, hot, lambda _: progress.advance(task), optimal
             )
@@ -110,13 +110,24 @@ def run_sweep(
                     "gpu_slots": config.gpu_slots,
                     "cpu_bytes": config.cpu_bytes,
                     "disk_bytes": config.disk_bytes,
-                    "workers": workers,
+                    "workers": config.workers,
+                    "pools": [{**p.spec.as_dict(), "workers": p.workers} for p in pools],
+                    "engine": engine,
+                    "max_cpu_loras": max_cpu_loras,
                     "adapters": len({r.model for r in trace if r.adapter is not None}),
                     "hot_adapters": sorted(hot),
                     "policies": entries,
                 }
             )
     return runs
+
+
+def _host_label(run: dict) -> str:
+    """A run's host memory: bytes (native), or vLLM's host cache in adapters."""
+    if run.get("engine", "native") == "native":
+        return size_label(run["cpu_bytes"])
+    count = run.get("max_cpu_loras") or VLLM_HOST_CACHE_PER_SLOT * run["gpu_slots"]
+    return f"{count} adapters"
 
 
 def compact_table(runs: list[dict]) -> Table:
@@ -128,10 +139,12 @@ def compact_table(runs: list[dict]) -> Table:
     axes = {
         "workload": lambda r: Path(r["workload"]).name,
         "slots": lambda r: str(r["gpu_slots"]),
-        "cpu": lambda r: _size_label(r["cpu_bytes"]),
+        "cpu": _host_label,
     }
     varying = [a for a, value in axes.items() if len({value(r) for r in runs}) > 1]
     fixed = [f"{a} {axes[a](runs[0])}" for a in axes if a not in varying]
+    if runs[0].get("engine", "native") != "native":
+        fixed.append(f"engine {runs[0]['engine']}")
     table = Table(
         title=", ".join(["simulation", *fixed]),
         caption="optimal (bound): the least miss cost any policy can pay; gap: over it; "
@@ -192,6 +205,32 @@ def fleet_table(runs: list[dict]) -> Table:
     return table
 
 
+def pools_table(runs: list[dict]) -> Table:
+    """Per run, policy and pool: its workers, the requests it served and their hit rates; the
+    requests no pool open to their tenant serves."""
+    table = Table(
+        title="pools",
+        caption="refused: requests no pool open to their tenant serves (the router's 404)",
+    )
+    for col in ("policy", "pool", "workers", "requests", "gpu hit", "cold", "p99 TTFT", "refused"):
+        justify = "left" if col in ("policy", "pool") else "right"
+        table.add_column(col, justify=justify, no_wrap=True, min_width=len(col))
+    for run in runs:
+        for name, e in run["policies"].items():
+            for pool, f in e.get("pools", {}).items():
+                table.add_row(
+                    name,
+                    pool,
+                    str(f["workers"]),
+                    f"{f['requests']:,}",
+                    _pct(f["gpu_hit_rate"]),
+                    _pct(f["cold_start_rate"]),
+                    _ms(f["ttft_s"]["p99"]),
+                    f"{e['refused']:,}",
+                )
+    return table
+
+
 def results_table(runs: list[dict], title: str = "simulation") -> Table:
     """Every figure of every run (`--wide`)."""
     table = Table(title=title)
@@ -224,7 +263,7 @@ def results_table(runs: list[dict], title: str = "simulation") -> Table:
             table.add_row(
                 run["workload"],
                 str(run["gpu_slots"]),
-                _size_label(run["cpu_bytes"]),
+                size_label(run["cpu_bytes"]),
                 name + (" (bound)" if name == "optimal" else ""),
                 *(_pct(e["hit_rate"][t]) for t in ("gpu", "cpu", "disk", "remote")),
                 _pct(e["byte_hit_rate"]["gpu"]),
@@ -248,7 +287,7 @@ def tenant_table(run: dict) -> Table:
     table = Table(
         title=(
             f"per tenant: {run['workload']}, {run['gpu_slots']} slots, cpu "
-            f"{_size_label(run['cpu_bytes'])}"
+            f"{size_label(run['cpu_bytes'])}"
         )
     )
     columns = (
@@ -280,67 +319,6 @@ def tenant_table(run: dict) -> Table:
     return table
 
 
-def plot_lines(cells: list[dict]) -> tuple[str, dict[str, list[tuple[float, dict]]]]:
-    """One workload's runs as (x-axis label, {line label: [(x, policy entry)] by x}). x is the gpu
-    slots, or the cpu cache when only it varies; when both vary there is a line per policy and cpu
-    size, so that points of different cpu sizes are never joined along the slots axis."""
-    slots_vary = len({r["gpu_slots"] for r in cells}) > 1
-    cpu_vary = len({r["cpu_bytes"] for r in cells}) > 1
-    by_slots = slots_vary or not cpu_vary
-    lines: dict[str, list[tuple[float, dict]]] = {}
-    for policy in cells[0]["policies"]:
-        for r in cells:
-            x = r["gpu_slots"] if by_slots else r["cpu_bytes"] / GiB
-            label = (
-                f"{policy}, cpu {_size_label(r['cpu_bytes'])}" if by_slots and cpu_vary else policy
-            )
-            lines.setdefault(label, []).append((x, r["policies"][policy]))
-    for points in lines.values():
-        # by x only: the entries are dicts, which do not compare
-        points.sort(key=lambda point: point[0])
-    return ("gpu slots" if by_slots else "cpu cache (GiB)"), lines
-
-
-def plot_capacity(runs: list[dict], path: Path) -> None:
-    """gpu hit rate, p99 TTFT and hot adapters' p99 TTFT against capacity, lines as `plot_lines`
-    draws them, a row per workload."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["workload"] for r in runs))
-    panels = (
-        ("gpu hit rate", lambda e: e["hit_rate"]["gpu"]),
-        ("p99 TTFT, all (ms)", lambda e: (e["latency"]["all"]["ttft_s"]["p99"] or 0) * 1000),
-        (
-            "p99 TTFT, hot adapters (ms)",
-            lambda e: (e["latency"]["hot"]["ttft_s"]["p99"] or 0) * 1000,
-        ),
-    )
-    fig, axes = plt.subplots(len(names), len(panels), figsize=(15, 3.6 * len(names)), squeeze=False)
-    for row, name in enumerate(names):
-        xlabel, lines = plot_lines([r for r in runs if r["workload"] == name])
-        for label, points in lines.items():
-            oracle = label.startswith(("optimal", "a0"))
-            style = {"marker": "o", "linestyle": "--" if oracle else "-", "label": label}
-            for ax, (_, value) in zip(axes[row], panels):
-                ax.plot([x for x, _ in points], [value(e) for _, e in points], **style)
-        for ax, (label, _) in zip(axes[row], panels):
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(label)
-            ax.set_title(name)
-            ax.set_xticks(sorted({x for points in lines.values() for x, _ in points}))
-            ax.grid(alpha=0.3)
-        axes[row][0].legend(fontsize=8)
-    fig.suptitle(
-        "optimal: the farthest-next-use oracle run; a0: the true-popularity oracle", fontsize=9
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def simulate(s: SimulateSettings) -> None:
     """Replay a workload through the real cache, policies and router picker on a simulated clock."""
     calibration = _calibration(s.calibration)
@@ -363,11 +341,21 @@ def simulate(s: SimulateSettings) -> None:
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
     traces = {name: _load_workload(name, workload_shape(s)) for name in names}
+    pools = _pools(s.pool)
     changes = s.registry_changes_per_s
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        return run_sweep(cells, policies, n_slots, cpu, *args)
+        return run_sweep(
+            cells,
+            policies,
+            n_slots,
+            cpu,
+            *args,
+            engine=s.engine,
+            max_cpu_loras=s.max_cpu_loras,
+            pools=pools,
+        )
 
     runs = sweep_of(traces, slots)
     if wide:
@@ -376,8 +364,10 @@ def simulate(s: SimulateSettings) -> None:
             console.print(tenant_table(runs[0]))
     else:
         console.print(compact_table(runs))
-    if workers > 1 or changes:
+    if workers > 1 or changes or pools:
         console.print(fleet_table(runs))
+    if pools:
+        console.print(pools_table(runs))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {
             "config": config_dict(SimConfig(service=calibration.service, costs=calibration.costs)),
@@ -436,6 +426,15 @@ def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Reque
             f"{name}: the trace has no requests to simulate", param_hint="--workload"
         )
     return trace
+
+
+def _pools(specs: tuple[str, ...]) -> tuple[SimPool, ...]:
+    try:
+        pools = tuple(parse_sim_pool(spec) for spec in specs)
+        check_pools(p.spec for p in pools)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--pool") from None
+    return pools
 
 
 def _tenant_budget(text: str) -> tuple[str, Budget]:

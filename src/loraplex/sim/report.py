@@ -39,7 +39,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     """Hit rates per tier, byte hit rate, reloads after eviction, thrash ratio, miss cost, admission
     wait, TTFT / TPOT percentiles (all, warm, cold, per tier, hot adapters) and per-tenant
     figures."""
-    seqs = [s for s in sim.requests if s.ref is not None]
+    served = [s for s in sim.requests if s.tier != "refused"]  # a pool served it
+    seqs = [s for s in served if s.ref is not None]
     n = len(seqs) or 1
     tiers = Counter(s.tier for s in seqs)
     total_bytes = sum(s.nbytes for s in seqs) or 1
@@ -55,12 +56,13 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     )
 
     by_tenant: dict[str, list[SimRequest]] = {}
-    for s in sim.requests:
+    for s in served:
         by_tenant.setdefault(s.req.tenant, []).append(s)
-    makespan = max((s.finish_at for s in sim.requests), default=0.0)
+    makespan = max((s.finish_at for s in served), default=0.0)
     return {
         "requests": len(sim.requests),
         "finished": sim.finished,
+        "refused": sim.refused,
         "hit_rate": {t: tiers[t] / n for t in TIERS},
         "byte_hit_rate": {
             "gpu": sum(s.nbytes for s in seqs if s.tier == "gpu") / total_bytes,
@@ -76,10 +78,10 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         "reloads_after_eviction": reloads,
         "thrash_ratio": reloads / evictions if evictions else 0.0,
         "latency": {
-            "all": _latency(sim.requests),
-            "warm": _latency([s for s in sim.requests if s.tier in ("gpu", "cpu")]),
-            "cold": _latency([s for s in sim.requests if s.tier in ("disk", "remote")]),
-            **{f"tier_{t}": _latency([s for s in sim.requests if s.tier == t]) for t in TIERS},
+            "all": _latency(served),
+            "warm": _latency([s for s in served if s.tier in ("gpu", "cpu")]),
+            "cold": _latency([s for s in served if s.tier in ("disk", "remote")]),
+            **{f"tier_{t}": _latency([s for s in served if s.tier == t]) for t in TIERS},
             "hot": _latency([s for s in seqs if s.req.model in hot]),
         },
         "tenants": {t: _tenant_figures(g, caches) for t, g in sorted(by_tenant.items())},
@@ -89,7 +91,27 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
             "disk_bytes": max(w.disk.peak for w in sim.workers),
         },
         "simulated_s": makespan,
+        **({"pools": _pool_figures(sim, seqs)} if sim.pools is not None else {}),
     }
+
+
+def _pool_figures(sim: Simulation, seqs: list[SimRequest]) -> dict[str, dict]:
+    """Per pool: its workers, the adapter requests it served, their hit and cold start rates and
+    TTFT."""
+    pools = sim.pools
+    assert pools is not None
+    out: dict[str, dict] = {}
+    for spec in pools.specs:
+        group = [s for s in seqs if pools.name_of(s.worker) == spec.name]
+        n = len(group) or 1
+        out[spec.name] = {
+            "workers": sum(1 for p in pools.pool_of if p.name == spec.name),
+            "requests": len(group),
+            "gpu_hit_rate": sum(s.tier == "gpu" for s in group) / n,
+            "cold_start_rate": sum(s.tier in ("disk", "remote") for s in group) / n,
+            "ttft_s": _latency(group)["ttft_s"],
+        }
+    return out
 
 
 def _latency(group: list[SimRequest]) -> dict:

@@ -11,92 +11,39 @@ adapter's slot until it finishes.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.cache import AdapterCache, Loaded
-from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
-from loraplex.sim.calibration import LoadCosts, ServiceModel
+from loraplex.sim.config import ENGINES, LLAMA7B_BYTES_PER_RANK, TIERS, SimConfig
+from loraplex.sim.pools import PoolRouting
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
+from loraplex.sim.virtual_loop import VirtualLoop
+from loraplex.sim.vllm_worker import VllmWorker
 from loraplex.sim.workload import Request
 
-# Llama-2-7B (hidden 4096, intermediate 11008, 32 layers), LoRA on all seven linear modules,
-# bfloat16: 2 bytes × 32 layers × (4 × (4096 + 4096) + 3 × (4096 + 11008)) per unit of rank.
-LLAMA7B_BYTES_PER_RANK = 2 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
-TIERS = ("gpu", "cpu", "disk", "remote")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    gpu_slots: int = 8
-    cpu_bytes: int = 4 * 2**30
-    max_cpu_loras: int | None = None
-    disk_bytes: int | None = None
-    """None: an artifact once fetched stays on the worker's disk."""
-    local_adapters: bool = False
-    """True: every adapter is a local directory (as with --lora-modules), so there is no remote
-    tier."""
-    workers: int = 1
-    router: str = "affinity"
-    router_poll_s: float = 0.25
-    """How old the router's view of each worker may be (it polls /admin/state)."""
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    tenant_budgets: dict[str, Budget] | None = None
-    """Residency budgets per tenant (`loraplex.residency.budgets`), as the registry keeps them."""
-    tenant_gpu_share: float = 1.0
-    tenant_cpu_share: float = 1.0
-    """The default budget of a tenant without its own, as `serve
-    --tenant-gpu-share/--tenant-cpu-share`."""
-    bytes_per_rank: int = LLAMA7B_BYTES_PER_RANK
-    """An adapter's host-copy bytes are its rank times this, unless `adapter_bytes` names it."""
-    adapter_bytes: dict[str, int] | None = None
-    """Bytes per `name@revision`, overriding the rank rule (e.g. measured packed sizes)."""
-    service: ServiceModel = field(default_factory=ServiceModel)
-    costs: LoadCosts = field(default_factory=LoadCosts)
-    skip_blocked: bool = True
-    """Do not call the cache's acquire when it can only fail, the adapter loading or every slot held
-    (same results, faster)."""
-    skip_quiet_steps: bool = True
-    """End at once the steps that can change nothing: no arrival at the worker, none of its loads or
-    finishes before they end and no waiting request that could be admitted (same results,
-    faster)."""
-    idle_poll_s: float = 0.01
-    """A worker whose waiting requests found no slot and has nothing running or loading tries again
-    after this."""
-    seed: int = 0
-    registry_changes_per_s: float = 0.0
-    """Registry changes per second (`loraplex.sim.registry_load`): notified to every worker, each
-    worker's next request for the changed adapter resolves it again."""
-
-    def __post_init__(self):
-        if self.gpu_slots < 1 or self.workers < 1 or self.cpu_bytes < 0:
-            raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
-        self.budgets()  # refuses a share outside [0, 1]
-
-    def budgets(self) -> TenantBudgets:
-        """The budgets on this capacity: one beyond it is capped at it (a sizing sweep runs smaller
-        caches)."""
-        capped = {
-            t: Budget(
-                None if b.gpu_slots is None else min(b.gpu_slots, self.gpu_slots),
-                None if b.cpu_bytes is None else min(b.cpu_bytes, self.cpu_bytes),
-            )
-            for t, b in (self.tenant_budgets or {}).items()
-        }
-        return TenantBudgets(
-            self.gpu_slots, self.cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
-        )
+__all__ = [
+    "ENGINES",
+    "LLAMA7B_BYTES_PER_RANK",
+    "TIERS",
+    "SimConfig",
+    "SimRequest",
+    "Simulation",
+    "config_dict",
+    "policy_factory",
+    "simulate",
+]
 
 
 # -- requests and workers --------------------------------------------------------------------------
@@ -377,7 +324,7 @@ class Worker:
             if not self.running_adapters[key]:
                 del self.running_adapters[key]
             self.cache.release(key, seq.ref.tenant)
-        self.sim.finished += 1
+        self.sim.done(seq)
 
     def _check_capacity(self) -> None:
         self.peak_cpu_bytes = max(self.peak_cpu_bytes, self.cache.cpu_bytes_used)
@@ -424,16 +371,22 @@ class Simulation:
             if seq.ref is not None:
                 self._arrivals.setdefault(seq.ref.key, []).append(seq.req.time)
         self._admitted: Counter = Counter()
-        self.workers = [Worker(self, i, policy_factory(self)) for i in range(config.workers)]
+        # the vLLM engine's residency runs on an event loop: the simulation's clock is its clock
+        self.loop = VirtualLoop() if config.engine == "vllm" else None
+        kind = Worker if self.loop is None else VllmWorker
+        self.workers: list = [kind(self, i, policy_factory(self)) for i in range(config.workers)]
         self.picker = Picker(config.router, rng=random.Random(config.seed))
+        self.pools = PoolRouting(config.pools, self.picker) if config.pools else None
+        self.refused = 0  # requests no pool open to their tenant serves
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
+        self.open = [0] * config.workers  # per worker, the requests routed there and not ended
         self.span_s = trace[-1].time if trace else 0.0
         changes = registry_changes(trace, config.registry_changes_per_s, config.seed)
         self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
 
     def clock(self) -> float:
-        return self.now
+        return self.now if self.loop is None else self.loop.time()
 
     def next_use(self, key: AdapterKey) -> float:
         """When the adapter is next needed: the arrival of its earliest request not yet admitted
@@ -477,6 +430,12 @@ class Simulation:
         return self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
 
     def run(self) -> Simulation:
+        if self.loop is not None:
+            try:
+                self.loop.run_until_complete(self._run_on_loop())
+            finally:
+                self.loop.close()
+            return self
         requests, events = self.requests, self._events
         while self._next < len(requests) or events:
             i = self._next
@@ -487,6 +446,9 @@ class Simulation:
                 self._next = i + 1
                 self.now = max(self.now, seq.req.time)
                 worker = self._route(seq)
+                if worker is None:
+                    self._refuse(seq)
+                    continue
                 self.registry.request(worker.index, seq.req.model, self.now)
                 worker.arrive(seq)
                 continue
@@ -495,20 +457,73 @@ class Simulation:
             fn(payload)
         return self
 
-    def _route(self, seq: SimRequest) -> Worker:
-        if len(self.workers) == 1:
+    async def _run_on_loop(self) -> None:
+        """The trace's arrivals on the event loop's clock, then every request to its end."""
+        loop = self.loop
+        assert loop is not None
+        for worker in self.workers:
+            worker.start()
+        for i, seq in enumerate(self.requests):
+            self._next = i + 1
+            if seq.req.time > loop.time():
+                await asyncio.sleep(seq.req.time - loop.time())
+            self.now = loop.time()
+            worker = self._route(seq)
+            if worker is None:
+                self._refuse(seq)
+                continue
+            self.registry.request(worker.index, seq.req.model, self.now)
+            worker.arrive(seq)
+        await asyncio.gather(*(task for w in self.workers for task in w.tasks))
+        self.now = loop.time()
+        engines = {w.core.task for w in self.workers}
+        # what the residencies still do (a restore, a pin), to its end, then the engines stop
+        while rest := asyncio.all_tasks() - engines - {asyncio.current_task()}:
+            await asyncio.gather(*rest, return_exceptions=True)
+        for task in engines:
+            task.cancel()
+        await asyncio.gather(*engines, return_exceptions=True)
+
+    def _route(self, seq: SimRequest) -> Worker | None:
+        if len(self.workers) == 1 and self.pools is None:
+            self.open[0] += 1
             return self.workers[0]
         if self.now - self._views_at >= self.config.router_poll_s:
-            self._views = [w.view() for w in self.workers]  # each with in_flight 0
+            self._views = [w.view() for w in self.workers]
             self._views_at = self.now
-        pick = self.picker.pick(self._views, seq.req.model, seq.req.priority)
-        index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
+        # As the router's fleet does: a worker's requests open (sent, not finished) count in flight
+        # beyond those its last polled state counts, and a routed adapter as loading there until
+        # the next poll.
+        views = [
+            replace(v, in_flight=max(0, self.open[i] - v.waiting - v.running))
+            for i, v in enumerate(self._views)
+        ]
+        if self.pools is not None:
+            r = seq.req
+            chosen = self.pools.route(
+                views, r.tenant, r.rank if r.adapter else 0, r.model, r.priority
+            )
+            if chosen is None:
+                return None
+            index = chosen
+        else:
+            pick = self.picker.pick(views, seq.req.model, seq.req.priority)
+            index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
         view, model = self._views[index], seq.req.model
-        # As the router's fleet does: a routed request counts in flight, and its adapter as loading
-        # there, until the next poll.
-        loading = view.loading if model is None or model in view.loading else view.loading | {model}
-        self._views[index] = replace(view, in_flight=view.in_flight + 1, loading=loading)
+        if model is not None and model not in view.loading:
+            self._views[index] = replace(view, loading=view.loading | {model})
+        self.open[index] += 1
         return self.workers[index]
+
+    def _refuse(self, seq: SimRequest) -> None:
+        """No pool open to the request's tenant serves it: the router's 404, at once."""
+        seq.tier, seq.worker = "refused", -1
+        self.refused += 1
+
+    def done(self, seq: SimRequest) -> None:
+        """A request ended on its worker."""
+        self.finished += 1
+        self.open[seq.worker] -= 1
 
 
 def simulate(

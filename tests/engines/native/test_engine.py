@@ -66,7 +66,7 @@ REFUSALS = {
     ),
     "embedding": (
         dict(edit_tensors=lambda t: _rename_first(t, "layers.0.self_attn.q_proj", "embed_tokens")),
-        "embedding",
+        "not a LoRA tensor of embed_tokens",  # PEFT names an embedding's LoRA lora_embedding_A
     ),
     "shape": (
         dict(

@@ -143,3 +143,11 @@ def test_step_time_by_rank_counts_each_decode_step(served):
     for bucket, n in expected.items():
         assert value(samples, "loraplex_engine_step_seconds_count", rank_bucket=bucket) == n, bucket
     assert value(samples, "loraplex_engine_step_seconds_sum", rank_bucket="<=16") > 0
+
+
+def test_prefix_cache_series_come_from_vllms_scheduler(served):
+    """vLLM's own prefix-cache counters (its Prometheus logger is not installed): each call's
+    3 prompt tokens looked up, none found (a prompt shorter than a block)."""
+    samples, _ = served
+    assert value(samples, "vllm:prefix_cache_queries_total") >= 3 * len(CALLS)
+    assert value(samples, "vllm:prefix_cache_hits_total") == 0

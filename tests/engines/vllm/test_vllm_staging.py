@@ -12,7 +12,7 @@ from tinymodels import make_adapter
 
 from loraplex.artifacts import canonical_digest
 from loraplex.engines.vllm import staging as staging_module
-from loraplex.engines.vllm.residency import VllmResidency
+from loraplex.engines.vllm.residency import EngineBackend, VllmResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 
 WEIGHTS = "adapter_model.safetensors"
@@ -31,7 +31,7 @@ def staging(llama_dir, tmp_path, monkeypatch):
 
     real = staging_module.read_artifact
     monkeypatch.setattr(staging_module, "read_artifact", read_artifact)
-    adapters = VllmResidency(None, tmp_path / "stage", max_loras=2, max_cpu_loras=2)
+    adapters = VllmResidency(EngineBackend(None, tmp_path / "stage"), max_loras=2, max_cpu_loras=2)
     yield adapters, ref, hashed
     adapters.close()
 
@@ -73,7 +73,9 @@ def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, 
     os.utime(old, ns=(0, 0))  # the older of the two
     (stage / ".work").mkdir()  # an unfinished staging
     size = (source / WEIGHTS).stat().st_size
-    adapters = VllmResidency(None, stage, max_loras=2, max_cpu_loras=2, kept_bytes=size)
+    adapters = VllmResidency(
+        EngineBackend(None, stage, kept_bytes=size), max_loras=2, max_cpu_loras=2
+    )
     adapters.close()
     assert sorted(p.name for p in stage.iterdir() if not p.name.startswith(".removed")) == [
         new.name

@@ -39,6 +39,12 @@ class BlockManager:
         )  # cached blocks nobody holds, oldest first
         self.num_hit_tokens = 0
         """Prompt tokens found in the prefix cache (not computed again), since the start."""
+        self.num_query_tokens = 0
+        """Tokens looked up in the prefix cache (each allocation's), since the start."""
+
+    def prefix_figures(self) -> dict[str, int]:
+        """vLLM's prefix-cache counts: tokens looked up, tokens found."""
+        return {"queries": self.num_query_tokens, "hits": self.num_hit_tokens}
 
     @property
     def num_free(self) -> int:
@@ -101,6 +107,8 @@ class BlockManager:
         seq.num_computed = len(hits) * self.block_size
         seq.num_hashed, seq.prefix_hash = len(hits), self.hash_of[hits[-1]] if hits else b""
         self.num_hit_tokens += seq.num_computed
+        if self.prefix_caching:
+            self.num_query_tokens += len(seq)
         needed = self.blocks_for(len(seq)) - len(seq.block_table)
         seq.block_table.extend(self._take() for _ in range(needed))
         if len(seq) % self.block_size:

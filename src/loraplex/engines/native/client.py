@@ -16,25 +16,22 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.engines.contract import (
     AdapterResidency,
-    Engine,
     Generation,
-    RequestLayers,
     Residency,
     ResidencySnapshot,
-    TokenEngine,
 )
 from loraplex.engines.native import wire
 from loraplex.engines.native.channel import Channel, Listener
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.core import EngineInfo, run_engine
 from loraplex.engines.native.errors import EngineUnavailable
+from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.sequence import RequestOutput, SamplingParams
-from loraplex.engines.native.streams import Streams, complete_text, request_stream
+from loraplex.engines.native.streams import Streams, request_stream
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.model_config import ModelConfig
@@ -43,7 +40,7 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.spawn import without_main_module
 
 if TYPE_CHECKING:
-    from loraplex.engines.contract import L
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,7 @@ POLL_MS = 100
 """How often a wait on the engine looks whether its process still runs."""
 
 
-class EngineClient(Engine, TokenEngine, Generation):
+class EngineClient(NativeFront, Generation):
     """The native engine run by a process of its own (`--engine-core process`); the server uses it
     as it uses an `LLMEngine` and its `AsyncEngine` together."""
 
@@ -307,25 +304,6 @@ class EngineClient(Engine, TokenEngine, Generation):
 
     def live_figures(self) -> dict:
         return self.call("live_figures")
-
-    # -- the server's contract (`Engine`, `TokenEngine`) -----------------------------------------
-    def request_layer(self, layers: RequestLayers[L]) -> L:
-        return layers.over_tokens(self)
-
-    async def acquire(self, ref: AdapterRef | None) -> None:
-        """Nothing to hold here: the scheduler takes the adapter's slot as it admits the
-        request (and gives it back as the request ends)."""
-        return None
-
-    def release(self, ref: AdapterRef | None, held: None) -> None:
-        pass
-
-    async def complete_text(self, prompt: str, ref: AdapterRef, max_tokens: int = 32) -> str:
-        return await complete_text(self.generation, self.tokenizer, prompt, ref, max_tokens)
-
-    @property
-    def model_dir(self) -> Path:
-        return self.config.model_dir
 
     @property
     def generation(self) -> EngineClient:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.artifacts import AllowList, digest_and_pieces
-from loraplex.engines.contract import Engine, RequestLayers, TokenEngine
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engines.native.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
@@ -34,7 +34,6 @@ from loraplex.engines.native.sequence import (
     Sequence,
     Status,
 )
-from loraplex.engines.native.streams import complete_text
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
@@ -53,10 +52,10 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import make_policy
 
 if TYPE_CHECKING:
-    from loraplex.engines.contract import L
+    pass
 
 
-class LLMEngine(Engine, TokenEngine):
+class LLMEngine(NativeFront):
     """The serving loop is `step()`; `start` runs it on a thread of its own (`AsyncEngine`), whose
     `generate` the server's requests go through."""
 
@@ -244,16 +243,17 @@ class LLMEngine(Engine, TokenEngine):
 
     def live_figures(self) -> dict:
         """What /admin/state, the metrics and gateways read: residency, queue and KV figures."""
-        cache = self.adapters.state()
         running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         return {
-            "cache": cache,
+            "cache": self.adapters.state(),
             "num_running": len(running),
             "num_waiting": len(waiting),
             "active_tokens": sum(len(s) for s in running),
             "kv_cache_usage": self.blocks.usage,
+            "prefix_cache": self.blocks.prefix_figures(),
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
 
@@ -506,25 +506,6 @@ class LLMEngine(Engine, TokenEngine):
             cache_tier=seq.cache_tier,
             queue_wait_s=wait,
         )
-
-    # -- the server's contract (`Engine`, `TokenEngine`) -----------------------------------------
-    def request_layer(self, layers: RequestLayers[L]) -> L:
-        return layers.over_tokens(self)
-
-    async def acquire(self, ref: AdapterRef | None) -> None:
-        """Nothing to hold here: the scheduler takes the adapter's slot as it admits the
-        request (and gives it back as the request ends)."""
-        return None
-
-    def release(self, ref: AdapterRef | None, held: None) -> None:
-        pass
-
-    async def complete_text(self, prompt: str, ref: AdapterRef, max_tokens: int = 32) -> str:
-        return await complete_text(self.generation, self.tokenizer, prompt, ref, max_tokens)
-
-    @property
-    def model_dir(self) -> Path:
-        return self.config.model_dir
 
     async def start(self) -> None:
         self._stepper = AsyncEngine(self)

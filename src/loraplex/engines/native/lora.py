@@ -7,14 +7,15 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from loraplex.engines.native.variants import EMPTY_SLOT, DoraScales, SlotHeads, head_tensors
 from loraplex.lora_format import DTYPE_BYTES, AdapterSpec, parse_safetensors_header
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
 
-EMPTY_SLOT = -1
 MODULE_INDEX = {name: i for i, name in enumerate(LINEAR_MODULES)}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment
@@ -45,10 +46,42 @@ class PackedAdapter:
     # per module index, the largest rank over layers (0: not targeted)
     module_ranks: tuple[int, ...]
     spec: AdapterSpec
+    # every tensor's offset in `buffer`, by its key (a B's holds its scaled Bᵀ): the variants' and
+    # DoRA's tensors are read from here
+    offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    def tensor(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of one of its tensors, in the serving dtype."""
+        begin = self.offsets[key]
+        return self.buffer[begin : begin + math.prod(shape)].view(shape)
+
+
+class LoraPair(NamedTuple):
+    """The tensors of one LoRA: A as stored, B made into its scaled Bᵀ."""
+
+    key_a: str
+    key_b: str
+    scaling: float
+
+
+def lora_pairs(spec: AdapterSpec) -> list[LoraPair]:
+    """Every LoRA of the adapter: the decoder modules' and the head modules'."""
+    loras = [*spec.modules, *spec.variants.head_loras]
+    return [LoraPair(m.key_a, m.key_b, m.scaling) for m in loras]
+
+
+def plain_keys(spec: AdapterSpec) -> list[str]:
+    """The tensors used as stored: DoRA's magnitudes, full weights, trainable tokens."""
+    keys = [m.key_magnitude for m in spec.modules if m.key_magnitude is not None]
+    return (
+        keys
+        + [f.key for f in spec.variants.full]
+        + ([spec.variants.tokens.key] if spec.variants.tokens else [])
+    )
 
 
 def pack_adapter(
@@ -78,38 +111,39 @@ def pack_adapter(
     )
     if in_place:
         # in file order, so that the waits for the digest check move forward with it
-        modules = sorted(spec.modules, key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
-        buffer, entries = (
-            raw[layout.data_start :].view(dtype),
-            _pack_in_place(layout, modules, raw, dtype, hashed),
-        )
+        pairs = sorted(lora_pairs(spec), key=lambda m: layout.tensors[m.key_b]["data_offsets"][0])
+        _pack_in_place(layout, pairs, raw, dtype, hashed)
+        buffer = raw[layout.data_start :].view(dtype)
+        offsets = {
+            key: info["data_offsets"][0] // dtype.itemsize for key, info in layout.tensors.items()
+        }
     else:
-        buffer, entries = _pack_converted(layout, spec.modules, raw, dtype, pin)
+        buffer, offsets = _pack_converted(layout, spec, raw, dtype, pin)
+    entries = [
+        (m.layer, MODULE_INDEX[m.module], m.rank, offsets[m.key_a], offsets[m.key_b])
+        for m in spec.modules
+    ]
     ranks = [0] * len(LINEAR_MODULES)
     for _, index, rank, _, _ in entries:
         ranks[index] = max(ranks[index], rank)
     if pin and in_place:
         buffer = buffer.pin_memory()
-    return PackedAdapter(buffer, tuple(entries), tuple(ranks), spec)
+    return PackedAdapter(buffer, tuple(entries), tuple(ranks), spec, offsets)
 
 
-def _pack_in_place(layout, modules, raw: torch.Tensor, dtype: torch.dtype, hashed) -> list[tuple]:
+def _pack_in_place(layout, pairs, raw: torch.Tensor, dtype: torch.dtype, hashed) -> None:
     """Each B's bytes receive its scaled Bᵀ (A stays as stored). The work is in numpy, whose calls
     cost a tenth of torch's: a small adapter is a few hundred of them, which in torch took longer
     than moving its bytes."""
     data = raw.numpy()[layout.data_start :]
     bits = _BITS[dtype.itemsize]  # bit patterns move unchanged
-    numel = max(math.prod(layout.tensors[m.key_b]["shape"]) for m in modules)
+    numel = max((math.prod(layout.tensors[m.key_b]["shape"]) for m in pairs), default=0)
     scratch = np.empty(numel, dtype=bits)
     scratch_torch = torch.from_numpy(scratch).view(dtype)
-    entries = []
     with np.errstate(all="ignore"):
         # an overflow gives inf, as torch's product does, without a warning
-        for m in modules:
-            entries.append(
-                _pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed)
-            )
-    return entries
+        for m in pairs:
+            _pack_module(m, layout, data, bits, scratch, scratch_torch, dtype, hashed)
 
 
 def _pack_module(
@@ -121,8 +155,8 @@ def _pack_module(
     scratch_torch: torch.Tensor,
     dtype: torch.dtype,
     hashed,
-) -> tuple:
-    """One module's B, in its own bytes, becomes its scaled Bᵀ; returns the module's entry."""
+) -> None:
+    """One LoRA's B, in its own bytes, becomes its scaled Bᵀ."""
     begin_b, end_b = layout.tensors[m.key_b]["data_offsets"]
     d_out, rank = layout.tensors[m.key_b]["shape"]
     b = data[begin_b:end_b].view(bits).reshape(d_out, rank)
@@ -139,19 +173,11 @@ def _pack_module(
     if hashed is not None:
         hashed(layout.data_start + end_b)
     _transpose_into(data[begin_b:end_b].view(bits).reshape(rank, d_out), scaled)
-    size = dtype.itemsize
-    return (
-        m.layer,
-        MODULE_INDEX[m.module],
-        m.rank,
-        layout.tensors[m.key_a]["data_offsets"][0] // size,
-        begin_b // size,
-    )
 
 
-def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
-    """A new buffer in `dtype`: each A converted, each Bᵀ an exact float32 product rounded once by
-    the copy."""
+def _pack_converted(layout, spec: AdapterSpec, raw: torch.Tensor, dtype: torch.dtype, pin: bool):
+    """A new buffer in `dtype`: each A and plain tensor converted, each Bᵀ an exact float32
+    product rounded once by the copy. Returns it and each tensor's offset in it."""
 
     def stored(key: str) -> torch.Tensor:
         info = layout.tensors[key]
@@ -162,20 +188,18 @@ def _pack_converted(layout, modules, raw: torch.Tensor, dtype: torch.dtype, pin:
             data = data.clone()
         return data.view(TORCH_DTYPES[info["dtype"]]).view(info["shape"])
 
+    pairs = lora_pairs(spec)
     numels = {key: math.prod(info["shape"]) for key, info in layout.tensors.items()}
-    keys = [key for m in modules for key in (m.key_a, m.key_b)]
+    keys = [key for m in pairs for key in (m.key_a, m.key_b)] + plain_keys(spec)
     buffer = torch.empty(sum(numels[key] for key in keys), dtype=dtype, pin_memory=pin)
     offset_of = dict(zip(keys, itertools.accumulate((numels[key] for key in keys), initial=0)))
-    entries = []
-    for m in modules:
-        a, b = stored(m.key_a), stored(m.key_b)  # a: [r, d_in], b: [d_out, r]
-        off_a, off_b = offset_of[m.key_a], offset_of[m.key_b]
-        buffer[off_a : off_a + a.numel()].view(a.shape).copy_(a)
-        buffer[off_b : off_b + b.numel()].view(b.shape[1], b.shape[0]).copy_(
-            (b.float() * m.scaling).t()
-        )
-        entries.append((m.layer, MODULE_INDEX[m.module], m.rank, off_a, off_b))
-    return buffer, entries
+    scaled = {m.key_b: m.scaling for m in pairs}
+    for key in keys:
+        t, off = stored(key), offset_of[key]
+        if key in scaled:  # b: [d_out, r] -> scaled bᵀ: [r, d_out]
+            t = (t.float() * scaled[key]).t()
+        buffer[off : off + numels[key]].view(t.shape).copy_(t)
+    return buffer, offset_of
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
@@ -233,6 +257,8 @@ class LoRASlotPool:
             self.a.append(row_a)
             self.bt.append(row_bt)
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
+        self.heads = SlotHeads(max_loras)
+        self.dora = DoraScales(model, max_loras, dtype, device)
         # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy
         # has no bfloat16): a small adapter is a hundred or so copies, and numpy's calls cost a
         # tenth of torch's.
@@ -264,10 +290,14 @@ class LoRASlotPool:
                 staging[off_b : off_b + rank * bt.shape[2]].reshape(rank, bt.shape[2]),
             )
         self.module_ranks[slot] = packed.module_ranks
+        self.heads.slots[slot] = head_tensors(packed, self.model, self.buffer.device)
+        self.dora.set_slot(slot, packed, self.a, self.bt)
 
     def clear_slot(self, slot: int) -> None:
         self._zero_rows(slot, {})
         self.module_ranks[slot] = (0,) * len(LINEAR_MODULES)
+        self.heads.slots[slot] = None
+        self.dora.clear_slot(slot)
 
     def _zero_rows(self, slot: int, kept: dict[tuple[int, int], int]) -> None:
         """Zero the rows the slot's adapter wrote, except the first `kept[layer, module]` (about to
@@ -295,6 +325,8 @@ class LoraGroups:
     segments: list[tuple[int, int, int, int]] = field(default_factory=list)
     # (tokens, slots, rank)
     gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    # each token's row of DoRA's scale tables, when a token's adapter has DoRA on the module
+    dora_rows: torch.Tensor | None = None
 
 
 def build_lora_groups(
@@ -302,6 +334,7 @@ def build_lora_groups(
     module_ranks: list[tuple[int, ...]],
     device,
     min_segment: int | None = None,
+    dora_rows: list[torch.Tensor | None] | None = None,
 ) -> list[LoraGroups] | None:
     """Per module index, the segments and the gather for a step; None when no token has an adapter.
 
@@ -327,7 +360,7 @@ def build_lora_groups(
         short_slots = {slot for _, _, slot in short}
     groups = []
     for index in range(len(LINEAR_MODULES)):
-        group = LoraGroups()
+        group = LoraGroups(dora_rows=dora_rows[index] if dora_rows else None)
         for begin, end, slot in runs:
             rank = module_ranks[slot][index]
             if rank and end - begin >= min_segment:

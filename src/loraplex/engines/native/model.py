@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engines.native.lora import MODULE_INDEX, LoraGroups, LoRASlotPool, add_lora
+from loraplex.engines.native.variants import SlotHeads
 from loraplex.model_config import ModelConfig
 
 
@@ -135,20 +136,43 @@ class LoRALinear(nn.Linear):
 
     lora_a: torch.Tensor | None = None  # [max_loras, max_rank, d_in], a view into the slot pool
     lora_bt: torch.Tensor | None = None  # [max_loras, max_rank, d_out]
+    dora_scale: torch.Tensor | None = None  # [max_loras + 1, d_out], DoRA's scales per slot
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout (`pack_for_cpu`)
+    row_norms_sq: torch.Tensor | None = None  # [d_out] ||W||² of each output row, float32
 
     def __init__(self, d_in: int, d_out: int, bias: bool, name: str):
         super().__init__(d_in, d_out, bias=bias)
         self.index = MODULE_INDEX[name]
 
     def forward(self, x: torch.Tensor, lora: list[LoraGroups] | None) -> torch.Tensor:
+        group = lora[self.index] if lora is not None and self.lora_a is not None else None
+        if group is None or group.dora_rows is None:
+            y = self._base(x, self.bias)
+            if group is not None:
+                add_lora(y, x, self.lora_a, self.lora_bt, group)
+            return y
+        # DoRA (PEFT's): scale ⊙ (x·Wᵀ + s·x·Aᵀ·Bᵀ) + bias, each token at its slot's scale
+        y = self._base(x, None)
+        add_lora(y, x, self.lora_a, self.lora_bt, group)
+        y *= self.dora_scale[group.dora_rows]
+        return y if self.bias is None else y + self.bias
+
+    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora_a is not None:
-            add_lora(y, x, self.lora_a, self.lora_bt, lora[self.index])
-        return y
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+    def dora_norm(self, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        """||W + s·B·A|| of each output row (PEFT's DoRA weight norm) from a slot's A [r, d_in]
+        and scaled Bᵀ [r, d_out], without forming the [d_out, d_in] sum: ||W_i||² + 2·(s·B·A·Wᵀ)_ii
+        + (s·B·A·Aᵀ·s·Bᵀ)_ii."""
+        if self.row_norms_sq is None:
+            self.row_norms_sq = self.weight.detach().float().pow(2).sum(1)
+        a32, bt32 = a.float(), bt.float()
+        wa = self._base(a, None).float()  # [r, d_out] = A·Wᵀ
+        cross = (bt32 * wa).sum(0)
+        square = (bt32 * ((a32 @ a32.t()) @ bt32)).sum(0)
+        return (self.row_norms_sq + 2 * cross + square).clamp_min(0).sqrt()
 
 
 def pack_for_cpu(model: nn.Module) -> bool:
@@ -172,6 +196,7 @@ def pack_for_cpu(model: nn.Module) -> bool:
         return False
     for m, weight in zip(layers, packed):
         m.packed = weight
+        m.row_norms_sq = m.weight.detach().float().pow(2).sum(1)  # DoRA's norms need it
         m.weight = nn.Parameter(torch.empty(0), requires_grad=False)
     return True
 
@@ -321,23 +346,34 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.heads: SlotHeads | None = None
 
     def attach_lora(self, pool: LoRASlotPool) -> None:
         for layer_index, layer in enumerate(self.model.layers):
-            for proj in (
-                *_attn_projs(layer.self_attn),
-                layer.mlp.gate_proj,
-                layer.mlp.up_proj,
-                layer.mlp.down_proj,
-            ):
+            for proj in _projs(layer):
                 proj.lora_a = pool.a[layer_index][proj.index]
                 proj.lora_bt = pool.bt[layer_index][proj.index]
+                proj.dora_scale = pool.dora.scales[layer_index][proj.index]
+        self.heads = pool.heads
+        pool.dora.norm_of = self._dora_norm
+
+    def _dora_norm(self, layer: int, index: int, a: torch.Tensor, bt: torch.Tensor):
+        proj = next(p for p in _projs(self.model.layers[layer]) if p.index == index)
+        return proj.dora_norm(a, bt)
 
     def forward(
-        self, input_ids, attn: AttentionMeta, kv_caches, lora: list[LoraGroups] | None
+        self,
+        input_ids,
+        attn: AttentionMeta,
+        kv_caches,
+        lora: list[LoraGroups] | None,
+        token_slots: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the flattened step tokens."""
+        """Hidden states [T, hidden] of the flattened step tokens (`token_slots`: each one's
+        adapter slot, for the adapters' own embeddings)."""
         x = self.model.embed_tokens(input_ids)
+        if self.heads is not None and token_slots and self.heads.any_in(token_slots):
+            x = self.heads.embed(input_ids, x, token_slots)
         freqs = attn.positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
@@ -345,9 +381,23 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, attn, kv, lora)
         return self.model.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
+        """Logits [N, vocab] of hidden [N, hidden] (`slots`: each row's adapter slot, for the
+        adapters' own lm_head)."""
+        logits = self.lm_head(hidden)
+        if self.heads is not None and slots and self.heads.any_in(slots):
+            self.heads.logits(hidden, logits, slots)
+        return logits.float()
 
 
-def _attn_projs(attn: Attention):
-    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+def _projs(layer: DecoderLayer) -> tuple[LoRALinear, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )

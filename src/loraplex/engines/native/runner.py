@@ -114,10 +114,14 @@ class ModelRunner:
             decode_tables=[s.block_table for s in decodes],
             decode_lens=lens,
         )
-        lora = build_lora_groups(token_slots, self.pool.module_ranks, dev)
-        hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora)
+        dora_rows = self.pool.dora.rows(token_slots, dev)
+        lora = build_lora_groups(token_slots, self.pool.module_ranks, dev, dora_rows=dora_rows)
+        hidden = self.model(torch.tensor(ids, device=dev), attn, self.kv_caches, lora, token_slots)
         last_rows = torch.tensor(last, dtype=torch.long, device=dev)
-        logits = self.model.logits(hidden if all_tokens else hidden[last_rows])
+        if all_tokens:
+            logits = self.model.logits(hidden, token_slots)
+        else:
+            logits = self.model.logits(hidden[last_rows], [token_slots[i] for i in last])
         prompt_logits = self._prompt_logits(prefills, prefill_spans, hidden)
         return StepLogits((prefills if all_tokens else done) + decodes, logits, prompt_logits)
 
@@ -130,7 +134,8 @@ class ModelRunner:
             # not a recompute
             if seq.params.prompt_logprobs is not None and not seq.output_ids and wanted > 0:
                 rows = hidden[span.first : span.first + wanted]
-                out.append(PromptLogits(seq, span.start, self.model.logits(rows)))
+                logits = self.model.logits(rows, [seq.lora_slot] * wanted)
+                out.append(PromptLogits(seq, span.start, logits))
         return out
 
 

@@ -21,7 +21,12 @@ from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, Requ
 from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
 from loraplex.engines.vllm.patches import handled
-from loraplex.engines.vllm.residency import HOST_BYTES_UNBOUNDED, VllmResidency
+from loraplex.engines.vllm.residency import (
+    HOST_BYTES_UNBOUNDED,
+    EngineBackend,
+    VllmResidency,
+)
+from loraplex.engines.vllm.support import ServabilityCheck
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
@@ -122,6 +127,8 @@ class _Figures:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # tokens looked up in the prefix cache, since the start
+    prefix_hits: int = 0  # of those, found
 
 
 class VllmEngine(Engine, OpenAIServing):
@@ -131,6 +138,7 @@ class VllmEngine(Engine, OpenAIServing):
     def __init__(self, config: VllmConfig):
         self.config = config
         self.base_model_digest = base_model_digest(config.model_dir)
+        self.servable = ServabilityCheck(config.model_dir, config.max_lora_rank)
         self.figures = _Figures()
         self.tracked: dict[str, RequestUsage] = {}
         """One client request's generations inside vLLM (n > 1 is several), by our request id."""
@@ -143,15 +151,18 @@ class VllmEngine(Engine, OpenAIServing):
         self.llm = self._start(vllm_config)
         allowed = AllowList.parse(list(config.allowed_roots))
         disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
-        self.adapters = VllmResidency(
+        backend = EngineBackend(
             self.llm,
             config.data_dir / "vllm-adapters",
+            kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
+        )
+        self.adapters = VllmResidency(
+            backend,
             max_loras=config.max_loras,
             max_cpu_loras=config.host_cache_size,
             disk=disk,
             reserved_slots=1 if self.zero_adapter else 0,
             scheduler_counts_pins=handled("pinned_slots"),
-            kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
             policy=make_policy(config.eviction_policy),
             budgets=TenantBudgets(
                 config.max_loras, HOST_BYTES_UNBOUNDED, gpu_share=config.tenant_gpu_share
@@ -265,6 +276,9 @@ class VllmEngine(Engine, OpenAIServing):
                     figures.num_running = scheduler_stats.num_running_reqs
                     figures.num_waiting = scheduler_stats.num_waiting_reqs
                     figures.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    prefix = scheduler_stats.prefix_cache_stats
+                    figures.prefix_queries += prefix.queries
+                    figures.prefix_hits += prefix.hits
                     running = {
                         n for n, count in scheduler_stats.running_lora_adapters.items() if count
                     }
@@ -332,6 +346,12 @@ class VllmEngine(Engine, OpenAIServing):
         which adapters vLLM holds)."""
         if ref is None:
             return None
+        if ref.path is not None:  # what vLLM cannot serve never reaches it, nor takes a slot
+            refusal = self.servable.refusal(ref.key.adapter_digest, ref.path)
+            if refusal is not None:
+                raise RequestRefused(
+                    400, f"{ref.key.name}: {refusal}", "adapter_not_servable", "model"
+                )
         self.adapters.record_request(ref)
         return await self.adapters.acquire(ref)
 
@@ -383,6 +403,22 @@ class VllmEngine(Engine, OpenAIServing):
         finally:
             self.adapters.release(ref.key, ref.tenant)
 
+    async def score_tokens(self, ids: list[int], ref) -> list[float]:
+        from vllm import SamplingParams
+
+        lora = await self.adapters.acquire(ref) if ref is not None else None
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+            prompt = {"prompt_token_ids": list(ids)}
+            final = None
+            async for out in self.llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
+                final = out
+        finally:
+            if ref is not None:
+                self.adapters.release(ref.key, ref.tenant)
+        assert final is not None and final.prompt_logprobs is not None
+        return [entry[t].logprob for t, entry in zip(ids[1:], final.prompt_logprobs[1:])]
+
     def rank_of(self, lora_request) -> int:
         """The adapter's rank, from the adapter_config.json vLLM loads it with (0: none, or the
         zero adapter, which is the base model)."""
@@ -412,8 +448,13 @@ class VllmEngine(Engine, OpenAIServing):
                 for t in list(self.tracked.values())
             ),
             "kv_cache_usage": 0.0 if idle else self.figures.kv_cache_usage,
+            "prefix_cache": {
+                "queries": self.figures.prefix_queries,
+                "hits": self.figures.prefix_hits,
+            },
             "waiting_keys": waiting,
             "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
 

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import ArtifactError, DigestMismatch
@@ -41,8 +40,8 @@ from loraplex.engines.vllm.residency_tables import (
     Resident,
     lora_int_id,
 )
-from loraplex.engines.vllm.slots import VllmSlots
-from loraplex.engines.vllm.staging import StagedCopies, fingerprint, vllm_shape
+from loraplex.engines.vllm.slots import Backend, EngineBackend
+from loraplex.engines.vllm.staging import fingerprint, vllm_shape
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.errors import (
     AdapterUnavailable,
@@ -60,6 +59,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "HOST_BYTES_UNBOUNDED",
+    "EngineBackend",
     "Resident",
     "VllmResidency",
     "lora_int_id",
@@ -72,27 +72,13 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where
     they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
 
-    def __init__(
-        self,
-        engine,
-        stage_dir: Path,
-        *,
-        load_threads: int = 2,
-        kept_bytes: int = 0,
-        **tables,
-    ):
-        """`tables`: `ResidencyTables`' capacities, policy, budgets, disk tier and clock."""
+    def __init__(self, backend: Backend, **tables):
+        """`backend`: what it runs over (`EngineBackend`: a vLLM engine and its staged copies; the
+        simulator's); `tables`: `ResidencyTables`' capacities, policy, budgets, disk tier and
+        clock."""
         super().__init__(**tables)
-        self.staging = StagedCopies(
-            stage_dir,
-            disk=self.disk,
-            kept_bytes=kept_bytes,
-            threads=load_threads,
-            in_use=self._in_use,
-        )
-        self.slots = VllmSlots(engine, self.staging)
-
-    # -- queries (any thread) ----------------------------------------------------------------------
+        self.staging = backend.staging(self.disk, self._in_use)
+        self.slots = backend.slots(self.staging)
 
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.engines.vllm.slots import VllmSlots
-from loraplex.engines.vllm.staging import StagedCopies
+from loraplex.engines.vllm.staging import Staging
 from loraplex.residency.budgets import TenantBudgets, usage
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable
@@ -70,7 +70,7 @@ class ResidencyTables(Ledger[Resident]):
     """The tables, the reads the server, the admin API and the metrics make, and the counts and
     warm sets the mechanism decides by."""
 
-    staging: StagedCopies  # set by the engine's residency, after the tables
+    staging: Staging  # set by the engine's residency, after the tables
     slots: VllmSlots  # likewise
 
     def __init__(
@@ -158,7 +158,7 @@ class ResidencyTables(Ledger[Resident]):
         }
 
     def staged(self, key: AdapterKey) -> bool:
-        return self.staging.path(key).is_dir()
+        return self.staging.has(key)
 
     def when_loaded(self, key: AdapterKey) -> Future:
         """Done once no load of `key` is in progress, looked at on the server's loop after the calls

