@@ -86,17 +86,24 @@ def router(settings: RouterSettings) -> None:
 
 @app.command()
 def publish(
-    directory: Path = typer.Argument(..., help="The adapter directory."),
-    name: str = typer.Option(..., "--name", help="The adapter name it becomes a revision of."),
-    url: str = typer.Option(..., "--url", help="The server's URL (its admin API)."),
+    directory: Path = typer.Argument(..., metavar="DIR", help="The adapter directory."),
+    name: str = typer.Option(
+        ..., "--name", metavar="NAME", help="The adapter name it becomes a revision of."
+    ),
+    url: str = typer.Option(..., "--url", metavar="URL", help="The server's URL (its admin API)."),
     admin_token_file: Path = typer.Option(
-        ..., "--admin-token-file", help="The admin token, on the file's first line."
+        ...,
+        "--admin-token-file",
+        metavar="FILE",
+        help="The admin token, on the file's first line.",
     ),
     stable: bool = typer.Option(False, "--stable", help="All of the name's traffic at once."),
     keep: int | None = typer.Option(
-        None, "--keep", help="The name keeps its newest K revisions servable."
+        None, "--keep", metavar="K", help="The name keeps its newest K revisions servable."
     ),
-    revision: str | None = typer.Option(None, "--revision", help="Its label (default: next rN)."),
+    revision: str | None = typer.Option(
+        None, "--revision", metavar="REVISION", help="Its label (default: next rN)."
+    ),
 ) -> None:
     """Upload an adapter directory to a server (no shared file system) and register it as a
     revision; prints NAME@REVISION and its digest."""
