@@ -27,6 +27,7 @@ from loraplex.loadgen import traffic
 from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
+from loraplex.tables import print_table
 
 
 def load_trace(trace: Path | None, workload: str | None, seed: int) -> list[workloads.Request]:
@@ -192,7 +193,7 @@ def serve(s: BenchServeSettings) -> None:
         if s.clients is None
         else f"closed loop, {s.clients} clients"
     )
-    console.print(results_table(summary, f"bench serve: {config.url}, {loop} (ms)"))
+    print_table(results_table(summary, f"bench serve: {config.url}, {loop} (ms)"))
     for line in summary_lines(summary):
         console.print(line, markup=False, highlight=False)
     if s.json is not None:
