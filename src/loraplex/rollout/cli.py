@@ -240,7 +240,6 @@ def status_lines(record: RolloutRecord, traffic: tuple[tuple[str, int], ...]) ->
             f"controller: none (the last, {record.holder or '-'}, stopped); the split stays as it "
             f"is; `loraplex rollout {record.name} {record.revision}` resumes it"
         )
-    decision = record.last_decision
     if decision:
         lines.append(f"last decision: {decision_line(decision)}")
     return lines
