@@ -15,16 +15,15 @@ from loraplex.rollout.cli import app as rollout_app
 from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import add_serve
 from loraplex.server.serve import StartupError, make_dir, read_option_file
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.router import ENV_PREFIX as ROUTER_ENV
 from loraplex.settings.router import RouterSettings
 from loraplex.sim.cli import add_sim_commands
 
-app = typer.Typer(
+app = PlainTyper(
     no_args_is_help=True,
     add_completion=False,
     help="Serve one base LLM with many LoRA adapters.",
-    rich_markup_mode=PLAIN,
 )
 app.add_typer(registry_app, name="registry")
 app.add_typer(bench_app, name="bench")
@@ -54,11 +53,14 @@ def main_options(
 @app.command()
 def demo(
     dir: Path | None = typer.Option(
-        None, "--dir", help="Where the demo world is built (default: a cache dir)."
+        None, "--dir", metavar="DIR", help="Where the demo world is built (default: a cache dir)."
     ),
     serve: bool = typer.Option(False, "--serve", help="Keep serving the demo until Ctrl-C."),
     max_loras: int = typer.Option(
-        3, "--max-loras", help="Adapter slots (fewer than adapters, so the cache works)."
+        3,
+        "--max-loras",
+        metavar="N",
+        help="Adapter slots (fewer than adapters, so the cache works).",
     ),
 ) -> None:
     """Build the demo world if needed, serve it to three tenants and check every answer."""
@@ -84,17 +86,24 @@ def router(settings: RouterSettings) -> None:
 
 @app.command()
 def publish(
-    directory: Path = typer.Argument(..., help="The adapter directory."),
-    name: str = typer.Option(..., "--name", help="The adapter name it becomes a revision of."),
-    url: str = typer.Option(..., "--url", help="The server's URL (its admin API)."),
+    directory: Path = typer.Argument(..., metavar="DIR", help="The adapter directory."),
+    name: str = typer.Option(
+        ..., "--name", metavar="NAME", help="The adapter name it becomes a revision of."
+    ),
+    url: str = typer.Option(..., "--url", metavar="URL", help="The server's URL (its admin API)."),
     admin_token_file: Path = typer.Option(
-        ..., "--admin-token-file", help="The admin token, on the file's first line."
+        ...,
+        "--admin-token-file",
+        metavar="FILE",
+        help="The admin token, on the file's first line.",
     ),
     stable: bool = typer.Option(False, "--stable", help="All of the name's traffic at once."),
     keep: int | None = typer.Option(
-        None, "--keep", help="The name keeps its newest K revisions servable."
+        None, "--keep", metavar="K", help="The name keeps its newest K revisions servable."
     ),
-    revision: str | None = typer.Option(None, "--revision", help="Its label (default: next rN)."),
+    revision: str | None = typer.Option(
+        None, "--revision", metavar="REVISION", help="Its label (default: next rN)."
+    ),
 ) -> None:
     """Upload an adapter directory to a server (no shared file system) and register it as a
     revision; prints NAME@REVISION and its digest."""

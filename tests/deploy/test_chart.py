@@ -148,12 +148,13 @@ def test_what_the_chart_refuses_serve_refuses_too(tmp_path, serve):
     assert CliRunner().invoke(app, list(map(str, args))).exit_code == 2
 
 
-def test_a_worker_serve_of_many_settings_renders_and_serve_takes_it(tmp_path):
+def test_a_worker_serve_of_many_settings_renders_and_serve_takes_it(tmp_path, llama_dir):
+    (tmp_path / "sql").mkdir()  # --print-config checks the paths serve would read
     serve = {
         "score-weights": {"priority": 2},
         "min-residency-s": 3,
-        "lora-modules": {"sql": "/srv/sql"},
-        "allowed-roots": ["/srv", "s3://adapters/"],
+        "lora-modules": {"sql": str(tmp_path / "sql")},
+        "allowed-roots": [str(tmp_path), "s3://adapters/"],
         "device": "cuda:1",
         "kv-cache-memory-bytes": "16GiB",
         "max-model-len": 8192,
@@ -166,8 +167,9 @@ def test_a_worker_serve_of_many_settings_renders_and_serve_takes_it(tmp_path):
         settings = _worker_settings({"worker": {"engine": engine, "serve": serve}})
         assert serve.items() <= settings.items()
         (tmp_path / "serve.yaml").write_text(yaml.safe_dump(settings))
-        args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml"]
-        args += ["--engine", engine, "--print-config"]
+        args = ["serve", "--model", llama_dir, "--config", tmp_path / "serve.yaml"]
+        args += ["--engine", engine, "--data-dir", tmp_path / "data", "--port", "0"]
+        args += ["--print-config"]
         done = CliRunner().invoke(app, list(map(str, args)))
         assert done.exit_code == 0, done.stderr
 
@@ -203,12 +205,13 @@ def _worker_settings(values: dict) -> dict:
     return yaml.safe_load(config["data"]["serve.yaml"])
 
 
-def test_the_host_cache_default_follows_the_engine(tmp_path):
+def test_the_host_cache_default_follows_the_engine(tmp_path, llama_dir):
     assert _serve_settings("defaults")["cpu-cache-bytes"] == "8GiB"
     settings = _worker_settings({"worker": {"engine": "vllm"}})
     assert "cpu-cache-bytes" not in settings and "max-cpu-loras" not in settings
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(settings))
-    args = ["serve", "--model", tmp_path, "--config", tmp_path / "serve.yaml"]
+    args = ["serve", "--model", llama_dir, "--config", tmp_path / "serve.yaml"]
+    args += ["--data-dir", tmp_path / "data", "--port", "0"]
     done = CliRunner().invoke(app, list(map(str, [*args, "--engine", "vllm", "--print-config"])))
     assert done.exit_code == 0, done.stderr
     assert yaml.safe_load(done.stdout)["max-cpu-loras"] == 4 * settings["max-loras"]

@@ -76,7 +76,17 @@ def _hidden(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProc
 CLI = "from loraplex.cli import app; app()"
 
 
-COMMANDS = ["serve", "registry", "bench", "simulate", "plan", "router", "rollout", "demo"]
+COMMANDS = [
+    "serve",
+    "registry",
+    "bench",
+    "simulate",
+    "plan",
+    "router",
+    "rollout",
+    "demo",
+    "publish",
+]
 
 
 def test_every_command_starts_without_the_extras():

@@ -314,7 +314,7 @@ def test_good_bad_and_slow_revisions_with_a_killed_controller(fleet):
         )
         assert slow.wait(timeout=240) == 3, (root / "controller-slow.log").read_text()
         record = RolloutStore(registry).get(NAME)
-        assert record.phase == "rolled_back" and "TTFT p99" in record.reason, record.reason
+        assert record.phase == "rolled_back" and "TTFT p" in record.reason, record.reason
         decision = next(e for e in events(registry, "r4") if e.action == "rollout_rollback")
         assert decision.detail["step"] == 1 and decision.detail["ratios"]["ttft_p99"] > 1.5
         assert decision.detail["canary"]["ttft_p99_ms"] >= SLOW_DOWNLOAD_S * 1000

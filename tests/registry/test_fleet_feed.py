@@ -20,6 +20,7 @@ NUM_WORKERS = 3
 def _start(llama_dir: Path, url: str, tmp: Path, index: int) -> subprocess.Popen:
     keys = tmp / "keys"
     keys.write_text(f"alice {KEY}\n")
+    (tmp / "store").mkdir(exist_ok=True)  # an allowed root is a directory that exists
     return subprocess.Popen(
         [
             sys.executable,

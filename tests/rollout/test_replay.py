@@ -22,7 +22,7 @@ def test_no_regression_is_promoted_through_every_step():
 
 def test_a_slower_canary_is_caught_at_its_first_step_having_served_one_window():
     result = replay(ReplaySettings(rate=50, ttft_factor=3.0, seed=3))
-    assert result["outcome"] == "rolled_back" and "TTFT p99" in result["reason"]
+    assert result["outcome"] == "rolled_back" and "TTFT p" in result["reason"]
     decision = next(d for d in result["decisions"] if d["action"] == "rollout_rollback")
     assert decision["step"] == 1 and decision["ratios"]["ttft_p99"] > 1.5
     assert 100 <= result["canary_requests"] < 120  # one window's --min-requests, not more
@@ -42,7 +42,7 @@ def test_the_command_prints_the_decisions_and_writes_json(tmp_path):
         app, ["replay", "--tpot-factor", "2.5", "--rate", "40", "--json", str(out)]
     )
     assert result.exit_code == 0, result.output
-    assert "rollback" in result.output and "TPOT p99" in result.output
+    assert "rollback" in result.output and "TPOT p" in result.output
     written = json.loads(out.read_text())
     assert written["outcome"] == "rolled_back" and written["canary_requests"] > 0
     bad = CliRunner().invoke(app, ["replay", "--steps", "10,50"])

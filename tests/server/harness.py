@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.artifacts import ArtifactStore
 from loraplex.registry import Registry
 from loraplex.server.app import Server
-from loraplex.server.serve import bind
+from loraplex.server.preflight import bind
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-0123456789ab"}
 ADMIN_TOKEN = "admin-token-0123456789"

@@ -15,8 +15,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from loraplex.server.preflight import bind
 from loraplex.server.protocol import OneSendPerTurn
-from loraplex.server.serve import bind
 
 
 async def _json(request):

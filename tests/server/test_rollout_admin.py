@@ -13,7 +13,8 @@ from loraplex.rollout.figures import BOUNDS_S, RevisionFigures
 
 def split_setup(llama_adapters, tmp_path_factory):
     cases = tmp_path_factory.mktemp("eval") / "cases.jsonl"
-    lines = [{"prompt": "hello", "contains": ""}, {"prompt": "x", "expected": "never this"}]
+    lines = [{"prompt": "hello", "contains": ""}]
+    lines += [{"prompt": f"x{i}", "expected": "never this"} for i in range(5)]
     cases.write_text("".join(json.dumps(c) + "\n" for c in lines))
 
     def setup(registry):
@@ -62,12 +63,13 @@ def test_eval_runs_a_revisions_cases_with_the_revision_named(
         r = running.admin("POST", "/admin/adapters/shared-a/eval", json={"revision": "r2"})
         assert r.status_code == 200, r.text
         body = r.json()
-        assert (body["passed"], body["total"], body["model"]) == (1, 2, "shared-a@r2")
-        assert body["failures"][0]["prompt"] == "x" and body["failures"][0]["want"] == "never this"
+        assert (body["passed"], body["total"], body["model"]) == (1, 6, "shared-a@r2")
+        assert [f["prompt"] for f in body["failures"]] == [f"x{i}" for i in range(5)]  # each one
+        assert {f["want"] for f in body["failures"]} == {"never this"}
         stable = running.admin(
             "POST", "/admin/adapters/shared-a/eval", json={"revision": "r1", "cases_of": "r2"}
         ).json()
-        assert (stable["model"], stable["total"]) == ("shared-a@r1", 2)
+        assert (stable["model"], stable["total"]) == ("shared-a@r1", 6)
         none = running.admin("POST", "/admin/adapters/shared-a/eval", json={"revision": "r1"})
         assert none.status_code == 409 and "has no eval set" in none.json()["error"]["message"]
         unknown = running.admin("POST", "/admin/adapters/shared-a/eval", json={"revision": "r9"})

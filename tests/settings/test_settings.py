@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from loraplex.cli import app
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.vllm.engine import VllmConfig
+from loraplex.registry.signing import generate_keypair
 from loraplex.residency.policy import ScorePolicy
 from loraplex.settings import docs, schema
 from loraplex.settings.fields import setting, settings_of
@@ -35,19 +36,30 @@ def _config(args, env=None) -> dict:
     return yaml.safe_load(out)
 
 
-def test_print_config_round_trips_through_config(tmp_path):
+def _dirs(root: Path, *names: str) -> list[Path]:
+    """Directories that exist (`--print-config` checks the paths serve would use)."""
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+    return [root / name for name in names]
+
+
+def test_print_config_round_trips_through_config(tmp_path, llama_dir):
+    a, b, r1, r2 = _dirs(tmp_path, "a", "b", "r1", "r2")
+    public = tmp_path / "k.pub"
+    public.write_bytes(generate_keypair()[1])
     args = [
-        "serve", "--model", tmp_path, "--max-loras", "8", "--cpu-cache-bytes", "3GiB",
-        "--lora-modules", "a=/srv/a", "b=/srv/b", "--allowed-roots", "/r1", "/r2",
-        "--score-weights", "priority=2,size=0", "--trusted-key", "/k.pub",
+        "serve", "--model", llama_dir, "--max-loras", "8", "--cpu-cache-bytes", "3GiB",
+        "--lora-modules", f"a={a}", f"b={b}", "--allowed-roots", r1, r2,
+        "--score-weights", "priority=2,size=0", "--trusted-key", public,
         "--no-enable-prefix-caching", "--vllm-arg=--enforce-eager", "--audit-log", "off",
+        "--data-dir", tmp_path / "data", "--port", "0",
     ]  # fmt: skip
     code, first, err = _run([*args, "--print-config"])
     assert code == 0, err
     printed = yaml.safe_load(first)
     assert printed["max-loras"] == 8 and printed["cpu-cache-bytes"] == "3GiB"
-    assert printed["lora-modules"] == {"a": "/srv/a", "b": "/srv/b"}
-    assert printed["allowed-roots"] == ["/r1", "/r2"]
+    assert printed["lora-modules"] == {"a": str(a), "b": str(b)}
+    assert printed["allowed-roots"] == [str(r1), str(r2)]
     assert printed["score-weights"] == {"priority": 2.0, "size": 0.0}
     assert printed["enable-prefix-caching"] is False
     assert set(printed) == {s.key for s in settings_of(ServeSettings)}
@@ -66,17 +78,26 @@ def test_print_config_round_trips_through_config(tmp_path):
         assert _run([*head, "--config", tmp_path / "c.yaml", "--print-config"])[1] == out, command
 
 
-def test_flags_override_the_environment_which_overrides_the_file(tmp_path):
+def test_flags_override_the_environment_which_overrides_the_file(tmp_path, llama_dir):
+    x, y = _dirs(tmp_path, "x", "y")
+    public = tmp_path / "k"
+    public.write_bytes(generate_keypair()[1])
     config = tmp_path / "serve.yaml"
-    config.write_text(f"model: {tmp_path}\nmax-loras: 3\nmax_num_seqs: 5\nhost: 0.0.0.0\n")
+    config.write_text(
+        f"model: {llama_dir}\nmax-loras: 3\nmax_num_seqs: 5\nhost: 0.0.0.0\nport: 0\n"
+        f"data-dir: {tmp_path / 'data'}\n"
+    )
     env = {"LORAPLEX_MAX_LORAS": "5", "LORAPLEX_MAX_NUM_SEQS": "9"}
     base = ["serve", "--config", config]
     assert _config(base)["max-loras"] == 3
     both = _config(base, env)
     assert (both["max-loras"], both["max-num-seqs"], both["host"]) == (5, 9, "0.0.0.0")
     assert _config([*base, "--max-loras", "7"], env)["max-loras"] == 7
-    multi = _config(base, {"LORAPLEX_LORA_MODULES": "a=/x b=/y", "LORAPLEX_TRUSTED_KEY": "/k"})
-    assert multi["lora-modules"] == {"a": "/x", "b": "/y"} and multi["trusted-key"] == ["/k"]
+    multi = _config(
+        base, {"LORAPLEX_LORA_MODULES": f"a={x} b={y}", "LORAPLEX_TRUSTED_KEY": str(public)}
+    )
+    assert multi["lora-modules"] == {"a": str(x), "b": str(y)}
+    assert multi["trusted-key"] == [str(public)]
     assert _config(base, {"LORAPLEX_STRICT_BASE_MODEL_NAME": "yes"})["strict-base-model-name"]
     router = _config(["router"], {"LORAPLEX_ROUTER_WORKER": "http://a:1 http://b:2"})
     assert router["worker"] == ["http://a:1", "http://b:2"]
@@ -263,14 +284,14 @@ def test_print_config_refuses_what_serve_refuses_naming_the_source(
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-def test_print_config_shows_the_defaults_it_resolves(tmp_path):
-    serve = ["serve", "--model", tmp_path]
+def test_print_config_shows_the_defaults_it_resolves(tmp_path, llama_dir):
+    serve = ["serve", "--model", llama_dir, "--data-dir", tmp_path / "data", "--port", "0"]
     native = _config(serve)
     assert native["cpu-cache-bytes"] == "2GiB" and native["max-cpu-loras"] is None
     assert native["engine-core"] == "process"
     assert native["min-residency-s"] == ScorePolicy().min_residency_s
     vllm = _config([*serve, "--engine", "vllm", "--max-loras", "3"])
-    s = ServeSettings(model=tmp_path, max_loras=3)
+    s = ServeSettings(model=llama_dir, max_loras=3)
     assert vllm["max-cpu-loras"] == VllmConfig.from_settings(s, "b", None).host_cache_size == 12
     assert vllm["cpu-cache-bytes"] is None and vllm["engine-core"] is None
     assert _config([*serve, "--max-cpu-loras", "9"])["cpu-cache-bytes"] is None

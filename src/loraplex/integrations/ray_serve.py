@@ -49,7 +49,8 @@ except ImportError as exc:
 
 from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView
-from loraplex.server.serve import bind, build
+from loraplex.server.preflight import bind
+from loraplex.server.serve import build
 from loraplex.settings.serve import ServeSettings
 
 log = logging.getLogger("loraplex.ray")

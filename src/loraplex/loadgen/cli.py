@@ -24,9 +24,10 @@ from rich.progress import (
 from rich.table import Table
 
 from loraplex.loadgen import traffic
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
+from loraplex.tables import print_table
 
 
 def load_trace(trace: Path | None, workload: str | None, seed: int) -> list[workloads.Request]:
@@ -192,7 +193,7 @@ def serve(s: BenchServeSettings) -> None:
         if s.clients is None
         else f"closed loop, {s.clients} clients"
     )
-    console.print(results_table(summary, f"bench serve: {config.url}, {loop} (ms)"))
+    print_table(results_table(summary, f"bench serve: {config.url}, {loop} (ms)"))
     for line in summary_lines(summary):
         console.print(line, markup=False, highlight=False)
     if s.json is not None:
@@ -201,11 +202,10 @@ def serve(s: BenchServeSettings) -> None:
         console.print(f"json: {s.json}", markup=False, highlight=False)
 
 
-app = typer.Typer(
+app = PlainTyper(
     add_completion=False,
     no_args_is_help=True,
     help="Load generation against running servers.",
-    rich_markup_mode=PLAIN,
 )
 app.callback()(lambda: None)  # a group even with one command: `bench serve`, not `bench`
 add_settings_command(app, BenchServeSettings, serve, "serve", ENV_PREFIX)

@@ -225,8 +225,25 @@ class Rollout(Base):
     )
 
 
+DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
+"""The schemes of the registry URLs it opens (`sqlite:///FILE`; PostgreSQL by psycopg 3)."""
+
+
+def check_database_url(url: str) -> None:
+    """RegistryError naming the supported schemes for any other URL (only its scheme is named: a
+    server database's URL may hold a password)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in DATABASE_SCHEMES:
+        named = f"scheme {scheme!r}" if sep else "no scheme"
+        raise RegistryError(
+            f"unsupported registry URL ({named}): give sqlite:///FILE, postgresql://... or "
+            "postgresql+psycopg://..."
+        )
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `sqlite:///FILE` (WAL) or `postgresql://...` (driver psycopg 3)."""
+    check_database_url(url)
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
             url = "postgresql+psycopg://" + url.removeprefix(prefix)

@@ -176,9 +176,11 @@ class LifeCycle:
             )
         return self.reading.show(name)
 
-    def deprecate(self, name: str, revision: str | None = None) -> AdapterRecord:
+    def deprecate(
+        self, name: str, revision: str | None = None, reason: str = "deprecated by operator"
+    ) -> AdapterRecord:
         """Deprecate one revision (it must not serve traffic), or with no revision the whole
-        name."""
+        name; `reason` is kept with each revision."""
         with self.store.write() as session:
             q.locked_adapter_or_404(session, name)
             if revision is None:
@@ -198,7 +200,7 @@ class LifeCycle:
                     )
                 q.refuse_unservable(rows[0])
             for row in rows:
-                row.status, row.status_reason = "deprecated", "deprecated by operator"
+                row.status, row.status_reason = "deprecated", reason
             self.store.audit(session, "deprecate", f"{name}@{revision}" if revision else name)
         return self.reading.show(name)
 

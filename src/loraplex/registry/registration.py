@@ -71,6 +71,22 @@ class Stored:
     """The revision whose checks this one reused (`fast_path`); None: checked in full."""
 
 
+STORAGE_SCHEMES = ("oci", "oci+http", "http", "https", "s3", "file")
+"""The schemes of a storage base: an OCI repository revisions are pushed to, or where the store's
+`sha256/` directory is served or copied."""
+
+
+def check_storage_base(base: str) -> str:
+    """`base`, or RegistryError naming the supported schemes."""
+    scheme, sep, rest = base.partition("://")
+    if not sep or scheme not in STORAGE_SCHEMES or not rest.strip("/"):
+        raise RegistryError(
+            f"storage base {base!r}: give oci://HOST/REPOSITORY (oci+http:// for plain http), or "
+            "an http://, https://, s3:// or file:// URL the store's sha256/ directory is at"
+        )
+    return base
+
+
 class Registration:
     """Adding revisions, and collecting the store entries no revision refers to."""
 
@@ -100,7 +116,7 @@ class Registration:
         self.strict_base_model_name = strict_base_model_name
         self.trusted_keys = tuple(trusted_keys)
         self.allowed = allowed
-        self.storage_base = storage_base.rstrip("/") if storage_base else None
+        self.storage_base = check_storage_base(storage_base).rstrip("/") if storage_base else None
 
     def add_revision(
         self,

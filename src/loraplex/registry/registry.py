@@ -39,10 +39,12 @@ class Registry:
         grace_period_s: float = 600.0,
         actor: str = "loraplex",
         strict_base_model_name: bool = False,
+        create: bool = True,
     ):
         """`store`: the artifact store (default: `artifacts/` beside a SQLite file); the other
-        settings are those of `Registration`, `Reading` (`grace_period_s`) and `Store` (`actor`)."""
-        self.db = Store(url, store, actor)
+        settings are those of `Registration`, `Reading` (`grace_period_s`) and `Store` (`actor`,
+        `create`)."""
+        self.db = Store(url, store, actor, create)
         # `store` is the artifact store, as the constructor's argument names it
         self.url, self.engine, self.store = url, self.db.engine, self.db.artifacts
         self.registration = Registration(

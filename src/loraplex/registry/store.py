@@ -20,23 +20,42 @@ from loraplex.registry.errors import LifecycleError, RegistryError
 _CHANGE_COUNT = select(ChangeCounter.value).where(ChangeCounter.id == 1)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` URL; None for any other."""
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        return Path(url.removeprefix("sqlite:///"))
+    return None
+
+
 def default_store_for(url: str) -> ArtifactStore | None:
     """`<db dir>/artifacts` for a SQLite file; None for a server database (the operator names a
     store)."""
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        return ArtifactStore(Path(url.removeprefix("sqlite:///")).parent / "artifacts")
-    return None
+    path = sqlite_file(url)
+    return ArtifactStore(path.parent / "artifacts") if path else None
 
 
 class Store:
     """What every service of the registry is given: the database, its sessions, the audit event,
     and the artifact store."""
 
-    def __init__(self, url: str, artifacts: ArtifactStore | None = None, actor: str = "loraplex"):
+    def __init__(
+        self,
+        url: str,
+        artifacts: ArtifactStore | None = None,
+        actor: str = "loraplex",
+        create: bool = True,
+    ):
         """`artifacts`: where revisions' bytes go (default: `default_store_for(url)`); `actor`: who
-        the audit events name."""
-        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        the audit events name; `create`: make a SQLite file that is missing (else RegistryError,
+        and nothing is written)."""
+        path = sqlite_file(url)
+        if path is not None and not create and not path.exists():
+            raise RegistryError(
+                f"no registry at {path}: create it with `loraplex registry init` (or name one "
+                "with --registry or --data-dir)"
+            )
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.url = url
         self.engine = db.make_engine(url)
         self._writer = db.writer(self.engine)

@@ -14,7 +14,6 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup
@@ -27,13 +26,14 @@ from loraplex.rollout.controller import Controller, Plan
 from loraplex.rollout.judge import Limits, StepRule
 from loraplex.rollout.sources import PrometheusSource, SourceError, WorkerSource
 from loraplex.rollout.workers import QualityGate, WorkerError, canary_pool, prewarm, wait_active
-from loraplex.settings.command import PLAIN, add_settings_command
+from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.rollout import (
     ENV_PREFIX,
     REPLAY_ENV_PREFIX,
     ReplaySettings,
     RolloutSettings,
 )
+from loraplex.tables import print_table
 
 ACTIVATE_TIMEOUT_S = 120.0
 
@@ -48,14 +48,13 @@ class RolloutGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-app = typer.Typer(
+app = PlainTyper(
     name="rollout",
     cls=RolloutGroup,
     help="Step a revision's traffic 1 → 10 → 50 → 100%, judged against the stable, rolled back "
     "on its own.",
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode=PLAIN,
 )
 
 
@@ -78,9 +77,12 @@ def _errors(command):
 
 
 def open_registry(url: str | None, data_dir: Path | None) -> Registry:
+    """The registry, which must exist already (a missing SQLite file is an error, not made)."""
     data = data_dir or default_data_dir()
     return Registry(
-        url or f"sqlite:///{data / 'registry.db'}", actor=f"rollout:{getpass.getuser()}"
+        url or f"sqlite:///{data / 'registry.db'}",
+        actor=f"rollout:{getpass.getuser()}",
+        create=False,
     )
 
 
@@ -192,7 +194,7 @@ DataDirOption = Annotated[
 
 @app.command()
 def status(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter name")],
     registry: RegistryOption = None,
     data_dir: DataDirOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
@@ -219,9 +221,12 @@ def _status(name: str, url: str | None, data_dir: Path | None, json_out: bool) -
 
 def status_lines(record: RolloutRecord, traffic: tuple[tuple[str, int], ...]) -> list[str]:
     split = " ".join(f"{rev} {w}%" for rev, w in traffic) or "no traffic"
+    step = f"step {record.step + 1} of {len(record.steps)} ({record.weight}%)"
+    decision = record.last_decision or {}
+    if decision.get("before_traffic") and not record.is_active:
+        step = f"before the traffic of {step}, the canary at {decision.get('weight', 0)}%"
     lines = [
-        f"{record.name}@{record.revision} against {record.stable_revision}: {record.phase}, step "
-        f"{record.step + 1} of {len(record.steps)} ({record.weight}%)"
+        f"{record.name}@{record.revision} against {record.stable_revision}: {record.phase}, {step}"
         + (f": {record.reason}" if record.reason else ""),
         f"split now: {split}",
     ]
@@ -235,7 +240,6 @@ def status_lines(record: RolloutRecord, traffic: tuple[tuple[str, int], ...]) ->
             f"controller: none (the last, {record.holder or '-'}, stopped); the split stays as it "
             f"is; `loraplex rollout {record.name} {record.revision}` resumes it"
         )
-    decision = record.last_decision
     if decision:
         lines.append(f"last decision: {decision_line(decision)}")
     return lines
@@ -258,10 +262,12 @@ def decision_line(decision: dict) -> str:
 
 @app.command()
 def abort(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter name")],
     registry: RegistryOption = None,
     data_dir: DataDirOption = None,
-    reason: Annotated[str, typer.Option(help="Why (kept in the audit event)")] = "aborted",
+    reason: Annotated[
+        str, typer.Option(metavar="TEXT", help="Why (kept in the audit event)")
+    ] = "aborted",
 ) -> None:
     """Roll back now: the canary leaves traffic and the rollout ends (its controller stops)."""
     _errors(_abort)(name, registry, data_dir, reason)
@@ -314,7 +320,7 @@ def replay_command(settings: ReplaySettings) -> None:
             _shown(ratios.get("ttft_p99")),
             _shown(ratios.get("tpot_p99")),
         )
-    Console().print(table)
+    print_table(table)
     typer.echo(
         f"canary served {result['canary_requests']} requests ({result['canary_errors']} errors) "
         f"before: {result['reason']}"

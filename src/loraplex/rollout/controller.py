@@ -142,7 +142,14 @@ class Controller:
         if record.weight < 100 and self.gate is not None:  # before the step's traffic
             gate = self.gate.check(self.name, record.revision, record.stable_revision)
             quality = gate.detail
-            decision = {"step": record.step + 1, "weight": record.weight, "quality": quality}
+            # before the step's traffic: the canary still has the previous step's share
+            decision = {
+                "step": record.step + 1,
+                "weight": record.steps[record.step - 1] if record.step else 0,
+                "step_weight": record.weight,
+                "before_traffic": True,
+                "quality": quality,
+            }
             if not gate.passed:
                 return self.roll_back(record, {**decision, "reasons": [gate.reason]})
             self.say(f"{self.name}@{record.revision}: quality gate: {gate.reason}")
@@ -239,14 +246,24 @@ class Controller:
             self.say(
                 f"{record.name}@{record.revision}: rolling back at step {record.step + 1}: {reason}"
             )
-        if dict(self.registry.show(self.name).traffic).get(record.revision):
+        adapter = self.registry.show(self.name)
+        if dict(adapter.traffic).get(record.revision):
             self.registry.rollback(self.name)
             self.split_changed()
+        elif _status(adapter, record.revision) in ("staging", "canary"):  # refused before traffic
+            self.registry.deprecate(
+                self.name, record.revision, reason=f"rolled back to {record.stable_revision}"
+            )
+        before = {
+            k: v
+            for k, v in (record.last_decision or {}).items()
+            if k in ("before_traffic", "weight")
+        }
         return self.store.record(
             self.name,
             self.holder,
             "rollout_end",
-            {"step": record.step + 1, "reasons": [record.reason or "rolled back"]},
+            {"step": record.step + 1, "reasons": [record.reason or "rolled back"], **before},
             phase="rolled_back",
         )
 
@@ -287,6 +304,10 @@ def _split(record: RolloutRecord, step: int) -> dict[str, int]:
     weight = record.steps[step] if step >= 0 else 0
     split = {record.revision: weight, record.stable_revision: 100 - weight}
     return {rev: w for rev, w in split.items() if w}
+
+
+def _status(adapter: AdapterRecord, revision: str) -> str | None:
+    return next((r.status for r in adapter.revisions if r.revision == revision), None)
 
 
 def _stable_of(adapter: AdapterRecord, revision: str) -> str:

@@ -24,6 +24,7 @@ from loraplex.residency.key import AdapterKey
 from loraplex.server import publish
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
+from loraplex.server.rollout_admin import EVAL_MAX_TOKENS
 from loraplex.server.state_feed import Generation, StateFeed
 from loraplex.units import parse_size
 
@@ -307,7 +308,7 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 
     def complete(record: RevisionRecord, prompt: str) -> str:
         ref = server.resolver.ref_for(record)
-        completion = server.engine.complete_text(prompt, ref, max_tokens=32)
+        completion = server.engine.complete_text(prompt, ref, max_tokens=EVAL_MAX_TOKENS)
         return asyncio.run_coroutine_threadsafe(completion, loop).result(timeout=120)
 
     def score(record: RevisionRecord | None, ids: list[int]) -> list[float]:

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from loraplex.server.serve import StartupError, run
+from loraplex.server.serve import StartupError, preflight, run
 from loraplex.settings.command import add_settings_command
 from loraplex.settings.serve import ENV_PREFIX, ServeSettings
 
@@ -21,8 +21,17 @@ def serve(settings: ServeSettings) -> None:
         sys.exit(2)
 
 
+def check(settings: ServeSettings) -> None:
+    """What serve checks before it writes, binds or loads: a problem is one line and exit 2."""
+    try:
+        preflight(settings)
+    except StartupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
 def add_serve(app: typer.Typer) -> None:
-    add_settings_command(app, ServeSettings, serve, "serve", ENV_PREFIX)
+    add_settings_command(app, ServeSettings, serve, "serve", ENV_PREFIX, check=check)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ from loraplex.server.errors import APIError
 if TYPE_CHECKING:
     from loraplex.server.server import Server
 
-MAX_FAILURES_SHOWN = 3
 EVAL_CONCURRENCY = 8
 """Cases of one eval run in flight at once: a large eval set does not crowd out the traffic."""
+EVAL_MAX_TOKENS = 32
+"""Tokens of each case's greedy completion (the release checks' own)."""
 
 
 class EvalBody(BaseModel):
@@ -64,8 +65,9 @@ async def revisions(request: Request, name: str | None = None) -> dict:
 
 
 async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
-    """{"passed", "total", "failures": the first few (prompt, completion, want)}; 404 for an
-    unknown revision, 409 when the revision named for its cases has no eval set."""
+    """{"passed", "total", "failures": every failed case (prompt, completion, want)}; each case is
+    a greedy completion of its prompt, at most EVAL_MAX_TOKENS; 404 for an unknown revision, 409
+    when the revision named for its cases has no eval set."""
     server = _server(request)
     cases_of = body.cases_of or body.revision
     record = await run_in_threadpool(server.registry.get_revision, name, body.revision)
@@ -78,7 +80,7 @@ async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
 
     async def one(prompt: str) -> str:
         async with room:
-            return await server.engine.complete_text(prompt, ref, max_tokens=32)
+            return await server.engine.complete_text(prompt, ref, max_tokens=EVAL_MAX_TOKENS)
 
     completions = await asyncio.gather(*(one(c.prompt) for c in cases), return_exceptions=True)
     failures = []
@@ -92,5 +94,5 @@ async def run_eval(name: str, body: EvalBody, request: Request) -> dict:
         "cases_of": f"{name}@{cases_of}",
         "passed": len(cases) - len(failures),
         "total": len(cases),
-        "failures": failures[:MAX_FAILURES_SHOWN],
+        "failures": failures,
     }

@@ -8,13 +8,12 @@ import contextlib
 import gc
 import json
 import logging
-import re
 import signal
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,10 +27,14 @@ from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
 from loraplex.server.auth import read_admin_token, read_api_keys
 from loraplex.server.engines import engine_config, lora_module_check, make_engine
+from loraplex.server.preflight import check_machine, check_registry_url, listen
 from loraplex.server.protocol import OneSendPerTurn
 from loraplex.server.startup import StartupError, flag_message
 from loraplex.settings.serve import ServeSettings
 from loraplex.settings.serve_values import SCORE_WEIGHTS
+
+if TYPE_CHECKING:  # imported where used: it is slow to import for every CLI command
+    from loraplex.server.config import ServerConfig
 
 log = logging.getLogger("loraplex.server")
 T = TypeVar("T")
@@ -94,12 +97,7 @@ def open_registry(options: ServeSettings, trusted_keys: tuple = ()) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
-    unset = re.fullmatch(r"\$\((\w+)\)", url)  # a Kubernetes reference to an unset variable
-    if unset:
-        raise StartupError(
-            f"--registry {url}: the environment variable {unset[1]} is not set "
-            "(in Kubernetes: the Secret or key it comes from is missing)"
-        )
+    check_registry_url(url, flag)
     try:
         store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
         registry = Registry(
@@ -156,8 +154,20 @@ def register_lora_modules(
             raise StartupError(f"--lora-modules {name}: {exc}") from None
 
 
-def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
-    """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
+class Inputs(NamedTuple):
+    """What serve reads from its option files, and the configuration made from its options."""
+
+    api_keys: dict | None
+    admin_token: str | None
+    metrics_token: str | None
+    trusted_keys: tuple
+    config: ServerConfig
+    policy: object
+
+
+def check_inputs(options: ServeSettings) -> Inputs:
+    """The base model's config.json, the option files and the configurations made from the
+    options, read and checked; StartupError naming the flag for the first that is wrong."""
     check_model_dir(options.model)
     api_keys = read_option_file(read_api_keys, options.api_keys, "--api-keys")
     token = read_option_file(read_admin_token, options.admin_token_file, "--admin-token-file")
@@ -167,19 +177,34 @@ def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     trusted = tuple(
         read_option_file(load_public_key, path, "--trusted-key") for path in options.trusted_key
     )
-    # Every option checked before anything is written (the registry, --lora-modules' revisions).
     config = server_config(options, token, metrics_token)
     policy = eviction_policy(options)
     engine_config(options)
+    return Inputs(api_keys, token, metrics_token, trusted, config, policy)
+
+
+def preflight(options: ServeSettings) -> None:
+    """Every check serve makes before it writes, binds or loads, without doing any of it (the
+    ports are bound and let go): what `serve --print-config` checks."""
+    check_inputs(options)
+    check_machine(options, ports=True)
+
+
+def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
+    """The main app and, with --admin-port, the admin app; raises StartupError for bad input."""
+    # Every option checked before anything is written (the registry, --lora-modules' revisions).
+    inputs = check_inputs(options)
+    check_machine(options, ports=False)  # `run` has bound them already
     make_dir(options.data_dir, "--data-dir")
-    registry = open_registry(options, trusted)
+    registry = open_registry(options, inputs.trusted_keys)
     register_lora_modules(registry, options.lora_modules, lora_module_check(options))
-    engine = make_engine(options, registry, config.served_model_name, policy)
+    config = inputs.config
+    engine = make_engine(options, registry, config.served_model_name, inputs.policy)
     # torch, only once every option has passed: a bad one exits in a second, not after the import
     from loraplex.server.app import create_admin_app, create_app
 
     try:
-        app = create_app(engine, registry, config, api_keys)
+        app = create_app(engine, registry, config, inputs.api_keys)
     except OSError as exc:  # the audit log cannot be opened
         raise StartupError(
             f"--audit-log {config.audit_log}: cannot open the audit log: {exc.strerror or exc}"
@@ -187,7 +212,9 @@ def build(options: ServeSettings) -> tuple[FastAPI, FastAPI | None]:
     return app, create_admin_app(app.state.server) if options.admin_port is not None else None
 
 
-def server_config(options: ServeSettings, admin_token: str | None, metrics_token: str | None):
+def server_config(
+    options: ServeSettings, admin_token: str | None, metrics_token: str | None
+) -> ServerConfig:
     from loraplex.server.config import ServerConfig
 
     try:
@@ -223,25 +250,6 @@ class _Uvicorn(uvicorn.Server):
             return
         with super().capture_signals():
             yield
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (connections queue from now on, before the app has started)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without
-    # it every response's second write waits for the client's delayed ACK (about 40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
-
-
-def listen(host: str, port: int, flag: str) -> socket.socket:
-    try:
-        return bind(host, port)
-    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
-        raise StartupError(f"{flag} {port}: cannot listen on {host}: {exc}") from None
 
 
 def _url(host: str, sock: socket.socket) -> str:

@@ -29,9 +29,9 @@ EXTRA = "extra"
 """The hidden argument that takes a variadic option's further values."""
 
 
-class SettingsCommand(TyperCommand):
-    """Help in sections by panel, in click's plain layout (rich's tables cut long option names
-    at narrow widths and when piped)."""
+class PlainCommand(TyperCommand):
+    """Help in click's plain layout: arguments under "Arguments" by their placeholder (NAME, or
+    the metavar given), without typer's `<str>`, and in the usage line as they are typed."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -41,20 +41,43 @@ class SettingsCommand(TyperCommand):
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
-            if record is not None:
-                panel = getattr(param, "rich_help_panel", None) or "Options"
-                sections.setdefault(panel, []).append(record)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                sections.setdefault("Arguments", []).append((_placeholder(param), param.help or ""))
+                continue
+            panel = getattr(param, "rich_help_panel", None) or "Options"
+            sections.setdefault(panel, []).append(record)
         for title, rows in sections.items():
             with formatter.section(title):
                 formatter.write_dl(rows)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         arguments = [
-            p.name.upper()
+            _placeholder(p) if p.required else f"[{_placeholder(p)}]"
             for p in self.get_params(ctx)
             if p.param_type_name == "argument" and not getattr(p, "hidden", False) and p.name
         ]
         return ["[OPTIONS]", *arguments]
+
+
+def _placeholder(argument: Any) -> str:
+    name = argument.metavar or argument.name.upper()
+    return name if argument.nargs == 1 or name.endswith("...") else f"{name}..."
+
+
+class PlainTyper(typer.Typer):
+    """A Typer app whose commands are PlainCommands, with help in click's plain layout."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(rich_markup_mode=PLAIN, **kwargs)
+
+    def command(self, *args: Any, cls: Any = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or PlainCommand, **kwargs)
+
+
+class SettingsCommand(PlainCommand):
+    """A command made from a settings model: its options in sections by panel."""
 
 
 def add_settings_command(
@@ -64,11 +87,13 @@ def add_settings_command(
     name: str,
     env_prefix: str,
     arguments: tuple[tuple[str, str], ...] = (),
+    check: Callable[[Any], None] | None = None,
 ) -> Callable[..., None]:
     """Adds the command `name` to `app`: it resolves `model` from defaults < `--config` <
     environment < flags and calls `run(settings)`; a bad value is one line on stderr and exit 2.
     The command's help is `run`'s docstring. `arguments`: (field, help) of the model's fields
-    given as the command's positional arguments (required, not settings)."""
+    given as the command's positional arguments (required, not settings). `check(settings)`: what
+    `--print-config` checks beyond the settings (the files and ports the command would use)."""
     specs = settings_of(model)
 
     def command(ctx: typer.Context, **given: Any) -> None:
@@ -79,6 +104,8 @@ def add_settings_command(
             typer.echo(f"error: {exc}", err=True)
             sys.exit(2)
         if given["print_config"]:
+            if check is not None:
+                check(settings)
             typer.echo(dump_yaml(settings), nl=False)
             return
         run(settings)

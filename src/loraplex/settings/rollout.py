@@ -141,14 +141,18 @@ class RolloutSettings:
     )
     max_ttft_ratio: float = setting(
         1.5,
-        "Canary TTFT p99 / stable's, at most",
+        "Canary TTFT p99 / stable's, at most (a lower quantile while too few requests for it)",
         panel=LIMITS,
         check=positive,
-        doc="the canary's TTFT p99 over the stable's, at most (the histograms' buckets are 25% "
-        "apart, so 1.5 is two buckets)",
+        doc="the canary's TTFT p99 over the stable's, at most; with fewer requests than a p99 "
+        "needs, the highest quantile both windows estimate (p95 from 100 requests, the median from "
+        "10); the histograms' buckets are 25% apart, so 1.5 is two buckets",
     )
     max_tpot_ratio: float = setting(
-        1.5, "Canary TPOT p99 / stable's, at most", panel=LIMITS, check=positive
+        1.5,
+        "Canary TPOT p99 / stable's, at most (a lower quantile while too few requests for it)",
+        panel=LIMITS,
+        check=positive,
     )
     max_error_rate: float | None = setting(
         None, "The canary's error rate, at most (absolute)", panel=LIMITS, check=share
@@ -182,7 +186,7 @@ class RolloutSettings:
     )
     canary_share: float = setting(
         1.0,
-        "Without --canary-workers: this share of the workers, at least one",
+        "Without --canary-workers: this share of the workers, at least one; 0: none",
         panel=POOL,
         check=share,
         doc="without `--canary-workers`: the first this share of the `--worker`s, at least one; "

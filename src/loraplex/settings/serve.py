@@ -183,11 +183,11 @@ class ServeSettings:
     )
     max_num_batched_tokens: int = setting(
         4096,
-        "Tokens one step processes (>= max-model-len)",
+        "Tokens one step processes; a longer prompt is prefilled in chunks over several steps",
         panel=ENGINE,
         check=at_least(1),
-        doc="tokens in one step (prefill + one per decoding sequence); at least "
-        "`--max-model-len` (a prompt is prefilled in one step); larger: fewer steps per burst, "
+        doc="tokens in one step (prefill + one per decoding sequence); a prompt longer than the "
+        "room left is prefilled in chunks over the next steps; larger: fewer steps per burst, "
         "longer steps for the decoders beside a prefill",
     )
     block_size: int = setting(

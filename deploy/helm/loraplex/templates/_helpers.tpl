@@ -25,12 +25,24 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- end -}}
 
 {{/* The worker's `serve --config` file: worker.serve, with the host cache's default for the engine
-(worker.hostCache) where it sets none. values.schema.json has checked each key as serve does. */}}
+(worker.hostCache) where it sets none, and store.url added to its allowed-roots. values.schema.json
+has checked each key as serve does. */}}
 {{- define "loraplex.serveSettings" -}}
 {{- $w := .Values.worker -}}
 {{- $serve := deepCopy ($w.serve | default dict) -}}
 {{- if not (or (hasKey $serve "cpu-cache-bytes") (hasKey $serve "max-cpu-loras")) }}
 {{- $serve = merge $serve (deepCopy (index $w.hostCache $w.engine)) }}
 {{- end }}
+{{- with .Values.store.url }}
+{{- $roots := get $serve "allowed-roots" | default list -}}
+{{- $roots = ternary (list $roots) $roots (kindIs "string" $roots) -}}
+{{- $_ := set $serve "allowed-roots" (append $roots (trimSuffix "/" .) | uniq) }}
+{{- end }}
 {{- toYaml $serve }}
+{{- end -}}
+
+{{/* The store's kind: oci (oci:// or oci+http://), s3, volume (a directory), or none. */}}
+{{- define "loraplex.storeKind" -}}
+{{- $url := .Values.store.url -}}
+{{- if hasPrefix "oci" $url }}oci{{ else if hasPrefix "s3://" $url }}s3{{ else if hasPrefix "/" $url }}volume{{ else }}none{{ end -}}
 {{- end -}}

@@ -7,20 +7,32 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from loraplex.artifacts import canonical_digest
 from loraplex.registry.bulk import ImportRefused, read_directory, read_jsonl
-from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.cli.common import (
+    JsonFlag,
+    NameArg,
+    app,
+    errors,
+    open_registry,
+    print_json,
+)
 from loraplex.registry.db import SCHEMA_VERSION
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.signing import load_private_key, sign_digest
 from loraplex.registry.stats import revision_stats
+from loraplex.tables import is_piped, print_line, print_table
 
 
 def _short(digest: str) -> str:
-    return digest.removeprefix("sha256:")[:12]
+    """The digest's first 12 hex digits on a terminal; whole when piped."""
+    return digest if is_piped() else digest.removeprefix("sha256:")[:12]
+
+
+def _when(at) -> str:
+    return at.isoformat() if is_piped() else at.strftime("%Y-%m-%d %H:%M")
 
 
 def _revisions_table(adapter: AdapterRecord) -> Table:
@@ -46,7 +58,7 @@ def _revisions_table(adapter: AdapterRecord) -> Table:
             str(r.rank),
             ",".join(r.target_modules),
             f"{r.estimated_bytes:,}",
-            r.created_at.strftime("%Y-%m-%d %H:%M"),
+            _when(r.created_at),
         )
     return table
 
@@ -55,7 +67,7 @@ def _revisions_table(adapter: AdapterRecord) -> Table:
 @errors
 def init(ctx: typer.Context):
     """Create the registry database (idempotent)."""
-    registry = open_registry(ctx)
+    registry = open_registry(ctx, create=True)
     registry.init()
     typer.echo(
         f"registry ready at {ctx.obj.url} (schema version {SCHEMA_VERSION}); artifacts in "
@@ -63,23 +75,41 @@ def init(ctx: typer.Context):
     )
 
 
-_Revision = Annotated[str | None, typer.Option(help="Revision label (default: r1, r2, ...)")]
+_Revision = Annotated[
+    str | None, typer.Option(metavar="REVISION", help="Revision label (default: r1, r2, ...)")
+]
 _Shared = Annotated[
     bool, typer.Option("--shared", help="Usable by every tenant (default without --tenant)")
 ]
-_BaseModel = Annotated[Path | None, typer.Option(help="Base model directory to validate against")]
+_BaseModel = Annotated[
+    Path | None, typer.Option(metavar="DIR", help="Base model directory to validate against")
+]
 _Stable = Annotated[
     bool, typer.Option("--stable", help="Serve it at once (100% of the name's traffic)")
 ]
-_EvalSet = Annotated[Path | None, typer.Option(help="JSONL of {prompt, expected|contains}")]
-_Signature = Annotated[str | None, typer.Option(help="ed25519:<base64> over the digest")]
-_SigningKey = Annotated[Path | None, typer.Option(help="Sign with this ed25519 private key (PEM)")]
-_Digest = Annotated[str | None, typer.Option(help="Refuse unless the files hash to this digest")]
+_EvalSet = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="FILE",
+        help="JSONL of {prompt, expected|contains} cases a promotion runs (docs/registry.md)",
+    ),
+]
+_Signature = Annotated[
+    str | None, typer.Option(metavar="ed25519:BASE64", help="Signature over the digest")
+]
+_SigningKey = Annotated[
+    Path | None, typer.Option(metavar="FILE", help="Sign with this ed25519 private key (PEM)")
+]
+_Digest = Annotated[
+    str | None,
+    typer.Option(metavar="sha256:HEX", help="Refuse unless the files hash to this digest"),
+]
 _Keep = Annotated[
     int | None,
     typer.Option(
+        metavar="K",
         help="The name keeps its newest K revisions servable; older ones are retired at each "
-        "promotion (default: as it was, at first every revision)"
+        "promotion (default: as it was, at first every revision)",
     ),
 ]
 _StrictBase = Annotated[
@@ -94,14 +124,27 @@ _StrictBase = Annotated[
 @errors
 def add(
     ctx: typer.Context,
-    directory: Annotated[Path, typer.Argument(help="PEFT adapter directory")],
-    name: Annotated[str, typer.Option(help="Adapter name")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="PEFT adapter directory")],
+    name: Annotated[str, typer.Option(metavar="NAME", help="Adapter name")],
     revision: _Revision = None,
-    tenant: Annotated[str | None, typer.Option(help="Owner tenant")] = None,
+    tenant: Annotated[str | None, typer.Option(metavar="TENANT", help="Owner tenant")] = None,
     shared: _Shared = False,
     base_model: _BaseModel = None,
-    warm: Annotated[str | None, typer.Option(help="gpu | cpu | on_demand")] = None,
-    priority: Annotated[int | None, typer.Option()] = None,
+    warm: Annotated[
+        str | None,
+        typer.Option(
+            metavar="gpu|cpu|on_demand",
+            help="Keep it resident in a tier of the caches, or load it on demand (default)",
+        ),
+    ] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="A number kept with the adapter and shown by list and show (default 0); the "
+            "caches rank by the tenant's priority (tenant add --priority)",
+        ),
+    ] = None,
     stable: _Stable = False,
     eval_set: _EvalSet = None,
     signature: _Signature = None,
@@ -112,6 +155,7 @@ def add(
     json_out: JsonFlag = False,
 ):
     """Validate an adapter against the base model and register it as a new revision."""
+    ctx.obj.check_reachable_store()
     if signing_key is not None:
         signature = sign_digest(canonical_digest(directory), load_private_key(signing_key))
     registry = open_registry(ctx)
@@ -131,6 +175,7 @@ def add(
         digest=digest,
         keep=keep,
     )
+    _note_copy(ctx)
     if json_out:
         print_json(record.to_dict())
         return
@@ -138,6 +183,12 @@ def add(
         f"added {record.model_id} {record.digest} (rank {record.rank}, {record.estimated_bytes:,} "
         f"bytes, {record.status})"
     )
+
+
+def _note_copy(ctx: typer.Context) -> None:
+    note = ctx.obj.remote_copy_note()
+    if note:
+        typer.echo(note, err=True)
 
 
 _Retired = Annotated[bool, typer.Option("--retired", help="Count and show retired revisions too")]
@@ -148,16 +199,25 @@ STATUSES = ("staging", "canary", "stable", "deprecated", "quarantined", "retired
 @errors
 def list_(
     ctx: typer.Context,
-    tenant: Annotated[str | None, typer.Option(help="Only what this tenant may use")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(metavar="TENANT", help="Only what this tenant may use")
+    ] = None,
     status: Annotated[
         str | None,
-        typer.Option(help="Only adapters with a revision in this status: " + " | ".join(STATUSES)),
+        typer.Option(
+            metavar="STATUS",
+            help="Only adapters with a revision in this status: " + " | ".join(STATUSES),
+        ),
     ] = None,
     limit: Annotated[
-        int | None, typer.Option(min=1, help="At most this many (one page), by name")
+        int | None,
+        typer.Option(min=1, metavar="N", help="At most this many (one page), by name"),
     ] = None,
     after: Annotated[
-        str | None, typer.Option(help="Those named after this (the last name of the page before)")
+        str | None,
+        typer.Option(
+            metavar="NAME", help="Those named after this (the last name of the page before)"
+        ),
     ] = None,
     retired: _Retired = False,
     json_out: JsonFlag = False,
@@ -188,7 +248,7 @@ def list_(
             str(a.priority),
             a.pin_tier or "",
         )
-    Console().print(table)
+    print_table(table)
     if limit is not None and len(adapters) == limit:
         typer.echo(f"more may follow: --after {adapters[-1].name}")
 
@@ -200,25 +260,26 @@ def import_(
     source: Annotated[
         Path,
         typer.Argument(
+            metavar="FILE|DIR",
             help="JSONL file (one object a line: path, name, and any of revision, tenant, shared, "
             "warm, priority, stable, digest, signature, eval_set, keep) or a directory of adapter "
-            "directories (each named by its directory)"
+            "directories (each named by its directory)",
         ),
     ],
     tenant: Annotated[
-        str | None, typer.Option(help="Owner tenant of each (unless its line says)")
+        str | None,
+        typer.Option(metavar="TENANT", help="Owner tenant of each (unless its line says)"),
     ] = None,
     shared: Annotated[bool, typer.Option("--shared", help="Usable by every tenant")] = False,
     stable: Annotated[
         bool, typer.Option("--stable", help="Serve each at once (100% of its name's traffic)")
     ] = False,
-    base_model: Annotated[
-        Path | None, typer.Option(help="Base model directory to validate against")
-    ] = None,
+    base_model: _BaseModel = None,
     json_out: JsonFlag = False,
 ):
     """Register many adapters in one go, each checked as `add` checks it, all before any is
     recorded (a bad one: nothing is), then recorded in a few transactions."""
+    ctx.obj.check_reachable_store()
     defaults: dict = {"tenant": tenant, "stable": stable}
     if shared:
         defaults["shared"] = True
@@ -234,6 +295,7 @@ def import_(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     seconds = time.perf_counter() - started
+    _note_copy(ctx)
     if json_out:
         print_json([r.to_dict() for r in result.records])
         return
@@ -248,9 +310,10 @@ def import_(
 @errors
 def show(
     ctx: typer.Context,
-    name: str,
+    name: NameArg,
     audit_log: Annotated[
-        Path | None, typer.Option(help="Server audit log (JSONL): per-revision stats")
+        Path | None,
+        typer.Option(metavar="FILE", help="Server audit log (JSONL): per-revision stats"),
     ] = None,
     retired: _Retired = False,
     json_out: JsonFlag = False,
@@ -262,7 +325,6 @@ def show(
     if json_out:
         print_json({**adapter.to_dict(), "stats": [s.to_dict() for s in stats]})
         return
-    console = Console()
     access = (
         "shared with every tenant"
         if adapter.shared
@@ -270,13 +332,13 @@ def show(
     )
     pinned = f", pinned in {adapter.pin_tier}" if adapter.pinned else ""
     keep = f", keeps the newest {adapter.keep}" if adapter.keep is not None else ""
-    console.print(
+    print_line(
         f"[bold]{adapter.name}[/bold]  owner {adapter.owner_tenant or '-'}, {access}; warm "
         f"{adapter.warm_policy}, priority {adapter.priority}{pinned}{keep}"
     )
-    console.print(_revisions_table(adapter))
+    print_table(_revisions_table(adapter))
     if audit_log:
-        console.print(_stats_table(name, stats))
+        print_table(_stats_table(name, stats))
 
 
 def _stats_table(name: str, stats) -> Table:

@@ -11,24 +11,34 @@ from loraplex.artifacts import canonical_digest
 from loraplex.registry.cli.common import app, errors, open_registry
 from loraplex.registry.signing import generate_keypair, load_private_key, sign_digest
 
+_Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The adapter directory")]
+
 
 @app.command()
 @errors
-def digest(directory: Path):
+def digest(directory: _Dir):
     """Print the canonical digest of an adapter directory."""
     typer.echo(canonical_digest(directory))
 
 
 @app.command()
 @errors
-def sign(directory: Path, key: Annotated[Path, typer.Option(help="ed25519 private key (PEM)")]):
+def sign(
+    directory: _Dir,
+    key: Annotated[Path, typer.Option(metavar="FILE", help="ed25519 private key (PEM)")],
+):
     """Print the signature of an adapter directory's digest, for `add --signature`."""
     typer.echo(sign_digest(canonical_digest(directory), load_private_key(key)))
 
 
 @app.command()
 @errors
-def keygen(private_out: Path, public_out: Path):
+def keygen(
+    private_out: Annotated[
+        Path, typer.Argument(metavar="PRIVATE_PEM", help="The private key's file (mode 0600)")
+    ],
+    public_out: Annotated[Path, typer.Argument(metavar="PUBLIC_PEM", help="The public key's file")],
+):
     """Write a new ed25519 key pair (PEM) for signing revisions."""
     private, public = generate_keypair()
     private_out.touch(mode=0o600)
@@ -42,7 +52,10 @@ def keygen(private_out: Path, public_out: Path):
 def gc(
     ctx: typer.Context,
     min_age_s: Annotated[
-        float, typer.Option(help="Keep entries no revision refers to while younger than this")
+        float,
+        typer.Option(
+            metavar="S", help="Keep entries no revision refers to while younger than this (s)"
+        ),
     ] = 3600,
 ):
     """Delete the artifacts of retired revisions that no other revision refers to, and those no

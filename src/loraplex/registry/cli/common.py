@@ -18,17 +18,20 @@ from loraplex.model_config import ModelConfigError
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.registry import Registry, default_store_for
 from loraplex.registry.signing import load_public_key
-from loraplex.settings.command import PLAIN
+from loraplex.registry.store import sqlite_file
+from loraplex.settings.command import PlainTyper
 
 # Help in click's plain layout (PLAIN): rich's tables cut long option names when piped or narrow.
-app = typer.Typer(
+app = PlainTyper(
     name="registry",
     help="Adapters, revisions, rollouts, tenants and keys.",
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode=PLAIN,
 )
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The adapter name")]
+RevisionArg = Annotated[str, typer.Argument(metavar="REVISION", help="The revision (r1, ...)")]
+TenantArg = Annotated[str, typer.Argument(metavar="TENANT", help="The tenant")]
 
 
 def default_data_dir() -> Path:
@@ -42,8 +45,11 @@ class CliOptions:
     storage_base: str | None
     trusted_keys: tuple[Path, ...]
     max_lora_rank: int
+    store_given: bool = False
+    """Whether --store named the store (a volume the workers mount, say) rather than the default."""
 
-    def open(self) -> Registry:
+    def open(self, create: bool = False) -> Registry:
+        """The registry; a SQLite file that is missing is made only with `create` (`init`)."""
         keys = tuple(load_public_key(p) for p in self.trusted_keys)
         return Registry(
             self.url,
@@ -52,6 +58,31 @@ class CliOptions:
             trusted_keys=keys,
             storage_base=self.storage_base,
             actor=getpass.getuser(),
+            create=create,
+        )
+
+    def check_reachable_store(self) -> None:
+        """Refuse to record revisions in this machine's default store while the registry is a
+        server database: its workers elsewhere could never read a `file://` URI of this machine."""
+        if sqlite_file(self.url) is not None or self.url.startswith("sqlite"):
+            return
+        if self.storage_base or self.store_given:
+            return
+        raise RegistryError(
+            f"the registry is a server database, but revisions would be stored in {self.store} on "
+            "this machine only, where workers cannot read them: give --storage-base with the "
+            "cluster's store (oci://HOST/REPOSITORY, which add pushes to), or --store DIR on a "
+            "volume the workers mount at the same path"
+        )
+
+    def remote_copy_note(self) -> str | None:
+        """For an http(s) or s3 --storage-base, where the files are and that add copies nothing
+        there (an oci:// one is pushed)."""
+        if self.storage_base is None or self.storage_base.startswith(("oci://", "oci+http://")):
+            return None
+        return (
+            f"note: add copies nothing to {self.storage_base}: copy {self.store / 'sha256'} there "
+            "before workers load these revisions"
         )
 
 
@@ -59,34 +90,52 @@ class CliOptions:
 def main(
     ctx: typer.Context,
     registry: Annotated[
-        str | None, typer.Option(help="Database URL (default: sqlite:///DATA_DIR/registry.db)")
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="Database URL: sqlite:///FILE or postgresql://... (default: "
+            "sqlite:///DATA_DIR/registry.db)",
+        ),
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option(help="Data directory (default: ~/.local/share/loraplex)")
+        Path | None,
+        typer.Option(metavar="DIR", help="Data directory (default: ~/.local/share/loraplex)"),
     ] = None,
     store: Annotated[
-        Path | None, typer.Option(help="Artifact store (default: artifacts/ beside the database)")
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Artifact store directory (default: artifacts/ beside a SQLite database, else "
+            "DATA_DIR/artifacts); with a server database, a volume the workers mount at this path",
+        ),
     ] = None,
     storage_base: Annotated[
         str | None,
         typer.Option(
-            help="URL the store is served under (http store), or an OCI repository the revisions "
-            "are pushed to (oci://HOST/REPOSITORY; oci+http:// for plain http)"
+            metavar="URL",
+            help="Where workers read revisions: an OCI repository add pushes to "
+            "(oci://HOST/REPOSITORY; oci+http:// for plain http), or the http(s):// or s3:// URL "
+            "the store's sha256/ directory is copied to",
         ),
     ] = None,
     trusted_key: Annotated[
         list[Path] | None,
         typer.Option(
-            help="ed25519 public key (PEM); repeat; with any, unsigned revisions are refused"
+            metavar="FILE",
+            help="ed25519 public key (PEM); repeat; with any, unsigned revisions are refused",
         ),
     ] = None,
-    max_lora_rank: Annotated[int, typer.Option(help="Refuse adapters of a higher rank")] = 64,
+    max_lora_rank: Annotated[
+        int, typer.Option(metavar="N", help="Refuse adapters of a higher rank")
+    ] = 64,
 ):
     data = data_dir or default_data_dir()
     url = registry or f"sqlite:///{data / 'registry.db'}"
     default_store = default_store_for(url)
     store_dir = store or (default_store.root if default_store else data / "artifacts")
-    ctx.obj = CliOptions(url, store_dir, storage_base, tuple(trusted_key or ()), max_lora_rank)
+    ctx.obj = CliOptions(
+        url, store_dir, storage_base, tuple(trusted_key or ()), max_lora_rank, store is not None
+    )
 
 
 def errors(command):
@@ -125,8 +174,8 @@ def errors(command):
     return run
 
 
-def open_registry(ctx: typer.Context) -> Registry:
-    registry = ctx.obj.open()
+def open_registry(ctx: typer.Context, create: bool = False) -> Registry:
+    registry = ctx.obj.open(create)
     ctx.call_on_close(registry.close)
     return registry
 

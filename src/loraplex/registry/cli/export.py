@@ -7,12 +7,11 @@ from typing import Annotated
 import typer
 
 from loraplex.registry.cli.common import app, errors, open_registry
-from loraplex.settings.command import PLAIN
+from loraplex.settings.command import PlainTyper
 
-export_app = typer.Typer(
+export_app = PlainTyper(
     help="The registry as another system's configuration.",
     no_args_is_help=True,
-    rich_markup_mode=PLAIN,
 )
 app.add_typer(export_app, name="export")
 
@@ -21,8 +20,12 @@ app.add_typer(export_app, name="export")
 @errors
 def export_k8s(
     ctx: typer.Context,
-    pool: Annotated[str, typer.Option(help="InferencePool the rewrites apply to")] = "loraplex",
-    namespace: Annotated[str | None, typer.Option(help="Namespace of the objects")] = None,
+    pool: Annotated[
+        str, typer.Option(metavar="NAME", help="InferencePool the rewrites apply to")
+    ] = "loraplex",
+    namespace: Annotated[
+        str | None, typer.Option(metavar="NAMESPACE", help="Namespace of the objects")
+    ] = None,
 ):
     """Print one InferenceModelRewrite per adapter name with traffic (YAML for `kubectl apply`)."""
     import yaml

@@ -7,12 +7,21 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.cli.common import (
+    JsonFlag,
+    NameArg,
+    RevisionArg,
+    TenantArg,
+    app,
+    errors,
+    open_registry,
+    print_json,
+)
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.records import AdapterRecord
+from loraplex.tables import is_piped, print_table
 
 
 def _traffic_line(adapter: AdapterRecord) -> str:
@@ -25,9 +34,12 @@ def _traffic_line(adapter: AdapterRecord) -> str:
 @errors
 def promote(
     ctx: typer.Context,
-    name: str,
-    revision: str,
-    weight: Annotated[int, typer.Option(help="Percent of traffic; 100 makes it stable")] = 100,
+    name: NameArg,
+    revision: RevisionArg,
+    weight: Annotated[
+        int,
+        typer.Option(metavar="PERCENT", help="Percent of traffic; 100 makes it stable"),
+    ] = 100,
     force: Annotated[
         bool, typer.Option("--force", help="Promote without running its eval set")
     ] = False,
@@ -40,8 +52,10 @@ def promote(
 @errors
 def traffic(
     ctx: typer.Context,
-    name: str,
-    weights: Annotated[list[str], typer.Argument(help="REV=PERCENT ..., summing to 100")],
+    name: NameArg,
+    weights: Annotated[
+        list[str], typer.Argument(metavar="REV=PERCENT...", help="The split, summing to 100")
+    ],
 ):
     """Set the whole traffic split of a name at once."""
     try:
@@ -53,7 +67,7 @@ def traffic(
 
 @app.command()
 @errors
-def rollback(ctx: typer.Context, name: str):
+def rollback(ctx: typer.Context, name: NameArg):
     """Drop the canary, or go back to the previous stable revision."""
     typer.echo(_traffic_line(open_registry(ctx).rollback(name)))
 
@@ -61,7 +75,12 @@ def rollback(ctx: typer.Context, name: str):
 @app.command()
 @errors
 def deprecate(
-    ctx: typer.Context, name: str, revision: Annotated[str | None, typer.Argument()] = None
+    ctx: typer.Context,
+    name: NameArg,
+    revision: Annotated[
+        str | None,
+        typer.Argument(metavar="REVISION", help="The revision (none: the whole name)"),
+    ] = None,
 ):
     """Deprecate a revision that serves no traffic, or without REVISION the whole name."""
     typer.echo(_traffic_line(open_registry(ctx).deprecate(name, revision)))
@@ -71,10 +90,10 @@ def deprecate(
 @errors
 def quarantine(
     ctx: typer.Context,
-    name: str,
-    revision: str,
+    name: NameArg,
+    revision: RevisionArg,
     reason: Annotated[
-        str, typer.Option(help="Why (kept with the revision)")
+        str, typer.Option(metavar="TEXT", help="Why (kept with the revision)")
     ] = "quarantined by operator",
 ):
     """Never serve a revision again; its traffic goes back to the stable revision."""
@@ -85,7 +104,7 @@ def quarantine(
 @errors
 def keep(
     ctx: typer.Context,
-    name: str,
+    name: NameArg,
     count: Annotated[str, typer.Argument(metavar="K", help="A number, or none (every revision)")],
 ):
     """Keep the newest K revisions of a name servable; older ones are retired now and at each
@@ -108,7 +127,7 @@ def _count(text: str) -> int:
 
 @app.command()
 @errors
-def delete(ctx: typer.Context, name: str, revision: str):
+def delete(ctx: typer.Context, name: NameArg, revision: RevisionArg):
     """Retire a revision now: never served again, its artifact left to `gc`. Refused for the
     stable revision, one in a split or a rollout under way, and a quarantined one."""
     open_registry(ctx).delete_revision(name, revision)
@@ -119,8 +138,10 @@ def delete(ctx: typer.Context, name: str, revision: str):
 @errors
 def pin(
     ctx: typer.Context,
-    name: str,
-    tier: Annotated[str, typer.Option(help="gpu (a slot) or cpu (host memory)")] = "cpu",
+    name: NameArg,
+    tier: Annotated[
+        str, typer.Option(metavar="gpu|cpu", help="gpu (a slot) or cpu (host memory)")
+    ] = "cpu",
 ):
     """Keep an adapter resident in a tier of the caches (servers pin it there at next start)."""
     open_registry(ctx).pin(name, tier=tier)
@@ -129,14 +150,15 @@ def pin(
 
 @app.command()
 @errors
-def unpin(ctx: typer.Context, name: str):
+def unpin(ctx: typer.Context, name: NameArg):
+    """Let an adapter be evicted again (servers follow at next start)."""
     open_registry(ctx).unpin(name)
     typer.echo(f"{name}: unpinned")
 
 
 @app.command()
 @errors
-def grant(ctx: typer.Context, name: str, tenant: str):
+def grant(ctx: typer.Context, name: NameArg, tenant: TenantArg):
     """Let another tenant use an adapter."""
     open_registry(ctx).grant(name, tenant)
     typer.echo(f"{name}: granted to {tenant}")
@@ -144,7 +166,8 @@ def grant(ctx: typer.Context, name: str, tenant: str):
 
 @app.command()
 @errors
-def ungrant(ctx: typer.Context, name: str, tenant: str):
+def ungrant(ctx: typer.Context, name: NameArg, tenant: TenantArg):
+    """Take back another tenant's use of an adapter."""
     open_registry(ctx).revoke_grant(name, tenant)
     typer.echo(f"{name}: grant to {tenant} revoked")
 
@@ -153,8 +176,8 @@ def ungrant(ctx: typer.Context, name: str, tenant: str):
 @errors
 def audit(
     ctx: typer.Context,
-    name: Annotated[str | None, typer.Option(help="Only this adapter")] = None,
-    limit: Annotated[int, typer.Option()] = 50,
+    name: Annotated[str | None, typer.Option(metavar="NAME", help="Only this adapter")] = None,
+    limit: Annotated[int, typer.Option(min=1, metavar="N", help="The newest N events")] = 50,
     json_out: JsonFlag = False,
 ):
     """Who changed what, when (newest first)."""
@@ -168,10 +191,10 @@ def audit(
     for e in events:
         table.add_row(
             str(e.id),
-            e.at.strftime("%Y-%m-%d %H:%M:%S"),
+            e.at.isoformat() if is_piped() else e.at.strftime("%Y-%m-%d %H:%M:%S"),
             e.actor,
             e.action,
             e.target,
             json.dumps(e.detail, sort_keys=True),
         )
-    Console().print(table)
+    print_table(table)

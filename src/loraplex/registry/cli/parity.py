@@ -89,10 +89,12 @@ def verify(
     ] = "http://127.0.0.1:8000",
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="LORAPLEX_API_KEY", help="A key of a tenant that may use it"),
+        typer.Option(
+            envvar="LORAPLEX_API_KEY", metavar="KEY", help="A key of a tenant that may use it"
+        ),
     ] = None,
     factor: Annotated[
-        float, typer.Option(help="Refuse beyond this many noise floors", min=1.0)
+        float, typer.Option(metavar="F", help="Refuse beyond this many noise floors", min=1.0)
     ] = parity.DEFAULT_FACTOR,
 ):
     """Serve a revision's reference tokens and compare with its trainer's (exit 1: refused)."""

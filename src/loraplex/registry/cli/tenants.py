@@ -5,20 +5,26 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from loraplex.registry.cli.common import JsonFlag, app, errors, open_registry, print_json
+from loraplex.registry.cli.common import (
+    JsonFlag,
+    TenantArg,
+    app,
+    errors,
+    open_registry,
+    print_json,
+)
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.registry import check_tenant_limits
-from loraplex.settings.command import PLAIN
+from loraplex.settings.command import PlainTyper
+from loraplex.tables import is_piped, print_table
 from loraplex.units import parse_size
 
-tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True, rich_markup_mode=PLAIN)
-key_app = typer.Typer(
+tenant_app = PlainTyper(help="Tenants.", no_args_is_help=True)
+key_app = PlainTyper(
     help="API keys (stored hashed; a new key is printed once).",
     no_args_is_help=True,
-    rich_markup_mode=PLAIN,
 )
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
@@ -28,6 +34,7 @@ GpuSlotsOption = Annotated[
     str | None,
     typer.Option(
         "--max-gpu-slots",
+        metavar="N|none",
         help="Residency budget in device slots; `none`: the server's default share",
     ),
 ]
@@ -35,6 +42,7 @@ CpuBytesOption = Annotated[
     str | None,
     typer.Option(
         "--max-cpu-bytes",
+        metavar="SIZE|none",
         help="Residency budget in host memory, e.g. 512MiB; `none`: the server's default share",
     ),
 ]
@@ -72,15 +80,20 @@ def _size_text(n: int) -> str:
     return str(n)
 
 
-LimitFlag = Annotated[int | None, typer.Option(help="Per server; 0: the server's default")]
+LimitFlag = Annotated[
+    int | None, typer.Option(metavar="N", help="Per server; 0: the server's default")
+]
+_PRIORITY = (
+    "Higher: its adapters stay longer in the caches, and the router favours and sheds it last"
+)
 
 
 @tenant_app.command("add")
 @errors
 def tenant_add(
     ctx: typer.Context,
-    name: str,
-    priority: Annotated[int, typer.Option()] = 0,
+    name: TenantArg,
+    priority: Annotated[int, typer.Option(metavar="N", help=_PRIORITY)] = 0,
     max_gpu_slots: GpuSlotsOption = None,
     max_cpu_bytes: CpuBytesOption = None,
     max_concurrent_requests: LimitFlag = None,
@@ -97,8 +110,8 @@ def tenant_add(
 @errors
 def tenant_set(
     ctx: typer.Context,
-    name: str,
-    priority: Annotated[int | None, typer.Option()] = None,
+    name: TenantArg,
+    priority: Annotated[int | None, typer.Option(metavar="N", help=_PRIORITY)] = None,
     max_gpu_slots: GpuSlotsOption = None,
     max_cpu_bytes: CpuBytesOption = None,
     max_concurrent_requests: LimitFlag = None,
@@ -165,6 +178,7 @@ def _limits_text(tenant) -> str:
 @tenant_app.command("list")
 @errors
 def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
+    """Tenants, their priorities, residency budgets and request limits."""
     tenants = open_registry(ctx).list_tenants()
     if json_out:
         print_json(
@@ -195,7 +209,7 @@ def tenant_list(ctx: typer.Context, json_out: JsonFlag = False):
             _or_default(t.max_concurrent_requests),
             _or_default(t.max_waiting),
         )
-    Console().print(table)
+    print_table(table)
 
 
 def _or_default(value: int | None) -> str:
@@ -204,7 +218,7 @@ def _or_default(value: int | None) -> str:
 
 @key_app.command("create")
 @errors
-def key_create(ctx: typer.Context, tenant: str):
+def key_create(ctx: typer.Context, tenant: TenantArg):
     """Create an API key for a tenant; it is printed once and only its hash is kept."""
     typer.echo(open_registry(ctx).create_key(tenant))
 
@@ -213,8 +227,11 @@ def key_create(ctx: typer.Context, tenant: str):
 @errors
 def key_revoke(
     ctx: typer.Context,
-    key_id: Annotated[str, typer.Argument(help="Key id (its first 12 characters)")],
+    key_id: Annotated[
+        str, typer.Argument(metavar="KEY_ID", help="Key id (its first 12 characters)")
+    ],
 ):
+    """Revoke an API key: servers refuse it within their watch interval."""
     typer.echo(f"revoked {open_registry(ctx).revoke_key(key_id)}")
 
 
@@ -222,9 +239,12 @@ def key_revoke(
 @errors
 def key_list(
     ctx: typer.Context,
-    tenant: Annotated[str | None, typer.Option()] = None,
+    tenant: Annotated[
+        str | None, typer.Option(metavar="TENANT", help="Only this tenant's keys")
+    ] = None,
     json_out: JsonFlag = False,
 ):
+    """API keys by id (never the key itself), their tenants, when created and revoked."""
     keys = open_registry(ctx).list_keys(tenant)
     rows = [
         {
@@ -242,7 +262,8 @@ def key_list(
     for column in ("key id", "tenant", "created", "revoked"):
         table.add_column(column)
     for row in rows:
+        cut = None if is_piped() else 16
         table.add_row(
-            row["key_id"], row["tenant"], row["created_at"][:16], (row["revoked_at"] or "")[:16]
+            row["key_id"], row["tenant"], row["created_at"][:cut], (row["revoked_at"] or "")[:cut]
         )
-    Console().print(table)
+    print_table(table)

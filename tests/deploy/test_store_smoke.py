@@ -1,0 +1,229 @@
+"""The operator's path through the chart's artifact store, as close to a cluster as this machine
+allows: the worker's container rendered by Helm (with `store.url` an OCI registry and its login
+Secret) run as a local process; a real distribution registry (Debian's `docker-registry`) as the
+store; an adapter registered from another HOME, as from an operator's laptop. With the store the
+worker answers as HF+PEFT does; an adapter recorded in the laptop's own directory is the 503 the
+store prevents."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import helm_python as helm
+import httpx
+import pytest
+import yaml
+from tinymodels import make_adapter, peft_reference, reference_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "loraplex"
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+pytestmark = pytest.mark.skipif(
+    not Path(REGISTRY_BIN).exists(),
+    reason="needs Debian's docker-registry (apt-get install docker-registry; CI installs it)",
+)
+USER, PASSWORD = "operator", "store-pass-0123"
+API_KEY, ADMIN_TOKEN = "acme-key-0123456789", "admin-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def oci_store(tmp_path_factory):
+    """host:port of a distribution registry with an htpasswd login, stopped at the end."""
+    import bcrypt
+
+    root, port = tmp_path_factory.mktemp("oci"), _free_port()
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
+    (root / "htpasswd").write_text(f"{USER}:{hashed}\n")
+    config = {
+        "version": 0.1,
+        "log": {"level": "warn", "accesslog": {"disabled": True}},
+        "storage": {"filesystem": {"rootdirectory": str(root / "storage")}},
+        "http": {"addr": f"127.0.0.1:{port}"},
+        "auth": {"htpasswd": {"realm": "loraplex", "path": str(root / "htpasswd")}},
+    }
+    (root / "config.yml").write_text(json.dumps(config))
+    log = (root / "registry.log").open("wb")
+    proc = subprocess.Popen(
+        [REGISTRY_BIN, "serve", str(root / "config.yml")], stdout=log, stderr=log
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v2/")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "no registry"
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _docker_config(path: Path, host: str) -> Path:
+    """A docker config file: what `docker login` writes, and what a dockerconfigjson Secret is."""
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"auths": {host: {"auth": auth}}}))
+    return path
+
+
+def _rendered_worker(store_url: str) -> tuple[dict, str]:
+    """The worker's container and its serve.yaml, as Helm renders them with the store."""
+    values = {"store": {"url": store_url, "secret": {"name": "loras-pull"}}}
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="loraplex", namespace="ml", is_install=True)
+    text = next(t for p, t in out.items() if p.endswith("worker.yaml"))
+    config, deployment = [o for o in yaml.safe_load_all(text) if o][:2]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container, config["data"]["serve.yaml"]
+
+
+def _local(pod: Path, path: str) -> Path:
+    return pod / path.lstrip("/")
+
+
+def _start_worker(pod: Path, container: dict, serve_yaml: str, model: Path, env: dict):
+    """The container's command line as a local process: its files under `pod`, `$(VAR)` from its
+    environment, on free loopback ports."""
+    _local(pod, "/etc/loraplex/serve.yaml").parent.mkdir(parents=True)
+    _local(pod, "/etc/loraplex/serve.yaml").write_text(serve_yaml)
+    keys = _local(pod, "/var/run/secrets/loraplex-keys/api-keys")
+    keys.parent.mkdir(parents=True)
+    keys.write_text(f"acme {API_KEY}\n")
+    token = _local(pod, "/var/run/secrets/loraplex-admin/token")
+    token.parent.mkdir(parents=True)
+    token.write_text(ADMIN_TOKEN + "\n")
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = str(_local(pod, item["value"]))
+    args = []
+    for arg in container["args"]:
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
+        flag, _, value = arg.partition("=")
+        if flag == "--model":
+            value = str(model)
+        elif flag in ("--host", "--port", "--admin-port"):
+            value = {"--host": "127.0.0.1", "--port": "0", "--admin-port": "0"}[flag]
+        elif value.startswith("/"):
+            value = str(_local(pod, value))
+        args.append(f"{flag}={value}")
+    command = [sys.executable, "-m", "loraplex.cli", *container["command"][1:], *args]
+    stderr = (pod / "stderr.log").open("w")
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**env, "HOME": str(pod)}
+    )
+    return proc, stderr
+
+
+def _address(proc, timeout: float = 180.0) -> str:
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("loraplex serving"):
+                found.append(line.rsplit(" ", 1)[-1].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, "the worker did not print its address"
+    return found[0]
+
+
+def _laptop(home: Path, *args) -> subprocess.CompletedProcess:
+    """`loraplex registry ...` from the operator's machine: its own HOME and docker login."""
+    return subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "registry", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(ROOT / "src")},
+    )
+
+
+def test_an_adapter_registered_from_a_laptop_into_the_chart_store_is_answered_right(
+    oci_store, llama_dir, tmp_path
+):
+    store_url = f"oci+http://{oci_store}/loras"
+    container, serve_yaml = _rendered_worker(store_url)
+    assert yaml.safe_load(serve_yaml)["allowed-roots"] == [store_url]
+    adapter = make_adapter(llama_dir, tmp_path / "sql", seed=7, r=4, lora_alpha=8)
+    registry = f"sqlite:///{tmp_path / 'registry' / 'registry.db'}"
+    laptop = tmp_path / "laptop"
+    _docker_config(laptop / ".docker" / "config.json", oci_store)
+    store_args = ["--registry", registry, "--store", laptop / "artifacts"]
+    assert _laptop(laptop, *store_args, "init").returncode == 0
+    added = _laptop(
+        laptop, *store_args, "--storage-base", store_url, "add", adapter, "--name", "sql",
+        "--base-model", llama_dir, "--stable", "--json",
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["storage_uri"].startswith(store_url + "@sha256:")
+    # another adapter, recorded in the laptop's own directory: what the store prevents
+    other = make_adapter(llama_dir, tmp_path / "other", seed=8, r=4, lora_alpha=8)
+    local = _laptop(laptop, *store_args, "add", other, "--name", "stranded", "--stable", "--json")
+    assert json.loads(local.stdout)["storage_uri"].startswith((laptop / "artifacts").as_uri())
+
+    pod = tmp_path / "pod"
+    _docker_config(_local(pod, "/var/run/secrets/loraplex-store/config.json"), oci_store)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT / "src"),
+        "LORAPLEX_REGISTRY_URL": registry,
+    }
+    proc, stderr = _start_worker(pod, container, serve_yaml, llama_dir, env)
+    try:
+        url = _address(proc)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(
+            f"{url}/v1/completions", json={**body, "model": "sql"}, headers=headers, timeout=120
+        )
+        assert answer.status_code == 200, answer.text
+        stranded = httpx.post(
+            f"{url}/v1/completions",
+            json={**body, "model": "stranded"},
+            headers=headers,
+            timeout=120,
+        )
+        assert stranded.status_code == 503, stranded.text
+        assert "could not be loaded" in stranded.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        stderr.close()
+    assert "outside the allowed roots" in (pod / "stderr.log").read_text()
+
+    assert answer.json()["choices"][0]["text"] == _peft_answer(llama_dir, adapter, "hello", 6)
+
+
+def _peft_answer(model: Path, adapter: Path, prompt: str, max_tokens: int) -> str:
+    """HF+PEFT's greedy answer, detokenized a token at a time after the prompt (as servers do:
+    half a character at the end is left out)."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    ids = tokenizer.encode(prompt).ids
+    tokens = reference_greedy(peft_reference(model, {"sql": adapter}), ids, "sql", max_tokens)
+    stream = DecodeStream(ids=ids[-8:], skip_special_tokens=True)
+    return "".join(stream.step(tokenizer, t) or "" for t in tokens)
