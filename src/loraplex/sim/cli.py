@@ -103,23 +103,26 @@ def run_sweep(
             entries = compare(
                 trace, config, policies, hot, lambda _: progress.advance(task), optimal
             )
-            runs.append(
-                {
-                    "workload": name,
-                    "requests": len(trace),
-                    "gpu_slots": config.gpu_slots,
-                    "cpu_bytes": config.cpu_bytes,
-                    "disk_bytes": config.disk_bytes,
-                    "workers": config.workers,
-                    "pools": [{**p.spec.as_dict(), "workers": p.workers} for p in pools],
-                    "engine": engine,
-                    "max_cpu_loras": max_cpu_loras,
-                    "adapters": len({r.model for r in trace if r.adapter is not None}),
-                    "hot_adapters": sorted(hot),
-                    "policies": entries,
-                }
-            )
+            runs.append(_run_record(name, trace, config, hot, entries))
     return runs
+
+
+def _run_record(name: str, trace, config: SimConfig, hot: set[str], entries: dict) -> dict:
+    """One cell of a sweep as the tables and the JSON read it."""
+    return {
+        "workload": name,
+        "requests": len(trace),
+        "gpu_slots": config.gpu_slots,
+        "cpu_bytes": config.cpu_bytes,
+        "disk_bytes": config.disk_bytes,
+        "workers": config.workers,
+        "pools": [{**p.spec.as_dict(), "workers": p.workers} for p in config.pools],
+        "engine": config.engine,
+        "max_cpu_loras": config.max_cpu_loras,
+        "adapters": len({r.model for r in trace if r.adapter is not None}),
+        "hot_adapters": sorted(hot),
+        "policies": entries,
+    }
 
 
 def _host_label(run: dict) -> str:
@@ -346,28 +349,11 @@ def simulate(s: SimulateSettings) -> None:
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        return run_sweep(
-            cells,
-            policies,
-            n_slots,
-            cpu,
-            *args,
-            engine=s.engine,
-            max_cpu_loras=s.max_cpu_loras,
-            pools=pools,
-        )
+        vllm = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras}
+        return run_sweep(cells, policies, n_slots, cpu, *args, **vllm, pools=pools)
 
     runs = sweep_of(traces, slots)
-    if wide:
-        console.print(results_table(runs))
-        if len(runs) == 1:
-            console.print(tenant_table(runs[0]))
-    else:
-        console.print(compact_table(runs))
-    if workers > 1 or changes or pools:
-        console.print(fleet_table(runs))
-    if pools:
-        console.print(pools_table(runs))
+    _print_tables(console, runs, wide, fleet=workers > 1 or bool(changes or pools))
     if json_out is not None:  # before the plot: a plotting failure must not lose the runs
         meta = {
             "config": config_dict(SimConfig(service=calibration.service, costs=calibration.costs)),
@@ -389,6 +375,19 @@ def simulate(s: SimulateSettings) -> None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         plot_capacity(sweep, plot)
         console.print(f"plot: {plot}")
+
+
+def _print_tables(console: Console, runs: list[dict], wide: bool, fleet: bool) -> None:
+    if wide:
+        console.print(results_table(runs))
+        if len(runs) == 1:
+            console.print(tenant_table(runs[0]))
+    else:
+        console.print(compact_table(runs))
+    if fleet:
+        console.print(fleet_table(runs))
+    if any(run["pools"] for run in runs):
+        console.print(pools_table(runs))
 
 
 def _calibration(path: Path | None) -> Calibration:
