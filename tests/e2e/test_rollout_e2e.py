@@ -33,7 +33,7 @@ from loraplex.registry import Registry
 from loraplex.registry.rollouts import RolloutStore
 
 NAME = "rev"
-SLOW_DOWNLOAD_S = 1.0
+SLOW_DOWNLOAD_S = 2.0
 # Tiny windows; the ratio limits widened to 5x: on a shared 2-core machine a p99 over a few
 # requests is noisy (a good revision measured 2.4x its stable's TPOT p99 over 4 requests), and the
 # slow revision's first requests are 20x and more its stable's TTFT.

@@ -7,16 +7,19 @@ from dataclasses import dataclass
 from loraplex.rollout.figures import RevisionFigures
 
 ADVANCE, ROLLBACK, WAIT = "advance", "rollback", "wait"
-QUANTILES = (0.99, 0.95, 0.9, 0.5)
-"""The latency quantiles judged, the highest first."""
-MIN_TAIL = 5
+MAX_QUANTILE = 0.99
+"""The highest latency quantile judged."""
+MIN_TAIL = 3
 """Observations a quantile needs above it on both sides to be compared: the "p99" of 30 requests is
-their slowest one, which one slow request decides."""
+their slowest one, which one slow request decides; their p90 has 3 above it."""
 
 
 def judged_quantile(count: float) -> float | None:
-    """The highest of QUANTILES that `count` observations estimate (None: too few for any)."""
-    return next((q for q in QUANTILES if count * (1 - q) >= MIN_TAIL - 1e-9), None)
+    """The highest quantile, up to MAX_QUANTILE, that `count` observations estimate: MIN_TAIL of
+    them above it (None: fewer than twice MIN_TAIL, too few for a median)."""
+    if count < 2 * MIN_TAIL:
+        return None
+    return min(MAX_QUANTILE, 1 - MIN_TAIL / count)
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def _latency_breaches(label: str, mine, theirs, max_ratio: float) -> list[str]:
 
 
 def _name(q: float | None) -> str:
-    return f"p{q * 100:g}" if q is not None else "-"
+    return f"p{q * 100:.3g}" if q is not None else "-"
 
 
 def judge(

@@ -145,8 +145,9 @@ class RolloutSettings:
         panel=LIMITS,
         check=positive,
         doc="the canary's TTFT p99 over the stable's, at most; with fewer requests than a p99 "
-        "needs, the highest quantile both windows estimate (p95 from 100 requests, the median from "
-        "10); the histograms' buckets are 25% apart, so 1.5 is two buckets",
+        "needs, the highest quantile both windows estimate with 3 requests above it (p90 from "
+        "30 requests, the median from 6); the histograms' buckets are 25% apart, so 1.5 is two "
+        "buckets",
     )
     max_tpot_ratio: float = setting(
         1.5,
