@@ -39,8 +39,11 @@ def test_plan_from_a_registry(llama_dir, llama_adapters, tmp_path):
     # A bare path, a file that is no database: one line (PlanError), not a traceback.
     not_a_db = tmp_path / "not-a-db"
     not_a_db.write_text("not a database")
-    for bad in (str(tmp_path / "registry.db"), f"sqlite:///{not_a_db}"):
-        with pytest.raises(planner.PlanError, match="--registry: cannot open the registry"):
+    for bad, why in (
+        (str(tmp_path / "registry.db"), "unsupported registry URL"),
+        (f"sqlite:///{not_a_db}", "cannot open the registry"),
+    ):
+        with pytest.raises(planner.PlanError, match=f"--registry: {why}"):
             planner.make_plan(llama_dir, registry=bad)
 
 

@@ -135,8 +135,8 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
         registry = Registry(url)
         records = registry.list_adapters()
         registry.close()
-    except RegistryError as exc:
-        raise PlanError(str(exc)) from None
+    except RegistryError as exc:  # not initialized, a URL of no supported scheme, ...
+        raise PlanError(f"--registry: {exc}") from None
     except (
         SQLAlchemyError,
         OSError,
