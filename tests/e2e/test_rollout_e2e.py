@@ -34,6 +34,7 @@ from loraplex.registry.rollouts import RolloutStore
 
 NAME = "rev"
 SLOW_DOWNLOAD_S = 2.0
+CLIENTS = 4  # the slow revision's loads hold up to this many requests on each worker
 # Tiny windows; the ratio limits widened to 5x: on a shared 2-core machine a p99 over a few
 # requests is noisy (a good revision measured 2.4x its stable's TPOT p99 over 4 requests), and the
 # slow revision's first requests are 20x and more its stable's TTFT.
@@ -81,7 +82,7 @@ class _SlowHandler(http.server.SimpleHTTPRequestHandler):
 
 
 class Traffic:
-    """Two clients sending checked prompts for NAME through the router until stopped; each answer
+    """Four clients sending checked prompts for NAME through the router until stopped; each answer
     kept as (status, revision served, answer right)."""
 
     def __init__(self, url: str, texts: list[str]):
@@ -89,7 +90,7 @@ class Traffic:
         self.times: list[tuple[float, float]] = []  # (sent, answered) of each result
         self.workers: list[str] = []  # the worker that answered each result
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(CLIENTS)]
 
     def __enter__(self):
         for t in self._threads:
@@ -106,7 +107,7 @@ class Traffic:
         with httpx.Client(timeout=120) as client:
             while not self._stop.is_set():
                 text = self.texts[i % len(self.texts)]
-                i += 2
+                i += CLIENTS
                 body = {"model": NAME, "prompt": make_prompt(text), "max_tokens": 40}
                 sent = time.time()
                 try:

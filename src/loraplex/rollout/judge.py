@@ -10,16 +10,17 @@ ADVANCE, ROLLBACK, WAIT = "advance", "rollback", "wait"
 MAX_QUANTILE = 0.99
 """The highest latency quantile judged."""
 MIN_TAIL = 3
-"""Observations a quantile needs above it on both sides to be compared: the "p99" of 30 requests is
-their slowest one, which one slow request decides; their p90 has 3 above it."""
+"""The slowest requests it takes to decide a quantile: the judged quantile is the one the third
+slowest of a window gives, so that the "p99" of 30 requests is not their slowest one, which one
+slow request decides."""
 
 
 def judged_quantile(count: float) -> float | None:
-    """The highest quantile, up to MAX_QUANTILE, that `count` observations estimate: MIN_TAIL of
-    them above it (None: fewer than twice MIN_TAIL, too few for a median)."""
+    """The highest quantile, up to MAX_QUANTILE, that `count` observations estimate: the one their
+    MIN_TAIL-th slowest gives (nearest rank; None: fewer than twice MIN_TAIL, too few)."""
     if count < 2 * MIN_TAIL:
         return None
-    return min(MAX_QUANTILE, 1 - MIN_TAIL / count)
+    return min(MAX_QUANTILE, 1 - (MIN_TAIL - 1) / count)
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,8 @@ class RolloutSettings:
         panel=LIMITS,
         check=positive,
         doc="the canary's TTFT p99 over the stable's, at most; with fewer requests than a p99 "
-        "needs, the highest quantile both windows estimate with 3 requests above it (p90 from "
-        "30 requests, the median from 6); the histograms' buckets are 25% apart, so 1.5 is two "
+        "needs, the highest quantile both windows estimate, the one their third slowest request "
+        "gives (p90 of 20 requests); the histograms' buckets are 25% apart, so 1.5 is two "
         "buckets",
     )
     max_tpot_ratio: float = setting(
