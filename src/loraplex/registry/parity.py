@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from sqlalchemy import select
 
+from loraplex.registry import queries as q
 from loraplex.registry.db import ParityReference, Revision, utcnow
 from loraplex.registry.errors import AdapterNotFound, AdapterRejected, RegistryError
 from loraplex.registry.store import Store
@@ -164,9 +164,7 @@ def verify(
 
 # -- the registry's record -------------------------------------------------------------------------
 def _revision(session, name: str, revision: str) -> Revision:
-    row = session.scalar(
-        select(Revision).where(Revision.adapter_name == name, Revision.revision == revision)
-    )
+    row = q.find_revision(session, name, revision, None)
     if row is None:
         raise AdapterNotFound(f"{name}@{revision}")
     return row
