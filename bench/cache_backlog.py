@@ -4,7 +4,7 @@ as the number of waiting requests grows.
     python bench/cache_backlog.py [--waiting 100,250,500,1000]
         [--json bench/results/cache_backlog.json]
 
-The real `AdapterCache` (`score`) with the fake slot pool and executor of the cache tests (no
+The real `NativeResidency` (`score`) with the fake slot pool and executor of the cache tests (no
 torch): 2,000 adapters seen, one slot held by a running request, host memory for 50 copies
 (`max_cpu_loras` 50) all asked for by waiting requests, and N more waiting requests whose adapters
 are not in host memory (their loads wait for room). The engine's scheduler calls `acquire` for every
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import ScorePolicy
 
@@ -44,7 +44,7 @@ def measure(waiting: int) -> dict:
         for i in range(2000)
     ]
     loads = Loads()
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(1),
         lambda files, hashed: None,
         cpu_bytes=COPIES * 10 * MiB,

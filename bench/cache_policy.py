@@ -234,8 +234,8 @@ def run_once(
         engine.adapters.drain()
         records = replay(engine, trace, refs, engine.tokenizer.encode("<s>hello world<sep>"))
         counters = {
-            "reloads_after_eviction": engine.adapters.reloads_after_eviction,
-            "evictions": engine.adapters.num_evictions,
+            "reloads_after_eviction": engine.adapters.ledger.reloads_after_eviction,
+            "evictions": engine.adapters.ledger.num_evictions,
         }
     finally:
         engine.close()

@@ -127,7 +127,7 @@ def test_docs_and_source_comments_point_inside_the_repository_at_names_that_exis
         "src/loraplex/{engine,cache}/",
         "`src/loraplex/bench/`",
         "`loraplex.engine.llm_engine`",
-        "`loraplex.residency.AdapterCache`",
+        "`loraplex.residency.NativeResidency`",
         "the step loop (`engine/`)",
         "# the client (engine/client.py) starts it",
         "`registry/no_such_module.py`",

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from loraplex.engines.native.cache import WANTED_FOR_S, AdapterCache, Loaded
+from loraplex.engines.native.residency import WANTED_FOR_S, Loaded, NativeResidency
 from loraplex.residency.errors import CapacityExceeded
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import LRUPolicy, ScorePolicy
@@ -89,7 +89,7 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
         for i in sizes
     ]
     loads = Loads()
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(3),
         lambda files, hashed: None,
         cpu_bytes=30 * MiB,
@@ -139,8 +139,11 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
                     cache.pin(ref, "cpu")
         elif op == "gpu_cap":
             cache.max_gpu_warm = rng.choice([0, 1, 3])
-        assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
-        for tier, pins in (("gpu", cache._gpu_pins), ("cpu", cache._cpu_pins)):
+        assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+        for tier, pins in (
+            ("gpu", cache.ledger.pinned_to["gpu"]),
+            ("cpu", cache.ledger.pinned_to["cpu"]),
+        ):
             assert pins == {k for k, e in cache.entries.items() if e.pinned == tier}
         for key in [
             r.key for r in refs if r.key in cache.entries

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.budgets import Budget, TenantBudgets, charged, usage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import LRUPolicy
@@ -87,7 +87,7 @@ class Instant:
 
 def make_cache(slots: int, cpu_mib: int, budgets: dict[str, Budget]):
     now = [0.0]
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -174,7 +174,7 @@ def test_over_its_host_budget_a_tenant_drops_its_own_copies_and_never_another_te
     names = {k.name for k in cache.cpu}
     assert {"o0", "o1", "o2"} <= names  # online's copies stay
     assert len(names) == 5 and cache.budget_state()["batch"]["cpu"]["bytes"] == 20 * MiB
-    assert cache.cpu_bytes_used <= cache.cpu_bytes
+    assert cache.tiers.cpu_bytes_used <= cache.cpu_bytes
 
 
 def test_a_gpu_pin_is_never_a_victim_of_a_budget():
@@ -182,8 +182,8 @@ def test_a_gpu_pin_is_never_a_victim_of_a_budget():
     pinned = ref("b0", "batch")
     cache.pin(pinned, "gpu")
     cache.poll()
-    assert cache.slot_of(pinned.key) is not None
+    assert cache.tiers.slot_of(pinned.key) is not None
     assert serve(cache, now, ref("b1", "batch")) is not None  # a free slot
     serve(cache, now, ref("o0", "online"))  # online, within its budget, takes batch's excess
     assert serve(cache, now, ref("b2", "batch")) is None  # over: only its own, and its pin stays
-    assert cache.slot_of(pinned.key) is not None
+    assert cache.tiers.slot_of(pinned.key) is not None

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loraplex.artifacts import canonical_digest, read_artifact
-from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
+from loraplex.engines.native.residency import NativeResidency
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import ModelConfig
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
@@ -79,7 +79,7 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
     cfg, pack, refs, expected, packed_bytes = setup
     now = [0.0]
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
-    cache = AdapterCache(
+    cache = NativeResidency(
         pool,
         pack,
         cpu_bytes=4 * packed_bytes,
@@ -146,7 +146,7 @@ def _check(cache, pool, held, expected, packed_bytes):
     assert sum(1 for k in cache.slots if k is not None) <= NUM_SLOTS
     assert len(cache.cpu) <= 4
     assert sum(p.nbytes for p in cache.cpu.values()) <= 4 * packed_bytes
-    assert cache.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+    assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
     # Every slot holds exactly the bytes of the full key it is filed under.
     for slot, key in enumerate(cache.slots):
         if key is None:
@@ -160,7 +160,7 @@ def _check(cache, pool, held, expected, packed_bytes):
 def test_pinned_gpu_adapters_survive_pressure(setup):
     cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
-    cache = AdapterCache(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
+    cache = NativeResidency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     cache.pin(refs[0], "gpu")
     cache.drain()
     assert refs[0].key in cache.slots
@@ -179,12 +179,12 @@ def test_pinned_gpu_adapters_survive_pressure(setup):
 def test_reload_after_eviction_counts_thrash(setup):
     cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
-    cache = AdapterCache(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
+    cache = NativeResidency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     for ref in [refs[0], refs[1], refs[0], refs[1]]:
         if cache.acquire(ref) is None:
             cache.drain()
             assert cache.acquire(ref) is not None
         cache.release(ref.key)
-    assert cache.num_evictions == 3 and cache.reloads_after_eviction == 2
-    assert cache.thrash_ratio() == pytest.approx(2 / 3)
+    assert cache.ledger.num_evictions == 3 and cache.ledger.reloads_after_eviction == 2
+    assert cache.ledger.thrash_ratio() == pytest.approx(2 / 3)
     cache.close()

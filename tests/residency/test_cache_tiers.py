@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import ScorePolicy
 
@@ -67,7 +67,7 @@ class Disk:
 
 def make_cache(slots=2, cpu_mib=1000, download=frozenset(), disk=None):
     now = [0.0]
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -298,7 +298,7 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
             return self.future
 
     executor = Deferred()
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(2),
         lambda files, hashed: None,
         cpu_bytes=1000 * MiB,
@@ -314,7 +314,7 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
     executor.future.set_result(executor.run())
     assert cache.poll() == []
     assert gone.key not in cache.cpu and gone.key not in cache.entries and not cache.loading
-    assert cache.cpu_bytes_used == 0
+    assert cache.tiers.cpu_bytes_used == 0
 
 
 def test_adapters_whose_traffic_stopped_leave_the_gpu_warm_set_and_keep_no_slot_for_their_count():
@@ -390,7 +390,7 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
         loads.append(r.key.name)
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(1),
         lambda f, h: None,
         cpu_bytes=1000 * MiB,
@@ -425,7 +425,7 @@ def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
             return Future()
 
     now = [0.0]
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(1),
         lambda f, h: None,
         cpu_bytes=1000 * MiB,

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
-from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.events import PinRefused
 from loraplex.residency.key import AdapterKey, AdapterRef
@@ -46,7 +46,7 @@ def make_cache(slots=1, cpu_mib=1000, failing=(), events=None):
             raise AdapterUnavailable(f"{r.key.name}: store down")
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -83,7 +83,7 @@ def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_l
     assert a.key in cache.cpu and b.key not in cache.cpu
     # The pin fills the budget: the copy that just landed is kept for its request, the tier over by
     # that copy alone.
-    assert cache.cpu_bytes_used - cache.cpu[c.key].nbytes <= cache.cpu_bytes
+    assert cache.tiers.cpu_bytes_used - cache.cpu[c.key].nbytes <= cache.cpu_bytes
 
 
 def test_a_failed_gpu_prewarm_does_not_send_a_later_cpu_load_into_a_slot():
@@ -182,10 +182,10 @@ def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees
     pinned = ref("p")
     cache.pin(pinned, "gpu")
     land(cache, executor)
-    assert pinned.key in cache.cpu and cache.slot_of(pinned.key) is None
+    assert pinned.key in cache.cpu and cache.tiers.slot_of(pinned.key) is None
     now[0] += 5.0
     cache.release(busy[0].key)
-    assert cache.slot_of(pinned.key) is not None and cache.entries[pinned.key].pinned == "gpu"
+    assert cache.tiers.slot_of(pinned.key) is not None and cache.entries[pinned.key].pinned == "gpu"
     cache.release(busy[1].key)
     assert busy[1].key in cache.slots  # one pin takes one slot
 

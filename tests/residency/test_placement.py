@@ -5,7 +5,7 @@ import copy
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from loraplex.engines.native.cache import AdapterCache, Entry, Loaded
+from loraplex.engines.native.residency import Entry, Loaded, NativeResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.placement import Activate, Evict
 from loraplex.residency.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
@@ -46,7 +46,7 @@ def ref(name: str) -> AdapterRef:
     return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}")
 
 
-def tables(cache: AdapterCache):
+def tables(cache: NativeResidency):
     """Everything of the cache that placement reads, copied for comparison."""
     snap = cache.snapshot()
     entries = {k: copy.deepcopy(vars(e)) for k, e in snap.entries.items()}
@@ -65,9 +65,9 @@ def tables(cache: AdapterCache):
     )
 
 
-def score_cache(pool, now: list[float], loader) -> AdapterCache:
+def score_cache(pool, now: list[float], loader) -> NativeResidency:
     """A `score` cache with 25 MiB of host memory on the clock `now[0]`, loads landing at once."""
-    return AdapterCache(
+    return NativeResidency(
         pool,
         lambda files, hashed: None,
         cpu_bytes=25 * MiB,
@@ -106,7 +106,7 @@ def test_placement_decides_without_changing_what_it_reads():
     placement.room_for(snap, c.key, now[0])
     assert tables(cache) == before
     # c's load runs: its request waits; once its copy is in host memory, b's slot is the one to free
-    slot_b = cache.slot_of(b.key)
+    slot_b = cache.tiers.slot_of(b.key)
     assert decisions[0] == []
     assert decisions[1] == [Evict(b.key, "gpu"), Activate(c.key, slot_b)]
     assert decisions[2:] == [[], [], []]

@@ -2,11 +2,9 @@
 (its references and the tenants holding them, its pin, its costs), the demand, evictions and
 their thrash, the tenants' budgets and budget waits, and the futures operator calls wait on.
 
-A residency (the native cache, the vLLM residency) holds the adapters' bytes where its engine
-needs them and says which adapters are where (`in_slot`, `in_host_memory`, `in_slots`,
-`in_host`); everything a reader asks of the adapters (`tier_of`, `state`, `budget_state`, ...) is
-answered here from that. Every change happens under `_lock`, from any thread: no event loop is
-assumed.
+Each engine's residency holds a ledger and says, through its `Tiers`, which adapters are where;
+everything a reader asks of the adapters (`tier_of`, `state`, `budget_state`, ...) is answered
+here from that. Every change happens under `_lock`, from any thread: no event loop is assumed.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from loraplex.residency.budgets import TenantBudgets, charged, tenant_rows
 from loraplex.residency.disk import DiskTier
@@ -81,10 +79,48 @@ class Entry:
 E = TypeVar("E", bound=Entry)
 
 
+class Tiers(Protocol):
+    """What a residency's engine holds: which adapters are in a device slot and in host memory,
+    the slots it counts, its warm sets and what it adds to `state`. The native engine's slots
+    (`engines/native/slots.py`) and the vLLM residency's tables (`engines/vllm/tables.py`)."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    def in_slot(self, key: AdapterKey) -> bool: ...
+    def in_host_memory(self, key: AdapterKey) -> bool: ...
+    def in_slots(self) -> Iterable[AdapterKey]:
+        """The adapters holding a device slot."""
+        ...
+
+    def in_host(self) -> Iterable[AdapterKey]:
+        """The adapters with a host copy (those in a slot have one too)."""
+        ...
+
+    def free_slots(self) -> int: ...
+    def warm_sets(self, now: float) -> tuple[set[AdapterKey], set[AdapterKey]]:
+        """The gpu warm set and the cpu warm set."""
+        ...
+
+    def staged(self, key: AdapterKey) -> bool:
+        """Whether a local copy of the key's bytes exists outside the disk tier."""
+        ...
+
+    def adapter_row(self, entry: Any, row: dict) -> dict:
+        """An adapter's row of `state`, with what the engine adds to it."""
+        ...
+
+    def host_figures(self) -> dict:
+        """What `state` says of the host cache's use and capacity."""
+        ...
+
+
 class Ledger(Generic[E]):
-    """The adapters' records and the reads over them. A residency says which keys are in a slot
-    and in host memory (`in_slot`, `in_host_memory`, `in_slots`, `in_host`), how many slots it
-    counts (`num_slots`, `free_slots`) and what its warm sets are (`warm_sets`)."""
+    """The adapters' records and the reads over them, a member of each engine's residency. What
+    its engine holds is `tiers`' to say; `on_pins_changed` is called after the operator's pins
+    change (outside the lock)."""
+
+    tiers: Tiers  # set by the residency that holds the ledger
 
     def __init__(
         self,
@@ -108,49 +144,25 @@ class Ledger(Generic[E]):
         self.num_evictions = 0
         self.reloads_after_eviction = 0
         self.on_event: Callable[[Event], None] = lambda event: None
+        self.on_pins_changed: Callable[[], None] = lambda: None
         # the operator's pins, in the order they were made: key -> "gpu" or "cpu"
         self.pins: dict[AdapterKey, str] = {}
+        self.pinned_to: dict[str, set[AdapterKey]] = {
+            "gpu": set(),
+            "cpu": set(),
+        }  # the same, per tier
+        self.pins_version = 0  # moves with every pin set or dropped
         # futures operator calls wait on: a key's load ended, its last release
         self._on_loaded: dict[AdapterKey, list[Future]] = {}
         self._on_released: dict[AdapterKey, list[Future]] = {}
         self._lock = threading.RLock()
 
-    # -- what the residency says (its engine's tiers) ----------------------------------------------
-    def in_slot(self, key: AdapterKey) -> bool:
-        raise NotImplementedError
-
-    def in_host_memory(self, key: AdapterKey) -> bool:
-        raise NotImplementedError
-
-    def in_slots(self) -> Iterable[AdapterKey]:
-        """The adapters holding a device slot."""
-        raise NotImplementedError
-
-    def in_host(self) -> Iterable[AdapterKey]:
-        """The adapters with a host copy (those in a slot have one too)."""
-        raise NotImplementedError
-
-    @property
-    def num_slots(self) -> int:
-        raise NotImplementedError
-
-    def free_slots(self) -> int:
-        raise NotImplementedError
-
-    def warm_sets(self, now: float) -> tuple[set[AdapterKey], set[AdapterKey]]:
-        """The gpu warm set and the cpu warm set."""
-        raise NotImplementedError
-
-    def staged(self, key: AdapterKey) -> bool:
-        """Whether a local copy of the key's bytes exists outside the disk tier."""
-        return False
-
     # -- reads (any thread) ------------------------------------------------------------------------
     def tier_of(self, key: AdapterKey) -> str:
         with self._lock:
-            if self.in_slot(key):
+            if self.tiers.in_slot(key):
                 return "gpu"
-            if self.in_host_memory(key):
+            if self.tiers.in_host_memory(key):
                 return "cpu"
             return "disk" if self.on_disk(key) else "remote"
 
@@ -170,7 +182,7 @@ class Ledger(Generic[E]):
         entry = self.entries.get(key)
         if entry is not None and entry.ref.path is not None:
             return True
-        if self.staged(key):
+        if self.tiers.staged(key):
             return True
         return self.disk is not None and self.disk.has(key.adapter_digest)
 
@@ -187,8 +199,8 @@ class Ledger(Generic[E]):
         and the tenants' budgets."""
         now = self.clock()
         with self._lock:
-            gpu_warm, cpu_warm = self.warm_sets(now)
-            in_slots, in_host = set(self.in_slots()), set(self.in_host())
+            gpu_warm, cpu_warm = self.tiers.warm_sets(now)
+            in_slots, in_host = set(self.tiers.in_slots()), set(self.tiers.in_host())
             adapters: list[dict] = []
             copies: dict[str, list[int]] = {"gpu": [], "cpu": [], "disk": []}
             for key, e in self.entries.items():
@@ -208,31 +220,23 @@ class Ledger(Generic[E]):
                 # "A" in the gpu warm set, "B" in the cpu warm set (both: "A")
                 warm = "A" if key in gpu_warm else "B" if key in cpu_warm else None
                 row = adapter_row(key, e, tier, key in self.loading, warm, self.demand, now)
-                adapters.append(self.adapter_row(e, row))
+                adapters.append(self.tiers.adapter_row(e, row))
             return {
                 "adapters": adapters,
                 "resident": {t: {"count": len(v), "bytes": sum(v)} for t, v in copies.items()},
-                "num_slots": self.num_slots,
-                "free_slots": self.free_slots(),
+                "num_slots": self.tiers.num_slots,
+                "free_slots": self.tiers.free_slots(),
                 "recent_evictions": self.num_recent_evictions(now),
-                **self.host_figures(),
+                **self.tiers.host_figures(),
                 "thrash_ratio": self.thrash_ratio(),
                 "tenants": self.budget_state(),
             }
-
-    def adapter_row(self, entry: E, row: dict) -> dict:
-        """An adapter's row of `state`, with what the residency adds to it."""
-        return row
-
-    def host_figures(self) -> dict:
-        """What `state` says of the host cache's use and capacity."""
-        return {}
 
     def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
         """Per tier (gpu, cpu), per tenant: {"count", "bytes"} of what is charged to it there."""
         with self._lock:
             out: dict[str, dict[str, dict[str, int]]] = {}
-            for tier, keys in (("gpu", self.in_slots()), ("cpu", self.in_host())):
+            for tier, keys in (("gpu", self.tiers.in_slots()), ("cpu", self.tiers.in_host())):
                 per = out[tier] = {}
                 for key in keys:
                     e = self.entries[key]
@@ -265,15 +269,12 @@ class Ledger(Generic[E]):
         with self._lock:
             self.budgets = budgets
 
-    def unpin(self, key: AdapterKey) -> None:
-        self.restore_pin(key, None)
-
     def restore_pin(self, key: AdapterKey, pinned: str | None) -> None:
         """Put back the pin an entry had (an operator call that failed undoes its own pins)."""
         with self._lock:
             if key in self.entries:
                 self.set_pin(key, pinned)
-        self.pins_changed()
+        self.on_pins_changed()
 
     def set_pin(self, key: AdapterKey, tier: str | None) -> None:
         self.entries[key].pinned = tier
@@ -281,9 +282,12 @@ class Ledger(Generic[E]):
             self.pins.pop(key, None)
         else:
             self.pins[key] = tier
-
-    def pins_changed(self) -> None:
-        """Called after the operator's pins changed (outside the lock)."""
+        for pinned_to, keys in self.pinned_to.items():
+            if tier == pinned_to:
+                keys.add(key)
+            else:
+                keys.discard(key)
+        self.pins_version += 1
 
     def evictable(self, key: AdapterKey) -> E | None:
         """The entry an operator's evict acts on (None: an adapter never seen); AdapterInFlight
@@ -330,7 +334,8 @@ class Ledger(Generic[E]):
 
     def forget_records(self, key: AdapterKey) -> E | None:
         """Drop every record of `key` (an unloaded adapter); its entry, if it had one."""
-        self.pins.pop(key, None)
+        if key in self.entries:
+            self.set_pin(key, None)
         self.demand.discard(key)
         return self.entries.pop(key, None)
 

@@ -45,8 +45,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     tiers = Counter(s.tier for s in seqs)
     total_bytes = sum(s.nbytes for s in seqs) or 1
     caches = [w.cache for w in sim.workers]
-    evictions = sum(c.num_evictions for c in caches)
-    reloads = sum(c.reloads_after_eviction for c in caches)
+    evictions = sum(c.ledger.num_evictions for c in caches)
+    reloads = sum(c.ledger.reloads_after_eviction for c in caches)
     h2d = sum(w.pool.copy_seconds for w in sim.workers)
     loads = sum(w.load_seconds for w in sim.workers)
     hot = (
@@ -138,7 +138,7 @@ def _tenant_figures(group: list[SimRequest], caches) -> dict:
     adapter = [s for s in group if s.ref is not None]
     m = len(adapter) or 1
     name = group[0].req.tenant if group else None
-    budget_waits = sum(c.budget_waits.get(name, 0) for c in caches)
+    budget_waits = sum(c.ledger.budget_waits.get(name, 0) for c in caches)
     return {
         "requests": len(group),
         "adapter_requests": len(adapter),

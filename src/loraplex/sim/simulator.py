@@ -1,8 +1,8 @@
 """Discrete-event simulation of workers running the real adapter cache, policies and router picker.
 
-Nothing of the cache is re-implemented: each simulated worker owns a real `AdapterCache` whose clock
-is the simulation's, whose slot pool records host-to-device copies instead of moving tensors, whose
-executor is this event loop (a load's future completes at its simulated finish time) and whose
+Nothing of the cache is re-implemented: each simulated worker owns a real `NativeResidency` whose
+clock is the simulation's, whose slot pool records host-to-device copies instead of moving tensors,
+whose executor is this event loop (a load's future completes at its simulated finish time) and whose
 loader models the disk and remote tiers by bandwidth and fixed latency. A worker's step is the
 engine's: the running requests decode one token each, then waiting requests are admitted by the
 scheduler's own rule (`loraplex.engines.native.admission.admit_waiting`), and a request holds its
@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from loraplex.engines.native.admission import Take, admit_waiting
-from loraplex.engines.native.cache import AdapterCache, Loaded
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
@@ -73,7 +73,7 @@ class Worker:
         self.url = f"worker-{index}"
         self.pool = SimPool(c.gpu_slots, c.costs.h2d)
         self.disk = SimDisk(c.disk_bytes)
-        self.cache = AdapterCache(
+        self.cache = NativeResidency(
             self.pool,
             lambda path: None,
             cpu_bytes=c.cpu_bytes,
@@ -164,9 +164,9 @@ class Worker:
         now = sim.now
         if self.loads_landed:  # the cache's poll can only take in loads that have ended
             self.loads_landed = 0
-            took = cache.num_loading()
+            took = len(cache.loading)
             cache.poll()
-            if cache.num_loading() != took:
+            if len(cache.loading) != took:
                 self._check_capacity()
         decodes = self.num_running
         budget = config.max_num_batched_tokens - decodes
@@ -191,10 +191,10 @@ class Worker:
         prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
         copies = self.pool.take_uncharged()
         if admitted:
-            self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.free_slots())
+            self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.tiers.free_slots())
         if not decodes and not admitted:
             self.busy = False
-            if self.waiting and not cache.num_loading() and not self.retry_scheduled:
+            if self.waiting and not len(cache.loading) and not self.retry_scheduled:
                 self.retry_scheduled = (
                     True  # nothing will wake it: look again shortly (as the engine loop does)
                 )
@@ -279,7 +279,7 @@ class Worker:
         """The adapter is loading, or in host memory while every slot is held by running requests
         (the cache would rank every adapter only to find no victim)."""
         cache = self.cache
-        if cache.in_slot(key):
+        if cache.tiers.in_slot(key):
             return False
         # Each running adapter holds one slot (and the simulator pins none).
         every_slot_held = len(self.running_adapters) == self.pool.num_slots
@@ -327,7 +327,7 @@ class Worker:
         self.sim.done(seq)
 
     def _check_capacity(self) -> None:
-        self.peak_cpu_bytes = max(self.peak_cpu_bytes, self.cache.cpu_bytes_used)
+        self.peak_cpu_bytes = max(self.peak_cpu_bytes, self.cache.tiers.cpu_bytes_used)
 
     def view(self) -> WorkerView:
         """What the router polls from the worker's /admin/state."""
@@ -337,11 +337,11 @@ class Worker:
             waiting=len(self.waiting),
             running=self.num_running,
             active_tokens=self.running_tokens,
-            recent_evictions=cache.num_recent_evictions(self.sim.now),
-            free_slots=cache.free_slots(),
-            gpu=frozenset(map(_label, cache.resident("gpu"))),
-            cpu=frozenset(map(_label, cache.resident("cpu"))),
-            loading=frozenset(map(_label, cache.loading_keys())),
+            recent_evictions=cache.ledger.num_recent_evictions(self.sim.now),
+            free_slots=cache.tiers.free_slots(),
+            gpu=frozenset(map(_label, cache.tiers.in_slots())),
+            cpu=frozenset(map(_label, cache.tiers.in_host())),
+            loading=frozenset(map(_label, list(cache.loading))),
         )
 
 

@@ -330,9 +330,9 @@ class VllmWorker:
             waiting=len(core.waiting),
             running=len(running),
             active_tokens=sum(r.seq.req.prompt_tokens + r.seq.req.output_tokens for r in running),
-            recent_evictions=cache.num_recent_evictions(self.loop.time()),
-            free_slots=cache.free_slots(),
-            gpu=frozenset(map(_label, cache.in_slots())),
-            cpu=frozenset(map(_label, cache.in_host())),
+            recent_evictions=cache.ledger.num_recent_evictions(self.loop.time()),
+            free_slots=cache.tables.free_slots(),
+            gpu=frozenset(map(_label, cache.tables.in_slots())),
+            cpu=frozenset(map(_label, cache.tables.in_host())),
             loading=frozenset(map(_label, cache.loading)),
         )

@@ -6,8 +6,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from loraplex.engines.native.block_manager import BlockManager
-from loraplex.engines.native.cache import AdapterCache, Loaded
 from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.engines.native.scheduler import Scheduler
 from loraplex.engines.native.sequence import SamplingParams, Sequence, Status
 from loraplex.residency.budgets import Budget, TenantBudgets
@@ -45,7 +45,7 @@ def ref(name: str, tenant: str) -> AdapterRef:
 
 def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_then_its_turn():
     now = [0.0]
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(),
         lambda files, hashed: None,
         cpu_bytes=2**30,
@@ -94,7 +94,7 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
 
 def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait():
     now = [0.0]
-    cache = AdapterCache(
+    cache = NativeResidency(
         Pool(),
         lambda files, hashed: None,
         cpu_bytes=2**30,
@@ -108,7 +108,7 @@ def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait
     assert cache.acquire(o) is None and cache.acquire(z) is None  # both load
     cache.poll()
     assert cache.acquire(z) is None  # online's request waits for a slot: zero leaves the free ones
-    assert cache.budget_waits == {"zero": 1} and cache.free_slots() == 2
+    assert cache.budget_waits == {"zero": 1} and cache.tiers.free_slots() == 2
     now[0] += cache.budgets.yield_s
     cache.mark_wanted(o.key, now[0])  # online's request still waiting (asking at each step)
     assert cache.acquire(z) is not None  # waited the bound: it takes a free slot

@@ -17,12 +17,12 @@ import torch
 from loraplex.artifacts import AllowList, digest_and_pieces
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.block_manager import BlockManager
-from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engines.native.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
+from loraplex.engines.native.residency import NativeResidency
 from loraplex.engines.native.runner import ModelRunner
 from loraplex.engines.native.sampler import Sampled, Sampler
 from loraplex.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -108,14 +108,14 @@ class LLMEngine(NativeFront):
         gc.collect()
         gc.freeze()
 
-    def _make_cache(self, policy) -> AdapterCache:
+    def _make_cache(self, policy) -> NativeResidency:
         """The adapter cache over the slot pool, from the engine configuration."""
         config = self.config
         disk = None
         if config.disk_cache_dir is not None:
             allowed = AllowList.parse(list(config.allowed_roots))
             disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
-        return AdapterCache(
+        return NativeResidency(
             self.pool,
             self._pack_adapter,
             cpu_bytes=config.cpu_cache_bytes,
@@ -408,7 +408,7 @@ class LLMEngine(NativeFront):
         resident copy can still serve (a prewarm reloading the host copy of an adapter in a slot,
         say)."""
         for key, error in failures:
-            if self.adapters.slot_of(key) is not None or key in self.adapters.cpu:
+            if self.adapters.tiers.slot_of(key) is not None or key in self.adapters.cpu:
                 continue
             for seq in [
                 s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key

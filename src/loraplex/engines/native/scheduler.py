@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.block_manager import BlockManager
-from loraplex.engines.native.cache import AdapterCache
 from loraplex.engines.native.config import EngineConfig
+from loraplex.engines.native.residency import NativeResidency
 from loraplex.engines.native.sequence import Sequence, Status
 
 
@@ -27,7 +27,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterCache):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: NativeResidency):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters
@@ -115,8 +115,8 @@ class Scheduler:
 
     def _in_turn(self) -> list[Sequence]:
         """The waiting requests in arrival order, those that their tenant's budget keeps waiting
-        after the others (for a bounded time: `AdapterCache.defers`), so that a slot that frees goes
-        to a tenant within budget."""
+        after the others (for a bounded time: `NativeResidency.defers`), so that a slot that frees
+        goes to a tenant within budget."""
         if not self.adapters.budget_waiting:
             return list(self.waiting)
         first, later = [], []

@@ -28,21 +28,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import ArtifactError, DigestMismatch
 from loraplex.engines.contract import AdapterResidency
-from loraplex.engines.vllm.residency_tables import (
-    HOST_BYTES_UNBOUNDED,
-    WARM_PIN_LOOK_S,
-    ResidencyTables,
-    Resident,
-    lora_int_id,
-)
 from loraplex.engines.vllm.slots import Backend, EngineBackend
 from loraplex.engines.vllm.staging import fingerprint, vllm_shape
+from loraplex.engines.vllm.tables import (
+    HOST_BYTES_UNBOUNDED,
+    WARM_PIN_LOOK_S,
+    Resident,
+    VllmTables,
+    lora_int_id,
+)
 from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import (
     AdapterUnavailable,
     ArtifactCorrupt,
@@ -50,6 +52,8 @@ from loraplex.residency.errors import (
 )
 from loraplex.residency.events import Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.ledger import Ledger
+from loraplex.residency.residency import Residency
 from loraplex.residency.warm import host_cache_restore, host_cache_victim
 
 if TYPE_CHECKING:
@@ -68,29 +72,73 @@ __all__ = [
 ]
 
 
-class VllmResidency(ResidencyTables, AdapterResidency):
-    """The adapter operations of the vLLM engine; the same calls as the native `AdapterCache` where
-    they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned, is_loading)."""
+class VllmResidency(Residency[Resident], AdapterResidency):
+    """The adapter operations of the vLLM engine; the same calls as the native `NativeResidency`
+    where they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned,
+    is_loading)."""
 
-    def __init__(self, backend: Backend, **tables):
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        disk: DiskTier | None = None,
+        policy=None,
+        budgets: TenantBudgets | None = None,
+        reserved_slots: int = 0,
+        scheduler_counts_pins: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """`backend`: what it runs over (`EngineBackend`: a vLLM engine and its staged copies; the
-        simulator's); `tables`: `ResidencyTables`' capacities, policy, budgets, disk tier and
-        clock."""
-        super().__init__(**tables)
-        self.staging = backend.staging(self.disk, self._in_use)
+        simulator's); `reserved_slots`, `scheduler_counts_pins`: `VllmTables`'."""
+        ledger: Ledger[Resident] = Ledger(
+            policy=policy,
+            budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
+            disk=disk,
+            clock=clock,
+        )
+        super().__init__(ledger)
+        self.tables = ledger.tiers = VllmTables(
+            ledger,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            reserved_slots=reserved_slots,
+            scheduler_counts_pins=scheduler_counts_pins,
+        )
+        self.staging = self.tables.staging = backend.staging(disk, self.tables.in_use)
         self.slots = backend.slots(self.staging)
+        ledger.on_pins_changed = lambda: self._schedule(self._follow_demand())
+        self.loading: dict[AdapterKey, asyncio.Future] = ledger.loading
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
+        self._room = asyncio.Event()  # set when a release may have made a victim available
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.slots.start()
+
+    def when_loaded(self, key: AdapterKey) -> Future:
+        """Done once no load of `key` is in progress, looked at on the server's loop after the calls
+        scheduled there before it (a prewarm's load starts on the loop)."""
+        if self.loop is None:  # not started: nothing loads
+            return self.ledger.when_loaded(key)
+
+        async def loaded() -> None:
+            await asyncio.wrap_future(self.ledger.when_loaded(key))
+
+        return asyncio.run_coroutine_threadsafe(loaded(), self.loop)
 
     # -- the request path (event loop) -------------------------------------------------------------
     def record_request(self, ref: AdapterRef) -> str:
         """Count one request's demand; the tier it finds its adapter in (also a hit or miss)."""
-        return self.count_request(ref, self._entry)
+        return self.ledger.count_request(ref, self.tables.entry)
 
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
         """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
         it first when needed. Raises AdapterUnavailable when its bytes cannot be had."""
         tenant = ref.tenant
         with self._lock:
-            entry = self._entry(ref)
+            entry = self.tables.entry(ref)
             entry.refcount += 1
             entry.last_access = self.clock()
             entry.restorable = True
@@ -99,7 +147,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         try:
             while not entry.in_vllm:
                 await self._load(ref)
-            self._host_waiting.discard(ref.key)
+            self.tables.host_waiting.discard(ref.key)
             await self._follow_demand()
             await self._wait_for_slot(entry, tenant)
         except BaseException:
@@ -110,7 +158,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             if not entry.active:
                 entry.busy.set(True, self.clock())
             entry.active += 1
-            self._running.add(ref.key)
+            self.tables.running.add(ref.key)
             entry.take_user(tenant)
         self._room.set()  # a request that yielded to this one may find a slot still free
         return self.slots.request(entry.ref.key, entry.lora_id)
@@ -125,22 +173,22 @@ class VllmResidency(ResidencyTables, AdapterResidency):
 
     async def _wait_for_slot(self, entry: Resident, tenant: str) -> None:
         """Until a request of `tenant` for `entry` may go to vLLM: as loads land and requests end, a
-        slot frees (`_has_slot`). A request outside the gpu warm set leaves a free slot to the set's
-        waiting adapters (`_yields_to_warm`); a tenant beyond its gpu budget leaves one to other
-        tenants' waiting requests for up to the budgets' `yield_s` (`_yields_slot`)."""
+        slot frees (`has_slot`). A request outside the gpu warm set leaves a free slot to the set's
+        waiting adapters (`yields_to_warm`); a tenant beyond its gpu budget leaves one to other
+        tenants' waiting requests for up to the budgets' `yield_s` (`yields_slot`)."""
         deferred_at = None
-        self._slot_waiting[tenant] = self._slot_waiting.get(tenant, 0) + 1
+        self.tables.slot_waiting[tenant] = self.tables.slot_waiting.get(tenant, 0) + 1
         try:
             while True:
-                if self._has_slot(entry) and not self._yields_to_warm(entry):
-                    if not self._yields_slot(entry, tenant, deferred_at):
+                if self.tables.has_slot(entry) and not self.tables.yields_to_warm(entry):
+                    if not self.tables.yields_slot(entry, tenant, deferred_at):
                         return
                     if deferred_at is None:
                         deferred_at = self.clock()
-                        self.count_budget_wait(tenant, entry.ref.key)
+                        self.ledger.count_budget_wait(tenant, entry.ref.key)
                 self._room.clear()
-                timeout = self._defer_left(deferred_at)
-                if self._vllm_pins.difference(self.pins) and not self._has_slot(entry):
+                timeout = self.tables.defer_left(deferred_at)
+                if self.tables.vllm_pins.difference(self.pins) and not self.tables.has_slot(entry):
                     # a warm pin whose adapter went idle goes (`_follow_demand`); its busy share
                     # falls with time, so look again soon
                     await self._follow_demand()
@@ -148,9 +196,9 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), timeout)
         finally:
-            self._slot_waiting[tenant] -= 1
-            if not self._slot_waiting[tenant]:
-                del self._slot_waiting[tenant]
+            self.tables.slot_waiting[tenant] -= 1
+            if not self.tables.slot_waiting[tenant]:
+                del self.tables.slot_waiting[tenant]
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
         """Drop a request's reference; `holder`: the tenant whose request vLLM ran (None: one that
@@ -160,16 +208,16 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             if holder is not None:
                 entry.active = max(0, entry.active - 1)
                 if not entry.active:
-                    self._running.discard(entry.ref.key)
+                    self.tables.running.discard(entry.ref.key)
                     entry.busy.set(False, self.clock())
                 entry.drop_user(holder)
             entry.last_access = self.clock()
             if not entry.refcount:
-                self.released(entry.ref.key)
+                self.ledger.released(entry.ref.key)
             # a pin no longer wanted goes once its adapter is idle
             unpin = entry.vllm_pinned and not entry.refcount
-            unpin = unpin and entry.ref.key not in self._pins_wanted
-            restore = not (entry.refcount or self._waits())
+            unpin = unpin and entry.ref.key not in self.tables.pins_wanted
+            restore = not (entry.refcount or self.tables.waits())
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
             if unpin:
@@ -185,36 +233,36 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
             others = [e for k, e in self.entries.items() if e.pinned and k != ref.key]
-            if tier == "gpu" and sum(e.pinned == "gpu" for e in others) + 1 > self.max_loras - 1:
+            if (
+                tier == "gpu"
+                and sum(e.pinned == "gpu" for e in others) + 1 > self.tables.max_loras - 1
+            ):
                 raise CapacityExceeded(
-                    f"cannot pin {ref.key} to gpu: one of {self.max_loras} slots must stay "
+                    f"cannot pin {ref.key} to gpu: one of {self.tables.max_loras} slots must stay "
                     "free for other adapters"
                 )
-            if len(others) + 1 > self.max_cpu_loras - 1:
+            if len(others) + 1 > self.tables.max_cpu_loras - 1:
                 raise CapacityExceeded(
-                    f"cannot pin {ref.key}: one of max_cpu_loras {self.max_cpu_loras} must "
+                    f"cannot pin {ref.key}: one of max_cpu_loras {self.tables.max_cpu_loras} must "
                     "stay free for loads"
                 )
-            self._entry(ref)
-            self.set_pin(ref.key, tier)
+            self.tables.entry(ref)
+            self.ledger.set_pin(ref.key, tier)
         self.prewarm(ref, tier)
-
-    def pins_changed(self) -> None:
-        self._schedule(self._follow_demand())
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
         """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and
         it is pinned)."""
         with self._lock:
-            self._entry(ref).last_access = self.clock()
+            self.tables.entry(ref).last_access = self.clock()
         self._schedule(self._prewarm(ref))
 
     def evict(self, key: AdapterKey) -> None:
         """Remove the adapter from vLLM now; refused while requests use it."""
         with self._lock:
-            if (entry := self.evictable(key)) is None:
+            if (entry := self.ledger.evictable(key)) is None:
                 return
-            self.set_pin(key, None)
+            self.ledger.set_pin(key, None)
             entry.restorable = False  # out until its next request
         self._schedule(self._remove(key))
 
@@ -222,12 +270,12 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         """Evict and drop every record of the key (an unloaded adapter)."""
         self.evict(key)
         with self._lock:
-            entry = self.forget_records(key)
+            entry = self.ledger.forget_records(key)
             if entry is not None:
-                self._ids.pop(entry.lora_id, None)
-            self._held.pop(key, None)
-            self._running.discard(key)
-            self._vllm_pins.discard(key)
+                self.tables.ids.pop(entry.lora_id, None)
+            self.tables.held.pop(key, None)
+            self.tables.running.discard(key)
+            self.tables.vllm_pins.discard(key)
 
     def close(self) -> None:
         self.staging.close()
@@ -238,8 +286,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     def set_budgets(self, budgets: TenantBudgets) -> None:
         """New budgets (from the registry): they apply from the next placement on; nothing is
         removed for them. Waiting requests look again."""
-        with self._lock:
-            self.budgets = budgets
+        self.ledger.set_budgets(budgets)
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
 
@@ -274,7 +321,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
     def _load_ended(self, key: AdapterKey) -> None:
         with self._lock:
             self.loading.pop(key, None)
-            self.load_ended(key)
+            self.ledger.load_ended(key)
 
     async def _stage_and_add(self, ref: AdapterRef) -> None:
         loop = asyncio.get_running_loop()
@@ -296,7 +343,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         entry.nbytes, entry.shape = nbytes, shape
         # A request that cannot run yet would hold its host copy while it waits for a slot: it
         # waits without one rather than push out an adapter of the gpu warm set for it.
-        while entry.refcount and not self._has_slot(entry) and not self._spare_room():
+        while entry.refcount and not self.tables.has_slot(entry) and not self.tables.spare_room():
             self._room.clear()
             await self._room.wait()
         start = time.perf_counter()
@@ -308,7 +355,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             # engine core runs the add before any request sent after it (one input queue), and the
             # requests need not wait for the answer's round trip. The answer still ends the add
             # (`_added`).
-            self._num_adding -= 1  # counted from here on as in vLLM
+            self.tables.num_adding -= 1  # counted from here on as in vLLM
             added.add_done_callback(lambda task: self._added(entry, task, counted=False))
         else:  # a first add may be refused (a module or rank vLLM cannot serve): wait for it
             try:  # awaited outside the lock: vLLM takes every add sent meanwhile between two steps
@@ -316,9 +363,9 @@ class VllmResidency(ResidencyTables, AdapterResidency):
             finally:
                 self._added(entry, added)
         with self._lock:
-            self._set_in_vllm(entry, True)
+            self.tables.set_in_vllm(entry, True)
             entry.loads += 1
-            self.count_load(entry, self.clock())
+            self.ledger.count_load(entry, self.clock())
         stages["activation"] = time.perf_counter() - start
         for stage, seconds in stages.items():
             self.on_event(LoadStage(stage, seconds, ref.key))
@@ -330,7 +377,7 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         async with lock:  # room made and the add sent in the order vLLM takes them
             if entry.in_vllm:
                 return None
-            while self._num_in_vllm() + self._num_adding >= self.max_cpu_loras:
+            while self.tables.num_in_vllm() + self.tables.num_adding >= self.tables.max_cpu_loras:
                 if await self._make_room(entry):
                     continue
                 self._room.clear()
@@ -339,17 +386,17 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                     await self._room.wait()
                 finally:
                     await lock.acquire()
-            self._num_adding += 1
+            self.tables.num_adding += 1
             entry.adding = True
             if entry.refcount:
-                self.host_loads.record("cpu", self.clock())
+                self.tables.host_loads.record("cpu", self.clock())
             return await self.slots.send(self.slots.add(entry.ref.key, entry.lora_id))
 
     def _added(self, entry: Resident, task: asyncio.Task, counted: bool = True) -> None:
         """The end of an add sent to vLLM (`counted`: still in `_num_adding`). A known adapter's
         add that failed takes it out of the bookkeeping: its requests fail in vLLM alone."""
         if counted:
-            self._num_adding -= 1
+            self.tables.num_adding -= 1
         entry.adding = False
         error = None if task.cancelled() else task.exception()
         failed = task.cancelled() or error is not None
@@ -357,33 +404,33 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         if error is not None:
             self.on_event(LoadFailed(entry.ref.key, "AdapterRejected", error))
         if failed and not counted:  # counted in vLLM already (`_stage_and_add`)
-            self._set_in_vllm(entry, False)
+            self.tables.set_in_vllm(entry, False)
         self._room.set()  # a refused add leaves its room to the loads that wait
 
     async def _make_room(self, incoming: Resident) -> bool:
         """Remove the policy's victim among the removable adapters that the load's tenant may push
-        out (`_host_budget_victims`); False when none can go now."""
+        out (`host_budget_victims`); False when none can go now."""
         now = self.clock()
         with self._lock:
             removable = [
                 k
-                for k, e in self._held.items()
+                for k, e in self.tables.held.items()
                 if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
             ]
             if removable and self.budgets.limits_anyone and not incoming.pinned:
-                removable = self._host_budget_victims(incoming, removable)
-                if not removable and incoming.ref.key not in self._host_waiting:
-                    self._host_waiting.add(incoming.ref.key)  # counted once per wait
-                    self.count_budget_wait(incoming.last_tenant, incoming.ref.key)
+                removable = self.tables.host_budget_victims(incoming, removable)
+                if not removable and incoming.ref.key not in self.tables.host_waiting:
+                    self.tables.host_waiting.add(incoming.ref.key)  # counted once per wait
+                    self.ledger.count_budget_wait(incoming.last_tenant, incoming.ref.key)
             pairs = [(k, self.entries[k]) for k in removable]
             incoming_pair = (incoming.ref.key, incoming)
-            gpu_warm = set(self._gpu_warm(now))
+            gpu_warm = set(self.tables.gpu_warm(now))
             victim = host_cache_victim(
                 self.policy, pairs, incoming_pair, self.demand, gpu_warm, now
             )
         if victim is None:
             return False
-        self._host_waiting.discard(incoming.ref.key)
+        self.tables.host_waiting.discard(incoming.ref.key)
         await self._remove(victim, locked=True)
         return True
 
@@ -396,18 +443,12 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         if entry is None or not entry.in_vllm or entry.refcount or entry.adding:
             return
         with self._lock:  # before the send yields: no request goes to vLLM with it from now
-            self._set_in_vllm(entry, False)
-            self.count_eviction(entry, self.clock())
+            self.tables.set_in_vllm(entry, False)
+            self.ledger.count_eviction(entry, self.clock())
         self.staging.unstage(key, entry.nbytes)
         removed = await self.slots.remove(entry.lora_id)
         removed.add_done_callback(_log_failure)
         self.on_event(Eviction("cpu"))
-
-    def _in_use(self, name: str) -> bool:
-        """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
-        share it)."""
-        with self._lock:
-            return any(self.staging.path(k).name == name for k in (*self._held, *self.loading))
 
     async def _restore_warm(self) -> None:
         """Add back to vLLM's host cache, ahead of its requests, an adapter of the cpu warm set that
@@ -417,14 +458,14 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         operator evicted waits for its next request."""
         now = self.clock()
         with self._lock:
-            if self._waits():
+            if self.tables.waits():
                 return
-            cpu_warm = [k for k in self._cpu_warm(now) if self.entries[k].restorable]
+            cpu_warm = [k for k in self.tables.cpu_warm(now) if self.entries[k].restorable]
             if all(self.entries[k].in_vllm for k in cpu_warm):
                 return  # the usual case
             removable = [
                 (k, e)
-                for k, e in self._held.items()
+                for k, e in self.tables.held.items()
                 if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
             ]
             choice = host_cache_restore(
@@ -432,21 +473,21 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                 self.demand,
                 now,
                 cpu_warm,
-                self._held,
-                self.max_cpu_loras,
+                self.tables.held,
+                self.tables.max_cpu_loras,
                 removable,
                 self.entries,
-                set(self._gpu_warm(now)),
-                self.host_loads.short("cpu", now),
+                set(self.tables.gpu_warm(now)),
+                self.tables.host_loads.short("cpu", now),
             )
             if choice is not None and self.budgets.limits_anyone:
                 chosen = self.entries[choice[0]]
                 mine = [choice[1]] if choice[1] is not None else []
                 if choice[1] is None and self.budgets.is_over(
-                    chosen.last_tenant, "cpu", self._host_usage(), max(chosen.nbytes, 1)
+                    chosen.last_tenant, "cpu", self.tables.host_usage(), max(chosen.nbytes, 1)
                 ):
                     choice = None
-                elif mine and not self._host_budget_victims(chosen, mine):
+                elif mine and not self.tables.host_budget_victims(chosen, mine):
                     choice = None
         if choice is None:
             return
@@ -454,24 +495,24 @@ class VllmResidency(ResidencyTables, AdapterResidency):
         if victim is not None:
             await self._remove(victim)
         entry = self.entries.get(key)
-        if entry is not None and not entry.in_vllm and not self._waits():
+        if entry is not None and not entry.in_vllm and not self.tables.waits():
             await self._load(entry.ref)
 
     async def _follow_demand(self) -> None:
-        """Pin in vLLM's device slots what `_pins_to_hold` gives, and unpin what it no longer gives
+        """Pin in vLLM's device slots what `pins_to_hold` gives, and unpin what it no longer gives
         once idle: vLLM has no unpin, so the adapter is removed and added again, from its staged
-        copy. An adapter that `_may_pin` refuses now is pinned by a later call (every request,
+        copy. An adapter that `may_pin` refuses now is pinned by a later call (every request,
         pin and prewarm makes one)."""
         with self._lock:
-            wanted = self._pins_to_hold(self.clock())
-            self._pins_wanted = set(wanted)
+            wanted = self.tables.pins_to_hold(self.clock())
+            self.tables.pins_wanted = set(wanted)
             to_pin = [
                 k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
             ]
             to_unpin = [
                 k
-                for k in self._vllm_pins
-                if k not in self._pins_wanted and not self.entries[k].refcount
+                for k in self.tables.vllm_pins
+                if k not in self.tables.pins_wanted and not self.entries[k].refcount
             ]
         if not (to_pin or to_unpin):
             return
@@ -482,27 +523,27 @@ class VllmResidency(ResidencyTables, AdapterResidency):
                     entry = self.entries.get(key)
                     if entry is None or entry.refcount or not entry.vllm_pinned:
                         continue
-                    if key in self._pins_wanted:
+                    if key in self.tables.pins_wanted:
                         continue
-                    self._set_in_vllm(entry, False)
+                    self.tables.set_in_vllm(entry, False)
                 # a copy changed since it was verified waits for the next load, which stages again
                 if await self.slots.add_again(key, entry.lora_id):
-                    self._set_in_vllm(entry, True)
+                    self.tables.set_in_vllm(entry, True)
                 self._room.set()
             for key in to_pin:
-                with self._lock:  # counted as pinned from here (`_has_slot`), before the send
+                with self._lock:  # counted as pinned from here (`has_slot`), before the send
                     entry = self.entries.get(key)
                     if entry is None or not entry.in_vllm or entry.vllm_pinned:
                         continue
-                    if key not in self._pins_wanted or not self._may_pin(entry):
+                    if key not in self.tables.pins_wanted or not self.tables.may_pin(entry):
                         continue
-                    self._set_vllm_pinned(entry, True)
+                    self.tables.set_vllm_pinned(entry, True)
                 pinned = False
                 try:
                     pinned = await self.slots.pin(entry.lora_id)
                 finally:
                     if not pinned:
-                        self._set_vllm_pinned(entry, False)
+                        self.tables.set_vllm_pinned(entry, False)
                         self._room.set()
 
 

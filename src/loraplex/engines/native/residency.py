@@ -1,49 +1,44 @@
-"""The native mechanism: gpu slots over host copies over the disk cache over the remote store.
+"""The native engine's residency: gpu slots over host copies over the disk cache over the remote
+store.
 
-Which adapter goes where is `loraplex.residency.placement`'s to decide; the cache describes what it
-holds (`snapshot`), asks, and carries out the decisions: it moves bytes, keeps the bookkeeping of
-entries, waiting requests and measured costs, and reports events for the metrics.
+Which adapter goes where is `loraplex.residency.placement`'s to decide; the residency describes what
+it holds (`snapshot`), asks, and carries out the decisions: it moves bytes (`slots.NativeSlots`),
+keeps the bookkeeping of entries (the shared ledger), waiting requests and measured costs, and
+reports events for the metrics.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
-from loraplex.engines.contract import AdapterResidency
-from loraplex.engines.native.cache_tables import (
-    CacheTables,
-    Entry,
-    HostCopy,
-    Loaded,
-    SlotPool,
-)
-from loraplex.residency.errors import (
-    AdapterUnavailable,
-    ArtifactCorrupt,
-    CapacityExceeded,
-)
+from loraplex.engines.native.slots import HostCopy, Loaded, NativeSlots, SlotPool, load_adapter
+from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.disk import DiskTier
+from loraplex.residency.errors import CapacityExceeded
 from loraplex.residency.events import Eviction, LoadFailed, LoadStage, PinRefused
 from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.ledger import THRASH_WINDOW_S, Entry, Ledger
 from loraplex.residency.placement import (
     WANTED_FOR_S,
     Activate,
     Decision,
     Evict,
     Load,
+    Placement,
     Snapshot,
     Wait,
 )
+from loraplex.residency.policy import DemandTracker
+from loraplex.residency.residency import Residency
 
-__all__ = ["WANTED_FOR_S", "AdapterCache", "Entry", "HostCopy", "Loaded", "SlotPool"]
-
-RATE_SMOOTHING = 0.2  # weight of the newest load in each stage's measured seconds per byte
+__all__ = ["WANTED_FOR_S", "Entry", "HostCopy", "Loaded", "NativeResidency", "SlotPool"]
 
 
-class AdapterCache(CacheTables, AdapterResidency):
+class NativeResidency(Residency[Entry]):
     """Only the engine's step thread calls acquire/release/poll; admin calls and reads may come
     from any thread.
 
@@ -57,18 +52,86 @@ class AdapterCache(CacheTables, AdapterResidency):
         # see read_artifact's `use`
         pack: Callable[[dict[str, memoryview], Callable[[str, int], None]], object],
         *,
+        cpu_bytes: int,
+        max_cpu_loras: int | None = None,
+        disk: DiskTier | None = None,
+        policy=None,
+        budgets: TenantBudgets | None = None,
+        max_gpu_warm: int | None = None,
+        thrash_window_s: float = THRASH_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
         load_threads: int = 2,
         executor: Executor | None = None,
         loader: Callable[[AdapterRef], Loaded] | None = None,
-        **tables,
     ):
-        """`tables`: `CacheTables`' capacities, policy, budgets, disk tier and clock."""
-        super().__init__(pool, **tables)
-        self._pack = pack
-        # A simulator passes its own executor and loader, to run loads on its simulated clock.
-        self._loader = loader or self._load
+        """A simulator passes its own executor and loader, to run loads on its simulated clock."""
+        ledger: Ledger[Entry] = Ledger(
+            policy=policy,
+            budgets=budgets or TenantBudgets(pool.num_slots, cpu_bytes),
+            disk=disk,
+            thrash_window_s=thrash_window_s,
+            clock=clock,
+        )
+        super().__init__(ledger)
+        self.tiers = ledger.tiers = NativeSlots(pool, cpu_bytes, max_cpu_loras)
+        self.tiers.warm_sets = lambda now: _warm_sets(self.placement, self.snapshot(), now)
+        self.pool, self.cpu_bytes, self.max_cpu_loras = pool, cpu_bytes, max_cpu_loras
+        self.slots, self.cpu = self.tiers.slots, self.tiers.cpu
+        self.seconds_per_byte = self.tiers.seconds_per_byte
+        self.budget_waits = ledger.budget_waits
+        # the size of the gpu warm set
+        self.max_gpu_warm = max_gpu_warm if max_gpu_warm is not None else pool.num_slots
+        self.placement = Placement()
+        self.loading: dict[AdapterKey, Future] = ledger.loading
+        # slot activations per adapter: what its host copy served
+        self.activations = DemandTracker(ranked=False)
+        # one key, "gpu": activations that requests asked for
+        self.slot_loads = DemandTracker(ranked=False)
+        # keys a waiting request asked for and has not got yet -> when it last asked
+        self._wanted: dict[AdapterKey, float] = {}
+        self._nbytes_version = 0  # moves when an entry's bytes change (the cpu warm set uses them)
+        # when a key's waiting requests first asked
+        self._waiting_since: dict[AdapterKey, float] = {}
+        # key -> (tenant, since): waiting requests that their tenant's budget holds back
+        self.budget_waiting: dict[AdapterKey, tuple[str, float]] = {}
+        # requests waiting for admission, per adapter (add_waiting / drop_waiting)
+        self.num_waiting: dict[AdapterKey, int] = {}
+        # moves when loads or wanted keys change (with the host copies' and the pins' versions)
+        self._copies_version = 0
+        self._loader = loader or functools.partial(
+            load_adapter, pack=pack, disk=disk, on_event=lambda event: self.on_event(event)
+        )
         self._executor = executor or ThreadPoolExecutor(
             load_threads, thread_name_prefix="lora-load"
+        )
+
+    def snapshot(self) -> Snapshot:
+        """What placement reads: this residency's tables as they are now (read, never changed)."""
+        ledger, tiers = self.ledger, self.tiers
+        return Snapshot(
+            self.entries,
+            self.slots,
+            self.cpu,
+            tiers.cpu_bytes_used,
+            self.loading,
+            self.disk.has if self.disk is not None else None,
+            self._wanted,
+            self._waiting_since,
+            self.budget_waiting,
+            self.num_waiting,
+            ledger.pinned_to["gpu"],
+            ledger.pinned_to["cpu"],
+            self.demand,
+            self.activations,
+            self.slot_loads,
+            self.seconds_per_byte,
+            self.cpu_bytes,
+            self.max_cpu_loras,
+            self.max_gpu_warm,
+            self.policy,
+            ledger.budgets,
+            self._copies_version + tiers.version + ledger.pins_version,
+            self._nbytes_version,
         )
 
     # -- the step loop's calls -------------------------------------------------------------------
@@ -79,7 +142,7 @@ class AdapterCache(CacheTables, AdapterResidency):
             key, now, tenant = ref.key, self.clock(), ref.tenant
             entry = self.entries.setdefault(key, Entry(ref))
             entry.last_access = now
-            slot = self.slot_of(key)
+            slot = self.tiers.slot_of(key)
             if slot is None:
                 decisions = self.placement.admit(self.snapshot(), key, tenant, now)
                 slot = self._carry_out(decisions, now, ref)
@@ -100,7 +163,7 @@ class AdapterCache(CacheTables, AdapterResidency):
     def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
         """Count one request's demand and report the tier it finds its adapter in (as a hit or miss
         event too, when `counted`)."""
-        return self.count_request(ref, Entry, counted)
+        return self.ledger.count_request(ref, Entry, counted)
 
     def mark_wanted(self, key: AdapterKey, now: float) -> None:
         """A waiting request asked for `key` and did not get a slot (acquire; a simulator that skips
@@ -145,13 +208,19 @@ class AdapterCache(CacheTables, AdapterResidency):
             assert entry.refcount > 0, f"release of {key} without a reference"
             entry.refcount -= 1
             entry.drop_user(tenant)
-            if entry.refcount == 0:
-                self.released(key)
-            if entry.refcount == 0 and self._gpu_pins:
+            if entry.refcount:
+                return
+            self.ledger.released(key)
+            if self.ledger.pinned_to["gpu"]:
                 self._restore(self.placement.restore_pinned, self.clock())
-            if entry.refcount == 0 and getattr(self.policy, "restores_gpu_warm", False):
+            if getattr(self.policy, "restores_gpu_warm", False):
                 now = self.clock()
-                self._forget_stale_asks(now)
+                # drop the asks of waiting requests that went away (none asked in WANTED_FOR_S)
+                for stale, asked in list(self._wanted.items()):
+                    if now - asked > WANTED_FOR_S:
+                        del self._wanted[stale]
+                        self._copies_version += 1
+                        self._waiting_since.pop(stale, None)
                 self._restore(self.placement.restore_warm, now)
 
     def poll(self) -> list[tuple[AdapterKey, BaseException]]:
@@ -166,43 +235,46 @@ class AdapterCache(CacheTables, AdapterResidency):
                 ended.append(key)
                 self._copies_version += 1
                 error = future.exception()
-                if error is not None:
-                    if key in self.entries:  # a later load, for whatever reason, is not it
-                        self.entries[key].prewarm_gpu = False
-                    failed.append((key, error))
-                    self.on_event(LoadFailed(key, type(error).__name__, error))
+                if error is None:
+                    self._take_in(key, future.result())
                     continue
-                loaded: Loaded = future.result()
-                entry = self.entries.get(key)
-                if entry is None:
-                    continue  # forgotten while it loaded: the result is dropped
-                entry.nbytes = loaded.packed.nbytes
-                self._nbytes_version += 1
-                entry.loads += 1
-                entry.load_seconds = sum(loaded.stages.values())
-                for stage, seconds in loaded.stages.items():
-                    self._measure(stage, seconds, entry.nbytes)
-                # load first, then evict: a failed load never evicted anything
-                self._put_cpu(key, loaded.packed)
-                if entry.pinned == "cpu" and not self.placement.cpu_pins_fit(self.snapshot()):
-                    # Pinned before its bytes were known: kept as an ordinary host copy rather than
-                    # overfill the tier.
-                    self.set_pin(key, None)
-                    refusal = (
-                        f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters "
-                        f"would exceed cpu_cache_bytes ({self.cpu_bytes}); it stays cached, "
-                        "unpinned"
-                    )
-                    self.on_event(PinRefused(key, "cpu", refusal))
-                now = self.clock()
-                self._carry_out(self.placement.shrink_host(self.snapshot(), key, now), now)
-                if entry.prewarm_gpu and key in self.cpu and self.slot_of(key) is None:
-                    now = self.clock()
-                    self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
-                entry.prewarm_gpu = False
+                if key in self.entries:  # a later load, for whatever reason, is not it
+                    self.entries[key].prewarm_gpu = False
+                failed.append((key, error))
+                self.on_event(LoadFailed(key, type(error).__name__, error))
             for key in ended:
-                self.load_ended(key)
+                self.ledger.load_ended(key)
         return failed
+
+    def _take_in(self, key: AdapterKey, loaded: Loaded) -> None:
+        """A finished load's host copy joins the cpu tier (and a slot, for a gpu prewarm)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return  # forgotten while it loaded: the result is dropped
+        entry.nbytes = loaded.packed.nbytes
+        self._nbytes_version += 1
+        entry.loads += 1
+        entry.load_seconds = sum(loaded.stages.values())
+        for stage, seconds in loaded.stages.items():
+            self.tiers.measure(stage, seconds, entry.nbytes)
+        # load first, then evict: a failed load never evicted anything
+        self.tiers.put_cpu(key, loaded.packed)
+        entry.in_host_since = self.clock()
+        if entry.pinned == "cpu" and not self.placement.cpu_pins_fit(self.snapshot()):
+            # Pinned before its bytes were known: kept as an ordinary host copy rather than
+            # overfill the tier.
+            self.ledger.set_pin(key, None)
+            refusal = (
+                f"cannot pin {key} to cpu: with its {entry.nbytes} bytes, pinned adapters would "
+                f"exceed cpu_cache_bytes ({self.cpu_bytes}); it stays cached, unpinned"
+            )
+            self.on_event(PinRefused(key, "cpu", refusal))
+        now = self.clock()
+        self._carry_out(self.placement.shrink_host(self.snapshot(), key, now), now)
+        if entry.prewarm_gpu and key in self.cpu and self.tiers.slot_of(key) is None:
+            now = self.clock()
+            self._carry_out(self.placement.activate(self.snapshot(), key, now, None), now)
+        entry.prewarm_gpu = False
 
     def drain(self, timeout: float = 60.0) -> list[tuple[AdapterKey, BaseException]]:
         """Wait for every load in progress and take it in (prewarm, tests, shutdown)."""
@@ -225,7 +297,7 @@ class AdapterCache(CacheTables, AdapterResidency):
             refusal = self.placement.pin_refusal(self.snapshot(), ref.key, tier)
             if refusal is not None:
                 raise CapacityExceeded(refusal)
-            self.set_pin(ref.key, tier)
+            self.ledger.set_pin(ref.key, tier)
         self.prewarm(ref, tier)
 
     def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
@@ -236,7 +308,7 @@ class AdapterCache(CacheTables, AdapterResidency):
             if tier == "gpu":
                 entry.prewarm_gpu = True
             if ref.key in self.cpu:
-                if tier == "gpu" and self.slot_of(ref.key) is None:
+                if tier == "gpu" and self.tiers.slot_of(ref.key) is None:
                     # no slot free or freeable: it stays in cpu
                     now = self.clock()
                     decisions = self.placement.activate(self.snapshot(), ref.key, now, None)
@@ -248,13 +320,13 @@ class AdapterCache(CacheTables, AdapterResidency):
     def evict(self, key: AdapterKey) -> None:
         """Drop the adapter from gpu and cpu now; refused while requests use it."""
         with self._lock:
-            if (entry := self.evictable(key)) is None:
+            if (entry := self.ledger.evictable(key)) is None:
                 return
-            slot = self.slot_of(key)
+            slot = self.tiers.slot_of(key)
             if slot is not None:
                 self._clear(slot, self.clock())
-            self._drop_cpu(key)
-            self.set_pin(key, None)
+            self.tiers.drop_cpu(key)
+            self.ledger.set_pin(key, None)
             entry.prewarm_gpu = False  # a load in progress still lands in cpu, not in a slot
 
     def forget(self, key: AdapterKey) -> None:
@@ -262,7 +334,7 @@ class AdapterCache(CacheTables, AdapterResidency):
         must not take the adapter between the two."""
         with self._lock:
             self.evict(key)
-            self.forget_records(key)
+            self.ledger.forget_records(key)
             self._wanted.pop(key, None)
             self._waiting_since.pop(key, None)
             self.budget_waiting.pop(key, None)
@@ -270,53 +342,21 @@ class AdapterCache(CacheTables, AdapterResidency):
             self._copies_version += 1
             self.activations.discard(key)
 
+    def defers(self, ref: AdapterRef) -> bool:
+        """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
+        tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
+        return self.placement.defers(self.snapshot(), ref, self.clock())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
+
     # -- internals -------------------------------------------------------------------------------
     def _start_load(self, ref: AdapterRef) -> None:
         if ref.key not in self.loading:
             self.loading[ref.key] = self._executor.submit(self._loader, ref)
             self._copies_version += 1
-
-    def _load(self, ref: AdapterRef) -> Loaded:
-        """Worker thread: bytes from disk or the remote store, digest checked, packed into a host
-        buffer."""
-        stages = {}
-        try:
-            if ref.path is not None:
-                start = time.perf_counter()
-                # one read; packed while the digest check runs, kept only if it matches
-                packed = read_artifact(
-                    ref.path, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces
-                )
-                stages["disk"] = time.perf_counter() - start
-                source = "disk"
-            elif self.disk is not None and ref.storage_uri:
-                start = time.perf_counter()
-                packed, download_s = self.disk.read(
-                    ref.storage_uri, ref.key.adapter_digest, use=self._pack, pieces=ref.pieces
-                )
-                stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
-                if download_s is not None:
-                    stages["download"] = download_s
-                source = "disk" if download_s is None else "remote"
-            else:
-                raise AdapterUnavailable(
-                    f"adapter {ref.key}: no local path and no storage URI to load it from"
-                )
-        except AdapterUnavailable:
-            raise
-        except DigestMismatch as exc:
-            raise ArtifactCorrupt(
-                f"adapter {ref.key}: {exc}",
-                f"adapter {ref.key} failed its digest check and is not served",
-            ) from exc
-        except (ArtifactError, OSError, ValueError) as exc:
-            raise AdapterUnavailable(
-                f"adapter {ref.key} could not be loaded: {exc}",
-                f"adapter {ref.key} could not be loaded; try again later",
-            ) from exc
-        for stage, seconds in stages.items():
-            self.on_event(LoadStage(stage, seconds, ref.key))
-        return Loaded(packed, source, stages)
 
     def _carry_out(
         self, decisions: Sequence[Decision], now: float, ref: AdapterRef | None = None
@@ -329,7 +369,7 @@ class AdapterCache(CacheTables, AdapterResidency):
                 case Evict(key, "gpu"):
                     self._clear(self.slots.index(key), now)
                 case Evict(key, _):
-                    self._drop_cpu(key)
+                    self.tiers.drop_cpu(key)
                     self.on_event(Eviction("cpu"))
                 case Activate(key, into, restored):
                     slot = self._activate(key, into, now)
@@ -338,7 +378,11 @@ class AdapterCache(CacheTables, AdapterResidency):
                     self.entries[key].last_tenant = tenant  # its host copy counts for the asker
                     self._start_load(ref if ref is not None else self.entries[key].ref)
                 case Wait(key, _, tenant):
-                    self._wait_for_budget(key, tenant, now)
+                    # a request of `tenant` waits because of its budget: counted once per wait
+                    asked = self._wanted.get(key, -math.inf)
+                    if key not in self.budget_waiting or now - asked > WANTED_FOR_S:
+                        self.budget_waiting[key] = (tenant, now)
+                        self.ledger.count_budget_wait(tenant, key)
         return slot
 
     def _restore(self, rule: Callable[[Snapshot, float], list[Decision]], now: float) -> None:
@@ -346,71 +390,25 @@ class AdapterCache(CacheTables, AdapterResidency):
         while decisions := rule(self.snapshot(), now):
             self._carry_out(decisions, now)
 
-    def _forget_stale_asks(self, now: float) -> None:
-        """Drop the asks of waiting requests that went away (none asked again in WANTED_FOR_S)."""
-        for key, asked in list(self._wanted.items()):
-            if now - asked > WANTED_FOR_S:
-                del self._wanted[key]
-                self._copies_version += 1
-                self._waiting_since.pop(key, None)
-
     def _activate(self, key: AdapterKey, slot: int, now: float) -> int:
         """Copy the host copy into `slot`, which is free."""
         entry = self.entries[key]
         start = time.perf_counter()
-        modeled = self.pool.set_slot(slot, self.cpu[key])
-        seconds = time.perf_counter() - start if modeled is None else modeled
-        self._measure("h2d", seconds, entry.nbytes)
+        seconds = self.tiers.fill(key, slot)
+        self.tiers.measure("h2d", seconds, entry.nbytes)
         self.on_event(LoadStage("h2d", seconds, key))
-        self.slots[slot] = key
-        self.count_load(entry, now)
+        self.ledger.count_load(entry, now)
         self.activations.record(key, now)
         self.on_event(LoadStage("activation", time.perf_counter() - start, key))
         return slot
 
-    # -- budgets (placement applies the rule; the ledger counts) ---------------------------------
-    def defers(self, ref: AdapterRef) -> bool:
-        """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
-        tenant's budget keeps it waiting, for at most the budgets' `yield_s`."""
-        return self.placement.defers(self.snapshot(), ref, self.clock())
-
-    def _wait_for_budget(self, key: AdapterKey, tenant: str, now: float) -> None:
-        """A request of `tenant` for `key` waits because of its budget: counted once per wait."""
-        if key in self.budget_waiting and now - self._wanted.get(key, -math.inf) <= WANTED_FOR_S:
-            return  # the same wait, asked again at this step
-        self.budget_waiting[key] = (tenant, now)
-        self.count_budget_wait(tenant, key)
-
     def _clear(self, slot: int, now: float) -> None:
-        key = self.slots[slot]
-        assert key is not None, f"clear of the empty slot {slot}"
-        self.pool.clear_slot(slot)
-        self.slots[slot] = None
-        self.count_eviction(self.entries[key], now)
+        key = self.tiers.clear(slot)
+        self.ledger.count_eviction(self.entries[key], now)
         self.on_event(Eviction("gpu"))
 
-    def _put_cpu(self, key: AdapterKey, packed: HostCopy) -> None:
-        self._drop_cpu(key)
-        self.cpu[key] = packed
-        self.cpu_bytes_used += packed.nbytes
-        self._copies_version += 1
-        if key in self.entries:
-            self.entries[key].in_host_since = self.clock()
 
-    def _drop_cpu(self, key: AdapterKey) -> None:
-        if key in self.cpu:
-            self.cpu_bytes_used -= self.cpu.pop(key).nbytes
-            self._copies_version += 1
-
-    def _measure(self, stage: str, seconds: float, nbytes: int) -> None:
-        if nbytes > 0:
-            old = self.seconds_per_byte.get(stage)
-            new = seconds / nbytes
-            self.seconds_per_byte[stage] = (
-                new if old is None else old + RATE_SMOOTHING * (new - old)
-            )
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.disk is not None:
-            self.disk.close()
+def _warm_sets(
+    placement: Placement, snap: Snapshot, now: float
+) -> tuple[set[AdapterKey], set[AdapterKey]]:
+    return placement.gpu_warm(snap, now), placement.cpu_warm(snap, now)

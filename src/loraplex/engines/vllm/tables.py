@@ -1,21 +1,16 @@
-"""The vLLM residency's tables: which adapters loraplex tracks on vLLM, what vLLM holds of them,
-who waits, and the reads and counts over them (any thread, under `_lock`). The mechanism that calls
-vLLM is `residency.VllmResidency`."""
+"""The vLLM residency's tables: what vLLM holds of the adapters loraplex tracks, who waits, and the
+rules over them (any thread, under the ledger's lock): whether a request may go to vLLM now, what to
+pin, what may leave vLLM's host cache. The mechanism that calls vLLM is `residency.VllmResidency`;
+the records are the shared ledger's (`loraplex.residency.ledger`)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import sys
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from loraplex.engines.vllm.slots import VllmSlots
 from loraplex.engines.vllm.staging import Staging
-from loraplex.residency.budgets import TenantBudgets, usage
-from loraplex.residency.disk import DiskTier
+from loraplex.residency.budgets import usage
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Entry, Ledger
@@ -66,31 +61,24 @@ class Resident(Entry):
         return self.in_vllm and (self.vllm_pinned or self.active > 0)
 
 
-class ResidencyTables(Ledger[Resident]):
-    """The tables, the reads the server, the admin API and the metrics make, and the counts and
-    warm sets the mechanism decides by."""
-
-    staging: Staging  # set by the engine's residency, after the tables
-    slots: VllmSlots  # likewise
+class VllmTables:
+    """What vLLM holds of the adapters and who waits (the residency's `Tiers`), and the rules the
+    residency decides by: whether a request may go to vLLM, what to pin, what the host cache takes.
+    The records are the ledger's."""
 
     def __init__(
         self,
+        ledger: Ledger[Resident],
         *,
         max_loras: int,
         max_cpu_loras: int,
-        disk: DiskTier | None = None,
-        policy=None,
-        budgets: TenantBudgets | None = None,
         reserved_slots: int = 0,
         scheduler_counts_pins: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ):
-        super().__init__(
-            policy=policy,
-            budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
-            disk=disk,
-            clock=clock,
-        )
+        self.ledger = ledger
+        self.staging: Staging  # set by the residency, whose backend makes it over `in_use`
+        self.entries, self.pins, self.demand = ledger.entries, ledger.pins, ledger.demand
+        self.loading, self._lock = ledger.loading, ledger._lock
         self.max_loras = max_loras
         # vLLM's slots pinned outside this table (the zero adapter)
         self.reserved_slots = reserved_slots
@@ -98,29 +86,22 @@ class ResidencyTables(Ledger[Resident]):
         # vLLM's scheduler leaves out of a batch's budget the slots that pinned adapters outside
         # it hold (loraplex's plugin, `patches.py`), so pins hold no request back here
         self.scheduler_counts_pins = scheduler_counts_pins
-        # adapters handed to vLLM beyond its slots while none is pinned (`_unpinned_room`): up to
+        # adapters handed to vLLM beyond its slots while none is pinned (`unpinned_room`): up to
         # half the slots, within half the host cache's places beyond the slots (the others take
         # the loads meanwhile)
         self.queue_ahead = min(max_loras, max(0, max_cpu_loras - max_loras)) // 2
-        self._slot_waiting: dict[str, int] = {}  # per tenant, its requests waiting for a slot
-        self._host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
+        self.slot_waiting: dict[str, int] = {}  # per tenant, its requests waiting for a slot
+        self.host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
         # Indexes of `entries` that the request path reads instead of a pass over every adapter:
         # those in vLLM's host cache, those with requests handed to vLLM, those pinned in vLLM, and
-        # the last `_pins_to_hold`.
-        self._held: dict[AdapterKey, Resident] = {}
-        self._running: set[AdapterKey] = set()
-        self._vllm_pins: set[AdapterKey] = set()
-        self._pins_wanted: set[AdapterKey] = set()
-        self.loading: dict[AdapterKey, asyncio.Future] = {}
+        # the last `pins_to_hold`.
+        self.held: dict[AdapterKey, Resident] = {}
+        self.running: set[AdapterKey] = set()
+        self.vllm_pins: set[AdapterKey] = set()
+        self.pins_wanted: set[AdapterKey] = set()
         self.host_loads = DemandTracker(ranked=False)  # one key, "cpu": adds that requests caused
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
-        self._room = asyncio.Event()  # set when a release may have made a victim available
-        self._ids: dict[int, AdapterKey] = {}
-        self._num_adding = 0  # adds sent to vLLM whose answer has not come
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.slots.start()
+        self.ids: dict[int, AdapterKey] = {}
+        self.num_adding = 0  # adds sent to vLLM whose answer has not come
 
     # -- what the ledger reads (vLLM's tiers) ------------------------------------------------------
     def in_slot(self, key: AdapterKey) -> bool:
@@ -132,10 +113,10 @@ class ResidencyTables(Ledger[Resident]):
         return entry is not None and entry.in_vllm
 
     def in_slots(self) -> list[AdapterKey]:
-        return [k for k, e in self._held.items() if e.in_slot]
+        return [k for k, e in self.held.items() if e.in_slot]
 
     def in_host(self) -> list[AdapterKey]:
-        return list(self._held)
+        return list(self.held)
 
     @property
     def num_slots(self) -> int:
@@ -145,107 +126,99 @@ class ResidencyTables(Ledger[Resident]):
         return max(0, self.max_loras - len(self.in_slots()))
 
     def warm_sets(self, now: float) -> tuple[set[AdapterKey], set[AdapterKey]]:
-        return set(self._gpu_warm(now)), set(self._cpu_warm(now))
+        return set(self.gpu_warm(now)), set(self.cpu_warm(now))
 
     def adapter_row(self, entry: Resident, row: dict) -> dict:
         return {**row, "lora_int_id": entry.lora_id}
 
     def host_figures(self) -> dict:
         return {
-            "cpu_bytes_used": sum(e.nbytes for e in self._held.values()),
-            "cpu_loras_used": len(self._held),
+            "cpu_bytes_used": sum(e.nbytes for e in self.held.values()),
+            "cpu_loras_used": len(self.held),
             "cpu_loras_capacity": self.max_cpu_loras,
         }
 
     def staged(self, key: AdapterKey) -> bool:
         return self.staging.has(key)
 
-    def when_loaded(self, key: AdapterKey) -> Future:
-        """Done once no load of `key` is in progress, looked at on the server's loop after the calls
-        scheduled there before it (a prewarm's load starts on the loop)."""
-        if self.loop is None:  # not started: nothing loads
-            return super().when_loaded(key)
-        return asyncio.run_coroutine_threadsafe(self._loaded(key), self.loop)
-
-    async def _loaded(self, key: AdapterKey) -> None:
-        await asyncio.wrap_future(super().when_loaded(key))
-
-    def _slot_usage(self) -> dict[str, int]:
+    def slot_usage(self) -> dict[str, int]:
         return usage((e.charged, 1) for e in self.entries.values() if e.in_slot)
 
-    def _host_usage(self) -> dict[str, int]:
+    def host_usage(self) -> dict[str, int]:
         held = (e for e in self.entries.values() if e.in_vllm or e.adding)
         return usage((e.charged, e.nbytes) for e in held)
 
-    def _yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
+    def yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
         """Whether a request of `tenant` that needs a slot of its own leaves a free one to other
         tenants' waiting requests (`TenantBudgets.yields_slot`)."""
-        if entry.in_slot or not self.budgets.limits_anyone:
+        if entry.in_slot or not self.ledger.budgets.limits_anyone:
             return False
-        others = [t for t, n in self._slot_waiting.items() if n]
-        waited_s = self.clock() - deferred_at if deferred_at is not None else None
+        others = [t for t, n in self.slot_waiting.items() if n]
+        waited_s = self.ledger.clock() - deferred_at if deferred_at is not None else None
         with self._lock:
-            return self.budgets.yields_slot(tenant, self._slot_usage(), others, waited_s)
+            return self.ledger.budgets.yields_slot(tenant, self.slot_usage(), others, waited_s)
 
-    def _defer_left(self, deferred_at: float | None) -> float | None:
+    def defer_left(self, deferred_at: float | None) -> float | None:
         """Seconds a deferring request still lets others go first (None: it does not)."""
         if deferred_at is None:
             return None
-        left = self.budgets.yield_s - (self.clock() - deferred_at)
+        left = self.ledger.budgets.yield_s - (self.ledger.clock() - deferred_at)
         return left if left > 0 else None
 
-    def _host_budget_victims(self, incoming: Resident, keys: list[AdapterKey]) -> list[AdapterKey]:
+    def host_budget_victims(self, incoming: Resident, keys: list[AdapterKey]) -> list[AdapterKey]:
         """Of the removable adapters `keys`, those that the load of `incoming` may push out of
         vLLM's host cache for the tenant whose load it is: beyond its budget, only its own."""
         entries = self.entries
         pairs = [(k, entries[k].charged) for k in keys]
         need = max(incoming.nbytes, 1)
-        return self.budgets.victims("cpu", incoming.last_tenant, self._host_usage(), need, pairs)
+        return self.ledger.budgets.victims(
+            "cpu", incoming.last_tenant, self.host_usage(), need, pairs
+        )
 
-    def _entry(self, ref: AdapterRef) -> Resident:
+    def entry(self, ref: AdapterRef) -> Resident:
         entry = self.entries.get(ref.key)
         if entry is None:
             lora_id = lora_int_id(ref.key)
             if (
-                self._ids.get(lora_id, ref.key) != ref.key
+                self.ids.get(lora_id, ref.key) != ref.key
             ):  # a 62-bit collision: refuse rather than mix weights
                 raise AdapterUnavailable(
-                    f"{ref.key}: its vLLM id collides with {self._ids[lora_id]}"
+                    f"{ref.key}: its vLLM id collides with {self.ids[lora_id]}"
                 )
-            self._ids[lora_id] = ref.key
+            self.ids[lora_id] = ref.key
             entry = self.entries[ref.key] = Resident(ref, lora_id=lora_id)
         return entry
 
-    def _busy_unpinned(self) -> int:
+    def busy_unpinned(self) -> int:
         """The distinct unpinned adapters with requests handed to vLLM."""
-        return sum(1 for k in self._running if not self.entries[k].vllm_pinned)
+        return sum(1 for k in self.running if not self.entries[k].vllm_pinned)
 
-    def _num_in_vllm(self) -> int:
-        return len(self._held)
+    def num_in_vllm(self) -> int:
+        return len(self.held)
 
-    def _set_in_vllm(self, entry: Resident, held: bool) -> None:
+    def set_in_vllm(self, entry: Resident, held: bool) -> None:
         """`entry` in or out of vLLM's host cache (out of it, not pinned in vLLM either)."""
         with self._lock:
             entry.in_vllm = held
             if held:
-                self._held[entry.ref.key] = entry
+                self.held[entry.ref.key] = entry
             else:
-                self._set_vllm_pinned(entry, False)
-                self._held.pop(entry.ref.key, None)
+                self.set_vllm_pinned(entry, False)
+                self.held.pop(entry.ref.key, None)
 
-    def _set_vllm_pinned(self, entry: Resident, pinned: bool) -> None:
+    def set_vllm_pinned(self, entry: Resident, pinned: bool) -> None:
         entry.vllm_pinned = pinned
         if pinned:
-            self._vllm_pins.add(entry.ref.key)
+            self.vllm_pins.add(entry.ref.key)
         else:
-            self._vllm_pins.discard(entry.ref.key)
+            self.vllm_pins.discard(entry.ref.key)
 
-    def _gpu_warm(self, now: float) -> list[AdapterKey]:
+    def gpu_warm(self, now: float) -> list[AdapterKey]:
         """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
-        cap, gaps = max(0, self.max_loras - 1), getattr(self.policy, "overdue_gaps", None)
+        cap, gaps = max(0, self.max_loras - 1), getattr(self.ledger.policy, "overdue_gaps", None)
         return gpu_warm_set(self.demand, now, cap, gaps)
 
-    def _cpu_warm(self, now: float) -> list[AdapterKey]:
+    def cpu_warm(self, now: float) -> list[AdapterKey]:
         """The cpu warm set, as placement's rule gives it for half of vLLM's host cache."""
         taken, half = 0, self.max_cpu_loras // 2
 
@@ -254,13 +227,15 @@ class ResidencyTables(Ledger[Resident]):
             taken += 1
             return taken <= half
 
-        return cpu_warm_set(self.demand, now, fits, getattr(self.policy, "overdue_gaps", None))
+        return cpu_warm_set(
+            self.demand, now, fits, getattr(self.ledger.policy, "overdue_gaps", None)
+        )
 
-    def _waits(self) -> bool:
+    def waits(self) -> bool:
         """Whether a request or load waits (for a load, a slot, or a place in the host cache)."""
-        return bool(self.loading or self._slot_waiting or self._num_adding or self._host_waiting)
+        return bool(self.loading or self.slot_waiting or self.num_adding or self.host_waiting)
 
-    def _pins_to_hold(self, now: float) -> list[AdapterKey]:
+    def pins_to_hold(self, now: float) -> list[AdapterKey]:
         """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
         that keeps the gpu warm set in slots (`score`), the busy adapters of that set when all of
         them fit (`warm_pins`). Together they leave a slot for the other adapters (up to
@@ -269,23 +244,23 @@ class ResidencyTables(Ledger[Resident]):
         runs."""
         cap = max(0, self.max_loras - 1)
         gpu = [k for k, tier in self.pins.items() if tier == "gpu"][:cap]
-        if not getattr(self.policy, "restores_gpu_warm", False):
+        if not getattr(self.ledger.policy, "restores_gpu_warm", False):
             return gpu
         room = min(cap - len(gpu), self.max_cpu_loras - 1 - len(self.pins))
-        gaps = getattr(self.policy, "overdue_gaps", None)
+        gaps = getattr(self.ledger.policy, "overdue_gaps", None)
         entries = self.entries
         warm = warm_pins(
             self.demand,
             now,
             room,
             gaps,
-            self._held,
-            self._vllm_pins,
+            self.held,
+            self.vllm_pins,
             lambda k: entries[k].busy.read(now),
             exclude=gpu,
         )
-        if warm and self.budgets.limits_anyone:
-            used, budgets = self._slot_usage(), self.budgets
+        if warm and self.ledger.budgets.limits_anyone:
+            used, budgets = self.slot_usage(), self.ledger.budgets
             warm = [
                 k
                 for k in warm
@@ -294,23 +269,23 @@ class ResidencyTables(Ledger[Resident]):
             ]
         return gpu + warm
 
-    def _may_pin(self, entry: Resident) -> bool:
+    def may_pin(self, entry: Resident) -> bool:
         """Whether pinning `entry` leaves a slot unpinned and keeps the distinct unpinned adapters
-        running within the unpinned slots (`_has_slot`): one running already moves from those to
+        running within the unpinned slots (`has_slot`): one running already moves from those to
         the pinned."""
-        if len(self._vllm_pins) >= self.max_loras - 1:
+        if len(self.vllm_pins) >= self.max_loras - 1:
             return False  # a pin no longer wanted goes first, once its adapter is idle
-        unpinned = self._busy_unpinned() - (1 if entry.active else 0)
-        return unpinned <= self.max_loras - len(self._vllm_pins) - 1
+        unpinned = self.busy_unpinned() - (1 if entry.active else 0)
+        return unpinned <= self.max_loras - len(self.vllm_pins) - 1
 
-    def _yields_to_warm(self, entry: Resident) -> bool:
+    def yields_to_warm(self, entry: Resident) -> bool:
         """Whether a request outside the gpu warm set leaves a free slot to an adapter of that set
         whose requests wait for one. The wait is short: an adapter with requests running takes
         more of them without a slot of its own, so the set's adapters wait only to start."""
         if entry.vllm_pinned or entry.active:
             return False
         with self._lock:
-            warm = set(self._gpu_warm(self.clock()))
+            warm = set(self.gpu_warm(self.ledger.clock()))
             if entry.ref.key in warm:
                 return False
             return any(
@@ -318,41 +293,47 @@ class ResidencyTables(Ledger[Resident]):
                 for k in warm
             )
 
-    def _has_slot(self, entry: Resident) -> bool:
+    def has_slot(self, entry: Resident) -> bool:
         """Whether a request for `entry` may go to vLLM now: the distinct unpinned adapters with
-        requests in vLLM stay within `_unpinned_room`."""
+        requests in vLLM stay within `unpinned_room`."""
         if entry.vllm_pinned or entry.active:
             return True
         with self._lock:
-            return self._busy_unpinned() < self._unpinned_room()
+            return self.busy_unpinned() < self.unpinned_room()
 
-    def _unpinned_room(self) -> int:
+    def unpinned_room(self) -> int:
         """How many distinct unpinned adapters may have requests handed to vLLM at once: the
         unpinned slots, and `queue_ahead` adapters more, whose requests vLLM's scheduler starts in
         the step a slot frees, not a round trip through this process later. The slots alone
-        - while a pin waits for the adapters running to fit beside it (`_may_pin`), so that they
+        - while a pin waits for the adapters running to fit beside it (`may_pin`), so that they
           drain;
         - under tenant budgets, which count a tenant's slots by its requests handed to vLLM;
         - while a slot is pinned, when vLLM's scheduler does not count pinned slots (a vLLM without
           loraplex's fix): it then takes up to its slot count of distinct adapters into a batch,
           and a batch with more unpinned adapters than unpinned slots fails in its worker."""
-        room = self.max_loras - len(self._vllm_pins)
-        pin_waits = bool(self._pins_wanted - self._vllm_pins)
-        pinned = self._vllm_pins or self._pins_wanted or self.reserved_slots
-        if pin_waits or self.budgets.limits_anyone:
+        room = self.max_loras - len(self.vllm_pins)
+        pin_waits = bool(self.pins_wanted - self.vllm_pins)
+        pinned = self.vllm_pins or self.pins_wanted or self.reserved_slots
+        if pin_waits or self.ledger.budgets.limits_anyone:
             return room
         if pinned and not self.scheduler_counts_pins:
             return room
         return room + self.queue_ahead
 
-    def _spare_room(self) -> bool:
+    def spare_room(self) -> bool:
         """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
         set: a free place, or an idle adapter outside that set."""
         with self._lock:
-            if self._num_in_vllm() + self._num_adding < self.max_cpu_loras:
+            if self.num_in_vllm() + self.num_adding < self.max_cpu_loras:
                 return True
-            warm = set(self._gpu_warm(self.clock()))
+            warm = set(self.gpu_warm(self.ledger.clock()))
             return any(
                 not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
-                for k, e in self._held.items()
+                for k, e in self.held.items()
             )
+
+    def in_use(self, name: str) -> bool:
+        """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
+        share it)."""
+        with self._lock:
+            return any(self.staging.path(k).name == name for k in (*self.held, *self.loading))
