@@ -55,6 +55,7 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen2": lambda: transformers.Qwen2Config(**common),
         "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **common),
         "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 8, **common}),
+        "phi3": lambda: transformers.Phi3Config(pad_token_id=0, **common),
     }[kind]()
     torch.manual_seed(0)
     model = {
@@ -62,6 +63,7 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[kind](config)
     with torch.no_grad():  # make biases and norms non-trivial so they are really checked
         for name, p in model.named_parameters():
