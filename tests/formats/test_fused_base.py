@@ -250,6 +250,6 @@ def test_a_split_part_the_config_does_not_select_is_refused(world, tmp_path):
     config["layers_to_transform"] = [0]
     (src / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(
-        AdapterRejected, match="layer 1 gate_proj has weights, but the config does not"
+        AdapterRejected, match="layer 1 gate_proj has weights, but the config"
     ):
         import_adapter(src, ModelConfig.from_dir(phi3_dir), tmp_path / "out")
