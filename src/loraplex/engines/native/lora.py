@@ -359,7 +359,7 @@ def build_lora_groups(
         gather = (torch.tensor(tokens, device=device), torch.tensor(slots, device=device))
         short_slots = {slot for _, _, slot in short}
     groups = []
-    for index in range(len(ALL_LINEAR_MODULES)):
+    for index in range(len(module_ranks[runs[0][2]])):  # per module index
         group = LoraGroups(dora_rows=dora_rows[index] if dora_rows else None)
         for begin, end, slot in runs:
             rank = module_ranks[slot][index]
