@@ -11,14 +11,14 @@ import pytest
 import torch
 from adapter_layouts import GROUPS, shared_a
 from safetensors.torch import load_file
-from tinymodels import make_adapter, make_model, save_tokenizer
+from tinymodels import make_adapter, make_model, make_split_twin
 
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.engines.native.sequence import SamplingParams
 from loraplex.formats import import_adapter, read_import_record
 from loraplex.lora_format import WEIGHTS_FILE, AdapterRejected
-from loraplex.model_config import ModelConfig
+from loraplex.model_config import ModelConfig, ModelConfigError
 
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,6 +33,10 @@ FUSED_ADAPTERS = {
         rank_pattern={"down_proj": 4},
         alpha_pattern={"qkv_proj": 24},
     ),
+    "fused-dora": dict(
+        r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"], use_dora=True
+    ),
+    "fused-lm-head": dict(r=4, lora_alpha=8, target_modules=["gate_up_proj", "lm_head"]),
 }
 # made by PEFT on the split twin, imported for the Phi-3 base; each part's scaling differs
 SPLIT_ADAPTERS = {
@@ -53,46 +57,6 @@ SPLIT_ADAPTERS = {
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 5], [30, 31, 20, 33, 34]]
 
 
-def split_twin(phi3_dir, out):
-    """The Phi-3 model as a Llama: its fused weights' rows as the parts' weights."""
-    import transformers
-
-    phi3 = transformers.Phi3ForCausalLM.from_pretrained(phi3_dir, dtype=torch.float32)
-    cfg = phi3.config
-    llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=cfg.rope_parameters["rope_theta"],
-            eos_token_id=cfg.eos_token_id,
-            bos_token_id=cfg.bos_token_id,
-        )
-    )
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    state = {}
-    for key, value in phi3.state_dict().items():
-        if key.endswith("qkv_proj.weight"):
-            for name, part in zip(("q", "k", "v"), value.split([q, kv, kv])):
-                state[key.replace("qkv_proj", f"{name}_proj")] = part
-        elif key.endswith("gate_up_proj.weight"):
-            for name, part in zip(("gate", "up"), value.chunk(2)):
-                state[key.replace("gate_up_proj", f"{name}_proj")] = part
-        else:
-            state[key] = value
-    llama.load_state_dict(state)
-    out.mkdir(parents=True)
-    llama.save_pretrained(out)
-    save_tokenizer(out)
-    return out
-
-
 def peft_model(model_dir, adapter):
     import transformers
     from peft import PeftModel
@@ -107,7 +71,7 @@ def world(tmp_path_factory):
     for the fused adapters and on its split twin for the split ones."""
     root = tmp_path_factory.mktemp("phi3")
     phi3_dir = make_model(root / "phi3", "phi3")
-    twin_dir = split_twin(phi3_dir, root / "twin")
+    twin_dir = make_split_twin(phi3_dir, root / "twin")
     config = ModelConfig.from_dir(phi3_dir)
     sources = {}
     for i, (name, args) in enumerate(FUSED_ADAPTERS.items()):
@@ -249,7 +213,39 @@ def test_a_split_part_the_config_does_not_select_is_refused(world, tmp_path):
     config = json.loads((src / "adapter_config.json").read_text())
     config["layers_to_transform"] = [0]
     (src / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        AdapterRejected, match="layer 1 gate_proj has weights, but the config"
-    ):
+    with pytest.raises(AdapterRejected, match="layer 1 gate_proj has weights, but the config"):
         import_adapter(src, ModelConfig.from_dir(phi3_dir), tmp_path / "out")
+
+
+def test_a_phi3_with_a_sliding_window_matches_peft(tmp_path):
+    """Phi-3 attends within `sliding_window` in every layer, as transformers does."""
+    model_dir = make_model(tmp_path / "phi3", "phi3", sliding_window=4)
+    src = make_adapter(model_dir, tmp_path / "fused", r=4, lora_alpha=8, target_modules=FUSED)
+    reference = peft_model(model_dir, src)
+    engine = LLMEngine(
+        EngineConfig(model_dir=model_dir, dtype="float32", kv_cache_memory_bytes=4 * 2**20)
+    )
+    try:
+        ref = engine.adapter_ref("fused", src)
+        for prompt in PROMPTS:
+            logits = engine.score([prompt], [ref])[0]
+            torch.testing.assert_close(logits, peft_logits(reference, prompt), atol=1e-4, rtol=0)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert engine.generate([PROMPTS[0]], params, [ref])[0] == peft_greedy(
+            reference, PROMPTS[0], 8
+        )
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"partial_rotary_factor": 0.75}, "unsupported partial_rotary_factor 0.75; only 1.0"),
+        ({"rope_type": "longrope", "short_factor": [1.0]}, "unsupported rope_type 'longrope'"),
+    ],
+)
+def test_phi3_rope_variants_we_do_not_compute_are_refused(tmp_path, rope, message):
+    raw = json.loads((make_model(tmp_path / "phi3", "phi3") / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict({**raw, "rope_parameters": {**raw["rope_parameters"], **rope}})
