@@ -50,6 +50,7 @@ SPLIT_ADAPTERS = {
     "split-qv-up": dict(
         r=4, lora_alpha=6, use_rslora=True, target_modules=r".*\.(q_proj|v_proj|up_proj)"
     ),
+    "split-all-linear": dict(r=4, lora_alpha=8, target_modules="all-linear"),
     "split-layer-1": dict(
         r=4, lora_alpha=8, target_modules=["k_proj", "v_proj", "gate_proj"], layers_to_transform=[1]
     ),
@@ -256,3 +257,17 @@ def test_phi3_rope_variants_we_do_not_compute_are_refused(tmp_path, rope, messag
     raw = json.loads((make_model(tmp_path / "phi3", "phi3") / "config.json").read_text())
     with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_dict({**raw, "rope_parameters": {**raw["rope_parameters"], **rope}})
+
+
+def test_a_fused_adapter_for_the_split_twin_is_split_exactly(world, tmp_path):
+    """The converse: a LoRA trained on the fused modules (any B, not block-structured), imported
+    for the split base, gives PEFT's logits of the fused one; `all-linear` saves whole paths."""
+    _, _, _, _, _, phi3_dir, twin_dir = world
+    src = make_adapter(phi3_dir, tmp_path / "fused", seed=7, r=4, target_modules="all-linear")
+    imported = import_adapter(src, ModelConfig.from_dir(twin_dir), tmp_path / "split")
+    assert not [k for k in load_file(imported.path / WEIGHTS_FILE) if "qkv_proj" in k]
+    split, fused = peft_model(twin_dir, imported.path), peft_model(phi3_dir, src)
+    for prompt in PROMPTS:
+        torch.testing.assert_close(
+            peft_logits(split, prompt), peft_logits(fused, prompt), atol=1e-5, rtol=0
+        )

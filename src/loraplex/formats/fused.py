@@ -73,7 +73,7 @@ def _split_config(config: dict) -> dict:
     for name in ("target_modules", "exclude_modules"):
         value = config.get(name)
         if isinstance(value, list):
-            config[name] = [part for v in value for part in FUSED.get(v, (v,))]
+            config[name] = [part for v in value for part in _part_names(v)]
         elif isinstance(value, str):
             for fused, parts in FUSED.items():
                 value = value.replace(fused, f"(?:{'|'.join(parts)})")
@@ -87,6 +87,13 @@ def _split_config(config: dict) -> dict:
                 for fused, part in _fused_parts_in(pattern)
             }
     return config
+
+
+def _part_names(name: str) -> list[str]:
+    """A target's name (a module's, or a whole path as PEFT writes for `all-linear`) for each part
+    when it ends in a fused module's name, else itself."""
+    head, dot, last = name.rpartition(".")
+    return [f"{head}{dot}{part}" for part in FUSED.get(last, (last,))]
 
 
 def _fused_parts_in(pattern: str) -> list[tuple[str, str]]:

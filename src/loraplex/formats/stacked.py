@@ -151,9 +151,8 @@ def _fused_config(config: dict, ranks: dict[str, int], scalings: dict[str, float
     config = dict(config)
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        names = [_FUSED_OF.get(name, name) for name in targets]
-        config["target_modules"] = list(dict.fromkeys(names))
-    elif isinstance(targets, str):
+        config["target_modules"] = list(dict.fromkeys(_fused_name(name) for name in targets))
+    elif isinstance(targets, str) and targets != "all-linear":  # all-linear names the fused too
         paths = "|".join(re.escape(path) for path in sorted(ranks))
         config["target_modules"] = f"(?:{targets})|(?:{paths})"
     rslora = config.get("use_rslora", False)
@@ -170,6 +169,13 @@ def _fused_config(config: dict, ranks: dict[str, int], scalings: dict[str, float
         **(config.get("alpha_pattern") or {}),
     }
     return config
+
+
+def _fused_name(name: str) -> str:
+    """A target's name with a part's name at its end made the fused module's (PEFT writes module
+    names or, for `all-linear`, whole paths)."""
+    head, dot, last = name.rpartition(".")
+    return f"{head}{dot}{_FUSED_OF.get(last, last)}"
 
 
 def _changes(found: dict) -> list[str]:
