@@ -238,7 +238,8 @@ class LoRASlotPool:
         self.slot_numel = numel
         self.buffer = torch.zeros(max_loras, numel, dtype=dtype, device=device)
         # a[layer][module]: [max_loras, max_rank, d_in]; bt[layer][module]: [max_loras, max_rank,
-        # d_out]
+        # d_out], by MODULE_INDEX (d_in = d_out = 0 for a module the base does not have: a split
+        # base has no qkv_proj, a fused one no q_proj)
         self.a: list[list[torch.Tensor]] = []
         self.bt: list[list[torch.Tensor]] = []
         for layer in range(model.num_layers):
