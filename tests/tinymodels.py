@@ -55,6 +55,7 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen2": lambda: transformers.Qwen2Config(**common),
         "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **common),
         "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 8, **common}),
+        "phi3": lambda: transformers.Phi3Config(pad_token_id=0, **common),
     }[kind]()
     torch.manual_seed(0)
     model = {
@@ -62,6 +63,7 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[kind](config)
     with torch.no_grad():  # make biases and norms non-trivial so they are really checked
         for name, p in model.named_parameters():
@@ -69,6 +71,47 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
+def make_split_twin(phi3_dir: Path, out: Path) -> Path:
+    """The Phi-3 model as a Llama (the same function): its fused weights' rows as the parts'
+    weights."""
+    import transformers
+
+    phi3 = transformers.Phi3ForCausalLM.from_pretrained(phi3_dir, dtype=torch.float32)
+    cfg = phi3.config
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_parameters["rope_theta"],
+            eos_token_id=cfg.eos_token_id,
+            bos_token_id=cfg.bos_token_id,
+        )
+    )
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    state = {}
+    for key, value in phi3.state_dict().items():
+        if key.endswith("qkv_proj.weight"):
+            for name, part in zip(("q", "k", "v"), value.split([q, kv, kv])):
+                state[key.replace("qkv_proj", f"{name}_proj")] = part
+        elif key.endswith("gate_up_proj.weight"):
+            for name, part in zip(("gate", "up"), value.chunk(2)):
+                state[key.replace("gate_up_proj", f"{name}_proj")] = part
+        else:
+            state[key] = value
+    llama.load_state_dict(state)
+    out.mkdir(parents=True)
+    llama.save_pretrained(out)
     save_tokenizer(out)
     return out
 

@@ -20,7 +20,7 @@ from loraplex.lora_common import (
     rank_and_scaling,
 )
 from loraplex.lora_variants import Variants, check_variant_config, is_variant_key, read_variants
-from loraplex.model_config import LINEAR_MODULES, ModelConfig
+from loraplex.model_config import ModelConfig
 
 __all__ = ["DTYPE_BYTES", "AdapterRejected"]  # defined in lora_common, imported from here too
 
@@ -356,7 +356,7 @@ def _lora_pairs(
                 "trainable tokens are supported",
             )
         layer, module, side = int(match[1]), match[3], match[4] or "M"
-        if module not in LINEAR_MODULES:
+        if module not in model.linear_modules:
             raise AdapterRejected(
                 "target_modules", f"{module} is not a linear layer of {model.architecture}"
             )

@@ -13,10 +13,21 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# LoRA-targetable linear layers of one decoder layer, by the names PEFT uses.
+# LoRA-targetable linear layers of one decoder layer of a split base (Llama's), by the names PEFT
+# uses.
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# fused module -> its parts, in the order their outputs are stacked in its weight's rows
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# every linear module name of any supported base, split and fused: the LoRA slots' module indices
+ALL_LINEAR_MODULES = LINEAR_MODULES + tuple(FUSED_MODULES)
+# the architectures whose q/k/v and gate/up projections are fused (one weight each)
+_FUSED_BASES = ("phi3",)
 
 
 class ModelConfigError(ValueError):
@@ -79,6 +90,9 @@ class ModelConfig:
             raise ModelConfigError(f"unsupported hidden_act {raw['hidden_act']!r}; only silu")
         heads = raw["num_attention_heads"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rotary = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if rotary != 1.0:
+            raise ModelConfigError(f"unsupported partial_rotary_factor {rotary}; only 1.0")
         rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -110,8 +124,21 @@ class ModelConfig:
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         )
 
+    @property
+    def fused(self) -> bool:
+        """Whether the base's q/k/v and gate/up projections are fused (`qkv_proj`,
+        `gate_up_proj`)."""
+        return self.model_type in _FUSED_BASES
+
+    @property
+    def linear_modules(self) -> tuple[str, ...]:
+        """The LoRA-targetable linear modules a decoder layer of this base has."""
+        if self.fused:
+            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return LINEAR_MODULES
+
     def linear_shape(self, module: str) -> tuple[int, int]:
-        """(d_in, d_out) of one of the LINEAR_MODULES."""
+        """(d_in, d_out) of one of the ALL_LINEAR_MODULES, whichever layout the base has."""
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "q_proj": (self.hidden_size, q_dim),
@@ -121,21 +148,29 @@ class ModelConfig:
             "gate_proj": (self.hidden_size, self.intermediate_size),
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
+            "qkv_proj": (self.hidden_size, q_dim + 2 * kv_dim),
+            "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
         }
         return shapes[module]
+
+    def slot_shape(self, module: str) -> tuple[int, int]:
+        """(d_in, d_out) a LoRA slot holds for one of the ALL_LINEAR_MODULES: (0, 0) for a module
+        the base does not have."""
+        return self.linear_shape(module) if module in self.linear_modules else (0, 0)
 
     @staticmethod
     def module_path(layer: int, module: str) -> str:
         """The module's name inside the HF model, as PEFT keys it
         (`model.layers.3.self_attn.q_proj`)."""
-        block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        mlp = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+        block = "mlp" if module in mlp else "self_attn"
         return f"model.layers.{layer}.{block}.{module}"
 
 
 def _sliding_windows(raw: dict, model_type: str) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     layers = raw["num_hidden_layers"]
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # every layer attends within the window, when one is set
         return (window,) * layers
     layer_types = raw.get("layer_types")
     if not raw.get("use_sliding_window") or not window:

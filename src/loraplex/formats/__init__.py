@@ -15,7 +15,8 @@ from loraplex.artifacts.digests import canonical_digest
 from loraplex.formats.base_copies import drop_base_copies
 from loraplex.formats.fused import split_fused
 from loraplex.formats.sources import Draft, read_draft
-from loraplex.formats.tensors import RawTensor, read_tensors, write_tensors
+from loraplex.formats.stacked import fuse_split
+from loraplex.formats.tensors import read_tensors, write_tensors
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.model_config import ModelConfig
 
@@ -51,7 +52,7 @@ def import_adapter(src: str | Path, model: ModelConfig, out: Path) -> Imported:
     """The adapter in `src` in the canonical form, written into the empty directory `out` when it
     differs from the source; AdapterRejected for a format or content that cannot be imported."""
     src = Path(src)
-    draft = drop_base_copies(split_fused(read_draft(src), model), model)
+    draft = drop_base_copies(fuse_split(split_fused(read_draft(src), model), model), model)
     if not draft.changes:
         return Imported(src, None)
     record = ImportRecord(draft.source_format, canonical_digest(src), tuple(draft.changes))
@@ -78,19 +79,11 @@ def read_import_record(adapter_dir: str | Path) -> ImportRecord | None:
 
 def _write(draft: Draft, record: ImportRecord, out: Path) -> None:
     source, metadata = read_tensors(draft.weights)
-    tensors = {key: _made(source[piece.source], piece) for key, piece in draft.pieces.items()}
+    tensors = {key: piece.made(source) for key, piece in draft.pieces.items()}
     metadata = {**metadata, "format": "pt", IMPORT_METADATA_KEY: json.dumps(record.as_dict())}
     out.mkdir(parents=True, exist_ok=True)
     write_tensors(out / WEIGHTS_FILE, tensors, metadata)
     (out / CONFIG_FILE).write_text(json.dumps(draft.config, indent=2, sort_keys=True))
-
-
-def _made(tensor: RawTensor, piece) -> RawTensor:
-    if piece.transpose:
-        tensor = tensor.transposed()
-    if piece.rows is not None:
-        tensor = tensor.rows(*piece.rows)
-    return tensor
 
 
 __all__ = [

@@ -1,34 +1,33 @@
-"""Fused projections of an adapter mapped to a split base: a LoRA on `gate_up_proj` (or
+"""Fused projections of an adapter mapped to a split base (Llama's): a LoRA on `gate_up_proj` (or
 `qkv_proj`) computes x·Aᵀ·Bᵀ with the parts' outputs stacked in B's rows, so each part is the same A
-with its own rows of B, exactly."""
+with its own rows of B, exactly, whatever B holds."""
 
 from __future__ import annotations
 
 import re
 
-from loraplex.formats.sources import Draft, Piece, add_piece
+from loraplex.formats.sources import Draft, Joined, Piece, add_piece
 from loraplex.lora_format import AdapterRejected
+from loraplex.model_config import FUSED_MODULES as FUSED
 from loraplex.model_config import ModelConfig
 
-# fused module -> its parts, in the order their outputs are stacked
-FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 _FUSED_KEY = re.compile(rf"^(.*\.layers\.(\d+)\.\w+\.)({'|'.join(FUSED)})\.lora_([AB])\.weight$")
 
 
 def split_fused(draft: Draft, model: ModelConfig) -> Draft:
-    """The draft with every fused module's LoRA split into its parts (the supported bases have
-    split projections)."""
+    """The draft with every fused module's LoRA split into its parts, for a base with split
+    projections (a fused base keeps them)."""
+    if model.fused:
+        return draft
     split: dict[str, int] = {}
-    pieces: dict[str, Piece] = {}
+    pieces: dict[str, Piece | Joined] = {}
     for key, piece in draft.pieces.items():
         match = _FUSED_KEY.fullmatch(key)
         if match is None:
             add_piece(pieces, key, piece)
             continue
         head, layer, fused, side = match[1], int(match[2]), match[3], match[4]
+        assert isinstance(piece, Piece)  # a source tensor: only the fusing makes Joined ones
         split[fused] = split.get(fused, 0) + 1
         for part_key, part in _parts(draft, piece, head, layer, fused, side, model).items():
             add_piece(pieces, part_key, part)
@@ -74,7 +73,7 @@ def _split_config(config: dict) -> dict:
     for name in ("target_modules", "exclude_modules"):
         value = config.get(name)
         if isinstance(value, list):
-            config[name] = [part for v in value for part in FUSED.get(v, (v,))]
+            config[name] = [part for v in value for part in _part_names(v)]
         elif isinstance(value, str):
             for fused, parts in FUSED.items():
                 value = value.replace(fused, f"(?:{'|'.join(parts)})")
@@ -88,6 +87,13 @@ def _split_config(config: dict) -> dict:
                 for fused, part in _fused_parts_in(pattern)
             }
     return config
+
+
+def _part_names(name: str) -> list[str]:
+    """A target's name (a module's, or a whole path as PEFT writes for `all-linear`) for each part
+    when it ends in a fused module's name, else itself."""
+    head, dot, last = name.rpartition(".")
+    return [f"{head}{dot}{part}" for part in FUSED.get(last, (last,))]
 
 
 def _fused_parts_in(pattern: str) -> list[tuple[str, str]]:

@@ -7,7 +7,9 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
+from loraplex.formats.tensors import RawTensor, assemble
 from loraplex.lora_format import (
     CONFIG_FILE,
     PICKLE_SUFFIXES,
@@ -45,6 +47,45 @@ class Piece:
             shape[0] = self.rows[1] - self.rows[0]
         return shape
 
+    def made(self, tensors: dict[str, RawTensor]) -> RawTensor:
+        """The canonical tensor, from the source's tensors."""
+        tensor = tensors[self.source]
+        if self.transpose:
+            tensor = tensor.transposed()
+        if self.rows is not None:
+            tensor = tensor.rows(*self.rows)
+        return tensor
+
+
+class Block(NamedTuple):
+    """A piece placed at (row, column) of a joined tensor, times its scale."""
+
+    row: int
+    column: int
+    piece: Piece
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A canonical tensor made of several source pieces: a zero tensor of `size` with each block
+    written in (the split parts of a fused module: their A's stacked, their B's on a diagonal)."""
+
+    size: tuple[int, int]
+    blocks: tuple[Block, ...]
+
+    @property
+    def source(self) -> str:
+        return " + ".join(b.piece.source for b in self.blocks)
+
+    def shape(self, header: dict) -> list[int]:
+        return list(self.size)
+
+    def made(self, tensors: dict[str, RawTensor]) -> RawTensor:
+        return assemble(
+            self.size, [(b.row, b.column, b.piece.made(tensors), b.scale) for b in self.blocks]
+        )
+
 
 @dataclass
 class Draft:
@@ -54,11 +95,11 @@ class Draft:
     weights: Path  # the source's weights file
     header: dict  # its tensors: name -> {"dtype", "shape", "data_offsets"}
     config: dict  # the PEFT config of the canonical form
-    pieces: dict[str, Piece]  # canonical key -> where its bytes come from
+    pieces: dict[str, Piece | Joined]  # canonical key -> where its bytes come from
     changes: list[str] = field(default_factory=list)
 
 
-def add_piece(pieces: dict[str, Piece], key: str, piece: Piece) -> None:
+def add_piece(pieces: dict[str, Piece | Joined], key: str, piece: Piece | Joined) -> None:
     """Add the canonical tensor `key`; AdapterRejected when two tensors of the source make it."""
     if key in pieces:
         raise AdapterRejected(
@@ -135,7 +176,7 @@ def _peft_draft(src: Path) -> Draft:
     weights = src / WEIGHTS_FILE
     config = read_adapter_config(src)
     header = read_safetensors_header(weights).tensors
-    pieces: dict[str, Piece] = {}
+    pieces: dict[str, Piece | Joined] = {}
     renamed = {"prefix": 0, "default": 0}
     for key in header:
         new = _DEFAULT.sub(_without_default, key)
@@ -159,7 +200,7 @@ def _mlx_draft(src: Path) -> Draft:
     mlx = _mlx_config(src)
     params = mlx["lora_parameters"]
     header = read_safetensors_header(weights).tensors
-    pieces: dict[str, Piece] = {}
+    pieces: dict[str, Piece | Joined] = {}
     for key in header:
         match = re.fullmatch(r"(.+)\.lora_([ab])", key)
         if match is None:

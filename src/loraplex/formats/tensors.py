@@ -43,6 +43,33 @@ class RawTensor:
             self.dtype, (stop - start, self.shape[1]), self._array()[start:stop].tobytes()
         )
 
+    def float32(self) -> np.ndarray:
+        """The values as float32 (exact: every served dtype widens to it)."""
+        bits = self._array()
+        if self.dtype == "F32":
+            return bits.view("<f4")
+        if self.dtype == "F16":
+            return bits.view("<f2").astype("<f4")
+        return (bits.astype("<u4") << 16).view("<f4")  # bfloat16: float32's upper half
+
+
+def assemble(shape: tuple[int, int], blocks: list[tuple[int, int, RawTensor, float]]) -> RawTensor:
+    """A zero tensor of `shape` with each (row, column, block, scale) written in at its row and
+    column, times its scale: in the blocks' dtype when they share one and no scale is 1 off, else in
+    float32."""
+    dtypes = {block.dtype for _, _, block, _ in blocks}
+    if len(dtypes) == 1 and all(scale == 1.0 for *_, scale in blocks):
+        dtype = dtypes.pop()
+        out = np.zeros(shape, dtype=f"<u{DTYPE_BYTES[dtype]}")  # zero bits are 0.0 in each dtype
+        for row, col, block, _ in blocks:
+            out[row : row + block.shape[0], col : col + block.shape[1]] = block._array()
+        return RawTensor(dtype, shape, out.tobytes())
+    values = np.zeros(shape, dtype="<f4")
+    for row, col, block, scale in blocks:
+        part = block.float32().astype("<f8") * scale
+        values[row : row + block.shape[0], col : col + block.shape[1]] = part
+    return RawTensor("F32", shape, values.tobytes())
+
 
 def read_tensors(path: Path) -> tuple[dict[str, RawTensor], dict[str, str]]:
     """The tensors of a safetensors file and its metadata; AdapterRejected for a dtype that is not

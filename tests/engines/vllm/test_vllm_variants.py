@@ -77,7 +77,7 @@ def test_the_rules_are_the_installed_vllms():
     lm_head and embed_tokens for exactly the architectures the check lets through."""
     pytest.importorskip("vllm")
     from vllm.lora.peft_helper import PEFTHelper
-    from vllm.model_executor.models import llama, mistral, qwen2, qwen3
+    from vllm.model_executor.models import llama, mistral, phi3, qwen2, qwen3
 
     common = dict(r=4, lora_alpha=8, target_modules=["q_proj"])
     assert PEFTHelper(**common, use_dora=True)._validate_features()
@@ -86,6 +86,7 @@ def test_the_rules_are_the_installed_vllms():
     models = {
         "LlamaForCausalLM": llama.LlamaForCausalLM,
         "MistralForCausalLM": mistral.MistralForCausalLM,
+        "Phi3ForCausalLM": phi3.Phi3ForCausalLM,
         "Qwen2ForCausalLM": qwen2.Qwen2ForCausalLM,
         "Qwen3ForCausalLM": qwen3.Qwen3ForCausalLM,
     }

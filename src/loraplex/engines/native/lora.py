@@ -14,9 +14,9 @@ import torch
 
 from loraplex.engines.native.variants import EMPTY_SLOT, DoraScales, SlotHeads, head_tensors
 from loraplex.lora_format import DTYPE_BYTES, AdapterSpec, parse_safetensors_header
-from loraplex.model_config import LINEAR_MODULES, ModelConfig
+from loraplex.model_config import ALL_LINEAR_MODULES, ModelConfig
 
-MODULE_INDEX = {name: i for i, name in enumerate(LINEAR_MODULES)}
+MODULE_INDEX = {name: i for i, name in enumerate(ALL_LINEAR_MODULES)}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # On CUDA a run of at least this many consecutive tokens of one adapter is computed as a segment
 # (two plain matmuls reading the adapter once); the shorter runs of a step are gathered per token
@@ -123,7 +123,7 @@ def pack_adapter(
         (m.layer, MODULE_INDEX[m.module], m.rank, offsets[m.key_a], offsets[m.key_b])
         for m in spec.modules
     ]
-    ranks = [0] * len(LINEAR_MODULES)
+    ranks = [0] * len(ALL_LINEAR_MODULES)
     for _, index, rank, _, _ in entries:
         ranks[index] = max(ranks[index], rank)
     if pin and in_place:
@@ -231,20 +231,21 @@ class LoRASlotPool:
         self.max_rank = max_rank
         offsets, numel = {}, 0
         for layer in range(model.num_layers):
-            for index, name in enumerate(LINEAR_MODULES):
-                d_in, d_out = model.linear_shape(name)
+            for index, name in enumerate(ALL_LINEAR_MODULES):
+                d_in, d_out = model.slot_shape(name)
                 offsets[layer, index] = (numel, numel + max_rank * d_in)
                 numel += max_rank * (d_in + d_out)
         self.slot_numel = numel
         self.buffer = torch.zeros(max_loras, numel, dtype=dtype, device=device)
         # a[layer][module]: [max_loras, max_rank, d_in]; bt[layer][module]: [max_loras, max_rank,
-        # d_out]
+        # d_out], by MODULE_INDEX (d_in = d_out = 0 for a module the base does not have: a split
+        # base has no qkv_proj, a fused one no q_proj)
         self.a: list[list[torch.Tensor]] = []
         self.bt: list[list[torch.Tensor]] = []
         for layer in range(model.num_layers):
             row_a, row_bt = [], []
-            for index, name in enumerate(LINEAR_MODULES):
-                d_in, d_out = model.linear_shape(name)
+            for index, name in enumerate(ALL_LINEAR_MODULES):
+                d_in, d_out = model.slot_shape(name)
                 off_a, off_b = offsets[layer, index]
                 row_a.append(
                     self.buffer[:, off_a : off_a + max_rank * d_in].view(max_loras, max_rank, d_in)
@@ -256,7 +257,7 @@ class LoRASlotPool:
                 )
             self.a.append(row_a)
             self.bt.append(row_bt)
-        self.module_ranks: list[tuple[int, ...]] = [(0,) * len(LINEAR_MODULES)] * max_loras
+        self.module_ranks: list[tuple[int, ...]] = [(0,) * len(ALL_LINEAR_MODULES)] * max_loras
         self.heads = SlotHeads(max_loras)
         self.dora = DoraScales(model, max_loras, dtype, device)
         # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy
@@ -295,7 +296,7 @@ class LoRASlotPool:
 
     def clear_slot(self, slot: int) -> None:
         self._zero_rows(slot, {})
-        self.module_ranks[slot] = (0,) * len(LINEAR_MODULES)
+        self.module_ranks[slot] = (0,) * len(ALL_LINEAR_MODULES)
         self.heads.slots[slot] = None
         self.dora.clear_slot(slot)
 
@@ -359,7 +360,7 @@ def build_lora_groups(
         gather = (torch.tensor(tokens, device=device), torch.tensor(slots, device=device))
         short_slots = {slot for _, _, slot in short}
     groups = []
-    for index in range(len(LINEAR_MODULES)):
+    for index in range(len(module_ranks[runs[0][2]])):  # per module index
         group = LoraGroups(dora_rows=dora_rows[index] if dora_rows else None)
         for begin, end, slot in runs:
             rank = module_ranks[slot][index]

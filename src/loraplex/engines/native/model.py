@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened tokens, a paged KV cache
-and LoRA slots."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and Phi-3 with its fused projections) over
+flattened tokens, a paged KV cache and LoRA slots."""
 
 from __future__ import annotations
 
@@ -236,10 +236,14 @@ class Attention(nn.Module):
         )
         self.window = window
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q_dim, kv_dim, kv_dim)
         bias = cfg.attention_bias
-        self.q_proj = LoRALinear(cfg.hidden_size, q_dim, bias, "q_proj")
-        self.k_proj = LoRALinear(cfg.hidden_size, kv_dim, bias, "k_proj")
-        self.v_proj = LoRALinear(cfg.hidden_size, kv_dim, bias, "v_proj")
+        if cfg.fused:  # one weight, q's rows then k's then v's
+            self.qkv_proj = LoRALinear(cfg.hidden_size, sum(self.sizes), bias, "qkv_proj")
+        else:
+            self.q_proj = LoRALinear(cfg.hidden_size, q_dim, bias, "q_proj")
+            self.k_proj = LoRALinear(cfg.hidden_size, kv_dim, bias, "k_proj")
+            self.v_proj = LoRALinear(cfg.hidden_size, kv_dim, bias, "v_proj")
         self.o_proj = LoRALinear(q_dim, cfg.hidden_size, False, "o_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -250,9 +254,10 @@ class Attention(nn.Module):
         self, x, cos, sin, attn: AttentionMeta, kv: tuple[torch.Tensor, torch.Tensor], lora
     ):
         n = x.shape[0]
-        q = self.q_proj(x, lora).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x, lora).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, lora).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x, lora)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -266,6 +271,12 @@ class Attention(nn.Module):
         for group in attn.decode_groups(self.window) if attn.decode_lens else ():
             out[group.rows] = self._decode(q[group.rows], kv, group, attn.buffers)
         return self.o_proj(out.view(n, -1), lora)
+
+    def _qkv(self, x, lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x, lora).split(self.sizes, dim=-1)
+            return q.contiguous(), k.contiguous(), v.contiguous()
+        return self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
 
     def _prefill(self, q, k, v, span: PrefillSpan, kv, buffers: GatherBuffers):
         # [L, H, D] -> [1, H, L, D]
@@ -308,12 +319,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, False, "gate_proj")
-        self.up_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size, False, "up_proj")
-        self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size, False, "down_proj")
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        if cfg.fused:  # one weight, gate's rows then up's
+            self.gate_up_proj = LoRALinear(hidden, 2 * inter, False, "gate_up_proj")
+        else:
+            self.gate_proj = LoRALinear(hidden, inter, False, "gate_proj")
+            self.up_proj = LoRALinear(hidden, inter, False, "up_proj")
+        self.down_proj = LoRALinear(inter, hidden, False, "down_proj")
 
     def forward(self, x, lora):
-        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -390,14 +409,5 @@ class CausalLM(nn.Module):
         return logits.float()
 
 
-def _projs(layer: DecoderLayer) -> tuple[LoRALinear, ...]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return (
-        attn.q_proj,
-        attn.k_proj,
-        attn.v_proj,
-        attn.o_proj,
-        mlp.gate_proj,
-        mlp.up_proj,
-        mlp.down_proj,
-    )
+def _projs(layer: DecoderLayer) -> list[LoRALinear]:
+    return [m for m in layer.modules() if isinstance(m, LoRALinear)]

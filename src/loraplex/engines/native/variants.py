@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from loraplex.lora_format import AdapterSpec
-from loraplex.model_config import LINEAR_MODULES, ModelConfig
+from loraplex.model_config import ALL_LINEAR_MODULES, ModelConfig
 
 EMPTY_SLOT = -1
 
@@ -156,24 +156,24 @@ class DoraScales:
         # scales[layer][module]: [num_slots + 1, d_out]
         self.scales = [
             [
-                torch.ones(num_slots + 1, model.linear_shape(name)[1], dtype=dtype, device=device)
-                for name in LINEAR_MODULES
+                torch.ones(num_slots + 1, model.slot_shape(name)[1], dtype=dtype, device=device)
+                for name in ALL_LINEAR_MODULES
             ]
             for _ in range(model.num_layers)
         ]
-        self.modules: list[tuple[bool, ...]] = [(False,) * len(LINEAR_MODULES)] * num_slots
+        self.modules: list[tuple[bool, ...]] = [(False,) * len(ALL_LINEAR_MODULES)] * num_slots
         self.norm_of: NormOf | None = None  # the model's, given by `attach_lora`
 
     def set_slot(self, slot: int, packed: HostCopy, a_rows, bt_rows) -> None:
         """The slot's scales, from the A and Bᵀ rows just written to the slot (a_rows[layer][index]
         [slot, :rank]) and the adapter's magnitudes."""
         self.clear_slot(slot)
-        has = [False] * len(LINEAR_MODULES)
+        has = [False] * len(ALL_LINEAR_MODULES)
         for m in packed.spec.modules:
             if m.key_magnitude is None:
                 continue
             assert self.norm_of is not None, "DoRA needs the model attached to the slot pool"
-            index = LINEAR_MODULES.index(m.module)
+            index = ALL_LINEAR_MODULES.index(m.module)
             a, bt = a_rows[m.layer][index][slot, : m.rank], bt_rows[m.layer][index][slot, : m.rank]
             norm = self.norm_of(m.layer, index, a, bt)
             table = self.scales[m.layer][index]
@@ -187,17 +187,17 @@ class DoraScales:
             for index, table in enumerate(row):
                 if self.modules[slot][index]:
                     table[slot] = 1
-        self.modules[slot] = (False,) * len(LINEAR_MODULES)
+        self.modules[slot] = (False,) * len(ALL_LINEAR_MODULES)
 
     def rows(self, slots: list[int], device) -> list[torch.Tensor | None]:
         """Per module index, each token's row of the scale tables when some token's adapter has
         DoRA there (None: none has)."""
         if not any(any(modules) for modules in self.modules):  # no DoRA adapter in a slot
-            return [None] * len(LINEAR_MODULES)
+            return [None] * len(ALL_LINEAR_MODULES)
         present = {s for s in slots if s != EMPTY_SLOT}
-        wanted = [any(self.modules[s][i] for s in present) for i in range(len(LINEAR_MODULES))]
+        wanted = [any(self.modules[s][i] for s in present) for i in range(len(ALL_LINEAR_MODULES))]
         if not any(wanted):
-            return [None] * len(LINEAR_MODULES)
+            return [None] * len(ALL_LINEAR_MODULES)
         rows = [self.num_slots if s == EMPTY_SLOT else s for s in slots]
         table_rows = torch.tensor(rows, device=device)
         return [table_rows if w else None for w in wanted]

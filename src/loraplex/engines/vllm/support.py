@@ -13,7 +13,7 @@ from loraplex.model_config import ModelConfig
 
 # The architectures whose vLLM model lists lm_head and embed_tokens in `embedding_modules`: vLLM
 # puts a LoRA on those modules only there (its Qwen2 and Mistral models list none).
-HEAD_LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"})
+HEAD_LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM"})
 _NATIVE = "the native engine (serve --engine native) serves it"
 
 
