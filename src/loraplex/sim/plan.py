@@ -12,7 +12,7 @@ from rich.table import Table
 
 from loraplex.engines.native.config import EngineConfig
 from loraplex.lora_format import CONFIG_FILE, DTYPE_BYTES, AdapterRejected, read_adapter
-from loraplex.model_config import LINEAR_MODULES, ModelConfig, ModelConfigError
+from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration
@@ -75,7 +75,7 @@ def serving_dtype(config: ModelConfig) -> str:
 
 
 def slot_bytes(config: ModelConfig, max_rank: int, dtype_bytes: int) -> int:
-    per_layer = sum(sum(config.linear_shape(m)) for m in LINEAR_MODULES)
+    per_layer = sum(sum(config.linear_shape(m)) for m in config.linear_modules)
     return config.num_layers * per_layer * max_rank * dtype_bytes
 
 

@@ -527,7 +527,8 @@ def _track(tracked: RequestUsage, request_id: str, out, cumulative: bool) -> Non
 
 
 def write_zero_adapter(model_dir: Path, out: Path) -> Path:
-    """A rank-8 LoRA on every layer's q_proj with all-zero weights: it adds exactly nothing."""
+    """A rank-8 LoRA on every layer's o_proj (which every base served has, fused or not) with
+    all-zero weights: it adds exactly nothing."""
     import torch
     from safetensors.torch import save_file
 
@@ -535,12 +536,12 @@ def write_zero_adapter(model_dir: Path, out: Path) -> Path:
 
     cfg = ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
     out.mkdir(parents=True, exist_ok=True)
-    rank, q_out = 8, cfg.num_heads * cfg.head_dim
+    rank, (d_in, d_out) = 8, cfg.linear_shape("o_proj")
     tensors = {}
     for layer in range(cfg.num_layers):
-        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
-        tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, cfg.hidden_size)
-        tensors[f"{prefix}.lora_B.weight"] = torch.zeros(q_out, rank)
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.o_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, d_in)
+        tensors[f"{prefix}.lora_B.weight"] = torch.zeros(d_out, rank)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(
         json.dumps(
@@ -548,7 +549,7 @@ def write_zero_adapter(model_dir: Path, out: Path) -> Path:
                 "peft_type": "LORA",
                 "r": rank,
                 "lora_alpha": rank,
-                "target_modules": ["q_proj"],
+                "target_modules": ["o_proj"],
                 "bias": "none",
                 "base_model_name_or_path": str(model_dir),
                 "task_type": "CAUSAL_LM",
