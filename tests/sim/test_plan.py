@@ -89,9 +89,10 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")
     folder = next(iter(llama_adapters.values())).parent
     plan = planner.make_plan(llama_dir, adapters_dir=folder, workload=str(tmp_path / "trace.jsonl"))
+    config = planner.ModelConfig.from_dir(llama_dir)
     assert plan.slot_bytes == 2 * 64 * 4 * sum(
-        sum(planner.ModelConfig.from_dir(llama_dir).linear_shape(m)) for m in planner.LINEAR_MODULES
-    )
+        sum(config.linear_shape(m)) for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ) + 2 * 64 * 4 * sum(sum(config.linear_shape(m)) for m in ("gate_proj", "up_proj", "down_proj"))
     cpu_1, cpu_5, slots = plan.sizing
     assert cpu_1["cpu_bytes"] is None and cpu_1["rate"] is None
     assert cpu_5["cpu_bytes"] > 0 and cpu_5["rate"] <= 0.05
