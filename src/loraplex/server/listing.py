@@ -115,7 +115,10 @@ class ModelListing:
 
     async def _make(self, tenant: str) -> Listing:
         ids = [self.served_name]
-        base = {**model_card(self.served_name, "loraplex", None), "max_model_len": self.max_model_len()}
+        base = {
+            **model_card(self.served_name, "loraplex", None),
+            "max_model_len": self.max_model_len(),
+        }
         cards = [_JSON.encode(base).encode()]
         draining = self.draining
         names = list(self.catalog.names)

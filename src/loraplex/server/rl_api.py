@@ -108,14 +108,17 @@ async def server_info(request: Request, config_format: str = "text") -> dict:
     dtype and length, the LoRA capacity, one data-parallel replica."""
     if config_format not in ("text", "json"):
         raise APIError(
-            400, f"config_format={config_format!r}: give text or json", "invalid_value"
+            400,
+            f"config_format={config_format!r}: give text or json",
+            "invalid_value",
+            "config_format",
         )
     config = vllm_config(_server(request))
     return {"vllm_config": config if config_format == "json" else json.dumps(config)}
 
 
 def vllm_config(server: Server) -> dict:
-    s = server.config.settings
+    live = server.engine.live_figures()
     return {
         "model_config": {
             "model": str(server.engine.model_dir),
@@ -123,11 +126,7 @@ def vllm_config(server: Server) -> dict:
             "dtype": f"torch.{_dtype(server)}",
             "max_model_len": server.engine.max_model_len,
         },
-        "lora_config": {
-            "max_lora_rank": s.max_lora_rank,
-            "max_loras": s.max_loras,
-            "max_cpu_loras": s.max_cpu_loras,
-        },
+        "lora_config": {"max_lora_rank": live["max_lora_rank"], "max_loras": live["max_loras"]},
         "parallel_config": {
             "data_parallel_size": 1,
             "tensor_parallel_size": 1,

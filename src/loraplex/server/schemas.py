@@ -330,9 +330,7 @@ def completion_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def with_token_ids(
-    choice: dict, prompt_token_ids: list[int] | None, token_ids: list[int]
-) -> dict:
+def with_token_ids(choice: dict, prompt_token_ids: list[int] | None, token_ids: list[int]) -> dict:
     """A completion choice with vLLM's `return_token_ids` fields (`prompt_token_ids` None in a
     stream's later chunks, as vLLM gives them)."""
     return {**choice, "prompt_token_ids": prompt_token_ids, "token_ids": token_ids}

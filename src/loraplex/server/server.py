@@ -37,8 +37,8 @@ from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
 from loraplex.server.retiring import RetiredRevisions
-from loraplex.server.rl_api import GenerationPause
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
+from loraplex.server.rl_api import GenerationPause
 
 log = logging.getLogger("loraplex.server")
 QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"

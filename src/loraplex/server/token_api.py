@@ -64,7 +64,12 @@ class TokenLayer:
         vocab_size = self.engine.model_config.vocab_size
         params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
         fmt = CompletionFormat(
-            ctx.request_id, req.model, self._token_text(), echo, prompts, prompt_only,
+            ctx.request_id,
+            req.model,
+            self._token_text(),
+            echo,
+            prompts,
+            prompt_only,
             bool(req.return_token_ids),
         )
         return await self._respond(request, ctx, target, prompts, params, fmt, req)
