@@ -24,6 +24,7 @@ versions TRL unloaded are gone while the last `max_staleness + 1` serve.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -154,7 +155,7 @@ def test_trl_adapter_sync_serves_each_rollout_its_version(served, llama_dir):
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
         num_generations=args.num_generations,
-        max_inflight_tasks=4,
+        max_inflight_tasks=2,
         vllm_server_url=served.url,
         max_tokens=args.max_completion_length,
         request_timeout=120,
@@ -167,7 +168,7 @@ def test_trl_adapter_sync_serves_each_rollout_its_version(served, llama_dir):
         for _ in range(STEPS):
             batch = _samples_of(worker, trainer.model_version, SAMPLES_PER_STEP)
             samples += batch
-            _policy_step(model, batch)
+            _policy_step(model, batch[-SAMPLES_PER_STEP:])
             sync()
         samples += _samples_of(worker, trainer.model_version, SAMPLES_PER_STEP)
     finally:
@@ -199,16 +200,22 @@ def _lora_params(model) -> dict[str, torch.nn.Parameter]:
 
 
 def _samples_of(worker, version: int, count: int, timeout_s: float = 300.0) -> list:
-    """`count` rollouts, the last of them started under `version` (a bound against hangs)."""
-    got, deadline = [], time.monotonic() + timeout_s
-    while len(got) < count or got[-1].model_version != version:
+    """Rollouts from the worker's queue until `count` of `version` came, at most `count` of each
+    version kept: those of the version before include rollouts in flight across the last sync (a
+    bound against hangs)."""
+    kept: dict[int, list] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(kept.get(version, ())) < count:
         worker.check_health(stale_after_s=timeout_s)
-        assert time.monotonic() < deadline, f"no rollout of version {version} came"
+        assert time.monotonic() < deadline, f"no {count} rollouts of version {version} came"
         try:
-            got.append(worker.rollout_buffer.get(timeout=1.0))
-        except Exception:  # queue.Empty, from the process's queue
+            sample = worker.rollout_buffer.get(timeout=1.0)
+        except queue.Empty:
             continue
-    return got
+        of_version = kept.setdefault(sample.model_version, [])
+        if len(of_version) < count:
+            of_version.append(sample)
+    return [sample for samples in kept.values() for sample in samples]
 
 
 def _completion_logprobs(model, sample) -> tuple[torch.Tensor, torch.Tensor]:
