@@ -18,3 +18,18 @@ def test_carries_token_compares_the_whole_token():
     assert not carries_token(f"Bearer {TOKEN}x", TOKEN)
     assert not carries_token(None, TOKEN) and not carries_token(TOKEN, TOKEN)
     assert not carries_token("Bearer tökén-with-non-ascii", TOKEN)  # refused, not a TypeError
+
+
+def test_carries_token_takes_it_as_a_basic_password_too():
+    import base64
+
+    def basic(text: str) -> str:
+        return "Basic " + base64.b64encode(text.encode()).decode()
+
+    assert carries_token(basic(f"trainer:{TOKEN}"), TOKEN)
+    assert carries_token(basic(f":{TOKEN}"), TOKEN)  # any user name, an empty one too
+    assert not carries_token(basic(f"{TOKEN}:x"), TOKEN)  # the user name is not the password
+    assert not carries_token(basic(TOKEN), TOKEN)  # no colon: no password
+    assert not carries_token(basic(f"trainer:{TOKEN}x"), TOKEN)
+    assert not carries_token("Basic !!not-base64!!", TOKEN)
+    assert not carries_token("Basic " + base64.b64encode(b"u:\xff\xfe").decode(), TOKEN)

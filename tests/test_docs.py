@@ -26,6 +26,7 @@ PY_PATH = re.compile(r"(?<![\w./<>$~-])((?:[a-z_][a-z0-9_]*/)+[a-z_]\w*\.py)\b")
 """A Python file named with its folder anywhere in the text: `engines/native/client.py`."""
 NOT_TREE_PATHS = {
     "vllm/": "vLLM's own source files, which vllm-notes.md cites",
+    "trl/": "TRL's own source files, which rl-publishing.md cites",
     "sha256/": "the artifact store's directory on a server's disk (registry.md)",
 }
 

@@ -27,6 +27,7 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: list[dict | None] | None = None
     cumulative_logprob: float | None = None
@@ -38,6 +39,7 @@ class ChoiceState:
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
         self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

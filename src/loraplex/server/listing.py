@@ -48,15 +48,18 @@ class ModelListing:
         served_name: str,
         may_see: Callable[[str | None], bool],
         draining: set[str],
+        max_model_len: Callable[[], int],
     ):
         """`may_see(base_model_digest)`: whether a revision was made for this server's base model;
-        `draining`: names being unloaded (listed by no one)."""
+        `draining`: names being unloaded (listed by no one); `max_model_len`: the engine's, on the
+        base model's card as vLLM gives it."""
         self.catalog, self.served_name, self.may_see, self.draining = (
             catalog,
             served_name,
             may_see,
             draining,
         )
+        self.max_model_len = max_model_len
         self._parent = _quoted(served_name)  # the adapters' cards' parent, as JSON
         self._entries: dict[str, Entry] = {}  # name -> the entry its card was made from
         self._cards: dict[str, bytes | None] = {}  # name -> its card (None: nothing it serves)
@@ -112,7 +115,11 @@ class ModelListing:
 
     async def _make(self, tenant: str) -> Listing:
         ids = [self.served_name]
-        cards = [_JSON.encode(model_card(self.served_name, "loraplex", None)).encode()]
+        base = {
+            **model_card(self.served_name, "loraplex", None),
+            "max_model_len": self.max_model_len(),
+        }
+        cards = [_JSON.encode(base).encode()]
         draining = self.draining
         names = list(self.catalog.names)
         parts: list[bytes] = []  # the body's, PART cards each, made as soon as they are there

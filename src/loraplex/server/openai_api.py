@@ -83,6 +83,7 @@ async def _respond(request: Request, endpoint: str, chat: bool) -> Response:
     ctx.is_inference, ctx.endpoint = True, endpoint
     # first: a refusal names its tenant
     ctx.tenant = await server.auth.tenant_of(request.headers.get("authorization"))
+    await server.pause.wait()  # vLLM's /pause holds new requests until /resume
     server.check_accepting()
     body = await _read_body(request, server.config.settings.max_body_bytes)
     layer: RequestLayer = request.app.state.requests

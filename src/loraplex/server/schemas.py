@@ -2,8 +2,8 @@
 
 Every standard OpenAI field is accepted; one we do not implement is refused with 400 only when it is
 set to a value that would change the answer. vLLM's `top_k`, `min_p`, `best_of`, `ignore_eos`,
-`min_tokens`, `repetition_penalty` and `echo` (chat too) are implemented, with vLLM's meanings. Any
-other field is refused with 400 naming it."""
+`min_tokens`, `repetition_penalty`, `echo` (chat too) and `return_token_ids` (completions) are
+implemented, with vLLM's meanings. Any other field is refused with 400 naming it."""
 
 from __future__ import annotations
 
@@ -181,6 +181,8 @@ class CompletionRequest(_Request):
     echo: bool | None = None
     """The prompt before each choice's text (with logprobs, its tokens' logprobs before theirs)."""
     suffix: str | None = None
+    return_token_ids: bool | None = None
+    """vLLM's: each choice also gives `prompt_token_ids` and its output's `token_ids`."""
 
     def _unimplemented(self) -> dict:
         return {"suffix": lambda v: v == ""}
@@ -326,6 +328,12 @@ def completion_choice(
     index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
 ) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def with_token_ids(choice: dict, prompt_token_ids: list[int] | None, token_ids: list[int]) -> dict:
+    """A completion choice with vLLM's `return_token_ids` fields (`prompt_token_ids` None in a
+    stream's later chunks, as vLLM gives them)."""
+    return {**choice, "prompt_token_ids": prompt_token_ids, "token_ids": token_ids}
 
 
 def chat(

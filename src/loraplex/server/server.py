@@ -38,6 +38,7 @@ from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
 from loraplex.server.retiring import RetiredRevisions
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
+from loraplex.server.rl_api import GenerationPause
 
 log = logging.getLogger("loraplex.server")
 QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
@@ -74,10 +75,16 @@ class Server:
             registry.registration.trusted_keys,
         )
         self.listing = ModelListing(
-            self.catalog, config.served_model_name, self.resolver.may_see, self.resolver.draining
+            self.catalog,
+            config.served_model_name,
+            self.resolver.may_see,
+            self.resolver.draining,
+            lambda: engine.max_model_len,
         )
         """`/v1/models`, from the catalog."""
         self.admission = Admission(settings.max_waiting, settings.max_requests_per_tenant)
+        self.pause = GenerationPause()
+        """vLLM's `/pause`: new generation requests wait for the `/resume`."""
         self.metrics = ServerMetrics(
             self.live_figures,
             settings.top_k_adapter_metrics,
@@ -142,6 +149,7 @@ class Server:
         if not self.is_draining:
             log.info("shutting down: no new requests, finishing those in flight")
         self.is_draining = True
+        self.pause.resume()  # requests held by a pause are answered (503) rather than left waiting
 
     def stop(self) -> None:
         self.loop_lag.stop()

@@ -64,7 +64,13 @@ class TokenLayer:
         vocab_size = self.engine.model_config.vocab_size
         params = req.sampling_params(vocab_size, 16, req.logprobs, prompt_logprobs)
         fmt = CompletionFormat(
-            ctx.request_id, req.model, self._token_text(), echo, prompts, prompt_only
+            ctx.request_id,
+            req.model,
+            self._token_text(),
+            echo,
+            prompts,
+            prompt_only,
+            bool(req.return_token_ids),
         )
         return await self._respond(request, ctx, target, prompts, params, fmt, req)
 
@@ -280,11 +286,14 @@ class CompletionFormat:
         echo: list[str] | None = None,
         prompts: list[list[int]] | None = None,
         prompt_only: bool = False,
+        token_ids: bool = False,
     ):
         """`echo`: each prompt's text, put before its choices' text; `prompts`: their token ids;
-        `prompt_only`: the echoed prompt without the output (echo with max_tokens 0)."""
+        `prompt_only`: the echoed prompt without the output (echo with max_tokens 0); `token_ids`:
+        vLLM's `return_token_ids`, the prompt's and the output's token ids in each choice."""
         self.request_id, self.model, self.decode = request_id, model, decode
         self.echo, self.prompts, self.prompt_only = echo, prompts, prompt_only
+        self.token_ids = token_ids
         self.offsets: dict[int, int] = {}
         self.echoed: set[int] = set()
 
@@ -305,6 +314,10 @@ class CompletionFormat:
         given = choice.prompt_logprobs or [None] * len(ids)
         return [e or {"token": t, "logprob": None, "top": None} for t, e in zip(ids, given)]
 
+    def _prompt_ids(self, choice) -> list[int]:
+        assert self.prompts is not None  # the completions endpoint gives them
+        return list(self.prompts[choice.prompt_index])
+
     def _echoed(
         self, run: RequestRun, choice, text: str, entries: list[dict]
     ) -> tuple[str, list[dict]]:
@@ -318,12 +331,16 @@ class CompletionFormat:
 
     def chunk(self, run: RequestRun, index: int, out, usage: dict | None) -> dict:
         text, entries = out.text, out.logprobs
-        if index not in self.echoed:
+        first = index not in self.echoed
+        if first:
             self.echoed.add(index)
             text, entries = self._echoed(run, run.choices[index], text, entries)
         lp = self._logprobs(index, entries) if run.params.logprobs is not None else None
         reason = out.finish_reason if out.finished else None
         choice = schemas.completion_choice(index, text, reason, lp)
+        if self.token_ids:
+            prompt = self._prompt_ids(run.choices[index]) if first else None
+            choice = schemas.with_token_ids(choice, prompt, list(out.token_ids))
         return schemas.completion(self.request_id, self.model, [choice], usage, chunk=True)
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -334,7 +351,10 @@ class CompletionFormat:
         for c in run.returned_choices():
             text, entries = self._echoed(run, c, "".join(c.text), c.logprobs)
             lp = self._logprobs(c.index, entries) if run.params.logprobs is not None else None
-            choices.append(schemas.completion_choice(c.index, text, c.finish_reason, lp))
+            choice = schemas.completion_choice(c.index, text, c.finish_reason, lp)
+            if self.token_ids:
+                choice = schemas.with_token_ids(choice, self._prompt_ids(c), c.token_ids)
+            choices.append(choice)
         return schemas.completion(
             self.request_id, self.model, choices, schemas.usage(*run.usage_counts)
         )
