@@ -39,11 +39,12 @@ class Registry:
         grace_period_s: float = 600.0,
         actor: str = "loraplex",
         strict_base_model_name: bool = False,
+        unreachable_store: str | None = None,
         create: bool = True,
     ):
         """`store`: the artifact store (default: `artifacts/` beside a SQLite file); the other
-        settings are those of `Registration`, `Reading` (`grace_period_s`) and `Store` (`actor`,
-        `create`)."""
+        settings are those of `Registration` (`storage_base`, `unreachable_store`, ...), `Reading`
+        (`grace_period_s`) and `Store` (`actor`, `create`)."""
         self.db = Store(url, store, actor, create)
         # `store` is the artifact store, as the constructor's argument names it
         self.url, self.engine, self.store = url, self.db.engine, self.db.artifacts
@@ -55,6 +56,7 @@ class Registry:
             allowed=allowed,
             storage_base=storage_base,
             strict_base_model_name=strict_base_model_name,
+            unreachable_store=unreachable_store,
         )
         self.bulk = BulkImport(self.registration)
         self.reading = Reading(self.db, timedelta(seconds=grace_period_s))
