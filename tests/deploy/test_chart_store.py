@@ -1,7 +1,7 @@
 """The chart's `store` section rendered by Helm's engine (helm-python-sdk): each kind of shared
-artifact store (OCI, S3, a directory on a shared volume) becomes the workers' allowed root, with
-its login or volume, every object valid; bad store values refused naming the field; NOTES saying
-how to register into the store."""
+artifact store (OCI, S3, a directory on a shared volume, the bundled distribution registry) becomes
+the workers' allowed root, with its login or volume, every object valid; bad store values refused
+naming the field; NOTES saying how to register into the store."""
 
 from __future__ import annotations
 
@@ -88,6 +88,25 @@ def test_the_store_keys_in_worker_serve_are_refused_naming_the_store_section(key
     assert f"the chart sets --{key} itself from store.url" in str(refused.value)
 
 
+def test_the_bundled_store_is_a_distribution_registry_the_workers_push_to_and_read():
+    values = {"store": {"bundled": {"enabled": True}}}
+    settings, pod = _worker(values)
+    url = "oci+http://lp-store:5000/loras"
+    assert settings["allowed-roots"] == [url]
+    assert f"--storage-base={url}" in pod["containers"][0]["args"]
+    text = next(t for p, t in _render(values).items() if p.endswith("store.yaml"))
+    service, stateful = [o for o in yaml.safe_load_all(text) if o]
+    for obj in (service, stateful):
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+    assert service["spec"]["ports"] == [{"name": "oci", "port": 5000, "targetPort": "oci"}]
+    spec = stateful["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["containers"][0]["readinessProbe"]["httpGet"] == {"path": "/v2/", "port": "oci"}
+    notes = _notes(values)
+    assert "loraplex publish DIR --name NAME --url http://127.0.0.1:8001" in notes
+    assert not any(t.strip() for p, t in _render({}).items() if p.endswith("store.yaml"))
+
+
 def test_without_a_store_nothing_is_added_and_notes_say_adapters_from_outside_cannot_load():
     settings, pod = _worker({})
     assert "allowed-roots" not in settings
@@ -125,6 +144,8 @@ def test_notes_say_a_missing_postgres_secret_blocks_the_postgres_pod():
         ({"s3Endpoint": "minio:9000"}, "/store/s3Endpoint"),
         ({"secret": {"name": "Bad Name"}}, "/store/secret/name"),
         ({"bucket": "x"}, "bucket"),
+        ({"url": "oci://registry.internal/loras", "bundled": {"enabled": True}}, "/store/url"),
+        ({"bundled": {"enabled": True, "storage": "lots"}}, "/store/bundled/storage"),
     ],
 )
 def test_a_bad_store_value_is_refused_naming_the_field(store, field):

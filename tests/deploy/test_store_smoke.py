@@ -86,13 +86,22 @@ def _docker_config(path: Path, host: str) -> Path:
     return path
 
 
+def _render(store: dict) -> dict[str, list[dict]]:
+    """The chart's objects with these store values, by template file name."""
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render({"store": store}, name="loraplex", namespace="ml", is_install=True)
+    return {
+        Path(p).name: [o for o in yaml.safe_load_all(t) if o]
+        for p, t in out.items()
+        if p.endswith(".yaml")
+    }
+
+
 def _rendered_worker(store_url: str) -> tuple[dict, str]:
     """The worker's container and its serve.yaml, as Helm renders them with the store."""
-    values = {"store": {"url": store_url, "secret": {"name": "loras-pull"}}}
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="loraplex", namespace="ml", is_install=True)
-    text = next(t for p, t in out.items() if p.endswith("worker.yaml"))
-    config, deployment = [o for o in yaml.safe_load_all(text) if o][:2]
+    config, deployment = _render({"url": store_url, "secret": {"name": "loras-pull"}})[
+        "worker.yaml"
+    ][:2]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     return container, config["data"]["serve.yaml"]
 
@@ -335,6 +344,96 @@ def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the
     for model, adapter in adapters.items():
         expected = _peft_answer(llama_dir, adapter, "hello", 6)
         assert answers[model] == {"router": expected, "a": expected, "b": expected}, model
+
+
+@pytest.fixture
+def bundled_store(tmp_path):
+    """The chart's bundled store (`store.bundled.enabled`) as a local process: its container's
+    environment over a minimal config file, its volume under tmp_path, on a loopback port.
+    Yields (the objects rendered, the worker's store URL, its address here)."""
+    objects = _render({"bundled": {"enabled": True}})
+    container = objects["store.yaml"][1]["spec"]["template"]["spec"]["containers"][0]
+    port, root = _free_port(), tmp_path / "store-pod"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["REGISTRY_HTTP_ADDR"] == ":5000"
+    env["REGISTRY_HTTP_ADDR"] = f"127.0.0.1:{port}"
+    env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"] = str(
+        _local(root, env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"])
+    )
+    (root / "config.yml").parent.mkdir(parents=True)
+    (root / "config.yml").write_text(
+        json.dumps({"version": 0.1, "storage": {"filesystem": {"rootdirectory": "/nowhere"}}})
+    )
+    log = (root / "registry.log").open("wb")
+    proc = subprocess.Popen(
+        [REGISTRY_BIN, "serve", str(root / "config.yml")],
+        stdout=log,
+        stderr=log,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+    try:
+        _wait_ready_path(f"http://127.0.0.1:{port}/v2/", proc)
+        yield objects, "oci+http://loraplex-store:5000/loras", f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _wait_ready_path(url: str, proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, f"{url} did not answer"
+        time.sleep(0.05)
+
+
+def test_the_bundled_store_takes_a_publish_through_a_worker_and_serves_it(
+    bundled_store, pg_url, llama_dir, tmp_path
+):
+    """The quick start's store: a worker rendered with `store.bundled.enabled` (its in-cluster
+    name read as this machine's loopback address) pushes what the operator publishes through it
+    into the bundled registry, and answers it as HF+PEFT does."""
+    objects, in_cluster, here = bundled_store
+    config, deployment = objects["worker.yaml"][:2]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert f"--storage-base={in_cluster}" in container["args"]
+    assert yaml.safe_load(config["data"]["serve.yaml"])["allowed-roots"] == [in_cluster]
+    local_url = in_cluster.replace("loraplex-store:5000", here)
+    container["args"] = [a.replace(in_cluster, local_url) for a in container["args"]]
+    serve_yaml = config["data"]["serve.yaml"].replace(in_cluster, local_url)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+    env["LORAPLEX_REGISTRY_URL"] = pg_url
+    pod, laptop = tmp_path / "pod", tmp_path / "laptop"
+    adapter = make_adapter(llama_dir, tmp_path / "sql", seed=11, r=4, lora_alpha=8)
+    proc, stderr = _start_worker(pod, container, serve_yaml, llama_dir, env)
+    try:
+        url, admin = _addresses(proc, ("loraplex serving", "loraplex admin API"))
+        published = _loraplex(
+            laptop, "publish", adapter, "--name", "sql", "--url", admin,
+            "--admin-token-file", _local(pod, "/var/run/secrets/loraplex-admin/token"), "--stable",
+        )  # fmt: skip
+        assert published.returncode == 0, published.stderr
+        answer = _complete(url, "sql", {"Authorization": f"Bearer {API_KEY}"})
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        stderr.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == _peft_answer(llama_dir, adapter, "hello", 6)
+    shown = _laptop(laptop, "--registry", pg_url, "show", "sql", "--json")
+    uri = json.loads(shown.stdout)["revisions"][0]["storage_uri"]
+    assert uri.startswith(local_url + "@sha256:"), uri
+    manifest = httpx.get(
+        f"http://{here}/v2/loras/manifests/{uri.rsplit('@', 1)[1]}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        timeout=10,
+    )
+    assert manifest.status_code == 200, manifest.text  # in the bundled registry
 
 
 def _peft_answer(model: Path, adapter: Path, prompt: str, max_tokens: int) -> str:
