@@ -325,17 +325,7 @@ def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the
         started.append(_start(router_cmd, tmp_path / "router.log", env))
         router = _addresses(started[-1][0], ("loraplex router listening",))[0]
         _wait_ready(router)
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        answers = {}
-        for model in adapters:
-            routed = _complete(router, model, headers)
-            assert routed.status_code == 200, routed.text
-            assert routed.headers["x-loraplex-worker"] in urls
-            answers[model] = {"router": routed.json()["choices"][0]["text"]}
-            for name, url in zip(("a", "b"), urls, strict=True):
-                direct = _complete(url, model, headers)
-                assert direct.status_code == 200, (name, direct.text)
-                answers[model][name] = direct.json()["choices"][0]["text"]
+        answers = {model: _answers(router, urls, model) for model in adapters}
     finally:
         for proc, log in started:
             proc.terminate()
@@ -344,6 +334,20 @@ def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the
     for model, adapter in adapters.items():
         expected = _peft_answer(llama_dir, adapter, "hello", 6)
         assert answers[model] == {"router": expected, "a": expected, "b": expected}, model
+
+
+def _answers(router: str, workers: list[str], model: str) -> dict[str, str]:
+    """The model's answer through the router and from each worker ("a", "b", ...) directly."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    routed = _complete(router, model, headers)
+    assert routed.status_code == 200, routed.text
+    assert routed.headers["x-loraplex-worker"] in workers
+    out = {"router": routed.json()["choices"][0]["text"]}
+    for name, url in zip("ab", workers, strict=True):
+        direct = _complete(url, model, headers)
+        assert direct.status_code == 200, (name, direct.text)
+        out[name] = direct.json()["choices"][0]["text"]
+    return out
 
 
 @pytest.fixture
