@@ -10,6 +10,7 @@ import httpx
 import typer
 
 from loraplex.loadgen.cli import app as bench_app
+from loraplex.registry import RegistryError
 from loraplex.registry.cli import app as registry_app
 from loraplex.rollout.cli import app as rollout_app
 from loraplex.server.auth import read_admin_token
@@ -81,7 +82,12 @@ def router(settings: RouterSettings) -> None:
     metrics_token = _or_exit_2(
         read_option_file, read_admin_token, settings.metrics_token_file, "--metrics-token-file"
     )
-    sys.exit(serve_router(settings, token, metrics_token))
+    try:
+        code = serve_router(settings, token, metrics_token)
+    except RegistryError as exc:  # the registry is read, never made: a missing one is named
+        typer.echo(f"error: --registry: {exc}", err=True)
+        raise typer.Exit(2) from None
+    sys.exit(code)
 
 
 @app.command()

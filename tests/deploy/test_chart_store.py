@@ -1,7 +1,7 @@
 """The chart's `store` section rendered by Helm's engine (helm-python-sdk): each kind of shared
-artifact store (OCI, S3, a directory on a shared volume) becomes the workers' allowed root, with
-its login or volume, every object valid; bad store values refused naming the field; NOTES saying
-how to register into the store."""
+artifact store (OCI, S3, a directory on a shared volume, the bundled distribution registry) becomes
+the workers' allowed root, with its login or volume, every object valid; bad store values refused
+naming the field; NOTES saying how to register into the store."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ def _notes(values: dict) -> str:
     return next(t for p, t in _render(values).items() if p.endswith("NOTES.txt"))
 
 
-def test_an_oci_store_is_the_workers_allowed_root_with_its_login_mounted():
+def test_an_oci_store_is_the_workers_allowed_root_and_storage_base_with_its_login_mounted():
     settings, pod = _worker({"store": OCI})
     assert settings["allowed-roots"] == ["oci://registry.internal/loras"]
     container = pod["containers"][0]
+    assert "--storage-base=oci://registry.internal/loras" in container["args"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["LORAPLEX_OCI_AUTH_FILE"] == "/var/run/secrets/loraplex-store/config.json"
     mount = next(m for m in container["volumeMounts"] if m["name"] == "store-login")
@@ -62,18 +63,48 @@ def test_an_s3_store_takes_its_credentials_and_endpoint_from_the_environment():
     settings, pod = _worker({"store": S3})
     assert settings["allowed-roots"] == ["s3://loras/prod"]
     container = pod["containers"][0]
+    # a worker cannot put revisions in S3: its uploads are refused, naming --storage-base
+    assert not [a for a in container["args"] if a.startswith(("--storage-base", "--store"))]
     assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"} in container["env"]
     assert container["envFrom"] == [{"secretRef": {"name": "loras-s3", "optional": True}}]
 
 
-def test_a_volume_store_is_mounted_read_only_at_its_path_and_joins_the_allowed_roots():
+def test_a_volume_store_is_the_workers_store_at_its_path_and_joins_the_allowed_roots():
     values = {"store": VOLUME, "worker": {"serve": {"allowed-roots": ["/srv/other"]}}}
     settings, pod = _worker(values)
     assert settings["allowed-roots"] == ["/srv/other", "/srv/loras"]
+    assert "--store=/srv/loras" in pod["containers"][0]["args"]
+    # writable: uploads through a worker land in it
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "store")
-    assert mount == {"name": "store", "mountPath": "/srv/loras", "readOnly": True}
+    assert mount == {"name": "store", "mountPath": "/srv/loras"}
     volume = next(v for v in pod["volumes"] if v["name"] == "store")
-    assert volume["persistentVolumeClaim"] == {"claimName": "loras", "readOnly": True}
+    assert volume["persistentVolumeClaim"] == {"claimName": "loras"}
+
+
+@pytest.mark.parametrize("key", ["store", "storage-base"])
+def test_the_store_keys_in_worker_serve_are_refused_naming_the_store_section(key):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:
+        chart.render({"worker": {"serve": {key: "/srv/x"}}}, name="lp", is_install=True)
+    assert f"the chart sets --{key} itself from store.url" in str(refused.value)
+
+
+def test_the_bundled_store_is_a_distribution_registry_the_workers_push_to_and_read():
+    values = {"store": {"bundled": {"enabled": True}}}
+    settings, pod = _worker(values)
+    url = "oci+http://lp-store:5000/loras"
+    assert settings["allowed-roots"] == [url]
+    assert f"--storage-base={url}" in pod["containers"][0]["args"]
+    text = next(t for p, t in _render(values).items() if p.endswith("store.yaml"))
+    service, stateful = [o for o in yaml.safe_load_all(text) if o]
+    for obj in (service, stateful):
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+    assert service["spec"]["ports"] == [{"name": "oci", "port": 5000, "targetPort": "oci"}]
+    spec = stateful["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["containers"][0]["readinessProbe"]["httpGet"] == {"path": "/v2/", "port": "oci"}
+    notes = _notes(values)
+    assert "loraplex publish DIR --name NAME --url http://127.0.0.1:8001" in notes
+    assert not any(t.strip() for p, t in _render({}).items() if p.endswith("store.yaml"))
 
 
 def test_without_a_store_nothing_is_added_and_notes_say_adapters_from_outside_cannot_load():
@@ -113,6 +144,8 @@ def test_notes_say_a_missing_postgres_secret_blocks_the_postgres_pod():
         ({"s3Endpoint": "minio:9000"}, "/store/s3Endpoint"),
         ({"secret": {"name": "Bad Name"}}, "/store/secret/name"),
         ({"bucket": "x"}, "bucket"),
+        ({"url": "oci://registry.internal/loras", "bundled": {"enabled": True}}, "/store/url"),
+        ({"bundled": {"enabled": True, "storage": "lots"}}, "/store/bundled/storage"),
     ],
 )
 def test_a_bad_store_value_is_refused_naming_the_field(store, field):

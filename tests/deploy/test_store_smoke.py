@@ -3,7 +3,8 @@ allows: the worker's container rendered by Helm (with `store.url` an OCI registr
 Secret) run as a local process; a real distribution registry (Debian's `docker-registry`) as the
 store; an adapter registered from another HOME, as from an operator's laptop. With the store the
 worker answers as HF+PEFT does; an adapter recorded in the laptop's own directory is the 503 the
-store prevents."""
+store prevents. Then a fleet: two such workers and the router on a throwaway PostgreSQL registry,
+serving an adapter added from the laptop and one published through a worker, both from the store."""
 
 from __future__ import annotations
 
@@ -85,13 +86,22 @@ def _docker_config(path: Path, host: str) -> Path:
     return path
 
 
+def _render(store: dict) -> dict[str, list[dict]]:
+    """The chart's objects with these store values, by template file name."""
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render({"store": store}, name="loraplex", namespace="ml", is_install=True)
+    return {
+        Path(p).name: [o for o in yaml.safe_load_all(t) if o]
+        for p, t in out.items()
+        if p.endswith(".yaml")
+    }
+
+
 def _rendered_worker(store_url: str) -> tuple[dict, str]:
     """The worker's container and its serve.yaml, as Helm renders them with the store."""
-    values = {"store": {"url": store_url, "secret": {"name": "loras-pull"}}}
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="loraplex", namespace="ml", is_install=True)
-    text = next(t for p, t in out.items() if p.endswith("worker.yaml"))
-    config, deployment = [o for o in yaml.safe_load_all(text) if o][:2]
+    config, deployment = _render({"url": store_url, "secret": {"name": "loras-pull"}})[
+        "worker.yaml"
+    ][:2]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     return container, config["data"]["serve.yaml"]
 
@@ -133,20 +143,26 @@ def _start_worker(pod: Path, container: dict, serve_yaml: str, model: Path, env:
     return proc, stderr
 
 
-def _address(proc, timeout: float = 180.0) -> str:
+def _addresses(proc, prefixes: tuple[str, ...], timeout: float = 180.0) -> list[str]:
+    """The URLs the process prints on the lines that start with `prefixes`, in that order."""
     found: list[str] = []
 
     def read():
         for line in proc.stdout:
-            if line.startswith("loraplex serving"):
-                found.append(line.rsplit(" ", 1)[-1].strip())
-                return
+            if line.startswith(prefixes[len(found)]):
+                found.append(line.split(" on ", 1)[1].split()[0].strip())
+                if len(found) == len(prefixes):
+                    return
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout)
-    assert found, "the worker did not print its address"
-    return found[0]
+    assert len(found) == len(prefixes), f"the process printed {found}, not {prefixes}"
+    return found
+
+
+def _address(proc) -> str:
+    return _addresses(proc, ("loraplex serving",))[0]
 
 
 def _laptop(home: Path, *args) -> subprocess.CompletedProcess:
@@ -214,6 +230,214 @@ def test_an_adapter_registered_from_a_laptop_into_the_chart_store_is_answered_ri
     assert "outside the allowed roots" in (pod / "stderr.log").read_text()
 
     assert answer.json()["choices"][0]["text"] == _peft_answer(llama_dir, adapter, "hello", 6)
+
+
+def _loraplex(home: Path, *args) -> subprocess.CompletedProcess:
+    """`loraplex ...` from the operator's machine: its own HOME and docker login."""
+    return subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(ROOT / "src")},
+    )
+
+
+def _start(command: list, log: Path, env: dict) -> tuple[subprocess.Popen, object]:
+    stderr = log.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", *map(str, command)],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    return proc, stderr
+
+
+def _wait_ready(url: str, timeout: float = 60.0) -> None:
+    """Until `url`/ready answers 200 (the router prints its address before uvicorn listens)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} is not ready"
+        time.sleep(0.1)
+
+
+def _complete(url: str, model: str, headers: dict) -> httpx.Response:
+    body = {"model": model, "prompt": "hello", "max_tokens": 6, "temperature": 0}
+    return httpx.post(
+        f"{url}/v1/completions", json={**body, "ignore_eos": True}, headers=headers, timeout=120
+    )
+
+
+def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the_shared_store(
+    oci_store, pg_url, llama_dir, tmp_path
+):
+    """Two chart workers and the router on one PostgreSQL registry: an adapter the operator adds
+    from a laptop and one a trainer publishes through the first worker both land in the OCI
+    store, and every worker answers both as HF+PEFT does, directly and through the router."""
+    store_url = f"oci+http://{oci_store}/loras"
+    container, serve_yaml = _rendered_worker(store_url)
+    assert f"--storage-base={store_url}" in container["args"]
+    laptop = tmp_path / "laptop"
+    _docker_config(laptop / ".docker" / "config.json", oci_store)
+    adapters = {
+        "sql": make_adapter(llama_dir, tmp_path / "sql", seed=7, r=4, lora_alpha=8),
+        "pub": make_adapter(llama_dir, tmp_path / "pub", seed=9, r=4, lora_alpha=8),
+    }
+    at = ["--registry", pg_url]
+    assert _laptop(laptop, *at, "init").returncode == 0
+    added = _laptop(
+        laptop, *at, "--storage-base", store_url, "add", adapters["sql"], "--name", "sql",
+        "--base-model", llama_dir, "--stable", "--json",
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    assert not (laptop / ".local" / "share" / "loraplex" / "registry.db").exists()
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+    env["LORAPLEX_REGISTRY_URL"] = pg_url
+    started, urls, admin_urls = [], [], []
+    try:
+        for pod in (tmp_path / "pod-a", tmp_path / "pod-b"):
+            _docker_config(_local(pod, "/var/run/secrets/loraplex-store/config.json"), oci_store)
+            started.append(_start_worker(pod, container, serve_yaml, llama_dir, dict(env)))
+        for proc, _ in started:
+            url, admin = _addresses(proc, ("loraplex serving", "loraplex admin API"))
+            urls.append(url)
+            admin_urls.append(admin)
+        token_file = tmp_path / "pod-a" / "var/run/secrets/loraplex-admin/token"
+        published = _loraplex(
+            laptop, "publish", adapters["pub"], "--name", "pub", "--url", admin_urls[0],
+            "--admin-token-file", token_file, "--stable",
+        )  # fmt: skip
+        assert published.returncode == 0, published.stderr
+        shown = _laptop(laptop, *at, "show", "pub", "--json")
+        uri = json.loads(shown.stdout)["revisions"][0]["storage_uri"]
+        assert uri.startswith(store_url + "@sha256:"), uri
+
+        router_cmd = ["router", "--registry", pg_url, "--port", "0"]
+        router_cmd += [f"--worker={url}" for url in urls]
+        started.append(_start(router_cmd, tmp_path / "router.log", env))
+        router = _addresses(started[-1][0], ("loraplex router listening",))[0]
+        _wait_ready(router)
+        answers = {model: _answers(router, urls, model) for model in adapters}
+    finally:
+        for proc, log in started:
+            proc.terminate()
+            proc.wait(60)
+            log.close()
+    for model, adapter in adapters.items():
+        expected = _peft_answer(llama_dir, adapter, "hello", 6)
+        assert answers[model] == {"router": expected, "a": expected, "b": expected}, model
+
+
+def _answers(router: str, workers: list[str], model: str) -> dict[str, str]:
+    """The model's answer through the router and from each worker ("a", "b", ...) directly."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    routed = _complete(router, model, headers)
+    assert routed.status_code == 200, routed.text
+    assert routed.headers["x-loraplex-worker"] in workers
+    out = {"router": routed.json()["choices"][0]["text"]}
+    for name, url in zip("ab", workers, strict=True):
+        direct = _complete(url, model, headers)
+        assert direct.status_code == 200, (name, direct.text)
+        out[name] = direct.json()["choices"][0]["text"]
+    return out
+
+
+@pytest.fixture
+def bundled_store(tmp_path):
+    """The chart's bundled store (`store.bundled.enabled`) as a local process: its container's
+    environment over a minimal config file, its volume under tmp_path, on a loopback port.
+    Yields (the objects rendered, the worker's store URL, its address here)."""
+    objects = _render({"bundled": {"enabled": True}})
+    container = objects["store.yaml"][1]["spec"]["template"]["spec"]["containers"][0]
+    port, root = _free_port(), tmp_path / "store-pod"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["REGISTRY_HTTP_ADDR"] == ":5000"
+    env["REGISTRY_HTTP_ADDR"] = f"127.0.0.1:{port}"
+    env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"] = str(
+        _local(root, env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"])
+    )
+    (root / "config.yml").parent.mkdir(parents=True)
+    (root / "config.yml").write_text(
+        json.dumps({"version": 0.1, "storage": {"filesystem": {"rootdirectory": "/nowhere"}}})
+    )
+    log = (root / "registry.log").open("wb")
+    proc = subprocess.Popen(
+        [REGISTRY_BIN, "serve", str(root / "config.yml")],
+        stdout=log,
+        stderr=log,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+    try:
+        _wait_ready_path(f"http://127.0.0.1:{port}/v2/", proc)
+        yield objects, "oci+http://loraplex-store:5000/loras", f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _wait_ready_path(url: str, proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, f"{url} did not answer"
+        time.sleep(0.05)
+
+
+def test_the_bundled_store_takes_a_publish_through_a_worker_and_serves_it(
+    bundled_store, pg_url, llama_dir, tmp_path
+):
+    """The quick start's store: a worker rendered with `store.bundled.enabled` (its in-cluster
+    name read as this machine's loopback address) pushes what the operator publishes through it
+    into the bundled registry, and answers it as HF+PEFT does."""
+    objects, in_cluster, here = bundled_store
+    config, deployment = objects["worker.yaml"][:2]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert f"--storage-base={in_cluster}" in container["args"]
+    assert yaml.safe_load(config["data"]["serve.yaml"])["allowed-roots"] == [in_cluster]
+    local_url = in_cluster.replace("loraplex-store:5000", here)
+    container["args"] = [a.replace(in_cluster, local_url) for a in container["args"]]
+    serve_yaml = config["data"]["serve.yaml"].replace(in_cluster, local_url)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+    env["LORAPLEX_REGISTRY_URL"] = pg_url
+    pod, laptop = tmp_path / "pod", tmp_path / "laptop"
+    adapter = make_adapter(llama_dir, tmp_path / "sql", seed=11, r=4, lora_alpha=8)
+    proc, stderr = _start_worker(pod, container, serve_yaml, llama_dir, env)
+    try:
+        url, admin = _addresses(proc, ("loraplex serving", "loraplex admin API"))
+        published = _loraplex(
+            laptop, "publish", adapter, "--name", "sql", "--url", admin,
+            "--admin-token-file", _local(pod, "/var/run/secrets/loraplex-admin/token"), "--stable",
+        )  # fmt: skip
+        assert published.returncode == 0, published.stderr
+        answer = _complete(url, "sql", {"Authorization": f"Bearer {API_KEY}"})
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        stderr.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == _peft_answer(llama_dir, adapter, "hello", 6)
+    shown = _laptop(laptop, "--registry", pg_url, "show", "sql", "--json")
+    uri = json.loads(shown.stdout)["revisions"][0]["storage_uri"]
+    assert uri.startswith(local_url + "@sha256:"), uri
+    manifest = httpx.get(
+        f"http://{here}/v2/loras/manifests/{uri.rsplit('@', 1)[1]}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        timeout=10,
+    )
+    assert manifest.status_code == 200, manifest.text  # in the bundled registry
 
 
 def _peft_answer(model: Path, adapter: Path, prompt: str, max_tokens: int) -> str:

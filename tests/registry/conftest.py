@@ -1,13 +1,8 @@
 """Fixtures: real PEFT adapters on the tiny Llama (tests/tinymodels.py), registries on SQLite files
-and on a throwaway PostgreSQL cluster when the machine has one."""
+and on the throwaway PostgreSQL cluster of tests/conftest.py when the machine has one."""
 
 from __future__ import annotations
 
-import itertools
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,92 +60,6 @@ def wide_base_dir(tmp_path_factory):
     """Hidden size 32: adapters made on it do not fit the tiny Llama's shapes."""
     return make_model(
         tmp_path_factory.mktemp("wide"), "llama", hidden_size=32, intermediate_size=64
-    )
-
-
-# ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists ---------------
-
-
-def _pg_bin() -> Path | None:
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    return found[-1].parent if found else None
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    """(socket dir, run-as prefix) of a running throwaway cluster, or skip saying why there is
-    none."""
-    bin_dir = _pg_bin()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)")
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        pytest.skip("psycopg is not installed")
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
-        if (
-            shutil.which("runuser") is None
-            or subprocess.run(["id", "postgres"], capture_output=True).returncode
-        ):
-            pytest.skip("running as root without a postgres user and runuser to start a cluster")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    work = Path(tempfile.mkdtemp(prefix="loraplex-pg-"))
-    work.chmod(0o755)
-    if as_user:
-        shutil.chown(work, "postgres")
-    data = work / "data"
-
-    def run(*args):
-        return subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)
-
-    init = run(
-        str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"
-    )
-    if init.returncode:
-        shutil.rmtree(work, ignore_errors=True)
-        pytest.skip(f"initdb failed: {init.stderr.strip()[-300:]}")
-    options = f"-k {work} -c listen_addresses='' -c fsync=off -c max_connections=60"
-    start = run(
-        str(bin_dir / "pg_ctl"),
-        "-D",
-        str(data),
-        "-o",
-        options,
-        "-l",
-        str(work / "log"),
-        "-w",
-        "start",
-    )
-    if start.returncode:
-        shutil.rmtree(work, ignore_errors=True)
-        pytest.skip(f"pg_ctl start failed: {start.stderr.strip()[-300:]}")
-    try:
-        yield work
-    finally:
-        run(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
-        shutil.rmtree(work, ignore_errors=True)
-
-
-_schema_numbers = itertools.count()
-
-
-@pytest.fixture
-def pg_url(postgres_server):
-    """A fresh, empty PostgreSQL schema, as its own database URL (skips when no cluster could
-    start).
-
-    A schema per test rather than a database: CREATE DATABASE copies a template on disk each time.
-    """
-    import psycopg
-
-    schema = f"t{next(_schema_numbers)}"
-    with psycopg.connect(
-        host=str(postgres_server), user="postgres", dbname="postgres", autocommit=True
-    ) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    return (
-        f"postgresql://postgres@/postgres?host={postgres_server}&options=-csearch_path%3D{schema}"
     )
 
 

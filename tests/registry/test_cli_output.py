@@ -191,8 +191,8 @@ def test_add_to_a_server_database_refuses_a_store_only_this_machine_has(
     assert result.stderr == (
         f"error: the registry is a server database, but revisions would be stored in {home_store} "
         "on this machine only, where workers cannot read them: give --storage-base with the "
-        "cluster's store (oci://HOST/REPOSITORY, which add pushes to), or --store DIR on a volume "
-        "the workers mount at the same path\n"
+        "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
+        "on a volume the workers mount at the same path\n"
     )
     assert not home_store.exists()
 

@@ -1,5 +1,6 @@
-"""`loraplex router` as a real process: an admin token file that is missing or too short stops it
-with exit code 2 and one line on stderr naming the flag, as `serve` does."""
+"""`loraplex router` as a real process: an admin token file that is missing or too short, or a
+registry it cannot read, stops it with exit code 2 and one line on stderr naming the flag, as
+`serve` does."""
 
 import subprocess
 import sys
@@ -61,3 +62,47 @@ def test_the_commands_that_do_not_serve_do_not_load_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_registry_the_router_cannot_read_stops_it_with_one_line_and_creates_nothing(
+    tmp_path, pg_url
+):
+    """The router only reads the registry: a missing SQLite file stays missing, an empty database
+    stays empty, and each is one line naming --registry, as serve's."""
+    missing = tmp_path / "nowhere" / "registry.db"
+    cases = {
+        f"sqlite:///{missing}": f"error: --registry: no registry at {missing}: create it with "
+        "`loraplex registry init`",
+        "mysql://u:pw@db/x": "error: --registry: unsupported registry URL (scheme 'mysql'): give "
+        "sqlite:///FILE, postgresql://... or postgresql+psycopg://...",
+        "postgresql://u@/x?host=/nonexistent": "error: --registry: cannot open the registry: ",
+        pg_url: "is not initialized: run `loraplex registry init`",
+    }
+    procs = {
+        url: subprocess.Popen(
+            [sys.executable, "-m", "loraplex.cli", "router", "--worker", "http://127.0.0.1:9"]
+            + ["--port", "0", "--registry", url],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for url in cases
+    }
+    try:
+        results = {url: (proc.wait(60), proc.communicate()[1]) for url, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for url, (code, stderr) in results.items():
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and cases[url] in lines[0], (url, stderr)
+    assert not missing.parent.exists()
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        tables = conn.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = current_schema()"
+        ).fetchone()
+    assert tables == (0,)

@@ -92,7 +92,7 @@ def route(url: str, pool_waiting: int, named_pool: bool = False):
         config = RouterConfig(
             workers=(pool, other),
             admin_token=TOKEN,
-            splits=registry_splits(url),
+            splits=registry_splits(Registry(url)),
             stale_after_s=600,
             poll_interval_s=0.02,
         )

@@ -1,6 +1,7 @@
 """`serve --print-config` checks what `serve` checks on this machine before it starts (the model
-directory, the option files, the data directory, the allowed roots, --lora-modules, the registry
-URL's form, that the ports are free) and refuses with the same one line; it writes nothing."""
+directory, the option files, the data directory, the store, the allowed roots, --lora-modules,
+the registry URL's form, that the ports are free) and refuses with the same one line; it writes
+nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def _cases(tmp: Path, busy: int) -> list[tuple[list, str]]:
         (["--registry", "mysql://u:pw@db/x"], "unsupported registry URL (scheme 'mysql')"),
         (["--registry", "$(LORAPLEX_REGISTRY_URL)"], "LORAPLEX_REGISTRY_URL is not set"),
         (["--api-keys", tmp / "keys"], "error: --api-keys: "),
+        (["--store", tmp / "a-file" / "s"], f"error: --store {tmp / 'a-file' / 's'}: "),
+        (["--storage-base", "ftp://files/x"], "error: --storage-base: storage base 'ftp://"),
+        (["--storage-base", "s3://b/loras"], "--storage-base s3://b/loras: serve pushes revisions"),
     ]
 
 

@@ -100,6 +100,7 @@ class Registration:
         allowed: AllowList | None = None,
         storage_base: str | None = None,
         strict_base_model_name: bool = False,
+        unreachable_store: str | None = None,
     ):
         """`storage_base`: URL under which the store's `<hex>` directories are served, or an OCI
         repository (`oci://HOST/REPOSITORY`) each revision's bytes are pushed to (else file://
@@ -109,6 +110,8 @@ class Registration:
         `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are
         refused. `strict_base_model_name`: refuse an adapter whose config names another base model
         (by default a warning: its shapes are checked against the base model either way).
+        `unreachable_store`: why the workers could not read what this registration would store
+        (`store.unreachable_store`); when given, every registration is refused with it.
         """
         self.store = store
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
@@ -117,6 +120,7 @@ class Registration:
         self.trusted_keys = tuple(trusted_keys)
         self.allowed = allowed
         self.storage_base = check_storage_base(storage_base).rstrip("/") if storage_base else None
+        self.unreachable_store = unreachable_store
 
     def add_revision(
         self,
@@ -200,6 +204,8 @@ class Registration:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
         its bytes into the store; AdapterRejected naming the field otherwise. `reuse_from`: a name
         whose previous revision's checks hold when the adapter has its config and tensors."""
+        if self.unreachable_store is not None:
+            raise RegistryError(self.unreachable_store)
         if self.allowed is not None:
             self._check_source_allowed(src)
         model, base_name, base_digest = self._base_model(src, base_model_dir, base_model)

@@ -9,8 +9,11 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from loraplex.artifacts import AllowList, ArtifactStore
 from loraplex.registry.bulk import BulkImport
+from loraplex.registry.errors import RegistryError
 from loraplex.registry.lifecycle import LifeCycle
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import NAME_RE
@@ -19,7 +22,7 @@ from loraplex.registry.retention import Retention
 from loraplex.registry.store import Store, default_store_for
 from loraplex.registry.tenancy import Tenancy, check_tenant_limits
 
-__all__ = ["NAME_RE", "Registry", "check_tenant_limits", "default_store_for"]
+__all__ = ["NAME_RE", "Registry", "check_tenant_limits", "default_store_for", "open_existing"]
 
 
 class Registry:
@@ -39,11 +42,12 @@ class Registry:
         grace_period_s: float = 600.0,
         actor: str = "loraplex",
         strict_base_model_name: bool = False,
+        unreachable_store: str | None = None,
         create: bool = True,
     ):
         """`store`: the artifact store (default: `artifacts/` beside a SQLite file); the other
-        settings are those of `Registration`, `Reading` (`grace_period_s`) and `Store` (`actor`,
-        `create`)."""
+        settings are those of `Registration` (`storage_base`, `unreachable_store`, ...), `Reading`
+        (`grace_period_s`) and `Store` (`actor`, `create`)."""
         self.db = Store(url, store, actor, create)
         # `store` is the artifact store, as the constructor's argument names it
         self.url, self.engine, self.store = url, self.db.engine, self.db.artifacts
@@ -55,6 +59,7 @@ class Registry:
             allowed=allowed,
             storage_base=storage_base,
             strict_base_model_name=strict_base_model_name,
+            unreachable_store=unreachable_store,
         )
         self.bulk = BulkImport(self.registration)
         self.reading = Reading(self.db, timedelta(seconds=grace_period_s))
@@ -97,3 +102,23 @@ class Registry:
         self.revoke_key = self.tenancy.revoke_key
         self.tenant_for_key = self.tenancy.tenant_for_key
         self.list_keys = self.tenancy.list_keys
+
+
+def open_existing(url: str, **kwargs) -> Registry:
+    """The registry at `url` as it is, for a command that only reads it: nothing is created, and a
+    missing SQLite file, a database without tables, an unsupported URL, one that cannot be reached
+    or a driver that is not installed is one RegistryError line."""
+    registry = None
+    try:
+        registry = Registry(url, create=False, **kwargs)
+        registry.db.check_ready()
+        return registry
+    except RegistryError:
+        if registry is not None:
+            registry.close()
+        raise
+    except (SQLAlchemyError, OSError, ImportError) as exc:
+        if registry is not None:
+            registry.close()
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise RegistryError(f"cannot open the registry: {reason}") from None

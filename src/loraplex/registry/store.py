@@ -34,6 +34,22 @@ def default_store_for(url: str) -> ArtifactStore | None:
     return ArtifactStore(path.parent / "artifacts") if path else None
 
 
+def unreachable_store(
+    url: str, storage_base: str | None, store_named: bool, store_root: Path
+) -> str | None:
+    """Why revisions recorded in `url` would be unreadable by the workers of other machines: a
+    server database whose revisions go to this machine's default store, with no storage base they
+    are pushed to and no store named on a shared volume. None when they are readable."""
+    if url.startswith("sqlite") or storage_base or store_named:
+        return None
+    return (
+        f"the registry is a server database, but revisions would be stored in {store_root} on "
+        "this machine only, where workers cannot read them: give --storage-base with the "
+        "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
+        "on a volume the workers mount at the same path"
+    )
+
+
 class Store:
     """What every service of the registry is given: the database, its sessions, the audit event,
     and the artifact store."""

@@ -11,6 +11,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -31,6 +32,9 @@ from loraplex.router.pools import DEFAULT_POOL, PoolSpec, tiers
 from loraplex.router.routing import Refusal, Wanted, need_of, route
 from loraplex.router.splits import Splits
 from loraplex.settings.router import DEFAULTS as D
+
+if TYPE_CHECKING:
+    from loraplex.registry import Registry
 
 log = logging.getLogger("loraplex.router")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -513,14 +517,11 @@ routes.add_api_route("/admin/workers", remove_worker, methods=["DELETE"])
 routes.add_api_route("/admin/adapters/{name}/upload", upload, methods=["POST"])
 
 
-def registry_callers(url: str) -> Callable[[str], tuple[str | None, int]]:
-    """Bearer key -> (tenant, its priority), read from the registry (remembered per key for a
+def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, int]]:
+    """Bearer key -> (tenant, its priority), read from `registry` (remembered per key for a
     minute); no key: the open tenant."""
     import time
 
-    from loraplex.registry import Registry
-
-    registry = Registry(url)
     memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
 
     tenants: list = [-math.inf, {}]  # when read, tenant -> priority

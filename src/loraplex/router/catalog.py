@@ -8,8 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loraplex.router.pools import Need
+
+if TYPE_CHECKING:
+    from loraplex.registry import Registry
 
 log = logging.getLogger("loraplex.router")
 
@@ -79,11 +83,8 @@ class AdapterCatalog:
             log.warning("adapter catalog not read: %s", exc)
 
 
-def registry_catalog(url: str) -> AdapterCatalog:
-    """The adapters of the registry at `url`."""
-    from loraplex.registry import Registry
-
-    registry = Registry(url)
+def registry_catalog(registry: Registry) -> AdapterCatalog:
+    """The adapters of `registry`."""
 
     def read_revisions() -> list[RevisionFacts]:
         return [

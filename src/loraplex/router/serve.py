@@ -6,6 +6,7 @@ import socket
 
 import uvicorn
 
+from loraplex.registry.registry import open_existing
 from loraplex.router.app import RouterConfig, create_router_app, registry_callers
 from loraplex.router.catalog import registry_catalog
 from loraplex.router.picker import PickerConfig
@@ -46,9 +47,11 @@ def serve_router(
 
 
 def _from_registry(url: str) -> dict:
-    """What the router reads from the registry: callers' tenants, split names, adapters' bases."""
+    """What the router reads from the registry: callers' tenants, split names, adapters' bases.
+    It only reads: a registry that is not there is a RegistryError, and nothing is created."""
+    registry = open_existing(url)
     return {
-        "caller_of": registry_callers(url),
-        "splits": registry_splits(url),
-        "catalog": registry_catalog(url),
+        "caller_of": registry_callers(registry),
+        "splits": registry_splits(registry),
+        "catalog": registry_catalog(registry),
     }

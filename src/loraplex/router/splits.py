@@ -8,9 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from loraplex.registry.traffic import pick
 from loraplex.router.picker import Pick, Picker, WorkerView
+
+if TYPE_CHECKING:
+    from loraplex.registry import Registry
 
 log = logging.getLogger("loraplex.router")
 
@@ -71,12 +75,10 @@ def pool_first(
     return Pick((*chosen.ranking, *others), "canary-pool")
 
 
-def registry_splits(url: str) -> Splits:
-    """The splits of the registry at `url`."""
-    from loraplex.registry import Registry
+def registry_splits(registry: Registry) -> Splits:
+    """The splits of `registry`."""
     from loraplex.registry.rollouts import RolloutStore
 
-    registry = Registry(url)
     rollouts = RolloutStore(registry)
 
     def read_splits():

@@ -9,9 +9,10 @@ import re
 import socket
 from pathlib import Path
 
-from loraplex.artifacts import AllowList
+from loraplex.artifacts import AllowList, is_oci_uri
 from loraplex.registry.db import check_database_url
 from loraplex.registry.errors import RegistryError
+from loraplex.registry.registration import check_storage_base
 from loraplex.server.startup import StartupError
 from loraplex.settings.serve import ServeSettings
 
@@ -20,9 +21,12 @@ ROOT_SCHEMES = ("file", "http", "https", "s3", "oci", "oci+http")
 
 
 def check_machine(options: ServeSettings, ports: bool) -> None:
-    """The data directory, the allowed roots, --lora-modules, the registry URL's form, and with
-    `ports` that the ports are free to listen on (each bound and let go at once)."""
+    """The data directory, the store, the allowed roots, --lora-modules, the registry URL's form,
+    and with `ports` that the ports are free to listen on (each bound and let go at once)."""
     check_writable_dir(options.data_dir, "--data-dir")
+    if options.store is not None:
+        check_writable_dir(options.store, "--store")
+    check_push_base(options.storage_base)
     check_allowed_roots(options.allowed_roots)
     for name, path in options.lora_modules:
         if not Path(path).is_dir():
@@ -45,6 +49,22 @@ def check_writable_dir(path: Path, flag: str) -> None:
         raise StartupError(f"{flag} {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise StartupError(f"{flag} {path}: {existing} is not writable")
+
+
+def check_push_base(base: str | None) -> None:
+    """--storage-base: an OCI repository, the one kind of store a worker can put revisions in."""
+    if base is None:
+        return
+    try:
+        check_storage_base(base)
+    except RegistryError as exc:
+        raise StartupError(f"--storage-base: {exc}") from None
+    if not is_oci_uri(base):
+        raise StartupError(
+            f"--storage-base {base}: serve pushes revisions to an OCI repository only "
+            "(oci://HOST/REPOSITORY, oci+http:// for plain http); for a directory every worker "
+            "mounts, give --store DIR"
+        )
 
 
 def check_allowed_roots(roots: tuple[str, ...]) -> None:

@@ -93,6 +93,11 @@ def _too_large(limit: int) -> APIError:
 
 
 def _artifact_store(server: Server) -> ArtifactStore:
+    """The store an upload is received into; refused before the body is read when the workers
+    could not read what it would store."""
+    unreachable = server.registry.registration.unreachable_store
+    if unreachable is not None:
+        raise RegistryError(unreachable)
     store = server.registry.store
     if store is None:
         raise RegistryError(

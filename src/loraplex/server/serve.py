@@ -25,6 +25,7 @@ from loraplex.model_config import ModelConfig
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
 from loraplex.registry.registry import default_store_for
 from loraplex.registry.signing import load_public_key
+from loraplex.registry.store import unreachable_store
 from loraplex.server.auth import read_admin_token, read_api_keys
 from loraplex.server.engines import engine_config, lora_module_check, make_engine
 from loraplex.server.preflight import check_machine, check_registry_url, listen
@@ -93,16 +94,27 @@ def check_model_dir(model: Path) -> None:
         raise StartupError(f"--model {model}: config.json has no {exc}") from None
 
 
+def artifact_store(options: ServeSettings) -> ArtifactStore:
+    """--store, else the SQLite registry's own store, else DATA_DIR/artifacts."""
+    if options.store is not None:
+        return ArtifactStore(options.store)
+    return default_store_for(options.registry_url) or ArtifactStore(options.data_dir / "artifacts")
+
+
 def open_registry(options: ServeSettings, trusted_keys: tuple = ()) -> Registry:
     # Not the URL in the message: a server database's URL may hold a password.
     flag = "--registry" if options.registry else f"--data-dir {options.data_dir}"
     url = options.registry_url
     check_registry_url(url, flag)
     try:
-        store = default_store_for(url) or ArtifactStore(options.data_dir / "artifacts")
+        store = artifact_store(options)
         registry = Registry(
             url,
             store,
+            storage_base=options.storage_base,
+            unreachable_store=unreachable_store(
+                url, options.storage_base, options.store is not None, store.root
+            ),
             base_model_dir=options.model,
             max_lora_rank=options.max_lora_rank,
             trusted_keys=trusted_keys,

@@ -28,6 +28,8 @@ CHART_FLAGS = {
     "admin-port": "from worker.ports.admin",
     "data-dir": "on worker.diskTier",
     "registry": "from registry.urlSecret",
+    "store": "from store.url (a directory on store.volume)",
+    "storage-base": "from store.url (an OCI repository)",
     "api-keys": "from secrets.apiKeys",
     "admin-token-file": "from secrets.adminToken",
 }

@@ -26,6 +26,7 @@ from loraplex.settings.serve_values import (
     MIN_RESIDENCY_S,
     SCORE_WEIGHTS,
     VLLM_HOST_CACHE_PER_SLOT,
+    check_vllm,
     parse_lora_modules,
 )
 from loraplex.units import format_size
@@ -97,6 +98,24 @@ class ServeSettings:
         metavar="URL",
         default_text="sqlite:///DATA_DIR/registry.db",
         doc="the same database `loraplex registry` uses; PostgreSQL for many workers",
+    )
+    store: Path | None = setting(
+        None,
+        "Artifact store directory; with a server database, a volume every worker mounts here",
+        panel=WHERE,
+        metavar="DIR",
+        default_text="artifacts/ beside a SQLite registry, else DATA_DIR/artifacts",
+        doc="where revisions registered through this worker are stored, as `loraplex registry "
+        "--store`: with a PostgreSQL registry, a volume every worker mounts at this path",
+    )
+    storage_base: str | None = setting(
+        None,
+        "OCI repository revisions registered here are pushed to (oci://HOST/REPOSITORY)",
+        panel=WHERE,
+        metavar="URL",
+        doc="the shared store, as `loraplex registry --storage-base`: uploads and registrations "
+        "through this worker are pushed to this OCI repository (`oci+http://` for plain http) and "
+        "recorded there, so that every worker reads them (docs/scale-out.md)",
     )
     registry_watch_s: float = setting(
         2.0,
@@ -519,6 +538,8 @@ class ServeSettings:
         check_fields(self, ServeSettings)
         object.__setattr__(self, "model", Path(self.model))
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.store is not None:
+            object.__setattr__(self, "store", Path(self.store))
         if self.engine_core == "process" and self.engine != "native":
             raise Conflict(
                 "--engine-core process: for --engine native; vLLM runs its own",
@@ -543,33 +564,7 @@ class ServeSettings:
                 *tuned,
             )
         if self.engine == "vllm":
-            self._check_vllm()
-
-    def _check_vllm(self) -> None:
-        """What the vLLM engine refuses: its host cache is a count of adapters."""
-        if self.cpu_cache_bytes is not None:
-            raise Conflict(
-                "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
-                "use --max-cpu-loras",
-                "engine",
-                "cpu_cache_bytes",
-            )
-        if self.tenant_cpu_share < 1.0:
-            raise Conflict(
-                "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not "
-                "bytes; give tenants a host budget in bytes (loraplex registry tenant set T "
-                "--max-cpu-bytes)",
-                "engine",
-                "tenant_cpu_share",
-            )
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise Conflict(
-                f"--max-cpu-loras {self.max_cpu_loras}: the vLLM engine keeps at least "
-                f"--max-loras ({self.max_loras}) in host memory",
-                "engine",
-                "max_cpu_loras",
-                "max_loras",
-            )
+            check_vllm(self)
 
     @property
     def registry_url(self) -> str:

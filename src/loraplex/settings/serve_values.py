@@ -1,10 +1,13 @@
 """The values of `loraplex serve`'s settings that need more than a type: the host cache's defaults
-by engine, the score policy's terms by their short names, and `--lora-modules`' NAME=DIR items."""
+by engine and what the vLLM engine refuses, the score policy's terms by their short names, and
+`--lora-modules`' NAME=DIR items."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from loraplex.settings.fields import Conflict
 
 HOST_CACHE_BYTES = 2 * 2**30
 """The native engine's host-memory adapter cache without --max-cpu-loras or --cpu-cache-bytes."""
@@ -36,3 +39,31 @@ def parse_lora_modules(raw: Any) -> tuple[tuple[str, Path], ...]:
             raise ValueError(f"{text}: expected NAME=DIR")
         out.append((name, Path(path)))
     return tuple(out)
+
+
+def check_vllm(s) -> None:
+    """What the vLLM engine refuses in `s` (ServeSettings): it counts its host cache in
+    adapters."""
+    if s.cpu_cache_bytes is not None:
+        raise Conflict(
+            "--cpu-cache-bytes: the vLLM engine counts its host cache in adapters; "
+            "use --max-cpu-loras",
+            "engine",
+            "cpu_cache_bytes",
+        )
+    if s.tenant_cpu_share < 1.0:
+        raise Conflict(
+            "--tenant-cpu-share: the vLLM engine's host cache is counted in adapters, not "
+            "bytes; give tenants a host budget in bytes (loraplex registry tenant set T "
+            "--max-cpu-bytes)",
+            "engine",
+            "tenant_cpu_share",
+        )
+    if s.max_cpu_loras is not None and s.max_cpu_loras < s.max_loras:
+        raise Conflict(
+            f"--max-cpu-loras {s.max_cpu_loras}: the vLLM engine keeps at least "
+            f"--max-loras ({s.max_loras}) in host memory",
+            "engine",
+            "max_cpu_loras",
+            "max_loras",
+        )

@@ -33,7 +33,7 @@ has checked each key as serve does. */}}
 {{- if not (or (hasKey $serve "cpu-cache-bytes") (hasKey $serve "max-cpu-loras")) }}
 {{- $serve = merge $serve (deepCopy (index $w.hostCache $w.engine)) }}
 {{- end }}
-{{- with .Values.store.url }}
+{{- with include "loraplex.storeURL" . }}
 {{- $roots := get $serve "allowed-roots" | default list -}}
 {{- $roots = ternary (list $roots) $roots (kindIs "string" $roots) -}}
 {{- $_ := set $serve "allowed-roots" (append $roots (trimSuffix "/" .) | uniq) }}
@@ -41,8 +41,17 @@ has checked each key as serve does. */}}
 {{- toYaml $serve }}
 {{- end -}}
 
+{{/* The store's URL: store.url, or the bundled distribution registry's repository. */}}
+{{- define "loraplex.storeURL" -}}
+{{- if .Values.store.bundled.enabled -}}
+{{- printf "oci+http://%s-store:5000/loras" (include "loraplex.fullname" .) -}}
+{{- else -}}
+{{- trimSuffix "/" .Values.store.url -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The store's kind: oci (oci:// or oci+http://), s3, volume (a directory), or none. */}}
 {{- define "loraplex.storeKind" -}}
-{{- $url := .Values.store.url -}}
+{{- $url := include "loraplex.storeURL" . -}}
 {{- if hasPrefix "oci" $url }}oci{{ else if hasPrefix "s3://" $url }}s3{{ else if hasPrefix "/" $url }}volume{{ else }}none{{ end -}}
 {{- end -}}

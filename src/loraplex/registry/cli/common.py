@@ -18,7 +18,7 @@ from loraplex.model_config import ModelConfigError
 from loraplex.registry.errors import AdapterRejected, RegistryError
 from loraplex.registry.registry import Registry, default_store_for
 from loraplex.registry.signing import load_public_key
-from loraplex.registry.store import sqlite_file
+from loraplex.registry.store import unreachable_store
 from loraplex.settings.command import PlainTyper
 
 # Help in click's plain layout (PLAIN): rich's tables cut long option names when piped or narrow.
@@ -64,16 +64,9 @@ class CliOptions:
     def check_reachable_store(self) -> None:
         """Refuse to record revisions in this machine's default store while the registry is a
         server database: its workers elsewhere could never read a `file://` URI of this machine."""
-        if sqlite_file(self.url) is not None or self.url.startswith("sqlite"):
-            return
-        if self.storage_base or self.store_given:
-            return
-        raise RegistryError(
-            f"the registry is a server database, but revisions would be stored in {self.store} on "
-            "this machine only, where workers cannot read them: give --storage-base with the "
-            "cluster's store (oci://HOST/REPOSITORY, which add pushes to), or --store DIR on a "
-            "volume the workers mount at the same path"
-        )
+        reason = unreachable_store(self.url, self.storage_base, self.store_given, self.store)
+        if reason is not None:
+            raise RegistryError(reason)
 
     def remote_copy_note(self) -> str | None:
         """For an http(s) or s3 --storage-base, where the files are and that add copies nothing
