@@ -34,8 +34,10 @@ def test_plan_from_a_registry(llama_dir, llama_adapters, tmp_path):
     plan = planner.make_plan(llama_dir, registry=url)
     assert sorted((a.name, a.rank) for a in plan.adapters) == [("attn-r8", 8), ("mlp-r4", 4)]
     assert all(a.estimated_bytes > 0 and a.file_bytes is None for a in plan.adapters)
-    with pytest.raises(planner.PlanError, match="not initialized"):
+    # plan only reads: a missing registry is named, never made
+    with pytest.raises(planner.PlanError, match="--registry: no registry at"):
         planner.make_plan(llama_dir, registry=f"sqlite:///{tmp_path / 'empty.db'}")
+    assert not (tmp_path / "empty.db").exists()
     # A bare path, a file that is no database: one line (PlanError), not a traceback.
     not_a_db = tmp_path / "not-a-db"
     not_a_db.write_text("not a database")
@@ -95,6 +97,12 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     ) + 2 * 64 * 4 * sum(sum(config.linear_shape(m)) for m in ("gate_proj", "up_proj", "down_proj"))
     cpu_1, cpu_5, slots = plan.sizing
     assert cpu_1["cpu_bytes"] is None and cpu_1["rate"] is None
+    # why: 18 first requests in 408 are cold whatever the cache
+    assert (
+        "the first request of each of its 18 adapters is cold whatever the cache: 4.41%"
+        in (cpu_1["why"])
+    )
+    assert "why" not in cpu_5 and "why" not in slots
     assert cpu_5["cpu_bytes"] > 0 and cpu_5["rate"] <= 0.05
     assert slots["gpu_slots"] is not None and slots["rate"] <= planner.SLOT_MISS_TARGET
     assert len(planner.tables(plan)) == 3

@@ -112,9 +112,9 @@ def from_folder(folder: Path, config: ModelConfig, dtype_bytes: int) -> list[Ada
 def budgets_from_registry(url: str) -> dict[str, Budget]:
     """The tenants' residency budgets kept in the registry (read after `from_registry` opened
     it)."""
-    from loraplex.registry.registry import Registry
+    from loraplex.registry.registry import open_existing
 
-    registry = Registry(url)
+    registry = open_existing(url)
     try:
         return {
             t.name: Budget(t.max_gpu_slots, t.max_cpu_bytes)
@@ -126,24 +126,17 @@ def budgets_from_registry(url: str) -> dict[str, Budget]:
 
 
 def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from loraplex.registry.errors import RegistryError
-    from loraplex.registry.registry import Registry
+    from loraplex.registry.registry import open_existing
 
     try:
-        registry = Registry(url)
-        records = registry.list_adapters()
-        registry.close()
-    except RegistryError as exc:  # not initialized, a URL of no supported scheme, ...
+        registry = open_existing(url)  # read only, as every command that reads it
+        try:
+            records = registry.list_adapters()
+        finally:
+            registry.close()
+    except RegistryError as exc:  # missing, not initialized, unsupported, unreachable, no driver
         raise PlanError(f"--registry: {exc}") from None
-    except (
-        SQLAlchemyError,
-        OSError,
-        ImportError,
-    ) as exc:  # a bare path, not a database, unreachable, no driver
-        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        raise PlanError(f"--registry: cannot open the registry: {reason}") from None
     out = []
     for record in records:
         rev = record.stable or (record.revisions[-1] if record.revisions else None)
@@ -317,6 +310,9 @@ def size_for_workload(
                 "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"],
             }
         )
+        if best is None:
+            largest = run(base.gpu_slots, grid[-1])["cold_start_rate"]
+            rows[-1]["why"] = _cold_start_floor(trace, target, largest, _size(grid[-1]))
     cpu_for_slots = rows[-1]["cpu_bytes"] if rows[-1]["cpu_bytes"] is not None else grid[-1]
     slots_grid = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
     best = _smallest(
@@ -331,7 +327,27 @@ def size_for_workload(
             "rate": None if best is None else run(best, cpu_for_slots)["hit_rate"]["cpu"],
         }
     )
+    if best is None:
+        largest = run(slots_grid[-1], cpu_for_slots)["hit_rate"]["cpu"]
+        rows[-1]["why"] = f"{largest:.2%} at {slots_grid[-1]} slots, the largest tried"
     return rows
+
+
+def _cold_start_floor(
+    trace: list[workloads.Request], target: float, largest: float, size: str
+) -> str:
+    """Why no cpu cache meets a cold-start target: the rate at the largest size tried, and the
+    floor of first requests (each adapter's first request is cold whatever the cache)."""
+    requested = [r.model for r in trace if r.adapter]
+    distinct = len(set(requested))
+    floor = distinct / max(len(requested), 1)
+    why = f"{largest:.2%} at {size}, the largest tried"
+    if floor > target:
+        why += (
+            f"; the first request of each of its {distinct} adapters is cold whatever the "
+            f"cache: {floor:.2%} at least"
+        )
+    return why
 
 
 def _smallest(grid: list[int], ok) -> int | None:
@@ -430,6 +446,9 @@ def _sizing_table(plan: Plan) -> Table:
     )
     for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
         sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
+    reasons = [f"{row['target']} not reached: {row['why']}" for row in plan.sizing if "why" in row]
+    if reasons:
+        sizing.caption = "\n".join(reasons)
     for row in plan.sizing:
         rate = "not reached" if row["rate"] is None else f"{row['rate']:.2%}"
         sizing.add_row(
