@@ -156,7 +156,7 @@ def _greedy_with_hits(engine, prompt, ref, max_tokens=5):
 def test_prefix_cache_shares_blocks_within_one_adapter_revision_only(world):
     """A prompt that starts as an earlier one of the same adapter revision reuses its full blocks
     and gives HF + PEFT's tokens; the same prompt under another adapter, the base model, or another
-    revision of the adapter finds nothing."""
+    revision of the adapter finds nothing, and a revision the worker forgets takes its blocks."""
     engine, refs, ref_model = world
     size = engine.blocks.block_size
     names = [None, *refs]
@@ -180,6 +180,12 @@ def test_prefix_cache_shares_blocks_within_one_adapter_revision_only(world):
     # same bytes, another revision: its own blocks
     assert _greedy_with_hits(engine, prefix + [2], again)[1] == 0
     assert _greedy_with_hits(engine, prefix + [3], refs[name])[1] == 2 * size
+    # the other revision leaves the worker (retired, unloaded): its cached blocks go with it
+    cached = len(engine.blocks.cached)
+    engine.adapters.forget(again.key)
+    assert _greedy_with_hits(engine, prefix + [4], refs[name])[1] == 2 * size
+    assert len(engine.blocks.cached) == cached - 2
+    assert _greedy_with_hits(engine, prefix + [5], again)[1] == 0
 
 
 def test_decode_over_many_blocks_of_mixed_lengths_matches_peft(world):

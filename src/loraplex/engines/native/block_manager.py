@@ -5,7 +5,7 @@ prompts start alike.
 A full prompt block is cached under a hash of every token up to its end and of the adapter's full
 key (vLLM salts its block hashes by LoRA the same way), so a block is only ever shared by requests
 of the same adapter revision. A cached block nobody holds stays findable until its memory is needed
-(least recently freed first)."""
+(least recently freed first), or until its revision leaves the worker (`drop_prefixes`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import hashlib
 from collections import OrderedDict, deque
 
 from loraplex.engines.native.sequence import Sequence
+from loraplex.residency.key import AdapterKey
 
 
 def block_hash(parent: bytes, tokens: list[int], salt: str) -> bytes:
@@ -22,7 +23,11 @@ def block_hash(parent: bytes, tokens: list[int], salt: str) -> bytes:
 
 
 def salt_of(seq: Sequence) -> str:
-    return repr(seq.adapter.key) if seq.adapter is not None else "base"
+    return salt_of_key(seq.adapter.key) if seq.adapter is not None else "base"
+
+
+def salt_of_key(key: AdapterKey) -> str:
+    return repr(key)
 
 
 class BlockManager:
@@ -34,6 +39,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.cached: dict[bytes, int] = {}  # block hash -> block
         self.hash_of: dict[int, bytes] = {}  # block -> its hash, for cached blocks
+        self.salt_of: dict[int, str] = {}  # block -> its adapter's salt, for cached blocks
         self.evictable: OrderedDict[int, None] = (
             OrderedDict()
         )  # cached blocks nobody holds, oldest first
@@ -93,6 +99,7 @@ class BlockManager:
         else:  # the least recently freed cached block gives its memory
             block, _ = self.evictable.popitem(last=False)
             del self.cached[self.hash_of.pop(block)]
+            del self.salt_of[block]
         self.ref_counts[block] = 1
         return block
 
@@ -151,6 +158,7 @@ class BlockManager:
                 parent not in self.cached and block not in self.hash_of
             ):  # else an equal block is cached already
                 self.cached[parent], self.hash_of[block] = block, parent
+                self.salt_of[block] = salt
         if done > seq.num_hashed:
             seq.num_hashed, seq.prefix_hash = done, parent
 
@@ -165,6 +173,18 @@ class BlockManager:
                 else:
                     self.free_blocks.append(block)
         seq.block_table, seq.fork_blocks = [], []
+
+    def drop_prefixes(self, salt: str) -> int:
+        """Forget the cached blocks of one adapter revision (`salt_of`), which left the worker:
+        those nobody holds give their memory back now, the others when their sequences end. The
+        number of blocks forgotten."""
+        mine = [block for block, s in self.salt_of.items() if s == salt]
+        for block in mine:
+            del self.cached[self.hash_of.pop(block)], self.salt_of[block]
+            if block in self.evictable:
+                del self.evictable[block]
+                self.free_blocks.append(block)
+        return len(mine)
 
     def position(self, seq: Sequence, index: int) -> int:
         """Flat KV-cache position of the sequence's token `index`."""

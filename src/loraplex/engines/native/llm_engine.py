@@ -16,7 +16,7 @@ import torch
 
 from loraplex.artifacts import AllowList, digest_and_pieces
 from loraplex.engines.native.async_engine import AsyncEngine
-from loraplex.engines.native.block_manager import BlockManager
+from loraplex.engines.native.block_manager import BlockManager, salt_of_key
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.kv_budget import KVBudget, kv_budget, num_blocks
@@ -95,9 +95,11 @@ class LLMEngine(NativeFront):
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
         self.requests: dict[str, list[Sequence]] = {}
         """The live sequences of each request id (several with n > 1 or best_of)."""
-        self._inbox: list[Sequence | str] = []
-        """Sequences to add and ids of requests to abort, in arrival order."""
+        self._inbox: list[Sequence | str | AdapterKey] = []
+        """Sequences to add, ids of requests to abort and adapters forgotten (their prefix-cache
+        blocks go), in arrival order."""
         self._inbox_lock = threading.Lock()
+        self.adapters.on_forget = self._forgotten
         self._stepper: AsyncEngine | None = None
         """The step loop's thread, once started (`start`)."""
         self._failed: list[RequestOutput] = []
@@ -392,6 +394,11 @@ class LLMEngine(NativeFront):
             return None
         return -(-waiting // 2)
 
+    def _forgotten(self, key: AdapterKey) -> None:
+        """The residency forgot `key` (any thread): the step loop drops its cached prefixes."""
+        with self._inbox_lock:
+            self._inbox.append(key)
+
     def _take_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
@@ -399,6 +406,8 @@ class LLMEngine(NativeFront):
             if isinstance(item, Sequence):
                 self.requests[item.request_id] = [item]
                 self.scheduler.add(item)
+            elif isinstance(item, AdapterKey):
+                self.blocks.drop_prefixes(salt_of_key(item))
             else:
                 for seq in list(self.requests.get(item, ())):
                     self._end(seq, "abort")

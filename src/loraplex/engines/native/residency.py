@@ -98,6 +98,8 @@ class NativeResidency(Residency[Entry]):
         self.num_waiting: dict[AdapterKey, int] = {}
         # moves when loads or wanted keys change (with the host copies' and the pins' versions)
         self._copies_version = 0
+        # told of each adapter `forget` drops (the engine forgets its prefix-cache blocks)
+        self.on_forget: Callable[[AdapterKey], None] = lambda key: None
         self._loader = loader or functools.partial(
             load_adapter, pack=pack, disk=disk, on_event=lambda event: self.on_event(event)
         )
@@ -341,6 +343,7 @@ class NativeResidency(Residency[Entry]):
             self._nbytes_version += 1
             self._copies_version += 1
             self.activations.discard(key)
+        self.on_forget(key)
 
     def defers(self, ref: AdapterRef) -> bool:
         """Whether a waiting request for `ref` lets other tenants' waiting requests go first: its
