@@ -5,11 +5,11 @@ the metrics of held and retired revisions, and a publish racing a rollback."""
 from __future__ import annotations
 
 import re
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from harness import ADMIN_TOKEN, variant
+from harness import variant
 from test_publish import TAR, archive, files_of
 
 from loraplex.registry import AdapterNotFound
@@ -150,24 +150,11 @@ def test_a_publish_racing_a_rollback_ends_in_one_consistent_state(running, versi
     name, keep = "race", 3
     for src in versions[:2]:
         assert upload(running, name, src, stable=True, keep=keep).status_code == 200
-    for i in range(6):
-        src = versions[2 + i]
-        results: dict[str, httpx.Response] = {}
-        threads = [
-            threading.Thread(
-                target=lambda: results.update(publish=upload(running, name, src, stable=True))
-            ),
-            threading.Thread(
-                target=lambda: results.update(
-                    rollback=running.admin("POST", f"/admin/adapters/{name}/rollback")
-                )
-            ),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert results["publish"].status_code == 200, results["publish"].text
-        # a rollback finds a previous stable revision, or says there is none (nothing changed)
-        assert results["rollback"].status_code in (200, 409), results["rollback"].text
-        consistent(running, name, keep)
+    with ThreadPoolExecutor(2) as pool:
+        for src in versions[2:8]:
+            published = pool.submit(upload, running, name, src, stable=True)
+            rolled = pool.submit(running.admin, "POST", f"/admin/adapters/{name}/rollback")
+            assert published.result().status_code == 200, published.result().text
+            # a rollback finds a previous stable revision, or says there is none (nothing changed)
+            assert rolled.result().status_code in (200, 409), rolled.result().text
+            consistent(running, name, keep)
