@@ -3,7 +3,7 @@
 loopback.
 
     python bench/publish.py [--workers 4] [--publishes 20] [--rank 256] [--steady 200]
-        [--steady-rank 32] [--keep 3] [--clients 2] [--quick] [--json OUT]
+        [--steady-rank 256] [--keep 3] [--clients 2] [--quick] [--json OUT]
 
 Shapes. The goal's adapter is Llama-3-8B's at rank 16 on all seven projections: 32 layers, 448
 tensors, 83,886,080 bytes in bf16. A worker can only load an adapter that fits its base model,
@@ -403,11 +403,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a tiny base and sizes (smoke test)")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/publish.json"))
+    parser.add_argument("--json", type=Path, default=None, help="default bench/results/publish.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.workers, args.publishes, args.rank = min(args.workers, 2), 3, 8
         args.steady, args.steady_rank, args.clients = 5, 8, 1
+    if args.json is None:
+        args.json = Path(f"bench/results/publish{'.quick' if args.quick else ''}.json")
     return args
 
 
