@@ -403,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a tiny base and sizes (smoke test)")
-    parser.add_argument("--json", type=Path, default=None, help="default bench/results/publish.json")
+    parser.add_argument("--json", type=Path, help="default: bench/results/publish.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.workers, args.publishes, args.rank = min(args.workers, 2), 3, 8
