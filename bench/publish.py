@@ -335,10 +335,11 @@ class Traffic:
 def steady_phase(fleet: Fleet, publisher: Publisher, cfg, args, seed0: int) -> dict:
     """`args.steady` publishes at `args.keep` under traffic, with the samples the goal checks."""
     traffic = Traffic(fleet.router.url, args.keep, {})
-    rss, held, stored, not_ready, level = [], [], [], 0, None
+    rss, held, stored, totals, not_ready, level = [], [], [], [], 0, None
     for i in range(args.steady):
         row = publish_once(publisher, cfg, args.steady_rank, seed0 + i, args.keep)
         traffic.published_one(row["revision"], row["digest"])
+        totals.append(row["total_s"])
         not_ready += not row["ready"]
         if i == 0:
             traffic.start(args.clients)
@@ -351,16 +352,20 @@ def steady_phase(fleet: Fleet, publisher: Publisher, cfg, args, seed0: int) -> d
     traffic.stop()
     counts = traffic.judge()
     assert level is not None, "--steady must be at least --keep"
-    growth = [max(s[w] for s in rss[args.keep :] or [level]) / level[w] for w in range(len(level))]
+    after = rss[args.keep :] or [level]
+    growth = [max(s[w] for s in after) / level[w] for w in range(len(level))]
     one = revision_host_bytes(fleet)
     return {
         "publishes": args.steady,
         "keep": args.keep,
+        "p50_s": quantile(totals, 0.5),
+        "p99_s": quantile(totals, 0.99),
         "not_ready": not_ready,
         **counts,
         "failures": traffic.failures,
         "rss_level_after_k": level,
         "rss_max_over_level": growth,
+        "rss_final_over_level": [after[-1][w] / level[w] for w in range(len(level))],
         "held_max_bytes": max(max(h) for h in held),
         "revision_host_bytes": one,
         "held_max_over_k_revisions": max(max(h) for h in held) / (args.keep * one),
@@ -452,12 +457,14 @@ def print_table(result: dict) -> None:
     print("| share | " + " | ".join(f"{k} {v:.0%}" for k, v in lat["shares"].items()) + " |")
     print("| register, offline | " + " | ".join(f"{k} {v:.3f} s" for k, v in split.items()) + " |")
     print(
-        f"| {st['publishes']} at keep {st['keep']} | answers {st['answers']} | wrong {st['wrong']}"
+        f"| {st['publishes']} at keep {st['keep']} | p50 {st['p50_s']:.3f} s"
+        f" | p99 {st['p99_s']:.3f} s | answers {st['answers']} | wrong {st['wrong']}"
         f" | failed {st['failed']} | 404 retired {st['retired_404']} | not ready "
         f"{st['not_ready']} |"
     )
     print(
-        f"| memory | RSS max/level after K {max(st['rss_max_over_level']):.3f} | held/K revisions "
+        f"| memory | RSS max/level after K {max(st['rss_max_over_level']):.3f} | end/level "
+        f"{max(st['rss_final_over_level']):.3f} | held/K revisions "
         f"{st['held_max_over_k_revisions']:.3f} | store artifacts of name max "
         f"{st['store_max_artifacts_of_name']} | retired as set {st['retired_as_set']} |"
     )
