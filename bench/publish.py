@@ -366,6 +366,7 @@ def steady_phase(fleet: Fleet, publisher: Publisher, cfg, args, seed0: int) -> d
         "rss_level_after_k": level,
         "rss_max_over_level": growth,
         "rss_final_over_level": [after[-1][w] / level[w] for w in range(len(level))],
+        "rss_series": rss,
         "held_max_bytes": max(max(h) for h in held),
         "revision_host_bytes": one,
         "held_max_over_k_revisions": max(max(h) for h in held) / (args.keep * one),
