@@ -110,9 +110,16 @@ def publish(
     revision: str | None = typer.Option(
         None, "--revision", metavar="REVISION", help="Its label (default: next rN)."
     ),
+    wait: bool = typer.Option(
+        False, "--wait", help="Return once every worker of the name's pool holds it."
+    ),
+    wait_timeout: float = typer.Option(
+        60.0, "--wait-timeout", metavar="S", min=0.001, help="How long --wait waits."
+    ),
 ) -> None:
     """Upload an adapter directory to a server (no shared file system) and register it as a
-    revision; prints NAME@REVISION and its digest."""
+    revision; prints NAME@REVISION and its digest, and with --wait a line per worker (exit status
+    3 when one is not ready)."""
     from loraplex.client import Publisher, PublishError
 
     token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
@@ -122,7 +129,13 @@ def publish(
     try:
         with Publisher(url, token) as publisher:
             done = publisher.publish_dir(
-                name, directory, stable=stable, keep=keep, revision=revision
+                name,
+                directory,
+                stable=stable,
+                keep=keep,
+                revision=revision,
+                wait=wait,
+                wait_timeout_s=wait_timeout,
             )
     except PublishError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -131,6 +144,12 @@ def publish(
         typer.echo(f"error: {url}: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{done.model} {done.digest}")
+    if done.cutover is not None:
+        for w in done.cutover.workers:
+            state = f"ready {w.tier}" if w.ready else f"not-ready {w.error}"
+            typer.echo(f"{w.worker} {state} {w.seconds:.3f}s")
+        if not done.cutover.ready:
+            raise typer.Exit(3)
 
 
 add_serve(app)

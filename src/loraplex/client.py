@@ -34,11 +34,46 @@ class Published:
     status: str
     record: dict[str, Any]
     """The registry's record of the revision, as the server answered it."""
+    cutover: Cutover | None = None
+    """With `wait=True`: each worker's readiness to serve the revision."""
 
     @property
     def model(self) -> str:
         """The model to request this revision by: `name@revision`."""
         return f"{self.name}@{self.revision}"
+
+
+@dataclass(frozen=True)
+class WorkerReadiness:
+    """One worker's readiness for the new revision: `tier` is where its copy is (gpu, cpu: ready);
+    `error` says why it is not ready (its load failed, the worker did not answer)."""
+
+    worker: str
+    ready: bool
+    tier: str | None
+    error: str | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Cutover:
+    """A waited publish's readiness: `ready` once every worker of the name's pool holds it."""
+
+    ready: bool
+    seconds: float
+    workers: tuple[WorkerReadiness, ...]
+
+    @property
+    def not_ready(self) -> tuple[WorkerReadiness, ...]:
+        return tuple(w for w in self.workers if not w.ready)
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> Cutover:
+        workers = tuple(
+            WorkerReadiness(w["worker"], w["ready"], w.get("tier"), w.get("error"), w["seconds"])
+            for w in answer["workers"]
+        )
+        return cls(answer["ready"], answer["seconds"], workers)
 
 
 class PublishError(Exception):
@@ -73,7 +108,7 @@ class Publisher:
 
     def publish_dir(self, name: str, directory: str | Path, **options) -> Published:
         """The adapter directory's `adapter_config.json`, safetensors and `adapter.sig` (if any).
-        `options`: stable, keep, revision, tenant, shared (`publish`)."""
+        `options`: stable, keep, revision, tenant, shared, wait, wait_timeout_s (`publish`)."""
         directory = Path(directory)
         files = sorted(
             p
@@ -119,11 +154,17 @@ class Publisher:
         revision: str | None = None,
         tenant: str | None = None,
         shared: bool | None = None,
+        wait: bool = False,
+        wait_timeout_s: float = 60.0,
     ) -> Published:
         """Send the files (name, size, their bytes in chunks) as one tar archive. `stable`: the
         new revision takes all of the name's traffic at once; `keep`: the name keeps its newest
-        `keep` revisions servable, the older ones are retired."""
+        `keep` revisions servable, the older ones are retired; `wait`: return once every worker
+        of the name's pool holds the new revision (or after `wait_timeout_s`), with each one's
+        readiness in `cutover`."""
         params: dict[str, Any] = {"stable": str(stable).lower()}
+        if wait:
+            params.update(wait="ready", timeout=wait_timeout_s)
         optional = {"keep": keep, "revision": revision, "tenant": tenant, "shared": shared}
         for key, value in optional.items():
             if value is not None:
@@ -137,8 +178,9 @@ class Publisher:
         if response.status_code != 200:
             raise _refusal(response)
         record = response.json()
+        cutover = Cutover.of(record["cutover"]) if "cutover" in record else None
         return Published(
-            record["name"], record["revision"], record["digest"], record["status"], record
+            record["name"], record["revision"], record["digest"], record["status"], record, cutover
         )
 
 
@@ -188,4 +230,4 @@ def _refusal(response: httpx.Response) -> PublishError:
         return PublishError(response.status_code, response.text[:500], None, None)
 
 
-__all__ = ["PublishError", "Published", "Publisher", "tar_stream"]
+__all__ = ["Cutover", "PublishError", "Published", "Publisher", "WorkerReadiness", "tar_stream"]

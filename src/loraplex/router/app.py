@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,10 +22,12 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
 )
 
 from loraplex.bearer import bearer, carries_token
+from loraplex.router import cutover
 from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fleet import Fleet
 from loraplex.router.picker import Picker, PickerConfig
@@ -105,6 +108,13 @@ class RouterMetrics:
             "loraplex_router_worker_misconfigured",
             "1 while the worker's reported base model or max rank does not match its pool",
             ["worker", "pool"],
+            registry=self.registry,
+        )
+        self.publish_ready = Histogram(
+            "loraplex_router_publish_ready_seconds",
+            "An upload that waits for readiness, from its request to the new revision ready on "
+            "every worker of its pools",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0),
             registry=self.registry,
         )
 
@@ -469,10 +479,15 @@ async def remove_worker(request: Request):
 async def upload(request: Request):
     """An adapter upload (`POST /admin/adapters/{name}/upload`) streamed on to the first healthy
     worker: the workers share the registry, so the revision it registers is the fleet's. The
-    caller's admin token goes with it (the workers' admin token)."""
+    caller's admin token goes with it (the workers' admin token). With `?wait=ready&timeout=S`,
+    the answer waits for every worker of the revision's pools to hold it (`router/cutover.py`)."""
     state = _state(request)
     if not state.admin_ok(request):
         return _error(*ADMIN_REFUSAL)
+    try:
+        wait_s = cutover.wait_of(dict(request.query_params))
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_value", param="wait")
     healthy = [w.url for w in state.fleet.workers.values() if w.healthy]
     if not healthy:
         return _error(
@@ -484,13 +499,11 @@ async def upload(request: Request):
         )
     url = healthy[0]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("wait", "timeout")]
     upstream = state.proxy.build_request(
-        "POST",
-        f"{url}{request.url.path}",
-        params=request.query_params,
-        content=request.stream(),
-        headers=headers,
+        "POST", f"{url}{request.url.path}", params=params, content=request.stream(), headers=headers
     )
+    began = time.perf_counter()
     state.sent(url, None)
     try:
         response = await state.proxy.send(upstream, stream=True)
@@ -499,9 +512,21 @@ async def upload(request: Request):
         log.warning("worker %s failed during an upload: %s", url, exc)
         return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
     out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-    return StreamingResponse(
-        _relay(state, response, url), status_code=response.status_code, headers=out_headers
-    )
+    if wait_s is None or response.status_code != 200:
+        return StreamingResponse(
+            _relay(state, response, url), status_code=response.status_code, headers=out_headers
+        )
+    try:
+        record = json.loads(await response.aread())
+    finally:
+        await response.aclose()
+        state.done(url)
+    urls = cutover.pool_workers(state.fleet, record)
+    token = state.config.admin_token or ""
+    record["cutover"] = await cutover.wait_ready(state.proxy, urls, token, record, wait_s)
+    if record["cutover"]["ready"]:
+        state.metrics.publish_ready.observe(time.perf_counter() - began)
+    return record
 
 
 routes = APIRouter()
@@ -520,8 +545,6 @@ routes.add_api_route("/admin/adapters/{name}/upload", upload, methods=["POST"])
 def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, int]]:
     """Bearer key -> (tenant, its priority), read from `registry` (remembered per key for a
     minute); no key: the open tenant."""
-    import time
-
     memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
 
     tenants: list = [-math.inf, {}]  # when read, tenant -> priority

@@ -21,7 +21,7 @@ from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
 from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, RevisionRecord
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
 from loraplex.residency.key import AdapterKey
-from loraplex.server import publish
+from loraplex.server import cutover, publish
 from loraplex.server.auth import check_admin
 from loraplex.server.errors import APIError
 from loraplex.server.rollout_admin import EVAL_MAX_TOKENS
@@ -67,6 +67,11 @@ class TrafficBody(_Body):
 class TierBody(_Body):
     tier: Tier = "cpu"
     revision: str | None = None
+
+
+class PrewarmBody(TierBody):
+    wait_s: float | None = None
+    """Wait up to this many seconds for each copy to be loaded, and answer its readiness."""
 
 
 class RevisionBody(_Body):
@@ -414,10 +419,19 @@ async def unpin(name: str, request: Request) -> dict:
     return {"unpinned": [str(k) for k in keys]}
 
 
-async def prewarm(name: str, request: Request, body: TierBody | None = None) -> dict:
-    body = body or TierBody()  # no body: every default
+async def prewarm(name: str, request: Request, body: PrewarmBody | None = None) -> dict:
+    """Start the loads of the revision (or the revisions in traffic); with `wait_s`, wait for
+    them and answer each one's readiness (`cutover.ready_here`)."""
+    body = body or PrewarmBody()  # no body: every default
     server = _server(request)
     records = await _records(server, name, body.revision)
+    if body.wait_s is not None:
+        cutover.check_wait_s(body.wait_s, "wait_s")
+        rows = [
+            await cutover.ready_here(server, r.name, r.revision, body.tier, body.wait_s)
+            for r in records
+        ]
+        return {"prewarming": [r.model_id for r in records], "tier": body.tier, "ready": rows}
     for record in records:
         await server.resolver.prepare(record)  # a digest's files, read off the loop
         server.engine.adapters.prewarm(

@@ -139,6 +139,18 @@ class ServerMetrics:
             buckets=LOAD_BUCKETS,
             registry=r,
         )
+        self.publish_ready_seconds = Histogram(
+            "loraplex_adapter_publish_ready_seconds",
+            "An upload that waits for readiness, from its request to the new revision ready on "
+            "every worker it waits for",
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.revisions_retired = Counter(
+            "loraplex_adapter_revisions_retired_total",
+            "Revisions this worker saw the registry retire (gone from its catalog)",
+            registry=r,
+        )
         self.retired_unloads = Counter(
             "loraplex_adapter_retired_unloads_total",
             "Revisions this worker unloaded because the registry retired them",

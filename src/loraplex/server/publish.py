@@ -19,11 +19,14 @@ from loraplex.artifacts import ArtifactStore
 from loraplex.lora_format import CONFIG_FILE, PICKLE_SUFFIXES, AdapterRejected
 from loraplex.registry import RegistryError
 from loraplex.registry.fast_path import SIGNATURE_FILE
+from loraplex.server import cutover
 from loraplex.server.errors import APIError
 
 if TYPE_CHECKING:
     from loraplex.server.server import Server
 
+DEFAULT_WAIT_S = 60.0
+"""How long an upload with `wait=ready` waits for readiness when it names no `timeout`."""
 ARCHIVE_TYPES = ("application/x-tar", "application/tar", "application/gzip", "application/x-gzip")
 
 
@@ -35,20 +38,27 @@ async def upload(
     keep: int | None = None,
     tenant: str | None = None,
     shared: bool | None = None,
+    wait: str | None = None,
+    timeout: float = DEFAULT_WAIT_S,
 ) -> dict:
     """Register the adapter in the body (a tar archive, gzip allowed) as a new revision of `name`:
     `stable` puts all of the name's traffic on it at once, `keep` sets how many revisions the name
-    keeps servable."""
+    keeps servable. `wait=ready`: answer once this worker holds the new revision in host memory
+    (or after `timeout` seconds), with its readiness under `cutover`."""
     server: Server = request.app.state.server
     began = time.perf_counter()
     limit = server.config.settings.max_upload_bytes
     _check_headers(request, limit)
+    _check_wait(wait, timeout)
     store = _artifact_store(server)
     work = await run_in_threadpool(store.temp_dir)
+    timings = {}
     try:
         archive = work / "upload.tar"
         received = await _receive(request, archive, limit)
+        timings["receive_s"] = time.perf_counter() - began
         adapter_dir = await run_in_threadpool(unpack, archive, work / "adapter", limit)
+        timings["unpack_s"] = time.perf_counter() - began - timings["receive_s"]
         record = await run_in_threadpool(
             server.registry.add_revision,
             adapter_dir,
@@ -61,12 +71,31 @@ async def upload(
             keep=keep,
             fast_path=True,
         )
+        timings["register_s"] = time.perf_counter() - began - sum(timings.values())
     finally:
         await run_in_threadpool(shutil.rmtree, work, True)
     server.metrics.published_bytes.inc(received)
     server.metrics.publish_seconds.observe(time.perf_counter() - began)
     await run_in_threadpool(server.pins.warm_name, record.name)  # its pin or warm policy
-    return record.to_dict()
+    answer = record.to_dict()
+    if wait is not None:
+        here = str(request.base_url).rstrip("/")
+        answer["cutover"] = await cutover.cutover_here(server, here, answer, timeout)
+        if answer["cutover"]["ready"]:
+            server.metrics.publish_ready_seconds.observe(time.perf_counter() - began)
+    answer["timings"] = {k: round(v, 4) for k, v in timings.items()}
+    return answer
+
+
+def _check_wait(wait: str | None, timeout: float) -> None:
+    if wait not in (None, "ready"):
+        raise APIError(
+            400,
+            f"wait={wait!r}: the one wait is `ready` (every worker holds the new revision)",
+            "invalid_value",
+            "wait",
+        )
+    cutover.check_wait_s(timeout, "timeout")
 
 
 def _check_headers(request: Request, limit: int) -> None:

@@ -9,8 +9,11 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+from prometheus_client.core import GaugeMetricFamily
+
 from loraplex.engines.contract import AdapterResidency
 from loraplex.registry.catalog import Catalog
+from loraplex.registry.changes import Changed
 from loraplex.residency.errors import AdapterInFlight
 from loraplex.residency.key import AdapterKey
 from loraplex.server.pins import PinReconciler
@@ -79,3 +82,73 @@ class RetiredRevisions:
 
     def stop(self) -> None:
         self._later.shutdown(wait=False, cancel_futures=True)
+
+
+class RetiredTally:
+    """Counts the revisions that leave the catalog's listing of their name: those the registry
+    retired (beyond their name's `keep`, or deleted), each once, as the change feed brings them.
+    A catalog listener; its first call (the whole catalog) only reads what is listed."""
+
+    def __init__(self, catalog: Catalog, on_retired: Callable[[int], None]):
+        self.catalog = catalog
+        self.on_retired = on_retired
+        self._listed: dict[str, frozenset[str]] | None = None  # name -> its listed revisions
+
+    def __call__(self, changed: Changed) -> None:
+        if self._listed is None:
+            self._listed = {a.name: _revisions(a) for a in self.catalog.adapters()}
+            return
+        names = set(self.catalog.names) | set(self._listed)
+        if changed.adapters is not None:
+            names = set(changed.adapters)
+        gone = 0
+        for name in names:
+            adapter = self.catalog.adapter(name)
+            now = frozenset() if adapter is None else _revisions(adapter)
+            gone += len(self._listed.get(name, frozenset()) - now)
+            if adapter is None:
+                self._listed.pop(name, None)
+            else:
+                self._listed[name] = now
+        if gone:
+            self.on_retired(gone)
+
+
+def _revisions(adapter) -> frozenset[str]:
+    return frozenset(r.revision for r in adapter.revisions)
+
+
+def held_revisions(catalog: Catalog, rows: list[dict]) -> dict[str, int]:
+    """Per name with a `keep` set, how many of its revisions this worker holds in a slot or in
+    host memory (`rows`: the residency's adapters, as `/admin/state` lists them)."""
+    held = {}
+    for name in sorted({row["name"] for row in rows}):
+        adapter = catalog.adapter(name)
+        if adapter is not None and adapter.keep is not None:
+            held[name] = 0
+    for row in rows:
+        if row["name"] in held and row["tier"] in ("gpu", "cpu") and not row["loading"]:
+            held[row["name"]] += 1
+    return held
+
+
+class HeldCollector:
+    """`loraplex_adapter_revisions_held{adapter}`: `held_revisions` at scrape time. A series per
+    name with a `keep` set (the names trainers publish to), not per adapter."""
+
+    def __init__(self, catalog: Catalog, cache: AdapterResidency):
+        self.catalog = catalog
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        gauge = GaugeMetricFamily(
+            "loraplex_adapter_revisions_held",
+            "Revisions of a name with a keep set held in a slot or in host memory here",
+            labels=["adapter"],
+        )
+        for name, count in held_revisions(self.catalog, self.cache.state()["adapters"]).items():
+            gauge.add_metric([name], count)
+        yield gauge

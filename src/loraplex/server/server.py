@@ -36,7 +36,7 @@ from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pins import PinReconciler
-from loraplex.server.retiring import RetiredRevisions
+from loraplex.server.retiring import HeldCollector, RetiredRevisions, RetiredTally
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 from loraplex.server.rl_api import GenerationPause
 
@@ -94,6 +94,8 @@ class Server:
         self.revision_figures = RevisionBook()
         """Per-revision figures of the names in a split, for rollout controllers."""
         self.metrics.registry.register(RevisionCollector(self.revision_figures))
+        self.metrics.registry.register(HeldCollector(self.catalog, engine.adapters))
+        self.catalog.subscribe(RetiredTally(self.catalog, self.metrics.revisions_retired.inc))
         self.loop_lag = LoopLag(self.metrics.loop_lag)
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(settings.allowed_roots))

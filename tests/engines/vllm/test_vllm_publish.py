@@ -200,3 +200,18 @@ def test_the_parity_gate_on_the_vllm_engine(world, server):
     assert refused.status_code == 409 and "parity gate" in refused.text, refused.text
     accepted = promote(again.revision)
     assert accepted.status_code == 200, accepted.text
+
+
+def test_a_publish_that_waits_returns_with_the_revision_in_vllm(world, server):
+    root, model, _ = world
+    url = server
+    version = make_adapter(model, root / "waited", seed=40, **LORA)
+    with Publisher(url, ADMIN_TOKEN) as publisher:
+        published = publisher.publish_dir("waited", version, stable=True, wait=True)
+    cutover = published.cutover
+    assert cutover is not None and cutover.ready, cutover
+    [row] = cutover.workers
+    assert row.worker == url and row.tier in ("gpu", "cpu") and row.error is None
+    state = httpx.get(f"{url}/admin/state", headers=ADMIN, timeout=30).json()
+    tiers = {a["revision"]: a["tier"] for a in state["adapters"] if a["name"] == "waited"}
+    assert tiers[published.revision] in ("gpu", "cpu")  # added to vLLM before any request
