@@ -109,6 +109,34 @@ def test_what_fits_and_smallest_cache_for_a_workload(llama_dir, llama_adapters, 
     assert planner.fits([3, 1, 2], 3) == 2
 
 
+def test_plan_sizes_vllms_host_cache_in_adapters(llama_dir, llama_adapters, tmp_path):
+    """`plan --engine vllm` runs the vLLM residency: the cpu cache it answers is a count of
+    adapters (vLLM's --max-cpu-loras), the smallest of its grid whose simulation meets the target,
+    and the simulator at that count agrees."""
+    trace = [Request(0.5 * i, "t", f"warm{i % 10}", 16, 4, rank=8) for i in range(400)]
+    trace += [Request(0.5 * i + 0.25, "t", f"cold{i}", 16, 4, rank=8) for i in range(0, 400, 50)]
+    path = tmp_path / "trace.jsonl"
+    write_trace(sorted(trace, key=lambda r: r.time), path)
+    folder = next(iter(llama_adapters.values())).parent
+    plan = planner.make_plan(llama_dir, adapters_dir=folder, workload=str(path), engine="vllm")
+    cpu_1, cpu_5, slots = plan.sizing
+    assert cpu_1["cpu_loras"] is None and "18 adapters is cold" in cpu_1["why"]
+    assert "27 adapters" in cpu_1["why"]  # the largest tried: 18 asked for, and half again
+    count = cpu_5["cpu_loras"]
+    assert count is not None and cpu_5["rate"] <= 0.05
+    base, _ = planner._sizing_base(plan, str(path), planner.load_workload(str(path)))
+    assert base.engine == "vllm"
+    run = planner.simulate(
+        planner.load_workload(str(path)),
+        planner.replace(base, max_cpu_loras=count),
+        planner.policy_factory("score"),
+    )
+    assert planner.summarize(run)["cold_start_rate"] == cpu_5["rate"]
+    assert slots["cpu_loras"] == count and slots["rate"] <= planner.SLOT_MISS_TARGET
+    sizing = planner.tables(plan)[-1]
+    assert "engine vllm" in sizing.title and f"{count} adapters" in sizing.columns[3]._cells
+
+
 def test_plan_reads_pins_and_warm_policies_and_takes_capacities(
     llama_dir, llama_adapters, tmp_path
 ):

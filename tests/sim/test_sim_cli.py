@@ -67,6 +67,24 @@ def test_plan_prints_sizes_and_fits(llama_dir, llama_adapters):
     assert result.exit_code != 0
 
 
+def test_plan_on_the_vllm_engine_sizes_its_host_cache_in_adapters(
+    llama_dir, llama_adapters, tmp_path
+):
+    folder = next(iter(llama_adapters.values())).parent
+    trace = small_trace(tmp_path / "trace.jsonl")
+    args = ["plan", "--adapters", str(folder), "--model", str(llama_dir), "--engine", "vllm"]
+    result = runner.invoke(app, [*args, "--workload", str(trace)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "engine vllm" in " ".join(result.output.split()) and " adapters " in result.output
+    fleet = runner.invoke(
+        app,
+        [*args, "--workload", str(trace), "--workers", "2", "--max-cpu-loras", "6"],
+        env={"COLUMNS": "200"},
+    )
+    assert fleet.exit_code == 0, fleet.output
+    assert "engine vllm, cpu 6 adapters" in " ".join(fleet.output.split())  # the title, wrapped
+
+
 def small_trace(path, seed=0):
     write_trace(
         generate(WorkloadSpec(name="t", seed=seed, duration_s=20.0, rate=3.0, num_adapters=10)),

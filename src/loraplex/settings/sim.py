@@ -221,6 +221,18 @@ class PlanSettings:
     max_lora_rank: int = setting(SERVE.max_lora_rank, "As serve's", check=at_least(1))
     cpu_cache_bytes: int = setting(HOST_CACHE_BYTES, "As serve's", unit="size")
     disk_cache_bytes: int = setting(SERVE.disk_cache_bytes, "As serve's", unit="size")
+    engine: str = setting(
+        "native",
+        "As serve's: whose residency the simulations run (vllm: the cpu cache is sized in "
+        "adapters, vLLM's --max-cpu-loras)",
+        choices=("native", "vllm"),
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "vllm, with --workers: the host cache in adapters, as serve's",
+        check=at_least(1),
+        default_text=f"vllm: {VLLM_HOST_CACHE_PER_SLOT} × slots",
+    )
     workers: int = setting(
         1,
         "Workers behind the router: above 1, the workload runs on a fleet at these capacities "

@@ -469,6 +469,8 @@ def plan(s: PlanSettings) -> None:
             cpu_cache_bytes=s.cpu_cache_bytes,
             disk_cache_bytes=s.disk_cache_bytes,
             calibration=calibration,
+            engine=s.engine,
+            max_cpu_loras=s.max_cpu_loras,
         )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -7,6 +7,7 @@ import time
 
 from rich.table import Table
 
+from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.sim import workload as workloads
 from loraplex.sim.report import summarize
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate
@@ -20,6 +21,8 @@ def fleet_for_workload(
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     d = plan.defaults
     config = SimConfig(
+        engine=plan.engine,
+        max_cpu_loras=plan.max_cpu_loras,
         gpu_slots=d.max_loras,
         cpu_bytes=d.cpu_cache_bytes,
         disk_bytes=d.disk_cache_bytes,
@@ -50,9 +53,13 @@ def fleet_for_workload(
 
 def fleet_table(plan) -> Table:
     f, d = plan.fleet, plan.defaults
+    host = f"cpu {d.cpu_cache_bytes / 2**30:.1f} GiB"
+    if plan.engine == "vllm":
+        count = plan.max_cpu_loras or VLLM_HOST_CACHE_PER_SLOT * d.max_loras
+        host = f"engine vllm, cpu {count} adapters"
     table = Table(
         title=f"workload {plan.workload} on {f['workers']} workers (simulated, policy score; "
-        f"each max-loras {d.max_loras}, cpu {d.cpu_cache_bytes / 2**30:.1f} GiB)"
+        f"each max-loras {d.max_loras}, {host})"
     )
     table.add_column("figure")
     table.add_column("value", justify="right")

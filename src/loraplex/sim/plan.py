@@ -27,7 +27,8 @@ COLD_START_TARGETS = (0.01, 0.05)
 token)."""
 SLOT_MISS_TARGET = 0.10
 """Slot miss: a request whose adapter was in host memory but in no slot (it waits for a
-host-to-device copy); cold starts are the cpu cache's to avoid, slot misses the slots'."""
+host-to-device copy); cold starts are the cpu cache's to avoid, slot misses the slots'. On vLLM,
+whose device slots are vLLM's own, the requests whose batch copied their adapter into a slot."""
 
 
 class PlanError(ValueError):
@@ -68,6 +69,11 @@ class Plan:
     """With workers: the workload's run on the fleet (`loraplex.sim.fleet_plan`)."""
     calibration: Calibration = field(default_factory=Calibration)
     """The load and step costs the workload's simulations run with."""
+    engine: str = "native"
+    """Whose residency the simulations run (`SimConfig.engine`): on vllm the host cache is sized in
+    adapters (max_cpu_loras), not bytes."""
+    max_cpu_loras: int | None = None
+    """vllm: the host cache a fleet runs with (None: 4 per slot, as serve's)."""
 
 
 def serving_dtype(config: ModelConfig) -> str:
@@ -189,12 +195,16 @@ def make_plan(
     shape: dict | None = None,
     registry_changes_per_s: float = 0.0,
     calibration: Calibration | None = None,
+    engine: str = "native",
+    max_cpu_loras: int | None = None,
     **capacities,
 ) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
-    (serve's flags; the engine's defaults otherwise). With `workers` above 1 the workload (reshaped
-    by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of the
-    one-worker sizing. The simulations run at `calibration`'s costs (the package's by default)."""
+    (serve's flags; the engine's defaults otherwise); `engine`, `max_cpu_loras`: serve's, for the
+    simulations (on vllm the cpu cache is sized in adapters). With `workers` above 1 the workload
+    (reshaped by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of
+    the one-worker sizing. The simulations run at `calibration`'s costs (the package's by
+    default)."""
     if not workload and (workers > 1 or shape or registry_changes_per_s):
         raise PlanError(
             "--workers, --num-adapters, --rate, --duration-s, --tenants and "
@@ -223,6 +233,8 @@ def make_plan(
         workload=workload,
         budgets=budgets_from_registry(registry) if registry else {},
         calibration=calibration or Calibration(),
+        engine=engine,
+        max_cpu_loras=max_cpu_loras,
     )
     if workload:
         trace = load_workload(workload, shape)
@@ -258,6 +270,7 @@ def _sizing_base(
     per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
     cap = workloads.default_capacity(workload)
     base = SimConfig(
+        engine=plan.engine,
         gpu_slots=cap.gpu_slots,
         cpu_bytes=cap.cpu_bytes,
         disk_bytes=cap.disk_bytes,
@@ -282,21 +295,27 @@ def size_for_workload(
     cache: dict[tuple[int, int], dict] = {}
     task = progress.add_task("sizing", total=None) if progress else None
 
+    vllm = plan.engine == "vllm"  # `cpu` counts adapters in vLLM's host cache, not bytes
+
     def run(slots: int, cpu: int) -> dict:
         if (slots, cpu) not in cache:
-            sim = simulate(
-                trace, replace(base, gpu_slots=slots, cpu_bytes=cpu), policy_factory("score")
-            )
+            held = {"max_cpu_loras": max(cpu, slots)} if vllm else {"cpu_bytes": cpu}
+            sim = simulate(trace, replace(base, gpu_slots=slots, **held), policy_factory("score"))
             cache[slots, cpu] = summarize(sim)
             if progress:
                 progress.update(task, description=f"sizing: {len(cache)} simulations")
         return cache[slots, cpu]
 
     rows = []
-    grid = [0] + [
-        int(working_set * f)
-        for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)
-    ]
+    fractions = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)
+    if vllm:  # from no place beyond the slots to every adapter the trace asks for, and half again
+        distinct = len({r.model for r in trace if r.adapter})
+        grid = sorted(
+            {base.gpu_slots} | {max(base.gpu_slots, round(distinct * f)) for f in fractions}
+        )
+    else:
+        grid = [0] + [int(working_set * f) for f in fractions]
+    unit = "cpu_loras" if vllm else "cpu_bytes"
     for target in COLD_START_TARGETS:
         best = _smallest(
             grid, lambda cpu, target=target: run(base.gpu_slots, cpu)["cold_start_rate"] <= target
@@ -306,29 +325,35 @@ def size_for_workload(
                 "what": "cpu cache",
                 "target": f"cold starts ≤ {target:.0%}",
                 "gpu_slots": base.gpu_slots,
-                "cpu_bytes": best,
+                unit: best,
                 "rate": None if best is None else run(base.gpu_slots, best)["cold_start_rate"],
             }
         )
         if best is None:
             largest = run(base.gpu_slots, grid[-1])["cold_start_rate"]
-            rows[-1]["why"] = _cold_start_floor(trace, target, largest, _size(grid[-1]))
-    cpu_for_slots = rows[-1]["cpu_bytes"] if rows[-1]["cpu_bytes"] is not None else grid[-1]
+            largest_text = f"{grid[-1]} adapters" if vllm else _size(grid[-1])
+            rows[-1]["why"] = _cold_start_floor(trace, target, largest, largest_text)
+    cpu_for_slots = rows[-1][unit] if rows[-1][unit] is not None else grid[-1]
     slots_grid = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
-    best = _smallest(
-        slots_grid, lambda s: run(s, cpu_for_slots)["hit_rate"]["cpu"] <= SLOT_MISS_TARGET
-    )
+
+    def slot_misses(figures: dict) -> float:
+        if not vllm:
+            return figures["hit_rate"]["cpu"]
+        # vLLM orders its device slots itself: the requests that had an adapter copied in
+        return figures["activations"] / max(1, figures["adapter_requests"])
+
+    best = _smallest(slots_grid, lambda s: slot_misses(run(s, cpu_for_slots)) <= SLOT_MISS_TARGET)
     rows.append(
         {
             "what": "gpu slots",
             "target": f"slot misses ≤ {SLOT_MISS_TARGET:.0%}",
             "gpu_slots": best,
-            "cpu_bytes": cpu_for_slots,
-            "rate": None if best is None else run(best, cpu_for_slots)["hit_rate"]["cpu"],
+            unit: cpu_for_slots,
+            "rate": None if best is None else slot_misses(run(best, cpu_for_slots)),
         }
     )
     if best is None:
-        largest = run(slots_grid[-1], cpu_for_slots)["hit_rate"]["cpu"]
+        largest = slot_misses(run(slots_grid[-1], cpu_for_slots))
         rows[-1]["why"] = f"{largest:.2%} at {slots_grid[-1]} slots, the largest tried"
     return rows
 
@@ -355,6 +380,10 @@ def _smallest(grid: list[int], ok) -> int | None:
     fall with every step of capacity (a Zipf trace's slot misses are 2.7% at 4 slots, 3.7% at 8),
     so a bisection could skip the smallest size that meets a target."""
     return next((value for value in grid if ok(value)), None)
+
+
+def _adapters(n: int | None) -> str:
+    return "-" if n is None else f"{n} adapters"
 
 
 def _size(n: int | None) -> str:
@@ -442,7 +471,8 @@ def _tiers_table(plan: Plan) -> Table:
 
 def _sizing_table(plan: Plan) -> Table:
     sizing = Table(
-        title=f"smallest capacity for workload {plan.workload} (simulated, policy score)"
+        title=f"smallest capacity for workload {plan.workload} (simulated, policy score, engine "
+        f"{plan.engine})"
     )
     for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
         sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
@@ -455,7 +485,7 @@ def _sizing_table(plan: Plan) -> Table:
             row["what"],
             row["target"],
             str(row["gpu_slots"] or "-"),
-            _size(row["cpu_bytes"]),
+            _size(row["cpu_bytes"]) if "cpu_bytes" in row else _adapters(row["cpu_loras"]),
             rate,
         )
     return sizing

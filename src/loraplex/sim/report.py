@@ -73,6 +73,7 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         "miss_cost": h2d + loads,
         "miss_cost_parts": {"h2d": h2d, "load": loads},
         "activations": sum(w.pool.copies for w in sim.workers),
+        "adapter_requests": len(seqs),
         "loads": dict(sum((w.loads for w in sim.workers), Counter())),
         "evictions": evictions,
         "reloads_after_eviction": reloads,
