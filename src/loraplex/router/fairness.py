@@ -3,8 +3,9 @@ at the router in its tenant's queue, and a worker that has room again takes the 
 fair order, not the next to arrive.
 
 The order: the higher priority band first (the registry's tenant priority); within a band,
-weighted fair queueing over tenants (each grant moves its tenant's virtual finish tag on by
-1/weight; the tenant whose next tag is lowest goes next); first come first within a tenant. A
+start-time fair queueing over tenants: a tenant that starts waiting takes the virtual clock as its
+start tag (or its last finish, if later), each grant moves its tag on by 1/weight, and the tenant
+whose next finish tag is lowest goes next; first come first within a tenant. A
 tenant that bursts therefore gets its share, not the line: another tenant's request waits for at
 most one grant per other tenant with a lower tag.
 """
@@ -42,6 +43,8 @@ class FairQueue(Generic[T]):
     limit: int = 256
     """Requests a tenant may have waiting."""
     _queues: dict[str, deque[Waiter[T]]] = field(default_factory=dict)
+    _start: dict[str, float] = field(default_factory=dict)
+    """The start tag of each waiting tenant's next grant."""
     _finish: dict[str, float] = field(default_factory=dict)
     _clock: float = 0.0
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -59,6 +62,8 @@ class FairQueue(Generic[T]):
             raise QueueFull(tenant)
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         waiter = Waiter(tenant, priority, next(self._seq), future, what)
+        if tenant not in self._queues:
+            self._start[tenant] = max(self._finish.get(tenant, 0.0), self._clock)
         self._queues.setdefault(tenant, deque()).append(waiter)
         return waiter
 
@@ -68,12 +73,11 @@ class FairQueue(Generic[T]):
         if queue is not None and waiter in queue:
             queue.remove(waiter)
             if not queue:
-                del self._queues[waiter.tenant]
+                del self._queues[waiter.tenant], self._start[waiter.tenant]
 
     def _tag(self, tenant: str) -> float:
-        """The virtual finish tag the tenant's next grant would get."""
-        start = max(self._finish.get(tenant, 0.0), self._clock)
-        return start + 1.0 / self.weights.get(tenant, 1.0)
+        """The virtual finish tag of the tenant's next grant."""
+        return self._start[tenant] + 1.0 / self.weights.get(tenant, 1.0)
 
     def order(self) -> list[Waiter[T]]:
         """Each tenant's first waiter, in the order they are granted."""
@@ -100,8 +104,7 @@ class FairQueue(Generic[T]):
 
     def _granted(self, waiter: Waiter[T]) -> None:
         tenant = waiter.tenant
-        tag = self._tag(tenant)
-        self._finish[tenant] = tag
-        self._clock = tag - 1.0 / self.weights.get(tenant, 1.0)  # the grant's start tag
+        self._clock = self._start[tenant]
+        self._finish[tenant] = self._start[tenant] = self._tag(tenant)
         self.granted_total[tenant] = self.granted_total.get(tenant, 0) + 1
         self.leave(waiter)

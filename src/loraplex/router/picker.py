@@ -78,10 +78,11 @@ class PickerConfig:
     worker instead of waiting on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
-    w_prefix: float = 0.3
+    w_prefix: float = 0.5
     """Weight of the share of the prompt's prefix routed to a worker lately: a worker that likely
-    holds the whole prefix in KV keeps it until it carries three more requests than one that holds
-    none (each costs 0.1 at the defaults); 0: prefixes ignored."""
+    holds the whole prefix in KV keeps it until it carries five more requests than one that holds
+    none (each costs 0.1 at the defaults: the saturation threshold), or three more when it is the
+    busier by active tokens as well (0.2); 0: prefixes ignored."""
     load_factor: float = D.load_factor
     near_equal: float = 0.05
     shed_priority_below: int = D.shed_priority_below

@@ -122,7 +122,7 @@ class RouterSettings:
         metavar="NAME=W,...",
         parse=weights(WEIGHTS, minimum=0.0),
         show=dict,
-        default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2, prefix=0.3",
+        default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2, prefix=0.5",
         doc="the picker's score terms (below); a larger `queue` spreads a hot adapter sooner, "
         "`prefix=0` ignores prompt prefixes",
     )
