@@ -153,6 +153,7 @@ class RouterState:
             message = f"every worker is saturated and {self.config.queue_per_tenant} requests of "
             message += f"tenant {tenant or '(unknown)'} are waiting already"
             return _error(429, message, "saturated", "server_error", {"Retry-After": "1"})
+        self.metrics.waiting.labels(tenant).set(self.queue.waiting(tenant))
         self.admit()
         try:
             return await asyncio.wait_for(waiter.granted, self.config.request_timeout_s)
