@@ -49,7 +49,7 @@ def build(tmp: Path) -> tuple[Path, str, dict[str, str]]:
     registry = Registry(f"sqlite:///{tmp / 'registry.db'}", base_model_dir=model_dir)
     registry.init()
     keys = {}
-    for tenant in ("A", "B"):
+    for tenant in ("a", "b"):
         registry.add_tenant(tenant, 0)
         keys[tenant] = registry.create_key(tenant)
         path = write_adapter(cfg, 8, torch.float32, tmp / "adapters" / tenant)
@@ -89,11 +89,11 @@ async def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: 
 
         async def a_client():
             while not stop.is_set():
-                a_done.append(await one(client, url, "A", keys["A"], 32))
+                a_done.append(await one(client, url, "a", keys["a"], 32))
 
         async def b_request(at: float):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            return await one(client, url, "B", keys["B"], 16)
+            return await one(client, url, "b", keys["b"], 16)
 
         bursts = [asyncio.create_task(a_client()) for _ in range(a_clients)]
         await asyncio.sleep(2.0 if a_clients else 0.0)  # the burst under way before B's trace
@@ -108,6 +108,35 @@ async def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: 
 def pct(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else None
+
+
+def run(tmp: Path, name: str, workers, registry_url: str, keys, b_times, a_clients, flags) -> dict:
+    """One run of B's trace through a fresh router, with `a_clients` of A beside it."""
+    router = start_router(
+        [w.url for w in workers],
+        tmp / name.replace(" ", "").replace(",", ""),
+        "affinity",
+        "--registry",
+        registry_url,
+        "--saturation-waiting",
+        "0",
+        *flags,
+    )
+    try:
+        time.sleep(1.5)
+        result = asyncio.run(load(router.url, keys, b_times, a_clients))
+    finally:
+        router.stop()
+    b_ok = [r["ttft"] for r in result["b"] if r.get("status") == 200 and "ttft" in r]
+    a_ok = [r for r in result["a"] if r.get("status") == 200]
+    return {
+        "run": name,
+        "b_ok": f"{len(b_ok)}/{len(result['b'])}",
+        "b_ttft_p50_ms": pct(b_ok, 0.5),
+        "b_ttft_p99_ms": pct(b_ok, 0.99),
+        "a_answers_per_s": round(len(a_ok) / result["seconds"], 1),
+        "a_refused": len(result["a"]) - len(a_ok),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,33 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         workers = [start_worker(model_dir, tmp / f"w{i}", {}, *extra) for i in range(2)]
         try:
             for name, (a_clients, flags) in RUNS.items():
-                router = start_router(
-                    [w.url for w in workers],
-                    tmp / name.replace(" ", "").replace(",", ""),
-                    "affinity",
-                    "--registry",
-                    registry_url,
-                    "--saturation-waiting",
-                    "0",
-                    *flags,
-                )
-                try:
-                    time.sleep(1.5)
-                    result = asyncio.run(load(router.url, keys, b_times, a_clients))
-                finally:
-                    router.stop()
-                b_ok = [r["ttft"] for r in result["b"] if r.get("status") == 200 and "ttft" in r]
-                a_ok = [r for r in result["a"] if r.get("status") == 200]
-                rows.append(
-                    {
-                        "run": name,
-                        "b_ok": f"{len(b_ok)}/{len(result['b'])}",
-                        "b_ttft_p50_ms": pct(b_ok, 0.5),
-                        "b_ttft_p99_ms": pct(b_ok, 0.99),
-                        "a_answers_per_s": round(len(a_ok) / result["seconds"], 1),
-                        "a_refused": len(result["a"]) - len(a_ok),
-                    }
-                )
+                rows.append(run(tmp, name, workers, registry_url, keys, b_times, a_clients, flags))
                 console.log(rows[-1])
         finally:
             for w in workers:

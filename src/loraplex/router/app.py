@@ -140,6 +140,7 @@ class RouterState:
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight = max(0, worker.in_flight - 1)
+            worker.finished += 1
             self.metrics.in_flight.labels(url).set(worker.in_flight)
         self.admit()
 
@@ -265,23 +266,13 @@ async def forward(state: RouterState, request: Request, path: str):
     if adapter is not None and state.config.splits is not None:
         adapter, canary, body = _split_revision(state.config.splits, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
-    tenant, priority = state.config.caller_of(key)
-    wanted = Wanted(adapter, tenant, priority, canary)
-    if state.fleet.prefix_blocks and isinstance(payload, dict):
-        salt = prefix_key(state.config.catalog, wanted)
-        wanted = dataclasses.replace(wanted, prompt=block_hashes(prompt_text(payload), salt))
-    need = need_of(state.fleet, state.config.catalog, wanted)
-    pick: Pick | Refusal | Response = route(
-        state.fleet, state.picker, state.config.splits, need, wanted
-    )
-    waited = isinstance(pick, Pick) and _waits(state, pick)
-    if waited:
-        pick = await state.wait_turn(wanted, need)
+    wanted = Wanted(adapter, *state.config.caller_of(key), canary)
+    wanted, pick, waited = await _routed(state, wanted, payload)
     if isinstance(pick, Response):
         return pick
     if isinstance(pick, Refusal):
         state.metrics.picks.labels("no-eligible-worker").inc()
-        log.info("refused model=%s tenant=%s: %s", adapter, tenant, pick.message)
+        log.info("refused model=%s tenant=%s: %s", adapter, wanted.tenant, pick.message)
         return _error(pick.status, pick.message, pick.code, param="model")
     if pick.url is None:
         return _no_worker(state, pick)
@@ -322,6 +313,21 @@ async def forward(state: RouterState, request: Request, path: str):
             state.refused(url, adapter)
         return _relayed(state, response, url, pick)
     return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+
+async def _routed(
+    state: RouterState, wanted: Wanted, payload: object
+) -> tuple[Wanted, Pick | Refusal | Response, bool]:
+    """(the request with its prompt's blocks, its pick, whether it waited its turn for it: then
+    it is sent there already)."""
+    if state.fleet.prefix_blocks and isinstance(payload, dict):
+        salt = prefix_key(state.config.catalog, wanted)
+        wanted = dataclasses.replace(wanted, prompt=block_hashes(prompt_text(payload), salt))
+    need = need_of(state.fleet, state.config.catalog, wanted)
+    pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
+    if isinstance(pick, Pick) and _waits(state, pick):
+        return wanted, await state.wait_turn(wanted, need), True
+    return wanted, pick, False
 
 
 def _waits(state: RouterState, pick: Pick) -> bool:

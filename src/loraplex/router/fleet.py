@@ -100,6 +100,9 @@ class Worker:
     """Load and residency from the last poll."""
     in_flight: int = 0
     """Requests the router has open here: sent and not yet finished."""
+    finished: int = 0
+    """Requests of the router's that finished here since the last poll: each lets one that waits
+    there run, so the polled queue is shorter by as many (to none)."""
     sent: set[str] = dataclasses.field(default_factory=set)
     """Adapters routed here since the last poll: counted as loading, so the next request for one
     follows it."""
@@ -127,9 +130,11 @@ class Worker:
         pick reads them at once): no copy per request."""
         last = self.last or WorkerView(self.url)
         fresh = now - self.polled_at <= stale_after_s
-        counted = last.waiting + last.running if fresh else 0
+        waiting = max(0, last.waiting - self.finished)
+        counted = waiting + last.running if fresh else 0
         return dataclasses.replace(
             last,
+            waiting=waiting,
             healthy=self.healthy and self.problem is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
@@ -278,7 +283,7 @@ class Fleet:
 
     async def _poll(self, worker: Worker) -> None:
         headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        sent = set(worker.sent)  # what the answer will already count
+        sent, finished = set(worker.sent), worker.finished  # what the answer will count
         try:
             health = await self.client.get(f"{worker.url}/health")
             if health.status_code != 200:
@@ -307,6 +312,7 @@ class Fleet:
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
             worker.sent -= sent
+            worker.finished -= finished
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
             worker.healthy, worker.failures = True, 0
