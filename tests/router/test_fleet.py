@@ -116,13 +116,3 @@ def test_routing_deltas_update_the_index_by_name_and_revision():
     # a reset starts over from the rows it carries
     worker.apply_routing({"generation": "f.1", "reset": True, "load": load, "adapters": []})
     assert worker.view(now=worker.polled_at, stale_after_s=2).affinity("sql") == "none"
-
-
-def test_a_request_seen_to_finish_shortens_the_polled_queue_until_the_next_poll():
-    worker = Worker("http://w")
-    worker.polled_at = 100.0
-    worker.apply_state({"adapters": [], "load": {"waiting": 2, "running": 4, "max_running": 4}})
-    assert (worker.view(100.0, 2.0).waiting, worker.view(100.0, 2.0).max_running) == (2, 4)
-    worker.finished = 3  # two that waited run now, and one place is free
-    view = worker.view(100.0, 2.0)
-    assert (view.waiting, view.running, view.load) == (0, 3, 3)

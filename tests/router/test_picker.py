@@ -111,19 +111,3 @@ def test_queue_depth_outweighs_affinity_only_by_whole_requests():
     # Resident on two workers: the less loaded one takes it.
     workers = [w("a", gpu=frozenset({"x"}), running=3), w("b", gpu=frozenset({"x"}), running=1)]
     assert picker.pick(workers, "x").url == "b"
-
-
-def test_a_worker_that_says_how_many_it_runs_is_saturated_when_they_are_all_taken():
-    """At `saturation_waiting` 0, a worker running its `--max-num-seqs` is full: the router sends
-    it nothing more, so nothing waits there."""
-    picker = Picker(config=PickerConfig(saturation_waiting=0))
-    assert picker.pick([w("a", running=3, max_running=4)], "x").reason != "saturated-fallback"
-    assert picker.pick([w("a", running=4, max_running=4)], "x").reason == "saturated-fallback"
-    assert picker.pick([w("a", running=3, in_flight=1, max_running=4)], "x").reason == (
-        "saturated-fallback"
-    )
-    default = Picker()  # 5: as many as five beyond the running limit
-    assert default.pick([w("a", running=4, in_flight=4, max_running=4)], "x").url == "a"
-    assert default.pick([w("a", running=4, in_flight=5, max_running=4)], "x").reason == (
-        "saturated-fallback"
-    )

@@ -130,14 +130,11 @@ class Worker:
         pick reads them at once): no copy per request."""
         last = self.last or WorkerView(self.url)
         fresh = now - self.polled_at <= stale_after_s
-        drained = min(last.waiting, self.finished)  # each let one that waited there run
-        waiting = last.waiting - drained
-        running = max(0, last.running - (self.finished - drained))
-        counted = waiting + running if fresh else 0
+        waiting = max(0, last.waiting - self.finished)
+        counted = waiting + last.running if fresh else 0
         return dataclasses.replace(
             last,
             waiting=waiting,
-            running=running,
             healthy=self.healthy and self.problem is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
@@ -191,7 +188,6 @@ class Worker:
             self.url,
             waiting=load.get("waiting", 0),
             running=load.get("running", 0),
-            max_running=load.get("max_running", 0),
             active_tokens=load.get("active_tokens", 0),
             kv_usage=load.get("kv_cache_usage", 0.0),
             recent_evictions=load.get("recent_evictions", 0),

@@ -32,8 +32,6 @@ class WorkerView:
     unknown."""
     waiting: int = 0
     running: int = 0
-    max_running: int = 0
-    """The most requests it runs at once (`--max-num-seqs`), where it says (0: not said)."""
     active_tokens: int = 0
     kv_usage: float = 0.0
     recent_evictions: int = 0
@@ -149,14 +147,9 @@ class Picker:
         return self._pick_affinity(workers, healthy, adapter, priority)
 
     def _saturated(self, w: WorkerView) -> bool:
-        """More than `saturation_waiting` wait there, or, where it says how many it runs at once,
-        as many as that beyond them (at 0: every place taken), or its KV is full."""
         c = self.config
-        full = bool(w.max_running) and w.load - w.max_running >= c.saturation_waiting
         return w.fresh and (
-            w.waiting + w.in_flight > c.saturation_waiting
-            or full
-            or w.kv_usage > c.saturation_kv_usage
+            w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
         )
 
     def _pick_affinity(

@@ -435,7 +435,6 @@ class Server:
             "load": {
                 "waiting": live["num_waiting"],
                 "running": live["num_running"],
-                "max_running": live.get("max_num_seqs", 0),
                 "active_tokens": live["active_tokens"],
                 "recent_evictions": cache["recent_evictions"],
                 "free_slots": cache["free_slots"],

@@ -19,7 +19,6 @@ from typing import NamedTuple
 LOAD_FIELDS = (
     "waiting",
     "running",
-    "max_running",
     "active_tokens",
     "kv_cache_usage",
     "recent_evictions",

@@ -105,9 +105,7 @@ class RouterSettings:
         panel=ROUTING,
         check=at_least(0),
         doc="a worker with more requests waiting than this (its own count, or the router's "
-        "requests open there beyond those running) is saturated, and one that reports how many "
-        "it runs at once (`--max-num-seqs`) when it holds that many plus this many (at 0 the "
-        "router sends it only what it can run): "
+        "requests open there beyond those running) is saturated: "
         "affinity gives way to spreading; higher keeps adapters' traffic together at the "
         "cost of waiting",
     )

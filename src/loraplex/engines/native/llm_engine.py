@@ -253,7 +253,6 @@ class LLMEngine(NativeFront):
             "prefix_cache": self.blocks.prefix_figures(),
             "waiting_keys": {s.adapter.key for s in waiting if s.adapter is not None},
             "max_loras": self.config.max_loras,
-            "max_num_seqs": self.config.max_num_seqs,
             "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
         }
