@@ -13,7 +13,7 @@ import pytest
 from loraplex.loadgen.procs import start_router, start_worker
 from loraplex.registry import Registry
 
-BURST = 16
+BURST = 20
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def burst_then_steady(router_url: str, keys: dict[str, str], queued: bool) -> li
     answers: list[httpx.Response] = []
 
     def send(tenant: str) -> None:
-        answer = complete(router_url, tenant, keys, 160 if tenant == "acme" else 4)
+        answer = complete(router_url, tenant, keys, 200 if tenant == "acme" else 4)
         answers.append(answer)
         done.append(tenant)
 
@@ -76,11 +76,13 @@ def burst_then_steady(router_url: str, keys: dict[str, str], queued: bool) -> li
     for t in burst:
         t.start()
     for _ in range(600):  # until the burst has reached the router (a bound, not a timing)
-        if queued and waiting_at(router_url, "acme") >= BURST - 4:
+        if queued and waiting_at(router_url, "acme") >= BURST - 6:
             break
-        if not queued and len(done) == 0 and _open_on_worker(router_url) >= BURST:
+        if not queued and _open_on_worker(router_url) >= BURST:
             break
         threading.Event().wait(0.05)
+    else:
+        raise AssertionError(f"the burst never reached the router whole: {done}")
     for _ in range(3):
         send("globex")
     for t in burst:
@@ -108,9 +110,8 @@ def test_a_burst_does_not_starve_a_steady_tenant(fleet):
         router.stop()
     last_steady = max(i for i, tenant in enumerate(done) if tenant == "globex")
     # each steady request waits for the requests already on the worker (one running, one
-    # waiting), then goes first: three of them are answered before half the burst is
-    assert done[:last_steady].count("acme") <= BURST // 2, done
-    assert done[-1] == "acme"
+    # waiting), then goes first: all three are answered while much of the burst still waits
+    assert done[last_steady:].count("acme") >= 4, done
 
 
 def test_without_the_queue_the_burst_takes_the_line(fleet):
