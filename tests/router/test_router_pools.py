@@ -194,6 +194,8 @@ def test_a_misconfigured_worker_gets_no_request_and_is_shown():
 
 
 def test_a_tenant_uses_its_dedicated_pool_then_the_shared_one_when_that_is_saturated():
+    """Without the fair-share queue (`queue_per_tenant=0`), a request for saturated pools goes to
+    the dedicated pool's saturated pick."""
     gold_state, shared_state = state_of("base-a"), state_of("base-a")
     with serving(stand_in(gold_state)) as gold, serving(stand_in(shared_state)) as shared:
         pools = (
@@ -206,6 +208,7 @@ def test_a_tenant_uses_its_dedicated_pool_then_the_shared_one_when_that_is_satur
             pools=pools,
             caller_of=lambda key: KEYS.get(key, (None, 0)),
             poll_interval_s=0.05,
+            queue_per_tenant=0,
         )
         with serving(create_router_app(config)) as url:
             acme = [complete(url, "sql", "acme-key") for _ in range(6)]

@@ -122,7 +122,8 @@ def test_a_body_that_is_not_utf8_is_a_400():
 
 def test_more_than_a_hundred_streams_at_once_are_all_carried():
     """httpx's default pool of 100 connections made the 101st request wait for one and fail as if
-    its worker had (PoolTimeout: the worker marked out, the client answered 502)."""
+    its worker had (PoolTimeout: the worker marked out, the client answered 502). The fair-share
+    queue is off, so that all 110 are open on the worker at once."""
 
     async def stream(request):
         await request.body()
@@ -140,7 +141,9 @@ def test_more_than_a_hundred_streams_at_once_are_all_carried():
     app = worker(RESIDENT)
     app.router.routes[-1] = Route("/v1/completions", stream, methods=["POST"])
     with serving(app) as one:
-        config = RouterConfig(workers=(one,), admin_token=TOKEN, request_timeout_s=1.5)
+        config = RouterConfig(
+            workers=(one,), admin_token=TOKEN, request_timeout_s=1.5, queue_per_tenant=0
+        )
         with serving(create_router_app(config)) as url:
 
             async def all_at_once():

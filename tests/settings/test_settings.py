@@ -192,10 +192,13 @@ def test_engine_configurations_take_the_settings_under_their_names(tmp_path):
     )
     native = EngineConfig.from_settings(s)
     same = {f.name for f in dataclasses.fields(EngineConfig)} & set(ServeSettings.__annotations__)
-    # None: the engine's own (2GiB of host cache); prefix caching is a vLLM setting
-    same -= {"cpu_cache_bytes", "enable_prefix_caching"}
+    # None: the engine's own (2GiB of host cache)
+    same -= {"cpu_cache_bytes"}
     assert len(same) > 15 and all(getattr(native, name) == getattr(s, name) for name in same)
     assert native.cpu_cache_bytes == 2 * 2**30 and native.disk_cache_dir == tmp_path / "cache"
+    assert native.enable_prefix_caching is False
+    # unset: the native engine's own default, on (vLLM keeps vLLM's)
+    assert EngineConfig.from_settings(ServeSettings(model=tmp_path)).enable_prefix_caching is True
     vllm = VllmConfig.from_settings(s, "base", None)
     assert vllm.max_loras == 3
     args = vllm.vllm_args

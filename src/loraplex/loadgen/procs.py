@@ -141,3 +141,11 @@ def state(url: str) -> dict:
     )
     r.raise_for_status()
     return r.json()
+
+
+def prefix_cache(url: str) -> tuple[float, float]:
+    """A worker's prefix-cache counts from its /metrics, vLLM's series: (tokens looked up, tokens
+    found)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = dict(re.findall(r"^vllm:prefix_cache_(queries|hits)(?:_total)?\s+(\S+)$", text, re.M))
+    return float(found.get("queries", 0)), float(found.get("hits", 0))

@@ -5,39 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loraplex.bearer import bearer, carries_token
 from loraplex.router import cutover
 from loraplex.router.catalog import AdapterCatalog
+from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
-from loraplex.router.picker import Picker, PickerConfig
-from loraplex.router.pools import DEFAULT_POOL, PoolSpec, tiers
-from loraplex.router.routing import Refusal, Wanted, need_of, route
+from loraplex.router.metrics import RouterMetrics
+from loraplex.router.picker import Pick, Picker, PickerConfig
+from loraplex.router.pools import DEFAULT_POOL, Need, PoolSpec, tiers
+from loraplex.router.prefixes import block_hashes, prompt_text
+from loraplex.router.routing import Refusal, Wanted, need_of, prefix_key, route
 from loraplex.router.splits import Splits
 from loraplex.settings.router import DEFAULTS as D
-
-if TYPE_CHECKING:
-    from loraplex.registry import Registry
 
 log = logging.getLogger("loraplex.router")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -76,47 +68,11 @@ class RouterConfig:
     seed: int | None = None
     metrics_token: str | None = None
     """When set, /metrics answers only `Authorization: Bearer <token>`."""
-
-
-class RouterMetrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.picks = Counter(
-            "loraplex_router_picks_total",
-            "Routing decisions by reason",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.retries = Counter(
-            "loraplex_router_retries_total",
-            "Requests retried on another worker",
-            registry=self.registry,
-        )
-        self.healthy = Gauge(
-            "loraplex_router_worker_healthy",
-            "1 while the worker passes its health checks",
-            ["worker"],
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "loraplex_router_worker_in_flight",
-            "Requests proxied to the worker and not done",
-            ["worker"],
-            registry=self.registry,
-        )
-        self.misconfigured = Gauge(
-            "loraplex_router_worker_misconfigured",
-            "1 while the worker's reported base model or max rank does not match its pool",
-            ["worker", "pool"],
-            registry=self.registry,
-        )
-        self.publish_ready = Histogram(
-            "loraplex_router_publish_ready_seconds",
-            "An upload that waits for readiness, from its request to the new revision ready on "
-            "every worker of its pools",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0),
-            registry=self.registry,
-        )
+    prefix_blocks: int = D.prefix_index_blocks
+    """Prompt blocks remembered per worker for prefix-aware routing (0: none)."""
+    queue_per_tenant: int = D.queue_per_tenant
+    """Requests a tenant may have waiting while its workers are saturated (0: no queue)."""
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
 
 def _error(
@@ -158,19 +114,22 @@ class RouterState:
     picker: Picker
     metrics: RouterMetrics
     proxy: httpx.AsyncClient
+    queue: FairQueue[Pick | Refusal]
 
     def admin_ok(self, request: Request) -> bool:
         token = self.config.admin_token
         return bool(token) and carries_token(request.headers.get("authorization"), token)
 
-    def sent(self, url: str, adapter: str | None) -> None:
+    def sent(self, url: str, adapter: str | None, prompt: tuple[int, ...] = ()) -> None:
         """A request went to the worker: open there (the picker's load) until done, its adapter
-        counted as loading there until the next poll."""
+        counted as loading there until the next poll, its prompt's blocks as held there."""
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight += 1
             if adapter is not None:
                 worker.sent.add(adapter)
+            if prompt:
+                worker.prefixes.add(prompt)
             self.metrics.in_flight.labels(url).set(worker.in_flight)
 
     def refused(self, url: str, adapter: str | None) -> None:
@@ -183,7 +142,54 @@ class RouterState:
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight = max(0, worker.in_flight - 1)
+            worker.finished += 1
             self.metrics.in_flight.labels(url).set(worker.in_flight)
+        self.admit()
+
+    async def wait_turn(self, wanted: Wanted, need: Need) -> Pick | Refusal | Response:
+        """The pick for a request that waits in its tenant's queue until a worker it may use has
+        room and its turn comes (`router/fairness.py`); sent there already (`sent`)."""
+        tenant = wanted.tenant or ""
+        try:
+            waiter = self.queue.join(tenant, wanted.priority, (wanted, need))
+        except QueueFull:
+            message = f"every worker is saturated and {self.config.queue_per_tenant} requests of "
+            message += f"tenant {tenant or '(unknown)'} are waiting already"
+            return _error(429, message, "saturated", "server_error", {"Retry-After": "1"})
+        self.metrics.waiting.labels(tenant).set(self.queue.waiting(tenant))
+        self.admit()
+        try:
+            return await asyncio.wait_for(waiter.granted, self.config.request_timeout_s)
+        except TimeoutError:
+            message = f"no worker had room within {self.config.request_timeout_s:g} s"
+            return _error(503, message, "no_worker", "server_error", {"Retry-After": "1"})
+        except asyncio.CancelledError:  # the client left: a pick it was granted is given back
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled():
+                pick = granted.result()
+                if isinstance(pick, Pick) and pick.url is not None:
+                    self.done(pick.url)
+            raise
+        finally:
+            self.queue.leave(waiter)
+            self.metrics.waiting.labels(tenant).set(self.queue.waiting(tenant))
+
+    def admit(self) -> None:
+        """Waiting requests in fair order, each while a worker it may use has room."""
+        if len(self.queue):
+            self.queue.admit(self._grant)
+
+    def _grant(self, waiter: Waiter) -> Pick | Refusal | None:
+        """The waiter's pick when a worker it may use has room (None: not yet), sent there."""
+        wanted, need = waiter.what
+        pick = route(self.fleet, self.picker, self.config.splits, need, wanted)
+        if isinstance(pick, Refusal):
+            return pick
+        if pick.url is None or pick.reason.startswith("saturated"):
+            return None
+        self.sent(pick.url, wanted.model, wanted.prompt)
+        self.metrics.granted.labels(waiter.tenant).inc()
+        return pick
 
     def pool_of(self, url: str) -> str:
         worker = self.fleet.workers.get(url)
@@ -204,17 +210,29 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         config.poll_interval_s,
         config.poll_timeout_s,
         config.pools,
+        config.prefix_blocks if config.picker.w_prefix else 0,
     )
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
-    state = RouterState(config, fleet, picker, RouterMetrics(), proxy)
+    queue: FairQueue[Pick | Refusal] = FairQueue(
+        dict(config.tenant_weights), config.queue_per_tenant
+    )
+    state = RouterState(config, fleet, picker, RouterMetrics(), proxy, queue)
+
+    async def admitting():
+        """Waiting requests go on when a poll shows room (a finished request admits at once)."""
+        while True:
+            await asyncio.sleep(config.poll_interval_s / 4)
+            state.admit()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.fleet.poll_once()
         state.fleet.start()
+        admitter = asyncio.get_running_loop().create_task(admitting())
         try:
             yield
         finally:
+            admitter.cancel()
             await state.fleet.stop()
             await proxy.aclose()
 
@@ -250,20 +268,21 @@ async def forward(state: RouterState, request: Request, path: str):
     if adapter is not None and state.config.splits is not None:
         adapter, canary, body = _split_revision(state.config.splits, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
-    tenant, priority = state.config.caller_of(key)
-    wanted = Wanted(adapter, tenant, priority, canary)
-    need = need_of(state.fleet, state.config.catalog, wanted)
-    pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
+    wanted = Wanted(adapter, *state.config.caller_of(key), canary)
+    wanted, pick, waited = await _routed(state, wanted, payload)
+    if isinstance(pick, Response):
+        return pick
     if isinstance(pick, Refusal):
         state.metrics.picks.labels("no-eligible-worker").inc()
-        log.info("refused model=%s tenant=%s: %s", adapter, tenant, pick.message)
+        log.info("refused model=%s tenant=%s: %s", adapter, wanted.tenant, pick.message)
         return _error(pick.status, pick.message, pick.code, param="model")
     if pick.url is None:
         return _no_worker(state, pick)
     log.info("route model=%s worker=%s reason=%s", adapter, pick.url, pick.reason)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     for attempt, url in enumerate(pick.ranking[:2]):
-        state.sent(url, adapter)
+        if not (waited and attempt == 0):  # a granted pick is sent there already
+            state.sent(url, adapter, wanted.prompt)
         try:
             upstream = state.proxy.build_request(
                 "POST", f"{url}{path}", content=body, headers=headers
@@ -296,6 +315,29 @@ async def forward(state: RouterState, request: Request, path: str):
             state.refused(url, adapter)
         return _relayed(state, response, url, pick)
     return _error(502, "no worker answered", "bad_gateway", "server_error")
+
+
+async def _routed(
+    state: RouterState, wanted: Wanted, payload: object
+) -> tuple[Wanted, Pick | Refusal | Response, bool]:
+    """(the request with its prompt's blocks, its pick, whether it waited its turn for it: then
+    it is sent there already)."""
+    if state.fleet.prefix_blocks and isinstance(payload, dict):
+        salt = prefix_key(state.config.catalog, wanted)
+        wanted = dataclasses.replace(wanted, prompt=block_hashes(prompt_text(payload), salt))
+    need = need_of(state.fleet, state.config.catalog, wanted)
+    pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
+    if isinstance(pick, Pick) and _waits(state, pick):
+        return wanted, await state.wait_turn(wanted, need), True
+    return wanted, pick, False
+
+
+def _waits(state: RouterState, pick: Pick) -> bool:
+    """Whether the request waits its turn: every worker it may use is saturated, or others wait
+    already (a newcomer does not pass them)."""
+    if not state.config.queue_per_tenant or pick.url is None:
+        return False
+    return pick.reason == "saturated-fallback" or len(state.queue) > 0
 
 
 def _no_worker(state: RouterState, pick):
@@ -540,30 +582,3 @@ routes.add_api_route("/admin/workers", list_workers, methods=["GET"])
 routes.add_api_route("/admin/workers", add_worker, methods=["POST"])
 routes.add_api_route("/admin/workers", remove_worker, methods=["DELETE"])
 routes.add_api_route("/admin/adapters/{name}/upload", upload, methods=["POST"])
-
-
-def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, int]]:
-    """Bearer key -> (tenant, its priority), read from `registry` (remembered per key for a
-    minute); no key: the open tenant."""
-    memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
-
-    tenants: list = [-math.inf, {}]  # when read, tenant -> priority
-
-    def caller_of(key: str) -> tuple[str | None, int]:
-        now = time.monotonic()
-        if key in memo and now - memo[key][0] < 60:
-            return memo[key][1]
-        try:
-            if now - tenants[0] >= 60:
-                tenants[:] = [now, {t.name: t.priority for t in registry.list_tenants()}]
-            tenant = registry.tenant_for_key(key) if key else OPEN_TENANT
-            caller = (tenant, tenants[1].get(tenant, 0))
-        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: no tenant)
-            log.warning("tenant lookup failed: %s", exc)
-            caller = open_caller(key)
-        if len(memo) >= 10_000:  # any client can send keys: keep the memo bounded
-            memo.clear()
-        memo[key] = (now, caller)
-        return caller
-
-    return caller_of

@@ -29,6 +29,8 @@ class RevisionFacts:
     allowed_tenants: tuple[str, ...]
     serving: bool
     """Whether it has traffic: the revisions a bare name resolves to."""
+    digest: str = ""
+    """The revision's artifact digest: what a KV prefix is reusable under."""
 
     def may_use(self, tenant: str | None) -> bool:
         return self.shared or (tenant is not None and tenant in self.allowed_tenants)
@@ -97,6 +99,7 @@ def registry_catalog(registry: Registry) -> AdapterCatalog:
                 r.shared,
                 r.allowed_tenants,
                 bool(r.traffic_weight),
+                r.digest,
             )
             for a in registry.list_adapters()
             for r in a.revisions

@@ -22,6 +22,7 @@ import httpx
 
 from loraplex.router.picker import WorkerView
 from loraplex.router.pools import DEFAULT_POOL, PoolSpec, Reported, misconfigured
+from loraplex.router.prefixes import PrefixIndex
 
 log = logging.getLogger("loraplex.router")
 _VLLM_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$")
@@ -99,6 +100,9 @@ class Worker:
     """Load and residency from the last poll."""
     in_flight: int = 0
     """Requests the router has open here: sent and not yet finished."""
+    finished: int = 0
+    """Requests of the router's that finished here since the last poll: each lets one that waits
+    there run, so the polled queue is shorter by as many (to none)."""
     sent: set[str] = dataclasses.field(default_factory=set)
     """Adapters routed here since the last poll: counted as loading, so the next request for one
     follows it."""
@@ -116,21 +120,26 @@ class Worker:
     """Its base model and max rank, as its last state said."""
     problem: str | None = None
     """Why it cannot stand in its pool (None: it can); a worker with a problem gets no request."""
+    prefixes: PrefixIndex = dataclasses.field(default_factory=lambda: PrefixIndex(0))
+    """The prompt blocks routed here lately (`router/prefixes.py`)."""
 
-    def view(self, now: float, stale_after_s: float) -> WorkerView:
+    def view(self, now: float, stale_after_s: float, prompt: tuple[int, ...] = ()) -> WorkerView:
         """The last poll's view, with what the router has open there beyond what that poll
-        counted (so a request is counted once, however the polls fall) and the adapters sent
-        since. Its residency sets are the index's own (a pick reads them at once): no copy per
-        request."""
+        counted (so a request is counted once, however the polls fall), the adapters sent since
+        and the share of `prompt`'s blocks routed here. Its residency sets are the index's own (a
+        pick reads them at once): no copy per request."""
         last = self.last or WorkerView(self.url)
         fresh = now - self.polled_at <= stale_after_s
-        counted = last.waiting + last.running if fresh else 0
+        waiting = max(0, last.waiting - self.finished)
+        counted = waiting + last.running if fresh else 0
         return dataclasses.replace(
             last,
+            waiting=waiting,
             healthy=self.healthy and self.problem is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
             loading=frozenset(last.loading) | self.sent if self.sent else last.loading,
+            prefix=self.prefixes.match(prompt) if prompt else 0.0,
         )
 
     def take_reported(self, state: dict) -> None:
@@ -236,13 +245,16 @@ class Fleet:
         poll_interval_s: float = 0.5,
         timeout_s: float = 2.0,
         pools: tuple[PoolSpec, ...] = (),
+        prefix_blocks: int = 0,
     ):
-        """`urls`: the workers of the default pool; `pools`: the declared pools, with theirs."""
+        """`urls`: the workers of the default pool; `pools`: the declared pools, with theirs;
+        `prefix_blocks`: the prompt blocks remembered per worker (0: none)."""
         self.pools = {p.name: p for p in (PoolSpec(DEFAULT_POOL), *pools)}
+        self.prefix_blocks = prefix_blocks
         self.workers: dict[str, Worker] = {}
         for pool in self.pools.values():
             for url in urls if pool.name == DEFAULT_POOL else pool.workers:
-                self.workers.setdefault(url.rstrip("/"), Worker(url.rstrip("/"), pool=pool))
+                self.add(url, pool.name, healthy=True)
         self.admin_token = admin_token
         self.stale_after_s = stale_after_s
         self.poll_interval_s = poll_interval_s
@@ -250,14 +262,18 @@ class Fleet:
         self._task: asyncio.Task | None = None
         self._polls: dict[str, asyncio.Task] = {}
 
-    def views(self) -> list[WorkerView]:
+    def views(self, prompt: tuple[int, ...] = ()) -> list[WorkerView]:
+        """Each worker's view, with the share of `prompt`'s blocks routed there."""
         now = time.monotonic()
-        return [w.view(now, self.stale_after_s) for w in self.workers.values()]
+        return [w.view(now, self.stale_after_s, prompt) for w in self.workers.values()]
 
-    def add(self, url: str, pool: str = DEFAULT_POOL) -> Worker:
+    def add(self, url: str, pool: str = DEFAULT_POOL, healthy: bool = False) -> Worker:
         """A worker in `pool` (KeyError: no such pool); one already here stays in its own."""
         url = url.rstrip("/")
-        return self.workers.setdefault(url, Worker(url, healthy=False, pool=self.pools[pool]))
+        if url not in self.workers:
+            prefixes = PrefixIndex(self.prefix_blocks)
+            self.workers[url] = Worker(url, healthy, pool=self.pools[pool], prefixes=prefixes)
+        return self.workers[url]
 
     def remove(self, url: str) -> bool:
         return self.workers.pop(url.rstrip("/"), None) is not None
@@ -267,7 +283,7 @@ class Fleet:
 
     async def _poll(self, worker: Worker) -> None:
         headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        sent = set(worker.sent)  # what the answer will already count
+        sent, finished = set(worker.sent), worker.finished  # what the answer will count
         try:
             health = await self.client.get(f"{worker.url}/health")
             if health.status_code != 200:
@@ -296,6 +312,7 @@ class Fleet:
                 worker.apply_vllm_metrics(metrics.text)
             worker.polled_at = time.monotonic()
             worker.sent -= sent
+            worker.finished -= finished
             if not worker.healthy:
                 log.info("worker %s is healthy again", worker.url)
             worker.healthy, worker.failures = True, 0
@@ -303,6 +320,7 @@ class Fleet:
             worker.failures += 1
             if worker.healthy:
                 log.warning("worker %s marked out: %s", worker.url, exc)
+                worker.prefixes.clear()  # a worker that comes back may have restarted: no KV
             worker.healthy = False
 
     async def _run(self) -> None:

@@ -43,6 +43,9 @@ class WorkerView:
     in_flight: int = 0
     """Requests the router has open there beyond those the polled state counts (added at once, so
     a burst spreads; a finished one leaves at once, so a steady rate never looks like a queue)."""
+    prefix: float = 0.0
+    """The share of the request's prompt blocks routed here lately, under its adapter revision
+    (`router/prefixes.py`): how much of its prefix the worker likely holds in KV."""
 
     @property
     def load(self) -> int:
@@ -75,6 +78,11 @@ class PickerConfig:
     worker instead of waiting on one."""
     w_tokens: float = 0.2
     w_evictions: float = 0.2
+    w_prefix: float = 0.5
+    """Weight of the share of the prompt's prefix routed to a worker lately: a worker that likely
+    holds the whole prefix in KV keeps it until it carries five more requests than one that holds
+    none (each costs 0.1 at the defaults: the saturation threshold), or three more when it is the
+    busier by active tokens as well (0.2); 0: prefixes ignored."""
     load_factor: float = D.load_factor
     near_equal: float = 0.05
     shed_priority_below: int = D.shed_priority_below
@@ -82,7 +90,7 @@ class PickerConfig:
 
     def __post_init__(self):
         check_fields(self, RouterSettings)
-        weights = (self.w_affinity, self.w_queue, self.w_tokens, self.w_evictions)
+        weights = (self.w_affinity, self.w_queue, self.w_tokens, self.w_evictions, self.w_prefix)
         if min(weights) < 0:
             raise ValueError("the score weights must be >= 0")
 
@@ -160,7 +168,8 @@ class Picker:
         # asked once per worker: a pick is per request
         tiers = {w.url: w.affinity(adapter) for w in candidates}
         best_affinity = max(tiers.values(), key=AFFINITY.__getitem__)
-        if adapter is not None and best_affinity in ("none", "free-slot"):
+        cold = adapter is not None and best_affinity in ("none", "free-slot")
+        if cold and not (self.config.w_prefix and any(w.prefix for w in candidates)):
             order = self._bounded_hash(workers, candidates, adapter)
             reason = "cold-hash"
         else:
@@ -205,6 +214,7 @@ class Picker:
         evictions = norm([w.recent_evictions if w.fresh else 0 for w in workers])
         return {
             w.url: c.w_affinity * AFFINITY[tiers[w.url]]
+            + c.w_prefix * w.prefix
             - c.w_queue * q
             - c.w_tokens * t
             - c.w_evictions * e

@@ -31,6 +31,8 @@ class Wanted:
     tenant: str | None
     priority: int = 0
     canary: bool = False
+    prompt: tuple[int, ...] = ()
+    """The hash chain of its prompt's blocks (`router/prefixes.py`); none: no prefix scoring."""
 
 
 def need_of(fleet: Fleet, catalog: AdapterCatalog | None, r: Wanted) -> Need:
@@ -41,6 +43,18 @@ def need_of(fleet: Fleet, catalog: AdapterCatalog | None, r: Wanted) -> Need:
     if r.model in base_names(fleet):
         return Need(base_model=r.model, label=r.model)
     return catalog.need(r.model, r.tenant) if catalog is not None else Need()
+
+
+def prefix_key(catalog: AdapterCatalog | None, r: Wanted) -> str:
+    """What the request's KV prefix is reusable under: its adapter revision's digest when the
+    registry resolves the name to one revision, else the name as sent."""
+    if r.model is None:
+        return ""
+    if catalog is not None:
+        facts = [f for f in catalog.revisions(r.model) if f.may_use(r.tenant)]
+        if len(facts) == 1 and facts[0].digest:
+            return facts[0].digest
+    return r.model
 
 
 def base_names(fleet: Fleet) -> set[str]:
@@ -68,7 +82,7 @@ def route(
     groups = [eligible(workers, pools, need) for pools in tiers(fleet.pools.values(), r.tenant)]
     if not any(groups):
         return refusal(fleet, need, r)
-    views = {v.url: v for v in fleet.views()}
+    views = {v.url: v for v in fleet.views(r.prompt)}
     in_groups = [[views[w.url] for w in group] for group in groups if group]
     if r.canary and r.model is not None and splits is not None:
         every = [v for group in in_groups for v in group]

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import socket
+import time
+from collections.abc import Callable
 
 import uvicorn
 
-from loraplex.registry.registry import open_existing
-from loraplex.router.app import RouterConfig, create_router_app, registry_callers
+from loraplex.registry.registry import Registry, open_existing
+from loraplex.router.app import OPEN_TENANT, RouterConfig, create_router_app, open_caller
 from loraplex.router.catalog import registry_catalog
 from loraplex.router.picker import PickerConfig
 from loraplex.router.splits import registry_splits
 from loraplex.settings.router import RouterSettings
+
+log = logging.getLogger("loraplex.router")
 
 
 def serve_router(
@@ -28,6 +34,9 @@ def serve_router(
         request_timeout_s=s.request_timeout_s,
         picker=PickerConfig.from_settings(s),
         pools=s.pool,
+        prefix_blocks=s.prefix_index_blocks,
+        queue_per_tenant=s.queue_per_tenant,
+        tenant_weights=s.tenant_weights,
         **(_from_registry(s.registry) if s.registry else {}),
     )
     app = create_router_app(config)
@@ -55,3 +64,30 @@ def _from_registry(url: str) -> dict:
         "splits": registry_splits(registry),
         "catalog": registry_catalog(registry),
     }
+
+
+def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, int]]:
+    """Bearer key -> (tenant, its priority), read from `registry` (remembered per key for a
+    minute); no key: the open tenant."""
+    memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
+
+    tenants: list = [-math.inf, {}]  # when read, tenant -> priority
+
+    def caller_of(key: str) -> tuple[str | None, int]:
+        now = time.monotonic()
+        if key in memo and now - memo[key][0] < 60:
+            return memo[key][1]
+        try:
+            if now - tenants[0] >= 60:
+                tenants[:] = [now, {t.name: t.priority for t in registry.list_tenants()}]
+            tenant = registry.tenant_for_key(key) if key else OPEN_TENANT
+            caller = (tenant, tenants[1].get(tenant, 0))
+        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: no tenant)
+            log.warning("tenant lookup failed: %s", exc)
+            caller = open_caller(key)
+        if len(memo) >= 10_000:  # any client can send keys: keep the memo bounded
+            memo.clear()
+        memo[key] = (now, caller)
+        return caller
+
+    return caller_of

@@ -3,6 +3,7 @@ variables, docs); `PickerConfig` and `RouterConfig` take their defaults from `DE
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from loraplex.settings.fields import at_least, check_fields, open_share, positiv
 from loraplex.settings.pools import PoolSpec, parse_pools
 
 WHERE, POOLS, ROUTING, TIMING = "Where", "Pools", "Routing", "Polling and timeouts"
+FAIR = "Fair share"
 ENV_PREFIX = "LORAPLEX_ROUTER_"
 POLICIES = ("affinity", "round-robin", "least-loaded", "pure-affinity")
 
@@ -18,8 +20,28 @@ WEIGHTS = {
     "queue": "w_queue",
     "tokens": "w_tokens",
     "evictions": "w_evictions",
+    "prefix": "w_prefix",
 }
 """`--score-weights NAME=W,...`: the picker's score terms, by their short names."""
+
+
+def tenant_weights(raw: object) -> tuple[tuple[str, float], ...]:
+    """`TENANT=W,...` (or a mapping): each weight above 0."""
+    if isinstance(raw, dict):
+        raw = ",".join(f"{k}={v}" for k, v in raw.items())
+    if isinstance(raw, list | tuple):
+        raw = ",".join(map(str, raw))
+    out = []
+    for part in filter(None, (p.strip() for p in str(raw).split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            weight = float(value) if sep and name.strip() else math.nan
+        except ValueError:
+            weight = math.nan
+        if not weight > 0 or math.isinf(weight):
+            raise ValueError(f"{part!r}: expected TENANT=WEIGHT, a number above 0")
+        out.append((name.strip(), weight))
+    return tuple(out)
 
 
 def _url(url: str) -> str | None:
@@ -100,8 +122,18 @@ class RouterSettings:
         metavar="NAME=W,...",
         parse=weights(WEIGHTS, minimum=0.0),
         show=dict,
-        default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2",
-        doc="the picker's score terms (below); a larger `queue` spreads a hot adapter sooner",
+        default_text="affinity=1, queue=0.5, tokens=0.2, evictions=0.2, prefix=0.5",
+        doc="the picker's score terms (below); a larger `queue` spreads a hot adapter sooner, "
+        "`prefix=0` ignores prompt prefixes",
+    )
+    prefix_index_blocks: int = setting(
+        8192,
+        "Prompt blocks remembered per worker for prefix-aware routing (0: none)",
+        panel=ROUTING,
+        check=at_least(0),
+        doc="the prompt blocks (64 characters or 16 token ids each) the router remembers per "
+        'worker, least recently routed out first (below, "Prefixes"); about 100 bytes each; '
+        "near the worker's KV cache in blocks is best, 0 turns prefix-aware routing off",
     )
     load_factor: float = setting(
         1.25,
@@ -118,6 +150,26 @@ class RouterSettings:
         panel=ROUTING,
         doc="when every worker is saturated, tenants with a lower registry priority get 429 "
         "instead of a worker",
+    )
+    queue_per_tenant: int = setting(
+        256,
+        "Requests a tenant may have waiting at the router while its workers are saturated",
+        panel=FAIR,
+        check=at_least(0),
+        doc="when every worker a request may use is saturated, it waits at the router in its "
+        'tenant\'s queue (below, "Fair share"); a tenant with this many waiting gets 429 '
+        "`saturated`; 0: no queue, the request goes to the least-bad saturated worker",
+    )
+    tenant_weights: tuple[tuple[str, float], ...] = setting(
+        (),
+        "Tenants' weights in the fair share of saturated workers: TENANT=W,...",
+        panel=FAIR,
+        metavar="TENANT=W,...",
+        parse=tenant_weights,
+        show=dict,
+        default_text="each 1",
+        doc="each tenant's weight in the fair share of saturated workers, within its priority "
+        "band; a tenant not named weighs 1",
     )
     poll_interval_s: float = setting(
         0.5,

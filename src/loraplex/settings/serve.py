@@ -148,9 +148,9 @@ class ServeSettings:
     )
     enable_prefix_caching: bool | None = setting(
         None,
-        "vLLM: share the KV blocks of common prefixes",
+        "Share the KV blocks of common prompt prefixes (per adapter revision)",
         panel=ENGINE,
-        default_text="vLLM's",
+        default_text="on (vLLM: vLLM's)",
     )
     base_as_zero_adapter: str = setting(
         "auto",

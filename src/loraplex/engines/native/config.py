@@ -64,5 +64,7 @@ class EngineConfig:
         values = same_named(cls, s)
         if s.cpu_cache_bytes is None:  # the engine's own default
             del values["cpu_cache_bytes"]
+        if s.enable_prefix_caching is None:  # the engine's own default: on
+            del values["enable_prefix_caching"]
         values.update(model_dir=s.model, disk_cache_dir=s.data_dir / "cache")
         return cls(**{**values, "allowed_roots": tuple(roots)})

@@ -1,0 +1,184 @@
+"""Fair share at the router: tenant B's steady traffic while tenant A bursts to 10x its share.
+
+    python bench/fair_share.py [--quick] [--json bench/results/fair_share.json]
+
+Two `loraplex serve` workers (4-layer Llama, `--max-num-seqs 4`: the fleet runs 8 requests at a
+time) behind one `loraplex router` (`--saturation-waiting 0`, so that what does not run waits at
+the router rather than in a worker's first-come queue). Tenants A and B have the same priority and
+weight and one adapter each; with both busy each is owed 4 of the 8 running places. B sends an
+open-loop Poisson stream of 2 requests a second. Three runs of the same B trace, each with a fresh
+router: B alone; B while A runs 40 closed-loop clients (10x its share) with the router's
+fair-share queue; the same without the queue (`--queue-per-tenant 0`, a saturated pick goes to the
+worker). TTFT is measured at the client to the first streamed chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from adapter_load import write_adapter
+from cache_policy import build_model
+
+from loraplex.loadgen.procs import start_router, start_worker
+from loraplex.model_config import ModelConfig
+from loraplex.registry import Registry
+
+RUNS = {
+    "B alone": (0, ()),
+    "A bursts, fair share": (40, ()),
+    "A bursts, no queue": (40, ("--queue-per-tenant", "0")),
+}
+
+
+def build(tmp: Path) -> tuple[Path, str, dict[str, str]]:
+    model_dir = build_model(tmp / "model")
+    cfg = ModelConfig.from_dir(model_dir)
+    registry = Registry(f"sqlite:///{tmp / 'registry.db'}", base_model_dir=model_dir)
+    registry.init()
+    keys = {}
+    for tenant in ("a", "b"):
+        registry.add_tenant(tenant, 0)
+        keys[tenant] = registry.create_key(tenant)
+        path = write_adapter(cfg, 8, torch.float32, tmp / "adapters" / tenant)
+        registry.add_revision(path, f"{tenant}-bot", tenant=tenant, status="stable")
+    registry.close()
+    return model_dir, registry.url, keys
+
+
+async def one(client: httpx.AsyncClient, url: str, tenant: str, key: str, tokens: int) -> dict:
+    body = {
+        "model": f"{tenant}-bot",
+        "prompt": "Please summarise the account history in a few words.",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    record: dict = {}
+    sent = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as r:
+            record["status"] = r.status_code
+            async for _ in r.aiter_raw():
+                record.setdefault("ttft", time.perf_counter() - sent)
+    except httpx.HTTPError as exc:
+        record["status"] = type(exc).__name__
+    return record
+
+
+async def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: int) -> dict:
+    """B's open-loop trace, with `a_clients` closed-loop clients of A for as long as it lasts."""
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+        start, stop = time.perf_counter(), asyncio.Event()
+        a_done: list[dict] = []
+
+        async def a_client():
+            while not stop.is_set():
+                a_done.append(await one(client, url, "a", keys["a"], 32))
+
+        async def b_request(at: float):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            return await one(client, url, "b", keys["b"], 16)
+
+        bursts = [asyncio.create_task(a_client()) for _ in range(a_clients)]
+        await asyncio.sleep(2.0 if a_clients else 0.0)  # the burst under way before B's trace
+        start = time.perf_counter()
+        b_records = await asyncio.gather(*(b_request(at) for at in b_times))
+        elapsed = time.perf_counter() - start
+        stop.set()
+        await asyncio.gather(*bursts)
+    return {"b": b_records, "a": a_done, "seconds": elapsed}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else None
+
+
+def run(tmp: Path, name: str, workers, registry_url: str, keys, b_times, a_clients, flags) -> dict:
+    """One run of B's trace through a fresh router, with `a_clients` of A beside it."""
+    router = start_router(
+        [w.url for w in workers],
+        tmp / name.replace(" ", "").replace(",", ""),
+        "affinity",
+        "--registry",
+        registry_url,
+        "--saturation-waiting",
+        "0",
+        *flags,
+    )
+    try:
+        time.sleep(1.5)
+        result = asyncio.run(load(router.url, keys, b_times, a_clients))
+    finally:
+        router.stop()
+    b_ok = [r["ttft"] for r in result["b"] if r.get("status") == 200 and "ttft" in r]
+    a_ok = [r for r in result["a"] if r.get("status") == 200]
+    return {
+        "run": name,
+        "b_ok": f"{len(b_ok)}/{len(result['b'])}",
+        "b_ttft_p50_ms": pct(b_ok, 0.5),
+        "b_ttft_p99_ms": pct(b_ok, 0.99),
+        "a_answers_per_s": round(len(a_ok) / result["seconds"], 1),
+        "a_refused": len(result["a"]) - len(a_ok),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default="bench/results/fair_share.json")
+    args = parser.parse_args(argv)
+    console = Console(width=200)
+    rng = random.Random(1)
+    t, b_times = 0.0, []
+    for _ in range(40 if args.quick else 120):
+        t += rng.expovariate(2.0)
+        b_times.append(t)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir, registry_url, keys = build(tmp)
+        extra = ("--registry", registry_url, "--max-num-seqs", "4", "--max-loras", "2")
+        workers = [start_worker(model_dir, tmp / f"w{i}", {}, *extra) for i in range(2)]
+        try:
+            for name, (a_clients, flags) in RUNS.items():
+                rows.append(run(tmp, name, workers, registry_url, keys, b_times, a_clients, flags))
+                console.log(rows[-1])
+        finally:
+            for w in workers:
+                w.stop()
+    table = Table(title="Tenant B (2 req/s) while tenant A bursts to 10x its share, 2 workers")
+    for c in rows[0]:
+        table.add_column(c, justify="right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console.print(table)
+    alone, fair, fcfs = rows
+    goals = {
+        "b_p99_fair_over_alone": round(fair["b_ttft_p99_ms"] / alone["b_ttft_p99_ms"], 2),
+        "b_p99_no_queue_over_alone": round(fcfs["b_ttft_p99_ms"] / alone["b_ttft_p99_ms"], 2),
+    }
+    console.print(goals)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"rows": rows, "goals": goals}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
