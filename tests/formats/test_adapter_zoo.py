@@ -193,7 +193,11 @@ CASES = [
         "peft-mlp",
         peft(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
     ),
-    Case("mistral", "fused-names", converted(fused_names, share_a=True, r=4, lora_alpha=8, target_modules=ALL)),
+    Case(
+        "mistral",
+        "fused-names",
+        converted(fused_names, share_a=True, r=4, lora_alpha=8, target_modules=ALL),
+    ),
     Case(
         "mistral",
         "nemo-canonical",

@@ -89,7 +89,8 @@ def _lora_config(path: Path, model: ModelConfig) -> dict:
         raise AdapterRejected("config", f"{NEMO_CONFIG} is not valid YAML ({exc})") from None
     peft = cfg.get("peft") if isinstance(cfg, dict) else None
     lora = peft.get("lora_tuning") if isinstance(peft, dict) else None
-    if not isinstance(lora, dict) or "lora" not in str(peft.get("peft_scheme", "lora")):
+    scheme = str(peft.get("peft_scheme", "lora")) if isinstance(peft, dict) else ""
+    if not isinstance(lora, dict) or "lora" not in scheme:
         raise AdapterRejected("config", f"{NEMO_CONFIG} has no peft.lora_tuning (not a NeMo LoRA)")
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if cfg.get(name, 1) != 1:

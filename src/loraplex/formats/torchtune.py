@@ -99,5 +99,7 @@ def _peft_config(config: dict) -> dict:
         **config,
         "peft_type": "LORA",
         "task_type": config.get("task_type", "CAUSAL_LM"),
-        "target_modules": sorted({MODULES.get(t, t).rsplit(".", 1)[-1] for t in targets}),
+        "target_modules": sorted(
+            {MODULES[t].split(".")[-1] if t in MODULES else t for t in targets}
+        ),
     }
