@@ -1,13 +1,13 @@
 """NeMo's LoRA, as a `.nemo` archive holds it: `model_config.yaml` (the `peft.lora_tuning` section:
 `adapter_dim`, `alpha`) and the adapter's state dict, `model_weights.ckpt`, re-saved as
-`model_weights.safetensors`. Megatron's names (NeMo's scripts/checkpoint_converters/lora_converters/
-convert_nemo_to_canonical.py): `model.decoder.layers.N.self_attention.adapter_layer.
-lora_kqv_adapter.linear_in.weight` (A [r, in]) and `….linear_out.weight` (B [out, r]) on the fused
-`linear_qkv`, `lora_dense_attention_adapter` on `linear_proj`, `lora_hto4h_adapter` on `linear_fc1`
-(gate's rows, then up's), `lora_4htoh_adapter` on `linear_fc2`; the `canonical` variant has one
-adapter per part (`lora_unfused_kqv_adapter.q_adapter`, …). Megatron's `linear_qkv` output rows
-are grouped by query group (each group's q heads, then its k head, then its v head), so the fused
-B's rows are put in HF's order (all q's, all k's, all v's), as NeMo's `_export_qkv` does."""
+`model_weights.safetensors`. Megatron's names, as NeMo's `convert_nemo_to_canonical.py` script
+reads them: `model.decoder.layers.N.self_attention.adapter_layer.lora_kqv_adapter.linear_in.weight`
+(A [r, in]) and `….linear_out.weight` (B [out, r]) on the fused `linear_qkv`,
+`lora_dense_attention_adapter` on `linear_proj`, `lora_hto4h_adapter` on `linear_fc1` (gate's rows,
+then up's), `lora_4htoh_adapter` on `linear_fc2`; the `canonical` variant has one adapter per part
+(`lora_unfused_kqv_adapter.q_adapter`, …). Megatron's `linear_qkv` output rows are grouped by query
+group (each group's q heads, then its k head, then its v head), so the fused B's rows are put in
+HF's order (all q's, all k's, all v's), as NeMo's `_export_qkv` does."""
 
 from __future__ import annotations
 

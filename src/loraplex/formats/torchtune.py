@@ -20,7 +20,7 @@ _KEY = re.compile(
     r"^(?:layers\.(\d+)\.(?:attn|mlp)\.(q_proj|k_proj|v_proj|output_proj|w1|w2|w3)|(output))"
     r"\.(lora_a|lora_b|magnitude)(?:\.weight)?$"
 )
-# torchtune's module names to PEFT's (torchtune/models/convert_weights.py, _TO_PEFT_TARGET_MODULES)
+# torchtune's module names to PEFT's (its convert_weights module's _TO_PEFT_TARGET_MODULES)
 MODULES = {
     "q_proj": "self_attn.q_proj",
     "k_proj": "self_attn.k_proj",
