@@ -214,6 +214,12 @@ CASES = [
         "split-names",
         peft_on_twin(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"k_proj": 2}),
     ),
+    # torchtune saves a Phi-3 adapter under its own split names only (no PEFT export for Phi-3)
+    Case(
+        "phi3",
+        "torchtune",
+        converted(torchtune, on_twin=True, r=4, lora_alpha=8, target_modules=ALL),
+    ),
     Case("phi3", "lm-head", peft(r=4, lora_alpha=8, target_modules=["gate_up_proj", "lm_head"])),
 ]
 
