@@ -444,7 +444,9 @@ def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
     """Why the adapter's config names another base model than `base_name`; None when it does not.
 
     Names compare by their last path component, case-insensitively, so that a hub id `org/Model` and
-    a local directory `/models/Model` match. An adapter that names no base model names no other one.
+    a local directory `/models/Model` match, and without a quantisation suffix, so that a QLoRA
+    adapter trained on a 4-bit copy (`unsloth/Model-bnb-4bit`) matches the base `Model` it is served
+    on. An adapter that names no base model names no other one.
     """
     if not spec.base_model_name or _model_stem(spec.base_model_name) == _model_stem(base_name):
         return None
@@ -453,5 +455,26 @@ def base_model_mismatch(spec: AdapterSpec, base_name: str) -> str | None:
     )
 
 
+def quantised_base(spec: AdapterSpec) -> str | None:
+    """A note when the adapter's config names a quantised copy of a model (QLoRA: trained on 4-bit
+    weights, served on the full-precision base, so its outputs differ from the trainer's by the
+    quantisation's error); None otherwise."""
+    name = spec.base_model_name or ""
+    if not _QUANTISED.search(name.rstrip("/")):
+        return None
+    return (
+        f"the adapter was trained on a quantised copy of its base ({name!r}); it is served on the "
+        "full-precision base, whose outputs differ from the trainer's by the quantisation's "
+        "error (`loraplex registry verify` measures the difference)"
+    )
+
+
+# the suffixes of quantised copies' names (Unsloth's `-bnb-4bit`, `-unsloth-bnb-4bit`, AWQ, GPTQ)
+_QUANTISED = re.compile(
+    r"[-_.](?:unsloth[-_])?(?:bnb[-_])?(?:4bit|8bit|nf4|int4|int8|awq|gptq(?:[-_][\w-]+)?)$",
+    re.IGNORECASE,
+)
+
+
 def _model_stem(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+    return _QUANTISED.sub("", name.rstrip("/").rsplit("/", 1)[-1]).lower()

@@ -215,7 +215,7 @@ def _unsupported(tmp_path: Path, llama_adapters) -> dict[str, tuple[Path, str]]:
     case("torchtune", {"adapter_0.pt": b"x"}, "found adapter_0.pt (a PyTorch pickle")
     case("nemo", {"lora.nemo": b"x"}, "found lora.nemo (a NeMo archive")
     case("gguf", {"adapter.gguf": b"x"}, "found adapter.gguf (a GGUF file)")
-    case("empty", {}, "holds neither adapter_model.safetensors (PEFT) nor adapters.safetensors")
+    case("empty", {}, "holds neither adapter_model.safetensors (PEFT, torchtune) nor adapters")
     weights = (llama_adapters["attn-r8"] / WEIGHTS_FILE).read_bytes()
     case(
         "not-mlx",

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from loraplex.artifacts.digests import canonical_digest
 from loraplex.formats.base_copies import drop_base_copies
+from loraplex.formats.draft import Draft
 from loraplex.formats.fused import split_fused
-from loraplex.formats.sources import Draft, read_draft
+from loraplex.formats.sources import read_draft
 from loraplex.formats.stacked import fuse_split
 from loraplex.formats.tensors import read_tensors, write_tensors
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE
@@ -27,7 +28,7 @@ IMPORT_METADATA_KEY = "loraplex_import"
 class ImportRecord:
     """What an import changed: kept in the canonical weights file's safetensors metadata."""
 
-    source_format: str  # "peft", "mlx-lm"
+    source_format: str  # "peft", "mlx-lm", "torchtune", "nemo"
     source_digest: str  # the source directory's canonical_digest
     changes: tuple[str, ...]
 
@@ -52,7 +53,7 @@ def import_adapter(src: str | Path, model: ModelConfig, out: Path) -> Imported:
     """The adapter in `src` in the canonical form, written into the empty directory `out` when it
     differs from the source; AdapterRejected for a format or content that cannot be imported."""
     src = Path(src)
-    draft = drop_base_copies(fuse_split(split_fused(read_draft(src), model), model), model)
+    draft = drop_base_copies(fuse_split(split_fused(read_draft(src, model), model), model), model)
     if not draft.changes:
         return Imported(src, None)
     record = ImportRecord(draft.source_format, canonical_digest(src), tuple(draft.changes))

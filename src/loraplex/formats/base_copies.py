@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from loraplex.formats.sources import Draft
+from loraplex.formats.draft import Draft
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig
 

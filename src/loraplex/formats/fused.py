@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from loraplex.formats.sources import Draft, Joined, Piece, add_piece
+from loraplex.formats.draft import Draft, Joined, Piece, add_piece
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import FUSED_MODULES as FUSED
 from loraplex.model_config import ModelConfig
@@ -59,9 +59,7 @@ def _parts(
         )
     out, start = {}, 0
     for part, size in zip(parts, sizes, strict=True):
-        out[f"{head}{part}.lora_B.weight"] = Piece(
-            piece.source, piece.transpose, (start, start + size)
-        )
+        out[f"{head}{part}.lora_B.weight"] = piece.sliced(start, start + size)
         start += size
     return out
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
-from loraplex.formats.tensors import RawTensor, assemble
+from loraplex.formats.draft import Draft, Joined, Piece, add_piece
+from loraplex.formats.nemo import NEMO_CONFIG, NEMO_WEIGHTS, nemo_draft
+from loraplex.formats.torchtune import is_torchtune, torchtune_draft
 from loraplex.lora_format import (
     CONFIG_FILE,
     PICKLE_SUFFIXES,
@@ -18,106 +18,37 @@ from loraplex.lora_format import (
     read_adapter_config,
     read_safetensors_header,
 )
+from loraplex.model_config import ModelConfig
 
 MLX_WEIGHTS_FILE = "adapters.safetensors"
 PEFT_PICKLE = "adapter_model.bin"
 PREFIX = "base_model.model."
 # what a file that holds no adapter we read is, by its name's end
 _UNREAD = {
-    ".nemo": "a NeMo archive (its weights are pickles)",
+    ".nemo": "a NeMo archive; its model_weights.ckpt is a pickle",
     ".gguf": "a GGUF file",
     ".npz": "a NumPy archive (older MLX-LM adapters)",
+    "model_weights.ckpt": "NeMo's weights, a pickle; loading one can run code",
     **{suffix: "a PyTorch pickle; loading one can run code" for suffix in PICKLE_SUFFIXES},
 }
 
 
-@dataclass(frozen=True)
-class Piece:
-    """How one canonical tensor is made from a tensor of the source file."""
-
-    source: str
-    transpose: bool = False
-    rows: tuple[int, int] | None = None
-
-    def shape(self, header: dict) -> list[int]:
-        shape = list(header[self.source]["shape"])
-        if self.transpose:
-            shape = shape[::-1]
-        if self.rows is not None:
-            shape[0] = self.rows[1] - self.rows[0]
-        return shape
-
-    def made(self, tensors: dict[str, RawTensor]) -> RawTensor:
-        """The canonical tensor, from the source's tensors."""
-        tensor = tensors[self.source]
-        if self.transpose:
-            tensor = tensor.transposed()
-        if self.rows is not None:
-            tensor = tensor.rows(*self.rows)
-        return tensor
-
-
-class Block(NamedTuple):
-    """A piece placed at (row, column) of a joined tensor, times its scale."""
-
-    row: int
-    column: int
-    piece: Piece
-    scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class Joined:
-    """A canonical tensor made of several source pieces: a zero tensor of `size` with each block
-    written in (the split parts of a fused module: their A's stacked, their B's on a diagonal)."""
-
-    size: tuple[int, int]
-    blocks: tuple[Block, ...]
-
-    @property
-    def source(self) -> str:
-        return " + ".join(b.piece.source for b in self.blocks)
-
-    def shape(self, header: dict) -> list[int]:
-        return list(self.size)
-
-    def made(self, tensors: dict[str, RawTensor]) -> RawTensor:
-        return assemble(
-            self.size, [(b.row, b.column, b.piece.made(tensors), b.scale) for b in self.blocks]
-        )
-
-
-@dataclass
-class Draft:
-    """An adapter on its way to the canonical form: what the source is and what changes."""
-
-    source_format: str
-    weights: Path  # the source's weights file
-    header: dict  # its tensors: name -> {"dtype", "shape", "data_offsets"}
-    config: dict  # the PEFT config of the canonical form
-    pieces: dict[str, Piece | Joined]  # canonical key -> where its bytes come from
-    changes: list[str] = field(default_factory=list)
-
-
-def add_piece(pieces: dict[str, Piece | Joined], key: str, piece: Piece | Joined) -> None:
-    """Add the canonical tensor `key`; AdapterRejected when two tensors of the source make it."""
-    if key in pieces:
-        raise AdapterRejected(
-            "weights", f"{pieces[key].source} and {piece.source} both give the tensor {key}"
-        )
-    pieces[key] = piece
-
-
-def read_draft(src: Path) -> Draft:
+def read_draft(src: Path, model: ModelConfig) -> Draft:
     """The adapter in `src` as a draft of its canonical form; AdapterRejected with one line naming
     what was found when it is in no format we read."""
     if not src.is_dir():
         raise AdapterRejected("path", f"{src} is not a directory")
     names = sorted(p.name for p in src.iterdir() if p.is_file())
     if WEIGHTS_FILE in names:
-        draft = _peft_draft(src)
+        header = read_safetensors_header(src / WEIGHTS_FILE).tensors
+        if is_torchtune(header):
+            draft = torchtune_draft(src, header, read_adapter_config(src), model)
+        else:
+            draft = _peft_draft(src)
     elif MLX_WEIGHTS_FILE in names:
         draft = _mlx_draft(src)
+    elif NEMO_WEIGHTS in names and NEMO_CONFIG in names:
+        draft = nemo_draft(src, read_safetensors_header(src / NEMO_WEIGHTS).tensors, model)
     else:
         raise AdapterRejected("format", _unsupported(src, names))
     draft.changes += _left_out(names, draft.weights.name)
@@ -128,10 +59,13 @@ def _unsupported(src: Path, names: list[str]) -> str:
     found = [(n, what) for n in names for end, what in _UNREAD.items() if n.endswith(end)]
     if found:
         name, what = found[0]
-        return f"unsupported adapter format: found {name} ({what}); only safetensors are read"
+        return (
+            f"unsupported adapter format: found {name} ({what}); only safetensors are read: "
+            "export the weights as safetensors (docs/registry.md, Formats)"
+        )
     return (
-        f"unsupported adapter format: {src} holds neither {WEIGHTS_FILE} (PEFT) nor "
-        f"{MLX_WEIGHTS_FILE} (MLX-LM)"
+        f"unsupported adapter format: {src} holds neither {WEIGHTS_FILE} (PEFT, torchtune) nor "
+        f"{MLX_WEIGHTS_FILE} (MLX-LM) nor {NEMO_WEIGHTS} with {NEMO_CONFIG} (NeMo)"
     )
 
 

@@ -13,7 +13,7 @@ import math
 import re
 from typing import NamedTuple
 
-from loraplex.formats.sources import Block, Draft, Joined, Piece
+from loraplex.formats.draft import Block, Draft, Joined, Piece
 from loraplex.formats.tensors import read_tensors
 from loraplex.lora_common import config_selects, rank_and_scaling
 from loraplex.lora_format import AdapterRejected

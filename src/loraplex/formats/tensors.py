@@ -43,6 +43,10 @@ class RawTensor:
             self.dtype, (stop - start, self.shape[1]), self._array()[start:stop].tobytes()
         )
 
+    def taken(self, order: tuple[int, ...]) -> RawTensor:
+        """The rows in `order`: row i is this tensor's row order[i]."""
+        return RawTensor(self.dtype, self.shape, self._array()[list(order)].tobytes())
+
     def float32(self) -> np.ndarray:
         """The values as float32 (exact: every served dtype widens to it)."""
         bits = self._array()

@@ -20,7 +20,13 @@ from loraplex.artifacts import (
     push_artifact,
 )
 from loraplex.formats import ImportRecord, imported_adapter
-from loraplex.lora_format import CONFIG_FILE, AdapterSpec, base_model_mismatch, read_adapter
+from loraplex.lora_format import (
+    CONFIG_FILE,
+    AdapterSpec,
+    base_model_mismatch,
+    quantised_base,
+    read_adapter,
+)
 from loraplex.model_config import ModelConfig, ModelConfigError, base_model_digest
 from loraplex.registry import queries as q
 from loraplex.registry.db import (
@@ -405,6 +411,8 @@ class Registration:
                 src,
                 mismatch,
             )
+        if note := quantised_base(spec):
+            log.warning("%s: %s; accepted", src, note)
         return spec
 
     def adapter_for_add(
