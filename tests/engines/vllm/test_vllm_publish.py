@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -215,3 +216,34 @@ def test_a_publish_that_waits_returns_with_the_revision_in_vllm(world, server):
     state = httpx.get(f"{url}/admin/state", headers=ADMIN, timeout=30).json()
     tiers = {a["revision"]: a["tier"] for a in state["adapters"] if a["name"] == "waited"}
     assert tiers[published.revision] in ("gpu", "cpu")  # added to vLLM before any request
+
+
+def test_a_trainers_probe_and_pause_work_on_the_vllm_engine(server):
+    """What TRL's async GRPO client asks around a sync (`/server_info`, `/pause?mode=keep`,
+    `/resume`) answers on the vLLM engine as on the native one: the LoRA capacity, and new
+    requests held until the resume, then served."""
+    info = httpx.get(
+        f"{server}/server_info", params={"config_format": "json"}, headers=ADMIN, timeout=30
+    ).json()["vllm_config"]
+    assert info["lora_config"] == {"max_lora_rank": 8, "max_loras": 2}
+    alice = {"Authorization": f"Bearer {KEY}"}
+    base = httpx.get(f"{server}/v1/models", headers=alice, timeout=30).json()["data"][0]["id"]
+    paused = httpx.post(f"{server}/pause", params={"mode": "keep"}, headers=ADMIN, timeout=30)
+    assert paused.json() == {"status": "paused"}
+    answers: list = []
+    body = {"model": base, "prompt": PROMPT, "max_tokens": 2}
+    held = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{server}/v1/completions", json=body, headers=alice, timeout=120)
+        )
+    )
+    try:
+        held.start()
+        held.join(1.0)
+        assert held.is_alive() and not answers  # waiting, not refused
+    finally:
+        resumed = httpx.post(f"{server}/resume", headers=ADMIN, timeout=30)
+    assert resumed.json() == {"status": "resumed"}
+    held.join(120)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["usage"]["completion_tokens"] == 2
