@@ -127,6 +127,19 @@ class ServerMetrics:
             ["error"],
             registry=r,
         )
+        self._publish_series(r)
+        self.stages = {
+            stage: Histogram(
+                f"loraplex_adapter_{series}_seconds",
+                f"Adapter load stage: {stage}",
+                buckets=LOAD_BUCKETS,
+                registry=r,
+            )
+            for stage, series in STAGE_SERIES.items()
+        }
+
+    def _publish_series(self, r: CollectorRegistry) -> None:
+        """Publishing's series: uploads, their readiness, the revisions retired and unloaded."""
         self.published_bytes = Counter(
             "loraplex_adapter_published_bytes_total",
             "Bytes of adapters uploaded to this worker's admin API (its upload endpoint)",
@@ -156,15 +169,6 @@ class ServerMetrics:
             "Revisions this worker unloaded because the registry retired them",
             registry=r,
         )
-        self.stages = {
-            stage: Histogram(
-                f"loraplex_adapter_{series}_seconds",
-                f"Adapter load stage: {stage}",
-                buckets=LOAD_BUCKETS,
-                registry=r,
-            )
-            for stage, series in STAGE_SERIES.items()
-        }
 
     def _request_series(self, r: CollectorRegistry) -> None:
         """The requests' series: latencies, counts by tenant and status, cold starts, tokens."""

@@ -27,28 +27,6 @@ WAIT_POLL_S = 0.01
 """How often `/pause?mode=wait` looks whether the requests in flight have finished."""
 
 
-class GenerationPause:
-    """Whether new generation requests may start; while paused they wait for the resume."""
-
-    def __init__(self) -> None:
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-
-    @property
-    def is_paused(self) -> bool:
-        return not self._resumed.is_set()
-
-    def pause(self) -> None:
-        self._resumed.clear()
-
-    def resume(self) -> None:
-        self._resumed.set()
-
-    async def wait(self) -> None:
-        """Return once generation is not paused (at once when it is not)."""
-        await self._resumed.wait()
-
-
 def router(token: str) -> APIRouter:
     class AdminRoute(APIRoute):
         """The admin token is checked before anything else (as the admin API does)."""

@@ -35,10 +35,10 @@ from loraplex.server.listing import ModelListing
 from loraplex.server.loop_lag import LoopLag
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
+from loraplex.server.pause import GenerationPause
 from loraplex.server.pins import PinReconciler
 from loraplex.server.retiring import HeldCollector, RetiredRevisions, RetiredTally
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
-from loraplex.server.rl_api import GenerationPause
 
 log = logging.getLogger("loraplex.server")
 QUARANTINE_REASON = "its bytes failed their digest check on load; the server log has the details"
@@ -85,17 +85,9 @@ class Server:
         self.admission = Admission(settings.max_waiting, settings.max_requests_per_tenant)
         self.pause = GenerationPause()
         """vLLM's `/pause`: new generation requests wait for the `/resume`."""
-        self.metrics = ServerMetrics(
-            self.live_figures,
-            settings.top_k_adapter_metrics,
-            settings.lora_load_state_metrics,
-            self.adapter_rank,
-        )
         self.revision_figures = RevisionBook()
         """Per-revision figures of the names in a split, for rollout controllers."""
-        self.metrics.registry.register(RevisionCollector(self.revision_figures))
-        self.metrics.registry.register(HeldCollector(self.catalog, engine.adapters))
-        self.catalog.subscribe(RetiredTally(self.catalog, self.metrics.revisions_retired.inc))
+        self.metrics = self._metrics()
         self.loop_lag = LoopLag(self.metrics.loop_lag)
         self.audit = AuditLog(config.audit_log)
         self.allowed = AllowList.parse(list(settings.allowed_roots))
@@ -121,6 +113,21 @@ class Server:
         """The engine's request ids (the event loop's: a `random.Random` is not shared safely)."""
         # A registry write waits on the database: never on the step thread or the event loop.
         self.registry_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-write")
+
+    def _metrics(self) -> ServerMetrics:
+        """The server's series, with the collectors that read the revisions' figures, the
+        revisions held per name and the retirements the catalog sees."""
+        settings = self.config.settings
+        metrics = ServerMetrics(
+            self.live_figures,
+            settings.top_k_adapter_metrics,
+            settings.lora_load_state_metrics,
+            self.adapter_rank,
+        )
+        metrics.registry.register(RevisionCollector(self.revision_figures))
+        metrics.registry.register(HeldCollector(self.catalog, self.engine.adapters))
+        self.catalog.subscribe(RetiredTally(self.catalog, metrics.revisions_retired.inc))
+        return metrics
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -5,6 +5,7 @@ simulator)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -307,14 +308,7 @@ def size_for_workload(
         return cache[slots, cpu]
 
     rows = []
-    fractions = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)
-    if vllm:  # from no place beyond the slots to every adapter the trace asks for, and half again
-        distinct = len({r.model for r in trace if r.adapter})
-        grid = sorted(
-            {base.gpu_slots} | {max(base.gpu_slots, round(distinct * f)) for f in fractions}
-        )
-    else:
-        grid = [0] + [int(working_set * f) for f in fractions]
+    grid = _cpu_grid(base.gpu_slots, trace, working_set, vllm)
     unit = "cpu_loras" if vllm else "cpu_bytes"
     for target in COLD_START_TARGETS:
         best = _smallest(
@@ -336,12 +330,7 @@ def size_for_workload(
     cpu_for_slots = rows[-1][unit] if rows[-1][unit] is not None else grid[-1]
     slots_grid = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 
-    def slot_misses(figures: dict) -> float:
-        if not vllm:
-            return figures["hit_rate"]["cpu"]
-        # vLLM orders its device slots itself: the requests that had an adapter copied in
-        return figures["activations"] / max(1, figures["adapter_requests"])
-
+    slot_misses = functools.partial(_slot_misses, vllm=vllm)
     best = _smallest(slots_grid, lambda s: slot_misses(run(s, cpu_for_slots)) <= SLOT_MISS_TARGET)
     rows.append(
         {
@@ -356,6 +345,25 @@ def size_for_workload(
         largest = slot_misses(run(slots_grid[-1], cpu_for_slots))
         rows[-1]["why"] = f"{largest:.2%} at {slots_grid[-1]} slots, the largest tried"
     return rows
+
+
+def _cpu_grid(
+    slots: int, trace: list[workloads.Request], working_set: int, vllm: bool
+) -> list[int]:
+    """The cpu cache sizes tried: bytes up to half again the workload's adapters' (vllm: adapters,
+    from no place beyond the slots to half again the distinct adapters the trace asks for)."""
+    fractions = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0, 1.5)
+    if not vllm:
+        return [0] + [int(working_set * f) for f in fractions]
+    distinct = len({r.model for r in trace if r.adapter})
+    return sorted({slots} | {max(slots, round(distinct * f)) for f in fractions})
+
+
+def _slot_misses(figures: dict, vllm: bool) -> float:
+    if not vllm:
+        return figures["hit_rate"]["cpu"]
+    # vLLM orders its device slots itself: the requests that had an adapter copied in
+    return figures["activations"] / max(1, figures["adapter_requests"])
 
 
 def _cold_start_floor(

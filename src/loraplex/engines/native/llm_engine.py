@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.artifacts import AllowList, digest_and_pieces
+from loraplex.artifacts import digest_and_pieces
 from loraplex.engines.native.async_engine import AsyncEngine
 from loraplex.engines.native.block_manager import BlockManager, salt_of_key
 from loraplex.engines.native.config import EngineConfig
@@ -22,7 +22,7 @@ from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engines.native.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
-from loraplex.engines.native.residency import NativeResidency
+from loraplex.engines.native.residency import residency_for
 from loraplex.engines.native.runner import ModelRunner
 from loraplex.engines.native.sampler import Sampled, Sampler
 from loraplex.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -45,11 +45,8 @@ from loraplex.lora_format import (
     read_adapter,
 )
 from loraplex.model_config import ModelConfig, base_model_digest
-from loraplex.residency.budgets import TenantBudgets
-from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.key import AdapterKey, AdapterRef
-from loraplex.residency.policy import make_policy
 
 if TYPE_CHECKING:
     pass
@@ -80,7 +77,7 @@ class LLMEngine(NativeFront):
             self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device
         )
         self.model.attach_lora(self.pool)
-        self.adapters = self._make_cache(policy)
+        self.adapters = residency_for(config, self.pool, self._pack_adapter, policy)
         # After the weights and the slots: on CUDA the budget is what they leave of the device.
         self.kv_budget = self._kv_budget()
         self.blocks = BlockManager(
@@ -109,31 +106,6 @@ class LLMEngine(NativeFront):
         # scenario's burst of loads).
         gc.collect()
         gc.freeze()
-
-    def _make_cache(self, policy) -> NativeResidency:
-        """The adapter cache over the slot pool, from the engine configuration."""
-        config = self.config
-        disk = None
-        if config.disk_cache_dir is not None:
-            allowed = AllowList.parse(list(config.allowed_roots))
-            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
-        return NativeResidency(
-            self.pool,
-            self._pack_adapter,
-            cpu_bytes=config.cpu_cache_bytes,
-            max_cpu_loras=config.max_cpu_loras,
-            disk=disk,
-            policy=policy or make_policy(config.eviction_policy),
-            budgets=TenantBudgets(
-                config.max_loras,
-                config.cpu_cache_bytes,
-                gpu_share=config.tenant_gpu_share,
-                cpu_share=config.tenant_cpu_share,
-            ),
-            max_gpu_warm=config.max_gpu_preferred,
-            load_threads=config.load_threads,
-            thrash_window_s=config.thrash_window_s,
-        )
 
     def _kv_budget(self) -> KVBudget:
         config, model, length = self.config, self.model_config, self.max_model_len

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
+from loraplex.artifacts import AllowList
+from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.slots import HostCopy, Loaded, NativeSlots, SlotPool, load_adapter
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
@@ -32,7 +34,7 @@ from loraplex.residency.placement import (
     Snapshot,
     Wait,
 )
-from loraplex.residency.policy import DemandTracker
+from loraplex.residency.policy import DemandTracker, make_policy
 from loraplex.residency.residency import Residency
 
 __all__ = ["WANTED_FOR_S", "Entry", "HostCopy", "Loaded", "NativeResidency", "SlotPool"]
@@ -415,3 +417,29 @@ def _warm_sets(
     placement: Placement, snap: Snapshot, now: float
 ) -> tuple[set[AdapterKey], set[AdapterKey]]:
     return placement.gpu_warm(snap, now), placement.cpu_warm(snap, now)
+
+
+def residency_for(config: EngineConfig, pool: SlotPool, pack, policy=None) -> NativeResidency:
+    """The engine's residency over its slot pool, from its configuration (`pack`: the engine's
+    packing of an adapter's tensors into a host copy; `policy`: the configured one by default)."""
+    disk = None
+    if config.disk_cache_dir is not None:
+        allowed = AllowList.parse(list(config.allowed_roots))
+        disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, allowed)
+    return NativeResidency(
+        pool,
+        pack,
+        cpu_bytes=config.cpu_cache_bytes,
+        max_cpu_loras=config.max_cpu_loras,
+        disk=disk,
+        policy=policy or make_policy(config.eviction_policy),
+        budgets=TenantBudgets(
+            config.max_loras,
+            config.cpu_cache_bytes,
+            gpu_share=config.tenant_gpu_share,
+            cpu_share=config.tenant_cpu_share,
+        ),
+        max_gpu_warm=config.max_gpu_preferred,
+        load_threads=config.load_threads,
+        thrash_window_s=config.thrash_window_s,
+    )
