@@ -1,11 +1,12 @@
 """The vLLM engine's staged copies (what vLLM reads): a kept copy is used again without a copy from
-the source, hashed before each add, and staged again when its bytes differ. No vLLM here: staging
-runs before anything reaches it."""
+the source, hashed again unless its fingerprint shows it unchanged since it was verified, and staged
+again when its bytes differ. No vLLM here: staging runs before anything reaches it."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from tinymodels import make_adapter
@@ -36,28 +37,70 @@ def staging(llama_dir, tmp_path, monkeypatch):
     adapters.close()
 
 
-def test_a_kept_staged_copy_is_used_again_without_a_copy_and_hashed_before_each_add(staging):
+def _settle():
+    """Past one ctime tick: a fingerprint taken now is settled (`Fingerprint.settled`)."""
+    time.sleep(2 * staging_module.CTIME_TICK_NS / 1e9)
+
+
+def test_a_kept_staged_copy_is_used_again_without_a_copy_and_unhashed_once_settled(staging):
     adapters, ref, hashed = staging
     nbytes, _, shape = adapters.staging.stage(ref)
     staged = adapters.staging.path(ref.key) / WEIGHTS
     inode = staged.stat().st_ino
-    assert adapters.staging.stage(ref)[::2] == (
-        nbytes,
-        shape,
-    )  # the kept copy: the same size and shape
-    assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]  # the source, then the copy
+    _settle()
+    assert adapters.staging.stage(ref)[::2] == (nbytes, shape)  # the kept copy
+    # the source, then the copy at most once (when the fingerprint taken at staging was within a
+    # ctime tick of its writes), then no more hashes while the fingerprint is unchanged
+    assert hashed[0] == os.fspath(ref.path)
+    assert hashed[1:] in ([], [os.fspath(staged.parent)])
+    settled = list(hashed)
+    for _ in range(2):
+        assert adapters.staging.stage(ref)[::2] == (nbytes, shape)
+    assert hashed == settled
+    assert adapters.staging.is_unchanged(ref.key)
     assert staged.stat().st_ino == inode
     assert staged.stat().st_mode & 0o222 == 0  # read-only
+    assert adapters.staging.stage_dir.stat().st_mode & 0o077 == 0  # private
 
 
-def test_a_tampered_staged_copy_is_staged_again_from_its_source(staging):
+def _tamper(staged):
+    """Other bytes of the same size, the file's mtime put back: only its ctime tells."""
+    before = staged.stat()
+    data = bytearray(staged.read_bytes())
+    data[-32:] = bytes(b ^ 0xFF for b in data[-32:])
+    staged.chmod(0o644)
+    staged.write_bytes(bytes(data))
+    staged.chmod(0o444)
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = staged.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+
+
+def test_a_staged_copy_changed_on_disk_after_it_was_verified_is_hashed_and_refused(staging):
+    adapters, ref, hashed = staging
+    adapters.staging.stage(ref)
+    _settle()
+    adapters.staging.stage(ref)  # hashed: now trusted while unchanged
+    _settle()
+    staged = adapters.staging.path(ref.key) / WEIGHTS
+    _tamper(staged)
+    assert not adapters.staging.is_unchanged(ref.key)  # the re-add after an unpin refuses it
+    adapters.staging.stage(ref)
+    assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()  # staged again
+    # the copy hashed (its fingerprint changed), refused, and staged again from the source
+    assert hashed[-2:] == [os.fspath(staged.parent), os.fspath(ref.path)]
+    assert hashed.count(os.fspath(ref.path)) == 2
+
+
+def test_a_tampered_copy_is_refused_even_without_a_fingerprint(staging):
     adapters, ref, hashed = staging
     adapters.staging.stage(ref)
     staged = adapters.staging.path(ref.key) / WEIGHTS
-    data = bytearray(staged.read_bytes())
-    data[-32:] = bytes(b ^ 0xFF for b in data[-32:])  # same size, other bytes
-    staged.chmod(0o644)
-    staged.write_bytes(bytes(data))
+    _tamper(staged)  # maybe within a ctime tick of its writes: then its ctime may not tell
     adapters.staging.stage(ref)
     assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent), os.fspath(ref.path)]
