@@ -29,8 +29,8 @@ class ServingLayer:
     def __init__(self, server: Server, serving: OpenAIServing):
         self.server = server
         self.serving = serving
-        # The engine's request ids. Not uuid4: os.urandom drops the GIL, and taking it back from
-        # vLLM's output thread costs the event loop about a millisecond per request.
+        # The engine's request ids. Not uuid4: os.urandom drops the GIL, which another busy thread
+        # (vLLM's output handler, a loader) then holds for a while.
         self._ids = random.Random()
 
     async def respond(

@@ -51,38 +51,23 @@ class Staging(Protocol):
     def close(self) -> None: ...
 
 
-# A file system stamps a change's ctime from a clock that is at most this coarse (one tick at
-# HZ >= 100; kernels with fine-grained timestamps stamp every change after a stat apart).
-CTIME_TICK_NS = 10_000_000
-
-
 class Fingerprint(NamedTuple):
     """What the file system says of a staged copy: the directory's and each entry's inode, size,
     mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
     changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
-    bytes as when it was taken, provided it was taken more than a ctime tick after its newest
-    ctime (`settled`): a change later than that is stamped with a later ctime."""
+    bytes as when it was taken (docs/cache.md says where a ctime falls short)."""
 
     directory: tuple[int, int, int]
     files: tuple[tuple[str, int, int, int, int], ...]
-    taken_ns: int
-
-    def settled(self) -> bool:
-        newest = max([self.directory[2], *(f[4] for f in self.files)])
-        return self.taken_ns - newest > CTIME_TICK_NS
-
-    def same_as(self, other: Fingerprint) -> bool:
-        return (self.directory, self.files) == (other.directory, other.files)
 
 
 def fingerprint(directory: Path) -> Fingerprint:
-    taken_ns = time.time_ns()  # before the stats: a change after them is stamped later than this
     d = os.stat(directory)
     files = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
         st = entry.stat(follow_symlinks=False)
         files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files), taken_ns)
+    return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
 
 
 class Verified(NamedTuple):
@@ -210,7 +195,7 @@ class StagedCopies:
             files = read_artifact(target, digest)
         except DigestMismatch:
             return None
-        if not fingerprint(target).same_as(before):
+        if fingerprint(target) != before:
             return None  # changed while it was hashed
         verified = Verified(before, sum(len(v) for v in files.values()), vllm_shape(files))
         with self._lock:
@@ -218,17 +203,17 @@ class StagedCopies:
         return verified
 
     def trusted(self, target: Path) -> Verified | None:
-        """The staged copy `target` as verified when nothing can have changed it since: its
-        fingerprint, settled when taken, is the same now (a stat per entry, no read)."""
+        """The staged copy `target` as verified when nothing has changed it since: its fingerprint
+        is the same now (a stat per entry, no read)."""
         with self._lock:
             verified = self._verified.get(target.name)
-        if verified is None or not verified.fingerprint.settled():
+        if verified is None:
             return None
         try:
             now = fingerprint(target)
         except OSError:
             return None
-        return verified if now.same_as(verified.fingerprint) else None
+        return verified if now == verified.fingerprint else None
 
     def is_unchanged(self, key: AdapterKey) -> bool:
         """Whether the staged copy of `key` is as verified (a stat per entry: fit for the loop)."""
