@@ -6,7 +6,7 @@ acquire → run → finish steps as the server's own layer."""
 from __future__ import annotations
 
 import json
-import uuid
+import random
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -29,6 +29,9 @@ class ServingLayer:
     def __init__(self, server: Server, serving: OpenAIServing):
         self.server = server
         self.serving = serving
+        # The engine's request ids. Not uuid4: os.urandom drops the GIL, which another busy thread
+        # (vLLM's output handler, a loader) then holds for a while.
+        self._ids = random.Random()
 
     async def respond(
         self, request: Request, ctx: RequestContext, body: bytes, chat: bool
@@ -41,7 +44,7 @@ class ServingLayer:
         asked = req.model
         target = await server.resolve(ctx, asked, req.user)
         admitted = server.admit_request(ctx, target)
-        our_id = uuid.uuid4().hex
+        our_id = f"{self._ids.getrandbits(128):032x}"
         serving.track(our_id)
         admitted.at_finish(lambda: _record(ctx, serving.untrack(our_id)))
         req.request_id = our_id

@@ -1,11 +1,12 @@
 """The vLLM engine's staged copies (what vLLM reads): a kept copy is used again without a copy from
-the source, hashed before each add, and staged again when its bytes differ. No vLLM here: staging
-runs before anything reaches it."""
+the source, hashed again unless its fingerprint shows it unchanged since it was verified, and staged
+again when its bytes differ. No vLLM here: staging runs before anything reaches it."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from tinymodels import make_adapter
@@ -36,31 +37,68 @@ def staging(llama_dir, tmp_path, monkeypatch):
     adapters.close()
 
 
-def test_a_kept_staged_copy_is_used_again_without_a_copy_and_hashed_before_each_add(staging):
+def test_a_kept_staged_copy_is_used_again_without_a_copy_or_a_hash_while_unchanged(staging):
     adapters, ref, hashed = staging
     nbytes, _, shape = adapters.staging.stage(ref)
     staged = adapters.staging.path(ref.key) / WEIGHTS
     inode = staged.stat().st_ino
-    assert adapters.staging.stage(ref)[::2] == (
-        nbytes,
-        shape,
-    )  # the kept copy: the same size and shape
-    assert hashed == [os.fspath(ref.path), os.fspath(staged.parent)]  # the source, then the copy
+    for _ in range(3):  # the kept copy: the same size and shape
+        assert adapters.staging.stage(ref)[::2] == (nbytes, shape)
+    assert hashed == [os.fspath(ref.path)]  # the source only: the copy is as it was written
+    assert adapters.staging.is_unchanged(ref.key)
     assert staged.stat().st_ino == inode
     assert staged.stat().st_mode & 0o222 == 0  # read-only
+    assert adapters.staging.stage_dir.stat().st_mode & 0o077 == 0  # private
 
 
-def test_a_tampered_staged_copy_is_staged_again_from_its_source(staging):
-    adapters, ref, hashed = staging
-    adapters.staging.stage(ref)
-    staged = adapters.staging.path(ref.key) / WEIGHTS
+def _tamper(staged):
+    """Other bytes of the same size, the file's mtime put back: only its ctime tells."""
+    before = staged.stat()
     data = bytearray(staged.read_bytes())
-    data[-32:] = bytes(b ^ 0xFF for b in data[-32:])  # same size, other bytes
+    data[-32:] = bytes(b ^ 0xFF for b in data[-32:])
     staged.chmod(0o644)
     staged.write_bytes(bytes(data))
+    staged.chmod(0o444)
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = staged.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+
+
+def test_a_staged_copy_changed_on_disk_after_it_was_verified_is_hashed_and_refused(staging):
+    adapters, ref, hashed = staging
     adapters.staging.stage(ref)
-    assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()
+    adapters.staging.stage(ref)  # trusted: not hashed
+    staged = adapters.staging.path(ref.key) / WEIGHTS
+    time.sleep(0.05)  # past a coarse file-system clock's tick: the write below gets a later ctime
+    _tamper(staged)
+    assert not adapters.staging.is_unchanged(ref.key)  # the re-add after an unpin refuses it
+    adapters.staging.stage(ref)
+    assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()  # staged again
+    # the copy hashed (its fingerprint changed), refused, and staged again from the source
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent), os.fspath(ref.path)]
+    assert adapters.staging.is_unchanged(ref.key)
+
+
+def test_a_staged_copy_that_changed_while_it_was_hashed_is_not_trusted(staging):
+    adapters, ref, hashed = staging
+    adapters.staging.stage(ref)
+    target = adapters.staging.path(ref.key)
+    real = staging_module.read_artifact
+
+    def read_then_change(directory, *args, **kwargs):
+        files = real(directory, *args, **kwargs)
+        (target / "extra.txt").write_text("x")  # an entry added while the copy was hashed
+        return files
+
+    staging_module.read_artifact = read_then_change
+    try:
+        assert adapters.staging.verify(target, ref.key.adapter_digest) is None
+    finally:
+        staging_module.read_artifact = real
 
 
 def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, tmp_path):

@@ -1,6 +1,7 @@
 """The staged copies vLLM reads: each adapter's digest-verified files in a private directory,
-read-only, hashed again before each add; the copies of adapters vLLM no longer holds are kept, up to
-a byte budget, for a re-add without a copy from the source."""
+read-only, hashed again before an add unless their fingerprint shows them unchanged since they were
+verified; the copies of adapters vLLM no longer holds are kept, up to a byte budget, for a re-add
+without a copy from the source."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class Fingerprint(NamedTuple):
     """What the file system says of a staged copy: the directory's and each entry's inode, size,
     mtime and ctime. Writing a file, adding, removing or renaming an entry, or changing a mode
     changes a ctime, and no process can set a ctime back, so an equal fingerprint is the same
-    bytes as when it was taken (`StagedCopies.verified_files` takes it around each hash)."""
+    bytes as when it was taken (docs/cache.md says where a ctime falls short)."""
 
     directory: tuple[int, int, int]
     files: tuple[tuple[str, int, int, int, int], ...]
@@ -67,6 +68,14 @@ def fingerprint(directory: Path) -> Fingerprint:
         st = entry.stat(follow_symlinks=False)
         files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return Fingerprint((d.st_ino, d.st_mtime_ns, d.st_ctime_ns), tuple(files))
+
+
+class Verified(NamedTuple):
+    """A staged copy as its hash found it: its fingerprint then, its size and its `vllm_shape`."""
+
+    fingerprint: Fingerprint
+    nbytes: int
+    shape: str | None
 
 
 def vllm_shape(files: Mapping[str, bytes | memoryview]) -> str | None:
@@ -111,17 +120,19 @@ class StagedCopies:
         in_use: Callable[[str], bool],
     ):
         self.stage_dir = Path(stage_dir)
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        self.stage_dir.chmod(0o700)  # private: only loraplex's user can change a staged copy
         self.disk = disk
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="vllm-stage")
         self._in_use = in_use
         self._lock = threading.Lock()
         # Staged copies of adapters vLLM no longer holds, kept for a re-add up to `kept_bytes`
-        # (name -> bytes, least recently removed first), and every staged copy's fingerprint as
-        # verified: the re-add after an unpin checks it (`is_unchanged`); a load hashes the copy.
+        # (name -> bytes, least recently removed first), and every staged copy as verified: a load
+        # and the re-add after an unpin use it unhashed while its fingerprint is unchanged.
         self.kept_bytes = kept_bytes
         self._kept: OrderedDict[str, int] = OrderedDict()
         self._kept_total = 0
-        self._verified: dict[str, Fingerprint] = {}
+        self._verified: dict[str, Verified] = {}
         self._adopt_leftovers()
 
     def close(self) -> None:
@@ -129,32 +140,18 @@ class StagedCopies:
 
     def stage(self, ref: AdapterRef) -> tuple[int, dict[str, float], str | None]:
         """Worker thread: the artifact's digest-checked bytes written to its staging directory (what
-        vLLM reads), read-only; a staged copy is checked again before each add
-        (`verified_files`), so a file changed there is never served. Returns its size, the
-        stages' seconds and its `vllm_shape`."""
+        vLLM reads), read-only; a staged copy is used again as verified while its fingerprint is
+        unchanged and hashed again otherwise (`trusted`), so a file changed there is never served.
+        Returns its size, the stages' seconds and its `vllm_shape`."""
         stages, target = {}, self.path(ref.key)
         start = time.perf_counter()
         if target.is_dir():
-            verified = self.verified_files(target, ref.key.adapter_digest)
+            verified = self.trusted(target) or self.verify(target, ref.key.adapter_digest)
             if verified is not None:
                 stages["disk"] = time.perf_counter() - start
-                return sum(len(v) for v in verified.values()), stages, vllm_shape(verified)
+                return verified.nbytes, stages, verified.shape
             shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
-        if ref.path is not None:
-            files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
-            stages["disk"] = time.perf_counter() - start
-        elif self.disk is not None and ref.storage_uri:
-            files, download_s = self.disk.read(
-                ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
-            )
-            # disk first: the server starts a load's record at its disk stage
-            stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
-            if download_s is not None:
-                stages["download"] = download_s
-        else:
-            raise ArtifactUnavailable(
-                f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
-            )
+        files = self._read_source(ref, stages, start)
         work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -163,17 +160,36 @@ class StagedCopies:
             (work / name).chmod(0o444)
         shutil.rmtree(target, ignore_errors=True)
         work.rename(target)
+        nbytes, shape = sum(len(v) for v in files.values()), vllm_shape(files)
         with self._lock:
-            self._verified[target.name] = fingerprint(target)
-        return sum(len(v) for v in files.values()), stages, vllm_shape(files)
+            self._verified[target.name] = Verified(fingerprint(target), nbytes, shape)
+        return nbytes, stages, shape
 
-    def verified_files(self, target: Path, digest: str) -> dict[str, bytes] | None:
-        """The files of the staged copy `target` when its bytes are those of `digest`, else None.
+    def _read_source(
+        self, ref: AdapterRef, stages: dict[str, float], start: float
+    ) -> dict[str, bytes]:
+        """The artifact's digest-checked files, from its local path or through the disk tier."""
+        if ref.path is not None:
+            files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
+            stages["disk"] = time.perf_counter() - start
+            return files
+        if self.disk is None or not ref.storage_uri:
+            raise ArtifactUnavailable(
+                f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
+            )
+        files, download_s = self.disk.read(
+            ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
+        )
+        # disk first: the server starts a load's record at its disk stage
+        stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
+        if download_s is not None:
+            stages["download"] = download_s
+        return files
 
-        Every add from a staged copy hashes it first (an artifact's digest is checked before each
-        use, on every engine); what a kept copy saves is the copy from the source, not the hash.
-        Its fingerprint is taken before and after, so that the hashed bytes are the fingerprint's
-        (the one the re-add after an unpin checks, `is_unchanged`)."""
+    def verify(self, target: Path, digest: str) -> Verified | None:
+        """The staged copy `target` hashed: as verified when its bytes are those of `digest`, else
+        None. Its fingerprint is taken before and after, so that the hashed bytes are the
+        fingerprint's (the one `trusted` checks)."""
         before = fingerprint(target)
         try:
             files = read_artifact(target, digest)
@@ -181,17 +197,27 @@ class StagedCopies:
             return None
         if fingerprint(target) != before:
             return None  # changed while it was hashed
+        verified = Verified(before, sum(len(v) for v in files.values()), vllm_shape(files))
         with self._lock:
-            self._verified[target.name] = before
-        return files
+            self._verified[target.name] = verified
+        return verified
+
+    def trusted(self, target: Path) -> Verified | None:
+        """The staged copy `target` as verified when nothing has changed it since: its fingerprint
+        is the same now (a stat per entry, no read)."""
+        with self._lock:
+            verified = self._verified.get(target.name)
+        if verified is None:
+            return None
+        try:
+            now = fingerprint(target)
+        except OSError:
+            return None
+        return verified if now == verified.fingerprint else None
 
     def is_unchanged(self, key: AdapterKey) -> bool:
-        """Whether the staged copy of `key` is as verified (a stat per file: fit for the loop)."""
-        target = self.path(key)
-        try:
-            return self._verified.get(target.name) == fingerprint(target)
-        except OSError:
-            return False
+        """Whether the staged copy of `key` is as verified (a stat per entry: fit for the loop)."""
+        return self.trusted(self.path(key)) is not None
 
     def path(self, key: AdapterKey) -> Path:
         return self.stage_dir / key.adapter_digest.removeprefix("sha256:")
