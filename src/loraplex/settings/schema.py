@@ -98,6 +98,11 @@ def config_schema(model: type, description: str) -> dict[str, Any]:
 def _refused(message: str) -> dict[str, str]:
     return {"const": message}
 
+GROUP_SERVE_DESCRIPTION = (
+    "the group's `loraplex serve` settings over worker.serve's, key by key; the keys the chart "
+    "sets from other values are refused"
+)
+
 
 def serve_schema() -> dict[str, Any]:
     """The chart's `worker.serve`: serve's settings less the ones the chart sets as flags, and
@@ -161,7 +166,7 @@ def chart_schema(text: str) -> str:
     worker["properties"]["serve"] = serve_schema()
     worker.update(engine_rules())
     group_serve = serve_schema()
-    group_serve["description"] = f"over worker.serve: {SERVE_DESCRIPTION}"
+    group_serve["description"] = GROUP_SERVE_DESCRIPTION
     schema["properties"]["workerGroups"]["items"]["properties"]["serve"] = group_serve
     schema.update(group_engine_rules(engine_rules()))
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
