@@ -98,6 +98,7 @@ def config_schema(model: type, description: str) -> dict[str, Any]:
 def _refused(message: str) -> dict[str, str]:
     return {"const": message}
 
+
 GROUP_SERVE_DESCRIPTION = (
     "the group's `loraplex serve` settings over worker.serve's, key by key; the keys the chart "
     "sets from other values are refused"
