@@ -296,3 +296,14 @@ def test_what_the_schema_cannot_say_the_chart_refuses(values, message):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError) as refused:
         chart.render(values, name="lp", is_install=True)
     assert message in str(refused.value)  # helm install and template; lint only logs a `fail`
+
+
+def test_the_notes_name_each_group_and_how_to_watch_it():
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(GROUPS, name="lp", namespace="ml", is_install=True)
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    assert "lp-worker-gold: base model llama-3-8b, 1-3 workers (hpa)" in notes
+    assert "lp-worker-shared: base model llama-3-8b, 1 worker(s)" in notes
+    assert "The router: service lp-router, port 8080" in notes
+    for group in ("gold", "shared", "qwen"):
+        assert f"kubectl rollout status statefulset/lp-worker-{group}" in notes
