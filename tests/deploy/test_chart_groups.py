@@ -290,6 +290,10 @@ def test_a_bad_group_value_is_refused_by_the_schema_naming_the_field(values, fie
             _group(autoscaling={"mode": "hpa", "minReplicas": 4, "maxReplicas": 2}),
             "worker group gold: autoscaling.maxReplicas 2 is below minReplicas 4",
         ),
+        (
+            _group(maxRank=64, serve={"max-lora-rank": 16}),
+            "worker group gold: serve's max-lora-rank 16 is below its maxRank 64",
+        ),
     ],
 )
 def test_what_the_schema_cannot_say_the_chart_refuses(values, message):

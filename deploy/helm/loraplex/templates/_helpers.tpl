@@ -47,6 +47,10 @@ maxRank, tenants, replicas, serve (worker.serve with the group's keys over it), 
 {{- $groups = list (dict "name" "" "object" (printf "%s-worker" $name) "kind" $kind "base" $w.model.servedName "claimName" $w.model.claimName "maxRank" 0 "tenants" list "replicas" $w.replicas "serve" (deepCopy ($w.serve | default dict)) "autoscaling" $w.autoscaling) -}}
 {{- end -}}
 {{- range $groups -}}
+{{- $rank := get .serve "max-lora-rank" -}}
+{{- if and .maxRank $rank (lt (int $rank) (int .maxRank)) -}}
+{{- fail (printf "worker group %s: serve's max-lora-rank %v is below its maxRank %v (the router would refuse its workers)" .name $rank .maxRank) -}}
+{{- end -}}
 {{- $a := .autoscaling -}}
 {{- if and (ne $a.mode "none") (lt (int $a.maxReplicas) (int $a.minReplicas)) -}}
 {{- fail (printf "worker group %s: autoscaling.maxReplicas %v is below minReplicas %v" (default "worker" .name) $a.maxReplicas $a.minReplicas) -}}
