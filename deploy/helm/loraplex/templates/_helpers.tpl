@@ -81,7 +81,7 @@ maxRank, tenants, replicas, serve (worker.serve with the group's keys over it), 
 app.kubernetes.io/name: {{ include "loraplex.fullname" $root }}-worker
 app.kubernetes.io/instance: {{ $root.Release.Name }}
 {{- if $group.name }}
-loraplex.dev/group: {{ $group.name }}
+loraplex/group: {{ $group.name }}
 {{- end }}
 {{- end -}}
 
