@@ -22,7 +22,7 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 RELEASE = "loraplex"
 MANIFEST_VALUES = {"inferencePool": {"enabled": True}}
-WHOLE = {"worker.serve", "worker.hostCache"}
+WHOLE = {"worker.serve", "worker.hostCache", "workerGroups[].serve"}
 """Objects of many keys that the table gives one row (`serve`'s: docs/operator-guide.md)."""
 TABLE_START, TABLE_END = "<!-- values-table:start -->", "<!-- values-table:end -->"
 
@@ -54,7 +54,7 @@ def manifest_files() -> dict[Path, str]:
 
 def _leaves(schema: dict, values, prefix: str = ""):
     """(dotted key, schema, default) for each documented value, depth first in schema order;
-    the objects of WHOLE are one row each."""
+    the objects of WHOLE are one row each, a list of objects a row per key of its items."""
     props, dotted = schema.get("properties"), prefix.rstrip(".")
     closed = schema.get("additionalProperties") is False
     if props and isinstance(values, dict) and closed and dotted not in WHOLE:
@@ -62,6 +62,19 @@ def _leaves(schema: dict, values, prefix: str = ""):
             yield from _leaves(sub, values.get(key), f"{prefix}{key}.")
     elif "description" in schema:
         yield dotted, schema, values
+    items = schema.get("items", {})
+    if items.get("additionalProperties") is False:  # no defaults: an item's keys are its own
+        yield from _leaves(items, ITEM, f"{dotted}[].")
+
+
+class _Item(dict):
+    """The values of a list's item: every key without a default."""
+
+    def get(self, key, default=None):
+        return self
+
+
+ITEM = _Item()
 
 
 def _type(schema: dict) -> str:
@@ -74,6 +87,8 @@ def _type(schema: dict) -> str:
 
 
 def _default(value) -> str:
+    if value is ITEM:
+        return "-"
     if value in ("", None):
         return '`""`' if value == "" else "-"
     text = json.dumps(value, separators=(", ", ": ")) if not isinstance(value, str) else value

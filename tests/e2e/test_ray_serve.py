@@ -82,6 +82,8 @@ def _stop_handles_loop() -> None:
 
     asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
+    # the next Ray session's handles (another test module's) start a loop of their own
+    SingletonThreadRouter._asyncio_loop = None
 
 
 async def _ask(handle, model: str, text: str) -> dict:

@@ -11,6 +11,8 @@ which Ray's own multiplexed routing does not see.
     options = ServeSettings(model=..., data_dir=..., registry=URL)
     handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
+
+A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -32,6 +35,7 @@ try:
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
+    from ray.serve.handle import DeploymentHandle
     from ray.serve.request_router import (
         MultiplexMixin,
         PendingRequest,
@@ -318,6 +322,7 @@ def deployment(
     max_waiting: int = 5,
     num_cpus: float = 0,
     admin_token: str | None = None,
+    name: str = "loraplex",
 ):
     """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for
     `serve.run`. The workers' admin token (one for all, which the router polls with) is made here
@@ -328,7 +333,7 @@ def deployment(
         request_router_kwargs={"admin_token": token, "policy": policy, "max_waiting": max_waiting},
     )
     return (
-        serve.deployment(LoraplexReplica, name="loraplex")
+        serve.deployment(LoraplexReplica, name=name)
         .options(
             num_replicas=num_replicas,
             max_ongoing_requests=max_ongoing_requests,
@@ -337,3 +342,34 @@ def deployment(
         )
         .bind(options, token)
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RayPool:
+    """A pool as a Ray Serve deployment of its own: its workers' settings (`options.model` its
+    base model, `options.max_lora_rank` its max rank) and its replicas."""
+
+    name: str
+    options: ServeSettings
+    num_replicas: int = 2
+
+
+def run_pools(
+    pools: list[RayPool], admin_token: str | None = None, **kwargs: Any
+) -> dict[str, DeploymentHandle]:
+    """Each pool one Serve application and deployment, both named after it, routed inside by
+    LoraplexRequestRouter: pool name -> its handle. `kwargs` go to `deployment` for every pool."""
+    names = [pool.name for pool in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pool names {names}: give each pool its own")
+    token = admin_token or secrets.token_urlsafe(24)
+    return {
+        pool.name: serve.run(
+            deployment(
+                pool.options, pool.num_replicas, admin_token=token, name=pool.name, **kwargs
+            ),
+            name=pool.name,
+            route_prefix=None,
+        )
+        for pool in pools
+    }

@@ -33,7 +33,7 @@ def model_rewrite(adapter: AdapterRecord, pool: str, namespace: str | None) -> d
     serving = frozenset(revision for revision, _ in weights)
     metadata = {
         "name": object_name(pool, adapter.name),
-        "labels": {**MANAGED_BY, "loraplex.dev/pool": pool},
+        "labels": {**MANAGED_BY, "loraplex/pool": pool},
     }
     if namespace:
         metadata["namespace"] = namespace

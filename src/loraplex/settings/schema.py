@@ -99,6 +99,12 @@ def _refused(message: str) -> dict[str, str]:
     return {"const": message}
 
 
+GROUP_SERVE_DESCRIPTION = (
+    "the group's `loraplex serve` settings over worker.serve's, key by key; the keys the chart "
+    "sets from other values are refused"
+)
+
+
 def serve_schema() -> dict[str, Any]:
     """The chart's `worker.serve`: serve's settings less the ones the chart sets as flags, and
     the rules across settings that need no other value of the chart."""
@@ -135,12 +141,35 @@ def engine_rules() -> dict[str, Any]:
     }
 
 
+def group_engine_rules(vllm_rules: dict[str, Any]) -> dict[str, Any]:
+    """The chart's top level: the vLLM engine's refusals (`worker.engine`) in each
+    `workerGroups[].serve`, whose engine is the worker's."""
+    serve = vllm_rules["allOf"][0]["then"]["properties"]["serve"]
+    group = {"items": {"properties": {"serve": serve}}}
+    return {
+        "allOf": [
+            {
+                "if": {
+                    "properties": {"worker": {"properties": {"engine": {"const": "vllm"}}}},
+                    "required": ["worker"],
+                },
+                "then": {"properties": {"workerGroups": group}},
+            }
+        ]
+    }
+
+
 def chart_schema(text: str) -> str:
-    """The chart's values schema (its JSON text) with `worker.serve` made anew."""
+    """The chart's values schema (its JSON text) with `worker.serve` and each
+    `workerGroups[].serve` made anew."""
     schema = json.loads(text)
     worker = schema["properties"]["worker"]
     worker["properties"]["serve"] = serve_schema()
     worker.update(engine_rules())
+    group_serve = serve_schema()
+    group_serve["description"] = GROUP_SERVE_DESCRIPTION
+    schema["properties"]["workerGroups"]["items"]["properties"]["serve"] = group_serve
+    schema.update(group_engine_rules(engine_rules()))
     return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 

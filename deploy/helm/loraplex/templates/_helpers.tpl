@@ -24,16 +24,90 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- printf "%s:%s" $w.image.repository $tag -}}
 {{- end -}}
 
-{{/* The worker's `serve --config` file: worker.serve, with the host cache's default for the engine
-(worker.hostCache) where it sets none, and store.url added to its allowed-roots. values.schema.json
-has checked each key as serve does. */}}
-{{- define "loraplex.serveSettings" -}}
+{{/* The worker groups as JSON, one pool each: workerGroups, or (empty) one group of `worker`'s own
+values. Each: name ("" for the default group), object (its objects' name), kind (StatefulSet
+when the router routes to its pods by name, else Deployment), base (the served name), claimName,
+maxRank, tenants, replicas, serve (worker.serve with the group's keys over it), autoscaling. */}}
+{{- define "loraplex.groups" -}}
 {{- $w := .Values.worker -}}
-{{- $serve := deepCopy ($w.serve | default dict) -}}
+{{- $name := include "loraplex.fullname" . -}}
+{{- $kind := ternary "StatefulSet" "Deployment" .Values.router.enabled -}}
+{{- $groups := list -}}
+{{- $seen := dict -}}
+{{- range .Values.workerGroups -}}
+{{- if hasKey $seen .name }}{{ fail (printf "workerGroups: the name %s is given twice" .name) }}{{ end -}}
+{{- $_ := set $seen .name true -}}
+{{- $serve := merge (deepCopy (.serve | default dict)) (deepCopy ($w.serve | default dict)) -}}
+{{- if and .maxRank (not (hasKey $serve "max-lora-rank")) }}{{ $_ := set $serve "max-lora-rank" .maxRank }}{{ end -}}
+{{- $scale := merge (deepCopy (.autoscaling | default dict)) (deepCopy $w.autoscaling) -}}
+{{- $model := .model | default dict -}}
+{{- $groups = append $groups (dict "name" .name "object" (printf "%s-worker-%s" $name .name) "kind" $kind "base" $model.servedName "claimName" (default $w.model.claimName $model.claimName) "maxRank" (.maxRank | default 0) "tenants" (.tenants | default list) "replicas" (default $w.replicas .replicas) "serve" $serve "autoscaling" $scale) -}}
+{{- end -}}
+{{- if not $groups -}}
+{{- $groups = list (dict "name" "" "object" (printf "%s-worker" $name) "kind" $kind "base" $w.model.servedName "claimName" $w.model.claimName "maxRank" 0 "tenants" list "replicas" $w.replicas "serve" (deepCopy ($w.serve | default dict)) "autoscaling" $w.autoscaling) -}}
+{{- end -}}
+{{- range $groups -}}
+{{- $rank := get .serve "max-lora-rank" -}}
+{{- if and .maxRank $rank (lt (int $rank) (int .maxRank)) -}}
+{{- fail (printf "worker group %s: serve's max-lora-rank %v is below its maxRank %v (the router would refuse its workers)" .name $rank .maxRank) -}}
+{{- end -}}
+{{- $a := .autoscaling -}}
+{{- if and (ne $a.mode "none") (lt (int $a.maxReplicas) (int $a.minReplicas)) -}}
+{{- fail (printf "worker group %s: autoscaling.maxReplicas %v is below minReplicas %v" (default "worker" .name) $a.maxReplicas $a.minReplicas) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $groups -}}
+{{- end -}}
+
+{{/* The InferencePools, one per base model as JSON: name (the default group's: <fullname>; else
+<fullname>-<base>), base, and group (the name of a group of it; "" for the default group). */}}
+{{- define "loraplex.bases" -}}
+{{- $name := include "loraplex.fullname" . -}}
+{{- $pools := list -}}
+{{- $seen := dict -}}
+{{- range (include "loraplex.groups" . | fromJsonArray) -}}
+{{- if not (hasKey $seen .base) -}}
+{{- $_ := set $seen .base true -}}
+{{- $pool := ternary $name (printf "%s-%s" $name (.base | lower | replace "." "-" | replace "_" "-")) (eq .name "") -}}
+{{- $pools = append $pools (dict "name" $pool "base" .base "group" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $pools -}}
+{{- end -}}
+
+{{/* A worker pod's labels that pick it: its group's (and its base's) beside the name. */}}
+{{- define "loraplex.workerSelector" -}}
+{{- $root := index . 0 -}}{{- $group := index . 1 -}}
+app.kubernetes.io/name: {{ include "loraplex.fullname" $root }}-worker
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+{{- if $group.name }}
+loraplex/group: {{ $group.name }}
+{{- end }}
+{{- end -}}
+
+{{/* The URLs of a group's pods, by their stable names under the group's headless Service: up
+to its replicas, or to autoscaling.maxReplicas (the router finds the missing ones unhealthy). */}}
+{{- define "loraplex.workerURLs" -}}
+{{- $root := index . 0 -}}{{- $group := index . 1 -}}
+{{- $count := ternary $group.autoscaling.maxReplicas $group.replicas (ne $group.autoscaling.mode "none") -}}
+{{- $urls := list -}}
+{{- range until (int $count) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s-pods.%s.svc:%v" $group.object . $group.object $root.Release.Namespace $root.Values.worker.ports.http) -}}
+{{- end -}}
+{{- join "+" $urls -}}
+{{- end -}}
+
+{{/* A group's `serve --config` file: its serve settings, with the host cache's default for the
+engine (worker.hostCache) where it sets none, and store.url added to its allowed-roots.
+values.schema.json has checked each key as serve does. */}}
+{{- define "loraplex.serveSettings" -}}
+{{- $root := index . 0 -}}{{- $group := index . 1 -}}
+{{- $w := $root.Values.worker -}}
+{{- $serve := deepCopy ($group.serve | default dict) -}}
 {{- if not (or (hasKey $serve "cpu-cache-bytes") (hasKey $serve "max-cpu-loras")) }}
 {{- $serve = merge $serve (deepCopy (index $w.hostCache $w.engine)) }}
 {{- end }}
-{{- with include "loraplex.storeURL" . }}
+{{- with include "loraplex.storeURL" $root }}
 {{- $roots := get $serve "allowed-roots" | default list -}}
 {{- $roots = ternary (list $roots) $roots (kindIs "string" $roots) -}}
 {{- $_ := set $serve "allowed-roots" (append $roots (trimSuffix "/" .) | uniq) }}
