@@ -24,6 +24,7 @@ versions TRL unloaded are gone while the last `max_staleness + 1` serve.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -38,6 +39,7 @@ import torch
 
 from loraplex.artifacts import canonical_digest
 
+_VLLM_LOGGING = os.environ.get("VLLM_LOGGING_LEVEL")
 trl = pytest.importorskip("trl")
 from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import (  # noqa: E402
@@ -46,6 +48,13 @@ from trl.experimental.async_grpo.async_grpo_trainer import (  # noqa: E402
 )
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
+
+# TRL's import sets VLLM_LOGGING_LEVEL=ERROR in this process's environment (`trl/_compat.py`); the
+# other test files this pytest worker runs start vLLM processes and read their INFO lines
+if _VLLM_LOGGING is None:
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+else:
+    os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING
 
 ADMIN_TOKEN = "admin-token-0123456789"
 LORA_NAME = "trl-policy"  # the name AsyncGRPOTrainer publishes under

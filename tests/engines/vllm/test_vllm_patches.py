@@ -133,7 +133,8 @@ def bug_world(tmp_path_factory):
 
 
 def _reproduce(root: Path, paths: list[Path], plugins: str | None) -> tuple[dict, str]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the plugin's lines read below are INFO: whatever level this process's environment names
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
