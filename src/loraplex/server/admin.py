@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Literal
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from loraplex.artifacts import UnsafeLocation, artifact_files, fetch_artifact
@@ -22,7 +21,7 @@ from loraplex.registry import AdapterNotFound, RegistryError, ReleaseChecks, Rev
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
 from loraplex.residency.key import AdapterKey
 from loraplex.server import cutover, publish
-from loraplex.server.auth import check_admin
+from loraplex.server.auth import admin_router
 from loraplex.server.errors import APIError
 from loraplex.server.rollout_admin import EVAL_MAX_TOKENS
 from loraplex.server.state_feed import Generation, StateFeed
@@ -100,21 +99,7 @@ class UnloadLoraBody(BaseModel):
 
 
 def router(token: str) -> APIRouter:
-    class AdminRoute(APIRoute):
-        """Checks the admin token before anything else: FastAPI reads and parses a route's body
-        before it runs the route's dependencies, so a check there let anyone make the server buffer
-        a body of any size."""
-
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def guarded(request: Request):
-                check_admin(request.headers.get("authorization"), token)
-                return await handler(request)
-
-            return guarded
-
-    r = APIRouter(route_class=AdminRoute)
+    r = admin_router(token)
     feed = StateFeed()
 
     async def admin_state(request: Request) -> Response:

@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
+
 from loraplex.bearer import bearer, carries_token
 from loraplex.registry import Registry
 from loraplex.server.errors import APIError, unauthorized
@@ -153,3 +156,21 @@ def check_token(authorization: str | None, token: str, kind: str) -> None:
             f"{kind.upper()}_TOKEN`.",
             f"invalid_{kind}_token",
         )
+
+
+def admin_router(token: str) -> APIRouter:
+    """A router whose routes check the admin token before anything else: FastAPI reads and parses a
+    route's body before it runs the route's dependencies, so a check there would let anyone make
+    the server buffer a body of any size."""
+
+    class AdminRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request):
+                check_admin(request.headers.get("authorization"), token)
+                return await handler(request)
+
+            return guarded
+
+    return APIRouter(route_class=AdminRoute)

@@ -14,9 +14,8 @@ import json
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.routing import APIRoute
 
-from loraplex.server.auth import check_admin
+from loraplex.server.auth import admin_router
 from loraplex.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -28,19 +27,7 @@ WAIT_POLL_S = 0.01
 
 
 def router(token: str) -> APIRouter:
-    class AdminRoute(APIRoute):
-        """The admin token is checked before anything else (as the admin API does)."""
-
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def guarded(request: Request):
-                check_admin(request.headers.get("authorization"), token)
-                return await handler(request)
-
-            return guarded
-
-    r = APIRouter(route_class=AdminRoute)
+    r = admin_router(token)
     r.add_api_route("/server_info", server_info, methods=["GET"])
     r.add_api_route("/pause", pause, methods=["POST"])
     r.add_api_route("/resume", resume, methods=["POST"])

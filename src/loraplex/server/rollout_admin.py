@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from loraplex.registry.release import parse_eval_set
 from loraplex.registry.rollouts import RolloutStore
 from loraplex.rollout.figures import BOUNDS_S
-from loraplex.server.auth import check_admin
+from loraplex.server.auth import admin_router
 from loraplex.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -36,19 +35,7 @@ class EvalBody(BaseModel):
 
 
 def router(token: str) -> APIRouter:
-    class AdminRoute(APIRoute):
-        """The admin token is checked before the body is read (as the admin API does)."""
-
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def guarded(request: Request):
-                check_admin(request.headers.get("authorization"), token)
-                return await handler(request)
-
-            return guarded
-
-    r = APIRouter(route_class=AdminRoute)
+    r = admin_router(token)
     r.add_api_route("/admin/revisions", revisions, methods=["GET"])
     r.add_api_route("/admin/adapters/{name}/eval", run_eval, methods=["POST"])
     return r
