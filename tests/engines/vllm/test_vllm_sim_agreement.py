@@ -74,8 +74,10 @@ def served(request, tmp_path_factory):
 
 def _simulated(policy: str, arrivals: list[float], durations: list[float]) -> list[str]:
     """The same requests at the server's arrival times; a step as long as the server's median
-    request over its tokens, loads as quick as a local adapter's."""
-    step_s = statistics.median(durations) / TOKENS
+    request over its tokens (shorter where two requests came closer, so that each simulated
+    request still ends before the next arrives), loads as quick as a local adapter's."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    step_s = min(statistics.median(durations), 0.9 * min(gaps)) / TOKENS
     quick = TierCost(1e-3, 1e12)
     config = SimConfig(
         engine="vllm",
