@@ -120,3 +120,32 @@ def test_engine_alive_is_exported(served):
 )
 def test_rank_buckets_edges(rank, bucket):
     assert rank_bucket(rank) == bucket
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_a_single_stream_steps_no_more_than_its_tokens_and_prefill_chunks(start, chunk):
+    """The engine in its own process steps only when there is work: one stream of m tokens over a
+    prompt in c prefill chunks takes m + c - 1 steps (the last chunk's step makes the first token),
+    and none of them finds nothing to run. The adapter is loaded first, by a one-token request."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    engine = {"max_num_batched_tokens": chunk} if chunk else {}
+
+    def steps(s) -> tuple[float, float]:
+        ran = sum(
+            _value(s, "loraplex_engine_step_seconds_count", rank_bucket=b) for b in RANK_BUCKETS
+        )
+        return ran, _value(s, "loraplex_engine_empty_steps_total")
+
+    with start(engine=engine, engine_core="process") as running:
+        client = running.client()
+        client.completions.create(model="shared-a", prompt="x", max_tokens=1)
+        ran_before, empty_before = steps(_samples(running.url))
+        out = client.completions.create(
+            model="shared-a", prompt=prompt, max_tokens=24, extra_body=NO_EOS
+        )
+        ran, empty = steps(_samples(running.url))
+    tokens, prompt_tokens = out.usage.completion_tokens, out.usage.prompt_tokens
+    chunks = -(-prompt_tokens // chunk) if chunk else 1
+    assert tokens == 24 and chunks > (1 if chunk else 0)
+    assert ran - ran_before == tokens + chunks - 1
+    assert empty - empty_before == 0

@@ -444,6 +444,12 @@ class _LiveCollector:
             )
         if "rank_skew" in live:
             yield from _rank_skew_histograms(live["rank_skew"])
+        if "empty_steps" in live:
+            yield CounterMetricFamily(
+                "loraplex_engine_empty_steps",
+                "Engine steps that found nothing to run (requests waiting that none may join yet)",
+                value=live["empty_steps"],
+            )
         yield GaugeMetricFamily(
             "loraplex_adapter_thrash_ratio",
             "Reloads after eviction per eviction",

@@ -100,6 +100,8 @@ class LLMEngine(NativeFront):
         self._stepper: AsyncEngine | None = None
         """The step loop's thread, once started (`start`)."""
         self._failed: list[RequestOutput] = []
+        self.empty_steps = 0
+        """Steps that found nothing to run (requests waiting that none may join yet)."""
         # What exists now (the model, the libraries) lives as long as the engine. Out of the
         # collector's view, a full collection while serving scans only what serving allocated: with
         # it in view, each took 0.2-0.4 s on the step thread (bench/cache_policy.py, during the seed
@@ -229,6 +231,7 @@ class LLMEngine(NativeFront):
             "max_loras": self.config.max_loras,
             "max_lora_rank": self.config.max_lora_rank,
             "rank_skew": self.rank_skew.snapshot(),
+            "empty_steps": self.empty_steps,
         }
 
     def has_work(self) -> bool:
@@ -252,6 +255,7 @@ class LLMEngine(NativeFront):
         try:
             batch = self.scheduler.schedule(self._half_burst() if halve_bursts else None)
             if not batch:
+                self.empty_steps += 1
                 return outputs
             started = time.perf_counter()
             largest = max((self._rank(s) for s in batch.seqs), default=0)  # before any ends
