@@ -36,6 +36,8 @@ want tests && step tests 150 python3 -m pytest -q -rfE -p no:cacheprovider -o ad
 want lora_ops && step lora_ops 60 python3 bench/lora_ops.py --device cuda --quick --json "$OUT/lora_ops.cuda.quick.json"
 want engine_throughput && step engine_throughput 90 python3 bench/engine_throughput.py --device cuda --quick \
   --cache-dir /tmp/loraplex-bench --json "$OUT/engine_throughput.cuda.quick.json"
+want engine_overhead && step engine_overhead 120 python3 bench/engine_overhead.py --device cuda --quick \
+  --cache-dir /tmp/loraplex-bench --json "$OUT/engine_overhead.cuda.quick.json"
 want adapter_load && step adapter_load 120 python3 bench/adapter_load.py --device cuda --repeats 3 \
   --json "$OUT/adapter_load.cuda.json"
 want cache_policy && step cache_policy 300 python3 bench/cache_policy.py --device cuda --seeds 2 --workloads hot-burst,no-burst \
