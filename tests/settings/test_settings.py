@@ -321,3 +321,33 @@ def test_the_charts_serve_schema_is_made_from_the_settings_and_drift_is_caught(t
     }
     assert serve["port"]["const"] == "the chart sets --port itself from worker.ports.http"
     assert set(serve) == {s.key for s in settings_of(ServeSettings)}
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("acme=0", "'acme=0': a weight must be above 0"),
+        ("acme=-1", "'acme=-1': a weight must be above 0"),
+        ("acme=x", "'acme=x': 'x' is not a number"),
+        ("acme=inf", "'acme=inf': 'inf' is not a finite number"),
+        ("=3", "'=3': expected TENANT=WEIGHT"),
+        ("acme", "'acme': expected TENANT=WEIGHT"),
+    ],
+)
+def test_router_tenant_weights_refuse_each_bad_part_in_one_line(raw, message):
+    result = CliRunner().invoke(
+        app, ["router", "--worker", "http://127.0.0.1:9", "--tenant-weights", raw, "--print-config"]
+    )
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_router_tenant_weights_read_flags_and_yaml_alike(tmp_path):
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({"tenant-weights": {"acme": 3, "beta": 0.5}}))
+    args = ["router", "--worker", "http://127.0.0.1:9", "--print-config"]
+    from_flag = CliRunner().invoke(app, [*args, "--tenant-weights", "acme=3,beta=0.5"])
+    from_file = CliRunner().invoke(app, [*args, "--config", str(config)])
+    assert from_flag.exit_code == from_file.exit_code == 0, from_flag.output + from_file.output
+    assert yaml.safe_load(from_flag.output)["tenant-weights"] == {"acme": 3.0, "beta": 0.5}
+    assert yaml.safe_load(from_file.output)["tenant-weights"] == {"acme": 3.0, "beta": 0.5}

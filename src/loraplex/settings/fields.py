@@ -121,9 +121,16 @@ class Conflict(ValueError):
         self.names = names
 
 
-def weights(names: Mapping[str, str], minimum: float | None = None) -> Callable[[Any], Any]:
+def weights(
+    names: Mapping[str, str] | None,
+    minimum: float | None = None,
+    *,
+    label: str = "NAME",
+    above: float | None = None,
+) -> Callable[[Any], Any]:
     """A reader of `NAME=W,...` (a flag, a variable, repeated flags) or a YAML mapping of the
-    same, over the given short names: `((name, weight), ...)`."""
+    same: `((name, weight), ...)`. `names`: the short names allowed (None: any name); each weight at
+    least `minimum`, or above `above`."""
 
     def parse(raw: Any) -> tuple[tuple[str, float], ...]:
         if isinstance(raw, dict):
@@ -133,15 +140,21 @@ def weights(names: Mapping[str, str], minimum: float | None = None) -> Callable[
         out = []
         for part in filter(None, (p.strip() for p in str(raw).split(","))):
             name, sep, value = part.partition("=")
-            if not sep or name.strip() not in names:
-                raise ValueError(f"{part!r}: expected NAME=WEIGHT, NAME one of {', '.join(names)}")
+            name = name.strip()
+            if not sep or not name or (names is not None and name not in names):
+                allowed = f", {label} one of {', '.join(names)}" if names is not None else ""
+                raise ValueError(f"{part!r}: expected {label}=WEIGHT{allowed}")
             try:
                 weight = float(value)
             except ValueError:
                 raise ValueError(f"{part!r}: {value!r} is not a number") from None
+            if not math.isfinite(weight):
+                raise ValueError(f"{part!r}: {value!r} is not a finite number")
             if minimum is not None and weight < minimum:
                 raise ValueError(f"{part!r}: a weight must be >= {minimum:g}")
-            out.append((name.strip(), weight))
+            if above is not None and not weight > above:
+                raise ValueError(f"{part!r}: a weight must be above {above:g}")
+            out.append((name, weight))
         return tuple(out)
 
     return parse

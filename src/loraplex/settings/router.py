@@ -3,7 +3,6 @@ variables, docs); `PickerConfig` and `RouterConfig` take their defaults from `DE
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,25 +22,6 @@ WEIGHTS = {
     "prefix": "w_prefix",
 }
 """`--score-weights NAME=W,...`: the picker's score terms, by their short names."""
-
-
-def tenant_weights(raw: object) -> tuple[tuple[str, float], ...]:
-    """`TENANT=W,...` (or a mapping): each weight above 0."""
-    if isinstance(raw, dict):
-        raw = ",".join(f"{k}={v}" for k, v in raw.items())
-    if isinstance(raw, list | tuple):
-        raw = ",".join(map(str, raw))
-    out = []
-    for part in filter(None, (p.strip() for p in str(raw).split(","))):
-        name, sep, value = part.partition("=")
-        try:
-            weight = float(value) if sep and name.strip() else math.nan
-        except ValueError:
-            weight = math.nan
-        if not weight > 0 or math.isinf(weight):
-            raise ValueError(f"{part!r}: expected TENANT=WEIGHT, a number above 0")
-        out.append((name.strip(), weight))
-    return tuple(out)
 
 
 def _url(url: str) -> str | None:
@@ -165,7 +145,7 @@ class RouterSettings:
         "Tenants' weights in the fair share of saturated workers: TENANT=W,...",
         panel=FAIR,
         metavar="TENANT=W,...",
-        parse=tenant_weights,
+        parse=weights(None, label="TENANT", above=0.0),
         show=dict,
         default_text="each 1",
         doc="each tenant's weight in the fair share of saturated workers, within its priority "
