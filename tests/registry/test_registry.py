@@ -413,6 +413,18 @@ def test_every_change_writes_an_audit_event(registry, adapter_v1, adapter_v2):
     assert [e.action for e in registry.audit_events(target="chat")][-2:] == ["add", "add"]
 
 
+def test_a_registry_message_never_shows_the_urls_password(pg_url):
+    """The password in a PostgreSQL URL (trust auth here, so it is accepted and unused) is `***` in
+    the not-initialized error."""
+    with_password = pg_url.replace("postgres@", "postgres:s3cret-pw@", 1)
+    bare = Registry(with_password)
+    with pytest.raises(RegistryError) as refused:
+        bare.list_adapters()
+    bare.close()
+    assert "s3cret-pw" not in str(refused.value)
+    assert "postgres:***@" in str(refused.value)
+
+
 def test_schema_version_is_checked_at_start(db_url, make_registry):
     bare = Registry(db_url)
     with pytest.raises(RegistryError, match="not initialized: run `loraplex registry init`"):

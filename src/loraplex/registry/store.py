@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.artifacts import ArtifactStore
@@ -48,6 +49,14 @@ def unreachable_store(
         "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
         "on a volume the workers mount at the same path"
     )
+
+
+def shown_url(url: str) -> str:
+    """The registry URL as messages show it: its password, if any, as `***`."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
 
 
 class Store:
@@ -103,7 +112,8 @@ class Store:
             self._ready = self._schema_ready()
         if not self._ready:
             raise RegistryError(
-                f"the registry at {self.url} is not initialized: run `loraplex registry init`"
+                f"the registry at {shown_url(self.url)} is not initialized: run `loraplex registry "
+                "init`"
             )
 
     @contextlib.contextmanager

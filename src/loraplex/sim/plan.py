@@ -135,6 +135,7 @@ def budgets_from_registry(url: str) -> dict[str, Budget]:
 def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
     from loraplex.registry.errors import RegistryError
     from loraplex.registry.registry import open_existing
+    from loraplex.registry.store import shown_url
 
     try:
         registry = open_existing(url)  # read only, as every command that reads it
@@ -165,7 +166,7 @@ def from_registry(url: str, dtype_bytes: int) -> list[AdapterSize]:
             )
         )
     if not out:
-        raise PlanError(f"the registry at {url} lists no adapters")
+        raise PlanError(f"the registry at {shown_url(url)} lists no adapters")
     return out
 
 
