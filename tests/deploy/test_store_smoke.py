@@ -123,7 +123,8 @@ def _start_worker(pod: Path, container: dict, serve_yaml: str, model: Path, env:
     token.write_text(ADMIN_TOKEN + "\n")
     for item in container["env"]:
         if "value" in item:
-            env[item["name"]] = str(_local(pod, item["value"]))
+            value = item["value"]
+            env[item["name"]] = str(_local(pod, value)) if value.startswith("/") else value
     args = []
     for arg in container["args"]:
         arg = re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
