@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import io
 import json
 import os
 import socket
@@ -668,38 +667,6 @@ def test_http_store_that_trickles_bytes_is_cut_off_by_the_whole_download_deadlin
         server.shutdown()
         server.server_close()
     assert local.digests() == [] and list((tmp_path / "local" / "tmp").iterdir()) == []
-
-
-class FakeS3:
-    """The two calls the s3 fetcher makes, over a dict of objects (no S3 server here)."""
-
-    def __init__(self, objects: dict[tuple[str, str], bytes]):
-        self.objects = objects
-
-    def get_object(self, Bucket, Key):
-        if (Bucket, Key) not in self.objects:
-            raise KeyError(f"NoSuchKey: {Key}")
-        return {"Body": io.BytesIO(self.objects[(Bucket, Key)])}
-
-
-def test_s3_fetch_with_a_client(tmp_path):
-    remote = ArtifactStore(tmp_path / "remote")
-    digest = remote.put(fake_adapter(tmp_path / "a"))
-    hexd = digest.removeprefix("sha256:")
-    objects = {
-        ("bucket", f"loras/{hexd}/{p.name}"): p.read_bytes() for p in remote.path(digest).iterdir()
-    }
-    local = ArtifactStore(tmp_path / "local")
-    allowed = AllowList(prefixes=("s3://bucket/loras",))
-    path = fetch_artifact(
-        f"s3://bucket/loras/{hexd}", digest, local, allowed, s3_client=FakeS3(objects)
-    )
-    assert canonical_digest(path) == digest
-    other = "sha256:" + "2" * 64
-    with pytest.raises(ArtifactUnavailable, match="NoSuchKey"):
-        fetch_artifact(
-            f"s3://bucket/loras/{'2' * 64}", other, local, allowed, s3_client=FakeS3(objects)
-        )
 
 
 def test_artifact_names_are_matched_whole():

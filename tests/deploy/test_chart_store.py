@@ -59,12 +59,13 @@ def test_an_oci_store_is_the_workers_allowed_root_and_storage_base_with_its_logi
     }
 
 
-def test_an_s3_store_takes_its_credentials_and_endpoint_from_the_environment():
+def test_an_s3_store_is_the_storage_base_with_credentials_and_endpoint_from_the_environment():
     settings, pod = _worker({"store": S3})
     assert settings["allowed-roots"] == ["s3://loras/prod"]
     container = pod["containers"][0]
-    # a worker cannot put revisions in S3: its uploads are refused, naming --storage-base
-    assert not [a for a in container["args"] if a.startswith(("--storage-base", "--store"))]
+    # uploads through a worker go to the bucket, as `registry add` from a laptop does
+    stores = [a for a in container["args"] if a.startswith(("--storage-base", "--store"))]
+    assert stores == ["--storage-base=s3://loras/prod"]
     assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"} in container["env"]
     assert container["envFrom"] == [{"secretRef": {"name": "loras-s3", "optional": True}}]
 

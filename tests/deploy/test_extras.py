@@ -166,3 +166,16 @@ def test_an_s3_artifact_without_boto3_names_the_extra(tmp_path, monkeypatch):
     assert str(refused.value) == (
         "s3:// storage needs the s3 extra (boto3): pip install 'loraplex[s3]'"
     )
+
+
+def test_the_test_extras_exact_pins_are_in_the_full_lock():
+    """`make test` installs requirements.lock alone: each tool a test needs, pinned in the test
+    extra (moto's S3 server and boto3 for the s3:// store, TRL), is in it at that version."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = [Requirement(r) for r in declared["optional-dependencies"]["test"]]
+    exact = {_name(r.name): str(r.specifier)[2:] for r in pins if str(r.specifier).startswith("==")}
+    assert {"boto3", "moto", "trl"} <= set(exact)
+    full = _lock("requirements.lock")
+    assert {n: full.get(n) for n in exact} == exact
+    # what moto[server] and boto3 bring
+    assert {"flask", "flask-cors", "werkzeug", "botocore", "s3transfer"} <= set(full)

@@ -23,6 +23,7 @@ import helm_python as helm
 import httpx
 import pytest
 import yaml
+from test_guide_commands import _command_lines, _words
 from tinymodels import make_adapter, peft_reference, reference_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +124,8 @@ def _start_worker(pod: Path, container: dict, serve_yaml: str, model: Path, env:
     token.write_text(ADMIN_TOKEN + "\n")
     for item in container["env"]:
         if "value" in item:
-            env[item["name"]] = str(_local(pod, item["value"]))
+            value = item["value"]
+            env[item["name"]] = str(_local(pod, value)) if value.startswith("/") else value
     args = []
     for arg in container["args"]:
         arg = re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
@@ -275,12 +277,25 @@ def _complete(url: str, model: str, headers: dict) -> httpx.Response:
     )
 
 
+def _guide_commands(**words: str) -> dict[str, list[str]]:
+    """docs/deploy.md's `loraplex` commands of its install steps, by subcommand (`init`, `add`,
+    `publish`), each word in `words` (the guide's placeholders) replaced by its value here."""
+    found = {}
+    for line in _command_lines(ROOT / "docs" / "deploy.md"):
+        command = [words.get(w, w) for w in _words(line) or []]
+        for name in ("init", "add", "publish"):
+            if name in command:
+                found[name] = command
+    return found
+
+
 def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the_shared_store(
     oci_store, pg_url, llama_dir, tmp_path
 ):
     """Two chart workers and the router on one PostgreSQL registry: an adapter the operator adds
-    from a laptop and one a trainer publishes through the first worker both land in the OCI
-    store, and every worker answers both as HF+PEFT does, directly and through the router."""
+    from a laptop and one a trainer publishes through the first worker, each with deploy.md's own
+    command line, both land in the OCI store, and every worker answers both as HF+PEFT does,
+    directly and through the router."""
     store_url = f"oci+http://{oci_store}/loras"
     container, serve_yaml = _rendered_worker(store_url)
     assert f"--storage-base={store_url}" in container["args"]
@@ -290,12 +305,17 @@ def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the
         "sql": make_adapter(llama_dir, tmp_path / "sql", seed=7, r=4, lora_alpha=8),
         "pub": make_adapter(llama_dir, tmp_path / "pub", seed=9, r=4, lora_alpha=8),
     }
+    for adapter in adapters.values():  # as a trainer saves it: the base named by its hub id
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
+        (adapter / "adapter_config.json").write_text(json.dumps(config))
     at = ["--registry", pg_url]
-    assert _laptop(laptop, *at, "init").returncode == 0
-    added = _laptop(
-        laptop, *at, "--storage-base", store_url, "add", adapters["sql"], "--name", "sql",
-        "--base-model", llama_dir, "--stable", "--json",
-    )  # fmt: skip
+    guide = _guide_commands(
+        **{"$URL": pg_url, "oci://registry.internal/loras": store_url},
+        **{"./adapters/sql": str(adapters["sql"]), "./models/base": str(llama_dir)},
+    )
+    assert _loraplex(laptop, *guide["init"]).returncode == 0
+    added = _loraplex(laptop, *guide["add"])
     assert added.returncode == 0, added.stderr
     assert not (laptop / ".local" / "share" / "loraplex" / "registry.db").exists()
 
@@ -311,10 +331,9 @@ def test_a_fleet_on_postgresql_serves_what_the_operator_and_a_trainer_put_in_the
             urls.append(url)
             admin_urls.append(admin)
         token_file = tmp_path / "pod-a" / "var/run/secrets/loraplex-admin/token"
-        published = _loraplex(
-            laptop, "publish", adapters["pub"], "--name", "pub", "--url", admin_urls[0],
-            "--admin-token-file", token_file, "--stable",
-        )  # fmt: skip
+        here = {"http://127.0.0.1:8001": admin_urls[0], "admin-token.txt": str(token_file)}
+        here |= {str(adapters["sql"]): str(adapters["pub"]), "sql": "pub"}
+        published = _loraplex(laptop, *[here.get(w, w) for w in guide["publish"]])
         assert published.returncode == 0, published.stderr
         shown = _laptop(laptop, *at, "show", "pub", "--json")
         uri = json.loads(shown.stdout)["revisions"][0]["storage_uri"]

@@ -191,7 +191,8 @@ def test_add_to_a_server_database_refuses_a_store_only_this_machine_has(
     assert result.stderr == (
         f"error: the registry is a server database, but revisions would be stored in {home_store} "
         "on this machine only, where workers cannot read them: give --storage-base with the "
-        "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
+        "cluster's store (oci://HOST/REPOSITORY or s3://BUCKET/PREFIX, which revisions are "
+        "uploaded to), or --store DIR "
         "on a volume the workers mount at the same path\n"
     )
     assert not home_store.exists()
@@ -212,16 +213,17 @@ def test_add_to_a_server_database_with_a_store_named_records_its_path(
     assert uri.startswith(shared.resolve().as_uri() + "/sha256/")
 
 
-def test_an_s3_storage_base_says_add_copies_nothing_there(data, adapter_v1, llama_dir):
+def test_an_http_storage_base_says_add_copies_nothing_there(data, adapter_v1, llama_dir):
     _cli(data, "init")
+    base = "https://artifacts.internal/loras"
     result = CliRunner().invoke(
         app,
-        ["--data-dir", str(data), "--storage-base", "s3://loras/prod", "add", str(adapter_v1)]
+        ["--data-dir", str(data), "--storage-base", base, "add", str(adapter_v1)]
         + ["--name", "sql", "--base-model", str(llama_dir)],
     )
     assert result.exit_code == 0, result.output
     assert result.stderr == (
-        f"note: add copies nothing to s3://loras/prod: copy {data / 'artifacts' / 'sha256'} there "
+        f"note: add copies nothing to {base}: copy {data / 'artifacts' / 'sha256'} there "
         "before workers load these revisions\n"
     )
 
@@ -232,5 +234,6 @@ def test_an_unsupported_storage_base_is_one_line_naming_the_supported_schemes(da
     result = _cli(data, "--storage-base", base, "list", code=1)
     assert result.stderr == (
         f"error: storage base {base!r}: give oci://HOST/REPOSITORY (oci+http:// for plain "
-        "http), or an http://, https://, s3:// or file:// URL the store's sha256/ directory is at\n"
+        "http) or s3://BUCKET/PREFIX, which revisions are uploaded to, or an http://, https:// or "
+        "file:// URL the store's sha256/ directory is at\n"
     )

@@ -43,7 +43,7 @@ def _cases(tmp: Path, busy: int) -> list[tuple[list, str]]:
         (["--api-keys", tmp / "keys"], "error: --api-keys: "),
         (["--store", tmp / "a-file" / "s"], f"error: --store {tmp / 'a-file' / 's'}: "),
         (["--storage-base", "ftp://files/x"], "error: --storage-base: storage base 'ftp://"),
-        (["--storage-base", "s3://b/loras"], "--storage-base s3://b/loras: serve pushes revisions"),
+        (["--storage-base", "https://a/loras"], "--storage-base https://a/loras: serve uploads"),
     ]
 
 

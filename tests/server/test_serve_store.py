@@ -21,7 +21,8 @@ def _refusal(data_dir) -> str:
     return (
         f"the registry is a server database, but revisions would be stored in {data_dir}/artifacts "
         "on this machine only, where workers cannot read them: give --storage-base with the "
-        "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
+        "cluster's store (oci://HOST/REPOSITORY or s3://BUCKET/PREFIX, which revisions are "
+        "uploaded to), or --store DIR "
         "on a volume the workers mount at the same path"
     )
 

@@ -27,6 +27,7 @@ from loraplex.artifacts.digests import (
 )
 from loraplex.artifacts.errors import ArtifactUnavailable, DigestMismatch, UnsafeLocation
 from loraplex.artifacts.oci import OCI_SCHEMES, OciRef, OciRepository, RegistryAuth, parse_layers
+from loraplex.artifacts.s3 import S3Location, s3_client, s3_error
 from loraplex.artifacts.store import INDEX_FILE, ArtifactStore, copy_synced
 
 MIN_DOWNLOAD_RATE = 1 << 20
@@ -306,24 +307,12 @@ def _write_bounded(chunks, out, size: int, where: str, deadline: _Deadline) -> N
 
 
 def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
-    parts = urlsplit(uri)
-    timeout_s = deadline.timeout_s
-    bucket, prefix = parts.netloc, parts.path.strip("/")
-    if client is None:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError:
-            raise ArtifactUnavailable(
-                "s3:// storage needs the s3 extra (boto3): pip install 'loraplex[s3]'"
-            ) from None
-        client = boto3.client(
-            "s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s)
-        )
+    where = S3Location.parse(uri)
+    client = s3_client(deadline.timeout_s) if client is None else client
     try:
-        index = client.get_object(Bucket=bucket, Key=f"{prefix}/{INDEX_FILE}")["Body"].read()
+        index = client.get_object(Bucket=where.bucket, Key=where.key(INDEX_FILE))["Body"].read()
         for name, size in deadline.allow(_checked_index(index, uri)):
-            body = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"]
+            body = client.get_object(Bucket=where.bucket, Key=where.key(name))["Body"]
             with (work / name).open("wb") as out:
                 _write_bounded(
                     iter(functools.partial(body.read, CHUNK_BYTES), b""),
@@ -335,7 +324,7 @@ def _fetch_s3(uri: str, work: Path, deadline: _Deadline, client) -> None:
     except (UnsafeLocation, ArtifactUnavailable):
         raise
     except Exception as exc:  # botocore raises many unrelated types; all mean "not available now"
-        raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None
+        raise s3_error(uri, exc) from None
 
 
 def _fetch_oci(

@@ -19,6 +19,7 @@ from loraplex.artifacts import (
     is_oci_uri,
     push_artifact,
 )
+from loraplex.artifacts.s3 import is_s3_uri, push_s3
 from loraplex.formats import ImportRecord, imported_adapter
 from loraplex.lora_format import (
     CONFIG_FILE,
@@ -78,8 +79,8 @@ class Stored:
 
 
 STORAGE_SCHEMES = ("oci", "oci+http", "http", "https", "s3", "file")
-"""The schemes of a storage base: an OCI repository revisions are pushed to, or where the store's
-`sha256/` directory is served or copied."""
+"""The schemes of a storage base: an OCI repository or an S3 prefix revisions are uploaded to, or
+where the store's `sha256/` directory is served or copied."""
 
 
 def check_storage_base(base: str) -> str:
@@ -87,8 +88,9 @@ def check_storage_base(base: str) -> str:
     scheme, sep, rest = base.partition("://")
     if not sep or scheme not in STORAGE_SCHEMES or not rest.strip("/"):
         raise RegistryError(
-            f"storage base {base!r}: give oci://HOST/REPOSITORY (oci+http:// for plain http), or "
-            "an http://, https://, s3:// or file:// URL the store's sha256/ directory is at"
+            f"storage base {base!r}: give oci://HOST/REPOSITORY (oci+http:// for plain http) or "
+            "s3://BUCKET/PREFIX, which revisions are uploaded to, or an http://, https:// or "
+            "file:// URL the store's sha256/ directory is at"
         )
     return base
 
@@ -108,9 +110,9 @@ class Registration:
         strict_base_model_name: bool = False,
         unreachable_store: str | None = None,
     ):
-        """`storage_base`: URL under which the store's `<hex>` directories are served, or an OCI
-        repository (`oci://HOST/REPOSITORY`) each revision's bytes are pushed to (else file://
-        URIs).
+        """`storage_base`: URL under which the store's `<hex>` directories are served, an S3
+        prefix (`s3://BUCKET/PREFIX`) they are uploaded to, or an OCI repository
+        (`oci://HOST/REPOSITORY`) each revision's bytes are pushed to (else file:// URIs).
 
         `allowed`: when set, `add_revision` only reads adapter directories under its roots.
         `trusted_keys`: ed25519 public keys; when set, unsigned or badly signed revisions are
@@ -454,10 +456,12 @@ class Registration:
         return adapter
 
     def publish(self, digest: str) -> str:
-        """The storage URI of stored bytes; for an OCI base, once they are pushed there (outside
-        any transaction: a push takes as long as its bytes)."""
+        """The storage URI of stored bytes; for an OCI or S3 base, once they are uploaded there
+        (outside any transaction: an upload takes as long as its bytes)."""
         if self.storage_base and is_oci_uri(self.storage_base):
             return push_artifact(self._artifacts().path(digest), digest, self.storage_base)
+        if self.storage_base and is_s3_uri(self.storage_base):
+            return push_s3(self._artifacts().path(digest), digest, self.storage_base)
         return self.storage_uri(digest)
 
     def storage_uri(self, digest: str) -> str:

@@ -46,7 +46,8 @@ def unreachable_store(
     return (
         f"the registry is a server database, but revisions would be stored in {store_root} on "
         "this machine only, where workers cannot read them: give --storage-base with the "
-        "cluster's store (oci://HOST/REPOSITORY, which revisions are pushed to), or --store DIR "
+        "cluster's store (oci://HOST/REPOSITORY or s3://BUCKET/PREFIX, which revisions are "
+        "uploaded to), or --store DIR "
         "on a volume the workers mount at the same path"
     )
 

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from loraplex.artifacts import AllowList, is_oci_uri
+from loraplex.artifacts.s3 import is_s3_uri
 from loraplex.registry.db import check_database_url
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.registration import check_storage_base
@@ -52,18 +53,19 @@ def check_writable_dir(path: Path, flag: str) -> None:
 
 
 def check_push_base(base: str | None) -> None:
-    """--storage-base: an OCI repository, the one kind of store a worker can put revisions in."""
+    """--storage-base: an OCI repository or an S3 prefix, the stores a worker uploads revisions
+    to."""
     if base is None:
         return
     try:
         check_storage_base(base)
     except RegistryError as exc:
         raise StartupError(f"--storage-base: {exc}") from None
-    if not is_oci_uri(base):
+    if not (is_oci_uri(base) or is_s3_uri(base)):
         raise StartupError(
-            f"--storage-base {base}: serve pushes revisions to an OCI repository only "
-            "(oci://HOST/REPOSITORY, oci+http:// for plain http); for a directory every worker "
-            "mounts, give --store DIR"
+            f"--storage-base {base}: serve uploads revisions to an OCI repository "
+            "(oci://HOST/REPOSITORY, oci+http:// for plain http) or an S3 prefix "
+            "(s3://BUCKET/PREFIX) only; for a directory every worker mounts, give --store DIR"
         )
 
 

@@ -29,7 +29,7 @@ CHART_FLAGS = {
     "data-dir": "on worker.diskTier",
     "registry": "from registry.urlSecret",
     "store": "from store.url (a directory on store.volume)",
-    "storage-base": "from store.url (an OCI repository)",
+    "storage-base": "from store.url (an OCI repository or an S3 prefix)",
     "api-keys": "from secrets.apiKeys",
     "admin-token-file": "from secrets.adminToken",
 }

@@ -110,12 +110,13 @@ class ServeSettings:
     )
     storage_base: str | None = setting(
         None,
-        "OCI repository revisions registered here are pushed to (oci://HOST/REPOSITORY)",
+        "OCI repository or S3 prefix revisions registered here are uploaded to",
         panel=WHERE,
         metavar="URL",
         doc="the shared store, as `loraplex registry --storage-base`: uploads and registrations "
-        "through this worker are pushed to this OCI repository (`oci+http://` for plain http) and "
-        "recorded there, so that every worker reads them (docs/scale-out.md)",
+        "through this worker are uploaded to this OCI repository (`oci://HOST/REPOSITORY`, "
+        "`oci+http://` for plain http) or S3 prefix (`s3://BUCKET/PREFIX`) and recorded there, so "
+        "that every worker reads them (docs/scale-out.md)",
     )
     registry_watch_s: float = setting(
         2.0,

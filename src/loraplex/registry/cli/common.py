@@ -69,9 +69,11 @@ class CliOptions:
             raise RegistryError(reason)
 
     def remote_copy_note(self) -> str | None:
-        """For an http(s) or s3 --storage-base, where the files are and that add copies nothing
-        there (an oci:// one is pushed)."""
-        if self.storage_base is None or self.storage_base.startswith(("oci://", "oci+http://")):
+        """For an http(s) or file --storage-base, where the files are and that add copies nothing
+        there (an oci:// or s3:// one is uploaded to)."""
+        if self.storage_base is None or self.storage_base.startswith(
+            ("oci://", "oci+http://", "s3://")
+        ):
             return None
         return (
             f"note: add copies nothing to {self.storage_base}: copy {self.store / 'sha256'} there "
@@ -106,9 +108,9 @@ def main(
         str | None,
         typer.Option(
             metavar="URL",
-            help="Where workers read revisions: an OCI repository add pushes to "
-            "(oci://HOST/REPOSITORY; oci+http:// for plain http), or the http(s):// or s3:// URL "
-            "the store's sha256/ directory is copied to",
+            help="Where workers read revisions: an OCI repository (oci://HOST/REPOSITORY; "
+            "oci+http:// for plain http) or an S3 prefix (s3://BUCKET/PREFIX) add uploads to, or "
+            "the http(s):// URL the store's sha256/ directory is copied to",
         ),
     ] = None,
     trusted_key: Annotated[
