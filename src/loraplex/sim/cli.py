@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import tempfile
 from pathlib import Path
 
 import typer
@@ -402,15 +402,25 @@ def _calibration(path: Path | None) -> Calibration:
 
 def unwritable(path: Path) -> str | None:
     """Why an output file cannot be written (None: it can), found before a run: its path is a
-    directory, or its nearest existing folder is a file or is not writable."""
+    directory, its nearest existing folder is a file, or writing there is refused (tried, as
+    permissions alone do not tell: root, /proc, a read-only mount). Nothing is left behind."""
     if path.is_dir():
         return "a directory"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "not writable"
     folder = next(p for p in path.parents if p.exists())  # made with its parents on writing
     if not folder.is_dir():
         return f"{folder} is not a directory"
-    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
+    try:
+        if path.exists():
+            with open(path, "ab"):  # appends nothing: the file is left as it is
+                pass
+        elif folder == path.parent:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        else:
+            tempfile.TemporaryDirectory(dir=folder).cleanup()
+    except OSError as exc:
+        return f"cannot write in {folder}: {exc.strerror or exc}"
+    return None
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
