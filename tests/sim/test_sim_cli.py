@@ -2,6 +2,7 @@
 plot."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -9,7 +10,7 @@ from typer.testing import CliRunner
 from loraplex.sim import cli, plot
 from loraplex.sim import workload as workload_module
 from loraplex.sim.cli import app
-from loraplex.sim.workload import Capacity, WorkloadSpec, generate, write_trace
+from loraplex.sim.workload import Capacity, Request, WorkloadSpec, generate, write_trace
 
 runner = CliRunner()
 
@@ -83,6 +84,34 @@ def test_plan_on_the_vllm_engine_sizes_its_host_cache_in_adapters(
     )
     assert fleet.exit_code == 0, fleet.output
     assert "engine vllm, cpu 6 adapters" in " ".join(fleet.output.split())  # the title, wrapped
+
+
+def test_plan_says_why_a_sizing_was_not_reached(llama_dir, llama_adapters, tmp_path):
+    # ten warm adapters and eight cold ones: their first requests are cold whatever the cache
+    trace = [Request(0.5 * i, "t", f"warm{i % 10}", 16, 4, rank=8) for i in range(400)]
+    trace += [Request(0.5 * i + 0.25, "t", f"cold{i}", 16, 4, rank=8) for i in range(0, 400, 50)]
+    write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")
+    folder = next(iter(llama_adapters.values())).parent
+    args = [
+        "plan",
+        "--adapters",
+        folder,
+        "--model",
+        llama_dir,
+        "--workload",
+        tmp_path / "trace.jsonl",
+    ]
+    result = runner.invoke(app, list(map(str, args)), env={"COLUMNS": "60"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "│ cold starts ≤ 1% │ 8 │ - │ not reached │" in " ".join(
+        CliRunner().invoke(app, list(map(str, args)), env={"COLUMNS": "200"}).output.split()
+    )
+    assert re.search(
+        r"cold starts ≤ 1% not reached: 4\.41% at [\d.]+ KiB, the largest tried; the first "
+        r"request of each of its 18 adapters is cold whatever the cache: 4\.41% at least",
+        text,
+    ), text
 
 
 def small_trace(path, seed=0):
