@@ -127,7 +127,7 @@ def test_a_value_breaking_the_schema_is_refused_naming_the_field(values, field):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:
         chart.render(values, name="lp", is_install=True)
     assert field in str(refused.value)
-    report = helm.lint(CHART, values)  # `helm lint -f` refuses it as well
+    report = helm.lint(CHART, values, strict=True)  # `helm lint --strict -f` refuses it too
     assert any(field in error for error in report["errors"]), report
 
 
