@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import typer
@@ -17,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from loraplex.outputs import unwritable
 from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.pools import check_pools
@@ -398,29 +398,6 @@ def _calibration(path: Path | None) -> Calibration:
     except CalibrationError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-
-
-def unwritable(path: Path) -> str | None:
-    """Why an output file cannot be written (None: it can), found before a run: its path is a
-    directory, its nearest existing folder is a file, or writing there is refused (tried, as
-    permissions alone do not tell: root, /proc, a read-only mount). Nothing is left behind."""
-    if path.is_dir():
-        return "a directory"
-    folder = next(p for p in path.parents if p.exists())  # made with its parents on writing
-    if not folder.is_dir():
-        return f"{folder} is not a directory"
-    try:
-        if path.exists():
-            with open(path, "ab"):  # appends nothing: the file is left as it is
-                pass
-        elif folder == path.parent:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        else:
-            tempfile.TemporaryDirectory(dir=folder).cleanup()
-    except OSError as exc:
-        return f"cannot write in {folder}: {exc.strerror or exc}"
-    return None
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
