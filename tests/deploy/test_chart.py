@@ -127,7 +127,7 @@ def test_a_value_breaking_the_schema_is_refused_naming_the_field(values, field):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as refused:
         chart.render(values, name="lp", is_install=True)
     assert field in str(refused.value)
-    report = helm.lint(CHART, values)  # `helm lint -f` refuses it as well
+    report = helm.lint(CHART, values, strict=True)  # `helm lint --strict -f` refuses it too
     assert any(field in error for error in report["errors"]), report
 
 
@@ -369,6 +369,31 @@ def test_the_bundled_registry_reads_its_password_from_a_secret():
         "key": "password",
     }
     assert "value" not in env["POSTGRES_PASSWORD"]
+
+
+def test_the_notes_say_what_a_missing_postgres_secret_does_to_each_pod(tmp_path, llama_dir):
+    # the PostgreSQL pod cannot start; the workers, whose URL is another Secret, start and stop
+    # at opening the registry, with the line the NOTES name
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render({}, name="lp", namespace="ml", is_install=True)
+    notes = " ".join(next(t for p, t in out.items() if p.endswith("NOTES.txt")).split())
+    statefulset = _get("defaults", "StatefulSet", "-registry")
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    secret = {e["name"]: e for e in container["env"]}["POSTGRES_PASSWORD"]["valueFrom"]
+    pod = f"{statefulset['metadata']['name']}-0"
+    assert (
+        f"The bundled PostgreSQL reads {secret['secretKeyRef']['name']}: without it its pod stays "
+        f"in CreateContainerConfigError (`kubectl describe pod {pod}`), and the workers log that "
+        "they cannot open the registry."
+    ) in notes
+    refs = [e["valueFrom"] for e in _container("defaults")["env"] if "valueFrom" in e]
+    assert secret["secretKeyRef"]["name"] not in [r["secretKeyRef"]["name"] for r in refs]
+    unreachable = "postgresql+psycopg://loraplex:pw@127.0.0.1:1/loraplex"
+    args = ["serve", "--model", llama_dir, "--registry", unreachable]
+    args += ["--data-dir", tmp_path / "data", "--port", "0"]
+    done = CliRunner().invoke(app, list(map(str, args)))
+    assert done.exit_code == 2
+    assert done.stderr.startswith("error: --registry: cannot open the registry: ")
 
 
 def test_the_epp_values_pick_the_workers_pool_and_scrape_them_as_job_loraplex():

@@ -257,6 +257,20 @@ def test_unreachable_server_exits_2_with_one_line(tmp_path):
     )
 
 
+def test_an_unwritable_json_path_is_refused_before_any_request(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    cases = {
+        "/proc/out.json": "cannot write in /proc: ",  # refused on writing, root's permissions too
+        str(tmp_path / "a-file" / "out.json"): f"{tmp_path / 'a-file'} is not a directory",
+        str(tmp_path): "a directory",
+    }
+    for path, message in cases.items():  # nothing listens at port 1: a run would fail to reach it
+        done = bench("--url", "http://127.0.0.1:1", "--workload", "zipf", "--json", path)
+        assert done.returncode == 2, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f"error: --json {path}: {message}"), line
+
+
 def test_unknown_workload_is_a_clear_error():
     done = bench("--url", "http://127.0.0.1:1", "--workload", "nope")
     assert done.returncode == 2

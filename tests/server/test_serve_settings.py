@@ -133,6 +133,36 @@ def test_engine_flags_size_the_kv_cache_and_the_batch(kv8b_dir, tmp_path):
         proc.wait()
 
 
+def test_a_step_budget_below_max_model_len_prefills_a_long_prompt_in_chunks(kv8b_dir, tmp_path):
+    # as --max-num-batched-tokens' help says; the chunks' tokens are those of one prefill
+    # (tests/engines/native/test_loading.py)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert (
+        "--max-num-batched-tokens N Tokens one step processes; a longer prompt is prefilled in "
+        "chunks over several steps [default: 4096]"
+    ) in " ".join(help_text.split())
+    args = [*_base(kv8b_dir, tmp_path), "--kv-cache-memory-bytes", "64MiB"]
+    args += ["--max-model-len", "256", "--max-num-batched-tokens", "16"]
+    proc = _serve(args, tmp_path)
+    try:
+        url = _address(proc)
+        assert url is not None, (tmp_path / "stderr.log").read_text()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        prompt = [3 + i % 50 for i in range(100)]  # 7 steps' worth of prefill
+        out = client.completions.create(
+            model="base", prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True}
+        )
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (100, 2)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_default_kv_budget_on_cpu_starts_an_8b_shaped_model(kv8b_dir, tmp_path):
     # No KV flag: the smaller of what max-num-seqs sequences of max-model-len need (2 x 4096 tokens,
     # 1 GiB) and a quarter of the host's available memory.

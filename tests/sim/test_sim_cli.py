@@ -2,6 +2,7 @@
 plot."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -9,7 +10,7 @@ from typer.testing import CliRunner
 from loraplex.sim import cli, plot
 from loraplex.sim import workload as workload_module
 from loraplex.sim.cli import app
-from loraplex.sim.workload import Capacity, WorkloadSpec, generate, write_trace
+from loraplex.sim.workload import Capacity, Request, WorkloadSpec, generate, write_trace
 
 runner = CliRunner()
 
@@ -83,6 +84,34 @@ def test_plan_on_the_vllm_engine_sizes_its_host_cache_in_adapters(
     )
     assert fleet.exit_code == 0, fleet.output
     assert "engine vllm, cpu 6 adapters" in " ".join(fleet.output.split())  # the title, wrapped
+
+
+def test_plan_says_why_a_sizing_was_not_reached(llama_dir, llama_adapters, tmp_path):
+    # ten warm adapters and eight cold ones: their first requests are cold whatever the cache
+    trace = [Request(0.5 * i, "t", f"warm{i % 10}", 16, 4, rank=8) for i in range(400)]
+    trace += [Request(0.5 * i + 0.25, "t", f"cold{i}", 16, 4, rank=8) for i in range(0, 400, 50)]
+    write_trace(sorted(trace, key=lambda r: r.time), tmp_path / "trace.jsonl")
+    folder = next(iter(llama_adapters.values())).parent
+    args = [
+        "plan",
+        "--adapters",
+        folder,
+        "--model",
+        llama_dir,
+        "--workload",
+        tmp_path / "trace.jsonl",
+    ]
+    result = runner.invoke(app, list(map(str, args)), env={"COLUMNS": "60"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "│ cold starts ≤ 1% │ 8 │ - │ not reached │" in " ".join(
+        CliRunner().invoke(app, list(map(str, args)), env={"COLUMNS": "200"}).output.split()
+    )
+    assert re.search(
+        r"cold starts ≤ 1% not reached: 4\.41% at [\d.]+ KiB, the largest tried; the first "
+        r"request of each of its 18 adapters is cold whatever the cache: 4\.41% at least",
+        text,
+    ), text
 
 
 def small_trace(path, seed=0):
@@ -303,6 +332,9 @@ def test_simulate_default_table_fits_80_columns_and_wide_shows_the_rest(tmp_path
         ("--plot", "a-dir.png", "--plot a-dir.png: a directory"),
         ("--json", "a-file/out.json", "--json a-file/out.json: a-file is not a directory"),
         ("--json", "a-dir", "--json a-dir: a directory"),
+        # refused on writing, whatever the permissions say (root's included)
+        ("--json", "/proc/out.json", "--json /proc/out.json: cannot write in /proc: "),
+        ("--plot", "/proc/x/out.png", "--plot /proc/x/out.png: cannot write in /proc: "),
     ],
 )
 def test_simulate_checks_its_output_paths_before_it_runs(
@@ -316,7 +348,9 @@ def test_simulate_checks_its_output_paths_before_it_runs(
     monkeypatch.setattr(cli, "run_sweep", lambda *args, **kwargs: ran.append(args) or [])
     result = runner.invoke(app, ["simulate", "--workload", "zipf", option, path])
     assert result.exit_code == 2 and not ran, result.output
-    assert result.stderr.strip().splitlines() == [f"error: {message}"]
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-dir.png", "a-file"]
 
 
 def test_simulate_makes_the_folders_of_its_outputs(tmp_path, monkeypatch):

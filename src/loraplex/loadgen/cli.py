@@ -24,6 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from loraplex.loadgen import traffic
+from loraplex.outputs import unwritable
 from loraplex.settings.command import PlainTyper, add_settings_command
 from loraplex.settings.loadgen import ENV_PREFIX, BenchServeSettings
 from loraplex.sim import workload as workloads
@@ -150,6 +151,10 @@ def serve(s: BenchServeSettings) -> None:
     """Replay a trace against a server or router over the OpenAI API and report latency by cache
     tier."""
     console, err = Console(), Console(stderr=True)
+    problem = s.json is not None and unwritable(s.json)
+    if problem:
+        err.print(f"error: --json {s.json}: {problem}", markup=False, highlight=False)
+        raise typer.Exit(2)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=120)  # piped to a file: keep the table's rows on one line each
     requests = traffic.prepare_trace(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import typer
@@ -17,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from loraplex.outputs import unwritable
 from loraplex.residency.budgets import Budget
 from loraplex.settings.command import PLAIN, add_settings_command
 from loraplex.settings.pools import check_pools
@@ -398,19 +398,6 @@ def _calibration(path: Path | None) -> Calibration:
     except CalibrationError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-
-
-def unwritable(path: Path) -> str | None:
-    """Why an output file cannot be written (None: it can), found before a run: its path is a
-    directory, or its nearest existing folder is a file or is not writable."""
-    if path.is_dir():
-        return "a directory"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "not writable"
-    folder = next(p for p in path.parents if p.exists())  # made with its parents on writing
-    if not folder.is_dir():
-        return f"{folder} is not a directory"
-    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
 
 
 def _load_workload(name: str, shape: dict | None = None) -> list[workloads.Request]:
