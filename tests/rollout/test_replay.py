@@ -47,3 +47,11 @@ def test_the_command_prints_the_decisions_and_writes_json(tmp_path):
     assert written["outcome"] == "rolled_back" and written["canary_requests"] > 0
     bad = CliRunner().invoke(app, ["replay", "--steps", "10,50"])
     assert bad.exit_code == 2 and "ending in 100" in bad.output
+
+
+def test_an_unwritable_json_path_is_one_line_before_the_replay(tmp_path):
+    for bad, why in ((tmp_path, "a directory"), ("/proc/replay.json", "cannot write in /proc")):
+        result = CliRunner().invoke(app, ["replay", "--rate", "40", "--json", str(bad)])
+        assert result.exit_code == 2, result.output
+        assert f"--json {bad}: {why}" in result.output
+        assert "rollback" not in result.output and "Traceback" not in result.output

@@ -18,6 +18,7 @@ from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 from typer.core import TyperGroup
 
+from loraplex.outputs import unwritable
 from loraplex.registry import Registry, RegistryError
 from loraplex.registry.cli import default_data_dir
 from loraplex.registry.errors import LifecycleError
@@ -293,6 +294,10 @@ def replay_command(settings: ReplaySettings) -> None:
     regression: when it is caught, and what it served meanwhile."""
     from loraplex.rollout.replay import replay
 
+    why = unwritable(settings.json) if settings.json is not None else None
+    if why is not None:
+        typer.echo(f"error: --json {settings.json}: {why}", err=True)
+        raise typer.Exit(2)
     result = replay(settings)
     table = Table(title=f"replayed rollout: {result['outcome']} after {result['virtual_s']:g} s")
     for column in (
