@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from loraplex.artifacts import ArtifactError, delete_pushed, is_oci_uri
 from loraplex.registry import queries as q
 from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, Revision, Rollout
-from loraplex.registry.errors import AdapterRejected, LifecycleError
+from loraplex.registry.errors import AdapterRejected, LifecycleError, RegistryError
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.store import Store
@@ -84,17 +85,21 @@ def release_artifacts(store: Store, retired: dict[str, str]) -> list[str]:
     local copy gone and puts it back, pushing it again (`Registration.put_again`). The local copy
     goes first, so that a pushed copy is never gone while the local one is there."""
     deleted = []
-    with store.write() as session:
-        in_use = set(
-            session.scalars(
-                select(Revision.digest).where(
-                    Revision.digest.in_(retired), Revision.status != "retired"
+    try:
+        with store.write() as session:
+            in_use = set(
+                session.scalars(
+                    select(Revision.digest).where(
+                        Revision.digest.in_(list(retired)), Revision.status != "retired"
+                    )
                 )
             )
-        )
-        for digest, uri in retired.items():
-            if digest not in in_use and _delete_artifact(store, session, digest, uri):
-                deleted.append(digest)
+            for digest, uri in retired.items():
+                if digest not in in_use and _delete_artifact(store, session, digest, uri):
+                    deleted.append(digest)
+    except (RegistryError, SQLAlchemyError) as exc:  # the retirement stands; `gc` deletes them
+        log.warning("the artifacts of retired revisions were not deleted: %s", exc)
+        return []
     return deleted
 
 
