@@ -2,7 +2,8 @@
 registry, with `loraplex router` in front: a publish that waits returns once both hold the new
 revision, both serve HF + PEFT's greedy tokens for it, the revisions beyond `keep` leave vLLM on
 both and their artifacts the store, the metrics count it all, and a worker that stops answering
-mid-cutover is reported while the other serves the new version."""
+mid-cutover is reported while the other serves the new version; a trainer's pause with a timeout
+ends by itself."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -40,6 +42,7 @@ def world(tmp_path_factory):
     versions = [make_adapter(model, root / f"v{i}", seed=60 + i, **LORA) for i in range(4)]
     reference = peft_reference(model, {f"v{i}": p for i, p in enumerate(versions)})
     expected = [reference_greedy(reference, PROMPT, f"v{i}", 8) for i in range(4)]
+    assert len({tuple(ids) for ids in expected}) == 4  # each version's tokens tell it apart
     return root, model, versions, expected
 
 
@@ -181,3 +184,22 @@ def test_a_worker_that_stops_mid_cutover_is_reported_and_the_other_serves(world,
     # once it answers again, it serves the new version too (by the change feed)
     _, ids = vllm_serve.greedy_ids(victim_url, KEY, p.model, PROMPT, 8)
     assert ids == expected[3]
+
+
+def test_a_pause_with_a_timeout_ends_by_itself_on_the_vllm_engine(fleet):
+    """A trainer that paused a worker and died: the request held by the pause is served once the
+    pause's timeout has passed, with no /resume."""
+    _, workers, _ = fleet
+    url = workers[1][1]
+    paused = httpx.post(f"{url}/pause", params={"mode": "keep", "timeout": 2}, headers=ADMIN)
+    assert paused.json() == {"status": "paused"}
+    answers: list = []
+    held = threading.Thread(target=lambda: answers.append(completion(url, NAME)))
+    try:
+        held.start()
+        held.join(120)
+    finally:
+        if held.is_alive():
+            httpx.post(f"{url}/resume", headers=ADMIN, timeout=30)
+    assert answers and answers[0].status_code == 200, answers
+    assert httpx.get(f"{url}/is_paused", headers=ADMIN).json() == {"is_paused": False}
