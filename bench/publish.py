@@ -26,8 +26,8 @@ asking by the bare name or by `name@rev` for one of the newest K-1 revisions it 
 answers that name another revision (or digest) than asked (wrong), failures (not 200, other than a
 404 for a revision retired before its request arrived, counted apart), workers' host memory (RSS,
 sampled after every publish) against its level after the first K publishes, the adapter bytes each
-worker holds, the artifacts of the name left in the store after `gc`, and the registry's retired
-revisions.
+worker holds, the artifacts of the name in the store (retirement deletes them; no `gc` runs), and
+the registry's retired revisions.
 """
 
 from __future__ import annotations
@@ -343,7 +343,6 @@ def steady_phase(fleet: Fleet, publisher: Publisher, cfg, args, seed0: int) -> d
         not_ready += not row["ready"]
         if i == 0:
             traffic.start(args.clients)
-        fleet.registry.registration.gc_artifacts()  # the operator's `registry gc`
         rss.append(fleet.rss())
         held.append(fleet.held_bytes())
         stored.append(artifacts_of_name(fleet.registry))

@@ -78,7 +78,10 @@ class Registry:
         config = {
             "version": 0.1,
             "log": {"level": "warn", "accesslog": {"disabled": True}},
-            "storage": {"filesystem": {"rootdirectory": str(self.storage)}},
+            "storage": {
+                "filesystem": {"rootdirectory": str(self.storage)},
+                "delete": {"enabled": True},  # manifests of retired revisions are deleted
+            },
             "http": {"addr": f"127.0.0.1:{self.port}"},
             "auth": auth,
         }
@@ -337,6 +340,55 @@ def test_registry_add_pushes_and_a_worker_pulls_by_digest(
         bytes(files["adapter_model.safetensors"])
         == (adapter_v1 / "adapter_model.safetensors").read_bytes()
     )
+
+
+def test_a_retired_revisions_manifest_leaves_the_repository(
+    registry, adapter_v1, llama_dir, tmp_path, monkeypatch
+):
+    """A name keeping 1 revision on an OCI storage base: the retired revision's manifest is
+    deleted with its local copy; its bytes registered again are pushed again, to the same URI."""
+    from tinymodels import make_adapter
+
+    from loraplex.registry import Registry
+
+    secret = tmp_path / ".dockerconfigjson"
+    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    secret.write_text(json.dumps({"auths": {registry.host: {"auth": auth}}}))
+    monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(secret))
+    base = registry.base("loras/retired")
+    v2 = make_adapter(llama_dir, tmp_path / "v2", seed=2, r=4, target_modules=["q_proj"])
+    reg = Registry(
+        f"sqlite:///{tmp_path / 'registry.db'}",
+        ArtifactStore(tmp_path / "store"),
+        base_model_dir=llama_dir,
+        storage_base=base,
+    )
+
+    def manifest_status(uri: str) -> int:
+        digest = OciRef.parse(uri).digest
+        return httpx.get(
+            f"http://{registry.host}/v2/loras/retired/manifests/{digest}",
+            auth=(USER, PASSWORD),
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        ).status_code
+
+    try:
+        reg.init()
+        first = reg.add_revision(adapter_v1, "policy", status="stable", keep=1)
+        assert manifest_status(first.storage_uri) == 200
+        second = reg.add_revision(v2, "policy", status="stable")
+        assert (manifest_status(first.storage_uri), manifest_status(second.storage_uri)) == (
+            404,
+            200,
+        )
+        assert not reg.store.has(first.digest)
+        [event] = [e for e in reg.audit_events(50) if e.action == "delete_artifact"]
+        assert event.detail == {"local": True, "oci": first.storage_uri, "oci_deleted": True}
+        again = reg.add_revision(adapter_v1, "other", status="stable")
+        assert again.storage_uri == first.storage_uri
+        assert manifest_status(again.storage_uri) == 200
+    finally:
+        reg.close()
 
 
 class TokenService:

@@ -1,6 +1,6 @@
 """Retention: a name keeps its newest K revisions servable; the older ones, and those an operator
 deletes, are retired: never resolved or listed again, no grace period, an audit event each, and
-their artifacts deleted by `gc` once no revision refers to the same bytes."""
+their artifacts deleted from the store once no revision refers to the same bytes."""
 
 from __future__ import annotations
 
@@ -142,34 +142,64 @@ def test_delete_is_refused_for_the_stable_the_split_and_a_quarantine(registry, v
     assert _statuses(registry, "policy")["r3"] == "retired"
 
 
-def test_gc_deletes_a_retired_artifact_once_no_revision_refers_to_its_bytes(registry, versions):
-    r1, r2, r3 = versions[:3]
-    first = registry.add_revision(r1, "policy", status="stable", keep=1)
-    registry.add_revision(r1, "other", status="stable")  # the same bytes under another name
-    second = registry.add_revision(r2, "policy", status="stable")
-    registry.add_revision(r3, "policy", status="stable")
+def _artifact_events(registry: Registry) -> list[str]:
+    events = registry.audit_events(200, target=None)
+    return [e.target for e in reversed(events) if e.action == "delete_artifact"]
+
+
+def test_retirement_deletes_the_artifacts_no_revision_refers_to(registry, adapter_factory):
+    """10 publishes at keep 3, no gc: the store holds the newest 3 of the name, and the bytes
+    another name has too stay until that name retires them as well."""
+    paths = [adapter_factory(f"publish-{i}", seed=300 + i) for i in range(10)]
+    shared = registry.add_revision(paths[0], "other", status="stable")  # r1's bytes, elsewhere
+    published = [registry.add_revision(p, "policy", status="stable", keep=3) for p in paths]
     store = registry.store
-    held_by_other, retired_only = store.path(first.digest), store.path(second.digest)
-    assert (retired_only / "adapter_model.safetensors").is_file()
-    assert registry.gc_artifacts(3600) == [second.digest]  # at once, whatever its age
-    assert not retired_only.exists()
-    assert (held_by_other / "adapter_model.safetensors").read_bytes() == (
-        r1 / "adapter_model.safetensors"
+    kept = {r.digest for r in published[-3:]}
+    assert set(store.digests()) == kept | {shared.digest}
+    for record in published[-3:]:
+        assert store.get(record.digest).is_dir()  # still hashes to its digest
+    assert _artifact_events(registry) == [r.digest for r in published[1:7]]
+    assert registry.gc_artifacts(3600) == []  # nothing left for gc
+    assert (store.path(shared.digest) / "adapter_model.safetensors").read_bytes() == (
+        paths[0] / "adapter_model.safetensors"
     ).read_bytes()
-    registry.set_keep("other", 1)  # nothing beyond 1 there: still held
-    assert registry.gc_artifacts(3600) == []
-    registry.add_revision(r2, "other", status="stable")  # other's r1 is retired now
-    assert registry.gc_artifacts(3600) == [first.digest]
-    assert not held_by_other.exists()
-    gc_events = [e for e in registry.audit_events(100) if e.action == "gc"]
-    assert [e.detail["removed"] for e in reversed(gc_events)] == [[second.digest], [first.digest]]
+    registry.set_keep("other", 1)
+    registry.add_revision(paths[1], "other", status="stable")  # other's r1 retired: now unheld
+    assert not store.has(shared.digest)
+    assert set(store.digests()) == kept | {published[1].digest}  # other@r2's bytes came back
+    assert _artifact_events(registry)[-1] == shared.digest
+    retire_events = [e for e in registry.audit_events(200) if e.action == "retire"]
+    assert len(retire_events) == 8  # the audit log keeps each retired revision's record
+
+
+def test_a_registration_racing_the_deletion_keeps_its_artifact(registry, adapter_factory):
+    """The same bytes registered under another name while a retirement deletes them: stored
+    before the deletion and recorded after it, they are put back in the registration's
+    transaction; recorded before the deletion's transaction, they are not deleted."""
+    from loraplex.registry.retention import release_artifacts
+
+    first, second, third = (adapter_factory(f"race-{i}", seed=400 + i) for i in range(3))
+    old = registry.add_revision(first, "policy", status="stable", keep=1)
+    registration = registry.registration
+    stored = registration.check_and_store(first, None, None, None, None, None)
+    registry.add_revision(second, "policy", status="stable")  # retires r1: its bytes go
+    assert not registry.store.has(old.digest)
+    with registry.db.write() as session:  # the racing registration's transaction
+        adapter = registration.adapter_for_add(session, "twin", None, None, "CAUSAL_LM", None, 0)
+        twin = registration.insert_revision(session, adapter, stored, None, "stable")
+    assert twin.digest == old.digest
+    assert registry.store.get(twin.digest).is_dir()  # back, and it hashes to its digest
+    # a deletion whose transaction comes after a registration of the same bytes keeps them
+    newer = registry.add_revision(third, "policy", status="stable")
+    assert release_artifacts(registry.db, {old.digest: old.storage_uri}) == []
+    assert release_artifacts(registry.db, {newer.digest: newer.storage_uri}) == []
+    assert registry.store.has(old.digest) and registry.store.has(newer.digest)
 
 
 def test_a_retired_revisions_bytes_come_back_as_a_new_revision(registry, versions):
     r1, r2 = versions[:2]
     first = registry.add_revision(r1, "policy", status="stable", keep=1)
     registry.add_revision(r2, "policy", status="stable")
-    registry.gc_artifacts(3600)
     assert not registry.store.has(first.digest)
     with pytest.raises(AdapterRejected, match="policy@r1 is retired and its label is not used"):
         registry.add_revision(r1, "policy", revision="r1")

@@ -17,9 +17,10 @@ from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.llm_engine import LLMEngine
 from loraplex.registry import AdapterNotFound, Registry
 from loraplex.router.app import RouterConfig, create_router_app
-from loraplex.router.cutover import pool_workers
+from loraplex.router.catalog import AdapterCatalog, RevisionFacts
+from loraplex.router.cutover import pool_workers, upload_worker
 from loraplex.router.fleet import Fleet
-from loraplex.router.pools import PoolSpec
+from loraplex.router.pools import PoolSpec, Reported
 from loraplex.server.app import ServerConfig, create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -175,6 +176,12 @@ def test_a_trainer_gone_mid_upload_through_the_router_leaves_nothing(fleet, vers
     with pytest.raises(AdapterNotFound):
         registry.show("fleet-gone")
 
+    def open_requests() -> list[int]:
+        rows = httpx.get(f"{router_url}/admin/workers", headers=ADMIN, timeout=30).json()
+        return [w["in_flight"] for w in rows["workers"]]
+
+    wait_until(lambda: open_requests() == [0, 0])  # the router counts the upload done
+
 
 def wait_until(predicate, rounds: int = 600) -> None:
     """A bound against hangs (30 s), not a timing assertion."""
@@ -195,3 +202,42 @@ def test_the_wait_covers_the_pools_that_may_serve_the_revision():
     ranked = Fleet([shared], None, pools=(PoolSpec("big", max_rank=64, workers=(bobs,)),))
     ranked.workers[shared].pool = PoolSpec("default", max_rank=2)
     assert pool_workers(ranked, {**record, "shared": True}) == [bobs]
+
+
+def published_bytes(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("loraplex_adapter_published_bytes")]
+    return sum(float(ln.split()[-1]) for ln in lines if "_total" in ln)
+
+
+def test_uploads_are_spread_over_the_workers(fleet, versions):
+    router_url, workers, _ = fleet
+    before = [published_bytes(url) for url in workers]
+    with Publisher(router_url, ADMIN_TOKEN) as publisher:
+        publisher.publish_dir("fleet-spread", versions[0], stable=True)
+        publisher.publish_dir("fleet-spread", versions[1], stable=True)
+    after = [published_bytes(url) for url in workers]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_an_upload_goes_to_a_worker_of_the_names_pool():
+    """A name whose revisions are on base B goes to a worker of B's pool, in turn among the
+    equally busy ones; a new name to any healthy worker; none healthy: None."""
+    a1, b1, b2 = "http://a1:1", "http://b1:1", "http://b2:1"
+    pools = (
+        PoolSpec("a", base_model_digest="sha256:" + "a" * 64, workers=(a1,)),
+        PoolSpec("b", base_model_digest="sha256:" + "b" * 64, workers=(b1, b2)),
+    )
+    fleet = Fleet([], None, pools=pools)
+    facts = RevisionFacts("on-b", "r1", "base-b", "sha256:" + "b" * 64, 8, True, (), True)
+    catalog = AdapterCatalog(lambda: 1, lambda: [facts], refresh_s=0)
+    assert [upload_worker(fleet, catalog, "on-b", turn) for turn in range(3)] == [b1, b2, b1]
+    fleet.workers[b1].in_flight = 1  # busy: the other one of the pool
+    assert upload_worker(fleet, catalog, "on-b", 0) == b2
+    new = {upload_worker(fleet, catalog, "new-name", turn) for turn in range(3)}
+    assert new == {a1, b2}  # the least busy, whatever their pool
+    fleet.workers[b2].reported = Reported(base_model_digest="sha256:" + "c" * 64)
+    assert upload_worker(fleet, catalog, "on-b", 0) == b1  # b2 runs another base
+    for worker in fleet.workers.values():
+        worker.healthy = False
+    assert upload_worker(fleet, catalog, "on-b", 0) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -74,6 +75,40 @@ def test_pause_wait_answers_once_nothing_is_in_flight_and_abort_is_refused(runni
         running.admin("POST", "/resume")
     refused = running.admin("POST", "/pause")  # vLLM's default mode, abort
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
+    assert running.admin("GET", "/is_paused").json() == {"is_paused": False}
+
+
+def test_a_pause_with_a_timeout_resumes_by_itself(running):
+    """A trainer that dies between its pause and its resume: the held request is served once the
+    pause's timeout has passed, with no /resume."""
+    paused = running.admin("POST", "/pause", params={"mode": "keep", "timeout": 2})
+    assert paused.json() == {"status": "paused"}
+    answers: list = []
+    held = threading.Thread(target=_complete, args=(running, answers))
+    try:
+        assert running.admin("GET", "/is_paused").json() == {"is_paused": True}
+        held.start()
+        held.join(60)
+    finally:
+        if held.is_alive():
+            running.admin("POST", "/resume")
+    assert answers and answers[0].status_code == 200, answers
+    assert running.admin("GET", "/is_paused").json() == {"is_paused": False}
+
+
+def test_a_resume_or_a_later_pause_cancels_the_timeout(running):
+    running.admin("POST", "/pause", params={"mode": "keep", "timeout": 0.2})
+    running.admin("POST", "/resume")
+    try:
+        running.admin("POST", "/pause", params={"mode": "keep"})  # no timeout: until the resume
+        time.sleep(1.0)  # past the first pause's timeout
+        assert running.admin("GET", "/is_paused").json() == {"is_paused": True}
+    finally:
+        running.admin("POST", "/resume")
+    for bad in ("0", "-1", "nan", "inf", "1e9"):
+        refused = running.admin("POST", "/pause", params={"mode": "keep", "timeout": bad})
+        assert refused.status_code == 400, (bad, refused.text)
+        assert refused.json()["error"]["param"] == "timeout"
     assert running.admin("GET", "/is_paused").json() == {"is_paused": False}
 
 

@@ -18,7 +18,7 @@ from loraplex.artifacts.errors import (
     UnsafeLocation,
 )
 from loraplex.artifacts.fetch import AllowList, Fetched, fetch_and_read, fetch_artifact
-from loraplex.artifacts.oci import RegistryAuth, is_oci_uri, push_artifact
+from loraplex.artifacts.oci import RegistryAuth, delete_pushed, is_oci_uri, push_artifact
 from loraplex.artifacts.store import ArtifactStore, serve_store
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "artifact_files",
     "canonical_digest",
     "check_digest",
+    "delete_pushed",
     "digest_and_pieces",
     "fetch_and_read",
     "fetch_artifact",

@@ -163,9 +163,11 @@ class OciRepository:
         self.actions = "pull,push" if push else "pull"
         self.authorization: str | None = None
 
-    def send(self, method: str, url: str, stream: bool = False, **kwargs) -> httpx.Response:
+    def send(
+        self, method: str, url: str, stream: bool = False, allow: tuple[int, ...] = (), **kwargs
+    ) -> httpx.Response:
         """The response, after answering one auth challenge; ArtifactUnavailable for an error
-        status (404 included)."""
+        status (404 included) other than those in `allow`."""
         headers = kwargs.pop("headers", {})
         rewind = getattr(kwargs.get("content"), "seek", None)
         for attempt in range(2):
@@ -182,7 +184,7 @@ class OciRepository:
                 break
             response.close()
             self.authorization = answer
-        if response.status_code >= 400:
+        if response.status_code >= 400 and response.status_code not in allow:
             text = "" if stream else response.read()[:300].decode(errors="replace")
             response.close()
             raise ArtifactUnavailable(
@@ -390,3 +392,31 @@ def push_artifact(
             return ref.at(repo.push_manifest(build_manifest(layers, adapter_digest)))
         except httpx.HTTPError as exc:
             raise ArtifactUnavailable(f"{base}: {type(exc).__name__}: {exc}") from None
+
+
+def delete_pushed(
+    uri: str,
+    auth: RegistryAuth | None = None,
+    timeout_s: float = 30.0,
+    http_client: httpx.Client | None = None,
+) -> bool:
+    """Delete the manifest a storage URI (`base@sha256:<manifest>`) names; False when the
+    repository has it no more. Its blobs stay, as other manifests may list them (an adapter's
+    config often is the same bytes in every revision): the registry's own garbage collection
+    deletes the blobs no manifest lists."""
+    import httpx
+
+    ref = OciRef.parse(uri)
+    if ref.digest is None:
+        raise UnsafeLocation(f"{uri}: name the manifest to delete by @sha256:...")
+    auth = RegistryAuth.from_environ() if auth is None else auth
+    with contextlib.ExitStack() as stack:
+        if http_client is None:
+            http_client = stack.enter_context(httpx.Client(timeout=timeout_s))
+        repo = OciRepository(ref, auth, http_client, timeout_s, push=True)
+        repo.actions = "pull,push,delete"  # the scope a token service grants a DELETE for
+        url = f"{ref.api}/manifests/{ref.digest}"
+        try:
+            return repo.send("DELETE", url, allow=(404,), timeout=timeout_s).status_code != 404
+        except httpx.HTTPError as exc:
+            raise ArtifactUnavailable(f"{uri}: {type(exc).__name__}: {exc}") from None

@@ -356,7 +356,8 @@ class Registration:
         return read_revision_record(session, adapter, row)
 
     def put_again(self, stored: Stored) -> None:
-        """Put the bytes back when a gc removed them since they were stored."""
+        """Put the bytes back when a gc or a retirement deleted them since they were stored (and
+        push them again: a retirement deletes the pushed copy after the local one)."""
         artifacts = self._artifacts()
         if artifacts.has(stored.digest):
             return
@@ -365,6 +366,8 @@ class Registration:
                 raise AdapterRejected(
                     "digest", f"the files in {stored.src} changed while they were being registered"
                 )
+        if is_oci_uri(stored.storage_uri):
+            self.publish(stored.digest)  # the same manifest, so the same storage URI
 
     def _artifacts(self) -> ArtifactStore:
         if self.store.artifacts is None:

@@ -3,21 +3,29 @@ operator deletes, are retired.
 
 A retired revision is never served again and leaves the catalog (`name@rev` is not found, the bare
 name never picks it), gets no grace period, and keeps its row: its label is never used again and
-the audit events name it. `gc` deletes its artifact once no other revision refers to the same
-bytes.
+the audit events name it. Once its retirement has committed, its artifact leaves the store (the
+local one, and the OCI repository it was pushed to) unless another revision, of any name, refers
+to the same bytes.
 """
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from loraplex.artifacts import ArtifactError, delete_pushed, is_oci_uri
 from loraplex.registry import queries as q
 from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, Revision, Rollout
-from loraplex.registry.errors import AdapterRejected, LifecycleError
+from loraplex.registry.errors import AdapterRejected, LifecycleError, RegistryError
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import AdapterRecord
 from loraplex.registry.store import Store
+
+log = logging.getLogger("loraplex.registry")
+_RETIRED = "retired_artifacts"  # session.info: digest -> storage URI of the revisions retired
 
 
 def check_keep(keep: int | None) -> None:
@@ -57,8 +65,61 @@ def held_revisions(session: Session, name: str) -> set[str]:
 
 
 def retire(store: Store, session: Session, row: Revision, action: str, reason: str) -> None:
+    """Retire `row` in the caller's write transaction; its artifact is released after the
+    commit (`release_artifacts`)."""
     row.status, row.status_reason = "retired", reason
     store.audit(session, action, f"{row.adapter_name}@{row.revision}", reason=reason)
+    retired = session.info.get(_RETIRED)
+    if retired is None:
+        retired = session.info[_RETIRED] = {}
+        store.after_commit(session, lambda: release_artifacts(store, retired))
+    retired[row.digest] = row.storage_uri
+
+
+def release_artifacts(store: Store, retired: dict[str, str]) -> list[str]:
+    """Delete the artifacts of retired revisions (digest -> storage URI) that no revision still
+    refers to, each with a `delete_artifact` audit event; returns the digests deleted.
+
+    In a write transaction of its own: a registration of the same bytes commits its row before
+    this reads the digests in use (and keeps them), or after the deletion, and then finds its
+    local copy gone and puts it back, pushing it again (`Registration.put_again`). The local copy
+    goes first, so that a pushed copy is never gone while the local one is there."""
+    deleted = []
+    try:
+        with store.write() as session:
+            in_use = set(
+                session.scalars(
+                    select(Revision.digest).where(
+                        Revision.digest.in_(list(retired)), Revision.status != "retired"
+                    )
+                )
+            )
+            for digest, uri in retired.items():
+                if digest not in in_use and _delete_artifact(store, session, digest, uri):
+                    deleted.append(digest)
+    except (RegistryError, SQLAlchemyError) as exc:  # the retirement stands; `gc` deletes them
+        log.warning("the artifacts of retired revisions were not deleted: %s", exc)
+        return []
+    return deleted
+
+
+def _delete_artifact(store: Store, session: Session, digest: str, uri: str) -> bool:
+    """Delete one artifact from the local store and the OCI repository `uri` names (if it does);
+    False, with the reason logged and audited, when the store refused."""
+    local = store.artifacts
+    try:
+        removed = local.remove(digest) if local is not None else False
+        pushed = delete_pushed(uri) if is_oci_uri(uri) else None
+    except (ArtifactError, OSError) as exc:
+        log.warning("%s: not deleted from the store: %s", digest, exc)
+        store.audit(session, "delete_artifact", digest, error=str(exc))
+        return False
+    store.audit(session, "delete_artifact", digest, local=removed, **_pushed(uri, pushed))
+    return True
+
+
+def _pushed(uri: str, deleted: bool | None) -> dict:
+    return {} if deleted is None else {"oci": uri, "oci_deleted": deleted}
 
 
 class Retention:

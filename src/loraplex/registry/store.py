@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sqlalchemy import select, update
@@ -19,6 +19,7 @@ from loraplex.registry.db import AuditEvent, ChangeCounter, utcnow
 from loraplex.registry.errors import LifecycleError, RegistryError
 
 _CHANGE_COUNT = select(ChangeCounter.value).where(ChangeCounter.id == 1)
+_AFTER_COMMIT = "after_commit"  # session.info: what runs once the transaction has committed
 
 
 def sqlite_file(url: str) -> Path | None:
@@ -126,7 +127,7 @@ class Store:
     @contextlib.contextmanager
     def write(self) -> Iterator[Session]:
         """One transaction; it first bumps the change count, which also makes writers wait one at a
-        time."""
+        time. What `after_commit` was given runs once it has committed."""
         self.check_ready()
         try:
             with Session(self._writer, expire_on_commit=False) as session, session.begin():
@@ -140,6 +141,14 @@ class Store:
             raise LifecycleError(
                 f"a concurrent change conflicted with this one; retry ({exc.orig})"
             ) from None
+        for action in session.info.get(_AFTER_COMMIT, ()):
+            action()
+
+    @staticmethod
+    def after_commit(session: Session, action: Callable[[], None]) -> None:
+        """Run `action` once the transaction of `session` (a `write`'s) has committed, outside
+        it; never when it rolls back."""
+        session.info.setdefault(_AFTER_COMMIT, []).append(action)
 
     def audit(self, session: Session, action: str, target: str, **detail) -> None:
         """Add the audit event of a change to the change's transaction."""

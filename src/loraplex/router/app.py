@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import random
@@ -33,6 +34,8 @@ from loraplex.settings.router import DEFAULTS as D
 
 log = logging.getLogger("loraplex.router")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+DECODED_HEADERS = HOP_HEADERS | {"content-encoding"}
+"""Headers that no longer hold for a body read (and decoded) whole."""
 
 
 TENANCY_REFUSALS = (401, 403, 404)
@@ -115,6 +118,8 @@ class RouterState:
     metrics: RouterMetrics
     proxy: httpx.AsyncClient
     queue: FairQueue[Pick | Refusal]
+    uploads: itertools.count = field(default_factory=itertools.count)
+    """Uploads taken: whose turn it is among equally busy workers (`cutover.upload_worker`)."""
 
     def admin_ok(self, request: Request) -> bool:
         token = self.config.admin_token
@@ -519,8 +524,9 @@ async def remove_worker(request: Request):
 
 
 async def upload(request: Request):
-    """An adapter upload (`POST /admin/adapters/{name}/upload`) streamed on to the first healthy
-    worker: the workers share the registry, so the revision it registers is the fleet's. The
+    """An adapter upload (`POST /admin/adapters/{name}/upload`) streamed on to a healthy worker of
+    the name's pools (`cutover.upload_worker`): the workers share the registry, so the revision it
+    registers is the fleet's. The
     caller's admin token goes with it (the workers' admin token). With `?wait=ready&timeout=S`,
     the answer waits for every worker of the revision's pools to hold it (`router/cutover.py`)."""
     state = _state(request)
@@ -530,8 +536,9 @@ async def upload(request: Request):
         wait_s = cutover.wait_of(dict(request.query_params))
     except ValueError as exc:
         return _error(400, str(exc), "invalid_value", param="wait")
-    healthy = [w.url for w in state.fleet.workers.values() if w.healthy]
-    if not healthy:
+    name = request.path_params["name"]
+    url = cutover.upload_worker(state.fleet, state.config.catalog, name, next(state.uploads))
+    if url is None:
         return _error(
             503,
             "no healthy worker to take the upload",
@@ -539,7 +546,6 @@ async def upload(request: Request):
             "server_error",
             {"Retry-After": "1"},
         )
-    url = healthy[0]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("wait", "timeout")]
     upstream = state.proxy.build_request(
@@ -547,22 +553,17 @@ async def upload(request: Request):
     )
     began = time.perf_counter()
     state.sent(url, None)
-    try:
-        response = await state.proxy.send(upstream, stream=True)
+    try:  # the answer is one record, read whole: the worker's count ends however the caller goes
+        response = await state.proxy.send(upstream)
     except httpx.HTTPError as exc:
-        state.done(url)
         log.warning("worker %s failed during an upload: %s", url, exc)
         return _error(502, f"worker failed: {type(exc).__name__}", "bad_gateway", "server_error")
-    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-    if wait_s is None or response.status_code != 200:
-        return StreamingResponse(
-            _relay(state, response, url), status_code=response.status_code, headers=out_headers
-        )
-    try:
-        record = json.loads(await response.aread())
     finally:
-        await response.aclose()
         state.done(url)
+    if wait_s is None or response.status_code != 200:
+        kept = {k: v for k, v in response.headers.items() if k.lower() not in DECODED_HEADERS}
+        return Response(response.content, status_code=response.status_code, headers=kept)
+    record = response.json()
     urls = cutover.pool_workers(state.fleet, record)
     token = state.config.admin_token or ""
     record["cutover"] = await cutover.wait_ready(state.proxy, urls, token, record, wait_s)

@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fleet import Fleet
 from loraplex.router.pools import Need, serves
 
@@ -18,6 +19,32 @@ DEFAULT_WAIT_S = 60.0
 MAX_WAIT_S = 3600.0
 WAIT_MARGIN_S = 5.0
 """How much longer than the workers' own wait the router waits for their answers."""
+
+
+def upload_worker(fleet: Fleet, catalog: AdapterCatalog | None, name: str, turn: int) -> str | None:
+    """The worker an upload of `name` goes to: a healthy one of the pools that serve the name's
+    revisions (any healthy one for a name the registry does not have yet), the least busy, and
+    in turn among the equally busy; None when no worker is healthy."""
+    healthy = [
+        w for w in fleet.workers.values() if w.healthy and not w.draining and w.problem is None
+    ]
+    need = _need_of_name(catalog, name)
+    fit = [w for w in healthy if serves(w.pool, w.reported, need)] or healthy
+    if not fit:
+        return None
+    least = min(w.in_flight for w in fit)
+    idle = [w for w in fit if w.in_flight == least]
+    return idle[turn % len(idle)].url
+
+
+def _need_of_name(catalog: AdapterCatalog | None, name: str) -> Need:
+    """What the serving revisions of `name` need of a worker (nothing: a name the registry does
+    not have, or no registry)."""
+    facts = catalog.revisions(name) if catalog is not None else []
+    digests = frozenset(f.base_model_digest for f in facts if f.base_model_digest)
+    if not digests:
+        return Need()
+    return Need(base_digests=digests, rank=max(f.rank for f in facts))
 
 
 def pool_workers(fleet: Fleet, record: dict) -> list[str]:

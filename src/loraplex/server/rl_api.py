@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from loraplex.server.server import Server
 
 PAUSE_MODES = ("keep", "wait")
+MAX_PAUSE_S = 86400.0
+"""The longest timeout a pause may set."""
 WAIT_POLL_S = 0.01
 """How often `/pause?mode=wait` looks whether the requests in flight have finished."""
 
@@ -39,11 +41,14 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-async def pause(request: Request, mode: str = "abort", clear_cache: bool = True) -> dict:
+async def pause(
+    request: Request, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None
+) -> dict:
     """`keep`: new requests wait from now on; `wait`: the same, answered once the requests in flight
     have finished. vLLM's default `abort` is refused: a request is never cut off for a new
     revision here. `clear_cache` is accepted and has no effect (the prefix cache is kept per
-    revision)."""
+    revision). `timeout`: seconds after which the worker resumes by itself if no `/resume` came
+    (none: it waits for the resume)."""
     if mode not in PAUSE_MODES:
         raise APIError(
             400,
@@ -52,8 +57,15 @@ async def pause(request: Request, mode: str = "abort", clear_cache: bool = True)
             "invalid_value",
             "mode",
         )
+    if timeout is not None and not 0 < timeout <= MAX_PAUSE_S:
+        raise APIError(
+            400,
+            f"timeout={timeout}: give seconds, more than 0 and at most {MAX_PAUSE_S:g}",
+            "invalid_value",
+            "timeout",
+        )
     server = _server(request)
-    server.pause.pause()
+    server.pause.pause(timeout)
     while mode == "wait" and server.admission.num_in_flight and server.pause.is_paused:
         await asyncio.sleep(WAIT_POLL_S)
     return {"status": "paused"}
