@@ -131,3 +131,41 @@ def test_no_credentials_at_all_is_one_line(s3, stored, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for
     with pytest.raises(ArtifactUnavailable, match="Unable to locate credentials: check the AWS"):
         push_s3(Path(store.path(digest)), digest, BASE)
+
+
+def test_a_retired_revisions_objects_leave_the_bucket_and_come_back_when_registered_again(
+    s3, adapter_v1, llama_dir, tmp_path, monkeypatch
+):
+    """A name keeping 1 revision on an S3 storage base: the retired revision's objects are deleted
+    with its local copy, audited; its bytes registered again are uploaded again, to the same URI."""
+    from tinymodels import make_adapter
+
+    from loraplex.registry import Registry
+
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    base = f"s3://{BUCKET}/retired"
+    v2 = make_adapter(llama_dir, tmp_path / "v2", seed=2, r=4, target_modules=["q_proj"])
+    reg = Registry(
+        f"sqlite:///{tmp_path / 'registry.db'}",
+        ArtifactStore(tmp_path / "store"),
+        base_model_dir=llama_dir,
+        storage_base=base,
+    )
+    client = s3.client()
+    try:
+        reg.init()
+        first = reg.add_revision(adapter_v1, "policy", status="stable", keep=1)
+        first_keys = _keys(client, f"retired/{first.digest.removeprefix('sha256:')}/")
+        assert len(first_keys) == 3
+        second = reg.add_revision(v2, "policy", status="stable")
+        assert _keys(client, f"retired/{first.digest.removeprefix('sha256:')}/") == []
+        assert len(_keys(client, f"retired/{second.digest.removeprefix('sha256:')}/")) == 3
+        assert not reg.store.has(first.digest)
+        [event] = [e for e in reg.audit_events(50) if e.action == "delete_artifact"]
+        assert event.detail == {"local": True, "s3": first.storage_uri, "s3_deleted": True}
+        again = reg.add_revision(adapter_v1, "other", status="stable")
+        assert again.storage_uri == first.storage_uri
+        assert _keys(client, f"retired/{first.digest.removeprefix('sha256:')}/") == first_keys
+    finally:
+        reg.close()

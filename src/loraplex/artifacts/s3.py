@@ -111,3 +111,19 @@ def push_s3(
     except Exception as exc:  # botocore raises many unrelated types; each is one line here
         raise s3_error(entry.uri(), exc) from None
     return entry.uri()
+
+
+def delete_s3(uri: str, client=None, timeout_s: float = 30.0) -> bool:
+    """Delete the entry a storage URI (`s3://BUCKET/PREFIX/<hex>`) names, its `index.json` first
+    (a reader that finds the index finds every file); False when the bucket had none of it."""
+    entry = S3Location.parse(uri)
+    client = s3_client(timeout_s) if client is None else client
+    try:
+        listed = client.list_objects_v2(Bucket=entry.bucket, Prefix=entry.key(""))
+        keys = [o["Key"] for o in listed.get("Contents", [])]
+        index = entry.key(INDEX_FILE)
+        for key in sorted(keys, key=lambda k: k != index):
+            client.delete_object(Bucket=entry.bucket, Key=key)
+    except Exception as exc:  # botocore raises many unrelated types; each is one line here
+        raise s3_error(uri, exc) from None
+    return bool(keys)

@@ -366,8 +366,8 @@ class Registration:
                 raise AdapterRejected(
                     "digest", f"the files in {stored.src} changed while they were being registered"
                 )
-        if is_oci_uri(stored.storage_uri):
-            self.publish(stored.digest)  # the same manifest, so the same storage URI
+        if is_oci_uri(stored.storage_uri) or is_s3_uri(stored.storage_uri):
+            self.publish(stored.digest)  # the same manifest or key, so the same storage URI
 
     def _artifacts(self) -> ArtifactStore:
         if self.store.artifacts is None:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from loraplex.artifacts import ArtifactError, delete_pushed, is_oci_uri
+from loraplex.artifacts.s3 import delete_s3, is_s3_uri
 from loraplex.registry import queries as q
 from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, Revision, Rollout
 from loraplex.registry.errors import AdapterRejected, LifecycleError, RegistryError
@@ -104,12 +105,15 @@ def release_artifacts(store: Store, retired: dict[str, str]) -> list[str]:
 
 
 def _delete_artifact(store: Store, session: Session, digest: str, uri: str) -> bool:
-    """Delete one artifact from the local store and the OCI repository `uri` names (if it does);
+    """Delete one artifact from the local store and the OCI repository or S3 bucket `uri` names
+    (if it does);
     False, with the reason logged and audited, when the store refused."""
     local = store.artifacts
     try:
         removed = local.remove(digest) if local is not None else False
-        pushed = delete_pushed(uri) if is_oci_uri(uri) else None
+        pushed = (
+            delete_pushed(uri) if is_oci_uri(uri) else delete_s3(uri) if is_s3_uri(uri) else None
+        )
     except (ArtifactError, OSError) as exc:
         log.warning("%s: not deleted from the store: %s", digest, exc)
         store.audit(session, "delete_artifact", digest, error=str(exc))
@@ -119,7 +123,10 @@ def _delete_artifact(store: Store, session: Session, digest: str, uri: str) -> b
 
 
 def _pushed(uri: str, deleted: bool | None) -> dict:
-    return {} if deleted is None else {"oci": uri, "oci_deleted": deleted}
+    if deleted is None:
+        return {}
+    scheme = "s3" if is_s3_uri(uri) else "oci"
+    return {scheme: uri, f"{scheme}_deleted": deleted}
 
 
 class Retention:
