@@ -145,6 +145,11 @@ CASES = [
     ),
     Case(
         "llama",
+        "torchtune-dora",
+        converted(torchtune, r=4, lora_alpha=8, use_dora=True, target_modules=ALL),
+    ),
+    Case(
+        "llama",
         "lora-bias",
         peft(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True),
         refused="lora_bias: LoRA with a bias on B (lora_bias) is not supported",
