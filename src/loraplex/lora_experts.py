@@ -51,15 +51,23 @@ def check_target_parameters(config: dict, model: ModelConfig) -> None:
             f"LoRA on parameters is supported on the experts of a mixture-of-experts base only; "
             f"{model.architecture} has none",
         )
-    allowed = {f"mlp.experts.{p}" for p in EXPERT_PARAMETERS}
-    if not isinstance(targets, list) or any(
-        not isinstance(t, str) or not any(t == a or t.endswith(f".{a}") for a in allowed)
-        for t in targets
+    if not isinstance(targets, list) or not all(
+        isinstance(t, str) and _names_experts(t) for t in targets
     ):
         raise AdapterRejected(
             "target_parameters",
-            f"{targets!r} is not supported; only {', '.join(sorted(allowed))}",
+            f"{targets!r} is not supported; only the experts' "
+            f"{' and '.join(f'mlp.experts.{p}' for p in EXPERT_PARAMETERS)}",
         )
+
+
+def _names_experts(target: str) -> bool:
+    """Whether a target names an expert weight by PEFT's rule: the parameter's path is the target
+    or ends with "." + it."""
+    if re.fullmatch(rf"model\.layers\.\d+\.mlp\.experts\.({'|'.join(EXPERT_PARAMETERS)})", target):
+        return True
+    paths = [f"model.layers.0.mlp.experts.{p}" for p in EXPERT_PARAMETERS]
+    return any(p.endswith(f".{target}") for p in paths)
 
 
 def read_experts(

@@ -332,7 +332,7 @@ def worlds(tmp_path_factory):
         world.close()
 
 
-def test_the_zoo_covers_twenty_adapters_on_five_architectures():
+def test_the_zoo_covers_twenty_adapters_on_six_architectures():
     assert len(CASES) >= 20
     assert {c.arch for c in CASES} >= {"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe"}
 

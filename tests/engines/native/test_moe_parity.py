@@ -154,6 +154,13 @@ def test_expert_loras_that_do_not_fit_are_refused_in_one_line(world, tmp_path):
             read_adapter(path, config, 2 if name == "rank" else 8)
         line = str(refused.value)
         assert line.startswith(f"{name}: ") and expected in line and "\n" not in line, line
+    attention = _resaved(src, tmp_path / "attn", target_parameters=["self_attn.q_proj.weight"])
+    with pytest.raises(AdapterRejected) as refused:
+        read_adapter(attention, config, 8)
+    assert str(refused.value) == (
+        "target_parameters: ['self_attn.q_proj.weight'] is not supported; only the experts' "
+        "mlp.experts.gate_up_proj and mlp.experts.down_proj"
+    )
 
 
 def test_the_vllm_engine_refuses_expert_lora_where_its_kernels_lack_it(world):
