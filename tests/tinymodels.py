@@ -56,6 +56,14 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **common),
         "mistral": lambda: transformers.MistralConfig(**{"sliding_window": 8, **common}),
         "phi3": lambda: transformers.Phi3Config(pad_token_id=0, **common),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **common,
+        ),
     }[kind]()
     torch.manual_seed(0)
     model = {
@@ -64,11 +72,14 @@ def make_model(out: Path, kind: str = "llama", **overrides) -> Path:
         "qwen3": transformers.Qwen3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[kind](config)
     with torch.no_grad():  # make biases and norms non-trivial so they are really checked
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a router that picks its experts clearly
+                p.normal_(std=0.5)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     save_tokenizer(out)

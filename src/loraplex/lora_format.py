@@ -19,6 +19,13 @@ from loraplex.lora_common import (
     is_number,
     rank_and_scaling,
 )
+from loraplex.lora_experts import (
+    ExpertLora,
+    check_target_parameters,
+    expert_elements,
+    is_expert_key,
+    read_experts,
+)
 from loraplex.lora_variants import Variants, check_variant_config, is_variant_key, read_variants
 from loraplex.model_config import ModelConfig
 
@@ -65,6 +72,8 @@ class AdapterSpec:
     variants'): times the serving dtype's size, the host copy."""
     variants: Variants = field(default_factory=Variants)
     """LoRA on lm_head and embed_tokens, full weights, trainable tokens."""
+    experts: tuple[ExpertLora, ...] = ()
+    """LoRA on a mixture-of-experts base's 3-D expert weights (`target_parameters`)."""
     # the weights file's layout when validated from its bytes (pack_adapter then need not read the
     # header again)
     layout: SafetensorsLayout | None = field(default=None, compare=False, repr=False)
@@ -203,7 +212,6 @@ _VARIANTS = {
     "use_bdlora": "block-diagonal LoRA is not supported",
     "arrow_config": "Arrow (routing among several LoRAs) is not supported",
     "kasa_config": "KaSA is not supported",
-    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
     "lora_bias": "LoRA with a bias on B (lora_bias) is not supported",
 }
 
@@ -287,10 +295,14 @@ def _adapter_spec(
     adapter_dir: Path | None,
 ) -> AdapterSpec:
     _check_config(config)
+    check_target_parameters(config, model)
     header = layout.tensors
     pairs, others, dtypes, actual = _lora_pairs(header, model)
+    expert_keys = [key for key in others if is_expert_key(key)]
+    others = [key for key in others if not is_expert_key(key)]
     variants = read_variants(config, header, others, model, max_rank)
-    if not pairs and variants.empty:
+    experts = read_experts(config, header, expert_keys, model, max_rank) if expert_keys else ()
+    if not pairs and variants.empty and not experts:
         raise AdapterRejected("weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
     check_tiling(layout, WEIGHTS_FILE)
     modules = [
@@ -298,6 +310,8 @@ def _adapter_spec(
         for (layer, module), sides in sorted(pairs.items())
     ]
     estimated, elements = variants.estimated_bytes, variants.elements
+    expert_numbers, expert_bytes = expert_elements(header, experts)
+    estimated, elements = estimated + expert_bytes, elements + expert_numbers
     for m in modules:
         # A [r, d_in], B [d_out, r] and DoRA's magnitude [d_out], each in its own dtype (a file
         # may store them in several)
@@ -307,6 +321,7 @@ def _adapter_spec(
                 estimated += numel * DTYPE_BYTES[header[key]["dtype"]]
                 elements += numel
     ranks = [m.rank for m in modules] + [h.rank for h in variants.head_loras]
+    ranks += [e.rank for e in experts]
     return AdapterSpec(
         path=adapter_dir,
         rank=max(ranks, default=0),
@@ -323,6 +338,7 @@ def _adapter_spec(
         actual_bytes=actual,
         elements=elements,
         variants=variants,
+        experts=experts,
         layout=layout if adapter_dir is None else None,
     )
 
@@ -331,8 +347,8 @@ def _lora_pairs(
     header: dict, model: ModelConfig
 ) -> tuple[dict[tuple[int, str], dict[str, str]], list[str], set[str], int]:
     """The decoder tensors by (layer, module) and side (A, B, magnitude), the keys of the variants'
-    tensors (`lora_variants`), the dtypes and the bytes of all; AdapterRejected for a tensor that
-    is neither."""
+    and the experts' tensors (`lora_variants`, `lora_experts`), the dtypes and the bytes of all;
+    AdapterRejected for a tensor that is none of these."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     others = []
     dtypes = set()
@@ -344,7 +360,7 @@ def _lora_pairs(
             )
         dtypes.add(info["dtype"])
         actual += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
-        if is_variant_key(key):
+        if is_variant_key(key) or is_expert_key(key):
             others.append(key)
             continue
         match = _KEY.fullmatch(key)
@@ -352,8 +368,8 @@ def _lora_pairs(
             raise AdapterRejected(
                 "weights",
                 f"{key} is an unexpected tensor; LoRA A/B (and DoRA magnitudes) of decoder linear "
-                "layers, lm_head and embed_tokens, full lm_head and embed_tokens weights and "
-                "trainable tokens are supported",
+                "layers, lm_head and embed_tokens, LoRA on MoE experts, full lm_head and "
+                "embed_tokens weights and trainable tokens are supported",
             )
         layer, module, side = int(match[1]), match[3], match[4] or "M"
         if module not in model.linear_modules:

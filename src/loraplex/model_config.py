@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # LoRA-targetable linear layers of one decoder layer of a split base (Llama's), by the names PEFT
@@ -32,6 +33,39 @@ _FUSED_BASES = ("phi3",)
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served; the message names what is missing or unsupported."""
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts block (Qwen3-MoE's): a router picks `top_k` of `num_experts` experts
+    per token, each a gated MLP whose weights are stacked into 3-D tensors (HF's
+    `gate_up_proj` [experts, 2 * intermediate, hidden] and `down_proj` [experts, hidden,
+    intermediate])."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> MoeShape:
+        if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+            raise ModelConfigError(
+                "unsupported mlp_only_layers / decoder_sparse_step: dense layers between the "
+                "mixture-of-experts layers are not supported"
+            )
+        return cls(
+            num_experts=raw.get("num_experts") or raw["num_local_experts"],
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw["moe_intermediate_size"],
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        )
+
+    def expert_shape(self, hidden_size: int, parameter: str) -> tuple[int, int]:
+        """(d_in, d_out) of one expert's `gate_up_proj` or `down_proj`."""
+        if parameter == "gate_up_proj":
+            return hidden_size, 2 * self.intermediate_size
+        return self.intermediate_size, hidden_size
 
 
 @dataclass(frozen=True)
@@ -56,6 +90,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    experts: MoeShape | None = None
+    """The mixture-of-experts block every decoder layer has in place of the MLP (None: a dense
+    MLP)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -115,13 +152,14 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             sliding_windows=_sliding_windows(raw, model_type),
             eos_token_ids=_as_ids(generation.get("eos_token_id", raw.get("eos_token_id"))),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            experts=MoeShape.from_dict(raw) if model_type == "qwen3_moe" else None,
         )
 
     @property
@@ -133,6 +171,8 @@ class ModelConfig:
     @property
     def linear_modules(self) -> tuple[str, ...]:
         """The LoRA-targetable linear modules a decoder layer of this base has."""
+        if self.experts is not None:  # its MLP's weights are the experts' 3-D ones
+            return LINEAR_MODULES[:4]
         if self.fused:
             return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         return LINEAR_MODULES

@@ -106,28 +106,35 @@ TORCHTUNE_MODULES = {
 
 
 def to_torchtune(peft_dir: Path, out: Path, heads: int, kv_heads: int, meta_rope: bool) -> Path:
-    """The PEFT adapter as torchtune's recipes save it (its state dict names; q's and k's B rows in
-    Meta's rotary order for a Llama, the inverse of `_permute_lora_matrix` in
-    torchtune/models/convert_weights.py), re-saved as safetensors, with the adapter config the
-    recipe writes (`r`, `lora_alpha`, torchtune's `target_modules`, `peft_type`)."""
+    """The PEFT adapter as torchtune's recipes save it (its state dict names, DoRA's magnitudes as
+    `….magnitude`; q's and k's B rows and magnitudes in Meta's rotary order for a Llama, the
+    inverse of `_permute_lora_matrix` in torchtune/models/convert_weights.py), re-saved as
+    safetensors, with the adapter config the recipe writes (`r`, `lora_alpha`, torchtune's
+    `target_modules`, `peft_type`; no `use_dora`)."""
     config = json.loads((peft_dir / CONFIG_FILE).read_text())
     tensors = {}
     for key, t in load_file(peft_dir / WEIGHTS_FILE).items():
         if ".base_layer." in key:  # PEFT's copy of the base's lm_head: torchtune saves none
             continue
         name = (
-            key.removeprefix(PREFIX).replace(".lora_A.", ".lora_a.").replace(".lora_B.", ".lora_b.")
+            key.removeprefix(PREFIX)
+            .replace(".lora_A.", ".lora_a.")
+            .replace(".lora_B.", ".lora_b.")
+            .replace(".lora_magnitude_vector", ".magnitude")  # DoRALinear's parameter
         )
         if name.startswith("lm_head."):
             name = name.replace("lm_head.", "output.")
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, side = rest.rsplit(".", 2)[0], rest.split(".", 2)[2]
+            block, proj, side = rest.split(".", 2)  # side: lora_a.weight, …, magnitude
+            module = f"{block}.{proj}"
             name = f"layers.{layer}.{TORCHTUNE_MODULES[module]}.{side}"
             n = heads if module.endswith("q_proj") else kv_heads
             if meta_rope and side.startswith("lora_b") and module[-6:] in ("q_proj", "k_proj"):
                 rank = t.shape[1]
                 t = t.view(n, 2, t.shape[0] // n // 2, rank).transpose(1, 2).reshape(-1, rank)
+            if meta_rope and side == "magnitude" and module[-6:] in ("q_proj", "k_proj"):
+                t = t.view(n, 2, t.shape[0] // n // 2).transpose(1, 2).reshape(-1)
         tensors[name] = t.contiguous()
     out.mkdir(parents=True)
     save_file(tensors, out / WEIGHTS_FILE)

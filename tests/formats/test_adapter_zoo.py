@@ -1,6 +1,7 @@
 """The adapter zoo: adapters as trainers make them (PEFT's variants, MLX-LM, torchtune, NeMo,
 Unsloth, Axolotl, fused and split projections, lm_head and embedding LoRA, trainable tokens,
-modules_to_save, DoRA) on five architectures, each registered as a user would. Every case is
+modules_to_save, DoRA, LoRA on mixture-of-experts experts) on six architectures, each registered as
+a user would. Every case is
 either served on the native engine with HF transformers + PEFT's greedy tokens and logprobs, or
 refused at registration in one line naming what is not supported. Nothing is served wrong."""
 
@@ -28,6 +29,7 @@ from loraplex.registry import Registry
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 5]]
 NEW_TOKENS = 6
 
@@ -143,6 +145,11 @@ CASES = [
     ),
     Case(
         "llama",
+        "torchtune-dora",
+        converted(torchtune, r=4, lora_alpha=8, use_dora=True, target_modules=ALL),
+    ),
+    Case(
+        "llama",
         "lora-bias",
         peft(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True),
         refused="lora_bias: LoRA with a bias on B (lora_bias) is not supported",
@@ -221,6 +228,40 @@ CASES = [
         converted(torchtune, on_twin=True, r=4, lora_alpha=8, target_modules=ALL),
     ),
     Case("phi3", "lm-head", peft(r=4, lora_alpha=8, target_modules=["gate_up_proj", "lm_head"])),
+    Case(
+        "llama",
+        "target-parameters-dense",
+        peft(
+            r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.up_proj.weight"]
+        ),
+        refused="target_parameters: LoRA on parameters is supported on the experts of a "
+        "mixture-of-experts base only; LlamaForCausalLM has none",
+    ),
+    # Qwen3-MoE: LoRA on the 3-D expert weights as PEFT writes it (`target_parameters`)
+    Case(
+        "qwen3_moe",
+        "experts-and-attention",
+        peft(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+    ),
+    Case(
+        "qwen3_moe",
+        "experts-patterns-rslora",
+        peft(
+            r=8,
+            lora_alpha=8,
+            use_rslora=True,
+            target_modules=["o_proj"],
+            target_parameters=EXPERTS,
+            rank_pattern={"gate_up_proj": 4},
+            alpha_pattern={"down_proj": 3},
+        ),
+    ),
+    Case(
+        "qwen3_moe",
+        "down-experts-only",
+        peft(r=4, lora_alpha=16, target_parameters=["mlp.experts.down_proj"]),
+    ),
+    Case("qwen3_moe", "attention", peft(r=8, lora_alpha=16, target_modules=ALL[:4])),
 ]
 
 
@@ -291,9 +332,9 @@ def worlds(tmp_path_factory):
         world.close()
 
 
-def test_the_zoo_covers_twenty_adapters_on_five_architectures():
+def test_the_zoo_covers_twenty_adapters_on_six_architectures():
     assert len(CASES) >= 20
-    assert {c.arch for c in CASES} >= {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+    assert {c.arch for c in CASES} >= {"llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe"}
 
 
 @torch.no_grad()
@@ -327,44 +368,3 @@ def test_each_adapter_is_served_as_its_trainer_serves_it_or_refused_in_one_line(
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
         assert (expected - base).abs().max() > 1e-2, "the adapter changes the output"
         assert world.engine.generate([prompt], params, [ref])[0] == greedy
-
-
-def test_a_mixture_of_experts_base_with_expert_lora_is_refused_in_one_line(tmp_path):
-    """Qwen3-MoE with LoRA on its 3-D expert weights, as PEFT writes it (`target_parameters`):
-    no served engine of ours runs the architecture, so registration refuses it."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    config = transformers.Qwen3MoeConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=512,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
-    lora = LoraConfig(
-        r=4,
-        target_modules=["q_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-        init_lora_weights=False,
-    )
-    get_peft_model(model, lora).save_pretrained(tmp_path / "experts")
-    registry = Registry(
-        f"sqlite:///{tmp_path}/registry.db",
-        ArtifactStore(tmp_path / "store"),
-        base_model_dir=tmp_path / "moe",
-    )
-    registry.init()
-    with pytest.raises(AdapterRejected) as refused:
-        registry.add_revision(tmp_path / "experts", "experts")
-    registry.close()
-    line = str(refused.value)
-    assert "unsupported architecture Qwen3MoeForCausalLM" in line and "\n" not in line

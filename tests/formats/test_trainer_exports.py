@@ -58,10 +58,20 @@ def world(request, tmp_path_factory):
         model_dir, root / "peft" / "every", seed=3, r=4, lora_alpha=12, target_modules=ALL_LINEAR
     )
     fusable = shared_a(every, root / "peft" / "fusable", GROUPS)
+    dora = make_adapter(
+        model_dir,
+        root / "peft" / "dora",
+        seed=4,
+        r=4,
+        lora_alpha=8,
+        use_dora=True,
+        target_modules=ALL_LINEAR,
+    )
     meta = kind == "llama"
     exports = {
         "torchtune": (to_torchtune(plain, root / "tt", heads, kv, meta), plain),
         "torchtune-lm-head": (to_torchtune(head, root / "tt-head", heads, kv, meta), head),
+        "torchtune-dora": (to_torchtune(dora, root / "tt-dora", heads, kv, meta), dora),
         "nemo": (to_nemo(fusable, root / "nemo", heads, kv, fused=True), fusable),
         "nemo-canonical": (to_nemo(every, root / "nemo-c", heads, kv, fused=False), every),
     }
@@ -85,7 +95,9 @@ def world(request, tmp_path_factory):
     registry.close()
 
 
-@pytest.mark.parametrize("name", ["torchtune", "torchtune-lm-head", "nemo", "nemo-canonical"])
+@pytest.mark.parametrize(
+    "name", ["torchtune", "torchtune-lm-head", "torchtune-dora", "nemo", "nemo-canonical"]
+)
 def test_an_export_is_served_as_peft_serves_the_adapter_it_was_written_from(world, name):
     registry, engine, sources, _ = world
     src, reference = sources[name]
@@ -107,6 +119,7 @@ def test_an_export_is_served_as_peft_serves_the_adapter_it_was_written_from(worl
     "name, source_format, change",
     [
         ("torchtune", "torchtune", "keys: torchtune names"),
+        ("torchtune-dora", "torchtune", "DoRA: 14 magnitudes (torchtune's `magnitude`)"),
         ("nemo", "nemo", "keys: NeMo names"),
         ("nemo", "nemo", "config: peft.lora_tuning adapter_dim 4, alpha 12"),
         ("nemo", "nemo", "qkv_proj split into q_proj, k_proj, v_proj"),
@@ -129,6 +142,12 @@ def test_rotary_rows_are_reordered_for_a_llama_only(world, tmp_path):
         if config.model_type == "llama"
         else []
     )
+    dora = sources["torchtune-dora"][0]
+    changes = import_adapter(dora, config, tmp_path / "dora").record.changes
+    assert (
+        "weights: rows of 4 q_proj and k_proj DoRA magnitudes from Meta's rotary order to HF's"
+        in changes
+    ) == (config.model_type == "llama")
 
 
 def test_nemo_query_groups_that_are_not_the_base_s_are_refused(world, tmp_path):

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from loraplex.engines.native.model import CausalLM, pack_for_cpu, rope_inv_freq
+from loraplex.engines.native.moe import stack_expert_weights
 from loraplex.model_config import ModelConfig, ModelConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +62,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 state[key] = f.get_tensor(key)
+    stack_expert_weights(state, cfg)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     expected = {k for k in model.state_dict()}

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from loraplex.engines.native.moe import ExpertSlots
 from loraplex.engines.native.variants import EMPTY_SLOT, DoraScales, SlotHeads, head_tensors
 from loraplex.lora_format import DTYPE_BYTES, AdapterSpec, parse_safetensors_header
 from loraplex.model_config import ALL_LINEAR_MODULES, ModelConfig
@@ -75,8 +76,10 @@ def lora_pairs(spec: AdapterSpec) -> list[LoraPair]:
 
 
 def plain_keys(spec: AdapterSpec) -> list[str]:
-    """The tensors used as stored: DoRA's magnitudes, full weights, trainable tokens."""
+    """The tensors used as stored: DoRA's magnitudes, full weights, trainable tokens, expert
+    LoRAs (scaled when a slot takes them)."""
     keys = [m.key_magnitude for m in spec.modules if m.key_magnitude is not None]
+    keys += [key for e in spec.experts for key in (e.key_a, e.key_b)]
     return (
         keys
         + [f.key for f in spec.variants.full]
@@ -259,6 +262,7 @@ class LoRASlotPool:
             self.bt.append(row_bt)
         self.module_ranks: list[tuple[int, ...]] = [(0,) * len(ALL_LINEAR_MODULES)] * max_loras
         self.heads = SlotHeads(max_loras)
+        self.experts = ExpertSlots(max_loras)
         self.dora = DoraScales(model, max_loras, dtype, device)
         # On the host, slot writes go through numpy views of the same memory (bit patterns: numpy
         # has no bfloat16): a small adapter is a hundred or so copies, and numpy's calls cost a
@@ -292,12 +296,14 @@ class LoRASlotPool:
             )
         self.module_ranks[slot] = packed.module_ranks
         self.heads.slots[slot] = head_tensors(packed, self.model, self.buffer.device)
+        self.experts.set_slot(slot, packed, self.model, self.buffer.device)
         self.dora.set_slot(slot, packed, self.a, self.bt)
 
     def clear_slot(self, slot: int) -> None:
         self._zero_rows(slot, {})
         self.module_ranks[slot] = (0,) * len(ALL_LINEAR_MODULES)
         self.heads.slots[slot] = None
+        self.experts.clear_slot(slot)
         self.dora.clear_slot(slot)
 
     def _zero_rows(self, slot: int, kept: dict[tuple[int, int], int]) -> None:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and Phi-3 with its fused projections) over
-flattened tokens, a paged KV cache and LoRA slots."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3 with its fused projections, and
+Qwen3-MoE with its experts, `moe`) over flattened tokens, a paged KV cache and LoRA slots."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.engines.native.lora import MODULE_INDEX, LoraGroups, LoRASlotPool, add_lora
+from loraplex.engines.native.moe import ExpertSlots, SparseMoeBlock
 from loraplex.engines.native.variants import SlotHeads
 from loraplex.model_config import ModelConfig
 
@@ -336,23 +337,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None):
+    def __init__(self, cfg: ModelConfig, window: int | None, index: int):
         super().__init__()
         self.self_attn = Attention(cfg, window)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.experts is None else SparseMoeBlock(cfg, index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn, kv, lora):
+    def forward(self, x, cos, sin, attn, kv, lora, experts=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        if experts is None:
+            return x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora, experts)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
+        windows = enumerate(cfg.sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, i) for i, w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -366,6 +370,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.heads: SlotHeads | None = None
+        self.experts: ExpertSlots | None = None  # a mixture-of-experts base's
 
     def attach_lora(self, pool: LoRASlotPool) -> None:
         for layer_index, layer in enumerate(self.model.layers):
@@ -374,6 +379,8 @@ class CausalLM(nn.Module):
                 proj.lora_bt = pool.bt[layer_index][proj.index]
                 proj.dora_scale = pool.dora.scales[layer_index][proj.index]
         self.heads = pool.heads
+        if self.config.experts is not None:
+            self.experts = pool.experts
         pool.dora.norm_of = self._dora_norm
 
     def _dora_norm(self, layer: int, index: int, a: torch.Tensor, bt: torch.Tensor):
@@ -396,8 +403,11 @@ class CausalLM(nn.Module):
         freqs = attn.positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        experts = None
+        if self.experts is not None and lora is not None:
+            experts = self.experts.step(token_slots, x.device)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, attn, kv, lora)
+            x = layer(x, cos, sin, attn, kv, lora, experts)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:

