@@ -2,11 +2,13 @@
 EPP's default scorer profile, over 64 workers and 100,000 adapters, Zipf and diurnal traffic.
 
     python bench/placement_sim.py [--workers 64] [--num-adapters 100000] [--rate 320]
-        [--duration-s 40] [--counts 16,32,48,64] [--json bench/results/placement_sim.json]
+        [--duration-s 40] [--counts 16,32,48,64] [--beyond 128]
+        [--json bench/results/placement_sim.json]
 
 For each traffic and routing (`simulate --routing`), the fewest workers of `--counts` (searched by
-bisection, from the largest) that hold the hot traffic's TTFT p99 within 2× the warm TTFT, then at
-that size the cold starts per second and the controller's moves per hour.
+bisection, from the largest; a routing that fails there is tried at the `--beyond` sizes) that
+hold the hot traffic's TTFT p99 within 2× the warm TTFT, then at that size the cold starts per
+second and the controller's moves per hour.
 
 - The hot traffic: the requests of the core adapters, those with at least `--hot-rps` requests per
   second over the trace (2.5× the controller's threshold for placing one), the same set for
@@ -118,7 +120,12 @@ def fewest(trace, routing, hot, bar_s, args, console, runs) -> tuple[int | None,
 
     lo, hi = 0, len(counts) - 1
     if not passes(hi):
-        return None, list(runs.values())
+        for n in sorted(args.beyond):  # larger fleets, only for a routing that fails at the top
+            runs[n] = run(trace, routing, n, hot, args)
+            console.log(runs[n])
+            if runs[n]["hot_ttft_p99_s"] <= bar_s:
+                return n, [runs[k] for k in sorted(runs)]
+        return None, [runs[k] for k in sorted(runs)]
     while lo < hi:
         mid = (lo + hi) // 2
         if passes(mid):
@@ -178,11 +185,12 @@ def table(results: list[dict], args) -> Table:
         epp = res["routings"]["epp"]["fewest_workers"]
         for routing, row in res["routings"].items():
             n, at = row["fewest_workers"], row["at"]
-            ratio = f"{n / epp:.2f}" if n and epp else "-"
+            top = max(args.counts + args.beyond)
+            ratio = f"{n / epp:.2f}" if n and epp else (f"<{n / top:.2f}" if n else "-")
             t.add_row(
                 res["traffic"],
                 routing,
-                str(n) if n else f">{max(args.counts)}",
+                str(n) if n else f">{max(args.counts + args.beyond)}",
                 ratio,
                 f"{1000 * at['hot_ttft_p99_s']:.0f} ms",
                 f"{100 * at['hot_cold_share']:.1f}%",
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=320.0)
     parser.add_argument("--duration-s", type=float, default=40.0)
     parser.add_argument("--counts", default="16,32,48,64")
+    parser.add_argument("--beyond", default="128")
     parser.add_argument("--traffic", default="zipf,diurnal")
     parser.add_argument("--hot-rps", type=float, default=0.25)
     parser.add_argument("--place-rps", type=float, default=0.1)
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench/results/placement_sim.json")
     args = parser.parse_args(argv)
     args.counts = sorted({*map(int, args.counts.split(",")), args.workers})
+    args.beyond = [int(n) for n in args.beyond.split(",") if n]
     console = Console(width=180)
     started = time.perf_counter()
     results = [traffic_rows(t, args, console) for t in args.traffic.split(",")]
