@@ -11,8 +11,8 @@ hold the hot traffic's TTFT p99 within 2× the warm TTFT, then at that size the 
 second and the controller's moves per hour.
 
 - The hot traffic: the requests of the core adapters, those with at least `--hot-rps` requests per
-  second over the trace (2.5× the controller's threshold for placing one), the same set for
-  every routing and size. The long
+  second over the trace (the controller places from `--place-rps`), the same set for every routing
+  and size. The long
   tail of 100,000 adapters is cold under any routing (most of its adapters are asked for once), so
   no fleet holds the p99 of all requests near warm; that p99 is reported beside it.
 - Warm TTFT: the TTFT p99 of the requests that found their adapter in a GPU slot, in today's
@@ -212,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beyond", default="128")
     parser.add_argument("--traffic", default="zipf,diurnal")
     parser.add_argument("--hot-rps", type=float, default=0.25)
-    parser.add_argument("--place-rps", type=float, default=0.1)
-    parser.add_argument("--interval-s", type=float, default=5.0)
+    parser.add_argument("--place-rps", type=float, default=0.15)
+    parser.add_argument("--interval-s", type=float, default=2.5)
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--max-moves-per-hour", type=int, default=36_000)
-    parser.add_argument("--min-dwell-s", type=float, default=10.0)
+    parser.add_argument("--min-dwell-s", type=float, default=20.0)
     parser.add_argument("--json", default="bench/results/placement_sim.json")
     args = parser.parse_args(argv)
     args.counts = sorted({*map(int, args.counts.split(",")), args.workers})

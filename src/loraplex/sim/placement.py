@@ -136,8 +136,8 @@ class Controller:
         total: Counter = Counter()
         for bucket in self.buckets[worker]:
             total.update(bucket)
-        span = min(self.config.window_s, max(self.sim.now, self.config.interval_s))
-        return {m: count / span for m, count in total.items()}
+        # over the whole window from the start too: a first request is no rate
+        return {m: count / self.config.window_s for m, count in total.items()}
 
     def view(self, i: int) -> PlacedWorker:
         c = self.sim.config
