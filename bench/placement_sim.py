@@ -2,8 +2,8 @@
 EPP's default scorer profile, over 64 workers and 100,000 adapters, Zipf and diurnal traffic.
 
     python bench/placement_sim.py [--workers 64] [--num-adapters 100000] [--rate 320]
-        [--duration-s 40] [--counts 16,32,48,64] [--beyond 128]
-        [--json bench/results/placement_sim.json]
+        [--duration-s 40] [--counts 16,32,48,64] [--beyond 128] [--traffic zipf,diurnal]
+        [--routings router,controller,epp] [--json bench/results/placement_sim.json]
 
 For each traffic and routing (`simulate --routing`), the fewest workers of `--counts` (searched by
 bisection, from the largest; a routing that fails there is tried at the `--beyond` sizes) that
@@ -144,7 +144,7 @@ def traffic_rows(traffic: str, args, console) -> dict:
     warm = reference["gpu_ttft_p99_s"]
     bar = 2 * warm
     rows = {}
-    for routing in ROUTINGS:
+    for routing in args.routings:
         made = {args.workers: reference} if routing == "router" else {}
         found, runs = fewest(trace, routing, hot, bar, args, console, made)
         at = next((r for r in runs if r["workers"] == found), None) or max(
@@ -182,7 +182,7 @@ def table(results: list[dict], args) -> Table:
     ):
         t.add_column(col, justify="right")
     for res in results:
-        epp = res["routings"]["epp"]["fewest_workers"]
+        epp = res["routings"].get("epp", {}).get("fewest_workers")
         for routing, row in res["routings"].items():
             n, at = row["fewest_workers"], row["at"]
             top = max(args.counts + args.beyond)
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", default="16,32,48,64")
     parser.add_argument("--beyond", default="128")
     parser.add_argument("--traffic", default="zipf,diurnal")
+    parser.add_argument("--routings", default=",".join(ROUTINGS))
     parser.add_argument("--hot-rps", type=float, default=0.25)
     parser.add_argument("--place-rps", type=float, default=0.15)
     parser.add_argument("--interval-s", type=float, default=2.5)
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.counts = sorted({*map(int, args.counts.split(",")), args.workers})
     args.beyond = [int(n) for n in args.beyond.split(",") if n]
+    args.routings = [r for r in args.routings.split(",") if r]
+    if not set(args.routings) <= set(ROUTINGS):
+        parser.error(f"--routings: choose from {', '.join(ROUTINGS)}")
     console = Console(width=180)
     started = time.perf_counter()
     results = [traffic_rows(t, args, console) for t in args.traffic.split(",")]

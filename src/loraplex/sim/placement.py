@@ -93,8 +93,9 @@ class RoutedSimulation(Simulation):
 
     def _arrive(self, seq: SimRequest) -> None:
         super()._arrive(seq)
-        if self.controller is not None and seq.ref is not None and seq.tier != "refused":
-            self.controller.record(seq.worker, seq.req.model)
+        model = seq.req.model
+        if self.controller is not None and model is not None and seq.tier != "refused":
+            self.controller.record(seq.worker, model)
 
     def views(self):
         """The router's views of the workers, polled every `router_poll_s`."""
