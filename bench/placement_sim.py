@@ -186,7 +186,9 @@ def table(results: list[dict], args) -> Table:
         for routing, row in res["routings"].items():
             n, at = row["fewest_workers"], row["at"]
             top = max(args.counts + args.beyond)
-            ratio = f"{n / epp:.2f}" if n and epp else (f"<{n / top:.2f}" if n else "-")
+            ratio = "-"
+            if n and "epp" in res["routings"]:
+                ratio = f"{n / epp:.2f}" if epp else f"<{n / top:.2f}"
             t.add_row(
                 res["traffic"],
                 routing,
