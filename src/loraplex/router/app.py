@@ -481,6 +481,8 @@ async def list_workers(request: Request):
                 "running": views[w.url].running,
                 "gpu": sorted(views[w.url].gpu),
                 "in_flight": w.in_flight,
+                "placed": sorted(w.placed),
+                "drain": w.drain,
                 "generation": w.generation,
                 "state_bytes": w.state_bytes,
             }
