@@ -34,9 +34,7 @@ class Documented:
 COMMANDS = (
     Documented("serve", serve.ServeSettings, serve.ENV_PREFIX, "docs/operator-guide.md"),
     Documented("router", router.RouterSettings, router.ENV_PREFIX, "docs/router.md"),
-    Documented(
-        "placement", placement.PlacementSettings, placement.ENV_PREFIX, "docs/scale-out.md"
-    ),
+    Documented("placement", placement.PlacementSettings, placement.ENV_PREFIX, "docs/scale-out.md"),
     Documented("simulate", sim.SimulateSettings, sim.SIMULATE_ENV, "docs/capacity-planning.md"),
     Documented("plan", sim.PlanSettings, sim.PLAN_ENV, "docs/capacity-planning.md"),
     Documented("bench serve", loadgen.BenchServeSettings, loadgen.ENV_PREFIX, "docs/loadgen.md"),
