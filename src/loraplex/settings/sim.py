@@ -170,6 +170,13 @@ class SimulateSettings:
         "--max-cpu-loras adapters and its device slots)",
         choices=("native", "vllm"),
     )
+    routing: str = setting(
+        "router",
+        "Who routes: router (the router's picker) | controller (the router honouring the "
+        "placement controller's placements) | epp (an emulation of the llm-d EPP's default "
+        "scorers); controller and epp: one pool, native engine",
+        choices=("router", "controller", "epp"),
+    )
     max_cpu_loras: int | None = setting(
         None,
         "Adapters in host memory at most (the vLLM engine's host cache)",

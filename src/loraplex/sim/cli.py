@@ -71,6 +71,7 @@ def run_sweep(
     engine: str = "native",
     max_cpu_loras: int | None = None,
     pools: tuple[SimPool, ...] = (),
+    routing: str = "router",
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -84,6 +85,7 @@ def run_sweep(
             cap = workloads.default_capacity(name)
             config = SimConfig(
                 pools=pools,
+                routing=routing,
                 engine=engine,
                 max_cpu_loras=max_cpu_loras,
                 gpu_slots=n_slots or cap.gpu_slots,
@@ -118,6 +120,7 @@ def _run_record(name: str, trace, config: SimConfig, hot: set[str], entries: dic
         "workers": config.workers,
         "pools": [{**p.spec.as_dict(), "workers": p.workers} for p in config.pools],
         "engine": config.engine,
+        "routing": config.routing,
         "max_cpu_loras": config.max_cpu_loras,
         "adapters": len({r.model for r in trace if r.adapter is not None}),
         "hot_adapters": sorted(hot),
@@ -334,6 +337,11 @@ def simulate(s: SimulateSettings) -> None:
                 "nor a trace file",
                 param_hint="--workload",
             )
+    if s.routing != "router" and (s.engine != "native" or s.pool):
+        typer.echo(
+            f"error: --routing {s.routing}: one pool of native-engine workers only", err=True
+        )
+        raise typer.Exit(2)
     for path, flag in ((s.json, "--json"), (s.plot, "--plot")):
         problem = path and unwritable(path)
         if problem:
@@ -350,7 +358,9 @@ def simulate(s: SimulateSettings) -> None:
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
         vllm = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras}
-        return run_sweep(cells, policies, n_slots, cpu, *args, **vllm, pools=pools)
+        return run_sweep(
+            cells, policies, n_slots, cpu, *args, **vllm, pools=pools, routing=s.routing
+        )
 
     runs = sweep_of(traces, slots)
     _print_tables(console, runs, wide, fleet=workers > 1 or bool(changes or pools))

@@ -16,6 +16,7 @@ TIERS = ("gpu", "cpu", "disk", "remote")
 
 
 ENGINES = ("native", "vllm")
+ROUTINGS = ("router", "controller", "epp")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class SimConfig:
     pools: tuple[PoolOfWorkers, ...] = ()
     """The fleet as pools (`sim.pools`), routed as the router routes them; none: one shared pool."""
     router: str = "affinity"
+    routing: str = "router"
+    """Who picks a request's worker: `router` (the router's picker, `router` above), `controller`
+    (the router honouring the placement controller's placements: `sim.placement`) or `epp` (an
+    emulation of the llm-d EPP's default scorer profile: `sim.epp`)."""
     router_poll_s: float = 0.25
     """How old the router's view of each worker may be (it polls /admin/state)."""
     max_num_seqs: int = 64
@@ -75,6 +80,10 @@ class SimConfig:
             raise ValueError("gpu_slots and workers must be at least 1, cpu_bytes non-negative")
         if self.engine not in ENGINES:
             raise ValueError(f"engine {self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing {self.routing!r}: use one of {', '.join(ROUTINGS)}")
+        if self.routing != "router" and (self.engine != "native" or self.pools):
+            raise ValueError(f"routing {self.routing}: one pool of native-engine workers only")
         self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:

@@ -528,6 +528,10 @@ class Simulation:
 def simulate(
     trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]
 ) -> Simulation:
+    if config.routing != "router":
+        from loraplex.sim.placement import RoutedSimulation
+
+        return RoutedSimulation(trace, config, policy_factory).run()
     return Simulation(trace, config, policy_factory).run()
 
 
