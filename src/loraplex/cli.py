@@ -112,6 +112,34 @@ def placement(settings: PlacementSettings) -> None:
 
 
 @app.command()
+def drain(
+    url: str = typer.Option(
+        ..., "--url", metavar="URL", help="The worker's URL (where its admin API answers)."
+    ),
+    admin_token_file: Path = typer.Option(
+        ..., "--admin-token-file", metavar="FILE", help="The admin token, on the file's first line."
+    ),
+    timeout: float = typer.Option(
+        30.0, "--timeout", metavar="S", min=0.0, help="How long to wait for the drain."
+    ),
+) -> None:
+    """Drain a worker before it stops (the chart's preStop hook): the router sends it no new
+    request and the placement controller moves what it placed there; returns once the worker says
+    it is drained (exit status 3 when it is not within --timeout)."""
+    from loraplex.placement.drain import DrainError, drain_worker
+
+    token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
+    try:
+        drained = drain_worker(url.rstrip("/"), token or "", timeout)
+    except DrainError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{url} {'drained' if drained else 'still draining'}")
+    if not drained:
+        raise typer.Exit(3)
+
+
+@app.command()
 def publish(
     directory: Path = typer.Argument(..., metavar="DIR", help="The adapter directory."),
     name: str = typer.Option(

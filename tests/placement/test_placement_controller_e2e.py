@@ -8,6 +8,7 @@ every answer stays right."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,10 +142,13 @@ def test_a_hot_adapter_is_placed_and_routed_to_its_workers_then_a_drain_moves_it
             reference.json()["choices"][0]["text"]
         }
 
-        drained = holders[0]
-        answer = httpx.post(f"{drained}/admin/drain", headers=ADMIN, timeout=30)
-        assert answer.status_code == 200 and answer.json()["drain"] in ("draining", "drained")
-        wait_for(lambda: _state(drained).get("drain") == "drained", "the worker to be drained")
+        drained = holders[0]  # as the chart's preStop hook does it
+        token_file = fleet["root"] / "c1" / "admin-token"
+        command = [sys.executable, "-m", "loraplex.cli", "drain", "--url", drained]
+        command += ["--admin-token-file", str(token_file), "--timeout", "120"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"{drained} drained"
         assert _state(drained)["placed"] == []
         now_on = placed_on(urls, key)
         assert len(now_on) == 2 and drained not in now_on  # placed elsewhere before the release

@@ -44,7 +44,7 @@ def adapter_views(adapters: Iterable[AdapterRecord]) -> dict[str, AdapterView]:
             if r.traffic_weight:
                 views[r.model_id] = AdapterView(
                     key=r.model_id,
-                    base=r.base_model_digest,
+                    base=r.base_model_digest or "",
                     rank=r.rank,
                     nbytes=r.actual_bytes or r.estimated_bytes,
                     tenant=None if adapter.shared else adapter.owner_tenant,
