@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplex.registry import db
@@ -45,11 +46,19 @@ class Leases:
     def take(self, name: str, holder: str, lease_s: float) -> LeaseState:
         """Take or renew the lease for `holder` when no one else holds it; the lease as it is now
         (another holder's, when that one holds it)."""
+        try:
+            return self._take(name, holder, lease_s)
+        except IntegrityError:  # another process made the lease's row meanwhile: it holds it
+            return self.get(name)
+
+    def _take(self, name: str, holder: str, lease_s: float) -> LeaseState:
         self.store.check_ready()
         with Session(db.writer(self.store.engine), expire_on_commit=False) as session:
             with session.begin():
                 now = utcnow()
-                row = session.get(Lease, name)
+                # FOR UPDATE: two takers of a lease that is free wait on each other (PostgreSQL);
+                # SQLite's write transaction (BEGIN IMMEDIATE) does it there
+                row = session.get(Lease, name, with_for_update=True)
                 if row is None:
                     row = Lease(name=name)
                     session.add(row)
@@ -65,6 +74,6 @@ class Leases:
         """Give the lease up, if `holder` holds it."""
         self.store.check_ready()
         with Session(db.writer(self.store.engine)) as session, session.begin():
-            row = session.get(Lease, name)
+            row = session.get(Lease, name, with_for_update=True)
             if row is not None and row.holder == holder:
                 row.holder, row.expires_at = None, None
