@@ -13,6 +13,7 @@ from loraplex.settings.pools import PoolSpec
 
 DEMAND_WINDOW_S = DEMAND_WINDOWS_S[0]
 """A worker's `demand_5m` is a count decayed over this window: over it, requests per second."""
+UNBOUNDED_BYTES = 2**62
 
 
 def worker_view(url: str, pool: PoolSpec, state: dict) -> WorkerView:
@@ -28,12 +29,21 @@ def worker_view(url: str, pool: PoolSpec, state: dict) -> WorkerView:
         base=state.get("base_model_digest") or "",
         max_rank=state.get("max_lora_rank") or 0,
         slots=load.get("num_slots", 0),
-        host_bytes=cache.get("cpu_bytes_capacity", 0),
+        host_bytes=host_bytes(cache),
         draining=state.get("drain") is not None,
         placed=frozenset(state.get("placed") or ()),
         demand=demand,
         tenants=frozenset(pool.tenants),
     )
+
+
+def host_bytes(cache: dict) -> int:
+    """The bytes of adapters the worker's host memory holds: the native engine's capacity; the
+    vLLM engine counts its host cache in adapters (`cpu_loras_capacity`), at least its device
+    slots, so there the slots bound placement and the bytes do not."""
+    if "cpu_bytes_capacity" in cache:
+        return int(cache["cpu_bytes_capacity"])
+    return UNBOUNDED_BYTES if cache.get("cpu_loras_capacity") else 0
 
 
 def adapter_views(adapters: Iterable[AdapterRecord]) -> dict[str, AdapterView]:
