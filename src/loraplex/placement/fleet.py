@@ -35,7 +35,7 @@ class Fleet:
         self._tenants: dict[str, int] = {}
         self._load = dict.fromkeys(self._workers, 0.0)
         for w in self._workers.values():
-            for key in w.placed:
+            for key in sorted(w.placed):  # sorted: sums of floats in one order, every process
                 self._count_tenant(key, +1)
                 if not w.draining:
                     self._holders.setdefault(key, set()).add(w.name)
@@ -156,14 +156,14 @@ class Fleet:
         """Adds (+1) or removes (-1) `name` as a holder of `key`, moving its demand's shares."""
         holders = self._holders.setdefault(key, set())
         old = self.share(key) if holders else 0.0
-        for h in holders:
+        for h in sorted(holders):
             self._load[h] -= old
         if delta > 0:
             holders.add(name)
         else:
             holders.discard(name)
         new = self.share(key) if holders else 0.0
-        for h in holders:
+        for h in sorted(holders):
             self._load[h] += new
         if delta < 0:
             self._load[name] = max(0.0, self._load[name])

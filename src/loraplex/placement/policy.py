@@ -144,6 +144,8 @@ class PlacementPolicy:
     ) -> list[Move]:
         """The moves to apply, in order: each place before the release it stands in for."""
         self._refill(now)
+        names = {w.name for w in workers}
+        self._placed_at = {kw: t for kw, t in self._placed_at.items() if kw[1] in names}
         demand = fleet_demand(workers)
         fleet = Fleet(workers, adapters, demand, self.placed_slot_share, self.tenant_budgets)
         targets = {

@@ -2,26 +2,27 @@
 workers: `simulate --routing epp`.
 
 Written from llm-d/llm-d-inference-scheduler at commit 520af47896e5f06e43d09aca281a1149187b0ffd
-(the EPP's code, which lives there now under `pkg/epp`):
+(the EPP's code, which lives there now under pkg/epp; "..." below is
+pkg/epp/framework/plugins/scheduling):
 
-- `pkg/epp/config/loader/defaults.go`, `loadDefaultConfig`: the default profile has no filter and
+- pkg/epp/config/loader/defaults.go, `loadDefaultConfig`: the default profile has no filter and
   three scorers, `queue-scorer` (weight 2), `kv-cache-utilization-scorer` (2) and
   `prefix-cache-scorer` (3); `ensureSchedulingLayer` adds a `max-score-picker`, and a scorer named
   without a weight gets `DefaultScorerWeight` (1).
-- `test/integration/epp/testdata/default-config.yaml`: the same profile with
+- test/integration/epp/testdata/default-config.yaml: the same profile with
   `lora-affinity-scorer` as well, unweighted (so 1): the multi-LoRA form emulated here.
-- `pkg/epp/scheduling/scheduler_profile.go`, `runScorerPlugins`: an endpoint's score is the sum of
+- pkg/epp/scheduling/scheduler_profile.go, `runScorerPlugins`: an endpoint's score is the sum of
   each scorer's score (clamped to [0, 1]) times its weight.
-- `pkg/epp/framework/plugins/scheduling/scorer/queuedepth/queue.go`: (max − q) / (max − min) of
+- .../scorer/queuedepth/queue.go: (max − q) / (max − min) of
   the candidates' waiting-queue sizes; 1 for all when they are equal.
-- `.../scorer/kvcacheutilization/kvcache_utilization.go`: 1 − KV-cache usage.
-- `.../scorer/prefix/plugin.go`: the share of the prompt's blocks the endpoint holds. These traces
+- .../scorer/kvcacheutilization/kvcache_utilization.go: 1 − KV-cache usage.
+- .../scorer/prefix/plugin.go: the share of the prompt's blocks the endpoint holds. These traces
   carry no shared prompts, so it is 0 everywhere and only its weight remains.
-- `.../scorer/loraaffinity/lora_affinity.go`: 1 when the adapter is active there (a running
+- .../scorer/loraaffinity/lora_affinity.go: 1 when the adapter is active there (a running
   request uses it), 0.8 when active + waiting adapters are fewer than its `max_lora`, 0.6 when a
   waiting request uses it, else 0.
-- `.../picker/maxscore/picker.go`: the highest score, ties broken at random (shuffle, stable sort).
-- `pkg/epp/datalayer/runtime.go`: the endpoints' metrics are scraped every 50 ms
+- .../picker/maxscore/picker.go: the highest score, ties broken at random (shuffle, stable sort).
+- pkg/epp/datalayer/runtime.go: the endpoints' metrics are scraped every 50 ms
   (`defaultRefreshInterval`); between scrapes the scores do not move.
 
 What is not emulated: the flow-control layer (it holds requests only while the whole pool is

@@ -7,7 +7,8 @@ controller's placements, or by an emulation of the llm-d EPP's default scorer pr
   (the requests routed to it over the last `window_s`), runs `PlacementPolicy.plan` and applies
   its moves through the workers' caches as the admin API does (place: pin to cpu and prewarm
   into a slot; release: unpin). The router sends a placed adapter's request to the least loaded
-  of its placed workers that is not saturated, and every other request as `router` does.
+  of its placed workers that holds it warm (`Controller.pick`), and every other request as
+  `router` does.
 - `epp`: `loraplex.sim.epp`, the EPP's scorers over the same workers.
 """
 
@@ -43,6 +44,10 @@ class ControllerConfig:
     burst: int | None = None
     min_rps: float = 0.1
     min_dwell_s: float = 60.0
+    spill_waiting: int = 20
+    """A placed worker with more requests waiting than this (its own, and the router's open beyond
+    those it runs) is passed over. Four times the picker's saturation: requests waiting there are
+    mostly other adapters' loads, and a placed worker holds this adapter warm."""
 
     def policy(self) -> PlacementPolicy:
         return PlacementPolicy(
@@ -131,8 +136,8 @@ class Controller:
         total: Counter = Counter()
         for bucket in self.buckets[worker]:
             total.update(bucket)
-        span = min(self.config.window_s, max(self.sim.now, self.config.interval_s))
-        return {m: count / span for m, count in total.items()}
+        # over the whole window from the start too: a first request is no rate
+        return {m: count / self.config.window_s for m, count in total.items()}
 
     def view(self, i: int) -> PlacedWorker:
         c = self.sim.config
@@ -183,18 +188,19 @@ class Controller:
         return True
 
     def pick(self, model: str) -> int | None:
-        """The least loaded placed worker of `model` that is not saturated, equals in turn (None:
-        the router's picker decides)."""
+        """The least loaded placed worker of `model` that holds it warm and has no more than
+        `spill_waiting` requests waiting, equals in turn (None: the router's picker decides)."""
         holders = self.placed.get(model)
         if not holders:
             return None
         views, open_ = self.sim.views(), self.sim.open
-        saturation = self.sim.picker.config.saturation_waiting
+        spill = self.config.spill_waiting
         loads = {}
         for i in sorted(holders):
             v = views[i]
             in_flight = max(0, open_[i] - v.waiting - v.running)
-            if v.waiting + in_flight <= saturation:
+            warm = model in v.gpu or model in v.cpu  # a placement counts once its load landed
+            if warm and v.waiting + in_flight <= spill:
                 loads[i] = v.waiting + v.running + in_flight
         if not loads:
             return None
