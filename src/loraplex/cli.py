@@ -17,6 +17,8 @@ from loraplex.server.auth import read_admin_token
 from loraplex.server.cli import add_serve
 from loraplex.server.serve import StartupError, make_dir, read_option_file
 from loraplex.settings.command import PlainTyper, add_settings_command
+from loraplex.settings.placement import ENV_PREFIX as PLACEMENT_ENV
+from loraplex.settings.placement import PlacementSettings
 from loraplex.settings.router import ENV_PREFIX as ROUTER_ENV
 from loraplex.settings.router import RouterSettings
 from loraplex.sim.cli import add_sim_commands
@@ -90,6 +92,53 @@ def router(settings: RouterSettings) -> None:
     sys.exit(code)
 
 
+def placement(settings: PlacementSettings) -> None:
+    """Keep each hot adapter warm on a bounded set of workers, from the fleet's demand; drain a
+    worker before it leaves. One active controller at a time (a lease in the registry)."""
+    from loraplex.placement.cli import run_placement
+
+    token = _or_exit_2(
+        read_option_file, read_admin_token, settings.admin_token_file, "--admin-token-file"
+    )
+    if token is None:
+        typer.echo("error: --admin-token-file is required (the workers' admin API)", err=True)
+        raise typer.Exit(2)
+    try:
+        code = run_placement(settings, token)
+    except RegistryError as exc:  # the registry is read, never made: a missing one is named
+        typer.echo(f"error: --registry: {exc}", err=True)
+        raise typer.Exit(2) from None
+    sys.exit(code)
+
+
+@app.command()
+def drain(
+    url: str = typer.Option(
+        ..., "--url", metavar="URL", help="The worker's URL (where its admin API answers)."
+    ),
+    admin_token_file: Path = typer.Option(
+        ..., "--admin-token-file", metavar="FILE", help="The admin token, on the file's first line."
+    ),
+    timeout: float = typer.Option(
+        30.0, "--timeout", metavar="S", min=0.0, help="How long to wait for the drain."
+    ),
+) -> None:
+    """Drain a worker before it stops (the chart's preStop hook): the router sends it no new
+    request and the placement controller moves what it placed there; returns once the worker says
+    it is drained (exit status 3 when it is not within --timeout)."""
+    from loraplex.placement.drain import DrainError, drain_worker
+
+    token = _or_exit_2(read_option_file, read_admin_token, admin_token_file, "--admin-token-file")
+    try:
+        drained = drain_worker(url.rstrip("/"), token or "", timeout)
+    except DrainError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{url} {'drained' if drained else 'still draining'}")
+    if not drained:
+        raise typer.Exit(3)
+
+
 @app.command()
 def publish(
     directory: Path = typer.Argument(..., metavar="DIR", help="The adapter directory."),
@@ -154,6 +203,7 @@ def publish(
 
 add_serve(app)
 add_settings_command(app, RouterSettings, router, "router", ROUTER_ENV)
+add_settings_command(app, PlacementSettings, placement, "placement", PLACEMENT_ENV)
 
 
 def _or_exit_2(check, *args):

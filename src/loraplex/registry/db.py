@@ -225,6 +225,16 @@ class Rollout(Base):
     )
 
 
+class Lease(Base):
+    """A controller's lease on a job of the whole fleet (the placement controller's, say): one
+    holder at a time, until its expiry, which it renews while it lives."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 DATABASE_SCHEMES = ("sqlite", "postgresql", "postgres", "postgresql+psycopg")
 """The schemes of the registry URLs it opens (`sqlite:///FILE`; PostgreSQL by psycopg 3)."""
 

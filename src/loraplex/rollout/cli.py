@@ -129,17 +129,17 @@ def run_controller(
         StepRule(settings.step_s, settings.min_requests, settings.step_timeout_s),
         settings.poll_s,
         settings.lease_s,
-        canary_pool(settings.worker, settings.canary_workers, settings.canary_share),
+        canary_pool(settings.workers(), settings.named_canary_workers(), settings.canary_share),
     )
     source = (
         PrometheusSource(settings.prometheus_url, client)
         if settings.prometheus_url and settings.source == "prometheus"
-        else WorkerSource(settings.worker, client)
+        else WorkerSource(settings.workers(), client)
     )
     pool = plan.canary_workers
     gate = None
-    if settings.quality_gate and (pool or settings.worker):
-        gate = QualityGate((*pool, *settings.worker)[0], client, settings.quality_margin)
+    if settings.quality_gate and (pool or settings.workers()):
+        gate = QualityGate((*pool, *settings.workers())[0], client, settings.quality_margin)
 
     def prepare() -> None:
         prewarm(client, pool, settings.name, settings.revision)

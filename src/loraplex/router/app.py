@@ -331,6 +331,9 @@ async def _routed(
         salt = prefix_key(state.config.catalog, wanted)
         wanted = dataclasses.replace(wanted, prompt=block_hashes(prompt_text(payload), salt))
     need = need_of(state.fleet, state.config.catalog, wanted)
+    catalog = state.config.catalog
+    if catalog is not None and wanted.model is not None and catalog.warm(wanted.model):
+        wanted = dataclasses.replace(wanted, warm=True)
     pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
     if isinstance(pick, Pick) and _waits(state, pick):
         return wanted, await state.wait_turn(wanted, need), True
@@ -483,6 +486,8 @@ async def list_workers(request: Request):
                 "running": views[w.url].running,
                 "gpu": sorted(views[w.url].gpu),
                 "in_flight": w.in_flight,
+                "placed": sorted(w.placed),
+                "drain": w.drain,
                 "generation": w.generation,
                 "state_bytes": w.state_bytes,
             }

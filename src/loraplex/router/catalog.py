@@ -31,6 +31,8 @@ class RevisionFacts:
     """Whether it has traffic: the revisions a bare name resolves to."""
     digest: str = ""
     """The revision's artifact digest: what a KV prefix is reusable under."""
+    warm: bool = False
+    """Its adapter is pinned or has a warm policy of gpu (tier A)."""
 
     def may_use(self, tenant: str | None) -> bool:
         return self.shared or (tenant is not None and tenant in self.allowed_tenants)
@@ -57,6 +59,10 @@ class AdapterCatalog:
         if at:
             return [f for f in facts if f.revision == revision]
         return [f for f in facts if f.serving]
+
+    def warm(self, model: str) -> bool:
+        """Whether the adapter `model` names is pinned or in tier A."""
+        return any(f.warm for f in self.revisions(model))
 
     def need(self, model: str, tenant: str | None) -> Need:
         """What the adapter `model` needs of a worker, for a caller of `tenant`; nothing for a name
@@ -100,6 +106,7 @@ def registry_catalog(registry: Registry) -> AdapterCatalog:
                 r.allowed_tenants,
                 bool(r.traffic_weight),
                 r.digest,
+                a.pinned or a.warm_policy == "gpu",
             )
             for a in registry.list_adapters()
             for r in a.revisions

@@ -122,6 +122,11 @@ class Worker:
     """Why it cannot stand in its pool (None: it can); a worker with a problem gets no request."""
     prefixes: PrefixIndex = dataclasses.field(default_factory=lambda: PrefixIndex(0))
     """The prompt blocks routed here lately (`router/prefixes.py`)."""
+    placed: frozenset[str] = frozenset()
+    """The adapter names the placement controller keeps warm here, as its last state said."""
+    drain: str | None = None
+    """`draining` or `drained` once asked to drain (`POST /admin/drain`): no new request goes
+    here."""
 
     def view(self, now: float, stale_after_s: float, prompt: tuple[int, ...] = ()) -> WorkerView:
         """The last poll's view, with what the router has open there beyond what that poll
@@ -135,7 +140,7 @@ class Worker:
         return dataclasses.replace(
             last,
             waiting=waiting,
-            healthy=self.healthy and self.problem is None,
+            healthy=self.healthy and self.problem is None and self.drain is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
             loading=frozenset(last.loading) | self.sent if self.sent else last.loading,
@@ -144,13 +149,15 @@ class Worker:
 
     def take_reported(self, state: dict) -> None:
         """The base model and max rank a loraplex worker's state reports, checked against its
-        pool's declaration."""
+        pool's declaration, and the names placed on it and its drain."""
         rank = state.get("max_lora_rank")
         self.reported = Reported(
             state.get("base_model"),
             state.get("base_model_digest"),
             rank if isinstance(rank, int) else None,
         )
+        self.placed = frozenset(state.get("placed") or ())
+        self.drain = state.get("drain")
         problem = misconfigured(self.pool, self.reported)
         if problem != self.problem and problem is not None:
             log.error("worker %s is misconfigured, no request goes to it: %s", self.url, problem)

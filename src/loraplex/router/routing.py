@@ -33,6 +33,8 @@ class Wanted:
     canary: bool = False
     prompt: tuple[int, ...] = ()
     """The hash chain of its prompt's blocks (`router/prefixes.py`); none: no prefix scoring."""
+    warm: bool = False
+    """Its adapter is pinned or in tier A (a warm policy of gpu): a `warm` pool's workers first."""
 
 
 def need_of(fleet: Fleet, catalog: AdapterCatalog | None, r: Wanted) -> Need:
@@ -76,21 +78,60 @@ def eligible(workers: list[Worker], pools: list[PoolSpec], need: Need) -> list[W
 def route(
     fleet: Fleet, picker: Picker, splits: Splits | None, need: Need, r: Wanted
 ) -> Pick | Refusal:
-    """The pick among the eligible workers: a canary's pool first (a split name's canary), then
-    the tenant's dedicated pools, then the shared ones."""
+    """The pick among the eligible workers: a canary's pool first (a split name's canary workers,
+    else a `canary` pool), then the workers its adapter is placed on, then a `warm` pool for a
+    pinned or tier-A adapter, then the tenant's dedicated pools, then the shared ones."""
     workers = list(fleet.workers.values())
     groups = [eligible(workers, pools, need) for pools in tiers(fleet.pools.values(), r.tenant)]
     if not any(groups):
         return refusal(fleet, need, r)
     views = {v.url: v for v in fleet.views(r.prompt)}
     in_groups = [[views[w.url] for w in group] for group in groups if group]
-    if r.canary and r.model is not None and splits is not None:
-        every = [v for group in in_groups for v in group]
-        canary_pool = splits.pools.get(r.model.partition("@")[0], ())
-        pooled = pool_first(picker, every, r.model, r.priority, canary_pool)
+    every = [v for group in in_groups for v in group]
+    if r.canary and r.model is not None:
+        canary_pool = splits.pools.get(r.model.partition("@")[0], ()) if splits else ()
+        pooled = pool_first(
+            picker, every, r.model, r.priority, canary_pool or role_workers(fleet, "canary")
+        )
         if pooled is not None:
             return pooled
+    if r.model is not None:
+        placed = tuple(w.url for w in workers if placed_here(w, r.model))
+        chosen = among(picker, every, placed, r, "placed")
+        if chosen is None and r.warm:
+            chosen = among(picker, every, role_workers(fleet, "warm"), r, "warm-pool")
+        if chosen is not None:
+            return chosen
     return first_with_room(picker, in_groups, r)
+
+
+def placed_here(worker: Worker, model: str) -> bool:
+    """Whether the placement controller placed `model` (a bare name: any of its revisions) on
+    the worker."""
+    if "@" in model:
+        return model in worker.placed
+    return any(p.partition("@")[0] == model for p in worker.placed)
+
+
+def role_workers(fleet: Fleet, role: str) -> tuple[str, ...]:
+    """The workers of the pools of `role`."""
+    return tuple(w.url for w in fleet.workers.values() if w.pool.role == role)
+
+
+def among(
+    picker: Picker, views: list[WorkerView], urls: tuple[str, ...], r: Wanted, reason: str
+) -> Pick | None:
+    """The pick among the eligible workers of `urls` while one of them has room (None: none
+    eligible, or all saturated); the other eligible workers follow in the ranking, for the
+    retry."""
+    chosen_from = [v for v in views if v.healthy and v.url in urls]
+    if not chosen_from:
+        return None
+    chosen = picker.pick(chosen_from, r.model, r.priority)
+    if chosen.url is None or chosen.reason.startswith("saturated"):
+        return None
+    others = [v.url for v in views if v.healthy and v.url not in chosen.ranking]
+    return Pick((*chosen.ranking, *others), f"{reason}-{chosen.reason}")
 
 
 def first_with_room(picker: Picker, groups: list[list[WorkerView]], r: Wanted) -> Pick:

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loraplex.registry import Registry
-from loraplex.server import admin, openai_api, rl_api, rollout_admin
+from loraplex.server import admin, openai_api, placement_admin, rl_api, rollout_admin
 from loraplex.server.auth import check_token
 from loraplex.server.errors import APIError, install_handlers
 from loraplex.server.middleware import RequestMiddleware
@@ -55,6 +55,7 @@ def create_app(
     app.include_router(health)
     if config.admin_token and config.admin_on_main_app:
         app.include_router(admin.router(config.admin_token))
+        app.include_router(placement_admin.router(config.admin_token))
         app.include_router(rollout_admin.router(config.admin_token))
         app.include_router(rl_api.router(config.admin_token))
     return app
@@ -70,6 +71,7 @@ def create_admin_app(server: Server) -> FastAPI:
     install_handlers(app)
     app.add_middleware(RequestMiddleware, on_done=server.finish_request)
     app.include_router(admin.router(server.config.admin_token))
+    app.include_router(placement_admin.router(server.config.admin_token))
     app.include_router(rollout_admin.router(server.config.admin_token))
     app.include_router(rl_api.router(server.config.admin_token))
     return app

@@ -210,6 +210,11 @@ class PinReconciler:
                 self._grace_pins.pop(key, None)
                 self._operator_pins.discard(key)
 
+    def holds(self, key: AdapterKey) -> bool:
+        """Whether a pin rule, a grace period or an operator holds the key's pin."""
+        with self._pins_lock:
+            return key in self._rule_pins or key in self._grace_pins or key in self._operator_pins
+
     def operator_pinned(self, keys, name: str, tier: str) -> None:
         """An operator pinned these revisions of `name` themselves, in `tier`: traffic neither moves
         nor drops those pins. The registry records a pin of the name (what a start pins again),

@@ -37,6 +37,7 @@ from loraplex.server.metrics import ServerMetrics
 from loraplex.server.middleware import CLIENT_CLOSED, RequestContext
 from loraplex.server.pause import GenerationPause
 from loraplex.server.pins import PinReconciler
+from loraplex.server.placement import WorkerPlacement
 from loraplex.server.retiring import HeldCollector, RetiredRevisions, RetiredTally
 from loraplex.server.revision_figures import RevisionBook, RevisionCollector
 
@@ -95,6 +96,8 @@ class Server:
         self.is_started = False
         """The engine has started: requests are taken."""
         self.is_draining = False
+        self.placement = WorkerPlacement()
+        """The names the placement controller keeps warm here, and its drain."""
         self.load_stages: dict[
             str, dict[str, float]
         ] = {}  # str(key) -> {stage: ms} of its last load
@@ -448,6 +451,7 @@ class Server:
             "max_lora_rank": live["max_lora_rank"],
             "max_loras": live["max_loras"],
             "draining": self.is_draining,
+            **self.placement.state(self.admission.num_in_flight),
             "adapters": cache["adapters"],
             "load": {
                 "waiting": live["num_waiting"],

@@ -3,11 +3,11 @@
 A routing row is what a gateway routes by: an adapter revision's tier and whether it is loading, for
 the adapters resident in a slot or host memory or loading (so their number is bounded by the
 worker's capacity, not by the catalog).
-The head (the base model's name and digest, the max LoRA rank, draining) and the load block (queue,
-running, tokens, KV use, slots) are a fixed handful of figures. Each change to
-either makes a new generation; a poller that sends the generation it holds gets `304 Not Modified`
-when nothing changed, or only the rows changed and removed since, so that its bytes per poll follow
-the changes, not the number of adapters the worker holds.
+The head (the base model's name and digest, the max LoRA rank, draining, the names placed here and
+the drain) and the load block (queue, running, tokens, KV use, slots) are a fixed handful of
+figures. Each change to either makes a new generation; a poller that sends the generation it holds
+gets `304 Not Modified` when nothing changed, or only the rows changed and removed since, so that
+its bytes per poll follow the changes, not the number of adapters the worker holds.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class StateFeed:
             "base_model_digest": state.get("base_model_digest"),
             "max_lora_rank": state.get("max_lora_rank"),
             "draining": bool(state.get("draining")),
+            "placed": state.get("placed", []),
+            "drain": state.get("drain"),
             "max_loras": state.get("max_loras"),
             "load": {k: state.get("load", {}).get(k, 0) for k in LOAD_FIELDS},
         }

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.settings import loadgen, rollout, router, serve, sim
+from loraplex.settings import loadgen, placement, rollout, router, serve, sim
 from loraplex.settings.command import default_text, metavar_of
 from loraplex.settings.fields import settings_of
 from loraplex.settings.schema import stale_chart_schema
@@ -34,6 +34,7 @@ class Documented:
 COMMANDS = (
     Documented("serve", serve.ServeSettings, serve.ENV_PREFIX, "docs/operator-guide.md"),
     Documented("router", router.RouterSettings, router.ENV_PREFIX, "docs/router.md"),
+    Documented("placement", placement.PlacementSettings, placement.ENV_PREFIX, "docs/scale-out.md"),
     Documented("simulate", sim.SimulateSettings, sim.SIMULATE_ENV, "docs/capacity-planning.md"),
     Documented("plan", sim.PlanSettings, sim.PLAN_ENV, "docs/capacity-planning.md"),
     Documented("bench serve", loadgen.BenchServeSettings, loadgen.ENV_PREFIX, "docs/loadgen.md"),

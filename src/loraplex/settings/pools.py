@@ -10,7 +10,10 @@ from typing import Any
 DEFAULT_POOL = "default"
 """The pool of the workers given by `--worker` (and added through the admin API without one):
 shared, no base or rank declared."""
-_KEYS = ("name", "base-model", "base-model-digest", "max-rank", "tenants", "workers")
+_KEYS = ("name", "base-model", "base-model-digest", "max-rank", "tenants", "workers", "role")
+ROLES = ("warm", "canary")
+"""A pool's optional role: `warm` takes the pinned and tier-A adapters' requests first, `canary` a
+rollout's canary revision's."""
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,12 @@ class PoolSpec:
     tenants: tuple[str, ...] = ()
     """The tenants it is dedicated to; none: shared by every tenant."""
     workers: tuple[str, ...] = ()
+    role: str | None = None
+    """`warm`, `canary`, or None (`ROLES`)."""
 
     def __post_init__(self):
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"pool {self.name}: role {self.role!r}: use {' or '.join(ROLES)}")
         if not self.name or any(c in self.name for c in " ,=+"):
             raise ValueError(f"pool name {self.name!r}: give a word (no spaces, ',', '=', '+')")
         if self.max_rank is not None and self.max_rank < 1:
@@ -48,13 +55,14 @@ class PoolSpec:
             self.max_rank,
             list(self.tenants),
             list(self.workers),
+            self.role,
         )
         return {k: v for k, v in zip(_KEYS, values) if v not in (None, [])}
 
 
 def parse_pool(raw: Any) -> PoolSpec:
     """A pool from a `--config` mapping, or a flag's `name=N,base-model=B,max-rank=R,
-    tenants=T1+T2,workers=URL1+URL2` (ValueError saying what is wrong)."""
+    tenants=T1+T2,workers=URL1+URL2,role=warm` (ValueError saying what is wrong)."""
     if isinstance(raw, str):
         raw = dict(_pair(part) for part in raw.split(",") if part.strip())
     if not isinstance(raw, dict):
@@ -77,6 +85,7 @@ def parse_pool(raw: Any) -> PoolSpec:
         max_rank=max_rank,
         tenants=_words(given.get("tenants")),
         workers=tuple(u.rstrip("/") for u in _words(given.get("workers"))),
+        role=_text(given.get("role")),
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.settings.fields import at_least, positive, setting, share
+from loraplex.settings.pools import PoolSpec, parse_pools
 from loraplex.settings.sim import _joined, comma_list
 
 WHERE, STEPS, LIMITS, QUALITY, POOL = "Where", "Steps", "Limits", "Quality gate", "Canary pool"
@@ -185,6 +186,17 @@ class RolloutSettings:
         metavar="URL",
         default_text="the --canary-share of them",
     )
+    pool: tuple[PoolSpec, ...] = setting(
+        (),
+        "A pool as the router takes it; a `role=canary` pool's workers are the canary workers",
+        panel=POOL,
+        metavar="SPEC",
+        parse=parse_pools,
+        show=lambda pools: [p.as_dict() for p in pools],
+        doc="the fleet's pools, in `loraplex router --pool`'s form: their workers are workers "
+        "too, and without `--canary-workers` the workers of the `role=canary` pools prewarm "
+        "and activate the canary (the router sends them its traffic)",
+    )
     canary_share: float = setting(
         1.0,
         "Without --canary-workers: this share of the workers, at least one; 0: none",
@@ -202,13 +214,25 @@ class RolloutSettings:
         for url in (*self.worker, *self.canary_workers, self.prometheus_url or "http://"):
             if _url(url):
                 raise ValueError(f"{url!r} is not an http(s) URL")
-        unknown = [u for u in self.canary_workers if u not in self.worker]
+        unknown = [u for u in self.canary_workers if u not in self.workers()]
         if unknown:
-            raise ValueError(f"--canary-workers {unknown[0]} is not one of the --worker URLs")
+            raise ValueError(
+                f"--canary-workers {unknown[0]} is not one of the workers (--worker, --pool)"
+            )
         if self.source == "prometheus" and self.prometheus_url is None:
             raise ValueError("--source prometheus needs --prometheus-url")
-        if self.source == "workers" and not self.worker:
+        if self.source == "workers" and not self.workers():
             raise ValueError("--source workers needs at least one --worker URL")
+
+    def workers(self) -> tuple[str, ...]:
+        """`--worker`s, then the pools' workers, each once."""
+        pooled = (u for p in self.pool for u in p.workers)
+        return tuple(dict.fromkeys((*self.worker, *pooled)))
+
+    def named_canary_workers(self) -> tuple[str, ...]:
+        """`--canary-workers`, else the workers of the `canary` pools."""
+        roled = tuple(u for p in self.pool if p.role == "canary" for u in p.workers)
+        return self.canary_workers or roled
 
 
 DEFAULTS = RolloutSettings(worker=("http://defaults",))

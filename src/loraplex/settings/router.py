@@ -41,14 +41,17 @@ class RouterSettings:
     )
     pool: tuple[PoolSpec, ...] = setting(
         (),
-        "A pool: name=N,base-model=B,max-rank=R,tenants=T1+T2,workers=URL1+URL2; repeat per pool",
+        "A pool: name=N,base-model=B,max-rank=R,tenants=T1+T2,workers=URL1+URL2[,role=warm|canary];"
+        " repeat per pool",
         panel=POOLS,
         metavar="SPEC",
         parse=parse_pools,
         show=lambda pools: [p.as_dict() for p in pools],
         doc='a pool of workers (below, "Pools"): `name`, `base-model` (the served name its '
         "workers report), optional `base-model-digest`, `max-rank`, `tenants` it is dedicated "
-        "to (none: shared), `workers`; in a `--config` file a list of mappings",
+        "to (none: shared), `workers`, optional `role` (`warm`: pinned and tier-A adapters go "
+        "there first; `canary`: a rollout's canary revision does); in a `--config` file a list of "
+        "mappings",
     )
     policy: str = setting(
         "affinity",

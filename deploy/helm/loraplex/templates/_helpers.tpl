@@ -27,7 +27,7 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{/* The worker groups as JSON, one pool each: workerGroups, or (empty) one group of `worker`'s own
 values. Each: name ("" for the default group), object (its objects' name), kind (StatefulSet
 when the router routes to its pods by name, else Deployment), base (the served name), claimName,
-maxRank, tenants, replicas, serve (worker.serve with the group's keys over it), autoscaling. */}}
+maxRank, tenants, role, replicas, serve (worker.serve with the group's keys over it), autoscaling. */}}
 {{- define "loraplex.groups" -}}
 {{- $w := .Values.worker -}}
 {{- $name := include "loraplex.fullname" . -}}
@@ -41,10 +41,10 @@ maxRank, tenants, replicas, serve (worker.serve with the group's keys over it), 
 {{- if and .maxRank (not (hasKey $serve "max-lora-rank")) }}{{ $_ := set $serve "max-lora-rank" .maxRank }}{{ end -}}
 {{- $scale := merge (deepCopy (.autoscaling | default dict)) (deepCopy $w.autoscaling) -}}
 {{- $model := .model | default dict -}}
-{{- $groups = append $groups (dict "name" .name "object" (printf "%s-worker-%s" $name .name) "kind" $kind "base" $model.servedName "claimName" (default $w.model.claimName $model.claimName) "maxRank" (.maxRank | default 0) "tenants" (.tenants | default list) "replicas" (default $w.replicas .replicas) "serve" $serve "autoscaling" $scale) -}}
+{{- $groups = append $groups (dict "name" .name "object" (printf "%s-worker-%s" $name .name) "kind" $kind "base" $model.servedName "claimName" (default $w.model.claimName $model.claimName) "maxRank" (.maxRank | default 0) "tenants" (.tenants | default list) "role" (.role | default "") "replicas" (default $w.replicas .replicas) "serve" $serve "autoscaling" $scale) -}}
 {{- end -}}
 {{- if not $groups -}}
-{{- $groups = list (dict "name" "" "object" (printf "%s-worker" $name) "kind" $kind "base" $w.model.servedName "claimName" $w.model.claimName "maxRank" 0 "tenants" list "replicas" $w.replicas "serve" (deepCopy ($w.serve | default dict)) "autoscaling" $w.autoscaling) -}}
+{{- $groups = list (dict "name" "" "object" (printf "%s-worker" $name) "kind" $kind "base" $w.model.servedName "claimName" $w.model.claimName "maxRank" 0 "tenants" list "role" "" "replicas" $w.replicas "serve" (deepCopy ($w.serve | default dict)) "autoscaling" $w.autoscaling) -}}
 {{- end -}}
 {{- range $groups -}}
 {{- $rank := get .serve "max-lora-rank" -}}
@@ -88,13 +88,34 @@ loraplex/group: {{ $group.name }}
 {{/* The URLs of a group's pods, by their stable names under the group's headless Service: up
 to its replicas, or to autoscaling.maxReplicas (the router finds the missing ones unhealthy). */}}
 {{- define "loraplex.workerURLs" -}}
-{{- $root := index . 0 -}}{{- $group := index . 1 -}}
+{{- $root := index . 0 -}}{{- $group := index . 1 -}}{{- $port := index . 2 -}}
 {{- $count := ternary $group.autoscaling.maxReplicas $group.replicas (ne $group.autoscaling.mode "none") -}}
 {{- $urls := list -}}
 {{- range until (int $count) -}}
-{{- $urls = append $urls (printf "http://%s-%d.%s-pods.%s.svc:%v" $group.object . $group.object $root.Release.Namespace $root.Values.worker.ports.http) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s-pods.%s.svc:%v" $group.object . $group.object $root.Release.Namespace $port) -}}
 {{- end -}}
 {{- join "+" $urls -}}
+{{- end -}}
+
+{{/* The worker groups as `loraplex router` and `loraplex placement` take them, given (list
+context port): each named group one --pool (its base model, max rank, tenants, role and pods by
+name on `port`), the default group's pods --worker (the shared pool). */}}
+{{- define "loraplex.poolArgs" -}}
+{{- $root := index . 0 -}}{{- $port := index . 1 -}}
+{{- range $group := include "loraplex.groups" $root | fromJsonArray }}
+{{- $urls := include "loraplex.workerURLs" (list $root $group $port) }}
+{{- if $group.name }}
+{{- $spec := list (printf "name=%s" $group.name) (printf "base-model=%s" $group.base) }}
+{{- if $group.maxRank }}{{ $spec = append $spec (printf "max-rank=%v" $group.maxRank) }}{{ end }}
+{{- if $group.tenants }}{{ $spec = append $spec (printf "tenants=%s" (join "+" $group.tenants)) }}{{ end }}
+{{- if $group.role }}{{ $spec = append $spec (printf "role=%s" $group.role) }}{{ end }}
+- --pool={{ join "," (append $spec (printf "workers=%s" $urls)) }}
+{{- else }}
+{{- range splitList "+" $urls }}
+- --worker={{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* A group's `serve --config` file: its serve settings, with the host cache's default for the
