@@ -42,8 +42,8 @@ from rich.console import Console
 from rich.table import Table
 
 from loraplex.sim import workload as W
-from loraplex.sim.placement import ControllerConfig, simulate_routed
-from loraplex.sim.simulator import SimConfig, policy_factory
+from loraplex.sim.placement import ControllerConfig
+from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
 ROUTINGS = ("router", "controller", "epp")
 
@@ -78,7 +78,7 @@ def run(trace, routing: str, workers: int, hot: set[str], args) -> dict:
         min_dwell_s=args.min_dwell_s,
     )
     wall = time.perf_counter()
-    sim = simulate_routed(trace, config, policy_factory("score"), controller)
+    sim = simulate(trace, config, policy_factory("score"), controller)
     wall = time.perf_counter() - wall
     start, span = args.duration_s / 4, args.duration_s * 3 / 4
     measured = [s for s in sim.requests if s.req.time >= start]

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from loraplex.sim.cli import app
 from loraplex.sim.epp import EppPicker, EppView, lora
-from loraplex.sim.placement import ControllerConfig, simulate_routed
+from loraplex.sim.placement import ControllerConfig
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 from loraplex.sim.workload import Request, write_trace
 
@@ -37,7 +37,7 @@ def _config(routing: str, workers: int = 4) -> SimConfig:
 
 
 def test_the_controller_places_hot_adapters_and_the_router_honours_them():
-    sim = simulate_routed(_trace(), _config("controller"), policy_factory("lru"), _controller())
+    sim = simulate(_trace(), _config("controller"), policy_factory("lru"), _controller())
     c = sim.controller
     assert len(c.placed["hot-0@1"]) == 3  # 10 requests/s over 4 per replica
     assert len(c.placed["hot-1@1"]) == 1
@@ -54,7 +54,7 @@ def test_the_controller_places_hot_adapters_and_the_router_honours_them():
 
 def test_the_controller_moves_no_more_than_its_bucket_allows():
     config = _controller(per_replica_rps=0.1, min_rps=0.05, max_moves_per_hour=360, burst=2)
-    sim = simulate_routed(_trace(), _config("controller", workers=8), policy_factory("lru"), config)
+    sim = simulate(_trace(), _config("controller", workers=8), policy_factory("lru"), config)
     moves = sum(sim.controller.moves.values())
     # 2 at once, then one every 10 s: plans at 5, 10, ..., 60 s
     assert moves == 2 + int((60 - 5) * 360 / 3600)
@@ -62,7 +62,7 @@ def test_the_controller_moves_no_more_than_its_bucket_allows():
 
 def test_a_released_placement_is_unpinned():
     trace = [r for r in _trace(40) if r.adapter != "hot-1" or r.time < 10]
-    sim = simulate_routed(trace, _config("controller"), policy_factory("lru"), _controller())
+    sim = simulate(trace, _config("controller"), policy_factory("lru"), _controller())
     c = sim.controller
     assert [m for _, m in c.log if m.adapter == "hot-1@1"][-1].kind == "release"
     assert not c.placed["hot-1@1"]

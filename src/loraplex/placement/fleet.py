@@ -9,10 +9,8 @@ but take none and count in no replica count or load.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from loraplex.placement.policy import AdapterView, WorkerView
+from loraplex.placement.records import AdapterView, WorkerView
 
 
 class Fleet:

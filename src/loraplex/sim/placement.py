@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from loraplex.placement.policy import AdapterView, Move, PlacementPolicy
 from loraplex.placement.policy import WorkerView as PlacedWorker
 from loraplex.residency.errors import CapacityExceeded
 from loraplex.sim.config import ROUTINGS
-from loraplex.sim.epp import EppPicker, EppView
-from loraplex.sim.simulator import SimConfig, SimRequest, Simulation, Worker
-from loraplex.sim.workload import Request
 
 BASE = "sim-base"
 
@@ -60,55 +57,11 @@ class ControllerConfig:
         )
 
 
-class RoutedSimulation(Simulation):
-    """A `Simulation` whose requests are routed by `routing` (one of `ROUTINGS`)."""
-
-    def __init__(
-        self,
-        trace: list[Request],
-        config: SimConfig,
-        policy_factory: Callable[[Simulation], object],
-        controller: ControllerConfig | None = None,
-    ):
-        super().__init__(trace, config, policy_factory)
-        routing = self.routing = config.routing
-        self.epp = EppPicker(config, seed=config.seed) if routing == "epp" else None
-        self.controller = None
-        if routing == "controller":
-            self.controller = Controller(self, controller or ControllerConfig())
-            self.schedule(self.controller.config.interval_s, self.controller.tick, None)
-
-    def _route(self, seq: SimRequest) -> Worker | None:
-        if self.epp is not None:
-            return self._take(self.epp.pick(self, seq))
-        if self.controller is not None and seq.req.model is not None:
-            index = self.controller.pick(seq.req.model)
-            if index is not None:
-                return self._take(index)
-        return super()._route(seq)
-
-    def _take(self, index: int) -> Worker:
-        self.open[index] += 1
-        return self.workers[index]
-
-    def _arrive(self, seq: SimRequest) -> None:
-        super()._arrive(seq)
-        model = seq.req.model
-        if self.controller is not None and model is not None and seq.tier != "refused":
-            self.controller.record(seq.worker, model)
-
-    def views(self):
-        """The router's views of the workers, polled every `router_poll_s`."""
-        if self.now - self._views_at >= self.config.router_poll_s:
-            self._views = [w.view() for w in self.workers]
-            self._views_at = self.now
-        return self._views
-
-
 class Controller:
     """The placement controller over a simulated fleet, and the placements the router honours."""
 
-    def __init__(self, sim: RoutedSimulation, config: ControllerConfig):
+    def __init__(self, sim: Any, config: ControllerConfig):
+        """`sim`: the `Simulation` it places on (`sim/simulator.py` holds the controller)."""
         self.sim, self.config = sim, config
         self.policy = config.policy()
         n = len(sim.workers)
@@ -211,24 +164,4 @@ class Controller:
         return equals[self.turns[model] % len(equals)]
 
 
-def simulate_routed(
-    trace: list[Request],
-    config: SimConfig,
-    policy_factory: Callable[[Simulation], object],
-    controller: ControllerConfig | None = None,
-) -> RoutedSimulation:
-    """`simulate`, with the placement controller's settings given (`config.routing` controller)."""
-    sim = RoutedSimulation(trace, config, policy_factory, controller)
-    sim.run()
-    return sim
-
-
-__all__ = [
-    "ROUTINGS",
-    "ControllerConfig",
-    "Controller",
-    "EppPicker",
-    "EppView",
-    "RoutedSimulation",
-    "simulate_routed",
-]
+__all__ = ["ROUTINGS", "ControllerConfig", "Controller"]

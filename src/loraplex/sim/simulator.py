@@ -27,6 +27,8 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
 from loraplex.sim.config import ENGINES, LLAMA7B_BYTES_PER_RANK, TIERS, SimConfig
+from loraplex.sim.epp import EppPicker
+from loraplex.sim.placement import Controller, ControllerConfig
 from loraplex.sim.pools import PoolRouting
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.virtual_loop import VirtualLoop
@@ -356,7 +358,9 @@ class Simulation:
         trace: list[Request],
         config: SimConfig,
         policy_factory: Callable[[Simulation], object],
+        controller: ControllerConfig | None = None,
     ):
+        """`controller`: the placement controller's settings, for `config.routing` controller."""
         self.trace, self.config = trace, config
         self.now = 0.0
         self._next = 0  # the next request to arrive
@@ -384,6 +388,13 @@ class Simulation:
         self.span_s = trace[-1].time if trace else 0.0
         changes = registry_changes(trace, config.registry_changes_per_s, config.seed)
         self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
+        # `--routing` (sim/placement.py): the EPP emulation's scorers pick, or the router honours
+        # the placement controller's placements; `router` is the picker alone
+        self.epp = EppPicker(config, seed=config.seed) if config.routing == "epp" else None
+        self.controller = None
+        if config.routing == "controller":
+            self.controller = Controller(self, controller or ControllerConfig())
+            self.schedule(self.controller.config.interval_s, self.controller.tick, None)
 
     def clock(self) -> float:
         return self.now if self.loop is None else self.loop.time()
@@ -474,13 +485,27 @@ class Simulation:
             task.cancel()
         await asyncio.gather(*engines, return_exceptions=True)
 
-    def _route(self, seq: SimRequest) -> Worker | None:
-        if len(self.workers) == 1 and self.pools is None:
-            self.open[0] += 1
-            return self.workers[0]
+    def views(self) -> list[WorkerView]:
+        """The router's views of the workers, polled every `router_poll_s`."""
         if self.now - self._views_at >= self.config.router_poll_s:
             self._views = [w.view() for w in self.workers]
             self._views_at = self.now
+        return self._views
+
+    def _take(self, index: int) -> Worker:
+        self.open[index] += 1
+        return self.workers[index]
+
+    def _route(self, seq: SimRequest) -> Worker | None:
+        if self.epp is not None:
+            return self._take(self.epp.pick(self, seq))
+        if self.controller is not None and seq.req.model is not None:
+            placed = self.controller.pick(seq.req.model)
+            if placed is not None:
+                return self._take(placed)
+        if len(self.workers) == 1 and self.pools is None:
+            return self._take(0)
+        self.views()
         # As the router's fleet does: a worker's requests open (sent, not finished) count in flight
         # beyond those its last polled state counts, and a routed adapter as loading there until
         # the next poll.
@@ -502,8 +527,7 @@ class Simulation:
         view, model = self._views[index], seq.req.model
         if model is not None and model not in view.loading:
             self._views[index] = replace(view, loading=view.loading | {model})
-        self.open[index] += 1
-        return self.workers[index]
+        return self._take(index)
 
     def _arrive(self, seq: SimRequest) -> None:
         """The request at the router: to its worker, or refused."""
@@ -513,6 +537,8 @@ class Simulation:
             return
         self.registry.request(worker.index, seq.req.model, self.now)
         worker.arrive(seq)
+        if self.controller is not None and seq.req.model is not None:
+            self.controller.record(worker.index, seq.req.model)
 
     def _refuse(self, seq: SimRequest) -> None:
         """No pool open to the request's tenant serves it: the router's 404, at once."""
@@ -526,13 +552,12 @@ class Simulation:
 
 
 def simulate(
-    trace: list[Request], config: SimConfig, policy_factory: Callable[[Simulation], object]
+    trace: list[Request],
+    config: SimConfig,
+    policy_factory: Callable[[Simulation], object],
+    controller: ControllerConfig | None = None,
 ) -> Simulation:
-    if config.routing != "router":
-        from loraplex.sim.placement import RoutedSimulation
-
-        return RoutedSimulation(trace, config, policy_factory).run()
-    return Simulation(trace, config, policy_factory).run()
+    return Simulation(trace, config, policy_factory, controller).run()
 
 
 def config_dict(config: SimConfig) -> dict:
