@@ -18,13 +18,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from loraplex.residency.budgets import TenantBudgets, usage
+from loraplex.residency.decisions import Activate, Decision, Evict, Load, Wait
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import Candidate, DemandTracker
 from loraplex.residency.warm import cpu_warm_set, gpu_warm_set
+
+__all__ = ["Activate", "Decision", "Evict", "Load", "Placement", "Snapshot", "Wait"]
 
 WANTED_FOR_S = 2.0
 """A waiting request asks again every step; older asks belong to requests that went away."""
@@ -80,41 +82,15 @@ class Snapshot(NamedTuple):
     nbytes_version: int
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Start loading the adapter's host copy, counted for `tenant`."""
-
-    key: AdapterKey
-    tenant: str
-
-
-@dataclass(frozen=True, slots=True)
-class Evict:
-    """Clear the adapter's slot (tier gpu) or drop its host copy (tier cpu)."""
-
-    key: AdapterKey
-    tier: str
-
-
-@dataclass(frozen=True, slots=True)
-class Activate:
-    """Copy the adapter's host copy into `slot`; `restored`: ahead of its requests."""
-
-    key: AdapterKey
-    slot: int
-    restored: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """The request for the adapter waits; reason "budget": its tenant's budget holds it back."""
-
-    key: AdapterKey
-    reason: str
-    tenant: str
-
-
-Decision = Load | Evict | Activate | Wait
+def gpu_pin_refusal(key: AdapterKey, num_pinned: int, num_slots: int) -> str | None:
+    """Why `key` cannot be pinned to gpu beside `num_pinned` other gpu pins, or None: it can. The
+    rule of both engines: one slot stays free for the other adapters."""
+    if num_pinned + 1 <= num_slots - 1:
+        return None
+    return (
+        f"cannot pin {key} to gpu: {num_pinned} of {num_slots} slots are pinned and one must "
+        "stay free for other adapters"
+    )
 
 
 class Placement:
@@ -203,12 +179,8 @@ class Placement:
         """Why `key` cannot be pinned to `tier` (gpu or cpu), or None: it can."""
         pins = s.gpu_pins if tier == "gpu" else s.cpu_pins
         pinned = [s.entries[k] for k in pins if k != key]
-        num_slots = len(s.slots)
-        if tier == "gpu" and len(pinned) + 1 > num_slots - 1:
-            return (
-                f"cannot pin {key} to gpu: {len(pinned)} of {num_slots} slots are pinned and "
-                "one must stay free for other adapters"
-            )
+        if tier == "gpu":
+            return gpu_pin_refusal(key, len(pinned), len(s.slots))
         nbytes = s.entries[key].nbytes  # 0 if never loaded
         if tier == "cpu" and sum(e.nbytes for e in pinned) + nbytes > s.cpu_bytes:
             return f"cannot pin {key} to cpu: pinned adapters would exceed cpu_cache_bytes"

@@ -68,6 +68,9 @@ class SimConfig:
     idle_poll_s: float = 0.01
     """A worker whose waiting requests found no slot and has nothing running or loading tries again
     after this."""
+    pins: tuple[tuple[str, str], ...] = ()
+    """(model, tier): adapters of the trace (`name@revision`) pinned to `gpu` or `cpu` on every
+    worker before the first arrival, as the operator's `POST /admin/adapters/{name}/pin`."""
     seed: int = 0
     registry_changes_per_s: float = 0.0
     """Registry changes per second (`loraplex.sim.registry_load`): notified to every worker, each

@@ -370,6 +370,8 @@ class Simulation:
         self.refs: dict[str, AdapterRef] = {}
         self.nbytes: dict[AdapterKey, int] = {}
         self.requests = [self._request(r) for r in trace]
+        if unknown := [model for model, _ in config.pins if model not in self.refs]:
+            raise ValueError(f"pins name {', '.join(unknown)}, which no request of the trace names")
         self._arrivals: dict[AdapterKey, list[float]] = {}
         for seq in self.requests:
             if seq.ref is not None:
@@ -440,8 +442,16 @@ class Simulation:
     def next_arrival_time(self) -> float:
         return self.requests[self._next].req.time if self._next < len(self.requests) else math.inf
 
+    def pin(self) -> None:
+        """The configured operator's pins, on every worker."""
+        for model, tier in self.config.pins:
+            for worker in self.workers:
+                worker.cache.pin(self.refs[model], tier)
+
     def run(self) -> Simulation:
-        if self.loop is not None:
+        if self.loop is None:
+            self.pin()
+        else:
             try:
                 self.loop.run_until_complete(self._run_on_loop())
             finally:
@@ -469,6 +479,7 @@ class Simulation:
         assert loop is not None
         for worker in self.workers:
             worker.start()
+        self.pin()
         for i, seq in enumerate(self.requests):
             self._next = i + 1
             if seq.req.time > loop.time():

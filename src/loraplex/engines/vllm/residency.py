@@ -43,7 +43,9 @@ from loraplex.engines.vllm.tables import (
     VllmTables,
     lora_int_id,
 )
+from loraplex.residency import host_cache as rules
 from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import (
     AdapterUnavailable,
@@ -54,7 +56,6 @@ from loraplex.residency.events import Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
 from loraplex.residency.residency import Residency
-from loraplex.residency.warm import host_cache_restore, host_cache_victim
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -180,15 +181,21 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         self.tables.slot_waiting[tenant] = self.tables.slot_waiting.get(tenant, 0) + 1
         try:
             while True:
-                if self.tables.has_slot(entry) and not self.tables.yields_to_warm(entry):
-                    if not self.tables.yields_slot(entry, tenant, deferred_at):
+                with self._lock:
+                    snap, now = self.tables.snapshot(), self.clock()
+                    waited_s = now - deferred_at if deferred_at is not None else None
+                    free = rules.has_slot(snap, entry)
+                    free = free and not rules.yields_to_warm(snap, entry, now)
+                    if free and not rules.yields_slot(snap, entry, tenant, waited_s):
                         return
-                    if deferred_at is None:
-                        deferred_at = self.clock()
+                    if free and deferred_at is None:
+                        deferred_at, waited_s = now, 0.0
                         self.ledger.count_budget_wait(tenant, entry.ref.key)
+                    timeout = rules.defer_left(snap, waited_s)
+                    pin_goes = any(k not in self.pins for k in snap.runtime_pins)
+                    pin_goes = pin_goes and not rules.has_slot(snap, entry)
                 self._room.clear()
-                timeout = self.tables.defer_left(deferred_at)
-                if self.tables.vllm_pins.difference(self.pins) and not self.tables.has_slot(entry):
+                if pin_goes:
                     # a warm pin whose adapter went idle goes (`_follow_demand`); its busy share
                     # falls with time, so look again soon
                     await self._follow_demand()
@@ -199,6 +206,15 @@ class VllmResidency(Residency[Resident], AdapterResidency):
             self.tables.slot_waiting[tenant] -= 1
             if not self.tables.slot_waiting[tenant]:
                 del self.tables.slot_waiting[tenant]
+
+    def _may_add(self, entry: Resident) -> bool:
+        """Whether a waiting request's adapter may take a place in vLLM's host cache now: its
+        request may go to vLLM, or a place is spare (`host_cache.spare_room`). A request that cannot
+        run yet would hold its host copy while it waits for a slot: it waits without one rather
+        than push out an adapter of the gpu warm set for it."""
+        with self._lock:
+            snap = self.tables.snapshot()
+            return rules.has_slot(snap, entry) or rules.spare_room(snap, self.clock())
 
     def _unref(self, entry: Resident, holder: str | None) -> None:
         """Drop a request's reference; `holder`: the tenant whose request vLLM ran (None: one that
@@ -217,7 +233,7 @@ class VllmResidency(Residency[Resident], AdapterResidency):
             # a pin no longer wanted goes once its adapter is idle
             unpin = entry.vllm_pinned and not entry.refcount
             unpin = unpin and entry.ref.key not in self.tables.pins_wanted
-            restore = not (entry.refcount or self.tables.waits())
+            restore = not (entry.refcount or rules.waits(self.tables.snapshot()))
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._room.set)
             if unpin:
@@ -232,20 +248,9 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         if tier not in ("gpu", "cpu"):
             raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
         with self._lock:
-            others = [e for k, e in self.entries.items() if e.pinned and k != ref.key]
-            if (
-                tier == "gpu"
-                and sum(e.pinned == "gpu" for e in others) + 1 > self.tables.max_loras - 1
-            ):
-                raise CapacityExceeded(
-                    f"cannot pin {ref.key} to gpu: one of {self.tables.max_loras} slots must stay "
-                    "free for other adapters"
-                )
-            if len(others) + 1 > self.tables.max_cpu_loras - 1:
-                raise CapacityExceeded(
-                    f"cannot pin {ref.key}: one of max_cpu_loras {self.tables.max_cpu_loras} must "
-                    "stay free for loads"
-                )
+            refusal = rules.pin_refusal(self.tables.snapshot(), ref.key, tier)
+            if refusal is not None:
+                raise CapacityExceeded(refusal)
             self.tables.entry(ref)
             self.ledger.set_pin(ref.key, tier)
         self.prewarm(ref, tier)
@@ -341,9 +346,7 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         if entry is None:
             return  # forgotten while it loaded
         entry.nbytes, entry.shape = nbytes, shape
-        # A request that cannot run yet would hold its host copy while it waits for a slot: it
-        # waits without one rather than push out an adapter of the gpu warm set for it.
-        while entry.refcount and not self.tables.has_slot(entry) and not self.tables.spare_room():
+        while entry.refcount and not self._may_add(entry):
             self._room.clear()
             await self._room.wait()
         start = time.perf_counter()
@@ -377,7 +380,7 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         async with lock:  # room made and the add sent in the order vLLM takes them
             if entry.in_vllm:
                 return None
-            while self.tables.num_in_vllm() + self.tables.num_adding >= self.tables.max_cpu_loras:
+            while len(self.tables.held) + self.tables.num_adding >= self.tables.max_cpu_loras:
                 if await self._make_room(entry):
                     continue
                 self._room.clear()
@@ -408,30 +411,20 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         self._room.set()  # a refused add leaves its room to the loads that wait
 
     async def _make_room(self, incoming: Resident) -> bool:
-        """Remove the policy's victim among the removable adapters that the load's tenant may push
-        out (`host_budget_victims`); False when none can go now."""
-        now = self.clock()
+        """Carry out `host_cache.make_room` for the load of `incoming`; False when nothing can go
+        now."""
+        key = incoming.ref.key
         with self._lock:
-            removable = [
-                k
-                for k, e in self.tables.held.items()
-                if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
-            ]
-            if removable and self.budgets.limits_anyone and not incoming.pinned:
-                removable = self.tables.host_budget_victims(incoming, removable)
-                if not removable and incoming.ref.key not in self.tables.host_waiting:
-                    self.tables.host_waiting.add(incoming.ref.key)  # counted once per wait
-                    self.ledger.count_budget_wait(incoming.last_tenant, incoming.ref.key)
-            pairs = [(k, self.entries[k]) for k in removable]
-            incoming_pair = (incoming.ref.key, incoming)
-            gpu_warm = set(self.tables.gpu_warm(now))
-            victim = host_cache_victim(
-                self.policy, pairs, incoming_pair, self.demand, gpu_warm, now
-            )
-        if victim is None:
+            decisions = rules.make_room(self.tables.snapshot(), incoming, self.clock())
+            for d in decisions:
+                if isinstance(d, Wait) and key not in self.tables.host_waiting:
+                    self.tables.host_waiting.add(key)  # counted once per wait
+                    self.ledger.count_budget_wait(d.tenant, key)
+        victims = [d.key for d in decisions if isinstance(d, Evict)]
+        if not victims:
             return False
-        self.tables.host_waiting.discard(incoming.ref.key)
-        await self._remove(victim, locked=True)
+        self.tables.host_waiting.discard(key)
+        await self._remove(victims[0], locked=True)
         return True
 
     async def _remove(self, key: AdapterKey, locked: bool = False) -> None:
@@ -451,52 +444,19 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         self.on_event(Eviction("cpu"))
 
     async def _restore_warm(self) -> None:
-        """Add back to vLLM's host cache, ahead of its requests, an adapter of the cpu warm set that
-        left it, while nothing waits, when `host_cache_restore` finds one expected back before the
-        host cache turns over: into a free place, or in place of an idle adapter outside both warm
-        sets. One per call; every release that leaves nothing waiting makes one. An adapter the
-        operator evicted waits for its next request."""
-        now = self.clock()
+        """Carry out `host_cache.restore`: one adapter of the cpu warm set back into vLLM's host
+        cache ahead of its requests, for a place that is free or that its victim leaves. Every
+        release that leaves nothing waiting makes one call."""
         with self._lock:
-            if self.tables.waits():
-                return
-            cpu_warm = [k for k in self.tables.cpu_warm(now) if self.entries[k].restorable]
-            if all(self.entries[k].in_vllm for k in cpu_warm):
-                return  # the usual case
-            removable = [
-                (k, e)
-                for k, e in self.tables.held.items()
-                if not (e.refcount or e.adding or e.pinned or e.vllm_pinned)
-            ]
-            choice = host_cache_restore(
-                self.policy,
-                self.demand,
-                now,
-                cpu_warm,
-                self.tables.held,
-                self.tables.max_cpu_loras,
-                removable,
-                self.entries,
-                set(self.tables.gpu_warm(now)),
-                self.tables.host_loads.short("cpu", now),
-            )
-            if choice is not None and self.budgets.limits_anyone:
-                chosen = self.entries[choice[0]]
-                mine = [choice[1]] if choice[1] is not None else []
-                if choice[1] is None and self.budgets.is_over(
-                    chosen.last_tenant, "cpu", self.tables.host_usage(), max(chosen.nbytes, 1)
-                ):
-                    choice = None
-                elif mine and not self.tables.host_budget_victims(chosen, mine):
-                    choice = None
-        if choice is None:
-            return
-        key, victim = choice
-        if victim is not None:
-            await self._remove(victim)
-        entry = self.entries.get(key)
-        if entry is not None and not entry.in_vllm and not self.tables.waits():
-            await self._load(entry.ref)
+            decisions = rules.restore(self.tables.snapshot(), self.clock())
+        for d in decisions:
+            if isinstance(d, Evict):
+                await self._remove(d.key)
+            elif isinstance(d, Load):
+                entry = self.entries.get(d.key)
+                waits = rules.waits(self.tables.snapshot())
+                if entry is not None and not entry.in_vllm and not waits:
+                    await self._load(entry.ref)
 
     async def _follow_demand(self) -> None:
         """Pin in vLLM's device slots what `pins_to_hold` gives, and unpin what it no longer gives
@@ -504,17 +464,12 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         copy. An adapter that `may_pin` refuses now is pinned by a later call (every request,
         pin and prewarm makes one)."""
         with self._lock:
-            wanted = self.tables.pins_to_hold(self.clock())
+            wanted = rules.pins_to_hold(self.tables.snapshot(), self.clock())
             self.tables.pins_wanted = set(wanted)
-            to_pin = [
-                k for k in wanted if self.entries[k].in_vllm and not self.entries[k].vllm_pinned
-            ]
-            to_unpin = [
-                k
-                for k in self.tables.vllm_pins
-                if k not in self.tables.pins_wanted and not self.entries[k].refcount
-            ]
-        if not (to_pin or to_unpin):
+            changes = rules.pin_changes(self.tables.snapshot(), wanted)
+        to_unpin = [d.key for d in changes if isinstance(d, Unpin)]
+        to_pin = [d.key for d in changes if isinstance(d, Pin)]
+        if not changes:
             return
         assert self.slots.lock is not None  # made by `start`
         async with self.slots.lock:
@@ -535,7 +490,8 @@ class VllmResidency(Residency[Resident], AdapterResidency):
                     entry = self.entries.get(key)
                     if entry is None or not entry.in_vllm or entry.vllm_pinned:
                         continue
-                    if key not in self.tables.pins_wanted or not self.tables.may_pin(entry):
+                    may = rules.may_pin(self.tables.snapshot(), entry)
+                    if key not in self.tables.pins_wanted or not may:
                         continue
                     self.tables.set_vllm_pinned(entry, True)
                 pinned = False

@@ -1,7 +1,8 @@
-"""The vLLM residency's tables: what vLLM holds of the adapters loraplex tracks, who waits, and the
-rules over them (any thread, under the ledger's lock): whether a request may go to vLLM now, what to
-pin, what may leave vLLM's host cache. The mechanism that calls vLLM is `residency.VllmResidency`;
-the records are the shared ledger's (`loraplex.residency.ledger`)."""
+"""The vLLM residency's tables: what vLLM holds of the adapters loraplex tracks and who waits (any
+thread, under the ledger's lock). The rules over them (whether a request may go to vLLM now, what to
+pin, what may leave vLLM's host cache) are `loraplex.residency.host_cache`'s, over `snapshot`; the
+mechanism that calls vLLM is `residency.VllmResidency`; the records are the shared ledger's
+(`loraplex.residency.ledger`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import sys
 from dataclasses import dataclass, field
 
 from loraplex.engines.vllm.staging import Staging
-from loraplex.residency.budgets import usage
+from loraplex.residency import host_cache
 from loraplex.residency.errors import AdapterUnavailable
+from loraplex.residency.host_cache import HostSnapshot
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Entry, Ledger
 from loraplex.residency.policy import DemandTracker
-from loraplex.residency.warm import BusyShare, cpu_warm_set, gpu_warm_set, warm_pins
+from loraplex.residency.warm import BusyShare
 
 WARM_PIN_LOOK_S = 0.5  # how often a request waiting for a slot looks whether a warm pin may go
 # vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
@@ -62,9 +64,8 @@ class Resident(Entry):
 
 
 class VllmTables:
-    """What vLLM holds of the adapters and who waits (the residency's `Tiers`), and the rules the
-    residency decides by: whether a request may go to vLLM, what to pin, what the host cache takes.
-    The records are the ledger's."""
+    """What vLLM holds of the adapters and who waits (the residency's `Tiers`), read by the rules
+    through `snapshot`. The records are the ledger's."""
 
     def __init__(
         self,
@@ -126,7 +127,8 @@ class VllmTables:
         return max(0, self.max_loras - len(self.in_slots()))
 
     def warm_sets(self, now: float) -> tuple[set[AdapterKey], set[AdapterKey]]:
-        return set(self.gpu_warm(now)), set(self.cpu_warm(now))
+        snap = self.snapshot()
+        return set(host_cache.gpu_warm(snap, now)), set(host_cache.cpu_warm(snap, now))
 
     def adapter_row(self, entry: Resident, row: dict) -> dict:
         return {**row, "lora_int_id": entry.lora_id}
@@ -141,40 +143,6 @@ class VllmTables:
     def staged(self, key: AdapterKey) -> bool:
         return self.staging.has(key)
 
-    def slot_usage(self) -> dict[str, int]:
-        return usage((e.charged, 1) for e in self.entries.values() if e.in_slot)
-
-    def host_usage(self) -> dict[str, int]:
-        held = (e for e in self.entries.values() if e.in_vllm or e.adding)
-        return usage((e.charged, e.nbytes) for e in held)
-
-    def yields_slot(self, entry: Resident, tenant: str, deferred_at: float | None) -> bool:
-        """Whether a request of `tenant` that needs a slot of its own leaves a free one to other
-        tenants' waiting requests (`TenantBudgets.yields_slot`)."""
-        if entry.in_slot or not self.ledger.budgets.limits_anyone:
-            return False
-        others = [t for t, n in self.slot_waiting.items() if n]
-        waited_s = self.ledger.clock() - deferred_at if deferred_at is not None else None
-        with self._lock:
-            return self.ledger.budgets.yields_slot(tenant, self.slot_usage(), others, waited_s)
-
-    def defer_left(self, deferred_at: float | None) -> float | None:
-        """Seconds a deferring request still lets others go first (None: it does not)."""
-        if deferred_at is None:
-            return None
-        left = self.ledger.budgets.yield_s - (self.ledger.clock() - deferred_at)
-        return left if left > 0 else None
-
-    def host_budget_victims(self, incoming: Resident, keys: list[AdapterKey]) -> list[AdapterKey]:
-        """Of the removable adapters `keys`, those that the load of `incoming` may push out of
-        vLLM's host cache for the tenant whose load it is: beyond its budget, only its own."""
-        entries = self.entries
-        pairs = [(k, entries[k].charged) for k in keys]
-        need = max(incoming.nbytes, 1)
-        return self.ledger.budgets.victims(
-            "cpu", incoming.last_tenant, self.host_usage(), need, pairs
-        )
-
     def entry(self, ref: AdapterRef) -> Resident:
         entry = self.entries.get(ref.key)
         if entry is None:
@@ -188,13 +156,6 @@ class VllmTables:
             self.ids[lora_id] = ref.key
             entry = self.entries[ref.key] = Resident(ref, lora_id=lora_id)
         return entry
-
-    def busy_unpinned(self) -> int:
-        """The distinct unpinned adapters with requests handed to vLLM."""
-        return sum(1 for k in self.running if not self.entries[k].vllm_pinned)
-
-    def num_in_vllm(self) -> int:
-        return len(self.held)
 
     def set_in_vllm(self, entry: Resident, held: bool) -> None:
         """`entry` in or out of vLLM's host cache (out of it, not pinned in vLLM either)."""
@@ -213,124 +174,30 @@ class VllmTables:
         else:
             self.vllm_pins.discard(entry.ref.key)
 
-    def gpu_warm(self, now: float) -> list[AdapterKey]:
-        """The gpu warm set, as placement's rule gives it for one slot fewer than vLLM has."""
-        cap, gaps = max(0, self.max_loras - 1), getattr(self.ledger.policy, "overdue_gaps", None)
-        return gpu_warm_set(self.demand, now, cap, gaps)
-
-    def cpu_warm(self, now: float) -> list[AdapterKey]:
-        """The cpu warm set, as placement's rule gives it for half of vLLM's host cache."""
-        taken, half = 0, self.max_cpu_loras // 2
-
-        def fits(key: AdapterKey) -> bool:
-            nonlocal taken
-            taken += 1
-            return taken <= half
-
-        return cpu_warm_set(
-            self.demand, now, fits, getattr(self.ledger.policy, "overdue_gaps", None)
-        )
-
-    def waits(self) -> bool:
-        """Whether a request or load waits (for a load, a slot, or a place in the host cache)."""
-        return bool(self.loading or self.slot_waiting or self.num_adding or self.host_waiting)
-
-    def pins_to_hold(self, now: float) -> list[AdapterKey]:
-        """What vLLM keeps pinned in its device slots: the operator's gpu pins, then, under a policy
-        that keeps the gpu warm set in slots (`score`), the busy adapters of that set when all of
-        them fit (`warm_pins`). Together they leave a slot for the other adapters (up to
-        max_loras - 1), and with the operator's cpu pins a place in the host cache for loads (up to
-        max_cpu_loras - 1). A warm adapter whose tenant is at its gpu budget is pinned only once it
-        runs."""
-        cap = max(0, self.max_loras - 1)
-        gpu = [k for k, tier in self.pins.items() if tier == "gpu"][:cap]
-        if not getattr(self.ledger.policy, "restores_gpu_warm", False):
-            return gpu
-        room = min(cap - len(gpu), self.max_cpu_loras - 1 - len(self.pins))
-        gaps = getattr(self.ledger.policy, "overdue_gaps", None)
-        entries = self.entries
-        warm = warm_pins(
-            self.demand,
-            now,
-            room,
-            gaps,
+    def snapshot(self) -> HostSnapshot:
+        """What the rules read (`loraplex.residency.host_cache`): these tables as they are now."""
+        ledger = self.ledger
+        return HostSnapshot(
+            self.entries,
             self.held,
+            self.running,
             self.vllm_pins,
-            lambda k: entries[k].busy.read(now),
-            exclude=gpu,
+            self.pins_wanted,
+            self.pins,
+            self.loading,
+            self.slot_waiting,
+            self.host_waiting,
+            self.num_adding,
+            self.demand,
+            self.host_loads,
+            self.max_loras,
+            self.max_cpu_loras,
+            self.reserved_slots,
+            self.scheduler_counts_pins,
+            self.queue_ahead,
+            ledger.policy,
+            ledger.budgets,
         )
-        if warm and self.ledger.budgets.limits_anyone:
-            used, budgets = self.slot_usage(), self.ledger.budgets
-            warm = [
-                k
-                for k in warm
-                if self.entries[k].in_slot
-                or not any(budgets.is_over(t, "gpu", used, 1) for t in self.entries[k].charged)
-            ]
-        return gpu + warm
-
-    def may_pin(self, entry: Resident) -> bool:
-        """Whether pinning `entry` leaves a slot unpinned and keeps the distinct unpinned adapters
-        running within the unpinned slots (`has_slot`): one running already moves from those to
-        the pinned."""
-        if len(self.vllm_pins) >= self.max_loras - 1:
-            return False  # a pin no longer wanted goes first, once its adapter is idle
-        unpinned = self.busy_unpinned() - (1 if entry.active else 0)
-        return unpinned <= self.max_loras - len(self.vllm_pins) - 1
-
-    def yields_to_warm(self, entry: Resident) -> bool:
-        """Whether a request outside the gpu warm set leaves a free slot to an adapter of that set
-        whose requests wait for one. The wait is short: an adapter with requests running takes
-        more of them without a slot of its own, so the set's adapters wait only to start."""
-        if entry.vllm_pinned or entry.active:
-            return False
-        with self._lock:
-            warm = set(self.gpu_warm(self.ledger.clock()))
-            if entry.ref.key in warm:
-                return False
-            return any(
-                (e := self.entries.get(k)) is not None and e.in_vllm and not e.active and e.refcount
-                for k in warm
-            )
-
-    def has_slot(self, entry: Resident) -> bool:
-        """Whether a request for `entry` may go to vLLM now: the distinct unpinned adapters with
-        requests in vLLM stay within `unpinned_room`."""
-        if entry.vllm_pinned or entry.active:
-            return True
-        with self._lock:
-            return self.busy_unpinned() < self.unpinned_room()
-
-    def unpinned_room(self) -> int:
-        """How many distinct unpinned adapters may have requests handed to vLLM at once: the
-        unpinned slots, and `queue_ahead` adapters more, whose requests vLLM's scheduler starts in
-        the step a slot frees, not a round trip through this process later. The slots alone
-        - while a pin waits for the adapters running to fit beside it (`may_pin`), so that they
-          drain;
-        - under tenant budgets, which count a tenant's slots by its requests handed to vLLM;
-        - while a slot is pinned, when vLLM's scheduler does not count pinned slots (a vLLM without
-          loraplex's fix): it then takes up to its slot count of distinct adapters into a batch,
-          and a batch with more unpinned adapters than unpinned slots fails in its worker."""
-        room = self.max_loras - len(self.vllm_pins)
-        pin_waits = bool(self.pins_wanted - self.vllm_pins)
-        pinned = self.vllm_pins or self.pins_wanted or self.reserved_slots
-        if pin_waits or self.ledger.budgets.limits_anyone:
-            return room
-        if pinned and not self.scheduler_counts_pins:
-            return room
-        return room + self.queue_ahead
-
-    def spare_room(self) -> bool:
-        """Whether vLLM's host cache takes one more adapter without removing one of the gpu warm
-        set: a free place, or an idle adapter outside that set."""
-        with self._lock:
-            if self.num_in_vllm() + self.num_adding < self.max_cpu_loras:
-                return True
-            warm = set(self.gpu_warm(self.ledger.clock()))
-            return any(
-                not (e.refcount or e.pinned or e.vllm_pinned) and k not in warm
-                for k, e in self.held.items()
-            )
 
     def in_use(self, name: str) -> bool:
         """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
