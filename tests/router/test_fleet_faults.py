@@ -4,10 +4,8 @@ three clients stream greedy completions. No answer is wrong, only requests strea
 killed worker fail, requests are answered while PostgreSQL is down, and the registry keeps every
 revision and takes a new one that the fleet then serves."""
 
-import json
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 from tinymodels import peft_reference, reference_greedy
 
 from loraplex.artifacts import ArtifactStore
+from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
 from loraplex.loadgen.procs import start_router, start_together, start_worker, stop_together
 from loraplex.registry import Registry
 
@@ -31,59 +30,6 @@ def pg_ctl(server: Path, *args: str) -> None:
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     command = [*as_user, str(binary), "-D", str(server / "data"), "-w", *args]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
-
-
-def stream(http: httpx.Client, url: str, model: str) -> dict:
-    """One streamed greedy completion: its status, the worker the router named, its token ids, and
-    whether the stream ended with [DONE] (else the error that broke it)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
-    # logprobs: a chunk for every token, so each one's id comes back (a token whose text is held
-    # back, half a character, otherwise comes in no chunk)
-    body |= {"ignore_eos": True, "stream": True, "return_token_ids": True, "logprobs": 0}
-    record: dict = {"model": model, "ids": [], "done": False, "sent": time.monotonic()}
-    try:
-        with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            record["status"], record["worker"] = r.status_code, r.headers.get("x-loraplex-worker")
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    record["done"] = True
-                elif line.startswith("data: "):
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        record["ids"] += choice.get("token_ids") or []
-    except httpx.HTTPError as exc:
-        record["error"] = type(exc).__name__
-    record["ended"] = time.monotonic()
-    return record
-
-
-class Traffic:
-    """Clients streaming completions over `models` until stopped."""
-
-    def __init__(self, url: str, models: list[str], clients: int = 3):
-        self.url, self.models, self.records = url, models, []
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self.client, args=(c,)) for c in range(clients)]
-        for t in self.threads:
-            t.start()
-
-    def client(self, offset: int) -> None:
-        with httpx.Client(timeout=120) as http:
-            i = offset
-            while not self.stopping.is_set():
-                self.records.append(stream(http, self.url, self.models[i % len(self.models)]))
-                i += 1
-
-    def wait_for_more(self, count: int, timeout: float = 120) -> None:
-        """Until `count` more requests ended (a bound against hangs, not a timing assertion)."""
-        target, deadline = len(self.records) + count, time.monotonic() + timeout
-        while len(self.records) < target:
-            assert time.monotonic() < deadline, "the traffic stopped"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join()
 
 
 def revisions(url: str) -> set[tuple[str, str]]:
@@ -142,7 +88,7 @@ def test_a_killed_worker_and_a_restarted_postgres_lose_nothing(
     expected = {n: reference_greedy(reference, PROMPT, n, TOKENS) for n in (*NAMES, "pattern")}
     expected["base"] = reference_greedy(reference, PROMPT, None, TOKENS)
     before = revisions(pg_url)
-    traffic = Traffic(router.url, ["base", *NAMES])
+    traffic = ClosedLoop(router.url, ["base", *NAMES], PROMPT, TOKENS)
     try:
         traffic.wait_for_more(15)
         victim = workers[1]
@@ -162,19 +108,16 @@ def test_a_killed_worker_and_a_restarted_postgres_lose_nothing(
         added.close()
         after = revisions(pg_url)
         with httpx.Client(timeout=120) as http:
-            wait_for(lambda: stream(http, router.url, "pattern").get("status") == 200)
+            wait_for(lambda: stream_greedy(http, router.url, "pattern", PROMPT, 1)["done"])
         traffic.models.append("pattern")
         traffic.wait_for_more(20)
     finally:
-        traffic.stop()
-    records = traffic.records
-    failed = [r for r in records if not (r.get("status") == 200 and r["done"])]
-    assert all(r.get("worker") == victim.url and r["sent"] < killed_at for r in failed), failed
-    assert len(failed) <= 3  # at most one per client: those streaming from the victim
-    answered = [r for r in records if r not in failed]
-    wrong = [(r["model"], r["ids"]) for r in answered if r["ids"] != expected[r["model"]]]
-    assert not wrong, wrong
-    assert any(down_from < r["sent"] and r["ended"] < down_until for r in answered)
-    assert {r["worker"] for r in answered if r["sent"] > down_until} == {workers[0].url}
+        records = traffic.stop()
+    counts = fault_counts(records, expected, victim.url, killed_at, (down_from, down_until))
+    assert (counts.wrong, counts.failed_elsewhere) == (0, 0), records
+    assert counts.failed <= 3  # at most one per client: those streaming from the victim
+    assert counts.answered_while_registry_down >= 10 - 3  # less those sent before it stopped
+    after_ok = [r for r in records if r["sent"] > down_until and r.get("status") == 200]
+    assert {r["worker"] for r in after_ok} == {workers[0].url}
     assert after == before | {("pattern", "r1")} and len(before) == len(NAMES)
-    assert any(r["model"] == "pattern" for r in answered)
+    assert any(r["model"] == "pattern" and r["done"] for r in records)
