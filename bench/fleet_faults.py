@@ -95,6 +95,14 @@ def revisions(url: str) -> set[tuple[str, str]]:
         registry.close()
 
 
+def phase(at: float, killed_at: float, down_from: float, down_until: float) -> str:
+    if at < killed_at:
+        return "before the kill"
+    if at < down_from:
+        return "after the kill"
+    return "registry down" if at < down_until else "after the restart"
+
+
 def run(root: Path, pg: Postgres, down_s: float) -> dict:
     model, adapters, expected = build(root, pg)
     extra = ("--registry", pg.url, "--max-loras", "2", "--served-model-name", "base")
@@ -141,6 +149,14 @@ def run(root: Path, pg: Postgres, down_s: float) -> dict:
         "revisions_after_one_added": len(after),
         "revisions_kept": before <= after,
         "late_adapter_answered": sum(r["model"] == LATE and r["done"] for r in records),
+        "failed_by_phase": dict(
+            Counter(
+                phase(r["sent"], killed_at, down_from, down_until)
+                for r in records
+                if not (r.get("status") == 200 and r["done"])
+            )
+        ),
+        "first_failure_bodies": sorted({r["body"] for r in records if "body" in r})[:3],
         "failed_by_kind": dict(
             Counter(
                 f"{r.get('status', r.get('error'))} on victim={r.get('worker') == victim.url}"

@@ -107,3 +107,13 @@ def test_plan_sizes_each_pool(llama_dir, llama_adapters, tmp_path):
     assert shared["needed"] is not None and shared["needed"] > acme["needed"]
     tables = planner.tables(plan)
     assert "pools: workers each needs" in str(tables[-1].title)
+
+
+def test_plan_pools_need_a_workload_and_a_good_spec(llama_dir, llama_adapters):
+    folder = str(next(iter(llama_adapters.values())).parent)
+    args = ["plan", "--model", str(llama_dir), "--adapters", folder]
+    no_workload = CliRunner().invoke(app, [*args, "--pool", "name=a,workers=1"])
+    assert no_workload.exit_code == 2
+    assert "--pool" in no_workload.output and "give --workload" in no_workload.output
+    bad = CliRunner().invoke(app, [*args, "--workload", "zipf", "--pool", "name=a,workers=0"])
+    assert bad.exit_code == 2 and "workers must be at least 1" in bad.output

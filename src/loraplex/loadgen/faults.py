@@ -23,6 +23,8 @@ def stream_greedy(http: httpx.Client, url: str, model: str, prompt: list[int], n
     try:
         with http.stream("POST", f"{url}/v1/completions", json=body) as r:
             record["status"], record["worker"] = r.status_code, r.headers.get("x-loraplex-worker")
+            if r.status_code != 200:
+                record["body"] = r.read().decode(errors="replace")[:300]
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     record["done"] = True
