@@ -114,6 +114,7 @@ def start_router_on(root: Path, registry: str, pools: list[dict], urls: list[str
         }
         for p in pools
     ]
+    root.mkdir(parents=True, exist_ok=True)
     (root / "router.yaml").write_text(yaml.safe_dump({"pool": declared}))
     config = ("--config", str(root / "router.yaml"), "--registry", registry)
     router = start_router([], root / "router", "affinity", *config)
