@@ -17,6 +17,7 @@ from loraplex.artifacts import ArtifactStore
 from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
 from loraplex.loadgen.procs import start_router, start_together, start_worker, stop_together
 from loraplex.registry import Registry
+from loraplex.router.serve import registry_callers
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKENS = 12
@@ -123,3 +124,25 @@ def test_a_killed_worker_and_a_restarted_postgres_lose_nothing(
     assert {r["worker"] for r in after_ok} == {workers[0].url}
     assert after == before | {("pattern", "r1")} and len(before) == len(NAMES)
     assert any(r["model"] == "pattern" and r["done"] for r in records)
+
+
+def test_the_router_keeps_its_callers_tenants_while_postgres_is_down(pg_url, postgres_server):
+    """A key's tenant, remembered for a minute, stands past that while the registry cannot be
+    read (a dedicated pool keeps its tenant's traffic); a key never seen gets no tenant, and
+    neither answer is remembered, so the registry is asked again once it is back."""
+    registry = Registry(pg_url)
+    registry.init()
+    registry.add_tenant("acme", 3)
+    seen, unseen = registry.create_key("acme"), registry.create_key("acme")
+    now = [0.0]
+    caller_of = registry_callers(registry, clock=lambda: now[0])
+    assert caller_of(seen) == ("acme", 3)
+    pg_ctl(postgres_server, "-m", "immediate", "stop")
+    try:
+        now[0] += 61
+        assert caller_of(seen) == ("acme", 3)
+        assert caller_of(unseen) == (None, 0)
+    finally:
+        pg_ctl(postgres_server, "restart", "-l", str(postgres_server / "log"))
+    assert caller_of(unseen) == ("acme", 3)
+    registry.close()
