@@ -149,19 +149,20 @@ def run(root: Path, pg: Postgres, down_s: float) -> dict:
         "revisions_after_one_added": len(after),
         "revisions_kept": before <= after,
         "late_adapter_answered": sum(r["model"] == LATE and r["done"] for r in records),
-        "failed_by_phase": dict(
-            Counter(
-                phase(r["sent"], killed_at, down_from, down_until)
-                for r in records
-                if not (r.get("status") == 200 and r["done"])
-            )
-        ),
-        "first_failure_bodies": sorted({r["body"] for r in records if "body" in r})[:3],
+        **failures(records, victim.url, (killed_at, down_from, down_until)),
+    }
+
+
+def failures(records: list[dict], victim: str, times: tuple[float, float, float]) -> dict:
+    """The failed requests by phase and by kind, and the first error bodies."""
+    failed = [r for r in records if not (r.get("status") == 200 and r["done"])]
+    return {
+        "failed_by_phase": dict(Counter(phase(r["sent"], *times) for r in failed)),
+        "first_failure_bodies": sorted({r["body"] for r in failed if "body" in r})[:3],
         "failed_by_kind": dict(
             Counter(
-                f"{r.get('status', r.get('error'))} on victim={r.get('worker') == victim.url}"
-                for r in records
-                if not (r.get("status") == 200 and r["done"])
+                f"{r.get('status', r.get('error'))} on victim={r.get('worker') == victim}"
+                for r in failed
             )
         ),
     }
