@@ -20,7 +20,13 @@ ADMIN_TOKEN = "e2e-admin-token-0123456789"
 class Proc:
     """A `loraplex` command, its output copied to `log`; ready once a line matches `pattern`."""
 
-    def __init__(self, args: list[str], log: Path, pattern: str = r"on (http://[0-9.:]+)"):
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        pattern: str = r"on (http://[0-9.:]+)",
+        ready_timeout_s: float = 180,
+    ):
         self.args, self.log_path = args, log
         self.log = log.open("w")
         command = [sys.executable, "-m", "loraplex.cli", *args]
@@ -37,7 +43,7 @@ class Proc:
         )
         self._copier.start()
         try:
-            url = address.result(timeout=180)
+            url = address.result(timeout=ready_timeout_s)
         except TimeoutError:
             url = None
         if url is None:
@@ -97,8 +103,15 @@ def stop_together(procs: list[Proc]) -> None:
 
 
 def start_worker(
-    model_dir: Path, data_dir: Path, adapters: dict[str, Path], *extra: str, max_lora_rank: int = 16
+    model_dir: Path,
+    data_dir: Path,
+    adapters: dict[str, Path],
+    *extra: str,
+    max_lora_rank: int = 16,
+    ready_timeout_s: float = 180,
 ) -> Proc:
+    """`ready_timeout_s`: how long it may take to print its address (vLLM's CPU engine takes
+    minutes on a busy machine)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     token_file = data_dir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
@@ -120,7 +133,7 @@ def start_worker(
     ]
     if adapters:
         args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
-    return Proc(args, data_dir / "log.txt")
+    return Proc(args, data_dir / "log.txt", ready_timeout_s=ready_timeout_s)
 
 
 def start_router(workers: list[str], data_dir: Path, policy: str = "affinity", *extra: str) -> Proc:

@@ -66,15 +66,18 @@ def _from_registry(url: str) -> dict:
     }
 
 
-def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, int]]:
+def registry_callers(
+    registry: Registry, clock: Callable[[], float] = time.monotonic
+) -> Callable[[str], tuple[str | None, int]]:
     """Bearer key -> (tenant, its priority), read from `registry` (remembered per key for a
-    minute); no key: the open tenant."""
+    minute; while the registry cannot be read, the last answer stands); no key: the open
+    tenant."""
     memo: dict[str, tuple[float, tuple[str | None, int]]] = {}
 
     tenants: list = [-math.inf, {}]  # when read, tenant -> priority
 
     def caller_of(key: str) -> tuple[str | None, int]:
-        now = time.monotonic()
+        now = clock()
         if key in memo and now - memo[key][0] < 60:
             return memo[key][1]
         try:
@@ -82,9 +85,10 @@ def registry_callers(registry: Registry) -> Callable[[str], tuple[str | None, in
                 tenants[:] = [now, {t.name: t.priority for t in registry.list_tenants()}]
             tenant = registry.tenant_for_key(key) if key else OPEN_TENANT
             caller = (tenant, tenants[1].get(tenant, 0))
-        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing: no tenant)
-            log.warning("tenant lookup failed: %s", exc)
-            caller = open_caller(key)
+        except Exception as exc:  # noqa: BLE001 (a registry problem must not fail the routing)
+            log.warning("tenant lookup failed, the last answer stands: %s", exc)
+            # not remembered: asked again at the next request
+            return memo[key][1] if key in memo else open_caller(key)
         if len(memo) >= 10_000:  # any client can send keys: keep the memo bounded
             memo.clear()
         memo[key] = (now, caller)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
+from sqlalchemy.exc import DBAPIError
 
 from loraplex.bearer import bearer, carries_token
 from loraplex.registry import Registry
@@ -64,6 +65,8 @@ class Authenticator:
 
     Registry answers are cached for `ttl_s`: a revoked key stops working, and a first key created in
     the registry closes open mode, within that time. Revoking every key does not reopen the server.
+    While the registry's database cannot be reached, the last answers stand (a key never seen
+    before cannot be checked: 500), so serving goes on through a restart of the database.
     """
 
     def __init__(
@@ -85,7 +88,13 @@ class Authenticator:
         closed."""
         now = self.clock()
         if self._open is None or (self._open[0] and self._open[1] < now):
-            is_open = not self.file_keys and not self.registry.list_keys()
+            try:
+                is_open = not self.file_keys and not self.registry.list_keys()
+            except DBAPIError as exc:
+                if self._open is None:
+                    raise
+                self._unreachable(exc)
+                return self._open[0]
             if self._open and not is_open:
                 log.warning("API keys now exist: open mode is over, every request needs a key")
             self._open = (is_open, now + self.ttl_s)
@@ -124,6 +133,9 @@ class Authenticator:
             raise unauthorized("Incorrect API key provided.")
         return tenant
 
+    def _unreachable(self, exc: DBAPIError) -> None:
+        log.warning("registry unreachable, the last answer on keys stands: %s", exc.orig)
+
     def forget(self) -> None:
         """The registry's keys changed: look each key up again at its next use."""
         self._cache = {}
@@ -135,7 +147,13 @@ class Authenticator:
         cached = self._cache.get(digest)
         if cached is not None and cached[1] >= now:
             return cached[0]
-        tenant = self.registry.tenant_for_key(key)
+        try:
+            tenant = self.registry.tenant_for_key(key)
+        except DBAPIError as exc:
+            if cached is None:
+                raise
+            self._unreachable(exc)
+            return cached[0]
         if len(self._cache) >= _MAX_CACHED_KEYS:
             self._cache.clear()
         self._cache[digest] = (tenant, now + self.ttl_s)

@@ -56,6 +56,16 @@ SHAPED = ("zipf", "uniform", "power", "diurnal", "rollout")
 """The named workloads that --num-adapters, --rate, --duration-s and --tenants reshape."""
 
 
+def _pool():
+    return setting(
+        (),
+        "A pool of the fleet, as the router's --pool: name=N,workers=COUNT (or URL1+URL2: their "
+        "count)[,max-rank=R][,tenants=T1+T2] (no tenants: shared); repeat per pool; the workers "
+        "are the pools' (not --workers)",
+        metavar="name=N,workers=COUNT,...",
+    )
+
+
 def _num_adapters() -> Any:
     return setting(
         None,
@@ -158,12 +168,7 @@ class SimulateSettings:
         default_text="each workload's own",
     )
     workers: int = setting(1, "Workers behind the router's affinity picker", check=at_least(1))
-    pool: tuple[str, ...] = setting(
-        (),
-        "A pool of the fleet: NAME=N,workers=COUNT[,max-rank=R][,tenants=T1+T2] (no tenants: "
-        "shared); repeat per pool; the workers are the pools' (not --workers)",
-        metavar="NAME=N,workers=COUNT,...",
-    )
+    pool: tuple[str, ...] = _pool()
     engine: str = setting(
         "native",
         "Whose residency and scheduling each worker runs: native | vllm (vLLM's host cache of "
@@ -246,6 +251,7 @@ class PlanSettings:
         "(hit rates, cold starts, registry load) in place of the one-worker sizing",
         check=at_least(1),
     )
+    pool: tuple[str, ...] = _pool()
     num_adapters: int | None = _num_adapters()
     rate: float | None = _rate()
     duration_s: float | None = _duration_s()

@@ -468,6 +468,7 @@ def plan(s: PlanSettings) -> None:
             calibration=calibration,
             engine=s.engine,
             max_cpu_loras=s.max_cpu_loras,
+            pools=_pools(s.pool),
         )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)

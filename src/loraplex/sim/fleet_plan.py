@@ -1,44 +1,43 @@
 """`loraplex plan --workers N`: the workload on a fleet of N workers at the planned capacities, with
-its hit rates, cold starts, the registry's load under the push model, and the simulator's speed."""
+its hit rates, cold starts, the registry's load under the push model, and the simulator's speed.
+`loraplex plan --pool SPEC ...`: the same on a fleet of pools, and each pool sized: the fewest
+workers that keep its TTFT p99 within 2x its warm TTFT."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 
 from rich.table import Table
 
 from loraplex.settings.serve_values import VLLM_HOST_CACHE_PER_SLOT
 from loraplex.sim import workload as workloads
+from loraplex.sim.pools import SimPool
 from loraplex.sim.report import summarize
-from loraplex.sim.simulator import SimConfig, policy_factory, simulate
+from loraplex.sim.simulator import SimConfig, Simulation, policy_factory, simulate
+
+TTFT_OVER_WARM = 2.0
+"""A pool is sized to the fewest workers whose TTFT p99 stays within this times its warm TTFT."""
 
 
 def fleet_for_workload(
-    plan, trace: list[workloads.Request], workers: int, registry_changes_per_s: float = 0.0
+    plan,
+    trace: list[workloads.Request],
+    workers: int,
+    registry_changes_per_s: float = 0.0,
+    pools: tuple[SimPool, ...] = (),
 ) -> dict:
-    """One simulation of the `score` policy on `workers` workers, each with the plan's slots, host
-    cache and disk cache, adapters sized by the plan's adapters' bytes per unit of rank."""
-    per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
-    d = plan.defaults
-    config = SimConfig(
-        engine=plan.engine,
-        max_cpu_loras=plan.max_cpu_loras,
-        gpu_slots=d.max_loras,
-        cpu_bytes=d.cpu_cache_bytes,
-        disk_bytes=d.disk_cache_bytes,
-        workers=workers,
-        bytes_per_rank=int(per_rank),
-        tenant_budgets=plan.budgets,
-        registry_changes_per_s=registry_changes_per_s,
-        service=plan.calibration.service,
-        costs=plan.calibration.costs,
-    )
+    """One simulation of the `score` policy on `workers` workers (or on `pools`), each with the
+    plan's slots, host cache and disk cache, adapters sized by the plan's adapters' bytes per unit
+    of rank."""
+    config = _config(plan, workers, registry_changes_per_s, pools)
     started = time.perf_counter()
     sim = simulate(trace, config, policy_factory("score"))
     wall = time.perf_counter() - started
     figures = summarize(sim)
     return {
-        "workers": workers,
+        "workers": config.workers,
         "requests": len(trace),
         "adapters": len({r.model for r in trace if r.adapter is not None}),
         "tenants": len({r.tenant for r in trace}),
@@ -48,7 +47,61 @@ def fleet_for_workload(
         "registry": figures["registry"],
         "wall_s": wall,
         "requests_per_wall_s": len(trace) / wall if wall > 0 else float("inf"),
+        **({"pools": size_pools(plan, trace, pools, sim)} if pools else {}),
     }
+
+
+def size_pools(plan, trace, pools: tuple[SimPool, ...], declared: Simulation) -> list[dict]:
+    """Per pool, as declared: its requests, hit rate, TTFT p99 and warm TTFT (the median of its
+    gpu hits); and the fewest workers (up to twice the declared count, the other pools as
+    declared) whose TTFT p99 is within TTFT_OVER_WARM of that warm TTFT (None: not within
+    twice)."""
+    out = []
+    for i, pool in enumerate(pools):
+        figures = _pool_ttft(declared, pool.spec.name)
+        needed = None
+        for count in range(1, 2 * pool.workers + 1):
+            resized = pools[:i] + (dataclasses.replace(pool, workers=count),) + pools[i + 1 :]
+            sim = simulate(trace, _config(plan, 0, 0.0, resized), policy_factory("score"))
+            p99 = _pool_ttft(sim, pool.spec.name)["ttft_p99_s"]
+            if figures["warm_ttft_s"] and p99 <= TTFT_OVER_WARM * figures["warm_ttft_s"]:
+                needed = count
+                break
+        out.append({"pool": pool.spec.name, "workers": pool.workers, **figures, "needed": needed})
+    return out
+
+
+def _pool_ttft(sim: Simulation, name: str) -> dict:
+    assert sim.pools is not None
+    group = [s for s in sim.requests if s.tier != "refused" and sim.pools.name_of(s.worker) == name]
+    ttft = sorted(s.first_token_at - s.req.time for s in group)
+    warm = [s.first_token_at - s.req.time for s in group if s.tier == "gpu"]
+    return {
+        "requests": len(group),
+        "gpu_hit_rate": len(warm) / len(group) if group else 0.0,
+        "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else 0.0,
+        "warm_ttft_s": statistics.median(warm) if warm else None,
+        "refused": sum(s.tier == "refused" for s in sim.requests),
+    }
+
+
+def _config(plan, workers: int, registry_changes_per_s: float, pools) -> SimConfig:
+    per_rank = sum(a.serving_bytes / a.rank for a in plan.adapters) / len(plan.adapters)
+    d = plan.defaults
+    return SimConfig(
+        engine=plan.engine,
+        max_cpu_loras=plan.max_cpu_loras,
+        gpu_slots=d.max_loras,
+        cpu_bytes=d.cpu_cache_bytes,
+        disk_bytes=d.disk_cache_bytes,
+        workers=max(1, workers),
+        bytes_per_rank=int(per_rank),
+        tenant_budgets=plan.budgets,
+        registry_changes_per_s=registry_changes_per_s,
+        service=plan.calibration.service,
+        costs=plan.calibration.costs,
+        pools=pools,
+    )
 
 
 def fleet_table(plan) -> Table:
@@ -76,4 +129,29 @@ def fleet_table(plan) -> Table:
     )
     for name, value in rows:
         table.add_row(name, value)
+    return table
+
+
+def pools_plan_table(plan) -> Table:
+    """Per pool: its declared workers and figures, and the workers it needs."""
+    table = Table(
+        title=f"pools: workers each needs for TTFT p99 within {TTFT_OVER_WARM:g}x its warm TTFT "
+        "(simulated, policy score)",
+        caption="needed: the fewest workers, the other pools as declared; - : not within twice "
+        "the declared count",
+    )
+    columns = ("pool", "workers", "requests", "gpu hit", "warm TTFT", "p99 TTFT", "needed")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "pool" else "right", no_wrap=True)
+    for p in plan.fleet["pools"]:
+        warm = p["warm_ttft_s"]
+        table.add_row(
+            p["pool"],
+            str(p["workers"]),
+            f"{p['requests']:,}",
+            f"{p['gpu_hit_rate']:.2%}",
+            "-" if warm is None else f"{warm * 1000:.0f} ms",
+            f"{p['ttft_p99_s'] * 1000:.0f} ms",
+            "-" if p["needed"] is None else str(p["needed"]),
+        )
     return table

@@ -17,7 +17,7 @@ from loraplex.model_config import ModelConfig, ModelConfigError
 from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration
-from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table
+from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table, pools_plan_table
 from loraplex.sim.report import summarize
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
@@ -199,17 +199,19 @@ def make_plan(
     calibration: Calibration | None = None,
     engine: str = "native",
     max_cpu_loras: int | None = None,
+    pools: tuple = (),
     **capacities,
 ) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
     (serve's flags; the engine's defaults otherwise); `engine`, `max_cpu_loras`: serve's, for the
     simulations (on vllm the cpu cache is sized in adapters). With `workers` above 1 the workload
     (reshaped by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of
-    the one-worker sizing. The simulations run at `calibration`'s costs (the package's by
-    default)."""
-    if not workload and (workers > 1 or shape or registry_changes_per_s):
+    the one-worker sizing; with `pools` (`sim.pools.SimPool`) it runs on those pools and each pool
+    is sized (`fleet_plan.size_pools`). The simulations run at `calibration`'s costs (the
+    package's by default)."""
+    if not workload and (workers > 1 or shape or registry_changes_per_s or pools):
         raise PlanError(
-            "--workers, --num-adapters, --rate, --duration-s, --tenants and "
+            "--workers, --pool, --num-adapters, --rate, --duration-s, --tenants and "
             "--registry-changes-per-s size a workload: give --workload"
         )
     try:
@@ -241,8 +243,8 @@ def make_plan(
     if workload:
         trace = load_workload(workload, shape)
         with progress or contextlib.nullcontext():
-            if workers > 1:
-                plan.fleet = fleet_for_workload(plan, trace, workers, registry_changes_per_s)
+            if workers > 1 or pools:
+                plan.fleet = fleet_for_workload(plan, trace, workers, registry_changes_per_s, pools)
             else:
                 plan.sizing = size_for_workload(plan, workload, trace, progress)
     return plan
@@ -410,6 +412,8 @@ def tables(plan: Plan) -> list[Table]:
         out.append(_sizing_table(plan))
     if plan.fleet:
         out.append(fleet_table(plan))
+    if plan.fleet and plan.fleet.get("pools"):
+        out.append(pools_plan_table(plan))
     return out
 
 

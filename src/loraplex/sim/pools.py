@@ -1,6 +1,6 @@
-"""`simulate --pool`: a fleet as pools, routed as the router routes them (`router.pools`,
-`router.routing`): a request goes to the workers whose pool serves its adapter's rank, in its
-tenant's dedicated pools first, then in the shared ones while those are saturated."""
+"""`simulate --pool` and `plan --pool`: a fleet as pools, routed as the router routes them
+(`router.pools`, `router.routing`): a request goes to the workers whose pool serves its adapter's
+rank, in its tenant's dedicated pools first, then in the shared ones while those are saturated."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ class SimPool:
 
 
 def parse_sim_pool(text: str) -> SimPool:
-    """`name=N,workers=COUNT[,max-rank=R][,tenants=T1+T2]` (ValueError saying what is wrong)."""
+    """The router's `--pool` spec: `name=N,workers=COUNT[,max-rank=R][,tenants=T1+T2]`, where
+    `workers` is a count or, as the router takes it, URLs joined by `+` (their count); `base-model`
+    is read and checked as the router's (ValueError saying what is wrong)."""
     fields = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -27,10 +29,13 @@ def parse_sim_pool(text: str) -> SimPool:
             raise ValueError(f"pool {text!r}: {part!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     count = fields.pop("workers", "1")
-    try:
-        workers = int(count)
-    except ValueError:
-        raise ValueError(f"pool {text!r}: workers={count!r} is not a count") from None
+    if count.startswith(("http://", "https://")):
+        workers = len(parse_pool({**fields, "workers": count}).workers)
+    else:
+        try:
+            workers = int(count)
+        except ValueError:
+            raise ValueError(f"pool {text!r}: workers={count!r} is not a count") from None
     if workers < 1:
         raise ValueError(f"pool {text!r}: workers must be at least 1")
     return SimPool(parse_pool(fields), workers)

@@ -1,0 +1,197 @@
+"""Faults under traffic: a worker SIGKILLed and the registry's PostgreSQL restarted mid-run.
+
+    python bench/fleet_faults.py [--json bench/results/fleet_faults.json]
+
+A throwaway PostgreSQL cluster (initdb + pg_ctl on a socket in a temp dir) holds the registry:
+three PEFT adapters of a tiny Llama. Three `loraplex serve` workers (native engine) and one
+`loraplex router` read it. Three closed-loop clients stream greedy completions (12 tokens) over
+the adapters and the bare base throughout. Phases: steady; one worker SIGKILLed; PostgreSQL
+stopped (`-m immediate`) for a few seconds and started again; a new adapter registered after the
+restart and added to the traffic. Every answer is checked against HF transformers + PEFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+from hetero_fleet import wait_for_health
+from tinymodels import ADAPTERS, make_adapter, make_model, peft_reference, reference_greedy
+
+from loraplex.artifacts import ArtifactStore
+from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
+from loraplex.loadgen.procs import start_router, start_together, start_worker, stop_together
+from loraplex.registry import Registry
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+TOKENS = 12
+NAMES = ("attn-r8", "mlp-r4", "regex-r4")
+LATE = "pattern"
+
+
+class Postgres:
+    """A throwaway cluster in `work` (as the postgres user when running as root: initdb refuses
+    root)."""
+
+    def __init__(self, work: Path):
+        self.bin = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))[-1].parent
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.work, self.data = work, work / "data"
+        work.mkdir(parents=True)
+        work.chmod(0o755)
+        if self.as_user:
+            shutil.chown(work, "postgres")
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        options = f"-k {work} -c listen_addresses='' -c fsync=off"
+        self.ctl("-o", options, "-l", str(work / "log"), "start")
+        self.url = f"postgresql://postgres@/postgres?host={work}"
+
+    def _run(self, tool: str, *args: str) -> None:
+        command = [*self.as_user, str(self.bin / tool), *args]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+    def ctl(self, *args: str) -> None:
+        """`pg_ctl ... ACTION`; `restart` on a stopped cluster starts it with its last options."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", *args)
+
+
+def build(root: Path, pg: Postgres):
+    model = make_model(root / "llama", "llama")
+    adapters = {
+        n: make_adapter(model, root / n, seed=i, **ADAPTERS[n])
+        for i, n in enumerate((*NAMES, LATE))
+    }
+    reference = peft_reference(model, adapters)
+    expected = {n: reference_greedy(reference, PROMPT, n, TOKENS) for n in adapters}
+    expected["base"] = reference_greedy(reference, PROMPT, None, TOKENS)
+    registry = Registry(pg.url, store=ArtifactStore(root / "store"))
+    registry.init()
+    for name in NAMES:
+        registry.add_revision(adapters[name], name, "r1", status="stable", base_model_dir=model)
+    registry.close()
+    return model, adapters, expected
+
+
+def revisions(url: str) -> set[tuple[str, str]]:
+    registry = Registry(url)
+    try:
+        return {(a.name, r.revision) for a in registry.list_adapters() for r in a.revisions}
+    finally:
+        registry.close()
+
+
+def phase(at: float, killed_at: float, down_from: float, down_until: float) -> str:
+    if at < killed_at:
+        return "before the kill"
+    if at < down_from:
+        return "after the kill"
+    return "registry down" if at < down_until else "after the restart"
+
+
+def run(root: Path, pg: Postgres, down_s: float) -> dict:
+    model, adapters, expected = build(root, pg)
+    extra = ("--registry", pg.url, "--max-loras", "2", "--served-model-name", "base")
+    extra += ("--allowed-roots", str(root))
+    workers = start_together(
+        [lambda i=i: start_worker(model, root / f"w{i}", {}, *extra) for i in range(3)]
+    )
+    router = start_router(
+        [w.url for w in workers], root / "router", "affinity", "--registry", pg.url
+    )
+    before = revisions(pg.url)
+    try:
+        wait_for_health(router.url)
+        traffic = ClosedLoop(router.url, ["base", *NAMES], PROMPT, TOKENS)
+        traffic.wait_for_more(60)
+        victim = workers[-1]
+        victim.kill()
+        killed_at = time.monotonic()
+        traffic.wait_for_more(60)
+        pg.ctl("-m", "immediate", "stop")
+        down_from = time.monotonic()
+        time.sleep(down_s)
+        down_until = time.monotonic()
+        pg.ctl("restart", "-l", str(pg.work / "log"))
+        traffic.wait_for_more(60)
+        registry = Registry(pg.url, store=ArtifactStore(root / "store"))
+        registry.add_revision(adapters[LATE], LATE, "r1", status="stable", base_model_dir=model)
+        registry.close()
+        after = revisions(pg.url)
+        with httpx.Client(timeout=120) as http:
+            while not stream_greedy(http, router.url, LATE, PROMPT, 1)["done"]:
+                time.sleep(0.2)
+        traffic.models.append(LATE)
+        traffic.wait_for_more(60)
+        records = traffic.stop()
+    finally:
+        router.stop()
+        stop_together(workers)
+    counts = fault_counts(records, expected, victim.url, killed_at, (down_from, down_until))
+    return {
+        **dataclasses.asdict(counts),
+        "registry_down_s": round(down_until - down_from, 1),
+        "revisions_before": len(before),
+        "revisions_after_one_added": len(after),
+        "revisions_kept": before <= after,
+        "late_adapter_answered": sum(r["model"] == LATE and r["done"] for r in records),
+        **failures(records, victim.url, (killed_at, down_from, down_until)),
+    }
+
+
+def failures(records: list[dict], victim: str, times: tuple[float, float, float]) -> dict:
+    """The failed requests by phase and by kind, and the first error bodies."""
+    failed = [r for r in records if not (r.get("status") == 200 and r["done"])]
+    return {
+        "failed_by_phase": dict(Counter(phase(r["sent"], *times) for r in failed)),
+        "first_failure_bodies": sorted({r["body"] for r in failed if "body" in r})[:3],
+        "failed_by_kind": dict(
+            Counter(
+                f"{r.get('status', r.get('error'))} on victim={r.get('worker') == victim}"
+                for r in failed
+            )
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--registry-down-s", type=float, default=5.0)
+    parser.add_argument("--json", default="bench/results/fleet_faults.json")
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    root = Path(tempfile.mkdtemp(prefix="loraplex-faults-"))
+    root.chmod(0o755)  # the postgres user reaches its cluster below
+    pg = Postgres(root / "pg")
+    try:
+        row = run(root / "fleet", pg, args.registry_down_s)
+    finally:
+        pg.ctl("-m", "immediate", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table(title="A worker SIGKILLed and PostgreSQL restarted under traffic (3 workers)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in row.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
