@@ -216,14 +216,11 @@ def make_plan(
         )
     try:
         config = ModelConfig.from_dir(model_dir)
-    except ModelConfigError as exc:
+        defaults = EngineConfig(model_dir=model_dir, **capacities)
+    except (ModelConfigError, ValueError) as exc:
         raise PlanError(str(exc)) from None
     dtype = serving_dtype(config)
     nbytes = SERVING_DTYPE_BYTES[dtype]
-    try:
-        defaults = EngineConfig(model_dir=model_dir, **capacities)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from None
     sizes = (
         from_registry(registry, nbytes) if registry else from_folder(adapters_dir, config, nbytes)
     )

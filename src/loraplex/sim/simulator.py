@@ -390,8 +390,7 @@ class Simulation:
         self.span_s = trace[-1].time if trace else 0.0
         changes = registry_changes(trace, config.registry_changes_per_s, config.seed)
         self.registry = RegistryLoad(config.workers, changes, half_at=self.span_s / 2)
-        # `--routing` (sim/placement.py): the EPP emulation's scorers pick, or the router honours
-        # the placement controller's placements; `router` is the picker alone
+        # `--routing` (sim/placement.py): the EPP's scorers, or the controller's placements first
         self.epp = EppPicker(config, seed=config.seed) if config.routing == "epp" else None
         self.controller = None
         if config.routing == "controller":
@@ -510,10 +509,9 @@ class Simulation:
     def _route(self, seq: SimRequest) -> Worker | None:
         if self.epp is not None:
             return self._take(self.epp.pick(self, seq))
-        if self.controller is not None and seq.req.model is not None:
-            placed = self.controller.pick(seq.req.model)
-            if placed is not None:
-                return self._take(placed)
+        placed = self.controller.pick(seq.req.model) if self.controller and seq.req.model else None
+        if placed is not None:
+            return self._take(placed)
         if len(self.workers) == 1 and self.pools is None:
             return self._take(0)
         self.views()
