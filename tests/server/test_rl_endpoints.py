@@ -137,3 +137,20 @@ def test_the_base_models_card_gives_max_model_len(running):
     data = httpx.get(f"{running.url}/v1/models", headers=ALICE).json()["data"]
     assert data[0]["max_model_len"] == running.server.engine.max_model_len
     assert all("max_model_len" not in card for card in data[1:])
+
+
+def test_a_stream_gives_every_token_id_though_its_text_is_held_back(running):
+    """Without logprobs, a token whose text waits for the rest of its character still sends its id:
+    the streamed ids are the whole output's."""
+    body = {"model": "shared-a", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+    body |= {"return_token_ids": True, "temperature": 0}
+    whole = httpx.post(f"{running.url}/v1/completions", json=body, headers=ALICE).json()
+    whole = whole["choices"][0]
+    with httpx.stream(
+        "POST", f"{running.url}/v1/completions", json={**body, "stream": True}, headers=ALICE
+    ) as streamed:
+        chunks = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    choices = [json.loads(c.removeprefix("data: "))["choices"][0] for c in chunks]
+    assert sum((c["token_ids"] for c in choices), []) == whole["token_ids"]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert any(c["text"] == "" and c["token_ids"] for c in choices)  # a held-back token was sent

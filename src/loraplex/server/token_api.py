@@ -229,8 +229,9 @@ async def _events(run: RequestRun, fmt, include_usage: bool):
             yield event(chunk)
         num_finished = 0
         async for index, out in run.outputs():
-            if not (out.text or out.finished or out.logprobs):
-                # tokens held back (half a character, a possible stop string): nothing to send yet
+            if not (out.text or out.finished or out.logprobs or (fmt.token_ids and out.token_ids)):
+                # tokens held back (half a character, a possible stop string): nothing to send yet,
+                # unless the client asked for their ids
                 continue
             num_finished += out.finished
             last = num_finished == len(run.choices)
@@ -361,6 +362,9 @@ class CompletionFormat:
 
 
 class ChatFormat:
+    token_ids = False
+    """Chat has no `return_token_ids`."""
+
     def __init__(self, request_id: str, model: str, decode, echo: str = ""):
         """`echo`: text put before each choice's content."""
         self.request_id, self.model, self.decode, self.echo = request_id, model, decode, echo
