@@ -12,7 +12,8 @@ which Ray's own multiplexed routing does not see.
     handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
 
-A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`.
+A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`; the
+router deployment of `ray_router.run_router` in front of them picks the pool for each request.
 """
 
 from __future__ import annotations
@@ -347,11 +348,13 @@ def deployment(
 @dataclasses.dataclass(frozen=True)
 class RayPool:
     """A pool as a Ray Serve deployment of its own: its workers' settings (`options.model` its
-    base model, `options.max_lora_rank` its max rank) and its replicas."""
+    base model, `options.max_lora_rank` its max rank), its replicas, and the tenants it is
+    dedicated to (none: shared), which `ray_router` routes by."""
 
     name: str
     options: ServeSettings
     num_replicas: int = 2
+    tenants: tuple[str, ...] = ()
 
 
 def run_pools(
