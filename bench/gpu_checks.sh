@@ -42,12 +42,14 @@ want adapter_load && step adapter_load 120 python3 bench/adapter_load.py --devic
   --json "$OUT/adapter_load.cuda.json"
 want cache_policy && step cache_policy 300 python3 bench/cache_policy.py --device cuda --seeds 2 --workloads hot-burst,no-burst \
   --control-policies score --json "$OUT/cache_policy.cuda.json"
-# loraplex on vLLM against plain vLLM: a Llama-3-8B-shaped random model, 64 adapters of ranks 8-64, bf16;
+# loraplex on vLLM against the same vLLM in the same environment, loraplex's plugin active in both (the
+# layer's own cost; --servers vllm adds vLLM as released): a Llama-3-8B-shaped random model, 64 adapters of ranks 8-64, bf16;
 # seed scenario, Zipf, uniform, base-model only, and mixed base and adapter requests (needs vllm
 # importable; skipped with a line when it is not).
 if want vs_vllm_gpu; then
   if python3 -c "import vllm" 2>/dev/null; then
-    step vs_vllm_gpu 660 python3 bench/vs_vllm_gpu.py /tmp/loraplex-vs-vllm --quick --json "$OUT/vs_vllm_gpu.json"
+    step vs_vllm_gpu 660 python3 bench/vs_vllm_gpu.py /tmp/loraplex-vs-vllm --quick \
+      --servers vllm+plugin,loraplex-vllm --json "$OUT/vs_vllm_gpu.json"
   else
     echo "== vs_vllm_gpu: skipped (vllm is not importable)" | tee -a "$LOG"
   fi

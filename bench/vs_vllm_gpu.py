@@ -2,6 +2,7 @@
 and traces.
 
     python bench/vs_vllm_gpu.py OUT_DIR [--adapters 64] [--quick] [--json OUT.json]
+        [--servers vllm,vllm+plugin,loraplex-vllm]
 
 The model is built here with random weights in the shape of Llama-3-8B (32 layers, hidden 4096, 32
 heads, 8 KV heads, bf16; nothing is downloaded), the adapters too (ranks 8 to 64 over the attention
@@ -12,8 +13,11 @@ Zipf trace with every other request for the base model), replayed open-loop (TTF
 closed-loop (throughput) by `loraplex bench serve`. Goals: loraplex's throughput at least 0.95x
 plain vLLM's (base-only too), and a better hot-adapter p99 TTFT in the seed scenario. Before the
 traces, a greedy request per adapter of a sample must give the same text on both servers, and so
-must a base-model request sent beside them. Plain vLLM runs as released (VLLM_PLUGINS leaves
-loraplex's plugin out); loraplex on vLLM with the server's defaults, that plugin among them.
+must a base-model request sent beside them. The servers (`--servers`, in this order): `vllm`,
+plain vLLM as released (VLLM_PLUGINS leaves loraplex's plugin out); `vllm+plugin`, the same vLLM
+in the same environment with loraplex's plugin active (the comparison that prices loraplex's layer
+alone); `loraplex-vllm`, loraplex on vLLM with the server's defaults, that plugin among them.
+Ratios are loraplex's over each vLLM server run.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from vs_vllm import Server, free_port  # noqa: E402
 from loraplex.loadgen.traffic import LoadConfig, prepare_trace, run  # noqa: E402
 from loraplex.sim.workload import WorkloadSpec, generate, hot_burst  # noqa: E402
 
+VLLM_KINDS = ("vllm", "vllm+plugin")
+"""Plain vLLM's server, without and with loraplex's plugin."""
 LIMITS = {"max_loras": 8, "max_cpu_loras": 32, "max_lora_rank": 64}
 SHAPE = dict(
     hidden_size=4096,
@@ -132,7 +138,7 @@ def start(kind: str, model: Path, adapters: dict[str, Path], work: Path) -> Serv
         str(LIMITS["max_lora_rank"]),
     ]
     modules = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    if kind == "vllm":
+    if kind in VLLM_KINDS:
         args = [
             sys.executable,
             "-m",
@@ -207,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="20 s traces instead of 60 s")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--servers", default="vllm,vllm+plugin,loraplex-vllm", help="run these, in this order"
+    )
     args = parser.parse_args(argv)
+    servers = [k for k in args.servers.split(",") if k]
+    if "loraplex-vllm" not in servers or not set(servers) <= {*VLLM_KINDS, "loraplex-vllm"}:
+        parser.error("--servers: loraplex-vllm and any of vllm, vllm+plugin")
     console = Console(width=200)
     start_s = time.monotonic()
     model = build_model(args.out / "llama3-8b-shape")
@@ -240,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads["mixed"] = base_share(workloads["zipf 0.9"], 2)
     hot = {r.adapter for r in workloads["seed scenario"][:20]}
     results, answers = {}, {}
-    for kind in ("vllm", "loraplex-vllm"):
+    for kind in servers:
         server = start(kind, model, adapters, args.out)
         try:
             base = base_name(server)
@@ -267,18 +279,23 @@ def main(argv: list[str] | None = None) -> int:
             results[kind] = rows
         finally:
             server.stop()
+    ours = results["loraplex-vllm"]
     ratios = {
-        w: {
-            c: round(results["loraplex-vllm"][w][c] / results["vllm"][w][c], 3)
-            for c in ("throughput_req_s", "throughput_tok_s", "ttft_p99_ms", "hot_ttft_p99_ms")
-            if results["vllm"][w].get(c) and results["loraplex-vllm"][w].get(c) is not None
+        f"ratios_loraplex_over_{kind}": {
+            w: {
+                c: round(ours[w][c] / results[kind][w][c], 3)
+                for c in ("throughput_req_s", "throughput_tok_s", "ttft_p99_ms", "hot_ttft_p99_ms")
+                if results[kind][w].get(c) and ours[w].get(c) is not None
+            }
+            for w in workloads
         }
-        for w in workloads
+        for kind in servers
+        if kind in VLLM_KINDS
     }
     out = {
         "results": results,
-        "ratios_loraplex_over_vllm": ratios,
-        "same_greedy_text": answers["vllm"] == answers["loraplex-vllm"],
+        **ratios,
+        "same_greedy_text": len({tuple(a) for a in answers.values()}) == 1,
         "limits": LIMITS,
         "adapters": len(names),
         "quick": args.quick,
