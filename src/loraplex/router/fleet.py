@@ -102,7 +102,8 @@ class Worker:
     """Requests the router has open here: sent and not yet finished."""
     finished: int = 0
     """Requests of the router's that finished here since the last poll: each lets one that waits
-    there run, so the polled queue is shorter by as many (to none)."""
+    there run, so the polled queue is shorter by as many, and past the queue frees a running
+    place."""
     sent: set[str] = dataclasses.field(default_factory=set)
     """Adapters routed here since the last poll: counted as loading, so the next request for one
     follows it."""
@@ -136,10 +137,13 @@ class Worker:
         last = self.last or WorkerView(self.url)
         fresh = now - self.polled_at <= stale_after_s
         waiting = max(0, last.waiting - self.finished)
-        counted = waiting + last.running if fresh else 0
+        # a finish with none waiting there frees a running place
+        running = max(0, last.running - max(0, self.finished - last.waiting))
+        counted = waiting + running if fresh else 0
         return dataclasses.replace(
             last,
             waiting=waiting,
+            running=running,
             healthy=self.healthy and self.problem is None and self.drain is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
@@ -199,6 +203,7 @@ class Worker:
             kv_usage=load.get("kv_cache_usage", 0.0),
             recent_evictions=load.get("recent_evictions", 0),
             free_slots=load.get("free_slots", 0),
+            capacity=load.get("max_num_seqs", 0),
             gpu=self.index.gpu,
             cpu=self.index.cpu,
             loading=self.index.loading,
