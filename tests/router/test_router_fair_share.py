@@ -125,7 +125,8 @@ def burst_then_steady(worker_queue_limit: int) -> tuple[list[str], list[int], st
                 wait_for(lambda: waiting_gauge(url, "beta") == "2.0", "beta's requests to wait")
             for answered in range(1, 9):
                 gate["allowed"] = answered
-                wait_for(lambda: len(arrived) >= min(8, held + answered), "the next request")
+                reached = min(8, held + answered)
+                wait_for(lambda n=reached: len(arrived) >= n, "the next request")
             for client in clients:
                 client.join()
             return arrived, statuses, httpx.get(f"{url}/metrics").text

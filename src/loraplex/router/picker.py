@@ -160,8 +160,7 @@ class Picker:
         return w.full(c.worker_queue_limit) or (
             w.fresh
             and (
-                w.waiting + w.in_flight > c.saturation_waiting
-                or w.kv_usage > c.saturation_kv_usage
+                w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
             )
         )
 
