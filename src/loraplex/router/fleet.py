@@ -102,8 +102,7 @@ class Worker:
     """Requests the router has open here: sent and not yet finished."""
     finished: int = 0
     """Requests of the router's that finished here since the last poll: each lets one that waits
-    there run, so the polled queue is shorter by as many, and past the queue frees a running
-    place."""
+    there run, so the polled queue is shorter by as many (to none)."""
     sent: set[str] = dataclasses.field(default_factory=set)
     """Adapters routed here since the last poll: counted as loading, so the next request for one
     follows it."""
@@ -137,13 +136,11 @@ class Worker:
         last = self.last or WorkerView(self.url)
         fresh = now - self.polled_at <= stale_after_s
         waiting = max(0, last.waiting - self.finished)
-        # a finish with none waiting there frees a running place
-        running = max(0, last.running - max(0, self.finished - last.waiting))
-        counted = waiting + running if fresh else 0
+        counted = waiting + last.running if fresh else 0
         return dataclasses.replace(
             last,
             waiting=waiting,
-            running=running,
+            num_open=self.in_flight,
             healthy=self.healthy and self.problem is None and self.drain is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),

@@ -42,6 +42,9 @@ class WorkerView:
     loading: Set[str] = frozenset()
     capacity: int = 0
     """The requests it runs at once (its `max_num_seqs`; 0: not reported)."""
+    num_open: int = 0
+    """Requests the router has open there: sent and not finished (exact, unlike the polled
+    counts, which are as old as the last poll)."""
     in_flight: int = 0
     """Requests the router has open there beyond those the polled state counts (added at once, so
     a burst spreads; a finished one leaves at once, so a steady rate never looks like a queue)."""
@@ -54,9 +57,11 @@ class WorkerView:
         return (self.waiting + self.running if self.fresh else 0) + self.in_flight
 
     def full(self, queue_limit: int) -> bool:
-        """Whether it runs all it can and `queue_limit` more wait there (never, for a limit of -1
-        or an unknown capacity)."""
-        return queue_limit >= 0 and self.capacity > 0 and self.load >= self.capacity + queue_limit
+        """Whether the router has as many requests open there as it runs at once plus
+        `queue_limit` (never, for a limit of -1 or an unknown capacity)."""
+        return (
+            queue_limit >= 0 and self.capacity > 0 and self.num_open >= self.capacity + queue_limit
+        )
 
     def affinity(self, adapter: str | None) -> str:
         if adapter is None or not self.fresh:
