@@ -116,3 +116,25 @@ def test_routing_deltas_update_the_index_by_name_and_revision():
     # a reset starts over from the rows it carries
     worker.apply_routing({"generation": "f.1", "reset": True, "load": load, "adapters": []})
     assert worker.view(now=worker.polled_at, stale_after_s=2).affinity("sql") == "none"
+
+
+def test_a_worker_is_full_at_its_capacity_of_the_router_s_open_requests():
+    """The worker runs 4 (`max_num_seqs`), none waiting, at the last poll: full while the router
+    has 4 open there (plus the queue limit); a finished one frees a place at once, whatever the
+    poll said."""
+    worker = Worker("http://w")
+    worker.apply_state({"adapters": [], "load": {"running": 4, "max_num_seqs": 4}})
+    worker.in_flight = 4
+    view = worker.view(now=worker.polled_at, stale_after_s=2)
+    assert (view.capacity, view.num_open, view.full(0), view.full(1), view.full(-1)) == (
+        4,
+        4,
+        True,
+        False,
+        False,
+    )
+    worker.in_flight, worker.finished = 3, 1
+    assert not worker.view(now=worker.polled_at, stale_after_s=2).full(0)
+    worker.apply_state({"adapters": [], "load": {"running": 4}})  # no capacity reported
+    worker.in_flight = 9
+    assert not worker.view(now=worker.polled_at, stale_after_s=2).full(0)

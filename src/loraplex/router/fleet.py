@@ -140,6 +140,7 @@ class Worker:
         return dataclasses.replace(
             last,
             waiting=waiting,
+            num_open=self.in_flight,
             healthy=self.healthy and self.problem is None and self.drain is None,
             fresh=fresh,
             in_flight=max(0, self.in_flight - counted),
@@ -199,6 +200,7 @@ class Worker:
             kv_usage=load.get("kv_cache_usage", 0.0),
             recent_evictions=load.get("recent_evictions", 0),
             free_slots=load.get("free_slots", 0),
+            capacity=load.get("max_num_seqs", 0),
             gpu=self.index.gpu,
             cpu=self.index.cpu,
             loading=self.index.loading,

@@ -40,6 +40,11 @@ class WorkerView:
     """Names (`name`, `name@revision`) resident there; a set of any kind, read by membership."""
     cpu: Set[str] = frozenset()
     loading: Set[str] = frozenset()
+    capacity: int = 0
+    """The requests it runs at once (its `max_num_seqs`; 0: not reported)."""
+    num_open: int = 0
+    """Requests the router has open there: sent and not finished (exact, unlike the polled
+    counts, which are as old as the last poll)."""
     in_flight: int = 0
     """Requests the router has open there beyond those the polled state counts (added at once, so
     a burst spreads; a finished one leaves at once, so a steady rate never looks like a queue)."""
@@ -50,6 +55,13 @@ class WorkerView:
     @property
     def load(self) -> int:
         return (self.waiting + self.running if self.fresh else 0) + self.in_flight
+
+    def full(self, queue_limit: int) -> bool:
+        """Whether the router has as many requests open there as it runs at once plus
+        `queue_limit` (never, for a limit of -1 or an unknown capacity)."""
+        return (
+            queue_limit >= 0 and self.capacity > 0 and self.num_open >= self.capacity + queue_limit
+        )
 
     def affinity(self, adapter: str | None) -> str:
         if adapter is None or not self.fresh:
@@ -86,6 +98,7 @@ class PickerConfig:
     load_factor: float = D.load_factor
     near_equal: float = 0.05
     shed_priority_below: int = D.shed_priority_below
+    worker_queue_limit: int = D.worker_queue_limit
     virtual_nodes: int = 64
 
     def __post_init__(self):
@@ -101,6 +114,7 @@ class PickerConfig:
             saturation_kv_usage=s.saturation_kv_usage,
             load_factor=s.load_factor,
             shed_priority_below=s.shed_priority_below,
+            worker_queue_limit=s.worker_queue_limit,
             **{WEIGHTS[name]: weight for name, weight in s.score_weights},
         )
 
@@ -148,8 +162,11 @@ class Picker:
 
     def _saturated(self, w: WorkerView) -> bool:
         c = self.config
-        return w.fresh and (
-            w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
+        return w.full(c.worker_queue_limit) or (
+            w.fresh
+            and (
+                w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
+            )
         )
 
     def _pick_affinity(

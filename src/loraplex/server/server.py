@@ -456,6 +456,7 @@ class Server:
             "load": {
                 "waiting": live["num_waiting"],
                 "running": live["num_running"],
+                "max_num_seqs": self.config.settings.max_num_seqs,
                 "active_tokens": live["active_tokens"],
                 "recent_evictions": cache["recent_evictions"],
                 "free_slots": cache["free_slots"],

@@ -19,6 +19,7 @@ from typing import NamedTuple
 LOAD_FIELDS = (
     "waiting",
     "running",
+    "max_num_seqs",
     "active_tokens",
     "kv_cache_usage",
     "recent_evictions",

@@ -143,6 +143,17 @@ class RouterSettings:
         'tenant\'s queue (below, "Fair share"); a tenant with this many waiting gets 429 '
         "`saturated`; 0: no queue, the request goes to the least-bad saturated worker",
     )
+    worker_queue_limit: int = setting(
+        0,
+        "Requests the router lets wait in a worker's own queue beyond what it runs (-1: any)",
+        panel=FAIR,
+        check=at_least(-1),
+        doc="the router keeps at most a worker's running capacity (the `max_num_seqs` its state "
+        "reports) plus this many requests open there: a worker at that count is saturated, and "
+        'what no worker has room for waits at the router, in fair order (below, "Fair share"), '
+        "rather than in a worker's first-come queue; -1: no limit (a worker that reports no "
+        "capacity, as vLLM's own server, has none)",
+    )
     tenant_weights: tuple[tuple[str, float], ...] = setting(
         (),
         "Tenants' weights in the fair share of saturated workers: TENANT=W,...",
