@@ -3,7 +3,7 @@ affinity picker, and affinity with `loraplex placement` running, over four real 
 
     python bench/placement_fleet.py [--runs 3] [--json bench/results/placement_fleet.json]
 
-Four `loraplex serve` workers (the tiny model of bench/router.py, `--max-loras 4`, `score`) behind one
+Four `loraplex serve` workers (bench/router.py's tiny model, `--max-loras 4`, `score`) behind one
 `loraplex router`, restarted for every run so each starts cold; the adapters' bytes live only in
 bench/router.py's shaped HTTP store. Every run sends the same requests: a sweep (each adapter once),
 a first Zipf(0.9) pass that fills the workers' demand windows (the fleet has served this traffic
@@ -27,7 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -47,7 +46,8 @@ from loraplex.loadgen.procs import (
 SETUPS = {"round-robin": "round-robin", "affinity": "affinity", "placement": "affinity"}
 # The workers' demand window is 300 s and a run's passes last about 30 s, so a window's rate reads
 # about 1/8 of the real one: the defaults' thresholds (hot from 0.05 rps, a worker per 8 rps) over
-# 8. Hot from two requests in the window (the sweep gives each adapter one); a placement stands 10 s.
+# 8. Hot from two requests in the window (the sweep gives each adapter one); a placement stands
+# 10 s.
 CONTROLLER = [
     *("--min-rps", "0.006", "--per-replica-rps", "1.0", "--max-replicas", "2"),
     *("--min-dwell-s", "10", "--max-moves-per-hour", "3600", "--interval-s", "1"),
@@ -66,7 +66,7 @@ def start_controller(registry_url: str, workers: list[str], data_dir: Path) -> P
 
 
 def one_run(setup: str, run: Path, fleet: dict, traces: dict) -> dict:
-    """One set-up on a fresh fleet: its measured pass's summary, with the placements it ended with."""
+    """One set-up on a fresh fleet: its measured pass's summary, and its placements at the end."""
     workers = start_together(
         [
             lambda i=i: start_worker(
