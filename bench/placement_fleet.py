@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"run": i + 1, **one_run(setup, tmp / f"{setup}-{i}", fleet, traces)}
                     rows.append(row)
                     console.log(row)
+                    write(args.json, rows, {})  # each run as it ends, should a later one fail
         finally:
             server.shutdown()
     report = summarize_runs(rows)
     print_table(console, rows, report)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     setup = {
         "workers": 4,
         "max_loras": 4,
@@ -162,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         "controller": CONTROLLER,
         "wall_s": round(time.monotonic() - started, 1),
     }
-    Path(args.json).write_text(json.dumps({"rows": rows, **report, "setup": setup}, indent=2))
+    write(args.json, rows, {**report, "setup": setup})
     return 0
+
+
+def write(path: str, rows: list[dict], more: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"rows": rows, **more}, indent=2))
 
 
 def summarize_runs(rows: list[dict]) -> dict:
