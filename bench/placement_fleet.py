@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -93,6 +95,7 @@ def one_run(setup: str, run: Path, fleet: dict, traces: dict) -> dict:
         warm += asyncio.run(replay(router.url, traces["first"], key))
         records = asyncio.run(replay(router.url, traces["measured"], key))
         placed = sum(len(state(u).get("placed", [])) for u in urls)
+        moves = controller_moves(controller) if controller is not None else {}
     finally:
         if controller is not None:
             controller.stop()
@@ -105,7 +108,17 @@ def one_run(setup: str, run: Path, fleet: dict, traces: dict) -> dict:
         "warmup_errors": sum(r.get("status") != 200 for r in warm),
         "placed_at_end": placed,
         "placed_routes": routes["placed"],
+        "moves": moves,
     }
+
+
+def controller_moves(controller: Proc) -> dict[str, float]:
+    """The controller's moves so far by kind, from its /metrics (`place`, `release`; done ones)."""
+    text = httpx.get(f"{controller.url}/metrics", timeout=10).text
+    found = re.findall(
+        r'^loraplex_placement_moves_total\{kind="(\w+)",outcome="done"\} (\S+)$', text, re.M
+    )
+    return {kind: float(n) for kind, n in found}
 
 
 def main(argv: list[str] | None = None) -> int:
