@@ -85,6 +85,7 @@ async def replay(url: str, trace: list[tuple[float, str]], key: str) -> list[dic
                     record["status"] = r.status_code
                     record["tier"] = r.headers.get("x-loraplex-cache-tier")
                     record["worker"] = r.headers.get("x-loraplex-worker")
+                    record["route"] = r.headers.get("x-loraplex-route")
                     async for _ in r.aiter_raw():
                         record.setdefault("ttft", time.perf_counter() - sent)
                 record["e2e"] = time.perf_counter() - sent

@@ -198,6 +198,36 @@ def test_a_full_worker_makes_room_by_releasing_an_unwanted_placement():
     assert moves[2:] == [Move("release", "old@1", "w0")]
 
 
+def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet_is_full():
+    ads = {k: adapter(k) for k in ("early@1", "warm@1", "hot@1")}
+
+    def full(**demand):
+        return [worker("w0", slots=2, placed=frozenset({"early@1", "warm@1"}), demand=demand)]
+
+    def policy():
+        return PlacementPolicy(min_rps=1.0, placed_slot_share=1.0, min_dwell_s=60.0)
+
+    hotter = {"early@1": 2.0, "warm@1": 4.0, "hot@1": 9.0}
+    assert policy().plan(full(**hotter), ads, now=0.0) == [
+        Move("release", "early@1", "w0"),
+        Move("place", "hot@1", "w0"),
+    ]
+    # within the hysteresis (2.4 against 2.0 x 1.25) the placement stays
+    close = {"early@1": 2.0, "warm@1": 4.0, "hot@1": 2.4}
+    assert policy().plan(full(**close), ads, now=0.0) == []
+    # placed by this policy, it stays its dwell time first
+    p = policy()
+    ws = [worker("w0", slots=2, demand={"early@1": 2.0, "warm@1": 4.0})]
+    ws = apply(ws, p.plan(ws, ads, now=0.0))
+    assert holders(ws, "early@1") == ["w0"] and holders(ws, "warm@1") == ["w0"]
+    ws = [WorkerView(**{**ws[0].__dict__, "demand": hotter})]
+    assert p.plan(ws, ads, now=30.0) == []
+    assert p.plan(ws, ads, now=90.0) == [
+        Move("release", "early@1", "w0"),
+        Move("place", "hot@1", "w0"),
+    ]
+
+
 def test_a_hotspot_hands_an_adapter_to_the_least_loaded_worker():
     demand = {"a@1": 6.0, "b@1": 5.0, "c@1": 4.0, "d@1": 1.0}
     ws = [

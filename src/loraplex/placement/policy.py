@@ -182,14 +182,22 @@ class PlacementPolicy:
     def _room_by_release(
         self, fleet: Fleet, key: str, targets: Mapping[str, int], now: float
     ) -> tuple[str | None, str | None]:
-        """A worker that can take `key` once one unwanted placement leaves it, and that one."""
-        for name in fleet.candidates(key, ignore_room=True):
-            placed = sorted(fleet.placed_on(name), key=lambda k: (fleet.demand.get(k, 0.0), k))
-            for victim in placed:
-                unwanted = fleet.replicas(victim) > targets.get(victim, 0)
-                settled = self._settled(victim, name, now)
-                if unwanted and settled and fleet.has_room(key, name, victim):
-                    return name, victim
+        """A worker that can take `key` once one placement leaves it, and that one: a placement no
+        longer wanted, else a settled one whose holders each serve less than `key`'s would by more
+        than the hysteresis, so that the placed set follows the hottest adapters, not those that
+        were hot first."""
+        share = fleet.demand.get(key, 0.0) / (fleet.replicas(key) + 1)
+        for colder in (False, True):
+            for name in fleet.candidates(key, ignore_room=True):
+                placed = sorted(fleet.placed_on(name), key=lambda k: (fleet.demand.get(k, 0.0), k))
+                for victim in placed:
+                    if colder:
+                        gives_way = fleet.share(victim) * (1 + self.hysteresis) < share
+                    else:
+                        gives_way = fleet.replicas(victim) > targets.get(victim, 0)
+                    settled = self._settled(victim, name, now)
+                    if gives_way and settled and fleet.has_room(key, name, victim):
+                        return name, victim
         return None, None
 
     def _shrink(self, fleet: Fleet, targets: Mapping[str, int], moves: list[Move], now: float):
