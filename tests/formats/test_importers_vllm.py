@@ -1,5 +1,8 @@
-"""`serve --engine vllm --lora-modules` with adapters in MLX-LM, prefix-less PEFT and fused layouts:
-greedy tokens equal HF transformers + PEFT's for the adapters they were made from."""
+"""`serve --engine vllm --lora-modules` with adapters in MLX-LM, prefix-less PEFT and fused
+layouts, and in torchtune's and NeMo's own layouts (converted to the canonical PEFT form on
+registration): greedy tokens equal HF transformers + PEFT's for the adapters they were made from.
+On a Llama, torchtune's q and k rows come in Meta's rotary order and NeMo's fused q, k, v rows by
+query group, so a conversion that missed either would change the tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import sys
 
 import pytest
 import vllm_serve
-from adapter_layouts import GROUPS, fused, shared_a, to_mlx, without_prefix
+from adapter_layouts import GROUPS, fused, shared_a, to_mlx, to_nemo, to_torchtune, without_prefix
 from tinymodels import make_adapter, make_model, peft_reference, reference_greedy
 
 pytest.importorskip("vllm")
@@ -46,6 +49,35 @@ def test_imported_adapters_served_by_vllm_match_peft(tmp_path):
         "fused": (fused(made["shared"], tmp_path / "as-fused", GROUPS), "shared"),
     }
     reference = peft_reference(model, {n: made[n] for n in ("mlp", "pattern", "shared")})
+    _served_match_peft(tmp_path, model, served, reference)
+
+
+def test_torchtune_and_nemo_exports_served_by_vllm_match_peft(tmp_path):
+    model, made = vllm_serve.make_world(
+        tmp_path,
+        {
+            "tune": dict(r=8, lora_alpha=16, target_modules=ALL),
+            "every": dict(r=4, lora_alpha=12, target_modules=ALL),
+        },
+    )
+    made["fusable"] = shared_a(made["every"], tmp_path / "fusable", GROUPS)
+    heads, kv = 2, 1  # make_world's Llama
+    served = {
+        "torchtune": (to_torchtune(made["tune"], tmp_path / "tt", heads, kv, True), "tune"),
+        "nemo": (to_nemo(made["fusable"], tmp_path / "nemo", heads, kv, fused=True), "fusable"),
+        "nemo-canonical": (
+            to_nemo(made["every"], tmp_path / "nemo-c", heads, kv, fused=False),
+            "every",
+        ),
+    }
+    reference = peft_reference(model, {n: made[n] for n in ("tune", "fusable", "every")})
+    _served_match_peft(tmp_path, model, served, reference)
+
+
+def _served_match_peft(tmp_path, model, served: dict, reference) -> None:
+    """`serve --engine vllm --lora-modules` the `served` adapters (name -> (its files, the PEFT
+    adapter it was written from)), one request at a time so that each runs alone in its batch: each
+    one's greedy tokens equal HF + PEFT's for its source, and none equal the base model's."""
     (tmp_path / "keys.txt").write_text(f"alice {KEY}\n")
     args = [
         *(sys.executable, "-m", "loraplex.cli", "serve", "--engine", "vllm"),
@@ -59,7 +91,6 @@ def test_imported_adapters_served_by_vllm_match_peft(tmp_path):
     ]
     proc, url = vllm_serve.start(args, tmp_path)
     try:
-        # one request at a time: only adapter rows, each alone in its batch
         got = {
             (name, tuple(p)): vllm_serve.greedy_ids(url, KEY, name, p, TOKENS, timeout=300)[1]
             for name in served
