@@ -72,6 +72,9 @@ def moto_s3() -> Iterator[S3Endpoint]:
     setup = {"endpoint_url": url, "region_name": REGION}
     setup |= {"aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
     try:
+        # moto keeps its state per process: a server started earlier in this process (another test
+        # module's) left its bucket and user behind
+        httpx.post(f"{url}/moto-api/reset").raise_for_status()
         boto3.client("s3", **setup).create_bucket(Bucket=BUCKET)
         iam = boto3.client("iam", **setup)
         iam.create_user(UserName="operator")

@@ -86,6 +86,8 @@ COMMANDS = [
     "rollout",
     "demo",
     "publish",
+    "placement",
+    "drain",
 ]
 
 
