@@ -258,6 +258,8 @@ def test_unreachable_server_exits_2_with_one_line(tmp_path):
 
 
 def test_an_unwritable_json_path_is_refused_before_any_request(tmp_path):
+    tmp_path = tmp_path / ("long-" * 30)  # its line is over 200 columns: never wrapped
+    tmp_path.mkdir()
     (tmp_path / "a-file").write_text("")
     cases = {
         "/proc/out.json": "cannot write in /proc: ",  # refused on writing, root's permissions too
@@ -267,10 +269,8 @@ def test_an_unwritable_json_path_is_refused_before_any_request(tmp_path):
     for path, message in cases.items():  # nothing listens at port 1: a run would fail to reach it
         done = bench("--url", "http://127.0.0.1:1", "--workload", "zipf", "--json", path)
         assert done.returncode == 2, done.stderr
-        # one line of ours; a library may add its own at the interpreter's exit (nanobind's leaks)
-        [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+        [line] = done.stderr.strip().splitlines()  # whole, however long the path
         assert line.startswith(f"error: --json {path}: {message}"), done.stderr
-        assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_unknown_workload_is_a_clear_error():

@@ -150,7 +150,7 @@ def _progress(console: Console, total: int) -> tuple[Progress, Callable[[traffic
 def serve(s: BenchServeSettings) -> None:
     """Replay a trace against a server or router over the OpenAI API and report latency by cache
     tier."""
-    console, err = Console(), Console(stderr=True)
+    console, err = Console(), Console(stderr=True, soft_wrap=True)  # an error line kept whole
     problem = s.json is not None and unwritable(s.json)
     if problem:
         err.print(f"error: --json {s.json}: {problem}", markup=False, highlight=False)
