@@ -182,7 +182,7 @@ def publish_once(publisher: Publisher, cfg: ModelConfig, rank: int, seed: int, k
     cutover = done.cutover
     assert cutover is not None
     timings = done.record["timings"]
-    upload = timings["receive_s"] + timings["unpack_s"]
+    upload = timings["receive_s"]
     return {
         "revision": done.revision,
         "digest": done.digest,

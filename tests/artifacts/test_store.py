@@ -7,6 +7,7 @@ import hashlib
 import http.server
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -86,6 +87,22 @@ def test_put_get_is_idempotent_and_keeps_only_artifact_files(tmp_path, adapter_v
     assert store.digests() == [digest]
     assert list((tmp_path / "store" / "tmp").iterdir()) == []  # no work dir left behind
     assert store.remove(digest) and not store.has(digest) and not store.remove(digest)
+
+
+def test_an_owned_put_links_the_files_and_a_plain_put_copies_them(tmp_path, adapter_v1):
+    store = ArtifactStore(tmp_path / "store")
+    owned = store.temp_dir() / "adapter"  # an upload's directory, on the store's file system
+    shutil.copytree(adapter_v1, owned)
+    digest, _ = store.put_with_piece_lists(owned, owned=True)
+    stored = store.get(digest) / "adapter_model.safetensors"
+    assert stored.stat().st_ino == (owned / "adapter_model.safetensors").stat().st_ino
+    shutil.rmtree(owned.parent)  # the upload's directory goes: the store keeps its name
+    assert stored.read_bytes() == (adapter_v1 / "adapter_model.safetensors").read_bytes()
+    assert canonical_digest(store.get(digest)) == digest
+    other = ArtifactStore(tmp_path / "other")
+    digest, _ = other.put_with_piece_lists(adapter_v1)
+    copied = other.get(digest) / "adapter_model.safetensors"
+    assert copied.stat().st_ino != (adapter_v1 / "adapter_model.safetensors").stat().st_ino
 
 
 def test_put_refuses_pickles_and_incomplete_dirs(tmp_path):

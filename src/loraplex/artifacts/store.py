@@ -53,6 +53,18 @@ def copy_synced(src: Path, dst: Path) -> None:
         os.fsync(fout.fileno())
 
 
+def link_synced(src: Path, dst: Path) -> None:
+    """`dst` as a second name of `src` (a copy where the two are on different file systems), its
+    bytes on disk."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        copy_synced(src, dst)
+        return
+    with dst.open("rb") as f:
+        os.fsync(f.fileno())
+
+
 class ArtifactStore:
     """Adapter artifacts on local disk, addressed by their canonical digest."""
 
@@ -102,17 +114,25 @@ class ArtifactStore:
         digest, lists = self._put(Path(src_dir), pieces=True)
         return digest, lists[0]
 
-    def put_with_piece_lists(self, src_dir: str | Path) -> tuple[str, tuple[Pieces, Pieces]]:
+    def put_with_piece_lists(
+        self, src_dir: str | Path, owned: bool = False
+    ) -> tuple[str, tuple[Pieces, Pieces]]:
         """As `put`, with the BLAKE3 and the sha256 piece lists of the copy (what a registration
-        records)."""
-        return self._put(Path(src_dir), pieces=True)
+        records). `owned`: the files are the caller's own, on the store's file system, and nothing
+        writes them again (an upload's): linked into the store rather than copied."""
+        return self._put(Path(src_dir), pieces=True, owned=owned)
 
-    def _put(self, src: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
+    def _put(
+        self, src: Path, pieces: bool, owned: bool = False
+    ) -> tuple[str, tuple[Pieces, Pieces] | None]:
         names = _source_files(src)
         work = self.temp_dir()
         try:
             for name in names:
-                copy_synced(src / name, work / name)
+                if owned:
+                    link_synced(src / name, work / name)
+                else:
+                    copy_synced(src / name, work / name)
             digest, listed = hash_artifact(work, pieces)
             self.adopt(work, digest)
             return digest, listed

@@ -147,6 +147,7 @@ class Registration:
         base_model: str | None = None,
         keep: int | None = None,
         fast_path: bool = False,
+        owned: bool = False,
     ) -> RevisionRecord:
         """Validate an adapter directory, put it into the store and record it, in one transaction.
 
@@ -155,7 +156,9 @@ class Registration:
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
         does). `keep`: the name keeps its newest `keep` revisions servable from now on (None: as it
         was; `retention`). `fast_path`: reuse the checks of the name's previous revision when
-        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). Registering the
+        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). `owned`: the
+        directory is the caller's own, in the store's work directory, and nothing writes its files
+        again (an upload's): the store links them rather than copy them. Registering the
         same bytes again under the same name returns the existing revision (a retired one's bytes
         make a new revision).
         """
@@ -169,6 +172,7 @@ class Registration:
             digest,
             signature,
             reuse_from=name if fast_path and eval_set is None else None,
+            owned=owned,
         )
         try:
             with self.store.write() as session:
@@ -208,6 +212,7 @@ class Registration:
         digest,
         signature,
         reuse_from: str | None = None,
+        owned: bool = False,
     ) -> Stored:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
         its bytes into the store; AdapterRejected naming the field otherwise. `reuse_from`: a name
@@ -221,7 +226,8 @@ class Registration:
             base = (base_name, base_digest)
             previous = checks_to_reuse(self.store, self._artifacts(), reuse_from, src, base)
             if previous is not None:
-                return self._store_checked(src, model, previous, base_digest, digest, signature)
+                checked = (previous, base_digest, digest, signature)
+                return self._store_checked(src, model, *checked, owned=owned)
         with imported_adapter(src, model) as adapter:
             spec = self._validate(adapter.path, model, base_name, src)
             cases_text = Path(eval_set).read_text() if eval_set is not None else None
@@ -235,7 +241,7 @@ class Registration:
                 )
             # over what is stored and served: an imported adapter's canonical form
             signature, pieces, sha256_pieces = self._signed_and_stored(
-                src, adapter.path, actual, signature
+                src, adapter.path, actual, signature, owned
             )
         return Stored(
             src,
@@ -252,7 +258,9 @@ class Registration:
             self.publish(actual),
         )
 
-    def _signed_and_stored(self, src: Path, files: Path, actual: str, signature: str | None):
+    def _signed_and_stored(
+        self, src: Path, files: Path, actual: str, signature: str | None, owned: bool
+    ):
         """The signature checked against the trusted keys (read beside `src` when not given) and
         `files` put into the store, from the read that hashes the copy: (signature, its piece
         lists); AdapterRejected when the files changed since `actual` was taken."""
@@ -260,7 +268,7 @@ class Registration:
             signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
-        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(files)
+        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(files, owned)
         if put != actual:
             raise AdapterRejected(
                 "digest", f"the files in {src} changed while they were being registered"
@@ -268,7 +276,14 @@ class Registration:
         return signature, pieces, sha256_pieces
 
     def _store_checked(
-        self, src: Path, model: ModelConfig, previous: Previous, base_digest, digest, signature
+        self,
+        src: Path,
+        model: ModelConfig,
+        previous: Previous,
+        base_digest,
+        digest,
+        signature,
+        owned: bool,
     ) -> Stored:
         """`check_and_store` of a canonical adapter that the checks of `previous` cover: its
         digest, signature and store entry."""
@@ -277,7 +292,9 @@ class Registration:
             raise AdapterRejected(
                 "digest", f"the files hash to {actual}, not to the expected {digest}"
             )
-        signature, pieces, sha256_pieces = self._signed_and_stored(src, src, actual, signature)
+        signature, pieces, sha256_pieces = self._signed_and_stored(
+            src, src, actual, signature, owned
+        )
         return Stored(
             src,
             model,

@@ -6,9 +6,14 @@ trainer's next version (`registry.fast_path`). A refused upload leaves nothing b
 
 from __future__ import annotations
 
+import asyncio
+import io
+import os
+import queue
 import shutil
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
 
 DEFAULT_WAIT_S = 60.0
 """How long an upload with `wait=ready` waits for readiness when it names no `timeout`."""
+QUEUE_FULL_WAIT_S = 0.002
+"""How long an upload's receiving waits for room when the unpacking thread is behind."""
 ARCHIVE_TYPES = ("application/x-tar", "application/tar", "application/gzip", "application/x-gzip")
 
 
@@ -54,11 +61,9 @@ async def upload(
     work = await run_in_threadpool(store.temp_dir)
     timings = {}
     try:
-        archive = work / "upload.tar"
-        received = await _receive(request, archive, limit)
+        adapter_dir = work / "adapter"
+        received = await receive(request, adapter_dir, limit)
         timings["receive_s"] = time.perf_counter() - began
-        adapter_dir = await run_in_threadpool(unpack, archive, work / "adapter", limit)
-        timings["unpack_s"] = time.perf_counter() - began - timings["receive_s"]
         record = await run_in_threadpool(
             server.registry.add_revision,
             adapter_dir,
@@ -70,6 +75,7 @@ async def upload(
             status="stable" if stable else "staging",
             keep=keep,
             fast_path=True,
+            owned=True,
         )
         timings["register_s"] = time.perf_counter() - began - sum(timings.values())
     finally:
@@ -135,25 +141,86 @@ def _artifact_store(server: Server) -> ArtifactStore:
     return store
 
 
-async def _receive(request: Request, path: Path, limit: int) -> int:
-    """The body written to `path` as it arrives; 413 once it passes `limit` bytes."""
+async def receive(request: Request, out: Path, limit: int) -> int:
+    """The body, a tar archive, unpacked into `out` as it arrives (`unpack`, on a thread); the
+    bytes received. 413 once the body or the files pass `limit` bytes."""
+    body = _Body()
+    unpacking = asyncio.ensure_future(run_in_threadpool(body.read_by, unpack, out, limit))
     received = 0
-    with path.open("wb") as f:
+    try:
         async for chunk in request.stream():
             received += len(chunk)
             if received > limit:
                 raise _too_large(limit)
-            f.write(chunk)
+            await body.put(chunk)
+            if body.reader_gone:
+                break  # refused: its error is raised below
+        await body.put(b"")
+    except BaseException:
+        body.stop()
+        await asyncio.gather(unpacking, return_exceptions=True)
+        raise
+    await unpacking
     return received
 
 
-def unpack(archive: Path, out: Path, limit: int) -> Path:
-    """The archive's files in `out`: regular files at its top level, named as an adapter's files
-    are; AdapterRejected naming the first one that is not, and for a pickle."""
+class _Body(io.RawIOBase):
+    """The request body as the unpacking thread reads it: chunks handed over a bounded queue
+    (b"": the end)."""
+
+    def __init__(self):
+        self._chunks: queue.Queue[bytes] = queue.Queue(maxsize=64)
+        self._rest = memoryview(b"")
+        self.reader_gone = self.sender_gone = False
+
+    def read_by(self, reader: Callable[..., Path], *args) -> Path:
+        """`reader(self, *args)`, on the thread that reads the body."""
+        try:
+            return reader(self, *args)
+        finally:
+            self.reader_gone = True
+
+    async def put(self, chunk: bytes) -> None:
+        while not self.reader_gone:
+            try:
+                self._chunks.put_nowait(chunk)
+                return
+            except queue.Full:  # the thread writes slower than the body comes
+                await asyncio.sleep(QUEUE_FULL_WAIT_S)
+
+    def stop(self) -> None:
+        """The sender stopped: the reader ends with an error rather than wait."""
+        self.sender_gone = True
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._rest:
+            try:
+                chunk = self._chunks.get(timeout=QUEUE_FULL_WAIT_S * 50)
+            except queue.Empty:
+                if self.sender_gone:
+                    raise EOFError("the upload stopped before its end") from None
+                continue
+            if not chunk:
+                self._chunks.put(b"")  # every later read sees the end too
+                return 0
+            self._rest = memoryview(chunk)
+        n = min(len(buffer), len(self._rest))
+        buffer[:n] = self._rest[:n]
+        self._rest = self._rest[n:]
+        return n
+
+
+def unpack(body: io.RawIOBase, out: Path, limit: int) -> Path:
+    """The archive's files in `out`, each written to disk and synced as it comes: regular files
+    at its top level, named as an adapter's files are; AdapterRejected naming the first one that
+    is not, and for a pickle."""
     out.mkdir()
     total = 0
     try:
-        with tarfile.open(archive, mode="r:*") as tar:
+        with tarfile.open(fileobj=io.BufferedReader(body, 1 << 20), mode="r|*") as tar:
             for member in tar:
                 name = _member_name(member)
                 if name is None:
@@ -163,6 +230,8 @@ def unpack(archive: Path, out: Path, limit: int) -> Path:
                     raise _too_large(limit)
                 with tar.extractfile(member) as src, (out / name).open("xb") as dst:  # type: ignore[union-attr]
                     shutil.copyfileobj(src, dst, 1 << 20)
+                    dst.flush()
+                    os.fsync(dst.fileno())  # while the next file arrives; the store links it
     except (tarfile.TarError, EOFError) as exc:
         raise AdapterRejected("archive", f"the body is not a tar archive ({exc})") from None
     except FileExistsError as exc:
