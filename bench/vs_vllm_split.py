@@ -1,9 +1,10 @@
 """Where the time goes: loraplex on vLLM against vLLM in the same environment, with and without
-loraplex's vLLM plugin, and a profile of each server at 64 adapters.
+loraplex's vLLM plugin, and a profile of each server on one workload (64 adapters by default).
 
     python bench/vs_vllm_split.py [--servers vllm,vllm+plugin,loraplex-vllm,loraplex] [--quick]
         [--rounds N] [--clients 8] [--workloads "0 adapters,8 adapters,64 adapters"]
-        [--profile SERVERS] [--profile-rate HZ] [--json bench/results/vs_vllm_split.json]
+        [--profile SERVERS] [--profile-rate HZ] [--profile-workload "64 adapters"]
+        [--json bench/results/vs_vllm_split.json]
 
 The servers, all run by this interpreter (one environment, where loraplex is installed and so its
 `vllm.general_plugins` entry point is there for vLLM to load), on `vs_vllm.py --case llama90m`'s
@@ -19,8 +20,8 @@ servers take turns `--rounds` times; figures are medians. Ratios: each loraplex 
 over `vllm+plugin`'s (the same vLLM, the same fixes: the cost of loraplex's layer) and over
 `vllm`'s (vLLM as released).
 
-`--profile`: after the rounds, each named server starts again, warms its 64 adapters and serves
-the 64-adapter workload while py-spy (`--subprocesses --nonblocking --format raw`) samples the API
+`--profile`: after the rounds, each named server starts again, warms the adapters of
+`--profile-workload` (64 adapters by default) and serves that workload while py-spy (`--subprocesses --nonblocking --format raw`) samples the API
 process and its children (vLLM's engine core, the native engine's process). Loraplex servers run
 under `split_probe.py`, which times the request path's waits, and every server on vLLM under its
 probe of vLLM's engine steps (each step that produced tokens, with its rows). The report per
@@ -274,14 +275,14 @@ def sampled(server: Server, out: Path, rate: int, trace: list, clients: int) -> 
 
 
 def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, console) -> dict:
-    """One server at 64 adapters under py-spy and the probe."""
-    count = LLAMA90M_WORKLOADS["64 adapters"][0]
+    """One server on --profile-workload under py-spy and the probe."""
+    count, base_share = LLAMA90M_WORKLOADS[args.profile_workload]
     probe = tmp / f"probe-{name}.jsonl"
     server = start(name, model_dir, adapters, tmp, f"{name}-profile", probe)
     try:
         warm = [replace(r, output_tokens=2) for r in llama90m_trace(count, count)]
         run(LoadConfig(url=server.url, clients=args.clients), warm)
-        trace = llama90m_trace(count, 24 if args.quick else 48)
+        trace = llama90m_trace(count, 24 if args.quick else 48, base_share)
         metrics_before, cpu_before = metric_sums(server.url), process_tree_cpu(server.p.pid)
         since = time.time()
         stacks_path = Path(args.json).with_name(f"{Path(args.json).stem}_{name}.collapsed.txt")
@@ -296,6 +297,7 @@ def profile_one(name: str, args, model_dir: Path, adapters: dict, tmp: Path, con
     client_s = args.clients * summary["duration_s"]
     report = {
         "label": LABELS[name],
+        "workload": args.profile_workload,
         "requests": summary["requests"],
         "errors": summary["failed"],
         "throughput_tok_s_under_profiling": summary["throughput"]["output_tokens_per_s"],
@@ -366,8 +368,8 @@ def print_comparison(console: Console, compared: dict, args) -> None:
 
 def print_profile(console: Console, profiles: dict) -> None:
     table = Table(
-        title="64 adapters under py-spy: CPU ms per request of each part (its share of its "
-        "process's busy samples)"
+        title=f"{_workload(profiles)} under py-spy: CPU ms per request of each part (its share "
+        "of its process's busy samples)"
     )
     table.add_column("part")
     for name in profiles:
@@ -391,8 +393,14 @@ def print_profile(console: Console, profiles: dict) -> None:
     print_waits(console, profiles)
 
 
+def _workload(profiles: dict) -> str:
+    return next(iter(profiles.values()), {}).get("workload", "64 adapters")
+
+
 def print_waits(console: Console, profiles: dict) -> None:
-    waits = Table(title="64 adapters: wall-clock waits, ms per request (share of client time)")
+    waits = Table(
+        title=f"{_workload(profiles)}: wall-clock waits, ms per request (share of client time)"
+    )
     for c in ("server", "wait", "calls", "ms/request", "p50 ms", "max ms", "share"):
         waits.add_column(c, justify="right")
     for name, prof in profiles.items():
@@ -446,9 +454,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument(
         "--profile",
         default="",
-        help="servers to profile at 64 adapters after the rounds (comma-separated; none: no "
-        "profile)",
+        help="servers to profile on --profile-workload after the rounds (comma-separated; none: "
+        "no profile)",
     )
+    parser.add_argument("--profile-workload", default="64 adapters", help="the workload profiled")
     parser.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
     parser.add_argument(
         "--max-cpu-loras",
@@ -467,6 +476,7 @@ def parse_args(argv: list[str] | None):
     args.profile = [s for s in args.profile.split(",") if s]
     unknown = [s for s in [*args.servers, *args.profile] if s not in LABELS]
     workloads = [w for w in args.workloads.split(",") if w]
+    workloads.append(args.profile_workload)
     if unknown or args.rounds < 1 or any(w not in LLAMA90M_WORKLOADS for w in workloads):
         parser.error(
             f"--servers/--profile: any of {', '.join(LABELS)}; --rounds >= 1; --workloads: any "
