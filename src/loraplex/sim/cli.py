@@ -342,11 +342,6 @@ def simulate(s: SimulateSettings) -> None:
                 "nor a trace file",
                 param_hint="--workload",
             )
-    if s.routing != "router" and (s.engine != "native" or s.pool):
-        typer.echo(
-            f"error: --routing {s.routing}: one pool of native-engine workers only", err=True
-        )
-        raise typer.Exit(2)
     for path, flag in ((s.json, "--json"), (s.plot, "--plot")):
         problem = path and unwritable(path)
         if problem:
@@ -363,18 +358,8 @@ def simulate(s: SimulateSettings) -> None:
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        vllm = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras}
-        return run_sweep(
-            cells,
-            policies,
-            n_slots,
-            cpu,
-            *args,
-            **vllm,
-            pools=pools,
-            routing=s.routing,
-            options=options,
-        )
+        kw = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras, "routing": s.routing}
+        return run_sweep(cells, policies, n_slots, cpu, *args, **kw, pools=pools, options=options)
 
     runs = sweep_of(traces, slots)
     _print_tables(console, runs, wide, fleet=workers > 1 or bool(changes or pools))

@@ -12,7 +12,12 @@ from loraplex.settings.sim import SimulateSettings
 
 def sharing_options(s: SimulateSettings) -> dict:
     """The `SimConfig` fields these flags set (none of them given: none); one line on stderr and
-    exit 2 for a combination the simulation does not run."""
+    exit 2 for a combination the simulation does not run (`--routing` as well)."""
+    if s.routing != "router" and (s.engine != "native" or s.pool):
+        typer.echo(
+            f"error: --routing {s.routing}: one pool of native-engine workers only", err=True
+        )
+        raise typer.Exit(2)
     if (s.fair_share or s.kv_prefix_blocks) and s.engine != "native":
         typer.echo("error: --fair-share and --kv-prefix-blocks: --engine native only", err=True)
         raise typer.Exit(2)
