@@ -56,11 +56,19 @@ class FairQueue(Generic[T]):
     def waiting(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
 
-    def join(self, tenant: str, priority: int, what: object = None) -> Waiter[T]:
-        """A request of `tenant` waits (QueueFull: the tenant's queue is at its limit)."""
+    def join(
+        self,
+        tenant: str,
+        priority: int,
+        what: object = None,
+        granted: asyncio.Future[T] | None = None,
+    ) -> Waiter[T]:
+        """A request of `tenant` waits (QueueFull: the tenant's queue is at its limit).
+        `granted`: the future its grant sets (a new one on the running loop; the simulator, which
+        runs no loop, gives its own)."""
         if self.waiting(tenant) >= self.limit:
             raise QueueFull(tenant)
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        future = granted if granted is not None else asyncio.get_running_loop().create_future()
         waiter = Waiter(tenant, priority, next(self._seq), future, what)
         if tenant not in self._queues:
             self._start[tenant] = max(self._finish.get(tenant, 0.0), self._clock)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.settings.fields import at_least, check_fields, positive, setting
+from loraplex.settings.fields import at_least, check_fields, positive, setting, weights
+from loraplex.settings.router import POLICIES as ROUTER_POLICIES
 from loraplex.settings.serve import DEFAULTS as SERVE
 from loraplex.settings.serve_values import HOST_CACHE_BYTES, VLLM_HOST_CACHE_PER_SLOT
 from loraplex.units import format_size, parse_size
@@ -212,6 +213,38 @@ class SimulateSettings:
     tenants: int | None = _tenants()
     registry_changes_per_s: float = _registry_changes_per_s()
     calibration: Path | None = _calibration()
+    router: str = setting(
+        "affinity",
+        "The router's picker policy, as `loraplex router --policy`: " + ", ".join(ROUTER_POLICIES),
+        choices=ROUTER_POLICIES,
+    )
+    fair_share: bool = setting(
+        False,
+        "Requests no worker has room for wait at the router in per-tenant queues, granted in "
+        "weighted fair order, as the router's fair share (native engine, --routing router)",
+    )
+    tenant_weights: tuple[tuple[str, float], ...] = setting(
+        (),
+        "Tenants' weights in the fair share: TENANT=W,...",
+        metavar="TENANT=W,...",
+        parse=weights(None, label="TENANT", above=0.0),
+        show=dict,
+        default_text="each 1",
+    )
+    kv_prefix_blocks: int = setting(
+        0,
+        "Each worker's KV cache for prompt prefixes, in 16-token blocks, and the router's prefix "
+        "index at that size: prefix-aware routing and the prefix-cache hit rate (0: off)",
+        metavar="N",
+        check=at_least(0),
+    )
+    system_prompt_tokens: int = setting(
+        0,
+        "Each adapter's requests start with its own system prompt of this many tokens (a "
+        "base-model request: its tenant's), added to their prompts",
+        metavar="N",
+        check=at_least(0),
+    )
 
     def __post_init__(self):
         check_fields(self, SimulateSettings)

@@ -32,7 +32,9 @@ from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration, CalibrationError, read_calibration
 from loraplex.sim.plot import plot_capacity, size_label
 from loraplex.sim.pools import SimPool, parse_sim_pool
+from loraplex.sim.prefix_cache import with_system_prompts
 from loraplex.sim.report import compare, hot_adapters
+from loraplex.sim.share_report import sharing_options, sharing_tables
 from loraplex.sim.simulator import SimConfig, config_dict
 from loraplex.units import parse_size
 
@@ -72,6 +74,7 @@ def run_sweep(
     max_cpu_loras: int | None = None,
     pools: tuple[SimPool, ...] = (),
     routing: str = "router",
+    options: dict | None = None,
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -96,6 +99,7 @@ def run_sweep(
                 costs=calibration.costs,
                 tenant_budgets=budgets,
                 registry_changes_per_s=registry_changes_per_s,
+                **(options or {}),
             )
             progress.update(
                 task,
@@ -105,7 +109,8 @@ def run_sweep(
             entries = compare(
                 trace, config, policies, hot, lambda _: progress.advance(task), optimal
             )
-            runs.append(_run_record(name, trace, config, hot, entries))
+            record = _run_record(name, trace, config, hot, entries)
+            runs.append(record | ({"options": options} if options else {}))
     return runs
 
 
@@ -337,11 +342,6 @@ def simulate(s: SimulateSettings) -> None:
                 "nor a trace file",
                 param_hint="--workload",
             )
-    if s.routing != "router" and (s.engine != "native" or s.pool):
-        typer.echo(
-            f"error: --routing {s.routing}: one pool of native-engine workers only", err=True
-        )
-        raise typer.Exit(2)
     for path, flag in ((s.json, "--json"), (s.plot, "--plot")):
         problem = path and unwritable(path)
         if problem:
@@ -351,16 +351,15 @@ def simulate(s: SimulateSettings) -> None:
     cpu: list[int | None] = list(s.cpu_bytes) or [None]
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
-    traces = {name: _load_workload(name, workload_shape(s)) for name in names}
+    options, prompts = sharing_options(s), s.system_prompt_tokens
+    traces = {n: with_system_prompts(_load_workload(n, workload_shape(s)), prompts) for n in names}
     pools = _pools(s.pool)
     changes = s.registry_changes_per_s
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        vllm = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras}
-        return run_sweep(
-            cells, policies, n_slots, cpu, *args, **vllm, pools=pools, routing=s.routing
-        )
+        kw = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras, "routing": s.routing}
+        return run_sweep(cells, policies, n_slots, cpu, *args, **kw, pools=pools, options=options)
 
     runs = sweep_of(traces, slots)
     _print_tables(console, runs, wide, fleet=workers > 1 or bool(changes or pools))
@@ -398,6 +397,8 @@ def _print_tables(console: Console, runs: list[dict], wide: bool, fleet: bool) -
         console.print(fleet_table(runs))
     if any(run["pools"] for run in runs):
         console.print(pools_table(runs))
+    for table in sharing_tables(runs):
+        console.print(table)
 
 
 def _calibration(path: Path | None) -> Calibration:

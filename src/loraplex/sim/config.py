@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from loraplex.engines.vllm.tables import HOST_BYTES_UNBOUNDED
 from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.sim.calibration import LoadCosts, ServiceModel
 from loraplex.sim.pools import SimPool as PoolOfWorkers
 
@@ -71,6 +72,16 @@ class SimConfig:
     pins: tuple[tuple[str, str], ...] = ()
     """(model, tier): adapters of the trace (`name@revision`) pinned to `gpu` or `cpu` on every
     worker before the first arrival, as the operator's `POST /admin/adapters/{name}/pin`."""
+    fair_share: bool = False
+    """Requests no worker has room for wait at the router in per-tenant queues, granted in
+    weighted fair order (`sim.fair_share`); False: they go to a saturated worker's queue."""
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """(tenant, weight) in the fair share (a tenant not named weighs 1)."""
+    queue_per_tenant: int = ROUTER.queue_per_tenant
+    """Requests a tenant may have waiting at the router (more are refused, the router's 429)."""
+    kv_prefix_blocks: int = 0
+    """Each worker's KV cache for prompt prefixes, in 16-token blocks, and the router's prefix
+    index per worker at the same size (`sim.prefix_cache`); 0: prefixes not modelled."""
     seed: int = 0
     registry_changes_per_s: float = 0.0
     """Registry changes per second (`loraplex.sim.registry_load`): notified to every worker, each
@@ -87,6 +98,12 @@ class SimConfig:
             raise ValueError(f"routing {self.routing!r}: use one of {', '.join(ROUTINGS)}")
         if self.routing != "router" and (self.engine != "native" or self.pools):
             raise ValueError(f"routing {self.routing}: one pool of native-engine workers only")
+        if (self.fair_share or self.kv_prefix_blocks) and self.engine != "native":
+            raise ValueError("fair share and prefix caches: native-engine workers only")
+        if self.fair_share and self.routing != "router":
+            raise ValueError(f"fair share: routing router only, not {self.routing}")
+        if self.kv_prefix_blocks < 0 or self.queue_per_tenant < 1:
+            raise ValueError("kv_prefix_blocks must be >= 0 and queue_per_tenant >= 1")
         self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:
@@ -104,3 +121,10 @@ class SimConfig:
         return TenantBudgets(
             self.gpu_slots, cpu_bytes, capped, self.tenant_gpu_share, self.tenant_cpu_share
         )
+
+
+def config_dict(config: SimConfig) -> dict:
+    out = asdict(config)
+    out["service"] = asdict(config.service)
+    out["costs"] = config.costs.to_dict()
+    return out

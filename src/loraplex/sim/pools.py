@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.router.picker import Picker, WorkerView
+from loraplex.router.picker import Pick, Picker, WorkerView
 from loraplex.router.pools import Need, Reported, serves, tiers
 from loraplex.router.routing import Wanted, first_with_room
 from loraplex.settings.pools import PoolSpec, parse_pool
@@ -50,8 +50,8 @@ class PoolRouting:
         self.pool_of: list[PoolSpec] = [p.spec for p in pools for _ in range(p.workers)]
         self.specs = [p.spec for p in pools]
 
-    def route(self, views: list[WorkerView], tenant: str, rank: int, model, priority) -> int | None:
-        """The worker's index; None: no pool open to the tenant serves the rank."""
+    def pick(self, views: list[WorkerView], tenant: str, rank: int, model, priority) -> Pick | None:
+        """The router's pick; None: no pool open to the tenant serves the rank."""
         need = Need(rank=rank)
         groups = []
         for allowed in tiers(self.specs, tenant):
@@ -66,8 +66,7 @@ class PoolRouting:
         groups = [g for g in groups if g]
         if not groups:
             return None
-        pick = first_with_room(self.picker, groups, Wanted(model, tenant, priority))
-        return int(pick.url.rsplit("-", 1)[1]) if pick.url else None
+        return first_with_room(self.picker, groups, Wanted(model, tenant, priority))
 
     def name_of(self, worker: int) -> str:
         return self.pool_of[worker].name

@@ -93,6 +93,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
         },
         "simulated_s": makespan,
         **({"pools": _pool_figures(sim, seqs)} if sim.pools is not None else {}),
+        **({"prefix_cache": sim.prefixes.figures()} if sim.prefixes is not None else {}),
+        **({"fair_share": _fair_figures(sim)} if sim.fair is not None else {}),
     }
 
 
@@ -113,6 +115,13 @@ def _pool_figures(sim: Simulation, seqs: list[SimRequest]) -> dict[str, dict]:
             "ttft_s": _latency(group)["ttft_s"],
         }
     return out
+
+
+def _fair_figures(sim: Simulation) -> dict:
+    """Requests that waited their turn at the router, and per tenant those granted a worker."""
+    assert sim.fair is not None
+    granted = sim.fair.queue.granted_total
+    return {"waited": sim.fair.waited, "granted": dict(sorted(granted.items()))}
 
 
 def _latency(group: list[SimRequest]) -> dict:

@@ -18,7 +18,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from loraplex.engines.native.admission import Take, admit_waiting
@@ -26,10 +26,13 @@ from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
-from loraplex.sim.config import ENGINES, LLAMA7B_BYTES_PER_RANK, TIERS, SimConfig
+from loraplex.sim.config import ENGINES, LLAMA7B_BYTES_PER_RANK, TIERS, SimConfig, config_dict
 from loraplex.sim.epp import EppPicker
+from loraplex.sim.fair_share import FairShare
 from loraplex.sim.placement import Controller, ControllerConfig
+from loraplex.sim.policies import policy_factory
 from loraplex.sim.pools import PoolRouting
+from loraplex.sim.prefix_cache import PrefixModel
 from loraplex.sim.registry_load import RegistryLoad, registry_changes
 from loraplex.sim.virtual_loop import VirtualLoop
 from loraplex.sim.vllm_worker import VllmWorker
@@ -52,6 +55,8 @@ __all__ = [
 class SimRequest:
     __slots__ = (
         "admitted_at",
+        "blocks",
+        "cached",
         "finish_at",
         "first_token_at",
         "nbytes",
@@ -66,6 +71,8 @@ class SimRequest:
         self.tier = "gpu"
         self.worker = 0
         self.admitted_at = self.first_token_at = self.finish_at = math.nan
+        self.blocks: tuple[int, ...] = ()  # its prompt's hash chain (`sim.prefix_cache`)
+        self.cached = 0  # its prompt's tokens found in its worker's KV cache
 
 
 class Worker:
@@ -95,12 +102,8 @@ class Worker:
         self.step_index = 0
         self.steps_in_flight = 1  # engine steps the scheduled step end stands for
         self.end_token = 0  # the scheduled step end that counts (an arrival may move it earlier)
-        self.quiet: tuple[float, float, list[AdapterKey]] | None = (
-            None  # (first end, step seconds, blocked keys)
-        )
-        self.touch: tuple[list[AdapterKey], float] | None = (
-            None  # blocked keys and when the last step touches them
-        )
+        self.quiet: tuple[float, float, list[AdapterKey]] | None = None  # (first end, step s, keys)
+        self.touch: tuple[list[AdapterKey], float] | None = None  # keys, when the last step is
         self.load_ends: list[float] = []  # when this worker's loads in progress end (a heap)
         self.loads_landed = 0  # loads ended since the cache last polled
         self.busy = False
@@ -190,7 +193,7 @@ class Worker:
             take_adapter=lambda seq: self._take_adapter(seq.ref, now),
             admit=admit,
         )
-        prefill_tokens = sum(seq.req.prompt_tokens for seq in admitted)
+        prefill_tokens = sum(seq.req.prompt_tokens - seq.cached for seq in admitted)
         copies = self.pool.take_uncharged()
         if admitted:
             self.peak_slots = max(self.peak_slots, self.pool.num_slots - cache.tiers.free_slots())
@@ -270,6 +273,8 @@ class Worker:
     def _admit(self, seq: SimRequest, now: float) -> None:
         self.waiting.remove(seq)
         seq.admitted_at = now
+        if self.sim.prefixes is not None:
+            seq.cached = self.sim.prefixes.prefill(self.index, seq.req, seq.blocks)
         self.num_running += 1
         self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
         if seq.ref is not None:
@@ -383,6 +388,10 @@ class Simulation:
         self.workers: list = [kind(self, i, policy_factory(self)) for i in range(config.workers)]
         self.picker = Picker(config.router, rng=random.Random(config.seed))
         self.pools = PoolRouting(config.pools, self.picker) if config.pools else None
+        blocks = config.kv_prefix_blocks
+        self.prefixes = PrefixModel(config.workers, blocks, blocks) if blocks else None
+        weights, limit = dict(config.tenant_weights), config.queue_per_tenant
+        self.fair = FairShare(self, weights, limit) if config.fair_share else None
         self.refused = 0  # requests no pool open to their tenant serves
         self._views: list[WorkerView] = []
         self._views_at = -math.inf
@@ -506,51 +515,69 @@ class Simulation:
         self.open[index] += 1
         return self.workers[index]
 
-    def _route(self, seq: SimRequest) -> Worker | None:
+    def route(self, seq: SimRequest) -> tuple[int | None, str]:
+        """Its worker (None: no pool open to its tenant serves it) and why (`placed`, a pick's)."""
         if self.epp is not None:
-            return self._take(self.epp.pick(self, seq))
+            return self.epp.pick(self, seq), "epp"
         placed = self.controller.pick(seq.req.model) if self.controller and seq.req.model else None
         if placed is not None:
-            return self._take(placed)
-        if len(self.workers) == 1 and self.pools is None:
-            return self._take(0)
+            return placed, "placed"
+        if len(self.workers) == 1 and self.pools is None and self.fair is None:
+            return 0, "only"
         self.views()
         # As the router's fleet does: a worker's requests open (sent, not finished) count in flight
         # beyond those its last polled state counts, and a routed adapter as loading there until
         # the next poll.
         views = [
-            replace(v, in_flight=max(0, self.open[i] - v.waiting - v.running))
+            replace(v, in_flight=max(0, self.open[i] - v.waiting - v.running), **self._seen(i, seq))
             for i, v in enumerate(self._views)
         ]
+        r = seq.req
         if self.pools is not None:
-            r = seq.req
-            chosen = self.pools.route(
-                views, r.tenant, r.rank if r.adapter else 0, r.model, r.priority
-            )
-            if chosen is None:
-                return None
-            index = chosen
+            pick = self.pools.pick(views, r.tenant, r.rank if r.adapter else 0, r.model, r.priority)
+            if pick is None or pick.url is None:
+                return None, "refused"
         else:
-            pick = self.picker.pick(views, seq.req.model, seq.req.priority)
-            index = int(pick.url.rsplit("-", 1)[1]) if pick.url else 0
-        view, model = self._views[index], seq.req.model
-        if model is not None and model not in view.loading:
-            self._views[index] = replace(view, loading=view.loading | {model})
-        return self._take(index)
+            pick = self.picker.pick(views, r.model, r.priority)
+        return (int(pick.url.rsplit("-", 1)[1]) if pick.url else 0), pick.reason
+
+    def _seen(self, i: int, seq: SimRequest) -> dict:
+        """What else the router sees of worker i for this request: its capacity and the requests
+        open there (with fair share), the share of the prompt's prefix routed there."""
+        seen: dict = {"prefix": self.prefixes.score(i, seq.blocks)} if self.prefixes else {}
+        if self.fair is not None:
+            seen.update(capacity=self.config.max_num_seqs, num_open=self.open[i])
+        return seen
 
     def _arrive(self, seq: SimRequest) -> None:
-        """The request at the router: to its worker, or refused."""
-        worker = self._route(seq)
-        if worker is None:
-            self._refuse(seq)
-            return
-        self.registry.request(worker.index, seq.req.model, self.now)
-        worker.arrive(seq)
-        if self.controller is not None and seq.req.model is not None:
-            self.controller.record(worker.index, seq.req.model)
+        """The request at the router: to its worker, to its tenant's queue, or refused."""
+        if self.prefixes is not None:
+            seq.blocks = self.prefixes.blocks(seq.req, seq.ref.key if seq.ref else None)
+        index, reason = self.route(seq)
+        if index is None:
+            self.refuse(seq)
+        elif self.fair is not None and self.fair.waits(reason):
+            self.fair.join(seq)
+        else:
+            self.send(seq, index, reason)
 
-    def _refuse(self, seq: SimRequest) -> None:
-        """No pool open to the request's tenant serves it: the router's 404, at once."""
+    def send(self, seq: SimRequest, index: int, reason: str) -> None:
+        """To worker `index`; as the router's `sent`, its adapter loading there, its blocks held."""
+        model = seq.req.model
+        if reason not in ("epp", "placed", "only") and model is not None:
+            view = self._views[index]
+            if model not in view.loading:
+                self._views[index] = replace(view, loading=view.loading | {model})
+        if self.prefixes is not None:
+            self.prefixes.sent(index, seq.blocks)
+        worker = self._take(index)
+        self.registry.request(worker.index, model, self.now)
+        worker.arrive(seq)
+        if self.controller is not None and model is not None:
+            self.controller.record(worker.index, model)
+
+    def refuse(self, seq: SimRequest) -> None:
+        """No pool open to its tenant serves it (404), or its tenant's queue is full (429)."""
         seq.tier, seq.worker = "refused", -1
         self.refused += 1
 
@@ -558,6 +585,8 @@ class Simulation:
         """A request ended on its worker."""
         self.finished += 1
         self.open[seq.worker] -= 1
+        if self.fair is not None:
+            self.fair.admit()
 
 
 def simulate(
@@ -567,33 +596,3 @@ def simulate(
     controller: ControllerConfig | None = None,
 ) -> Simulation:
     return Simulation(trace, config, policy_factory, controller).run()
-
-
-def config_dict(config: SimConfig) -> dict:
-    out = asdict(config)
-    out["service"] = asdict(config.service)
-    out["costs"] = config.costs.to_dict()
-    return out
-
-
-# -- comparing policies ----------------------------------------------------------------------------
-"""Runtime policies (lru, score), baselines (lfu, gdsf) and a0, the popularity oracle (a reference,
-not a policy)."""
-
-
-def policy_factory(name: str) -> Callable[[Simulation], object]:
-    """A new policy per worker cache: the runtime ones (lru, score), the baselines (lfu, gdsf), or
-    the oracles (`a0`: true popularity; `optimal`: farthest next use)."""
-    from loraplex.residency.policy import GDSFPolicy, LFUPolicy, make_policy
-    from loraplex.sim.optimal import OraclePolicy, PopularityOracle
-
-    if name == "optimal":
-        return lambda sim: OraclePolicy(sim.next_use)
-    if name == "a0":
-        return lambda sim: PopularityOracle(sim.request_counts())
-    if name == "lfu":
-        return lambda sim: LFUPolicy()
-    if name == "gdsf":
-        return lambda sim: GDSFPolicy()
-    make_policy(name)  # refuses an unknown name now
-    return lambda sim: make_policy(name)

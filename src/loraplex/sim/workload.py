@@ -36,6 +36,10 @@ class Request:
     revision: str = "1"
     priority: int = 0
     """The tenant's priority (higher is more important)."""
+    prefix: str | None = None
+    """The shared prompt its prompt starts with (a system prompt), by name; None: none."""
+    prefix_tokens: int = 0
+    """That shared prompt's tokens, counted in `prompt_tokens`."""
 
     @property
     def model(self) -> str | None:
@@ -377,8 +381,16 @@ def _with_tenants(trace: list[Request], tenants: int | None) -> list[Request]:
 
 # -- JSONL -----------------------------------------------------------------------------------------
 def write_trace(requests: list[Request], path: str | Path) -> None:
+    """One JSON object per line; a request without a shared prompt has no `prefix` keys."""
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(asdict(r), separators=(",", ":")) + "\n" for r in requests)
+        f.writelines(json.dumps(_record(r), separators=(",", ":")) + "\n" for r in requests)
+
+
+def _record(r: Request) -> dict:
+    record = asdict(r)
+    if r.prefix is None:
+        del record["prefix"], record["prefix_tokens"]
+    return record
 
 
 class TraceError(ValueError):
@@ -447,7 +459,19 @@ def _from_trace_line(d: dict) -> Request:
         _number(d, "rank", int, 16),
         str(d.get("revision") or "1"),
         _number(d, "priority", int, 0),
+        *_prefix(d),
     )
+
+
+def _prefix(d: dict) -> tuple[str | None, int]:
+    """A trace line's shared prompt and its tokens (at most the prompt's)."""
+    prefix = d.get("prefix")
+    if prefix is None:
+        return None, 0
+    tokens = _number(d, "prefix_tokens", int, 0)
+    if not 0 <= tokens <= _number(d, "prompt_tokens", int):
+        raise ValueError(f"'prefix_tokens' must be from 0 to 'prompt_tokens': {tokens}")
+    return str(prefix), tokens
 
 
 def _from_audit_line(d: dict) -> Request | None:

@@ -1,0 +1,71 @@
+"""The router's fair share at the simulated router: `simulate --fair-share`.
+
+As `loraplex router` does (`router/app.py`, `RouterState.wait_turn` and `admit`): a worker that has
+as many requests open as it runs at once is saturated (the router's `worker_queue_limit` 0); a
+request whose every worker is saturated, or that arrives while others wait, waits at the router in
+its tenant's queue (`router/fairness.py`'s `FairQueue`, the router's own), and is granted a worker
+in fair order when one has room again: when a request ends, and at a quarter of the poll interval
+while any wait. A tenant whose queue is at its limit is refused (the router's 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, cast
+
+from loraplex.router.fairness import FairQueue, QueueFull, Waiter
+
+if TYPE_CHECKING:
+    from loraplex.sim.simulator import SimRequest, Simulation
+
+
+class FairShare:
+    def __init__(self, sim: Simulation, weights: dict[str, float], limit: int):
+        self.sim = sim
+        self.queue: FairQueue[int] = FairQueue(dict(weights), limit)
+        # The grants' futures belong to a loop that never runs (closed at once): the simulation
+        # sets and reads them, and nothing awaits them.
+        self._loop = asyncio.new_event_loop()
+        self._loop.close()
+        self._ticking = False
+        self.waited = 0
+        """Requests that waited at the router."""
+
+    def waits(self, reason: str) -> bool:
+        """Whether a request picked for `reason` waits its turn (as the router's `_waits`)."""
+        return reason == "saturated-fallback" or len(self.queue) > 0
+
+    def join(self, seq: SimRequest) -> None:
+        """The request waits in its tenant's queue (refused when that is full)."""
+        try:
+            self.queue.join(seq.req.tenant, seq.req.priority, seq, asyncio.Future(loop=self._loop))
+        except QueueFull:
+            self.sim.refuse(seq)
+            return
+        self.waited += 1
+        self.admit()
+
+    def admit(self) -> None:
+        """Waiting requests in fair order, each while a worker it may use has room."""
+        if len(self.queue):
+            self.queue.admit(self._grant)
+        if len(self.queue) and not self._ticking:
+            self._ticking = True
+            self.sim.schedule(self.sim.now + self.sim.config.router_poll_s / 4, self._tick, None)
+
+    def _tick(self, _) -> None:
+        self._ticking = False
+        self.admit()
+
+    def _grant(self, waiter: Waiter[int]) -> int | None:
+        """The waiter's worker when one it may use has room (None: not yet), sent there; -1: no
+        pool serves it."""
+        seq = cast("SimRequest", waiter.what)
+        index, reason = self.sim.route(seq)
+        if index is None:
+            self.sim.refuse(seq)
+            return -1
+        if reason.startswith("saturated"):
+            return None
+        self.sim.send(seq, index, reason)
+        return index
