@@ -6,11 +6,12 @@ limit and PEFT.
 
 Shapes: a small Llama (4 layers, hidden 512) and the adapter tensors of a 4096-hidden, 32-layer
 model in bfloat16 (only the slot pool of that shape is allocated; no base weights are needed). Ours
-goes through the real NativeResidency: digest check (by the piece list a registration records,
-BLAKE3 pieces hashed on several threads; the `disk_one_sha256` column checks the digest alone, one
-sha256, as for revisions registered without pieces), validation, packing, one slot copy. The limit
-is `safetensors.torch.load_file` plus the copies into the slot (no digest check, no validation, no
-host copy kept); "limit + sha256" adds the mandatory digest check to it as its own pass over the
+goes through the real `Residency` on the native backend: digest check (by the piece list a
+registration records, BLAKE3 pieces hashed on several threads; the `disk_one_sha256` column checks
+the digest alone, one sha256, as for revisions registered without pieces), validation, packing, one
+slot copy. The limit is `safetensors.torch.load_file` plus the copies into the slot (no digest
+check, no validation, no host copy kept); "limit + sha256" adds the mandatory digest check to it as
+its own pass over the
 file. Each repeat runs the limit and every tier of ours once, in turn, so that a change in the
 machine's load hits them alike. The baseline is `PeftModel.load_adapter` on the small model, with
 its default and with `low_cpu_mem_usage=True` (which skips initialising weights that are then
@@ -39,7 +40,7 @@ from shaped_store import ShapedHandler, shaped_store_process
 
 from loraplex.artifacts import AllowList, ArtifactStore, Pieces, canonical_digest
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
-from loraplex.engines.native.residency import NativeResidency
+from loraplex.engines.native.slots import native_residency
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import LINEAR_MODULES, ModelConfig
 from loraplex.residency.disk import DiskTier
@@ -142,15 +143,15 @@ class Bench:
         self.sync()
 
     def ours(self, src: Path, rank: int, digest: str, tier: str, pieces: Pieces | None) -> float:
-        """Seconds from acquire to a slot through a fresh NativeResidency, the adapter starting in
-        `tier`; its bytes checked by the registry's piece list, or by the digest alone (one sha256)
-        without one."""
+        """Seconds from acquire to a slot through a fresh `Residency` (native backend), the adapter
+        starting in `tier`; its bytes checked by the registry's piece list, or by the digest alone
+        (one sha256) without one."""
         disk = DiskTier(
             self.work / f"{self.name}-disk-{tier}-{time.perf_counter_ns()}",
             10 * 2**30,
             AllowList.parse([self.base_url]),
         )
-        cache = NativeResidency(self.pool, self.pack, cpu_bytes=4 * 2**30, disk=disk)
+        cache = native_residency(self.pool, self.pack, cpu_bytes=4 * 2**30, disk=disk)
         key = AdapterKey("bench", f"r{rank}", "1", digest)
         ref = (
             AdapterRef(key, path=src, pieces=pieces)
@@ -161,11 +162,11 @@ class Bench:
         )
         if tier == "cpu":  # bring the host copy in first: only the slot copy remains to time
             assert cache.acquire(AdapterRef(key, path=src)) is None
-            cache.drain()
+            cache.backend.drain()
         start = time.perf_counter()
         slot = cache.acquire(ref)
         while slot is None:
-            cache.drain()
+            cache.backend.drain()
             slot = cache.acquire(ref)
         self.sync()
         elapsed = time.perf_counter() - start

@@ -4,12 +4,12 @@ as the number of waiting requests grows.
     python bench/cache_backlog.py [--waiting 100,250,500,1000]
         [--json bench/results/cache_backlog.json]
 
-The real `NativeResidency` (`score`) with the fake slot pool and executor of the cache tests (no
-torch): 2,000 adapters seen, one slot held by a running request, host memory for 50 copies
-(`max_cpu_loras` 50) all asked for by waiting requests, and N more waiting requests whose adapters
-are not in host memory (their loads wait for room). The engine's scheduler calls `acquire` for every
-waiting request at every step, so a step's scheduling costs N times the figure here; a cost per call
-that grows with N makes the steps quadratic in the waiting requests.
+The real `Residency` on the native backend (`score`) with the fake slot pool and executor of the
+cache tests (no torch): 2,000 adapters seen, one slot held by a running request, host memory for 50
+copies (`max_cpu_loras` 50) all asked for by waiting requests, and N more waiting requests whose
+adapters are not in host memory (their loads wait for room). The engine's scheduler calls `acquire`
+for every waiting request at every step, so a step's scheduling costs N times the figure here; a
+cost per call that grows with N makes the steps quadratic in the waiting requests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from loraplex.engines.native.residency import Loaded, NativeResidency
+from loraplex.engines.native.slots import Loaded, native_residency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import ScorePolicy
 
@@ -44,7 +44,7 @@ def measure(waiting: int) -> dict:
         for i in range(2000)
     ]
     loads = Loads()
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(1),
         lambda files, hashed: None,
         cpu_bytes=COPIES * 10 * MiB,
@@ -59,7 +59,7 @@ def measure(waiting: int) -> dict:
         for fn, ref, future in loads.pending:
             future.set_result(fn(ref))
         loads.pending.clear()
-        cache.poll()
+        cache.backend.poll()
 
     running = refs[-1]
     cache.record_request(running)
@@ -81,7 +81,7 @@ def measure(waiting: int) -> dict:
             assert cache.acquire(ref) is None
             calls += 1
     seconds = time.perf_counter() - start
-    assert len(cache.cpu) == COPIES and not cache.loading, (
+    assert len(cache.backend.cpu) == COPIES and not cache.loading, (
         "the waiting requests' loads must wait for room"
     )
     return {

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from loraplex.engines.native.residency import WANTED_FOR_S, Loaded, NativeResidency
+from loraplex.engines.native.slots import WANTED_FOR_S, Loaded, native_residency
 from loraplex.residency.errors import CapacityExceeded
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import LRUPolicy, ScorePolicy
@@ -54,24 +54,27 @@ def fresh_room_for(cache, key, now):
     entries = cache.entries
     held = [
         k
-        for k, asked in cache._wanted.items()
+        for k, asked in cache.backend._wanted.items()
         if k != key
         and k in entries
         and now - asked <= WANTED_FOR_S
-        and (k in cache.cpu or k in cache.loading)
+        and (k in cache.backend.cpu or k in cache.loading)
     ]
     if not held:
         return True
     pinned = [e for k, e in entries.items() if e.pinned == "cpu" and k not in held]
-    if cache.max_cpu_loras is not None and len(pinned) + len(held) + 1 > cache.max_cpu_loras:
+    if (
+        cache.backend.max_cpu_loras is not None
+        and len(pinned) + len(held) + 1 > cache.backend.max_cpu_loras
+    ):
         return False
     held_bytes = sum(e.nbytes for e in pinned) + sum(entries[k].nbytes for k in held)
-    return held_bytes + entries[key].nbytes <= cache.cpu_bytes
+    return held_bytes + entries[key].nbytes <= cache.backend.cpu_bytes
 
 
 def fresh_warm_sets(cache, now):
     """The gpu and cpu warm sets computed again, nothing kept."""
-    placement, snap = cache.placement, cache.snapshot()
+    placement, snap = cache.backend.placement, cache.backend.snapshot()
     memo, placement.warm_memo = placement.warm_memo, {}
     try:
         return placement.gpu_warm(snap, now), placement.cpu_warm(snap, now)
@@ -89,7 +92,7 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
         for i in sizes
     ]
     loads = Loads()
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(3),
         lambda files, hashed: None,
         cpu_bytes=30 * MiB,
@@ -126,7 +129,7 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
             cache.release(held.pop(rng.randrange(len(held))))
         elif op == "poll":
             loads.finish(rng)
-            cache.poll()
+            cache.backend.poll()
         elif op == "evict" and ref.key not in held:
             cache.evict(ref.key)
         elif op == "forget" and ref.key not in held and ref.key not in cache.loading:
@@ -138,8 +141,8 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
                 with contextlib.suppress(CapacityExceeded):
                     cache.pin(ref, "cpu")
         elif op == "gpu_cap":
-            cache.max_gpu_warm = rng.choice([0, 1, 3])
-        assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+            cache.backend.max_gpu_warm = rng.choice([0, 1, 3])
+        assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.backend.cpu.values())
         for tier, pins in (
             ("gpu", cache.ledger.pinned_to["gpu"]),
             ("cpu", cache.ledger.pinned_to["cpu"]),
@@ -148,11 +151,14 @@ def test_byte_total_and_warm_sets_follow_every_change(seed):
         for key in [
             r.key for r in refs if r.key in cache.entries
         ]:  # kept between calls, and the same answers
-            room = cache.placement.room_for(cache.snapshot(), key, now[0])
+            room = cache.backend.placement.room_for(cache.backend.snapshot(), key, now[0])
             assert room == fresh_room_for(cache, key, now[0]), key
         # Asked twice, with and without what was kept: the same sets, in the same order.
         for _ in range(2):
-            snap = cache.snapshot()
-            kept = cache.placement.gpu_warm(snap, now[0]), cache.placement.cpu_warm(snap, now[0])
+            snap = cache.backend.snapshot()
+            kept = (
+                cache.backend.placement.gpu_warm(snap, now[0]),
+                cache.backend.placement.cpu_warm(snap, now[0]),
+            )
             fresh = fresh_warm_sets(cache, now[0])
             assert [list(s) for s in kept] == [list(s) for s in fresh]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.engines.native.residency import Loaded, NativeResidency
+from loraplex.engines.native.slots import Loaded, native_residency
 from loraplex.residency.budgets import Budget, TenantBudgets, charged, usage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import LRUPolicy
@@ -87,7 +87,7 @@ class Instant:
 
 def make_cache(slots: int, cpu_mib: int, budgets: dict[str, Budget]):
     now = [0.0]
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -111,7 +111,7 @@ def serve(cache, now, r, hold: bool = False) -> int | None:
     now[0] += 1.0
     slot = cache.acquire(r)
     if slot is None:
-        cache.poll()
+        cache.backend.poll()
         slot = cache.acquire(r)
     if slot is not None and not hold:
         cache.release(r.key, r.tenant)
@@ -125,13 +125,15 @@ def test_a_tenant_at_its_slot_budget_reuses_its_own_slots_and_waits_while_they_a
     assert serve(cache, now, ref("b0", "batch"), hold=True) is not None  # a free slot
     # its one slot is busy: it waits, online's stay
     assert serve(cache, now, ref("b1", "batch")) is None
-    assert cache.budget_waits == {"batch": 1}
-    assert cache.defers(ref("b1", "batch")) and not cache.defers(ref("b1", "online"))
+    assert cache.ledger.budget_waits == {"batch": 1}
+    assert cache.backend.defers(ref("b1", "batch")) and not cache.backend.defers(
+        ref("b1", "online")
+    )
     cache.release(ref("b0", "batch").key, "batch")
     assert serve(cache, now, ref("b1", "batch")) is not None  # from its own adapter
-    assert {k.name for k in cache.slots} == {"o0", "o1", "o2", "b1"}
+    assert {k.name for k in cache.backend.slots} == {"o0", "o1", "o2", "b1"}
     assert cache.budget_state()["batch"]["gpu"] == {"slots": 1, "max_slots": 1, "bytes": 10 * MiB}
-    assert cache.budget_waiting == {}
+    assert cache.backend.budget_waiting == {}
 
 
 def test_a_shared_adapter_counts_for_each_tenant_using_it():
@@ -161,7 +163,7 @@ def test_a_zero_budget_is_served_only_from_free_slots():
     cache.evict(ref("z1", "zero").key)
     serve(cache, now, ref("o1", "online"))
     assert serve(cache, now, ref("z2", "zero")) is None  # no free slot, none of its own
-    assert {k.name for k in cache.slots} == {"o0", "o1"}
+    assert {k.name for k in cache.backend.slots} == {"o0", "o1"}
 
 
 def test_over_its_host_budget_a_tenant_drops_its_own_copies_and_never_another_tenants():
@@ -171,17 +173,17 @@ def test_over_its_host_budget_a_tenant_drops_its_own_copies_and_never_another_te
         serve(cache, now, ref(f"o{i}", "online"))
     for i in range(4):
         serve(cache, now, ref(f"b{i}", "batch"))
-    names = {k.name for k in cache.cpu}
+    names = {k.name for k in cache.backend.cpu}
     assert {"o0", "o1", "o2"} <= names  # online's copies stay
     assert len(names) == 5 and cache.budget_state()["batch"]["cpu"]["bytes"] == 20 * MiB
-    assert cache.tiers.cpu_bytes_used <= cache.cpu_bytes
+    assert cache.tiers.cpu_bytes_used <= cache.backend.cpu_bytes
 
 
 def test_a_gpu_pin_is_never_a_victim_of_a_budget():
     cache, now = make_cache(2, 1000, {"batch": Budget(gpu_slots=1)})
     pinned = ref("b0", "batch")
     cache.pin(pinned, "gpu")
-    cache.poll()
+    cache.backend.poll()
     assert cache.tiers.slot_of(pinned.key) is not None
     assert serve(cache, now, ref("b1", "batch")) is not None  # a free slot
     serve(cache, now, ref("o0", "online"))  # online, within its budget, takes batch's excess

@@ -73,7 +73,7 @@ def test_remote_store_down_fails_cold_adapters_while_resident_ones_serve(
         tier, error, tokens = run_one(engine, cold)
         assert tier == "remote" and isinstance(error, AdapterUnavailable) and tokens == []
         assert run_one(engine, warm)[:2] == ("gpu", None)
-        assert engine.adapters.slots.count(None) == 1  # the failed load took nothing
+        assert engine.adapters.backend.slots.count(None) == 1  # the failed load took nothing
         with serve_store(store, port=port):
             # The same key is tried again on the next request and recovers.
             assert run_one(engine, cold)[1:] == (None, run_one(engine, cold)[2])
@@ -100,10 +100,13 @@ def test_corrupted_remote_artifact_is_refused_and_disturbs_nothing(
             engine, base, "bad", digests["all-r16-rslora"], pieces[digests["all-r16-rslora"]]
         )
         assert run_one(engine, good)[1] is None
-        slots, cpu = list(engine.adapters.slots), set(engine.adapters.cpu)
+        slots, cpu = list(engine.adapters.backend.slots), set(engine.adapters.backend.cpu)
         _, error, tokens = run_one(engine, bad)
         assert "digest" in str(error).lower() and tokens == []
-        assert (list(engine.adapters.slots), set(engine.adapters.cpu)) == (slots, cpu)
+        assert (list(engine.adapters.backend.slots), set(engine.adapters.backend.cpu)) == (
+            slots,
+            cpu,
+        )
         assert not engine.adapters.disk.has(digests["all-r16-rslora"])
         assert run_one(engine, good)[:2] == ("gpu", None)
         engine.close()
@@ -214,7 +217,7 @@ def test_a_failed_reload_does_not_fail_requests_its_slot_can_serve(
     engine.generate([[3, 4, 5]], two, [a])
     engine.generate([[3, 4, 5]], two, [b])
     cache = engine.adapters
-    assert a.key in cache.slots and a.key not in cache.cpu  # one host copy: b's
+    assert a.key in cache.backend.slots and a.key not in cache.backend.cpu  # one host copy: b's
     (a_dir / "adapter_model.safetensors").write_bytes(b"\x00garbage")
     cache.prewarm(a, "cpu")
     assert isinstance(cache.loading[a.key].exception(), Exception)  # failed, not yet taken in

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from loraplex.artifacts import canonical_digest, read_artifact
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
-from loraplex.engines.native.residency import NativeResidency
+from loraplex.engines.native.slots import native_residency
 from loraplex.lora_format import WEIGHTS_FILE, adapter_from_files
 from loraplex.model_config import ModelConfig
 from loraplex.residency.errors import AdapterInFlight, CapacityExceeded
@@ -79,7 +79,7 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
     cfg, pack, refs, expected, packed_bytes = setup
     now = [0.0]
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
-    cache = NativeResidency(
+    cache = native_residency(
         pool,
         pack,
         cpu_bytes=4 * packed_bytes,
@@ -92,20 +92,20 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
         for op, i in ops:
             now[0] += 0.25
             ref = refs[i]
-            before = (list(cache.slots), set(cache.cpu))
+            before = (list(cache.backend.slots), set(cache.backend.cpu))
             pinned_gpu = {
-                k for k in cache.slots if k is not None and cache.entries[k].pinned == "gpu"
+                k for k in cache.backend.slots if k is not None and cache.entries[k].pinned == "gpu"
             }
             if op == "acquire":
                 cache.record_request(ref)
                 slot = cache.acquire(ref)
-                failures = cache.drain()
+                failures = cache.backend.drain()
                 if slot is None and not failures:
                     slot = cache.acquire(ref)
                 if ref is refs[-1]:
                     # A corrupted artifact is refused on its digest and disturbs nothing.
                     assert slot is None and failures and "digest mismatch" in str(failures[0][1])
-                    assert (list(cache.slots), set(cache.cpu)) == before
+                    assert (list(cache.backend.slots), set(cache.backend.cpu)) == before
                 elif slot is not None:
                     held.append(ref)
             elif op == "release" and held:
@@ -115,7 +115,7 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
                     cache.pin(ref, op[4:])
                 except CapacityExceeded:
                     pass
-                cache.drain()
+                cache.backend.drain()
             elif op == "unpin":
                 cache.unpin(ref.key)
             elif op == "evict":
@@ -127,10 +127,10 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
                     cache.evict(ref.key)
             elif op == "prewarm" and ref is not refs[-1]:
                 cache.prewarm(ref, "gpu" if i % 2 else "cpu")
-                cache.drain()
+                cache.backend.drain()
             _check(cache, pool, held, expected, packed_bytes)
             if op not in ("unpin", "evict"):
-                assert pinned_gpu <= set(cache.slots), "a pinned adapter left its slot"
+                assert pinned_gpu <= set(cache.backend.slots), "a pinned adapter left its slot"
         for ref in held:
             cache.release(ref.key)
         assert all(e.refcount == 0 for e in cache.entries.values())
@@ -141,14 +141,14 @@ def test_cache_invariants_hold_over_random_traces(setup, ops, use_score):
 def _check(cache, pool, held, expected, packed_bytes):
     # In flight: every held adapter is still in its slot.
     for ref in held:
-        assert ref.key in cache.slots
+        assert ref.key in cache.backend.slots
     # Capacities.
-    assert sum(1 for k in cache.slots if k is not None) <= NUM_SLOTS
-    assert len(cache.cpu) <= 4
-    assert sum(p.nbytes for p in cache.cpu.values()) <= 4 * packed_bytes
-    assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.cpu.values())
+    assert sum(1 for k in cache.backend.slots if k is not None) <= NUM_SLOTS
+    assert len(cache.backend.cpu) <= 4
+    assert sum(p.nbytes for p in cache.backend.cpu.values()) <= 4 * packed_bytes
+    assert cache.tiers.cpu_bytes_used == sum(p.nbytes for p in cache.backend.cpu.values())
     # Every slot holds exactly the bytes of the full key it is filed under.
-    for slot, key in enumerate(cache.slots):
+    for slot, key in enumerate(cache.backend.slots):
         if key is None:
             assert not pool.buffer[slot].any()
         else:
@@ -160,16 +160,16 @@ def _check(cache, pool, held, expected, packed_bytes):
 def test_pinned_gpu_adapters_survive_pressure(setup):
     cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, NUM_SLOTS, 16, torch.float32, "cpu")
-    cache = NativeResidency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
+    cache = native_residency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     cache.pin(refs[0], "gpu")
-    cache.drain()
-    assert refs[0].key in cache.slots
+    cache.backend.drain()
+    assert refs[0].key in cache.backend.slots
     for ref in refs[1:7] * 2:
         slot = cache.acquire(ref)
-        cache.drain()
+        cache.backend.drain()
         slot = slot if slot is not None else cache.acquire(ref)
         cache.release(ref.key)
-        assert refs[0].key in cache.slots
+        assert refs[0].key in cache.backend.slots
     cache.pin(refs[1], "gpu")
     with pytest.raises(CapacityExceeded, match="one must stay free"):
         cache.pin(refs[2], "gpu")
@@ -179,10 +179,10 @@ def test_pinned_gpu_adapters_survive_pressure(setup):
 def test_reload_after_eviction_counts_thrash(setup):
     cfg, pack, refs, _, packed_bytes = setup
     pool = LoRASlotPool(cfg, 1, 16, torch.float32, "cpu")
-    cache = NativeResidency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
+    cache = native_residency(pool, pack, cpu_bytes=10 * packed_bytes, policy=LRUPolicy())
     for ref in [refs[0], refs[1], refs[0], refs[1]]:
         if cache.acquire(ref) is None:
-            cache.drain()
+            cache.backend.drain()
             assert cache.acquire(ref) is not None
         cache.release(ref.key)
     assert cache.ledger.num_evictions == 3 and cache.ledger.reloads_after_eviction == 2

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.engines.native.residency import Loaded, NativeResidency
+from loraplex.engines.native.slots import Loaded, native_residency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import ScorePolicy
 
@@ -67,7 +67,7 @@ class Disk:
 
 def make_cache(slots=2, cpu_mib=1000, download=frozenset(), disk=None):
     now = [0.0]
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -89,7 +89,7 @@ def serve(cache, r):
     cache.record_request(r)
     slot = cache.acquire(r)
     if slot is None:
-        cache.poll()
+        cache.backend.poll()
         slot = cache.acquire(r)
     assert slot is not None
     cache.release(r.key)
@@ -104,7 +104,7 @@ def test_a_hot_adapter_pushed_out_by_a_one_off_comes_back_when_it_is_done():
         serve(cache, warm)
     now[0] += 1.5
     serve(cache, ref("one-off"))  # takes a slot from a gpu-warm adapter, then gives it back
-    assert set(cache.slots) == {hot.key, warm.key}
+    assert set(cache.backend.slots) == {hot.key, warm.key}
 
 
 def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
@@ -120,10 +120,10 @@ def test_a_restored_adapter_is_not_protected_until_a_request_uses_it():
     now[0] += 1.5
     # the one-off takes the slot; the hot adapter is restored when it is done
     serve(cache, ref("one-off"))
-    assert cache.slots == [hot.key] and cache.entries[hot.key].restored
+    assert cache.backend.slots == [hot.key] and cache.entries[hot.key].restored
     now[0] += 0.1  # well within the minimum residency
     serve(cache, ref("another"))  # takes the slot at once (serve asserts a slot)
-    assert cache.slots == [hot.key]  # and hot is restored again
+    assert cache.backend.slots == [hot.key]  # and hot is restored again
     now[0] += 0.1
     cache.record_request(hot)
     assert cache.acquire(hot) == 0 and not cache.entries[hot.key].restored  # used: protected again
@@ -146,11 +146,11 @@ def test_no_restore_when_the_slots_turn_over_faster_than_the_adapter_comes_back(
         now[0] += 1.5
         serve(cache, hot)
         serve(cache, ref(f"stream-{i}"))
-    copies = cache.pool.copies
+    copies = cache.backend.pool.copies
     now[0] += 1.5
     serve(cache, ref("one-more"))
-    assert rare.key not in cache.slots  # not restored: it would only be pushed out again
-    assert cache.pool.copies == copies + 1  # the one-off's activation, no restore copy
+    assert rare.key not in cache.backend.slots  # not restored: it would only be pushed out again
+    assert cache.backend.pool.copies == copies + 1  # the one-off's activation, no restore copy
 
 
 def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requests():
@@ -164,31 +164,38 @@ def test_a_host_copy_of_an_adapter_in_a_slot_counts_its_activations_not_its_requ
         serve(cache, hot)
     serve(cache, other)
     now[0] += 5.0
-    assert hot.key in cache.slots and hot.key in cache.placement.gpu_warm(cache.snapshot(), now[0])
+    assert hot.key in cache.backend.slots and hot.key in cache.backend.placement.gpu_warm(
+        cache.backend.snapshot(), now[0]
+    )
     gpu_warm = {
         c.key: c
-        for c in cache.placement.host_candidates(
-            cache.snapshot(), [hot.key, other.key], now[0], by_use=True
+        for c in cache.backend.placement.host_candidates(
+            cache.backend.snapshot(), [hot.key, other.key], now[0], by_use=True
         )
     }
     assert gpu_warm[hot.key].demand > 18
-    cache.max_gpu_warm = 0  # the same adapter outside the gpu warm set
+    cache.backend.max_gpu_warm = 0  # the same adapter outside the gpu warm set
     assert {a["name"]: a["warm"] for a in cache.state()["adapters"]} == {"hot": "B", "other": None}
     by_key = {
         c.key: c
-        for c in cache.placement.host_candidates(
-            cache.snapshot(), [hot.key, other.key], now[0], by_use=True
+        for c in cache.backend.placement.host_candidates(
+            cache.backend.snapshot(), [hot.key, other.key], now[0], by_use=True
         )
     }
     assert by_key[hot.key].demand < 1.01  # activated once, however many requests its slot served
     assert by_key[hot.key].last_access == cache.entries[hot.key].loaded_at
     plain = {
         c.key: c
-        for c in cache.placement.host_candidates(cache.snapshot(), [hot.key], now[0], by_use=False)
+        for c in cache.backend.placement.host_candidates(
+            cache.backend.snapshot(), [hot.key], now[0], by_use=False
+        )
     }
     assert plain[hot.key].demand > 18  # what lru and the other baselines see
     slot_view = {
-        c.key: c for c in cache.placement.slot_candidates(cache.snapshot(), [hot.key], now[0])
+        c.key: c
+        for c in cache.backend.placement.slot_candidates(
+            cache.backend.snapshot(), [hot.key], now[0]
+        )
     }
     assert slot_view[hot.key].demand > 18  # a slot eviction still weighs its requests
 
@@ -198,11 +205,13 @@ def test_reload_cost_is_measured_per_byte_and_includes_a_download_once_the_disk_
     near, far = ref("near"), ref("far")
     serve(cache, near)
     serve(cache, far)
-    assert cache.seconds_per_byte == pytest.approx({"disk": 1e-9, "download": 1e-8, "h2d": 1e-10})
+    assert cache.backend.seconds_per_byte == pytest.approx(
+        {"disk": 1e-9, "download": 1e-8, "h2d": 1e-10}
+    )
     costs = {
         c.key: c.reload_cost
-        for c in cache.placement.host_candidates(
-            cache.snapshot(), [near.key, far.key], now[0], by_use=True
+        for c in cache.backend.placement.host_candidates(
+            cache.backend.snapshot(), [near.key, far.key], now[0], by_use=True
         )
     }
     nbytes = 100 * MiB
@@ -212,7 +221,9 @@ def test_reload_cost_is_measured_per_byte_and_includes_a_download_once_the_disk_
     )  # the disk does not hold it: a download too
     slot = {
         c.key: c.reload_cost
-        for c in cache.placement.slot_candidates(cache.snapshot(), [far.key], now[0])
+        for c in cache.backend.placement.slot_candidates(
+            cache.backend.snapshot(), [far.key], now[0]
+        )
     }
     assert slot[far.key] == pytest.approx(
         nbytes * 1e-10
@@ -237,22 +248,22 @@ def test_an_adapter_whose_request_waits_in_the_queue_keeps_its_slot(policy):
     now[0] += 5.0  # past every minimum residency
     cache.acquire(other)  # `other` runs; `hot` sits idle in its slot
     cache.record_request(hot)
-    cache.add_waiting(hot.key)  # ...with a request queued behind a one-off's
+    cache.backend.add_waiting(hot.key)  # ...with a request queued behind a one-off's
     one_off = ref("one-off")
     cache.record_request(one_off)
-    cache.add_waiting(one_off.key)
+    cache.backend.add_waiting(one_off.key)
     cache.acquire(one_off)  # starts its load
-    cache.poll()
+    cache.backend.poll()
     slot = cache.acquire(one_off)
     if policy.spares_waiting:
-        assert slot is None and hot.key in cache.slots  # the one-off waits for a slot
-        cache.drop_waiting(hot.key)
+        assert slot is None and hot.key in cache.backend.slots  # the one-off waits for a slot
+        cache.backend.drop_waiting(hot.key)
         assert cache.acquire(hot) is not None  # the queued request is admitted on its adapter
     else:
         # the queued request lost its adapter
-        assert slot is not None and hot.key not in cache.slots
+        assert slot is not None and hot.key not in cache.backend.slots
     assert (
-        cache.num_waiting == {one_off.key: 1}
+        cache.backend.num_waiting == {one_off.key: 1}
         if policy.spares_waiting
         else {hot.key: 1, one_off.key: 1}
     )
@@ -265,14 +276,14 @@ def test_a_freed_slot_goes_to_a_waiting_gpu_warm_adapter_before_a_one_off_that_c
     hot, other, pushed = ref("hot"), ref("other"), ref("pushed")
     warm_up(cache, now, [hot, other, pushed])  # three gpu-warm adapters, two slots
     now[0] += 5.0
-    running = [k for k in cache.slots]
+    running = [k for k in cache.backend.slots]
     for key in running:
         cache.acquire(cache.entries[key].ref)  # both slots busy
     waiting = next(r for r in (hot, other, pushed) if r.key not in running)
     one_off = ref("one-off")
     cache.record_request(one_off)
     assert cache.acquire(one_off) is None  # loading
-    cache.poll()
+    cache.backend.poll()
     assert cache.acquire(one_off) is None  # every slot busy: both wait, the one-off first in line
     assert cache.acquire(waiting) is None
     now[0] += 0.1
@@ -298,7 +309,7 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
             return self.future
 
     executor = Deferred()
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(2),
         lambda files, hashed: None,
         cpu_bytes=1000 * MiB,
@@ -312,8 +323,8 @@ def test_an_adapter_forgotten_while_it_loads_is_dropped_when_the_load_ends():
     assert cache.acquire(gone) is None  # loading
     cache.forget(gone.key)  # an unload while the load runs
     executor.future.set_result(executor.run())
-    assert cache.poll() == []
-    assert gone.key not in cache.cpu and gone.key not in cache.entries and not cache.loading
+    assert cache.backend.poll() == []
+    assert gone.key not in cache.backend.cpu and gone.key not in cache.entries and not cache.loading
     assert cache.tiers.cpu_bytes_used == 0
 
 
@@ -335,25 +346,33 @@ def test_adapters_whose_traffic_stopped_leave_the_gpu_warm_set_and_keep_no_slot_
         serve(cache, new[1])
         assert cache.demand.short(old[0].key, now[0]) > 10 * cache.demand.short(new[0].key, now[0])
         if now[0] - stopped < 5:  # not yet overdue: the old pair is still the gpu warm set
-            assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {old[0].key, old[1].key}
-    assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {new[0].key, new[1].key}
-    assert set(cache.slots) == {
+            assert cache.backend.placement.gpu_warm(cache.backend.snapshot(), now[0]) == {
+                old[0].key,
+                old[1].key,
+            }
+    assert cache.backend.placement.gpu_warm(cache.backend.snapshot(), now[0]) == {
+        new[0].key,
+        new[1].key,
+    }
+    assert set(cache.backend.slots) == {
         new[0].key,
         new[1].key,
     }  # the old pair was not restored after the switch
     weighed = {
         c.key: c
-        for c in cache.placement.slot_candidates(cache.snapshot(), [k.key for k in new], now[0])
+        for c in cache.backend.placement.slot_candidates(
+            cache.backend.snapshot(), [k.key for k in new], now[0]
+        )
     }
     assert all(c.warm and c.demand > 20 for c in weighed.values())
     stale = {
         c.key: c
-        for c in cache.placement.host_candidates(
-            cache.snapshot(), [k.key for k in old], now[0], by_use=False
+        for c in cache.backend.placement.host_candidates(
+            cache.backend.snapshot(), [k.key for k in old], now[0], by_use=False
         )
     }
     assert all(c.demand == 0.0 and not c.warm for c in stale.values())
-    assert cache.placement.cpu_warm(cache.snapshot(), now[0]) == {
+    assert cache.backend.placement.cpu_warm(cache.backend.snapshot(), now[0]) == {
         new[0].key,
         new[1].key,
     }  # nor do they keep their place in the cpu warm set
@@ -375,7 +394,10 @@ def test_without_overdue_gaps_a_stale_count_keeps_the_gpu_warm_set():
         now[0] += 1.0
         serve(cache, new[0])
         serve(cache, new[1])
-    assert cache.placement.gpu_warm(cache.snapshot(), now[0]) == {old[0].key, old[1].key}
+    assert cache.backend.placement.gpu_warm(cache.backend.snapshot(), now[0]) == {
+        old[0].key,
+        old[1].key,
+    }
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -390,7 +412,7 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
         loads.append(r.key.name)
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(1),
         lambda f, h: None,
         cpu_bytes=1000 * MiB,
@@ -401,17 +423,17 @@ def test_waiting_loads_leave_room_for_each_other_with_a_cpu_pin(pinned):
     )
     if pinned:
         cache.pin(ref("P"), "cpu")
-        cache.poll()
+        cache.backend.poll()
     running = ref("X")
     cache.acquire(running)
-    cache.poll()
+    cache.backend.poll()
     assert cache.acquire(running) is not None  # X holds the only slot from now on
     first, second = ref("h"), ref("k")
     for _ in range(20):  # 20 steps: the two waiting requests ask in queue order
         now[0] += 0.05
         cache.acquire(first)
         cache.acquire(second)
-        cache.poll()
+        cache.backend.poll()
     assert loads.count("h") == 1 and loads.count("k") == (0 if pinned else 1), loads
 
 
@@ -425,7 +447,7 @@ def test_forgetting_an_adapter_whose_load_is_in_flight_leaves_no_waiting_mark():
             return Future()
 
     now = [0.0]
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(1),
         lambda f, h: None,
         cpu_bytes=1000 * MiB,

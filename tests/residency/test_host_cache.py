@@ -4,7 +4,7 @@ native engine's placement."""
 
 from __future__ import annotations
 
-from loraplex.engines.vllm.tables import HOST_BYTES_UNBOUNDED, VllmTables
+from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED, VllmTables
 from loraplex.residency import host_cache
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait

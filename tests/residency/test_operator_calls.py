@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from test_cache_bookkeeping import MiB, Packed, Pool  # the same plain stand-ins
 
-from loraplex.engines.native.residency import Loaded, NativeResidency
+from loraplex.engines.native.slots import Loaded, native_residency
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.events import PinRefused
 from loraplex.residency.key import AdapterKey, AdapterRef
@@ -46,7 +46,7 @@ def make_cache(slots=1, cpu_mib=1000, failing=(), events=None):
             raise AdapterUnavailable(f"{r.key.name}: store down")
         return Loaded(Packed(100 * MiB), "disk", {"disk": 0.1})
 
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(slots),
         lambda files, hashed: None,
         cpu_bytes=cpu_mib * MiB,
@@ -62,7 +62,7 @@ def make_cache(slots=1, cpu_mib=1000, failing=(), events=None):
 
 def land(cache, executor):
     executor.finish()
-    return cache.poll()
+    return cache.backend.poll()
 
 
 def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_lands():
@@ -80,10 +80,10 @@ def test_a_cpu_pin_that_does_not_fit_once_its_size_is_known_is_dropped_when_it_l
     assert [e.key for e in refused] == [b.key] and "exceed cpu_cache_bytes" in refused[0].error
     cache.prewarm(c, "cpu")
     land(cache, executor)  # the next load pushes the unpinned copy out; the pinned one stays
-    assert a.key in cache.cpu and b.key not in cache.cpu
+    assert a.key in cache.backend.cpu and b.key not in cache.backend.cpu
     # The pin fills the budget: the copy that just landed is kept for its request, the tier over by
     # that copy alone.
-    assert cache.tiers.cpu_bytes_used - cache.cpu[c.key].nbytes <= cache.cpu_bytes
+    assert cache.tiers.cpu_bytes_used - cache.backend.cpu[c.key].nbytes <= cache.backend.cpu_bytes
 
 
 def test_a_failed_gpu_prewarm_does_not_send_a_later_cpu_load_into_a_slot():
@@ -97,7 +97,7 @@ def test_a_failed_gpu_prewarm_does_not_send_a_later_cpu_load_into_a_slot():
     now[0] += 3600
     cache.prewarm(x, "cpu")  # host memory only
     land(cache, executor)
-    assert cache.slots == [hot.key] and x.key in cache.cpu
+    assert cache.backend.slots == [hot.key] and x.key in cache.backend.cpu
     assert cache.entries[hot.key].evictions == 0
 
 
@@ -111,7 +111,7 @@ def test_a_gpu_prewarm_without_a_slot_is_not_left_pending():
     land(cache, executor)
     assert cache.acquire(busy) == 0  # in flight: its slot cannot be taken
     cache.prewarm(x, "gpu")  # in cpu, no slot to be had: stays in cpu
-    assert cache.slots == [busy.key]
+    assert cache.backend.slots == [busy.key]
     # Nothing is left pending: a later load of x (after its copy was pushed out) would put it in a
     # slot.
     assert not cache.entries[x.key].prewarm_gpu
@@ -126,7 +126,7 @@ def test_evict_during_a_gpu_prewarm_keeps_the_adapter_out_of_the_slots():
     cache.evict(x.key)  # "drop from gpu and cpu now"
     now[0] += 1
     land(cache, executor)  # the load was not cancelled: it lands in cpu, not in a slot
-    assert cache.slots == [hot.key]
+    assert cache.backend.slots == [hot.key]
 
 
 def test_forget_is_one_step_for_the_step_loop():
@@ -157,7 +157,7 @@ def test_forget_is_one_step_for_the_step_loop():
     seen[0].join(timeout=10)  # runs once forget lets go of the lock
     # its load starts again: it was forgotten, not left in a slot without an entry
     assert seen[1] is None
-    assert x.key not in cache.slots
+    assert x.key not in cache.backend.slots
     land(cache, executor)
     assert cache.acquire(x) == 0
     cache.release(x.key)  # no KeyError
@@ -182,12 +182,12 @@ def test_a_gpu_pin_made_while_every_slot_is_busy_takes_the_first_slot_that_frees
     pinned = ref("p")
     cache.pin(pinned, "gpu")
     land(cache, executor)
-    assert pinned.key in cache.cpu and cache.tiers.slot_of(pinned.key) is None
+    assert pinned.key in cache.backend.cpu and cache.tiers.slot_of(pinned.key) is None
     now[0] += 5.0
     cache.release(busy[0].key)
     assert cache.tiers.slot_of(pinned.key) is not None and cache.entries[pinned.key].pinned == "gpu"
     cache.release(busy[1].key)
-    assert busy[1].key in cache.slots  # one pin takes one slot
+    assert busy[1].key in cache.backend.slots  # one pin takes one slot
 
 
 def test_when_loaded_is_done_once_poll_takes_the_load_in():
@@ -198,7 +198,7 @@ def test_when_loaded_is_done_once_poll_takes_the_load_in():
     waited = cache.when_loaded(x.key)
     executor.finish()
     assert not waited.done()  # the load ended; the step loop has not taken it in yet
-    cache.poll()
+    cache.backend.poll()
     assert waited.done() and cache.in_host_memory(x.key)
 
 
@@ -207,7 +207,7 @@ def test_when_released_is_done_with_the_last_reference():
     x = ref("x")
     cache.acquire(x)
     executor.finish()
-    cache.poll()
+    cache.backend.poll()
     assert cache.acquire(x) is not None and cache.acquire(x) is not None  # two requests hold it
     waited = cache.when_released(x.key)
     cache.release(x.key)

@@ -5,10 +5,11 @@ import copy
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from loraplex.engines.native.residency import Entry, Loaded, NativeResidency
+from loraplex.engines.native.slots import Entry, Loaded, native_residency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.placement import Activate, Evict
 from loraplex.residency.policy import Candidate, DemandTracker, LRUPolicy, ScorePolicy
+from loraplex.residency.residency import Residency
 from loraplex.residency.warm import (
     BUSY_WINDOW_S,
     BusyShare,
@@ -46,9 +47,9 @@ def ref(name: str) -> AdapterRef:
     return AdapterRef(AdapterKey("base", name, "1", f"sha256:{name}"), storage_uri=f"mem://{name}")
 
 
-def tables(cache: NativeResidency):
+def tables(cache: Residency):
     """Everything of the cache that placement reads, copied for comparison."""
-    snap = cache.snapshot()
+    snap = cache.backend.snapshot()
     entries = {k: copy.deepcopy(vars(e)) for k, e in snap.entries.items()}
     return (
         entries,
@@ -65,9 +66,9 @@ def tables(cache: NativeResidency):
     )
 
 
-def score_cache(pool, now: list[float], loader) -> NativeResidency:
+def score_cache(pool, now: list[float], loader) -> Residency:
     """A `score` cache with 25 MiB of host memory on the clock `now[0]`, loads landing at once."""
-    return NativeResidency(
+    return native_residency(
         pool,
         lambda files, hashed: None,
         cpu_bytes=25 * MiB,
@@ -86,14 +87,14 @@ def test_placement_decides_without_changing_what_it_reads():
         now[0] += 1.0
         cache.record_request(r)
         cache.acquire(r)
-        cache.poll()
+        cache.backend.poll()
         cache.acquire(r)
     cache.record_request(c)
     cache.acquire(c)  # both slots held: its load starts, its request waits
     while cache.entries[b.key].refcount:
         cache.release(b.key)
     now[0] += 2.0  # past b's minimum residency
-    before, placement, snap = tables(cache), cache.placement, cache.snapshot()
+    before, placement, snap = tables(cache), cache.backend.placement, cache.backend.snapshot()
     decisions = [
         placement.admit(snap, c.key, "default", now[0]),
         placement.activate(snap, c.key, now[0], None),
@@ -212,24 +213,24 @@ def test_a_one_off_waits_for_a_spare_slot_counted_from_when_its_host_copy_was_re
         now[0] += 0.5
         cache.record_request(r)
         if cache.acquire(r) is None:
-            cache.poll()
+            cache.backend.poll()
             assert cache.acquire(r) is not None
         cache.release(r.key)
     cache.record_request(d)
     cache.acquire(d)
-    cache.poll()
+    cache.backend.poll()
     assert cache.acquire(d) is not None  # d holds the third slot
     asked = now[0]
     cache.record_request(c)
     cache.acquire(c)  # starts c's download, which ends 3 s later
-    cache.poll()
+    cache.backend.poll()
     assert cache.entries[c.key].in_host_since == asked + 3.0
-    placement, limit = cache.placement, ScorePolicy().spare_slot_wait_s
+    placement, limit = cache.backend.placement, ScorePolicy().spare_slot_wait_s
     now[0] = asked + 3.0 + limit / 2
-    snap = cache.snapshot()
+    snap = cache.backend.snapshot()
     assert placement.gpu_warm(snap, now[0]) == {a.key, b.key}
     assert placement.activate(snap, c.key, now[0], "default") == []
     now[0] = asked + 3.0 + limit
-    decisions = placement.activate(cache.snapshot(), c.key, now[0], "default")
+    decisions = placement.activate(cache.backend.snapshot(), c.key, now[0], "default")
     assert [type(x).__name__ for x in decisions] == ["Evict", "Activate"]
     assert decisions[0].key in (a.key, b.key)

@@ -1,6 +1,6 @@
-"""`simulate --engine vllm`: each worker runs the real `VllmResidency` over a modelled vLLM on an
-event loop with a simulated clock. Capacities hold, every request ends, runs repeat exactly, the
-tier sequence follows vLLM's host cache, and the CLI runs it."""
+"""`simulate --engine vllm`: each worker runs the real `Residency` on the vLLM backend over a
+modelled vLLM on an event loop with a simulated clock. Capacities hold, every request ends, runs
+repeat exactly, the tier sequence follows vLLM's host cache, and the CLI runs it."""
 
 import asyncio
 import json

@@ -24,13 +24,15 @@ def watched(trace, config, policy):
     flight."""
     sim = Simulation(trace, config, policy_factory(policy))
     for worker in sim.workers:
-        cache, clear = worker.cache, worker.cache._clear
+        cache, clear = worker.cache, worker.cache.backend._clear
 
         def checked(slot, now, cache=cache, clear=clear):
-            assert cache.entries[cache.slots[slot]].refcount == 0, "evicted an adapter in flight"
+            assert cache.entries[cache.backend.slots[slot]].refcount == 0, (
+                "evicted an adapter in flight"
+            )
             clear(slot, now)
 
-        cache._clear = checked
+        cache.backend._clear = checked
     return sim.run()
 
 

@@ -1,36 +1,80 @@
-"""The residency as the server, the admin API and the metrics read it (`AdapterResidency`), one for
-both engines: the reads and the operator's pin changes, answered by the ledger (`ledger.Ledger`).
+"""A worker's adapter residency, one class for both engines: the bookkeeping (the ledger's), the
+operator's calls (pin, prewarm, evict, forget, budgets) and the reads the server, the admin API
+and the metrics make, each written once here, over a `Backend` that moves the bytes.
 
-Each engine's residency is one of these, and adds what moves its adapters: the native one
-(`engines/native/residency.py`) over its slot pool and host copies, the vLLM one
-(`engines/vllm/residency.py`) over vLLM's host cache and pins. Their shared tables (`entries`,
-`pins`, `demand`, `loading`) are the ledger's own.
+The backend is all that differs between engines: the native engine's (`engines/native/slots.py`)
+moves host copies into its slot pool on the engine's step thread; the vLLM engine's
+(`engines/vllm/backend.py`) adds, removes and pins adapters in vLLM from the server's event loop.
+Both decide by `loraplex.residency`'s placement rules and keep their records in the ledger.
+Nothing here assumes an event loop: every change happens under the ledger's lock, from any thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Generic
+from typing import Any, Generic, Protocol, TypeVar
 
 from loraplex.residency.budgets import TenantBudgets
+from loraplex.residency.errors import CapacityExceeded
 from loraplex.residency.events import Event
-from loraplex.residency.key import AdapterKey
-from loraplex.residency.ledger import E, Ledger
+from loraplex.residency.key import AdapterKey, AdapterRef
+from loraplex.residency.ledger import E, Ledger, Tiers
 
 
-class Residency(Generic[E]):
-    """An engine's adapters as readers see them; `ledger` holds the records."""
+class Backend(Protocol[E]):
+    """What an engine gives the residency: where its adapters are (`tiers`), and the moves. Every
+    call but `acquire`'s wait is made under the ledger's lock."""
 
-    def __init__(self, ledger: Ledger[E]):
-        self.ledger = ledger
+    @property
+    def tiers(self) -> Tiers: ...
+
+    def new_entry(self, ref: AdapterRef) -> E:
+        """The record of an adapter seen for the first time (added to the ledger's entries)."""
+
+    def acquire(self, ref: AdapterRef) -> Any:
+        """The request path's take of the adapter, with a reference held until `release`: the
+        native engine's slot (None while it cannot have one), the vLLM engine's awaitable of
+        vLLM's `LoRARequest`."""
+
+    def release(self, key: AdapterKey, tenant: str | None) -> None: ...
+
+    def pin_refusal(self, key: AdapterKey, tier: str) -> str | None:
+        """Why a pin of `key` to `tier` cannot be kept (None: it can)."""
+
+    def prewarm(self, ref: AdapterRef, tier: str) -> None:
+        """Start bringing the adapter into host memory, and into a slot for `gpu`."""
+
+    def drop(self, key: AdapterKey, entry: E) -> None:
+        """Take the adapter out of the slots and host memory (no request holds it)."""
+
+    def forget(self, key: AdapterKey, entry: E | None) -> None:
+        """Drop the backend's own records of a key the ledger forgot."""
+
+    def budgets_changed(self) -> None: ...
+
+    def when_loaded(self, key: AdapterKey) -> Future: ...
+
+    def close(self) -> None: ...
+
+
+B = TypeVar("B", bound=Backend)
+
+
+class Residency(Generic[E, B]):
+    """An engine's adapters: `ledger` holds the records, `backend` the moves."""
+
+    def __init__(self, ledger: Ledger[E], backend: B):
+        self.ledger, self.backend = ledger, backend
+        ledger.tiers = self.tiers = backend.tiers
         self.entries = ledger.entries
         self.pins = ledger.pins
         self.demand = ledger.demand
         self.loading = ledger.loading
-        self.policy = ledger.policy
         self.disk = ledger.disk
         self._lock = ledger._lock
+        # told of each adapter `forget` drops (the native engine forgets its prefix-cache blocks)
+        self.on_forget: Callable[[AdapterKey], None] = lambda key: None
 
     @property
     def budgets(self) -> TenantBudgets:
@@ -39,6 +83,15 @@ class Residency(Generic[E]):
     @budgets.setter
     def budgets(self, budgets: TenantBudgets) -> None:
         self.set_budgets(budgets)
+
+    @property
+    def policy(self):
+        return self.ledger.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        """Another eviction policy (a test's), for every placement from now on."""
+        self.ledger.policy = policy
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -57,6 +110,7 @@ class Residency(Generic[E]):
     def on_event(self, callback: Callable[[Event], None]) -> None:
         self.ledger.on_event = callback
 
+    # -- reads (any thread) ------------------------------------------------------------------------
     def tier_of(self, key: AdapterKey) -> str:
         return self.ledger.tier_of(key)
 
@@ -67,7 +121,7 @@ class Residency(Generic[E]):
         return key in self.loading
 
     def in_host_memory(self, key: AdapterKey) -> bool:
-        return self.ledger.tiers.in_host_memory(key)
+        return self.tiers.in_host_memory(key)
 
     def nbytes_of(self, key: AdapterKey) -> int:
         return self.ledger.nbytes_of(key)
@@ -79,10 +133,61 @@ class Residency(Generic[E]):
         return self.ledger.budget_state()
 
     def when_loaded(self, key: AdapterKey) -> Future:
-        return self.ledger.when_loaded(key)
+        return self.backend.when_loaded(key)
 
     def when_released(self, key: AdapterKey) -> Future:
         return self.ledger.when_released(key)
+
+    # -- the request path --------------------------------------------------------------------------
+    def record_request(self, ref: AdapterRef, counted: bool = True) -> str:
+        """Count one request's demand and report the tier it finds its adapter in (as a hit or miss
+        event too, when `counted`)."""
+        return self.ledger.count_request(ref, self.backend.new_entry, counted)
+
+    def acquire(self, ref: AdapterRef) -> Any:
+        """The adapter taken for a request, with a reference held until `release` (`Backend`)."""
+        return self.backend.acquire(ref)
+
+    def release(self, key: AdapterKey, tenant: str | None = None) -> None:
+        """Drop a reference `acquire` took for `tenant` (None: for any tenant holding one)."""
+        self.backend.release(key, tenant)
+
+    # -- operator calls (any thread) ---------------------------------------------------------------
+    def pin(self, ref: AdapterRef, tier: str) -> None:
+        """Keep the adapter resident in `tier` (gpu: in a device slot; cpu: in host memory) until
+        unpinned; loads it now if needed."""
+        if tier not in ("gpu", "cpu"):
+            raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
+        with self._lock:
+            self._entry(ref)
+            refusal = self.backend.pin_refusal(ref.key, tier)
+            if refusal is not None:
+                raise CapacityExceeded(refusal)
+            self.ledger.set_pin(ref.key, tier)
+        self.prewarm(ref, tier)
+
+    def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
+        """Start loading ahead of traffic into host memory, or into a device slot when one can be
+        had."""
+        with self._lock:
+            self._entry(ref).last_access = self.clock()
+            self.backend.prewarm(ref, tier)
+
+    def evict(self, key: AdapterKey) -> None:
+        """Drop the adapter from the slots and host memory now; refused while requests use it."""
+        with self._lock:
+            if (entry := self.ledger.evictable(key)) is None:
+                return
+            self.backend.drop(key, entry)
+            self.ledger.set_pin(key, None)
+
+    def forget(self, key: AdapterKey) -> None:
+        """Evict and drop every record of a key (an unloaded adapter), in one step: no request
+        takes the adapter between the two."""
+        with self._lock:
+            self.evict(key)
+            self.backend.forget(key, self.ledger.forget_records(key))
+        self.on_forget(key)
 
     def unpin(self, key: AdapterKey) -> None:
         self.ledger.restore_pin(key, None)
@@ -94,3 +199,15 @@ class Residency(Generic[E]):
         """New budgets (from the registry): they apply from the next placement on; nothing is
         evicted for them."""
         self.ledger.set_budgets(budgets)
+        self.backend.budgets_changed()
+
+    def close(self) -> None:
+        self.backend.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _entry(self, ref: AdapterRef) -> E:
+        entry = self.entries.get(ref.key)
+        if entry is None:
+            entry = self.entries[ref.key] = self.backend.new_entry(ref)
+        return entry

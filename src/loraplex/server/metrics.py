@@ -59,7 +59,7 @@ class ServerMetrics:
     """Counters and histograms fed by the server and the cache's events; gauges read live at scrape
     time.
 
-    `snapshot()` returns the live figures: {"cache": NativeResidency.state(), "num_waiting",
+    `snapshot()` returns the live figures: {"cache": Residency.state(), "num_waiting",
     "num_running", "kv_cache_usage", "running_adapters", "waiting_adapters", "max_loras"}. With
     `load_state_top_k`, the residency series of the load-state proposal cover the K best-placed
     adapters; `rank_of(name, revision)` gives their rank label.

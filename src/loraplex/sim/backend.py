@@ -1,6 +1,6 @@
-"""The simulated device and tiers a simulated worker's real `NativeResidency` runs over: keys
-compared by identity, host copies that are only their size, a slot pool whose writes cost a modelled
-host-to-device copy, and a disk cache of artifacts by size."""
+"""The simulated device and tiers a simulated worker's real `Residency` (native backend) runs
+over: keys compared by identity, host copies that are only their size, a slot pool whose writes
+cost a modelled host-to-device copy, and a disk cache of artifacts by size."""
 
 from __future__ import annotations
 
@@ -90,5 +90,5 @@ class SimDisk:
         self.peak = max(self.peak, self.used)
 
     def close(self) -> None:
-        """What `NativeResidency.close` calls on its disk tier: a simulated one holds no connection
+        """What `Residency.close` calls on its disk tier: a simulated one holds no connection
         or file."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loraplex.engines.vllm.tables import HOST_BYTES_UNBOUNDED
+from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.sim.calibration import LoadCosts, ServiceModel
@@ -23,8 +23,8 @@ ROUTINGS = ("router", "controller", "epp")
 @dataclass(frozen=True)
 class SimConfig:
     engine: str = "native"
-    """Whose residency and scheduling each worker runs: the native engine's (`NativeResidency`), or
-    the vLLM engine's (`VllmResidency` over a modelled vLLM: `loraplex.sim.vllm_worker`)."""
+    """Whose residency backend and scheduling each worker runs: the native engine's, or the vLLM
+    engine's (over a modelled vLLM: `loraplex.sim.vllm_worker`)."""
     gpu_slots: int = 8
     cpu_bytes: int = 4 * 2**30
     max_cpu_loras: int | None = None

@@ -1,12 +1,12 @@
 """Discrete-event simulation of workers running the real adapter cache, policies and router picker.
 
-Nothing of the cache is re-implemented: each simulated worker owns a real `NativeResidency` whose
-clock is the simulation's, whose slot pool records host-to-device copies instead of moving tensors,
-whose executor is this event loop (a load's future completes at its simulated finish time) and whose
-loader models the disk and remote tiers by bandwidth and fixed latency. A worker's step is the
-engine's: the running requests decode one token each, then waiting requests are admitted by the
-scheduler's own rule (`loraplex.engines.native.admission.admit_waiting`), and a request holds its
-adapter's slot until it finishes.
+Nothing of the cache is re-implemented: each simulated worker owns a real `Residency` on the native
+backend, whose clock is the simulation's, whose slot pool records host-to-device copies instead of
+moving tensors, whose executor is this event loop (a load's future completes at its simulated finish
+time) and whose loader models the disk and remote tiers by bandwidth and fixed latency. A worker's
+step is the engine's: the running requests decode one token each, then waiting requests are admitted
+by the scheduler's own rule (`loraplex.engines.native.admission.admit_waiting`), and a request holds
+its adapter's slot until it finishes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
+from loraplex.engines.native.adapter_load import Loaded
 from loraplex.engines.native.admission import Take, admit_waiting
-from loraplex.engines.native.residency import Loaded, NativeResidency
+from loraplex.engines.native.slots import native_residency
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import Picker, WorkerView
 from loraplex.sim.backend import SimDisk, SimKey, SimPacked, SimPool, _label
@@ -82,7 +83,7 @@ class Worker:
         self.url = f"worker-{index}"
         self.pool = SimPool(c.gpu_slots, c.costs.h2d)
         self.disk = SimDisk(c.disk_bytes)
-        self.cache = NativeResidency(
+        self.cache = native_residency(
             self.pool,
             lambda path: None,
             cpu_bytes=c.cpu_bytes,
@@ -154,7 +155,7 @@ class Worker:
         seq.tier = self.cache.record_request(seq.ref) if seq.ref is not None else "gpu"
         self.waiting.append(seq)
         if seq.ref is not None:
-            self.cache.add_waiting(seq.ref.key)
+            self.cache.backend.add_waiting(seq.ref.key)
         if self.quiet is not None:
             self._cut_quiet_steps()
         self.wake()
@@ -170,7 +171,7 @@ class Worker:
         if self.loads_landed:  # the cache's poll can only take in loads that have ended
             self.loads_landed = 0
             took = len(cache.loading)
-            cache.poll()
+            cache.backend.poll()
             if len(cache.loading) != took:
                 self._check_capacity()
         decodes = self.num_running
@@ -217,9 +218,9 @@ class Worker:
         """The waiting requests in arrival order, those their tenant's budget holds back after the
         others (as the engine's scheduler orders them)."""
         waiting, cache = list(self.waiting), self.cache
-        if not cache.budget_waiting:
+        if not cache.backend.budget_waiting:
             return waiting
-        held = {id(s) for s in waiting if s.ref is not None and cache.defers(s.ref)}
+        held = {id(s) for s in waiting if s.ref is not None and cache.backend.defers(s.ref)}
         return [s for s in waiting if id(s) not in held] + [s for s in waiting if id(s) in held]
 
     def _skip_quiet_steps(self, end: float, step_s: float, blocked: list[AdapterKey]) -> float:
@@ -264,7 +265,7 @@ class Worker:
     def _take_adapter(self, ref: AdapterRef, now: float) -> Take:
         cache = self.cache
         if self.sim.config.skip_blocked and self._acquire_can_only_fail(ref.key):
-            cache.record_wait(ref.key, now)  # what the failed acquire would have recorded
+            cache.backend.record_wait(ref.key, now)  # what the failed acquire would have recorded
             return Take.BLOCKED
         if cache.acquire(ref) is not None:
             return Take.TAKEN
@@ -278,7 +279,7 @@ class Worker:
         self.num_running += 1
         self.running_tokens += seq.req.prompt_tokens + seq.req.output_tokens
         if seq.ref is not None:
-            self.cache.drop_waiting(seq.ref.key)
+            self.cache.backend.drop_waiting(seq.ref.key)
             self.running_adapters[seq.ref.key] += 1
             self.sim.admitted(seq)
 
@@ -307,7 +308,7 @@ class Worker:
         if self.touch is not None:
             keys, last = self.touch
             self.touch = None
-            self.cache.touch_waiting(keys, last)
+            self.cache.backend.touch_waiting(keys, last)
         now = self.sim.now
         self.step_index += self.steps_in_flight
         for seq in self.prefilled:

@@ -1,7 +1,7 @@
-"""A simulated worker of the vLLM engine: the real `VllmResidency` decides which adapters vLLM
-holds, over a modelled vLLM (`SimVllmCore`: its host cache, device slots, pins and scheduler) and
-modelled staging (a stage costs the disk read, after the download from the remote tier), on the
-simulation's `VirtualLoop`.
+"""A simulated worker of the vLLM engine: the real `Residency` on the vLLM backend decides which
+adapters vLLM holds, over a modelled vLLM (`SimVllmCore`: its host cache, device slots, pins and
+scheduler) and modelled staging (a stage costs the disk read, after the download from the remote
+tier), on the simulation's `VirtualLoop`.
 
 The modelled scheduler is vLLM's: waiting requests first come, first served, up to `max_num_seqs`
 and the step's token budget, with at most `max_loras` distinct adapters in a batch, the slots that
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from loraplex.engines.vllm.residency import VllmResidency
+from loraplex.engines.vllm.backend import vllm_residency
 from loraplex.engines.vllm.slots import VllmSlots
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.key import AdapterKey, AdapterRef
@@ -108,7 +108,7 @@ class SimSlots(VllmSlots):
         return SimLora(key, lora_id)
 
 
-class SimBackend:
+class SimRuntime:
     def __init__(self, worker: VllmWorker):
         self.worker = worker
 
@@ -284,8 +284,8 @@ class VllmWorker:
         self.peak_cpu_bytes = 0
         self.core = SimVllmCore(self)
         self.pool = self.core  # its copies into device slots (the report reads them)
-        self.cache = VllmResidency(
-            SimBackend(self),
+        self.cache = vllm_residency(
+            SimRuntime(self),
             max_loras=c.gpu_slots,
             max_cpu_loras=c.max_cpu_loras or VLLM_HOST_CACHE_PER_SLOT * c.gpu_slots,
             disk=self.disk,
@@ -297,7 +297,7 @@ class VllmWorker:
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self.cache.start(self.loop)
+        self.cache.backend.start(self.loop)
         self.core.task = self.loop.create_task(self.core.run())
 
     def arrive(self, seq: SimRequest) -> None:
@@ -331,8 +331,8 @@ class VllmWorker:
             running=len(running),
             active_tokens=sum(r.seq.req.prompt_tokens + r.seq.req.output_tokens for r in running),
             recent_evictions=cache.ledger.num_recent_evictions(self.loop.time()),
-            free_slots=cache.tables.free_slots(),
-            gpu=frozenset(map(_label, cache.tables.in_slots())),
-            cpu=frozenset(map(_label, cache.tables.in_host())),
+            free_slots=cache.tiers.free_slots(),
+            gpu=frozenset(map(_label, cache.tiers.in_slots())),
+            cpu=frozenset(map(_label, cache.tiers.in_host())),
             loading=frozenset(map(_label, cache.loading)),
         )

@@ -142,7 +142,7 @@ def test_a_file_broken_after_validation_fails_only_its_requests(engine, llama_ad
     assert len(ok) == 5 and ok_error is None
     assert "later-broken" in str(bad_error) and bad_tokens == []
     assert all(e.refcount == 0 for e in engine.adapters.entries.values())
-    assert engine.adapters.num_waiting == {}  # the failed requests left the queue too
+    assert engine.adapters.backend.num_waiting == {}  # the failed requests left the queue too
 
 
 @pytest.mark.parametrize("swap", ["garbage", "pickle"])
@@ -166,7 +166,9 @@ def test_bytes_that_match_their_digest_but_are_not_safetensors_are_refused(
     (ok, ok_error), (bad_tokens, bad_error) = _serve_side_by_side(engine, good, bad, max_tokens=3)
     assert len(ok) == 3 and ok_error is None
     assert "not servable" in str(bad_error) and bad_tokens == []
-    assert bad.key not in engine.adapters.cpu and bad.key not in engine.adapters.slots
+    assert (
+        bad.key not in engine.adapters.backend.cpu and bad.key not in engine.adapters.backend.slots
+    )
 
 
 def test_an_adapter_with_nan_weights_fails_only_its_own_requests(engine, llama_adapters, tmp_path):
@@ -254,7 +256,7 @@ def test_kv_pressure_preempts_and_recomputes_without_corrupting_others(llama_dir
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == 12
     # preempted requests queued again, and left the queue once readmitted
-    assert eng.adapters.num_waiting == {}
+    assert eng.adapters.backend.num_waiting == {}
     model = peft_reference(llama_dir, {"attn-r8": llama_adapters["attn-r8"]})
     for prompt, adapter, tokens in zip(prompts, adapters, out):
         assert tokens == reference_greedy(model, prompt, "attn-r8" if adapter else None, 15)
@@ -400,7 +402,7 @@ def test_async_stream_and_abort_free_memory_at_once(engine, llama_adapters):
         asyncio.run(main())
         assert engine.blocks.num_free == free_before
         assert engine.adapters.entries[ref.key].refcount == 0
-        assert engine.adapters.num_waiting == {}
+        assert engine.adapters.backend.num_waiting == {}
         assert not engine.requests
     finally:
         aeng._stopping = True

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.config import EngineConfig
-from loraplex.engines.native.residency import Loaded, NativeResidency
 from loraplex.engines.native.scheduler import Scheduler
 from loraplex.engines.native.sequence import SamplingParams, Sequence, Status
+from loraplex.engines.native.slots import Loaded, native_residency
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.policy import LRUPolicy
@@ -45,7 +45,7 @@ def ref(name: str, tenant: str) -> AdapterRef:
 
 def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_then_its_turn():
     now = [0.0]
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(),
         lambda files, hashed: None,
         cpu_bytes=2**30,
@@ -65,7 +65,7 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
         return seq
 
     def step() -> list[str]:
-        cache.poll()  # as the engine loop does between steps: loads land
+        cache.backend.poll()  # as the engine loop does between steps: loads land
         prefills = scheduler.schedule().prefills
         for seq in prefills:  # as the engine does once the step ran: the chunk is computed
             seq.num_computed += seq.num_scheduled
@@ -78,7 +78,7 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
     assert step() == [] and step() == ["batch-b0"]  # batch's one slot
     b1 = request("b1", "batch")
     assert step() == [] and step() == []  # loaded, then held back: its slot is busy
-    assert cache.budget_waits == {"batch": 1}
+    assert cache.ledger.budget_waits == {"batch": 1}
     o0 = request("o0", "online")  # arrives after b1
     cache.evict(ref("idle", "online").key)  # a slot frees
     assert step() == [] and step() == ["online-o0"]  # online goes first though it came later
@@ -94,7 +94,7 @@ def test_a_request_held_back_by_its_budget_gives_a_freed_slot_to_another_tenant_
 
 def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait():
     now = [0.0]
-    cache = NativeResidency(
+    cache = native_residency(
         Pool(),
         lambda files, hashed: None,
         cpu_bytes=2**30,
@@ -106,9 +106,9 @@ def test_held_back_past_the_bound_a_request_takes_a_free_slot_though_others_wait
     )
     z, o = ref("z", "zero"), ref("o", "online")
     assert cache.acquire(o) is None and cache.acquire(z) is None  # both load
-    cache.poll()
+    cache.backend.poll()
     assert cache.acquire(z) is None  # online's request waits for a slot: zero leaves the free ones
-    assert cache.budget_waits == {"zero": 1} and cache.tiers.free_slots() == 2
+    assert cache.ledger.budget_waits == {"zero": 1} and cache.tiers.free_slots() == 2
     now[0] += cache.budgets.yield_s
-    cache.mark_wanted(o.key, now[0])  # online's request still waiting (asking at each step)
+    cache.backend.mark_wanted(o.key, now[0])  # online's request still waiting (asking at each step)
     assert cache.acquire(z) is not None  # waited the bound: it takes a free slot

@@ -13,7 +13,8 @@ from tinymodels import make_adapter
 
 from loraplex.artifacts import canonical_digest
 from loraplex.engines.vllm import staging as staging_module
-from loraplex.engines.vllm.residency import EngineBackend, VllmResidency
+from loraplex.engines.vllm.backend import vllm_residency
+from loraplex.engines.vllm.slots import EngineRuntime
 from loraplex.residency.key import AdapterKey, AdapterRef
 
 WEIGHTS = "adapter_model.safetensors"
@@ -32,23 +33,23 @@ def staging(llama_dir, tmp_path, monkeypatch):
 
     real = staging_module.read_artifact
     monkeypatch.setattr(staging_module, "read_artifact", read_artifact)
-    adapters = VllmResidency(EngineBackend(None, tmp_path / "stage"), max_loras=2, max_cpu_loras=2)
+    adapters = vllm_residency(EngineRuntime(None, tmp_path / "stage"), max_loras=2, max_cpu_loras=2)
     yield adapters, ref, hashed
     adapters.close()
 
 
 def test_a_kept_staged_copy_is_used_again_without_a_copy_or_a_hash_while_unchanged(staging):
     adapters, ref, hashed = staging
-    nbytes, _, shape = adapters.staging.stage(ref)
-    staged = adapters.staging.path(ref.key) / WEIGHTS
+    nbytes, _, shape = adapters.backend.staging.stage(ref)
+    staged = adapters.backend.staging.path(ref.key) / WEIGHTS
     inode = staged.stat().st_ino
     for _ in range(3):  # the kept copy: the same size and shape
-        assert adapters.staging.stage(ref)[::2] == (nbytes, shape)
+        assert adapters.backend.staging.stage(ref)[::2] == (nbytes, shape)
     assert hashed == [os.fspath(ref.path)]  # the source only: the copy is as it was written
-    assert adapters.staging.is_unchanged(ref.key)
+    assert adapters.backend.staging.is_unchanged(ref.key)
     assert staged.stat().st_ino == inode
     assert staged.stat().st_mode & 0o222 == 0  # read-only
-    assert adapters.staging.stage_dir.stat().st_mode & 0o077 == 0  # private
+    assert adapters.backend.staging.stage_dir.stat().st_mode & 0o077 == 0  # private
 
 
 def _tamper(staged):
@@ -70,23 +71,25 @@ def _tamper(staged):
 
 def test_a_staged_copy_changed_on_disk_after_it_was_verified_is_hashed_and_refused(staging):
     adapters, ref, hashed = staging
-    adapters.staging.stage(ref)
-    adapters.staging.stage(ref)  # trusted: not hashed
-    staged = adapters.staging.path(ref.key) / WEIGHTS
+    adapters.backend.staging.stage(ref)
+    adapters.backend.staging.stage(ref)  # trusted: not hashed
+    staged = adapters.backend.staging.path(ref.key) / WEIGHTS
     time.sleep(0.05)  # past a coarse file-system clock's tick: the write below gets a later ctime
     _tamper(staged)
-    assert not adapters.staging.is_unchanged(ref.key)  # the re-add after an unpin refuses it
-    adapters.staging.stage(ref)
+    assert not adapters.backend.staging.is_unchanged(
+        ref.key
+    )  # the re-add after an unpin refuses it
+    adapters.backend.staging.stage(ref)
     assert staged.read_bytes() == (ref.path / WEIGHTS).read_bytes()  # staged again
     # the copy hashed (its fingerprint changed), refused, and staged again from the source
     assert hashed == [os.fspath(ref.path), os.fspath(staged.parent), os.fspath(ref.path)]
-    assert adapters.staging.is_unchanged(ref.key)
+    assert adapters.backend.staging.is_unchanged(ref.key)
 
 
 def test_a_staged_copy_that_changed_while_it_was_hashed_is_not_trusted(staging):
     adapters, ref, hashed = staging
-    adapters.staging.stage(ref)
-    target = adapters.staging.path(ref.key)
+    adapters.backend.staging.stage(ref)
+    target = adapters.backend.staging.path(ref.key)
     real = staging_module.read_artifact
 
     def read_then_change(directory, *args, **kwargs):
@@ -96,7 +99,7 @@ def test_a_staged_copy_that_changed_while_it_was_hashed_is_not_trusted(staging):
 
     staging_module.read_artifact = read_then_change
     try:
-        assert adapters.staging.verify(target, ref.key.adapter_digest) is None
+        assert adapters.backend.staging.verify(target, ref.key.adapter_digest) is None
     finally:
         staging_module.read_artifact = real
 
@@ -111,8 +114,8 @@ def test_copies_left_by_an_earlier_process_are_bounded_by_the_budget(llama_dir, 
     os.utime(old, ns=(0, 0))  # the older of the two
     (stage / ".work").mkdir()  # an unfinished staging
     size = (source / WEIGHTS).stat().st_size
-    adapters = VllmResidency(
-        EngineBackend(None, stage, kept_bytes=size), max_loras=2, max_cpu_loras=2
+    adapters = vllm_residency(
+        EngineRuntime(None, stage, kept_bytes=size), max_loras=2, max_cpu_loras=2
     )
     adapters.close()
     assert sorted(p.name for p in stage.iterdir() if not p.name.startswith(".removed")) == [

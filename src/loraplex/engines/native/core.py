@@ -148,8 +148,8 @@ class EngineCore:
         return EngineInfo(
             max_model_len=e.max_model_len,
             base_model_digest=e.base_model_digest,
-            num_slots=len(cache.slots),
-            cpu_bytes=cache.cpu_bytes,
+            num_slots=cache.tiers.num_slots,
+            cpu_bytes=cache.tiers.cpu_bytes,
             budgets=cache.budgets,
             kv_budget=e.kv_budget,
             num_kv_tokens=e.blocks.num_blocks * e.config.block_size,
@@ -296,7 +296,7 @@ class EngineCore:
                 )
                 for key, entry in list(cache.entries.items())
             }
-            return ResidencySnapshot(self._seq, list(cache.slots), residency)
+            return ResidencySnapshot(self._seq, list(cache.tiers.slots), residency)
 
     def _snapshot_if_changed(self, had_events: bool) -> ResidencySnapshot | None:
         """A new snapshot when the slots, the host copies, the loads or the slots' use moved (or a
@@ -304,8 +304,8 @@ class EngineCore:
         in a slot is in use, so the slots' use covers every adapter's."""
         cache = self.cache
         entries = cache.entries
-        in_use = tuple(bool((e := entries.get(k)) and e.refcount) for k in list(cache.slots))
-        fingerprint = (tuple(cache.slots), in_use, len(cache.cpu), len(cache.loading))
+        in_use = tuple(bool((e := entries.get(k)) and e.refcount) for k in list(cache.tiers.slots))
+        fingerprint = (tuple(cache.tiers.slots), in_use, len(cache.tiers.cpu), len(cache.loading))
         if fingerprint == self._fingerprint and not had_events:
             return None
         self._fingerprint = fingerprint

@@ -22,7 +22,6 @@ from loraplex.engines.native.front import NativeFront
 from loraplex.engines.native.kv_budget import KVBudget, kv_budget, num_blocks
 from loraplex.engines.native.loader import load_model, resolve_device, resolve_dtype
 from loraplex.engines.native.lora import LoRASlotPool, pack_adapter
-from loraplex.engines.native.residency import residency_for
 from loraplex.engines.native.runner import ModelRunner
 from loraplex.engines.native.sampler import Sampled, Sampler
 from loraplex.engines.native.scheduler import ScheduledBatch, Scheduler
@@ -34,6 +33,7 @@ from loraplex.engines.native.sequence import (
     Sequence,
     Status,
 )
+from loraplex.engines.native.slots import residency_for
 from loraplex.engines.native.structured import Grammars
 from loraplex.engines.native.tokenizer import Tokenizer
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
@@ -250,7 +250,7 @@ class LLMEngine(NativeFront):
         meanwhile, where a whole burst would leave it idle during the step and the step loop idle
         while it answers)."""
         self._take_inbox()
-        self._fail_unavailable(self.adapters.poll())
+        self._fail_unavailable(self.adapters.backend.poll())
         outputs, self._failed = self._failed, []
         try:
             batch = self.scheduler.schedule(self._half_burst() if halve_bursts else None)
@@ -393,7 +393,10 @@ class LLMEngine(NativeFront):
         resident copy can still serve (a prewarm reloading the host copy of an adapter in a slot,
         say)."""
         for key, error in failures:
-            if self.adapters.tiers.slot_of(key) is not None or key in self.adapters.cpu:
+            if (
+                self.adapters.backend.tiers.slot_of(key) is not None
+                or key in self.adapters.backend.cpu
+            ):
                 continue
             for seq in [
                 s for s in self.scheduler.waiting if s.adapter is not None and s.adapter.key == key
@@ -548,7 +551,7 @@ class LLMEngine(NativeFront):
         try:
             while waiting:
                 # make every adapter resident first (a step of its own, like any waiting request)
-                failures = self.adapters.poll()
+                failures = self.adapters.backend.poll()
                 self._fail_unavailable(failures)
                 for key, error in failures:
                     # these sequences are in no queue: their load's failure is theirs

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.config import EngineConfig
-from loraplex.engines.native.residency import NativeResidency
 from loraplex.engines.native.sequence import Sequence, Status
+from loraplex.engines.native.slots import NativeBackend
+from loraplex.residency.ledger import Entry
+from loraplex.residency.residency import Residency
 
 
 @dataclass
@@ -27,7 +29,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: NativeResidency):
+    def __init__(
+        self, config: EngineConfig, blocks: BlockManager, adapters: Residency[Entry, NativeBackend]
+    ):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters
@@ -38,7 +42,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if seq.adapter is not None:
-            self.adapters.add_waiting(seq.adapter.key)
+            self.adapters.backend.add_waiting(seq.adapter.key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,13 +119,13 @@ class Scheduler:
 
     def _in_turn(self) -> list[Sequence]:
         """The waiting requests in arrival order, those that their tenant's budget keeps waiting
-        after the others (for a bounded time: `NativeResidency.defers`), so that a slot that frees
+        after the others (for a bounded time: `NativeBackend.defers`), so that a slot that frees
         goes to a tenant within budget."""
-        if not self.adapters.budget_waiting:
+        if not self.adapters.backend.budget_waiting:
             return list(self.waiting)
         first, later = [], []
         for seq in self.waiting:
-            held = seq.adapter is not None and self.adapters.defers(seq.adapter)
+            held = seq.adapter is not None and self.adapters.backend.defers(seq.adapter)
             (later if held else first).append(seq)
         return first + later
 
@@ -166,7 +170,7 @@ class Scheduler:
         seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
         if seq.adapter is not None:
-            self.adapters.add_waiting(seq.adapter.key)
+            self.adapters.backend.add_waiting(seq.adapter.key)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -181,7 +185,7 @@ class Scheduler:
     def _stop_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         if seq.adapter is not None:
-            self.adapters.drop_waiting(seq.adapter.key)
+            self.adapters.backend.drop_waiting(seq.adapter.key)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -20,12 +20,9 @@ from loraplex.artifacts import AllowList
 from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, RequestUsage
 from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
+from loraplex.engines.vllm.backend import vllm_residency
 from loraplex.engines.vllm.patches import handled
-from loraplex.engines.vllm.residency import (
-    HOST_BYTES_UNBOUNDED,
-    EngineBackend,
-    VllmResidency,
-)
+from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED, EngineRuntime
 from loraplex.engines.vllm.support import ServabilityCheck
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets
@@ -151,13 +148,13 @@ class VllmEngine(Engine, OpenAIServing):
         self.llm = self._start(vllm_config)
         allowed = AllowList.parse(list(config.allowed_roots))
         disk = DiskTier(config.data_dir / "cache", config.disk_cache_bytes, allowed)
-        backend = EngineBackend(
+        runtime = EngineRuntime(
             self.llm,
             config.data_dir / "vllm-adapters",
             kept_bytes=config.disk_cache_bytes,  # staged copies kept beyond vLLM's host cache
         )
-        self.adapters = VllmResidency(
-            backend,
+        self.adapters = vllm_residency(
+            runtime,
             max_loras=config.max_loras,
             max_cpu_loras=config.host_cache_size,
             disk=disk,
@@ -303,7 +300,7 @@ class VllmEngine(Engine, OpenAIServing):
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
-        self.adapters.start(asyncio.get_running_loop())
+        self.adapters.backend.start(asyncio.get_running_loop())
         state = State()
         await init_app_state(self.llm, state, self.args, await self.llm.get_supported_tasks())
         self.serving_completion, self.serving_chat = (

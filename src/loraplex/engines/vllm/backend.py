@@ -1,4 +1,5 @@
-"""Which adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned
+"""The vLLM engine's backend of the residency (`loraplex.residency.residency.Backend`): which
+adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned
 set.
 
 vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
@@ -18,8 +19,8 @@ adapters in vLLM's host cache. A tenant beyond its gpu budget leaves a free slot
 waiting requests (for a bounded time); one beyond its host budget pushes out only its own adapters.
 
 The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry
-watcher): every change of it happens under `_lock`; vLLM's own calls are coroutines, run on the
-server's loop.
+watcher): every change of it happens under the ledger's lock; vLLM's own calls are coroutines, run
+on the server's loop. The tables and vLLM's calls are `slots.py`'s.
 """
 
 from __future__ import annotations
@@ -33,26 +34,19 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from loraplex.artifacts import ArtifactError, DigestMismatch
-from loraplex.engines.contract import AdapterResidency
-from loraplex.engines.vllm.slots import Backend, EngineBackend
-from loraplex.engines.vllm.staging import fingerprint, vllm_shape
-from loraplex.engines.vllm.tables import (
+from loraplex.engines.vllm.slots import (
     HOST_BYTES_UNBOUNDED,
     WARM_PIN_LOOK_S,
     Resident,
+    Runtime,
     VllmTables,
-    lora_int_id,
 )
 from loraplex.residency import host_cache as rules
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait
 from loraplex.residency.disk import DiskTier
-from loraplex.residency.errors import (
-    AdapterUnavailable,
-    ArtifactCorrupt,
-    CapacityExceeded,
-)
-from loraplex.residency.events import Eviction, LoadFailed, LoadStage
+from loraplex.residency.errors import AdapterUnavailable, ArtifactCorrupt
+from loraplex.residency.events import Event, Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
 from loraplex.residency.residency import Residency
@@ -62,57 +56,50 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "HOST_BYTES_UNBOUNDED",
-    "EngineBackend",
-    "Resident",
-    "VllmResidency",
-    "lora_int_id",
-    "vllm_shape",
-    "fingerprint",
-]
+__all__ = ["VllmBackend", "vllm_residency"]
 
 
-class VllmResidency(Residency[Resident], AdapterResidency):
-    """The adapter operations of the vLLM engine; the same calls as the native `NativeResidency`
-    where they mean the same (tier_of, state, pin, unpin, prewarm, evict, forget, pinned,
-    is_loading)."""
+class VllmBackend:
+    """The moves of the vLLM engine's adapters: adds, removes and pins in vLLM, decided by
+    `loraplex.residency.host_cache` over the tables' `snapshot`."""
 
     def __init__(
         self,
-        backend: Backend,
+        ledger: Ledger[Resident],
+        runtime: Runtime,
         *,
         max_loras: int,
         max_cpu_loras: int,
-        disk: DiskTier | None = None,
-        policy=None,
-        budgets: TenantBudgets | None = None,
         reserved_slots: int = 0,
         scheduler_counts_pins: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ):
-        """`backend`: what it runs over (`EngineBackend`: a vLLM engine and its staged copies; the
+        """`runtime`: what it runs over (`EngineRuntime`: a vLLM engine and its staged copies; the
         simulator's); `reserved_slots`, `scheduler_counts_pins`: `VllmTables`'."""
-        ledger: Ledger[Resident] = Ledger(
-            policy=policy,
-            budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
-            disk=disk,
-            clock=clock,
-        )
-        super().__init__(ledger)
-        self.tables = ledger.tiers = VllmTables(
+        self.ledger = ledger
+        self.entries, self.pins, self._lock = ledger.entries, ledger.pins, ledger._lock
+        self.tiers = self.tables = VllmTables(
             ledger,
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
             reserved_slots=reserved_slots,
             scheduler_counts_pins=scheduler_counts_pins,
         )
-        self.staging = self.tables.staging = backend.staging(disk, self.tables.in_use)
-        self.slots = backend.slots(self.staging)
+        self.staging = self.tables.staging = runtime.staging(ledger.disk, self.tables.in_use)
+        self.slots = runtime.slots(self.staging)
         ledger.on_pins_changed = lambda: self._schedule(self._follow_demand())
         self.loading: dict[AdapterKey, asyncio.Future] = ledger.loading
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
         self._room = asyncio.Event()  # set when a release may have made a victim available
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.ledger.clock
+
+    def on_event(self, event: Event) -> None:
+        self.ledger.on_event(event)
+
+    def new_entry(self, ref: AdapterRef) -> Resident:
+        return self.tables.entry(ref)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -130,10 +117,6 @@ class VllmResidency(Residency[Resident], AdapterResidency):
         return asyncio.run_coroutine_threadsafe(loaded(), self.loop)
 
     # -- the request path (event loop) -------------------------------------------------------------
-    def record_request(self, ref: AdapterRef) -> str:
-        """Count one request's demand; the tier it finds its adapter in (also a hit or miss)."""
-        return self.ledger.count_request(ref, self.tables.entry)
-
     async def acquire(self, ref: AdapterRef) -> LoRARequest:
         """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
         it first when needed. Raises AdapterUnavailable when its bytes cannot be had."""
@@ -241,59 +224,34 @@ class VllmResidency(Residency[Resident], AdapterResidency):
             if restore:
                 self._schedule(self._restore_warm())
 
-    # -- operator calls (any thread) ---------------------------------------------------------------
-    def pin(self, ref: AdapterRef, tier: str) -> None:
-        """Keep the adapter in vLLM (gpu: pinned in a device slot; cpu: in its host cache) until
-        unpinned."""
-        if tier not in ("gpu", "cpu"):
-            raise ValueError(f"pin tier {tier!r}: use gpu or cpu")
-        with self._lock:
-            refusal = rules.pin_refusal(self.tables.snapshot(), ref.key, tier)
-            if refusal is not None:
-                raise CapacityExceeded(refusal)
-            self.tables.entry(ref)
-            self.ledger.set_pin(ref.key, tier)
-        self.prewarm(ref, tier)
+    # -- the residency's operator calls (under its lock) -------------------------------------------
+    def pin_refusal(self, key: AdapterKey, tier: str) -> str | None:
+        return rules.pin_refusal(self.tables.snapshot(), key, tier)
 
-    def prewarm(self, ref: AdapterRef, tier: str = "cpu") -> None:
+    def prewarm(self, ref: AdapterRef, tier: str) -> None:
         """Add the adapter to vLLM ahead of traffic (and pin it in a slot when its tier is gpu and
         it is pinned)."""
-        with self._lock:
-            self.tables.entry(ref).last_access = self.clock()
         self._schedule(self._prewarm(ref))
 
-    def evict(self, key: AdapterKey) -> None:
-        """Remove the adapter from vLLM now; refused while requests use it."""
-        with self._lock:
-            if (entry := self.ledger.evictable(key)) is None:
-                return
-            self.ledger.set_pin(key, None)
-            entry.restorable = False  # out until its next request
+    def drop(self, key: AdapterKey, entry: Resident) -> None:
+        """Remove the adapter from vLLM now, out until its next request."""
+        entry.restorable = False
         self._schedule(self._remove(key))
 
-    def forget(self, key: AdapterKey) -> None:
-        """Evict and drop every record of the key (an unloaded adapter)."""
-        self.evict(key)
-        with self._lock:
-            entry = self.ledger.forget_records(key)
-            if entry is not None:
-                self.tables.ids.pop(entry.lora_id, None)
-            self.tables.held.pop(key, None)
-            self.tables.running.discard(key)
-            self.tables.vllm_pins.discard(key)
+    def forget(self, key: AdapterKey, entry: Resident | None) -> None:
+        if entry is not None:
+            self.tables.ids.pop(entry.lora_id, None)
+        self.tables.held.pop(key, None)
+        self.tables.running.discard(key)
+        self.tables.vllm_pins.discard(key)
+
+    def budgets_changed(self) -> None:
+        """Waiting requests look again."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._room.set)
 
     def close(self) -> None:
         self.staging.close()
-        if self.disk is not None:
-            self.disk.close()
-
-    # -- budgets (the rule is loraplex.residency.budgets; here, the counts it takes) --------------
-    def set_budgets(self, budgets: TenantBudgets) -> None:
-        """New budgets (from the registry): they apply from the next placement on; nothing is
-        removed for them. Waiting requests look again."""
-        self.ledger.set_budgets(budgets)
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._room.set)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -507,3 +465,33 @@ def _log_failure(future) -> None:
     if not future.cancelled() and future.exception() is not None:
         error = future.exception()
         log.warning("adapter operation on the vLLM engine failed: %s", error)
+
+
+def vllm_residency(
+    runtime: Runtime,
+    *,
+    max_loras: int,
+    max_cpu_loras: int,
+    disk: DiskTier | None = None,
+    policy=None,
+    budgets: TenantBudgets | None = None,
+    reserved_slots: int = 0,
+    scheduler_counts_pins: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> Residency[Resident, VllmBackend]:
+    """The residency over vLLM (`runtime`: a running engine's, `EngineRuntime`; the simulator's)."""
+    ledger: Ledger[Resident] = Ledger(
+        policy=policy,
+        budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
+        disk=disk,
+        clock=clock,
+    )
+    backend = VllmBackend(
+        ledger,
+        runtime,
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        reserved_slots=reserved_slots,
+        scheduler_counts_pins=scheduler_counts_pins,
+    )
+    return Residency(ledger, backend)
