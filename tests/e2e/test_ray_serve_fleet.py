@@ -136,7 +136,11 @@ def test_a_split_names_canary_goes_to_the_canary_pool_by_the_registrys_weights(f
 
 def test_an_adapter_of_a_base_no_pool_serves_is_refused_by_the_router(fleet):
     router, key = fleet["router"], fleet["keys"]["alpha"]
-    answer = asyncio.run(router.completions.remote(_body("alien", make_prompt("abc")), key))
+
+    async def run():
+        return await router.completions.remote(_body("alien", make_prompt("abc")), key)
+
+    answer = asyncio.run(run())
     assert answer["status"] == 404 and answer["pool"] is None, answer
     error = answer["body"]["error"]
     assert (error["code"], error["param"]) == ("model_not_available", "model"), answer
@@ -212,8 +216,8 @@ def test_a_tenants_burst_waits_its_share_when_the_pool_is_full(fleet):
         return answer
 
     async def run():
-        burst = [asyncio.ensure_future(ask("alpha", good[i % len(good)])) for i in range(16)]
-        await asyncio.sleep(1.0)  # alpha's burst holds the pool and its queue
+        burst = [asyncio.ensure_future(ask("alpha", good[i % len(good)])) for i in range(24)]
+        await asyncio.sleep(0.2)  # alpha's burst reaches the router first
         order.append("beta-sent")
         steady = [asyncio.ensure_future(ask("beta", good[i])) for i in range(2)]
         return await asyncio.gather(*burst, *steady)
@@ -225,4 +229,4 @@ def test_a_tenants_burst_waits_its_share_when_the_pool_is_full(fleet):
     # First come first would serve beta after the whole burst; fair share takes beta's two in
     # turn with alpha's: the one running, and one between them (one more for the handle's hop).
     assert after[:last_beta].count("alpha") <= 3, order
-    assert after[last_beta:].count("alpha") >= 3, order  # the burst was still waiting
+    assert after[last_beta:].count("alpha") >= 8, order  # the burst was still waiting

@@ -62,6 +62,7 @@ from loraplex.router.prefixes import PrefixIndex, block_hashes, prompt_text
 from loraplex.router.routing import Wanted, among, placed_here, prefix_key
 from loraplex.server.preflight import bind
 from loraplex.server.serve import build
+from loraplex.settings.pools import parse_pool
 from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.settings.serve import ServeSettings
 
@@ -201,15 +202,15 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         w_tokens: float = 0.0,
         poll_s: float = 0.25,
         stale_s: float = 2.0,
-        pool: PoolSpec | None = None,
+        pool: dict | None = None,
         registry_url: str | None = None,
         prefix_blocks: int = ROUTER.prefix_index_blocks,
     ):
         """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while
         its own count of requests in flight is current, so load is weighed by requests alone.
-        `pool`: the declaration each replica's reported state is checked against; `registry_url`:
-        where an adapter's revision digest is read, the key of its prompt blocks;
-        `prefix_blocks`: prompt blocks remembered per replica (0: no prefix scoring)."""
+        `pool`: the declaration (`PoolSpec.as_dict`) each replica's reported state is checked
+        against; `registry_url`: where an adapter's revision digest is read, the key of its prompt
+        blocks; `prefix_blocks`: prompt blocks remembered per replica (0: no prefix scoring)."""
         config = PickerConfig(
             saturation_waiting=max_waiting, saturation_kv_usage=max_kv_usage, w_tokens=w_tokens
         )
@@ -223,7 +224,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self.completed_at: dict[ReplicaID, float] = {}
         self._poller: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
-        self.pool = pool or PoolSpec(DEFAULT_POOL)
+        self.pool = PoolSpec(DEFAULT_POOL) if pool is None else parse_pool(pool)
         self.registry_url, self.prefix_blocks = registry_url, prefix_blocks
         self._catalog: AdapterCatalog | None = None
         self._prompts: dict[str, tuple[int, ...]] = {}  # internal request id -> its prompt blocks
@@ -391,7 +392,9 @@ def deployment(
     unless given. `pool`: the declaration the replicas' workers are checked against (a pool of
     `run_pools`)."""
     token = admin_token or secrets.token_urlsafe(24)
-    kwargs = {"admin_token": token, "policy": policy, "max_waiting": max_waiting, "pool": pool}
+    # Ray takes the router's arguments as JSON: the pool in its `--config` form.
+    declared = None if pool is None else pool.as_dict()
+    kwargs = {"admin_token": token, "policy": policy, "max_waiting": max_waiting, "pool": declared}
     router = RequestRouterConfig(
         request_router_class=LoraplexRequestRouter,
         request_router_kwargs={**kwargs, "registry_url": options.registry_url},
@@ -468,5 +471,15 @@ def run_pools(
             pool=pool_spec(pool),
             **kwargs,
         )
-        handles[pool.name] = serve.run(app, name=pool.name, route_prefix=None)
+        try:
+            handles[pool.name] = serve.run(app, name=pool.name, route_prefix=None)
+        except RuntimeError as exc:  # Ray's line names no reason: the deployment's status does
+            raise RuntimeError(f"{exc} {_failure(pool.name)}") from exc
     return handles
+
+
+def _failure(name: str) -> str:
+    """Why the deployment `name` of the application `name` failed, as Serve's status says."""
+    app = serve.status().applications.get(name)
+    deployment = app.deployments.get(name) if app is not None else None
+    return deployment.message if deployment is not None else ""
