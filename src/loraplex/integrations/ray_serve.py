@@ -12,8 +12,11 @@ which Ray's own multiplexed routing does not see.
     handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
 
-A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`; the
-router deployment of `ray_router.run_router` in front of them picks the pool for each request.
+A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`, each
+replica's worker checked against its pool's declaration as `loraplex router` checks its workers;
+the router deployment of `ray_router.run_router` in front of them picks the pool for each request.
+Inside a pool the request router honours the placement controller's placements and scores prompt
+prefixes (`loraplex.router.routing`, `loraplex.router.prefixes`), as `loraplex router` does.
 """
 
 from __future__ import annotations
