@@ -2,9 +2,13 @@
 `loraplex router` routes across pools. A request names only its model (an adapter, or a bare base
 model); the router reads the adapter's revision in the registry (its base model and rank) and
 sends the request to an eligible pool: the tenant's dedicated pools first, then the shared ones,
-by `loraplex.router.pools` and `loraplex.router.routing`. Inside a pool, the pool's own request
-router (`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the
-router's OpenAI-shaped refusal.
+by `loraplex.router.pools` and `loraplex.router.routing`. A split name's revision is picked here
+(`loraplex.router.splits`), a canary's going to a `canary` pool first, a pinned or tier-A
+adapter's to a `warm` pool first. When every eligible pool is full, the request waits in its
+tenant's queue and pools that have room again take the waiters in fair order
+(`loraplex.router.fairness`). Inside a pool, the pool's own request router
+(`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the router's
+OpenAI-shaped refusal.
 
     handles = run_pools(fleet)
     router = run_router(fleet)
@@ -13,68 +17,87 @@ router's OpenAI-shaped refusal.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from loraplex.bearer import bearer
-from loraplex.integrations.ray_serve import RayPool, serve
-from loraplex.model_config import base_model_digest
+from loraplex.integrations.ray_serve import RayPool, pool_spec, serve
 from loraplex.registry.registry import open_existing
-from loraplex.router.catalog import registry_catalog
+from loraplex.router.catalog import AdapterCatalog, registry_catalog
+from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
 from loraplex.router.pools import Need, PoolSpec, tiers
 from loraplex.router.routing import Refusal, Wanted, base_names, eligible, need_of, refusal
 from loraplex.router.serve import registry_callers
+from loraplex.router.splits import Splits, registry_splits
 from loraplex.settings.pools import check_pools
+from loraplex.settings.router import DEFAULTS as D
 
-
-def pool_spec(pool: RayPool) -> PoolSpec:
-    """The pool as the router declares one: its workers' served base model, the base model's
-    digest (when the model directory is here to read), its max rank and its tenants."""
-    options = pool.options
-    model = Path(options.model)
-    try:
-        digest = base_model_digest(model)
-    except OSError:  # a model directory only the replicas' nodes hold: the name is checked
-        digest = None
-    return PoolSpec(
-        pool.name,
-        base_model=options.served_model_name or model.resolve().name,
-        base_model_digest=digest,
-        max_rank=options.max_lora_rank,
-        tenants=pool.tenants,
-    )
+__all__ = ["PoolChooser", "LoraplexPoolRouter", "pool_spec", "router_app", "run_router"]
+WAITING_ROOM = 4096
+"""Calls the router deployment takes beyond its pools' room: the requests waiting their turn."""
 
 
 class PoolChooser:
     """Which pool a request goes to. The fleet holds one member per pool (named after it) that
     stands for the pool's replicas: what the pool declares is what its workers serve, since they
-    run its settings."""
+    run its settings and a replica that does not match fails to start."""
 
-    def __init__(self, specs: list[PoolSpec], capacity: dict[str, int], catalog, caller_of):
+    def __init__(
+        self,
+        specs: list[PoolSpec],
+        capacity: dict[str, int],
+        catalog: AdapterCatalog | None,
+        caller_of,
+        splits: Splits | None = None,
+    ):
         self.fleet = Fleet([], None, pools=tuple(specs))
         for spec in specs:
             self.fleet.add(spec.name, spec.name, healthy=True)
         self.capacity, self.catalog, self.caller_of = capacity, catalog, caller_of
+        self.splits = splits
         self.in_flight: Counter[str] = Counter()
 
-    def choose(self, model: str | None, authorization: str | None) -> str | Refusal:
-        """The first eligible pool with room (requests open there below its replicas' room), in
-        the tenant's dedicated pools first, then the shared ones, the lowest max rank first in
-        each; when all are full, the first eligible one."""
-        tenant, _ = self.caller_of(bearer(authorization) or "")
-        wanted = Wanted(model, tenant)
+    def wanted(
+        self, model: str | None, authorization: str | None, user: str | None = None
+    ) -> Wanted:
+        """The request as routing reads it: its caller's tenant and priority, a split name's
+        revision (sticky by `user`) and whether it is the canary, whether its adapter is warm."""
+        tenant, priority = self.caller_of(bearer(authorization) or "")
+        canary = False
+        if model is not None and self.splits is not None:
+            model, canary = self.splits.route(model, user)
+        warm = bool(model and self.catalog is not None and self.catalog.warm(model))
+        return Wanted(model, tenant, priority, canary, warm=warm)
+
+    def candidates(self, wanted: Wanted) -> list[str] | Refusal:
+        """The eligible pools in the order tried: a canary's `canary` pools (a warm adapter's
+        `warm` pools) first; then the tenant's dedicated pools, then the shared ones, in each the
+        pools without a role first and the lowest max rank first."""
         need = need_of(self.fleet, self.catalog, wanted)
-        candidates = [
-            spec.name
-            for group in self._tiers(need, tenant)
-            for spec in sorted(group, key=lambda s: s.max_rank or 0)
+        order = [
+            spec
+            for group in self._tiers(need, wanted.tenant)
+            for spec in sorted(group, key=lambda s: (s.role is not None, s.max_rank or 0))
         ]
-        if not candidates:
+        if not order:
             return refusal(self.fleet, need, wanted)
-        with_room = (p for p in candidates if self.in_flight[p] < self.capacity[p])
-        return next(with_room, candidates[0])
+        first = "canary" if wanted.canary else "warm" if wanted.warm else None
+        if first is not None:
+            order.sort(key=lambda s: s.role != first)  # stable: the order above within each
+        return [spec.name for spec in order]
+
+    def with_room(self, candidates: list[str]) -> str | None:
+        """The first pool whose requests open are below its room (None: all full)."""
+        return next((p for p in candidates if self.in_flight[p] < self.capacity[p]), None)
+
+    def choose(self, model: str | None, authorization: str | None) -> str | Refusal:
+        """The first eligible pool with room; when all are full, the first eligible one."""
+        candidates = self.candidates(self.wanted(model, authorization))
+        if isinstance(candidates, Refusal):
+            return candidates
+        return self.with_room(candidates) or candidates[0]
 
     def _tiers(self, need: Need, tenant: str | None) -> list[list[PoolSpec]]:
         members = list(self.fleet.workers.values())
@@ -89,13 +112,28 @@ class PoolChooser:
 
 class LoraplexPoolRouter:
     """The router deployment: each call goes to the chosen pool's deployment, as an adapter
-    (Ray's multiplexed model) or for the bare base model."""
+    (Ray's multiplexed model) or for the bare base model; while every pool it may use is full,
+    it waits its turn in its tenant's queue."""
 
-    def __init__(self, specs: list[PoolSpec], capacity: dict[str, int], registry_url: str):
+    def __init__(
+        self,
+        specs: list[PoolSpec],
+        capacity: dict[str, int],
+        registry_url: str,
+        queue_per_tenant: int = D.queue_per_tenant,
+        tenant_weights: dict[str, float] | None = None,
+        wait_s: float = D.request_timeout_s,
+    ):
         registry = open_existing(registry_url)
         self.chooser = PoolChooser(
-            specs, capacity, registry_catalog(registry), registry_callers(registry)
+            specs,
+            capacity,
+            registry_catalog(registry),
+            registry_callers(registry),
+            registry_splits(registry),
         )
+        self.queue: FairQueue[str] = FairQueue(dict(tenant_weights or {}), queue_per_tenant)
+        self.wait_s = wait_s
         self.pools = {spec.name: serve.get_app_handle(spec.name) for spec in specs}
 
     async def completions(self, body: dict, authorization: str | None = None) -> dict:
@@ -106,40 +144,97 @@ class LoraplexPoolRouter:
         return await self._route("chat_completions", body, authorization)
 
     async def _route(self, method: str, body: dict, authorization: str | None) -> dict:
-        model = body.get("model") if isinstance(body, dict) else None
+        body = body if isinstance(body, dict) else {}
+        model = body.get("model")
         model = model if isinstance(model, str) and model else None
         model = model or serve.get_multiplexed_model_id() or None
-        pool = self.chooser.choose(model, authorization)
+        user = body.get("user") if isinstance(body.get("user"), str) else None
+        wanted = self.chooser.wanted(model, authorization, user)
+        pool = await self._turn(wanted)
         if isinstance(pool, Refusal):
             return {"status": pool.status, "body": refusal_body(pool), "pool": None}
+        if wanted.model != model:  # a split name's revision
+            body = {**body, "model": wanted.model}
         handle = self.pools[pool]
-        if model is not None and not self.chooser.is_base(model):
-            handle = handle.options(multiplexed_model_id=model)
-        self.chooser.in_flight[pool] += 1
+        if wanted.model is not None and not self.chooser.is_base(wanted.model):
+            handle = handle.options(multiplexed_model_id=wanted.model)
         try:
             answer = await getattr(handle, method).remote(body, authorization)
         finally:
             self.chooser.in_flight[pool] -= 1
+            self.queue.admit(self._grant)
         return {**answer, "pool": pool}
+
+    async def _turn(self, wanted: Wanted) -> str | Refusal:
+        """The pool the request goes to, counted open there: the first eligible one with room,
+        else (every one full, or others waiting already: a newcomer does not pass them) its turn
+        in its tenant's queue; without a queue, the first eligible one."""
+        candidates = self.chooser.candidates(wanted)
+        if isinstance(candidates, Refusal):
+            return candidates
+        pool = None if len(self.queue) else self.chooser.with_room(candidates)
+        if pool is None and not self.queue.limit:
+            pool = candidates[0]
+        if pool is None:
+            return await self._wait(wanted, candidates)
+        self.chooser.in_flight[pool] += 1
+        return pool
+
+    async def _wait(self, wanted: Wanted, candidates: list[str]) -> str | Refusal:
+        tenant = wanted.tenant or ""
+        try:
+            waiter = self.queue.join(tenant, wanted.priority, candidates)
+        except QueueFull:
+            message = f"every pool is full and {self.queue.limit} requests of tenant "
+            message += f"{tenant or '(unknown)'} are waiting already"
+            return Refusal(429, "saturated", message)
+        self.queue.admit(self._grant)
+        try:
+            return await asyncio.wait_for(waiter.granted, self.wait_s)
+        except TimeoutError:
+            return Refusal(503, "no_worker", f"no pool had room within {self.wait_s:g} s")
+        except asyncio.CancelledError:  # the caller left: a pool it was granted is given back
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled():
+                self.chooser.in_flight[granted.result()] -= 1
+                self.queue.admit(self._grant)
+            raise
+        finally:
+            self.queue.leave(waiter)
+
+    def _grant(self, waiter: Waiter[str]) -> str | None:
+        """The waiter's pool when one of its pools has room (None: not yet), counted open."""
+        pool = self.chooser.with_room(waiter.what)  # type: ignore[arg-type]
+        if pool is not None:
+            self.chooser.in_flight[pool] += 1
+        return pool
 
 
 def refusal_body(refused: Refusal) -> dict:
-    """The OpenAI error body `loraplex router` answers a request no pool serves with."""
+    """The OpenAI error body `loraplex router` answers a request it cannot route with."""
+    of_model = refused.status == 404
     return {
         "error": {
             "message": refused.message,
-            "type": "invalid_request_error",
+            "type": "invalid_request_error" if of_model else "server_error",
             "code": refused.code,
-            "param": "model",
+            "param": "model" if of_model else None,
         }
     }
 
 
 def router_app(
-    pools: list[RayPool], max_ongoing_requests: int = 64, name: str = "loraplex-router"
+    pools: list[RayPool],
+    max_ongoing_requests: int = 64,
+    name: str = "loraplex-router",
+    queue_per_tenant: int = D.queue_per_tenant,
+    tenant_weights: dict[str, float] | None = None,
 ) -> Any:
     """The router deployment over the pool applications `run_pools` started (the same `pools`
-    and `max_ongoing_requests`), for `serve.run`; the pools share one registry."""
+    and `max_ongoing_requests`), for `serve.run`; the pools share one registry. A pool's room is
+    `num_replicas` × `max_ongoing_requests`; beyond it, each tenant may have `queue_per_tenant`
+    requests waiting (0: none wait, the first eligible pool takes them), granted by
+    `tenant_weights` (tenant -> weight, 1 when not named)."""
     specs = [pool_spec(pool) for pool in pools]
     check_pools(specs)
     registries = {str(pool.options.registry_url) for pool in pools}
@@ -149,13 +244,20 @@ def router_app(
     return (
         serve.deployment(LoraplexPoolRouter, name=name)
         .options(
-            max_ongoing_requests=sum(capacity.values()),
+            max_ongoing_requests=sum(capacity.values()) + WAITING_ROOM,
             ray_actor_options={"num_cpus": 0},
         )
-        .bind(specs, capacity, registries.pop())
+        .bind(specs, capacity, registries.pop(), queue_per_tenant, tenant_weights)
     )
 
 
-def run_router(pools: list[RayPool], max_ongoing_requests: int = 64, name: str = "loraplex-router"):
-    """Runs `router_app` as a Serve application of its own, named `name`: its handle."""
-    return serve.run(router_app(pools, max_ongoing_requests, name), name=name, route_prefix=None)
+def run_router(
+    pools: list[RayPool],
+    max_ongoing_requests: int = 64,
+    name: str = "loraplex-router",
+    **kwargs: Any,
+):
+    """Runs `router_app` as a Serve application of its own, named `name`: its handle. `kwargs`:
+    `queue_per_tenant`, `tenant_weights`."""
+    app = router_app(pools, max_ongoing_requests, name, **kwargs)
+    return serve.run(app, name=name, route_prefix=None)

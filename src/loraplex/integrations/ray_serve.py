@@ -12,8 +12,11 @@ which Ray's own multiplexed routing does not see.
     handle = serve.run(deployment(options, num_replicas=2))
     answer = await handle.options(multiplexed_model_id="sql").completions.remote({"prompt": "..."})
 
-A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`; the
-router deployment of `ray_router.run_router` in front of them picks the pool for each request.
+A fleet of pools (several base models or ranks) is one deployment per pool: `run_pools`, each
+replica's worker checked against its pool's declaration as `loraplex router` checks its workers;
+the router deployment of `ray_router.run_router` in front of them picks the pool for each request.
+Inside a pool the request router honours the placement controller's placements and scores prompt
+prefixes (`loraplex.router.routing`, `loraplex.router.prefixes`), as `loraplex router` does.
 """
 
 from __future__ import annotations
@@ -52,10 +55,18 @@ except ImportError as exc:
         name="ray",
     ) from None
 
+from loraplex.model_config import base_model_digest
+from loraplex.registry.registry import open_existing
+from loraplex.router.catalog import AdapterCatalog, registry_catalog
 from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView
+from loraplex.router.pools import DEFAULT_POOL, PoolSpec, Reported, misconfigured
+from loraplex.router.prefixes import PrefixIndex, block_hashes, prompt_text
+from loraplex.router.routing import Wanted, among, placed_here, prefix_key
 from loraplex.server.preflight import bind
 from loraplex.server.serve import build
+from loraplex.settings.pools import parse_pool
+from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.settings.serve import ServeSettings
 
 log = logging.getLogger("loraplex.ray")
@@ -69,7 +80,9 @@ class LoraplexReplica:
     on the same node only; 0.0.0.0 with API keys for a cluster of several nodes) and the calls
     Ray routes to it."""
 
-    def __init__(self, options: ServeSettings, admin_token: str):
+    def __init__(self, options: ServeSettings, admin_token: str, pool: PoolSpec | None = None):
+        """`pool`: the declaration the replica's worker must match (its base model, digest and
+        max rank, as its state reports them); a replica that does not match fails to start."""
         replica = serve.get_replica_context().replica_id.unique_id
         # The registry is the fleet's; the disk cache, audit log and admin token are the
         # replica's own.
@@ -107,6 +120,23 @@ class LoraplexReplica:
             if time.monotonic() > deadline:
                 raise RuntimeError("the loraplex worker did not start")
             time.sleep(0.05)
+        if pool is not None:
+            self._check_pool(pool)
+
+    def _check_pool(self, pool: PoolSpec) -> None:
+        """RuntimeError when the worker's reported base model, digest or max rank do not match
+        `pool` (`loraplex.router.pools.misconfigured`): Ray then never routes to it."""
+        state = httpx.get(f"{self.url}/admin/state", headers=self.admin, timeout=30).json()
+        rank = state.get("max_lora_rank")
+        reported = Reported(
+            state.get("base_model"),
+            state.get("base_model_digest"),
+            rank if isinstance(rank, int) else None,
+        )
+        problem = misconfigured(pool, reported)
+        if problem is not None:
+            self._server.should_exit = True
+            raise RuntimeError(f"replica {self.replica} of pool {pool.name}: its worker {problem}")
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def load_adapter(self, model_id: str) -> str:
@@ -175,9 +205,15 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         w_tokens: float = 0.0,
         poll_s: float = 0.25,
         stale_s: float = 2.0,
+        pool: dict | None = None,
+        registry_url: str | None = None,
+        prefix_blocks: int = ROUTER.prefix_index_blocks,
     ):
         """`w_tokens` is 0 by default: a replica's token count reaches the router a poll late, while
-        its own count of requests in flight is current, so load is weighed by requests alone."""
+        its own count of requests in flight is current, so load is weighed by requests alone.
+        `pool`: the declaration (`PoolSpec.as_dict`) each replica's reported state is checked
+        against; `registry_url`: where an adapter's revision digest is read, the key of its prompt
+        blocks; `prefix_blocks`: prompt blocks remembered per replica (0: no prefix scoring)."""
         config = PickerConfig(
             saturation_waiting=max_waiting, saturation_kv_usage=max_kv_usage, w_tokens=w_tokens
         )
@@ -191,6 +227,10 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self.completed_at: dict[ReplicaID, float] = {}
         self._poller: asyncio.Task | None = None
         self._http: httpx.AsyncClient | None = None
+        self.pool = PoolSpec(DEFAULT_POOL) if pool is None else parse_pool(pool)
+        self.registry_url, self.prefix_blocks = registry_url, prefix_blocks
+        self._catalog: AdapterCatalog | None = None
+        self._prompts: dict[str, tuple[int, ...]] = {}  # internal request id -> its prompt blocks
 
     async def choose_replicas(
         self,
@@ -209,9 +249,13 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
             pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         ) or None
         by_url = {self._worker(r).url: r for r in candidate_replicas}
+        prompt = self._prompt(pending_request, model)
         now = time.monotonic()
-        views = [self._view(r.replica_id, now) for r in candidate_replicas]
-        pick = self.picker.pick(views, model)
+        views = [self._view(r.replica_id, now, prompt) for r in candidate_replicas]
+        wanted = Wanted(model, None, prompt=prompt)
+        placed = tuple(w.url for w in workers if model and placed_here(w, model))
+        pick = among(self.picker, views, placed, wanted, "placed") if placed else None
+        pick = pick or self.picker.pick(views, model)
         if not pick.ranking:  # no worker answered its last poll: let Ray try them all
             return [candidate_replicas]
         if pending_request is not None:  # counted at once, so that a burst picked together spreads
@@ -230,17 +274,35 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self._requests[request_id] = replica
         self.in_flight[replica] += 1
         model = pending_request.metadata.multiplexed_model_id
-        if model and replica in self.workers:
-            self.workers[replica].sent.add(model)
+        if replica in self.workers:
+            if model:
+                self.workers[replica].sent.add(model)
+            self.workers[replica].prefixes.add(self._prompts.get(request_id, ()))
+
+    def _prompt(self, pending_request: PendingRequest | None, model: str | None) -> tuple[int, ...]:
+        """The hash chain of the request's prompt blocks, keyed by its adapter revision's digest
+        (`loraplex.router.prefixes`); none without prefix scoring or a prompt to read."""
+        if not self.prefix_blocks or pending_request is None:
+            return ()
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._prompts:
+            body = next((a for a in pending_request.args if isinstance(a, dict)), None)
+            if self._catalog is None and self.registry_url:
+                self._catalog = registry_catalog(open_existing(self.registry_url))
+            salt = prefix_key(self._catalog, Wanted(model, None))
+            self._prompts[request_id] = block_hashes(prompt_text(body), salt) if body else ()
+        return self._prompts[request_id]
 
     def _worker(self, replica: RunningReplica) -> Worker:
         worker = self.workers.get(replica.replica_id)
         if worker is None:
             url = replica.replica_metadata.get("worker_url", replica.replica_id.unique_id)
-            worker = self.workers[replica.replica_id] = Worker(url, healthy=False)
+            prefixes = PrefixIndex(self.prefix_blocks)
+            worker = Worker(url, healthy=False, pool=self.pool, prefixes=prefixes)
+            self.workers[replica.replica_id] = worker
         return worker
 
-    def _view(self, replica: ReplicaID, now: float) -> WorkerView:
+    def _view(self, replica: ReplicaID, now: float, prompt: tuple[int, ...] = ()) -> WorkerView:
         """The last polled state, with this router's requests in flight there (a replica's own queue
         counts other routers' requests too, this router's count is newer) and the adapters sent
         there since: a worker takes a request's adapter into a device slot when it admits it, so
@@ -255,7 +317,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         in_slot = frozenset(worker.sent) if last.free_slots > 0 else frozenset()
         return dataclasses.replace(
             last,
-            healthy=worker.healthy,
+            healthy=worker.healthy and worker.problem is None and worker.drain is None,
             fresh=fresh,
             waiting=0,
             running=0,
@@ -263,6 +325,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
             active_tokens=last.active_tokens if current else 0,
             gpu=last.gpu | in_slot,
             loading=last.loading | (worker.sent - in_slot),
+            prefix=worker.prefixes.match(prompt) if prompt else 0.0,
         )
 
     async def _poll_forever(self) -> None:
@@ -305,6 +368,7 @@ class LoraplexRequestRouter(MultiplexMixin, RequestRouter):
         self._count(pending_request, replica_id)  # Ray may have sent it past the first rank
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._prompts.pop(internal_request_id, None)
         if self._requests.pop(internal_request_id, None) is not None:
             self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
             self.completed_at[replica_id] = time.monotonic()
@@ -324,15 +388,22 @@ def deployment(
     num_cpus: float = 0,
     admin_token: str | None = None,
     name: str = "loraplex",
+    pool: PoolSpec | None = None,
 ):
     """The Ray Serve application of loraplex workers routed by LoraplexRequestRouter, for
     `serve.run`. The workers' admin token (one for all, which the router polls with) is made here
-    unless given."""
+    unless given. `pool`: the declaration the replicas' workers are checked against (a pool of
+    `run_pools`)."""
     token = admin_token or secrets.token_urlsafe(24)
+    # Ray takes the router's arguments as JSON: the pool in its `--config` form.
+    declared = None if pool is None else pool.as_dict()
+    kwargs = {"admin_token": token, "policy": policy, "max_waiting": max_waiting, "pool": declared}
     router = RequestRouterConfig(
         request_router_class=LoraplexRequestRouter,
-        request_router_kwargs={"admin_token": token, "policy": policy, "max_waiting": max_waiting},
+        request_router_kwargs={**kwargs, "registry_url": options.registry_url},
     )
+    # A replica that does not match its pool fails the same way each time: once is enough.
+    retries = {} if pool is None else {"max_constructor_retry_count": 1}
     return (
         serve.deployment(LoraplexReplica, name=name)
         .options(
@@ -340,39 +411,78 @@ def deployment(
             max_ongoing_requests=max_ongoing_requests,
             request_router_config=router,
             ray_actor_options={"num_cpus": num_cpus},
+            **retries,
         )
-        .bind(options, token)
+        .bind(options, token, pool)
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class RayPool:
     """A pool as a Ray Serve deployment of its own: its workers' settings (`options.model` its
-    base model, `options.max_lora_rank` its max rank), its replicas, and the tenants it is
-    dedicated to (none: shared), which `ray_router` routes by."""
+    base model, `options.max_lora_rank` its max rank), its replicas, the tenants it is dedicated
+    to (none: shared) and its role (`warm`, `canary` or none), which `ray_router` routes by.
+    `base_model_digest`: the digest its workers must report (None: `options.model`'s own)."""
 
     name: str
     options: ServeSettings
     num_replicas: int = 2
     tenants: tuple[str, ...] = ()
+    role: str | None = None
+    base_model_digest: str | None = None
+
+
+def pool_spec(pool: RayPool) -> PoolSpec:
+    """The pool as the router declares one: its workers' served base model, the base model's
+    digest (given, else read from the model directory when it is here to read), its max rank,
+    its tenants and its role."""
+    options = pool.options
+    model = Path(options.model)
+    digest = pool.base_model_digest
+    if digest is None:
+        try:
+            digest = base_model_digest(model)
+        except OSError:  # a model directory only the replicas' nodes hold: the name is checked
+            digest = None
+    return PoolSpec(
+        pool.name,
+        base_model=options.served_model_name or model.resolve().name,
+        base_model_digest=digest,
+        max_rank=options.max_lora_rank,
+        tenants=pool.tenants,
+        role=pool.role,
+    )
 
 
 def run_pools(
     pools: list[RayPool], admin_token: str | None = None, **kwargs: Any
 ) -> dict[str, DeploymentHandle]:
     """Each pool one Serve application and deployment, both named after it, routed inside by
-    LoraplexRequestRouter: pool name -> its handle. `kwargs` go to `deployment` for every pool."""
+    LoraplexRequestRouter and its replicas checked against the pool's declaration: pool name ->
+    its handle. `kwargs` go to `deployment` for every pool."""
     names = [pool.name for pool in pools]
     if len(set(names)) != len(names):
         raise ValueError(f"pool names {names}: give each pool its own")
     token = admin_token or secrets.token_urlsafe(24)
-    return {
-        pool.name: serve.run(
-            deployment(
-                pool.options, pool.num_replicas, admin_token=token, name=pool.name, **kwargs
-            ),
+    handles = {}
+    for pool in pools:
+        app = deployment(
+            pool.options,
+            pool.num_replicas,
+            admin_token=token,
             name=pool.name,
-            route_prefix=None,
+            pool=pool_spec(pool),
+            **kwargs,
         )
-        for pool in pools
-    }
+        try:
+            handles[pool.name] = serve.run(app, name=pool.name, route_prefix=None)
+        except RuntimeError as exc:  # Ray's line names no reason: the deployment's status does
+            raise RuntimeError(f"{exc} {_failure(pool.name)}") from exc
+    return handles
+
+
+def _failure(name: str) -> str:
+    """Why the deployment `name` of the application `name` failed, as Serve's status says."""
+    app = serve.status().applications.get(name)
+    deployment = app.deployments.get(name) if app is not None else None
+    return deployment.message if deployment is not None else ""
