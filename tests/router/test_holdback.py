@@ -30,6 +30,14 @@ def test_a_tenant_over_its_share_leaves_one_place_per_active_tenant_under_its_sh
     assert holdback.held("a", places=8, now=6.5) == 0  # b quiet past it
 
 
+def test_a_caller_of_no_tenant_makes_no_tenant_active():
+    holdback = Holdback(window_s=5.0)
+    holdback.arrived("a", 0, now=0.0)
+    busy(holdback, "a", 8)
+    holdback.arrived(None, 0, now=0.0)  # a key that no tenant holds
+    assert holdback.held("a", places=8, now=1.0) == 0
+
+
 def test_an_open_request_keeps_a_tenant_active_past_the_window():
     holdback = Holdback(window_s=1.0)
     holdback.arrived("a", 0, now=0.0)

@@ -291,7 +291,7 @@ async def forward(state: RouterState, request: Request, path: str):
     key = bearer(request.headers.get("authorization")) or ""
     wanted = Wanted(adapter, *state.config.caller_of(key), canary)
     tenant = wanted.tenant or ""
-    state.holdback.arrived(tenant, wanted.priority, time.monotonic())
+    state.holdback.arrived(wanted.tenant, wanted.priority, time.monotonic())
     wanted, pick, waited = await _routed(state, wanted, payload)
     if isinstance(pick, Response):
         return pick

@@ -47,9 +47,12 @@ class Holdback:
     _open: dict[str, int] = field(default_factory=dict)
     """Tenant -> its requests sent to a worker and not finished."""
 
-    def arrived(self, tenant: str, priority: int, now: float) -> None:
-        self._seen[tenant] = now
-        self._priority[tenant] = priority
+    def arrived(self, tenant: str | None, priority: int, now: float) -> None:
+        """A caller's request arrived (tenant None: a key no tenant holds, which makes no tenant
+        active: a worker refuses it)."""
+        if tenant is not None:
+            self._seen[tenant] = now
+            self._priority[tenant] = priority
 
     def opened(self, tenant: str | None) -> None:
         """A request of `tenant` went to a worker (None: no caller's, as an upload's)."""
