@@ -5,11 +5,13 @@
 Two `loraplex serve` workers (4-layer Llama, `--max-num-seqs 4`: the fleet runs 8 requests at a
 time) behind one `loraplex router` (`--saturation-waiting 0`). Tenants A and B have the same
 priority and weight and one adapter each; with both busy each is owed 4 of the 8 running places. B
-sends an open-loop Poisson stream of 2 requests a second. Four runs of the same B trace, each with
+sends an open-loop Poisson stream of 2 requests a second. Five runs of the same B trace, each with
 a fresh router: B alone; B while A runs 40 closed-loop clients (10x its share) with the router's
 fair-share queue and its limit on the requests open at a worker (`--worker-queue-limit 0`, the
-default: nothing beyond what the worker runs, the rest waits at the router); the same without the
-limit (`-1`: a worker's first-come queue holds what passes the saturation filter); without the
+default: nothing beyond what the worker runs, the rest waits at the router) and no place held
+back (`--holdback-window-s 0`); the same with the default window (5 s: a place kept free for B
+while it is active, `router/holdback.py`); the queue without the limit (`-1`: a worker's
+first-come queue holds what passes the saturation filter) and no place held back; without the
 queue either (`--queue-per-tenant 0`, a saturated pick goes to the worker). TTFT is measured at
 the client to the first streamed chunk.
 """
@@ -38,10 +40,12 @@ from loraplex.loadgen.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig
 from loraplex.registry import Registry
 
+OFF = ("--holdback-window-s", "0")
 RUNS = {
     "B alone": (0, ()),
-    "A bursts, fair share": (40, ()),
-    "A bursts, fair share, no worker limit": (40, ("--worker-queue-limit", "-1")),
+    "A bursts, fair share": (40, OFF),
+    "A bursts, fair share, held-back place": (40, ()),
+    "A bursts, fair share, no worker limit": (40, ("--worker-queue-limit", "-1", *OFF)),
     "A bursts, no queue": (40, ("--queue-per-tenant", "0", "--worker-queue-limit", "-1")),
 }
 

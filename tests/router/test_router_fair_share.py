@@ -103,6 +103,7 @@ def burst_then_steady(worker_queue_limit: int) -> tuple[list[str], list[int], st
             caller_of=lambda key: KEYS.get(key, (None, 0)),
             # the saturation threshold above the burst: only the limit holds requests back
             picker=PickerConfig(saturation_waiting=8, worker_queue_limit=worker_queue_limit),
+            holdback_window_s=0,  # the queue's order alone (`test_router_holdback.py`: with it)
         )
         with serving(create_router_app(config)) as url:
             statuses: list[int] = []

@@ -24,12 +24,13 @@ from loraplex.router import cutover
 from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
+from loraplex.router.holdback import Holdback
 from loraplex.router.metrics import RouterMetrics
 from loraplex.router.picker import Pick, Picker, PickerConfig
 from loraplex.router.pools import DEFAULT_POOL, Need, PoolSpec, tiers
 from loraplex.router.prefixes import block_hashes, prompt_text
 from loraplex.router.routing import Refusal, Wanted, need_of, prefix_key, route
-from loraplex.router.splits import Splits
+from loraplex.router.splits import Splits, split_revision
 from loraplex.settings.router import DEFAULTS as D
 
 log = logging.getLogger("loraplex.router")
@@ -76,6 +77,7 @@ class RouterConfig:
     queue_per_tenant: int = D.queue_per_tenant
     """Requests a tenant may have waiting while its workers are saturated (0: no queue)."""
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    holdback_window_s: float = D.holdback_window_s  # `router/holdback.py`
 
 
 def _error(
@@ -118,6 +120,7 @@ class RouterState:
     metrics: RouterMetrics
     proxy: httpx.AsyncClient
     queue: FairQueue[Pick | Refusal]
+    holdback: Holdback
     uploads: itertools.count = field(default_factory=itertools.count)
     """Uploads taken: whose turn it is among equally busy workers (`cutover.upload_worker`)."""
 
@@ -125,9 +128,12 @@ class RouterState:
         token = self.config.admin_token
         return bool(token) and carries_token(request.headers.get("authorization"), token)
 
-    def sent(self, url: str, adapter: str | None, prompt: tuple[int, ...] = ()) -> None:
-        """A request went to the worker: open there (the picker's load) until done, its adapter
-        counted as loading there until the next poll, its prompt's blocks as held there."""
+    def sent(
+        self, url: str, adapter: str | None, prompt: tuple[int, ...] = (), tenant: str | None = None
+    ) -> None:
+        """A request (of `tenant`) went to the worker: open there (the picker's load) until done,
+        its adapter counted as loading there until the next poll, its prompt's blocks as held."""
+        self.holdback.opened(tenant)
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight += 1
@@ -143,7 +149,8 @@ class RouterState:
         if worker is not None and adapter is not None:
             worker.sent.discard(adapter)
 
-    def done(self, url: str) -> None:
+    def done(self, url: str, tenant: str | None = None) -> None:
+        self.holdback.closed(tenant)
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight = max(0, worker.in_flight - 1)
@@ -173,7 +180,7 @@ class RouterState:
             if granted.done() and not granted.cancelled():
                 pick = granted.result()
                 if isinstance(pick, Pick) and pick.url is not None:
-                    self.done(pick.url)
+                    self.done(pick.url, tenant)
             raise
         finally:
             self.queue.leave(waiter)
@@ -192,9 +199,18 @@ class RouterState:
             return pick
         if pick.url is None or pick.reason.startswith("saturated"):
             return None
-        self.sent(pick.url, wanted.model, wanted.prompt)
+        if self.holds_back(waiter.tenant, pick):
+            if not waiter.held_back:
+                waiter.held_back = True
+                self.metrics.held_back.labels(waiter.tenant).inc()
+            return None
+        self.sent(pick.url, wanted.model, wanted.prompt, waiter.tenant)
         self.metrics.granted.labels(waiter.tenant).inc()
         return pick
+
+    def holds_back(self, tenant: str, pick: Pick) -> bool:
+        workers = (w for url in pick.ranking if (w := self.fleet.workers.get(url)))
+        return self.holdback.keeps_from(tenant, workers, time.monotonic())
 
     def pool_of(self, url: str) -> str:
         worker = self.fleet.workers.get(url)
@@ -218,10 +234,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         config.prefix_blocks if config.picker.w_prefix else 0,
     )
     picker = Picker(config.policy, config.picker, random.Random(config.seed))
-    queue: FairQueue[Pick | Refusal] = FairQueue(
-        dict(config.tenant_weights), config.queue_per_tenant
-    )
-    state = RouterState(config, fleet, picker, RouterMetrics(), proxy, queue)
+    weights = dict(config.tenant_weights)
+    queue: FairQueue[Pick | Refusal] = FairQueue(weights, config.queue_per_tenant)
+    holdback = Holdback(config.holdback_window_s, weights)
+    state = RouterState(config, fleet, picker, RouterMetrics(), proxy, queue, holdback)
 
     async def admitting():
         """Waiting requests go on when a poll shows room (a finished request admits at once)."""
@@ -271,9 +287,11 @@ async def forward(state: RouterState, request: Request, path: str):
     adapter = model if isinstance(model, str) else None
     canary = False
     if adapter is not None and state.config.splits is not None:
-        adapter, canary, body = _split_revision(state.config.splits, payload, adapter, body)
+        adapter, canary, body = split_revision(state.config.splits, payload, adapter, body)
     key = bearer(request.headers.get("authorization")) or ""
     wanted = Wanted(adapter, *state.config.caller_of(key), canary)
+    tenant = wanted.tenant or ""
+    state.holdback.arrived(wanted.tenant, wanted.priority, time.monotonic())
     wanted, pick, waited = await _routed(state, wanted, payload)
     if isinstance(pick, Response):
         return pick
@@ -287,7 +305,7 @@ async def forward(state: RouterState, request: Request, path: str):
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     for attempt, url in enumerate(pick.ranking[:2]):
         if not (waited and attempt == 0):  # a granted pick is sent there already
-            state.sent(url, adapter, wanted.prompt)
+            state.sent(url, adapter, wanted.prompt, tenant)
         try:
             upstream = state.proxy.build_request(
                 "POST", f"{url}{path}", content=body, headers=headers
@@ -297,7 +315,7 @@ async def forward(state: RouterState, request: Request, path: str):
             # The worker has the request and is slow (a non-streamed answer comes whole): neither a
             # failed worker nor one to run the generation again on.
             state.metrics.picks.labels(pick.reason).inc()
-            state.done(url)
+            state.done(url, tenant)
             return _error(
                 504,
                 f"worker {url} did not answer in time: {type(exc).__name__}",
@@ -305,7 +323,7 @@ async def forward(state: RouterState, request: Request, path: str):
                 "server_error",
             )
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            state.done(url)
+            state.done(url, tenant)
             log.warning("worker %s failed before the first byte: %s", url, exc)
             if (worker := state.fleet.workers.get(url)) is not None:
                 worker.healthy = False
@@ -318,7 +336,7 @@ async def forward(state: RouterState, request: Request, path: str):
             )
         if response.status_code >= 400:
             state.refused(url, adapter)
-        return _relayed(state, response, url, pick)
+        return _relayed(state, response, url, pick, tenant)
     return _error(502, "no worker answered", "bad_gateway", "server_error")
 
 
@@ -335,17 +353,18 @@ async def _routed(
     if catalog is not None and wanted.model is not None and catalog.warm(wanted.model):
         wanted = dataclasses.replace(wanted, warm=True)
     pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
-    if isinstance(pick, Pick) and _waits(state, pick):
+    if isinstance(pick, Pick) and _waits(state, pick, wanted.tenant or ""):
         return wanted, await state.wait_turn(wanted, need), True
     return wanted, pick, False
 
 
-def _waits(state: RouterState, pick: Pick) -> bool:
+def _waits(state: RouterState, pick: Pick, tenant: str) -> bool:
     """Whether the request waits its turn: every worker it may use is saturated, or others wait
-    already (a newcomer does not pass them)."""
+    already (a newcomer does not pass them), or the free places are kept for other tenants."""
     if not state.config.queue_per_tenant or pick.url is None:
         return False
-    return pick.reason == "saturated-fallback" or len(state.queue) > 0
+    saturated = pick.reason == "saturated-fallback"
+    return saturated or len(state.queue) > 0 or state.holds_back(tenant, pick)
 
 
 def _no_worker(state: RouterState, pick):
@@ -361,7 +380,7 @@ def _no_worker(state: RouterState, pick):
     )
 
 
-def _relayed(state: RouterState, response: httpx.Response, url: str, pick) -> StreamingResponse:
+def _relayed(state: RouterState, response: httpx.Response, url: str, pick, tenant: str):
     """The worker's answer streamed back, with the worker and the route named on a success."""
     out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
     # The pick is made from the model name alone, before any worker checks the caller's key: where
@@ -374,26 +393,17 @@ def _relayed(state: RouterState, response: httpx.Response, url: str, pick) -> St
             out_headers["x-loraplex-pool"] = state.pool_of(url)
             out_headers["x-loraplex-route"] = pick.reason
     return StreamingResponse(
-        _relay(state, response, url), status_code=response.status_code, headers=out_headers
+        _relay(state, response, url, tenant), status_code=response.status_code, headers=out_headers
     )
 
 
-def _split_revision(splits: Splits, payload: dict, model: str, body: bytes):
-    """(model, is a canary, body) as sent: a split name's revision picked here."""
-    user = payload.get("user")
-    routed, canary = splits.route(model, user if isinstance(user, str) else None)
-    if routed == model:
-        return model, False, body
-    return routed, canary, json.dumps({**payload, "model": routed}).encode()
-
-
-async def _relay(state: RouterState, response: httpx.Response, url: str):
+async def _relay(state: RouterState, response: httpx.Response, url: str, tenant: str):
     try:
         async for chunk in response.aiter_raw():
             yield chunk
     finally:
         await response.aclose()
-        state.done(url)
+        state.done(url, tenant)
 
 
 async def models(request: Request):

@@ -34,6 +34,8 @@ class Waiter(Generic[T]):
     granted: asyncio.Future[T]
     what: object = None
     """What the grant's check reads (the request as routing reads it)."""
+    held_back: bool = False
+    """A free place was kept from it for another tenant (counted once)."""
 
 
 @dataclass

@@ -43,6 +43,13 @@ class RouterMetrics:
             ["tenant"],
             registry=self.registry,
         )
+        self.held_back = Counter(
+            "loraplex_router_tenant_held_back_total",
+            "Requests of the tenant, over its fair share, that waited at the router while the free "
+            "places were kept for other tenants' next requests",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.misconfigured = Gauge(
             "loraplex_router_worker_misconfigured",
             "1 while the worker's reported base model or max rank does not match its pool",

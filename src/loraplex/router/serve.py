@@ -37,6 +37,7 @@ def serve_router(
         prefix_blocks=s.prefix_index_blocks,
         queue_per_tenant=s.queue_per_tenant,
         tenant_weights=s.tenant_weights,
+        holdback_window_s=s.holdback_window_s,
         **(_from_registry(s.registry) if s.registry else {}),
     )
     app = create_router_app(config)

@@ -5,6 +5,7 @@ sticky by `user` as the workers pick; the canary's share goes to the workers tha
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -73,6 +74,15 @@ def pool_first(
         return None
     others = [w.url for w in views if w.healthy and w.url not in chosen.ranking]
     return Pick((*chosen.ranking, *others), "canary-pool")
+
+
+def split_revision(splits: Splits, payload: dict, model: str, body: bytes):
+    """(model, is a canary, body) as sent: a split name's revision picked here."""
+    user = payload.get("user")
+    routed, canary = splits.route(model, user if isinstance(user, str) else None)
+    if routed == model:
+        return model, False, body
+    return routed, canary, json.dumps({**payload, "model": routed}).encode()
 
 
 def registry_splits(registry: Registry) -> Splits:

@@ -165,6 +165,19 @@ class RouterSettings:
         doc="each tenant's weight in the fair share of saturated workers, within its priority "
         "band; a tenant not named weighs 1",
     )
+    holdback_window_s: float = setting(
+        5.0,
+        "Keep a place free for another tenant that sent a request within this many seconds "
+        "(0: off)",
+        panel=FAIR,
+        metavar="S",
+        check=at_least(0),
+        doc="while a tenant over its fair share fills the places of the workers a request may "
+        "use, the router keeps one place free for each other tenant of its band (or a higher "
+        "one) that sent a request within this many seconds and holds less than its share, so "
+        'that tenant\'s next request starts at once (below, "Fair share"); a tenant alone is '
+        "never held back; 0: nothing held",
+    )
     poll_interval_s: float = setting(
         0.5,
         "Seconds between polls of each worker's state",
