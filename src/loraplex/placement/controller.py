@@ -46,8 +46,7 @@ class PlacementMetrics:
         )
         self.leader = Gauge(
             "loraplex_placement_leader",
-            "1 while this controller holds the placement lease (as last renewed, until it runs "
-            "out)",
+            "1 while this controller holds the placement lease (until the expiry it last wrote)",
             registry=self.registry,
         )
         self.workers_up = Gauge(
