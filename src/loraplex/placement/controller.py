@@ -175,10 +175,15 @@ class PlacementController:
         failures = 0
         while not stop.is_set():
             try:
-                leading = self.step(leading)
+                now_leading = self.holds_lease()
                 if failures:
                     log.info("the registry answers again")
                 failures = 0
+                if now_leading != leading:
+                    self.announce(now_leading)
+                leading = now_leading
+                if leading:
+                    self.round()
             except DBAPIError as exc:
                 if not failures:
                     reason = str(exc.orig or exc).splitlines()[0]
@@ -187,23 +192,17 @@ class PlacementController:
             except Exception:  # noqa: BLE001 (a worker's answer or a bug: the next round tries)
                 log.exception("placement round failed")
             stop.wait(min(interval_s * 2 ** min(failures, 16), max(interval_s, self.lease_s / 4)))
-        if leading:
+        if self.lease_until is not None:
             self.give_back()
 
-    def step(self, leading: bool | None) -> bool:
-        """Take or renew the lease, and a round when it is this controller's; whether it is
-        (said on stdout when that changes from `leading`)."""
-        now_leading = self.holds_lease()
-        if now_leading != leading:
-            held = self.leases.get(LEASE).holder
-            print(
-                f"placement controller {self.holder}: "
-                + ("active" if now_leading else f"waiting (the lease is {held}'s)"),
-                flush=True,
-            )
-        if now_leading:
-            self.round()
-        return now_leading
+    def announce(self, leading: bool) -> None:
+        """Say on stdout that this controller is now active, or waiting and for whom."""
+        held = self.leases.get(LEASE).holder
+        print(
+            f"placement controller {self.holder}: "
+            + ("active" if leading else f"waiting (the lease is {held}'s)"),
+            flush=True,
+        )
 
     def give_back(self) -> None:
         """Release the lease, so that another controller takes over at once; while the registry
