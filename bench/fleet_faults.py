@@ -3,11 +3,13 @@
     python bench/fleet_faults.py [--json bench/results/fleet_faults.json]
 
 A throwaway PostgreSQL cluster (initdb + pg_ctl on a socket in a temp dir) holds the registry:
-three PEFT adapters of a tiny Llama. Three `loraplex serve` workers (native engine) and one
-`loraplex router` read it. Three closed-loop clients stream greedy completions (12 tokens) over
-the adapters and the bare base throughout. Phases: steady; one worker SIGKILLed; PostgreSQL
-stopped (`-m immediate`) for a few seconds and started again; a new adapter registered after the
-restart and added to the traffic. Every answer is checked against HF transformers + PEFT.
+three PEFT adapters of a tiny Llama. Three `loraplex serve` workers (native engine), one
+`loraplex router` and two `loraplex placement` controllers (one active through the registry's
+lease, one waiting) read it. Three closed-loop clients stream greedy completions (12 tokens) over
+the adapters and the bare base throughout. Phases: steady, every adapter placed on two workers;
+one worker SIGKILLed, its placements placed again on the live ones; PostgreSQL stopped
+(`-m immediate`) for a few seconds and started again; a new adapter registered after the restart,
+added to the traffic and placed. Every answer is checked against HF transformers + PEFT.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,13 +38,27 @@ from tinymodels import ADAPTERS, make_adapter, make_model, peft_reference, refer
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
-from loraplex.loadgen.procs import start_router, start_together, start_worker, stop_together
+from loraplex.loadgen.procs import (
+    ADMIN_TOKEN,
+    Proc,
+    start_placement,
+    start_router,
+    start_together,
+    start_worker,
+    state,
+    stop_together,
+)
 from loraplex.registry import Registry
+from loraplex.registry.leases import Leases
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKENS = 12
 NAMES = ("attn-r8", "mlp-r4", "regex-r4")
 LATE = "pattern"
+# every adapter with traffic is hot and on two workers; a worker's five slots may all be placed but
+# the one it keeps, so the two live workers take every adapter, the late one too
+CONTROLLER = ("--min-rps", "0.005", "--per-replica-rps", "0.005", "--max-replicas", "2")
+CONTROLLER += ("--slot-share", "1", "--interval-s", "0.5", "--lease-s", "30")
 
 
 class Postgres:
@@ -103,31 +120,77 @@ def phase(at: float, killed_at: float, down_from: float, down_until: float) -> s
     return "registry down" if at < down_until else "after the restart"
 
 
+def placements(urls: list[str]) -> dict[str, set[str]]:
+    """Worker URL -> the adapter revisions placed there, from each live worker's state."""
+    found = {}
+    for url in urls:
+        try:
+            found[url] = set(state(url)["placed"])
+        except httpx.HTTPError:
+            pass
+    return found
+
+
+def routed(router: str) -> dict[str, set[str]]:
+    """Worker URL -> the placements the router routes by."""
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    listed = httpx.get(f"{router}/admin/workers", headers=headers, timeout=30).json()["workers"]
+    return {w["url"]: set(w.get("placed") or ()) for w in listed}
+
+
+def wait_until(predicate, timeout: float = 300.0) -> float:
+    """Seconds until `predicate` holds (polled every 0.1 s)."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError("the fleet did not get there")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def on_two(urls: list[str], keys: set[str]) -> bool:
+    """Each key placed on two of `urls`' workers."""
+    placed = placements(urls)
+    return all(sum(k in p for p in placed.values()) >= 2 for k in keys)
+
+
+def start_controllers(url: str, workers: list[str], root: Path) -> list[Proc]:
+    """The active controller, then one that waits for its lease."""
+    active = start_placement(url, workers, root / "c1", *CONTROLLER)
+    wait_until(lambda: ": active" in active.log_path.read_text(), 120)
+    standby = start_placement(url, workers, root / "c2", *CONTROLLER)
+    wait_until(lambda: "waiting (the lease is" in standby.log_path.read_text(), 120)
+    return [active, standby]
+
+
 def run(root: Path, pg: Postgres, down_s: float) -> dict:
     model, adapters, expected = build(root, pg)
-    extra = ("--registry", pg.url, "--max-loras", "2", "--served-model-name", "base")
+    extra = ("--registry", pg.url, "--max-loras", "5", "--served-model-name", "base")
     extra += ("--allowed-roots", str(root))
     workers = start_together(
         [lambda i=i: start_worker(model, root / f"w{i}", {}, *extra) for i in range(3)]
     )
-    router = start_router(
-        [w.url for w in workers], root / "router", "affinity", "--registry", pg.url
-    )
-    before = revisions(pg.url)
+    urls = [w.url for w in workers]
+    procs = [start_router(urls, root / "router", "affinity", "--registry", pg.url)]
+    router, keys = procs[0], {f"{n}@r1" for n in NAMES}
+    before, fig = revisions(pg.url), {}
     try:
         wait_for_health(router.url)
+        procs += start_controllers(pg.url, urls, root)
         traffic = ClosedLoop(router.url, ["base", *NAMES], PROMPT, TOKENS)
+        fig["placed_s"] = round(wait_until(lambda: on_two(urls, keys)), 1)
         traffic.wait_for_more(60)
-        victim = workers[-1]
+        held = placements(urls)
+        victim = max(workers, key=lambda w: len(held.get(w.url, ())))
+        live = [u for u in urls if u != victim.url]
+        fig["victim_placements"] = sorted(held[victim.url])
         victim.kill()
         killed_at = time.monotonic()
+        fig["placed_again_s"] = round(wait_until(lambda: on_two(live, keys)), 1)
         traffic.wait_for_more(60)
-        pg.ctl("-m", "immediate", "stop")
-        down_from = time.monotonic()
-        time.sleep(down_s)
-        down_until = time.monotonic()
-        pg.ctl("restart", "-l", str(pg.work / "log"))
-        traffic.wait_for_more(60)
+        down_from, down_until, fig["placements_lost_across_restart"] = restart(
+            pg, down_s, traffic, live, router.url
+        )
         registry = Registry(pg.url, store=ArtifactStore(root / "store"))
         registry.add_revision(adapters[LATE], LATE, "r1", status="stable", base_model_dir=model)
         registry.close()
@@ -136,10 +199,12 @@ def run(root: Path, pg: Postgres, down_s: float) -> dict:
             while not stream_greedy(http, router.url, LATE, PROMPT, 1)["done"]:
                 time.sleep(0.2)
         traffic.models.append(LATE)
+        fig["late_placed_s"] = round(wait_until(lambda: on_two(live, {f"{LATE}@r1"})), 1)
         traffic.wait_for_more(60)
         records = traffic.stop()
+        fig |= controller_figures(pg.url, *procs[1:])
     finally:
-        router.stop()
+        stop_together(procs)
         stop_together(workers)
     counts = fault_counts(records, expected, victim.url, killed_at, (down_from, down_until))
     return {
@@ -149,8 +214,58 @@ def run(root: Path, pg: Postgres, down_s: float) -> dict:
         "revisions_after_one_added": len(after),
         "revisions_kept": before <= after,
         "late_adapter_answered": sum(r["model"] == LATE and r["done"] for r in records),
+        "routed_to_placement": sum(str(r.get("route")).startswith("placed") for r in records),
+        **fig,
         **failures(records, victim.url, (killed_at, down_from, down_until)),
     }
+
+
+def restart(
+    pg: Postgres, down_s: float, traffic: ClosedLoop, live: list[str], router: str
+) -> tuple[float, float, int]:
+    """PostgreSQL stopped for `down_s` and started again, under traffic: when it was down, and
+    the placements lost across it."""
+    kept = placements(live), {u: p for u, p in routed(router).items() if u in live}
+    pg.ctl("-m", "immediate", "stop")
+    down_from = time.monotonic()
+    time.sleep(down_s)
+    down_until = time.monotonic()
+    pg.ctl("restart", "-l", str(pg.work / "log"))
+    traffic.wait_for_more(60)
+    return down_from, down_until, lost(kept, placements(live), routed(router))
+
+
+def lost(kept: tuple[dict, dict], placed: dict, routed_now: dict) -> int:
+    """Placements (on workers, and in the router's routing) held before the restart and gone
+    after it."""
+    on_workers, in_router = kept
+    gone = sum(len(p - placed.get(u, set())) for u, p in on_workers.items())
+    return gone + sum(len(p - routed_now.get(u, set())) for u, p in in_router.items())
+
+
+def controller_figures(url: str, active: Proc, standby: Proc) -> dict:
+    """Whether both controllers lived through the run, who holds the lease, and each one's
+    moves."""
+    registry = Registry(url)
+    holder = Leases(registry).get("placement").holder
+    registry.close()
+    logs = [p.log_path.read_text() for p in (active, standby)]
+    return {
+        "controllers_running": sum(p.p.poll() is None for p in (active, standby)),
+        "lease_holder_is_first": f"controller {holder}: active" in logs[0],
+        "standby_became_active": ": active" in logs[1],
+        "moves_active": moves(active.url),
+        "moves_standby": moves(standby.url),
+    }
+
+
+def moves(metrics_url: str) -> dict[str, int]:
+    """kind/outcome -> the controller's moves, from its /metrics."""
+    text = httpx.get(f"{metrics_url}/metrics", timeout=10).text
+    found = re.findall(
+        r'^loraplex_placement_moves_total\{kind="(\w+)",outcome="(\w+)"\} (\S+)$', text, re.M
+    )
+    return {f"{kind} {outcome}": int(float(n)) for kind, outcome, n in found}
 
 
 def failures(records: list[dict], victim: str, times: tuple[float, float, float]) -> dict:
@@ -182,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pg.ctl("-m", "immediate", "stop")
         shutil.rmtree(root, ignore_errors=True)
-    table = Table(title="A worker SIGKILLed and PostgreSQL restarted under traffic (3 workers)")
+    table = Table(
+        title="A worker SIGKILLed and PostgreSQL restarted under traffic (3 workers, "
+        "2 placement controllers)"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, value in row.items():

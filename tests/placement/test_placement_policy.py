@@ -190,7 +190,7 @@ def test_cold_placements_stay_their_dwell_time():
 
 def test_a_full_worker_makes_room_by_releasing_an_unwanted_placement():
     demand = {"new@1": 5.0, "old@1": 0.1}
-    ws = [worker("w0", slots=2, placed=frozenset({"old@1", "older@1"}), demand=demand)]
+    ws = [worker("w0", slots=3, placed=frozenset({"old@1", "older@1"}), demand=demand)]
     ads = {k: adapter(k) for k in ("old@1", "older@1", "new@1")}
     moves = PlacementPolicy(min_rps=1.0, placed_slot_share=1.0).plan(ws, ads, now=0.0)
     # the coldest unwanted one leaves first, to make room; the other is released after
@@ -198,11 +198,20 @@ def test_a_full_worker_makes_room_by_releasing_an_unwanted_placement():
     assert moves[2:] == [Move("release", "old@1", "w0")]
 
 
+def test_a_worker_keeps_one_slot_out_of_placement_at_any_share():
+    """A worker refuses to pin its last device slot, so the plan never asks for it."""
+    ads = {k: adapter(k) for k in ("a@1", "b@1", "c@1", "d@1")}
+    ws = [worker("w0", slots=4, demand=dict.fromkeys(ads, 5.0))]
+    moves = PlacementPolicy(min_rps=1.0, placed_slot_share=1.0).plan(ws, ads, now=0.0)
+    assert len(apply(ws, moves)[0].placed) == 3
+    assert {m.kind for m in moves} == {"place"}
+
+
 def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet_is_full():
     ads = {k: adapter(k) for k in ("early@1", "warm@1", "hot@1")}
 
     def full(**demand):
-        return [worker("w0", slots=2, placed=frozenset({"early@1", "warm@1"}), demand=demand)]
+        return [worker("w0", slots=3, placed=frozenset({"early@1", "warm@1"}), demand=demand)]
 
     def policy():
         return PlacementPolicy(min_rps=1.0, placed_slot_share=1.0, min_dwell_s=60.0)
@@ -217,7 +226,7 @@ def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet
     assert policy().plan(full(**close), ads, now=0.0) == []
     # placed by this policy, it stays its dwell time first
     p = policy()
-    ws = [worker("w0", slots=2, demand={"early@1": 2.0, "warm@1": 4.0})]
+    ws = [worker("w0", slots=3, demand={"early@1": 2.0, "warm@1": 4.0})]
     ws = apply(ws, p.plan(ws, ads, now=0.0))
     assert holders(ws, "early@1") == ["w0"] and holders(ws, "warm@1") == ["w0"]
     ws = [WorkerView(**{**ws[0].__dict__, "demand": hotter})]

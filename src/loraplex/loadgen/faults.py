@@ -13,8 +13,9 @@ import httpx
 
 
 def stream_greedy(http: httpx.Client, url: str, model: str, prompt: list[int], n: int) -> dict:
-    """One streamed greedy completion of `n` tokens: its status, the worker the router named, its
-    token ids, and whether the stream ended with [DONE] (else the error that broke it)."""
+    """One streamed greedy completion of `n` tokens: its status, the worker and the route the
+    router named, its token ids, and whether the stream ended with [DONE] (else the error that
+    broke it)."""
     # logprobs: a chunk for every token, so each one's id comes back (a token whose text is held
     # back, half a character, otherwise comes in no chunk)
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 0}
@@ -23,6 +24,7 @@ def stream_greedy(http: httpx.Client, url: str, model: str, prompt: list[int], n
     try:
         with http.stream("POST", f"{url}/v1/completions", json=body) as r:
             record["status"], record["worker"] = r.status_code, r.headers.get("x-loraplex-worker")
+            record["route"] = r.headers.get("x-loraplex-route")
             if r.status_code != 200:
                 record["body"] = r.read().decode(errors="replace")[:300]
             for line in r.iter_lines():

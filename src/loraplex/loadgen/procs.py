@@ -148,6 +148,18 @@ def start_router(workers: list[str], data_dir: Path, policy: str = "affinity", *
     return Proc(args, data_dir / "router-log.txt")
 
 
+def start_placement(registry: str, workers: list[str], data_dir: Path, *extra: str) -> Proc:
+    """`loraplex placement` over `workers`, its metrics on a free port (its `url`); `extra`: more
+    of its arguments (the policy's, `--interval-s`, `--lease-s`, ...)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    token_file = data_dir / "admin-token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    args = ["placement", "--registry", registry, "--admin-token-file", str(token_file)]
+    for url in workers:
+        args += ["--worker", url]
+    return Proc([*args, "--metrics-port", "0", *extra], data_dir / "log.txt")
+
+
 def state(url: str) -> dict:
     r = httpx.get(
         f"{url}/admin/state", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30

@@ -39,6 +39,7 @@ def policy_of(settings: PlacementSettings) -> PlacementPolicy:
 def run_placement(settings: PlacementSettings, token: str) -> int:
     """Serve the metrics (when asked), then rounds until a stop signal; 0 then."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per state poll otherwise
     registry = Registry(settings.registry, actor="placement", create=False)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

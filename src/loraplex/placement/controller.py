@@ -2,7 +2,9 @@
 adapters, asks the policy for moves, and applies them through the workers' admin API (a place:
 prewarm, then the worker's placement pin; a release: the pin dropped). One controller is active at
 a time: it holds the registry's `placement` lease, renewed each round and before each move; a
-second one waits and takes over when the lease runs out."""
+second one waits and takes over when the lease runs out. While the registry cannot be reached no
+move is made (a move needs the lease renewed); the controller retries, backing off, and keeps or
+takes the lease again once the registry answers."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy.exc import DBAPIError
 
 from loraplex.placement.policy import Move, PlacementPolicy, WorkerView
 from loraplex.placement.views import adapter_views, worker_view
 from loraplex.registry import Registry
+from loraplex.registry.db import utcnow
 from loraplex.registry.leases import Leases
 from loraplex.settings.pools import PoolSpec
 
@@ -41,7 +46,7 @@ class PlacementMetrics:
         )
         self.leader = Gauge(
             "loraplex_placement_leader",
-            "1 while this controller holds the placement lease",
+            "1 while this controller holds the placement lease (until the expiry it last wrote)",
             registry=self.registry,
         )
         self.workers_up = Gauge(
@@ -76,10 +81,22 @@ class PlacementController:
         self.tier, self.holder, self.lease_s, self.clock = tier, holder, lease_s, clock
         self.leases = Leases(registry)
         self.metrics = PlacementMetrics()
+        self.lease_until: datetime | None = None
+        """When the lease this controller last took or renewed runs out; None: not its own."""
+        self.metrics.leader.set_function(lambda: 1.0 if self.leading_now() else 0.0)
+        self.unanswered: set[str] = set()
+        """The workers that did not answer their state in the last round."""
 
     def holds_lease(self) -> bool:
         """Take or renew the lease; whether this controller holds it now."""
-        return self.leases.take(LEASE, self.holder, self.lease_s).holder == self.holder
+        lease = self.leases.take(LEASE, self.holder, self.lease_s)
+        self.lease_until = lease.expires_at if lease.holder == self.holder else None
+        return self.lease_until is not None
+
+    def leading_now(self) -> bool:
+        """Whether the lease this controller last took or renewed still runs (no registry
+        read: it holds while the registry is down, until the lease runs out)."""
+        return self.lease_until is not None and utcnow() < self.lease_until
 
     def workers(self) -> list[WorkerView]:
         """The workers that answer their state now (a dead one is left out: its placements are
@@ -91,7 +108,13 @@ class PlacementController:
                 answer.raise_for_status()
                 views.append(worker_view(t.url, t.pool, answer.json()))
             except (httpx.HTTPError, ValueError) as exc:
-                log.warning("worker %s left out of this round: %s", t.url, exc)
+                if t.url not in self.unanswered:
+                    log.warning("worker %s left out until it answers: %s", t.url, exc)
+                self.unanswered.add(t.url)
+                continue
+            if t.url in self.unanswered:
+                log.info("worker %s answers again", t.url)
+                self.unanswered.discard(t.url)
         self.metrics.workers_up.set(len(views))
         return views
 
@@ -145,24 +168,47 @@ class PlacementController:
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Rounds every `interval_s` while this controller holds the lease; otherwise wait for
-        it. Until `stop`; the lease is given back then."""
+        it. While the registry cannot be reached, the waits double, up to a quarter of the lease
+        (so that a renewal comes before it runs out). Until `stop`; the lease is given back
+        then."""
         leading: bool | None = None
+        failures = 0
         while not stop.is_set():
             try:
                 now_leading = self.holds_lease()
+                if failures:
+                    log.info("the registry answers again")
+                failures = 0
                 if now_leading != leading:
-                    held = self.leases.get(LEASE).holder
-                    print(
-                        f"placement controller {self.holder}: "
-                        + ("active" if now_leading else f"waiting (the lease is {held}'s)"),
-                        flush=True,
-                    )
+                    self.announce(now_leading)
                 leading = now_leading
-                self.metrics.leader.set(1 if leading else 0)
                 if leading:
                     self.round()
-            except Exception:  # noqa: BLE001 (the registry or a worker down: the next round tries)
+            except DBAPIError as exc:
+                if not failures:
+                    reason = str(exc.orig or exc).splitlines()[0]
+                    log.warning("the registry cannot be reached, no move until it can: %s", reason)
+                failures += 1
+            except Exception:  # noqa: BLE001 (a worker's answer or a bug: the next round tries)
                 log.exception("placement round failed")
-            stop.wait(interval_s)
-        if leading:
+            stop.wait(min(interval_s * 2 ** min(failures, 16), max(interval_s, self.lease_s / 4)))
+        if self.lease_until is not None:
+            self.give_back()
+
+    def announce(self, leading: bool) -> None:
+        """Say on stdout that this controller is now active, or waiting and for whom."""
+        held = self.leases.get(LEASE).holder
+        print(
+            f"placement controller {self.holder}: "
+            + ("active" if leading else f"waiting (the lease is {held}'s)"),
+            flush=True,
+        )
+
+    def give_back(self) -> None:
+        """Release the lease, so that another controller takes over at once; while the registry
+        cannot be reached, it runs out by itself instead."""
+        try:
             self.leases.release(LEASE, self.holder)
+        except DBAPIError as exc:
+            log.warning("the lease runs out by itself (the registry cannot be reached): %s", exc)
+        self.lease_until = None

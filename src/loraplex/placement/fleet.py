@@ -27,7 +27,10 @@ class Fleet:
         self.tenant_budgets = tenant_budgets
         self._workers = {w.name: w for w in sorted(workers, key=lambda w: w.name)}
         self._placed = {w.name: set(w.placed) for w in self._workers.values()}
-        self._slots = {w.name: int(w.slots * slot_share) for w in self._workers.values()}
+        # a worker keeps one device slot out of its pins, whatever the share
+        self._slots = {
+            w.name: min(int(w.slots * slot_share), w.slots - 1) for w in self._workers.values()
+        }
         self._bytes = {n: sum(self._nbytes(k) for k in p) for n, p in self._placed.items()}
         self._holders: dict[str, set[str]] = {}
         self._tenants: dict[str, int] = {}

@@ -101,8 +101,8 @@ class PlacementSettings:
         "The share of a worker's slots placement may fill",
         panel=POLICY,
         check=positive,
-        doc="the share of a worker's device slots placement may fill; the rest is left to the "
-        "worker's own residency",
+        doc="the share of a worker's device slots placement may fill, never its last one; the "
+        "rest is left to the worker's own residency",
     )
     interval_s: float = setting(
         10.0, "Seconds between rounds (poll, plan, act)", panel=TIMING, check=positive
