@@ -21,11 +21,11 @@ over `vllm+plugin`'s (the same vLLM, the same fixes: the cost of loraplex's laye
 `vllm`'s (vLLM as released).
 
 `--profile`: after the rounds, each named server starts again, warms the adapters of
-`--profile-workload` (64 adapters by default) and serves that workload while py-spy (`--subprocesses --nonblocking --format raw`) samples the API
-process and its children (vLLM's engine core, the native engine's process). Loraplex servers run
-under `split_probe.py`, which times the request path's waits, and every server on vLLM under its
-probe of vLLM's engine steps (each step that produced tokens, with its rows). The report per
-server:
+`--profile-workload` (64 adapters by default) and serves that workload while py-spy (`--subprocesses
+--nonblocking --format raw`) samples the API process and its children (vLLM's engine core, the
+native engine's process). Loraplex servers run under `split_probe.py`, which times the request
+path's waits, and every server on vLLM under its probe of vLLM's engine steps (each step that
+produced tokens, with its rows). The report per server:
 - wall clock per request (ms): loraplex's `acquire` (everything before the engine gets the
   request), of it the wait for a slot (admission) and for a load (staging + vLLM's add_lora), the
   staging and add_lora calls themselves, and each as a share of the clients' time; the native

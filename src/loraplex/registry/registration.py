@@ -156,12 +156,9 @@ class Registration:
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
         does). `keep`: the name keeps its newest `keep` revisions servable from now on (None: as it
         was; `retention`). `fast_path`: reuse the checks of the name's previous revision when
-        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). `owned`: the
-        directory is the caller's own, in the store's work directory, and nothing writes its files
-        again (an upload's): the store links them rather than copy them. Registering the
-        same bytes again under the same name returns the existing revision (a retired one's bytes
-        make a new revision).
-        """
+        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). `owned`: an
+        upload's directory, in the store's work directory: its files are linked, not copied. The
+        same bytes again under the same name return the existing revision (a retired one's: new)."""
         check_names(name, revision, warm_policy, status)
         check_keep(keep)
         stored = self.check_and_store(

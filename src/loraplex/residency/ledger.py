@@ -2,9 +2,10 @@
 (its references and the tenants holding them, its pin, its costs), the demand, evictions and
 their thrash, the tenants' budgets and budget waits, and the futures operator calls wait on.
 
-Each engine's residency holds a ledger and says, through its `Tiers`, which adapters are where;
-everything a reader asks of the adapters (`tier_of`, `state`, `budget_state`, ...) is answered
-here from that. Every change happens under `_lock`, from any thread: no event loop is assumed.
+The residency holds a ledger, and its engine's backend says, through its `Tiers`, which adapters are
+where; everything a reader asks of the adapters (`tier_of`, `state`, `budget_state`, ...) is
+answered here from that. Every change happens under `_lock`, from any thread: no event loop is
+assumed.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ E = TypeVar("E", bound=Entry)
 class Tiers(Protocol):
     """What a residency's engine holds: which adapters are in a device slot and in host memory,
     the slots it counts, its warm sets and what it adds to `state`. The native engine's slots
-    (`engines/native/slots.py`) and the vLLM residency's tables (`engines/vllm/tables.py`)."""
+    (`NativeSlots`) and the vLLM engine's tables (`VllmTables`), both in their `slots.py`."""
 
     @property
     def num_slots(self) -> int: ...

@@ -1,5 +1,4 @@
-"""An adapter's row of `GET /admin/state`, the same for both engines: the native engine's cache
-(cache.py) and the vLLM engine's residency (engines/vllm/residency.py)."""
+"""An adapter's row of `GET /admin/state`, the same for both engines (the ledger's `state`)."""
 
 from __future__ import annotations
 

@@ -307,10 +307,8 @@ async def forward(state: RouterState, request: Request, path: str):
         if not (waited and attempt == 0):  # a granted pick is sent there already
             state.sent(url, adapter, wanted.prompt, tenant)
         try:
-            upstream = state.proxy.build_request(
-                "POST", f"{url}{path}", content=body, headers=headers
-            )
-            response = await state.proxy.send(upstream, stream=True)
+            sent = state.proxy.build_request("POST", f"{url}{path}", content=body, headers=headers)
+            response = await state.proxy.send(sent, stream=True)
         except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
             # The worker has the request and is slow (a non-streamed answer comes whole): neither a
             # failed worker nor one to run the generation again on.

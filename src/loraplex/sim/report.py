@@ -49,12 +49,8 @@ def summarize(sim: Simulation, hot: set[str] | None = None) -> dict:
     reloads = sum(c.ledger.reloads_after_eviction for c in caches)
     h2d = sum(w.pool.copy_seconds for w in sim.workers)
     loads = sum(w.load_seconds for w in sim.workers)
-    hot = (
-        hot
-        if hot is not None
-        else hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
-    )
-
+    if hot is None:
+        hot = hot_adapters(sim.trace, sim.config.gpu_slots * sim.config.workers)
     by_tenant: dict[str, list[SimRequest]] = {}
     for s in served:
         by_tenant.setdefault(s.req.tenant, []).append(s)
