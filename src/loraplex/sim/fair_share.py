@@ -11,12 +11,13 @@ while any wait. A tenant whose queue is at its limit is refused (the router's 42
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 
-if TYPE_CHECKING:
-    from loraplex.sim.simulator import SimRequest, Simulation
+# the simulator's (`simulator.Simulation`, `simulator.SimRequest`), which imports this module
+Simulation = Any
+SimRequest = Any
 
 
 class FairShare:

@@ -5,10 +5,9 @@ policies)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from loraplex.sim.simulator import Simulation
+Simulation = Any  # the simulator's (`simulator.Simulation`), which imports this module
 
 
 def policy_factory(name: str) -> Callable[[Simulation], object]:
