@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import statistics
@@ -224,9 +225,9 @@ def register_split(cfg_dir: Path, cfg: ModelConfig, rank: int, max_rank: int) ->
 
 
 def quantile(values: list[float], q: float) -> float:
-    """Nearest rank."""
+    """Nearest rank: the smallest value with at least `q` of the values at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def latency_summary(rows: list[dict]) -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.artifacts import ArtifactError, DigestMismatch, read_artifact
+from loraplex.host_memory import release_freed
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable, ArtifactCorrupt
 from loraplex.residency.events import Event, LoadStage
@@ -73,4 +74,5 @@ def load_adapter(
         ) from exc
     for stage, seconds in stages.items():
         on_event(LoadStage(stage, seconds, ref.key))
+    release_freed()  # the read buffer, freed on this thread, leaves the process's memory
     return Loaded(packed, source, stages)

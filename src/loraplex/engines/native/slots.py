@@ -22,6 +22,7 @@ from typing import Protocol
 from loraplex.artifacts import AllowList
 from loraplex.engines.native.adapter_load import HostCopy, Loaded, load_adapter
 from loraplex.engines.native.config import EngineConfig
+from loraplex.host_memory import release_freed
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.events import Eviction, LoadFailed, LoadStage, PinRefused
@@ -422,6 +423,7 @@ class NativeBackend:
         self._nbytes_version += 1
         self._copies_version += 1
         self.activations.discard(key)
+        release_freed()  # its host copy's memory goes back to the system
 
     def budgets_changed(self) -> None:
         """Nothing moves for new budgets: the next placement reads them."""
