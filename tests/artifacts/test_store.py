@@ -89,11 +89,13 @@ def test_put_get_is_idempotent_and_keeps_only_artifact_files(tmp_path, adapter_v
     assert store.remove(digest) and not store.has(digest) and not store.remove(digest)
 
 
-def test_an_owned_put_links_the_files_and_a_plain_put_copies_them(tmp_path, adapter_v1):
+def test_a_put_from_the_stores_work_area_links_the_files_and_any_other_copies_them(
+    tmp_path, adapter_v1
+):
     store = ArtifactStore(tmp_path / "store")
     owned = store.temp_dir() / "adapter"  # an upload's directory, on the store's file system
     shutil.copytree(adapter_v1, owned)
-    digest, _ = store.put_with_piece_lists(owned, owned=True)
+    digest, _ = store.put_with_piece_lists(owned)
     stored = store.get(digest) / "adapter_model.safetensors"
     assert stored.stat().st_ino == (owned / "adapter_model.safetensors").stat().st_ino
     shutil.rmtree(owned.parent)  # the upload's directory goes: the store keeps its name

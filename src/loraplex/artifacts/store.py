@@ -114,30 +114,29 @@ class ArtifactStore:
         digest, lists = self._put(Path(src_dir), pieces=True)
         return digest, lists[0]
 
-    def put_with_piece_lists(
-        self, src_dir: str | Path, owned: bool = False
-    ) -> tuple[str, tuple[Pieces, Pieces]]:
+    def put_with_piece_lists(self, src_dir: str | Path) -> tuple[str, tuple[Pieces, Pieces]]:
         """As `put`, with the BLAKE3 and the sha256 piece lists of the copy (what a registration
-        records). `owned`: the files are the caller's own, on the store's file system, and nothing
-        writes them again (an upload's): linked into the store rather than copied."""
-        return self._put(Path(src_dir), pieces=True, owned=owned)
+        records)."""
+        return self._put(Path(src_dir), pieces=True)
 
-    def _put(
-        self, src: Path, pieces: bool, owned: bool = False
-    ) -> tuple[str, tuple[Pieces, Pieces] | None]:
+    def _put(self, src: Path, pieces: bool) -> tuple[str, tuple[Pieces, Pieces] | None]:
         names = _source_files(src)
+        # a directory in the store's own work area (an upload's) is the store's: nothing writes
+        # its files again, so they are linked rather than copied
+        take = link_synced if self.owns(src) else copy_synced
         work = self.temp_dir()
         try:
             for name in names:
-                if owned:
-                    link_synced(src / name, work / name)
-                else:
-                    copy_synced(src / name, work / name)
+                take(src / name, work / name)
             digest, listed = hash_artifact(work, pieces)
             self.adopt(work, digest)
             return digest, listed
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` is in one of the store's work directories (`temp_dir`)."""
+        return path.resolve().is_relative_to((self.root / "tmp").resolve())
 
     def remove(self, digest: str) -> bool:
         path = self.path(digest)

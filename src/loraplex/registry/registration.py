@@ -147,7 +147,6 @@ class Registration:
         base_model: str | None = None,
         keep: int | None = None,
         fast_path: bool = False,
-        owned: bool = False,
     ) -> RevisionRecord:
         """Validate an adapter directory, put it into the store and record it, in one transaction.
 
@@ -156,9 +155,10 @@ class Registration:
         traffic yet) or "stable" (100% of the name's traffic at once, as `serve --lora-modules`
         does). `keep`: the name keeps its newest `keep` revisions servable from now on (None: as it
         was; `retention`). `fast_path`: reuse the checks of the name's previous revision when
-        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). `owned`: an
-        upload's directory, in the store's work directory: its files are linked, not copied. The
-        same bytes again under the same name return the existing revision (a retired one's: new)."""
+        the adapter has its config and tensor table (`fast_path.checks_to_reuse`). Registering the
+        same bytes again under the same name returns the existing revision (a retired one's bytes
+        make a new revision).
+        """
         check_names(name, revision, warm_policy, status)
         check_keep(keep)
         stored = self.check_and_store(
@@ -169,7 +169,6 @@ class Registration:
             digest,
             signature,
             reuse_from=name if fast_path and eval_set is None else None,
-            owned=owned,
         )
         try:
             with self.store.write() as session:
@@ -209,7 +208,6 @@ class Registration:
         digest,
         signature,
         reuse_from: str | None = None,
-        owned: bool = False,
     ) -> Stored:
         """Check an adapter directory (allowed root, shapes, eval set, digest, signature) and put
         its bytes into the store; AdapterRejected naming the field otherwise. `reuse_from`: a name
@@ -223,8 +221,7 @@ class Registration:
             base = (base_name, base_digest)
             previous = checks_to_reuse(self.store, self._artifacts(), reuse_from, src, base)
             if previous is not None:
-                checked = (previous, base_digest, digest, signature)
-                return self._store_checked(src, model, *checked, owned=owned)
+                return self._store_checked(src, model, previous, base_digest, digest, signature)
         with imported_adapter(src, model) as adapter:
             spec = self._validate(adapter.path, model, base_name, src)
             cases_text = Path(eval_set).read_text() if eval_set is not None else None
@@ -238,7 +235,7 @@ class Registration:
                 )
             # over what is stored and served: an imported adapter's canonical form
             signature, pieces, sha256_pieces = self._signed_and_stored(
-                src, adapter.path, actual, signature, owned
+                src, adapter.path, actual, signature
             )
         return Stored(
             src,
@@ -255,9 +252,7 @@ class Registration:
             self.publish(actual),
         )
 
-    def _signed_and_stored(
-        self, src: Path, files: Path, actual: str, signature: str | None, owned: bool
-    ):
+    def _signed_and_stored(self, src: Path, files: Path, actual: str, signature: str | None):
         """The signature checked against the trusted keys (read beside `src` when not given) and
         `files` put into the store, from the read that hashes the copy: (signature, its piece
         lists); AdapterRejected when the files changed since `actual` was taken."""
@@ -265,7 +260,7 @@ class Registration:
             signature = read_signature_file(src)
         if self.trusted_keys:
             verify_digest(actual, signature, self.trusted_keys)
-        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(files, owned)
+        put, (pieces, sha256_pieces) = self._artifacts().put_with_piece_lists(files)
         if put != actual:
             raise AdapterRejected(
                 "digest", f"the files in {src} changed while they were being registered"
@@ -273,14 +268,7 @@ class Registration:
         return signature, pieces, sha256_pieces
 
     def _store_checked(
-        self,
-        src: Path,
-        model: ModelConfig,
-        previous: Previous,
-        base_digest,
-        digest,
-        signature,
-        owned: bool,
+        self, src: Path, model: ModelConfig, previous: Previous, base_digest, digest, signature
     ) -> Stored:
         """`check_and_store` of a canonical adapter that the checks of `previous` cover: its
         digest, signature and store entry."""
@@ -289,9 +277,7 @@ class Registration:
             raise AdapterRejected(
                 "digest", f"the files hash to {actual}, not to the expected {digest}"
             )
-        signature, pieces, sha256_pieces = self._signed_and_stored(
-            src, src, actual, signature, owned
-        )
+        signature, pieces, sha256_pieces = self._signed_and_stored(src, src, actual, signature)
         return Stored(
             src,
             model,

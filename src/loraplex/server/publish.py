@@ -75,7 +75,6 @@ async def upload(
             status="stable" if stable else "staging",
             keep=keep,
             fast_path=True,
-            owned=True,
         )
         timings["register_s"] = time.perf_counter() - began - sum(timings.values())
     finally:

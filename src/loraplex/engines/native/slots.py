@@ -246,7 +246,7 @@ class NativeBackend:
         loads, no slot can free, or the tenant's budget keeps it waiting."""
         with self._lock:
             key, now, tenant = ref.key, self.clock(), ref.tenant
-            entry = self.entries.setdefault(key, Entry(ref))
+            entry = self.entries.get(key) or self.entries.setdefault(key, Entry(ref))
             entry.last_access = now
             slot = self.tiers.slot_of(key)
             if slot is None:
