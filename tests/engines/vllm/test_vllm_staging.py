@@ -15,6 +15,7 @@ from loraplex.artifacts import canonical_digest
 from loraplex.engines.vllm import staging as staging_module
 from loraplex.engines.vllm.backend import vllm_residency
 from loraplex.engines.vllm.slots import EngineRuntime
+from loraplex.residency import fetch as fetch_module
 from loraplex.residency.key import AdapterKey, AdapterRef
 
 WEIGHTS = "adapter_model.safetensors"
@@ -32,7 +33,9 @@ def staging(llama_dir, tmp_path, monkeypatch):
         return real(directory, *args, **kwargs)
 
     real = staging_module.read_artifact
+    # the staged copy's check (staging) and the source's read (the residency's fetch)
     monkeypatch.setattr(staging_module, "read_artifact", read_artifact)
+    monkeypatch.setattr(fetch_module, "read_artifact", read_artifact)
     adapters = vllm_residency(EngineRuntime(None, tmp_path / "stage"), max_loras=2, max_cpu_loras=2)
     yield adapters, ref, hashed
     adapters.close()

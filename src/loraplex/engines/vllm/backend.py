@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from loraplex.artifacts import ArtifactError, DigestMismatch
+from loraplex.artifacts import ArtifactError
 from loraplex.engines.vllm.slots import (
     HOST_BYTES_UNBOUNDED,
     WARM_PIN_LOOK_S,
@@ -45,7 +45,7 @@ from loraplex.residency import host_cache as rules
 from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait
 from loraplex.residency.disk import DiskTier
-from loraplex.residency.errors import AdapterUnavailable, ArtifactCorrupt
+from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.events import Event, Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
@@ -292,11 +292,13 @@ class VllmBackend:
             nbytes, stages, shape = await loop.run_in_executor(
                 self.staging.executor, self.staging.stage, ref
             )
-        except (DigestMismatch, ArtifactError, OSError) as exc:
-            error = exc if not isinstance(exc, DigestMismatch) else ArtifactCorrupt(str(exc))
-            self.on_event(LoadFailed(ref.key, type(error).__name__, error))
+        except AdapterUnavailable as exc:  # the fetch's (`loraplex.residency.fetch`)
+            self.on_event(LoadFailed(ref.key, type(exc).__name__, exc))
+            raise
+        except (ArtifactError, OSError) as exc:  # writing the staged copy
+            self.on_event(LoadFailed(ref.key, type(exc).__name__, exc))
             raise AdapterUnavailable(
-                f"adapter {ref.key} could not be loaded: {error}",
+                f"adapter {ref.key} could not be loaded: {exc}",
                 f"adapter {ref.key} could not be loaded",
             ) from None
         self.staging.reuse(ref.key)

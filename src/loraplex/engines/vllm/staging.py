@@ -21,9 +21,10 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
-from loraplex.artifacts import ArtifactUnavailable, DigestMismatch, read_artifact
+from loraplex.artifacts import DigestMismatch, read_artifact
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
 from loraplex.residency.disk import DiskTier
+from loraplex.residency.fetch import fetch
 from loraplex.residency.key import AdapterKey, AdapterRef
 
 
@@ -151,7 +152,9 @@ class StagedCopies:
                 stages["disk"] = time.perf_counter() - start
                 return verified.nbytes, stages, verified.shape
             shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
-        files = self._read_source(ref, stages, start)
+        fetched = fetch(ref, self.disk)
+        files = fetched.result
+        stages.update(fetched.stages)
         work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -164,27 +167,6 @@ class StagedCopies:
         with self._lock:
             self._verified[target.name] = Verified(fingerprint(target), nbytes, shape)
         return nbytes, stages, shape
-
-    def _read_source(
-        self, ref: AdapterRef, stages: dict[str, float], start: float
-    ) -> dict[str, bytes]:
-        """The artifact's digest-checked files, from its local path or through the disk tier."""
-        if ref.path is not None:
-            files = read_artifact(ref.path, ref.key.adapter_digest, pieces=ref.pieces)
-            stages["disk"] = time.perf_counter() - start
-            return files
-        if self.disk is None or not ref.storage_uri:
-            raise ArtifactUnavailable(
-                f"adapter {ref.key} has neither a local path nor a storage URI with a disk tier"
-            )
-        files, download_s = self.disk.read(
-            ref.storage_uri, ref.key.adapter_digest, pieces=ref.pieces
-        )
-        # disk first: the server starts a load's record at its disk stage
-        stages["disk"] = time.perf_counter() - start - (download_s or 0.0)
-        if download_s is not None:
-            stages["download"] = download_s
-        return files
 
     def verify(self, target: Path, digest: str) -> Verified | None:
         """The staged copy `target` hashed: as verified when its bytes are those of `digest`, else
