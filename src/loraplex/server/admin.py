@@ -313,7 +313,7 @@ def _release_checks(server: Server, loop: asyncio.AbstractEventLoop) -> ReleaseC
 # ---- cache operations ----------------------------------------------------------------------------
 
 
-async def _records(server: Server, name: str, revision: str | None) -> list[RevisionRecord]:
+async def revisions_named(server: Server, name: str, revision: str | None) -> list[RevisionRecord]:
     """The named revision, or every revision in traffic."""
     if revision is not None:
         return [await run_in_threadpool(server.registry.get_revision, name, revision)]
@@ -342,7 +342,7 @@ FORGET_WAIT_S = 2.0
 async def pin(name: str, request: Request, body: TierBody | None = None) -> dict:
     body = body or TierBody()  # no body: every default
     server = _server(request)
-    records = await _records(server, name, body.revision)
+    records = await revisions_named(server, name, body.revision)
     for record in records:  # a digest's files, read off the loop
         await server.resolver.prepare(record)
     cache = server.engine.adapters
@@ -409,7 +409,7 @@ async def prewarm(name: str, request: Request, body: PrewarmBody | None = None) 
     them and answer each one's readiness (`cutover.ready_here`)."""
     body = body or PrewarmBody()  # no body: every default
     server = _server(request)
-    records = await _records(server, name, body.revision)
+    records = await revisions_named(server, name, body.revision)
     if body.wait_s is not None:
         cutover.check_wait_s(body.wait_s, "wait_s")
         rows = [

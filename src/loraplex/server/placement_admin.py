@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 
 from loraplex.residency.key import AdapterKey
-from loraplex.server.admin import PIN_LOAD_WAIT_S, TierBody, _records
+from loraplex.server.admin import PIN_LOAD_WAIT_S, TierBody, revisions_named
 from loraplex.server.auth import admin_router
 from loraplex.server.errors import APIError
 
@@ -45,7 +45,7 @@ async def place(model: str, request: Request, body: TierBody | None = None) -> d
     if server.placement.draining:
         raise APIError(409, "this worker is draining: place the adapter elsewhere", "draining")
     name, _, revision = model.partition("@")
-    records = await _records(server, name, revision or body.revision)
+    records = await revisions_named(server, name, revision or body.revision)
     cache = server.engine.adapters
     refs = []
     for record in records:
