@@ -523,3 +523,54 @@ def test_bearer_tokens_from_the_registrys_token_service(tmp_path):
     finally:
         server.stop()
         tokens.stop()
+
+
+def test_gc_deletes_a_retired_manifest_that_the_repository_refused_to_delete(
+    registry, adapter_v1, llama_dir, tmp_path, monkeypatch
+):
+    """The retirement's delete is refused (a login without the rights): the manifest stays, the
+    refusal is audited, and `gc` deletes it once the login works; a second `gc` has nothing left."""
+    from tinymodels import make_adapter
+
+    from loraplex.registry import Registry
+
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    for path, password in ((good, PASSWORD), (bad, "wrong")):
+        auth = base64.b64encode(f"{USER}:{password}".encode()).decode()
+        path.write_text(json.dumps({"auths": {registry.host: {"auth": auth}}}))
+    monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(good))
+    base = registry.base("loras/refused")
+    v2 = make_adapter(llama_dir, tmp_path / "v2", seed=2, r=4, target_modules=["q_proj"])
+    reg = Registry(
+        f"sqlite:///{tmp_path / 'registry.db'}",
+        ArtifactStore(tmp_path / "store"),
+        base_model_dir=llama_dir,
+        storage_base=base,
+    )
+
+    def manifest_status(uri: str) -> int:
+        return httpx.get(
+            f"http://{registry.host}/v2/loras/refused/manifests/{OciRef.parse(uri).digest}",
+            auth=(USER, PASSWORD),
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        ).status_code
+
+    try:
+        reg.init()
+        first = reg.add_revision(adapter_v1, "policy", status="stable")
+        reg.add_revision(v2, "policy", status="stable")
+        monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(bad))
+        reg.set_keep("policy", 1)  # retires the first revision; its delete is refused
+        assert manifest_status(first.storage_uri) == 200
+        assert not reg.store.has(first.digest)  # the local copy went first
+        [refused] = [e for e in reg.audit_events(50) if e.action == "delete_artifact"]
+        assert "error" in refused.detail
+        assert reg.gc_artifacts() == []  # still refused: nothing deleted, tried again later
+        monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(good))
+        assert reg.gc_artifacts() == [first.digest]
+        assert manifest_status(first.storage_uri) == 404
+        deleted = [e for e in reg.audit_events(50) if e.action == "delete_artifact"][0]
+        assert deleted.detail == {"local": False, "oci": first.storage_uri, "oci_deleted": True}
+        assert reg.gc_artifacts() == []
+    finally:
+        reg.close()

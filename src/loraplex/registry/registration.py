@@ -51,7 +51,12 @@ from loraplex.registry.records import (
     read_revision_record,
 )
 from loraplex.registry.release import parse_eval_set
-from loraplex.registry.retention import check_keep, retire_beyond_keep
+from loraplex.registry.retention import (
+    check_keep,
+    delete_artifact,
+    pushed_left,
+    retire_beyond_keep,
+)
 from loraplex.registry.signing import read_signature_file, verify_digest
 from loraplex.registry.store import Store
 
@@ -475,9 +480,11 @@ class Registration:
         return self._artifacts().uri(digest)
 
     def gc_artifacts(self, min_age_s: float = 3600.0) -> list[str]:
-        """Remove the store entries of retired revisions that no other revision refers to, and
-        those no revision refers to once older than `min_age_s` (left by refused or interrupted
-        registrations; the age keeps a registration in flight from losing its bytes)."""
+        """Remove the store entries of retired revisions that no other revision refers to, with
+        the pushed copies (OCI, S3) that their retirement could not delete, and the entries no
+        revision refers to once older than `min_age_s` (left by refused or interrupted
+        registrations; the age keeps a registration in flight from losing its bytes). Returns
+        the digests removed, locally or from where they were pushed."""
         # Under the write lock: a registration commits its row before this reads the digests in use,
         # or after the removals, and then finds its artifact gone and puts it back (add_revision).
         artifacts = self._artifacts()
@@ -496,6 +503,9 @@ class Registration:
                 artifacts.remove(digest)
             if removed:
                 self.store.audit(session, "gc", "artifacts", removed=removed)
+            for digest, uri in pushed_left(session, used).items():
+                if delete_artifact(self.store, session, digest, uri) and digest not in removed:
+                    removed.append(digest)
         return removed
 
 

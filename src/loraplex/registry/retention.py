@@ -10,6 +10,7 @@ to the same bytes.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from sqlalchemy import select
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from loraplex.artifacts import ArtifactError, delete_pushed, is_oci_uri
 from loraplex.artifacts.s3 import delete_s3, is_s3_uri
 from loraplex.registry import queries as q
-from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, Revision, Rollout
+from loraplex.registry.db import ROLLOUT_ACTIVE, Adapter, AuditEvent, Revision, Rollout
 from loraplex.registry.errors import AdapterRejected, LifecycleError, RegistryError
 from loraplex.registry.reading import Reading
 from loraplex.registry.records import AdapterRecord
@@ -96,7 +97,7 @@ def release_artifacts(store: Store, retired: dict[str, str]) -> list[str]:
                 )
             )
             for digest, uri in retired.items():
-                if digest not in in_use and _delete_artifact(store, session, digest, uri):
+                if digest not in in_use and delete_artifact(store, session, digest, uri):
                     deleted.append(digest)
     except (RegistryError, SQLAlchemyError) as exc:  # the retirement stands; `gc` deletes them
         log.warning("the artifacts of retired revisions were not deleted: %s", exc)
@@ -104,10 +105,9 @@ def release_artifacts(store: Store, retired: dict[str, str]) -> list[str]:
     return deleted
 
 
-def _delete_artifact(store: Store, session: Session, digest: str, uri: str) -> bool:
+def delete_artifact(store: Store, session: Session, digest: str, uri: str) -> bool:
     """Delete one artifact from the local store and the OCI repository or S3 bucket `uri` names
-    (if it does);
-    False, with the reason logged and audited, when the store refused."""
+    (if it does); False, with the reason logged and audited, when the store refused."""
     local = store.artifacts
     try:
         removed = local.remove(digest) if local is not None else False
@@ -120,6 +120,27 @@ def _delete_artifact(store: Store, session: Session, digest: str, uri: str) -> b
         return False
     store.audit(session, "delete_artifact", digest, local=removed, **_pushed(uri, pushed))
     return True
+
+
+def pushed_left(session: Session, in_use: set[str]) -> dict[str, str]:
+    """The pushed copies (OCI or S3) of retired revisions that are still to delete: digest ->
+    storage URI, for the digests outside `in_use` whose last deletion the store refused, or that
+    no deletion was made for (the process stopped between the retirement and its release)."""
+    last_failed: dict[str, bool] = {}
+    events = select(AuditEvent.target, AuditEvent.detail).where(
+        AuditEvent.action == "delete_artifact"
+    )
+    for digest, detail in session.execute(events.order_by(AuditEvent.id)):
+        last_failed[digest] = "error" in json.loads(detail)
+    retired = select(Revision.digest, Revision.storage_uri).where(Revision.status == "retired")
+    return {
+        digest: uri
+        for digest, uri in session.execute(retired)
+        if digest not in in_use
+        and uri
+        and (is_oci_uri(uri) or is_s3_uri(uri))
+        and last_failed.get(digest, True)
+    }
 
 
 def _pushed(uri: str, deleted: bool | None) -> dict:
