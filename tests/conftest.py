@@ -1,4 +1,5 @@
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +22,20 @@ def pytest_addoption(parser):
         "serve's default is process, these tests' thread: an engine process per test server "
         "makes tests/server slower, and tests/server/test_engine_process.py runs both)",
     )
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A command run in-process (`serve` sets up the process's logging) leaves the root logger as
+    it found it: its handler writes to the test's captured stderr, closed once the test ends, and
+    any later log line of any thread would fail on it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:  # pytest's own handlers are of other classes
+        if handler not in handlers and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
