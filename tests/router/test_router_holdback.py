@@ -18,14 +18,15 @@ from test_router_pools import KEYS, TOKEN, complete, serving, state_of, wait_for
 
 from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.router.picker import PickerConfig
+from loraplex.router.pools import PoolSpec
 
 KEY = {"sql": "acme-key", "chat": "beta-key"}
 
 
-def gated_worker(arrived: list[str], gate: dict[str, int]) -> Starlette:
+def gated_worker(arrived: list[str], gate: dict[str, int], base: str = "base-a") -> Starlette:
     """Runs 2 at once (its reported `max_num_seqs`); records each completion's model as it
     arrives and answers a model's requests only while `gate[model]` allows more."""
-    state = state_of("base-a")
+    state = state_of(base)
     state["load"]["max_num_seqs"] = 2
     answered = {model: 0 for model in gate}
 
@@ -141,3 +142,54 @@ def test_a_tenant_alone_on_an_idle_fleet_is_never_held_back():
         wait_for(lambda: len(fleet.arrived) == 4, "the fleet's places to fill")
         assert fleet.arrived == ["sql"] * 4
         assert fleet.metric("loraplex_router_tenant_held_back_total", "acme") is None
+
+
+def test_a_tenant_active_on_one_pool_holds_no_place_on_another():
+    """beta's request went to pool b; acme then fills pool a's 2 places: beta, active on pool b
+    only, is owed nothing on pool a, so acme's second request is not held back there. Then acme,
+    busy on pool a, is not over its share of pool b: its request there starts at once."""
+    arrived: list[str] = []
+    gate = {"base-a": 0, "base-b": 1}
+    statuses: list[int] = []
+
+    def send(model: str, key: str) -> threading.Thread:
+        client = threading.Thread(
+            target=lambda: statuses.append(complete(url, model, key).status_code)
+        )
+        client.start()
+        return client
+
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(serving(gated_worker(arrived, gate, "base-a")))
+        b = stack.enter_context(serving(gated_worker(arrived, gate, "base-b")))
+        pools = (
+            PoolSpec("pool-a", base_model="base-a", workers=(a,)),
+            PoolSpec("pool-b", base_model="base-b", workers=(b,)),
+        )
+        config = RouterConfig(
+            workers=(),
+            admin_token=TOKEN,
+            pools=pools,
+            poll_interval_s=0.1,
+            caller_of=lambda key: KEYS.get(key, (None, 0)),
+            picker=PickerConfig(saturation_waiting=8),
+            holdback_window_s=600,
+        )
+        url = stack.enter_context(serving(create_router_app(config)))
+        send("base-b", "beta-key").join()
+        clients = [send("base-a", "acme-key") for _ in range(2)]
+        wait_for(lambda: arrived.count("base-a") == 2, "acme's requests to reach pool a")
+        gate["base-b"] = 2
+        send("base-b", "acme-key").join()  # answered: it did not wait for pool a's to finish
+        assert arrived == ["base-b", "base-a", "base-a", "base-b"]
+        assert waiting_gauge(url, "acme") in (None, "0.0")
+        held = [
+            line
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("loraplex_router_tenant_held_back_total{")
+        ]
+        assert held == []
+        gate["base-a"] = 2
+        for client in clients:
+            client.join()
+    assert statuses == [200] * 4
