@@ -29,6 +29,7 @@ def sharing_options(s: SimulateSettings) -> dict:
         options["router"] = s.router
     if s.fair_share:
         options.update(fair_share=True, tenant_weights=s.tenant_weights)
+        options["holdback_window_s"] = s.holdback_window_s
     if s.kv_prefix_blocks:
         options["kv_prefix_blocks"] = s.kv_prefix_blocks
     return options
@@ -48,15 +49,17 @@ def sharing_tables(runs: list[dict]) -> list[Table]:
     tenants = Table(
         title="per tenant",
         caption="TTFT and wait from arrival at the router (its wait in the router's fair queue "
-        "counted); waited: its requests granted a worker after waiting their turn at the router",
+        "counted); waited: its requests granted a worker after waiting their turn at the router; "
+        "held back: its requests that waited while a free place was kept for another tenant",
     )
     columns = ("workload", "policy", "tenant", "requests", "TTFT p50", "TTFT p99", "wait p99")
-    for col in (*columns, "waited"):
+    for col in (*columns, "waited", "held back"):
         tenants.add_column(
             col, justify="left" if col in ("workload", "policy", "tenant") else "right"
         )
     for run, name, e in shared:
-        granted = e.get("fair_share", {}).get("granted")
+        fair = e.get("fair_share", {})
+        granted, held = fair.get("granted"), fair.get("held_back")
         for tenant, t in e["tenants"].items():
             tenants.add_row(
                 run["workload"].rsplit("/", 1)[-1],
@@ -67,6 +70,7 @@ def sharing_tables(runs: list[dict]) -> list[Table]:
                 _ms(t["ttft_s"]["p99"]),
                 _ms(t["queue_wait_s"]["p99"]),
                 "-" if granted is None else f"{granted.get(tenant, 0):,}",
+                "-" if held is None else f"{held.get(tenant, 0):,}",
             )
     tables = [tenants]
     prefixed = [x for x in shared if "prefix_cache" in x[2]]
