@@ -1,28 +1,33 @@
-"""`simulate --fair-share`, `--kv-prefix-blocks`, `--system-prompt-tokens` and `--router`: the
-simulation's options they set, and the tables they add (each tenant's TTFT; the fleet's prefix-cache
-hit rate)."""
+"""`--fair-share`, `--kv-prefix-blocks`, `--system-prompt-tokens` and `--router` (of `simulate` and
+`plan`): the simulation's options they set, and the tables they add to `simulate` (each tenant's
+TTFT; the fleet's prefix-cache hit rate)."""
 
 from __future__ import annotations
 
 import typer
 from rich.table import Table
 
-from loraplex.settings.sim import SimulateSettings
+from loraplex.settings.sim import PlanSettings, SimulateSettings
 
 
-def sharing_options(s: SimulateSettings) -> dict:
-    """The `SimConfig` fields these flags set (none of them given: none); one line on stderr and
-    exit 2 for a combination the simulation does not run (`--routing` as well)."""
+def routing_check(s: SimulateSettings) -> None:
+    """One line on stderr and exit 2 for a `--routing` the simulation does not run with the other
+    flags."""
     if s.routing != "router" and (s.engine != "native" or s.pool):
         typer.echo(
             f"error: --routing {s.routing}: one pool of native-engine workers only", err=True
         )
         raise typer.Exit(2)
-    if (s.fair_share or s.kv_prefix_blocks) and s.engine != "native":
-        typer.echo("error: --fair-share and --kv-prefix-blocks: --engine native only", err=True)
-        raise typer.Exit(2)
     if s.fair_share and s.routing != "router":
         typer.echo(f"error: --fair-share: --routing router only, not {s.routing}", err=True)
+        raise typer.Exit(2)
+
+
+def sharing_options(s: SimulateSettings | PlanSettings) -> dict:
+    """The `SimConfig` fields these flags set (none of them given: none); one line on stderr and
+    exit 2 for an engine the simulation does not run them on."""
+    if (s.fair_share or s.kv_prefix_blocks) and s.engine != "native":
+        typer.echo("error: --fair-share and --kv-prefix-blocks: --engine native only", err=True)
         raise typer.Exit(2)
     options: dict = {}
     if s.router != "affinity":
