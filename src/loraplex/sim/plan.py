@@ -191,6 +191,13 @@ def fits(sizes: list[int], budget: int) -> int:
     return count
 
 
+SIZES_A_WORKLOAD = (
+    "--workers, --pool, --num-adapters, --rate, --duration-s, --tenants, "
+    "--registry-changes-per-s, --router, --fair-share, --kv-prefix-blocks and "
+    "--system-prompt-tokens size a workload: give --workload"
+)
+
+
 def make_plan(
     model_dir: Path,
     registry: str | None = None,
@@ -216,13 +223,9 @@ def make_plan(
     is sized (`fleet_plan.size_pools`). The simulations run at `calibration`'s costs (the
     package's by default) and with `options` (`Plan.options`: the router's behaviour), each
     adapter's requests led by a system prompt of `system_prompt_tokens`."""
-    sized = workers > 1 or shape or registry_changes_per_s or pools or options
-    if not workload and (sized or system_prompt_tokens):
-        raise PlanError(
-            "--workers, --pool, --num-adapters, --rate, --duration-s, --tenants, "
-            "--registry-changes-per-s, --router, --fair-share, --kv-prefix-blocks and "
-            "--system-prompt-tokens size a workload: give --workload"
-        )
+    sizing = (workers > 1, shape, registry_changes_per_s, pools, options, system_prompt_tokens)
+    if not workload and any(sizing):
+        raise PlanError(SIZES_A_WORKLOAD)
     try:
         config = ModelConfig.from_dir(model_dir)
         defaults = EngineConfig(model_dir=model_dir, **capacities)
