@@ -144,21 +144,10 @@ def test_a_tenant_alone_on_an_idle_fleet_is_never_held_back():
         assert fleet.metric("loraplex_router_tenant_held_back_total", "acme") is None
 
 
-def test_a_tenant_active_on_one_pool_holds_no_place_on_another():
-    """beta's request went to pool b; acme then fills pool a's 2 places: beta, active on pool b
-    only, is owed nothing on pool a, so acme's second request is not held back there. Then acme,
-    busy on pool a, is not over its share of pool b: its request there starts at once."""
-    arrived: list[str] = []
-    gate = {"base-a": 0, "base-b": 1}
-    statuses: list[int] = []
-
-    def send(model: str, key: str) -> threading.Thread:
-        client = threading.Thread(
-            target=lambda: statuses.append(complete(url, model, key).status_code)
-        )
-        client.start()
-        return client
-
+@contextlib.contextmanager
+def two_pools(arrived: list[str], gate: dict[str, int], weights=()):
+    """Pool a (base-a) and pool b (base-b), one gated worker of 2 places each, behind a router;
+    at the end every request is let through."""
     with contextlib.ExitStack() as stack:
         a = stack.enter_context(serving(gated_worker(arrived, gate, "base-a")))
         b = stack.enter_context(serving(gated_worker(arrived, gate, "base-b")))
@@ -173,23 +162,57 @@ def test_a_tenant_active_on_one_pool_holds_no_place_on_another():
             poll_interval_s=0.1,
             caller_of=lambda key: KEYS.get(key, (None, 0)),
             picker=PickerConfig(saturation_waiting=8),
+            tenant_weights=weights,
             holdback_window_s=600,
         )
-        url = stack.enter_context(serving(create_router_app(config)))
-        send("base-b", "beta-key").join()
-        clients = [send("base-a", "acme-key") for _ in range(2)]
+        try:
+            yield stack.enter_context(serving(create_router_app(config)))
+        finally:
+            gate.update({"base-a": 100, "base-b": 100})
+
+
+def sent(url: str, model: str, key: str, statuses: list[int]) -> threading.Thread:
+    client = threading.Thread(target=lambda: statuses.append(complete(url, model, key).status_code))
+    client.start()
+    return client
+
+
+def held_back_lines(url: str) -> list[str]:
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return [line for line in lines if line.startswith("loraplex_router_tenant_held_back_total{")]
+
+
+def test_a_tenant_active_on_one_pool_holds_no_place_on_another():
+    """beta's request went to pool b; acme then fills pool a's 2 places: beta, active on pool b
+    only, is owed nothing on pool a, so acme's second request is not held back there."""
+    arrived: list[str] = []
+    gate, statuses = {"base-a": 0, "base-b": 1}, []
+    with two_pools(arrived, gate) as url:
+        sent(url, "base-b", "beta-key", statuses).join()
+        clients = [sent(url, "base-a", "acme-key", statuses) for _ in range(2)]
         wait_for(lambda: arrived.count("base-a") == 2, "acme's requests to reach pool a")
-        gate["base-b"] = 2
-        send("base-b", "acme-key").join()  # answered: it did not wait for pool a's to finish
-        assert arrived == ["base-b", "base-a", "base-a", "base-b"]
-        assert waiting_gauge(url, "acme") in (None, "0.0")
-        held = [
-            line
-            for line in httpx.get(f"{url}/metrics").text.splitlines()
-            if line.startswith("loraplex_router_tenant_held_back_total{")
-        ]
-        assert held == []
+        assert arrived == ["base-b", "base-a", "base-a"]
+        assert held_back_lines(url) == [] and waiting_gauge(url, "acme") in (None, "0.0")
         gate["base-a"] = 2
         for client in clients:
             client.join()
-    assert statuses == [200] * 4
+    assert statuses == [200] * 3
+
+
+def test_a_tenant_busy_on_one_pool_is_not_held_back_on_another():
+    """acme (weight 3: a share of 1.5 of pool b's 2 places beside beta) has 2 open on pool a and
+    1 on pool b: under its share of pool b, its second request there starts at once, though beta,
+    active there, holds none; its requests on pool a do not count there."""
+    arrived: list[str] = []
+    gate, statuses = {"base-a": 0, "base-b": 1}, []
+    with two_pools(arrived, gate, weights=(("acme", 3.0),)) as url:
+        sent(url, "base-b", "beta-key", statuses).join()
+        clients = [sent(url, "base-a", "acme-key", statuses) for _ in range(2)]
+        wait_for(lambda: arrived.count("base-a") == 2, "acme's requests to reach pool a")
+        clients += [sent(url, "base-b", "acme-key", statuses) for _ in range(2)]
+        wait_for(lambda: arrived.count("base-b") == 3, "acme's requests to reach pool b")
+        assert held_back_lines(url) == [] and waiting_gauge(url, "acme") in (None, "0.0")
+        gate.update({"base-a": 2, "base-b": 3})
+        for client in clients:
+            client.join()
+    assert statuses == [200] * 5
