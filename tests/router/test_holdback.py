@@ -1,73 +1,100 @@
 """Places held back for other tenants: one per other active tenant of the same band (or a
 higher one) under its share, while the tenant asking holds its share or more; none for a tenant
-alone, none once the others are quiet past the window; at most half the places."""
+alone, none once the others are quiet past the window; at most half the places; everything
+counted on the workers the request may use."""
 
 from loraplex.router.fleet import Worker
-from loraplex.router.holdback import Holdback, room_of
+from loraplex.router.holdback import Holdback, Place, places_of
 from loraplex.router.picker import WorkerView
 
+W = {"http://w"}
+"""One worker, standing for the workers a request may use."""
 
-def busy(holdback: Holdback, tenant: str, requests: int) -> None:
+
+def busy(holdback: Holdback, tenant: str, requests: int, url: str = "http://w") -> None:
     for _ in range(requests):
-        holdback.opened(tenant)
+        holdback.opened(tenant, url)
 
 
 def test_a_tenant_over_its_share_leaves_one_place_per_active_tenant_under_its_share():
     holdback = Holdback(window_s=5.0)
-    holdback.arrived("a", 0, now=0.0)
+    holdback.arrived("a", 0, 0.0, W)
     busy(holdback, "a", 3)
-    assert holdback.held("a", places=8, now=1.0) == 0  # alone: the whole fleet
-    holdback.arrived("b", 0, now=1.0)
-    assert holdback.held("a", places=8, now=2.0) == 0  # 3 of 8: under its share of 4
+    assert holdback.held("a", W, places=8, now=1.0) == 0  # alone: the whole fleet
+    holdback.arrived("b", 0, 1.0, W)
+    assert holdback.held("a", W, places=8, now=2.0) == 0  # 3 of 8: under its share of 4
     busy(holdback, "a", 1)
-    assert holdback.held("a", places=8, now=2.0) == 1
+    assert holdback.held("a", W, places=8, now=2.0) == 1
     busy(holdback, "b", 4)
-    assert holdback.held("a", places=8, now=2.0) == 0  # b holds its share
-    assert holdback.held("b", places=8, now=2.0) == 0  # a is not under its share
+    assert holdback.held("a", W, places=8, now=2.0) == 0  # b holds its share
+    assert holdback.held("b", W, places=8, now=2.0) == 0  # a is not under its share
     for _ in range(4):
-        holdback.closed("b")
-    assert holdback.held("a", places=8, now=6.0) == 1  # b sent within the window
-    assert holdback.held("a", places=8, now=6.5) == 0  # b quiet past it
+        holdback.closed("b", "http://w")
+    assert holdback.held("a", W, places=8, now=6.0) == 1  # b sent within the window
+    assert holdback.held("a", W, places=8, now=6.5) == 0  # b quiet past it
 
 
 def test_a_caller_of_no_tenant_makes_no_tenant_active():
     holdback = Holdback(window_s=5.0)
-    holdback.arrived("a", 0, now=0.0)
+    holdback.arrived("a", 0, 0.0, W)
     busy(holdback, "a", 8)
-    holdback.arrived(None, 0, now=0.0)  # a key that no tenant holds
-    assert holdback.held("a", places=8, now=1.0) == 0
+    holdback.arrived(None, 0, 0.0, W)  # a key that no tenant holds
+    assert holdback.held("a", W, places=8, now=1.0) == 0
 
 
 def test_an_open_request_keeps_a_tenant_active_past_the_window():
     holdback = Holdback(window_s=1.0)
-    holdback.arrived("a", 0, now=0.0)
-    holdback.arrived("b", 0, now=0.0)
+    holdback.arrived("a", 0, 0.0, W)
+    holdback.arrived("b", 0, 0.0, W)
     busy(holdback, "a", 4)
     busy(holdback, "b", 1)
-    assert holdback.held("a", places=4, now=10.0) == 1
-    holdback.closed("b")
-    assert holdback.held("a", places=4, now=10.0) == 0
+    assert holdback.held("a", W, places=4, now=10.0) == 1
+    holdback.closed("b", "http://w")
+    assert holdback.held("a", W, places=4, now=10.0) == 0
 
 
 def test_weights_bands_and_the_bound():
     holdback = Holdback(window_s=5.0, weights={"gold": 3.0})
     for tenant, priority in (("gold", 0), ("plain", 0), ("low", -1), ("urgent", 5)):
-        holdback.arrived(tenant, priority, now=0.0)
+        holdback.arrived(tenant, priority, 0.0, W)
     busy(holdback, "gold", 5)  # its share: 3/4 of 8 = 6
-    assert holdback.held("gold", places=8, now=1.0) == 0
+    assert holdback.held("gold", W, places=8, now=1.0) == 0
     busy(holdback, "gold", 1)
-    assert holdback.held("gold", places=8, now=1.0) == 2  # plain and urgent, not low
-    assert holdback.held("urgent", places=8, now=1.0) == 0  # alone in its band: all of it
+    assert holdback.held("gold", W, places=8, now=1.0) == 2  # plain and urgent, not low
+    assert holdback.held("urgent", W, places=8, now=1.0) == 0  # alone in its band: all of it
     busy(holdback, "low", 8)
-    assert holdback.held("low", places=8, now=1.0) == 2  # plain, urgent (gold has its 6)
+    assert holdback.held("low", W, places=8, now=1.0) == 2  # plain, urgent (gold has its 6)
     for tenant in "cdefgh":
-        holdback.arrived(tenant, 0, now=1.0)
-    assert holdback.held("gold", places=8, now=1.0) == 4  # half the places at most
-    assert Holdback(window_s=0).held("gold", places=8, now=1.0) == 0
+        holdback.arrived(tenant, 0, 1.0, W)
+    assert holdback.held("gold", W, places=8, now=1.0) == 4  # half the places at most
+    assert Holdback(window_s=0).held("gold", W, places=8, now=1.0) == 0
 
 
-def test_room_counts_the_reported_running_places_and_the_router_s_open_requests():
-    workers = [Worker("http://a", last=WorkerView("http://a", capacity=4)) for _ in range(2)]
+def test_requests_and_activity_count_on_the_workers_a_request_may_use():
+    """Pool x is worker x, pool y worker y, 4 places each."""
+    holdback = Holdback(window_s=5.0)
+    holdback.arrived("a", 0, 0.0, {"x"})
+    holdback.arrived("b", 0, 0.0, {"y"})
+    busy(holdback, "a", 4, url="x")
+    assert holdback.held("a", {"x"}, places=4, now=1.0) == 0  # b is active on pool y only
+    assert holdback.held("a", {"y"}, places=4, now=1.0) == 0  # a is busy on pool x only
+    busy(holdback, "a", 2, url="y")
+    assert holdback.held("a", {"y"}, places=4, now=1.0) == 1  # 2 of 4 there: its share
+    assert holdback.held("a", {"x", "y"}, places=8, now=1.0) == 1  # 6 of 8 over both
+    holdback.closed("a", "y")
+    assert holdback.held("a", {"y"}, places=4, now=1.0) == 0
+
+
+def test_places_are_the_reported_running_places_and_the_router_s_open_requests():
+    workers = [Worker(url, last=WorkerView(url, capacity=4)) for url in ("http://a", "http://b")]
     workers[0].in_flight, workers[1].in_flight = 3, 6
     unreported = Worker("http://c", in_flight=2)
-    assert room_of([*workers, unreported]) == (8, 1)
+    places = places_of([*workers, unreported])
+    assert places == [Place("http://a", 4, 3), Place("http://b", 4, 6), Place("http://c", 0, 2)]
+    holdback = Holdback(window_s=5.0)
+    holdback.arrived("b", 0, 0.0, ["http://a"])
+    busy(holdback, "a", 3, url="http://a")
+    busy(holdback, "a", 4, url="http://b")
+    assert holdback.keeps_from("a", places, now=1.0)  # one free place, owed to b
+    assert not holdback.keeps_from("b", places, now=1.0)
+    assert not holdback.keeps_from("a", places[1:], now=1.0)  # b is not active on b nor c

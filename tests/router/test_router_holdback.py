@@ -18,14 +18,15 @@ from test_router_pools import KEYS, TOKEN, complete, serving, state_of, wait_for
 
 from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.router.picker import PickerConfig
+from loraplex.router.pools import PoolSpec
 
 KEY = {"sql": "acme-key", "chat": "beta-key"}
 
 
-def gated_worker(arrived: list[str], gate: dict[str, int]) -> Starlette:
+def gated_worker(arrived: list[str], gate: dict[str, int], base: str = "base-a") -> Starlette:
     """Runs 2 at once (its reported `max_num_seqs`); records each completion's model as it
     arrives and answers a model's requests only while `gate[model]` allows more."""
-    state = state_of("base-a")
+    state = state_of(base)
     state["load"]["max_num_seqs"] = 2
     answered = {model: 0 for model in gate}
 
@@ -141,3 +142,77 @@ def test_a_tenant_alone_on_an_idle_fleet_is_never_held_back():
         wait_for(lambda: len(fleet.arrived) == 4, "the fleet's places to fill")
         assert fleet.arrived == ["sql"] * 4
         assert fleet.metric("loraplex_router_tenant_held_back_total", "acme") is None
+
+
+@contextlib.contextmanager
+def two_pools(arrived: list[str], gate: dict[str, int], weights=()):
+    """Pool a (base-a) and pool b (base-b), one gated worker of 2 places each, behind a router;
+    at the end every request is let through."""
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(serving(gated_worker(arrived, gate, "base-a")))
+        b = stack.enter_context(serving(gated_worker(arrived, gate, "base-b")))
+        pools = (
+            PoolSpec("pool-a", base_model="base-a", workers=(a,)),
+            PoolSpec("pool-b", base_model="base-b", workers=(b,)),
+        )
+        config = RouterConfig(
+            workers=(),
+            admin_token=TOKEN,
+            pools=pools,
+            poll_interval_s=0.1,
+            caller_of=lambda key: KEYS.get(key, (None, 0)),
+            picker=PickerConfig(saturation_waiting=8),
+            tenant_weights=weights,
+            holdback_window_s=600,
+        )
+        try:
+            yield stack.enter_context(serving(create_router_app(config)))
+        finally:
+            gate.update({"base-a": 100, "base-b": 100})
+
+
+def sent(url: str, model: str, key: str, statuses: list[int]) -> threading.Thread:
+    client = threading.Thread(target=lambda: statuses.append(complete(url, model, key).status_code))
+    client.start()
+    return client
+
+
+def held_back_lines(url: str) -> list[str]:
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return [line for line in lines if line.startswith("loraplex_router_tenant_held_back_total{")]
+
+
+def test_a_tenant_active_on_one_pool_holds_no_place_on_another():
+    """beta's request went to pool b; acme then fills pool a's 2 places: beta, active on pool b
+    only, is owed nothing on pool a, so acme's second request is not held back there."""
+    arrived: list[str] = []
+    gate, statuses = {"base-a": 0, "base-b": 1}, []
+    with two_pools(arrived, gate) as url:
+        sent(url, "base-b", "beta-key", statuses).join()
+        clients = [sent(url, "base-a", "acme-key", statuses) for _ in range(2)]
+        wait_for(lambda: arrived.count("base-a") == 2, "acme's requests to reach pool a")
+        assert arrived == ["base-b", "base-a", "base-a"]
+        assert held_back_lines(url) == [] and waiting_gauge(url, "acme") in (None, "0.0")
+        gate["base-a"] = 2
+        for client in clients:
+            client.join()
+    assert statuses == [200] * 3
+
+
+def test_a_tenant_busy_on_one_pool_is_not_held_back_on_another():
+    """acme (weight 3: a share of 1.5 of pool b's 2 places beside beta) has 2 open on pool a and
+    1 on pool b: under its share of pool b, its second request there starts at once, though beta,
+    active there, holds none; its requests on pool a do not count there."""
+    arrived: list[str] = []
+    gate, statuses = {"base-a": 0, "base-b": 1}, []
+    with two_pools(arrived, gate, weights=(("acme", 3.0),)) as url:
+        sent(url, "base-b", "beta-key", statuses).join()
+        clients = [sent(url, "base-a", "acme-key", statuses) for _ in range(2)]
+        wait_for(lambda: arrived.count("base-a") == 2, "acme's requests to reach pool a")
+        clients += [sent(url, "base-b", "acme-key", statuses) for _ in range(2)]
+        wait_for(lambda: arrived.count("base-b") == 3, "acme's requests to reach pool b")
+        assert held_back_lines(url) == [] and waiting_gauge(url, "acme") in (None, "0.0")
+        gate.update({"base-a": 2, "base-b": 3})
+        for client in clients:
+            client.join()
+    assert statuses == [200] * 5

@@ -48,6 +48,21 @@ def test_fair_share_keeps_a_steady_tenant_through_another_s_burst():
     assert "fair_share" not in fifo and "prefix_cache" not in fifo
 
 
+def test_a_place_held_back_for_the_steady_tenant_lowers_its_ttft_through_the_burst():
+    """The router's held-back places (`router/holdback.py`): while a, over its share, fills the
+    places, one is kept free for b, whose next request starts at once instead of waiting for one
+    of a's to finish."""
+    trace = _steady_and_burst(True)
+    _, off = _run(trace, fair_share=True, holdback_window_s=0)
+    _, held = _run(trace, fair_share=True)  # the router's default window
+    b_off, b_held = off["tenants"]["b"]["ttft_s"], held["tenants"]["b"]["ttft_s"]
+    assert b_held["p99"] < 0.9 * b_off["p99"]
+    assert b_held["p50"] < 0.5 * b_off["p50"]
+    assert held["fair_share"]["held_back"]["a"] > 0 and "b" not in held["fair_share"]["held_back"]
+    assert off["fair_share"]["held_back"] == {}
+    assert held["tenants"]["b"]["requests"] == off["tenants"]["b"]["requests"] == 120
+
+
 def test_a_heavier_tenant_is_granted_more_of_the_saturated_fleet():
     trace = _steady_and_burst(True, bursts=("a", "c"))
     _, even = _run(trace, fair_share=True, queue_per_tenant=2000)
@@ -103,14 +118,18 @@ def test_simulate_reports_tenants_and_the_prefix_hit_rate(tmp_path):
     args = ["simulate", "--workload", str(trace), "--no-optimal", "--policy", "lru"]
     args += ["--workers", "3", "--fair-share", "--kv-prefix-blocks", "64"]
     args += ["--system-prompt-tokens", "300", "--tenant-weights", "tenant-0=2", "--json", str(out)]
+    args += ["--holdback-window-s", "2"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "per tenant" in result.output and "prefix cache" in result.output
     entry = json.loads(out.read_text())["runs"][0]
     assert entry["options"]["tenant_weights"] == [["tenant-0", 2.0]]
+    assert entry["options"]["holdback_window_s"] == 2.0
+    assert "held back" in result.output
     lru = entry["policies"]["lru"]
     assert 0 < lru["prefix_cache"]["hit_rate"] < 1
     assert set(lru["tenants"]) == {"tenant-0", "tenant-1"}
+    assert set(lru["fair_share"]["held_back"]) <= {"tenant-0", "tenant-1"}
     assert lru["tenants"]["tenant-0"]["ttft_s"]["p99"] > 0
     bad = CliRunner().invoke(app, [*args[:6], "--engine", "vllm", "--fair-share"])
     assert bad.exit_code == 2

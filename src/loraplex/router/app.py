@@ -24,7 +24,7 @@ from loraplex.router import cutover
 from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
-from loraplex.router.holdback import Holdback
+from loraplex.router.holdback import Holdback, places_of
 from loraplex.router.metrics import RouterMetrics
 from loraplex.router.picker import Pick, Picker, PickerConfig
 from loraplex.router.pools import DEFAULT_POOL, Need, PoolSpec, tiers
@@ -133,7 +133,7 @@ class RouterState:
     ) -> None:
         """A request (of `tenant`) went to the worker: open there (the picker's load) until done,
         its adapter counted as loading there until the next poll, its prompt's blocks as held."""
-        self.holdback.opened(tenant)
+        self.holdback.opened(tenant, url)
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight += 1
@@ -150,7 +150,7 @@ class RouterState:
             worker.sent.discard(adapter)
 
     def done(self, url: str, tenant: str | None = None) -> None:
-        self.holdback.closed(tenant)
+        self.holdback.closed(tenant, url)
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight = max(0, worker.in_flight - 1)
@@ -210,7 +210,7 @@ class RouterState:
 
     def holds_back(self, tenant: str, pick: Pick) -> bool:
         workers = (w for url in pick.ranking if (w := self.fleet.workers.get(url)))
-        return self.holdback.keeps_from(tenant, workers, time.monotonic())
+        return self.holdback.keeps_from(tenant, places_of(workers), time.monotonic())
 
     def pool_of(self, url: str) -> str:
         worker = self.fleet.workers.get(url)
@@ -291,7 +291,6 @@ async def forward(state: RouterState, request: Request, path: str):
     key = bearer(request.headers.get("authorization")) or ""
     wanted = Wanted(adapter, *state.config.caller_of(key), canary)
     tenant = wanted.tenant or ""
-    state.holdback.arrived(wanted.tenant, wanted.priority, time.monotonic())
     wanted, pick, waited = await _routed(state, wanted, payload)
     if isinstance(pick, Response):
         return pick
@@ -351,6 +350,8 @@ async def _routed(
     if catalog is not None and wanted.model is not None and catalog.warm(wanted.model):
         wanted = dataclasses.replace(wanted, warm=True)
     pick = route(state.fleet, state.picker, state.config.splits, need, wanted)
+    if isinstance(pick, Pick):  # active on the workers it may use (`router/holdback.py`)
+        state.holdback.arrived(wanted.tenant, wanted.priority, time.monotonic(), pick.ranking)
     if isinstance(pick, Pick) and _waits(state, pick, wanted.tenant or ""):
         return wanted, await state.wait_turn(wanted, need), True
     return wanted, pick, False

@@ -1,94 +1,109 @@
 """Places held back for tenants that are owed them: slots are not preempted, so while one tenant
 over its fair share fills every place, another tenant's next request would wait for a place to free
 anywhere, however few places it uses. So, while another tenant of the same priority band (or a
-higher one) has sent a request within the window and holds less than its share, the tenant over
-its share leaves one place free for each such tenant, and that tenant's next request starts at
-once. A tenant alone (none other active within the window) is never held back, so it still gets
-the whole fleet; in all at most half the places are held.
+higher one) is active on the workers a request may use and holds less than its share there, the
+tenant over its share there leaves one place free for each such tenant, and that tenant's next
+request starts at once. A tenant alone (none other active there) is never held back, so it still
+gets the whole fleet; in all at most half the places are held.
 
-A tenant's share is the places of the workers a request may use times its weight over the weights
-of the active tenants of its band (active: a request sent within the window, or one open)."""
+Everything is counted on the workers the request may use (its pools' workers), never fleet-wide:
+a tenant's share is their places times its weight over the weights of the tenants of its band
+active there (active: a request that could go there arrived within the window, or one is open
+there), and what it holds is its requests open there. So a tenant busy on one pool is not held
+back on another.
+
+Plain data in and out, so the simulator runs the very rule the router runs (`sim/fair_share.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from loraplex.router.fleet import Worker
 
 
-class Room(NamedTuple):
-    places: int
-    """The requests the workers run at once (their reported `max_num_seqs`)."""
-    free: int
-    """Those not taken by a request the router has open there."""
+class Place(NamedTuple):
+    """A worker as the hold-back reads it."""
+
+    url: str
+    capacity: int
+    """The requests it runs at once (its reported `max_num_seqs`; 0: not reported)."""
+    num_open: int
+    """The requests the router has open there."""
 
 
-def room_of(workers: Iterable[Worker]) -> Room:
-    """The running places of `workers` that report their capacity, and how many are free."""
-    places = free = 0
-    for worker in workers:
-        capacity = worker.last.capacity if worker.last is not None else 0
-        places += capacity
-        free += max(0, capacity - worker.in_flight)
-    return Room(places, free)
+def places_of(workers: Iterable[Worker]) -> list[Place]:
+    """The router's workers as places: their reported capacity and the requests open there."""
+    return [
+        Place(w.url, w.last.capacity if w.last is not None else 0, w.in_flight) for w in workers
+    ]
 
 
 @dataclass
 class Holdback:
     window_s: float
-    """A tenant that sent a request within this many seconds is active (0: nothing held)."""
+    """A tenant whose request arrived within this many seconds is active (0: nothing held)."""
     weights: dict[str, float] = field(default_factory=dict)
     """Tenant -> weight (a tenant not named weighs 1), as in the fair-share queue."""
-    _seen: dict[str, float] = field(default_factory=dict)
-    """Tenant -> when its last request arrived (monotonic seconds)."""
+    _seen: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(tenant, worker url) -> when its last request that could go there arrived."""
     _priority: dict[str, int] = field(default_factory=dict)
-    _open: dict[str, int] = field(default_factory=dict)
-    """Tenant -> its requests sent to a worker and not finished."""
+    _open: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(tenant, worker url) -> its requests sent there and not finished."""
 
-    def arrived(self, tenant: str | None, priority: int, now: float) -> None:
-        """A caller's request arrived (tenant None: a key no tenant holds, which makes no tenant
-        active: a worker refuses it)."""
+    def arrived(self, tenant: str | None, priority: int, now: float, urls: Iterable[str]) -> None:
+        """A caller's request arrived that could go to the workers `urls` (tenant None: a key no
+        tenant holds, which makes no tenant active: a worker refuses it)."""
         if tenant is not None:
-            self._seen[tenant] = now
             self._priority[tenant] = priority
+            for url in urls:
+                self._seen[tenant, url] = now
 
-    def opened(self, tenant: str | None) -> None:
-        """A request of `tenant` went to a worker (None: no caller's, as an upload's)."""
+    def opened(self, tenant: str | None, url: str) -> None:
+        """A request of `tenant` went to worker `url` (None: no caller's, as an upload's)."""
         if tenant is not None:
-            self._open[tenant] = self._open.get(tenant, 0) + 1
+            self._open[tenant, url] += 1
 
-    def closed(self, tenant: str | None) -> None:
-        if tenant is not None:
-            self._open[tenant] = max(0, self._open.get(tenant, 0) - 1)
+    def closed(self, tenant: str | None, url: str) -> None:
+        if tenant is None:
+            return
+        if self._open[tenant, url] > 1:
+            self._open[tenant, url] -= 1
+        else:
+            self._open.pop((tenant, url), None)
 
-    def num_open(self, tenant: str) -> int:
-        return self._open.get(tenant, 0)
+    def keeps_from(self, tenant: str, places: Sequence[Place], now: float) -> bool:
+        """Whether `tenant`'s next request must leave the free places of `places` (the workers it
+        may use) to other tenants."""
+        total = sum(p.capacity for p in places)
+        free = sum(max(0, p.capacity - p.num_open) for p in places)
+        urls = {p.url for p in places if p.capacity > 0}
+        held = self.held(tenant, urls, total, now)
+        return held > 0 and free <= held
 
-    def keeps_from(self, tenant: str, workers: Iterable[Worker], now: float) -> bool:
-        """Whether `tenant`'s next request must leave the free places of `workers` (those it may
-        use) to other tenants."""
-        room = room_of(workers)
-        held = self.held(tenant, room.places, now)
-        return held > 0 and room.free <= held
-
-    def held(self, tenant: str, places: int, now: float) -> int:
-        """The free places `tenant`'s next request must leave to others: one per other active
-        tenant of its band or a higher one that holds less than its share, while `tenant` holds
-        its share or more; at most half of `places`."""
+    def held(self, tenant: str, urls: Set[str], places: int, now: float) -> int:
+        """The free places of the workers `urls` (`places` in all) that `tenant`'s next request
+        must leave to others: one per other tenant of its band or a higher one active there that
+        holds less than its share there, while `tenant` holds its share or more; at most half of
+        `places`."""
         if self.window_s <= 0 or places <= 0:
             return 0
-        active = {t for t, at in self._seen.items() if now - at <= self.window_s}
-        active |= {t for t, n in self._open.items() if n > 0} | {tenant}
-        if len(active) == 1 or self.num_open(tenant) < self._share(tenant, active, places):
+        holding: Counter[str] = Counter()
+        for (t, url), n in self._open.items():
+            if url in urls:
+                holding[t] += n
+        seen = self._seen.items()
+        active = {t for (t, url), at in seen if url in urls and now - at <= self.window_s}
+        active |= set(holding) | {tenant}
+        if len(active) == 1 or holding[tenant] < self._share(tenant, active, places):
             return 0
         band = self._priority.get(tenant, 0)
         owed = [
             t
             for t in active - {tenant}
-            if self._priority.get(t, 0) >= band
-            and self.num_open(t) < self._share(t, active, places)
+            if self._priority.get(t, 0) >= band and holding[t] < self._share(t, active, places)
         ]
         return min(len(owed), places // 2)
 

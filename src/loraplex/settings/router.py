@@ -172,11 +172,12 @@ class RouterSettings:
         panel=FAIR,
         metavar="S",
         check=at_least(0),
-        doc="while a tenant over its fair share fills the places of the workers a request may "
-        "use, the router keeps one place free for each other tenant of its band (or a higher "
-        "one) that sent a request within this many seconds and holds less than its share, so "
-        'that tenant\'s next request starts at once (below, "Fair share"); a tenant alone is '
-        "never held back; 0: nothing held",
+        doc="while a tenant over its fair share of the places of the workers a request may use "
+        "fills them, the router keeps one place free for each other tenant of its band (or a "
+        "higher one) that sent a request that could go there within this many seconds and holds "
+        "less than its share there, so that tenant's next request starts at once (below, \"Fair "
+        'share"); counted per pool, never fleet-wide; a tenant alone is never held back; 0: '
+        "nothing held",
     )
     poll_interval_s: float = setting(
         0.5,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.settings.fields import at_least, check_fields, positive, setting, weights
+from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.settings.router import POLICIES as ROUTER_POLICIES
 from loraplex.settings.serve import DEFAULTS as SERVE
 from loraplex.settings.serve_values import HOST_CACHE_BYTES, VLLM_HOST_CACHE_PER_SLOT
@@ -127,6 +128,64 @@ def _calibration() -> Any:
     )
 
 
+def _router() -> Any:
+    return setting(
+        "affinity",
+        "The router's picker policy, as `loraplex router --policy`: " + ", ".join(ROUTER_POLICIES),
+        choices=ROUTER_POLICIES,
+    )
+
+
+def _fair_share() -> Any:
+    return setting(
+        False,
+        "Requests no worker has room for wait at the router in per-tenant queues, granted in "
+        "weighted fair order, with places held back for tenants under their share, as the "
+        "router's fair share (native engine; simulate: --routing router)",
+    )
+
+
+def _tenant_weights() -> Any:
+    return setting(
+        (),
+        "Tenants' weights in the fair share: TENANT=W,...",
+        metavar="TENANT=W,...",
+        parse=weights(None, label="TENANT", above=0.0),
+        show=dict,
+        default_text="each 1",
+    )
+
+
+def _holdback_window_s() -> Any:
+    return setting(
+        ROUTER.holdback_window_s,
+        "With --fair-share: keep a place free for another tenant whose request arrived within "
+        "this many seconds, as `loraplex router --holdback-window-s` (0: off)",
+        metavar="S",
+        check=at_least(0),
+    )
+
+
+def _kv_prefix_blocks() -> Any:
+    return setting(
+        0,
+        "Each worker's KV cache for prompt prefixes, in 16-token blocks, and the router's prefix "
+        "index at that size: prefix-aware routing and the prefix-cache hit rate (0: off)",
+        metavar="N",
+        check=at_least(0),
+    )
+
+
+def _system_prompt_tokens() -> Any:
+    return setting(
+        0,
+        "Each adapter's requests start with its own system prompt of this many tokens (a "
+        "base-model request: its tenant's), added to their prompts",
+        metavar="N",
+        check=at_least(0),
+    )
+
+
 def workload_shape(s: SimulateSettings | PlanSettings) -> dict[str, Any]:
     """The reshaping of a generated workload that the settings give: {field: value} of those
     set."""
@@ -213,38 +272,12 @@ class SimulateSettings:
     tenants: int | None = _tenants()
     registry_changes_per_s: float = _registry_changes_per_s()
     calibration: Path | None = _calibration()
-    router: str = setting(
-        "affinity",
-        "The router's picker policy, as `loraplex router --policy`: " + ", ".join(ROUTER_POLICIES),
-        choices=ROUTER_POLICIES,
-    )
-    fair_share: bool = setting(
-        False,
-        "Requests no worker has room for wait at the router in per-tenant queues, granted in "
-        "weighted fair order, as the router's fair share (native engine, --routing router)",
-    )
-    tenant_weights: tuple[tuple[str, float], ...] = setting(
-        (),
-        "Tenants' weights in the fair share: TENANT=W,...",
-        metavar="TENANT=W,...",
-        parse=weights(None, label="TENANT", above=0.0),
-        show=dict,
-        default_text="each 1",
-    )
-    kv_prefix_blocks: int = setting(
-        0,
-        "Each worker's KV cache for prompt prefixes, in 16-token blocks, and the router's prefix "
-        "index at that size: prefix-aware routing and the prefix-cache hit rate (0: off)",
-        metavar="N",
-        check=at_least(0),
-    )
-    system_prompt_tokens: int = setting(
-        0,
-        "Each adapter's requests start with its own system prompt of this many tokens (a "
-        "base-model request: its tenant's), added to their prompts",
-        metavar="N",
-        check=at_least(0),
-    )
+    router: str = _router()
+    fair_share: bool = _fair_share()
+    tenant_weights: tuple[tuple[str, float], ...] = _tenant_weights()
+    holdback_window_s: float = _holdback_window_s()
+    kv_prefix_blocks: int = _kv_prefix_blocks()
+    system_prompt_tokens: int = _system_prompt_tokens()
 
     def __post_init__(self):
         check_fields(self, SimulateSettings)
@@ -291,6 +324,12 @@ class PlanSettings:
     tenants: int | None = _tenants()
     registry_changes_per_s: float = _registry_changes_per_s()
     calibration: Path | None = _calibration()
+    router: str = _router()
+    fair_share: bool = _fair_share()
+    tenant_weights: tuple[tuple[str, float], ...] = _tenant_weights()
+    holdback_window_s: float = _holdback_window_s()
+    kv_prefix_blocks: int = _kv_prefix_blocks()
+    system_prompt_tokens: int = _system_prompt_tokens()
 
     def __post_init__(self):
         check_fields(self, PlanSettings)

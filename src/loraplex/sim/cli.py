@@ -34,7 +34,7 @@ from loraplex.sim.plot import plot_capacity, size_label
 from loraplex.sim.pools import SimPool, parse_sim_pool
 from loraplex.sim.prefix_cache import with_system_prompts
 from loraplex.sim.report import compare, hot_adapters
-from loraplex.sim.share_report import sharing_options, sharing_tables
+from loraplex.sim.share_report import routing_check, sharing_options, sharing_tables
 from loraplex.sim.simulator import SimConfig, config_dict
 from loraplex.units import parse_size
 
@@ -351,6 +351,7 @@ def simulate(s: SimulateSettings) -> None:
     cpu: list[int | None] = list(s.cpu_bytes) or [None]
     workers, wide, json_out, plot = s.workers, s.wide, s.json, s.plot
     budgets = dict(_tenant_budget(text) for text in s.tenant_budget)
+    routing_check(s)
     options, prompts = sharing_options(s), s.system_prompt_tokens
     traces = {n: with_system_prompts(_load_workload(n, workload_shape(s)), prompts) for n in names}
     pools = _pools(s.pool)
@@ -470,6 +471,8 @@ def plan(s: PlanSettings) -> None:
             engine=s.engine,
             max_cpu_loras=s.max_cpu_loras,
             pools=_pools(s.pool),
+            options=sharing_options(s),
+            system_prompt_tokens=s.system_prompt_tokens,
         )
     except planner.PlanError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -79,6 +79,9 @@ class SimConfig:
     """(tenant, weight) in the fair share (a tenant not named weighs 1)."""
     queue_per_tenant: int = ROUTER.queue_per_tenant
     """Requests a tenant may have waiting at the router (more are refused, the router's 429)."""
+    holdback_window_s: float = ROUTER.holdback_window_s
+    """With fair share: the router's held-back places (`router/holdback.py`), a tenant active
+    while a request of its arrived within this many seconds (0: no place held)."""
     kv_prefix_blocks: int = 0
     """Each worker's KV cache for prompt prefixes, in 16-token blocks, and the router's prefix
     index per worker at the same size (`sim.prefix_cache`); 0: prefixes not modelled."""
@@ -102,8 +105,10 @@ class SimConfig:
             raise ValueError("fair share and prefix caches: native-engine workers only")
         if self.fair_share and self.routing != "router":
             raise ValueError(f"fair share: routing router only, not {self.routing}")
-        if self.kv_prefix_blocks < 0 or self.queue_per_tenant < 1:
-            raise ValueError("kv_prefix_blocks must be >= 0 and queue_per_tenant >= 1")
+        if self.kv_prefix_blocks < 0 or self.queue_per_tenant < 1 or self.holdback_window_s < 0:
+            raise ValueError(
+                "kv_prefix_blocks and holdback_window_s must be >= 0, queue_per_tenant >= 1"
+            )
         self.budgets()  # refuses a share outside [0, 1]
 
     def budgets(self) -> TenantBudgets:

@@ -45,10 +45,28 @@ def fleet_for_workload(
         "hit_rate": figures["hit_rate"],
         "cold_start_rate": figures["cold_start_rate"],
         "registry": figures["registry"],
+        "ttft_p99_s": figures["latency"]["all"]["ttft_s"]["p99"],
+        **_sharing_figures(figures),
         "wall_s": wall,
         "requests_per_wall_s": len(trace) / wall if wall > 0 else float("inf"),
         **({"pools": size_pools(plan, trace, pools, sim)} if pools else {}),
     }
+
+
+def _sharing_figures(figures: dict) -> dict:
+    """Per tenant its TTFT p99 and (with fair share) its requests held back; with prefixes: the
+    fleet's prefix-cache hit rate."""
+    held = figures["fair_share"]["held_back"] if "fair_share" in figures else None
+    out: dict = {
+        "per_tenant": {
+            t: {"ttft_p99_s": f["ttft_s"]["p99"]}
+            | ({} if held is None else {"held_back": held.get(t, 0)})
+            for t, f in figures["tenants"].items()
+        }
+    }
+    if "prefix_cache" in figures:
+        out["prefix_hit_rate"] = figures["prefix_cache"]["hit_rate"]
+    return out
 
 
 def size_pools(plan, trace, pools: tuple[SimPool, ...], declared: Simulation) -> list[dict]:
@@ -101,6 +119,7 @@ def _config(plan, workers: int, registry_changes_per_s: float, pools) -> SimConf
         service=plan.calibration.service,
         costs=plan.calibration.costs,
         pools=pools,
+        **plan.options,
     )
 
 
@@ -112,7 +131,8 @@ def fleet_table(plan) -> Table:
         host = f"engine vllm, cpu {count} adapters"
     table = Table(
         title=f"workload {plan.workload} on {f['workers']} workers (simulated, policy score; "
-        f"each max-loras {d.max_loras}, {host})"
+        f"each max-loras {d.max_loras}, {host})",
+        caption=_router_caption(plan.options),
     )
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -122,6 +142,8 @@ def fleet_table(plan) -> Table:
         ("gpu hit", f"{f['hit_rate']['gpu']:.2%}"),
         ("cpu hit", f"{f['hit_rate']['cpu']:.2%}"),
         ("cold starts (disk or remote)", f"{f['cold_start_rate']:.2%}"),
+        ("TTFT p99", _ms(f["ttft_p99_s"])),
+        *_sharing_rows(f),
         ("registry queries per second", f"{reg['queries_per_s']:.2f}"),
         ("registry notifications per second", f"{reg['notifications_per_s']:.2f}"),
         ("queries per request, second half", f"{reg['queries_per_request_second_half']:.4f}"),
@@ -130,6 +152,35 @@ def fleet_table(plan) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _router_caption(options: dict) -> str | None:
+    """The router's behaviour the simulations ran with, as its flags (None: the defaults)."""
+    if not options:
+        return None
+    words = [f"--router {options['router']}"] if "router" in options else []
+    if options.get("fair_share"):
+        words.append(f"--fair-share --holdback-window-s {options['holdback_window_s']:g}")
+        weights = ",".join(f"{t}={w:g}" for t, w in options["tenant_weights"])
+        words += [f"--tenant-weights {weights}"] if weights else []
+    if "kv_prefix_blocks" in options:
+        words.append(f"--kv-prefix-blocks {options['kv_prefix_blocks']}")
+    return "router: " + " ".join(words)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _sharing_rows(f: dict) -> list[tuple[str, str]]:
+    rows = []
+    if "prefix_hit_rate" in f:
+        rows.append(("prefix-cache hit", f"{f['prefix_hit_rate']:.2%}"))
+    for tenant, t in f["per_tenant"].items():
+        rows.append((f"tenant {tenant}: TTFT p99", _ms(t["ttft_p99_s"])))
+        if "held_back" in t:
+            rows.append((f"tenant {tenant}: requests held back", f"{t['held_back']:,}"))
+    return rows
 
 
 def pools_plan_table(plan) -> Table:

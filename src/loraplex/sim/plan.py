@@ -18,6 +18,7 @@ from loraplex.residency.budgets import Budget
 from loraplex.sim import workload as workloads
 from loraplex.sim.calibration import Calibration
 from loraplex.sim.fleet_plan import fleet_for_workload, fleet_table, pools_plan_table
+from loraplex.sim.prefix_cache import with_system_prompts
 from loraplex.sim.report import summarize
 from loraplex.sim.simulator import SimConfig, policy_factory, simulate
 
@@ -75,6 +76,9 @@ class Plan:
     adapters (max_cpu_loras), not bytes."""
     max_cpu_loras: int | None = None
     """vllm: the host cache a fleet runs with (None: 4 per slot, as serve's)."""
+    options: dict = field(default_factory=dict)
+    """The router's behaviour the simulations run with: `SimConfig`'s router, fair_share,
+    tenant_weights, holdback_window_s and kv_prefix_blocks (`share_report.sharing_options`)."""
 
 
 def serving_dtype(config: ModelConfig) -> str:
@@ -187,6 +191,13 @@ def fits(sizes: list[int], budget: int) -> int:
     return count
 
 
+SIZES_A_WORKLOAD = (
+    "--workers, --pool, --num-adapters, --rate, --duration-s, --tenants, "
+    "--registry-changes-per-s, --router, --fair-share, --kv-prefix-blocks and "
+    "--system-prompt-tokens size a workload: give --workload"
+)
+
+
 def make_plan(
     model_dir: Path,
     registry: str | None = None,
@@ -200,6 +211,8 @@ def make_plan(
     engine: str = "native",
     max_cpu_loras: int | None = None,
     pools: tuple = (),
+    options: dict | None = None,
+    system_prompt_tokens: int = 0,
     **capacities,
 ) -> Plan:
     """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
@@ -208,12 +221,11 @@ def make_plan(
     (reshaped by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of
     the one-worker sizing; with `pools` (`sim.pools.SimPool`) it runs on those pools and each pool
     is sized (`fleet_plan.size_pools`). The simulations run at `calibration`'s costs (the
-    package's by default)."""
-    if not workload and (workers > 1 or shape or registry_changes_per_s or pools):
-        raise PlanError(
-            "--workers, --pool, --num-adapters, --rate, --duration-s, --tenants and "
-            "--registry-changes-per-s size a workload: give --workload"
-        )
+    package's by default) and with `options` (`Plan.options`: the router's behaviour), each
+    adapter's requests led by a system prompt of `system_prompt_tokens`."""
+    sizing = (workers > 1, shape, registry_changes_per_s, pools, options, system_prompt_tokens)
+    if not workload and any(sizing):
+        raise PlanError(SIZES_A_WORKLOAD)
     try:
         config = ModelConfig.from_dir(model_dir)
         defaults = EngineConfig(model_dir=model_dir, **capacities)
@@ -236,9 +248,10 @@ def make_plan(
         calibration=calibration or Calibration(),
         engine=engine,
         max_cpu_loras=max_cpu_loras,
+        options=dict(options or {}),
     )
     if workload:
-        trace = load_workload(workload, shape)
+        trace = with_system_prompts(load_workload(workload, shape), system_prompt_tokens)
         with progress or contextlib.nullcontext():
             if workers > 1 or pools:
                 plan.fleet = fleet_for_workload(plan, trace, workers, registry_changes_per_s, pools)
@@ -279,6 +292,7 @@ def _sizing_base(
         tenant_budgets=plan.budgets,
         service=plan.calibration.service,
         costs=plan.calibration.costs,
+        **plan.options,
     )
     working_set = sum(
         int(per_rank) * r.rank for r in {r.model: r for r in trace if r.adapter}.values()

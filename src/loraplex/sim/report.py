@@ -114,10 +114,15 @@ def _pool_figures(sim: Simulation, seqs: list[SimRequest]) -> dict[str, dict]:
 
 
 def _fair_figures(sim: Simulation) -> dict:
-    """Requests that waited their turn at the router, and per tenant those granted a worker."""
-    assert sim.fair is not None
-    granted = sim.fair.queue.granted_total
-    return {"waited": sim.fair.waited, "granted": dict(sorted(granted.items()))}
+    """Requests that waited their turn at the router, and per tenant those granted a worker and
+    those that waited while a free place was kept for another tenant (held back)."""
+    fair = sim.fair
+    assert fair is not None
+    return {
+        "waited": fair.waited,
+        "granted": dict(sorted(fair.queue.granted_total.items())),
+        "held_back": dict(sorted(fair.held_back.items())),
+    }
 
 
 def _latency(group: list[SimRequest]) -> dict:

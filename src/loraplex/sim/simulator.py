@@ -512,19 +512,16 @@ class Simulation:
             self._views_at = self.now
         return self._views
 
-    def _take(self, index: int) -> Worker:
-        self.open[index] += 1
-        return self.workers[index]
-
-    def route(self, seq: SimRequest) -> tuple[int | None, str]:
-        """Its worker (None: no pool open to its tenant serves it) and why (`placed`, a pick's)."""
+    def route(self, seq: SimRequest) -> tuple[int | None, str, tuple[str, ...]]:
+        """Its worker (None: no pool open to its tenant serves it), why (`placed`, a pick's) and
+        the pick's ranking (the workers it may use)."""
         if self.epp is not None:
-            return self.epp.pick(self, seq), "epp"
+            return self.epp.pick(self, seq), "epp", ()
         placed = self.controller.pick(seq.req.model) if self.controller and seq.req.model else None
         if placed is not None:
-            return placed, "placed"
+            return placed, "placed", ()
         if len(self.workers) == 1 and self.pools is None and self.fair is None:
-            return 0, "only"
+            return 0, "only", ()
         self.views()
         # As the router's fleet does: a worker's requests open (sent, not finished) count in flight
         # beyond those its last polled state counts, and a routed adapter as loading there until
@@ -537,10 +534,10 @@ class Simulation:
         if self.pools is not None:
             pick = self.pools.pick(views, r.tenant, r.rank if r.adapter else 0, r.model, r.priority)
             if pick is None or pick.url is None:
-                return None, "refused"
+                return None, "refused", ()
         else:
             pick = self.picker.pick(views, r.model, r.priority)
-        return (int(pick.url.rsplit("-", 1)[1]) if pick.url else 0), pick.reason
+        return (int(pick.url.rsplit("-", 1)[1]) if pick.url else 0), pick.reason, pick.ranking
 
     def _seen(self, i: int, seq: SimRequest) -> dict:
         """What else the router sees of worker i for this request: its capacity and the requests
@@ -554,10 +551,10 @@ class Simulation:
         """The request at the router: to its worker, to its tenant's queue, or refused."""
         if self.prefixes is not None:
             seq.blocks = self.prefixes.blocks(seq.req, seq.ref.key if seq.ref else None)
-        index, reason = self.route(seq)
+        index, reason, ranking = self.route(seq)
         if index is None:
             self.refuse(seq)
-        elif self.fair is not None and self.fair.waits(reason):
+        elif self.fair is not None and self.fair.arrives(seq, reason, ranking):
             self.fair.join(seq)
         else:
             self.send(seq, index, reason)
@@ -571,7 +568,10 @@ class Simulation:
                 self._views[index] = replace(view, loading=view.loading | {model})
         if self.prefixes is not None:
             self.prefixes.sent(index, seq.blocks)
-        worker = self._take(index)
+        self.open[index] += 1
+        worker = self.workers[index]
+        if self.fair is not None:
+            self.fair.opened(seq, index)
         self.registry.request(worker.index, model, self.now)
         worker.arrive(seq)
         if self.controller is not None and model is not None:
@@ -587,7 +587,7 @@ class Simulation:
         self.finished += 1
         self.open[seq.worker] -= 1
         if self.fair is not None:
-            self.fair.admit()
+            self.fair.closed(seq)
 
 
 def simulate(
