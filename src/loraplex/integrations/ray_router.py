@@ -3,16 +3,19 @@
 model); the router reads the adapter's revision in the registry (its base model and rank) and
 sends the request to an eligible pool: the tenant's dedicated pools first, then the shared ones,
 by `loraplex.router.pools` and `loraplex.router.routing`. A split name's revision is picked here
-(`loraplex.router.splits`), a canary's going to a `canary` pool first, a pinned or tier-A
-adapter's to a `warm` pool first. When every eligible pool is full, the request waits in its
-tenant's queue and pools that have room again take the waiters in fair order
+(`loraplex.router.splits`), a canary's going to a `canary` pool first, then the pools where the
+placement controller placed the adapter on a replica with room, then a pinned or tier-A
+adapter's `warm` pools. When every eligible pool is full, a tenant below the shedding band is
+refused (`429 saturated`, as `loraplex router` sheds); another request waits in its tenant's
+queue and pools that have room again take the waiters in fair order
 (`loraplex.router.fairness`). Inside a pool, the pool's own request router
 (`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the router's
-OpenAI-shaped refusal.
+OpenAI-shaped refusal. `models` lists what the caller may use across the pools open to it.
 
     handles = run_pools(fleet)
     router = run_router(fleet)
     answer = await router.completions.remote({"model": "sql", "prompt": "..."}, "Bearer KEY")
+    listed = await router.models.remote("Bearer KEY")
 """
 
 from __future__ import annotations
