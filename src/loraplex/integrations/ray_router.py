@@ -139,6 +139,12 @@ class PoolChooser:
     def is_base(self, model: str) -> bool:
         return model in base_names(self.fleet)
 
+    def may_use(self, wanted: Wanted) -> bool:
+        """Whether the request names a registered adapter its caller may use."""
+        if wanted.model is None or self.catalog is None:
+            return False
+        return bool(self.catalog.need(wanted.model, wanted.tenant).base_digests)
+
 
 class LoraplexPoolRouter:
     """The router deployment: each call goes to the chosen pool's deployment, as an adapter
@@ -232,7 +238,7 @@ class LoraplexPoolRouter:
         candidates = self.chooser.candidates(wanted)
         if isinstance(candidates, Refusal):
             return candidates
-        placed = await self._placed(wanted.model, candidates)
+        placed = await self._placed(wanted, candidates)
         if placed:
             ordered = self.chooser.candidates(wanted, placed)
             candidates = ordered if isinstance(ordered, list) else candidates
@@ -247,24 +253,26 @@ class LoraplexPoolRouter:
         self.chooser.in_flight[pool] += 1
         return pool
 
-    async def _placed(self, model: str | None, candidates: list[str]) -> frozenset[str]:
-        """The pools of `candidates` where `model` is placed on a replica with room: each pool
-        with room is asked through its handle (its request router sends the call to such a
-        replica, `LoraplexReplica.placed`), its answer remembered for `PLACED_TTL_S`."""
-        if model is None or len(candidates) < 2 or self.chooser.is_base(model):
+    async def _placed(self, wanted: Wanted, candidates: list[str]) -> frozenset[str]:
+        """The pools of `candidates` where the adapter is placed on a replica with room: each
+        pool with room is asked through its handle (its request router sends the call to such a
+        replica, `LoraplexReplica.placed`), its answer standing for `PLACED_TTL_S`. Only for a
+        registered adapter the caller may use, with more than one pool to choose from."""
+        model = wanted.model
+        if model is None or len(candidates) < 2 or not self.chooser.may_use(wanted):
             return frozenset()
         now = time.monotonic()
-        if len(self.placements) >= 10_000:  # any caller can name models: keep it bounded
+        if len(self.placements) >= 10_000:  # one entry per pool and adapter: keep it bounded
             self.placements.clear()
-        asked = [
-            pool
-            for pool in self.chooser.with_room_all(candidates)
-            if now - self.placements.get((pool, model), (-math.inf, False))[0] > PLACED_TTL_S
-        ]
+
+        def fresh(pool: str) -> bool:
+            return now - self.placements.get((pool, model), (-math.inf, False))[0] <= PLACED_TTL_S
+
+        asked = [pool for pool in self.chooser.with_room_all(candidates) if not fresh(pool)]
         answers = await asyncio.gather(*(self._ask_placed(pool, model) for pool in asked))
         for pool, answer in zip(asked, answers, strict=True):
             self.placements[(pool, model)] = (now, answer)
-        return frozenset(p for p in candidates if self.placements.get((p, model), (0, False))[1])
+        return frozenset(p for p in candidates if fresh(p) and self.placements[(p, model)][1])
 
     async def _ask_placed(self, pool: str, model: str) -> bool:
         handle = self.pools[pool].options(multiplexed_model_id=model)
