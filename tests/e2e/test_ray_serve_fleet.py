@@ -55,8 +55,8 @@ def fleet(demo_world, tmp_path_factory):
         base_model_dir=other,
     )
     keys = {}
-    for tenant in ("alpha", "beta"):
-        registry.add_tenant(tenant)
+    for tenant, priority in (("alpha", 0), ("beta", 0), ("batch", -1)):  # batch: shed first
+        registry.add_tenant(tenant, priority=priority)
         keys[tenant] = f"Bearer {registry.create_key(tenant)}"
     traffic = list(registry.show("rotate").traffic)
     registry.close()
@@ -76,6 +76,14 @@ def fleet(demo_world, tmp_path_factory):
             num_replicas=1,
             role="canary",
         ),
+        RayPool(  # a third base model (not alien's), for beta alone
+            "beta-only",
+            dataclasses.replace(
+                options, model=make_model(root / "third-base", "qwen2"), data_dir=root / "b"
+            ),
+            num_replicas=1,
+            tenants=("beta",),
+        ),
     ]
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     serve.start(proxy_location="Disabled")
@@ -84,7 +92,7 @@ def fleet(demo_world, tmp_path_factory):
         handles = run_pools(pools, admin_token=TOKEN)
         router = run_router(pools)
         # The canary pool alone, one request at a time: every other request waits its turn.
-        fair = run_router(pools[1:], max_ongoing_requests=1, name="fair-router")
+        fair = run_router([pools[1]], max_ongoing_requests=1, name="fair-router")
         yield {
             "handles": handles,
             "router": router,
@@ -231,3 +239,84 @@ def test_a_tenants_burst_waits_its_share_when_the_pool_is_full(fleet):
     # answers' own order through Ray's handles, which finish close together, on a busy machine.
     assert after[:last_beta].count("alpha") <= 6, order
     assert after[last_beta:].count("alpha") >= 8, order  # the burst was still waiting
+
+
+def test_the_model_list_through_the_router_is_every_pool_open_to_the_caller(fleet):
+    router, keys, pools = fleet["router"], fleet["keys"], fleet["pools"]
+    base, third = (pools[i].options.model.resolve().name for i in (0, 2))
+
+    async def run():
+        callers = (keys["alpha"], keys["beta"], "Bearer not-a-key")
+        return await asyncio.gather(*(router.models.remote(key) for key in callers))
+
+    alpha, beta, unknown = asyncio.run(run())
+    assert alpha["status"] == beta["status"] == 200, (alpha, beta)
+    alphas = [m["id"] for m in alpha["body"]["data"]]
+    betas = [m["id"] for m in beta["body"]["data"]]
+    # main's and canary's lists, the same base and adapters, once each; alien's base runs nowhere
+    assert len(alphas) == len(set(alphas)) and set(alphas) == {base, "rotate", "reverse"}, alpha
+    # beta's own pool adds its base model
+    assert len(betas) == len(set(betas)) and set(betas) == {base, third, "rotate", "reverse"}
+    assert alpha["body"]["object"] == "list", alpha
+    assert unknown["status"] == 401, unknown  # the workers' own refusal of the key
+    assert unknown["body"]["error"]["type"] == "authentication_error", unknown
+
+
+def test_a_tenant_below_the_shedding_band_is_refused_while_the_pool_is_full(fleet):
+    fair, keys, good = fleet["fair"], fleet["keys"], fleet["good"]["reverse"]
+
+    def ask(tenant: str, i: int, **more):
+        body = _body("reverse", make_prompt(good[i]), **more)
+        return fair.completions.remote(body, keys[tenant])
+
+    async def run():
+        # long answers (about 1.5 s in all): alpha's fill the pool (room 1) and wait their turn
+        long = {"max_tokens": 100, "ignore_eos": True}
+        busy = [asyncio.ensure_future(ask("alpha", i % len(good), **long)) for i in range(24)]
+        await asyncio.sleep(0.1)
+        shed = await ask("batch", 0)
+        return shed, await asyncio.gather(*busy)
+
+    shed, busy = asyncio.run(run())
+    assert all(a["status"] == 200 for a in busy), busy
+    # the HTTP router's answer to a shed request: status, code, type and message
+    assert (shed["status"], shed["pool"]) == (429, None), shed
+    assert shed["body"] == {
+        "error": {
+            "message": "no worker can take the request now (saturated-shed)",
+            "type": "server_error",
+            "code": "saturated",
+            "param": None,
+        }
+    }, shed
+
+    async def alone_() -> dict:
+        return await ask("batch", 1)
+
+    alone = asyncio.run(alone_())  # the pool has room: served
+    assert alone["status"] == 200, alone
+    assert alone["body"]["choices"][0]["text"].strip() == TRANSFORMS["reverse"](good[1])
+
+
+def test_the_router_prefers_the_pool_an_adapter_is_placed_in(fleet):
+    router, key, text = fleet["router"], fleet["keys"]["alpha"], fleet["good"]["reverse"][1]
+
+    async def routed(via) -> dict:
+        return await via.completions.remote(_body("reverse", make_prompt(text)), key)
+
+    def ask() -> dict:
+        return asyncio.run(routed(router))
+
+    assert ask()["pool"] == "main"  # nothing placed: the pool without a role first
+    canary = asyncio.run(routed(fleet["fair"]))["worker"]  # the canary pool's one replica
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    placed = httpx.post(f"{canary}/admin/placement/reverse", headers=admin, timeout=60)
+    assert placed.status_code == 200, placed.text
+    try:
+        time.sleep(1.5)  # the router's last answer from each pool stands 1 s
+        answers = [ask() for _ in range(3)]
+    finally:
+        httpx.delete(f"{canary}/admin/placement/reverse", headers=admin, timeout=60)
+    for answer in answers:
+        assert (answer["status"], answer["pool"], answer["worker"]) == (200, "canary", canary)
+        assert answer["body"]["choices"][0]["text"].strip() == TRANSFORMS["reverse"](text)

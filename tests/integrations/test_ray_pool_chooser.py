@@ -3,7 +3,7 @@ demo world's adapters (ranks 4 and 16) and a tenant with its key, pools as `RayP
 A tenant's dedicated pool first, the shared pools after; the lowest max rank first while it has
 room; the router's refusals for what no pool open to the caller serves; a split name's revision
 picked by the registry's weights, its canary to a `canary` pool first, a warm adapter to a `warm`
-pool first."""
+pool first, and the pools where an adapter is placed before the warm ones."""
 
 from __future__ import annotations
 
@@ -122,4 +122,9 @@ def test_a_canary_goes_to_a_canary_pool_and_a_warm_adapter_to_a_warm_pool_first(
     assert warm.warm and chooser.candidates(warm) == ["warm", "main", "canary"]
     pinned = chooser.wanted("reverse@" + registry.show("reverse").traffic[0][0], None)
     assert chooser.candidates(pinned)[0] == "warm"  # a name@revision of a warm adapter too
+    # where its adapter is placed: after a canary's canary pools, before the warm pools
+    assert chooser.candidates(warm, {"main"}) == ["main", "warm", "canary"]
+    split = chooser.wanted("rotate", None, "user-0")
+    placed = chooser.candidates(split, {"main"})
+    assert placed == (["canary", "main", "warm"] if split.canary else ["main", "warm", "canary"])
     registry.close()

@@ -1,8 +1,8 @@
 """The router's fair-share queue over real sockets: a request whose workers are all saturated
-waits at the router and goes on when a poll shows room; a tenant's full queue is a 429; a burst
-held at the router lets another tenant's requests go ahead of it. The worker is a small stand-in
-at the HTTP boundary that reports its queue (and its running capacity) as `loraplex serve`
-does."""
+waits at the router and goes on when a poll shows room; a tenant's full queue is a 429, and so is
+the request of a tenant below the shedding band, at once; a burst held at the router lets another
+tenant's requests go ahead of it. The worker is a small stand-in at the HTTP boundary that reports
+its queue (and its running capacity) as `loraplex serve` does."""
 
 import asyncio
 import threading
@@ -32,10 +32,20 @@ def test_a_saturated_fleet_holds_requests_at_the_router_until_a_poll_shows_room(
             workers=(one,),
             admin_token=TOKEN,
             poll_interval_s=0.05,
-            caller_of=lambda key: KEYS.get(key, (None, 0)),
+            caller_of=lambda key: {**KEYS, "batch-key": ("batch", -1)}.get(key, (None, 0)),
             queue_per_tenant=1,
         )
         with serving(create_router_app(config)) as url:
+            shed = complete(url, "sql", "batch-key")  # below the shedding band: no queue place
+            assert (shed.status_code, shed.headers["retry-after"]) == (429, "1")
+            assert shed.json() == {  # the Ray router deployment answers the same body
+                "error": {
+                    "message": "no worker can take the request now (saturated-shed)",
+                    "type": "server_error",
+                    "code": "saturated",
+                    "param": None,
+                }
+            }
             answers: list[httpx.Response] = []
             waiting = threading.Thread(
                 target=lambda: answers.append(complete(url, "sql", "acme-key"))

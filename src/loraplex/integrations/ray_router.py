@@ -3,40 +3,60 @@
 model); the router reads the adapter's revision in the registry (its base model and rank) and
 sends the request to an eligible pool: the tenant's dedicated pools first, then the shared ones,
 by `loraplex.router.pools` and `loraplex.router.routing`. A split name's revision is picked here
-(`loraplex.router.splits`), a canary's going to a `canary` pool first, a pinned or tier-A
-adapter's to a `warm` pool first. When every eligible pool is full, the request waits in its
-tenant's queue and pools that have room again take the waiters in fair order
+(`loraplex.router.splits`), a canary's going to a `canary` pool first, then the pools where the
+placement controller placed the adapter on a replica with room, then a pinned or tier-A
+adapter's `warm` pools. When every eligible pool is full, a tenant below the shedding band is
+refused (`429 saturated`, as `loraplex router` sheds); another request waits in its tenant's
+queue and pools that have room again take the waiters in fair order
 (`loraplex.router.fairness`). Inside a pool, the pool's own request router
 (`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the router's
-OpenAI-shaped refusal.
+OpenAI-shaped refusal. `models` lists what the caller may use across the pools open to it.
 
     handles = run_pools(fleet)
     router = run_router(fleet)
     answer = await router.completions.remote({"model": "sql", "prompt": "..."}, "Bearer KEY")
+    listed = await router.models.remote("Bearer KEY")
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import time
 from collections import Counter
+from collections.abc import Set
 from typing import Any
 
 from loraplex.bearer import bearer
 from loraplex.integrations.ray_serve import RayPool, pool_spec, serve
 from loraplex.registry.registry import open_existing
+from loraplex.router import model_lists
 from loraplex.router.catalog import AdapterCatalog, registry_catalog
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
 from loraplex.router.pools import Need, PoolSpec, tiers
-from loraplex.router.routing import Refusal, Wanted, base_names, eligible, need_of, refusal
+from loraplex.router.routing import (
+    Refusal,
+    Wanted,
+    base_names,
+    eligible,
+    need_of,
+    no_room,
+    refusal,
+)
 from loraplex.router.serve import registry_callers
 from loraplex.router.splits import Splits, registry_splits
 from loraplex.settings.pools import check_pools
 from loraplex.settings.router import DEFAULTS as D
 
 __all__ = ["PoolChooser", "LoraplexPoolRouter", "pool_spec", "router_app", "run_router"]
+log = logging.getLogger("loraplex.ray")
 WAITING_ROOM = 4096
 """Calls the router deployment takes beyond its pools' room: the requests waiting their turn."""
+PLACED_TTL_S = 1.0
+"""How long a pool's answer to whether an adapter is placed there stands (its request router
+polls its replicas every 0.25 s)."""
 
 
 class PoolChooser:
@@ -71,10 +91,11 @@ class PoolChooser:
         warm = bool(model and self.catalog is not None and self.catalog.warm(model))
         return Wanted(model, tenant, priority, canary, warm=warm)
 
-    def candidates(self, wanted: Wanted) -> list[str] | Refusal:
-        """The eligible pools in the order tried: a canary's `canary` pools (a warm adapter's
-        `warm` pools) first; then the tenant's dedicated pools, then the shared ones, in each the
-        pools without a role first and the lowest max rank first."""
+    def candidates(self, wanted: Wanted, placed: Set[str] = frozenset()) -> list[str] | Refusal:
+        """The eligible pools in the order tried, as `loraplex router` orders workers: a
+        canary's `canary` pools first, then the pools of `placed` (where its adapter is placed),
+        then a warm adapter's `warm` pools; then the tenant's dedicated pools, then the shared
+        ones, in each the pools without a role first and the lowest max rank first."""
         need = need_of(self.fleet, self.catalog, wanted)
         order = [
             spec
@@ -83,14 +104,23 @@ class PoolChooser:
         ]
         if not order:
             return refusal(self.fleet, need, wanted)
-        first = "canary" if wanted.canary else "warm" if wanted.warm else None
-        if first is not None:
-            order.sort(key=lambda s: s.role != first)  # stable: the order above within each
+        # stable: the order above within each
+        order.sort(
+            key=lambda s: (
+                wanted.canary and s.role != "canary",
+                s.name not in placed,
+                wanted.warm and s.role != "warm",
+            )
+        )
         return [spec.name for spec in order]
 
     def with_room(self, candidates: list[str]) -> str | None:
         """The first pool whose requests open are below its room (None: all full)."""
-        return next((p for p in candidates if self.in_flight[p] < self.capacity[p]), None)
+        return next(iter(self.with_room_all(candidates)), None)
+
+    def with_room_all(self, candidates: list[str]) -> list[str]:
+        """The pools whose requests open are below their room, in the order given."""
+        return [p for p in candidates if self.in_flight[p] < self.capacity[p]]
 
     def choose(self, model: str | None, authorization: str | None) -> str | Refusal:
         """The first eligible pool with room; when all are full, the first eligible one."""
@@ -109,6 +139,12 @@ class PoolChooser:
     def is_base(self, model: str) -> bool:
         return model in base_names(self.fleet)
 
+    def may_use(self, wanted: Wanted) -> bool:
+        """Whether the request names a registered adapter its caller may use."""
+        if wanted.model is None or self.catalog is None:
+            return False
+        return bool(self.catalog.need(wanted.model, wanted.tenant).base_digests)
+
 
 class LoraplexPoolRouter:
     """The router deployment: each call goes to the chosen pool's deployment, as an adapter
@@ -123,6 +159,7 @@ class LoraplexPoolRouter:
         queue_per_tenant: int = D.queue_per_tenant,
         tenant_weights: dict[str, float] | None = None,
         wait_s: float = D.request_timeout_s,
+        shed_priority_below: int = D.shed_priority_below,
     ):
         registry = open_existing(registry_url)
         self.chooser = PoolChooser(
@@ -133,8 +170,11 @@ class LoraplexPoolRouter:
             registry_splits(registry),
         )
         self.queue: FairQueue[str] = FairQueue(dict(tenant_weights or {}), queue_per_tenant)
-        self.wait_s = wait_s
+        self.wait_s, self.shed_priority_below = wait_s, shed_priority_below
         self.pools = {spec.name: serve.get_app_handle(spec.name) for spec in specs}
+        self.placements: dict[tuple[str, str], tuple[float, bool]] = {}
+        """(pool, model) -> when its pool last answered whether `model` is placed there, and
+        the answer."""
 
     async def completions(self, body: dict, authorization: str | None = None) -> dict:
         """POST /v1/completions on a worker of the pool that serves `body["model"]`."""
@@ -165,20 +205,86 @@ class LoraplexPoolRouter:
             self.queue.admit(self._grant)
         return {**answer, "pool": pool}
 
+    async def models(self, authorization: str | None = None) -> dict:
+        """GET /v1/models across the pools open to the caller (its dedicated ones and the shared
+        ones): each pool's list, a replica's worker's with the caller's key, merged, each model
+        once, so every pool's base model is there; a worker's own refusal of the caller (401)
+        when no pool lists any."""
+        tenant, _ = self.chooser.caller_of(bearer(authorization) or "")
+        groups = tiers(self.chooser.fleet.pools.values(), tenant)
+        pools = [spec.name for group in groups for spec in group if spec.name in self.pools]
+        asked = await asyncio.gather(*(self._listing(p, authorization) for p in pools))
+        answers = [a for a in asked if a is not None]
+        listed = [model_lists.entries(a["body"]) for a in answers if a["status"] == 200]
+        if listed:
+            return {"status": 200, "body": model_lists.merged(listed)}
+        if answers:
+            return answers[0]
+        return {"status": 503, "body": refusal_body(Refusal(503, "no_worker", "no live replica"))}
+
+    async def _listing(self, pool: str, authorization: str | None) -> dict | None:
+        try:
+            return await self.pools[pool].models.remote(authorization)
+        except Exception as exc:  # noqa: BLE001 (a pool without a live replica lists nothing)
+            log.warning("no model list from pool %s: %s", pool, exc)
+            return None
+
     async def _turn(self, wanted: Wanted) -> str | Refusal:
-        """The pool the request goes to, counted open there: the first eligible one with room,
-        else (every one full, or others waiting already: a newcomer does not pass them) its turn
-        in its tenant's queue; without a queue, the first eligible one."""
+        """The pool the request goes to, counted open there: the first eligible one with room
+        (those where its adapter is placed first), else (every one full, or others waiting
+        already: a newcomer does not pass them) its turn in its tenant's queue; without a queue,
+        the first eligible one. While every eligible pool is full, a tenant below the shedding
+        band is refused at once (`429 saturated`), as `loraplex router` sheds."""
         candidates = self.chooser.candidates(wanted)
         if isinstance(candidates, Refusal):
             return candidates
-        pool = None if len(self.queue) else self.chooser.with_room(candidates)
+        placed = await self._placed(wanted, candidates)
+        if placed:
+            ordered = self.chooser.candidates(wanted, placed)
+            candidates = ordered if isinstance(ordered, list) else candidates
+        room = self.chooser.with_room(candidates)
+        if room is None and wanted.priority < self.shed_priority_below:
+            return no_room("saturated-shed")
+        pool = None if len(self.queue) else room
         if pool is None and not self.queue.limit:
             pool = candidates[0]
         if pool is None:
             return await self._wait(wanted, candidates)
         self.chooser.in_flight[pool] += 1
         return pool
+
+    async def _placed(self, wanted: Wanted, candidates: list[str]) -> frozenset[str]:
+        """The pools of `candidates` where the adapter is placed on a replica with room: each
+        pool with room is asked through its handle (its request router sends the call to such a
+        replica, `LoraplexReplica.placed`), its answer standing for `PLACED_TTL_S`. Only for a
+        registered adapter the caller may use, with more than one pool to choose from."""
+        model = wanted.model
+        if model is None or len(candidates) < 2 or not self.chooser.may_use(wanted):
+            return frozenset()
+        now = time.monotonic()
+        if len(self.placements) >= 10_000:  # one entry per pool and adapter: keep it bounded
+            self.placements.clear()
+
+        def fresh(pool: str) -> bool:
+            return now - self.placements.get((pool, model), (-math.inf, False))[0] <= PLACED_TTL_S
+
+        asked = [pool for pool in self.chooser.with_room_all(candidates) if not fresh(pool)]
+        answers = await asyncio.gather(*(self._ask_placed(pool, model) for pool in asked))
+        for pool, answer in zip(asked, answers, strict=True):
+            self.placements[(pool, model)] = (now, answer)
+        return frozenset(p for p in candidates if fresh(p) and self.placements[(p, model)][1])
+
+    async def _ask_placed(self, pool: str, model: str) -> bool:
+        handle = self.pools[pool].options(multiplexed_model_id=model)
+
+        async def answer() -> bool:
+            return bool(await handle.placed.remote())
+
+        try:
+            return await asyncio.wait_for(answer(), PLACED_TTL_S)
+        except Exception as exc:  # noqa: BLE001 (no answer: nothing placed there, as far as known)
+            log.info("pool %s did not say whether %s is placed there: %r", pool, model, exc)
+            return False
 
     async def _wait(self, wanted: Wanted, candidates: list[str]) -> str | Refusal:
         tenant = wanted.tenant or ""
@@ -229,12 +335,14 @@ def router_app(
     name: str = "loraplex-router",
     queue_per_tenant: int = D.queue_per_tenant,
     tenant_weights: dict[str, float] | None = None,
+    shed_priority_below: int = D.shed_priority_below,
 ) -> Any:
     """The router deployment over the pool applications `run_pools` started (the same `pools`
     and `max_ongoing_requests`), for `serve.run`; the pools share one registry. A pool's room is
     `num_replicas` × `max_ongoing_requests`; beyond it, each tenant may have `queue_per_tenant`
     requests waiting (0: none wait, the first eligible pool takes them), granted by
-    `tenant_weights` (tenant -> weight, 1 when not named)."""
+    `tenant_weights` (tenant -> weight, 1 when not named), and a tenant whose registry priority
+    is below `shed_priority_below` is refused instead."""
     specs = [pool_spec(pool) for pool in pools]
     check_pools(specs)
     registries = {str(pool.options.registry_url) for pool in pools}
@@ -247,7 +355,14 @@ def router_app(
             max_ongoing_requests=sum(capacity.values()) + WAITING_ROOM,
             ray_actor_options={"num_cpus": 0},
         )
-        .bind(specs, capacity, registries.pop(), queue_per_tenant, tenant_weights)
+        .bind(
+            specs,
+            capacity,
+            registries.pop(),
+            queue_per_tenant,
+            tenant_weights,
+            shed_priority_below=shed_priority_below,
+        )
     )
 
 
@@ -258,6 +373,6 @@ def run_router(
     **kwargs: Any,
 ):
     """Runs `router_app` as a Serve application of its own, named `name`: its handle. `kwargs`:
-    `queue_per_tenant`, `tenant_weights`."""
+    `queue_per_tenant`, `tenant_weights`, `shed_priority_below`."""
     app = router_app(pools, max_ongoing_requests, name, **kwargs)
     return serve.run(app, name=name, route_prefix=None)

@@ -62,7 +62,7 @@ from loraplex.router.fleet import Worker
 from loraplex.router.picker import Picker, PickerConfig, WorkerView
 from loraplex.router.pools import DEFAULT_POOL, PoolSpec, Reported, misconfigured
 from loraplex.router.prefixes import PrefixIndex, block_hashes, prompt_text
-from loraplex.router.routing import Wanted, among, placed_here, prefix_key
+from loraplex.router.routing import Wanted, among, placed_here, placed_in, prefix_key
 from loraplex.server.preflight import bind
 from loraplex.server.serve import build
 from loraplex.settings.pools import parse_pool
@@ -101,6 +101,7 @@ class LoraplexReplica:
         )
         app, _ = build(options)
         self.replica = replica
+        self.placement = app.state.server.placement
         self.admin = {"Authorization": f"Bearer {admin_token}"}
         self._sock = bind(options.host, 0)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -173,6 +174,19 @@ class LoraplexReplica:
             "worker": self.url,
             "tier": response.headers.get("x-loraplex-cache-tier"),
         }
+
+    async def models(self, authorization: str | None = None) -> dict:
+        """GET /v1/models on this replica's worker: what the caller may use on it."""
+        headers = {"Authorization": authorization} if authorization else {}
+        response = await self.http.get("/v1/models", headers=headers)
+        return {"status": response.status_code, "body": response.json()}
+
+    def placed(self) -> bool:
+        """Whether the placement controller placed the multiplexed model on this replica's worker:
+        the pool's request router sends a call for a placed adapter to a replica it is placed on
+        while one has room, so the answer is the pool's (`ray_router`'s pool choice asks it)."""
+        model = serve.get_multiplexed_model_id()
+        return bool(model) and placed_in(self.placement.state(0)["placed"], model)
 
     def record_replica_metadata(self) -> dict:
         """Ray passes this to the routers once the replica is up: where they poll its worker."""

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loraplex.bearer import bearer, carries_token
-from loraplex.router import cutover
+from loraplex.router import cutover, model_lists
 from loraplex.router.catalog import AdapterCatalog
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
@@ -29,7 +29,7 @@ from loraplex.router.metrics import RouterMetrics
 from loraplex.router.picker import Pick, Picker, PickerConfig
 from loraplex.router.pools import DEFAULT_POOL, Need, PoolSpec, tiers
 from loraplex.router.prefixes import block_hashes, prompt_text
-from loraplex.router.routing import Refusal, Wanted, need_of, prefix_key, route
+from loraplex.router.routing import Refusal, Wanted, need_of, no_room, prefix_key, route
 from loraplex.router.splits import Splits, split_revision
 from loraplex.settings.router import DEFAULTS as D
 
@@ -369,13 +369,9 @@ def _waits(state: RouterState, pick: Pick, tenant: str) -> bool:
 def _no_worker(state: RouterState, pick):
     """429 when every worker is saturated and the request is shed, else 503; both retry later."""
     state.metrics.picks.labels(pick.reason).inc()
-    status, code = (429, "saturated") if pick.reason == "saturated-shed" else (503, "no_worker")
+    refused = no_room(pick.reason)
     return _error(
-        status,
-        f"no worker can take the request now ({pick.reason})",
-        code,
-        "server_error",
-        {"Retry-After": "1"},
+        refused.status, refused.message, refused.code, "server_error", {"Retry-After": "1"}
     )
 
 
@@ -427,8 +423,7 @@ async def models(request: Request):
     answers = [r for r in await asyncio.gather(*map(listing, urls)) if r is not None]
     listed = [_models_of(r) for r in answers if r.status_code == 200]
     if listed:
-        merged = {m["id"]: m for models in listed for m in models}
-        return {"object": "list", "data": list(merged.values())}
+        return model_lists.merged(listed)
     if answers:
         refusal = answers[0]
         return Response(refusal.content, refusal.status_code, media_type="application/json")
@@ -438,10 +433,9 @@ async def models(request: Request):
 def _models_of(answer: httpx.Response) -> list[dict]:
     """The entries of a worker's `/v1/models` list (none from an answer of another shape)."""
     try:
-        data = answer.json().get("data", [])
-    except (ValueError, AttributeError):
+        return model_lists.entries(answer.json())
+    except ValueError:
         return []
-    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 async def health():

@@ -4,6 +4,7 @@ when those are saturated; inside them, the picker."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from loraplex.router.catalog import AdapterCatalog
@@ -108,9 +109,15 @@ def route(
 def placed_here(worker: Worker, model: str) -> bool:
     """Whether the placement controller placed `model` (a bare name: any of its revisions) on
     the worker."""
+    return placed_in(worker.placed, model)
+
+
+def placed_in(placed: Iterable[str], model: str) -> bool:
+    """Whether `model` (a bare name: any of its revisions) is among the placements `placed`
+    (`name@revision`)."""
     if "@" in model:
-        return model in worker.placed
-    return any(p.partition("@")[0] == model for p in worker.placed)
+        return model in placed
+    return any(p.partition("@")[0] == model for p in placed)
 
 
 def role_workers(fleet: Fleet, role: str) -> tuple[str, ...]:
@@ -149,6 +156,14 @@ def first_with_room(picker: Picker, groups: list[list[WorkerView]], r: Wanted) -
     if chosen.url is None:
         return chosen
     return Pick((*chosen.ranking, *rest), chosen.reason)
+
+
+def no_room(reason: str) -> Refusal:
+    """No worker can take the request now: 429 `saturated` when it is shed (every worker it may
+    use is saturated and its tenant's priority is below the shedding band), else 503; both are
+    worth a retry later."""
+    status, code = (429, "saturated") if reason == "saturated-shed" else (503, "no_worker")
+    return Refusal(status, code, f"no worker can take the request now ({reason})")
 
 
 def refusal(fleet: Fleet, need: Need, r: Wanted) -> Refusal:
