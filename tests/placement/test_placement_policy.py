@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from loraplex.placement.cli import policy_of
 from loraplex.placement.policy import (
     AdapterView,
     Move,
@@ -12,6 +13,7 @@ from loraplex.placement.policy import (
     WorkerView,
     fleet_demand,
 )
+from loraplex.settings.placement import PlacementSettings
 
 MB = 1 << 20
 
@@ -337,3 +339,14 @@ def test_plans_are_deterministic_whatever_the_order_of_the_view():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         PlacementPolicy(**kwargs)
+
+
+def test_loraplex_placement_settings_reach_the_policy():
+    where = {"registry": "sqlite:///registry.db", "worker": ("http://w0:8000",)}
+    defaults = policy_of(PlacementSettings(**where))
+    assert (defaults.min_free_slots, defaults.min_hot_s, defaults.release_ratio) == (2, 30.0, 0.5)
+    given = PlacementSettings(**where, min_free_slots=3, min_hot_s=12.0, release_ratio=0.25)
+    p = policy_of(given)
+    assert (p.min_free_slots, p.min_hot_s, p.release_ratio) == (3, 12.0, 0.25)
+    with pytest.raises(ValueError, match="--release-ratio"):
+        PlacementSettings(**where, release_ratio=1.5)
