@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import insert, select
 
 from loraplex.artifacts import ArtifactStore
+from loraplex.loadgen.postgres import as_postgres, postgres_bin
 from loraplex.loadgen.procs import ADMIN_TOKEN, Proc
 from loraplex.registry import Registry
 from loraplex.registry.bulk import ImportItem
@@ -105,8 +106,9 @@ def make_variants(template: Path, root: Path, n: int) -> list[Path]:
 def pg_cluster(work: Path):
     """A throwaway PostgreSQL cluster on a socket in `work`: yields (url of a fresh schema maker,
     socket dir, log path)."""
-    bin_dir = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))[-1].parent
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    bin_dir = postgres_bin()
+    assert bin_dir is not None, "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin)"
+    as_user = as_postgres()
     work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o755)
     if as_user:

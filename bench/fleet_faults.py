@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from tinymodels import ADAPTERS, make_adapter, make_model, peft_reference, refer
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
+from loraplex.loadgen.postgres import as_postgres, pg_ctl, run_tool
 from loraplex.loadgen.procs import (
     ADMIN_TOKEN,
     Proc,
@@ -58,7 +57,8 @@ LATE = "pattern"
 # every adapter with traffic is hot and on two workers; a worker's five slots may all be placed but
 # the one it keeps, so the two live workers take every adapter, the late one too
 CONTROLLER = ("--min-rps", "0.005", "--per-replica-rps", "0.005", "--max-replicas", "2")
-CONTROLLER += ("--slot-share", "1", "--interval-s", "0.5", "--lease-s", "30")
+CONTROLLER += ("--slot-share", "1", "--min-free-slots", "1", "--min-hot-s", "0")
+CONTROLLER += ("--interval-s", "0.5", "--lease-s", "30")
 
 
 class Postgres:
@@ -66,25 +66,19 @@ class Postgres:
     root)."""
 
     def __init__(self, work: Path):
-        self.bin = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))[-1].parent
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        self.work, self.data = work, work / "data"
+        self.work = work
         work.mkdir(parents=True)
         work.chmod(0o755)
-        if self.as_user:
+        if as_postgres():
             shutil.chown(work, "postgres")
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        run_tool("initdb", "-D", str(work / "data"), "-A", "trust", "-U", "postgres", "--no-sync")
         options = f"-k {work} -c listen_addresses='' -c fsync=off"
         self.ctl("-o", options, "-l", str(work / "log"), "start")
         self.url = f"postgresql://postgres@/postgres?host={work}"
 
-    def _run(self, tool: str, *args: str) -> None:
-        command = [*self.as_user, str(self.bin / tool), *args]
-        subprocess.run(command, check=True, capture_output=True, timeout=120)
-
     def ctl(self, *args: str) -> None:
         """`pg_ctl ... ACTION`; `restart` on a stopped cluster starts it with its last options."""
-        self._run("pg_ctl", "-D", str(self.data), "-w", *args)
+        pg_ctl(self.work, *args)
 
 
 def build(root: Path, pg: Postgres):

@@ -48,11 +48,12 @@ from loraplex.loadgen.procs import (
 SETUPS = {"round-robin": "round-robin", "affinity": "affinity", "placement": "affinity"}
 # The workers' demand window is 300 s and a run's passes last about 30 s, so a window's rate reads
 # about 1/8 of the real one: the defaults' thresholds (hot from 0.05 rps, a worker per 8 rps) over
-# 8. Hot from two requests in the window (the sweep gives each adapter one); a placement stands
-# 10 s.
+# 8. Hot from two requests in the window (the sweep gives each adapter one); an adapter is placed
+# once hot for 5 s, and a placement stands 10 s.
 CONTROLLER = [
     *("--min-rps", "0.006", "--per-replica-rps", "1.0", "--max-replicas", "2"),
-    *("--min-dwell-s", "10", "--max-moves-per-hour", "3600", "--interval-s", "1"),
+    *("--min-dwell-s", "10", "--min-hot-s", "5", "--max-moves-per-hour", "3600"),
+    *("--interval-s", "1"),
     *("--lease-s", "30", "--metrics-port", "0"),
 ]
 

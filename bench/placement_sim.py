@@ -22,9 +22,10 @@ second and the controller's moves per hour.
   second. Moves: the controller's places and releases in the measured span, per simulated hour.
 
 The traces are short (a diurnal period is the whole trace) so that the run stays within minutes on
-two cores; the controller's interval, window, dwell and move budget are scaled with them
-(`--interval-s`, `--window-s`, `--min-dwell-s`, `--max-moves-per-hour`), and its moves per hour
-are per simulated hour of that compressed time.
+two cores; the controller's interval, window, dwell, time hot before placing and move budget are
+scaled with them (`--interval-s`, `--window-s`, `--min-dwell-s`, `--min-hot-s`,
+`--max-moves-per-hour`; `--release-ratio` as the controller's), and its moves per hour are per
+simulated hour of that compressed time.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def run(trace, routing: str, workers: int, hot: set[str], args) -> dict:
         min_rps=args.place_rps,
         max_moves_per_hour=args.max_moves_per_hour,
         min_dwell_s=args.min_dwell_s,
+        min_hot_s=args.min_hot_s,
+        release_ratio=args.release_ratio,
     )
     wall = time.perf_counter()
     sim = simulate(trace, config, policy_factory("score"), controller)
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--max-moves-per-hour", type=int, default=36_000)
     parser.add_argument("--min-dwell-s", type=float, default=20.0)
+    parser.add_argument("--min-hot-s", type=float, default=0.0)
+    parser.add_argument("--release-ratio", type=float, default=0.5)
     parser.add_argument("--json", default="bench/results/placement_sim.json")
     args = parser.parse_args(argv)
     args.counts = sorted({*map(int, args.counts.split(",")), args.workers})

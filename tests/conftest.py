@@ -10,6 +10,8 @@ import pytest
 import torch
 from tinymodels import make_adapters, make_model
 
+from loraplex.loadgen.postgres import postgres_bin
+
 torch.set_num_threads(2)
 
 
@@ -59,16 +61,11 @@ def demo_world():
 # ---- PostgreSQL: a throwaway cluster on a socket in a temp dir, when initdb exists ---------------
 
 
-def _pg_bin() -> Path | None:
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    return found[-1].parent if found else None
-
-
 @pytest.fixture(scope="session")
 def postgres_server():
     """(socket dir, run-as prefix) of a running throwaway cluster, or skip saying why there is
     none."""
-    bin_dir = _pg_bin()
+    bin_dir = postgres_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)")
     try:

@@ -52,7 +52,7 @@ def start_controller(registry_url: str, workers: list[str], data_dir: Path) -> P
         args += ["--worker", url]
     # a few requests make an adapter hot, on two workers; moves as soon as the policy wants them
     args += ["--min-rps", "0.005", "--per-replica-rps", "0.005", "--max-replicas", "2"]
-    args += ["--min-dwell-s", "0", "--interval-s", "0.5", "--lease-s", "60"]
+    args += ["--min-dwell-s", "0", "--min-hot-s", "0", "--interval-s", "0.5", "--lease-s", "60"]
     args += ["--metrics-port", "0"]
     return Proc(args, data_dir / "log.txt")
 

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from loraplex.placement.cli import policy_of
 from loraplex.placement.policy import (
     AdapterView,
     Move,
@@ -12,6 +13,7 @@ from loraplex.placement.policy import (
     WorkerView,
     fleet_demand,
 )
+from loraplex.settings.placement import PlacementSettings
 
 MB = 1 << 20
 
@@ -190,7 +192,7 @@ def test_cold_placements_stay_their_dwell_time():
 
 def test_a_full_worker_makes_room_by_releasing_an_unwanted_placement():
     demand = {"new@1": 5.0, "old@1": 0.1}
-    ws = [worker("w0", slots=3, placed=frozenset({"old@1", "older@1"}), demand=demand)]
+    ws = [worker("w0", slots=4, placed=frozenset({"old@1", "older@1"}), demand=demand)]
     ads = {k: adapter(k) for k in ("old@1", "older@1", "new@1")}
     moves = PlacementPolicy(min_rps=1.0, placed_slot_share=1.0).plan(ws, ads, now=0.0)
     # the coldest unwanted one leaves first, to make room; the other is released after
@@ -198,20 +200,29 @@ def test_a_full_worker_makes_room_by_releasing_an_unwanted_placement():
     assert moves[2:] == [Move("release", "old@1", "w0")]
 
 
-def test_a_worker_keeps_one_slot_out_of_placement_at_any_share():
-    """A worker refuses to pin its last device slot, so the plan never asks for it."""
+def test_a_worker_keeps_min_free_slots_out_of_placement_at_any_share():
+    """The adapters placed nowhere share a worker's unpinned slots, and its residency keeps a
+    newly loaded one a second against less demanded ones: with one such slot, their requests
+    wait in turn. So a 4-slot worker gets 2 placements at the default share (0.75 would allow 3),
+    and never its last slot, which the engines refuse to pin."""
     ads = {k: adapter(k) for k in ("a@1", "b@1", "c@1", "d@1")}
     ws = [worker("w0", slots=4, demand=dict.fromkeys(ads, 5.0))]
-    moves = PlacementPolicy(min_rps=1.0, placed_slot_share=1.0).plan(ws, ads, now=0.0)
-    assert len(apply(ws, moves)[0].placed) == 3
-    assert {m.kind for m in moves} == {"place"}
+    for policy, placed in [
+        (PlacementPolicy(min_rps=1.0), 2),
+        (PlacementPolicy(min_rps=1.0, placed_slot_share=1.0), 2),
+        (PlacementPolicy(min_rps=1.0, placed_slot_share=1.0, min_free_slots=1), 3),
+        (PlacementPolicy(min_rps=1.0, min_free_slots=4), 0),
+    ]:
+        moves = policy.plan(ws, ads, now=0.0)
+        assert len(apply(ws, moves)[0].placed) == placed
+        assert {m.kind for m in moves} <= {"place"}
 
 
 def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet_is_full():
     ads = {k: adapter(k) for k in ("early@1", "warm@1", "hot@1")}
 
     def full(**demand):
-        return [worker("w0", slots=3, placed=frozenset({"early@1", "warm@1"}), demand=demand)]
+        return [worker("w0", slots=4, placed=frozenset({"early@1", "warm@1"}), demand=demand)]
 
     def policy():
         return PlacementPolicy(min_rps=1.0, placed_slot_share=1.0, min_dwell_s=60.0)
@@ -226,7 +237,7 @@ def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet
     assert policy().plan(full(**close), ads, now=0.0) == []
     # placed by this policy, it stays its dwell time first
     p = policy()
-    ws = [worker("w0", slots=3, demand={"early@1": 2.0, "warm@1": 4.0})]
+    ws = [worker("w0", slots=4, demand={"early@1": 2.0, "warm@1": 4.0})]
     ws = apply(ws, p.plan(ws, ads, now=0.0))
     assert holders(ws, "early@1") == ["w0"] and holders(ws, "warm@1") == ["w0"]
     ws = [WorkerView(**{**ws[0].__dict__, "demand": hotter})]
@@ -234,6 +245,48 @@ def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet
     assert p.plan(ws, ads, now=90.0) == [
         Move("release", "early@1", "w0"),
         Move("place", "hot@1", "w0"),
+    ]
+
+
+def moves_over_an_hour(policy, series):
+    """The moves `policy` makes, planning every 10 s for an hour, on one worker whose demand for
+    each adapter follows `series(key, round)` (its plans applied as the controller would)."""
+    ads = {k: adapter(k) for k in ("steady@1", "swinging@1")}
+    ws = [worker("w0", slots=8)]
+    made = []
+    for i in range(360):
+        demand = {k: series(k, i) for k in ads}
+        ws = [WorkerView(**{**ws[0].__dict__, "demand": demand})]
+        moves = policy.plan(ws, ads, now=10.0 * i)
+        ws = apply(ws, moves)
+        made += [(10.0 * i, m) for m in moves]
+    return made
+
+
+def test_an_adapter_swinging_across_min_rps_is_placed_only_once_it_stays_hot():
+    """Demand read from a window of few requests swings across `min_rps` and back: with
+    `min_hot_s`, an adapter placed nowhere is placed only once it has stayed hot that long; a
+    placed one stays until its demand falls under `release_ratio` of the threshold."""
+
+    def across(key, i):  # min_rps 1.0; release under 0.5
+        return 5.0 if key == "steady@1" else (1.2 if i % 4 < 2 else 0.3)
+
+    def policy(**kw):
+        return PlacementPolicy(min_rps=1.0, min_dwell_s=20.0, **kw)
+
+    eager = moves_over_an_hour(policy(), across)
+    assert [m for _, m in eager if m.adapter == "steady@1"] == [Move("place", "steady@1", "w0")]
+    assert len([m for _, m in eager if m.adapter == "swinging@1"]) == 180  # place, release, ...
+    patient = moves_over_an_hour(policy(min_hot_s=30.0), across)
+    assert patient == [(30.0, Move("place", "steady@1", "w0"))]
+
+    def within_the_band(key, i):
+        return 5.0 if key == "steady@1" else (1.2 if i % 4 < 2 else 0.6)
+
+    moves = moves_over_an_hour(policy(), within_the_band)
+    assert [m for _, m in moves] == [
+        Move("place", "steady@1", "w0"),
+        Move("place", "swinging@1", "w0"),
     ]
 
 
@@ -279,8 +332,21 @@ def test_plans_are_deterministic_whatever_the_order_of_the_view():
         {"max_moves_per_hour": -1},
         {"placed_slot_share": 0.0},
         {"hotspot_ratio": 0.5},
+        {"min_free_slots": 0},
+        {"min_hot_s": -1.0},
     ],
 )
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         PlacementPolicy(**kwargs)
+
+
+def test_loraplex_placement_settings_reach_the_policy():
+    where = {"registry": "sqlite:///registry.db", "worker": ("http://w0:8000",)}
+    defaults = policy_of(PlacementSettings(**where))
+    assert (defaults.min_free_slots, defaults.min_hot_s, defaults.release_ratio) == (2, 30.0, 0.5)
+    given = PlacementSettings(**where, min_free_slots=3, min_hot_s=12.0, release_ratio=0.25)
+    p = policy_of(given)
+    assert (p.min_free_slots, p.min_hot_s, p.release_ratio) == (3, 12.0, 0.25)
+    with pytest.raises(ValueError, match="--release-ratio"):
+        PlacementSettings(**where, release_ratio=1.5)

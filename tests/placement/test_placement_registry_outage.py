@@ -5,8 +5,6 @@ controllers takes the lease and acts, and a controller stopped during an outage 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,18 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loraplex.loadgen.postgres import pg_ctl
 from loraplex.placement.controller import LEASE, PlacementController
 from loraplex.placement.policy import PlacementPolicy
 from loraplex.registry import Registry
 from loraplex.registry.leases import Leases
-
-
-def pg_ctl(server: Path, *args: str, check: bool = True) -> int:
-    """`pg_ctl` on the tests' cluster, as the user that started it; its exit status."""
-    binary = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))[-1]
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    command = [*as_user, str(binary), "-D", str(server / "data"), "-w", *args]
-    return subprocess.run(command, check=check, capture_output=True, timeout=120).returncode
 
 
 def start_postgres(server: Path) -> None:

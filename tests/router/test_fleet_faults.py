@@ -7,11 +7,8 @@ throughout (it outlives the outage and keeps its lease) while the other waits, n
 lost across the restart, and the registry keeps every revision and takes a new one that the fleet
 then serves and places."""
 
-import os
 import re
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +16,7 @@ from tinymodels import peft_reference, reference_greedy
 
 from loraplex.artifacts import ArtifactStore
 from loraplex.loadgen.faults import ClosedLoop, fault_counts, stream_greedy
+from loraplex.loadgen.postgres import pg_ctl
 from loraplex.loadgen.procs import (
     ADMIN_TOKEN,
     start_placement,
@@ -40,16 +38,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # a worker's five slots may all be placed but the one it keeps: the live worker takes all four
 CONTROLLER = ("--min-rps", "0.005", "--per-replica-rps", "1000", "--max-replicas", "1")
 CONTROLLER += ("--slot-share", "1", "--min-dwell-s", "0", "--interval-s", "0.5")
-CONTROLLER += ("--lease-s", "60")
-
-
-def pg_ctl(server: Path, *args: str) -> None:
-    """`pg_ctl` on the tests' cluster (as the postgres user when running as root, as it was
-    started); `restart` on a stopped cluster starts it with the options it last ran with."""
-    binary = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))[-1]
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    command = [*as_user, str(binary), "-D", str(server / "data"), "-w", *args]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+CONTROLLER += ("--lease-s", "60", "--min-hot-s", "0", "--min-free-slots", "1")
 
 
 def revisions(url: str) -> set[tuple[str, str]]:

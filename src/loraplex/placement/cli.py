@@ -32,7 +32,10 @@ def policy_of(settings: PlacementSettings) -> PlacementPolicy:
         max_moves_per_hour=settings.max_moves_per_hour,
         min_rps=settings.min_rps,
         min_dwell_s=settings.min_dwell_s,
+        min_hot_s=settings.min_hot_s,
+        release_ratio=settings.release_ratio,
         placed_slot_share=settings.slot_share,
+        min_free_slots=settings.min_free_slots,
     )
 
 

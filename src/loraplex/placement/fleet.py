@@ -21,15 +21,17 @@ class Fleet:
         demand: Mapping[str, float],
         slot_share: float,
         tenant_budgets: Mapping[str, int],
+        min_free_slots: int = 1,
     ):
         self.adapters = adapters
         self.demand = demand
         self.tenant_budgets = tenant_budgets
         self._workers = {w.name: w for w in sorted(workers, key=lambda w: w.name)}
         self._placed = {w.name: set(w.placed) for w in self._workers.values()}
-        # a worker keeps one device slot out of its pins, whatever the share
+        # a worker keeps `min_free_slots` device slots out of its pins, whatever the share
         self._slots = {
-            w.name: min(int(w.slots * slot_share), w.slots - 1) for w in self._workers.values()
+            w.name: max(0, min(int(w.slots * slot_share), w.slots - min_free_slots))
+            for w in self._workers.values()
         }
         self._bytes = {n: sum(self._nbytes(k) for k in p) for n, p in self._placed.items()}
         self._holders: dict[str, set[str]] = {}

@@ -1,16 +1,18 @@
 """The placement controller's policy: from the fleet's demand, how many workers each hot adapter
 is warm on and which ones, as a list of moves (place, release) to apply in order.
 
-Pure over plain data, apart from two pieces of memory that make it steady: a token bucket on
-`now` that bounds the moves per hour, and the time each placement was made, so that a placement
-stays at least `min_dwell_s`. The same calls in the same order give the same moves.
+Pure over plain data, apart from three pieces of memory that make it steady: a token bucket on
+`now` that bounds the moves per hour, the time each placement was made, so that a placement
+stays at least `min_dwell_s`, and since when each adapter has been hot, so that one is placed
+only after `min_hot_s`. The same calls in the same order give the same moves.
 
 One `plan` does, in this order, while the bucket has tokens:
 1. releases placements of adapters no longer registered;
 2. drains: each adapter placed on a draining worker is placed elsewhere, then released from it;
-3. places each hot adapter, hottest first, until it is on its target number of workers (a dead
-   worker's placements are gone from the view, so its adapters come back here), making room on
-   a full worker by releasing a placement that is no longer wanted;
+3. places each hot adapter (one placed nowhere: hot for `min_hot_s`), hottest first, until it is
+   on its target number of workers (a dead worker's placements are gone from the view, so its
+   adapters come back here), making room on a full worker by releasing a placement that is no
+   longer wanted;
 4. releases placements no longer wanted (cold adapters, replicas over the target);
 5. rebalances hotspots: a worker whose placed demand is above `hotspot_ratio` times the fleet's
    mean, and above what one replica serves, hands one adapter to the least loaded worker that
@@ -49,8 +51,10 @@ class PlacementPolicy:
         release_ratio: float = 0.5,
         hysteresis: float = 0.25,
         min_dwell_s: float = 300.0,
+        min_hot_s: float = 0.0,
         hotspot_ratio: float = 1.5,
         placed_slot_share: float = 0.75,
+        min_free_slots: int = 2,
         tenant_budgets: Mapping[str, int] | None = None,
     ):
         """`per_replica_rps`: the requests per second one warm worker serves for one adapter;
@@ -58,8 +62,14 @@ class PlacementPolicy:
         any hour stay within `max_moves_per_hour + burst`; `min_rps`: the demand that makes an
         adapter hot, and `release_ratio` of it the demand under which a placed one is released;
         `hysteresis`: the share a demand must move past a replica count before the count
-        changes; `placed_slot_share`: the share of a worker's slots placement may fill, the rest
-        left to the worker's own residency; `tenant_budgets`: tenant -> most placements."""
+        changes; `min_hot_s`: how long an adapter placed nowhere stays at `min_rps` or more
+        before it is placed (a window's few requests swing it across the threshold and back);
+        `placed_slot_share`: the share of a worker's slots placement may fill, the rest left to
+        the worker's own residency; `min_free_slots`: the slots of each worker placement
+        leaves unpinned whatever the share (the adapters placed nowhere share them, and the
+        worker's residency keeps a newly loaded one for a second against less demanded ones, so
+        with one such slot their requests wait in turn); `tenant_budgets`: tenant -> most
+        placements."""
         if max_replicas < 1:
             raise ValueError("max_replicas must be at least 1")
         if per_replica_rps <= 0 or min_rps <= 0:
@@ -68,8 +78,10 @@ class PlacementPolicy:
             raise ValueError("max_moves_per_hour must be at least 0")
         if not 0 < placed_slot_share <= 1 or not 0 <= release_ratio <= 1:
             raise ValueError("placed_slot_share must be in (0, 1], release_ratio in [0, 1]")
-        if hysteresis < 0 or hotspot_ratio < 1:
-            raise ValueError("hysteresis must be at least 0, hotspot_ratio at least 1")
+        if min_free_slots < 1:
+            raise ValueError("min_free_slots must be at least 1 (the engines keep one slot free)")
+        if hysteresis < 0 or hotspot_ratio < 1 or min_hot_s < 0:
+            raise ValueError("hysteresis, min_hot_s must be at least 0, hotspot_ratio at least 1")
         self.max_replicas = max_replicas
         self.per_replica_rps = per_replica_rps
         self.max_moves_per_hour = max_moves_per_hour
@@ -78,12 +90,15 @@ class PlacementPolicy:
         self.release_ratio = release_ratio
         self.hysteresis = hysteresis
         self.min_dwell_s = min_dwell_s
+        self.min_hot_s = min_hot_s
         self.hotspot_ratio = hotspot_ratio
         self.placed_slot_share = placed_slot_share
+        self.min_free_slots = min_free_slots
         self.tenant_budgets = dict(tenant_budgets or {})
         self.tokens = float(self.burst)
         self._refilled_at: float | None = None
         self._placed_at: dict[tuple[str, str], float] = {}
+        self._hot_since: dict[str, float] = {}
 
     def target(self, rps: float, current: int) -> int:
         """How many workers an adapter with `rps` of demand should be warm on, now on `current`:
@@ -105,9 +120,21 @@ class PlacementPolicy:
         names = {w.name for w in workers}
         self._placed_at = {kw: t for kw, t in self._placed_at.items() if kw[1] in names}
         demand = fleet_demand(workers)
-        fleet = Fleet(workers, adapters, demand, self.placed_slot_share, self.tenant_budgets)
+        fleet = Fleet(
+            workers,
+            adapters,
+            demand,
+            self.placed_slot_share,
+            self.tenant_budgets,
+            self.min_free_slots,
+        )
+        self._hot_since = {
+            k: self._hot_since.get(k, now) for k, rps in demand.items() if rps >= self.min_rps
+        }
         targets = {
             k: self.target(demand.get(k, 0.0), fleet.replicas(k))
+            if fleet.replicas(k) or self._hot_long_enough(k, now)
+            else 0
             for k in set(fleet.registered()) | fleet.placed_keys()
             if k in adapters
         }
@@ -131,6 +158,11 @@ class PlacementPolicy:
             return False
         self.tokens -= n
         return True
+
+    def _hot_long_enough(self, key: str, now: float) -> bool:
+        """Whether `key`'s demand has stood at `min_rps` or more for `min_hot_s`."""
+        since = self._hot_since.get(key)
+        return since is not None and now - since >= self.min_hot_s
 
     def _settled(self, key: str, worker: str, now: float) -> bool:
         """Whether a placement has stood long enough to be moved for load or demand."""

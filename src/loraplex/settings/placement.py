@@ -96,13 +96,41 @@ class PlacementSettings:
         doc="seconds a placement stands before the policy moves it for load or demand (a "
         "drain or a dead worker moves it at once)",
     )
+    min_hot_s: float = setting(
+        30.0,
+        "Seconds an adapter placed nowhere stays hot before it is placed",
+        panel=POLICY,
+        check=at_least(0),
+        doc="seconds an adapter placed nowhere must stay at `--min-rps` or more before it is "
+        "placed: a window's few requests swing an adapter near the threshold across it and "
+        "back, and each crossing would be a place and, later, a release",
+    )
+    release_ratio: float = setting(
+        0.5,
+        "A placed adapter is released under this share of --min-rps",
+        panel=POLICY,
+        check=at_least(0),
+        doc="a placed adapter is released once its demand falls under this share of "
+        "`--min-rps` (at most 1): the band between keeps a placement through its demand's swings",
+    )
     slot_share: float = setting(
         0.75,
         "The share of a worker's slots placement may fill",
         panel=POLICY,
         check=positive,
-        doc="the share of a worker's device slots placement may fill, never its last one; the "
-        "rest is left to the worker's own residency",
+        doc="the share of a worker's device slots placement may fill, never more than leaves "
+        "`--min-free-slots`; the rest is left to the worker's own residency",
+    )
+    min_free_slots: int = setting(
+        2,
+        "The device slots of each worker placement leaves unpinned, whatever the share",
+        panel=POLICY,
+        check=at_least(1),
+        doc="the device slots of each worker placement leaves unpinned, whatever "
+        "`--slot-share`: the adapters placed nowhere share them, and a worker's residency "
+        "keeps a newly loaded adapter a second against less demanded ones, so with one such "
+        "slot their requests wait in turn (a worker with this many slots or fewer gets no "
+        "placement)",
     )
     interval_s: float = setting(
         10.0, "Seconds between rounds (poll, plan, act)", panel=TIMING, check=positive
@@ -131,3 +159,5 @@ class PlacementSettings:
             raise ValueError("--worker or --pool is required (the workers to place on)")
         if self.slot_share > 1:
             raise ValueError("--slot-share must be at most 1")
+        if self.release_ratio > 1:
+            raise ValueError("--release-ratio must be at most 1")

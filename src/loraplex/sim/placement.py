@@ -41,6 +41,10 @@ class ControllerConfig:
     burst: int | None = None
     min_rps: float = 0.1
     min_dwell_s: float = 60.0
+    min_hot_s: float = 0.0
+    """How long an adapter placed nowhere stays hot before it is placed."""
+    release_ratio: float = 0.5
+    """A placed adapter is released under this share of `min_rps`."""
     spill_waiting: int = 20
     """A placed worker with more requests waiting than this (its own, and the router's open beyond
     those it runs) is passed over. Four times the picker's saturation: requests waiting there are
@@ -54,6 +58,8 @@ class ControllerConfig:
             burst=self.burst,
             min_rps=self.min_rps,
             min_dwell_s=self.min_dwell_s,
+            min_hot_s=self.min_hot_s,
+            release_ratio=self.release_ratio,
         )
 
 
