@@ -13,7 +13,8 @@ back (`--holdback-window-s 0`); the same with the default window (5 s: a place k
 while it is active, `router/holdback.py`); the queue without the limit (`-1`: a worker's
 first-come queue holds what passes the saturation filter) and no place held back; without the
 queue either (`--queue-per-tenant 0`, a saturated pick goes to the worker). TTFT is measured at
-the client to the first streamed chunk.
+the client to the first streamed chunk, and at the workers (their audit logs' `ttft_ms`: from the
+request's arrival at the worker to its first token).
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ async def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: 
     return {"b": b_records, "a": a_done, "seconds": elapsed}
 
 
+def audit_lines(data_dir: Path) -> list[dict]:
+    """A worker's audit log (`serve`'s default, in its data directory): a line per request."""
+    path = data_dir / "audit.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def pct(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1) if values else None
@@ -129,18 +138,29 @@ def run(tmp: Path, name: str, workers, registry_url: str, keys, b_times, a_clien
         "0",
         *flags,
     )
+    data_dirs = [tmp / f"w{i}" for i in range(len(workers))]  # as `main` starts them
+    seen = [len(audit_lines(d)) for d in data_dirs]
     try:
         time.sleep(1.5)
         result = asyncio.run(load(router.url, keys, b_times, a_clients))
     finally:
         router.stop()
     b_ok = [r["ttft"] for r in result["b"] if r.get("status") == 200 and "ttft" in r]
+    time.sleep(1.0)  # the workers' last audit lines written
+    at_workers = [
+        line["ttft_ms"] / 1000
+        for d, n in zip(data_dirs, seen, strict=True)
+        for line in audit_lines(d)[n:]
+        if line.get("tenant") == "b" and line.get("ttft_ms") is not None
+    ]
     a_ok = [r for r in result["a"] if r.get("status") == 200]
     return {
         "run": name,
         "b_ok": f"{len(b_ok)}/{len(result['b'])}",
         "b_ttft_p50_ms": pct(b_ok, 0.5),
         "b_ttft_p99_ms": pct(b_ok, 0.99),
+        "b_worker_ttft_p50_ms": pct(at_workers, 0.5),
+        "b_worker_ttft_p99_ms": pct(at_workers, 0.99),
         "a_answers_per_s": round(len(a_ok) / result["seconds"], 1),
         "a_refused": len(result["a"]) - len(a_ok),
     }
@@ -177,8 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(*(str(v) for v in row.values()))
     console.print(table)
     alone = rows[0]["b_ttft_p99_ms"]
+    at_workers = rows[0]["b_worker_ttft_p99_ms"]
     goals = {
         f"b_p99_over_alone ({row['run']})": round(row["b_ttft_p99_ms"] / alone, 2)
+        for row in rows[1:]
+    } | {
+        f"b_worker_p99_over_alone ({row['run']})": round(
+            row["b_worker_ttft_p99_ms"] / at_workers, 2
+        )
         for row in rows[1:]
     }
     console.print(goals)
