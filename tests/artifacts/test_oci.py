@@ -342,6 +342,33 @@ def test_registry_add_pushes_and_a_worker_pulls_by_digest(
     )
 
 
+def _login_file(path: Path, host: str, password: str) -> Path:
+    auth = base64.b64encode(f"{USER}:{password}".encode()).decode()
+    path.write_text(json.dumps({"auths": {host: {"auth": auth}}}))
+    return path
+
+
+def _pushing_registry(registry, llama_dir, tmp_path, repo: str):
+    """A registry pushing to `repo` of the OCI registry, and how a manifest of it answers."""
+    from loraplex.registry import Registry
+
+    reg = Registry(
+        f"sqlite:///{tmp_path / 'registry.db'}",
+        ArtifactStore(tmp_path / "store"),
+        base_model_dir=llama_dir,
+        storage_base=registry.base(repo),
+    )
+
+    def manifest_status(uri: str) -> int:
+        return httpx.get(
+            f"http://{registry.host}/v2/{repo}/manifests/{OciRef.parse(uri).digest}",
+            auth=(USER, PASSWORD),
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        ).status_code
+
+    return reg, manifest_status
+
+
 def test_a_retired_revisions_manifest_leaves_the_repository(
     registry, adapter_v1, llama_dir, tmp_path, monkeypatch
 ):
@@ -349,28 +376,10 @@ def test_a_retired_revisions_manifest_leaves_the_repository(
     deleted with its local copy; its bytes registered again are pushed again, to the same URI."""
     from tinymodels import make_adapter
 
-    from loraplex.registry import Registry
-
-    secret = tmp_path / ".dockerconfigjson"
-    auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    secret.write_text(json.dumps({"auths": {registry.host: {"auth": auth}}}))
+    secret = _login_file(tmp_path / ".dockerconfigjson", registry.host, PASSWORD)
     monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(secret))
-    base = registry.base("loras/retired")
     v2 = make_adapter(llama_dir, tmp_path / "v2", seed=2, r=4, target_modules=["q_proj"])
-    reg = Registry(
-        f"sqlite:///{tmp_path / 'registry.db'}",
-        ArtifactStore(tmp_path / "store"),
-        base_model_dir=llama_dir,
-        storage_base=base,
-    )
-
-    def manifest_status(uri: str) -> int:
-        digest = OciRef.parse(uri).digest
-        return httpx.get(
-            f"http://{registry.host}/v2/loras/retired/manifests/{digest}",
-            auth=(USER, PASSWORD),
-            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
-        ).status_code
+    reg, manifest_status = _pushing_registry(registry, llama_dir, tmp_path, "loras/retired")
 
     try:
         reg.init()
@@ -532,28 +541,11 @@ def test_gc_deletes_a_retired_manifest_that_the_repository_refused_to_delete(
     refusal is audited, and `gc` deletes it once the login works; a second `gc` has nothing left."""
     from tinymodels import make_adapter
 
-    from loraplex.registry import Registry
-
-    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    for path, password in ((good, PASSWORD), (bad, "wrong")):
-        auth = base64.b64encode(f"{USER}:{password}".encode()).decode()
-        path.write_text(json.dumps({"auths": {registry.host: {"auth": auth}}}))
+    good = _login_file(tmp_path / "good.json", registry.host, PASSWORD)
+    bad = _login_file(tmp_path / "bad.json", registry.host, "wrong")
     monkeypatch.setenv("LORAPLEX_OCI_AUTH_FILE", str(good))
-    base = registry.base("loras/refused")
     v2 = make_adapter(llama_dir, tmp_path / "v2", seed=2, r=4, target_modules=["q_proj"])
-    reg = Registry(
-        f"sqlite:///{tmp_path / 'registry.db'}",
-        ArtifactStore(tmp_path / "store"),
-        base_model_dir=llama_dir,
-        storage_base=base,
-    )
-
-    def manifest_status(uri: str) -> int:
-        return httpx.get(
-            f"http://{registry.host}/v2/loras/refused/manifests/{OciRef.parse(uri).digest}",
-            auth=(USER, PASSWORD),
-            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
-        ).status_code
+    reg, manifest_status = _pushing_registry(registry, llama_dir, tmp_path, "loras/refused")
 
     try:
         reg.init()
