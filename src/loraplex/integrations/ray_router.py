@@ -104,15 +104,20 @@ class PoolChooser:
         ]
         if not order:
             return refusal(self.fleet, need, wanted)
-        # stable: the order above within each
-        order.sort(
-            key=lambda s: (
-                wanted.canary and s.role != "canary",
-                s.name not in placed,
-                wanted.warm and s.role != "warm",
-            )
+        return self.ordered(wanted, [spec.name for spec in order], placed)
+
+    def ordered(self, wanted: Wanted, names: list[str], placed: Set[str]) -> list[str]:
+        """`names` (eligible pools, in the tenant's order) with a canary's `canary` pools first,
+        then the pools of `placed`, then a warm adapter's `warm` pools; stable within each."""
+        roles = {name: self.fleet.pools[name].role for name in names}
+        return sorted(
+            names,
+            key=lambda n: (
+                wanted.canary and roles[n] != "canary",
+                n not in placed,
+                wanted.warm and roles[n] != "warm",
+            ),
         )
-        return [spec.name for spec in order]
 
     def with_room(self, candidates: list[str]) -> str | None:
         """The first pool whose requests open are below its room (None: all full)."""
@@ -240,8 +245,7 @@ class LoraplexPoolRouter:
             return candidates
         placed = await self._placed(wanted, candidates)
         if placed:
-            ordered = self.chooser.candidates(wanted, placed)
-            candidates = ordered if isinstance(ordered, list) else candidates
+            candidates = self.chooser.ordered(wanted, candidates, placed)
         room = self.chooser.with_room(candidates)
         if room is None and wanted.priority < self.shed_priority_below:
             return no_room("saturated-shed")

@@ -152,9 +152,10 @@ class StagedCopies:
                 stages["disk"] = time.perf_counter() - start
                 return verified.nbytes, stages, verified.shape
             shutil.rmtree(target, ignore_errors=True)  # changed: staged again from the source
+        checked_s = time.perf_counter() - start  # a changed staged copy's check, if any
         fetched = fetch(ref, self.disk)
         files = fetched.result
-        stages.update(fetched.stages)
+        stages.update(fetched.stages, disk=fetched.stages["disk"] + checked_s)
         work = self.stage_dir / f".{target.name}.{threading.get_ident()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
