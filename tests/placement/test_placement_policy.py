@@ -204,18 +204,43 @@ def test_a_worker_keeps_min_free_slots_out_of_placement_at_any_share():
     """The adapters placed nowhere share a worker's unpinned slots, and its residency keeps a
     newly loaded one a second against less demanded ones: with one such slot, their requests
     wait in turn. So a 4-slot worker gets 2 placements at the default share (0.75 would allow 3),
-    and never its last slot, which the engines refuse to pin."""
+    and never its last slot, which the engines refuse to pin; a reserve of all its slots still
+    leaves it one placement."""
     ads = {k: adapter(k) for k in ("a@1", "b@1", "c@1", "d@1")}
     ws = [worker("w0", slots=4, demand=dict.fromkeys(ads, 5.0))]
     for policy, placed in [
         (PlacementPolicy(min_rps=1.0), 2),
         (PlacementPolicy(min_rps=1.0, placed_slot_share=1.0), 2),
         (PlacementPolicy(min_rps=1.0, placed_slot_share=1.0, min_free_slots=1), 3),
-        (PlacementPolicy(min_rps=1.0, min_free_slots=4), 0),
+        (PlacementPolicy(min_rps=1.0, min_free_slots=4), 1),
     ]:
         moves = policy.plan(ws, ads, now=0.0)
         assert len(apply(ws, moves)[0].placed) == placed
         assert {m.kind for m in moves} <= {"place"}
+
+
+def test_a_worker_of_two_slots_takes_one_placement_and_one_of_a_single_slot_none():
+    """vLLM at `--max-loras 2`: the default reserve of 2 would leave it no placement at all, so
+    the reserve gives way to one placement (the worker keeps its other slot free); a worker of
+    one slot pins nothing, so it takes none, and the hot adapters go to the others."""
+    ads = {k: adapter(k) for k in ("a@1", "b@1", "c@1")}
+    demand = dict.fromkeys(ads, 5.0)
+    ws = [
+        worker("two", slots=2, demand=demand),
+        worker("one", slots=1, demand=demand),
+        worker("three", slots=3, demand=demand),
+    ]
+    default, reserving = (
+        PlacementPolicy(min_rps=1.0),
+        PlacementPolicy(min_rps=1.0, min_free_slots=9),
+    )
+    for policy in (default, reserving):
+        placed = {w.name: len(w.placed) for w in apply(ws, policy.plan(ws, ads, now=0.0))}
+        assert placed == {"two": 1, "one": 0, "three": 1}
+    assert [default.placeable_slots(n) for n in (0, 1, 2, 3, 4, 8)] == [0, 0, 1, 1, 2, 6]
+    assert [reserving.placeable_slots(n) for n in (0, 1, 2, 3, 4, 8)] == [0, 0, 1, 1, 1, 1]
+    tight = PlacementPolicy(min_rps=1.0, placed_slot_share=0.1)
+    assert [tight.placeable_slots(n) for n in (1, 2, 8, 20)] == [0, 1, 1, 2]
 
 
 def test_a_hotter_adapter_takes_the_place_of_a_settled_colder_one_when_the_fleet_is_full():

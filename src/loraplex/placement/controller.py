@@ -54,6 +54,11 @@ class PlacementMetrics:
             "Workers whose state the last round read",
             registry=self.registry,
         )
+        self.workers_unplaceable = Gauge(
+            "loraplex_placement_workers_unplaceable",
+            "Workers the last round read that take no placement (one device slot or none)",
+            registry=self.registry,
+        )
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class PlacementController:
         self.metrics.leader.set_function(lambda: 1.0 if self.leading_now() else 0.0)
         self.unanswered: set[str] = set()
         """The workers that did not answer their state in the last round."""
+        self.unplaceable: set[str] = set()
+        """The workers the last round read that take no placement (each said once in the log)."""
 
     def holds_lease(self) -> bool:
         """Take or renew the lease; whether this controller holds it now."""
@@ -116,7 +123,20 @@ class PlacementController:
                 log.info("worker %s answers again", t.url)
                 self.unanswered.discard(t.url)
         self.metrics.workers_up.set(len(views))
+        self.note_unplaceable(views)
         return views
+
+    def note_unplaceable(self, views: list[WorkerView]) -> None:
+        """Log, once per worker, one that takes no placement, and count them in the metrics."""
+        unplaceable = {w.name: w.slots for w in views if not self.policy.placeable_slots(w.slots)}
+        for url in sorted(unplaceable.keys() - self.unplaceable):
+            log.warning(
+                "worker %s takes no placement: it has %d device slot(s) and keeps one free",
+                url,
+                unplaceable[url],
+            )
+        self.unplaceable = set(unplaceable)
+        self.metrics.workers_unplaceable.set(len(unplaceable))
 
     def round(self) -> list[tuple[Move, bool]]:
         """One round: read, plan, apply; each move applied with whether it was done. A release

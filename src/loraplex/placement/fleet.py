@@ -13,6 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from loraplex.placement.records import AdapterView, WorkerView
 
 
+def placeable_slots(slots: int, share: float, min_free_slots: int) -> int:
+    """How many of a worker's `slots` placement may pin: `share` of them, leaving
+    `min_free_slots` unpinned, yet one on a worker of two or more slots (a worker pins all its
+    slots but one, so the reserve never takes the only one it would pin)."""
+    return max(0, min(int(slots * share), slots - min_free_slots), min(1, slots - 1))
+
+
 class Fleet:
     def __init__(
         self,
@@ -28,9 +35,8 @@ class Fleet:
         self.tenant_budgets = tenant_budgets
         self._workers = {w.name: w for w in sorted(workers, key=lambda w: w.name)}
         self._placed = {w.name: set(w.placed) for w in self._workers.values()}
-        # a worker keeps `min_free_slots` device slots out of its pins, whatever the share
         self._slots = {
-            w.name: max(0, min(int(w.slots * slot_share), w.slots - min_free_slots))
+            w.name: placeable_slots(w.slots, slot_share, min_free_slots)
             for w in self._workers.values()
         }
         self._bytes = {n: sum(self._nbytes(k) for k in p) for n, p in self._placed.items()}

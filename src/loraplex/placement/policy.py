@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from loraplex.placement.fleet import Fleet
+from loraplex.placement.fleet import Fleet, placeable_slots
 from loraplex.placement.records import AdapterView, Move, WorkerView
 
 __all__ = ["AdapterView", "Move", "PlacementPolicy", "WorkerView", "fleet_demand"]
@@ -68,7 +68,8 @@ class PlacementPolicy:
         the worker's own residency; `min_free_slots`: the slots of each worker placement
         leaves unpinned whatever the share (the adapters placed nowhere share them, and the
         worker's residency keeps a newly loaded one for a second against less demanded ones, so
-        with one such slot their requests wait in turn); `tenant_budgets`: tenant -> most
+        with one such slot their requests wait in turn), except that a worker of two or more
+        slots always takes one placement (`placeable_slots`); `tenant_budgets`: tenant -> most
         placements."""
         if max_replicas < 1:
             raise ValueError("max_replicas must be at least 1")
@@ -99,6 +100,10 @@ class PlacementPolicy:
         self._refilled_at: float | None = None
         self._placed_at: dict[tuple[str, str], float] = {}
         self._hot_since: dict[str, float] = {}
+
+    def placeable_slots(self, slots: int) -> int:
+        """How many placements a worker of `slots` device slots takes."""
+        return placeable_slots(slots, self.placed_slot_share, self.min_free_slots)
 
     def target(self, rps: float, current: int) -> int:
         """How many workers an adapter with `rps` of demand should be warm on, now on `current`:

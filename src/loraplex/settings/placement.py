@@ -119,7 +119,8 @@ class PlacementSettings:
         panel=POLICY,
         check=positive,
         doc="the share of a worker's device slots placement may fill, never more than leaves "
-        "`--min-free-slots`; the rest is left to the worker's own residency",
+        "`--min-free-slots` (yet one on a worker of two or more slots); the rest is left to "
+        "the worker's own residency",
     )
     min_free_slots: int = setting(
         2,
@@ -129,8 +130,9 @@ class PlacementSettings:
         doc="the device slots of each worker placement leaves unpinned, whatever "
         "`--slot-share`: the adapters placed nowhere share them, and a worker's residency "
         "keeps a newly loaded adapter a second against less demanded ones, so with one such "
-        "slot their requests wait in turn (a worker with this many slots or fewer gets no "
-        "placement)",
+        "slot their requests wait in turn; a worker of two or more slots still takes one "
+        "placement (vLLM at `--max-loras 2`), one of a single slot none "
+        "(`loraplex_placement_workers_unplaceable`)",
     )
     interval_s: float = setting(
         10.0, "Seconds between rounds (poll, plan, act)", panel=TIMING, check=positive
