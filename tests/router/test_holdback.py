@@ -98,3 +98,32 @@ def test_places_are_the_reported_running_places_and_the_router_s_open_requests()
     assert holdback.keeps_from("a", places, now=1.0)  # one free place, owed to b
     assert not holdback.keeps_from("b", places, now=1.0)
     assert not holdback.keeps_from("a", places[1:], now=1.0)  # b is not active on b nor c
+
+
+def test_arrivals_past_the_window_are_forgotten_those_within_it_still_count():
+    holdback = Holdback(window_s=5.0)
+    holdback.arrived("quiet", 0, 0.0, {"http://gone", "http://w"})
+    holdback.arrived("b", 0, 0.0, W)
+    holdback.arrived("a", 0, 5.0, W)  # b's arrival, 5 s old, is still within the window
+    busy(holdback, "a", 8)
+    assert holdback.held("a", W, places=8, now=5.0) == 2  # quiet and b: each owed a place
+    holdback.arrived("b", 0, 7.0, W)
+    holdback.arrived("a", 0, 10.5, W)  # the fleet has no http://gone: no arrival goes there
+    assert set(holdback._seen) == {("b", "http://w"), ("a", "http://w")}
+    assert holdback.held("a", W, places=8, now=10.5) == 1  # b only
+
+
+def test_the_arrivals_kept_stay_within_two_windows_over_a_long_run():
+    """A tenant per second for a day, each on its own worker: what is kept is bounded by the
+    window, not by the run."""
+    holdback = Holdback(window_s=30.0)
+    most = 0
+    for second in range(86_400):
+        holdback.arrived(f"t{second}", 0, float(second), {f"http://w{second % 500}"})
+        most = max(most, len(holdback._seen))
+    assert most <= 2 * 30 + 1  # a second's arrivals, for the last two windows
+    holdback.arrived("last", 0, 86_400.0, W)
+    assert all(86_400.0 - at <= 60.0 for at in holdback._seen.values())
+    nothing_held = Holdback(window_s=0)
+    nothing_held.arrived("a", 0, 0.0, W)
+    assert not nothing_held._seen

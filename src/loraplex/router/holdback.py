@@ -48,7 +48,9 @@ class Holdback:
     weights: dict[str, float] = field(default_factory=dict)
     """Tenant -> weight (a tenant not named weighs 1), as in the fair-share queue."""
     _seen: dict[tuple[str, str], float] = field(default_factory=dict)
-    """(tenant, worker url) -> when its last request that could go there arrived."""
+    """(tenant, worker url) -> when its last request that could go there arrived, within about
+    two windows (`_forget_quiet`)."""
+    _forgot_at: float = float("-inf")
     _priority: dict[str, int] = field(default_factory=dict)
     _open: Counter[tuple[str, str]] = field(default_factory=Counter)
     """(tenant, worker url) -> its requests sent there and not finished."""
@@ -56,10 +58,21 @@ class Holdback:
     def arrived(self, tenant: str | None, priority: int, now: float, urls: Iterable[str]) -> None:
         """A caller's request arrived that could go to the workers `urls` (tenant None: a key no
         tenant holds, which makes no tenant active: a worker refuses it)."""
-        if tenant is not None:
-            self._priority[tenant] = priority
-            for url in urls:
-                self._seen[tenant, url] = now
+        if tenant is None or self.window_s <= 0:
+            return
+        self._priority[tenant] = priority
+        for url in urls:
+            self._seen[tenant, url] = now
+        self._forget_quiet(now)
+
+    def _forget_quiet(self, now: float) -> None:
+        """Forget the arrivals past the window (a tenant gone quiet, a worker gone from the
+        fleet): they make no tenant active any more. Once a window at most, so each arrival
+        costs little and the pairs kept are those of the last two windows."""
+        if now - self._forgot_at < self.window_s:
+            return
+        self._forgot_at = now
+        self._seen = {key: at for key, at in self._seen.items() if now - at <= self.window_s}
 
     def opened(self, tenant: str | None, url: str) -> None:
         """A request of `tenant` went to worker `url` (None: no caller's, as an upload's)."""
