@@ -186,6 +186,18 @@ def _system_prompt_tokens() -> Any:
     )
 
 
+def _max_num_seqs() -> Any:
+    return setting(
+        SERVE.max_num_seqs,
+        "Sequences in each worker's running batch, as `loraplex serve --max-num-seqs`",
+        metavar="N",
+        check=at_least(1),
+        doc="sequences in each simulated worker's running batch, as `loraplex serve "
+        "--max-num-seqs`: a worker runs at most this many requests at once, the rest wait in its "
+        "queue (and the router counts this many places per worker)",
+    )
+
+
 def workload_shape(s: SimulateSettings | PlanSettings) -> dict[str, Any]:
     """The reshaping of a generated workload that the settings give: {field: value} of those
     set."""
@@ -248,6 +260,7 @@ class SimulateSettings:
         check=at_least(1),
         default_text=f"vllm: {VLLM_HOST_CACHE_PER_SLOT} × slots",
     )
+    max_num_seqs: int = _max_num_seqs()
     json: Path | None = setting(
         None, "Write every run: one entry per policy plus optimal", metavar="FILE"
     )
@@ -297,6 +310,7 @@ class PlanSettings:
     )
     max_loras: int = setting(SERVE.max_loras, "Slots, as serve's", check=at_least(1))
     max_lora_rank: int = setting(SERVE.max_lora_rank, "As serve's", check=at_least(1))
+    max_num_seqs: int = _max_num_seqs()
     cpu_cache_bytes: int = setting(HOST_CACHE_BYTES, "As serve's", unit="size")
     disk_cache_bytes: int = setting(SERVE.disk_cache_bytes, "As serve's", unit="size")
     engine: str = setting(

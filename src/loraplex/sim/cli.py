@@ -75,6 +75,7 @@ def run_sweep(
     pools: tuple[SimPool, ...] = (),
     routing: str = "router",
     options: dict | None = None,
+    max_num_seqs: int = SimConfig.max_num_seqs,
 ) -> list[dict]:
     """Every (workload, gpu slots, cpu bytes) cell, each with every policy and the optimum (unless
     not `optimal`), at `calibration`'s costs (the package's by default)."""
@@ -91,6 +92,7 @@ def run_sweep(
                 routing=routing,
                 engine=engine,
                 max_cpu_loras=max_cpu_loras,
+                max_num_seqs=max_num_seqs,
                 gpu_slots=n_slots or cap.gpu_slots,
                 cpu_bytes=cap.cpu_bytes if n_cpu is None else n_cpu,
                 disk_bytes=cap.disk_bytes,
@@ -127,6 +129,7 @@ def _run_record(name: str, trace, config: SimConfig, hot: set[str], entries: dic
         "engine": config.engine,
         "routing": config.routing,
         "max_cpu_loras": config.max_cpu_loras,
+        "max_num_seqs": config.max_num_seqs,
         "adapters": len({r.model for r in trace if r.adapter is not None}),
         "hot_adapters": sorted(hot),
         "policies": entries,
@@ -360,6 +363,7 @@ def simulate(s: SimulateSettings) -> None:
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
         kw = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras, "routing": s.routing}
+        kw["max_num_seqs"] = s.max_num_seqs
         return run_sweep(cells, policies, n_slots, cpu, *args, **kw, pools=pools, options=options)
 
     runs = sweep_of(traces, slots)
@@ -465,6 +469,7 @@ def plan(s: PlanSettings) -> None:
             registry_changes_per_s=s.registry_changes_per_s,
             max_loras=s.max_loras,
             max_lora_rank=s.max_lora_rank,
+            max_num_seqs=s.max_num_seqs,
             cpu_cache_bytes=s.cpu_cache_bytes,
             disk_cache_bytes=s.disk_cache_bytes,
             calibration=calibration,

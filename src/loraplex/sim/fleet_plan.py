@@ -110,6 +110,7 @@ def _config(plan, workers: int, registry_changes_per_s: float, pools) -> SimConf
         engine=plan.engine,
         max_cpu_loras=plan.max_cpu_loras,
         gpu_slots=d.max_loras,
+        max_num_seqs=d.max_num_seqs,
         cpu_bytes=d.cpu_cache_bytes,
         disk_bytes=d.disk_cache_bytes,
         workers=max(1, workers),
@@ -131,7 +132,7 @@ def fleet_table(plan) -> Table:
         host = f"engine vllm, cpu {count} adapters"
     table = Table(
         title=f"workload {plan.workload} on {f['workers']} workers (simulated, policy score; "
-        f"each max-loras {d.max_loras}, {host})",
+        f"each max-loras {d.max_loras}, max-num-seqs {d.max_num_seqs}, {host})",
         caption=_router_caption(plan.options),
     )
     table.add_column("figure")

@@ -215,14 +215,14 @@ def make_plan(
     system_prompt_tokens: int = 0,
     **capacities,
 ) -> Plan:
-    """`capacities`: EngineConfig's max_loras, max_lora_rank, cpu_cache_bytes and disk_cache_bytes
-    (serve's flags; the engine's defaults otherwise); `engine`, `max_cpu_loras`: serve's, for the
-    simulations (on vllm the cpu cache is sized in adapters). With `workers` above 1 the workload
-    (reshaped by `shape`, as `workload.named`) runs on that fleet at those capacities, in place of
-    the one-worker sizing; with `pools` (`sim.pools.SimPool`) it runs on those pools and each pool
-    is sized (`fleet_plan.size_pools`). The simulations run at `calibration`'s costs (the
-    package's by default) and with `options` (`Plan.options`: the router's behaviour), each
-    adapter's requests led by a system prompt of `system_prompt_tokens`."""
+    """`capacities`: EngineConfig's max_loras, max_lora_rank, max_num_seqs, cpu_cache_bytes and
+    disk_cache_bytes (serve's flags; the engine's defaults otherwise); `engine`, `max_cpu_loras`:
+    serve's, for the simulations (on vllm the cpu cache is sized in adapters). With `workers`
+    above 1 the workload (reshaped by `shape`, as `workload.named`) runs on that fleet at those
+    capacities, in place of the one-worker sizing; with `pools` (`sim.pools.SimPool`) on those
+    pools, each pool sized (`fleet_plan.size_pools`). The simulations run at `calibration`'s
+    costs (the package's by default) and with `options` (`Plan.options`: the router's
+    behaviour), each adapter's requests led by a system prompt of `system_prompt_tokens`."""
     sizing = (workers > 1, shape, registry_changes_per_s, pools, options, system_prompt_tokens)
     if not workload and any(sizing):
         raise PlanError(SIZES_A_WORKLOAD)
@@ -288,6 +288,7 @@ def _sizing_base(
         gpu_slots=cap.gpu_slots,
         cpu_bytes=cap.cpu_bytes,
         disk_bytes=cap.disk_bytes,
+        max_num_seqs=plan.defaults.max_num_seqs,
         bytes_per_rank=int(per_rank),
         tenant_budgets=plan.budgets,
         service=plan.calibration.service,
@@ -496,7 +497,7 @@ def _tiers_table(plan: Plan) -> Table:
 def _sizing_table(plan: Plan) -> Table:
     sizing = Table(
         title=f"smallest capacity for workload {plan.workload} (simulated, policy score, engine "
-        f"{plan.engine})"
+        f"{plan.engine}, max-num-seqs {plan.defaults.max_num_seqs})"
     )
     for col in ("sizing", "target", "gpu slots", "cpu cache", "rate reached"):
         sizing.add_column(col, justify="left" if col in ("sizing", "target") else "right")
