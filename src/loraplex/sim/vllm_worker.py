@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from loraplex.engines.vllm.backend import vllm_residency
-from loraplex.engines.vllm.slots import VllmSlots
+from loraplex.engines.vllm.slots import VllmSlots, vllm_residency
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import WorkerView
