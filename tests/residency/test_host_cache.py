@@ -11,7 +11,7 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
 from loraplex.residency.placement import gpu_pin_refusal
 from loraplex.residency.policy import LRUPolicy, ScorePolicy
-from loraplex.residency.runtime_tables import HOST_BYTES_UNBOUNDED, VllmTables
+from loraplex.residency.runtime import HOST_BYTES_UNBOUNDED, VllmTables
 
 
 class Clock:

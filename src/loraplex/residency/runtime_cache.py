@@ -1,7 +1,7 @@
 """The residency's moves over a runtime that keeps its own host cache and device slots, vLLM
 (`Backend` of `residency.py`): which adapters the runtime holds, decided by loraplex as
 membership of its host cache and its pinned set, and carried out through the runtime's adapter
-calls (`runtime_tables.RuntimeSlots`: a running vLLM's, `loraplex.engines.vllm.slots`; the
+calls (`runtime.RuntimeSlots`, over a running vLLM's, `loraplex.engines.vllm.slots`, or the
 simulator's modelled vLLM).
 
 vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
@@ -22,7 +22,7 @@ waiting requests (for a bounded time); one beyond its host budget pushes out onl
 
 The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry
 watcher): every change of it happens under the ledger's lock; the runtime's calls are coroutines,
-run on the server's loop. The tables are `runtime_tables.py`'s.
+run on the server's loop. The tables are `runtime.py`'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.events import Event, Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
-from loraplex.residency.runtime_tables import WARM_PIN_LOOK_S, Resident, Runtime, VllmTables
+from loraplex.residency.runtime import (
+    WARM_PIN_LOOK_S,
+    Resident,
+    Runtime,
+    RuntimeSlots,
+    VllmTables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,7 @@ class RuntimeCacheBackend:
             scheduler_counts_pins=scheduler_counts_pins,
         )
         self.staging = self.tables.staging = runtime.staging(ledger.disk, self.tables.in_use)
-        self.slots = runtime.slots(self.staging)
+        self.slots = RuntimeSlots(runtime, self.staging)
         ledger.on_pins_changed = lambda: self._schedule(self._follow_demand())
         self.loading: dict[AdapterKey, asyncio.Future] = ledger.loading
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop

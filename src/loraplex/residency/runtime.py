@@ -1,10 +1,11 @@
 """The tables of a runtime that keeps its own host cache and device slots (vLLM): what it holds of
-each adapter and who waits (`VllmTables`, the ledger's `Tiers`, read by the rules of
-`host_cache.py` through a `HostSnapshot`), and what the residency's orchestration over it
-(`runtime_cache.py`) asks of the engine: its staged copies (`Staging`) and its adapter calls
-(`RuntimeSlots`: add, remove, pin), which `loraplex.engines.vllm.slots` gives for a running vLLM and
-the simulator for a modelled one. The tables are shared by the event loop (requests) and other
-threads (admin calls, the registry watcher): every change of them happens under the ledger's lock.
+each adapter and who waits (`VllmTables`, the ledger's `Tiers`, read by the rules of `host_cache.py`
+through a `HostSnapshot`), and what the residency's orchestration over it (`runtime_cache.py`) runs
+over: the runtime's staged copies (`Staging`) and its own adapter calls (`AdapterCalls`: add,
+remove, pin, sent in order by `RuntimeSlots`), which `loraplex.engines.vllm.slots` gives for a
+running vLLM and the simulator for a modelled one. The tables are shared by the event loop
+(requests) and other threads (admin calls, the registry watcher): every change of them happens under
+the ledger's lock.
 """
 
 from __future__ import annotations
@@ -57,48 +58,110 @@ class Staging(Protocol):
     def close(self) -> None: ...
 
 
-class RuntimeSlots(Protocol):
-    """The runtime's adapter calls (vLLM's `add_lora`, `remove_lora`, `pin_lora`: the engine's
-    `VllmSlots`), sent in the order its engine core takes them: a call sent under `lock` keeps its
-    place, and its result may be awaited after the lock is released."""
+class AdapterCalls(Protocol):
+    """A runtime's own adapter calls, as vLLM's `AsyncLLM` has them (the simulator's modelled
+    engine core has them too): each sends one message to the engine core, which runs them in the
+    order they were sent."""
 
-    lock: asyncio.Lock | None  # one add or remove sent at a time (made by `start`)
+    async def add_lora(self, request: Any) -> bool: ...
 
-    def start(self) -> None:
-        """On the server's event loop, before the first call."""
+    async def remove_lora(self, lora_id: int) -> bool: ...
 
-    def request(self, key: AdapterKey, lora_id: int) -> Any:
-        """What the runtime is handed with a request for the adapter (vLLM's `LoRARequest`)."""
-
-    def takes(self, lora_id: int, shape: str | None) -> bool:
-        """Whether an add of these bytes is taken without a refusal to wait for."""
-
-    def took(self, lora_id: int, shape: str | None, taken: bool) -> None: ...
-
-    async def send(self, call: Coroutine) -> asyncio.Task:
-        """`call` started, returned once its message is sent."""
-
-    async def add(self, key: AdapterKey, lora_id: int) -> None:
-        """The add; AdapterUnavailable naming the runtime's reason for an adapter it refuses."""
-
-    async def remove(self, lora_id: int) -> asyncio.Task:
-        """The remove, sent (its answer is the task's)."""
-
-    async def pin(self, lora_id: int) -> bool: ...
-
-    async def add_again(self, key: AdapterKey, lora_id: int) -> bool:
-        """Remove and add back from its staged copy (an unpin); False when the copy changed since
-        it was verified or the runtime refused it."""
+    async def pin_lora(self, lora_id: int) -> bool: ...
 
 
 class Runtime(Protocol):
-    """What the residency's orchestration runs over: the staged copies and the adapter calls (a
-    running vLLM's, `loraplex.engines.vllm.slots.EngineRuntime`; the simulator's)."""
+    """What the residency runs over: the runtime's adapter calls (`engine`), what it is handed with
+    a request for an adapter (`request`) and the staged copies it reads (`staging`). A running
+    vLLM's is `loraplex.engines.vllm.slots.EngineRuntime`; the simulator has its own."""
+
+    @property
+    def engine(self) -> AdapterCalls: ...
+
+    def request(self, key: AdapterKey, lora_id: int, path: str) -> Any:
+        """What the runtime is handed for the adapter: its id and its staged copy (vLLM's
+        `LoRARequest`)."""
 
     def staging(self, disk: DiskTier | None, in_use: Callable[[str], bool]) -> Staging:
         """`in_use(name)`: whether the runtime holds or a load reads the staged copy `name`."""
 
-    def slots(self, staging: Staging) -> RuntimeSlots: ...
+
+class RuntimeSlots:
+    """The runtime's host cache and device slots through its adapter calls (`add_lora`,
+    `remove_lora`, `pin_lora`), for adapters staged in `staging`: an add or remove sent under
+    `lock` keeps its place in the engine core's order, and its result may be awaited after the
+    lock is released."""
+
+    def __init__(self, runtime: Runtime, staging: Staging):
+        self.runtime, self.engine = runtime, runtime.engine
+        self.staging = staging
+        self.lock: asyncio.Lock | None = None  # one add or remove sent at a time (`start`)
+        self._taken: set[int] = set()  # ids the runtime has added once (an id means the same bytes)
+        self._taken_shapes: set[str] = set()  # the `vllm_shape`s of those
+
+    def start(self) -> None:
+        """On the server's event loop, before the first call."""
+        self.lock = asyncio.Lock()
+
+    def request(self, key: AdapterKey, lora_id: int) -> Any:
+        """What the runtime is handed for the adapter: its id and its staged copy."""
+        return self.runtime.request(key, lora_id, str(self.staging.path(key)))
+
+    def takes(self, lora_id: int, shape: str | None) -> bool:
+        """Whether the runtime takes an add of these bytes without a refusal to wait for: it added
+        them before, or an adapter of the same shape (`vllm_shape`: the modules and ranks vLLM
+        checks)."""
+        return lora_id in self._taken or shape in self._taken_shapes
+
+    def took(self, lora_id: int, shape: str | None, taken: bool) -> None:
+        """The answer to an add: taken, or refused (the next add of its shape waits again)."""
+        if taken:
+            self._taken.add(lora_id)
+            if shape is not None:
+                self._taken_shapes.add(shape)
+        else:
+            self._taken.discard(lora_id)
+            if shape is not None:
+                self._taken_shapes.discard(shape)
+
+    async def send(self, call: Coroutine) -> asyncio.Task:
+        """`call` started, returned once its message is sent (its place in the order is kept)."""
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # the task's first step sends the message
+        return task
+
+    async def add(self, key: AdapterKey, lora_id: int) -> None:
+        """The add; AdapterUnavailable naming the runtime's reason for an adapter it refuses (a
+        module vLLM cannot serve, a rank over its limit)."""
+        try:
+            added = await self.engine.add_lora(self.request(key, lora_id))
+        except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            added, reason = False, f"{type(exc).__name__}: {first}"
+        else:
+            reason = "add_lora returned False"
+        if not added:
+            raise AdapterUnavailable(
+                f"vLLM refused adapter {key}: {reason}",
+                f"adapter {key} could not be loaded by the engine",
+            )
+
+    async def remove(self, lora_id: int) -> asyncio.Task:
+        """The remove, sent (its answer is the task's)."""
+        return await self.send(self.engine.remove_lora(lora_id))
+
+    async def pin(self, lora_id: int) -> bool:
+        """The pin: kept in a device slot until removed."""
+        return bool(await self.engine.pin_lora(lora_id))
+
+    async def add_again(self, key: AdapterKey, lora_id: int) -> bool:
+        """Remove and add back from its staged copy (vLLM has no unpin); False when the copy
+        changed since it was verified (the next load stages it again) or the runtime refused
+        it."""
+        await self.engine.remove_lora(lora_id)
+        if not self.staging.is_unchanged(key):
+            return False
+        return bool(await self.engine.add_lora(self.request(key, lora_id)))
 
 
 def lora_int_id(key: AdapterKey) -> int:
