@@ -7,11 +7,11 @@ Every call of a probed method appends one line to OUT.jsonl when it returns or r
 `{"name": ..., "end": time.time(), "s": seconds}`. Probed, where the running tree has them:
 - `acquire`: the server's `Admitted.acquire`, a request's whole wait before it is handed to the
   engine (vLLM: loraplex's residency; native: nothing, its scheduler admits);
-- `slot_wait`: `VllmBackend._wait_for_slot`, the wait for a device slot loraplex lets the request
-  have (the admission wait proper);
-- `load`: `VllmBackend._load`, a wait for the adapter's staging and vLLM's `add_lora`;
+- `slot_wait`: `RuntimeCacheBackend._wait_for_slot`, the wait for a device slot loraplex lets the
+  request have (the admission wait proper);
+- `load`: `RuntimeCacheBackend._load`, a wait for the adapter's staging and vLLM's `add_lora`;
 - `stage`: `StagedCopies.stage` (loader thread), staging one adapter's bytes;
-- `add_lora`: `VllmSlots.add`, the round trip of vLLM's `add_lora`;
+- `add_lora`: `RuntimeSlots.add`, the round trip of vLLM's `add_lora`;
 - `step` (both servers on vLLM): vLLM's `OutputProcessor.process_outputs`, called in the API
   process once per engine step that produced tokens, with `rows`: the requests that got a token.
 A method the tree does not have is left out and named in a `{"missing": ...}` line. Nothing else
@@ -31,10 +31,10 @@ import time
 
 PROBES = {  # name: (module, class, method)
     "acquire": ("loraplex.server.admission", "Admitted", "acquire"),
-    "slot_wait": ("loraplex.engines.vllm.backend", "VllmBackend", "_wait_for_slot"),
-    "load": ("loraplex.engines.vllm.backend", "VllmBackend", "_load"),
+    "slot_wait": ("loraplex.residency.runtime_cache", "RuntimeCacheBackend", "_wait_for_slot"),
+    "load": ("loraplex.residency.runtime_cache", "RuntimeCacheBackend", "_load"),
     "stage": ("loraplex.engines.vllm.staging", "StagedCopies", "stage"),
-    "add_lora": ("loraplex.engines.vllm.slots", "VllmSlots", "add"),
+    "add_lora": ("loraplex.residency.runtime", "RuntimeSlots", "add"),
     "step": ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
 }
 ROWS = {

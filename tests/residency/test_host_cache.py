@@ -4,7 +4,6 @@ native engine's placement."""
 
 from __future__ import annotations
 
-from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED, VllmTables
 from loraplex.residency import host_cache
 from loraplex.residency.budgets import Budget, TenantBudgets
 from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait
@@ -12,6 +11,7 @@ from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
 from loraplex.residency.placement import gpu_pin_refusal
 from loraplex.residency.policy import LRUPolicy, ScorePolicy
+from loraplex.residency.runtime import HOST_BYTES_UNBOUNDED, VllmTables
 
 
 class Clock:

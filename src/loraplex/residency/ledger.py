@@ -83,7 +83,7 @@ E = TypeVar("E", bound=Entry)
 class Tiers(Protocol):
     """What a residency's engine holds: which adapters are in a device slot and in host memory,
     the slots it counts, its warm sets and what it adds to `state`. The native engine's slots
-    (`NativeSlots`) and the vLLM engine's tables (`VllmTables`), both in their `slots.py`."""
+    (`slot_pool.PoolTiers`) and the vLLM engine's tables (`runtime.VllmTables`)."""
 
     @property
     def num_slots(self) -> int: ...

@@ -1,12 +1,16 @@
 """A worker's adapter residency, one class for both engines: the bookkeeping (the ledger's), the
 operator's calls (pin, prewarm, evict, forget, budgets) and the reads the server, the admin API
-and the metrics make, each written once here, over a `Backend` that moves the bytes.
+and the metrics make, each written once here, over a `Backend` that carries out placement.
 
-The backend is all that differs between engines: the native engine's (`engines/native/slots.py`)
-moves host copies into its slot pool on the engine's step thread; the vLLM engine's
-(`engines/vllm/backend.py`) adds, removes and pins adapters in vLLM from the server's event loop.
-Both decide by `loraplex.residency`'s placement rules and keep their records in the ledger.
-Nothing here assumes an event loop: every change happens under the ledger's lock, from any thread.
+There are two backends, one for each kind of slots, both in this package: `slot_pool.py` for an
+engine whose residency owns the device slots (the native engine's slot pool: host copies moved into
+slots on the engine's step thread) and `runtime_cache.py` for a runtime that keeps its own host
+cache and slots (vLLM: adds, removes and pins from the server's event loop). Both decide by this
+package's rules (`placement.py`, `host_cache.py`, `warm.py`, `budgets.py`) and keep their records in
+the ledger. What an engine gives is small: a slot pool and a loader (`SlotPool`, the native
+engine's `engines/native/slots.py`), or its adapter calls and staged copies (`Runtime`, the vLLM
+engine's `engines/vllm/slots.py`); the simulator gives modelled ones of each. Nothing here assumes
+an event loop: every change happens under the ledger's lock, from any thread.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from loraplex.residency.ledger import E, Ledger, Tiers
 
 
 class Backend(Protocol[E]):
-    """What an engine gives the residency: where its adapters are (`tiers`), and the moves. Every
+    """What carries out placement for one kind of slots (`slot_pool.SlotPoolBackend`,
+    `runtime_cache.RuntimeCacheBackend`): where the adapters are (`tiers`), and the moves. Every
     call but `acquire`'s wait is made under the ledger's lock."""
 
     @property

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED
 from loraplex.residency.budgets import Budget, TenantBudgets
+from loraplex.residency.runtime import HOST_BYTES_UNBOUNDED
 from loraplex.settings.router import DEFAULTS as ROUTER
 from loraplex.sim.calibration import LoadCosts, ServiceModel
 from loraplex.sim.pools import SimPool as PoolOfWorkers

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from loraplex.engines.vllm.backend import vllm_residency
-from loraplex.engines.vllm.slots import VllmSlots
+from loraplex.engines.vllm.slots import vllm_residency
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.router.picker import WorkerView
@@ -103,11 +102,6 @@ class SimStaging:
         """Nothing to close."""
 
 
-class SimSlots(VllmSlots):
-    def request(self, key: AdapterKey, lora_id: int) -> SimLora:  # type: ignore[override]
-        return SimLora(key, lora_id)
-
-
 class SimRuntime:
     def __init__(self, worker: VllmWorker):
         self.worker = worker
@@ -115,8 +109,12 @@ class SimRuntime:
     def staging(self, disk: DiskTier | None, in_use: Callable[[str], bool]) -> SimStaging:
         return SimStaging(self.worker)
 
-    def slots(self, staging) -> SimSlots:
-        return SimSlots(self.worker.core, staging)
+    @property
+    def engine(self) -> SimVllmCore:
+        return self.worker.core
+
+    def request(self, key: AdapterKey, lora_id: int, path: str) -> SimLora:
+        return SimLora(key, lora_id)
 
 
 class _Running:

@@ -13,8 +13,7 @@ from tinymodels import make_adapter
 
 from loraplex.artifacts import canonical_digest
 from loraplex.engines.vllm import staging as staging_module
-from loraplex.engines.vllm.backend import vllm_residency
-from loraplex.engines.vllm.slots import EngineRuntime
+from loraplex.engines.vllm.slots import EngineRuntime, vllm_residency
 from loraplex.residency import fetch as fetch_module
 from loraplex.residency.key import AdapterKey, AdapterRef
 

@@ -10,9 +10,9 @@ from loraplex.engines.native.admission import Take, admit_waiting
 from loraplex.engines.native.block_manager import BlockManager
 from loraplex.engines.native.config import EngineConfig
 from loraplex.engines.native.sequence import Sequence, Status
-from loraplex.engines.native.slots import NativeBackend
 from loraplex.residency.ledger import Entry
 from loraplex.residency.residency import Residency
+from loraplex.residency.slot_pool import SlotPoolBackend
 
 
 @dataclass
@@ -30,7 +30,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, blocks: BlockManager, adapters: Residency[Entry, NativeBackend]
+        self,
+        config: EngineConfig,
+        blocks: BlockManager,
+        adapters: Residency[Entry, SlotPoolBackend],
     ):
         self.config = config
         self.blocks = blocks
@@ -119,7 +122,7 @@ class Scheduler:
 
     def _in_turn(self) -> list[Sequence]:
         """The waiting requests in arrival order, those that their tenant's budget keeps waiting
-        after the others (for a bounded time: `NativeBackend.defers`), so that a slot that frees
+        after the others (for a bounded time: `SlotPoolBackend.defers`), so that a slot that frees
         goes to a tenant within budget."""
         if not self.adapters.backend.budget_waiting:
             return list(self.waiting)

@@ -20,9 +20,8 @@ from loraplex.artifacts import AllowList
 from loraplex.engines.contract import Engine, OpenAIServing, RequestLayers, RequestUsage
 from loraplex.engines.errors import EngineUnavailable, InvalidRequest, RequestRefused
 from loraplex.engines.rank_skew import RankSkew, rank_bucket
-from loraplex.engines.vllm.backend import vllm_residency
 from loraplex.engines.vllm.patches import handled
-from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED, EngineRuntime
+from loraplex.engines.vllm.slots import HOST_BYTES_UNBOUNDED, EngineRuntime, vllm_residency
 from loraplex.engines.vllm.support import ServabilityCheck
 from loraplex.model_config import base_model_digest
 from loraplex.residency.budgets import TenantBudgets

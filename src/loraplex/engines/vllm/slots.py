@@ -1,52 +1,32 @@
-"""vLLM's slots and host cache as the residency's vLLM backend (`backend.py`) sees them: the tables
-of what vLLM holds of each adapter and who waits (`VllmTables`, the ledger's `Tiers`, read by the
-rules of `loraplex.residency.host_cache` through a `HostSnapshot`), and vLLM's adapter calls (add,
-remove, pin: `VllmSlots`), sent in the order its engine core takes them. The backend decides, by
-those rules, what to add, remove and pin; `VllmSlots` sends it.
-
-vLLM's engine core runs the calls in the order they were sent, so a call sent under `lock` keeps
-its place and its result may be awaited after the lock is released. The tables are shared by the
-event loop (requests) and other threads (admin calls, the registry watcher): every change of them
-happens under the ledger's lock.
+"""The vLLM engine's backend of the residency: a running vLLM (`EngineRuntime`: its `AsyncLLM`,
+whose `add_lora`, `remove_lora` and `pin_lora` are the calls the residency makes, and the
+`LoRARequest` it is handed for an adapter) over the digest-verified copies it reads (`staging.py`),
+and `vllm_residency`, the residency of a running vLLM. Which adapters vLLM holds, and when they
+move, is the residency's (`loraplex.residency.runtime_cache`, over `loraplex.residency.runtime`'s
+tables and its `RuntimeSlots`, which send vLLM's calls in the order its engine core takes them).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import sys
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from loraplex.engines.vllm.staging import StagedCopies, Staging
-from loraplex.residency import host_cache
+from loraplex.engines.vllm.staging import StagedCopies
+from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.disk import DiskTier
-from loraplex.residency.errors import AdapterUnavailable
-from loraplex.residency.host_cache import HostSnapshot
-from loraplex.residency.key import AdapterKey, AdapterRef
-from loraplex.residency.ledger import Entry, Ledger
-from loraplex.residency.policy import DemandTracker
-from loraplex.residency.warm import BusyShare
+from loraplex.residency.key import AdapterKey
+from loraplex.residency.ledger import Ledger
+from loraplex.residency.residency import Residency
+from loraplex.residency.runtime import HOST_BYTES_UNBOUNDED, Resident, Runtime
+from loraplex.residency.runtime_cache import RuntimeCacheBackend
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-WARM_PIN_LOOK_S = 0.5  # how often a request waiting for a slot looks whether a warm pin may go
-# vLLM's host cache is sized in adapters (max_cpu_loras), not bytes: no byte capacity bounds a
-# tenant's host-bytes budget.
-HOST_BYTES_UNBOUNDED = sys.maxsize
-
-
-class Runtime(Protocol):
-    """What the vLLM backend runs over: its staged copies and the vLLM engine's adapter calls (a
-    running engine's, `EngineRuntime`; the simulator's)."""
-
-    def staging(self, disk: DiskTier | None, in_use: Callable[[str], bool]) -> Staging:
-        """`in_use(name)`: whether vLLM holds or a load reads the staged copy `name`."""
-
-    def slots(self, staging: Staging) -> VllmSlots: ...
+__all__ = ["HOST_BYTES_UNBOUNDED", "EngineRuntime", "vllm_residency"]
 
 
 @dataclass
@@ -54,7 +34,7 @@ class EngineRuntime:
     """A running vLLM engine (its `AsyncLLM`) and the directory of the copies it reads: what the
     residency runs over in a server."""
 
-    engine: Any
+    engine: Any  # vLLM's AsyncLLM
     stage_dir: Path
     load_threads: int = 2
     kept_bytes: int = 0  # staged copies kept beyond vLLM's host cache
@@ -68,262 +48,38 @@ class EngineRuntime:
             in_use=in_use,
         )
 
-    def slots(self, staging: Staging) -> VllmSlots:
-        return VllmSlots(self.engine, staging)
-
-
-class VllmSlots:
-    """vLLM's host cache and device slots, as its `AsyncLLM` exposes them (`add_lora`,
-    `remove_lora`, `pin_lora`), for adapters staged in `staging`."""
-
-    def __init__(self, engine, staging: Staging):
-        self.engine = engine  # vLLM's AsyncLLM
-        self.staging = staging
-        self.lock: asyncio.Lock | None = None  # one add or remove sent at a time (`start`)
-        self._taken: set[int] = set()  # ids vLLM has added once (an id means the same bytes)
-        self._taken_shapes: set[str] = set()  # the `vllm_shape`s of those
-
-    def start(self) -> None:
-        """On the server's event loop, before the first call."""
-        self.lock = asyncio.Lock()
-
-    def request(self, key: AdapterKey, lora_id: int) -> LoRARequest:
+    def request(self, key: AdapterKey, lora_id: int, path: str) -> LoRARequest:
         """What vLLM is handed for the adapter: its id and its staged copy."""
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(str(key), lora_id, str(self.staging.path(key)))
-
-    def takes(self, lora_id: int, shape: str | None) -> bool:
-        """Whether vLLM takes an add of these bytes without a refusal to wait for: it added them
-        before, or an adapter of the same shape (`vllm_shape`: the modules and ranks it checks)."""
-        return lora_id in self._taken or shape in self._taken_shapes
-
-    def took(self, lora_id: int, shape: str | None, taken: bool) -> None:
-        """The answer to an add: taken, or refused (the next add of its shape waits again)."""
-        if taken:
-            self._taken.add(lora_id)
-            if shape is not None:
-                self._taken_shapes.add(shape)
-        else:
-            self._taken.discard(lora_id)
-            if shape is not None:
-                self._taken_shapes.discard(shape)
-
-    async def send(self, call: Coroutine) -> asyncio.Task:
-        """`call` started, returned once its message is sent (its place in vLLM's order is kept)."""
-        task = asyncio.ensure_future(call)
-        await asyncio.sleep(0)  # the task's first step sends the message
-        return task
-
-    async def add(self, key: AdapterKey, lora_id: int) -> None:
-        """vLLM's add; AdapterUnavailable naming vLLM's reason for an adapter it refuses (a module
-        it cannot serve, a rank over its limit)."""
-        try:
-            added = await self.engine.add_lora(self.request(key, lora_id))
-        except Exception as exc:  # vLLM raises several kinds for an adapter it cannot take
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            added, reason = False, f"{type(exc).__name__}: {first}"
-        else:
-            reason = "add_lora returned False"
-        if not added:
-            raise AdapterUnavailable(
-                f"vLLM refused adapter {key}: {reason}",
-                f"adapter {key} could not be loaded by the engine",
-            )
-
-    async def remove(self, lora_id: int) -> asyncio.Task:
-        """vLLM's remove, sent (its answer is the task's)."""
-        return await self.send(self.engine.remove_lora(lora_id))
-
-    async def pin(self, lora_id: int) -> bool:
-        """vLLM's pin: kept in a device slot until removed."""
-        return bool(await self.engine.pin_lora(lora_id))
-
-    async def add_again(self, key: AdapterKey, lora_id: int) -> bool:
-        """Remove and add back from its staged copy (vLLM has no unpin); False when the copy
-        changed since it was verified (the next load stages it again) or vLLM refused it."""
-        await self.engine.remove_lora(lora_id)
-        if not self.staging.is_unchanged(key):
-            return False
-        return bool(await self.engine.add_lora(self.request(key, lora_id)))
+        return LoRARequest(str(key), lora_id, path)
 
 
-def lora_int_id(key: AdapterKey) -> int:
-    """vLLM's integer id for a key: from a hash of the whole key (digest included), so another
-    revision or other bytes never get the id of weights vLLM already holds. 62 bits: a positive
-    int64, never 0."""
-    text = "\0".join(
-        (
-            key.base_model_digest,
-            key.name,
-            key.revision,
-            key.adapter_digest,
-            key.runtime_compat_version,
-        )
+def vllm_residency(
+    runtime: Runtime,
+    *,
+    max_loras: int,
+    max_cpu_loras: int,
+    disk: DiskTier | None = None,
+    policy=None,
+    budgets: TenantBudgets | None = None,
+    reserved_slots: int = 0,
+    scheduler_counts_pins: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> Residency[Resident, RuntimeCacheBackend]:
+    """The residency over vLLM (`runtime`: a running engine's, `EngineRuntime`; the simulator's)."""
+    ledger: Ledger[Resident] = Ledger(
+        policy=policy,
+        budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
+        disk=disk,
+        clock=clock,
     )
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 or 1
-
-
-@dataclass
-class Resident(Entry):
-    """One adapter as loraplex tracks it on the vLLM engine: the ledger's entry, and what vLLM
-    holds of it."""
-
-    lora_id: int = 0
-    active: int = (
-        0  # of its references, the requests handed to vLLM (others wait for a load or slot)
+    backend = RuntimeCacheBackend(
+        ledger,
+        runtime,
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
+        reserved_slots=reserved_slots,
+        scheduler_counts_pins=scheduler_counts_pins,
     )
-    in_vllm: bool = False  # added to vLLM's host cache (or its add sent, for a known adapter)
-    adding: bool = False  # an add sent to vLLM whose answer has not come: never removed meanwhile
-    vllm_pinned: bool = False  # pin_lora'd (or its pin sent): kept in a device slot by vLLM
-    busy: BusyShare = field(default_factory=BusyShare)  # recent time with requests in vLLM
-    restorable: bool = True  # added back ahead of its requests (False from an operator's evict)
-    shape: str | None = None  # what vLLM's add checks of it, as a digest (`vllm_shape`)
-
-    @property
-    def in_slot(self) -> bool:
-        """Holding one of vLLM's device slots as loraplex counts them: pinned, or running."""
-        return self.in_vllm and (self.vllm_pinned or self.active > 0)
-
-
-class VllmTables:
-    """What vLLM holds of the adapters and who waits (the residency's `Tiers`), read by the rules
-    through `snapshot`. The records are the ledger's."""
-
-    def __init__(
-        self,
-        ledger: Ledger[Resident],
-        *,
-        max_loras: int,
-        max_cpu_loras: int,
-        reserved_slots: int = 0,
-        scheduler_counts_pins: bool = False,
-    ):
-        self.ledger = ledger
-        self.staging: Staging  # set by the residency, whose backend makes it over `in_use`
-        self.entries, self.pins, self.demand = ledger.entries, ledger.pins, ledger.demand
-        self.loading, self._lock = ledger.loading, ledger._lock
-        self.max_loras = max_loras
-        # vLLM's slots pinned outside this table (the zero adapter)
-        self.reserved_slots = reserved_slots
-        self.max_cpu_loras = max_cpu_loras
-        # vLLM's scheduler leaves out of a batch's budget the slots that pinned adapters outside
-        # it hold (loraplex's plugin, `patches.py`), so pins hold no request back here
-        self.scheduler_counts_pins = scheduler_counts_pins
-        # adapters handed to vLLM beyond its slots while none is pinned (`unpinned_room`): up to
-        # half the slots, within half the host cache's places beyond the slots (the others take
-        # the loads meanwhile)
-        self.queue_ahead = min(max_loras, max(0, max_cpu_loras - max_loras)) // 2
-        self.slot_waiting: dict[str, int] = {}  # per tenant, its requests waiting for a slot
-        self.host_waiting: set[AdapterKey] = set()  # loads waiting for their tenant's host budget
-        # Indexes of `entries` that the request path reads instead of a pass over every adapter:
-        # those in vLLM's host cache, those with requests handed to vLLM, those pinned in vLLM, and
-        # the last `pins_to_hold`.
-        self.held: dict[AdapterKey, Resident] = {}
-        self.running: set[AdapterKey] = set()
-        self.vllm_pins: set[AdapterKey] = set()
-        self.pins_wanted: set[AdapterKey] = set()
-        self.host_loads = DemandTracker(ranked=False)  # one key, "cpu": adds that requests caused
-        self.ids: dict[int, AdapterKey] = {}
-        self.num_adding = 0  # adds sent to vLLM whose answer has not come
-
-    # -- what the ledger reads (vLLM's tiers) ------------------------------------------------------
-    def in_slot(self, key: AdapterKey) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry.in_slot
-
-    def in_host_memory(self, key: AdapterKey) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry.in_vllm
-
-    def in_slots(self) -> list[AdapterKey]:
-        return [k for k, e in self.held.items() if e.in_slot]
-
-    def in_host(self) -> list[AdapterKey]:
-        return list(self.held)
-
-    @property
-    def num_slots(self) -> int:
-        return self.max_loras
-
-    def free_slots(self) -> int:
-        return max(0, self.max_loras - len(self.in_slots()))
-
-    def warm_sets(self, now: float) -> tuple[set[AdapterKey], set[AdapterKey]]:
-        snap = self.snapshot()
-        return set(host_cache.gpu_warm(snap, now)), set(host_cache.cpu_warm(snap, now))
-
-    def adapter_row(self, entry: Resident, row: dict) -> dict:
-        return {**row, "lora_int_id": entry.lora_id}
-
-    def host_figures(self) -> dict:
-        return {
-            "cpu_bytes_used": sum(e.nbytes for e in self.held.values()),
-            "cpu_loras_used": len(self.held),
-            "cpu_loras_capacity": self.max_cpu_loras,
-        }
-
-    def staged(self, key: AdapterKey) -> bool:
-        return self.staging.has(key)
-
-    def entry(self, ref: AdapterRef) -> Resident:
-        entry = self.entries.get(ref.key)
-        if entry is None:
-            lora_id = lora_int_id(ref.key)
-            if (
-                self.ids.get(lora_id, ref.key) != ref.key
-            ):  # a 62-bit collision: refuse rather than mix weights
-                raise AdapterUnavailable(
-                    f"{ref.key}: its vLLM id collides with {self.ids[lora_id]}"
-                )
-            self.ids[lora_id] = ref.key
-            entry = self.entries[ref.key] = Resident(ref, lora_id=lora_id)
-        return entry
-
-    def set_in_vllm(self, entry: Resident, held: bool) -> None:
-        """`entry` in or out of vLLM's host cache (out of it, not pinned in vLLM either)."""
-        with self._lock:
-            entry.in_vllm = held
-            if held:
-                self.held[entry.ref.key] = entry
-            else:
-                self.set_vllm_pinned(entry, False)
-                self.held.pop(entry.ref.key, None)
-
-    def set_vllm_pinned(self, entry: Resident, pinned: bool) -> None:
-        entry.vllm_pinned = pinned
-        if pinned:
-            self.vllm_pins.add(entry.ref.key)
-        else:
-            self.vllm_pins.discard(entry.ref.key)
-
-    def snapshot(self) -> HostSnapshot:
-        """What the rules read (`loraplex.residency.host_cache`): these tables as they are now."""
-        ledger = self.ledger
-        return HostSnapshot(
-            self.entries,
-            self.held,
-            self.running,
-            self.vllm_pins,
-            self.pins_wanted,
-            self.pins,
-            self.loading,
-            self.slot_waiting,
-            self.host_waiting,
-            self.num_adding,
-            self.demand,
-            self.host_loads,
-            self.max_loras,
-            self.max_cpu_loras,
-            self.reserved_slots,
-            self.scheduler_counts_pins,
-            self.queue_ahead,
-            ledger.policy,
-            ledger.budgets,
-        )
-
-    def in_use(self, name: str) -> bool:
-        """Whether vLLM holds or a load reads the staged copy `name` (keys with the same digest
-        share it)."""
-        with self._lock:
-            return any(self.staging.path(k).name == name for k in (*self.held, *self.loading))
+    return Residency(ledger, backend)

@@ -17,39 +17,15 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
-from pathlib import Path, PurePath
-from typing import NamedTuple, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
 
 from loraplex.artifacts import DigestMismatch, read_artifact
 from loraplex.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_safetensors_header
 from loraplex.residency.disk import DiskTier
 from loraplex.residency.fetch import fetch
 from loraplex.residency.key import AdapterKey, AdapterRef
-
-
-class Staging(Protocol):
-    """Where the residency stages the bytes vLLM reads (`staging.StagedCopies`; the simulator's
-    models it): `stage` runs on `executor`."""
-
-    @property
-    def executor(self) -> Executor: ...
-
-    def stage(self, ref: AdapterRef) -> tuple[int, dict[str, float], str | None]:
-        """The adapter's bytes made ready for an add: its size, the stages' seconds, its shape."""
-
-    def has(self, key: AdapterKey) -> bool:
-        """Whether a local copy of the key's bytes is staged."""
-
-    def path(self, key: AdapterKey) -> PurePath: ...
-
-    def is_unchanged(self, key: AdapterKey) -> bool: ...
-
-    def reuse(self, key: AdapterKey) -> None: ...
-
-    def unstage(self, key: AdapterKey, nbytes: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class Fingerprint(NamedTuple):

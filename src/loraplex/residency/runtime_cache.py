@@ -1,6 +1,8 @@
-"""The vLLM engine's backend of the residency (`loraplex.residency.residency.Backend`): which
-adapters vLLM holds, decided by loraplex: membership of vLLM's host cache and its pinned
-set.
+"""The residency's moves over a runtime that keeps its own host cache and device slots, vLLM
+(`Backend` of `residency.py`): which adapters the runtime holds, decided by loraplex as
+membership of its host cache and its pinned set, and carried out through the runtime's adapter
+calls (`runtime.RuntimeSlots`, over a running vLLM's, `loraplex.engines.vllm.slots`, or the
+simulator's modelled vLLM).
 
 vLLM keeps up to `max_cpu_loras` adapters in host memory and `max_loras` in device slots, and evicts
 the least recently used unpinned one when it must. Here loraplex makes those choices first: it
@@ -9,18 +11,18 @@ ahead of traffic (prewarm, warm policies, the cpu warm set), removes its own pol
 vLLM's LRU would pick one, never removes an adapter with requests in flight, pins (`pin_lora`) the
 operator's gpu pins and (under `score`) the busy adapters of the gpu warm set, and hands vLLM the
 requests of a few more distinct unpinned adapters than it has unpinned slots, which vLLM's scheduler
-starts as slots free (its count of pinned slots is loraplex's fix, `patches.py`; without it, while a
-slot is pinned, no more than the unpinned slots). vLLM still orders the unpinned adapters in its
-device slots.
+starts as slots free (its count of pinned slots is loraplex's fix, in the engine's `patches.py`;
+without it, while a slot is pinned, no more than the unpinned slots). vLLM still orders the unpinned
+adapters in its device slots.
 
-Tenant residency budgets (`loraplex.residency.budgets`) hold here as on the native engine: the slots
+Tenant residency budgets (`budgets.py`) hold here as on a slot pool (`slot_pool.py`): the slots
 counted are those of adapters pinned or with requests handed to vLLM, the host bytes those of the
 adapters in vLLM's host cache. A tenant beyond its gpu budget leaves a free slot to other tenants'
 waiting requests (for a bounded time); one beyond its host budget pushes out only its own adapters.
 
 The bookkeeping is shared by the event loop (requests) and other threads (admin calls, the registry
-watcher): every change of it happens under the ledger's lock; vLLM's own calls are coroutines, run
-on the server's loop. The tables and vLLM's calls are `slots.py`'s.
+watcher): every change of it happens under the ledger's lock; the runtime's calls are coroutines,
+run on the server's loop. The tables are `runtime.py`'s.
 """
 
 from __future__ import annotations
@@ -31,37 +33,31 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Any
 
 from loraplex.artifacts import ArtifactError
-from loraplex.engines.vllm.slots import (
-    HOST_BYTES_UNBOUNDED,
-    WARM_PIN_LOOK_S,
-    Resident,
-    Runtime,
-    VllmTables,
-)
 from loraplex.residency import host_cache as rules
-from loraplex.residency.budgets import TenantBudgets
 from loraplex.residency.decisions import Evict, Load, Pin, Unpin, Wait
-from loraplex.residency.disk import DiskTier
 from loraplex.residency.errors import AdapterUnavailable
 from loraplex.residency.events import Event, Eviction, LoadFailed, LoadStage
 from loraplex.residency.key import AdapterKey, AdapterRef
 from loraplex.residency.ledger import Ledger
-from loraplex.residency.residency import Residency
-
-if TYPE_CHECKING:
-    from vllm.lora.request import LoRARequest
+from loraplex.residency.runtime import (
+    WARM_PIN_LOOK_S,
+    Resident,
+    Runtime,
+    RuntimeSlots,
+    VllmTables,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VllmBackend", "vllm_residency"]
+__all__ = ["RuntimeCacheBackend"]
 
 
-class VllmBackend:
-    """The moves of the vLLM engine's adapters: adds, removes and pins in vLLM, decided by
-    `loraplex.residency.host_cache` over the tables' `snapshot`."""
+class RuntimeCacheBackend:
+    """The moves of a vLLM engine's adapters: adds, removes and pins in vLLM, decided by
+    `host_cache.py`'s rules over the tables' `snapshot`."""
 
     def __init__(
         self,
@@ -85,7 +81,7 @@ class VllmBackend:
             scheduler_counts_pins=scheduler_counts_pins,
         )
         self.staging = self.tables.staging = runtime.staging(ledger.disk, self.tables.in_use)
-        self.slots = runtime.slots(self.staging)
+        self.slots = RuntimeSlots(runtime, self.staging)
         ledger.on_pins_changed = lambda: self._schedule(self._follow_demand())
         self.loading: dict[AdapterKey, asyncio.Future] = ledger.loading
         self.loop: asyncio.AbstractEventLoop | None = None  # set by `start`, on the server's loop
@@ -117,7 +113,7 @@ class VllmBackend:
         return asyncio.run_coroutine_threadsafe(loaded(), self.loop)
 
     # -- the request path (event loop) -------------------------------------------------------------
-    async def acquire(self, ref: AdapterRef) -> LoRARequest:
+    async def acquire(self, ref: AdapterRef) -> Any:
         """The adapter in vLLM's host cache with a reference taken (it stays until `release`); loads
         it first when needed. Raises AdapterUnavailable when its bytes cannot be had."""
         tenant = ref.tenant
@@ -467,33 +463,3 @@ def _log_failure(future) -> None:
     if not future.cancelled() and future.exception() is not None:
         error = future.exception()
         log.warning("adapter operation on the vLLM engine failed: %s", error)
-
-
-def vllm_residency(
-    runtime: Runtime,
-    *,
-    max_loras: int,
-    max_cpu_loras: int,
-    disk: DiskTier | None = None,
-    policy=None,
-    budgets: TenantBudgets | None = None,
-    reserved_slots: int = 0,
-    scheduler_counts_pins: bool = False,
-    clock: Callable[[], float] = time.monotonic,
-) -> Residency[Resident, VllmBackend]:
-    """The residency over vLLM (`runtime`: a running engine's, `EngineRuntime`; the simulator's)."""
-    ledger: Ledger[Resident] = Ledger(
-        policy=policy,
-        budgets=budgets or TenantBudgets(max_loras, HOST_BYTES_UNBOUNDED),
-        disk=disk,
-        clock=clock,
-    )
-    backend = VllmBackend(
-        ledger,
-        runtime,
-        max_loras=max_loras,
-        max_cpu_loras=max_cpu_loras,
-        reserved_slots=reserved_slots,
-        scheduler_counts_pins=scheduler_counts_pins,
-    )
-    return Residency(ledger, backend)
