@@ -9,7 +9,9 @@ Two `loraplex serve` workers (the 4-layer hidden-256 model of `bench/fair_share.
 `--saturation-waiting 0`, its defaults otherwise: the fair-share queue, the worker limit and the
 held-back place). 40 closed-loop clients of one tenant, in a process of their own, stream
 `--requests` answers of 32 tokens each through it (tenant A's load in `bench/fair_share.py`), so
-the router's queue holds most of them. The router's CPU seconds are its process's user + system
+the router's queue holds most of them; beside them a probe asks the router's `/health` every 20
+ms (its answer time: how long the router's event loop keeps a new request waiting, as a
+collector's pause would). The router's CPU seconds are its process's user + system
 time from `/proc/<pid>/stat` over those requests, from the first to the last; divided by the
 requests, and by the streamed chunks the clients read. `--baseline-src`: a `src` directory whose
 `loraplex` the baseline router runs (`PYTHONPATH`); without it, only this tree is measured.
@@ -78,6 +80,7 @@ def one_round(tmp: Path, name: str, src: str, workers, registry_url: str, key: s
         clients.wait()
     finally:
         router.stop()
+    health = sorted(counts["health_ms"])
     return {
         "tree": name,
         "requests": counts["requests"],
@@ -85,6 +88,9 @@ def one_round(tmp: Path, name: str, src: str, workers, registry_url: str, key: s
         "router_cpu_s": round(used, 2),
         "cpu_ms_per_request": round(1000 * used / counts["requests"], 2),
         "cpu_us_per_chunk": round(1e6 * used / counts["chunks"], 1),
+        "health_p50_ms": round(statistics.median(health), 1),
+        "health_p99_ms": round(health[int(0.99 * len(health))], 1),
+        "health_max_ms": round(health[-1], 1),
     }
 
 
@@ -92,8 +98,12 @@ def clients(url: str, key: str, n: int, concurrency: int = 40) -> None:
     """`concurrency` closed-loop clients stream `n` answers (32 tokens); prints a line when the
     first is answered (the measured span starts) and then the counts of the rest as JSON."""
     import asyncio
+    import gc
 
     import httpx
+
+    gc.collect()
+    gc.freeze()  # the imports out of the collector's view: its pauses are not the router's
 
     body = {
         "model": "a-bot",
@@ -106,7 +116,7 @@ def clients(url: str, key: str, n: int, concurrency: int = 40) -> None:
     headers = {"Authorization": f"Bearer {key}"}
 
     async def main() -> dict:
-        counts = {"requests": 0, "chunks": 0, "failed": 0}
+        counts: dict = {"requests": 0, "chunks": 0, "failed": 0, "health_ms": []}
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as c:
 
             async def stream() -> int:
@@ -122,6 +132,14 @@ def clients(url: str, key: str, n: int, concurrency: int = 40) -> None:
             print("started", flush=True)
             left = [n]
 
+            async def probe() -> None:
+                """The router's own answer time while it relays: `/health` every 20 ms."""
+                while left[0] > 0:
+                    sent = time.perf_counter()
+                    await c.get(f"{url}/health")
+                    counts["health_ms"].append(1000 * (time.perf_counter() - sent))
+                    await asyncio.sleep(0.02)
+
             async def client() -> None:
                 while left[0] > 0:
                     left[0] -= 1
@@ -129,7 +147,7 @@ def clients(url: str, key: str, n: int, concurrency: int = 40) -> None:
                     counts["requests" if chunks >= 0 else "failed"] += 1
                     counts["chunks"] += max(chunks, 0)
 
-            await asyncio.gather(*(client() for _ in range(concurrency)))
+            await asyncio.gather(probe(), *(client() for _ in range(concurrency)))
         return counts
 
     print(json.dumps(asyncio.run(main())), flush=True)
@@ -172,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
     console.print(table)
-    medians = {
-        name: statistics.median(r["cpu_ms_per_request"] for r in rows if r["tree"] == name)
-        for name, _ in trees
+    summary = {
+        column: {
+            name: statistics.median(r[column] for r in rows if r["tree"] == name)
+            for name, _ in trees
+        }
+        for column in ("cpu_ms_per_request", "health_p99_ms", "health_max_ms")
     }
-    summary = {"median_cpu_ms_per_request": medians}
     if args.baseline_src:
-        summary["this_over_baseline"] = round(medians["this tree"] / medians["baseline"], 2)
+        summary["ratios"] = {
+            column: round(medians["this tree"] / medians["baseline"], 2)
+            for column, medians in summary.items()
+        }
     console.print(summary)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loraplex.bearer import bearer, carries_token
@@ -29,7 +29,6 @@ from loraplex.router.metrics import RouterMetrics
 from loraplex.router.picker import Pick, Picker, PickerConfig
 from loraplex.router.pools import DEFAULT_POOL, Need, PoolSpec, tiers
 from loraplex.router.prefixes import block_hashes, prompt_text
-from loraplex.router.relay import Relay
 from loraplex.router.routing import Refusal, Wanted, need_of, no_room, prefix_key, route
 from loraplex.router.splits import Splits, split_revision
 from loraplex.settings.router import DEFAULTS as D
@@ -388,7 +387,18 @@ def _relayed(state: RouterState, response: httpx.Response, url: str, pick, tenan
             out_headers["x-loraplex-worker"] = url
             out_headers["x-loraplex-pool"] = state.pool_of(url)
             out_headers["x-loraplex-route"] = pick.reason
-    return Relay(response, out_headers, lambda: state.done(url, tenant))
+    return StreamingResponse(
+        _relay(state, response, url, tenant), status_code=response.status_code, headers=out_headers
+    )
+
+
+async def _relay(state: RouterState, response: httpx.Response, url: str, tenant: str):
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
+        state.done(url, tenant)
 
 
 async def models(request: Request):
