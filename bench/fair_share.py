@@ -18,9 +18,12 @@ request's arrival at the worker to its first token).
 
 As in a deployment, where each tenant's clients run on machines of their own and the router does
 not share the workers' cores, each tenant's clients are a process of their own (each with its
-imports frozen out of its collector's view), and on this bench's shared cores the workers and A's
-load generator run at nice 10 (`NICE`) while the router and B's client run at 0: when both want
-a core, the router and B's client get it first. The same in every run, B alone included.
+imports frozen out of its collector's view), and on this bench's shared cores the router and B's
+client run 10 nice levels ahead of the workers and A's load generator (`FRONT`, `BACK`): when
+both want a core, the router and B's client get it first. As root (which may lower a nice value)
+the router and B's client run at -10 and the rest at 0, so that other jobs on the machine take no
+more from the workers than before; otherwise the router and B's client run at 0 and the rest at
+10. The same in every run, B alone included.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ from loraplex.loadgen.procs import start_router, start_worker
 from loraplex.model_config import ModelConfig
 from loraplex.registry import Registry
 
-NICE = 10
-"""The niceness of the workers and of A's load generator; B's client and the router run at 0."""
+FRONT, BACK = (-10, 0) if os.geteuid() == 0 else (0, 10)
+"""The nice values of the router and B's client, and of the workers and A's load generator."""
 OFF = ("--holdback-window-s", "0")
 RUNS = {
     "B alone": (0, ()),
@@ -141,14 +144,14 @@ def a_burst(url: str, key: str, a_clients: int) -> None:
 
 def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: int) -> dict:
     """B's trace from a client process of its own, with `a_clients` closed-loop clients of A in
-    another (at nice `NICE`, as the workers) for as long as it lasts."""
+    another (at nice `BACK`, as the workers) for as long as it lasts."""
     b_client = [sys.executable, __file__, "--tenant-b", url, keys["b"]]
     if not a_clients:
         return {**client_run(b_client, json.dumps(b_times)), "a": {"answered": 0, "refused": 0}}
     command = [sys.executable, __file__, "--tenant-a", url, keys["a"], str(a_clients)]
     burst = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        renice(burst.pid, NICE)
+        renice(burst.pid, BACK)
         burst.stdout.readline()
         time.sleep(2.0)  # the burst under way before B's trace
         result = client_run(b_client, json.dumps(b_times))
@@ -160,9 +163,13 @@ def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: int) -
 
 
 def client_run(command: list[str], given: str) -> dict:
-    """A client process's JSON answer to `given` on its stdin."""
-    done = subprocess.run(command, input=given, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)
+    """A client process's (at nice `FRONT`) JSON answer to `given` on its stdin."""
+    client = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    renice(client.pid, FRONT)
+    out, _ = client.communicate(given)
+    if client.returncode:
+        raise RuntimeError(f"the client process exited {client.returncode}")
+    return json.loads(out)
 
 
 def frozen() -> None:
@@ -210,6 +217,7 @@ def run(tmp: Path, name: str, workers, registry_url: str, keys, b_times, a_clien
         "0",
         *flags,
     )
+    renice(router.p.pid, FRONT)
     data_dirs = [tmp / f"w{i}" for i in range(len(workers))]  # as `main` starts them
     seen = [len(audit_lines(d)) for d in data_dirs]
     try:
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         workers = [start_worker(model_dir, tmp / f"w{i}", {}, *extra) for i in range(2)]
         try:
             for w in workers:
-                renice(w.p.pid, NICE)
+                renice(w.p.pid, BACK)
             for name, (a_clients, flags) in RUNS.items():
                 rows.append(run(tmp, name, workers, registry_url, keys, b_times, a_clients, flags))
                 console.log(rows[-1])
