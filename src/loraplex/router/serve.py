@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import socket
@@ -11,6 +10,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from loraplex.host_memory import freeze_startup
 from loraplex.registry.registry import Registry, open_existing
 from loraplex.router.app import OPEN_TENANT, RouterConfig, create_router_app, open_caller
 from loraplex.router.catalog import registry_catalog
@@ -42,15 +42,7 @@ def serve_router(
         **(_from_registry(s.registry) if s.registry else {}),
     )
     app = create_router_app(config)
-    # What starting made (the libraries, the app, the registry's catalog) lives as long as the
-    # process: out of the collector's view, so that a full collection, which the requests'
-    # objects set off every few seconds, scans only those and takes a millisecond rather than tens
-    # (a stall of every streamed answer the router relays meanwhile). Requests' objects are freed
-    # by their reference counts, so collecting every 10,000 net allocations rather than 700 is
-    # enough for the cycles among them.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
+    freeze_startup()
     workers = list(app.state.fleet.workers.values())
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import signal
@@ -20,6 +19,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import ArgumentError, DatabaseError
 
 from loraplex.artifacts import ArtifactError, ArtifactStore
+from loraplex.host_memory import freeze_startup
 from loraplex.lora_format import AdapterRejected
 from loraplex.model_config import ModelConfig
 from loraplex.registry import AdapterNotFound, Registry, RegistryError
@@ -291,14 +291,7 @@ def run(options: ServeSettings) -> None:
         else None
     )
     app, admin_app = build(options)
-    # What starting made (the model's libraries, the app: hundreds of thousands of objects) lives as
-    # long as the process: out of the collector's view, so that its full collections, which
-    # requests' short-lived objects set off every few seconds, take milliseconds, not a third of a
-    # second each. Requests' objects are freed by their reference counts: collecting every 700 net
-    # allocations (the default) ran about every 13 requests and cost 5% of the server's time.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
+    freeze_startup()
     server = app.state.server
     _log_exposure(server, options.host)
     uv_options = dict(

@@ -362,8 +362,12 @@ def simulate(s: SimulateSettings) -> None:
 
     def sweep_of(cells: dict[str, list[workloads.Request]], n_slots: list) -> list[dict]:
         args = (workers, console, budgets, changes, s.optimal, calibration)
-        kw = {"engine": s.engine, "max_cpu_loras": s.max_cpu_loras, "routing": s.routing}
-        kw["max_num_seqs"] = s.max_num_seqs
+        kw = {
+            "engine": s.engine,
+            "max_cpu_loras": s.max_cpu_loras,
+            "routing": s.routing,
+            "max_num_seqs": s.max_num_seqs,
+        }
         return run_sweep(cells, policies, n_slots, cpu, *args, **kw, pools=pools, options=options)
 
     runs = sweep_of(traces, slots)
