@@ -11,9 +11,11 @@ W = {"http://w"}
 """One worker, standing for the workers a request may use."""
 
 
-def busy(holdback: Holdback, tenant: str, requests: int, url: str = "http://w") -> None:
+def busy(
+    holdback: Holdback, tenant: str, requests: int, url: str = "http://w", now: float = 0.0
+) -> None:
     for _ in range(requests):
-        holdback.opened(tenant, url)
+        holdback.opened(tenant, url, now)
 
 
 def test_a_tenant_over_its_share_leaves_one_place_per_active_tenant_under_its_share():
@@ -32,6 +34,30 @@ def test_a_tenant_over_its_share_leaves_one_place_per_active_tenant_under_its_sh
         holdback.closed("b", "http://w")
     assert holdback.held("a", W, places=8, now=6.0) == 1  # b sent within the window
     assert holdback.held("a", W, places=8, now=6.5) == 0  # b quiet past it
+
+
+def test_a_tenant_whose_requests_overlapped_lately_is_kept_as_many_places_up_to_its_share():
+    holdback = Holdback(window_s=5.0)
+    for tenant in "abc":
+        holdback.arrived(tenant, 0, 0.0, W)
+    busy(holdback, "a", 8)  # its share: 4 of 12
+    assert holdback.held("a", W, places=12, now=1.0) == 2  # b and c: one each
+    busy(holdback, "b", 1, now=1.0)
+    busy(holdback, "b", 1, now=1.1)  # two at once
+    assert holdback.held("a", W, places=12, now=1.2) == 2  # b holds its peak: one more for it
+    holdback.closed("b", "http://w")
+    holdback.closed("b", "http://w")
+    assert holdback.held("a", W, places=12, now=2.0) == 3  # room for b's two again, c's one
+    holdback.arrived("b", 0, 6.5, W)
+    holdback.arrived("c", 0, 6.5, W)
+    assert holdback.held("a", W, places=12, now=6.5) == 2  # b's peak is past the window
+    busy(holdback, "c", 6, now=7.0)  # over its share: b is kept no more than its share of 4
+    for _ in range(6):
+        holdback.closed("c", "http://w")
+    busy(holdback, "b", 6, now=7.0)
+    for _ in range(6):
+        holdback.closed("b", "http://w")
+    assert holdback.held("a", W, places=12, now=8.0) == 6  # 4 for b, 4 for c: half of 12
 
 
 def test_a_caller_of_no_tenant_makes_no_tenant_active():

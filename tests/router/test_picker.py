@@ -30,6 +30,22 @@ def test_saturated_worker_is_skipped_until_all_are_saturated():
     assert Picker().pick([kv_full, cool], "x").url == "b"
 
 
+def test_a_request_waiting_for_the_next_step_is_no_queue_where_the_worker_reports_its_capacity():
+    """A worker's state counts a request as waiting from its arrival to the next step that admits
+    it; with a free place for it that is no queue, and the worker keeps its adapters' traffic."""
+    picker = Picker(config=PickerConfig(saturation_waiting=0))
+    other = w("b", cpu=frozenset({"x"}), capacity=4, running=3)  # as loaded, not as well placed
+    admitting = w("a", gpu=frozenset({"x"}), capacity=4, running=2, waiting=1)
+    assert picker.pick([admitting, other], "x").reason == "affinity-gpu"
+    assert picker.pick([admitting, other], "x").url == "a"
+    beyond = w("a", gpu=frozenset({"x"}), capacity=4, running=4, waiting=1)
+    assert picker.pick([beyond, other], "x").url == "b"
+    sent_since = w("a", gpu=frozenset({"x"}), capacity=4, running=3, in_flight=2)
+    assert picker.pick([sent_since, other], "x").url == "b"
+    unknown = w("a", gpu=frozenset({"x"}), running=2, waiting=1)  # no capacity: all of it waits
+    assert picker.pick([unknown, other], "x").url == "b"
+
+
 def test_low_priority_is_shed_when_every_worker_is_saturated():
     busy = [w("a", waiting=9), w("b", waiting=7)]
     picker = Picker(config=PickerConfig(shed_priority_below=0))

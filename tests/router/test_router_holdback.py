@@ -126,6 +126,27 @@ def test_a_place_is_kept_free_and_the_other_tenant_s_next_request_starts_at_once
         assert fleet.statuses == [200] * 8
 
 
+def test_a_tenant_that_lately_ran_two_at_once_finds_two_places_kept():
+    """beta ran two requests at once within the window: acme, over its share of 2 of the 4
+    places, leaves both free, so beta's next two start at once, not only the first."""
+    with Fleet(window_s=600).running() as fleet:
+        fleet.send("chat", 2)
+        wait_for(lambda: fleet.arrived.count("chat") == 2, "beta's two requests to run")
+        fleet.gate["chat"] = 2
+        wait_for(lambda: len(fleet.statuses) == 2, "beta's two requests to finish")
+        fleet.send("sql", 6)
+        wait_for(lambda: waiting_gauge(fleet.url, "acme") == "4.0", "acme's burst to wait")
+        wait_for(lambda: fleet.arrived.count("sql") == 2, "acme's share to reach the workers")
+        fleet.send("chat", 2)
+        wait_for(lambda: fleet.arrived.count("chat") == 4, "beta's next two to reach a worker")
+        assert fleet.arrived.count("sql") == 2 and waiting_gauge(fleet.url, "acme") == "4.0"
+        assert fleet.metric("loraplex_router_tenant_held_back_total", "beta") is None
+        fleet.gate.update(sql=6, chat=4)
+        for client in fleet.clients:
+            client.join()
+        assert fleet.statuses == [200] * 10
+
+
 def test_once_the_other_tenant_is_quiet_past_the_window_the_burst_gets_every_place():
     with Fleet(window_s=0.5).running() as fleet:
         acme_bursts_while_beta_has_one_open(fleet)

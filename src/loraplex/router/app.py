@@ -133,7 +133,7 @@ class RouterState:
     ) -> None:
         """A request (of `tenant`) went to the worker: open there (the picker's load) until done,
         its adapter counted as loading there until the next poll, its prompt's blocks as held."""
-        self.holdback.opened(tenant, url)
+        self.holdback.opened(tenant, url, time.monotonic())
         worker = self.fleet.workers.get(url)
         if worker is not None:
             worker.in_flight += 1

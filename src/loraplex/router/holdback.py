@@ -2,9 +2,11 @@
 over its fair share fills every place, another tenant's next request would wait for a place to free
 anywhere, however few places it uses. So, while another tenant of the same priority band (or a
 higher one) is active on the workers a request may use and holds less than its share there, the
-tenant over its share there leaves one place free for each such tenant, and that tenant's next
-request starts at once. A tenant alone (none other active there) is never held back, so it still
-gets the whole fleet; in all at most half the places are held.
+tenant over its share there leaves free places for each such tenant, and that tenant's next
+request starts at once: as many as that tenant lately had open at once less those it holds, at
+least one and no more than its share (a tenant whose requests overlap finds a place for the
+second too, not only for the first). A tenant alone (none other active there) is never held back,
+so it still gets the whole fleet; in all at most half the places are held.
 
 Everything is counted on the workers the request may use (its pools' workers), never fleet-wide:
 a tenant's share is their places times its weight over the weights of the tenants of its band
@@ -16,6 +18,7 @@ Plain data in and out, so the simulator runs the very rule the router runs (`sim
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
@@ -54,6 +57,11 @@ class Holdback:
     _priority: dict[str, int] = field(default_factory=dict)
     _open: Counter[tuple[str, str]] = field(default_factory=Counter)
     """(tenant, worker url) -> its requests sent there and not finished."""
+    _total: Counter[str] = field(default_factory=Counter)
+    """Tenant -> its requests open anywhere."""
+    _peak: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Tenant -> (the most requests it had open at once lately, when it last had that many); a
+    peak older than the window gives way to the next count."""
 
     def arrived(self, tenant: str | None, priority: int, now: float, urls: Iterable[str]) -> None:
         """A caller's request arrived that could go to the workers `urls` (tenant None: a key no
@@ -73,19 +81,27 @@ class Holdback:
             return
         self._forgot_at = now
         self._seen = {key: at for key, at in self._seen.items() if now - at <= self.window_s}
+        self._peak = {t: peak for t, peak in self._peak.items() if now - peak[1] <= self.window_s}
 
-    def opened(self, tenant: str | None, url: str) -> None:
+    def opened(self, tenant: str | None, url: str, now: float) -> None:
         """A request of `tenant` went to worker `url` (None: no caller's, as an upload's)."""
-        if tenant is not None:
-            self._open[tenant, url] += 1
+        if tenant is None:
+            return
+        self._open[tenant, url] += 1
+        self._total[tenant] += 1
+        count = self._total[tenant]
+        peak, at = self._peak.get(tenant, (0, now))
+        if count >= peak or now - at > self.window_s:
+            self._peak[tenant] = (count, now)
 
     def closed(self, tenant: str | None, url: str) -> None:
         if tenant is None:
             return
-        if self._open[tenant, url] > 1:
-            self._open[tenant, url] -= 1
-        else:
-            self._open.pop((tenant, url), None)
+        for counter, key in ((self._open, (tenant, url)), (self._total, tenant)):
+            if counter[key] > 1:
+                counter[key] -= 1
+            else:
+                counter.pop(key, None)
 
     def keeps_from(self, tenant: str, places: Sequence[Place], now: float) -> bool:
         """Whether `tenant`'s next request must leave the free places of `places` (the workers it
@@ -98,8 +114,9 @@ class Holdback:
 
     def held(self, tenant: str, urls: Set[str], places: int, now: float) -> int:
         """The free places of the workers `urls` (`places` in all) that `tenant`'s next request
-        must leave to others: one per other tenant of its band or a higher one active there that
-        holds less than its share there, while `tenant` holds its share or more; at most half of
+        must leave to others, while `tenant` holds its share or more: for each other tenant of
+        its band or a higher one active there that holds less than its share there, its recent
+        peak (`_peak`, at most its share) less what it holds, at least one; at most half of
         `places`."""
         if self.window_s <= 0 or places <= 0:
             return 0
@@ -113,12 +130,16 @@ class Holdback:
         if len(active) == 1 or holding[tenant] < self._share(tenant, active, places):
             return 0
         band = self._priority.get(tenant, 0)
-        owed = [
-            t
-            for t in active - {tenant}
-            if self._priority.get(t, 0) >= band and holding[t] < self._share(t, active, places)
-        ]
-        return min(len(owed), places // 2)
+        kept = 0
+        for t in active - {tenant}:
+            share = self._share(t, active, places)
+            if self._priority.get(t, 0) >= band and holding[t] < share:
+                kept += max(1, min(self._recent_peak(t, now), math.floor(share)) - holding[t])
+        return min(kept, places // 2)
+
+    def _recent_peak(self, tenant: str, now: float) -> int:
+        peak, at = self._peak.get(tenant, (0, now))
+        return peak if now - at <= self.window_s else 0
 
     def _share(self, tenant: str, active: set[str], places: int) -> float:
         """The places owed to `tenant` among the active tenants of its band."""

@@ -56,6 +56,16 @@ class WorkerView:
     def load(self) -> int:
         return (self.waiting + self.running if self.fresh else 0) + self.in_flight
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting there for a place to run: with a reported capacity, those its free
+        places cannot take (one counted as waiting between its arrival and the worker's next step
+        has a place, so it is no queue); without one, every waiting request. With the requests
+        the router has open there beyond the polled counts."""
+        if self.capacity > 0:
+            return max(0, self.load - self.capacity)
+        return (self.waiting if self.fresh else 0) + self.in_flight
+
     def full(self, queue_limit: int) -> bool:
         """Whether the router has as many requests open there as it runs at once plus
         `queue_limit` (never, for a limit of -1 or an unknown capacity)."""
@@ -163,10 +173,7 @@ class Picker:
     def _saturated(self, w: WorkerView) -> bool:
         c = self.config
         return w.full(c.worker_queue_limit) or (
-            w.fresh
-            and (
-                w.waiting + w.in_flight > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage
-            )
+            w.fresh and (w.queued > c.saturation_waiting or w.kv_usage > c.saturation_kv_usage)
         )
 
     def _pick_affinity(

@@ -88,7 +88,8 @@ class RouterSettings:
         panel=ROUTING,
         check=at_least(0),
         doc="a worker with more requests waiting than this (its own count, or the router's "
-        "requests open there beyond those running) is saturated: "
+        "requests open there beyond those running; beyond its places where it reports its "
+        "`max_num_seqs`) is saturated: "
         "affinity gives way to spreading; higher keeps adapters' traffic together at the "
         "cost of waiting",
     )
@@ -167,15 +168,16 @@ class RouterSettings:
     )
     holdback_window_s: float = setting(
         5.0,
-        "Keep a place free for another tenant that sent a request within this many seconds "
+        "Keep places free for another tenant that sent a request within this many seconds "
         "(0: off)",
         panel=FAIR,
         metavar="S",
         check=at_least(0),
         doc="while a tenant over its fair share of the places of the workers a request may use "
-        "fills them, the router keeps one place free for each other tenant of its band (or a "
+        "fills them, the router keeps places free for each other tenant of its band (or a "
         "higher one) that sent a request that could go there within this many seconds and holds "
-        "less than its share there, so that tenant's next request starts at once (below, \"Fair "
+        "less than its share there (as many as it had open at once within the window, at least "
+        "one), so that tenant's next requests start at once (below, \"Fair "
         'share"); counted per pool, never fleet-wide; a tenant alone is never held back; 0: '
         "nothing held",
     )

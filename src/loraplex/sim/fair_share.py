@@ -52,7 +52,7 @@ class FairShare:
 
     def opened(self, seq: SimRequest, index: int) -> None:
         """The request went to worker `index`."""
-        self.holdback.opened(seq.req.tenant, self.sim.workers[index].url)
+        self.holdback.opened(seq.req.tenant, self.sim.workers[index].url, self.sim.now)
 
     def closed(self, seq: SimRequest) -> None:
         """The request ended on its worker: the next waiting ones may go."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import math
 import random
 from collections import Counter, deque
@@ -100,6 +101,7 @@ class Worker:
         self.running_tokens = 0
         self.running_adapters: Counter = Counter()
         self.finishing: list[tuple[int, int, SimRequest]] = []  # (finish step, order, request)
+        self.prefill_order = itertools.count()  # ties in `finishing` end in prefill order
         self.step_index = 0
         self.steps_in_flight = 1  # engine steps the scheduled step end stands for
         self.end_token = 0  # the scheduled step end that counts (an arrival may move it earlier)
@@ -314,7 +316,8 @@ class Worker:
         for seq in self.prefilled:
             seq.first_token_at = now
             heapq.heappush(
-                self.finishing, (self.step_index + seq.req.output_tokens - 1, id(seq), seq)
+                self.finishing,
+                (self.step_index + seq.req.output_tokens - 1, next(self.prefill_order), seq),
             )
         self.prefilled = []
         while self.finishing and self.finishing[0][0] <= self.step_index:
