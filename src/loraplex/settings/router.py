@@ -168,8 +168,7 @@ class RouterSettings:
     )
     holdback_window_s: float = setting(
         5.0,
-        "Keep places free for another tenant that sent a request within this many seconds "
-        "(0: off)",
+        "Keep places free for another tenant that sent a request within this many seconds (0: off)",
         panel=FAIR,
         metavar="S",
         check=at_least(0),
