@@ -5,12 +5,15 @@
 Two `loraplex serve` workers (4-layer Llama, `--max-num-seqs 4`: the fleet runs 8 requests at a
 time) behind one `loraplex router` (`--saturation-waiting 0`). Tenants A and B have the same
 priority and weight and one adapter each; with both busy each is owed 4 of the 8 running places. B
-sends an open-loop Poisson stream of 2 requests a second. Five runs of the same B trace, each with
-a fresh router: B alone; B while A runs 40 closed-loop clients (10x its share) with the router's
-fair-share queue and its limit on the requests open at a worker (`--worker-queue-limit 0`, the
-default: nothing beyond what the worker runs, the rest waits at the router) and no place held
-back (`--holdback-window-s 0`); the same with the default window (5 s: a place kept free for B
-while it is active, `router/holdback.py`); the queue without the limit (`-1`: a worker's
+sends an open-loop Poisson stream of 2 requests a second for two minutes (240 requests), after one
+unmeasured request that opens its connection: B is a steady tenant, connected and active before
+A starts, 2 s before B's trace. Six runs of the same B trace, each with a fresh router, B's
+figure without the burst twice: B alone; A at its share (4 closed-loop clients: the fleet as
+busy as A may keep it). Then A bursts to 10x its share (40 closed-loop clients): with the
+router's fair-share queue and its limit on the requests open at a worker (`--worker-queue-limit
+0`, the default: nothing beyond what the worker runs, the rest waits at the router) and no place
+held back (`--holdback-window-s 0`); the same with the default window (5 s: places kept free for
+B while it is active, `router/holdback.py`); the queue without the limit (`-1`: a worker's
 first-come queue holds what passes the saturation filter) and no place held back; without the
 queue either (`--queue-per-tenant 0`, a saturated pick goes to the worker). TTFT is measured at
 the client to the first streamed chunk, and at the workers (their audit logs' `ttft_ms`: from the
@@ -56,8 +59,11 @@ from loraplex.registry import Registry
 FRONT, BACK = (-10, 0) if os.geteuid() == 0 else (0, 10)
 """The nice values of the router and B's client, and of the workers and A's load generator."""
 OFF = ("--holdback-window-s", "0")
+WARM_UP = "b-warm-up"
+"""The request id of B's unmeasured first request."""
 RUNS = {
     "B alone": (0, ()),
+    "A at its share": (4, ()),
     "A bursts, fair share": (40, OFF),
     "A bursts, fair share, held-back place": (40, ()),
     "A bursts, fair share, no worker limit": (40, ("--worker-queue-limit", "-1", *OFF)),
@@ -80,7 +86,9 @@ def build(tmp: Path) -> tuple[Path, str, dict[str, str]]:
     return model_dir, registry.url, keys
 
 
-async def one(client: httpx.AsyncClient, url: str, tenant: str, key: str, tokens: int) -> dict:
+async def one(
+    client: httpx.AsyncClient, url: str, tenant: str, key: str, tokens: int, request_id: str = ""
+) -> dict:
     body = {
         "model": f"{tenant}-bot",
         "prompt": "Please summarise the account history in a few words.",
@@ -92,9 +100,10 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, key: str, tokens
     record: dict = {}
     sent = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as r:
+        headers = {"Authorization": f"Bearer {key}"}
+        if request_id:
+            headers["x-request-id"] = request_id
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
             record["status"] = r.status_code
             async for _ in r.aiter_raw():
                 record.setdefault("ttft", time.perf_counter() - sent)
@@ -104,8 +113,13 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, key: str, tokens
 
 
 async def b_trace(url: str, key: str, b_times: list[float]) -> dict:
-    """B's open-loop trace: its requests at `b_times` seconds from the start."""
+    """B's open-loop trace: its requests at `b_times` seconds from the start. First one request
+    that is not measured (`WARM_UP`), then a line on stdout, and the trace once a line comes on
+    stdin: B is a steady tenant, connected and active before A's burst starts."""
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+        await one(client, url, "b", key, 16, WARM_UP)
+        print("warm", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         start = time.perf_counter()
 
         async def b_request(at: float):
@@ -143,33 +157,38 @@ def a_burst(url: str, key: str, a_clients: int) -> None:
 
 
 def load(url: str, keys: dict[str, str], b_times: list[float], a_clients: int) -> dict:
-    """B's trace from a client process of its own, with `a_clients` closed-loop clients of A in
-    another (at nice `BACK`, as the workers) for as long as it lasts."""
-    b_client = [sys.executable, __file__, "--tenant-b", url, keys["b"]]
-    if not a_clients:
-        return {**client_run(b_client, json.dumps(b_times)), "a": {"answered": 0, "refused": 0}}
-    command = [sys.executable, __file__, "--tenant-a", url, keys["a"], str(a_clients)]
-    burst = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """B's trace from a client process of its own (at nice `FRONT`), with `a_clients`
+    closed-loop clients of A in another (at nice `BACK`, as the workers), started after B's
+    unmeasured first request and 2 s before B's trace, for as long as it lasts."""
+    command = [sys.executable, __file__, "--tenant-b", url, keys["b"]]
+    b = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    renice(b.pid, FRONT)
+    burst = None
+    a_counts = json.dumps({"answered": 0, "refused": 0})
     try:
-        renice(burst.pid, BACK)
-        burst.stdout.readline()
-        time.sleep(2.0)  # the burst under way before B's trace
-        result = client_run(b_client, json.dumps(b_times))
+        b.stdin.write(json.dumps(b_times) + "\n")
+        b.stdin.flush()
+        b.stdout.readline()  # B's first request answered
+        if a_clients:
+            command = [sys.executable, __file__, "--tenant-a", url, keys["a"], str(a_clients)]
+            burst = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            renice(burst.pid, BACK)
+            burst.stdout.readline()
+            time.sleep(2.0)  # the burst under way before B's trace
+        b.stdin.write("go\n")
+        b.stdin.flush()
+        result = b.stdout.readline()
     finally:
-        burst.stdin.close()
-        a_counts = burst.stdout.readline()
-        burst.wait()
-    return {**result, "a": json.loads(a_counts)}
-
-
-def client_run(command: list[str], given: str) -> dict:
-    """A client process's (at nice `FRONT`) JSON answer to `given` on its stdin."""
-    client = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    renice(client.pid, FRONT)
-    out, _ = client.communicate(given)
-    if client.returncode:
-        raise RuntimeError(f"the client process exited {client.returncode}")
-    return json.loads(out)
+        if burst is not None:
+            burst.stdin.close()
+            a_counts = burst.stdout.readline()
+            burst.wait()
+        b.stdin.close()
+        if b.wait():
+            raise RuntimeError(f"B's client process exited {b.returncode}")
+    return {**json.loads(result), "a": json.loads(a_counts)}
 
 
 def frozen() -> None:
@@ -231,7 +250,9 @@ def run(tmp: Path, name: str, workers, registry_url: str, keys, b_times, a_clien
         line["ttft_ms"] / 1000
         for d, n in zip(data_dirs, seen, strict=True)
         for line in audit_lines(d)[n:]
-        if line.get("tenant") == "b" and line.get("ttft_ms") is not None
+        if line.get("tenant") == "b"
+        and line.get("request_id") != WARM_UP
+        and line.get("ttft_ms") is not None
     ]
     return {
         "run": name,
@@ -252,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:1] == ["--tenant-b"]:
         frozen()
-        b_times = json.loads(sys.stdin.read())
+        b_times = json.loads(sys.stdin.readline())
         print(json.dumps(asyncio.run(b_trace(argv[1], argv[2], b_times))), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
     rng = random.Random(1)
     t, b_times = 0.0, []
-    for _ in range(40 if args.quick else 120):
+    for _ in range(40 if args.quick else 240):
         t += rng.expovariate(2.0)
         b_times.append(t)
     rows = []
@@ -286,17 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
     console.print(table)
-    alone = rows[0]["b_ttft_p99_ms"]
-    at_workers = rows[0]["b_worker_ttft_p99_ms"]
-    goals = {
-        f"b_p99_over_alone ({row['run']})": round(row["b_ttft_p99_ms"] / alone, 2)
-        for row in rows[1:]
-    } | {
-        f"b_worker_p99_over_alone ({row['run']})": round(
-            row["b_worker_ttft_p99_ms"] / at_workers, 2
-        )
-        for row in rows[1:]
-    }
+    # B's p99 in each run over its p99 without the burst: B alone, and A at its share
+    goals = {}
+    for key, field in (("b_p99", "b_ttft_p99_ms"), ("b_worker_p99", "b_worker_ttft_p99_ms")):
+        for i, base in enumerate(rows[:2]):
+            for row in rows[i + 1 :]:
+                goals[f"{key}: {row['run']} / {base['run']}"] = round(row[field] / base[field], 2)
     console.print(goals)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"rows": rows, "goals": goals}, indent=1))

@@ -32,7 +32,7 @@ def test_a_tenant_over_its_share_leaves_one_place_per_active_tenant_under_its_sh
     assert holdback.held("b", W, places=8, now=2.0) == 0  # a is not under its share
     for _ in range(4):
         holdback.closed("b", "http://w")
-    assert holdback.held("a", W, places=8, now=6.0) == 1  # b sent within the window
+    assert holdback.held("a", W, places=8, now=6.0) == 4  # b sent within the window, 4 at once
     assert holdback.held("a", W, places=8, now=6.5) == 0  # b quiet past it
 
 
@@ -48,16 +48,19 @@ def test_a_tenant_whose_requests_overlapped_lately_is_kept_as_many_places_up_to_
     holdback.closed("b", "http://w")
     holdback.closed("b", "http://w")
     assert holdback.held("a", W, places=12, now=2.0) == 3  # room for b's two again, c's one
-    holdback.arrived("b", 0, 6.5, W)
-    holdback.arrived("c", 0, 6.5, W)
-    assert holdback.held("a", W, places=12, now=6.5) == 2  # b's peak is past the window
-    busy(holdback, "c", 6, now=7.0)  # over its share: b is kept no more than its share of 4
+    holdback.arrived("b", 0, 30.0, W)
+    holdback.arrived("c", 0, 30.0, W)
+    assert holdback.held("a", W, places=12, now=30.0) == 3  # a peak outlasts the window
+    holdback.arrived("b", 0, 62.0, W)
+    holdback.arrived("c", 0, 62.0, W)
+    assert holdback.held("a", W, places=12, now=62.0) == 2  # b's is a minute old: forgotten
+    busy(holdback, "c", 6, now=63.0)  # over its share: c is kept no more than its share of 4
     for _ in range(6):
         holdback.closed("c", "http://w")
-    busy(holdback, "b", 6, now=7.0)
+    busy(holdback, "b", 6, now=63.0)
     for _ in range(6):
         holdback.closed("b", "http://w")
-    assert holdback.held("a", W, places=12, now=8.0) == 6  # 4 for b, 4 for c: half of 12
+    assert holdback.held("a", W, places=12, now=64.0) == 6  # 4 for b, 4 for c: half of 12
 
 
 def test_a_caller_of_no_tenant_makes_no_tenant_active():

@@ -3,9 +3,9 @@ over its fair share fills every place, another tenant's next request would wait 
 anywhere, however few places it uses. So, while another tenant of the same priority band (or a
 higher one) is active on the workers a request may use and holds less than its share there, the
 tenant over its share there leaves free places for each such tenant, and that tenant's next
-request starts at once: as many as that tenant lately had open at once less those it holds, at
-least one and no more than its share (a tenant whose requests overlap finds a place for the
-second too, not only for the first). A tenant alone (none other active there) is never held back,
+request starts at once: as many as that tenant had open at once within the last minute (or the
+window, if longer) less those it holds, at least one and no more than its share (a tenant whose
+requests overlap finds a place for the second too, not only for the first). A tenant alone (none other active there) is never held back,
 so it still gets the whole fleet; in all at most half the places are held.
 
 Everything is counted on the workers the request may use (its pools' workers), never fleet-wide:
@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from loraplex.router.fleet import Worker
+
+
+PEAK_MEMORY_S = 60.0
+"""A tenant's peak of requests open at once is remembered this long (or the window, if longer)."""
 
 
 class Place(NamedTuple):
@@ -61,7 +65,13 @@ class Holdback:
     """Tenant -> its requests open anywhere."""
     _peak: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Tenant -> (the most requests it had open at once lately, when it last had that many); a
-    peak older than the window gives way to the next count."""
+    peak older than `peak_memory_s` gives way to the next count."""
+
+    @property
+    def peak_memory_s(self) -> float:
+        """How long a tenant's peak is remembered: a minute, or the window if longer (a peak is
+        its traffic's shape, which changes more slowly than whether it is active)."""
+        return max(PEAK_MEMORY_S, self.window_s)
 
     def arrived(self, tenant: str | None, priority: int, now: float, urls: Iterable[str]) -> None:
         """A caller's request arrived that could go to the workers `urls` (tenant None: a key no
@@ -81,7 +91,8 @@ class Holdback:
             return
         self._forgot_at = now
         self._seen = {key: at for key, at in self._seen.items() if now - at <= self.window_s}
-        self._peak = {t: peak for t, peak in self._peak.items() if now - peak[1] <= self.window_s}
+        memory = self.peak_memory_s
+        self._peak = {t: peak for t, peak in self._peak.items() if now - peak[1] <= memory}
 
     def opened(self, tenant: str | None, url: str, now: float) -> None:
         """A request of `tenant` went to worker `url` (None: no caller's, as an upload's)."""
@@ -91,7 +102,7 @@ class Holdback:
         self._total[tenant] += 1
         count = self._total[tenant]
         peak, at = self._peak.get(tenant, (0, now))
-        if count >= peak or now - at > self.window_s:
+        if count >= peak or now - at > self.peak_memory_s:
             self._peak[tenant] = (count, now)
 
     def closed(self, tenant: str | None, url: str) -> None:
@@ -139,7 +150,7 @@ class Holdback:
 
     def _recent_peak(self, tenant: str, now: float) -> int:
         peak, at = self._peak.get(tenant, (0, now))
-        return peak if now - at <= self.window_s else 0
+        return peak if now - at <= self.peak_memory_s else 0
 
     def _share(self, tenant: str, active: set[str], places: int) -> float:
         """The places owed to `tenant` among the active tenants of its band."""

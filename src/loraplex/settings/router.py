@@ -175,8 +175,8 @@ class RouterSettings:
         doc="while a tenant over its fair share of the places of the workers a request may use "
         "fills them, the router keeps places free for each other tenant of its band (or a "
         "higher one) that sent a request that could go there within this many seconds and holds "
-        "less than its share there (as many as it had open at once within the window, at least "
-        "one), so that tenant's next requests start at once (below, \"Fair "
+        "less than its share there (as many as it had open at once within the last minute, at "
+        "least one), so that tenant's next requests start at once (below, \"Fair "
         'share"); counted per pool, never fleet-wide; a tenant alone is never held back; 0: '
         "nothing held",
     )

@@ -159,7 +159,7 @@ def _tenant_weights() -> Any:
 def _holdback_window_s() -> Any:
     return setting(
         ROUTER.holdback_window_s,
-        "With --fair-share: keep a place free for another tenant whose request arrived within "
+        "With --fair-share: keep places free for another tenant whose request arrived within "
         "this many seconds, as `loraplex router --holdback-window-s` (0: off)",
         metavar="S",
         check=at_least(0),
