@@ -57,8 +57,9 @@ fi
 # Not in the default set (about as long again as cache_policy): the change of traffic after the seed scenario.
 [[ " ${GPU_CHECKS:-} " == *" cache_shift "* ]] && step cache_shift 420 python3 bench/cache_policy.py --device cuda \
   --seeds 1 --workloads shift,shift-control --control-policies score --json "$OUT/cache_shift.cuda.json"
-# Not in the default set either (five runs of a one-minute trace): fair share at the router with the two
-# workers on the GPU (serve's device "auto"), where a batch's step costs about what one request's does.
-[[ " ${GPU_CHECKS:-} " == *" fair_share "* ]] && step fair_share 420 python3 bench/fair_share.py \
+# Not in the default set either (six runs of a 20-second trace, the bench's --quick form): fair share at the
+# router with the two workers on the GPU (serve's device "auto"), where a batch's step costs about what one
+# request's does.
+[[ " ${GPU_CHECKS:-} " == *" fair_share "* ]] && step fair_share 420 python3 bench/fair_share.py --quick \
   --json "$OUT/fair_share.cuda.json"
 grep -E "^== |passed|failed|FAILED|ERROR" "$LOG" | tail -n 40

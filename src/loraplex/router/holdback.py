@@ -3,10 +3,11 @@ over its fair share fills every place, another tenant's next request would wait 
 anywhere, however few places it uses. So, while another tenant of the same priority band (or a
 higher one) is active on the workers a request may use and holds less than its share there, the
 tenant over its share there leaves free places for each such tenant, and that tenant's next
-request starts at once: as many as that tenant had open at once within the last minute (or the
-window, if longer) less those it holds, at least one and no more than its share (a tenant whose
-requests overlap finds a place for the second too, not only for the first). A tenant alone (none other active there) is never held back,
-so it still gets the whole fleet; in all at most half the places are held.
+request starts at once: as many as that tenant had open at once (anywhere) within the last minute
+(or the window, if longer) less those it holds there, at least one and no more than its share (a
+tenant whose requests overlap finds a place for the second too, not only for the first). A tenant
+alone (none other active there) is never held back, so it still gets the whole fleet; in all at
+most half the places are held.
 
 Everything is counted on the workers the request may use (its pools' workers), never fleet-wide:
 a tenant's share is their places times its weight over the weights of the tenants of its band
@@ -62,7 +63,7 @@ class Holdback:
     _open: Counter[tuple[str, str]] = field(default_factory=Counter)
     """(tenant, worker url) -> its requests sent there and not finished."""
     _total: Counter[str] = field(default_factory=Counter)
-    """Tenant -> its requests open anywhere."""
+    """Tenant -> its requests open on any worker."""
     _peak: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Tenant -> (the most requests it had open at once lately, when it last had that many); a
     peak older than `peak_memory_s` gives way to the next count."""
