@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 from loraplex.router.fleet import Worker
 
-
 PEAK_MEMORY_S = 60.0
 """A tenant's peak of requests open at once is remembered this long (or the window, if longer)."""
 
