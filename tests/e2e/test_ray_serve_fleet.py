@@ -23,10 +23,11 @@ from tinymodels import make_adapter, make_model  # noqa: E402
 from world_fleet import checked_inputs  # noqa: E402
 
 from loraplex.demo.world import ATTENTION, TRANSFORMS, make_prompt  # noqa: E402
-from loraplex.integrations.ray_router import run_router  # noqa: E402
-from loraplex.integrations.ray_serve import RayPool, run_pools  # noqa: E402
+from loraplex.integrations.ray_router import LoraplexPoolRouter, run_router  # noqa: E402
+from loraplex.integrations.ray_serve import RayPool, pool_spec, run_pools  # noqa: E402
 from loraplex.registry import Registry  # noqa: E402
 from loraplex.registry.traffic import pick  # noqa: E402
+from loraplex.router.routing import Refusal  # noqa: E402
 from loraplex.settings.serve import ServeSettings  # noqa: E402
 
 TOKEN = "ray-fleet-admin-token-0123456789"
@@ -93,7 +94,10 @@ def fleet(demo_world, tmp_path_factory):
         router = run_router(pools)
         # The canary pool alone, one request at a time: every other request waits its turn.
         fair = run_router([pools[1]], max_ongoing_requests=1, name="fair-router")
+        # The same pool with two places: one may be held back.
+        held = run_router([pools[1]], max_ongoing_requests=2, name="held-router")
         yield {
+            "held": held,
             "handles": handles,
             "router": router,
             "fair": fair,
@@ -239,6 +243,49 @@ def test_a_tenants_burst_waits_its_share_when_the_pool_is_full(fleet):
     # answers' own order through Ray's handles, which finish close together, on a busy machine.
     assert after[:last_beta].count("alpha") <= 6, order
     assert after[last_beta:].count("alpha") >= 8, order  # the burst was still waiting
+
+
+@pytest.mark.parametrize("window_s", [5.0, 0.0])
+def test_the_router_deployment_holds_a_place_back_for_a_tenant_owed_it(fleet, window_s):
+    """A router deployment over the canary pool with two places (the class itself, on the
+    running fleet's pools and registry): beta sent within the window, so alpha, at its share of
+    one place, leaves the other free for beta (`loraplex.router.holdback`); with no window alpha
+    takes it."""
+    spec = pool_spec(fleet["pools"][1])
+    registry_url = str(fleet["pools"][1].options.registry_url)
+    router = LoraplexPoolRouter([spec], {spec.name: 2}, registry_url, holdback_window_s=window_s)
+    beta = router.chooser.wanted("reverse", fleet["keys"]["beta"])
+    alpha = router.chooser.wanted("reverse", fleet["keys"]["alpha"])
+
+    async def turns() -> tuple[str | Refusal, str | Refusal, bool]:
+        first = await router._turn(beta)
+        router.chooser.in_flight[spec.name] -= 1  # beta's request ended
+        router.holdback.closed(beta.tenant, spec.name)
+        second = await router._turn(alpha)
+        return first, second, router._holds_back(alpha.tenant, [spec.name])
+
+    assert beta.tenant == "beta" and alpha.tenant == "alpha"
+    assert asyncio.run(turns()) == ("canary", "canary", window_s > 0)
+
+
+def test_held_back_places_through_the_router_deployment_answer_every_request(fleet):
+    """alpha bursts into the canary pool's two places while beta sends: every answer right."""
+    held, keys, good = fleet["held"], fleet["keys"], fleet["good"]["reverse"]
+
+    async def ask(tenant: str, i: int) -> dict:
+        answer = await held.completions.remote(_body("reverse", make_prompt(good[i])), keys[tenant])
+        return {**answer, "i": i}
+
+    async def run():
+        first = await ask("beta", 0)
+        burst = [asyncio.ensure_future(ask("alpha", i % len(good))) for i in range(6)]
+        await asyncio.sleep(0.2)
+        return [first, await ask("beta", 1), *await asyncio.gather(*burst)]
+
+    answers = asyncio.run(run())
+    assert all(a["status"] == 200 and a["pool"] == "canary" for a in answers), answers
+    texts = [a["body"]["choices"][0]["text"].strip() for a in answers]
+    assert texts == [TRANSFORMS["reverse"](good[a["i"]]) for a in answers], texts
 
 
 def test_the_model_list_through_the_router_is_every_pool_open_to_the_caller(fleet):

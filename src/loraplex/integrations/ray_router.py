@@ -8,9 +8,11 @@ placement controller placed the adapter on a replica with room, then a pinned or
 adapter's `warm` pools. When every eligible pool is full, a tenant below the shedding band is
 refused (`429 saturated`, as `loraplex router` sheds); another request waits in its tenant's
 queue and pools that have room again take the waiters in fair order
-(`loraplex.router.fairness`). Inside a pool, the pool's own request router
-(`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the router's
-OpenAI-shaped refusal. `models` lists what the caller may use across the pools open to it.
+(`loraplex.router.fairness`), with places held back for tenants owed them as the router holds
+them (`loraplex.router.holdback`: a pool's room is its places). Inside a pool, the pool's own
+request router (`LoraplexRequestRouter`) picks the replica. A request no pool can serve gets the
+router's OpenAI-shaped refusal. `models` lists what the caller may use across the pools open to
+it.
 
     handles = run_pools(fleet)
     router = run_router(fleet)
@@ -35,6 +37,7 @@ from loraplex.router import model_lists
 from loraplex.router.catalog import AdapterCatalog, registry_catalog
 from loraplex.router.fairness import FairQueue, QueueFull, Waiter
 from loraplex.router.fleet import Fleet
+from loraplex.router.holdback import Holdback, Place
 from loraplex.router.pools import Need, PoolSpec, tiers
 from loraplex.router.routing import (
     Refusal,
@@ -165,6 +168,7 @@ class LoraplexPoolRouter:
         tenant_weights: dict[str, float] | None = None,
         wait_s: float = D.request_timeout_s,
         shed_priority_below: int = D.shed_priority_below,
+        holdback_window_s: float = D.holdback_window_s,
     ):
         registry = open_existing(registry_url)
         self.chooser = PoolChooser(
@@ -175,6 +179,7 @@ class LoraplexPoolRouter:
             registry_splits(registry),
         )
         self.queue: FairQueue[str] = FairQueue(dict(tenant_weights or {}), queue_per_tenant)
+        self.holdback = Holdback(holdback_window_s, dict(tenant_weights or {}))
         self.wait_s, self.shed_priority_below = wait_s, shed_priority_below
         self.pools = {spec.name: serve.get_app_handle(spec.name) for spec in specs}
         self.placements: dict[tuple[str, str], tuple[float, bool]] = {}
@@ -207,6 +212,7 @@ class LoraplexPoolRouter:
             answer = await getattr(handle, method).remote(body, authorization)
         finally:
             self.chooser.in_flight[pool] -= 1
+            self.holdback.closed(wanted.tenant, pool)
             self.queue.admit(self._grant)
         return {**answer, "pool": pool}
 
@@ -249,13 +255,25 @@ class LoraplexPoolRouter:
         room = self.chooser.with_room(candidates)
         if room is None and wanted.priority < self.shed_priority_below:
             return no_room("saturated-shed")
-        pool = None if len(self.queue) else room
+        self.holdback.arrived(wanted.tenant, wanted.priority, time.monotonic(), candidates)
+        waits = len(self.queue) or self._holds_back(wanted.tenant, candidates)
+        pool = None if waits else room
         if pool is None and not self.queue.limit:
             pool = candidates[0]
         if pool is None:
             return await self._wait(wanted, candidates)
-        self.chooser.in_flight[pool] += 1
+        self._opened(wanted.tenant, pool)
         return pool
+
+    def _holds_back(self, tenant: str | None, candidates: list[str]) -> bool:
+        """Whether the free places of the pools `candidates` are kept for other tenants."""
+        chooser = self.chooser
+        places = [Place(p, chooser.capacity[p], chooser.in_flight[p]) for p in candidates]
+        return self.holdback.keeps_from(tenant or "", places, time.monotonic())
+
+    def _opened(self, tenant: str | None, pool: str) -> None:
+        self.chooser.in_flight[pool] += 1
+        self.holdback.opened(tenant, pool, time.monotonic())
 
     async def _placed(self, wanted: Wanted, candidates: list[str]) -> frozenset[str]:
         """The pools of `candidates` where the adapter is placed on a replica with room: each
@@ -307,16 +325,20 @@ class LoraplexPoolRouter:
             granted = waiter.granted
             if granted.done() and not granted.cancelled():
                 self.chooser.in_flight[granted.result()] -= 1
+                self.holdback.closed(wanted.tenant, granted.result())
                 self.queue.admit(self._grant)
             raise
         finally:
             self.queue.leave(waiter)
 
     def _grant(self, waiter: Waiter[str]) -> str | None:
-        """The waiter's pool when one of its pools has room (None: not yet), counted open."""
-        pool = self.chooser.with_room(waiter.what)  # type: ignore[arg-type]
-        if pool is not None:
-            self.chooser.in_flight[pool] += 1
+        """The waiter's pool when one of its pools has room and none of it is kept for another
+        tenant (None: not yet), counted open."""
+        candidates: list[str] = waiter.what  # type: ignore[assignment]
+        pool = self.chooser.with_room(candidates)
+        if pool is None or self._holds_back(waiter.tenant or None, candidates):
+            return None
+        self._opened(waiter.tenant or None, pool)
         return pool
 
 
@@ -340,13 +362,16 @@ def router_app(
     queue_per_tenant: int = D.queue_per_tenant,
     tenant_weights: dict[str, float] | None = None,
     shed_priority_below: int = D.shed_priority_below,
+    holdback_window_s: float = D.holdback_window_s,
 ) -> Any:
     """The router deployment over the pool applications `run_pools` started (the same `pools`
     and `max_ongoing_requests`), for `serve.run`; the pools share one registry. A pool's room is
     `num_replicas` × `max_ongoing_requests`; beyond it, each tenant may have `queue_per_tenant`
     requests waiting (0: none wait, the first eligible pool takes them), granted by
     `tenant_weights` (tenant -> weight, 1 when not named), and a tenant whose registry priority
-    is below `shed_priority_below` is refused instead."""
+    is below `shed_priority_below` is refused instead; places are held back for a tenant owed
+    them while it sent within `holdback_window_s` (0: none; `loraplex router
+    --holdback-window-s`)."""
     specs = [pool_spec(pool) for pool in pools]
     check_pools(specs)
     registries = {str(pool.options.registry_url) for pool in pools}
@@ -366,6 +391,7 @@ def router_app(
             queue_per_tenant,
             tenant_weights,
             shed_priority_below=shed_priority_below,
+            holdback_window_s=holdback_window_s,
         )
     )
 
@@ -377,6 +403,6 @@ def run_router(
     **kwargs: Any,
 ):
     """Runs `router_app` as a Serve application of its own, named `name`: its handle. `kwargs`:
-    `queue_per_tenant`, `tenant_weights`, `shed_priority_below`."""
+    `queue_per_tenant`, `tenant_weights`, `shed_priority_below`, `holdback_window_s`."""
     app = router_app(pools, max_ongoing_requests, name, **kwargs)
     return serve.run(app, name=name, route_prefix=None)
