@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fair_share import build
+from fair_share import build, frozen
 
 from loraplex.loadgen.procs import start_router, start_worker
 
@@ -98,12 +98,10 @@ def clients(url: str, key: str, n: int, concurrency: int = 40) -> None:
     """`concurrency` closed-loop clients stream `n` answers (32 tokens); prints a line when the
     first is answered (the measured span starts) and then the counts of the rest as JSON."""
     import asyncio
-    import gc
 
     import httpx
 
-    gc.collect()
-    gc.freeze()  # the imports out of the collector's view: its pauses are not the router's
+    frozen()  # the imports out of the collector's view: its pauses are not the router's
 
     body = {
         "model": "a-bot",
